@@ -1,0 +1,314 @@
+#include "backend/server.h"
+
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/paths.h"
+#include "common/socket.h"
+
+namespace vrdma::backend {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr uint64_t kTagListen = 1ull << 62;
+constexpr uint64_t kTagDoorbell = 1ull << 61;
+
+uint64_t now_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+}  // namespace
+
+void Server::watch(int fd, uint64_t tag) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = tag | static_cast<uint32_t>(fd);
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev);
+}
+
+Status Server::setup() {
+  ensure_parent_dir(opt_.socket_path);
+  std::string lock_path = opt_.socket_path + ".lock";
+  lock_ = UniqueFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!lock_.valid()) return error(errno, "open " + lock_path + ": " + std::strerror(errno));
+  if (::flock(lock_.get(), LOCK_EX | LOCK_NB) < 0) {
+    if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
+    return error(errno, "flock");
+  }
+  // We hold the lock: any socket file left is stale.
+  ::unlink(opt_.socket_path.c_str());
+  ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
+  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
+  epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_.valid()) return error(errno, "epoll_create1");
+  watch(listen_.get(), kTagListen);
+  return Status::ok();
+}
+
+void Server::accept_all() {
+  for (;;) {
+    int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) return;
+    conns_[fd].sock = UniqueFd(fd);
+    watch(fd, 0);
+  }
+}
+
+void Server::drop(int fd) {
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) return;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  if (it->second.session) {
+    int db = it->second.session->doorbell.get();
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, db, nullptr);
+    doorbell_to_sock_.erase(db);
+    dev_.close_session(it->second.session);
+  }
+  conns_.erase(it);
+}
+
+void Server::on_readable(int fd) {
+  auto it = conns_.find(fd);
+  if (it == conns_.end()) return;
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  for (;;) {
+    Status st = recv_msg(fd, msg, kMaxRequest, fds);
+    if (!st.is_ok()) {
+      if (st.err() == EAGAIN) return;
+      if (st.err() != ECONNRESET)
+        VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+      drop(fd);
+      return;
+    }
+    st = handle(it->second, msg, fds);
+    if (!st.is_ok()) {
+      VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+      drop(fd);
+      return;
+    }
+  }
+}
+
+// Answers one command. A malformed message gets an error response when its header can be
+// read, and ends the session otherwise; a failing command only gets its errno back.
+Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
+  auto hdr = decode_request(msg);
+  if (!hdr.is_ok()) {
+    auto h = decode_header(msg);
+    if (h.is_ok() || msg.size() >= sizeof(MsgHeader)) {
+      MsgHeader raw;
+      std::memcpy(&raw, msg.data(), sizeof(raw));
+      auto out = encode(static_cast<Op>(raw.op), raw.seq, -hdr.err(), Empty{});
+      (void)send_msg(c.sock.get(), out);
+    }
+    return error(hdr.err(), "bad request: " + hdr.status().message());
+  }
+  const MsgHeader h = hdr.value();
+  const Op op = static_cast<Op>(h.op);
+  if ((op == Op::kHello) == (c.session != nullptr) && op != Op::kStatus)
+    return error(EPROTO, c.session ? "second hello" : "command before hello");
+
+  std::vector<uint8_t> out;
+  std::vector<int> out_fds;
+  auto reply_err = [&](const Status& st) {
+    VLOG_DEBUG("op {} failed: {}", h.op, st.message());
+    out = encode(op, h.seq, -st.err(), Empty{});
+  };
+  auto reply_handle = [&](const Result<uint32_t>& r) {
+    if (r.is_ok()) out = encode(op, h.seq, 0, HandleResp{r.value(), 0});
+    else reply_err(r.status());
+  };
+  auto reply_status = [&](const Status& st) {
+    if (st.is_ok()) out = encode(op, h.seq, 0, Empty{});
+    else reply_err(st);
+  };
+  engine::Session* s = c.session;
+  switch (op) {
+    case Op::kHello: {
+      HelloResp resp{};
+      engine::FdList fl;
+      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), resp, fl);
+      if (!r.is_ok()) {
+        reply_err(r.status());
+        break;
+      }
+      c.session = r.value();
+      out = encode(op, h.seq, 0, resp);
+      out_fds = fl;
+      int db = c.session->doorbell.get();
+      doorbell_to_sock_[db] = c.sock.get();
+      watch(db, kTagDoorbell);
+      break;
+    }
+    case Op::kAllocPd: reply_handle(dev_.alloc_pd(*s)); break;
+    case Op::kDeallocPd:
+      reply_status(dev_.dealloc_pd(*s, body_of<HandleReq>(msg).value().handle));
+      break;
+    case Op::kRegSegment: {
+      UniqueFd fd = fds.empty() ? UniqueFd() : std::move(fds[0]);
+      reply_handle(dev_.reg_segment(*s, body_of<RegSegmentReq>(msg).value(), std::move(fd)));
+      break;
+    }
+    case Op::kRegMr: {
+      auto r = dev_.reg_mr(*s, body_of<RegMrReq>(msg).value());
+      if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
+      else reply_err(r.status());
+      break;
+    }
+    case Op::kDeregMr:
+      reply_status(dev_.dereg_mr(*s, body_of<HandleReq>(msg).value().handle));
+      break;
+    case Op::kCreateChannel: {
+      engine::FdList fl;
+      UniqueFd read_end;
+      reply_handle(dev_.create_channel(*s, fl, read_end));
+      if (read_end.valid()) {
+        out_fds = fl;
+        (void)send_msg(c.sock.get(), out, out_fds);
+        return Status::ok();  // read_end closes here, after the guest got its copy
+      }
+      break;
+    }
+    case Op::kDestroyChannel:
+      reply_status(dev_.destroy_channel(*s, body_of<HandleReq>(msg).value().handle));
+      break;
+    case Op::kCreateCq: {
+      UniqueFd ring;
+      auto r = dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), ring);
+      if (!r.is_ok()) {
+        reply_err(r.status());
+        break;
+      }
+      out = encode(op, h.seq, 0, r.value());
+      int fd = ring.get();
+      (void)send_msg(c.sock.get(), out, std::span<const int>(&fd, 1));
+      return Status::ok();
+    }
+    case Op::kDestroyCq:
+      reply_status(dev_.destroy_cq(*s, body_of<HandleReq>(msg).value().handle));
+      break;
+    case Op::kCreateQp: {
+      UniqueFd ring;
+      auto r = dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), ring);
+      if (!r.is_ok()) {
+        reply_err(r.status());
+        break;
+      }
+      out = encode(op, h.seq, 0, r.value());
+      int fd = ring.get();
+      (void)send_msg(c.sock.get(), out, std::span<const int>(&fd, 1));
+      return Status::ok();
+    }
+    case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
+    case Op::kQueryQp: {
+      auto r = dev_.query_qp(*s, body_of<HandleReq>(msg).value().handle);
+      if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
+      else reply_err(r.status());
+      break;
+    }
+    case Op::kDestroyQp:
+      reply_status(dev_.destroy_qp(*s, body_of<HandleReq>(msg).value().handle));
+      break;
+    case Op::kStatus: {
+      std::string js = dev_.status_json();
+      out = encode(op, h.seq, 0, Empty{});
+      uint32_t n = static_cast<uint32_t>(js.size());
+      out.insert(out.end(), reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
+      out.insert(out.end(), js.begin(), js.end());
+      uint32_t total = static_cast<uint32_t>(out.size());
+      std::memcpy(out.data() + offsetof(MsgHeader, length), &total, 4);
+      break;
+    }
+    case Op::kMax: break;
+  }
+  Status st = send_msg(c.sock.get(), out, out_fds);
+  if (!st.is_ok()) return st;
+  return Status::ok();
+}
+
+Status Server::run() {
+  Status st = setup();
+  if (!st.is_ok()) {
+    if (st.err() == EALREADY) {
+      VLOG_INFO("{}", st.message());
+      return Status::ok();
+    }
+    return st;
+  }
+  VLOG_INFO("vrdmad listening on {}", opt_.socket_path);
+  uint64_t idle_since = now_ns();
+  uint64_t last_work = now_ns();
+  epoll_event evs[64];
+  uint32_t iter = 0;
+  while (!stop_) {
+    uint64_t now = now_ns();
+    bool work = dev_.poll(now);
+    if (work) last_work = now;
+    int timeout = 0;
+    const bool spinning = now - last_work < uint64_t(opt_.spin_us) * 1000;
+    if (spinning) {
+      // Busy: look at the sockets only now and then; idle-spinning: give the CPU away.
+      if (!work) ::sched_yield();
+      if ((++iter & 63) != 0) continue;
+    } else {
+      dev_.set_sleeping(true);
+      // Re-check after announcing sleep: a guest that posted before seeing the flag set
+      // did not ring the doorbell (the two seq_cst accesses pair up).
+      if (dev_.poll(now_ns())) {
+        dev_.set_sleeping(false);
+        last_work = now_ns();
+        continue;
+      }
+      timeout = -1;
+      if (uint64_t d = dev_.next_deadline()) {
+        timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
+      }
+      if (opt_.idle_exit_s > 0 && conns_.empty()) {
+        int left = static_cast<int>(opt_.idle_exit_s * 1000 - (now - idle_since) / 1000000);
+        if (left <= 0) {
+          VLOG_INFO("no guests for {} s; exiting", opt_.idle_exit_s);
+          break;
+        }
+        if (timeout < 0 || left < timeout) timeout = left;
+      }
+    }
+    int n = ::epoll_wait(epoll_.get(), evs, 64, timeout);
+    if (timeout != 0) dev_.set_sleeping(false);
+    for (int i = 0; i < n; ++i) {
+      uint64_t tag = evs[i].data.u64;
+      int fd = static_cast<int>(tag & 0xffffffff);
+      if (tag & kTagListen) {
+        accept_all();
+      } else if (tag & kTagDoorbell) {
+        uint64_t v;
+        ssize_t r = ::read(fd, &v, sizeof(v));
+        (void)r;
+        last_work = now_ns();
+      } else {
+        on_readable(fd);
+        last_work = now_ns();
+      }
+    }
+    if (!conns_.empty()) idle_since = now_ns();
+  }
+  ::unlink(opt_.socket_path.c_str());
+  ::unlink((opt_.socket_path + ".pid").c_str());
+  return Status::ok();
+}
+
+}  // namespace vrdma::backend

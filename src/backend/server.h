@@ -1,0 +1,50 @@
+// vrdmad's event loop: accepts guest sessions on a unix socket, answers their control
+// commands, and drives the device's data path. One thread owns everything; it spins while
+// rings are busy and sleeps on epoll (sockets + per-session doorbells) when they are not.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "engine/device.h"
+
+namespace vrdma::backend {
+
+struct Options {
+  std::string socket_path;
+  int idle_exit_s = 0;   ///< exit after this long with no session; 0: never
+  int spin_us = 200;     ///< how long to poll idle rings before sleeping
+};
+
+class Server {
+ public:
+  explicit Server(Options opt) : opt_(std::move(opt)) {}
+  /// Binds the socket (serialised by a lock file) and runs until a signal or idle exit.
+  /// Returns ok without running when another backend holds the lock.
+  Status run();
+  void stop() { stop_ = true; }
+
+ private:
+  struct Conn {
+    UniqueFd sock;
+    engine::Session* session = nullptr;
+  };
+  Status setup();
+  void accept_all();
+  void on_readable(int fd);
+  void drop(int fd);
+  Status handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
+  void watch(int fd, uint64_t tag);
+
+  Options opt_;
+  UniqueFd lock_, listen_, epoll_;
+  engine::Device dev_;
+  std::unordered_map<int, Conn> conns_;             ///< by socket fd
+  std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
+  volatile bool stop_ = false;
+};
+
+}  // namespace vrdma::backend

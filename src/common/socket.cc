@@ -1,0 +1,93 @@
+#include "common/socket.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
+
+namespace vrdma {
+
+Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> fds) {
+  if (fds.size() > kMaxFdsPerMessage) return error(EINVAL, "too many fds in one message");
+  iovec iov{const_cast<uint8_t*>(bytes.data()), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)] = {};
+  if (!fds.empty()) {
+    msg.msg_control = ctl;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  for (;;) {
+    ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (n >= 0) return Status::ok();
+    if (errno == EINTR) continue;
+    return error(errno, std::string("sendmsg: ") + std::strerror(errno));
+  }
+}
+
+Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds) {
+  buf.resize(cap);
+  iovec iov{buf.data(), cap};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int) * kMaxFdsPerMessage)] = {};
+  msg.msg_control = ctl;
+  msg.msg_controllen = sizeof(ctl);
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  fds.clear();
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < nfd; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      fds.emplace_back(fd);
+    }
+  }
+  if (n < 0) return error(errno, std::string("recvmsg: ") + std::strerror(errno));
+  if (n == 0) return error(ECONNRESET, "peer closed the connection");
+  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return error(EMSGSIZE, "message truncated");
+  buf.resize(static_cast<size_t>(n));
+  return Status::ok();
+}
+
+namespace {
+Result<sockaddr_un> unix_addr(const std::string& path) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(a.sun_path)) return error(ENAMETOOLONG, "socket path too long: " + path);
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  return a;
+}
+}  // namespace
+
+Result<UniqueFd> connect_unix(const std::string& path) {
+  ASSIGN_OR_RETURN(sockaddr_un a, unix_addr(path));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return error(errno, "socket");
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0)
+    return error(errno, "connect " + path + ": " + std::strerror(errno));
+  return fd;
+}
+
+Result<UniqueFd> listen_unix(const std::string& path) {
+  ASSIGN_OR_RETURN(sockaddr_un a, unix_addr(path));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return error(errno, "socket");
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0)
+    return error(errno, "bind " + path + ": " + std::strerror(errno));
+  if (::listen(fd.get(), 128) < 0) return error(errno, "listen");
+  return fd;
+}
+
+}  // namespace vrdma

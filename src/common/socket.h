@@ -1,0 +1,27 @@
+// Unix-socket helpers for the control path: SOCK_SEQPACKET messages that may carry file
+// descriptors (SCM_RIGHTS). Any thread; each call is one syscall.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace vrdma {
+
+inline constexpr size_t kMaxFdsPerMessage = 4;
+
+/// Sends one message with up to kMaxFdsPerMessage descriptors (not closed here).
+Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> fds = {});
+
+/// Receives one message into `buf` (resized to what arrived) and any descriptors attached.
+/// Returns ECONNRESET on orderly shutdown; EMSGSIZE when the message did not fit in `cap`.
+Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds);
+
+Result<UniqueFd> connect_unix(const std::string& path);
+Result<UniqueFd> listen_unix(const std::string& path);
+
+}  // namespace vrdma

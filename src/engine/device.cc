@@ -1,0 +1,504 @@
+// Control path of the device model: sessions, namespaces and resource lifetimes.
+#include "engine/device.h"
+
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/identity.h"
+#include "common/log.h"
+#include "common/memfd.h"
+#include "engine/qp_state.h"
+#include "proto/device_caps.h"
+
+namespace vrdma::engine {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr uint32_t kPage = 4096;
+
+void init_ring(RingHeader* h, RingKind kind, uint32_t entry_size, uint32_t n) {
+  h->magic = kRingMagic;
+  h->version = kRingVersion;
+  h->kind = static_cast<uint16_t>(kind);
+  h->entry_size = entry_size;
+  h->num_entries = n;
+  h->producer.store(0, std::memory_order_relaxed);
+  h->consumer.store(0, std::memory_order_relaxed);
+  h->armed.store(0, std::memory_order_relaxed);
+}
+
+size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
+
+template <typename Map>
+uint32_t new_handle(Session& s, const Map&) {
+  return s.next_handle++;
+}
+
+}  // namespace
+
+Device::Device() : rng_(std::random_device{}()) {}
+Device::~Device() {
+  while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
+}
+
+Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdList& fds) {
+  size_t len = strnlen(req.guest, kGuestNameMax);
+  if (len == 0 || len == kGuestNameMax)
+    return error(EINVAL, "guest name must be 1..63 bytes, NUL-terminated");
+  std::string name(req.guest, len);
+  for (char c : name) {
+    if (c < 0x21 || c > 0x7e) return error(EINVAL, "guest name has non-printable characters");
+  }
+  auto& g = guests_[name];
+  if (!g) {
+    g = std::make_unique<Guest>();
+    g->name = name;
+    g->id = fnv1a64(name);
+    g->port_guid = port_guid_of(name);
+    auto gid = gid_of(name);
+    std::memcpy(g->gid, gid.data(), 16);
+    auto it = lid_of_name_.find(name);
+    if (it != lid_of_name_.end()) {
+      g->lid = it->second;
+    } else {
+      if (next_lid_ >= 0xc000) return error(ENOSPC, "no unicast LIDs left");
+      g->lid = next_lid_++;
+      lid_of_name_[name] = g->lid;
+    }
+    guests_by_lid_[g->lid] = g.get();
+    VLOG_INFO("guest {} joined: lid {:#x}", name, g->lid);
+  }
+  auto s = std::make_unique<Session>();
+  s->id = next_session_++;
+  s->pid = req.pid;
+  s->guest = g.get();
+
+  ASSIGN_OR_RETURN(s->control_fd, make_sealed_memfd("vrdma-control", kPage));
+  s->control = MappedRegion::map_shared(s->control_fd.get(), kPage);
+  if (!s->control.valid()) return error(errno, "mapping control page");
+  ControlPage* cp = s->control_page();
+  cp->magic = kRingMagic;
+  cp->version = kRingVersion;
+  cp->backend_sleeping.store(0);
+  s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!s->doorbell.valid()) return error(errno, "eventfd");
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return error(errno, "pipe2");
+  s->async_read = UniqueFd(p[0]);
+  s->async_write = UniqueFd(p[1]);
+
+  g->sessions++;
+  resp.guest_id = g->id;
+  resp.port_guid = g->port_guid;
+  std::memcpy(resp.gid, g->gid, 16);
+  resp.lid = g->lid;
+  resp.session_id = s->id;
+  resp.control_bytes = kPage;
+  fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
+  Session* raw = s.get();
+  sessions_[raw->id] = std::move(s);
+  VLOG_INFO("session {} opened: guest {} pid {}", raw->id, name, req.pid);
+  return raw;
+}
+
+void Device::close_session(Session* s) {
+  size_t nqp = s->qps.size(), nmr = s->mrs.size();
+  // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
+  while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
+  s->cqs.clear();
+  s->channels.clear();
+  for (auto& [h, mr] : s->mrs) s->guest->mrs.erase(mr->key);
+  s->mrs.clear();
+  s->segments.clear();
+  s->pds.clear();
+  Guest* g = s->guest;
+  VLOG_INFO("session {} closed (guest {} pid {}): reclaimed {} QPs, {} MRs", s->id, g->name,
+            s->pid, nqp, nmr);
+  sessions_.erase(s->id);
+  if (--g->sessions == 0) {
+    VLOG_INFO("guest {} left", g->name);
+    guests_by_lid_.erase(g->lid);
+    guests_.erase(g->name);
+  }
+}
+
+Result<uint32_t> Device::alloc_pd(Session& s) {
+  if (s.pds.size() >= kMaxPd) return error(ENOMEM, "PD limit reached");
+  uint32_t h = new_handle(s, s.pds);
+  s.pds[h] = Pd{h, 0};
+  return h;
+}
+
+Status Device::dealloc_pd(Session& s, uint32_t pd) {
+  auto it = s.pds.find(pd);
+  if (it == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", pd));
+  if (it->second.users) return error(EBUSY, "PD still has MRs or QPs");
+  s.pds.erase(it);
+  return Status::ok();
+}
+
+Result<uint32_t> Device::reg_segment(Session& s, const RegSegmentReq& req, UniqueFd fd) {
+  if (s.segments.size() >= kMaxSegments) return error(ENOMEM, "segment limit reached");
+  if (req.size == 0 || req.size % kPage || req.size > kMaxMrSize)
+    return error(EINVAL, fmt::format("bad segment size {}", req.size));
+  if (!fd.valid()) return error(EBADF, "segment without a descriptor");
+  RETURN_IF_ERROR(check_sealed_memfd(fd.get(), req.size));
+  auto seg = std::make_shared<Segment>();
+  seg->map = MappedRegion::map_shared(fd.get(), req.size);
+  if (!seg->map.valid()) return error(errno, fmt::format("mapping segment: {}", strerror(errno)));
+  uint32_t h = new_handle(s, s.segments);
+  s.segments[h] = std::move(seg);
+  return h;
+}
+
+Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
+  auto pd = s.pds.find(req.pd);
+  if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
+  constexpr uint32_t kKnown = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                              IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
+                              IBV_ACCESS_RELAXED_ORDERING;
+  if (req.access & ~kKnown) return error(EINVAL, fmt::format("access flags {:#x}", req.access));
+  // o10-?: remote write or atomic access requires local write.
+  if ((req.access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+      !(req.access & IBV_ACCESS_LOCAL_WRITE))
+    return error(EINVAL, "remote write/atomic access without local write");
+  if (req.length == 0 || req.length > kMaxMrSize) return error(EINVAL, "bad MR length");
+  if (req.num_extents == 0 || req.num_extents > kMaxMrExtents)
+    return error(EINVAL, "bad extent count");
+  if (s.guest->mrs.size() >= kMaxMr) return error(ENOMEM, "MR limit reached");
+  auto mr = std::make_unique<Mr>();
+  uint64_t expect = 0;
+  for (uint32_t i = 0; i < req.num_extents; ++i) {
+    const MrExtent& e = req.extents[i];
+    auto seg = s.segments.find(e.segment);
+    if (seg == s.segments.end()) return error(EINVAL, fmt::format("no segment {}", e.segment));
+    const size_t seg_size = seg->second->map.size();
+    if (e.mr_offset != expect || e.length == 0 || e.seg_offset > seg_size ||
+        e.length > seg_size - e.seg_offset)
+      return error(EINVAL, fmt::format("extent {} does not fit", i));
+    mr->chunks.push_back({e.mr_offset, e.length, seg->second->map.data() + e.seg_offset});
+    mr->segments.push_back(seg->second);
+    expect += e.length;
+  }
+  if (expect != req.length) return error(EINVAL, "extents do not cover the MR");
+  // Key: 20-bit index in the guest's key space plus 12 random bits.
+  uint32_t key;
+  do {
+    uint32_t idx = s.guest->next_key_index++ & 0xfffff;
+    key = (idx << 12) | static_cast<uint32_t>(rng_() & 0xfff);
+  } while (key == 0 || s.guest->mrs.count(key));
+  mr->handle = new_handle(s, s.mrs);
+  mr->key = key;
+  mr->pd = req.pd;
+  mr->access = req.access;
+  mr->addr = req.addr;
+  mr->iova = req.iova;
+  mr->length = req.length;
+  pd->second.users++;
+  RegMrResp resp{mr->handle, key, key, 0};
+  s.guest->mrs[key] = mr.get();
+  s.mrs[mr->handle] = std::move(mr);
+  return resp;
+}
+
+Status Device::dereg_mr(Session& s, uint32_t handle) {
+  auto it = s.mrs.find(handle);
+  if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", handle));
+  s.guest->mrs.erase(it->second->key);
+  s.pds[it->second->pd].users--;
+  s.mrs.erase(it);
+  return Status::ok();
+}
+
+Result<uint32_t> Device::create_channel(Session& s, FdList& fds, UniqueFd& read_end) {
+  if (s.channels.size() >= kMaxChannels) return error(EMFILE, "channel limit reached");
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return error(errno, "pipe2");
+  read_end = UniqueFd(p[0]);
+  // The guest may set O_NONBLOCK on its end itself; ours stays non-blocking so a guest that
+  // never reads cannot stall the engine.
+  ::fcntl(p[0], F_SETFL, 0);
+  uint32_t h = new_handle(s, s.channels);
+  Channel& c = s.channels[h];
+  c.handle = h;
+  c.write_end = UniqueFd(p[1]);
+  fds = {read_end.get()};
+  return h;
+}
+
+Status Device::destroy_channel(Session& s, uint32_t handle) {
+  auto it = s.channels.find(handle);
+  if (it == s.channels.end()) return error(EINVAL, fmt::format("no channel {}", handle));
+  if (it->second.users) return error(EBUSY, "channel still has CQs");
+  s.channels.erase(it);
+  return Status::ok();
+}
+
+Result<CreateCqResp> Device::create_cq(Session& s, const CreateCqReq& req, UniqueFd& ring) {
+  if (req.cqe == 0 || req.cqe > kMaxCqe)
+    return error(EINVAL, fmt::format("cqe {} outside 1..{}", req.cqe, kMaxCqe));
+  if (s.cqs.size() >= kMaxCq) return error(ENOMEM, "CQ limit reached");
+  Channel* ch = nullptr;
+  if (req.channel != kNone) {
+    auto it = s.channels.find(req.channel);
+    if (it == s.channels.end()) return error(EINVAL, fmt::format("no channel {}", req.channel));
+    ch = &it->second;
+  }
+  auto cq = std::make_unique<Cq>();
+  cq->size = std::bit_ceil(req.cqe + 1);
+  size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
+  ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-cq", bytes));
+  cq->ring = MappedRegion::map_shared(ring.get(), bytes);
+  if (!cq->ring.valid()) return error(errno, "mapping CQ ring");
+  cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
+  init_ring(cq->hdr, RingKind::kCq, sizeof(Cqe), cq->size);
+  cq->entries = ring_entries<Cqe>(cq->hdr);
+  cq->owner = &s;
+  cq->handle = new_handle(s, s.cqs);
+  if (ch) {
+    cq->channel = ch->handle;
+    ch->users++;
+  }
+  CreateCqResp resp{cq->handle, cq->size - 1, bytes};
+  s.cqs[cq->handle] = std::move(cq);
+  return resp;
+}
+
+Status Device::destroy_cq(Session& s, uint32_t handle) {
+  auto it = s.cqs.find(handle);
+  if (it == s.cqs.end()) return error(EINVAL, fmt::format("no CQ {}", handle));
+  if (it->second->users) return error(EBUSY, "CQ still used by a QP");
+  if (it->second->channel != kNone) s.channels[it->second->channel].users--;
+  s.cqs.erase(it);
+  return Status::ok();
+}
+
+Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, UniqueFd& ring) {
+  auto pd = s.pds.find(req.pd);
+  if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
+  auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
+  if (scq == s.cqs.end() || rcq == s.cqs.end()) return error(EINVAL, "no such CQ");
+  if (req.srq != kNone) return error(EOPNOTSUPP, "SRQ is not supported yet");
+  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC)
+    return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
+  const QpCaps& c = req.caps;
+  if (c.max_send_wr == 0 || c.max_send_wr > kMaxQpWr || c.max_recv_wr == 0 ||
+      c.max_recv_wr > kMaxQpWr || c.max_send_sge > kMaxSge || c.max_recv_sge > kMaxSge ||
+      c.max_inline_data > kMaxInline)
+    return error(EINVAL, "QP capabilities exceed the device's");
+  size_t nqp = 0;
+  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
+  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  Guest& g = *s.guest;
+  uint32_t qpn;
+  do {
+    qpn = g.next_qpn++ & 0xffffff;
+    if (qpn < 0x11) continue;
+  } while (qpn < 0x11 || g.qps.count(qpn));
+
+  auto qp = std::make_unique<Qp>();
+  qp->sq_size = std::bit_ceil(c.max_send_wr);
+  qp->rq_size = std::bit_ceil(c.max_recv_wr);
+  size_t sq_bytes = page_round(ring_bytes(qp->sq_size, sizeof(SendWqe)));
+  size_t rq_bytes = page_round(ring_bytes(qp->rq_size, sizeof(RecvWqe)));
+  ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-qp", sq_bytes + rq_bytes));
+  qp->ring = MappedRegion::map_shared(ring.get(), sq_bytes + rq_bytes);
+  if (!qp->ring.valid()) return error(errno, "mapping QP rings");
+  qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
+  qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
+  init_ring(qp->sq_hdr, RingKind::kSq, sizeof(SendWqe), qp->sq_size);
+  init_ring(qp->rq_hdr, RingKind::kRq, sizeof(RecvWqe), qp->rq_size);
+  qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
+  qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
+  qp->handle = new_handle(s, s.qps);
+  qp->qpn = qpn;
+  qp->owner = &s;
+  qp->guest = &g;
+  qp->type = static_cast<ibv_qp_type>(req.qp_type);
+  qp->pd = req.pd;
+  qp->send_cq = scq->second.get();
+  qp->recv_cq = rcq->second.get();
+  qp->sq_sig_all = req.sq_sig_all != 0;
+  qp->caps = c;
+  // Report what the rings really hold.
+  qp->caps.max_send_wr = qp->sq_size;
+  qp->caps.max_recv_wr = qp->rq_size;
+  qp->caps.max_send_sge = std::max<uint32_t>(c.max_send_sge, 1);
+  qp->caps.max_recv_sge = std::max<uint32_t>(c.max_recv_sge, 1);
+  qp->attr.qp_state = IBV_QPS_RESET;
+  qp->attr.port_num = 1;
+  qp->attr.path_mtu = IBV_MTU_4096;
+  pd->second.users++;
+  qp->send_cq->users++;
+  qp->recv_cq->users++;
+  CreateQpResp resp{qp->handle, qpn, qp->caps, sq_bytes + rq_bytes, sq_bytes};
+  g.qps[qpn] = qp.get();
+  active_.push_back(qp.get());
+  s.qps[qp->handle] = std::move(qp);
+  return resp;
+}
+
+Qp* Device::find_qp(Session& s, uint32_t handle) {
+  auto it = s.qps.find(handle);
+  return it == s.qps.end() ? nullptr : it->second.get();
+}
+
+Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
+  Qp* qp = find_qp(s, req.handle);
+  if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
+  const QpAttr& a = req.attr;
+  const uint32_t m = req.mask;
+  auto next = static_cast<ibv_qp_state>(a.qp_state);
+  if ((m & IBV_QP_CUR_STATE) && a.cur_qp_state != static_cast<uint32_t>(qp->state))
+    return error(EINVAL, "cur_qp_state does not match the QP's state");
+  RETURN_IF_ERROR(check_modify_qp(qp->type, qp->state, next, m));
+  if ((m & IBV_QP_PORT) && a.port_num != 1) return error(EINVAL, "port_num must be 1");
+  if ((m & IBV_QP_PKEY_INDEX) && a.pkey_index != 0) return error(EINVAL, "pkey_index must be 0");
+  if ((m & IBV_QP_PATH_MTU) && (a.path_mtu < IBV_MTU_256 || a.path_mtu > kPortMaxMtu))
+    return error(EINVAL, "path_mtu out of range");
+  if ((m & IBV_QP_AV) && a.ah_port_num > 1) return error(EINVAL, "AV port_num must be 1");
+  if ((m & IBV_QP_ACCESS_FLAGS) &&
+      (a.qp_access_flags & ~uint32_t{IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+                                     IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_LOCAL_WRITE}))
+    return error(EINVAL, "qp_access_flags");
+  if ((m & IBV_QP_MAX_QP_RD_ATOMIC) && a.max_rd_atomic > 16) return error(EINVAL, "max_rd_atomic");
+  if ((m & IBV_QP_MAX_DEST_RD_ATOMIC) && a.max_dest_rd_atomic > 16)
+    return error(EINVAL, "max_dest_rd_atomic");
+  if ((m & IBV_QP_MIN_RNR_TIMER) && a.min_rnr_timer > 31) return error(EINVAL, "min_rnr_timer");
+  if ((m & IBV_QP_TIMEOUT) && a.timeout > 31) return error(EINVAL, "timeout");
+  if ((m & IBV_QP_RETRY_CNT) && a.retry_cnt > 7) return error(EINVAL, "retry_cnt");
+  if ((m & IBV_QP_RNR_RETRY) && a.rnr_retry > 7) return error(EINVAL, "rnr_retry");
+
+  QpAttr& q = qp->attr;
+  if (m & IBV_QP_ACCESS_FLAGS) q.qp_access_flags = a.qp_access_flags;
+  if (m & IBV_QP_PKEY_INDEX) q.pkey_index = a.pkey_index;
+  if (m & IBV_QP_PORT) q.port_num = a.port_num;
+  if (m & IBV_QP_QKEY) q.qkey = a.qkey;
+  if (m & IBV_QP_AV) {
+    q.dlid = a.dlid;
+    q.sl = a.sl;
+    q.src_path_bits = a.src_path_bits;
+    q.static_rate = a.static_rate;
+    q.is_global = a.is_global;
+    q.ah_port_num = a.ah_port_num;
+    q.sgid_index = a.sgid_index;
+    q.hop_limit = a.hop_limit;
+    q.traffic_class = a.traffic_class;
+    q.flow_label = a.flow_label;
+    std::memcpy(q.dgid, a.dgid, 16);
+  }
+  if (m & IBV_QP_PATH_MTU) q.path_mtu = a.path_mtu;
+  if (m & IBV_QP_TIMEOUT) q.timeout = a.timeout;
+  if (m & IBV_QP_RETRY_CNT) q.retry_cnt = a.retry_cnt;
+  if (m & IBV_QP_RNR_RETRY) q.rnr_retry = a.rnr_retry;
+  if (m & IBV_QP_RQ_PSN) q.rq_psn = a.rq_psn & 0xffffff;
+  if (m & IBV_QP_SQ_PSN) q.sq_psn = a.sq_psn & 0xffffff;
+  if (m & IBV_QP_MAX_QP_RD_ATOMIC) q.max_rd_atomic = a.max_rd_atomic;
+  if (m & IBV_QP_MAX_DEST_RD_ATOMIC) q.max_dest_rd_atomic = a.max_dest_rd_atomic;
+  if (m & IBV_QP_MIN_RNR_TIMER) q.min_rnr_timer = a.min_rnr_timer;
+  if (m & IBV_QP_DEST_QPN) q.dest_qp_num = a.dest_qp_num & 0xffffff;
+  if (m & IBV_QP_EN_SQD_ASYNC_NOTIFY) q.en_sqd_async_notify = a.en_sqd_async_notify;
+  if (m & IBV_QP_STATE) {
+    ibv_qp_state prev = qp->state;
+    qp->state = next;
+    q.qp_state = next;
+    if (next == IBV_QPS_RESET) {
+      // RESET discards all outstanding work without completions.
+      qp->sq_cons = qp->sq_hdr->producer.load(std::memory_order_acquire);
+      qp->rq_cons = qp->rq_hdr->producer.load(std::memory_order_acquire);
+      qp->sq_hdr->consumer.store(qp->sq_cons, std::memory_order_release);
+      qp->rq_hdr->consumer.store(qp->rq_cons, std::memory_order_release);
+      qp->head_waiting = false;
+    }
+    if (next == IBV_QPS_RTS && prev != IBV_QPS_RTS) qp->head_waiting = false;
+    VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
+               qp_state_name(next));
+  }
+  return Status::ok();
+}
+
+Result<QueryQpResp> Device::query_qp(Session& s, uint32_t handle) {
+  Qp* qp = find_qp(s, handle);
+  if (!qp) return error(EINVAL, fmt::format("no QP {}", handle));
+  QueryQpResp r{};
+  r.attr = qp->attr;
+  r.attr.qp_state = qp->state;
+  r.attr.cur_qp_state = qp->state;
+  r.caps = qp->caps;
+  return r;
+}
+
+void Device::destroy_qp_now(Session& s, Qp& qp) {
+  qp.guest->qps.erase(qp.qpn);
+  active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
+  s.pds[qp.pd].users--;
+  qp.send_cq->users--;
+  qp.recv_cq->users--;
+  s.qps.erase(qp.handle);
+}
+
+Status Device::destroy_qp(Session& s, uint32_t handle) {
+  Qp* qp = find_qp(s, handle);
+  if (!qp) return error(EINVAL, fmt::format("no QP {}", handle));
+  destroy_qp_now(s, *qp);
+  return Status::ok();
+}
+
+void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
+  uint32_t ev[2] = {static_cast<uint32_t>(type), handle};
+  if (::write(s.async_write.get(), ev, sizeof(ev)) != sizeof(ev))
+    VLOG_WARN("session {}: async event queue full, event {} dropped", s.id, int(type));
+}
+
+std::string Device::status_json() const {
+  nlohmann::json guests = nlohmann::json::array();
+  nlohmann::json totals = {{"guests", guests_.size()}, {"sessions", sessions_.size()},
+                           {"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"channel", 0},
+                           {"segment", 0}};
+  for (const auto& [name, g] : guests_) {
+    nlohmann::json sess = nlohmann::json::array();
+    nlohmann::json res = {{"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"channel", 0},
+                          {"segment", 0}};
+    nlohmann::json qps = nlohmann::json::array();
+    for (const auto& [id, s] : sessions_) {
+      if (s->guest != g.get()) continue;
+      sess.push_back({{"id", id}, {"pid", s->pid}});
+      const std::pair<const char*, size_t> counts[] = {
+          {"pd", s->pds.size()}, {"mr", s->mrs.size()}, {"cq", s->cqs.size()},
+          {"qp", s->qps.size()}, {"channel", s->channels.size()},
+          {"segment", s->segments.size()}};
+      for (auto [k, n] : counts) {
+        res[k] = res[k].get<size_t>() + n;
+        totals[k] = totals[k].get<size_t>() + n;
+      }
+      for (const auto& [h, qp] : s->qps) {
+        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : "UC"},
+                       {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
+                       {"dest_qpn", qp->attr.dest_qp_num}, {"transport", "shm"},
+                       {"msgs_sent", qp->msgs_sent}, {"bytes_sent", qp->bytes_sent},
+                       {"msgs_received", qp->msgs_received},
+                       {"bytes_received", qp->bytes_received}});
+      }
+    }
+    char gid[40];
+    std::snprintf(gid, sizeof(gid), "%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x",
+                  g->gid[0], g->gid[1], g->gid[2], g->gid[3], g->gid[4], g->gid[5], g->gid[6],
+                  g->gid[7], g->gid[8], g->gid[9], g->gid[10], g->gid[11], g->gid[12],
+                  g->gid[13], g->gid[14], g->gid[15]);
+    guests.push_back({{"name", name}, {"lid", g->lid}, {"gid", gid}, {"sessions", sess},
+                      {"resources", res}, {"qps", qps}});
+  }
+  return nlohmann::json{{"guests", guests}, {"totals", totals}}.dump();
+}
+
+}  // namespace vrdma::engine

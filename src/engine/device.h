@@ -1,0 +1,206 @@
+// The device model the backend plays: guests (identifier namespaces), sessions (one per open
+// verbs context), and the resources a session owns: PDs, memory segments, MRs, CQs, completion
+// channels, QPs. Control-path methods validate every argument a guest sends; the data path
+// (datapath.cc) executes WQEs read from shared rings and never trusts what it reads there.
+// Concurrency: a Device and everything in it is owned by the backend's single engine thread.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "proto/command.h"
+#include "proto/ring.h"
+
+namespace vrdma::engine {
+
+struct Session;
+struct Guest;
+
+/// A guest memfd mapped into the backend.
+struct Segment {
+  MappedRegion map;
+};
+
+struct Pd {
+  uint32_t handle = 0;
+  uint32_t users = 0;  ///< MRs and QPs that name this PD
+};
+
+struct MrChunk {
+  uint64_t mr_offset;
+  uint64_t length;
+  uint8_t* base;  ///< backend address of mr_offset
+};
+
+struct Mr {
+  uint32_t handle = 0;
+  uint32_t key = 0;  ///< lkey == rkey
+  uint32_t pd = 0;
+  uint32_t access = 0;
+  uint64_t addr = 0;
+  uint64_t iova = 0;
+  uint64_t length = 0;
+  std::vector<MrChunk> chunks;
+  std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive
+};
+
+struct Channel {
+  uint32_t handle = 0;
+  UniqueFd write_end;  ///< non-blocking; receives 4-byte CQ handles
+  uint32_t users = 0;
+};
+
+struct Cq {
+  uint32_t handle = 0;
+  Session* owner = nullptr;
+  MappedRegion ring;
+  proto::RingHeader* hdr = nullptr;
+  proto::Cqe* entries = nullptr;
+  uint32_t size = 0;  ///< entries in the ring (power of two), backend's private copy
+  uint32_t prod = 0;  ///< backend's private producer cursor
+  uint32_t channel = proto::kNone;
+  uint32_t users = 0;
+  bool overrun = false;
+};
+
+/// A run of bytes in backend memory that one SGE (or inline data) resolved to.
+struct Span {
+  uint8_t* p;
+  uint64_t n;
+};
+
+/// Why a WQE could not finish yet.
+enum class Step { kDone, kWait };
+
+struct Qp {
+  uint32_t handle = 0;
+  uint32_t qpn = 0;
+  Session* owner = nullptr;
+  Guest* guest = nullptr;
+  ibv_qp_type type = IBV_QPT_RC;
+  ibv_qp_state state = IBV_QPS_RESET;
+  uint32_t pd = 0;
+  Cq* send_cq = nullptr;
+  Cq* recv_cq = nullptr;
+  bool sq_sig_all = false;
+  proto::QpCaps caps{};
+  proto::QpAttr attr{};
+  MappedRegion ring;
+  proto::RingHeader* sq_hdr = nullptr;
+  proto::RingHeader* rq_hdr = nullptr;
+  proto::SendWqe* sq = nullptr;
+  proto::RecvWqe* rq = nullptr;
+  uint32_t sq_size = 0, rq_size = 0;  ///< private geometry
+  uint32_t sq_cons = 0, rq_cons = 0;  ///< private cursors
+  // Retry state of the WQE at the head of the SQ (RNR NAK or peer not ready).
+  uint32_t rnr_left = 0;
+  uint32_t retry_left = 0;
+  uint64_t wait_until_ns = 0;
+  bool head_waiting = false;
+  uint64_t msgs_sent = 0, msgs_received = 0, bytes_sent = 0, bytes_received = 0;
+};
+
+struct Guest {
+  std::string name;
+  uint64_t id = 0;
+  uint64_t port_guid = 0;
+  uint8_t gid[16] = {};
+  uint16_t lid = 0;
+  uint32_t sessions = 0;
+  uint32_t next_qpn = 0x11;
+  uint32_t next_key_index = 1;
+  std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
+  std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
+};
+
+struct Session {
+  uint32_t id = 0;
+  uint32_t pid = 0;
+  Guest* guest = nullptr;
+  MappedRegion control;  ///< proto::ControlPage
+  UniqueFd control_fd, doorbell, async_write, async_read;
+  uint32_t next_handle = 1;
+  std::map<uint32_t, Pd> pds;
+  std::map<uint32_t, std::shared_ptr<Segment>> segments;
+  std::map<uint32_t, std::unique_ptr<Mr>> mrs;
+  std::map<uint32_t, Channel> channels;
+  std::map<uint32_t, std::unique_ptr<Cq>> cqs;
+  std::map<uint32_t, std::unique_ptr<Qp>> qps;
+
+  proto::ControlPage* control_page() const {
+    return reinterpret_cast<proto::ControlPage*>(control.data());
+  }
+};
+
+/// Fds a command's response carries back to the guest (the backend keeps its own copies).
+using FdList = std::vector<int>;
+
+class Device {
+ public:
+  Device();
+  ~Device();
+
+  // ---- control path (each validates every field it is given) ----
+  Result<Session*> open_session(const proto::HelloReq& req, proto::HelloResp& resp, FdList& fds);
+  void close_session(Session* s);
+  Result<uint32_t> alloc_pd(Session& s);
+  Status dealloc_pd(Session& s, uint32_t pd);
+  Result<uint32_t> reg_segment(Session& s, const proto::RegSegmentReq& req, UniqueFd fd);
+  Result<proto::RegMrResp> reg_mr(Session& s, const proto::RegMrReq& req);
+  Status dereg_mr(Session& s, uint32_t handle);
+  Result<uint32_t> create_channel(Session& s, FdList& fds, UniqueFd& read_end);
+  Status destroy_channel(Session& s, uint32_t handle);
+  Result<proto::CreateCqResp> create_cq(Session& s, const proto::CreateCqReq& req, UniqueFd& ring);
+  Status destroy_cq(Session& s, uint32_t handle);
+  Result<proto::CreateQpResp> create_qp(Session& s, const proto::CreateQpReq& req, UniqueFd& ring);
+  Status modify_qp(Session& s, const proto::ModifyQpReq& req);
+  Result<proto::QueryQpResp> query_qp(Session& s, uint32_t handle);
+  Status destroy_qp(Session& s, uint32_t handle);
+  std::string status_json() const;
+
+  // ---- data path (datapath.cc) ----
+  /// Runs every QP's rings once. Returns true when any work was done.
+  bool poll(uint64_t now_ns);
+  /// Earliest retry deadline of a waiting QP, or 0.
+  uint64_t next_deadline() const;
+  /// Marks every session's control page: the backend is (not) about to sleep.
+  void set_sleeping(bool sleeping);
+  const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
+
+ private:
+  Qp* find_qp(Session& s, uint32_t handle);
+  Qp* lookup_remote(const Qp& from);
+  void enter_error(Qp& qp, const char* why);
+  void post_async(Session& s, ibv_event_type type, uint32_t handle);
+  bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
+  void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
+  Step execute_send(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
+  bool process_sq(Qp& qp, uint64_t now_ns);
+  bool flush(Qp& qp);
+  void destroy_qp_now(Session& s, Qp& qp);
+  const Mr* find_mr(const Guest& g, uint32_t key, uint32_t pd) const;
+  /// Resolves SGEs to backend memory spans; false when any SGE fails the checks.
+  bool resolve_sges(const Guest& g, uint32_t pd, const proto::Sge* sge, uint32_t n,
+                    uint32_t need_access, std::vector<Span>& out, uint64_t& total) const;
+
+  std::map<std::string, std::unique_ptr<Guest>> guests_;
+  std::map<std::string, uint16_t> lid_of_name_;  ///< LIDs stay with a name across sessions
+  std::unordered_map<uint16_t, Guest*> guests_by_lid_;
+  std::map<uint32_t, std::unique_ptr<Session>> sessions_;
+  std::vector<Qp*> active_;  ///< every QP, for polling
+  uint16_t next_lid_ = 1;
+  uint32_t next_session_ = 1;
+  std::mt19937_64 rng_;
+  std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
+};
+
+}  // namespace vrdma::engine

@@ -1,0 +1,342 @@
+// Data path of the device model: reads WQEs from the guests' rings, validates each one against
+// the backend's own records, moves the bytes with memcpy between the two guests' registered
+// memory, and writes completions. No allocation, no locks, no syscalls here, except the write
+// that wakes a completion channel and the async-event write on an error.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "engine/device.h"
+
+namespace vrdma::engine {
+
+using namespace vrdma::proto;
+
+namespace {
+
+/// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
+uint64_t rnr_delay_ns(uint8_t t) {
+  static constexpr uint32_t kUs[32] = {655360, 10,   20,   30,   40,    60,    80,    120,
+                                       160,    240,  320,  480,  640,   960,   1280,  1920,
+                                       2560,   3840, 5120, 7680, 10240, 15360, 20480, 30720,
+                                       40960,  61440, 81920, 122880, 163840, 245760, 327680,
+                                       491520};
+  return uint64_t{kUs[t & 31]} * 1000;
+}
+uint64_t ack_timeout_ns(uint8_t t) {
+  if (t == 0) return 4096ull * 1000 * 1000;  // 0 means "infinite"; wait long, retry forever
+  return (4096ull << std::min<uint8_t>(t, 31)) ;
+}
+
+bool sq_open(ibv_qp_state s) { return s == IBV_QPS_RTS || s == IBV_QPS_SQD; }
+bool rq_open(ibv_qp_state s) { return s == IBV_QPS_RTR || s == IBV_QPS_RTS || s == IBV_QPS_SQD; }
+
+}  // namespace
+
+void Device::set_sleeping(bool sleeping) {
+  for (auto& [id, s] : sessions_)
+    s->control_page()->backend_sleeping.store(sleeping ? 1 : 0, std::memory_order_seq_cst);
+}
+
+uint64_t Device::next_deadline() const {
+  uint64_t d = 0;
+  for (const Qp* qp : active_) {
+    if (qp->head_waiting && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+  }
+  return d;
+}
+
+const Mr* Device::find_mr(const Guest& g, uint32_t key, uint32_t pd) const {
+  auto it = g.mrs.find(key);
+  if (it == g.mrs.end() || it->second->pd != pd) return nullptr;
+  return it->second;
+}
+
+bool Device::resolve_sges(const Guest& g, uint32_t pd, const Sge* sge, uint32_t n,
+                          uint32_t need_access, std::vector<Span>& out, uint64_t& total) const {
+  total = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    const Sge s = sge[i];
+    if (s.length == 0) continue;
+    const Mr* mr = find_mr(g, s.lkey, pd);
+    if (!mr || (mr->access & need_access) != need_access) return false;
+    if (s.addr < mr->addr || s.length > mr->length || s.addr - mr->addr > mr->length - s.length)
+      return false;
+    uint64_t off = s.addr - mr->addr;
+    uint64_t left = s.length;
+    // An SGE may cross segment boundaries; emit one span per chunk it touches.
+    for (const MrChunk& c : mr->chunks) {
+      if (left == 0) break;
+      if (off >= c.mr_offset + c.length) continue;
+      uint64_t in = off - c.mr_offset;
+      uint64_t take = std::min(left, c.length - in);
+      out.push_back({c.base + in, take});
+      off += take;
+      left -= take;
+    }
+    total += s.length;
+  }
+  return true;
+}
+
+bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
+  const uint32_t cons = cq.hdr->consumer.load(std::memory_order_acquire);
+  if (cq.prod - cons >= cq.size) {
+    // Full, or the guest wrote a consumer index that is not between ours and ours - size.
+    if (!cq.overrun) {
+      VLOG_ERROR("session {}: CQ {} overrun; completions are being lost", cq.owner->id, cq.handle);
+      cq.overrun = true;
+      post_async(*cq.owner, IBV_EVENT_CQ_ERR, cq.handle);
+    }
+    return false;
+  }
+  cq.entries[cq.prod & (cq.size - 1)] = e;
+  cq.prod++;
+  cq.hdr->producer.store(cq.prod, std::memory_order_release);
+  uint32_t armed = cq.hdr->armed.load(std::memory_order_acquire);
+  if (armed == 1 || (armed == 2 && solicited)) {
+    if (cq.hdr->armed.exchange(0, std::memory_order_acq_rel) != 0 && cq.channel != kNone) {
+      auto ch = cq.owner->channels.find(cq.channel);
+      if (ch != cq.owner->channels.end()) {
+        uint32_t h = cq.handle;
+        if (::write(ch->second.write_end.get(), &h, sizeof(h)) != sizeof(h))
+          VLOG_WARN("session {}: completion channel {} full", cq.owner->id, cq.channel);
+      }
+    }
+  }
+  return true;
+}
+
+void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
+  const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
+  if (st == IBV_WC_SUCCESS && !signaled) return;
+  Cqe e{};
+  e.wr_id = w.wr_id;
+  e.status = st;
+  switch (w.opcode) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM: e.opcode = IBV_WC_RDMA_WRITE; break;
+    case IBV_WR_RDMA_READ: e.opcode = IBV_WC_RDMA_READ; break;
+    default: e.opcode = IBV_WC_SEND; break;
+  }
+  e.byte_len = len;
+  e.qp_num = qp.qpn;
+  push_cqe(*qp.send_cq, e, false);
+}
+
+void Device::enter_error(Qp& qp, const char* why) {
+  if (qp.state == IBV_QPS_ERR) return;
+  VLOG_INFO("qp {:#x} (guest {}) -> ERR: {}", qp.qpn, qp.guest->name, why);
+  qp.state = IBV_QPS_ERR;
+  qp.attr.qp_state = IBV_QPS_ERR;
+  qp.head_waiting = false;
+}
+
+Qp* Device::lookup_remote(const Qp& from) {
+  Guest* g = nullptr;
+  if (from.attr.is_global) {
+    // GID addressing: GID 0 of a guest is fe80::/64 + its port GUID.
+    for (auto& [lid, cand] : guests_by_lid_) {
+      if (std::memcmp(cand->gid, from.attr.dgid, 16) == 0) {
+        g = cand;
+        break;
+      }
+    }
+  } else {
+    auto it = guests_by_lid_.find(from.attr.dlid);
+    if (it != guests_by_lid_.end()) g = it->second;
+  }
+  if (!g) return nullptr;
+  auto it = g->qps.find(from.attr.dest_qp_num);
+  if (it == g->qps.end()) return nullptr;
+  Qp* to = it->second;
+  // A connected QP accepts traffic only from the QP it is connected to.
+  if (to->type != from.type || to->attr.dest_qp_num != from.qpn) return nullptr;
+  if (!to->attr.is_global && to->attr.dlid != from.guest->lid) return nullptr;
+  if (to->attr.is_global && std::memcmp(to->attr.dgid, from.guest->gid, 16) != 0) return nullptr;
+  return to;
+}
+
+Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
+  auto fail = [&](ibv_wc_status st, const char* why) {
+    complete_send(qp, w, st, 0);
+    enter_error(qp, why);
+    return Step::kDone;
+  };
+  if (w.opcode != IBV_WR_SEND && w.opcode != IBV_WR_SEND_WITH_IMM)
+    return fail(IBV_WC_LOC_QP_OP_ERR, "opcode not supported");
+  // Gather side: inline bytes are copied out of the ring first (the guest may rewrite them).
+  src_.clear();
+  uint64_t len = 0;
+  uint8_t inline_copy[kMaxInline];
+  if (w.send_flags & IBV_SEND_INLINE) {
+    if (w.inline_len > qp.caps.max_inline_data) return fail(IBV_WC_LOC_LEN_ERR, "inline too long");
+    std::memcpy(inline_copy, w.inline_data, w.inline_len);
+    if (w.inline_len) src_.push_back({inline_copy, w.inline_len});
+    len = w.inline_len;
+  } else {
+    if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
+    if (!resolve_sges(*qp.guest, qp.pd, w.sge, w.num_sge, 0, src_, len))
+      return fail(IBV_WC_LOC_PROT_ERR, "send SGE outside a valid MR");
+  }
+  if (len > 0x80000000ull) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");
+
+  Qp* to = lookup_remote(qp);
+  if (!to || !rq_open(to->state)) {
+    if (qp.type == IBV_QPT_UC) {  // unreliable: the message is silently lost
+      complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+      return Step::kDone;
+    }
+    // RC: no ACK comes back; the requester retries after its local ACK timeout.
+    if (!qp.head_waiting) qp.retry_left = qp.attr.retry_cnt;
+    else if (qp.retry_left-- == 0) return fail(IBV_WC_RETRY_EXC_ERR, "transport retries exhausted");
+    qp.head_waiting = true;
+    qp.wait_until_ns = now_ns + ack_timeout_ns(qp.attr.timeout);
+    return Step::kWait;
+  }
+
+  const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
+  const uint32_t avail = rprod - to->rq_cons;
+  if (avail > to->rq_size) {
+    enter_error(*to, "receive queue indices corrupt");
+    post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+    return Step::kWait;
+  }
+  if (avail == 0) {
+    if (qp.type == IBV_QPT_UC) {
+      complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+      return Step::kDone;
+    }
+    // RNR NAK: retry after the responder's min_rnr_timer; rnr_retry 7 means forever.
+    if (!qp.head_waiting) qp.rnr_left = qp.attr.rnr_retry;
+    else if (qp.rnr_left != 7 && qp.rnr_left-- == 0)
+      return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+    qp.head_waiting = true;
+    qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
+    return Step::kWait;
+  }
+  qp.head_waiting = false;
+
+  const RecvWqe r = to->rq[to->rq_cons & (to->rq_size - 1)];
+  to->rq_cons++;
+  to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+  Cqe rc{};
+  rc.wr_id = r.wr_id;
+  rc.qp_num = to->qpn;
+  rc.src_qp = qp.qpn;
+  rc.slid = qp.guest->lid;
+  rc.opcode = IBV_WC_RECV;
+  dst_.clear();
+  uint64_t cap = 0;
+  if (r.num_sge > to->caps.max_recv_sge ||
+      !resolve_sges(*to->guest, to->pd, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+    rc.status = IBV_WC_LOC_PROT_ERR;
+    push_cqe(*to->recv_cq, rc, false);
+    enter_error(*to, "receive SGE outside a valid MR");
+    return fail(IBV_WC_REM_OP_ERR, "responder protection error");
+  }
+  if (cap < len) {
+    rc.status = IBV_WC_LOC_LEN_ERR;
+    push_cqe(*to->recv_cq, rc, false);
+    enter_error(*to, "receive buffer too small");
+    return fail(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
+  }
+  // Scatter: copy span to span, never through an intermediate buffer.
+  size_t si = 0, di = 0;
+  uint64_t so = 0, doff = 0;
+  for (uint64_t left = len; left;) {
+    const Span& s = src_[si];
+    const Span& d = dst_[di];
+    uint64_t n = std::min({left, s.n - so, d.n - doff});
+    std::memcpy(d.p + doff, s.p + so, n);
+    left -= n;
+    if ((so += n) == s.n) ++si, so = 0;
+    if ((doff += n) == d.n) ++di, doff = 0;
+  }
+  rc.status = IBV_WC_SUCCESS;
+  rc.byte_len = static_cast<uint32_t>(len);
+  if (w.opcode == IBV_WR_SEND_WITH_IMM) {
+    rc.wc_flags = IBV_WC_WITH_IMM;
+    rc.imm_data = w.imm_data;
+  }
+  push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
+  to->msgs_received++;
+  to->bytes_received += len;
+  qp.msgs_sent++;
+  qp.bytes_sent += len;
+  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+  return Step::kDone;
+}
+
+bool Device::flush(Qp& qp) {
+  bool did = false;
+  const uint32_t sprod = qp.sq_hdr->producer.load(std::memory_order_acquire);
+  if (sprod - qp.sq_cons <= qp.sq_size) {
+    while (qp.sq_cons != sprod) {
+      const SendWqe& w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
+      Cqe e{};
+      e.wr_id = w.wr_id;
+      e.status = IBV_WC_WR_FLUSH_ERR;
+      e.opcode = IBV_WC_SEND;
+      e.qp_num = qp.qpn;
+      if (!push_cqe(*qp.send_cq, e, false)) break;
+      qp.sq_cons++;
+      did = true;
+    }
+    qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+  }
+  const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
+  if (rprod - qp.rq_cons <= qp.rq_size) {
+    while (qp.rq_cons != rprod) {
+      Cqe e{};
+      e.wr_id = qp.rq[qp.rq_cons & (qp.rq_size - 1)].wr_id;
+      e.status = IBV_WC_WR_FLUSH_ERR;
+      e.opcode = IBV_WC_RECV;
+      e.qp_num = qp.qpn;
+      if (!push_cqe(*qp.recv_cq, e, false)) break;
+      qp.rq_cons++;
+      did = true;
+    }
+    qp.rq_hdr->consumer.store(qp.rq_cons, std::memory_order_release);
+  }
+  return did;
+}
+
+bool Device::process_sq(Qp& qp, uint64_t now_ns) {
+  if (qp.head_waiting && now_ns < qp.wait_until_ns) return false;
+  const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
+  if (prod - qp.sq_cons > qp.sq_size) {
+    enter_error(qp, "send queue indices corrupt");
+    post_async(*qp.owner, IBV_EVENT_QP_FATAL, qp.handle);
+    return true;
+  }
+  bool did = false;
+  // Bounded batch per visit so one busy QP cannot starve the others.
+  for (int budget = 64; qp.sq_cons != prod && budget; --budget) {
+    // Copy the WQE out of shared memory first: the guest may rewrite the slot at any time.
+    const SendWqe w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
+    if (execute_send(qp, w, now_ns) == Step::kWait) break;
+    qp.sq_cons++;
+    qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+    did = true;
+    if (qp.state == IBV_QPS_ERR) break;
+  }
+  return did;
+}
+
+bool Device::poll(uint64_t now_ns) {
+  bool did = false;
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Qp& qp = *active_[i];
+    if (qp.state == IBV_QPS_ERR) {
+      did |= flush(qp);
+    } else if (sq_open(qp.state)) {
+      did |= process_sq(qp, now_ns);
+    }
+  }
+  return did;
+}
+
+}  // namespace vrdma::engine

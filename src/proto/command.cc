@@ -1,0 +1,54 @@
+#include "proto/command.h"
+
+#include <fmt/format.h>
+
+namespace vrdma::proto {
+
+size_t request_body_size(Op op) {
+  switch (op) {
+    case Op::kHello: return sizeof(HelloReq);
+    case Op::kAllocPd: return 0;
+    case Op::kCreateChannel: return 0;
+    case Op::kDeallocPd:
+    case Op::kDeregMr:
+    case Op::kDestroyChannel:
+    case Op::kDestroyCq:
+    case Op::kDestroyQp:
+    case Op::kQueryQp: return sizeof(HandleReq);
+    case Op::kRegSegment: return sizeof(RegSegmentReq);
+    case Op::kRegMr: return sizeof(RegMrReq);
+    case Op::kCreateCq: return sizeof(CreateCqReq);
+    case Op::kCreateQp: return sizeof(CreateQpReq);
+    case Op::kModifyQp: return sizeof(ModifyQpReq);
+    case Op::kStatus: return sizeof(StatusReq);
+    case Op::kMax: break;
+  }
+  return SIZE_MAX;
+}
+
+Result<MsgHeader> decode_header(std::span<const uint8_t> msg) {
+  if (msg.size() < sizeof(MsgHeader))
+    return error(EPROTO, fmt::format("message of {} bytes is shorter than a header", msg.size()));
+  MsgHeader h;
+  std::memcpy(&h, msg.data(), sizeof(h));
+  if (h.magic != kMagic) return error(EPROTO, fmt::format("bad magic {:#x}", h.magic));
+  if (h.version != kVersion)
+    return error(EPROTONOSUPPORT, fmt::format("protocol version {} (expected {})", h.version, kVersion));
+  if (h.op == 0 || h.op >= static_cast<uint16_t>(Op::kMax))
+    return error(EOPNOTSUPP, fmt::format("unknown opcode {}", h.op));
+  if (h.length != msg.size())
+    return error(EPROTO, fmt::format("declared length {} but received {}", h.length, msg.size()));
+  return h;
+}
+
+Result<MsgHeader> decode_request(std::span<const uint8_t> msg) {
+  if (msg.size() > kMaxRequest) return error(EMSGSIZE, "request too large");
+  ASSIGN_OR_RETURN(MsgHeader h, decode_header(msg));
+  size_t want = request_body_size(static_cast<Op>(h.op));
+  if (msg.size() - sizeof(MsgHeader) != want)
+    return error(EPROTO, fmt::format("opcode {} body of {} bytes, expected {}", h.op,
+                                     msg.size() - sizeof(MsgHeader), want));
+  return h;
+}
+
+}  // namespace vrdma::proto

@@ -1,0 +1,261 @@
+// The control-path protocol between a guest (our libibverbs) and the backend (vrdmad):
+// one SOCK_SEQPACKET message per command, a fixed header then a fixed-width body per opcode.
+// Versioned: kVersion changes when any body changes; opcode values are never reused.
+// Request and response share the header; `status` in a response is 0 or a negative errno.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "common/status.h"
+
+namespace vrdma::proto {
+
+inline constexpr uint32_t kMagic = 0x4d445256;  // "VRDM" little-endian
+inline constexpr uint16_t kVersion = 1;
+inline constexpr size_t kMaxRequest = 4096;         ///< largest request the backend accepts
+inline constexpr size_t kMaxResponse = 1u << 20;    ///< largest response (status text)
+inline constexpr uint32_t kNone = 0xffffffffu;      ///< "no handle" in handle fields
+inline constexpr size_t kGuestNameMax = 64;
+inline constexpr size_t kMaxMrExtents = 32;
+
+enum class Op : uint16_t {
+  kHello = 1,
+  kAllocPd = 2,
+  kDeallocPd = 3,
+  kRegSegment = 4,
+  kRegMr = 5,
+  kDeregMr = 6,
+  kCreateChannel = 7,
+  kDestroyChannel = 8,
+  kCreateCq = 9,
+  kDestroyCq = 10,
+  kCreateQp = 11,
+  kModifyQp = 12,
+  kQueryQp = 13,
+  kDestroyQp = 14,
+  kStatus = 15,
+  kMax = 16,  ///< one past the last opcode; never sent
+};
+
+struct MsgHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t op;
+  uint32_t length;  ///< header + body, bytes
+  uint32_t seq;     ///< echoed in the response
+  int32_t status;   ///< response: 0 or -errno; request: 0
+  uint32_t reserved;
+};
+static_assert(sizeof(MsgHeader) == 24);
+
+struct Empty {};
+
+// ---- kHello: first message of a session. Response fds: control page, doorbell, async events.
+struct HelloReq {
+  char guest[kGuestNameMax];  ///< NUL-terminated guest name
+  uint32_t pid;
+  uint32_t flags;
+};
+static_assert(sizeof(HelloReq) == 72);
+struct HelloResp {
+  uint64_t guest_id;
+  uint64_t port_guid;
+  uint8_t gid[16];
+  uint32_t lid;
+  uint32_t session_id;
+  uint64_t control_bytes;  ///< size of the control page mapping
+};
+static_assert(sizeof(HelloResp) == 48);
+
+struct HandleReq {  ///< every destroy/dealloc/dereg
+  uint32_t handle;
+  uint32_t reserved;
+};
+static_assert(sizeof(HandleReq) == 8);
+struct HandleResp {
+  uint32_t handle;
+  uint32_t reserved;
+};
+static_assert(sizeof(HandleResp) == 8);
+
+// ---- kRegSegment: hands the backend a sealed memfd that backs guest memory (one fd attached).
+struct RegSegmentReq {
+  uint64_t size;
+};
+static_assert(sizeof(RegSegmentReq) == 8);
+
+// ---- kRegMr: an MR is a virtual range described by extents of registered segments.
+struct MrExtent {
+  uint64_t mr_offset;   ///< offset of this extent within the MR
+  uint64_t length;
+  uint64_t seg_offset;  ///< offset within the segment
+  uint32_t segment;     ///< handle from kRegSegment
+  uint32_t reserved;
+};
+static_assert(sizeof(MrExtent) == 32);
+struct RegMrReq {
+  uint32_t pd;
+  uint32_t access;  ///< IBV_ACCESS_* bits
+  uint64_t addr;    ///< guest virtual address of the first byte
+  uint64_t length;
+  uint64_t iova;    ///< address peers use in rkey accesses
+  uint32_t num_extents;
+  uint32_t reserved;
+  MrExtent extents[kMaxMrExtents];
+};
+static_assert(sizeof(RegMrReq) == 40 + 32 * kMaxMrExtents);
+struct RegMrResp {
+  uint32_t handle;
+  uint32_t lkey;
+  uint32_t rkey;
+  uint32_t reserved;
+};
+static_assert(sizeof(RegMrResp) == 16);
+
+// ---- kCreateChannel: response carries the read end of the event pipe (4-byte CQ handles).
+
+// ---- kCreateCq: response carries the ring memfd.
+struct CreateCqReq {
+  uint32_t cqe;
+  uint32_t channel;  ///< kNone: no completion channel
+  uint32_t comp_vector;
+  uint32_t reserved;
+};
+static_assert(sizeof(CreateCqReq) == 16);
+struct CreateCqResp {
+  uint32_t handle;
+  uint32_t cqe;      ///< usable entries (>= requested)
+  uint64_t ring_bytes;
+};
+static_assert(sizeof(CreateCqResp) == 16);
+
+struct QpCaps {
+  uint32_t max_send_wr;
+  uint32_t max_recv_wr;
+  uint32_t max_send_sge;
+  uint32_t max_recv_sge;
+  uint32_t max_inline_data;
+  uint32_t reserved;
+};
+static_assert(sizeof(QpCaps) == 24);
+
+// ---- kCreateQp: response carries the ring memfd (SQ ring, then RQ ring at rq_offset).
+struct CreateQpReq {
+  uint32_t pd;
+  uint32_t send_cq;
+  uint32_t recv_cq;
+  uint32_t srq;     ///< kNone
+  uint8_t qp_type;  ///< IBV_QPT_*
+  uint8_t sq_sig_all;
+  uint16_t reserved;
+  uint32_t reserved2;
+  QpCaps caps;
+};
+static_assert(sizeof(CreateQpReq) == 48);
+struct CreateQpResp {
+  uint32_t handle;
+  uint32_t qpn;
+  QpCaps caps;
+  uint64_t ring_bytes;
+  uint64_t rq_offset;
+};
+static_assert(sizeof(CreateQpResp) == 48);
+
+/// Fixed-width image of ibv_qp_attr (the fields vrdma uses). Byte fields as in the verbs enums.
+struct QpAttr {
+  uint32_t qp_state;
+  uint32_t cur_qp_state;
+  uint32_t path_mtu;
+  uint32_t qp_access_flags;
+  uint32_t qkey;
+  uint32_t rq_psn;
+  uint32_t sq_psn;
+  uint32_t dest_qp_num;
+  uint16_t pkey_index;
+  uint8_t port_num;
+  uint8_t max_rd_atomic;
+  uint8_t max_dest_rd_atomic;
+  uint8_t min_rnr_timer;
+  uint8_t timeout;
+  uint8_t retry_cnt;
+  uint8_t rnr_retry;
+  uint8_t sq_draining;
+  uint8_t en_sqd_async_notify;
+  uint8_t is_global;  ///< ah: GRH present
+  uint16_t dlid;
+  uint8_t sl;
+  uint8_t src_path_bits;
+  uint8_t static_rate;
+  uint8_t ah_port_num;
+  uint8_t sgid_index;
+  uint8_t hop_limit;
+  uint8_t traffic_class;
+  uint8_t reserved;
+  uint32_t flow_label;
+  uint8_t dgid[16];
+};
+static_assert(sizeof(QpAttr) == 76);
+
+struct ModifyQpReq {
+  uint32_t handle;
+  uint32_t mask;  ///< IBV_QP_* bits
+  QpAttr attr;
+};
+static_assert(sizeof(ModifyQpReq) == 84);
+
+struct QueryQpResp {
+  QpAttr attr;
+  uint32_t reserved;
+  QpCaps caps;
+};
+static_assert(sizeof(QueryQpResp) == 104);
+
+// ---- kStatus: response body is a u32 length followed by that many bytes of JSON.
+struct StatusReq {
+  uint32_t flags;
+  uint32_t reserved;
+};
+static_assert(sizeof(StatusReq) == 8);
+
+/// Body type per opcode, for the length check.
+size_t request_body_size(Op op);
+
+/// Serialises header + body into a byte vector.
+template <typename Body>
+std::vector<uint8_t> encode(Op op, uint32_t seq, int32_t status, const Body& body) {
+  static_assert(std::is_trivially_copyable_v<Body>);
+  constexpr size_t body_size = std::is_empty_v<Body> ? 0 : sizeof(Body);
+  std::vector<uint8_t> out(sizeof(MsgHeader) + body_size);
+  MsgHeader h{kMagic, kVersion, static_cast<uint16_t>(op),
+              static_cast<uint32_t>(out.size()), seq, status, 0};
+  std::memcpy(out.data(), &h, sizeof(h));
+  if constexpr (body_size) { std::memcpy(out.data() + sizeof(h), &body, body_size);
+}
+  return out;
+}
+
+/// Validates a received message's header: magic, version, opcode range, declared length equal to
+/// the received length. Does not look at the body.
+Result<MsgHeader> decode_header(std::span<const uint8_t> msg);
+
+/// Validates a request: header as above plus the exact body size for its opcode.
+Result<MsgHeader> decode_request(std::span<const uint8_t> msg);
+
+/// Copies the body out of a message whose header was validated; EPROTO if the size differs.
+template <typename Body>
+Result<Body> body_of(std::span<const uint8_t> msg) {
+  static_assert(std::is_trivially_copyable_v<Body>);
+  if (msg.size() != sizeof(MsgHeader) + sizeof(Body)) {
+    return error(EPROTO, "body size mismatch");
+}
+  Body b;
+  std::memcpy(&b, msg.data() + sizeof(MsgHeader), sizeof(Body));
+  return b;
+}
+
+}  // namespace vrdma::proto

@@ -1,0 +1,118 @@
+// Shared-memory layouts of the data path: the per-session control page and the SQ, RQ and CQ
+// rings, each shared between one guest and the backend only. Versioned, fixed-width, no pointers.
+// Who writes what: a ring's producer index is written only by its producer (guest for SQ/RQ,
+// backend for CQ), its consumer index only by its consumer. The backend keeps its own copy of
+// every ring's geometry and cursors and never trusts a value read from shared memory.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace vrdma::proto {
+
+inline constexpr uint32_t kRingMagic = 0x474e4952;  // "RING"
+inline constexpr uint16_t kRingVersion = 1;
+inline constexpr uint32_t kMaxSge = 16;
+inline constexpr uint32_t kMaxInline = 256;  ///< inline bytes share the SGE area of a WQE
+inline constexpr uint32_t kMaxRingEntries = 1u << 15;
+
+enum class RingKind : uint16_t { kSq = 1, kRq = 2, kCq = 3 };
+
+using AtomicU32 = std::atomic<uint32_t>;
+static_assert(AtomicU32::is_always_lock_free);
+static_assert(sizeof(AtomicU32) == 4);
+
+struct alignas(64) RingHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t kind;  ///< RingKind
+  uint32_t entry_size;
+  uint32_t num_entries;  ///< power of two; informational for the guest
+  uint8_t pad0[48];
+  AtomicU32 producer;  ///< free-running count of entries produced
+  uint8_t pad1[60];
+  AtomicU32 consumer;  ///< free-running count of entries consumed
+  uint8_t pad2[60];
+  AtomicU32 armed;  ///< CQ only: 0 idle, 1 next completion, 2 next solicited completion
+  uint8_t pad3[60];
+};
+static_assert(sizeof(RingHeader) == 256);
+
+struct Sge {
+  uint64_t addr;
+  uint32_t length;
+  uint32_t lkey;
+};
+static_assert(sizeof(Sge) == 16);
+
+/// One send work request. For IBV_SEND_INLINE the payload sits in `inline_data` instead of SGEs.
+struct SendWqe {
+  uint64_t wr_id;
+  uint32_t opcode;      ///< IBV_WR_*
+  uint32_t send_flags;  ///< IBV_SEND_*
+  uint32_t imm_data;    ///< network order, as the verbs caller gave it
+  uint32_t num_sge;
+  uint64_t remote_addr;
+  uint32_t rkey;
+  uint32_t inline_len;
+  uint64_t compare_add;
+  uint64_t swap;
+  uint32_t ud_remote_qpn;
+  uint32_t ud_remote_qkey;
+  union {
+    Sge sge[kMaxSge];
+    uint8_t inline_data[kMaxInline];
+  };
+};
+static_assert(sizeof(SendWqe) == 64 + 256);
+
+struct RecvWqe {
+  uint64_t wr_id;
+  uint32_t num_sge;
+  uint32_t reserved;
+  Sge sge[kMaxSge];
+};
+static_assert(sizeof(RecvWqe) == 16 + 256);
+
+/// One completion, a fixed-width image of ibv_wc.
+struct Cqe {
+  uint64_t wr_id;
+  uint32_t status;  ///< IBV_WC_*
+  uint32_t opcode;  ///< IBV_WC_* opcode
+  uint32_t vendor_err;
+  uint32_t byte_len;
+  uint32_t imm_data;  ///< network order
+  uint32_t qp_num;
+  uint32_t src_qp;
+  uint32_t wc_flags;
+  uint16_t pkey_index;
+  uint16_t slid;
+  uint8_t sl;
+  uint8_t dlid_path_bits;
+  uint16_t reserved;
+};
+static_assert(sizeof(Cqe) == 48);
+
+/// Per-session page the backend shares with the guest: tells the guest when to ring the doorbell.
+struct alignas(64) ControlPage {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t reserved;
+  uint8_t pad0[56];
+  AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
+  uint8_t pad1[60];
+};
+static_assert(sizeof(ControlPage) == 128);
+
+inline constexpr size_t ring_bytes(uint32_t entries, size_t entry_size) {
+  return sizeof(RingHeader) + size_t{entries} * entry_size;
+}
+
+/// Entries of a ring start right after the header.
+template <typename Entry>
+inline Entry* ring_entries(RingHeader* h) {
+  return reinterpret_cast<Entry*>(reinterpret_cast<uint8_t*>(h) + sizeof(RingHeader));
+}
+
+}  // namespace vrdma::proto

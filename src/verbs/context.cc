@@ -1,0 +1,446 @@
+// The device and its context: device list, open/close (connecting to the backend, starting one
+// on first use), device/port/GID queries, async events, and the command RPC.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "common/identity.h"
+#include "common/log.h"
+#include "common/paths.h"
+#include "common/socket.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+
+using namespace vrdma;
+using namespace vrdma::verbs;
+using namespace vrdma::proto;
+
+#define VERBS_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+ibv_device g_device = [] {
+  ibv_device d{};
+  d.node_type = IBV_NODE_CA;
+  d.transport_type = IBV_TRANSPORT_IB;
+  std::strcpy(d.name, "vrdma0");
+  std::strcpy(d.dev_name, "uverbs0");
+  std::strcpy(d.dev_path, "/sys/class/infiniband_verbs/uverbs0");
+  std::strcpy(d.ibdev_path, "/sys/class/infiniband/vrdma0");
+  return d;
+}();
+
+std::atomic<bool> g_fork_init{false};
+
+/// Directory of this library, to find ../bin/vrdmad next to it.
+std::string library_dir() {
+  Dl_info info{};
+  if (!::dladdr(reinterpret_cast<void*>(&library_dir), &info) || !info.dli_fname) return ".";
+  std::string p = info.dli_fname;
+  auto slash = p.rfind('/');
+  return slash == std::string::npos ? "." : p.substr(0, slash);
+}
+
+std::string backend_binary() {
+  if (const char* e = std::getenv("VRDMA_BACKEND"); e && *e) return e;
+  return library_dir() + "/../bin/vrdmad";
+}
+
+/// Starts a detached backend (double fork, new session, log next to the socket). Two guests
+/// that race here both start one; the backend's lock lets only the first one serve.
+void spawn_backend(const std::string& sock) {
+  std::string bin = backend_binary();
+  if (::access(bin.c_str(), X_OK) != 0) {
+    VLOG_ERROR("no backend at {} (set VRDMA_BACKEND)", bin);
+    return;
+  }
+  ensure_parent_dir(sock);
+  std::string log_path = sock.substr(0, sock.rfind('/') + 1) + "vrdmad.log";
+  pid_t pid = ::fork();
+  if (pid < 0) return;
+  if (pid == 0) {
+    if (::fork() != 0) ::_exit(0);
+    ::setsid();
+    int null = ::open("/dev/null", O_RDONLY);
+    int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+    ::dup2(null, 0);
+    if (log >= 0) {
+      ::dup2(log, 1);
+      ::dup2(log, 2);
+    }
+    // Keep none of the application's descriptors alive in the daemon.
+    ::close_range(3, ~0u, 0);
+    ::unsetenv("LD_PRELOAD");
+    ::execl(bin.c_str(), bin.c_str(), "--socket", sock.c_str(), "--idle-exit", "60",
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  int st;
+  ::waitpid(pid, &st, 0);
+}
+
+Result<UniqueFd> connect_backend() {
+  const std::string path = socket_path();
+  auto r = connect_unix(path);
+  if (r.is_ok()) return r;
+  if (r.err() != ENOENT && r.err() != ECONNREFUSED) return r;
+  spawn_backend(path);
+  for (int i = 0; i < 500; ++i) {  // up to ~5 s
+    r = connect_unix(path);
+    if (r.is_ok()) return r;
+    timespec ts{0, 10 * 1000 * 1000};
+    ::nanosleep(&ts, nullptr);
+  }
+  return r;
+}
+
+}  // namespace
+
+namespace vrdma::verbs {
+
+int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
+                   std::span<const int> fds_in, std::vector<UniqueFd>* fds_out) {
+  std::lock_guard<std::mutex> g(rpc_mu);
+  std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
+  MsgHeader h{kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()),
+              ++seq, 0, 0};
+  std::memcpy(msg.data(), &h, sizeof(h));
+  if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
+  Status st = send_msg(sock.get(), msg, fds_in);
+  std::vector<UniqueFd> fds;
+  if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
+  if (!st.is_ok()) {
+    VLOG_ERROR("lost the backend: {}", st.message());
+    errno = EIO;
+    return EIO;
+  }
+  auto rh = decode_header(msg);
+  if (!rh.is_ok() || rh->seq != h.seq || rh->op != h.op) {
+    VLOG_ERROR("bad response from the backend");
+    errno = EIO;
+    return EIO;
+  }
+  if (rh->status != 0) {
+    errno = -rh->status;
+    return errno;
+  }
+  if (msg.size() != sizeof(MsgHeader) + resp_len) {
+    VLOG_ERROR("response of op {} has {} bytes, expected {}", h.op, msg.size(),
+               sizeof(MsgHeader) + resp_len);
+    errno = EIO;
+    return EIO;
+  }
+  if (resp_len) std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
+  if (fds_out) *fds_out = std::move(fds);
+  return 0;
+}
+
+void VContext::ring_doorbell() const {
+  // Pairs with the backend's seq_cst store of backend_sleeping before its last look.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (control_page()->backend_sleeping.load(std::memory_order_relaxed)) {
+    uint64_t one = 1;
+    ssize_t n = ::write(doorbell.get(), &one, sizeof(one));
+    (void)n;
+  }
+}
+
+void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
+  std::memset(&a, 0, sizeof(a));
+  std::snprintf(a.fw_ver, sizeof(a.fw_ver), "0.1.0");
+  a.node_guid = htobe64(ctx.hello.port_guid);
+  a.sys_image_guid = htobe64(ctx.hello.port_guid);
+  a.max_mr_size = kMaxMrSize;
+  a.page_size_cap = 4096;
+  a.vendor_id = kVendorId;
+  a.vendor_part_id = kVendorPartId;
+  a.hw_ver = kHwVer;
+  a.max_qp = kMaxQp;
+  a.max_qp_wr = kMaxQpWr;
+  a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT;
+  a.max_sge = kMaxSge;
+  a.max_sge_rd = kMaxSge;
+  a.max_cq = kMaxCq;
+  a.max_cqe = kMaxCqe;
+  a.max_mr = kMaxMr;
+  a.max_pd = kMaxPd;
+  a.max_qp_rd_atom = 0;  // RDMA READ and atomics: not implemented yet
+  a.max_ee_rd_atom = 0;
+  a.max_res_rd_atom = 0;
+  a.max_qp_init_rd_atom = 0;
+  a.atomic_cap = IBV_ATOMIC_NONE;
+  a.max_pkeys = 1;
+  a.local_ca_ack_delay = 0;
+  a.phys_port_cnt = 1;
+}
+
+}  // namespace vrdma::verbs
+
+namespace {
+
+int vrdma_query_port(ibv_context* c, uint8_t port, ibv_port_attr* a, size_t len) {
+  if (port != 1) return EINVAL;
+  ibv_port_attr p{};
+  p.state = IBV_PORT_ACTIVE;
+  p.max_mtu = IBV_MTU_4096;
+  p.active_mtu = IBV_MTU_4096;
+  p.gid_tbl_len = 1;
+  p.port_cap_flags = 0;
+  p.max_msg_sz = kMaxMsgSize;
+  p.bad_pkey_cntr = 0;
+  p.qkey_viol_cntr = 0;
+  p.pkey_tbl_len = 1;
+  p.lid = static_cast<uint16_t>(to_vctx(c)->hello.lid);
+  p.sm_lid = 1;
+  p.lmc = 0;
+  p.max_vl_num = 1;
+  p.sm_sl = 0;
+  p.subnet_timeout = 18;
+  p.init_type_reply = 0;
+  p.active_width = 2;   // 4X
+  p.active_speed = 32;  // EDR (25 Gb/s per lane)
+  p.phys_state = 5;     // LinkUp
+  p.link_layer = IBV_LINK_LAYER_INFINIBAND;
+  std::memcpy(a, &p, std::min(len, sizeof(p)));
+  return 0;
+}
+
+int vrdma_query_device_ex(ibv_context* c, const ibv_query_device_ex_input* input,
+                          ibv_device_attr_ex* attr, size_t attr_size) {
+  if (input && input->comp_mask) return EINVAL;
+  if (attr_size < sizeof(ibv_device_attr)) return EINVAL;
+  std::memset(attr, 0, attr_size);
+  fill_device_attr(*to_vctx(c), attr->orig_attr);
+  return 0;
+}
+
+template <typename... A>
+int unsupported_int(A...) {
+  return EOPNOTSUPP;
+}
+ibv_mw* unsupported_alloc_mw(ibv_pd*, ibv_mw_type) {
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+int unsupported_bind_mw(ibv_qp*, ibv_mw*, ibv_mw_bind*) { return EOPNOTSUPP; }
+int unsupported_dealloc_mw(ibv_mw*) { return EOPNOTSUPP; }
+int unsupported_post_srq_recv(ibv_srq*, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  *bad = wr;
+  return EOPNOTSUPP;
+}
+ibv_cq_ex* unsupported_create_cq_ex(ibv_context*, ibv_cq_init_attr_ex*) {
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+ibv_qp* unsupported_create_qp_ex(ibv_context*, ibv_qp_init_attr_ex*) {
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+
+}  // namespace
+
+VERBS_EXPORT ibv_device** ibv_get_device_list(int* num) {
+  auto** list = static_cast<ibv_device**>(std::calloc(2, sizeof(ibv_device*)));
+  if (!list) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  list[0] = &g_device;
+  if (num) *num = 1;
+  return list;
+}
+
+VERBS_EXPORT void ibv_free_device_list(ibv_device** list) { std::free(list); }
+
+VERBS_EXPORT const char* ibv_get_device_name(ibv_device* d) { return d ? d->name : nullptr; }
+
+VERBS_EXPORT int ibv_get_device_index(ibv_device* d) { return d == &g_device ? 0 : -1; }
+
+VERBS_EXPORT __be64 ibv_get_device_guid(ibv_device*) {
+  return htobe64(port_guid_of(guest_name()));
+}
+
+VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
+  if (dev != &g_device) {
+    errno = ENODEV;
+    return nullptr;
+  }
+  auto sock = connect_backend();
+  if (!sock.is_ok()) {
+    VLOG_ERROR("cannot reach the vrdma backend at {}: {}", socket_path(), sock.status().message());
+    errno = ENODEV;
+    return nullptr;
+  }
+  auto* ctx = new VContext();
+  ctx->sock = std::move(sock.value());
+  ctx->guest = guest_name();
+  HelloReq req{};
+  std::snprintf(req.guest, sizeof(req.guest), "%s", ctx->guest.c_str());
+  req.pid = static_cast<uint32_t>(::getpid());
+  std::vector<UniqueFd> fds;
+  if (ctx->call(Op::kHello, req, ctx->hello, {}, &fds) != 0 || fds.size() != 3) {
+    int err = errno ? errno : EIO;
+    VLOG_ERROR("backend refused guest '{}': {}", ctx->guest, std::strerror(err));
+    delete ctx;
+    errno = err;
+    return nullptr;
+  }
+  ctx->control = MappedRegion::map_shared(fds[0].get(), ctx->hello.control_bytes);
+  ctx->doorbell = std::move(fds[1]);
+  if (!ctx->control.valid()) {
+    delete ctx;
+    errno = ENOMEM;
+    return nullptr;
+  }
+  verbs_context& v = ctx->vctx;
+  ibv_context& c = v.context;
+  c.device = dev;
+  c.cmd_fd = ctx->sock.get();
+  c.async_fd = fds[2].release();
+  c.num_comp_vectors = 1;
+  pthread_mutex_init(&c.mutex, nullptr);
+  c.abi_compat = __VERBS_ABI_IS_EXTENDED;
+  c.ops.post_send = post_send;
+  c.ops.post_recv = post_recv;
+  c.ops.poll_cq = poll_cq;
+  c.ops.req_notify_cq = req_notify_cq;
+  c.ops.post_srq_recv = unsupported_post_srq_recv;
+  c.ops.alloc_mw = unsupported_alloc_mw;
+  c.ops.bind_mw = unsupported_bind_mw;
+  c.ops.dealloc_mw = unsupported_dealloc_mw;
+  v.sz = sizeof(verbs_context);
+  v.query_port = vrdma_query_port;
+  v.query_device_ex = vrdma_query_device_ex;
+  v.create_cq_ex = unsupported_create_cq_ex;
+  v.create_qp_ex = unsupported_create_qp_ex;
+  return &c;
+}
+
+VERBS_EXPORT int ibv_close_device(ibv_context* c) {
+  VContext* ctx = to_vctx(c);
+  ::close(c->async_fd);
+  pthread_mutex_destroy(&c->mutex);
+  delete ctx;  // closing the socket makes the backend reclaim anything left
+  return 0;
+}
+
+VERBS_EXPORT int ibv_query_device(ibv_context* c, ibv_device_attr* a) {
+  fill_device_attr(*to_vctx(c), *a);
+  return 0;
+}
+
+#undef ibv_query_port
+VERBS_EXPORT int ibv_query_port(ibv_context* c, uint8_t port, struct _compat_ibv_port_attr* a) {
+  // Old binaries pass the smaller pre-1.1 struct; its layout is a prefix of ibv_port_attr.
+  return vrdma_query_port(c, port, reinterpret_cast<ibv_port_attr*>(a),
+                          offsetof(ibv_port_attr, link_layer) + 1);
+}
+
+VERBS_EXPORT int ibv_query_gid(ibv_context* c, uint8_t port, int index, union ibv_gid* gid) {
+  if (port != 1 || index != 0) {
+    errno = EINVAL;
+    return -1;
+  }
+  std::memcpy(gid->raw, to_vctx(c)->hello.gid, 16);
+  return 0;
+}
+
+VERBS_EXPORT int ibv_query_pkey(ibv_context*, uint8_t port, int index, __be16* pkey) {
+  if (port != 1 || index != 0) {
+    errno = EINVAL;
+    return -1;
+  }
+  *pkey = htobe16(0xffff);
+  return 0;
+}
+
+VERBS_EXPORT int ibv_get_pkey_index(ibv_context*, uint8_t port, __be16 pkey) {
+  if (port != 1) return -EINVAL;
+  return be16toh(pkey) == 0xffff ? 0 : -ENOENT;
+}
+
+// Declared in rdma-core's private driver.h; the enum is 32 bits, 0 meaning "IB/RoCE v1".
+VERBS_EXPORT int ibv_query_gid_type(ibv_context*, uint8_t port, unsigned int index,
+                                    uint32_t* type) {
+  if (port != 1 || index != 0) {
+    errno = EINVAL;
+    return -1;
+  }
+  *type = 0;
+  return 0;
+}
+
+VERBS_EXPORT int _ibv_query_gid_ex(ibv_context* c, uint32_t port, uint32_t index,
+                                   ibv_gid_entry* entry, uint32_t flags, size_t entry_size) {
+  if (flags) return EINVAL;
+  if (port != 1) return EINVAL;
+  if (index != 0) return ENODATA;
+  if (entry_size < sizeof(ibv_gid_entry)) return EINVAL;
+  std::memset(entry, 0, sizeof(*entry));
+  std::memcpy(entry->gid.raw, to_vctx(c)->hello.gid, 16);
+  entry->gid_index = 0;
+  entry->port_num = 1;
+  entry->gid_type = IBV_GID_TYPE_IB;
+  entry->ndev_ifindex = 0;
+  return 0;
+}
+
+VERBS_EXPORT ssize_t _ibv_query_gid_table(ibv_context* c, ibv_gid_entry* entries,
+                                          size_t max_entries, uint32_t flags, size_t entry_size) {
+  if (flags || entry_size < sizeof(ibv_gid_entry)) return -EINVAL;
+  if (max_entries < 1) return -EINVAL;
+  int rc = _ibv_query_gid_ex(c, 1, 0, entries, 0, entry_size);
+  return rc ? -rc : 1;
+}
+
+VERBS_EXPORT int ibv_get_async_event(ibv_context* c, ibv_async_event* ev) {
+  uint32_t raw[2];
+  ssize_t n = ::read(c->async_fd, raw, sizeof(raw));
+  if (n != sizeof(raw)) return -1;
+  VContext* ctx = to_vctx(c);
+  ev->event_type = static_cast<ibv_event_type>(raw[0]);
+  std::lock_guard<std::mutex> g(ctx->objs_mu);
+  switch (ev->event_type) {
+    case IBV_EVENT_CQ_ERR: {
+      auto it = ctx->cqs.find(raw[1]);
+      ev->element.cq = it == ctx->cqs.end() ? nullptr : &it->second->cq;
+      break;
+    }
+    case IBV_EVENT_PORT_ACTIVE:
+    case IBV_EVENT_PORT_ERR:
+      ev->element.port_num = static_cast<int>(raw[1]);
+      break;
+    default: {
+      auto it = ctx->qps.find(raw[1]);
+      ev->element.qp = it == ctx->qps.end() ? nullptr : &it->second->qp;
+      break;
+    }
+  }
+  return 0;
+}
+
+VERBS_EXPORT void ibv_ack_async_event(ibv_async_event*) {}
+
+VERBS_EXPORT int ibv_fork_init(void) {
+  // Registered pages are shared memfd mappings: after fork() parent and child share them
+  // (documented in docs/ARCHITECTURE.md); there is nothing to set up.
+  g_fork_init = true;
+  return 0;
+}
+
+VERBS_EXPORT enum ibv_fork_status ibv_is_fork_initialized(void) {
+  return g_fork_init ? IBV_FORK_ENABLED : IBV_FORK_DISABLED;
+}
+
+VERBS_EXPORT int ibv_dontfork_range(void*, size_t) { return 0; }
+VERBS_EXPORT int ibv_dofork_range(void*, size_t) { return 0; }

@@ -1,0 +1,170 @@
+// Guest side of the data path: post_send/post_recv write WQEs into the shared rings and
+// publish them with one release store; poll_cq reads completions the backend wrote. No
+// syscall here, except the doorbell write when the backend announced it is asleep.
+#include <sched.h>
+
+#include <cstring>
+
+#include "verbs/internal.h"
+
+namespace vrdma::verbs {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
+
+bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
+  switch (t) {
+    case IBV_QPT_RC:
+      return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM;
+    case IBV_QPT_UC:
+      return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
+  VQp* qp = to_vqp(q);
+  // Posting to a QP that cannot send is an immediate error (IB spec o10-?, 11.4.1.1).
+  if (q->state == IBV_QPS_RESET || q->state == IBV_QPS_INIT || q->state == IBV_QPS_RTR) {
+    *bad = wr;
+    return EINVAL;
+  }
+  int rc = 0;
+  qp->sq_lock.lock();
+  const uint32_t start = qp->sq_prod;
+  for (; wr; wr = wr->next) {
+    const uint32_t cons = qp->sq_hdr->consumer.load(std::memory_order_acquire);
+    if (qp->sq_prod - cons >= qp->sq_size) {
+      rc = ENOMEM;
+      break;
+    }
+    if (!opcode_allowed(q->qp_type, wr->opcode) || wr->num_sge < 0 ||
+        static_cast<uint32_t>(wr->num_sge) > qp->caps.max_send_sge) {
+      rc = EINVAL;
+      break;
+    }
+    SendWqe& w = qp->sq[qp->sq_prod & (qp->sq_size - 1)];
+    w.wr_id = wr->wr_id;
+    w.opcode = wr->opcode;
+    w.send_flags = wr->send_flags;
+    w.imm_data = wr->imm_data;
+    w.num_sge = static_cast<uint32_t>(wr->num_sge);
+    w.remote_addr = wr->wr.rdma.remote_addr;
+    w.rkey = wr->wr.rdma.rkey;
+    w.inline_len = 0;
+    if (wr->send_flags & IBV_SEND_INLINE) {
+      uint64_t total = 0;
+      for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
+      if (total > qp->caps.max_inline_data) {
+        rc = EINVAL;
+        break;
+      }
+      uint32_t off = 0;
+      for (int i = 0; i < wr->num_sge; ++i) {
+        std::memcpy(w.inline_data + off, reinterpret_cast<const void*>(wr->sg_list[i].addr),
+                    wr->sg_list[i].length);
+        off += wr->sg_list[i].length;
+      }
+      w.inline_len = off;
+    } else {
+      for (int i = 0; i < wr->num_sge; ++i)
+        w.sge[i] = Sge{wr->sg_list[i].addr, wr->sg_list[i].length, wr->sg_list[i].lkey};
+    }
+    qp->sq_prod++;
+  }
+  if (qp->sq_prod != start) {
+    qp->sq_hdr->producer.store(qp->sq_prod, std::memory_order_release);
+    to_vctx(q->context)->ring_doorbell();
+  }
+  qp->sq_lock.unlock();
+  if (rc) *bad = wr;
+  return rc;
+}
+
+int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  VQp* qp = to_vqp(q);
+  if (q->state == IBV_QPS_RESET) {
+    *bad = wr;
+    return EINVAL;
+  }
+  int rc = 0;
+  qp->rq_lock.lock();
+  const uint32_t start = qp->rq_prod;
+  for (; wr; wr = wr->next) {
+    const uint32_t cons = qp->rq_hdr->consumer.load(std::memory_order_acquire);
+    if (qp->rq_prod - cons >= qp->rq_size) {
+      rc = ENOMEM;
+      break;
+    }
+    if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp->caps.max_recv_sge) {
+      rc = EINVAL;
+      break;
+    }
+    RecvWqe& r = qp->rq[qp->rq_prod & (qp->rq_size - 1)];
+    r.wr_id = wr->wr_id;
+    r.num_sge = static_cast<uint32_t>(wr->num_sge);
+    for (int i = 0; i < wr->num_sge; ++i)
+      r.sge[i] = Sge{wr->sg_list[i].addr, wr->sg_list[i].length, wr->sg_list[i].lkey};
+    qp->rq_prod++;
+  }
+  if (qp->rq_prod != start) {
+    qp->rq_hdr->producer.store(qp->rq_prod, std::memory_order_release);
+    // A receive can unblock a sender the backend is holding in RNR wait.
+    to_vctx(q->context)->ring_doorbell();
+  }
+  qp->rq_lock.unlock();
+  if (rc) *bad = wr;
+  return rc;
+}
+
+int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
+  VCq* cq = to_vcq(c);
+  cq->lock.lock();
+  const uint32_t prod = cq->hdr->producer.load(std::memory_order_acquire);
+  int got = 0;
+  while (got < n && cq->cons != prod) {
+    const Cqe& e = cq->entries[cq->cons & (cq->size - 1)];
+    ibv_wc& w = wc[got++];
+    w.wr_id = e.wr_id;
+    w.status = static_cast<ibv_wc_status>(e.status);
+    w.opcode = static_cast<ibv_wc_opcode>(e.opcode);
+    w.vendor_err = e.vendor_err;
+    w.byte_len = e.byte_len;
+    w.imm_data = e.imm_data;
+    w.qp_num = e.qp_num;
+    w.src_qp = e.src_qp;
+    w.wc_flags = e.wc_flags;
+    w.pkey_index = e.pkey_index;
+    w.slid = e.slid;
+    w.sl = e.sl;
+    w.dlid_path_bits = e.dlid_path_bits;
+    cq->cons++;
+  }
+  if (got) {
+    cq->hdr->consumer.store(cq->cons, std::memory_order_release);
+    cq->empty_polls = 0;
+  } else if (++cq->empty_polls % kYieldEvery == 0) {
+    // A busy-polling application competes with the backend for the CPUs; when the CQ has
+    // stayed empty for a while, let the backend (which produces completions) run. Without
+    // this, on a machine with fewer cores than spinners, each completion waits for a
+    // scheduler time slice (milliseconds). Only the empty path pays this syscall.
+    cq->lock.unlock();
+    ::sched_yield();
+    return 0;
+  }
+  cq->lock.unlock();
+  return got;
+}
+
+int req_notify_cq(ibv_cq* c, int solicited_only) {
+  to_vcq(c)->hdr->armed.store(solicited_only ? 2 : 1, std::memory_order_seq_cst);
+  return 0;
+}
+
+}  // namespace vrdma::verbs

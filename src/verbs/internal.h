@@ -1,0 +1,130 @@
+// Private objects of the drop-in libibverbs: each public verbs object (ibv_context, ibv_cq,
+// ibv_qp, ...) is the first member of ours, and to_vxx() gets back to ours (the provider
+// pattern). The guest talks to the backend over one control socket per context (commands under
+// the context's lock) and through shared rings mapped from the backend (no syscall per op).
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "proto/command.h"
+#include "proto/ring.h"
+
+namespace vrdma::verbs {
+
+/// A spinlock for the post/poll paths: uncontended it costs one atomic, and it never sleeps.
+class SpinLock {
+ public:
+  void lock() {
+    while (flag_.exchange(true, std::memory_order_acquire)) {
+      while (flag_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
+    }
+  }
+  void unlock() { flag_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> flag_{false};
+};
+
+struct VContext {
+  verbs_context vctx;  ///< must stay first: ibv_context is its last member
+  std::mutex rpc_mu;   ///< one command in flight per context
+  UniqueFd sock;
+  uint32_t seq = 0;
+  proto::HelloResp hello{};
+  MappedRegion control;
+  UniqueFd doorbell;
+  std::string guest;
+  std::mutex objs_mu;  ///< guards the handle maps below
+  std::map<uint32_t, struct VCq*> cqs;
+  std::map<uint32_t, struct VQp*> qps;
+  std::map<uint32_t, uint32_t> segments;  ///< process segment id -> this session's handle
+
+  proto::ControlPage* control_page() const {
+    return reinterpret_cast<proto::ControlPage*>(control.data());
+  }
+  /// Sends one command and waits for its response; fills `fds_out` with any descriptors.
+  /// Returns the errno the backend answered (0 on success), with errno also set.
+  int call(proto::Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
+           std::span<const int> fds_in = {}, std::vector<UniqueFd>* fds_out = nullptr);
+  template <typename Req, typename Resp>
+  int call(proto::Op op, const Req& req, Resp& resp, std::span<const int> fds_in = {},
+           std::vector<UniqueFd>* fds_out = nullptr) {
+    return call(op, &req, sizeof(Req), &resp, sizeof(Resp), fds_in, fds_out);
+  }
+  /// Tells a sleeping backend that rings have new work.
+  void ring_doorbell() const;
+};
+
+inline VContext* to_vctx(ibv_context* c) {
+  return reinterpret_cast<VContext*>(reinterpret_cast<uint8_t*>(c) -
+                                     offsetof(verbs_context, context));
+}
+
+struct VPd {
+  ibv_pd pd;
+  uint32_t handle;
+};
+
+struct VMr {
+  ibv_mr mr;
+  uint32_t handle;
+};
+
+struct VChannel {
+  ibv_comp_channel ch;
+  uint32_t handle;
+};
+
+struct VCq {
+  ibv_cq cq;
+  uint32_t handle;
+  MappedRegion ring;
+  proto::RingHeader* hdr;
+  proto::Cqe* entries;
+  uint32_t size;
+  uint32_t cons;  ///< guest-private consumer cursor
+  SpinLock lock;
+  uint32_t events_reported = 0;
+  uint32_t empty_polls = 0;  ///< consecutive polls that found nothing  ///< completion events handed out by ibv_get_cq_event
+};
+
+struct VQp {
+  ibv_qp qp;
+  uint32_t handle;
+  MappedRegion ring;
+  proto::RingHeader* sq_hdr;
+  proto::RingHeader* rq_hdr;
+  proto::SendWqe* sq;
+  proto::RecvWqe* rq;
+  uint32_t sq_size, rq_size;
+  uint32_t sq_prod = 0, rq_prod = 0;  ///< guest-private producer cursors
+  proto::QpCaps caps;
+  SpinLock sq_lock, rq_lock;
+};
+
+inline VCq* to_vcq(ibv_cq* c) { return reinterpret_cast<VCq*>(c); }
+inline VQp* to_vqp(ibv_qp* q) { return reinterpret_cast<VQp*>(q); }
+
+// Data path (datapath.cc).
+int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
+int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
+int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);
+int req_notify_cq(ibv_cq* cq, int solicited_only);
+
+// Registered memory (memory.cc): makes [addr, addr+len) reachable by the backend and fills the
+// extents of a kRegMr request.
+int describe_memory(VContext& ctx, void* addr, size_t len, proto::RegMrReq& req);
+
+// Device attributes (context.cc).
+void fill_device_attr(const VContext& ctx, ibv_device_attr& a);
+
+}  // namespace vrdma::verbs

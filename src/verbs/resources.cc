@@ -1,0 +1,408 @@
+// Control-path verbs: PDs, MRs, completion channels, CQs and QPs. Each is one command to the
+// backend, which owns the resource; the guest keeps a handle and the shared rings.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/log.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+
+using namespace vrdma;
+using namespace vrdma::verbs;
+using namespace vrdma::proto;
+
+#define VERBS_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+template <typename T>
+T* fail_ptr(int err) {
+  errno = err;
+  return nullptr;
+}
+
+int destroy_handle(ibv_context* c, Op op, uint32_t handle) {
+  HandleReq req{handle, 0};
+  Empty resp;
+  return to_vctx(c)->call(op, &req, sizeof(req), &resp, 0);
+}
+
+QpAttr to_wire(const ibv_qp_attr& a) {
+  QpAttr w{};
+  w.qp_state = a.qp_state;
+  w.cur_qp_state = a.cur_qp_state;
+  w.path_mtu = a.path_mtu;
+  w.qp_access_flags = a.qp_access_flags;
+  w.qkey = a.qkey;
+  w.rq_psn = a.rq_psn;
+  w.sq_psn = a.sq_psn;
+  w.dest_qp_num = a.dest_qp_num;
+  w.pkey_index = a.pkey_index;
+  w.port_num = a.port_num;
+  w.max_rd_atomic = a.max_rd_atomic;
+  w.max_dest_rd_atomic = a.max_dest_rd_atomic;
+  w.min_rnr_timer = a.min_rnr_timer;
+  w.timeout = a.timeout;
+  w.retry_cnt = a.retry_cnt;
+  w.rnr_retry = a.rnr_retry;
+  w.sq_draining = a.sq_draining;
+  w.en_sqd_async_notify = a.en_sqd_async_notify;
+  w.is_global = a.ah_attr.is_global;
+  w.dlid = a.ah_attr.dlid;
+  w.sl = a.ah_attr.sl;
+  w.src_path_bits = a.ah_attr.src_path_bits;
+  w.static_rate = a.ah_attr.static_rate;
+  w.ah_port_num = a.ah_attr.port_num;
+  w.sgid_index = a.ah_attr.grh.sgid_index;
+  w.hop_limit = a.ah_attr.grh.hop_limit;
+  w.traffic_class = a.ah_attr.grh.traffic_class;
+  w.flow_label = a.ah_attr.grh.flow_label;
+  std::memcpy(w.dgid, a.ah_attr.grh.dgid.raw, 16);
+  return w;
+}
+
+void from_wire(const QpAttr& w, ibv_qp_attr& a) {
+  std::memset(&a, 0, sizeof(a));
+  a.qp_state = static_cast<ibv_qp_state>(w.qp_state);
+  a.cur_qp_state = static_cast<ibv_qp_state>(w.cur_qp_state);
+  a.path_mtu = static_cast<ibv_mtu>(w.path_mtu);
+  a.path_mig_state = IBV_MIG_MIGRATED;
+  a.qp_access_flags = w.qp_access_flags;
+  a.qkey = w.qkey;
+  a.rq_psn = w.rq_psn;
+  a.sq_psn = w.sq_psn;
+  a.dest_qp_num = w.dest_qp_num;
+  a.pkey_index = w.pkey_index;
+  a.port_num = w.port_num;
+  a.max_rd_atomic = w.max_rd_atomic;
+  a.max_dest_rd_atomic = w.max_dest_rd_atomic;
+  a.min_rnr_timer = w.min_rnr_timer;
+  a.timeout = w.timeout;
+  a.retry_cnt = w.retry_cnt;
+  a.rnr_retry = w.rnr_retry;
+  a.sq_draining = w.sq_draining;
+  a.en_sqd_async_notify = w.en_sqd_async_notify;
+  a.ah_attr.is_global = w.is_global;
+  a.ah_attr.dlid = w.dlid;
+  a.ah_attr.sl = w.sl;
+  a.ah_attr.src_path_bits = w.src_path_bits;
+  a.ah_attr.static_rate = w.static_rate;
+  a.ah_attr.port_num = w.ah_port_num;
+  a.ah_attr.grh.sgid_index = w.sgid_index;
+  a.ah_attr.grh.hop_limit = w.hop_limit;
+  a.ah_attr.grh.traffic_class = w.traffic_class;
+  a.ah_attr.grh.flow_label = w.flow_label;
+  std::memcpy(a.ah_attr.grh.dgid.raw, w.dgid, 16);
+}
+
+}  // namespace
+
+// ---- protection domains ----
+
+VERBS_EXPORT ibv_pd* ibv_alloc_pd(ibv_context* c) {
+  HandleResp resp{};
+  if (to_vctx(c)->call(Op::kAllocPd, nullptr, 0, &resp, sizeof(resp))) return nullptr;
+  auto* pd = new VPd{};
+  pd->pd.context = c;
+  pd->pd.handle = resp.handle;
+  pd->handle = resp.handle;
+  return &pd->pd;
+}
+
+VERBS_EXPORT int ibv_dealloc_pd(ibv_pd* pd) {
+  auto* v = reinterpret_cast<VPd*>(pd);
+  if (int rc = destroy_handle(pd->context, Op::kDeallocPd, v->handle)) return rc;
+  delete v;
+  return 0;
+}
+
+// ---- memory regions ----
+
+namespace {
+ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned access) {
+  if (!pd || !addr || length == 0) return fail_ptr<ibv_mr>(EINVAL);
+  VContext* ctx = to_vctx(pd->context);
+  auto* req = new RegMrReq{};
+  std::unique_ptr<RegMrReq> own(req);
+  req->pd = reinterpret_cast<VPd*>(pd)->handle;
+  req->access = access & ~IBV_ACCESS_OPTIONAL_RANGE;
+  req->addr = reinterpret_cast<uintptr_t>(addr);
+  req->length = length;
+  req->iova = iova;
+  if (int rc = describe_memory(*ctx, addr, length, *req)) return fail_ptr<ibv_mr>(rc);
+  RegMrResp resp{};
+  if (ctx->call(Op::kRegMr, *req, resp)) return nullptr;
+  auto* mr = new VMr{};
+  mr->mr.context = pd->context;
+  mr->mr.pd = pd;
+  mr->mr.addr = addr;
+  mr->mr.length = length;
+  mr->mr.handle = resp.handle;
+  mr->mr.lkey = resp.lkey;
+  mr->mr.rkey = resp.rkey;
+  mr->handle = resp.handle;
+  return &mr->mr;
+}
+}  // namespace
+
+#undef ibv_reg_mr
+VERBS_EXPORT ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
+  return reg_mr_common(pd, addr, length, reinterpret_cast<uintptr_t>(addr),
+                       static_cast<unsigned>(access));
+}
+
+#undef ibv_reg_mr_iova
+VERBS_EXPORT ibv_mr* ibv_reg_mr_iova(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
+                                     int access) {
+  return reg_mr_common(pd, addr, length, iova, static_cast<unsigned>(access));
+}
+
+VERBS_EXPORT ibv_mr* ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
+                                      unsigned int access) {
+  return reg_mr_common(pd, addr, length, iova, access);
+}
+
+VERBS_EXPORT int ibv_dereg_mr(ibv_mr* mr) {
+  auto* v = reinterpret_cast<VMr*>(mr);
+  if (int rc = destroy_handle(mr->context, Op::kDeregMr, v->handle)) return rc;
+  delete v;
+  return 0;
+}
+
+// ---- completion channels ----
+
+VERBS_EXPORT ibv_comp_channel* ibv_create_comp_channel(ibv_context* c) {
+  HandleResp resp{};
+  std::vector<UniqueFd> fds;
+  if (to_vctx(c)->call(Op::kCreateChannel, nullptr, 0, &resp, sizeof(resp), {}, &fds))
+    return nullptr;
+  if (fds.size() != 1) return fail_ptr<ibv_comp_channel>(EIO);
+  auto* ch = new VChannel{};
+  ch->ch.context = c;
+  ch->ch.fd = fds[0].release();
+  ch->ch.refcnt = 0;
+  ch->handle = resp.handle;
+  return &ch->ch;
+}
+
+VERBS_EXPORT int ibv_destroy_comp_channel(ibv_comp_channel* ch) {
+  auto* v = reinterpret_cast<VChannel*>(ch);
+  if (int rc = destroy_handle(ch->context, Op::kDestroyChannel, v->handle)) return rc;
+  ::close(ch->fd);
+  delete v;
+  return 0;
+}
+
+// ---- completion queues ----
+
+VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
+                                   ibv_comp_channel* channel, int comp_vector) {
+  if (cqe <= 0 || comp_vector < 0 || comp_vector >= c->num_comp_vectors)
+    return fail_ptr<ibv_cq>(EINVAL);
+  VContext* ctx = to_vctx(c);
+  CreateCqReq req{static_cast<uint32_t>(cqe),
+                  channel ? reinterpret_cast<VChannel*>(channel)->handle : kNone,
+                  static_cast<uint32_t>(comp_vector), 0};
+  CreateCqResp resp{};
+  std::vector<UniqueFd> fds;
+  if (ctx->call(Op::kCreateCq, req, resp, {}, &fds)) return nullptr;
+  auto* cq = new VCq{};
+  cq->ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
+  if (!cq->ring.valid()) {
+    destroy_handle(c, Op::kDestroyCq, resp.handle);
+    delete cq;
+    return fail_ptr<ibv_cq>(ENOMEM);
+  }
+  cq->handle = resp.handle;
+  cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
+  cq->entries = ring_entries<Cqe>(cq->hdr);
+  cq->size = resp.cqe + 1;
+  cq->cq.context = c;
+  cq->cq.channel = channel;
+  cq->cq.cq_context = cq_context;
+  cq->cq.handle = resp.handle;
+  cq->cq.cqe = static_cast<int>(resp.cqe);
+  pthread_mutex_init(&cq->cq.mutex, nullptr);
+  pthread_cond_init(&cq->cq.cond, nullptr);
+  if (channel) __atomic_add_fetch(&channel->refcnt, 1, __ATOMIC_RELAXED);
+  std::lock_guard<std::mutex> g(ctx->objs_mu);
+  ctx->cqs[cq->handle] = cq;
+  return &cq->cq;
+}
+
+VERBS_EXPORT int ibv_destroy_cq(ibv_cq* cq) {
+  VCq* v = to_vcq(cq);
+  VContext* ctx = to_vctx(cq->context);
+  if (int rc = destroy_handle(cq->context, Op::kDestroyCq, v->handle)) return rc;
+  // As with a kernel device: wait until every event handed out has been acknowledged.
+  pthread_mutex_lock(&cq->mutex);
+  while (cq->comp_events_completed != v->events_reported) pthread_cond_wait(&cq->cond, &cq->mutex);
+  pthread_mutex_unlock(&cq->mutex);
+  if (cq->channel) __atomic_sub_fetch(&cq->channel->refcnt, 1, __ATOMIC_RELAXED);
+  {
+    std::lock_guard<std::mutex> g(ctx->objs_mu);
+    ctx->cqs.erase(v->handle);
+  }
+  pthread_cond_destroy(&cq->cond);
+  pthread_mutex_destroy(&cq->mutex);
+  delete v;
+  return 0;
+}
+
+VERBS_EXPORT int ibv_resize_cq(ibv_cq*, int) { return EOPNOTSUPP; }
+
+VERBS_EXPORT int ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
+  uint32_t handle;
+  ssize_t n = ::read(channel->fd, &handle, sizeof(handle));
+  if (n != sizeof(handle)) return -1;
+  VContext* ctx = to_vctx(channel->context);
+  VCq* v;
+  {
+    std::lock_guard<std::mutex> g(ctx->objs_mu);
+    auto it = ctx->cqs.find(handle);
+    if (it == ctx->cqs.end()) {
+      errno = EIO;
+      return -1;
+    }
+    v = it->second;
+  }
+  pthread_mutex_lock(&v->cq.mutex);
+  v->events_reported++;
+  pthread_mutex_unlock(&v->cq.mutex);
+  *cq = &v->cq;
+  *cq_context = v->cq.cq_context;
+  return 0;
+}
+
+VERBS_EXPORT void ibv_ack_cq_events(ibv_cq* cq, unsigned int nevents) {
+  pthread_mutex_lock(&cq->mutex);
+  cq->comp_events_completed += nevents;
+  pthread_cond_signal(&cq->cond);
+  pthread_mutex_unlock(&cq->mutex);
+}
+
+// ---- queue pairs ----
+
+VERBS_EXPORT ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
+  if (!pd || !attr || !attr->send_cq || !attr->recv_cq) return fail_ptr<ibv_qp>(EINVAL);
+  VContext* ctx = to_vctx(pd->context);
+  CreateQpReq req{};
+  req.pd = reinterpret_cast<VPd*>(pd)->handle;
+  req.send_cq = to_vcq(attr->send_cq)->handle;
+  req.recv_cq = to_vcq(attr->recv_cq)->handle;
+  req.srq = attr->srq ? 0 : kNone;
+  req.qp_type = static_cast<uint8_t>(attr->qp_type);
+  req.sq_sig_all = attr->sq_sig_all ? 1 : 0;
+  req.caps = QpCaps{attr->cap.max_send_wr,  attr->cap.max_recv_wr, attr->cap.max_send_sge,
+                    attr->cap.max_recv_sge, attr->cap.max_inline_data, 0};
+  CreateQpResp resp{};
+  std::vector<UniqueFd> fds;
+  if (ctx->call(Op::kCreateQp, req, resp, {}, &fds)) return nullptr;
+  auto* qp = new VQp{};
+  qp->ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
+  if (!qp->ring.valid()) {
+    destroy_handle(pd->context, Op::kDestroyQp, resp.handle);
+    delete qp;
+    return fail_ptr<ibv_qp>(ENOMEM);
+  }
+  qp->handle = resp.handle;
+  qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
+  qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + resp.rq_offset);
+  qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
+  qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
+  qp->sq_size = resp.caps.max_send_wr;
+  qp->rq_size = resp.caps.max_recv_wr;
+  qp->caps = resp.caps;
+  ibv_qp& q = qp->qp;
+  q.context = pd->context;
+  q.qp_context = attr->qp_context;
+  q.pd = pd;
+  q.send_cq = attr->send_cq;
+  q.recv_cq = attr->recv_cq;
+  q.srq = attr->srq;
+  q.handle = resp.handle;
+  q.qp_num = resp.qpn;
+  q.state = IBV_QPS_RESET;
+  q.qp_type = attr->qp_type;
+  pthread_mutex_init(&q.mutex, nullptr);
+  pthread_cond_init(&q.cond, nullptr);
+  // ibv_create_qp returns the capabilities actually granted.
+  attr->cap.max_send_wr = resp.caps.max_send_wr;
+  attr->cap.max_recv_wr = resp.caps.max_recv_wr;
+  attr->cap.max_send_sge = resp.caps.max_send_sge;
+  attr->cap.max_recv_sge = resp.caps.max_recv_sge;
+  attr->cap.max_inline_data = resp.caps.max_inline_data;
+  std::lock_guard<std::mutex> g(ctx->objs_mu);
+  ctx->qps[qp->handle] = qp;
+  return &q;
+}
+
+VERBS_EXPORT int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
+  if (!attr) return EINVAL;
+  ModifyQpReq req{to_vqp(qp)->handle, static_cast<uint32_t>(mask), to_wire(*attr)};
+  Empty resp;
+  if (int rc = to_vctx(qp->context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0)) return rc;
+  if (mask & IBV_QP_STATE) qp->state = attr->qp_state;
+  return 0;
+}
+
+VERBS_EXPORT int ibv_query_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_init_attr* init) {
+  (void)mask;  // everything is returned; the mask only says what the caller needs
+  HandleReq req{to_vqp(qp)->handle, 0};
+  QueryQpResp resp{};
+  if (int rc = to_vctx(qp->context)->call(Op::kQueryQp, req, resp)) return rc;
+  from_wire(resp.attr, *attr);
+  attr->cap.max_send_wr = resp.caps.max_send_wr;
+  attr->cap.max_recv_wr = resp.caps.max_recv_wr;
+  attr->cap.max_send_sge = resp.caps.max_send_sge;
+  attr->cap.max_recv_sge = resp.caps.max_recv_sge;
+  attr->cap.max_inline_data = resp.caps.max_inline_data;
+  qp->state = attr->qp_state;
+  if (init) {
+    std::memset(init, 0, sizeof(*init));
+    init->qp_context = qp->qp_context;
+    init->send_cq = qp->send_cq;
+    init->recv_cq = qp->recv_cq;
+    init->srq = qp->srq;
+    init->qp_type = qp->qp_type;
+    init->cap = attr->cap;
+  }
+  return 0;
+}
+
+VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
+  VQp* v = to_vqp(qp);
+  VContext* ctx = to_vctx(qp->context);
+  if (int rc = destroy_handle(qp->context, Op::kDestroyQp, v->handle)) return rc;
+  {
+    std::lock_guard<std::mutex> g(ctx->objs_mu);
+    ctx->qps.erase(v->handle);
+  }
+  pthread_cond_destroy(&qp->cond);
+  pthread_mutex_destroy(&qp->mutex);
+  delete v;
+  return 0;
+}
+
+VERBS_EXPORT ibv_qp_ex* ibv_qp_to_qp_ex(ibv_qp*) { return fail_ptr<ibv_qp_ex>(EOPNOTSUPP); }
+
+// ---- not implemented yet: SRQ, address handles, multicast ----
+
+VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd*, ibv_srq_init_attr*) {
+  return fail_ptr<ibv_srq>(EOPNOTSUPP);
+}
+VERBS_EXPORT int ibv_modify_srq(ibv_srq*, ibv_srq_attr*, int) { return EOPNOTSUPP; }
+VERBS_EXPORT int ibv_query_srq(ibv_srq*, ibv_srq_attr*) { return EOPNOTSUPP; }
+VERBS_EXPORT int ibv_destroy_srq(ibv_srq*) { return EOPNOTSUPP; }
+VERBS_EXPORT ibv_ah* ibv_create_ah(ibv_pd*, ibv_ah_attr*) { return fail_ptr<ibv_ah>(EOPNOTSUPP); }
+VERBS_EXPORT int ibv_destroy_ah(ibv_ah*) { return EOPNOTSUPP; }
+VERBS_EXPORT int ibv_attach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
+VERBS_EXPORT int ibv_detach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
+VERBS_EXPORT int ibv_init_ah_from_wc(ibv_context*, uint8_t, ibv_wc*, ibv_grh*, ibv_ah_attr*) {
+  return EOPNOTSUPP;
+}
+VERBS_EXPORT ibv_ah* ibv_create_ah_from_wc(ibv_pd*, ibv_wc*, ibv_grh*, uint8_t) {
+  return fail_ptr<ibv_ah>(EOPNOTSUPP);
+}
