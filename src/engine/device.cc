@@ -200,6 +200,7 @@ Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
   mr->handle = new_handle(s, s.mrs);
   mr->key = key;
   mr->pd = req.pd;
+  mr->owner = &s;
   mr->access = req.access;
   mr->addr = req.addr;
   mr->iova = req.iova;

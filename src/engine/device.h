@@ -45,6 +45,7 @@ struct Mr {
   uint32_t handle = 0;
   uint32_t key = 0;  ///< lkey == rkey
   uint32_t pd = 0;
+  const Session* owner = nullptr;  ///< PD handles are per session: (owner, pd) names the PD
   uint32_t access = 0;
   uint64_t addr = 0;
   uint64_t iova = 0;
@@ -187,9 +188,9 @@ class Device {
   bool process_sq(Qp& qp, uint64_t now_ns);
   bool flush(Qp& qp);
   void destroy_qp_now(Session& s, Qp& qp);
-  const Mr* find_mr(const Guest& g, uint32_t key, uint32_t pd) const;
+  const Mr* find_mr(const Qp& qp, uint32_t key) const;
   /// Resolves SGEs to backend memory spans; false when any SGE fails the checks.
-  bool resolve_sges(const Guest& g, uint32_t pd, const proto::Sge* sge, uint32_t n,
+  bool resolve_sges(const Qp& qp, const proto::Sge* sge, uint32_t n,
                     uint32_t need_access, std::vector<Span>& out, uint64_t& total) const;
 
   std::map<std::string, std::unique_ptr<Guest>> guests_;

@@ -48,19 +48,21 @@ uint64_t Device::next_deadline() const {
   return d;
 }
 
-const Mr* Device::find_mr(const Guest& g, uint32_t key, uint32_t pd) const {
-  auto it = g.mrs.find(key);
-  if (it == g.mrs.end() || it->second->pd != pd) return nullptr;
-  return it->second;
+// Keys live in the guest's namespace; the MR must also be in the QP's PD of the QP's session.
+const Mr* Device::find_mr(const Qp& qp, uint32_t key) const {
+  auto it = qp.guest->mrs.find(key);
+  if (it == qp.guest->mrs.end()) return nullptr;
+  const Mr* mr = it->second;
+  return mr->pd == qp.pd && mr->owner == qp.owner ? mr : nullptr;
 }
 
-bool Device::resolve_sges(const Guest& g, uint32_t pd, const Sge* sge, uint32_t n,
+bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n,
                           uint32_t need_access, std::vector<Span>& out, uint64_t& total) const {
   total = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const Sge s = sge[i];
     if (s.length == 0) continue;
-    const Mr* mr = find_mr(g, s.lkey, pd);
+    const Mr* mr = find_mr(qp, s.lkey);
     if (!mr || (mr->access & need_access) != need_access) return false;
     if (s.addr < mr->addr || s.length > mr->length || s.addr - mr->addr > mr->length - s.length)
       return false;
@@ -178,7 +180,7 @@ Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     len = w.inline_len;
   } else {
     if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
-    if (!resolve_sges(*qp.guest, qp.pd, w.sge, w.num_sge, 0, src_, len))
+    if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len))
       return fail(IBV_WC_LOC_PROT_ERR, "send SGE outside a valid MR");
   }
   if (len > 0x80000000ull) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");
@@ -231,7 +233,7 @@ Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   dst_.clear();
   uint64_t cap = 0;
   if (r.num_sge > to->caps.max_recv_sge ||
-      !resolve_sges(*to->guest, to->pd, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+      !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
     push_cqe(*to->recv_cq, rc, false);
     enter_error(*to, "receive SGE outside a valid MR");
