@@ -2,6 +2,7 @@
 
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -24,6 +25,7 @@ namespace {
 
 constexpr uint64_t kTagListen = 1ull << 62;
 constexpr uint64_t kTagDoorbell = 1ull << 61;
+constexpr uint64_t kTagWake = 1ull << 60;
 
 uint64_t now_ns() {
   timespec ts;
@@ -32,6 +34,18 @@ uint64_t now_ns() {
 }
 
 }  // namespace
+
+Server::Server(Options opt)
+    : opt_(std::move(opt)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+
+void Server::stop() {
+  stop_.store(true);
+  if (wake_.valid()) {
+    uint64_t one = 1;
+    ssize_t n = ::write(wake_.get(), &one, sizeof(one));
+    (void)n;
+  }
+}
 
 void Server::watch(int fd, uint64_t tag) {
   epoll_event ev{};
@@ -56,6 +70,8 @@ Status Server::setup() {
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   watch(listen_.get(), kTagListen);
+  if (!wake_.valid()) return error(EMFILE, "eventfd");
+  watch(wake_.get(), kTagWake);
   return Status::ok();
 }
 
@@ -292,6 +308,7 @@ Status Server::run() {
     for (int i = 0; i < n; ++i) {
       uint64_t tag = evs[i].data.u64;
       int fd = static_cast<int>(tag & 0xffffffff);
+      if (tag & kTagWake) continue;
       if (tag & kTagListen) {
         accept_all();
       } else if (tag & kTagDoorbell) {

@@ -3,6 +3,7 @@
 // rings are busy and sleeps on epoll (sockets + per-session doorbells) when they are not.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -21,11 +22,12 @@ struct Options {
 
 class Server {
  public:
-  explicit Server(Options opt) : opt_(std::move(opt)) {}
+  explicit Server(Options opt);
   /// Binds the socket (serialised by a lock file) and runs until a signal or idle exit.
   /// Returns ok without running when another backend holds the lock.
   Status run();
-  void stop() { stop_ = true; }
+  /// Any thread, and async-signal-safe: asks run() to return and wakes it.
+  void stop();
 
  private:
   struct Conn {
@@ -40,11 +42,13 @@ class Server {
   void watch(int fd, uint64_t tag);
 
   Options opt_;
+  UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd lock_, listen_, epoll_;
+
   engine::Device dev_;
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
-  volatile bool stop_ = false;
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace vrdma::backend

@@ -419,9 +419,10 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
       qp->rq_cons = qp->rq_hdr->producer.load(std::memory_order_acquire);
       qp->sq_hdr->consumer.store(qp->sq_cons, std::memory_order_release);
       qp->rq_hdr->consumer.store(qp->rq_cons, std::memory_order_release);
-      qp->head_waiting = false;
     }
-    if (next == IBV_QPS_RTS && prev != IBV_QPS_RTS) qp->head_waiting = false;
+    // Leaving RTS (to ERR, RESET, SQD) or entering it ends any retry wait: in ERR the head WQE
+    // is flushed, and a pending deadline must not keep the backend from sleeping.
+    if (next != prev) qp->wait = Wait::kNone;
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
                qp_state_name(next));
   }

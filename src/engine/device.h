@@ -82,6 +82,13 @@ struct Span {
 /// Why a WQE could not finish yet.
 enum class Step { kDone, kWait };
 
+/// What the WQE at the head of a send queue is waiting for.
+enum class Wait : uint8_t {
+  kNone,
+  kRnr,  ///< receiver had no receive posted (RNR NAK); counts down rnr_left
+  kAck,  ///< no responder answered (ACK timeout); counts down retry_left
+};
+
 struct Qp {
   uint32_t handle = 0;
   uint32_t qpn = 0;
@@ -102,11 +109,12 @@ struct Qp {
   proto::RecvWqe* rq = nullptr;
   uint32_t sq_size = 0, rq_size = 0;  ///< private geometry
   uint32_t sq_cons = 0, rq_cons = 0;  ///< private cursors
-  // Retry state of the WQE at the head of the SQ (RNR NAK or peer not ready).
+  // Retry state of the WQE at the head of the SQ. A counter is (re)loaded from the QP's
+  // attributes whenever the reason for waiting changes.
+  Wait wait = Wait::kNone;
   uint32_t rnr_left = 0;
   uint32_t retry_left = 0;
   uint64_t wait_until_ns = 0;
-  bool head_waiting = false;
   uint64_t msgs_sent = 0, msgs_received = 0, bytes_sent = 0, bytes_received = 0;
 };
 

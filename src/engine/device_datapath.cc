@@ -43,7 +43,7 @@ void Device::set_sleeping(bool sleeping) {
 uint64_t Device::next_deadline() const {
   uint64_t d = 0;
   for (const Qp* qp : active_) {
-    if (qp->head_waiting && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+    if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
   }
   return d;
 }
@@ -133,7 +133,7 @@ void Device::enter_error(Qp& qp, const char* why) {
   VLOG_INFO("qp {:#x} (guest {}) -> ERR: {}", qp.qpn, qp.guest->name, why);
   qp.state = IBV_QPS_ERR;
   qp.attr.qp_state = IBV_QPS_ERR;
-  qp.head_waiting = false;
+  qp.wait = Wait::kNone;
 }
 
 Qp* Device::lookup_remote(const Qp& from) {
@@ -191,10 +191,15 @@ Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
       complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
       return Step::kDone;
     }
-    // RC: no ACK comes back; the requester retries after its local ACK timeout.
-    if (!qp.head_waiting) qp.retry_left = qp.attr.retry_cnt;
-    else if (qp.retry_left-- == 0) return fail(IBV_WC_RETRY_EXC_ERR, "transport retries exhausted");
-    qp.head_waiting = true;
+    // RC: no ACK comes back; the requester retries after its local ACK timeout, retry_cnt times.
+    if (qp.wait != Wait::kAck) {
+      qp.wait = Wait::kAck;
+      qp.retry_left = qp.attr.retry_cnt;
+    } else if (qp.retry_left == 0) {
+      return fail(IBV_WC_RETRY_EXC_ERR, "transport retries exhausted");
+    } else {
+      --qp.retry_left;
+    }
     qp.wait_until_ns = now_ns + ack_timeout_ns(qp.attr.timeout);
     return Step::kWait;
   }
@@ -211,15 +216,19 @@ Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
       complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
       return Step::kDone;
     }
-    // RNR NAK: retry after the responder's min_rnr_timer; rnr_retry 7 means forever.
-    if (!qp.head_waiting) qp.rnr_left = qp.attr.rnr_retry;
-    else if (qp.rnr_left != 7 && qp.rnr_left-- == 0)
-      return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
-    qp.head_waiting = true;
+    // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
+    if (qp.wait != Wait::kRnr) {
+      qp.wait = Wait::kRnr;
+      qp.rnr_left = qp.attr.rnr_retry;
+    }
+    if (qp.rnr_left != 7) {
+      if (qp.rnr_left == 0) return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+      --qp.rnr_left;
+    }
     qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
     return Step::kWait;
   }
-  qp.head_waiting = false;
+  qp.wait = Wait::kNone;
 
   const RecvWqe r = to->rq[to->rq_cons & (to->rq_size - 1)];
   to->rq_cons++;
@@ -307,7 +316,7 @@ bool Device::flush(Qp& qp) {
 }
 
 bool Device::process_sq(Qp& qp, uint64_t now_ns) {
-  if (qp.head_waiting && now_ns < qp.wait_until_ns) return false;
+  if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {
     enter_error(qp, "send queue indices corrupt");

@@ -21,9 +21,10 @@ constexpr uint32_t kS = IBV_QP_STATE;
 PerType rule_for(ibv_qp_state cur, ibv_qp_state next) {
   const uint32_t rcuc_rts_opt = IBV_QP_CUR_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_ALT_PATH |
                                 IBV_QP_PATH_MIG_STATE;
-  // Any state may go to RESET or ERR with only the state given.
+  // Any state may go to RESET or ERR with only the state given; staying there with an empty
+  // mask is a no-op.
   if (next == IBV_QPS_RESET || next == IBV_QPS_ERR) {
-    Rule r{true, kS, 0};
+    Rule r{true, next != cur ? kS : 0u, 0};
     return {r, r, r};
   }
   switch (cur) {

@@ -1,0 +1,409 @@
+// The `vrdma` command: runs an unmodified verbs program on the vrdma device (`run`), starts the
+// backend in the foreground (`backend`) and shows what the backend holds (`status`).
+// It only sets up an environment and talks the control protocol; it never touches a guest's rings.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "common/paths.h"
+#include "common/socket.h"
+#include "proto/command.h"
+
+namespace vrdma::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kIdleExitOnDemand = 60;  ///< seconds an auto-started backend lingers unused
+constexpr auto kBackendStartWait = std::chrono::seconds(5);
+
+/// Directory holding this executable (from /proc/self/exe), e.g. <prefix>/bin.
+fs::path exe_dir() {
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    fmt::print(stderr, "vrdma: cannot read /proc/self/exe: {}\n", ec.message());
+    std::exit(1);
+  }
+  return exe.parent_path();
+}
+
+fs::path backend_binary() { return exe_dir() / "vrdmad"; }
+
+std::string parent_dir(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) {
+    return ".";
+  }
+  if (slash == 0) {
+    return "/";
+  }
+  return path.substr(0, slash);
+}
+
+bool backend_answers(const std::string& socket) { return connect_unix(socket).is_ok(); }
+
+/// Starts `vrdmad --socket PATH --idle-exit 60` detached from us (double fork + setsid), its
+/// output appended to <dir of PATH>/vrdmad.log. Returns once the daemon's parent has exited.
+bool spawn_backend(const std::string& socket) {
+  const std::string bin = backend_binary().string();
+  if (::access(bin.c_str(), X_OK) != 0) {
+    fmt::print(stderr, "vrdma: backend binary {} is not executable: {}\n", bin,
+               std::strerror(errno));
+    return false;
+  }
+  ensure_parent_dir(socket);
+  const std::string log_path = parent_dir(socket) + "/vrdmad.log";
+  const std::string idle = std::to_string(kIdleExitOnDemand);
+
+  pid_t child = ::fork();
+  if (child < 0) {
+    fmt::print(stderr, "vrdma: fork: {}\n", std::strerror(errno));
+    return false;
+  }
+  if (child == 0) {
+    // Intermediate child: new session, then fork again so the daemon is not a session leader
+    // and is reparented to init when we exit.
+    ::setsid();
+    pid_t daemon = ::fork();
+    if (daemon != 0) {
+      ::_exit(daemon < 0 ? 1 : 0);
+    }
+    int in = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    int out = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (in >= 0) {
+      ::dup2(in, STDIN_FILENO);
+    }
+    if (out >= 0) {
+      ::dup2(out, STDOUT_FILENO);
+      ::dup2(out, STDERR_FILENO);
+    }
+    // Nothing else of ours (a test harness's pipe, say) may stay open for the daemon's lifetime.
+    ::close_range(3, ~0U, 0);
+    if (::chdir("/") != 0) {
+      // Not fatal: the daemon uses absolute paths only.
+    }
+    const char* argv[] = {bin.c_str(),   "--socket",   socket.c_str(),
+                          "--idle-exit", idle.c_str(), nullptr};
+    ::execv(bin.c_str(), const_cast<char* const*>(argv));
+    std::fprintf(stderr, "vrdma: exec %s: %s\n", bin.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  int wstatus = 0;
+  while (::waitpid(child, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
+    fmt::print(stderr, "vrdma: could not detach the backend (fork failed)\n");
+    return false;
+  }
+  return true;
+}
+
+/// Makes sure a backend accepts on `socket`, starting one if none does.
+bool ensure_backend(const std::string& socket) {
+  if (backend_answers(socket)) {
+    return true;
+  }
+  if (!spawn_backend(socket)) {
+    return false;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + kBackendStartWait;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (backend_answers(socket)) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  fmt::print(stderr, "vrdma: started {} but nothing accepts on {} after {} s; see {}/vrdmad.log\n",
+             backend_binary().string(), socket, kBackendStartWait.count(), parent_dir(socket));
+  return false;
+}
+
+void set_env(const char* name, const std::string& value) {
+  if (::setenv(name, value.c_str(), 1) != 0) {
+    fmt::print(stderr, "vrdma: setenv {}: {}\n", name, std::strerror(errno));
+    std::exit(1);
+  }
+}
+
+int cmd_run(const std::string& guest, const std::string& socket_opt,
+            const std::vector<std::string>& command) {
+  if (command.empty()) {
+    fmt::print(stderr, "vrdma run: no command given (usage: vrdma run [options] -- CMD ARGS...)\n");
+    return 2;
+  }
+  const fs::path dir = exe_dir();
+  std::string lib_dir = (dir / ".." / "lib").lexically_normal().string();
+  if (const char* old = std::getenv("LD_LIBRARY_PATH"); old && *old) {
+    lib_dir += std::string(":") + old;
+  }
+  set_env("LD_LIBRARY_PATH", lib_dir);
+  set_env("VRDMA_BACKEND", (dir / "vrdmad").string());
+  if (!guest.empty()) {
+    set_env("VRDMA_GUEST", guest);
+  }
+  if (!socket_opt.empty()) {
+    set_env("VRDMA_SOCKET", socket_opt);
+  }
+
+  if (!ensure_backend(socket_path())) {
+    return 1;
+  }
+
+  std::vector<char*> argv;
+  argv.reserve(command.size() + 1);
+  for (const auto& a : command) {
+    argv.push_back(const_cast<char*>(a.c_str()));
+  }
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  int err = errno;
+  fmt::print(stderr, "vrdma run: cannot execute {}: {}\n", command[0], std::strerror(err));
+  return err == ENOENT ? 127 : 126;
+}
+
+int cmd_backend(const std::string& socket_opt, const std::string& idle_exit) {
+  const std::string bin = backend_binary().string();
+  std::vector<std::string> args = {bin};
+  if (!socket_opt.empty()) {
+    args.insert(args.end(), {"--socket", socket_opt});
+  }
+  if (!idle_exit.empty()) {
+    args.insert(args.end(), {"--idle-exit", idle_exit});
+  }
+  std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
+  for (auto& a : args) {
+    argv.push_back(a.data());
+  }
+  argv.push_back(nullptr);
+  ::execv(bin.c_str(), argv.data());
+  fmt::print(stderr, "vrdma backend: cannot execute {}: {}\n", bin, std::strerror(errno));
+  return errno == ENOENT ? 127 : 126;
+}
+
+/// Asks the backend at `socket` for its status JSON. Exits the process with a message on error.
+std::string query_status(const std::string& socket) {
+  auto sock = connect_unix(socket);
+  if (!sock) {
+    fmt::print(stderr, "vrdma: no backend is running at {} ({})\n", socket,
+               sock.status().message());
+    std::exit(1);
+  }
+  constexpr uint32_t kSeq = 1;
+  auto req = proto::encode(proto::Op::kStatus, kSeq, 0, proto::StatusReq{});
+  if (Status st = send_msg(sock->get(), req); !st) {
+    fmt::print(stderr, "vrdma: sending the status request to {}: {}\n", socket, st.message());
+    std::exit(1);
+  }
+  std::vector<uint8_t> buf;
+  std::vector<UniqueFd> fds;
+  if (Status st = recv_msg(sock->get(), buf, proto::kMaxResponse, fds); !st) {
+    fmt::print(stderr, "vrdma: reading the status response from {}: {}\n", socket, st.message());
+    std::exit(1);
+  }
+  auto hdr = proto::decode_header(buf);
+  if (!hdr) {
+    fmt::print(stderr, "vrdma: bad status response: {}\n", hdr.status().message());
+    std::exit(1);
+  }
+  if (hdr->op != static_cast<uint16_t>(proto::Op::kStatus) || hdr->seq != kSeq) {
+    fmt::print(stderr, "vrdma: status response does not match the request (op {}, seq {})\n",
+               hdr->op, hdr->seq);
+    std::exit(1);
+  }
+  if (hdr->status != 0) {
+    fmt::print(stderr, "vrdma: the backend refused the status request: {}\n",
+               std::strerror(-hdr->status));
+    std::exit(1);
+  }
+  const size_t off = sizeof(proto::MsgHeader);
+  uint32_t len = 0;
+  if (buf.size() < off + sizeof(len)) {
+    fmt::print(stderr, "vrdma: status response too short ({} bytes)\n", buf.size());
+    std::exit(1);
+  }
+  std::memcpy(&len, buf.data() + off, sizeof(len));
+  if (buf.size() - off - sizeof(len) < len) {
+    fmt::print(stderr, "vrdma: status response truncated ({} of {} JSON bytes)\n",
+               buf.size() - off - sizeof(len), len);
+    std::exit(1);
+  }
+  return std::string(reinterpret_cast<const char*>(buf.data() + off + sizeof(len)), len);
+}
+
+/// Reads a non-negative count from obj[key]; 0 when absent or not a number.
+uint64_t count_of(const nlohmann::json& obj, const char* key) {
+  if (!obj.is_object()) {
+    return 0;
+  }
+  auto it = obj.find(key);
+  if (it == obj.end() || !it->is_number_integer()) {
+    return 0;
+  }
+  const int64_t v = it->get<int64_t>();
+  return v < 0 ? 0 : static_cast<uint64_t>(v);
+}
+
+std::string string_of(const nlohmann::json& obj, const char* key) {
+  if (!obj.is_object()) {
+    return "";
+  }
+  auto it = obj.find(key);
+  if (it == obj.end()) {
+    return "";
+  }
+  if (it->is_string()) {
+    return it->get<std::string>();
+  }
+  return it->dump();
+}
+
+void print_table(const nlohmann::json& j) {
+  constexpr const char* kRow = "{:<20} {:>6}  {:<40} {:>8}  {:<16} {:>4} {:>4} {:>4} {:>4}\n";
+  fmt::print(kRow, "GUEST", "LID", "GID", "SESSIONS", "PIDS", "PD", "MR", "CQ", "QP");
+  const nlohmann::json empty = nlohmann::json::object();
+  const auto& guests = j.contains("guests") ? j["guests"] : empty;
+  for (const auto& g : guests.is_array() ? guests : nlohmann::json::array()) {
+    const auto& res = g.contains("resources") ? g["resources"] : empty;
+    std::string pids;
+    size_t nsessions = 0;
+    if (g.contains("sessions") && g["sessions"].is_array()) {
+      for (const auto& s : g["sessions"]) {
+        if (!pids.empty()) {
+          pids += ",";
+        }
+        pids += string_of(s, "pid");
+        ++nsessions;
+      }
+    }
+    if (pids.empty()) {
+      pids = "-";
+    }
+    fmt::print(kRow, string_of(g, "name"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
+               pids, count_of(res, "pd"), count_of(res, "mr"), count_of(res, "cq"),
+               count_of(res, "qp"));
+  }
+  const auto& t = j.contains("totals") ? j["totals"] : empty;
+  fmt::print("totals: {} guests, {} sessions, {} pd, {} mr, {} cq, {} qp, {} channel, {} segment\n",
+             count_of(t, "guests"), count_of(t, "sessions"), count_of(t, "pd"), count_of(t, "mr"),
+             count_of(t, "cq"), count_of(t, "qp"), count_of(t, "channel"), count_of(t, "segment"));
+}
+
+int cmd_status(bool json, const std::string& socket_opt) {
+  const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
+  std::string text = query_status(socket);
+  if (json) {
+    fmt::print("{}\n", text);
+    return 0;
+  }
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    fmt::print(stderr, "vrdma: the backend sent malformed status JSON: {}\n", text);
+    return 1;
+  }
+  fmt::print("backend: {}\n", socket);
+  print_table(j);
+  return 0;
+}
+
+/// For `vrdma run [opts] [--] CMD ARGS...`: moves CMD ARGS... into `command` and returns the
+/// number of leading arguments left for the option parser.
+int split_run_command(int argc, char** argv, std::vector<std::string>& command) {
+  if (argc < 2 || std::string_view(argv[1]) != "run") {
+    return argc;
+  }
+  int i = 2;
+  while (i < argc) {
+    std::string_view a = argv[i];
+    if (a == "--") {
+      command.assign(argv + i + 1, argv + argc);
+      return i;
+    }
+    if (a == "--guest" || a == "--socket") {
+      i += 2;  // option with a separate value
+    } else if (a.starts_with("-")) {
+      ++i;  // --opt=value, --help, or an error CLI11 reports
+    } else {
+      command.assign(argv + i, argv + argc);
+      return i;
+    }
+  }
+  return argc;
+}
+
+int main_impl(int argc, char** argv) {
+  CLI::App app{"vrdma: a user-space paravirtual RDMA device"};
+  app.require_subcommand(1);
+
+  std::string guest, run_socket;
+  auto* run = app.add_subcommand(
+      "run",
+      "Run an unmodified verbs program on the vrdma device: vrdma run [opts] -- CMD ARGS...");
+  run->add_option("--guest", guest,
+                  "guest name (sets VRDMA_GUEST; default: one per process group)");
+  run->add_option("--socket", run_socket, "backend socket (sets VRDMA_SOCKET)");
+  run->footer("Everything after -- (or from the first non-option argument) is the command.");
+
+  std::string backend_socket, idle_exit;
+  auto* backend = app.add_subcommand("backend", "Run the backend (vrdmad) in the foreground");
+  backend->add_option("--socket", backend_socket, "socket to listen on");
+  backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
+      ->check(CLI::NonNegativeNumber);
+
+  bool json = false;
+  std::string status_socket;
+  auto* status = app.add_subcommand("status", "Show the guests and resources of the backend");
+  status->add_flag("--json", json, "print the backend's raw JSON");
+  status->add_option("--socket", status_socket,
+                     "backend socket (default: VRDMA_SOCKET or the system one)");
+
+  // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
+  std::vector<std::string> command;
+  argc = split_run_command(argc, argv, command);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  if (*run) {
+    return cmd_run(guest, run_socket, command);
+  }
+  if (*backend) {
+    return cmd_backend(backend_socket, idle_exit);
+  }
+  if (*status) {
+    return cmd_status(json, status_socket);
+  }
+  return 2;
+}
+
+}  // namespace
+}  // namespace vrdma::cli
+
+int main(int argc, char** argv) {
+  try {
+    return vrdma::cli::main_impl(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "vrdma: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,216 @@
+// Test fixture for the device model: plays two guests ("a" and "b") against an in-process
+// engine::Device, mapping the rings and memory it hands out, posting WQEs and reading CQEs.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <infiniband/verbs.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <utility>
+#include <vector>
+
+#include "common/memfd.h"
+#include "engine/device.h"
+
+namespace vrdma::engine::devtest {
+
+using namespace vrdma::proto;
+
+struct G {  ///< one guest session, as its library sees it
+  Session* s = nullptr;
+  HelloResp hello{};
+  int async_fd = -1;
+  uint32_t pd = 0;
+};
+struct CqV {
+  uint32_t handle = 0, size = 0, cons = 0;
+  MappedRegion map;
+  RingHeader* hdr = nullptr;
+  Cqe* e = nullptr;
+};
+struct QpV {
+  uint32_t handle = 0, qpn = 0, sq_size = 0, rq_size = 0, sq_prod = 0, rq_prod = 0;
+  MappedRegion map;
+  RingHeader *sq = nullptr, *rq = nullptr;
+  SendWqe* sqe = nullptr;
+  RecvWqe* rqe = nullptr;
+};
+struct MemV {
+  MappedRegion map;
+  RegMrResp mr{};
+  uint64_t addr = 0;  ///< guest address of byte 0 (our mapping's address)
+  uint8_t* p() const { return map.data(); }
+};
+
+constexpr uint64_t kMemBytes = 8192;
+constexpr uint32_t kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+
+class DeviceTest : public ::testing::Test {
+ protected:
+  G open(const char* name) {
+    HelloReq req{};
+    std::snprintf(req.guest, sizeof(req.guest), "%s", name);
+    req.pid = 4242;
+    G g;
+    FdList fds;
+    auto r = dev_.open_session(req, g.hello, fds);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    g.s = r.value();
+    EXPECT_EQ(fds.size(), 3u);
+    g.async_fd = fds.at(2);
+    g.pd = dev_.alloc_pd(*g.s).value();
+    return g;
+  }
+  CqV cq(G& g, uint32_t cqe = 64) {
+    UniqueFd fd;
+    auto r = dev_.create_cq(*g.s, CreateCqReq{cqe, kNone, 0, 0}, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    CqV c;
+    c.handle = r->handle;
+    c.size = r->cqe + 1;
+    c.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    c.hdr = reinterpret_cast<RingHeader*>(c.map.data());
+    c.e = ring_entries<Cqe>(c.hdr);
+    return c;
+  }
+  QpV qp(G& g, const CqV& scq, const CqV& rcq) {
+    CreateQpReq req{};
+    req.pd = g.pd;
+    req.send_cq = scq.handle;
+    req.recv_cq = rcq.handle;
+    req.srq = kNone;
+    req.qp_type = IBV_QPT_RC;
+    req.caps = QpCaps{8, 8, 2, 2, 64, 0};
+    UniqueFd fd;
+    auto r = dev_.create_qp(*g.s, req, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    QpV q;
+    q.handle = r->handle;
+    q.qpn = r->qpn;
+    q.sq_size = r->caps.max_send_wr;
+    q.rq_size = r->caps.max_recv_wr;
+    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    q.sq = reinterpret_cast<RingHeader*>(q.map.data());
+    q.rq = reinterpret_cast<RingHeader*>(q.map.data() + r->rq_offset);
+    q.sqe = ring_entries<SendWqe>(q.sq);
+    q.rqe = ring_entries<RecvWqe>(q.rq);
+    return q;
+  }
+  MemV mem(G& g, uint32_t access = kAccess) {
+    MemV m;
+    UniqueFd fd = make_sealed_memfd("test-mem", kMemBytes).value();
+    m.map = MappedRegion::map_shared(fd.get(), kMemBytes);
+    auto seg = dev_.reg_segment(*g.s, RegSegmentReq{kMemBytes}, std::move(fd));
+    EXPECT_TRUE(seg.is_ok()) << seg.status().message();
+    m.addr = reinterpret_cast<uint64_t>(m.map.data());
+    RegMrReq req{};
+    req.pd = g.pd;
+    req.access = access;
+    req.addr = m.addr;
+    req.length = kMemBytes;
+    req.iova = m.addr;
+    req.num_extents = 1;
+    req.extents[0] = MrExtent{0, kMemBytes, 0, seg.value(), 0};
+    auto mr = dev_.reg_mr(*g.s, req);
+    EXPECT_TRUE(mr.is_ok()) << mr.status().message();
+    m.mr = mr.value();
+    return m;
+  }
+  Status modify(G& g, QpV& q, uint32_t mask, QpAttr a) {
+    return dev_.modify_qp(*g.s, ModifyQpReq{q.handle, mask, a});
+  }
+  // RESET -> INIT -> RTR -> RTS, pointing `q` at the peer (lid, qpn).
+  void connect(G& g, QpV& q, const G& peer, const QpV& pq, uint8_t rnr_retry = 7,
+               uint8_t min_rnr_timer = 1) {
+    QpAttr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = kAccess;
+    ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, a));
+    a = {};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dlid = static_cast<uint16_t>(peer.hello.lid);
+    a.ah_port_num = 1;
+    a.dest_qp_num = pq.qpn;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = min_rnr_timer;
+    ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                 IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER, a));
+    a = {};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = rnr_retry;
+    a.max_rd_atomic = 1;
+    ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                 IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC, a));
+  }
+  void post_recv(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    RecvWqe w{};
+    w.wr_id = wr_id;
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    q.rqe[q.rq_prod & (q.rq_size - 1)] = w;
+    q.rq->producer.store(++q.rq_prod, std::memory_order_release);
+  }
+  void post_send(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
+                 uint32_t flags = IBV_SEND_SIGNALED, uint32_t opcode = IBV_WR_SEND,
+                 uint32_t imm = 0) {
+    SendWqe w{};
+    w.wr_id = wr_id;
+    w.opcode = opcode;
+    w.send_flags = flags;
+    w.imm_data = imm;
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
+    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
+  }
+  static std::vector<Cqe> drain(CqV& c) {
+    std::vector<Cqe> out;
+    const uint32_t p = c.hdr->producer.load(std::memory_order_acquire);
+    for (; c.cons != p; ++c.cons) out.push_back(c.e[c.cons & (c.size - 1)]);
+    c.hdr->consumer.store(c.cons, std::memory_order_release);
+    return out;
+  }
+  static std::vector<std::pair<uint32_t, uint32_t>> async_events(const G& g) {
+    std::vector<std::pair<uint32_t, uint32_t>> out;
+    uint32_t ev[2];
+    while (::read(g.async_fd, ev, sizeof(ev)) == sizeof(ev)) out.emplace_back(ev[0], ev[1]);
+    return out;
+  }
+  ibv_qp_state state(G& g, const QpV& q) {
+    return static_cast<ibv_qp_state>(dev_.query_qp(*g.s, q.handle).value().attr.qp_state);
+  }
+  nlohmann::json totals() { return nlohmann::json::parse(dev_.status_json())["totals"]; }
+
+  // The common set-up: guests a and b, one connected RC QP each, memory registered on both.
+  void SetUp() override {
+    a_ = open("a");
+    b_ = open("b");
+    acq_ = cq(a_);
+    arcq_ = cq(a_);
+    bcq_ = cq(b_);
+    qa_ = qp(a_, acq_, arcq_);
+    qb_ = qp(b_, bcq_, bcq_);
+    ma_ = mem(a_);
+    mb_ = mem(b_);
+  }
+  void connect_both(uint8_t a_rnr_retry = 7) {
+    connect(a_, qa_, b_, qb_, a_rnr_retry);
+    connect(b_, qb_, a_, qa_);
+  }
+
+  Device dev_;
+  G a_, b_;
+  CqV acq_, arcq_, bcq_;
+  QpV qa_, qb_;
+  MemV ma_, mb_;
+  uint64_t now_ = 1'000'000'000;
+};
+
+}  // namespace vrdma::engine::devtest

@@ -1,0 +1,301 @@
+// The device model's data path driven in-process, with the test playing two guests: it maps the
+// rings and memory the backend hands out, posts WQEs, calls Device::poll and reads the CQEs.
+#include <arpa/inet.h>
+
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+TEST_F(DeviceTest, SendDeliversDataAndBothCompletions) {
+  connect_both();
+  for (int i = 0; i < 100; ++i) ma_.p()[i] = static_cast<uint8_t>(i * 7 + 1);
+  post_recv(qb_, 0xb0b, mb_.addr + 512, 1024, mb_.mr.lkey);
+  post_send(qa_, 0xa11ce, ma_.addr, 100, ma_.mr.lkey);
+  EXPECT_TRUE(dev_.poll(now_));
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].opcode, IBV_WC_RECV);
+  EXPECT_EQ(rx[0].wr_id, 0xb0bu);
+  EXPECT_EQ(rx[0].byte_len, 100u);
+  EXPECT_EQ(rx[0].src_qp, qa_.qpn);
+  EXPECT_EQ(rx[0].qp_num, qb_.qpn);
+  EXPECT_EQ(rx[0].slid, a_.hello.lid);
+  EXPECT_EQ(rx[0].wc_flags & IBV_WC_WITH_IMM, 0u);
+  EXPECT_EQ(std::memcmp(mb_.p() + 512, ma_.p(), 100), 0);
+  EXPECT_EQ(mb_.p()[612], 0);  // nothing past byte_len
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(tx[0].opcode, IBV_WC_SEND);
+  EXPECT_EQ(tx[0].wr_id, 0xa11ceu);
+  EXPECT_EQ(tx[0].qp_num, qa_.qpn);
+  EXPECT_EQ(qa_.sq->consumer.load(), 1u);
+  EXPECT_EQ(qb_.rq->consumer.load(), 1u);
+  EXPECT_FALSE(dev_.poll(now_));  // nothing left to do
+}
+
+TEST_F(DeviceTest, SendWithImmDeliversImmData) {
+  connect_both();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey, IBV_SEND_SIGNALED, IBV_WR_SEND_WITH_IMM,
+            htonl(0xdeadbeef));
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_NE(rx[0].wc_flags & IBV_WC_WITH_IMM, 0u);
+  EXPECT_EQ(rx[0].imm_data, htonl(0xdeadbeef));
+  EXPECT_EQ(rx[0].byte_len, 8u);
+  ASSERT_EQ(drain(acq_).size(), 1u);
+}
+
+TEST_F(DeviceTest, CorruptSqProducerPutsQpInError) {
+  connect_both();
+  qa_.sq->producer.store(qa_.sq_size + 5);  // producer - consumer > ring size
+  dev_.poll(now_);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+  auto ev = async_events(a_);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].first, uint32_t{IBV_EVENT_QP_FATAL});
+  EXPECT_EQ(ev[0].second, qa_.handle);
+  for (int i = 0; i < 5; ++i) dev_.poll(now_ += 1'000'000);  // flushing must not trust it either
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_RTS);  // the peer is unaffected
+}
+
+TEST_F(DeviceTest, BadLkeyFailsThenLaterWqesFlushInOrder) {
+  connect_both();
+  for (int i = 0; i < 3; ++i) post_recv(qb_, 100 + i, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 1, ma_.addr, 16, ma_.mr.lkey ^ 0x5a5a0);
+  post_send(qa_, 2, ma_.addr, 16, ma_.mr.lkey);
+  post_send(qa_, 3, ma_.addr, 16, ma_.mr.lkey, 0);  // unsignaled: flushed all the same
+  dev_.poll(now_);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 3u);
+  EXPECT_EQ(tx[0].wr_id, 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_LOC_PROT_ERR);
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(tx[i].wr_id, uint64_t(i + 1));
+    EXPECT_EQ(tx[i].status, IBV_WC_WR_FLUSH_ERR);
+  }
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+  EXPECT_EQ(qa_.sq->consumer.load(), 3u);
+  EXPECT_TRUE(drain(bcq_).empty());  // nothing was delivered
+}
+
+TEST_F(DeviceTest, ReceiveBufferTooSmall) {
+  connect_both();
+  post_recv(qb_, 7, mb_.addr, 16, mb_.mr.lkey);
+  post_send(qa_, 8, ma_.addr, 64, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 7u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_LEN_ERR);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_INV_REQ_ERR);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_ERR);
+}
+
+TEST_F(DeviceTest, BogusCqConsumerIndexIsSurvivedAndReported) {
+  connect_both();
+  std::memset(acq_.e, 0xab, acq_.size * sizeof(Cqe));
+  acq_.hdr->consumer.store(1000);  // ahead of the producer: not a valid position
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(acq_.hdr->producer.load(), 0u);
+  for (size_t i = 0; i < acq_.size * sizeof(Cqe); ++i)
+    ASSERT_EQ(reinterpret_cast<uint8_t*>(acq_.e)[i], 0xab) << "CQ ring written at byte " << i;
+  auto ev = async_events(a_);
+  ASSERT_EQ(ev.size(), 1u);  // reported once
+  EXPECT_EQ(ev[0].first, uint32_t{IBV_EVENT_CQ_ERR});
+  EXPECT_EQ(ev[0].second, acq_.handle);
+  EXPECT_EQ(drain(bcq_).size(), 1u);  // the message itself went through
+}
+
+TEST_F(DeviceTest, FullCqIsNotWrittenPastItsRing) {
+  CqV tiny = cq(a_, 1);
+  ASSERT_EQ(tiny.size, 2u);
+  QpV q = qp(a_, tiny, arcq_);
+  connect(a_, q, b_, qb_);
+  connect(b_, qb_, a_, q);
+  const size_t ring_end = sizeof(RingHeader) + tiny.size * sizeof(Cqe);
+  for (int i = 0; i < 4; ++i) post_recv(qb_, 10 + i, mb_.addr, 64, mb_.mr.lkey);
+  for (int i = 0; i < 4; ++i) post_send(q, 20 + i, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(tiny.hdr->producer.load(), 2u);
+  for (size_t i = ring_end; i < tiny.map.size(); ++i) ASSERT_EQ(tiny.map.data()[i], 0) << i;
+  auto tx = drain(tiny);
+  ASSERT_EQ(tx.size(), 2u);
+  EXPECT_EQ(tx[0].wr_id, 20u);
+  EXPECT_EQ(tx[1].wr_id, 21u);
+  auto ev = async_events(a_);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].first, uint32_t{IBV_EVENT_CQ_ERR});
+  EXPECT_EQ(drain(bcq_).size(), 4u);
+}
+
+TEST_F(DeviceTest, UnsignaledSendHasNoCompletionButAdvancesTheSq) {
+  connect_both();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey, 0);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(qa_.sq->consumer.load(), 1u);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+}
+
+TEST_F(DeviceTest, SgeStraddlingTheMrEndIsAProtectionError) {
+  connect_both();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr + kMemBytes - 8, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_LOC_PROT_ERR);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+  // One byte before the MR is as bad as one past it.
+  QpV q2 = qp(a_, acq_, arcq_);
+  QpAttr reset{};
+  reset.qp_state = IBV_QPS_RESET;
+  ASSERT_TRUE(modify(b_, qb_, IBV_QP_STATE, reset));
+  connect(a_, q2, b_, qb_);
+  connect(b_, qb_, a_, q2);
+  post_recv(qb_, 4, mb_.addr, 64, mb_.mr.lkey);
+  post_send(q2, 3, ma_.addr - 1, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_LOC_PROT_ERR);
+  EXPECT_TRUE(drain(bcq_).empty());
+}
+
+TEST_F(DeviceTest, RnrRetryExceededAfterTheRnrTimer) {
+  connect_both(/*a_rnr_retry=*/0);  // b's min_rnr_timer 1: 10 µs
+  post_send(qa_, 5, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_ + 20'000);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].wr_id, 5u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+}
+
+TEST_F(DeviceTest, RnrRetryCountIsTheNumberOfRetries) {
+  // Regression: rnr_retry = N used to allow N + 1 retries; 0 must fail at the first RNR NAK.
+  connect_both(/*a_rnr_retry=*/0);
+  post_send(qa_, 5, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+}
+
+TEST_F(DeviceTest, TransportRetriesAfterAnRnrWaitStartFromRetryCnt) {
+  // Regression: the RNR and ACK-timeout paths shared one "waiting" flag, so a WQE that first
+  // got an RNR NAK and then found no responder failed at once with a stale retry counter.
+  connect_both(/*a_rnr_retry=*/7);  // a: retry_cnt 7, timeout 14 (67 ms)
+  post_send(qa_, 5, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);  // RNR: b has no receive posted
+  ASSERT_TRUE(dev_.destroy_qp(*b_.s, qb_.handle));
+  dev_.poll(now_ += 20'000);  // past the RNR timer: now there is no responder at all
+  EXPECT_TRUE(drain(acq_).empty()) << "failed before any ACK timeout";
+  for (int i = 0; i < 20; ++i) dev_.poll(now_ += 1'000'000'000);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_F(DeviceTest, ModifyToErrorEndsAPendingRetryWait) {
+  // Regression: a QP moved to ERR during an RNR wait kept its deadline, and the backend's
+  // event loop spun at 100% CPU on an epoll timeout of 0.
+  connect_both(/*a_rnr_retry=*/7);
+  post_send(qa_, 5, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_NE(dev_.next_deadline(), 0u);
+  QpAttr err{};
+  err.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, err));
+  dev_.poll(now_ += 1'000'000);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(dev_.next_deadline(), 0u);
+}
+
+TEST_F(DeviceTest, RnrRetrySevenRetriesForever) {
+  connect_both(/*a_rnr_retry=*/7);
+  post_send(qa_, 5, ma_.addr, 8, ma_.mr.lkey);
+  for (int i = 0; i < 50; ++i) dev_.poll(now_ += 1'000'000);
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_NE(dev_.next_deadline(), 0u);
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  dev_.poll(now_ += 1'000'000);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+}
+
+TEST_F(DeviceTest, CorruptRqProducerOnlyHurtsTheReceiver) {
+  connect_both();
+  qb_.rq->producer.store(qb_.rq_size + 1);
+  post_send(qa_, 9, ma_.addr, 8, ma_.mr.lkey);
+  for (int i = 0; i < 20; ++i) dev_.poll(now_ += 1'000'000'000);
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_ERR);
+  auto tx = drain(acq_);  // no responder: transport retries run out
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_F(DeviceTest, KeysOfOneGuestAreInvalidInAnother) {
+  connect_both();
+  // b names a's lkey (and a's address) in a receive: protection error at b, remote error at a.
+  post_recv(qb_, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_PROT_ERR);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_OP_ERR);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(ma_.p()[i], 0) << "a's memory was written through b";
+}
+
+TEST_F(DeviceTest, OutOfRangeStateIsRejected) {
+  QpAttr a{};
+  a.qp_state = 100;
+  EXPECT_EQ(modify(a_, qa_, IBV_QP_STATE, a).err(), EINVAL);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RESET);
+}
+
+TEST_F(DeviceTest, CloseSessionReclaimsEverything) {
+  connect_both();
+  auto t = totals();
+  EXPECT_EQ(t["sessions"], 2);
+  EXPECT_EQ(t["qp"], 2);
+  EXPECT_EQ(t["mr"], 2);
+  // b goes away while a still sends to it: a's WQE finds no responder and must not crash.
+  dev_.close_session(b_.s);
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  for (int i = 0; i < 20; ++i) dev_.poll(now_ += 1'000'000'000);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+  dev_.close_session(a_.s);
+  t = totals();
+  for (const char* k : {"guests", "sessions", "pd", "mr", "cq", "qp", "channel", "segment"})
+    EXPECT_EQ(t[k], 0) << k;
+  EXPECT_FALSE(dev_.poll(now_));
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
