@@ -174,19 +174,19 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
   }
   argv.push_back(nullptr);
   ::execvp(argv[0], argv.data());
-  int err = errno;
+  const int err = errno;
   fmt::print(stderr, "vrdma run: cannot execute {}: {}\n", command[0], std::strerror(err));
   return err == ENOENT ? 127 : 126;
 }
 
-int cmd_backend(const std::string& socket_opt, const std::string& idle_exit) {
+int cmd_backend(const std::string& socket_opt, int idle_exit) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
     args.insert(args.end(), {"--socket", socket_opt});
   }
-  if (!idle_exit.empty()) {
-    args.insert(args.end(), {"--idle-exit", idle_exit});
+  if (idle_exit >= 0) {
+    args.insert(args.end(), {"--idle-exit", std::to_string(idle_exit)});
   }
   std::vector<char*> argv;
   argv.reserve(args.size() + 1);
@@ -195,8 +195,9 @@ int cmd_backend(const std::string& socket_opt, const std::string& idle_exit) {
   }
   argv.push_back(nullptr);
   ::execv(bin.c_str(), argv.data());
-  fmt::print(stderr, "vrdma backend: cannot execute {}: {}\n", bin, std::strerror(errno));
-  return errno == ENOENT ? 127 : 126;
+  const int err = errno;
+  fmt::print(stderr, "vrdma backend: cannot execute {}: {}\n", bin, std::strerror(err));
+  return err == ENOENT ? 127 : 126;
 }
 
 /// Asks the backend at `socket` for its status JSON. Exits the process with a message on error.
@@ -362,11 +363,12 @@ int main_impl(int argc, char** argv) {
   run->add_option("--socket", run_socket, "backend socket (sets VRDMA_SOCKET)");
   run->footer("Everything after -- (or from the first non-option argument) is the command.");
 
-  std::string backend_socket, idle_exit;
+  std::string backend_socket;
+  int idle_exit = -1;  ///< -1: not given, vrdmad's default
   auto* backend = app.add_subcommand("backend", "Run the backend (vrdmad) in the foreground");
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 86400 * 365));
 
   bool json = false;
   std::string status_socket;

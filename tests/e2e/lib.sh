@@ -1,0 +1,248 @@
+# Shared helpers for the end-to-end tests: each test sources this file and calls
+# `e2e_init BIN_DIR` (the directory holding `vrdma`). The test then owns a private temp dir and
+# a private backend socket ($VRDMA_SOCKET); on exit every process it started, and the backend
+# serving its socket, are killed, and on failure the logs are printed.
+# shellcheck shell=bash
+
+set -euo pipefail
+
+E2E_NAME="$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
+E2E_TMP=""
+E2E_OK=0
+VRDMA=""
+VRUN=()
+
+log() { echo "[$E2E_NAME $(date +%T.%3N)] $*" >&2; }
+fail() {
+  log "FAIL: $*"
+  exit 1
+}
+
+e2e_init() {
+  local bin_dir="${1:?usage: $0 BIN_DIR (the directory holding vrdma)}"
+  bin_dir="$(cd "$bin_dir" && pwd)"
+  VRDMA="$bin_dir/vrdma"
+  [[ -x $VRDMA ]] || fail "$VRDMA is not executable"
+  [[ -x $bin_dir/vrdmad ]] || fail "$bin_dir/vrdmad is not executable"
+  [[ -e $bin_dir/../lib/libibverbs.so.1 ]] || fail "$bin_dir/../lib/libibverbs.so.1 missing"
+  E2E_TMP="$(mktemp -d "${TMPDIR:-/tmp}/vrdma-e2e-$E2E_NAME.XXXXXX")"
+  export VRDMA_SOCKET="$E2E_TMP/vrdmad.sock"
+  unset VRDMA_GUEST
+  trap e2e_cleanup EXIT
+  trap 'log "interrupted"; exit 130' INT TERM
+  # Our own deadline, under ctest's TIMEOUT (120 s): ctest would SIGKILL us and skip the cleanup,
+  # leaving busy-polling programs and the backend behind.
+  (
+    sleep "${E2E_DEADLINE:-105}"
+    kill -TERM $$ 2>/dev/null
+  ) &
+
+  # A sanitized libibverbs.so.1 inside an uninstrumented program (ibv_rc_pingpong) needs the
+  # sanitizer runtime loaded first.
+  VRUN=("$VRDMA" run)
+  local rt
+  rt="$(ldd "$bin_dir/../lib/libibverbs.so.1" 2>/dev/null |
+    awk '/lib(a|t)san\.so/ {print $3; exit}')" || true
+  if [[ -n $rt ]]; then
+    log "sanitized build: preloading $rt into programs run through vrdma"
+    VRUN=(env "LD_PRELOAD=$rt${LD_PRELOAD:+:$LD_PRELOAD}" "$VRDMA" run)
+  fi
+  log "tmp $E2E_TMP, socket $VRDMA_SOCKET"
+}
+
+# Marks the test passed (call last); the cleanup prints logs for anything else.
+e2e_pass() {
+  E2E_OK=1
+  log "PASS"
+}
+
+# Kills the descendants of PID (depth first), not PID itself. Only our own process tree.
+kill_descendants() {
+  local pid=$1 child
+  for child in $(pgrep -P "$pid" 2>/dev/null || true); do
+    kill_descendants "$child"
+    kill -KILL "$child" 2>/dev/null || true
+  done
+}
+
+# Pid of the backend serving $VRDMA_SOCKET (started detached by `vrdma run` or the library),
+# found by its command line (our socket path is unique); empty if none.
+backend_pid() {
+  local re
+  # shellcheck disable=SC2001  # escaping every regex metacharacter
+  re="vrdmad --socket $(sed 's/[][\\.*^$+?(){}|]/\\&/g' <<<"$VRDMA_SOCKET")( |\$)"
+  pgrep -f -- "$re" | head -n 1 || true
+}
+
+e2e_cleanup() {
+  local rc=$? pid i f
+  trap - EXIT
+  set +e
+  kill_descendants $$
+  if [[ -n $E2E_TMP ]]; then
+    pid="$(backend_pid)"
+    if [[ -n $pid ]]; then
+      kill -TERM "$pid" 2>/dev/null
+      for ((i = 0; i < 30; i++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+      done
+      kill -KILL "$pid" 2>/dev/null
+    fi
+    # Sanitizer reports of the backend or of our library inside the programs fail the test.
+    f="$(grep -lE 'ERROR: (Address|Leak|Thread)Sanitizer|WARNING: ThreadSanitizer|runtime error:' \
+      "$E2E_TMP"/*.out "$E2E_TMP"/vrdmad.log 2>/dev/null | head -n 1)"
+    if [[ -n $f ]]; then
+      log "FAIL: sanitizer report in $(basename "$f")"
+      E2E_OK=0
+    fi
+    if [[ $E2E_OK -ne 1 || $rc -ne 0 ]]; then
+      for f in "$E2E_TMP"/*.out "$E2E_TMP"/vrdmad.log; do
+        [[ -f $f ]] || continue
+        echo "----- $f (last 40 lines)" >&2
+        tail -n 40 "$f" >&2
+      done
+      [[ $rc -ne 0 ]] || rc=1
+    fi
+    if [[ -n ${E2E_KEEP:-} ]]; then
+      log "kept $E2E_TMP"
+    else
+      rm -rf "$E2E_TMP"
+    fi
+  fi
+  exit "$rc"
+}
+
+# Runs a command through `vrdma run` in the foreground. Usage: vrun [--guest G] -- CMD ARGS...
+vrun() { "${VRUN[@]}" "$@"; }
+
+# Status JSON of our backend.
+status_json() { "$VRDMA" status --json; }
+
+# Evaluates a Perl expression over the status JSON (decoded into $j) and prints the result.
+# Example: status_query 'scalar @{$j->{guests}}'. The expression travels in the environment.
+status_query() {
+  local json
+  json="$(status_json)" || return 1
+  printf '%s' "$json" | EXPR="$1" perl -MJSON::PP -0777 -ne '
+    my $j = decode_json($_);
+    my $r = eval $ENV{EXPR}; die $@ if $@;
+    print((defined $r ? $r : ""), "\n");'
+}
+
+# Polls `status_query EXPR` until it prints WANT or SECS pass. Returns 0 when it matched.
+wait_status() {
+  local expr=$1 want=$2 secs=${3:-10} got="" i
+  for ((i = 0; i < secs * 10; i++)); do
+    got="$(status_query "$expr" 2>/dev/null)" || got="<no status>"
+    [[ $got == "$want" ]] && return 0
+    sleep 0.1
+  done
+  log "status: '$expr' is '$got', wanted '$want'"
+  return 1
+}
+
+port_in_use() { [[ -n "$(ss -Htln "sport = :$1" 2>/dev/null)" ]]; }
+
+# A TCP port nobody listens on, from a random range (tests may run in parallel).
+free_port() {
+  local p
+  while :; do
+    p=$((20000 + RANDOM % 30000))
+    port_in_use "$p" || {
+      echo "$p"
+      return 0
+    }
+  done
+}
+
+# Starts an ibv_rc_pingpong server through vrdma in the background and waits until it listens.
+# Usage: start_server NAME GUEST [pingpong args...]. Sets SERVER_PID and PORT.
+# Output goes to $E2E_TMP/NAME.server.out.
+start_server() {
+  local name=$1 guest=$2 i rc
+  shift 2
+  local out="$E2E_TMP/$name.server.out"
+  for _ in 1 2 3; do
+    PORT="$(free_port)"
+    "${VRUN[@]}" --guest "$guest" -- ibv_rc_pingpong -p "$PORT" "$@" >"$out" 2>&1 &
+    SERVER_PID=$!
+    for ((i = 0; i < 200; i++)); do  # 20 s
+      port_in_use "$PORT" && return 0
+      kill -0 "$SERVER_PID" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+      fail "$name: server (pid $SERVER_PID) did not listen on port $PORT within 20 s"
+    fi
+    if grep -q "Couldn't listen" "$out"; then
+      log "$name: port $PORT taken, retrying"
+      continue
+    fi
+    wait "$SERVER_PID" && rc=0 || rc=$?
+    fail "$name: server exited ($rc) before listening: $(tr '\n' ' ' <"$out")"
+  done
+  fail "$name: could not find a free port"
+}
+
+# Starts the client of a server in the background. Usage: start_client NAME GUEST PORT [args...].
+# Sets CLIENT_PID. Output goes to $E2E_TMP/NAME.client.out.
+start_client() {
+  local name=$1 guest=$2 port=$3
+  shift 3
+  "${VRUN[@]}" --guest "$guest" -- ibv_rc_pingpong -p "$port" "$@" localhost \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  CLIENT_PID=$!
+}
+
+# Waits up to SECS for PID (a child of this shell, so not from a $(...) subshell); kills it on
+# time-out. Sets WAIT_RC to its exit code (124 on time-out).
+wait_pid() {
+  local pid=$1 secs=$2 i
+  for ((i = 0; i < secs * 10; i++)); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    WAIT_RC=124
+    return 0
+  fi
+  wait "$pid" && WAIT_RC=0 || WAIT_RC=$?
+}
+
+# Checks that a pingpong output file has the two result lines.
+check_pp_output() {
+  local f=$1
+  grep -Eq '^[0-9]+ bytes in [0-9.]+ seconds = [0-9.]+ Mbit/sec' "$f" ||
+    fail "$(basename "$f"): no 'bytes in ... Mbit/sec' line"
+  grep -Eq '^[0-9]+ iters in [0-9.]+ seconds = [0-9.]+ usec/iter' "$f" ||
+    fail "$(basename "$f"): no 'iters in ... usec/iter' line"
+}
+
+# Waits for a started server/client pair and checks both. Usage:
+# finish_pair NAME SERVER_PID CLIENT_PID [SECS]
+finish_pair() {
+  local name=$1 spid=$2 cpid=$3 secs=${4:-60} crc src
+  wait_pid "$cpid" "$secs"
+  crc=$WAIT_RC
+  wait_pid "$spid" 10
+  src=$WAIT_RC
+  [[ $crc == 0 ]] || fail "$name: client exited with $crc"
+  [[ $src == 0 ]] || fail "$name: server exited with $src"
+  check_pp_output "$E2E_TMP/$name.server.out"
+  check_pp_output "$E2E_TMP/$name.client.out"
+  log "$name: ok: $(grep -E 'usec/iter' "$E2E_TMP/$name.client.out")"
+}
+
+# One full pingpong run: server + client, both through vrdma, same options on both sides.
+# Usage: run_pair NAME SERVER_GUEST CLIENT_GUEST [pingpong args...]
+run_pair() {
+  local name=$1 sg=$2 cg=$3
+  shift 3
+  log "$name: ibv_rc_pingpong $*"
+  start_server "$name" "$sg" "$@"
+  start_client "$name" "$cg" "$PORT" "$@"
+  finish_pair "$name" "$SERVER_PID" "$CLIENT_PID"
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Debian's unmodified ibv_rc_pingpong, server and client both through vrdma, over a range of
+# options: default, -e (completion events), large messages, -c (content validation).
+# Usage: rc_pingpong.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+e2e_init "${1:-}"
+
+run_pair default srv cli
+run_pair events srv cli -e
+run_pair large srv cli -s 65536 -n 10000
+run_pair validate srv cli -c
+run_pair validate_events_large srv cli -c -e -s 65536 -n 1000
+# Both ends in one guest: no --guest, and the default guest is per process group (ours).
+run_pair same_guest "" ""
+
+e2e_pass
