@@ -2,6 +2,7 @@
 // on first use), device/port/GID queries, async events, and the command RPC.
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -120,7 +121,7 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
   std::vector<UniqueFd> fds;
   if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
   if (!st.is_ok()) {
-    VLOG_ERROR("lost the backend: {}", st.message());
+    if (!dead.exchange(true)) VLOG_ERROR("lost the backend: {}", st.message());
     errno = EIO;
     return EIO;
   }
@@ -153,6 +154,15 @@ void VContext::ring_doorbell() const {
     ssize_t n = ::write(doorbell.get(), &one, sizeof(one));
     (void)n;
   }
+}
+
+bool VContext::backend_gone() {
+  if (dead.load(std::memory_order_relaxed)) return true;
+  pollfd p{sock.get(), POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+    if (!dead.exchange(true)) VLOG_ERROR("the vrdma backend is gone; device vrdma0 is dead");
+  }
+  return dead.load(std::memory_order_relaxed);
 }
 
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
@@ -405,9 +415,20 @@ VERBS_EXPORT ssize_t _ibv_query_gid_table(ibv_context* c, ibv_gid_entry* entries
 
 VERBS_EXPORT int ibv_get_async_event(ibv_context* c, ibv_async_event* ev) {
   uint32_t raw[2];
-  ssize_t n = ::read(c->async_fd, raw, sizeof(raw));
-  if (n != sizeof(raw)) return -1;
   VContext* ctx = to_vctx(c);
+  ssize_t n = ::read(c->async_fd, raw, sizeof(raw));
+  if (n == 0) {
+    // The backend closed its end: the device is gone. Report that once, as a fatal event.
+    if (ctx->fatal_reported.exchange(true)) {
+      errno = EIO;
+      return -1;
+    }
+    ctx->dead = true;
+    ev->event_type = IBV_EVENT_DEVICE_FATAL;
+    ev->element.port_num = 0;
+    return 0;
+  }
+  if (n != sizeof(raw)) return -1;
   ev->event_type = static_cast<ibv_event_type>(raw[0]);
   std::lock_guard<std::mutex> g(ctx->objs_mu);
   switch (ev->event_type) {

@@ -14,6 +14,7 @@ using namespace vrdma::proto;
 namespace {
 
 constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
+constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
 
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
   switch (t) {
@@ -30,6 +31,10 @@ bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
 
 int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   VQp* qp = to_vqp(q);
+  if (to_vctx(q->context)->dead.load(std::memory_order_relaxed)) {
+    *bad = wr;
+    return EIO;
+  }
   // Posting to a QP that cannot send is an immediate error (IB spec o10-?, 11.4.1.1).
   if (q->state == IBV_QPS_RESET || q->state == IBV_QPS_INIT || q->state == IBV_QPS_RTR) {
     *bad = wr;
@@ -89,6 +94,10 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
 
 int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   VQp* qp = to_vqp(q);
+  if (to_vctx(q->context)->dead.load(std::memory_order_relaxed)) {
+    *bad = wr;
+    return EIO;
+  }
   if (q->state == IBV_QPS_RESET) {
     *bad = wr;
     return EINVAL;
@@ -150,6 +159,12 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     cq->hdr->consumer.store(cq->cons, std::memory_order_release);
     cq->empty_polls = 0;
   } else if (++cq->empty_polls % kYieldEvery == 0) {
+    // Nothing will ever arrive from a dead backend: say so rather than spin for ever.
+    if (cq->empty_polls % kLivenessEvery == 0 && to_vctx(c->context)->backend_gone()) {
+      cq->lock.unlock();
+      errno = EIO;
+      return -1;
+    }
     // A busy-polling application competes with the backend for the CPUs; when the CQ has
     // stayed empty for a while, let the backend (which produces completions) run. Without
     // this, on a machine with fewer cores than spinners, each completion waits for a

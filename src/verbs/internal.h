@@ -62,6 +62,11 @@ struct VContext {
   }
   /// Tells a sleeping backend that rings have new work.
   void ring_doorbell() const;
+  /// True once the backend's end of the control socket has closed (the device is gone): posts
+  /// then fail with EIO and polls with -1, instead of waiting for completions that never come.
+  bool backend_gone();
+  std::atomic<bool> dead{false};
+  std::atomic<bool> fatal_reported{false};  ///< IBV_EVENT_DEVICE_FATAL was handed out
 };
 
 inline VContext* to_vctx(ibv_context* c) {
