@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Latency of Debian's unmodified ibv_rc_pingpong through vrdma (server and client on this host,
-# two guests of one backend). Prints markdown table rows: date, machine, command, µs/iter.
+# two guests of one backend), against the peer a program without RDMA would use: the same
+# ping-pong over loopback TCP (bench/tcp_pingpong), measured in the same run, runs interleaved.
+# Prints markdown table rows: date, machine, command, µs/iter of both, and the ratio.
 # Usage: bench/pingpong.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
 set -euo pipefail
 
@@ -22,20 +24,33 @@ cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
 today="$(date +%F)"
 
-echo "| date | machine | command | runs | µs/iter median | min | max |"
+TCP_PP="$BIN_DIR/tcp_pingpong"
+[[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+
+# Median, min and max of the numbers on stdin.
+stats() {
+  sort -g | awk '{a[NR] = $1} END {m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
+                                   printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}'
+}
+usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
+
+echo "| date | machine | command | runs | vrdma µs/iter median (min–max) | TCP loopback µs/iter median (min–max) | TCP / vrdma |"
 echo "|---|---|---|---|---|---|---|"
 for cfg in "${CONFIGS[@]}"; do
   read -ra args <<<"$cfg"
   vals=()
+  peer=()
   for ((r = 1; r <= RUNS; r++)); do
     run_pair "run$r" bench-srv bench-cli "${args[@]}"
-    v="$(awk '/usec\/iter/ {print $(NF-1)}' "$E2E_TMP/run$r.client.out")"
+    v="$(usec_of "$E2E_TMP/run$r.client.out")"
     [[ -n $v ]] || fail "no usec/iter in run $r"
     vals+=("$v")
+    "$TCP_PP" "${args[@]}" >"$E2E_TMP/tcp$r.out" || fail "tcp_pingpong failed"
+    peer+=("$(usec_of "$E2E_TMP/tcp$r.out")")
   done
-  read -r med min max < <(printf '%s\n' "${vals[@]}" | sort -g |
-    awk '{a[NR] = $1} END {m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
-                           printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}')
-  echo "| $today | $machine | \`vrdma run -- ibv_rc_pingpong $cfg\` | $RUNS | $med | $min | $max |"
+  read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
+  read -r pmed pmin pmax < <(printf '%s\n' "${peer[@]}" | stats)
+  ratio="$(awk -v a="$pmed" -v b="$med" 'BEGIN {printf "%.2f", a / b}')"
+  echo "| $today | $machine | \`vrdma run -- ibv_rc_pingpong $cfg\` | $RUNS | $med ($min–$max) | $pmed ($pmin–$pmax) | $ratio |"
 done
 e2e_pass
