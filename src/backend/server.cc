@@ -141,9 +141,14 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
 
   std::vector<uint8_t> out;
   std::vector<int> out_fds;
+  UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
     VLOG_DEBUG("op {} failed: {}", h.op, st.message());
     out = encode(op, h.seq, -st.err(), Empty{});
+  };
+  auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
+    if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
+    else reply_err(r.status());
   };
   auto reply_handle = [&](const Result<uint32_t>& r) {
     if (r.is_ok()) out = encode(op, h.seq, 0, HandleResp{r.value(), 0});
@@ -153,6 +158,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     if (st.is_ok()) out = encode(op, h.seq, 0, Empty{});
     else reply_err(st);
   };
+  auto handle_of = [&] { return body_of<HandleReq>(msg).value().handle; };
   engine::Session* s = c.session;
   switch (op) {
     case Op::kHello: {
@@ -172,74 +178,22 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     }
     case Op::kAllocPd: reply_handle(dev_.alloc_pd(*s)); break;
-    case Op::kDeallocPd:
-      reply_status(dev_.dealloc_pd(*s, body_of<HandleReq>(msg).value().handle));
-      break;
+    case Op::kDeallocPd: reply_status(dev_.dealloc_pd(*s, handle_of())); break;
     case Op::kRegSegment: {
       UniqueFd fd = fds.empty() ? UniqueFd() : std::move(fds[0]);
       reply_handle(dev_.reg_segment(*s, body_of<RegSegmentReq>(msg).value(), std::move(fd)));
       break;
     }
-    case Op::kRegMr: {
-      auto r = dev_.reg_mr(*s, body_of<RegMrReq>(msg).value());
-      if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
-      else reply_err(r.status());
-      break;
-    }
-    case Op::kDeregMr:
-      reply_status(dev_.dereg_mr(*s, body_of<HandleReq>(msg).value().handle));
-      break;
-    case Op::kCreateChannel: {
-      engine::FdList fl;
-      UniqueFd read_end;
-      reply_handle(dev_.create_channel(*s, fl, read_end));
-      if (read_end.valid()) {
-        out_fds = fl;
-        (void)send_msg(c.sock.get(), out, out_fds);
-        return Status::ok();  // read_end closes here, after the guest got its copy
-      }
-      break;
-    }
-    case Op::kDestroyChannel:
-      reply_status(dev_.destroy_channel(*s, body_of<HandleReq>(msg).value().handle));
-      break;
-    case Op::kCreateCq: {
-      UniqueFd ring;
-      auto r = dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), ring);
-      if (!r.is_ok()) {
-        reply_err(r.status());
-        break;
-      }
-      out = encode(op, h.seq, 0, r.value());
-      int fd = ring.get();
-      (void)send_msg(c.sock.get(), out, std::span<const int>(&fd, 1));
-      return Status::ok();
-    }
-    case Op::kDestroyCq:
-      reply_status(dev_.destroy_cq(*s, body_of<HandleReq>(msg).value().handle));
-      break;
-    case Op::kCreateQp: {
-      UniqueFd ring;
-      auto r = dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), ring);
-      if (!r.is_ok()) {
-        reply_err(r.status());
-        break;
-      }
-      out = encode(op, h.seq, 0, r.value());
-      int fd = ring.get();
-      (void)send_msg(c.sock.get(), out, std::span<const int>(&fd, 1));
-      return Status::ok();
-    }
+    case Op::kRegMr: reply(dev_.reg_mr(*s, body_of<RegMrReq>(msg).value())); break;
+    case Op::kDeregMr: reply_status(dev_.dereg_mr(*s, handle_of())); break;
+    case Op::kCreateChannel: reply_handle(dev_.create_channel(*s, give)); break;
+    case Op::kDestroyChannel: reply_status(dev_.destroy_channel(*s, handle_of())); break;
+    case Op::kCreateCq: reply(dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), give)); break;
+    case Op::kDestroyCq: reply_status(dev_.destroy_cq(*s, handle_of())); break;
+    case Op::kCreateQp: reply(dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), give)); break;
     case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
-    case Op::kQueryQp: {
-      auto r = dev_.query_qp(*s, body_of<HandleReq>(msg).value().handle);
-      if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
-      else reply_err(r.status());
-      break;
-    }
-    case Op::kDestroyQp:
-      reply_status(dev_.destroy_qp(*s, body_of<HandleReq>(msg).value().handle));
-      break;
+    case Op::kQueryQp: reply(dev_.query_qp(*s, handle_of())); break;
+    case Op::kDestroyQp: reply_status(dev_.destroy_qp(*s, handle_of())); break;
     case Op::kStatus: {
       std::string js = dev_.status_json();
       out = encode(op, h.seq, 0, Empty{});
@@ -252,9 +206,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     }
     case Op::kMax: break;
   }
-  Status st = send_msg(c.sock.get(), out, out_fds);
-  if (!st.is_ok()) return st;
-  return Status::ok();
+  int32_t status;
+  std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
+  if (give.valid() && status == 0) out_fds = {give.get()};
+  return send_msg(c.sock.get(), out, out_fds);
 }
 
 Status Server::run() {

@@ -221,7 +221,7 @@ Status Device::dereg_mr(Session& s, uint32_t handle) {
   return Status::ok();
 }
 
-Result<uint32_t> Device::create_channel(Session& s, FdList& fds, UniqueFd& read_end) {
+Result<uint32_t> Device::create_channel(Session& s, UniqueFd& read_end) {
   if (s.channels.size() >= kMaxChannels) return error(EMFILE, "channel limit reached");
   int p[2];
   if (::pipe2(p, O_CLOEXEC | O_NONBLOCK) < 0) return error(errno, "pipe2");
@@ -233,7 +233,6 @@ Result<uint32_t> Device::create_channel(Session& s, FdList& fds, UniqueFd& read_
   Channel& c = s.channels[h];
   c.handle = h;
   c.write_end = UniqueFd(p[1]);
-  fds = {read_end.get()};
   return h;
 }
 

@@ -166,7 +166,7 @@ class Device {
   Result<uint32_t> reg_segment(Session& s, const proto::RegSegmentReq& req, UniqueFd fd);
   Result<proto::RegMrResp> reg_mr(Session& s, const proto::RegMrReq& req);
   Status dereg_mr(Session& s, uint32_t handle);
-  Result<uint32_t> create_channel(Session& s, FdList& fds, UniqueFd& read_end);
+  Result<uint32_t> create_channel(Session& s, UniqueFd& read_end);
   Status destroy_channel(Session& s, uint32_t handle);
   Result<proto::CreateCqResp> create_cq(Session& s, const proto::CreateCqReq& req, UniqueFd& ring);
   Status destroy_cq(Session& s, uint32_t handle);
