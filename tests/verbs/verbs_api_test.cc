@@ -1,0 +1,351 @@
+// The verbs API as an application sees it, through our libibverbs.so.1 and a real backend
+// (started by the library on first use): device and port attributes, RC send/recv with
+// immediate data and unsignaled completions, completion channels that poll()/epoll can watch,
+// the QP state machine's errors, queue depth, and error completions.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+class VerbsApi : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // One backend per test process (ctest may run them in parallel): a socket of our own.
+    std::string base = std::getenv("VRDMA_SOCKET") ? std::getenv("VRDMA_SOCKET") : "/tmp/vrdma-t";
+    ::setenv("VRDMA_SOCKET", (base + "." + std::to_string(::getpid())).c_str(), 1);
+  }
+
+  static void TearDownTestSuite() {
+    // The library started a backend for this test's socket; stop it.
+    std::ifstream pidf(std::string(std::getenv("VRDMA_SOCKET")) + ".pid");
+    pid_t pid = 0;
+    if (pidf >> pid && pid > 0) ::kill(pid, SIGTERM);
+  }
+
+  void SetUp() override {
+    int n = 0;
+    ibv_device** list = ibv_get_device_list(&n);
+    ASSERT_NE(list, nullptr);
+    ASSERT_EQ(n, 1);
+    ASSERT_STREQ(ibv_get_device_name(list[0]), "vrdma0");
+    ctx_ = ibv_open_device(list[0]);
+    ibv_free_device_list(list);
+    ASSERT_NE(ctx_, nullptr) << std::strerror(errno);
+    pd_ = ibv_alloc_pd(ctx_);
+    ASSERT_NE(pd_, nullptr);
+    ibv_port_attr pa{};
+    ASSERT_EQ(ibv_query_port(ctx_, 1, &pa), 0);
+    lid_ = pa.lid;
+    buf_.assign(1 << 20, 0);
+    mr_ = ibv_reg_mr(pd_, buf_.data(), buf_.size(), IBV_ACCESS_LOCAL_WRITE);
+    ASSERT_NE(mr_, nullptr) << std::strerror(errno);
+  }
+
+  void TearDown() override {
+    for (ibv_qp* q : qps_) EXPECT_EQ(ibv_destroy_qp(q), 0);
+    for (ibv_cq* c : cqs_) EXPECT_EQ(ibv_destroy_cq(c), 0);
+    if (channel_) {
+      EXPECT_EQ(ibv_destroy_comp_channel(channel_), 0);
+    }
+    if (mr_) {
+      EXPECT_EQ(ibv_dereg_mr(mr_), 0);
+    }
+    if (pd_) {
+      EXPECT_EQ(ibv_dealloc_pd(pd_), 0);
+    }
+    if (ctx_) {
+      EXPECT_EQ(ibv_close_device(ctx_), 0);
+    }
+  }
+
+  ibv_cq* make_cq(ibv_comp_channel* ch = nullptr) {
+    ibv_cq* cq = ibv_create_cq(ctx_, 256, this, ch, 0);
+    EXPECT_NE(cq, nullptr);
+    cqs_.push_back(cq);
+    return cq;
+  }
+
+  ibv_qp* make_qp(ibv_cq* cq, uint32_t depth = 64, int sig_all = 0) {
+    ibv_qp_init_attr a{};
+    a.send_cq = cq;
+    a.recv_cq = cq;
+    a.qp_type = IBV_QPT_RC;
+    a.sq_sig_all = sig_all;
+    a.cap.max_send_wr = depth;
+    a.cap.max_recv_wr = depth;
+    a.cap.max_send_sge = 2;
+    a.cap.max_recv_sge = 2;
+    ibv_qp* qp = ibv_create_qp(pd_, &a);
+    EXPECT_NE(qp, nullptr) << std::strerror(errno);
+    qps_.push_back(qp);
+    return qp;
+  }
+
+  int to_init(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE;
+    return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+  }
+
+  void connect(ibv_qp* qp, uint32_t remote_qpn, uint8_t rnr_retry = 7) {
+    ASSERT_EQ(to_init(qp), 0);
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = remote_qpn;
+    a.rq_psn = 0;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 1;
+    a.ah_attr.dlid = lid_;
+    a.ah_attr.port_num = 1;
+    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                        IBV_QP_MIN_RNR_TIMER),
+              0);
+    a = {};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 8;
+    a.retry_cnt = 2;
+    a.rnr_retry = rnr_retry;
+    a.sq_psn = 0;
+    a.max_rd_atomic = 1;
+    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                        IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC),
+              0);
+  }
+
+  int post_recv(ibv_qp* qp, uint64_t id, size_t off, uint32_t len) {
+    ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data() + off), len, mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    return ibv_post_recv(qp, &wr, &bad);
+  }
+
+  int post_send(ibv_qp* qp, uint64_t id, size_t off, uint32_t len, unsigned flags,
+                ibv_wr_opcode op = IBV_WR_SEND, uint32_t imm = 0, uint32_t lkey = 0) {
+    ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data() + off), len, lkey ? lkey : mr_->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = flags;
+    wr.imm_data = htonl(imm);
+    ibv_send_wr* bad = nullptr;
+    return ibv_post_send(qp, &wr, &bad);
+  }
+
+  /// Polls until `n` completions arrived or 5 s passed.
+  std::vector<ibv_wc> poll(ibv_cq* cq, size_t n) {
+    std::vector<ibv_wc> out;
+    for (int spins = 0; out.size() < n && spins < 5'000'000; ++spins) {
+      ibv_wc wc[16];
+      int got = ibv_poll_cq(cq, 16, wc);
+      EXPECT_GE(got, 0);
+      out.insert(out.end(), wc, wc + std::max(got, 0));
+      if (got == 0) ::usleep(1);
+    }
+    return out;
+  }
+
+  ibv_context* ctx_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_mr* mr_ = nullptr;
+  ibv_comp_channel* channel_ = nullptr;
+  std::vector<ibv_cq*> cqs_;
+  std::vector<ibv_qp*> qps_;
+  std::vector<uint8_t> buf_;
+  uint16_t lid_ = 0;
+};
+
+TEST_F(VerbsApi, DeviceAndPortAreWhatTheyClaim) {
+  ibv_device_attr d{};
+  ASSERT_EQ(ibv_query_device(ctx_, &d), 0);
+  EXPECT_NE(d.vendor_id, 0x02c9u) << "must not look like a Mellanox device";
+  EXPECT_NE(d.vendor_id, 0x15b3u);
+  EXPECT_EQ(d.phys_port_cnt, 1);
+  EXPECT_GE(d.max_qp_wr, 64);
+  ibv_port_attr p{};
+  ASSERT_EQ(ibv_query_port(ctx_, 1, &p), 0);
+  EXPECT_EQ(p.state, IBV_PORT_ACTIVE);
+  EXPECT_EQ(p.link_layer, IBV_LINK_LAYER_INFINIBAND);
+  EXPECT_NE(p.lid, 0);
+  EXPECT_NE(ibv_query_port(ctx_, 2, &p), 0);
+  ibv_gid gid{};
+  ASSERT_EQ(ibv_query_gid(ctx_, 1, 0, &gid), 0);
+  EXPECT_EQ(gid.raw[0], 0xfe);
+  EXPECT_EQ(gid.raw[1], 0x80);
+  EXPECT_EQ(std::memcmp(gid.raw + 8, &d.node_guid, 8), 0) << "GID 0 = fe80:: + port GUID";
+  // An extended op we do not implement fails cleanly.
+  ibv_cq_init_attr_ex cqa{};
+  cqa.cqe = 4;
+  errno = 0;
+  EXPECT_EQ(ibv_create_cq_ex(ctx_, &cqa), nullptr);
+  EXPECT_EQ(errno, EOPNOTSUPP);
+}
+
+TEST_F(VerbsApi, SendWithImmediateAndUnsignaledCompletions) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  constexpr int kMsgs = 10;
+  for (int i = 0; i < kMsgs; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 4096), 0);
+  for (int i = 0; i < kMsgs; ++i) std::memset(buf_.data() + 65536 + 64 * i, 'A' + i, 64);
+  for (int i = 0; i < kMsgs; ++i) {
+    const bool last = i == kMsgs - 1;
+    ASSERT_EQ(post_send(a, i, 65536 + 64 * i, 64, last ? IBV_SEND_SIGNALED : 0,
+                        IBV_WR_SEND_WITH_IMM, 0x1000 + i),
+              0);
+  }
+  auto wcs = poll(cq, kMsgs + 1);
+  ASSERT_EQ(wcs.size(), size_t{kMsgs + 1});
+  int sends = 0, recvs = 0;
+  for (const ibv_wc& wc : wcs) {
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+    if (wc.opcode == IBV_WC_SEND) {
+      ++sends;
+      EXPECT_EQ(wc.wr_id, uint64_t{kMsgs - 1}) << "only the signaled send completes";
+    } else {
+      ASSERT_EQ(wc.opcode, IBV_WC_RECV);
+      const int i = static_cast<int>(wc.wr_id - 100);
+      EXPECT_EQ(i, recvs) << "receives complete in order";
+      ++recvs;
+      EXPECT_EQ(wc.byte_len, 64u);
+      EXPECT_TRUE(wc.wc_flags & IBV_WC_WITH_IMM);
+      EXPECT_EQ(ntohl(wc.imm_data), 0x1000u + i);
+      EXPECT_EQ(wc.qp_num, b->qp_num);
+      EXPECT_EQ(wc.src_qp, a->qp_num);
+      EXPECT_EQ(wc.slid, lid_);
+      EXPECT_EQ(buf_[4096 * (i + 1)], 'A' + i);
+      EXPECT_EQ(buf_[4096 * (i + 1) + 63], 'A' + i);
+    }
+  }
+  EXPECT_EQ(sends, 1);
+  EXPECT_EQ(recvs, kMsgs);
+  EXPECT_EQ(ibv_poll_cq(cq, 1, wcs.data()), 0);
+}
+
+TEST_F(VerbsApi, CompletionChannelIsARealPollableFd) {
+  channel_ = ibv_create_comp_channel(ctx_);
+  ASSERT_NE(channel_, nullptr);
+  ibv_cq* cq = make_cq(channel_);
+  ibv_qp* a = make_qp(cq, 64, 1);
+  ibv_qp* b = make_qp(cq, 64, 1);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  int ep = ::epoll_create1(0);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ASSERT_EQ(::epoll_ctl(ep, EPOLL_CTL_ADD, channel_->fd, &ev), 0);
+  ASSERT_EQ(ibv_req_notify_cq(cq, 0), 0);
+  pollfd pfd{channel_->fd, POLLIN, 0};
+  EXPECT_EQ(::poll(&pfd, 1, 0), 0) << "no event before any completion";
+  ASSERT_EQ(post_recv(b, 1, 0, 64), 0);
+  ASSERT_EQ(post_send(a, 2, 128, 8, 0), 0);
+  EXPECT_EQ(::epoll_wait(ep, &ev, 1, 5000), 1) << "epoll sees the completion event";
+  ibv_cq* ev_cq = nullptr;
+  void* ev_ctx = nullptr;
+  ASSERT_EQ(ibv_get_cq_event(channel_, &ev_cq, &ev_ctx), 0);
+  EXPECT_EQ(ev_cq, cq);
+  EXPECT_EQ(ev_ctx, this);
+  ibv_ack_cq_events(cq, 1);
+  EXPECT_EQ(poll(cq, 2).size(), 2u);
+  // Not re-armed: a further completion raises no event; with O_NONBLOCK the read says EAGAIN.
+  ASSERT_EQ(::fcntl(channel_->fd, F_SETFL, ::fcntl(channel_->fd, F_GETFL) | O_NONBLOCK), 0);
+  ASSERT_EQ(post_recv(b, 3, 0, 64), 0);
+  ASSERT_EQ(post_send(a, 4, 128, 8, 0), 0);
+  EXPECT_EQ(poll(cq, 2).size(), 2u);
+  errno = 0;
+  EXPECT_EQ(ibv_get_cq_event(channel_, &ev_cq, &ev_ctx), -1);
+  EXPECT_EQ(errno, EAGAIN);
+  ::close(ep);
+}
+
+TEST_F(VerbsApi, StateMachineErrorsAreEinval) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* qp = make_qp(cq);
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_RTR;
+  EXPECT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE), EINVAL) << "RESET -> RTR is illegal";
+  a.qp_state = IBV_QPS_INIT;
+  EXPECT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE), EINVAL) << "INIT needs port, pkey, access";
+  ASSERT_EQ(to_init(qp), 0);
+  EXPECT_EQ(post_send(qp, 1, 0, 8, IBV_SEND_SIGNALED), EINVAL) << "no sends before RTS";
+  a = {};
+  a.qp_state = IBV_QPS_RTS;
+  a.sq_psn = 1;
+  EXPECT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN), EINVAL) << "INIT -> RTS";
+  ibv_qp_attr q{};
+  ibv_qp_init_attr qi{};
+  ASSERT_EQ(ibv_query_qp(qp, &q, IBV_QP_STATE, &qi), 0);
+  EXPECT_EQ(q.qp_state, IBV_QPS_INIT);
+  EXPECT_EQ(qi.qp_type, IBV_QPT_RC);
+}
+
+TEST_F(VerbsApi, PostingBeyondTheQueueDepthIsEnomem) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* qp = make_qp(cq, 8);
+  ASSERT_EQ(to_init(qp), 0);
+  ibv_qp_attr q{};
+  ibv_qp_init_attr qi{};
+  ASSERT_EQ(ibv_query_qp(qp, &q, IBV_QP_CAP, &qi), 0);
+  uint32_t i = 0;
+  for (; i < q.cap.max_recv_wr; ++i) ASSERT_EQ(post_recv(qp, i, 0, 64), 0);
+  EXPECT_EQ(post_recv(qp, i, 0, 64), ENOMEM);
+}
+
+TEST_F(VerbsApi, BadLkeyIsLocalProtectionErrorThenFlush) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  ASSERT_EQ(post_recv(b, 1, 0, 64), 0);
+  ASSERT_EQ(post_send(a, 10, 0, 8, 0, IBV_WR_SEND, 0, mr_->lkey ^ 0x5a5a000), 0);
+  ASSERT_EQ(post_send(a, 11, 0, 8, IBV_SEND_SIGNALED), 0);
+  auto wcs = poll(cq, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  EXPECT_EQ(wcs[0].wr_id, 10u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_LOC_PROT_ERR) << "even unsignaled, an error completes";
+  EXPECT_EQ(wcs[1].wr_id, 11u);
+  EXPECT_EQ(wcs[1].status, IBV_WC_WR_FLUSH_ERR);
+  ibv_qp_attr q{};
+  ibv_qp_init_attr qi{};
+  ASSERT_EQ(ibv_query_qp(a, &q, IBV_QP_STATE, &qi), 0);
+  EXPECT_EQ(q.qp_state, IBV_QPS_ERR);
+}
+
+TEST_F(VerbsApi, NoReceiveAndNoRnrRetryIsRnrRetryExceeded) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num, /*rnr_retry=*/1);
+  connect(b, a->qp_num);
+  ASSERT_EQ(post_send(a, 7, 0, 8, IBV_SEND_SIGNALED), 0);
+  auto wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+}
+
+}  // namespace
