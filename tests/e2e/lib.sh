@@ -40,12 +40,14 @@ e2e_init() {
   # A sanitized libibverbs.so.1 inside an uninstrumented program (ibv_rc_pingpong) needs the
   # sanitizer runtime loaded first.
   VRUN=("$VRDMA" run)
+  SAN_PRELOAD=""
   local rt
   rt="$(ldd "$bin_dir/../lib/libibverbs.so.1" 2>/dev/null |
     awk '/lib(a|t)san\.so/ {print $3; exit}')" || true
   if [[ -n $rt ]]; then
     log "sanitized build: preloading $rt into programs run through vrdma"
     VRUN=(env "LD_PRELOAD=$rt${LD_PRELOAD:+:$LD_PRELOAD}" "$VRDMA" run)
+    SAN_PRELOAD="$rt"  # for tests that load the library without `vrdma run`
   fi
   log "tmp $E2E_TMP, socket $VRDMA_SOCKET"
 }
