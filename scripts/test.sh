@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# Installs the dependencies, builds one preset and runs its whole test suite (unit + e2e).
-# Usage: scripts/test.sh [PRESET] [extra ctest args...]   PRESET: release (default),
-# debug, asan-ubsan, tsan.   Example: scripts/test.sh asan-ubsan -R e2e
+# Installs the dependencies, builds and runs the whole test suite (unit + e2e).
+# Usage: scripts/test.sh                 release, then asan-ubsan, then tsan (what CI runs)
+#        scripts/test.sh PRESET [ctest args...]   one preset: release, debug, asan-ubsan, tsan
+#                                                 example: scripts/test.sh asan-ubsan -R e2e
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-PRESET="${1:-release}"
-shift || true
-
 "$ROOT/scripts/deps.sh"
-cmake --preset "$PRESET"
-cmake --build --preset "$PRESET"
-ctest --preset "$PRESET" "$@"
+
+run_preset() {
+  local preset=$1
+  shift
+  echo "== $preset: build"
+  cmake --preset "$preset"
+  cmake --build --preset "$preset"
+  echo "== $preset: test"
+  ctest --preset "$preset" "$@"
+}
+
+if [[ $# -gt 0 ]]; then
+  run_preset "$@"
+else
+  for preset in release asan-ubsan tsan; do
+    run_preset "$preset"
+  done
+fi
