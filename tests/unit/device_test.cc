@@ -270,6 +270,32 @@ TEST_F(DeviceTest, KeysOfOneGuestAreInvalidInAnother) {
   for (int i = 0; i < 64; ++i) EXPECT_EQ(ma_.p()[i], 0) << "a's memory was written through b";
 }
 
+TEST_F(DeviceTest, AThirdGuestCannotInjectIntoAConnectedQp) {
+  connect_both();
+  // Guest c knows b's LID and QPN and points its own QP at them; b is connected to a, not c.
+  G c = open("c");
+  CqV ccq = cq(c);
+  QpV qc = qp(c, ccq, ccq);
+  MemV mc = mem(c);
+  connect(c, qc, b_, qb_);
+  post_recv(qb_, 0xb0b, mb_.addr, 1024, mb_.mr.lkey);
+  std::memset(mc.p(), 0xee, 64);
+  post_send(qc, 0xc, mc.addr, 64, mc.mr.lkey);
+  for (int i = 0; i < 10; ++i) dev_.poll(now_ += 2'000'000'000);  // past every ACK timeout
+  EXPECT_TRUE(drain(bcq_).empty()) << "b received a message from a QP it is not connected to";
+  EXPECT_EQ(qb_.rq->consumer.load(), 0u);
+  EXPECT_NE(mb_.p()[0], 0xee);
+  auto tx = drain(ccq);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR) << "to c, b looks like nobody";
+  // The rightful peer still gets through.
+  post_send(qa_, 0xa, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].src_qp, qa_.qpn);
+}
+
 TEST_F(DeviceTest, OutOfRangeStateIsRejected) {
   QpAttr a{};
   a.qp_state = 100;
