@@ -371,8 +371,8 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
       (a.qp_access_flags & ~uint32_t{IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
                                      IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_LOCAL_WRITE}))
     return error(EINVAL, "qp_access_flags");
-  if ((m & IBV_QP_MAX_QP_RD_ATOMIC) && a.max_rd_atomic > 16) return error(EINVAL, "max_rd_atomic");
-  if ((m & IBV_QP_MAX_DEST_RD_ATOMIC) && a.max_dest_rd_atomic > 16)
+  if ((m & IBV_QP_MAX_QP_RD_ATOMIC) && a.max_rd_atomic > kMaxRdAtomic) return error(EINVAL, "max_rd_atomic");
+  if ((m & IBV_QP_MAX_DEST_RD_ATOMIC) && a.max_dest_rd_atomic > kMaxRdAtomic)
     return error(EINVAL, "max_dest_rd_atomic");
   if ((m & IBV_QP_MIN_RNR_TIMER) && a.min_rnr_timer > 31) return error(EINVAL, "min_rnr_timer");
   if ((m & IBV_QP_TIMEOUT) && a.timeout > 31) return error(EINVAL, "timeout");

@@ -192,7 +192,12 @@ class Device {
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
-  Step execute_send(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
+  /// Executes one send-queue WQE (any opcode) on an RC or UC QP.
+  Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
+  /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error).
+  const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
+                           uint32_t need_access) const;
+  static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);
   bool process_sq(Qp& qp, uint64_t now_ns);
   bool flush(Qp& qp);
   void destroy_qp_now(Session& s, Qp& qp);

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "common/log.h"
 #include "engine/device.h"
+#include "proto/device_caps.h"
 
 namespace vrdma::engine {
 
@@ -66,18 +68,8 @@ bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n,
     if (!mr || (mr->access & need_access) != need_access) return false;
     if (s.addr < mr->addr || s.length > mr->length || s.addr - mr->addr > mr->length - s.length)
       return false;
-    uint64_t off = s.addr - mr->addr;
-    uint64_t left = s.length;
-    // An SGE may cross segment boundaries; emit one span per chunk it touches.
-    for (const MrChunk& c : mr->chunks) {
-      if (left == 0) break;
-      if (off >= c.mr_offset + c.length) continue;
-      uint64_t in = off - c.mr_offset;
-      uint64_t take = std::min(left, c.length - in);
-      out.push_back({c.base + in, take});
-      off += take;
-      left -= take;
-    }
+    // An SGE may cross segment boundaries: one span per chunk it touches.
+    append_spans(*mr, s.addr - mr->addr, s.length, out);
     total += s.length;
   }
   return true;
@@ -121,6 +113,8 @@ void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t 
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_WRITE_WITH_IMM: e.opcode = IBV_WC_RDMA_WRITE; break;
     case IBV_WR_RDMA_READ: e.opcode = IBV_WC_RDMA_READ; break;
+    case IBV_WR_ATOMIC_CMP_AND_SWP: e.opcode = IBV_WC_COMP_SWAP; break;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD: e.opcode = IBV_WC_FETCH_ADD; break;
     default: e.opcode = IBV_WC_SEND; break;
   }
   e.byte_len = len;
@@ -161,29 +155,93 @@ Qp* Device::lookup_remote(const Qp& from) {
   return to;
 }
 
-Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
+namespace {
+
+/// Copies `len` bytes from the `src` spans to the `dst` spans, span to span (no bounce buffer).
+void copy_spans(std::span<const Span> src, std::span<const Span> dst, uint64_t len) {
+  size_t si = 0, di = 0;
+  uint64_t so = 0, doff = 0;
+  for (uint64_t left = len; left;) {
+    const Span& s = src[si];
+    const Span& d = dst[di];
+    uint64_t n = std::min({left, s.n - so, d.n - doff});
+    std::memcpy(d.p + doff, s.p + so, n);
+    left -= n;
+    if ((so += n) == s.n) ++si, so = 0;
+    if ((doff += n) == d.n) ++di, doff = 0;
+  }
+}
+
+bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+bool is_write(uint32_t op) { return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
+bool is_atomic(uint32_t op) {
+  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+}
+bool has_imm(uint32_t op) { return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
+
+/// Which opcodes a QP type may post (IB spec table 150ff: UC has no READ and no atomics).
+bool opcode_valid(ibv_qp_type t, uint32_t op) {
+  if (is_send(op) || is_write(op)) return t == IBV_QPT_RC || t == IBV_QPT_UC;
+  if (op == IBV_WR_RDMA_READ || is_atomic(op)) return t == IBV_QPT_RC;
+  return false;
+}
+
+}  // namespace
+
+const Mr* Device::find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
+                                 uint32_t need_access) const {
+  auto it = to.guest->mrs.find(rkey);
+  if (it == to.guest->mrs.end()) return nullptr;
+  const Mr* mr = it->second;
+  if (mr->pd != to.pd || mr->owner != to.owner) return nullptr;
+  if ((mr->access & need_access) != need_access) return nullptr;
+  if ((to.attr.qp_access_flags & need_access) != need_access) return nullptr;
+  // Remote addresses are in the MR's iova space.
+  if (addr < mr->iova || len > mr->length || addr - mr->iova > mr->length - len) return nullptr;
+  return mr;
+}
+
+void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out) {
+  for (const MrChunk& c : mr.chunks) {
+    if (len == 0) break;
+    if (off >= c.mr_offset + c.length) continue;
+    uint64_t in = off - c.mr_offset;
+    uint64_t take = std::min(len, c.length - in);
+    out.push_back({c.base + in, take});
+    off += take;
+    len -= take;
+  }
+}
+
+Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   auto fail = [&](ibv_wc_status st, const char* why) {
     complete_send(qp, w, st, 0);
     enter_error(qp, why);
     return Step::kDone;
   };
-  if (w.opcode != IBV_WR_SEND && w.opcode != IBV_WR_SEND_WITH_IMM)
-    return fail(IBV_WC_LOC_QP_OP_ERR, "opcode not supported");
-  // Gather side: inline bytes are copied out of the ring first (the guest may rewrite them).
+  const uint32_t op = w.opcode;
+  if (!opcode_valid(qp.type, op)) return fail(IBV_WC_LOC_QP_OP_ERR, "opcode not valid here");
+
+  // Local side. SEND/WRITE: the source (inline bytes are copied out of the ring first, since the
+  // guest may rewrite them). READ/atomics: the destination, which needs local write access.
   src_.clear();
+  dst_.clear();
   uint64_t len = 0;
   uint8_t inline_copy[kMaxInline];
-  if (w.send_flags & IBV_SEND_INLINE) {
+  const bool pulls = op == IBV_WR_RDMA_READ || is_atomic(op);
+  if (!pulls && (w.send_flags & IBV_SEND_INLINE)) {
     if (w.inline_len > qp.caps.max_inline_data) return fail(IBV_WC_LOC_LEN_ERR, "inline too long");
     std::memcpy(inline_copy, w.inline_data, w.inline_len);
     if (w.inline_len) src_.push_back({inline_copy, w.inline_len});
     len = w.inline_len;
   } else {
     if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
-    if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len))
-      return fail(IBV_WC_LOC_PROT_ERR, "send SGE outside a valid MR");
+    if (!resolve_sges(qp, w.sge, w.num_sge, pulls ? IBV_ACCESS_LOCAL_WRITE : 0,
+                      pulls ? dst_ : src_, len))
+      return fail(IBV_WC_LOC_PROT_ERR, "SGE outside a valid MR");
   }
-  if (len > 0x80000000ull) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");
+  if (len > kMaxMsgSize) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");
+  if (is_atomic(op) && len != 8) return fail(IBV_WC_LOC_LEN_ERR, "atomic needs one 8-byte SGE");
 
   Qp* to = lookup_remote(qp);
   if (!to || !rq_open(to->state)) {
@@ -204,75 +262,107 @@ Step Device::execute_send(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     return Step::kWait;
   }
 
-  const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
-  const uint32_t avail = rprod - to->rq_cons;
-  if (avail > to->rq_size) {
-    enter_error(*to, "receive queue indices corrupt");
-    post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
-    return Step::kWait;
-  }
-  if (avail == 0) {
-    if (qp.type == IBV_QPT_UC) {
-      complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
-      return Step::kDone;
+  // Responder: SEND and WRITE_WITH_IMM consume a receive WQE.
+  const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
+  RecvWqe r{};
+  if (consumes_recv) {
+    const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
+    const uint32_t avail = rprod - to->rq_cons;
+    if (avail > to->rq_size) {
+      enter_error(*to, "receive queue indices corrupt");
+      post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+      return Step::kWait;
     }
-    // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
-    if (qp.wait != Wait::kRnr) {
-      qp.wait = Wait::kRnr;
-      qp.rnr_left = qp.attr.rnr_retry;
+    if (avail == 0) {
+      if (qp.type == IBV_QPT_UC) {
+        complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+        return Step::kDone;
+      }
+      // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
+      if (qp.wait != Wait::kRnr) {
+        qp.wait = Wait::kRnr;
+        qp.rnr_left = qp.attr.rnr_retry;
+      }
+      if (qp.rnr_left != 7) {
+        if (qp.rnr_left == 0) return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+        --qp.rnr_left;
+      }
+      qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
+      return Step::kWait;
     }
-    if (qp.rnr_left != 7) {
-      if (qp.rnr_left == 0) return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
-      --qp.rnr_left;
-    }
-    qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
-    return Step::kWait;
+    r = to->rq[to->rq_cons & (to->rq_size - 1)];
   }
   qp.wait = Wait::kNone;
 
-  const RecvWqe r = to->rq[to->rq_cons & (to->rq_size - 1)];
-  to->rq_cons++;
-  to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+  // Remote memory for WRITE, READ and atomics: rkey in the responder's namespace and PD, the
+  // MR's and the responder QP's access flags, bounds in iova space.
+  const Mr* rmr = nullptr;
+  if (!is_send(op)) {
+    const uint32_t need = is_write(op)              ? IBV_ACCESS_REMOTE_WRITE
+                          : op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ
+                                                   : IBV_ACCESS_REMOTE_ATOMIC;
+    rmr = find_remote_mr(*to, w.rkey, w.remote_addr, len, need);
+    if (!rmr) return fail(IBV_WC_REM_ACCESS_ERR, "remote access error (rkey, bounds or access)");
+    if (is_atomic(op) && (w.remote_addr & 7))
+      return fail(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned address");
+  }
+
   Cqe rc{};
-  rc.wr_id = r.wr_id;
-  rc.qp_num = to->qpn;
-  rc.src_qp = qp.qpn;
-  rc.slid = qp.guest->lid;
-  rc.opcode = IBV_WC_RECV;
-  dst_.clear();
-  uint64_t cap = 0;
-  if (r.num_sge > to->caps.max_recv_sge ||
-      !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
-    rc.status = IBV_WC_LOC_PROT_ERR;
-    push_cqe(*to->recv_cq, rc, false);
-    enter_error(*to, "receive SGE outside a valid MR");
-    return fail(IBV_WC_REM_OP_ERR, "responder protection error");
+  if (consumes_recv) {
+    to->rq_cons++;
+    to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+    rc.wr_id = r.wr_id;
+    rc.qp_num = to->qpn;
+    rc.src_qp = qp.qpn;
+    rc.slid = qp.guest->lid;
+    rc.opcode = is_send(op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM;
   }
-  if (cap < len) {
-    rc.status = IBV_WC_LOC_LEN_ERR;
-    push_cqe(*to->recv_cq, rc, false);
-    enter_error(*to, "receive buffer too small");
-    return fail(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
+  if (is_send(op)) {
+    uint64_t cap = 0;
+    if (r.num_sge > to->caps.max_recv_sge ||
+        !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+      rc.status = IBV_WC_LOC_PROT_ERR;
+      push_cqe(*to->recv_cq, rc, false);
+      enter_error(*to, "receive SGE outside a valid MR");
+      return fail(IBV_WC_REM_OP_ERR, "responder protection error");
+    }
+    if (cap < len) {
+      rc.status = IBV_WC_LOC_LEN_ERR;
+      push_cqe(*to->recv_cq, rc, false);
+      enter_error(*to, "receive buffer too small");
+      return fail(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
+    }
+    copy_spans(src_, dst_, len);
+  } else if (is_write(op)) {
+    append_spans(*rmr, w.remote_addr - rmr->iova, len, dst_);
+    copy_spans(src_, dst_, len);
+  } else if (op == IBV_WR_RDMA_READ) {
+    append_spans(*rmr, w.remote_addr - rmr->iova, len, src_);
+    copy_spans(src_, dst_, len);
+  } else {
+    // Atomics: the engine thread executes every atomic of this host, and the operation is also
+    // a CPU atomic, so it is atomic against guests touching the word themselves.
+    append_spans(*rmr, w.remote_addr - rmr->iova, 8, src_);
+    auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
+    uint64_t old;
+    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+      old = __atomic_fetch_add(word, w.compare_add, __ATOMIC_SEQ_CST);
+    } else {
+      old = w.compare_add;
+      __atomic_compare_exchange_n(word, &old, w.swap, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    }
+    const Span result{reinterpret_cast<uint8_t*>(&old), 8};
+    copy_spans({&result, 1}, dst_, 8);
   }
-  // Scatter: copy span to span, never through an intermediate buffer.
-  size_t si = 0, di = 0;
-  uint64_t so = 0, doff = 0;
-  for (uint64_t left = len; left;) {
-    const Span& s = src_[si];
-    const Span& d = dst_[di];
-    uint64_t n = std::min({left, s.n - so, d.n - doff});
-    std::memcpy(d.p + doff, s.p + so, n);
-    left -= n;
-    if ((so += n) == s.n) ++si, so = 0;
-    if ((doff += n) == d.n) ++di, doff = 0;
+  if (consumes_recv) {
+    rc.status = IBV_WC_SUCCESS;
+    rc.byte_len = static_cast<uint32_t>(len);
+    if (has_imm(op)) {
+      rc.wc_flags = IBV_WC_WITH_IMM;
+      rc.imm_data = w.imm_data;
+    }
+    push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
   }
-  rc.status = IBV_WC_SUCCESS;
-  rc.byte_len = static_cast<uint32_t>(len);
-  if (w.opcode == IBV_WR_SEND_WITH_IMM) {
-    rc.wc_flags = IBV_WC_WITH_IMM;
-    rc.imm_data = w.imm_data;
-  }
-  push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
   to->msgs_received++;
   to->bytes_received += len;
   qp.msgs_sent++;
@@ -328,7 +418,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
   for (int budget = 64; qp.sq_cons != prod && budget; --budget) {
     // Copy the WQE out of shared memory first: the guest may rewrite the slot at any time.
     const SendWqe w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
-    if (execute_send(qp, w, now_ns) == Step::kWait) break;
+    if (execute(qp, w, now_ns) == Step::kWait) break;
     qp.sq_cons++;
     qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
     did = true;

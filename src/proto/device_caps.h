@@ -19,6 +19,7 @@ inline constexpr uint32_t kMaxMr = 1u << 20;
 inline constexpr uint64_t kMaxMrSize = 1ull << 40;
 inline constexpr uint32_t kMaxPd = 65536;
 inline constexpr uint32_t kMaxMsgSize = 1u << 31;
+inline constexpr uint32_t kMaxRdAtomic = 16;  ///< outstanding READ/atomic per QP
 inline constexpr uint32_t kPortMaxMtu = 5;  ///< IBV_MTU_4096
 inline constexpr uint32_t kMaxChannels = 1024;
 inline constexpr uint32_t kMaxSegments = 65536;

@@ -184,11 +184,13 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   a.max_cqe = kMaxCqe;
   a.max_mr = kMaxMr;
   a.max_pd = kMaxPd;
-  a.max_qp_rd_atom = 0;  // RDMA READ and atomics: not implemented yet
+  a.max_qp_rd_atom = kMaxRdAtomic;
   a.max_ee_rd_atom = 0;
-  a.max_res_rd_atom = 0;
-  a.max_qp_init_rd_atom = 0;
-  a.atomic_cap = IBV_ATOMIC_NONE;
+  a.max_res_rd_atom = kMaxRdAtomic * kMaxQp;
+  a.max_qp_init_rd_atom = kMaxRdAtomic;
+  // Every atomic of a host runs on the backend's engine thread as a CPU atomic: atomic across
+  // all QPs of the device (HCA-wide), not only within one QP.
+  a.atomic_cap = IBV_ATOMIC_HCA;
   a.max_pkeys = 1;
   a.local_ca_ack_delay = 0;
   a.phys_port_cnt = 1;

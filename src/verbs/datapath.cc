@@ -16,12 +16,18 @@ namespace {
 constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
 constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
 
+/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics). Others: EINVAL.
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
-  switch (t) {
-    case IBV_QPT_RC:
-      return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM;
-    case IBV_QPT_UC:
-      return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM;
+  switch (op) {
+    case IBV_WR_SEND:
+    case IBV_WR_SEND_WITH_IMM:
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return t == IBV_QPT_RC || t == IBV_QPT_UC;
+    case IBV_WR_RDMA_READ:
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return t == IBV_QPT_RC;
     default:
       return false;
   }
@@ -60,8 +66,15 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     w.send_flags = wr->send_flags;
     w.imm_data = wr->imm_data;
     w.num_sge = static_cast<uint32_t>(wr->num_sge);
-    w.remote_addr = wr->wr.rdma.remote_addr;
-    w.rkey = wr->wr.rdma.rkey;
+    if (wr->opcode == IBV_WR_ATOMIC_CMP_AND_SWP || wr->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+      w.remote_addr = wr->wr.atomic.remote_addr;
+      w.rkey = wr->wr.atomic.rkey;
+      w.compare_add = wr->wr.atomic.compare_add;
+      w.swap = wr->wr.atomic.swap;
+    } else {
+      w.remote_addr = wr->wr.rdma.remote_addr;
+      w.rkey = wr->wr.rdma.rkey;
+    }
     w.inline_len = 0;
     if (wr->send_flags & IBV_SEND_INLINE) {
       uint64_t total = 0;

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -64,6 +65,9 @@ class VerbsApi : public ::testing::Test {
     if (mr_) {
       EXPECT_EQ(ibv_dereg_mr(mr_), 0);
     }
+    if (rmr_) {
+      EXPECT_EQ(ibv_dereg_mr(rmr_), 0);
+    }
     if (pd_) {
       EXPECT_EQ(ibv_dealloc_pd(pd_), 0);
     }
@@ -95,11 +99,14 @@ class VerbsApi : public ::testing::Test {
     return qp;
   }
 
+  static constexpr unsigned kRemote =
+      IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+
   int to_init(ibv_qp* qp) {
     ibv_qp_attr a{};
     a.qp_state = IBV_QPS_INIT;
     a.port_num = 1;
-    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE;
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | kRemote;
     return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
   }
 
@@ -140,6 +147,39 @@ class VerbsApi : public ::testing::Test {
     return ibv_post_recv(qp, &wr, &bad);
   }
 
+  /// One RDMA WRITE/READ or atomic from buf_[off] against (raddr, rkey).
+  int post_rdma(ibv_qp* qp, uint64_t id, ibv_wr_opcode op, size_t off, uint32_t len,
+                uint64_t raddr, uint32_t rkey, unsigned flags = IBV_SEND_SIGNALED,
+                uint64_t compare_add = 0, uint64_t swap = 0) {
+    ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data() + off), len, mr_->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = flags;
+    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP) {
+      wr.wr.atomic.remote_addr = raddr;
+      wr.wr.atomic.rkey = rkey;
+      wr.wr.atomic.compare_add = compare_add;
+      wr.wr.atomic.swap = swap;
+    } else {
+      wr.wr.rdma.remote_addr = raddr;
+      wr.wr.rdma.rkey = rkey;
+      wr.imm_data = htonl(0xfeed);
+    }
+    ibv_send_wr* bad = nullptr;
+    return ibv_post_send(qp, &wr, &bad);
+  }
+
+  /// A second buffer that peers may write, read and use atomics on.
+  void make_remote_mr(unsigned access = IBV_ACCESS_LOCAL_WRITE | kRemote) {
+    rbuf_.assign(1 << 16, 0);
+    rmr_ = ibv_reg_mr(pd_, rbuf_.data(), rbuf_.size(), static_cast<int>(access));
+    ASSERT_NE(rmr_, nullptr) << std::strerror(errno);
+  }
+  uint64_t raddr(size_t off = 0) const { return reinterpret_cast<uintptr_t>(rbuf_.data() + off); }
+
   int post_send(ibv_qp* qp, uint64_t id, size_t off, uint32_t len, unsigned flags,
                 ibv_wr_opcode op = IBV_WR_SEND, uint32_t imm = 0, uint32_t lkey = 0) {
     ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data() + off), len, lkey ? lkey : mr_->lkey};
@@ -170,6 +210,8 @@ class VerbsApi : public ::testing::Test {
   ibv_context* ctx_ = nullptr;
   ibv_pd* pd_ = nullptr;
   ibv_mr* mr_ = nullptr;
+  ibv_mr* rmr_ = nullptr;
+  std::vector<uint8_t> rbuf_;
   ibv_comp_channel* channel_ = nullptr;
   std::vector<ibv_cq*> cqs_;
   std::vector<ibv_qp*> qps_;
@@ -346,6 +388,188 @@ TEST_F(VerbsApi, NoReceiveAndNoRnrRetryIsRnrRetryExceeded) {
   auto wcs = poll(cq, 1);
   ASSERT_EQ(wcs.size(), 1u);
   EXPECT_EQ(wcs[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+}
+
+TEST_F(VerbsApi, RdmaWriteAndWriteWithImmediate) {
+  make_remote_mr();
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  for (int i = 0; i < 4096; ++i) buf_[i] = static_cast<uint8_t>(i * 13);
+  ASSERT_EQ(post_rdma(a, 1, IBV_WR_RDMA_WRITE, 0, 4096, raddr(100), rmr_->rkey), 0);
+  auto wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wcs[0].opcode, IBV_WC_RDMA_WRITE);
+  EXPECT_EQ(std::memcmp(rbuf_.data() + 100, buf_.data(), 4096), 0);
+  EXPECT_EQ(rbuf_[99], 0);
+  EXPECT_EQ(rbuf_[4196], 0);
+  // WRITE_WITH_IMM lands the data and consumes a receive, which reports the immediate.
+  ASSERT_EQ(post_recv(b, 77, 8192, 16), 0);
+  ASSERT_EQ(post_rdma(a, 2, IBV_WR_RDMA_WRITE_WITH_IMM, 0, 64, raddr(8000), rmr_->rkey), 0);
+  wcs = poll(cq, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  for (const ibv_wc& wc : wcs) {
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+    if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+      EXPECT_EQ(wc.wr_id, 77u);
+      EXPECT_TRUE(wc.wc_flags & IBV_WC_WITH_IMM);
+      EXPECT_EQ(ntohl(wc.imm_data), 0xfeedu);
+      EXPECT_EQ(wc.byte_len, 64u);
+    } else {
+      EXPECT_EQ(wc.opcode, IBV_WC_RDMA_WRITE);
+    }
+  }
+  EXPECT_EQ(std::memcmp(rbuf_.data() + 8000, buf_.data(), 64), 0);
+}
+
+TEST_F(VerbsApi, RdmaReadPullsRemoteBytes) {
+  make_remote_mr();
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  for (size_t i = 0; i < rbuf_.size(); ++i) rbuf_[i] = static_cast<uint8_t>(i * 7 + 3);
+  ASSERT_EQ(post_rdma(a, 5, IBV_WR_RDMA_READ, 1000, 30000, raddr(333), rmr_->rkey), 0);
+  auto wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wcs[0].opcode, IBV_WC_RDMA_READ);
+  EXPECT_EQ(wcs[0].byte_len, 30000u);
+  EXPECT_EQ(std::memcmp(buf_.data() + 1000, rbuf_.data() + 333, 30000), 0);
+}
+
+TEST_F(VerbsApi, AtomicsFromFourQpsNeverLoseAnUpdate) {
+  make_remote_mr();
+  ibv_cq* cq = make_cq();
+  constexpr int kQps = 4, kOps = 100000, kSignalEvery = 64;
+  std::vector<ibv_qp*> req, resp;
+  for (int i = 0; i < kQps; ++i) {
+    req.push_back(make_qp(cq, 128));
+    resp.push_back(make_qp(cq, 128));
+    connect(req[i], resp[i]->qp_num);
+    connect(resp[i], req[i]->qp_num);
+  }
+  std::vector<int> posted(kQps, 0), done(kQps, 0);
+  for (int round = 0; round < kOps / kSignalEvery; ++round) {
+    for (int q = 0; q < kQps; ++q) {
+      for (int k = 0; k < kSignalEvery; ++k) {
+        const bool sig = k == kSignalEvery - 1;
+        ASSERT_EQ(post_rdma(req[q], q, IBV_WR_ATOMIC_FETCH_AND_ADD, 64 + 8 * q, 8, raddr(0),
+                            rmr_->rkey, sig ? IBV_SEND_SIGNALED : 0, 1),
+                  0);
+      }
+      posted[q] += kSignalEvery;
+    }
+    auto wcs = poll(cq, kQps);
+    ASSERT_EQ(wcs.size(), size_t{kQps});
+    for (const ibv_wc& wc : wcs) {
+      ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+      EXPECT_EQ(wc.opcode, IBV_WC_FETCH_ADD);
+    }
+  }
+  uint64_t sum;
+  std::memcpy(&sum, rbuf_.data(), 8);
+  EXPECT_EQ(sum, uint64_t{kQps} * (kOps / kSignalEvery) * kSignalEvery);
+  // Compare-and-swap: swaps only on a match, and returns the old value either way.
+  ASSERT_EQ(post_rdma(req[0], 9, IBV_WR_ATOMIC_CMP_AND_SWP, 200, 8, raddr(0), rmr_->rkey,
+                      IBV_SEND_SIGNALED, sum, 42),
+            0);
+  ASSERT_EQ(post_rdma(req[0], 10, IBV_WR_ATOMIC_CMP_AND_SWP, 208, 8, raddr(0), rmr_->rkey,
+                      IBV_SEND_SIGNALED, 7, 99),
+            0);
+  auto wcs = poll(cq, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  uint64_t old1, old2, now;
+  std::memcpy(&old1, buf_.data() + 200, 8);
+  std::memcpy(&old2, buf_.data() + 208, 8);
+  std::memcpy(&now, rbuf_.data(), 8);
+  EXPECT_EQ(old1, sum);
+  EXPECT_EQ(old2, 42u);
+  EXPECT_EQ(now, 42u);
+}
+
+TEST_F(VerbsApi, RemoteAccessErrors) {
+  make_remote_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);  // no remote write
+  ibv_cq* cq = make_cq();
+  struct Case {
+    ibv_wr_opcode op;
+    uint64_t addr;
+    uint32_t rkey;
+    const char* what;
+  };
+  const Case cases[] = {
+      {IBV_WR_RDMA_WRITE, raddr(0), rmr_->rkey, "MR without remote write"},
+      {IBV_WR_RDMA_READ, raddr(0), rmr_->rkey ^ 0x40000, "wrong rkey"},
+      {IBV_WR_RDMA_READ, raddr(rbuf_.size() - 8), rmr_->rkey, "past the end of the MR"},
+      {IBV_WR_RDMA_READ, raddr(0) - 64, rmr_->rkey, "before the MR"},
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, raddr(0), rmr_->rkey, "MR without remote atomic"},
+  };
+  for (const Case& c : cases) {
+    ibv_qp* a = make_qp(cq);
+    ibv_qp* b = make_qp(cq);
+    connect(a, b->qp_num);
+    connect(b, a->qp_num);
+    ASSERT_EQ(post_rdma(a, 1, c.op, 0, c.op == IBV_WR_ATOMIC_FETCH_AND_ADD ? 8 : 64, c.addr, c.rkey,
+                        IBV_SEND_SIGNALED, 1),
+              0);
+    auto wcs = poll(cq, 1);
+    ASSERT_EQ(wcs.size(), 1u) << c.what;
+    EXPECT_EQ(wcs[0].status, IBV_WC_REM_ACCESS_ERR) << c.what;
+    ibv_qp_attr q{};
+    ibv_qp_init_attr qi{};
+    ASSERT_EQ(ibv_query_qp(a, &q, IBV_QP_STATE, &qi), 0);
+    EXPECT_EQ(q.qp_state, IBV_QPS_ERR) << c.what;
+  }
+  EXPECT_EQ(std::count(rbuf_.begin(), rbuf_.end(), 0), static_cast<long>(rbuf_.size()));
+}
+
+TEST_F(VerbsApi, DeregisteredMrIsNoLongerReachable) {
+  make_remote_mr();
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq);
+  ibv_qp* b = make_qp(cq);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  const uint32_t rkey = rmr_->rkey;
+  ASSERT_EQ(ibv_dereg_mr(rmr_), 0);
+  rmr_ = nullptr;
+  ASSERT_EQ(post_rdma(a, 1, IBV_WR_RDMA_WRITE, 0, 64, raddr(0), rkey), 0);
+  auto wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_F(VerbsApi, UcHasNoReadOrAtomics) {
+  ibv_cq* cq = make_cq();
+  ibv_qp_init_attr ia{};
+  ia.send_cq = cq;
+  ia.recv_cq = cq;
+  ia.qp_type = IBV_QPT_UC;
+  ia.cap = {8, 8, 1, 1, 0};
+  ibv_qp* uc = ibv_create_qp(pd_, &ia);
+  ASSERT_NE(uc, nullptr);
+  qps_.push_back(uc);
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
+  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS), 0);
+  a = {};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = IBV_MTU_1024;
+  a.dest_qp_num = uc->qp_num;
+  a.ah_attr.dlid = lid_;
+  a.ah_attr.port_num = 1;
+  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN), 0);
+  a = {};
+  a.qp_state = IBV_QPS_RTS;
+  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_SQ_PSN), 0);
+  EXPECT_EQ(post_rdma(uc, 1, IBV_WR_RDMA_READ, 0, 8, 0, 0), EINVAL);
+  EXPECT_EQ(post_rdma(uc, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, 0, 8, 0, 0), EINVAL);
 }
 
 }  // namespace

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Debian's unmodified perftest through vrdma on one host: every RC test of the verbs issue, the
+# bandwidth ones over all message sizes (-a). The test parses each client's result table.
+# Usage: perftest.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+e2e_init "${1:-}"
+
+# Runs one perftest server/client pair. Usage: run_perftest TOOL ARGS...
+run_perftest() {
+  local tool=$1 port srv cli i
+  shift
+  port="$(free_port)"
+  "${VRUN[@]}" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
+  srv=$!
+  for ((i = 0; i < 200; i++)); do
+    port_in_use "$port" && break
+    kill -0 "$srv" 2>/dev/null || fail "$tool server died: $(cat "$E2E_TMP/$tool.server.out")"
+    sleep 0.1
+  done
+  "${VRUN[@]}" --guest pt-cli -- "$tool" -p "$port" "$@" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
+  cli=$!
+  wait_pid "$cli" 90
+  [[ $WAIT_RC == 0 ]] || fail "$tool client exited $WAIT_RC"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$tool server exited $WAIT_RC"
+}
+
+# The result rows: lines of numbers after the "#bytes" header. Prints them.
+result_rows() { awk '/#bytes/ {t = 1; next} t && $1 ~ /^[0-9]+$/ && NF >= 4' "$1"; }
+
+for tool in ib_send_bw ib_write_bw ib_read_bw; do
+  run_perftest "$tool" -a -n 200
+  rows="$(result_rows "$E2E_TMP/$tool.client.out")"
+  n="$(wc -l <<<"$rows")"
+  [[ $n -ge 23 ]] || fail "$tool -a: $n result rows, expected every size 2 B .. 8 MiB: $rows"
+  last="$(tail -n 1 <<<"$rows")"
+  [[ $(awk '{print $1}' <<<"$last") == 8388608 ]] || fail "$tool: last size is not 8 MiB: $last"
+  awk '{ if ($4 + 0 <= 0) exit 1 }' <<<"$rows" || fail "$tool: a size with no bandwidth: $rows"
+  log "$tool -a: $n sizes; 8 MiB: $(awk '{print $4}' <<<"$last") MB/s"
+done
+
+run_perftest ib_atomic_bw -n 1000
+row="$(result_rows "$E2E_TMP/ib_atomic_bw.client.out" | tail -n 1)"
+[[ $(awk '{print $1}' <<<"$row") == 8 ]] || fail "ib_atomic_bw: no 8-byte result row"
+log "ib_atomic_bw: $row"
+
+for tool in ib_send_lat ib_write_lat ib_read_lat ib_atomic_lat; do
+  run_perftest "$tool" -n 1000
+  row="$(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
+  read -r bytes iters tmin _ <<<"$row"
+  [[ -n $bytes && $iters == 1000 ]] || fail "$tool: no result row with 1000 iterations: $row"
+  awk -v t="$tmin" 'BEGIN { exit !(t > 0) }' || fail "$tool: t_min is not a positive time: $row"
+  log "$tool: $row"
+done
+e2e_pass
