@@ -5,9 +5,6 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
-# ibv_rc_pingpong exits on the error without freeing its verbs objects; in a sanitized build
-# that is the program's leak, not ours.
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 
 start_server long dies-srv -n 100000000
 srv=$SERVER_PID
