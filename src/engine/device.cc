@@ -289,7 +289,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
   if (scq == s.cqs.end() || rcq == s.cqs.end()) return error(EINVAL, "no such CQ");
   if (req.srq != kNone) return error(EOPNOTSUPP, "SRQ is not supported yet");
-  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC)
+  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD)
     return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
   const QpCaps& c = req.caps;
   if (c.max_send_wr == 0 || c.max_send_wr > kMaxQpWr || c.max_recv_wr == 0 ||
@@ -483,7 +483,7 @@ std::string Device::status_json() const {
         totals[k] = totals[k].get<size_t>() + n;
       }
       for (const auto& [h, qp] : s->qps) {
-        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : "UC"},
+        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
                        {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
                        {"dest_qpn", qp->attr.dest_qp_num}, {"transport", "shm"},
                        {"msgs_sent", qp->msgs_sent}, {"bytes_sent", qp->bytes_sent},

@@ -116,6 +116,7 @@ struct Qp {
   uint32_t retry_left = 0;
   uint64_t wait_until_ns = 0;
   uint64_t msgs_sent = 0, msgs_received = 0, bytes_sent = 0, bytes_received = 0;
+  uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
 };
 
 struct Guest {
@@ -194,6 +195,10 @@ class Device {
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
   /// Executes one send-queue WQE (any opcode) on an RC or UC QP.
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
+  /// Executes one UD send: a datagram to the QP its address names, or lost.
+  void execute_ud(Qp& qp, const proto::SendWqe& w);
+  /// Local side of a send: inline bytes or SGEs into src_. False when it failed (completed).
+  bool gather(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
   /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error).
   const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                            uint32_t need_access) const;

@@ -213,31 +213,164 @@ void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<
   }
 }
 
+bool Device::gather(Qp& qp, const SendWqe& w, uint8_t* inline_copy, uint64_t& len) {
+  auto fail = [&](ibv_wc_status st, const char* why) {
+    complete_send(qp, w, st, 0);
+    enter_error(qp, why);
+    return false;
+  };
+  if (w.send_flags & IBV_SEND_INLINE) {
+    // Inline bytes are copied out of the ring first: the guest may rewrite them at any time.
+    if (w.inline_len > qp.caps.max_inline_data) return fail(IBV_WC_LOC_LEN_ERR, "inline too long");
+    std::memcpy(inline_copy, w.inline_data, w.inline_len);
+    if (w.inline_len) src_.push_back({inline_copy, w.inline_len});
+    len = w.inline_len;
+    return true;
+  }
+  if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
+  if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len))
+    return fail(IBV_WC_LOC_PROT_ERR, "SGE outside a valid MR");
+  return true;
+}
+
+void Device::execute_ud(Qp& qp, const SendWqe& w) {
+  if (w.opcode != IBV_WR_SEND && w.opcode != IBV_WR_SEND_WITH_IMM) {
+    complete_send(qp, w, IBV_WC_LOC_QP_OP_ERR, 0);
+    enter_error(qp, "UD sends only SEND and SEND_WITH_IMM");
+    return;
+  }
+  src_.clear();
+  dst_.clear();
+  uint64_t len = 0;
+  uint8_t inline_copy[kMaxInline];
+  if (!gather(qp, w, inline_copy, len)) return;
+  // A datagram fits in one packet: the port's MTU.
+  if (len > 4096) {
+    complete_send(qp, w, IBV_WC_LOC_LEN_ERR, 0);
+    enter_error(qp, "UD message longer than the MTU");
+    return;
+  }
+  const UdDest dest = unpack_ud_dest(w);
+  Guest* g = nullptr;
+  if (dest.is_global) {
+    for (auto& [lid, cand] : guests_by_lid_) {
+      if (std::memcmp(cand->gid, dest.dgid, 16) == 0) g = cand;
+    }
+  } else if (auto it = guests_by_lid_.find(dest.dlid); it != guests_by_lid_.end()) {
+    g = it->second;
+  }
+  Qp* to = nullptr;
+  if (g) {
+    auto it = g->qps.find(w.ud_remote_qpn);
+    if (it != g->qps.end() && it->second->type == IBV_QPT_UD && rq_open(it->second->state))
+      to = it->second;
+  }
+  // The high bit of the WR's qkey says "use the QP's own qkey" (IB spec 10.2.5).
+  const uint32_t qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
+  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));  // sent, whatever happens
+  qp.msgs_sent++;
+  qp.bytes_sent += len;
+  if (!to || to->attr.qkey != qkey) {
+    qp.ud_dropped++;
+    return;
+  }
+  const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
+  const uint32_t avail = rprod - to->rq_cons;
+  if (avail > to->rq_size) {
+    enter_error(*to, "receive queue indices corrupt");
+    post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+    return;
+  }
+  if (avail == 0) {  // no receive posted: a datagram is simply lost
+    to->ud_dropped++;
+    return;
+  }
+  const RecvWqe r = to->rq[to->rq_cons & (to->rq_size - 1)];
+  to->rq_cons++;
+  to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+  Cqe rc{};
+  rc.wr_id = r.wr_id;
+  rc.qp_num = to->qpn;
+  rc.src_qp = qp.qpn;
+  rc.slid = qp.guest->lid;
+  rc.sl = dest.sl;
+  rc.opcode = IBV_WC_RECV;
+  uint64_t cap = 0;
+  if (r.num_sge > to->caps.max_recv_sge ||
+      !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+    rc.status = IBV_WC_LOC_PROT_ERR;
+    push_cqe(*to->recv_cq, rc, false);
+    enter_error(*to, "receive SGE outside a valid MR");
+    return;
+  }
+  if (cap < kGrhBytes + len) {
+    rc.status = IBV_WC_LOC_LEN_ERR;
+    push_cqe(*to->recv_cq, rc, false);
+    return;
+  }
+  // The first 40 bytes of the receive buffer are the GRH: written when the sender used one
+  // (IPv6 header: version 6, next header 0x1b, hop limit, source and destination GIDs).
+  uint8_t grh[kGrhBytes] = {};
+  if (dest.is_global) {
+    grh[0] = 0x60;
+    const uint16_t paylen = static_cast<uint16_t>(len);
+    grh[4] = static_cast<uint8_t>(paylen >> 8);
+    grh[5] = static_cast<uint8_t>(paylen);
+    grh[6] = 0x1b;
+    grh[7] = 64;
+    std::memcpy(grh + 8, qp.guest->gid, 16);
+    std::memcpy(grh + 24, to->guest->gid, 16);
+    rc.wc_flags |= IBV_WC_GRH;
+  }
+  // The receive spans: the GRH's room first, then the payload.
+  const Span grh_span{grh, kGrhBytes};
+  if (dest.is_global) copy_spans({&grh_span, 1}, dst_, kGrhBytes);
+  size_t skip = kGrhBytes;
+  size_t di = 0;
+  while (skip && di < dst_.size()) {
+    const size_t n = std::min<uint64_t>(skip, dst_[di].n);
+    dst_[di].p += n;
+    dst_[di].n -= n;
+    skip -= n;
+    if (dst_[di].n == 0) ++di;
+  }
+  copy_spans(src_, std::span<const Span>(dst_).subspan(di), len);
+  rc.status = IBV_WC_SUCCESS;
+  rc.byte_len = static_cast<uint32_t>(kGrhBytes + len);
+  if (w.opcode == IBV_WR_SEND_WITH_IMM) {
+    rc.wc_flags |= IBV_WC_WITH_IMM;
+    rc.imm_data = w.imm_data;
+  }
+  push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
+  to->msgs_received++;
+  to->bytes_received += len;
+}
+
 Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   auto fail = [&](ibv_wc_status st, const char* why) {
     complete_send(qp, w, st, 0);
     enter_error(qp, why);
     return Step::kDone;
   };
+  if (qp.type == IBV_QPT_UD) {
+    execute_ud(qp, w);
+    return Step::kDone;
+  }
   const uint32_t op = w.opcode;
   if (!opcode_valid(qp.type, op)) return fail(IBV_WC_LOC_QP_OP_ERR, "opcode not valid here");
 
-  // Local side. SEND/WRITE: the source (inline bytes are copied out of the ring first, since the
-  // guest may rewrite them). READ/atomics: the destination, which needs local write access.
+  // Local side. SEND/WRITE: the source (gather). READ/atomics: the destination, which needs
+  // local write access.
   src_.clear();
   dst_.clear();
   uint64_t len = 0;
   uint8_t inline_copy[kMaxInline];
   const bool pulls = op == IBV_WR_RDMA_READ || is_atomic(op);
-  if (!pulls && (w.send_flags & IBV_SEND_INLINE)) {
-    if (w.inline_len > qp.caps.max_inline_data) return fail(IBV_WC_LOC_LEN_ERR, "inline too long");
-    std::memcpy(inline_copy, w.inline_data, w.inline_len);
-    if (w.inline_len) src_.push_back({inline_copy, w.inline_len});
-    len = w.inline_len;
+  if (!pulls) {
+    if (!gather(qp, w, inline_copy, len)) return Step::kDone;
   } else {
     if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
-    if (!resolve_sges(qp, w.sge, w.num_sge, pulls ? IBV_ACCESS_LOCAL_WRITE : 0,
-                      pulls ? dst_ : src_, len))
+    if (!resolve_sges(qp, w.sge, w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len))
       return fail(IBV_WC_LOC_PROT_ERR, "SGE outside a valid MR");
   }
   if (len > kMaxMsgSize) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");

@@ -8,11 +8,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace vrdma::proto {
 
 inline constexpr uint32_t kRingMagic = 0x474e4952;  // "RING"
-inline constexpr uint16_t kRingVersion = 1;
+inline constexpr uint16_t kRingVersion = 2;  // 2: UD destinations in SendWqe
 inline constexpr uint32_t kMaxSge = 16;
 inline constexpr uint32_t kMaxInline = 256;  ///< inline bytes share the SGE area of a WQE
 inline constexpr uint32_t kMaxRingEntries = 1u << 15;
@@ -46,6 +47,15 @@ struct Sge {
 };
 static_assert(sizeof(Sge) == 16);
 
+/// Where a UD send goes (from its address handle), packed into a SendWqe's RDMA/atomic fields,
+/// which a UD send does not use: see pack_ud_dest() and unpack_ud_dest().
+struct UdDest {
+  uint16_t dlid;
+  uint8_t is_global;
+  uint8_t sl;
+  uint8_t dgid[16];
+};
+
 /// One send work request. For IBV_SEND_INLINE the payload sits in `inline_data` instead of SGEs.
 struct SendWqe {
   uint64_t wr_id;
@@ -53,11 +63,11 @@ struct SendWqe {
   uint32_t send_flags;  ///< IBV_SEND_*
   uint32_t imm_data;    ///< network order, as the verbs caller gave it
   uint32_t num_sge;
-  uint64_t remote_addr;
+  uint64_t remote_addr;  ///< RDMA/atomics; UD: dlid | is_global << 16 | sl << 24
   uint32_t rkey;
   uint32_t inline_len;
-  uint64_t compare_add;
-  uint64_t swap;
+  uint64_t compare_add;  ///< atomics; UD: dgid bytes 0..7
+  uint64_t swap;         ///< atomics; UD: dgid bytes 8..15
   uint32_t ud_remote_qpn;
   uint32_t ud_remote_qkey;
   union {
@@ -66,6 +76,24 @@ struct SendWqe {
   };
 };
 static_assert(sizeof(SendWqe) == 64 + 256);
+
+inline void pack_ud_dest(SendWqe& w, const UdDest& d) {
+  w.remote_addr = uint64_t{d.dlid} | uint64_t{d.is_global} << 16 | uint64_t{d.sl} << 24;
+  std::memcpy(&w.compare_add, d.dgid, 8);
+  std::memcpy(&w.swap, d.dgid + 8, 8);
+}
+
+inline UdDest unpack_ud_dest(const SendWqe& w) {
+  UdDest d{};
+  d.dlid = static_cast<uint16_t>(w.remote_addr);
+  d.is_global = static_cast<uint8_t>(w.remote_addr >> 16) & 1;
+  d.sl = static_cast<uint8_t>(w.remote_addr >> 24) & 0xf;
+  std::memcpy(d.dgid, &w.compare_add, 8);
+  std::memcpy(d.dgid + 8, &w.swap, 8);
+  return d;
+}
+
+inline constexpr uint32_t kGrhBytes = 40;  ///< a UD receive buffer starts with room for a GRH
 
 struct RecvWqe {
   uint64_t wr_id;

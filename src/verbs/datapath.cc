@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "verbs/ah.h"
 #include "verbs/internal.h"
 
 namespace vrdma::verbs {
@@ -16,6 +17,8 @@ namespace {
 constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
 constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
 
+bool is_send_op(ibv_wr_opcode op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+
 /// Opcodes each QP type may post (IB spec: UC has no READ and no atomics). Others: EINVAL.
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
   switch (op) {
@@ -23,7 +26,7 @@ bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
     case IBV_WR_SEND_WITH_IMM:
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC;
+      return t == IBV_QPT_RC || t == IBV_QPT_UC || (t == IBV_QPT_UD && is_send_op(op));
     case IBV_WR_RDMA_READ:
     case IBV_WR_ATOMIC_CMP_AND_SWP:
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
@@ -66,7 +69,16 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     w.send_flags = wr->send_flags;
     w.imm_data = wr->imm_data;
     w.num_sge = static_cast<uint32_t>(wr->num_sge);
-    if (wr->opcode == IBV_WR_ATOMIC_CMP_AND_SWP || wr->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+    if (q->qp_type == IBV_QPT_UD) {
+      if (!wr->wr.ud.ah) {
+        rc = EINVAL;
+        break;
+      }
+      pack_ud_dest(w, to_vah(wr->wr.ud.ah)->dest);
+      w.ud_remote_qpn = wr->wr.ud.remote_qpn;
+      w.ud_remote_qkey = wr->wr.ud.remote_qkey;
+    } else if (wr->opcode == IBV_WR_ATOMIC_CMP_AND_SWP ||
+               wr->opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
       w.remote_addr = wr->wr.atomic.remote_addr;
       w.rkey = wr->wr.atomic.rkey;
       w.compare_add = wr->wr.atomic.compare_add;

@@ -388,7 +388,7 @@ VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
 
 VERBS_EXPORT ibv_qp_ex* ibv_qp_to_qp_ex(ibv_qp*) { return fail_ptr<ibv_qp_ex>(EOPNOTSUPP); }
 
-// ---- not implemented yet: SRQ, address handles, multicast ----
+// ---- not implemented yet: SRQ, multicast ----
 
 VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd*, ibv_srq_init_attr*) {
   return fail_ptr<ibv_srq>(EOPNOTSUPP);
@@ -396,13 +396,5 @@ VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd*, ibv_srq_init_attr*) {
 VERBS_EXPORT int ibv_modify_srq(ibv_srq*, ibv_srq_attr*, int) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_query_srq(ibv_srq*, ibv_srq_attr*) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_destroy_srq(ibv_srq*) { return EOPNOTSUPP; }
-VERBS_EXPORT ibv_ah* ibv_create_ah(ibv_pd*, ibv_ah_attr*) { return fail_ptr<ibv_ah>(EOPNOTSUPP); }
-VERBS_EXPORT int ibv_destroy_ah(ibv_ah*) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_attach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_detach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
-VERBS_EXPORT int ibv_init_ah_from_wc(ibv_context*, uint8_t, ibv_wc*, ibv_grh*, ibv_ah_attr*) {
-  return EOPNOTSUPP;
-}
-VERBS_EXPORT ibv_ah* ibv_create_ah_from_wc(ibv_pd*, ibv_wc*, ibv_grh*, uint8_t) {
-  return fail_ptr<ibv_ah>(EOPNOTSUPP);
-}

@@ -163,7 +163,11 @@ free_port() {
   done
 }
 
-# Starts an ibv_rc_pingpong server through vrdma in the background and waits until it listens.
+# The pingpong program run_pair and start_server/start_client use; tests may set another of
+# ibverbs-utils' pingpongs (ibv_uc_pingpong, ibv_ud_pingpong, ...), same options and output.
+PP_TOOL="${PP_TOOL:-ibv_rc_pingpong}"
+
+# Starts a $PP_TOOL server through vrdma in the background and waits until it listens.
 # Usage: start_server NAME GUEST [pingpong args...]. Sets SERVER_PID and PORT.
 # Output goes to $E2E_TMP/NAME.server.out.
 start_server() {
@@ -172,7 +176,7 @@ start_server() {
   local out="$E2E_TMP/$name.server.out"
   for _ in 1 2 3; do
     PORT="$(free_port)"
-    "${VRUN[@]}" --guest "$guest" -- ibv_rc_pingpong -p "$PORT" "$@" >"$out" 2>&1 &
+    "${VRUN[@]}" --guest "$guest" -- "$PP_TOOL" -p "$PORT" "$@" >"$out" 2>&1 &
     SERVER_PID=$!
     for ((i = 0; i < 200; i++)); do  # 20 s
       port_in_use "$PORT" && return 0
@@ -197,7 +201,7 @@ start_server() {
 start_client() {
   local name=$1 guest=$2 port=$3
   shift 3
-  "${VRUN[@]}" --guest "$guest" -- ibv_rc_pingpong -p "$port" "$@" localhost \
+  "${VRUN[@]}" --guest "$guest" -- "$PP_TOOL" -p "$port" "$@" localhost \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   CLIENT_PID=$!
 }
@@ -248,7 +252,7 @@ finish_pair() {
 run_pair() {
   local name=$1 sg=$2 cg=$3
   shift 3
-  log "$name: ibv_rc_pingpong $*"
+  log "$name: $PP_TOOL $*"
   start_server "$name" "$sg" "$@"
   start_client "$name" "$cg" "$PORT" "$@"
   finish_pair "$name" "$SERVER_PID" "$CLIENT_PID"

@@ -1,0 +1,159 @@
+// UD in the device model: datagrams reach the QP their address names (by LID or GID), carry the
+// 40-byte GRH room, check the qkey, and are lost (never duplicated or misdelivered) when there
+// is no receive, a wrong qkey, or no such QP.
+#include <arpa/inet.h>
+
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+class DeviceUdTest : public DeviceTest {
+ protected:
+  QpV ud_qp(G& g, const CqV& cq, uint32_t qkey) {
+    CreateQpReq req{};
+    req.pd = g.pd;
+    req.send_cq = cq.handle;
+    req.recv_cq = cq.handle;
+    req.srq = kNone;
+    req.qp_type = IBV_QPT_UD;
+    req.caps = QpCaps{8, 8, 2, 2, 64, 0};
+    UniqueFd fd;
+    auto r = dev_.create_qp(*g.s, req, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    QpV q;
+    q.handle = r->handle;
+    q.qpn = r->qpn;
+    q.sq_size = r->caps.max_send_wr;
+    q.rq_size = r->caps.max_recv_wr;
+    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    q.sq = reinterpret_cast<RingHeader*>(q.map.data());
+    q.rq = reinterpret_cast<RingHeader*>(q.map.data() + r->rq_offset);
+    q.sqe = ring_entries<SendWqe>(q.sq);
+    q.rqe = ring_entries<RecvWqe>(q.rq);
+    QpAttr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qkey = qkey;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, a));
+    a = {};
+    a.qp_state = IBV_QPS_RTR;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE, a));
+    a.qp_state = IBV_QPS_RTS;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN, a));
+    return q;
+  }
+  void post_ud(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
+               const UdDest& d, uint32_t qpn, uint32_t qkey, uint32_t op = IBV_WR_SEND) {
+    SendWqe w{};
+    w.wr_id = wr_id;
+    w.opcode = op;
+    w.send_flags = IBV_SEND_SIGNALED;
+    w.imm_data = htonl(0x1234);
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    pack_ud_dest(w, d);
+    w.ud_remote_qpn = qpn;
+    w.ud_remote_qkey = qkey;
+    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
+    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
+  }
+  UdDest to_lid(const G& g) {
+    UdDest d{};
+    d.dlid = static_cast<uint16_t>(g.hello.lid);
+    return d;
+  }
+};
+
+TEST_F(DeviceUdTest, DatagramByLidLandsAfterTheGrhRoom) {
+  QpV ua = ud_qp(a_, acq_, 0x11), ub = ud_qp(b_, bcq_, 0x11);
+  std::memset(ma_.p(), 'x', 100);
+  std::memset(mb_.p(), 0, 4096);
+  post_recv(ub, 1, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 2, ma_.addr, 100, ma_.mr.lkey, to_lid(b_), ub.qpn, 0x11, IBV_WR_SEND_WITH_IMM);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].byte_len, 140u) << "byte_len counts the 40 GRH bytes";
+  EXPECT_EQ(rx[0].src_qp, ua.qpn);
+  EXPECT_EQ(rx[0].slid, a_.hello.lid);
+  EXPECT_EQ(rx[0].wc_flags & IBV_WC_GRH, 0u);
+  EXPECT_TRUE(rx[0].wc_flags & IBV_WC_WITH_IMM);
+  EXPECT_EQ(mb_.p()[39], 0) << "no GRH written without one";
+  EXPECT_EQ(mb_.p()[40], 'x');
+  EXPECT_EQ(mb_.p()[139], 'x');
+  EXPECT_EQ(mb_.p()[140], 0);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+}
+
+TEST_F(DeviceUdTest, DatagramByGidCarriesAGrh) {
+  QpV ua = ud_qp(a_, acq_, 7), ub = ud_qp(b_, bcq_, 7);
+  post_recv(ub, 1, mb_.addr, 1024, mb_.mr.lkey);
+  UdDest d{};
+  d.is_global = 1;
+  std::memcpy(d.dgid, b_.hello.gid, 16);
+  post_ud(ua, 2, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 7);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_TRUE(rx[0].wc_flags & IBV_WC_GRH);
+  EXPECT_EQ(mb_.p()[0] >> 4, 6) << "IP version 6";
+  EXPECT_EQ(std::memcmp(mb_.p() + 8, a_.hello.gid, 16), 0) << "source GID";
+  EXPECT_EQ(std::memcmp(mb_.p() + 24, b_.hello.gid, 16), 0) << "destination GID";
+}
+
+TEST_F(DeviceUdTest, WrongQkeyNoReceiveOrNoQpLosesTheDatagramOnly) {
+  QpV ua = ud_qp(a_, acq_, 5), ub = ud_qp(b_, bcq_, 5);
+  post_ud(ua, 1, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 5);  // no receive posted
+  dev_.poll(now_);
+  post_recv(ub, 9, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 2, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 6);       // wrong qkey
+  post_ud(ua, 3, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn + 99, 5);  // no such QP
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(bcq_).empty());
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 3u);
+  for (const Cqe& c : tx) EXPECT_EQ(c.status, IBV_WC_SUCCESS) << "UD senders are not told";
+  // The receive is still there for the next good datagram; the qkey's high bit means "mine".
+  post_ud(ua, 4, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 0x80000000u);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 9u);
+}
+
+TEST_F(DeviceUdTest, ReceiveTooSmallForGrhAndPayloadIsALengthError) {
+  QpV ua = ud_qp(a_, acq_, 1), ub = ud_qp(b_, bcq_, 1);
+  post_recv(ub, 1, mb_.addr, 60, mb_.mr.lkey);
+  post_ud(ua, 2, ma_.addr, 30, ma_.mr.lkey, to_lid(b_), ub.qpn, 1);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_LEN_ERR);
+}
+
+TEST_F(DeviceUdTest, MessageLongerThanTheMtuFailsLocally) {
+  QpV ua = ud_qp(a_, acq_, 1), ub = ud_qp(b_, bcq_, 1);
+  post_recv(ub, 1, mb_.addr, 8192, mb_.mr.lkey);
+  post_ud(ua, 2, ma_.addr, 4097, ma_.mr.lkey, to_lid(b_), ub.qpn, 1);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(bcq_).empty());
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_LOC_LEN_ERR);
+}
+
+TEST_F(DeviceUdTest, UdCannotRdmaWrite) {
+  QpV ua = ud_qp(a_, acq_, 1), ub = ud_qp(b_, bcq_, 1);
+  post_ud(ua, 2, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 1, IBV_WR_RDMA_WRITE);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_LOC_QP_OP_ERR);
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
