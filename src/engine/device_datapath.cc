@@ -50,21 +50,22 @@ uint64_t Device::next_deadline() const {
   return d;
 }
 
-// Keys live in the guest's namespace; the MR must also be in the QP's PD of the QP's session.
-const Mr* Device::find_mr(const Qp& qp, uint32_t key) const {
+// Keys live in the guest's namespace; the MR must also be in the given PD of the QP's session.
+const Mr* Device::find_mr(const Qp& qp, uint32_t key, uint32_t pd) const {
   auto it = qp.guest->mrs.find(key);
   if (it == qp.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
-  return mr->pd == qp.pd && mr->owner == qp.owner ? mr : nullptr;
+  return mr->pd == pd && mr->owner == qp.owner ? mr : nullptr;
 }
 
-bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n,
-                          uint32_t need_access, std::vector<Span>& out, uint64_t& total) const {
+bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n, uint32_t need_access,
+                          std::vector<Span>& out, uint64_t& total, uint32_t pd) const {
+  if (pd == proto::kNone) pd = qp.pd;
   total = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const Sge s = sge[i];
     if (s.length == 0) continue;
-    const Mr* mr = find_mr(qp, s.lkey);
+    const Mr* mr = find_mr(qp, s.lkey, pd);
     if (!mr || (mr->access & need_access) != need_access) return false;
     if (s.addr < mr->addr || s.length > mr->length || s.addr - mr->addr > mr->length - s.length)
       return false;
@@ -89,9 +90,14 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   cq.entries[cq.prod & (cq.size - 1)] = e;
   cq.prod++;
   cq.hdr->producer.store(cq.prod, std::memory_order_release);
+  if (cq.channel == kNone) return true;  // nobody to notify
+  // Pairs with the guest's seq_cst store of `armed` before it polls the CQ once more: either the
+  // guest sees this completion, or we see its arm. Without the full fence, the store above and
+  // the load below may pass each other, both sides miss, and a waiter sleeps for ever.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
   uint32_t armed = cq.hdr->armed.load(std::memory_order_acquire);
   if (armed == 1 || (armed == 2 && solicited)) {
-    if (cq.hdr->armed.exchange(0, std::memory_order_acq_rel) != 0 && cq.channel != kNone) {
+    if (cq.hdr->armed.exchange(0, std::memory_order_acq_rel) != 0) {
       auto ch = cq.owner->channels.find(cq.channel);
       if (ch != cq.owner->channels.end()) {
         uint32_t h = cq.handle;
@@ -213,6 +219,41 @@ void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<
   }
 }
 
+bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
+  RingHeader* hdr = to.srq ? to.srq->hdr : to.rq_hdr;
+  const uint32_t cons = to.srq ? to.srq->cons : to.rq_cons;
+  const uint32_t size = to.srq ? to.srq->size : to.rq_size;
+  const uint32_t avail = hdr->producer.load(std::memory_order_acquire) - cons;
+  corrupt = avail > size;
+  if (corrupt || avail == 0) return false;
+  out = (to.srq ? to.srq->entries : to.rq)[cons & (size - 1)];
+  return true;
+}
+
+void Device::consume_recv(Qp& to) {
+  if (!to.srq) {
+    to.rq_cons++;
+    to.rq_hdr->consumer.store(to.rq_cons, std::memory_order_release);
+    return;
+  }
+  Srq& q = *to.srq;
+  q.cons++;
+  q.hdr->consumer.store(q.cons, std::memory_order_release);
+  // The SRQ limit event fires once when the posted WQEs drop below the armed limit.
+  if (q.limit && q.hdr->producer.load(std::memory_order_acquire) - q.cons < q.limit) {
+    q.limit = 0;
+    post_async(*q.owner, IBV_EVENT_SRQ_LIMIT_REACHED, q.handle);
+  }
+}
+
+bool Device::resolve_recv(const Qp& to, const RecvWqe& r, uint64_t& cap) {
+  const uint32_t max_sge = to.srq ? to.srq->max_sge : to.caps.max_recv_sge;
+  if (r.num_sge > max_sge) return false;
+  // An SRQ's buffers are in the SRQ's PD, which may differ from the QP's.
+  return resolve_sges(to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap,
+                      to.srq ? to.srq->pd : to.pd);
+}
+
 bool Device::gather(Qp& qp, const SendWqe& w, uint8_t* inline_copy, uint64_t& len) {
   auto fail = [&](ibv_wc_status st, const char* why) {
     complete_send(qp, w, st, 0);
@@ -274,20 +315,17 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     qp.ud_dropped++;
     return;
   }
-  const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
-  const uint32_t avail = rprod - to->rq_cons;
-  if (avail > to->rq_size) {
-    enter_error(*to, "receive queue indices corrupt");
-    post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+  RecvWqe r;
+  bool corrupt = false;
+  if (!peek_recv(*to, r, corrupt)) {
+    if (corrupt) {
+      enter_error(*to, "receive queue indices corrupt");
+      post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+    }
+    to->ud_dropped++;  // no receive posted: a datagram is simply lost
     return;
   }
-  if (avail == 0) {  // no receive posted: a datagram is simply lost
-    to->ud_dropped++;
-    return;
-  }
-  const RecvWqe r = to->rq[to->rq_cons & (to->rq_size - 1)];
-  to->rq_cons++;
-  to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+  consume_recv(*to);
   Cqe rc{};
   rc.wr_id = r.wr_id;
   rc.qp_num = to->qpn;
@@ -296,8 +334,7 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   rc.sl = dest.sl;
   rc.opcode = IBV_WC_RECV;
   uint64_t cap = 0;
-  if (r.num_sge > to->caps.max_recv_sge ||
-      !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+  if (!resolve_recv(*to, r, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
     push_cqe(*to->recv_cq, rc, false);
     enter_error(*to, "receive SGE outside a valid MR");
@@ -399,14 +436,13 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
   RecvWqe r{};
   if (consumes_recv) {
-    const uint32_t rprod = to->rq_hdr->producer.load(std::memory_order_acquire);
-    const uint32_t avail = rprod - to->rq_cons;
-    if (avail > to->rq_size) {
-      enter_error(*to, "receive queue indices corrupt");
-      post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
-      return Step::kWait;
-    }
-    if (avail == 0) {
+    bool corrupt = false;
+    if (!peek_recv(*to, r, corrupt)) {
+      if (corrupt) {
+        enter_error(*to, "receive queue indices corrupt");
+        post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+        return Step::kWait;
+      }
       if (qp.type == IBV_QPT_UC) {
         complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
         return Step::kDone;
@@ -423,7 +459,6 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
       qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
       return Step::kWait;
     }
-    r = to->rq[to->rq_cons & (to->rq_size - 1)];
   }
   qp.wait = Wait::kNone;
 
@@ -442,8 +477,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
 
   Cqe rc{};
   if (consumes_recv) {
-    to->rq_cons++;
-    to->rq_hdr->consumer.store(to->rq_cons, std::memory_order_release);
+    consume_recv(*to);
     rc.wr_id = r.wr_id;
     rc.qp_num = to->qpn;
     rc.src_qp = qp.qpn;
@@ -452,8 +486,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   }
   if (is_send(op)) {
     uint64_t cap = 0;
-    if (r.num_sge > to->caps.max_recv_sge ||
-        !resolve_sges(*to, r.sge, r.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, cap)) {
+    if (!resolve_recv(*to, r, cap)) {
       rc.status = IBV_WC_LOC_PROT_ERR;
       push_cqe(*to->recv_cq, rc, false);
       enter_error(*to, "receive SGE outside a valid MR");
@@ -521,8 +554,9 @@ bool Device::flush(Qp& qp) {
     }
     qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
   }
+  // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others.
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
-  if (rprod - qp.rq_cons <= qp.rq_size) {
+  if (!qp.srq && rprod - qp.rq_cons <= qp.rq_size) {
     while (qp.rq_cons != rprod) {
       Cqe e{};
       e.wr_id = qp.rq[qp.rq_cons & (qp.rq_size - 1)].wr_id;
