@@ -194,6 +194,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
     case Op::kQueryQp: reply(dev_.query_qp(*s, handle_of())); break;
     case Op::kDestroyQp: reply_status(dev_.destroy_qp(*s, handle_of())); break;
+    case Op::kCreateSrq: reply(dev_.create_srq(*s, body_of<CreateSrqReq>(msg).value(), give)); break;
+    case Op::kModifySrq: reply_status(dev_.modify_srq(*s, body_of<ModifySrqReq>(msg).value())); break;
+    case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
+    case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
     case Op::kStatus: {
       std::string js = dev_.status_json();
       out = encode(op, h.seq, 0, Empty{});

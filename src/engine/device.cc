@@ -115,6 +115,7 @@ void Device::close_session(Session* s) {
   size_t nqp = s->qps.size(), nmr = s->mrs.size();
   // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
   while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
+  s->srqs.clear();
   s->cqs.clear();
   s->channels.clear();
   for (auto& [h, mr] : s->mrs) s->guest->mrs.erase(mr->key);
@@ -288,10 +289,19 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
   if (scq == s.cqs.end() || rcq == s.cqs.end()) return error(EINVAL, "no such CQ");
-  if (req.srq != kNone) return error(EOPNOTSUPP, "SRQ is not supported yet");
+  Srq* srq = nullptr;
+  if (req.srq != kNone) {
+    auto it = s.srqs.find(req.srq);
+    if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", req.srq));
+    srq = it->second.get();
+  }
   if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD)
     return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
-  const QpCaps& c = req.caps;
+  QpCaps c = req.caps;
+  if (srq) {  // receives come from the SRQ: the QP's own receive queue is unused (ignored caps)
+    c.max_recv_wr = 1;
+    c.max_recv_sge = 0;
+  }
   if (c.max_send_wr == 0 || c.max_send_wr > kMaxQpWr || c.max_recv_wr == 0 ||
       c.max_recv_wr > kMaxQpWr || c.max_send_sge > kMaxSge || c.max_recv_sge > kMaxSge ||
       c.max_inline_data > kMaxInline)
@@ -328,6 +338,8 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   qp->pd = req.pd;
   qp->send_cq = scq->second.get();
   qp->recv_cq = rcq->second.get();
+  qp->srq = srq;
+  if (srq) srq->users++;
   qp->sq_sig_all = req.sq_sig_all != 0;
   qp->caps = c;
   // Report what the rings really hold.
@@ -445,6 +457,7 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
   s.pds[qp.pd].users--;
   qp.send_cq->users--;
   qp.recv_cq->users--;
+  if (qp.srq) qp.srq->users--;
   s.qps.erase(qp.handle);
 }
 
@@ -452,6 +465,63 @@ Status Device::destroy_qp(Session& s, uint32_t handle) {
   Qp* qp = find_qp(s, handle);
   if (!qp) return error(EINVAL, fmt::format("no QP {}", handle));
   destroy_qp_now(s, *qp);
+  return Status::ok();
+}
+
+Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, UniqueFd& ring) {
+  auto pd = s.pds.find(req.pd);
+  if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
+  const SrqAttr& a = req.attr;
+  if (a.max_wr == 0 || a.max_wr > kMaxQpWr || a.max_sge == 0 || a.max_sge > kMaxSge)
+    return error(EINVAL, "SRQ capabilities exceed the device's");
+  if (a.srq_limit > a.max_wr) return error(EINVAL, "srq_limit above max_wr");
+  if (s.srqs.size() >= kMaxSrq) return error(ENOMEM, "SRQ limit reached");
+  auto srq = std::make_unique<Srq>();
+  srq->size = std::bit_ceil(a.max_wr);
+  const size_t bytes = page_round(ring_bytes(srq->size, sizeof(RecvWqe)));
+  ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-srq", bytes));
+  srq->ring = MappedRegion::map_shared(ring.get(), bytes);
+  if (!srq->ring.valid()) return error(errno, "mapping SRQ ring");
+  srq->hdr = reinterpret_cast<RingHeader*>(srq->ring.data());
+  init_ring(srq->hdr, RingKind::kRq, sizeof(RecvWqe), srq->size);
+  srq->entries = ring_entries<RecvWqe>(srq->hdr);
+  srq->handle = new_handle(s, s.srqs);
+  srq->owner = &s;
+  srq->pd = req.pd;
+  srq->max_sge = a.max_sge;
+  srq->limit = a.srq_limit;
+  pd->second.users++;
+  CreateSrqResp resp{srq->handle, 0, SrqAttr{srq->size, srq->max_sge, srq->limit, 0}, bytes};
+  s.srqs[srq->handle] = std::move(srq);
+  return resp;
+}
+
+Status Device::modify_srq(Session& s, const ModifySrqReq& req) {
+  auto it = s.srqs.find(req.handle);
+  if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", req.handle));
+  if (req.mask & ~uint32_t{IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT}) return error(EINVAL, "SRQ attr mask");
+  // Resizing is an optional capability (IBV_DEVICE_SRQ_RESIZE) the device does not have.
+  if (req.mask & IBV_SRQ_MAX_WR) return error(EINVAL, "SRQ resize is not supported");
+  if (req.mask & IBV_SRQ_LIMIT) {
+    if (req.attr.srq_limit > it->second->size) return error(EINVAL, "srq_limit above max_wr");
+    it->second->limit = req.attr.srq_limit;
+  }
+  return Status::ok();
+}
+
+Result<SrqAttr> Device::query_srq(Session& s, uint32_t handle) {
+  auto it = s.srqs.find(handle);
+  if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", handle));
+  const Srq& q = *it->second;
+  return SrqAttr{q.size, q.max_sge, q.limit, 0};
+}
+
+Status Device::destroy_srq(Session& s, uint32_t handle) {
+  auto it = s.srqs.find(handle);
+  if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", handle));
+  if (it->second->users) return error(EBUSY, "SRQ still used by a QP");
+  s.pds[it->second->pd].users--;
+  s.srqs.erase(it);
   return Status::ok();
 }
 
@@ -464,11 +534,11 @@ void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
 std::string Device::status_json() const {
   nlohmann::json guests = nlohmann::json::array();
   nlohmann::json totals = {{"guests", guests_.size()}, {"sessions", sessions_.size()},
-                           {"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"channel", 0},
+                           {"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"srq", 0}, {"channel", 0},
                            {"segment", 0}};
   for (const auto& [name, g] : guests_) {
     nlohmann::json sess = nlohmann::json::array();
-    nlohmann::json res = {{"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"channel", 0},
+    nlohmann::json res = {{"pd", 0}, {"mr", 0}, {"cq", 0}, {"qp", 0}, {"srq", 0}, {"channel", 0},
                           {"segment", 0}};
     nlohmann::json qps = nlohmann::json::array();
     for (const auto& [id, s] : sessions_) {
@@ -476,7 +546,7 @@ std::string Device::status_json() const {
       sess.push_back({{"id", id}, {"pid", s->pid}});
       const std::pair<const char*, size_t> counts[] = {
           {"pd", s->pds.size()}, {"mr", s->mrs.size()}, {"cq", s->cqs.size()},
-          {"qp", s->qps.size()}, {"channel", s->channels.size()},
+          {"qp", s->qps.size()}, {"srq", s->srqs.size()}, {"channel", s->channels.size()},
           {"segment", s->segments.size()}};
       for (auto [k, n] : counts) {
         res[k] = res[k].get<size_t>() + n;

@@ -73,6 +73,21 @@ struct Cq {
   bool overrun = false;
 };
 
+/// A shared receive queue: one ring of receive WQEs that several QPs of a session draw from.
+struct Srq {
+  uint32_t handle = 0;
+  Session* owner = nullptr;
+  uint32_t pd = 0;
+  MappedRegion ring;
+  proto::RingHeader* hdr = nullptr;
+  proto::RecvWqe* entries = nullptr;
+  uint32_t size = 0;   ///< private geometry
+  uint32_t cons = 0;   ///< private cursor
+  uint32_t max_sge = 0;
+  uint32_t limit = 0;  ///< armed SRQ limit; 0: not armed
+  uint32_t users = 0;  ///< QPs attached
+};
+
 /// A run of bytes in backend memory that one SGE (or inline data) resolved to.
 struct Span {
   uint8_t* p;
@@ -99,6 +114,7 @@ struct Qp {
   uint32_t pd = 0;
   Cq* send_cq = nullptr;
   Cq* recv_cq = nullptr;
+  Srq* srq = nullptr;  ///< receives come from here instead of the QP's RQ
   bool sq_sig_all = false;
   proto::QpCaps caps{};
   proto::QpAttr attr{};
@@ -145,6 +161,7 @@ struct Session {
   std::map<uint32_t, Channel> channels;
   std::map<uint32_t, std::unique_ptr<Cq>> cqs;
   std::map<uint32_t, std::unique_ptr<Qp>> qps;
+  std::map<uint32_t, std::unique_ptr<Srq>> srqs;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -175,6 +192,11 @@ class Device {
   Status modify_qp(Session& s, const proto::ModifyQpReq& req);
   Result<proto::QueryQpResp> query_qp(Session& s, uint32_t handle);
   Status destroy_qp(Session& s, uint32_t handle);
+  Result<proto::CreateSrqResp> create_srq(Session& s, const proto::CreateSrqReq& req,
+                                          UniqueFd& ring);
+  Status modify_srq(Session& s, const proto::ModifySrqReq& req);
+  Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
+  Status destroy_srq(Session& s, uint32_t handle);
   std::string status_json() const;
 
   // ---- data path (datapath.cc) ----
@@ -197,6 +219,11 @@ class Device {
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
   /// Executes one UD send: a datagram to the QP its address names, or lost.
   void execute_ud(Qp& qp, const proto::SendWqe& w);
+  /// The receive WQE a message to `to` lands in (its SRQ's or its own RQ's head), copied out of
+  /// shared memory. False when none is posted; sets `corrupt` when the ring's indices are.
+  bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);
+  /// Consumes the WQE peek_recv returned; raises the SRQ limit event when it is crossed.
+  void consume_recv(Qp& to);
   /// Local side of a send: inline bytes or SGEs into src_. False when it failed (completed).
   bool gather(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
   /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error).
@@ -206,10 +233,13 @@ class Device {
   bool process_sq(Qp& qp, uint64_t now_ns);
   bool flush(Qp& qp);
   void destroy_qp_now(Session& s, Qp& qp);
-  const Mr* find_mr(const Qp& qp, uint32_t key) const;
+  const Mr* find_mr(const Qp& qp, uint32_t key, uint32_t pd) const;
   /// Resolves SGEs to backend memory spans; false when any SGE fails the checks.
-  bool resolve_sges(const Qp& qp, const proto::Sge* sge, uint32_t n,
-                    uint32_t need_access, std::vector<Span>& out, uint64_t& total) const;
+  /// `pd`: the PD the MRs must be in; kNone: the QP's.
+  bool resolve_sges(const Qp& qp, const proto::Sge* sge, uint32_t n, uint32_t need_access,
+                    std::vector<Span>& out, uint64_t& total, uint32_t pd = proto::kNone) const;
+  /// The receive WQE's SGEs into dst_ (checked against the SRQ's limits when it has one).
+  bool resolve_recv(const Qp& to, const proto::RecvWqe& r, uint64_t& cap);
 
   std::map<std::string, std::unique_ptr<Guest>> guests_;
   std::map<std::string, uint16_t> lid_of_name_;  ///< LIDs stay with a name across sessions

@@ -14,7 +14,11 @@ size_t request_body_size(Op op) {
     case Op::kDestroyChannel:
     case Op::kDestroyCq:
     case Op::kDestroyQp:
-    case Op::kQueryQp: return sizeof(HandleReq);
+    case Op::kQueryQp:
+    case Op::kQuerySrq:
+    case Op::kDestroySrq: return sizeof(HandleReq);
+    case Op::kCreateSrq: return sizeof(CreateSrqReq);
+    case Op::kModifySrq: return sizeof(ModifySrqReq);
     case Op::kRegSegment: return sizeof(RegSegmentReq);
     case Op::kRegMr: return sizeof(RegMrReq);
     case Op::kCreateCq: return sizeof(CreateCqReq);

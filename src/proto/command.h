@@ -39,7 +39,11 @@ enum class Op : uint16_t {
   kQueryQp = 13,
   kDestroyQp = 14,
   kStatus = 15,
-  kMax = 16,  ///< one past the last opcode; never sent
+  kCreateSrq = 16,
+  kModifySrq = 17,
+  kQuerySrq = 18,
+  kDestroySrq = 19,
+  kMax = 20,  ///< one past the last opcode; never sent
 };
 
 struct MsgHeader {
@@ -214,6 +218,34 @@ struct QueryQpResp {
   QpCaps caps;
 };
 static_assert(sizeof(QueryQpResp) == 104);
+
+// ---- SRQs. kCreateSrq's response carries the ring memfd (one RQ ring).
+struct SrqAttr {
+  uint32_t max_wr;
+  uint32_t max_sge;
+  uint32_t srq_limit;
+  uint32_t reserved;
+};
+static_assert(sizeof(SrqAttr) == 16);
+struct CreateSrqReq {
+  uint32_t pd;
+  uint32_t reserved;
+  SrqAttr attr;
+};
+static_assert(sizeof(CreateSrqReq) == 24);
+struct CreateSrqResp {
+  uint32_t handle;
+  uint32_t reserved;
+  SrqAttr attr;  ///< what the ring really holds
+  uint64_t ring_bytes;
+};
+static_assert(sizeof(CreateSrqResp) == 32);
+struct ModifySrqReq {
+  uint32_t handle;
+  uint32_t mask;  ///< IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT
+  SrqAttr attr;
+};
+static_assert(sizeof(ModifySrqReq) == 24);
 
 // ---- kStatus: response body is a u32 length followed by that many bytes of JSON.
 struct StatusReq {

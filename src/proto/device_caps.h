@@ -22,6 +22,7 @@ inline constexpr uint32_t kMaxMsgSize = 1u << 31;
 inline constexpr uint32_t kMaxRdAtomic = 16;  ///< outstanding READ/atomic per QP
 inline constexpr uint32_t kPortMaxMtu = 5;  ///< IBV_MTU_4096
 inline constexpr uint32_t kMaxChannels = 1024;
+inline constexpr uint32_t kMaxSrq = 4096;
 inline constexpr uint32_t kMaxSegments = 65536;
 
 }  // namespace vrdma::proto

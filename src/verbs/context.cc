@@ -20,7 +20,9 @@
 #include "common/paths.h"
 #include "common/socket.h"
 #include "proto/device_caps.h"
+#include "verbs/extended.h"
 #include "verbs/internal.h"
+#include "verbs/srq.h"
 
 using namespace vrdma;
 using namespace vrdma::verbs;
@@ -191,6 +193,10 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   // Every atomic of a host runs on the backend's engine thread as a CPU atomic: atomic across
   // all QPs of the device (HCA-wide), not only within one QP.
   a.atomic_cap = IBV_ATOMIC_HCA;
+  a.max_srq = kMaxSrq;
+  a.max_srq_wr = kMaxQpWr;
+  a.max_srq_sge = kMaxSge;
+  a.max_ah = 1 << 20;  // address handles live in the guest
   a.max_pkeys = 1;
   a.local_ca_ack_delay = 0;
   a.phys_port_cnt = 1;
@@ -246,18 +252,6 @@ ibv_mw* unsupported_alloc_mw(ibv_pd*, ibv_mw_type) {
 }
 int unsupported_bind_mw(ibv_qp*, ibv_mw*, ibv_mw_bind*) { return EOPNOTSUPP; }
 int unsupported_dealloc_mw(ibv_mw*) { return EOPNOTSUPP; }
-int unsupported_post_srq_recv(ibv_srq*, ibv_recv_wr* wr, ibv_recv_wr** bad) {
-  *bad = wr;
-  return EOPNOTSUPP;
-}
-ibv_cq_ex* unsupported_create_cq_ex(ibv_context*, ibv_cq_init_attr_ex*) {
-  errno = EOPNOTSUPP;
-  return nullptr;
-}
-ibv_qp* unsupported_create_qp_ex(ibv_context*, ibv_qp_init_attr_ex*) {
-  errno = EOPNOTSUPP;
-  return nullptr;
-}
 
 }  // namespace
 
@@ -326,15 +320,15 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   c.ops.post_recv = post_recv;
   c.ops.poll_cq = poll_cq;
   c.ops.req_notify_cq = req_notify_cq;
-  c.ops.post_srq_recv = unsupported_post_srq_recv;
+  c.ops.post_srq_recv = post_srq_recv;
   c.ops.alloc_mw = unsupported_alloc_mw;
   c.ops.bind_mw = unsupported_bind_mw;
   c.ops.dealloc_mw = unsupported_dealloc_mw;
   v.sz = sizeof(verbs_context);
   v.query_port = vrdma_query_port;
   v.query_device_ex = vrdma_query_device_ex;
-  v.create_cq_ex = unsupported_create_cq_ex;
-  v.create_qp_ex = unsupported_create_qp_ex;
+  v.create_cq_ex = create_cq_ex;
+  v.create_qp_ex = create_qp_ex;
   return &c;
 }
 
@@ -439,6 +433,10 @@ VERBS_EXPORT int ibv_get_async_event(ibv_context* c, ibv_async_event* ev) {
       ev->element.cq = it == ctx->cqs.end() ? nullptr : &it->second->cq;
       break;
     }
+    case IBV_EVENT_SRQ_LIMIT_REACHED:
+    case IBV_EVENT_SRQ_ERR:
+      ev->element.srq = find_srq(c, raw[1]);
+      break;
     case IBV_EVENT_PORT_ACTIVE:
     case IBV_EVENT_PORT_ERR:
       ev->element.port_num = static_cast<int>(raw[1]);

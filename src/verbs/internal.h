@@ -90,7 +90,12 @@ struct VChannel {
 };
 
 struct VCq {
-  ibv_cq cq;
+  /// `cq` and `cq_ex` share their first members (ibv_cq_ex_to_cq() is a cast); the extended
+  /// part is filled only by ibv_create_cq_ex (extended.cc) and zero otherwise.
+  union {
+    ibv_cq cq;
+    ibv_cq_ex cq_ex{};
+  };
   uint32_t handle;
   MappedRegion ring;
   proto::RingHeader* hdr;
@@ -98,12 +103,18 @@ struct VCq {
   uint32_t size;
   uint32_t cons;  ///< guest-private consumer cursor
   SpinLock lock;
-  uint32_t events_reported = 0;
-  uint32_t empty_polls = 0;  ///< consecutive polls that found nothing  ///< completion events handed out by ibv_get_cq_event
+  uint32_t events_reported = 0;        ///< completion events handed out by ibv_get_cq_event
+  uint32_t empty_polls = 0;            ///< consecutive polls that found nothing
+  const proto::Cqe* ex_cur = nullptr;  ///< cq_ex: the completion start/next_poll stand on
 };
 
 struct VQp {
-  ibv_qp qp;
+  /// `qp_ex` begins with `qp` (qp_base); its wr_* part is filled only by ibv_create_qp_ex with
+  /// IBV_QP_INIT_ATTR_SEND_OPS_FLAGS (extended.cc) and zero otherwise.
+  union {
+    ibv_qp qp;
+    ibv_qp_ex qp_ex{};
+  };
   uint32_t handle;
   MappedRegion ring;
   proto::RingHeader* sq_hdr;
@@ -114,6 +125,8 @@ struct VQp {
   uint32_t sq_prod = 0, rq_prod = 0;  ///< guest-private producer cursors
   proto::QpCaps caps;
   SpinLock sq_lock, rq_lock;
+  uint32_t ex_batch_start = 0;  ///< qp_ex: sq_prod at wr_start (under sq_lock until complete)
+  int ex_batch_err = 0;         ///< qp_ex: first error of the batch; wr_complete returns it
 };
 
 inline VCq* to_vcq(ibv_cq* c) { return reinterpret_cast<VCq*>(c); }

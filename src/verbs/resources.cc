@@ -8,6 +8,7 @@
 #include "common/log.h"
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
+#include "verbs/srq.h"
 
 using namespace vrdma;
 using namespace vrdma::verbs;
@@ -292,7 +293,7 @@ VERBS_EXPORT ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   req.pd = reinterpret_cast<VPd*>(pd)->handle;
   req.send_cq = to_vcq(attr->send_cq)->handle;
   req.recv_cq = to_vcq(attr->recv_cq)->handle;
-  req.srq = attr->srq ? 0 : kNone;
+  req.srq = attr->srq ? to_vsrq(attr->srq)->handle : kNone;
   req.qp_type = static_cast<uint8_t>(attr->qp_type);
   req.sq_sig_all = attr->sq_sig_all ? 1 : 0;
   req.caps = QpCaps{attr->cap.max_send_wr,  attr->cap.max_recv_wr, attr->cap.max_send_sge,
@@ -386,15 +387,7 @@ VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
   return 0;
 }
 
-VERBS_EXPORT ibv_qp_ex* ibv_qp_to_qp_ex(ibv_qp*) { return fail_ptr<ibv_qp_ex>(EOPNOTSUPP); }
+// ---- not implemented yet: multicast ----
 
-// ---- not implemented yet: SRQ, multicast ----
-
-VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd*, ibv_srq_init_attr*) {
-  return fail_ptr<ibv_srq>(EOPNOTSUPP);
-}
-VERBS_EXPORT int ibv_modify_srq(ibv_srq*, ibv_srq_attr*, int) { return EOPNOTSUPP; }
-VERBS_EXPORT int ibv_query_srq(ibv_srq*, ibv_srq_attr*) { return EOPNOTSUPP; }
-VERBS_EXPORT int ibv_destroy_srq(ibv_srq*) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_attach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
 VERBS_EXPORT int ibv_detach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian's unmodified ibv_rc_pingpong, server and client both through vrdma, over a range of
-# options: default, -e (completion events), large messages, -c (content validation).
+# options: default, -e (completion events), large messages, -c (content validation), -N (the
+# extended send API).
 # Usage: rc_pingpong.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -11,6 +12,9 @@ run_pair events srv cli -e
 run_pair large srv cli -s 65536 -n 10000
 run_pair validate srv cli -c
 run_pair validate_events_large srv cli -c -e -s 65536 -n 1000
+# -N: the extended verbs (ibv_create_qp_ex, ibv_wr_start/ibv_wr_send/ibv_wr_complete).
+run_pair new_send srv cli -N
+run_pair new_send_events_validate srv cli -N -e -c
 # Both ends in one guest: no --guest, and the default guest is per process group (ours).
 run_pair same_guest "" ""
 

@@ -237,9 +237,10 @@ TEST_F(VerbsApi, DeviceAndPortAreWhatTheyClaim) {
   EXPECT_EQ(gid.raw[0], 0xfe);
   EXPECT_EQ(gid.raw[1], 0x80);
   EXPECT_EQ(std::memcmp(gid.raw + 8, &d.node_guid, 8), 0) << "GID 0 = fe80:: + port GUID";
-  // An extended op we do not implement fails cleanly.
+  // An extended feature we do not implement fails cleanly.
   ibv_cq_init_attr_ex cqa{};
   cqa.cqe = 4;
+  cqa.wc_flags = IBV_WC_EX_WITH_COMPLETION_TIMESTAMP;
   errno = 0;
   EXPECT_EQ(ibv_create_cq_ex(ctx_, &cqa), nullptr);
   EXPECT_EQ(errno, EOPNOTSUPP);

@@ -1,0 +1,31 @@
+// Shared receive queues, guest side: the ring the backend hands out, and post_srq_recv.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include "common/unique_fd.h"
+#include "proto/ring.h"
+#include "verbs/internal.h"
+
+namespace vrdma::verbs {
+
+struct VSrq {
+  ibv_srq srq;  ///< first: ibv_srq* and VSrq* are the same address
+  uint32_t handle;
+  MappedRegion ring;
+  proto::RingHeader* hdr;
+  proto::RecvWqe* entries;
+  uint32_t size;
+  uint32_t max_sge;
+  uint32_t prod = 0;  ///< guest-private producer cursor
+  SpinLock lock;
+};
+
+inline VSrq* to_vsrq(ibv_srq* s) { return reinterpret_cast<VSrq*>(s); }
+
+int post_srq_recv(ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad);
+
+/// The SRQ of `ctx` with this backend handle, for async events; null when it is gone.
+ibv_srq* find_srq(ibv_context* ctx, uint32_t handle);
+
+}  // namespace vrdma::verbs

@@ -1,0 +1,128 @@
+// Shared receive queues in the device model: several QPs draw receives from one SRQ, a QP
+// entering ERR leaves the SRQ's receives alone, and the SRQ limit event fires once when armed.
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+class DeviceSrqTest : public DeviceTest {
+ protected:
+  struct SrqV {
+    uint32_t handle = 0;
+    uint32_t size = 0;
+    uint32_t prod = 0;
+    MappedRegion map;
+    RingHeader* hdr = nullptr;
+    RecvWqe* e = nullptr;
+  };
+  SrqV srq(G& g, uint32_t max_wr, uint32_t limit) {
+    UniqueFd fd;
+    auto r = dev_.create_srq(*g.s, CreateSrqReq{g.pd, 0, SrqAttr{max_wr, 2, limit, 0}}, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    SrqV q;
+    q.handle = r->handle;
+    q.size = r->attr.max_wr;
+    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    q.hdr = reinterpret_cast<RingHeader*>(q.map.data());
+    q.e = ring_entries<RecvWqe>(q.hdr);
+    return q;
+  }
+  QpV srq_qp(G& g, const CqV& cq, const SrqV& s) {
+    CreateQpReq req{};
+    req.pd = g.pd;
+    req.send_cq = cq.handle;
+    req.recv_cq = cq.handle;
+    req.srq = s.handle;
+    req.qp_type = IBV_QPT_RC;
+    req.caps = QpCaps{8, 0, 2, 0, 64, 0};  // receive caps are ignored with an SRQ
+    UniqueFd fd;
+    auto r = dev_.create_qp(*g.s, req, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    QpV q;
+    q.handle = r->handle;
+    q.qpn = r->qpn;
+    q.sq_size = r->caps.max_send_wr;
+    q.rq_size = r->caps.max_recv_wr;
+    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    q.sq = reinterpret_cast<RingHeader*>(q.map.data());
+    q.rq = reinterpret_cast<RingHeader*>(q.map.data() + r->rq_offset);
+    q.sqe = ring_entries<SendWqe>(q.sq);
+    q.rqe = ring_entries<RecvWqe>(q.rq);
+    return q;
+  }
+  void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    RecvWqe w{};
+    w.wr_id = wr_id;
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    s.e[s.prod & (s.size - 1)] = w;
+    s.hdr->producer.store(++s.prod, std::memory_order_release);
+  }
+};
+
+TEST_F(DeviceSrqTest, TwoQpsShareOneSrqAndTheLimitEventFiresOnce) {
+  SrqV s = srq(b_, 16, 3);
+  QpV b1 = srq_qp(b_, bcq_, s), b2 = srq_qp(b_, bcq_, s);
+  QpV a2 = qp(a_, acq_, acq_);
+  connect(a_, qa_, b_, b1);
+  connect(b_, b1, a_, qa_);
+  connect(a_, a2, b_, b2);
+  connect(b_, b2, a_, a2);
+  for (int i = 0; i < 5; ++i) post_srq(s, 100 + i, mb_.addr + 512 * i, 512, mb_.mr.lkey);
+  post_send(qa_, 1, ma_.addr, 16, ma_.mr.lkey);
+  post_send(a2, 2, ma_.addr, 16, ma_.mr.lkey);
+  post_send(qa_, 3, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 3u);
+  int on_b1 = 0, on_b2 = 0;
+  for (size_t i = 0; i < rx.size(); ++i) {
+    EXPECT_EQ(rx[i].wr_id, 100u + i) << "the SRQ hands out receives in order, whichever QP";
+    EXPECT_EQ(rx[i].status, IBV_WC_SUCCESS);
+    on_b1 += rx[i].qp_num == b1.qpn;
+    on_b2 += rx[i].qp_num == b2.qpn;
+  }
+  EXPECT_EQ(on_b1, 2);
+  EXPECT_EQ(on_b2, 1);
+  // 5 posted, 3 used: 2 left < limit 3 -> one SRQ_LIMIT_REACHED, and the limit disarms.
+  auto ev = async_events(b_);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].first, uint32_t{IBV_EVENT_SRQ_LIMIT_REACHED});
+  EXPECT_EQ(ev[0].second, s.handle);
+  EXPECT_EQ(dev_.query_srq(*b_.s, s.handle)->srq_limit, 0u);
+  post_send(qa_, 4, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+  EXPECT_TRUE(async_events(b_).empty());
+  // A QP in ERR does not flush the SRQ's receives: the other QP still gets the last one.
+  QpAttr err{};
+  err.qp_state = IBV_QPS_ERR;
+  ASSERT_TRUE(modify(b_, b1, IBV_QP_STATE, err));
+  dev_.poll(now_);
+  for (const Cqe& c : drain(bcq_)) EXPECT_NE(c.wr_id, 104u) << "the SRQ's WQE was flushed";
+  post_send(a2, 5, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 104u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  // In use: the SRQ cannot go away.
+  EXPECT_EQ(dev_.destroy_srq(*b_.s, s.handle).err(), EBUSY);
+}
+
+TEST_F(DeviceSrqTest, ModifyArmsTheLimitAndRefusesResize) {
+  SrqV s = srq(b_, 8, 0);
+  EXPECT_EQ(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_MAX_WR, SrqAttr{16, 0, 0, 0}})
+                .err(),
+            EINVAL);
+  EXPECT_EQ(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_LIMIT, SrqAttr{0, 0, 99, 0}})
+                .err(),
+            EINVAL);
+  EXPECT_TRUE(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_LIMIT, SrqAttr{0, 0, 4, 0}}));
+  EXPECT_EQ(dev_.query_srq(*b_.s, s.handle)->srq_limit, 4u);
+  EXPECT_TRUE(dev_.destroy_srq(*b_.s, s.handle));
+  EXPECT_EQ(totals()["srq"], 0);
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
