@@ -17,16 +17,16 @@ namespace {
 constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
 constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
 
-bool is_send_op(ibv_wr_opcode op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+}  // namespace
 
-/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics). Others: EINVAL.
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
   switch (op) {
     case IBV_WR_SEND:
     case IBV_WR_SEND_WITH_IMM:
+      return t == IBV_QPT_RC || t == IBV_QPT_UC || t == IBV_QPT_UD;
     case IBV_WR_RDMA_WRITE:
     case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC || (t == IBV_QPT_UD && is_send_op(op));
+      return t == IBV_QPT_RC || t == IBV_QPT_UC;
     case IBV_WR_RDMA_READ:
     case IBV_WR_ATOMIC_CMP_AND_SWP:
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
@@ -35,8 +35,6 @@ bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
       return false;
   }
 }
-
-}  // namespace
 
 int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   VQp* qp = to_vqp(q);

@@ -92,23 +92,6 @@ uint8_t read_dlid_path_bits(ibv_cq_ex* c) { return current(c).dlid_path_bits; }
 VQp* qp_of(ibv_qp_ex* q) { return to_vqp(&q->qp_base); }
 
 /// Same rule as post_send (datapath.cc): UC has no READ and no atomics, UD only sends.
-bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
-  switch (op) {
-    case IBV_WR_SEND:
-    case IBV_WR_SEND_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC || t == IBV_QPT_UD;
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC;
-    case IBV_WR_RDMA_READ:
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return t == IBV_QPT_RC;
-    default:
-      return false;
-  }
-}
-
 void fail_batch(VQp* qp, int err) {
   if (!qp->ex_batch_err) qp->ex_batch_err = err;
 }

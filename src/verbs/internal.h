@@ -133,6 +133,8 @@ inline VCq* to_vcq(ibv_cq* c) { return reinterpret_cast<VCq*>(c); }
 inline VQp* to_vqp(ibv_qp* q) { return reinterpret_cast<VQp*>(q); }
 
 // Data path (datapath.cc).
+/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
+bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op);
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);

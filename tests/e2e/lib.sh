@@ -257,3 +257,27 @@ run_pair() {
   start_client "$name" "$cg" "$PORT" "$@"
   finish_pair "$name" "$SERVER_PID" "$CLIENT_PID"
 }
+
+# Runs one perftest server/client pair (guests pt-srv, pt-cli); outputs in
+# $E2E_TMP/TOOL.{server,client}.out. Usage: run_perftest TOOL ARGS...
+run_perftest() {
+  local tool=$1 port srv cli i
+  shift
+  port="$(free_port)"
+  "${VRUN[@]}" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
+  srv=$!
+  for ((i = 0; i < 200; i++)); do
+    port_in_use "$port" && break
+    kill -0 "$srv" 2>/dev/null || fail "$tool server died: $(cat "$E2E_TMP/$tool.server.out")"
+    sleep 0.1
+  done
+  "${VRUN[@]}" --guest pt-cli -- "$tool" -p "$port" "$@" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
+  cli=$!
+  wait_pid "$cli" 90
+  [[ $WAIT_RC == 0 ]] || fail "$tool client exited $WAIT_RC"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$tool server exited $WAIT_RC"
+}
+
+# The result rows: lines of numbers after the "#bytes" header. Prints them.
+result_rows() { awk '/#bytes/ {t = 1; next} t && $1 ~ /^[0-9]+$/ && NF >= 4' "$1"; }

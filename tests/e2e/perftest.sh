@@ -6,29 +6,6 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
 
-# Runs one perftest server/client pair. Usage: run_perftest TOOL ARGS...
-run_perftest() {
-  local tool=$1 port srv cli i
-  shift
-  port="$(free_port)"
-  "${VRUN[@]}" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
-  srv=$!
-  for ((i = 0; i < 200; i++)); do
-    port_in_use "$port" && break
-    kill -0 "$srv" 2>/dev/null || fail "$tool server died: $(cat "$E2E_TMP/$tool.server.out")"
-    sleep 0.1
-  done
-  "${VRUN[@]}" --guest pt-cli -- "$tool" -p "$port" "$@" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
-  cli=$!
-  wait_pid "$cli" 90
-  [[ $WAIT_RC == 0 ]] || fail "$tool client exited $WAIT_RC"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$tool server exited $WAIT_RC"
-}
-
-# The result rows: lines of numbers after the "#bytes" header. Prints them.
-result_rows() { awk '/#bytes/ {t = 1; next} t && $1 ~ /^[0-9]+$/ && NF >= 4' "$1"; }
-
 for tool in ib_send_bw ib_write_bw ib_read_bw; do
   run_perftest "$tool" -a -n 200
   rows="$(result_rows "$E2E_TMP/$tool.client.out")"

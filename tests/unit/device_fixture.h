@@ -76,14 +76,8 @@ class DeviceTest : public ::testing::Test {
     c.e = ring_entries<Cqe>(c.hdr);
     return c;
   }
-  QpV qp(G& g, const CqV& scq, const CqV& rcq) {
-    CreateQpReq req{};
-    req.pd = g.pd;
-    req.send_cq = scq.handle;
-    req.recv_cq = rcq.handle;
-    req.srq = kNone;
-    req.qp_type = IBV_QPT_RC;
-    req.caps = QpCaps{8, 8, 2, 2, 64, 0};
+  /// Creates a QP and maps its rings as the guest library would.
+  QpV create_qp(G& g, const CreateQpReq& req) {
     UniqueFd fd;
     auto r = dev_.create_qp(*g.s, req, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
@@ -99,6 +93,19 @@ class DeviceTest : public ::testing::Test {
     q.rqe = ring_entries<RecvWqe>(q.rq);
     return q;
   }
+  /// A QP request on g's PD: RC unless told otherwise, 8 WRs, 2 SGEs, 64 B inline.
+  static CreateQpReq qp_req(const G& g, const CqV& scq, const CqV& rcq,
+                            ibv_qp_type type = IBV_QPT_RC, uint32_t srq = kNone) {
+    CreateQpReq req{};
+    req.pd = g.pd;
+    req.send_cq = scq.handle;
+    req.recv_cq = rcq.handle;
+    req.srq = srq;
+    req.qp_type = static_cast<uint8_t>(type);
+    req.caps = QpCaps{8, 8, 2, 2, 64, 0};
+    return req;
+  }
+  QpV qp(G& g, const CqV& scq, const CqV& rcq) { return create_qp(g, qp_req(g, scq, rcq)); }
   MemV mem(G& g, uint32_t access = kAccess) {
     MemV m;
     UniqueFd fd = make_sealed_memfd("test-mem", kMemBytes).value();

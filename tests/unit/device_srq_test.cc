@@ -28,27 +28,10 @@ class DeviceSrqTest : public DeviceTest {
     return q;
   }
   QpV srq_qp(G& g, const CqV& cq, const SrqV& s) {
-    CreateQpReq req{};
-    req.pd = g.pd;
-    req.send_cq = cq.handle;
-    req.recv_cq = cq.handle;
-    req.srq = s.handle;
-    req.qp_type = IBV_QPT_RC;
-    req.caps = QpCaps{8, 0, 2, 0, 64, 0};  // receive caps are ignored with an SRQ
-    UniqueFd fd;
-    auto r = dev_.create_qp(*g.s, req, fd);
-    EXPECT_TRUE(r.is_ok()) << r.status().message();
-    QpV q;
-    q.handle = r->handle;
-    q.qpn = r->qpn;
-    q.sq_size = r->caps.max_send_wr;
-    q.rq_size = r->caps.max_recv_wr;
-    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
-    q.sq = reinterpret_cast<RingHeader*>(q.map.data());
-    q.rq = reinterpret_cast<RingHeader*>(q.map.data() + r->rq_offset);
-    q.sqe = ring_entries<SendWqe>(q.sq);
-    q.rqe = ring_entries<RecvWqe>(q.rq);
-    return q;
+    CreateQpReq req = qp_req(g, cq, cq, IBV_QPT_RC, s.handle);
+    req.caps.max_recv_wr = 0;  // receive caps are ignored with an SRQ
+    req.caps.max_recv_sge = 0;
+    return create_qp(g, req);
   }
   void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
     RecvWqe w{};

@@ -11,26 +11,7 @@ namespace {
 class DeviceUdTest : public DeviceTest {
  protected:
   QpV ud_qp(G& g, const CqV& cq, uint32_t qkey) {
-    CreateQpReq req{};
-    req.pd = g.pd;
-    req.send_cq = cq.handle;
-    req.recv_cq = cq.handle;
-    req.srq = kNone;
-    req.qp_type = IBV_QPT_UD;
-    req.caps = QpCaps{8, 8, 2, 2, 64, 0};
-    UniqueFd fd;
-    auto r = dev_.create_qp(*g.s, req, fd);
-    EXPECT_TRUE(r.is_ok()) << r.status().message();
-    QpV q;
-    q.handle = r->handle;
-    q.qpn = r->qpn;
-    q.sq_size = r->caps.max_send_wr;
-    q.rq_size = r->caps.max_recv_wr;
-    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
-    q.sq = reinterpret_cast<RingHeader*>(q.map.data());
-    q.rq = reinterpret_cast<RingHeader*>(q.map.data() + r->rq_offset);
-    q.sqe = ring_entries<SendWqe>(q.sq);
-    q.rqe = ring_entries<RecvWqe>(q.rq);
+    QpV q = create_qp(g, qp_req(g, cq, cq, IBV_QPT_UD));
     QpAttr a{};
     a.qp_state = IBV_QPS_INIT;
     a.port_num = 1;
