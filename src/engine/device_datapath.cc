@@ -109,7 +109,12 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   return true;
 }
 
+// Retires the WQE at the head of the SQ. The slot is released before the completion is
+// published: a guest that sees the completion may post into that slot at once (a QP with a
+// send queue of one, as perftest's latency tests make, does exactly that).
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
+  qp.sq_cons++;
+  qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
   if (st == IBV_WC_SUCCESS && !signaled) return;
   Cqe e{};
@@ -585,9 +590,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
   for (int budget = 64; qp.sq_cons != prod && budget; --budget) {
     // Copy the WQE out of shared memory first: the guest may rewrite the slot at any time.
     const SendWqe w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
-    if (execute(qp, w, now_ns) == Step::kWait) break;
-    qp.sq_cons++;
-    qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+    if (execute(qp, w, now_ns) == Step::kWait) break;  // kDone: complete_send retired it
     did = true;
     if (qp.state == IBV_QPS_ERR) break;
   }

@@ -439,4 +439,24 @@ TEST_F(VerbsApi, UcHasNoReadOrAtomics) {
   EXPECT_EQ(post_rdma(uc, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, 0, 8, 0, 0), EINVAL);
 }
 
+TEST_F(VerbsApi, ASendQueueOfOneIsFreeAsSoonAsItsCompletionArrives) {
+  // Regression: the backend published the completion before it released the SQ slot, so a
+  // guest that posted right after seeing it got ENOMEM (ib_read_lat, TX depth 1, failed so).
+  make_remote_mr();
+  ibv_cq* cq = make_cq();
+  ibv_qp* a = make_qp(cq, 1);
+  ibv_qp* b = make_qp(cq, 1);
+  connect(a, b->qp_num);
+  connect(b, a->qp_num);
+  for (int i = 0; i < 20000; ++i) {
+    ASSERT_EQ(post_rdma(a, i, IBV_WR_RDMA_READ, 0, 64, raddr(0), rmr_->rkey), 0) << "at " << i;
+    ibv_wc wc;
+    int n;
+    while ((n = ibv_poll_cq(cq, 1, &wc)) == 0) {
+    }
+    ASSERT_EQ(n, 1);
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+  }
+}
+
 }  // namespace
