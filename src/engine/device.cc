@@ -107,6 +107,8 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
+  // The port is up: say so, as a device does when its link becomes active.
+  post_async(*raw, IBV_EVENT_PORT_ACTIVE, 1);
   VLOG_INFO("session {} opened: guest {} pid {}", raw->id, name, req.pid);
   return raw;
 }

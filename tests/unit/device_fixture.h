@@ -61,6 +61,12 @@ class DeviceTest : public ::testing::Test {
     g.s = r.value();
     EXPECT_EQ(fds.size(), 3u);
     g.async_fd = fds.at(2);
+    // Every session starts with the port-active event.
+    auto ev = async_events(g);
+    EXPECT_EQ(ev.size(), 1u);
+    if (!ev.empty()) {
+      EXPECT_EQ(ev[0], std::make_pair(uint32_t{IBV_EVENT_PORT_ACTIVE}, 1u));
+    }
     g.pd = dev_.alloc_pd(*g.s).value();
     return g;
   }
