@@ -4,6 +4,7 @@
 // memcpy, with no syscall per message (process_vm_writev costs ~3.5 µs per call). Pages that
 // are already in a segment are reused. See docs/ARCHITECTURE.md, "Registered memory".
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -28,6 +29,7 @@ constexpr char kSegPrefix[] = "/memfd:vrdma-seg-";
 struct ProcSegment {
   uintptr_t start, end;
   UniqueFd fd;
+  int prot;
 };
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
@@ -117,9 +119,77 @@ int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
     if (it->second.start < b && a < it->second.end) it = g_segments.erase(it);
     else ++it;
   }
-  g_segments[id] = ProcSegment{a, b, std::move(fd.value())};
+  g_segments[id] = ProcSegment{a, b, std::move(fd.value()), prot_of(v)};
   return 0;
 }
+
+// fork(): a child must not share the parent's registered pages, which hold whatever else the
+// application keeps in them (malloc's chunks and free lists, for one): two processes writing
+// one heap corrupt both (seen: glibc's "malloc(): unaligned tcache chunk detected"). The child
+// gets private pages with the contents they had at fork(), the snapshot copy-on-write gives it
+// of any other memory (and of registered memory with rdma-core without ibv_fork_init). For the
+// copy to be that snapshot, the parent waits in its fork handler until the child has copied:
+// otherwise it would be changing the pages (and its heap) under the copy. As with rdma-core,
+// the child cannot use the parent's verbs objects; its segments are forgotten.
+// Cost: the child copies every registered segment once, while the parent waits.
+int g_fork_pipe[2] = {-1, -1};
+
+__attribute__((no_sanitize("address"))) void privatize_segments_in_child() {
+  for (auto& [id, seg] : g_segments) {
+    const size_t len = seg.end - seg.start;
+    void* tmp = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (tmp == MAP_FAILED) continue;  // no memory for a copy: the pages stay shared
+    auto* at = reinterpret_cast<uint8_t*>(seg.start);
+    if (seg.prot & PROT_READ) {
+      for (size_t p = 0; p < len; p += kPage) {
+        if (!page_is_zero(at + p)) copy_page(static_cast<uint8_t*>(tmp) + p, at + p);
+      }
+    }
+    // mremap puts the private copy in place of the shared mapping in one step.
+    if (::mremap(tmp, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED) {
+      ::munmap(tmp, len);
+      continue;
+    }
+    ::mprotect(at, len, seg.prot);
+  }
+  g_segments.clear();
+}
+
+struct ForkGuard {
+  ForkGuard() {
+    ::pthread_atfork(
+        [] {
+          g_mu.lock();
+          if (!g_segments.empty() && ::pipe2(g_fork_pipe, O_CLOEXEC) != 0)
+            g_fork_pipe[0] = g_fork_pipe[1] = -1;
+        },
+        [] {
+          if (g_fork_pipe[0] >= 0) {
+            ::close(g_fork_pipe[1]);
+            char done;
+            ssize_t n;
+            do {  // returns when the child wrote, or when it died (EOF)
+              n = ::read(g_fork_pipe[0], &done, 1);
+            } while (n < 0 && errno == EINTR);
+            ::close(g_fork_pipe[0]);
+            g_fork_pipe[0] = g_fork_pipe[1] = -1;
+          }
+          g_mu.unlock();
+        },
+        [] {
+          privatize_segments_in_child();
+          if (g_fork_pipe[0] >= 0) {
+            ::close(g_fork_pipe[0]);
+            ssize_t n = ::write(g_fork_pipe[1], "c", 1);
+            (void)n;
+            ::close(g_fork_pipe[1]);
+            g_fork_pipe[0] = g_fork_pipe[1] = -1;
+          }
+          g_mu.unlock();
+        });
+  }
+};
+ForkGuard g_fork_guard;
 
 }  // namespace
 

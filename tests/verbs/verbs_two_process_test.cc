@@ -106,16 +106,10 @@ const int kChildHook = [] {
 
 class TwoProcesses : public vrdma::test::VerbsFixture {};
 
-// BUG (open, found 2026-11-22): fork() after ibv_reg_mr of memory in the brk heap corrupts
-// glibc's heap in the child ("malloc(): unaligned tcache chunk detected" and similar; ~5 runs
-// of 6). Reproduced without gtest: reg_mr a 1 MiB std::vector (glibc placed it in [heap]),
-// fork, malloc in both processes. Not with NOFORK, not under ASan (no brk heap). ibv_reg_mr
-// moves the MR's whole pages, malloc data around it included, into a MAP_SHARED memfd, so after
-// fork() parent and child share those heap pages. A pthread_atfork handler that snapshots the
-// segments in the parent and mremaps private copies into the child did NOT fix it; the cause is
-// not understood yet. This test hits it in the fork before its exec.
-// Run it with --gtest_also_run_disabled_tests.
-TEST_F(TwoProcesses, DISABLED_SendReadWriteAndAtomicsAcrossGuests) {
+// Regression: fork() after ibv_reg_mr of memory in the brk heap used to corrupt glibc's heap
+// (parent and child shared the registered pages, malloc's data next to the MR included); this
+// test died in the forked child before its exec in ~5 runs of 6.
+TEST_F(TwoProcesses, SendReadWriteAndAtomicsAcrossGuests) {
   int up[2], down[2];
   ASSERT_EQ(::pipe(up), 0);
   ASSERT_EQ(::pipe(down), 0);
