@@ -1,5 +1,7 @@
 // vrdmad: the vrdma backend, the process that plays the RDMA device for the guests of a host.
+// Configuration: built-in defaults < --config FILE (TOML) < command-line flags.
 #include <signal.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
@@ -15,13 +17,54 @@ void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  vrdma::backend::Options opt;
-  opt.socket_path = vrdma::socket_path();
+  vrdma::backend::Config cfg;
+  std::string config_file;
+  bool check_only = false;
+  // Flags are parsed twice: first to find --config, then over the file's values.
+  std::string socket;
+  int idle_exit = -1, spin_us = -1;
   CLI::App app{"vrdmad: the vrdma backend (the software RDMA device)"};
-  app.add_option("--socket", opt.socket_path, "unix socket guests connect to");
-  app.add_option("--idle-exit", opt.idle_exit_s, "exit after this many seconds without guests (0: never)");
-  app.add_option("--spin-us", opt.spin_us, "microseconds to poll idle rings before sleeping");
+  app.add_option("--config", config_file, "TOML config file (see packaging/vrdmad.toml)");
+  app.add_flag("--check-config", check_only, "validate the config file and exit");
+  app.add_option("--socket", socket, "unix socket guests connect to");
+  app.add_option("--idle-exit", idle_exit, "exit after this many seconds without guests (0: never)");
+  app.add_option("--spin-us", spin_us, "microseconds to poll idle rings before sleeping");
+  app.add_option("--listen", cfg.listen, "ADDR:PORT for backend-to-backend TCP");
+  app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
+  app.add_option("--node", cfg.node, "this backend's name among its peers");
   CLI11_PARSE(app, argc, argv);
+
+  if (!config_file.empty()) {
+    // Flags given on the command line win over the file.
+    auto listen = cfg.listen;
+    auto peers = cfg.peers;
+    auto node = cfg.node;
+    vrdma::Status st = cfg.load_file(config_file);
+    if (!st.is_ok()) {
+      fmt::print(stderr, "vrdmad: {}\n", st.message());
+      return 2;
+    }
+    if (!listen.empty()) cfg.listen = listen;
+    if (!peers.empty()) cfg.peers = peers;
+    if (!node.empty()) cfg.node = node;
+  } else if (check_only) {
+    fmt::print(stderr, "vrdmad: --check-config needs --config FILE\n");
+    return 2;
+  }
+  if (!socket.empty()) cfg.socket_path = socket;
+  if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
+  if (spin_us >= 0) cfg.spin_us = spin_us;
+  if (cfg.socket_path.empty()) cfg.socket_path = vrdma::socket_path();
+  if (cfg.node.empty()) {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    cfg.node = host;
+  }
+  if (check_only) {
+    fmt::print("{}: ok\n", config_file);
+    return 0;
+  }
+  if (::getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
 
   ::signal(SIGPIPE, SIG_IGN);
   struct sigaction sa{};
@@ -29,7 +72,7 @@ int main(int argc, char** argv) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
 
-  vrdma::backend::Server server(opt);
+  vrdma::backend::Server server(cfg);
   g_server = &server;
   vrdma::Status st = server.run();
   if (!st.is_ok()) {

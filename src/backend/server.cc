@@ -35,8 +35,8 @@ uint64_t now_ns() {
 
 }  // namespace
 
-Server::Server(Options opt)
-    : opt_(std::move(opt)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+Server::Server(Config cfg)
+    : opt_(std::move(cfg)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), dev_(opt_.quotas) {}
 
 void Server::stop() {
   stop_.store(true);

@@ -8,21 +8,16 @@
 #include <string>
 #include <unordered_map>
 
+#include "backend/config.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
 
 namespace vrdma::backend {
 
-struct Options {
-  std::string socket_path;
-  int idle_exit_s = 0;   ///< exit after this long with no session; 0: never
-  int spin_us = 200;     ///< how long to poll idle rings before sleeping
-};
-
 class Server {
  public:
-  explicit Server(Options opt);
+  explicit Server(Config cfg);
   /// Binds the socket (serialised by a lock file) and runs until a signal or idle exit.
   /// Returns ok without running when another backend holds the lock.
   Status run();
@@ -41,7 +36,7 @@ class Server {
   Status handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
   void watch(int fd, uint64_t tag);
 
-  Options opt_;
+  Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd lock_, listen_, epoll_;
 

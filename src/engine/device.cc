@@ -46,7 +46,7 @@ uint32_t new_handle(Session& s, const Map&) {
 
 }  // namespace
 
-Device::Device() : rng_(std::random_device{}()) {}
+Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {}
 Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }

@@ -19,6 +19,7 @@
 #include "common/unique_fd.h"
 #include "proto/command.h"
 #include "proto/ring.h"
+#include "engine/quotas.h"
 
 namespace vrdma::engine {
 
@@ -173,7 +174,7 @@ using FdList = std::vector<int>;
 
 class Device {
  public:
-  Device();
+  explicit Device(Quotas quotas = {});
   ~Device();
 
   // ---- control path (each validates every field it is given) ----
@@ -249,6 +250,7 @@ class Device {
   uint16_t next_lid_ = 1;
   uint32_t next_session_ = 1;
   std::mt19937_64 rng_;
+  Quotas quotas_;
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
 };
 

@@ -50,6 +50,12 @@ Bytes hello_msg(const char* guest, uint32_t seq = 1) {
   return encode(Op::kHello, seq, 0, h);
 }
 
+Config test_config(const std::string& socket) {
+  Config c;
+  c.socket_path = socket;
+  return c;
+}
+
 class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -57,7 +63,7 @@ class ServerTest : public ::testing::Test {
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     path_ = dir_ + "/vrdmad.sock";
-    server_ = std::make_unique<Server>(Options{path_, 0, 200});
+    server_ = std::make_unique<Server>(test_config(path_));
     thread_ = std::thread([this] { run_status_ = server_->run(); });
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < deadline) {

@@ -1,0 +1,158 @@
+#include "backend/config.h"
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <toml++/toml.h>
+
+namespace vrdma::backend {
+
+namespace {
+
+std::string where(const std::string& origin, const toml::node& n) {
+  return fmt::format("{}:{}", origin, n.source().begin.line);
+}
+
+/// One key of a section: how to read it into the config.
+using Setter = std::function<Status(const toml::node&, const std::string& at)>;
+
+template <typename T>
+Setter integer(T& out, int64_t lo, int64_t hi) {
+  return [&out, lo, hi](const toml::node& n, const std::string& at) -> Status {
+    auto v = n.value<int64_t>();
+    if (!n.is_integer() || !v) return error(EINVAL, at + ": expected an integer");
+    if (*v < lo || *v > hi)
+      return error(EINVAL, fmt::format("{}: {} is out of range [{}, {}]", at, *v, lo, hi));
+    out = static_cast<T>(*v);
+    return Status::ok();
+  };
+}
+
+Setter string(std::string& out, std::vector<std::string> allowed = {}) {
+  return [&out, allowed](const toml::node& n, const std::string& at) -> Status {
+    if (!n.is_string()) return error(EINVAL, at + ": expected a string");
+    std::string v = *n.value<std::string>();
+    if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
+      return error(EINVAL, fmt::format("{}: \"{}\" is not one of: {}", at, v,
+                                       fmt::join(allowed, ", ")));
+    }
+    out = std::move(v);
+    return Status::ok();
+  };
+}
+
+Setter boolean(bool& out) {
+  return [&out](const toml::node& n, const std::string& at) -> Status {
+    if (!n.is_boolean()) return error(EINVAL, at + ": expected true or false");
+    out = *n.value<bool>();
+    return Status::ok();
+  };
+}
+
+Setter string_list(std::vector<std::string>& out) {
+  return [&out](const toml::node& n, const std::string& at) -> Status {
+    const toml::array* a = n.as_array();
+    if (!a) return error(EINVAL, at + ": expected an array of strings");
+    std::vector<std::string> v;
+    for (const toml::node& e : *a) {
+      if (!e.is_string()) return error(EINVAL, at + ": expected an array of strings");
+      v.push_back(*e.value<std::string>());
+    }
+    out = std::move(v);
+    return Status::ok();
+  };
+}
+
+/// "ADDR:PORT" with a port in 1..65535 (IPv6 addresses in brackets).
+Setter endpoint(std::string& out, bool empty_ok) {
+  return [&out, empty_ok](const toml::node& n, const std::string& at) -> Status {
+    if (!n.is_string()) return error(EINVAL, at + ": expected \"ADDR:PORT\"");
+    std::string v = *n.value<std::string>();
+    if (v.empty() && empty_ok) {
+      out.clear();
+      return Status::ok();
+    }
+    auto colon = v.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        std::sscanf(v.c_str() + colon + 1, "%d", &port) != 1 || port < 1 || port > 65535)
+      return error(EINVAL, fmt::format("{}: \"{}\" is not ADDR:PORT", at, v));
+    out = std::move(v);
+    return Status::ok();
+  };
+}
+
+}  // namespace
+
+Status Config::load_string(std::string_view text, const std::string& origin) {
+  toml::table root;
+  try {
+    root = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    return error(EINVAL, fmt::format("{}:{}: {}", origin, e.source().begin.line, e.description()));
+  }
+  // Everything goes into a copy first: a file with any error changes nothing.
+  Config c = *this;
+  engine::Quotas& q = c.quotas;
+  const std::map<std::string, std::map<std::string, Setter>> schema = {
+      {"backend",
+       {{"socket", string(c.socket_path)},
+        {"idle_exit_s", integer(c.idle_exit_s, 0, 86400 * 365)},
+        {"log_level", string(c.log_level, {"debug", "info", "warn", "error"})}}},
+      {"datapath", {{"spin_us", integer(c.spin_us, 0, 10000000)}}},
+      {"quotas",
+       {{"max_pds", integer(q.max_pds, 1, 1 << 20)},
+        {"max_qps", integer(q.max_qps, 1, 1 << 20)},
+        {"max_cqs", integer(q.max_cqs, 1, 1 << 20)},
+        {"max_srqs", integer(q.max_srqs, 1, 1 << 20)},
+        {"max_mrs", integer(q.max_mrs, 1, 1 << 20)},
+        {"max_mr_bytes", integer(q.max_mr_bytes, 4096, int64_t{1} << 50)},
+        {"max_queue_depth", integer(q.max_queue_depth, 1, 1 << 20)}}},
+      {"transport",
+       {{"node", string(c.node)},
+        {"listen", endpoint(c.listen, true)},
+        {"peers", string_list(c.peers)},
+        {"force", string(c.force, {"", "tcp"})}}},
+      {"metrics",
+       {{"enabled", boolean(c.metrics_enabled)}, {"listen", endpoint(c.metrics_listen, false)}}},
+  };
+  for (const auto& [section, node] : root) {
+    const std::string at = where(origin, node);
+    auto sec = schema.find(std::string(section.str()));
+    if (sec == schema.end())
+      return error(EINVAL, fmt::format("{}: unknown section [{}]", at, section.str()));
+    const toml::table* t = node.as_table();
+    if (!t) return error(EINVAL, fmt::format("{}: [{}] must be a table", at, section.str()));
+    for (const auto& [key, value] : *t) {
+      const std::string kat = where(origin, value);
+      auto k = sec->second.find(std::string(key.str()));
+      if (k == sec->second.end()) {
+        return error(EINVAL,
+                     fmt::format("{}: unknown key \"{}\" in [{}]", kat, key.str(), section.str()));
+      }
+      RETURN_IF_ERROR(k->second(value, fmt::format("{}: {}.{}", kat, section.str(), key.str())));
+    }
+  }
+  for (const std::string& p : c.peers) {
+    toml::value<std::string> v(p);
+    std::string tmp;
+    RETURN_IF_ERROR(endpoint(tmp, false)(v, origin + ": transport.peers"));
+  }
+  *this = std::move(c);
+  return Status::ok();
+}
+
+Status Config::load_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return error(ENOENT, "cannot read config file " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return load_string(ss.str(), path);
+}
+
+}  // namespace vrdma::backend

@@ -1,0 +1,39 @@
+// The backend's configuration: built-in defaults, then a TOML file (`vrdmad --config FILE`),
+// then command-line flags. Every key is documented in packaging/vrdmad.toml. A file with an
+// unknown key, a wrong type or a value out of range is rejected as a whole, with its line.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/quotas.h"
+
+namespace vrdma::backend {
+
+struct Config {
+  // [backend]
+  std::string socket_path;       ///< unix socket guests connect to ("" = VRDMA_SOCKET/default)
+  int idle_exit_s = 0;           ///< exit after this long with no session; 0: never
+  std::string log_level = "info";
+  // [datapath]
+  int spin_us = 200;             ///< how long to poll idle rings before sleeping
+  // [quotas] (per guest)
+  engine::Quotas quotas;
+  // [transport]
+  std::string node;              ///< this backend's name among its peers ("" = hostname)
+  std::string listen;            ///< "ADDR:PORT" for backend-to-backend TCP; "" = off
+  std::vector<std::string> peers;  ///< "ADDR:PORT" of other backends
+  std::string force;             ///< "" (choose per peer) or "tcp" (also for same-host pairs)
+  // [metrics]
+  bool metrics_enabled = false;
+  std::string metrics_listen = "127.0.0.1:9464";
+
+  /// Reads a TOML file over the current values. Errors name the file and line.
+  Status load_file(const std::string& path);
+  /// Reads TOML text (`origin` names it in errors).
+  Status load_string(std::string_view text, const std::string& origin);
+};
+
+}  // namespace vrdma::backend

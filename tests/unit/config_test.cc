@@ -1,0 +1,90 @@
+// The backend's config file: defaults, overrides, and rejection (with the line) of anything wrong.
+#include <gtest/gtest.h>
+
+#include "backend/config.h"
+
+namespace vrdma::backend {
+namespace {
+
+TEST(ConfigTest, EmptyFileKeepsDefaults) {
+  Config c;
+  ASSERT_TRUE(c.load_string("", "t.toml").is_ok());
+  EXPECT_EQ(c.spin_us, 200);
+  EXPECT_EQ(c.quotas.max_qps, 1024u);
+  EXPECT_FALSE(c.metrics_enabled);
+  EXPECT_EQ(c.metrics_listen, "127.0.0.1:9464");
+}
+
+TEST(ConfigTest, ReadsEverySection) {
+  Config c;
+  Status st = c.load_string(R"(
+[backend]
+socket = "/tmp/x.sock"
+idle_exit_s = 5
+log_level = "debug"
+[datapath]
+spin_us = 50
+[quotas]
+max_qps = 7
+max_mr_bytes = 1048576
+[transport]
+node = "a"
+listen = "10.0.0.1:18515"
+peers = ["10.0.0.2:18515", "10.0.0.3:18515"]
+force = "tcp"
+[metrics]
+enabled = true
+listen = "127.0.0.1:9000"
+)",
+                            "t.toml");
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(c.socket_path, "/tmp/x.sock");
+  EXPECT_EQ(c.idle_exit_s, 5);
+  EXPECT_EQ(c.log_level, "debug");
+  EXPECT_EQ(c.spin_us, 50);
+  EXPECT_EQ(c.quotas.max_qps, 7u);
+  EXPECT_EQ(c.quotas.max_mr_bytes, 1048576u);
+  EXPECT_EQ(c.node, "a");
+  EXPECT_EQ(c.listen, "10.0.0.1:18515");
+  ASSERT_EQ(c.peers.size(), 2u);
+  EXPECT_EQ(c.peers[1], "10.0.0.3:18515");
+  EXPECT_EQ(c.force, "tcp");
+  EXPECT_TRUE(c.metrics_enabled);
+  EXPECT_EQ(c.metrics_listen, "127.0.0.1:9000");
+}
+
+struct Bad {
+  const char* text;
+  const char* expect;  ///< a part of the message: the line and what is wrong
+};
+
+TEST(ConfigTest, RejectsWithTheLineAndChangesNothing) {
+  const Bad cases[] = {
+      {"[backend]\nspin_us = 5\n", "t.toml:2: unknown key \"spin_us\" in [backend]"},
+      {"[backend]\n\n[datapth]\n", "t.toml:3: unknown section [datapth]"},
+      {"[datapath]\nspin_us = \"fast\"\n", "t.toml:2: datapath.spin_us: expected an integer"},
+      {"[quotas]\nmax_qps = 0\n", "t.toml:2: quotas.max_qps: 0 is out of range"},
+      {"[backend]\nlog_level = \"loud\"\n", "is not one of: debug, info, warn, error"},
+      {"[transport]\nlisten = \"10.0.0.1\"\n", "t.toml:2: transport.listen: \"10.0.0.1\" is not ADDR:PORT"},
+      {"[transport]\npeers = [\"a:0\"]\n", "transport.peers: \"a:0\" is not ADDR:PORT"},
+      {"[metrics]\nenabled = 1\n", "t.toml:2: metrics.enabled: expected true or false"},
+      {"[quotas]\nmax_qps = 3\nmax_cqs = \n", "t.toml:3:"},
+  };
+  for (const Bad& b : cases) {
+    Config c;
+    Status st = c.load_string(b.text, "t.toml");
+    EXPECT_FALSE(st.is_ok()) << b.text;
+    EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
+    EXPECT_EQ(c.quotas.max_qps, 1024u) << "a rejected file must change nothing";
+  }
+}
+
+TEST(ConfigTest, MissingFile) {
+  Config c;
+  Status st = c.load_file("/nonexistent/vrdmad.toml");
+  EXPECT_EQ(st.err(), ENOENT);
+  EXPECT_NE(st.message().find("/nonexistent/vrdmad.toml"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace vrdma::backend
