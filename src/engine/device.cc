@@ -557,10 +557,10 @@ std::string Device::status_json() const {
       for (const auto& [h, qp] : s->qps) {
         qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
                        {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
-                       {"dest_qpn", qp->attr.dest_qp_num}, {"transport", "shm"},
-                       {"msgs_sent", qp->msgs_sent}, {"bytes_sent", qp->bytes_sent},
-                       {"msgs_received", qp->msgs_received},
-                       {"bytes_received", qp->bytes_received}});
+                       {"dest_qpn", qp->attr.dest_qp_num}, {"transport", qp->transport},
+                       {"msgs_sent", qp->cnt.msgs_sent}, {"bytes_sent", qp->cnt.bytes_sent},
+                       {"msgs_received", qp->cnt.msgs_received},
+                       {"bytes_received", qp->cnt.bytes_received}});
       }
     }
     char gid[40];

@@ -105,6 +105,15 @@ enum class Wait : uint8_t {
   kAck,  ///< no responder answered (ACK timeout); counts down retry_left
 };
 
+/// What a QP did: read by `vrdma stat`, `vrdma res show` and the metrics endpoint.
+struct QpCounters {
+  uint64_t msgs_sent = 0, bytes_sent = 0, msgs_received = 0, bytes_received = 0;
+  uint64_t retries = 0;     ///< requester: transport retries after an ACK timeout
+  uint64_t rnr_naks = 0;    ///< requester: RNR NAKs received (each one a retry after the timer)
+  uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
+  uint64_t wc_errors[IBV_WC_TM_RNDV_INCOMPLETE + 1] = {};  ///< error completions, by ibv_wc_status
+};
+
 struct Qp {
   uint32_t handle = 0;
   uint32_t qpn = 0;
@@ -132,8 +141,12 @@ struct Qp {
   uint32_t rnr_left = 0;
   uint32_t retry_left = 0;
   uint64_t wait_until_ns = 0;
-  uint64_t msgs_sent = 0, msgs_received = 0, bytes_sent = 0, bytes_received = 0;
-  uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
+  QpCounters cnt;
+  // How the QP's messages travel, chosen when it is connected (RTR): "shm" (the peer QP is on
+  // this backend) or "tcp" (on a peer backend, `peer_node`), and why.
+  std::string transport = "shm";
+  std::string transport_why = "same backend";
+  std::string peer_node;
 };
 
 struct Guest {

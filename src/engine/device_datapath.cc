@@ -115,6 +115,7 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
   qp.sq_cons++;
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+  if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
   if (st == IBV_WC_SUCCESS && !signaled) return;
   Cqe e{};
@@ -314,10 +315,10 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   // The high bit of the WR's qkey says "use the QP's own qkey" (IB spec 10.2.5).
   const uint32_t qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));  // sent, whatever happens
-  qp.msgs_sent++;
-  qp.bytes_sent += len;
+  qp.cnt.msgs_sent++;
+  qp.cnt.bytes_sent += len;
   if (!to || to->attr.qkey != qkey) {
-    qp.ud_dropped++;
+    qp.cnt.ud_dropped++;
     return;
   }
   RecvWqe r;
@@ -327,7 +328,7 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
       enter_error(*to, "receive queue indices corrupt");
       post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
     }
-    to->ud_dropped++;  // no receive posted: a datagram is simply lost
+    to->cnt.ud_dropped++;  // no receive posted: a datagram is simply lost
     return;
   }
   consume_recv(*to);
@@ -342,12 +343,14 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   if (!resolve_recv(*to, r, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
     push_cqe(*to->recv_cq, rc, false);
+    to->cnt.wc_errors[rc.status]++;
     enter_error(*to, "receive SGE outside a valid MR");
     return;
   }
   if (cap < kGrhBytes + len) {
     rc.status = IBV_WC_LOC_LEN_ERR;
     push_cqe(*to->recv_cq, rc, false);
+    to->cnt.wc_errors[rc.status]++;
     return;
   }
   // The first 40 bytes of the receive buffer are the GRH: written when the sender used one
@@ -384,8 +387,8 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     rc.imm_data = w.imm_data;
   }
   push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
-  to->msgs_received++;
-  to->bytes_received += len;
+  to->cnt.msgs_received++;
+  to->cnt.bytes_received += len;
 }
 
 Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
@@ -433,6 +436,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     } else {
       --qp.retry_left;
     }
+    qp.cnt.retries++;
     qp.wait_until_ns = now_ns + ack_timeout_ns(qp.attr.timeout);
     return Step::kWait;
   }
@@ -457,6 +461,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
         qp.wait = Wait::kRnr;
         qp.rnr_left = qp.attr.rnr_retry;
       }
+      qp.cnt.rnr_naks++;
       if (qp.rnr_left != 7) {
         if (qp.rnr_left == 0) return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
         --qp.rnr_left;
@@ -494,12 +499,14 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     if (!resolve_recv(*to, r, cap)) {
       rc.status = IBV_WC_LOC_PROT_ERR;
       push_cqe(*to->recv_cq, rc, false);
+      to->cnt.wc_errors[rc.status]++;
       enter_error(*to, "receive SGE outside a valid MR");
       return fail(IBV_WC_REM_OP_ERR, "responder protection error");
     }
     if (cap < len) {
       rc.status = IBV_WC_LOC_LEN_ERR;
       push_cqe(*to->recv_cq, rc, false);
+      to->cnt.wc_errors[rc.status]++;
       enter_error(*to, "receive buffer too small");
       return fail(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
     }
@@ -534,10 +541,10 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     }
     push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
   }
-  to->msgs_received++;
-  to->bytes_received += len;
-  qp.msgs_sent++;
-  qp.bytes_sent += len;
+  to->cnt.msgs_received++;
+  to->cnt.bytes_received += len;
+  qp.cnt.msgs_sent++;
+  qp.cnt.bytes_sent += len;
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
   return Step::kDone;
 }
@@ -554,6 +561,7 @@ bool Device::flush(Qp& qp) {
       e.opcode = IBV_WC_SEND;
       e.qp_num = qp.qpn;
       if (!push_cqe(*qp.send_cq, e, false)) break;
+      qp.cnt.wc_errors[IBV_WC_WR_FLUSH_ERR]++;
       qp.sq_cons++;
       did = true;
     }
@@ -569,6 +577,7 @@ bool Device::flush(Qp& qp) {
       e.opcode = IBV_WC_RECV;
       e.qp_num = qp.qpn;
       if (!push_cqe(*qp.recv_cq, e, false)) break;
+      qp.cnt.wc_errors[IBV_WC_WR_FLUSH_ERR]++;
       qp.rq_cons++;
       did = true;
     }
