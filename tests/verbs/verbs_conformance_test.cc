@@ -366,10 +366,7 @@ TEST_F(Conformance, ScatterGatherListsUpToMaxSge) {
 TEST_F(Conformance, InlineDataUpToMaxInlineData) {
   Pair p = pair(IBV_QPT_RC, {}, {}, 16, 3, 256);
   ASSERT_NE(p.qp, nullptr);
-  ibv_qp_attr qa{};
-  ibv_qp_init_attr qi{};
-  ASSERT_EQ(ibv_query_qp(p.qp, &qa, IBV_QP_CAP, &qi), 0);
-  const uint32_t max = qi.cap.max_inline_data;
+  const uint32_t max = caps(p.qp).max_inline_data;
   ASSERT_GE(max, 256u);
   // Inline data needs no MR: the bytes are copied at post time, from memory never registered,
   // in three SGEs whose lkeys mean nothing.
@@ -617,10 +614,7 @@ TEST_F(Conformance, PostingBeyondTheQueueDepthIsEnomem) {
   // The peer posts no receive and we retry for ever: every send stays queued.
   Pair p = pair(IBV_QPT_RC, {}, {}, 8);
   ASSERT_NE(p.qp, nullptr);
-  ibv_qp_attr qa{};
-  ibv_qp_init_attr qi{};
-  ASSERT_EQ(ibv_query_qp(p.qp, &qa, IBV_QP_CAP, &qi), 0);
-  const uint32_t depth = qi.cap.max_send_wr;
+  const uint32_t depth = caps(p.qp).max_send_wr;
   ASSERT_GE(depth, 8u);
   for (uint32_t i = 0; i < depth; ++i)
     ASSERT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {sge(64 * i, 64)}, .wr_id = i}), 0) << i;

@@ -150,6 +150,14 @@ class VerbsFixture : public ::testing::Test {
     return rc;
   }
 
+  /// The QP's capabilities as the device granted them (ibv_query_qp).
+  static ibv_qp_cap caps(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr ia{};
+    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_CAP, &ia), 0);
+    return ia.cap;
+  }
+
   static ibv_qp_state state(ibv_qp* qp) {
     ibv_qp_attr a{};
     ibv_qp_init_attr ia{};
