@@ -420,21 +420,11 @@ TEST_F(VerbsApi, UcHasNoReadOrAtomics) {
   ibv_qp* uc = ibv_create_qp(pd_, &ia);
   ASSERT_NE(uc, nullptr);
   qps_.push_back(uc);
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.port_num = 1;
-  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS), 0);
-  a = {};
-  a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = IBV_MTU_1024;
-  a.dest_qp_num = uc->qp_num;
-  a.ah_attr.dlid = lid_;
-  a.ah_attr.port_num = 1;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN), 0);
-  a = {};
-  a.qp_state = IBV_QPS_RTS;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_SQ_PSN), 0);
+  vrdma::test::QpPath path;
+  path.dlid = lid_;
+  path.dest_qpn = uc->qp_num;
+  path.access = IBV_ACCESS_REMOTE_WRITE;
+  ASSERT_EQ(vrdma::test::bring_to_rts(uc, path), 0);
   EXPECT_EQ(post_rdma(uc, 1, IBV_WR_RDMA_READ, 0, 8, 0, 0), EINVAL);
   EXPECT_EQ(post_rdma(uc, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, 0, 8, 0, 0), EINVAL);
 }
