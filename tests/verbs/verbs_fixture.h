@@ -5,6 +5,7 @@
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <infiniband/verbs.h>
 #include <signal.h>
 #include <unistd.h>
