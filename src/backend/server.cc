@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/activation.h"
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
@@ -26,6 +27,7 @@ namespace {
 constexpr uint64_t kTagListen = 1ull << 62;
 constexpr uint64_t kTagDoorbell = 1ull << 61;
 constexpr uint64_t kTagWake = 1ull << 60;
+constexpr uint64_t kTagMetrics = 1ull << 59;
 
 uint64_t now_ns() {
   timespec ts;
@@ -63,15 +65,25 @@ Status Server::setup() {
     if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
     return error(errno, "flock");
   }
-  // We hold the lock: any socket file left is stale.
-  ::unlink(opt_.socket_path.c_str());
-  ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
+  ASSIGN_OR_RETURN(listen_, inherited_listener(opt_.socket_path));
+  activated_ = listen_.valid();
+  if (!activated_) {
+    // We hold the lock: any socket file left is stale.
+    ::unlink(opt_.socket_path.c_str());
+    ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
+  }
   std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   watch(listen_.get(), kTagListen);
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
+  if (opt_.metrics_enabled) {
+    metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
+                                             [this] { return reporter_.metrics(dev_); });
+    RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
+    VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
+  }
   return Status::ok();
 }
 
@@ -199,7 +211,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
     case Op::kStatus: {
-      std::string js = dev_.status_json();
+      std::string js = reporter_.status(dev_).dump();
       out = encode(op, h.seq, 0, Empty{});
       uint32_t n = static_cast<uint32_t>(js.size());
       out.insert(out.end(), reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
@@ -268,6 +280,10 @@ Status Server::run() {
       uint64_t tag = evs[i].data.u64;
       int fd = static_cast<int>(tag & 0xffffffff);
       if (tag & kTagWake) continue;
+      if (tag & kTagMetrics) {
+        metrics_->on_event(fd, evs[i].events, now_ns());
+        continue;
+      }
       if (tag & kTagListen) {
         accept_all();
       } else if (tag & kTagDoorbell) {
@@ -281,8 +297,9 @@ Status Server::run() {
       }
     }
     if (!conns_.empty()) idle_since = now_ns();
+    if (metrics_) metrics_->expire(now_ns());
   }
-  ::unlink(opt_.socket_path.c_str());
+  if (!activated_) ::unlink(opt_.socket_path.c_str());
   ::unlink((opt_.socket_path + ".pid").c_str());
   return Status::ok();
 }

@@ -5,10 +5,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 
 #include "backend/config.h"
+#include "backend/metrics_http.h"
+#include "backend/report.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
@@ -44,6 +47,9 @@ class Server {
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
   std::atomic<bool> stop_{false};
+  Reporter reporter_{opt_};
+  std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
+  bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
 };
 
 }  // namespace vrdma::backend
