@@ -57,6 +57,9 @@ void Server::watch(int fd, uint64_t tag) {
 }
 
 Status Server::setup() {
+  // systemd's socket, when it started us: its path is the one to lock.
+  ASSIGN_OR_RETURN(UniqueFd inherited, inherited_listener(opt_.socket_path));
+  activated_ = inherited.valid();
   ensure_parent_dir(opt_.socket_path);
   std::string lock_path = opt_.socket_path + ".lock";
   lock_ = UniqueFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
@@ -65,25 +68,25 @@ Status Server::setup() {
     if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
     return error(errno, "flock");
   }
-  ASSIGN_OR_RETURN(listen_, inherited_listener(opt_.socket_path));
-  activated_ = listen_.valid();
-  if (!activated_) {
-    // We hold the lock: any socket file left is stale.
-    ::unlink(opt_.socket_path.c_str());
-    ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
-  }
-  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
-  watch(listen_.get(), kTagListen);
-  if (!wake_.valid()) return error(EMFILE, "eventfd");
-  watch(wake_.get(), kTagWake);
+  // Metrics first: a backend that cannot serve what it was configured to never takes guests.
   if (opt_.metrics_enabled) {
     metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
                                              [this] { return reporter_.metrics(dev_); });
     RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
     VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
   }
+  listen_ = std::move(inherited);
+  if (!activated_) {
+    // We hold the lock: any socket file left is stale.
+    ::unlink(opt_.socket_path.c_str());
+    ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
+  }
+  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
+  watch(listen_.get(), kTagListen);
+  if (!wake_.valid()) return error(EMFILE, "eventfd");
+  watch(wake_.get(), kTagWake);
   return Status::ok();
 }
 
