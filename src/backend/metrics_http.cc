@@ -107,11 +107,12 @@ void MetricsHttp::accept_all(uint64_t now_ns) {
 void MetricsHttp::on_readable(Client& c) {
   const int fd = c.sock.get();
   char buf[2048];
+  bool eof = false;  ///< a client may half-close after its request: still answer it
   for (;;) {
     ssize_t n = ::read(fd, buf, sizeof(buf));
     if (n == 0) {
-      close_client(fd);
-      return;
+      eof = true;
+      break;
     }
     if (n < 0) {
       if (errno == EAGAIN || errno == EINTR) break;
@@ -125,7 +126,10 @@ void MetricsHttp::on_readable(Client& c) {
     }
   }
   const auto end = c.in.find("\r\n\r\n");
-  if (end == std::string::npos) return;  // headers not complete yet
+  if (end == std::string::npos) {  // headers not complete yet
+    if (eof) close_client(fd);
+    return;
+  }
   const std::string line = c.in.substr(0, c.in.find("\r\n"));
   const auto sp1 = line.find(' ');
   const auto sp2 = sp1 == std::string::npos ? sp1 : line.find(' ', sp1 + 1);
