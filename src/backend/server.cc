@@ -240,7 +240,8 @@ Status Server::run() {
     }
     return st;
   }
-  VLOG_INFO("vrdmad listening on {}", opt_.socket_path);
+  VLOG_INFO("vrdmad {} listening on {}{}", VRDMA_VERSION, opt_.socket_path,
+            activated_ ? " (socket activation)" : "");
   uint64_t idle_since = now_ns();
   uint64_t last_work = now_ns();
   epoll_event evs[64];
