@@ -29,6 +29,13 @@ constexpr uint64_t kTagDoorbell = 1ull << 61;
 constexpr uint64_t kTagWake = 1ull << 60;
 constexpr uint64_t kTagMetrics = 1ull << 59;
 
+/// Names the peer of a connection in log lines: its guest, pid and session once it said Hello.
+std::string who(const Server::Conn& c, int fd) {
+  if (!c.session) return fmt::format("connection {} (before hello)", fd);
+  return fmt::format("guest {} pid {} session {}", c.session->guest->name, c.session->pid,
+                     c.session->id);
+}
+
 uint64_t now_ns() {
   timespec ts;
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -122,13 +129,13 @@ void Server::on_readable(int fd) {
     if (!st.is_ok()) {
       if (st.err() == EAGAIN) return;
       if (st.err() != ECONNRESET)
-        VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+        VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
     st = handle(it->second, msg, fds);
     if (!st.is_ok()) {
-      VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+      VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
@@ -158,7 +165,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::vector<int> out_fds;
   UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
-    VLOG_DEBUG("op {} failed: {}", h.op, st.message());
+    VLOG_DEBUG("{}: op {} failed: {}", who(c, c.sock.get()), h.op, st.message());
     out = encode(op, h.seq, -st.err(), Empty{});
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error

@@ -27,11 +27,13 @@ class Server {
   /// Any thread, and async-signal-safe: asks run() to return and wakes it.
   void stop();
 
- private:
+ /// One guest connection (a verbs context); public so log helpers can name it.
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;
   };
+
+ private:
   Status setup();
   void accept_all();
   void on_readable(int fd);

@@ -532,7 +532,8 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
 void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
   uint32_t ev[2] = {static_cast<uint32_t>(type), handle};
   if (::write(s.async_write.get(), ev, sizeof(ev)) != sizeof(ev))
-    VLOG_WARN("session {}: async event queue full, event {} dropped", s.id, int(type));
+    VLOG_WARN("guest {} session {}: async event queue full, event {} dropped", s.guest->name, s.id,
+              int(type));
 }
 
 std::string Device::status_json() const {
