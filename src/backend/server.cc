@@ -222,6 +222,13 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
     case Op::kStatus: {
       std::string js = reporter_.status(dev_).dump();
+      if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
+        VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
+                  who(c, c.sock.get()), js.size(), kMaxResponse);
+        reply_err(error(E2BIG, "status too large"));
+        break;
+      }
+      fit_send_buffer(c.sock.get(), js.size() + sizeof(MsgHeader) + 4);
       out = encode(op, h.seq, 0, Empty{});
       uint32_t n = static_cast<uint32_t>(js.size());
       out.insert(out.end(), reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
