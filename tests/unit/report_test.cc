@@ -22,6 +22,22 @@ json qp_row(const json& report, const std::string& guest) {
   return nullptr;
 }
 
+/// The device plus the backend's reporter: the status document as the server builds it.
+class OpsTest : public DeviceTest {
+ protected:
+  /// Connects a to b and sends one 100-byte message.
+  void one_message() {
+    connect_both();
+    post_recv(qb_, 1, mb_.addr, 1024, mb_.mr.lkey);
+    post_send(qa_, 2, ma_.addr, 100, ma_.mr.lkey);
+    dev_.poll(now_);
+  }
+  json status() { return rep_.status(dev_); }
+
+  backend::Config cfg_;
+  backend::Reporter rep_{cfg_};
+};
+
 TEST_F(DeviceTest, ReportListsEveryResourceWithItsOwner) {
   connect_both();
   json r = dev_.report();
@@ -53,11 +69,8 @@ TEST_F(DeviceTest, ReportListsEveryResourceWithItsOwner) {
   EXPECT_EQ(mr["lkey"], mr["rkey"]);
 }
 
-TEST_F(DeviceTest, ReportCountsMessagesAndErrorsPerQpAndGuest) {
-  connect_both();
-  post_recv(qb_, 1, mb_.addr, 1024, mb_.mr.lkey);
-  post_send(qa_, 2, ma_.addr, 100, ma_.mr.lkey);
-  dev_.poll(now_);
+TEST_F(OpsTest, ReportCountsMessagesAndErrorsPerQpAndGuest) {
+  one_message();
   json r = dev_.report();
   json a = qp_row(r, "a"), b = qp_row(r, "b");
   EXPECT_EQ(a["counters"]["msgs_sent"], 1);
@@ -86,14 +99,9 @@ TEST_F(DeviceTest, ReportCountsMessagesAndErrorsPerQpAndGuest) {
   EXPECT_EQ(ga["counters"]["wc_errors"]["LOC_PROT_ERR"], 1);
 }
 
-/// The status document as the server builds it, for the CLI and metrics tests.
-json status_doc(const Device& dev, backend::Reporter& rep) { return rep.status(dev); }
-
-TEST_F(DeviceTest, ResShowSelectsAndPrintsLikeIproute2) {
+TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   connect_both();
-  backend::Config cfg;
-  backend::Reporter rep(cfg);
-  json st = status_doc(dev_, rep);
+  json st = status();
   auto f = cli::parse_filters({"guest", "a", "lqpn", fmt::format("{:#x}", qa_.qpn)});
   ASSERT_TRUE(f.is_ok());
   auto rows = cli::res_rows(st, "qp", *f);
@@ -121,14 +129,9 @@ TEST_F(DeviceTest, ResShowSelectsAndPrintsLikeIproute2) {
   EXPECT_FALSE(cli::parse_filters({"guest"}).is_ok());
 }
 
-TEST_F(DeviceTest, StatRowsCarryTheCounters) {
-  connect_both();
-  post_recv(qb_, 1, mb_.addr, 1024, mb_.mr.lkey);
-  post_send(qa_, 2, ma_.addr, 100, ma_.mr.lkey);
-  dev_.poll(now_);
-  backend::Config cfg;
-  backend::Reporter rep(cfg);
-  json st = status_doc(dev_, rep);
+TEST_F(OpsTest, StatRowsCarryTheCounters) {
+  one_message();
+  json st = status();
   auto qps = cli::stat_rows(st, "qp", {{"guest", "b"}});
   ASSERT_TRUE(qps.is_ok());
   ASSERT_EQ(qps->size(), 1u);
@@ -142,14 +145,9 @@ TEST_F(DeviceTest, StatRowsCarryTheCounters) {
       << text;
 }
 
-TEST_F(DeviceTest, PrometheusTextIsWellFormed) {
-  connect_both();
-  post_recv(qb_, 1, mb_.addr, 1024, mb_.mr.lkey);
-  post_send(qa_, 2, ma_.addr, 100, ma_.mr.lkey);
-  dev_.poll(now_);
-  backend::Config cfg;
-  backend::Reporter rep(cfg);
-  const std::string text = rep.metrics(dev_);
+TEST_F(OpsTest, PrometheusTextIsWellFormed) {
+  one_message();
+  const std::string text = rep_.metrics(dev_);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
   // Every line is a HELP, a TYPE or a sample of the family declared last; families do not repeat.
