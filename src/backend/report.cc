@@ -41,12 +41,14 @@ nlohmann::json Reporter::backend_info() {
   last_cpu_ns_ = cpu;
   const engine::Quotas& q = cfg_.quotas;
   nlohmann::json transports = nlohmann::json::array();
-  transports.push_back({{"name", "shm"}, {"up", true}, {"why", "same-host pairs"}});
+  // `state`: "up", "off", or "configured" (set in the config; the TCP transport reports
+  // whether it really listens once it exists).
+  transports.push_back({{"name", "shm"}, {"state", "up"}, {"why", "same-host pairs"}});
   transports.push_back({{"name", "tcp"},
-                        {"up", !cfg_.listen.empty()},
+                        {"state", cfg_.listen.empty() ? "off" : "configured"},
                         {"listen", cfg_.listen},
-                        {"why", cfg_.listen.empty() ? "no [transport] listen configured"
-                                                    : "cross-host pairs"}});
+                        {"why", cfg_.listen.empty() ? "no [transport] listen"
+                                                    : "cross-host pairs on " + cfg_.listen}});
   return {
       {"version", VRDMA_VERSION},
       {"pid", ::getpid()},

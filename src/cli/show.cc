@@ -198,7 +198,7 @@ std::string status_header(const json& status) {
   for (const auto& t : member(b, "transports")) {
     transports += fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ",
                               text_of(member(t, "name")),
-                              member(t, "up") == true ? "up" : "down", text_of(member(t, "why")));
+                              text_of(member(t, "state")), text_of(member(t, "why")));
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;

@@ -180,6 +180,25 @@ TEST_F(OpsTest, PrometheusTextIsWellFormed) {
   EXPECT_NE(text.find("vrdma_guest_bytes_received_total{guest=\"b\"} 100\n"), std::string::npos);
 }
 
+TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
+  connect_both();
+  cfg_.listen = "0.0.0.0:7471";
+  cfg_.peers = {"10.0.0.2:7471"};
+  cfg_.quotas.max_qps = 7;
+  const std::string h = cli::status_header(status());
+  EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
+                                              "up [0-9]+s\\)\n")))
+      << h;
+  EXPECT_NE(h.find("transports: shm up (same-host pairs); tcp configured (cross-host pairs on "
+                   "0.0.0.0:7471)\n"),
+            std::string::npos)
+      << h;
+  EXPECT_NE(h.find("peers: 10.0.0.2:7471\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("datapath: 1 thread, busy "), std::string::npos) << h;
+  EXPECT_NE(h.find("metrics: off\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
+}
+
 TEST(PrometheusText, EscapesLabelValues) {
   // Guest names come from the guest (VRDMA_GUEST): quotes, backslashes, newlines are escaped.
   json st = {{"backend",
