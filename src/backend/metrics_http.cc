@@ -138,12 +138,10 @@ void MetricsHttp::on_readable(Client& c) {
     return;
   }
   const std::string method = line.substr(0, sp1), target = line.substr(sp1 + 1, sp2 - sp1 - 1);
-  if (method != "GET" && method != "HEAD") {
+  if (method != "GET") {
     respond(c, 405, "Method Not Allowed", "text/plain", "only GET\n");
   } else if (target == "/metrics" || target.starts_with("/metrics?")) {
-    std::string body = render_();
-    if (method == "HEAD") body.clear();
-    respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", body);
+    respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", render_());
   } else {
     respond(c, 404, "Not Found", "text/plain", "vrdmad serves /metrics only\n");
   }

@@ -31,6 +31,8 @@ class MetricsHttp {
   void on_event(int fd, uint32_t events, uint64_t now_ns);
   /// Closes clients that have not finished within kClientTimeoutNs.
   void expire(uint64_t now_ns);
+  /// Whether a client is open (the loop must then wake up now and then to expire it).
+  bool has_clients() const { return !clients_.empty(); }
   /// The port actually bound (for logs).
   int port() const { return port_; }
 

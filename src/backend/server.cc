@@ -283,6 +283,7 @@ Status Server::run() {
       if (uint64_t d = dev_.next_deadline()) {
         timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
       }
+      if (metrics_ && metrics_->has_clients() && (timeout < 0 || timeout > 1000)) timeout = 1000;
       if (opt_.idle_exit_s > 0 && conns_.empty()) {
         int left = static_cast<int>(opt_.idle_exit_s * 1000 - (now - idle_since) / 1000000);
         if (left <= 0) {

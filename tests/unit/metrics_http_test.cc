@@ -96,6 +96,7 @@ TEST_F(MetricsHttpTest, BadRequestsGetErrors) {
     std::string req, status;
   } cases[] = {
       {"POST /metrics HTTP/1.1\r\n\r\n", "HTTP/1.1 405 "},
+      {"HEAD /metrics HTTP/1.1\r\n\r\n", "HTTP/1.1 405 "},
       {"GET /other HTTP/1.1\r\n\r\n", "HTTP/1.1 404 "},
       {"garbage\r\n\r\n", "HTTP/1.1 400 "},
       {"GET /metrics SMTP\r\n\r\n", "HTTP/1.1 400 "},
