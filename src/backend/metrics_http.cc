@@ -1,6 +1,7 @@
 #include "backend/metrics_http.h"
 
 #include <arpa/inet.h>
+#include <fmt/format.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
@@ -8,8 +9,6 @@
 #include <unistd.h>
 
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "common/log.h"
 
@@ -20,16 +19,19 @@ MetricsHttp::MetricsHttp(int epoll, uint64_t tag, Render render)
 
 Status MetricsHttp::listen(const std::string& addr_port) {
   auto colon = addr_port.rfind(':');
-  if (colon == std::string::npos) return error(EINVAL, "metrics listen \"" + addr_port + "\" is not ADDR:PORT");
+  if (colon == std::string::npos)
+    return error(EINVAL, "metrics listen \"" + addr_port + "\" is not ADDR:PORT");
   std::string host = addr_port.substr(0, colon);
   const std::string port = addr_port.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res); rc != 0)
+  if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+      rc != 0)
     return error(EINVAL, fmt::format("metrics listen {}: {}", addr_port, ::gai_strerror(rc)));
   UniqueFd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   int err = errno;
@@ -149,9 +151,10 @@ void MetricsHttp::on_readable(Client& c) {
 
 void MetricsHttp::respond(Client& c, int code, const char* reason, const char* type,
                           const std::string& body) {
-  c.out = fmt::format("HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n"
-                      "Connection: close\r\n\r\n",
-                      code, reason, type, body.size());
+  c.out = fmt::format(
+      "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n"
+      "Connection: close\r\n\r\n",
+      code, reason, type, body.size());
   c.out += body;
   c.sent = 0;
   epoll_event ev{};

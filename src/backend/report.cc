@@ -1,9 +1,8 @@
 #include "backend/report.h"
 
+#include <fmt/format.h>
 #include <time.h>
 #include <unistd.h>
-
-#include <fmt/format.h>
 
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
@@ -92,17 +91,19 @@ namespace {
 std::string escape(const std::string& v) {
   std::string out;
   for (char c : v) {
-    if (c == '\\') out += "\\\\";
-    else if (c == '"') out += "\\\"";
-    else if (c == '\n') out += "\\n";
-    else out += c;
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '"')
+      out += "\\\"";
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
   }
   return out;
 }
 
-std::string str(const nlohmann::json& v) {
-  return v.is_string() ? v.get<std::string>() : v.dump();
-}
+std::string str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
 /// Collects samples per metric family, so each family's HELP/TYPE comes once, before its samples.
 class Exposition {
@@ -110,7 +111,8 @@ class Exposition {
   void family(const std::string& name, const char* type, const char* help) {
     out_ += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
   }
-  void sample(const std::string& name, const std::vector<std::pair<std::string, std::string>>& labels,
+  void sample(const std::string& name,
+              const std::vector<std::pair<std::string, std::string>>& labels,
               const nlohmann::json& value) {
     out_ += name;
     if (!labels.empty()) {

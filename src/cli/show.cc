@@ -64,8 +64,8 @@ Status check_keys(const std::string& type, const Filters& filters) {
   const auto& keys = fields_of(type);
   for (const auto& [k, v] : filters) {
     if (std::find(keys.begin(), keys.end(), k) == keys.end()) {
-      return error(EINVAL, fmt::format("unknown filter \"{}\"; valid: {}", k,
-                                       fmt::join(keys, ", ")));
+      return error(EINVAL,
+                   fmt::format("unknown filter \"{}\"; valid: {}", k, fmt::join(keys, ", ")));
     }
   }
   return Status::ok();
@@ -98,7 +98,8 @@ std::string duration(uint64_t s) {
 Result<Filters> parse_filters(const std::vector<std::string>& words) {
   if (words.size() % 2 != 0)
     return error(EINVAL, fmt::format("filter \"{}\" has no value (filters are KEY VALUE pairs, "
-                                     "e.g. guest NAME lqpn N)", words.back()));
+                                     "e.g. guest NAME lqpn N)",
+                                     words.back()));
   Filters f;
   for (size_t i = 0; i < words.size(); i += 2) f.emplace_back(words[i], words[i + 1]);
   return f;
@@ -137,11 +138,10 @@ std::string res_summary(const json& status) {
   std::string out;
   for (const auto& g : member(status, "guests")) {
     const json& res = member(g, "resources");
-    out += fmt::format("vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n",
-                       text_of(member(g, "name")), text_of(member(g, "lid")),
-                       text_of(member(res, "pd")), text_of(member(res, "mr")),
-                       text_of(member(res, "cq")), text_of(member(res, "srq")),
-                       text_of(member(res, "qp")));
+    out += fmt::format(
+        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "name")),
+        text_of(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
+        text_of(member(res, "cq")), text_of(member(res, "srq")), text_of(member(res, "qp")));
   }
   return out;
 }
@@ -170,19 +170,19 @@ Result<json> stat_rows(const json& status, const std::string& what, const Filter
 
 std::string stat_text(const std::string& what, const json& rows) {
   const bool qp = what == "qp";
-  constexpr const char* kRow = "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>8} {:>7}  {}\n";
-  std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "", qp ? "TRANSPORT" : "",
-                                "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX", "RETRIES",
-                                "RNR_NAKS", "UD_DROP", "ERRORS");
+  constexpr const char* kRow =
+      "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>8} {:>7}  {}\n";
+  std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "",
+                                qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
+                                "RETRIES", "RNR_NAKS", "UD_DROP", "ERRORS");
   for (const auto& r : rows) {
-    out += fmt::format(kRow, text_of(member(r, "guest")),
-                       text_of(member(r, qp ? "lqpn" : "qps")),
-                       qp ? text_of(member(r, "type")) : "",
-                       qp ? text_of(member(r, "transport")) : "",
-                       text_of(member(r, "msgs_sent")), text_of(member(r, "bytes_sent")),
-                       text_of(member(r, "msgs_received")), text_of(member(r, "bytes_received")),
-                       text_of(member(r, "retries")), text_of(member(r, "rnr_naks")),
-                       text_of(member(r, "ud_dropped")), errors_text(r));
+    out +=
+        fmt::format(kRow, text_of(member(r, "guest")), text_of(member(r, qp ? "lqpn" : "qps")),
+                    qp ? text_of(member(r, "type")) : "", qp ? text_of(member(r, "transport")) : "",
+                    text_of(member(r, "msgs_sent")), text_of(member(r, "bytes_sent")),
+                    text_of(member(r, "msgs_received")), text_of(member(r, "bytes_received")),
+                    text_of(member(r, "retries")), text_of(member(r, "rnr_naks")),
+                    text_of(member(r, "ud_dropped")), errors_text(r));
   }
   return out;
 }
@@ -196,9 +196,9 @@ std::string status_header(const json& status) {
                                                           : 0));
   std::string transports;
   for (const auto& t : member(b, "transports")) {
-    transports += fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ",
-                              text_of(member(t, "name")),
-                              text_of(member(t, "state")), text_of(member(t, "why")));
+    transports +=
+        fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ", text_of(member(t, "name")),
+                    text_of(member(t, "state")), text_of(member(t, "why")));
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;
@@ -206,14 +206,16 @@ std::string status_header(const json& status) {
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
   const json& d = member(b, "datapath");
   auto num = [](const json& v) { return v.is_number() ? v.get<double>() : 0.0; };
-  out += fmt::format("datapath: {} thread, busy {:.1f}% since start, {:.1f}% since the last "
-                     "query; polls idle rings {} us before sleeping\n",
-                     text_of(member(d, "threads")), num(member(d, "busy_pct")),
-                     num(member(d, "busy_pct_recent")), text_of(member(d, "spin_us")));
+  out += fmt::format(
+      "datapath: {} thread, busy {:.1f}% since start, {:.1f}% since the last "
+      "query; polls idle rings {} us before sleeping\n",
+      text_of(member(d, "threads")), num(member(d, "busy_pct")), num(member(d, "busy_pct_recent")),
+      text_of(member(d, "spin_us")));
   const json& m = member(b, "metrics");
-  out += fmt::format("metrics: {}\n", member(m, "enabled") == true
-                                          ? fmt::format("http://{}/metrics", text_of(member(m, "listen")))
-                                          : std::string("off"));
+  out += fmt::format("metrics: {}\n",
+                     member(m, "enabled") == true
+                         ? fmt::format("http://{}/metrics", text_of(member(m, "listen")))
+                         : std::string("off"));
   // Quotas are per guest: show each next to the most any guest holds.
   const json& q = member(b, "quotas");
   std::map<std::string, uint64_t> most;
@@ -223,8 +225,8 @@ std::string status_header(const json& status) {
   }
   std::string quotas;
   for (const char* k : {"pd", "mr", "cq", "srq", "qp"}) {
-    quotas += fmt::format("{}{} {}/{}", quotas.empty() ? "" : ", ", k, most[k],
-                          text_of(member(q, k)));
+    quotas +=
+        fmt::format("{}{} {}/{}", quotas.empty() ? "" : ", ", k, most[k], text_of(member(q, k)));
   }
   out += fmt::format("quotas per guest (most used/limit): {}; mr bytes {}; queue depth {}\n",
                      quotas, text_of(member(q, "mr_bytes")), text_of(member(q, "queue_depth")));

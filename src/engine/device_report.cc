@@ -8,9 +8,8 @@
 #include <cstdio>
 #include <iterator>
 #include <map>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "engine/device.h"
 #include "engine/qp_state.h"
@@ -51,10 +50,14 @@ static_assert(std::size(kWcStatusNames) == IBV_WC_TM_RNDV_INCOMPLETE + 1);
 
 const char* qp_type_name(ibv_qp_type t) {
   switch (t) {
-    case IBV_QPT_RC: return "RC";
-    case IBV_QPT_UC: return "UC";
-    case IBV_QPT_UD: return "UD";
-    default: return "?";
+    case IBV_QPT_RC:
+      return "RC";
+    case IBV_QPT_UC:
+      return "UC";
+    case IBV_QPT_UD:
+      return "UD";
+    default:
+      return "?";
   }
 }
 
@@ -97,10 +100,14 @@ nlohmann::json counters_json(const QpCounters& c) {
     if (c.wc_errors[i] == 0) continue;
     errs[kWcStatusNames[i]] = c.wc_errors[i];
   }
-  return {{"msgs_sent", c.msgs_sent},         {"bytes_sent", c.bytes_sent},
-          {"msgs_received", c.msgs_received}, {"bytes_received", c.bytes_received},
-          {"retries", c.retries},             {"rnr_naks", c.rnr_naks},
-          {"ud_dropped", c.ud_dropped},       {"wc_errors", errs}};
+  return {{"msgs_sent", c.msgs_sent},
+          {"bytes_sent", c.bytes_sent},
+          {"msgs_received", c.msgs_received},
+          {"bytes_received", c.bytes_received},
+          {"retries", c.retries},
+          {"rnr_naks", c.rnr_naks},
+          {"ud_dropped", c.ud_dropped},
+          {"wc_errors", errs}};
 }
 
 nlohmann::json Device::report() const {
@@ -118,24 +125,35 @@ nlohmann::json Device::report() const {
     };
     for (const auto& [h, pd] : s->pds) pds.push_back(row({{"pdn", h}, {"users", pd.users}}));
     for (const auto& [h, mr] : s->mrs) {
-      mrs.push_back(row({{"mrn", h}, {"pdn", mr->pd}, {"lkey", mr->key}, {"rkey", mr->key},
-                         {"mrlen", mr->length}, {"iova", mr->iova}, {"access", mr->access}}));
+      mrs.push_back(row({{"mrn", h},
+                         {"pdn", mr->pd},
+                         {"lkey", mr->key},
+                         {"rkey", mr->key},
+                         {"mrlen", mr->length},
+                         {"iova", mr->iova},
+                         {"access", mr->access}}));
     }
     for (const auto& [h, cq] : s->cqs) {
-      nlohmann::json ch = cq->channel == proto::kNone ? nlohmann::json(nullptr)
-                                                      : nlohmann::json(cq->channel);
-      cqs.push_back(row({{"cqn", h}, {"cqe", cq->size}, {"users", cq->users},
-                         {"channel", ch}, {"overrun", cq->overrun}}));
+      nlohmann::json ch =
+          cq->channel == proto::kNone ? nlohmann::json(nullptr) : nlohmann::json(cq->channel);
+      cqs.push_back(row({{"cqn", h},
+                         {"cqe", cq->size},
+                         {"users", cq->users},
+                         {"channel", ch},
+                         {"overrun", cq->overrun}}));
     }
     for (const auto& [h, srq] : s->srqs) {
-      srqs.push_back(row({{"srqn", h}, {"pdn", srq->pd}, {"wqe", srq->size},
-                          {"max_sge", srq->max_sge}, {"limit", srq->limit},
+      srqs.push_back(row({{"srqn", h},
+                          {"pdn", srq->pd},
+                          {"wqe", srq->size},
+                          {"max_sge", srq->max_sge},
+                          {"limit", srq->limit},
                           {"users", srq->users}}));
     }
     for (const auto& [h, qp] : s->qps) {
       per_guest[qp->guest] += qp->cnt;
-      const bool connected = qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR &&
-                             qp->state <= IBV_QPS_SQD;
+      const bool connected =
+          qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR && qp->state <= IBV_QPS_SQD;
       nlohmann::json r = row({{"lqpn", qp->qpn},
                               {"type", qp_type_name(qp->type)},
                               {"state", qp_state_name(qp->state)},
@@ -158,11 +176,14 @@ nlohmann::json Device::report() const {
   }
   nlohmann::json guests = nlohmann::json::array();
   for (const auto& [g, c] : per_guest) {
-    guests.push_back({{"guest", g->name}, {"lid", g->lid}, {"qps", g->qps.size()},
+    guests.push_back({{"guest", g->name},
+                      {"lid", g->lid},
+                      {"qps", g->qps.size()},
                       {"counters", counters_json(c)}});
   }
-  return nlohmann::json{{"res", {{"pd", pds}, {"mr", mrs}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
-                        {"guest_counters", guests}};
+  return nlohmann::json{
+      {"res", {{"pd", pds}, {"mr", mrs}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
+      {"guest_counters", guests}};
 }
 
 }  // namespace vrdma::engine

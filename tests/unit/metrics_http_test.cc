@@ -1,5 +1,7 @@
 // The metrics endpoint driven in-process: the test owns the epoll set and plays the server's
 // loop, so every client behaviour (complete, slow, oversized, garbage, too many) is exact.
+#include "backend/metrics_http.h"
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -10,8 +12,6 @@
 
 #include <string>
 #include <vector>
-
-#include "backend/metrics_http.h"
 
 namespace vrdma::backend {
 namespace {
