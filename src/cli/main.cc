@@ -363,10 +363,17 @@ int cmd_status(bool json, const std::string& socket_opt) {
 /// `vrdma res show [TYPE] [KEY VALUE]... [-j]` and `vrdma stat [qp|guest] [KEY VALUE]... [-j]`.
 int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::string& socket_opt) {
   const char* const cmd = stat ? "vrdma stat" : "vrdma res show";
+  // The first word is the type when it names one (`guest` of `stat` is also a filter key, so
+  // there it is the type only when a filter pair follows it).
   std::string type;
-  if (!words.empty() && (words.size() % 2 == 1)) {
-    type = words.front();
-    words.erase(words.begin());
+  if (!words.empty()) {
+    const std::string& w = words.front();
+    const bool named = stat ? w == "qp" : (w == "qp" || w == "cq" || w == "mr" || w == "pd" ||
+                                           w == "srq");
+    if (named || words.size() % 2 == 1) {
+      type = w;
+      words.erase(words.begin());
+    }
   }
   auto filters = parse_filters(words);
   if (!filters) {
