@@ -31,7 +31,7 @@ reject() {
 }
 
 printf '[backend]\nidle_exit_s = 0\n\n[quotas]\nmax_qps = 8\nmax_qp = 9\n' >"$E2E_TMP/typo.toml"
-reject "$E2E_TMP/typo.toml" 6 'unknown key "max_qp" in [quotas]'
+reject "$E2E_TMP/typo.toml" 6 'unknown key "max_qp" in [quotas] (did you mean max_qps?)'
 printf '[datapath]\nspin_us = "fast"\n' >"$E2E_TMP/type.toml"
 reject "$E2E_TMP/type.toml" 2 'expected an integer'
 printf '# metrics\n[metrics]\nenabled = true\nlisten = "127.0.0.1:99999"\n' >"$E2E_TMP/range.toml"
