@@ -5,10 +5,13 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 
 #include "backend/config.h"
+#include "backend/metrics_http.h"
+#include "backend/report.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
@@ -24,11 +27,13 @@ class Server {
   /// Any thread, and async-signal-safe: asks run() to return and wakes it.
   void stop();
 
- private:
+ /// One guest connection (a verbs context); public so log helpers can name it.
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;
   };
+
+ private:
   Status setup();
   void accept_all();
   void on_readable(int fd);
@@ -44,6 +49,9 @@ class Server {
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
   std::atomic<bool> stop_{false};
+  Reporter reporter_{opt_};
+  std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
+  bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
 };
 
 }  // namespace vrdma::backend

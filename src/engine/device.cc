@@ -105,6 +105,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   resp.session_id = s->id;
   resp.control_bytes = kPage;
   fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
+  s->comm = read_comm(req.pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
   // The port is up: say so, as a device does when its link becomes active.
@@ -454,6 +455,7 @@ Result<QueryQpResp> Device::query_qp(Session& s, uint32_t handle) {
 }
 
 void Device::destroy_qp_now(Session& s, Qp& qp) {
+  qp.guest->retired += qp.cnt;
   qp.guest->qps.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
   s.pds[qp.pd].users--;
@@ -530,7 +532,8 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
 void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
   uint32_t ev[2] = {static_cast<uint32_t>(type), handle};
   if (::write(s.async_write.get(), ev, sizeof(ev)) != sizeof(ev))
-    VLOG_WARN("session {}: async event queue full, event {} dropped", s.id, int(type));
+    VLOG_WARN("guest {} session {}: async event queue full, event {} dropped", s.guest->name, s.id,
+              int(type));
 }
 
 std::string Device::status_json() const {

@@ -21,6 +21,8 @@
 #include "proto/ring.h"
 #include "engine/quotas.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace vrdma::engine {
 
 struct Session;
@@ -112,7 +114,14 @@ struct QpCounters {
   uint64_t rnr_naks = 0;    ///< requester: RNR NAKs received (each one a retry after the timer)
   uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
   uint64_t wc_errors[IBV_WC_TM_RNDV_INCOMPLETE + 1] = {};  ///< error completions, by ibv_wc_status
+
+  QpCounters& operator+=(const QpCounters& o);
 };
+
+/// Counters as JSON: totals, and `wc_errors` by status name ("LOC_LEN_ERR"; non-zero ones only).
+nlohmann::json counters_json(const QpCounters& c);
+/// /proc/PID/comm of a guest process; "" when it cannot be read.
+std::string read_comm(uint32_t pid);
 
 struct Qp {
   uint32_t handle = 0;
@@ -160,11 +169,13 @@ struct Guest {
   uint32_t next_key_index = 1;
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
+  QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
 };
 
 struct Session {
   uint32_t id = 0;
   uint32_t pid = 0;
+  std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
   UniqueFd control_fd, doorbell, async_write, async_read;
@@ -212,6 +223,8 @@ class Device {
   Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
   Status destroy_srq(Session& s, uint32_t handle);
   std::string status_json() const;
+  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
+  nlohmann::json report() const;
 
   // ---- data path (datapath.cc) ----
   /// Runs every QP's rings once. Returns true when any work was done.

@@ -81,7 +81,8 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   if (cq.prod - cons >= cq.size) {
     // Full, or the guest wrote a consumer index that is not between ours and ours - size.
     if (!cq.overrun) {
-      VLOG_ERROR("session {}: CQ {} overrun; completions are being lost", cq.owner->id, cq.handle);
+      VLOG_ERROR("guest {} session {}: CQ {} overrun; completions are being lost",
+                 cq.owner->guest->name, cq.owner->id, cq.handle);
       cq.overrun = true;
       post_async(*cq.owner, IBV_EVENT_CQ_ERR, cq.handle);
     }
@@ -102,7 +103,8 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
       if (ch != cq.owner->channels.end()) {
         uint32_t h = cq.handle;
         if (::write(ch->second.write_end.get(), &h, sizeof(h)) != sizeof(h))
-          VLOG_WARN("session {}: completion channel {} full", cq.owner->id, cq.channel);
+          VLOG_WARN("guest {} session {}: completion channel {} full", cq.owner->guest->name,
+                    cq.owner->id, cq.channel);
       }
     }
   }
