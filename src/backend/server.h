@@ -12,6 +12,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::backend {
 
@@ -41,6 +42,7 @@ class Server {
   UniqueFd lock_, listen_, epoll_;
 
   engine::Device dev_;
+  std::unique_ptr<transport::tcp::TcpTransport> tcp_;  ///< cross-backend traffic; null: off
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
   std::atomic<bool> stop_{false};
