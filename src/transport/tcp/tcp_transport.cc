@@ -96,7 +96,7 @@ Status TcpTransport::start() {
   if (opt_.force) to_dial.push_back(opt_.listen);
   for (const std::string& p : to_dial) {
     ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(p));
-    dials_.push_back(Dial{p, sa, nullptr, 0});
+    dials_.push_back(Dial{p, sa, nullptr, 0, ""});
   }
   VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}", opt_.node, opt_.listen,
             opt_.peers.size(), opt_.force ? ", forced for every pair" : "");
@@ -376,6 +376,9 @@ void TcpTransport::on_hello(Conn& c) {
   }
   c.hello = true;
   c.node = std::string(get_name(c.frame.hello.node));
+  for (Dial& d : dials_) {
+    if (d.conn == &c) d.node = c.node;
+  }
   if (c.node == opt_.node) {
     // Our own listener (forced TCP): frames go out on the connection we dialed.
     if (!c.dialed.empty()) {
@@ -479,7 +482,8 @@ std::vector<std::string> TcpTransport::connected() const {
 uint64_t TcpTransport::next_deadline() const {
   uint64_t d = 0;
   for (const Dial& x : dials_) {
-    if (!x.conn && (d == 0 || x.next_ns < d)) d = x.next_ns;
+    if (!x.conn && (x.node.empty() || !by_node_.count(x.node)) && (d == 0 || x.next_ns < d))
+      d = x.next_ns;
   }
   return d;
 }
@@ -487,7 +491,8 @@ uint64_t TcpTransport::next_deadline() const {
 bool TcpTransport::poll(uint64_t now_ns) {
   bool did = false;
   for (Dial& d : dials_) {
-    if (!d.conn && now_ns >= d.next_ns) dial(d, now_ns);
+    if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
+      dial(d, now_ns);
   }
   epoll_event evs[64];
   const int n = ::epoll_wait(epoll_.get(), evs, 64, 0);

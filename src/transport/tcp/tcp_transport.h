@@ -94,6 +94,7 @@ class TcpTransport final : public Transport {
     sockaddr_in sa{};
     Conn* conn = nullptr;
     uint64_t next_ns = 0;
+    std::string node;  ///< who answered there last; no redial while we have a connection to it
   };
   struct Remote {
     std::string node, name;
