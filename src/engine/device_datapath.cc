@@ -18,6 +18,21 @@ namespace vrdma::engine {
 using namespace vrdma::proto;
 
 
+namespace {
+
+/// A receive completion for a message from the requester `in` names.
+Cqe recv_cqe(const Qp& to, uint64_t wr_id, const Inbound& in, uint32_t opcode) {
+  Cqe rc{};
+  rc.wr_id = wr_id;
+  rc.qp_num = to.qpn;
+  rc.src_qp = in.src_qpn;
+  rc.slid = in.slid;
+  rc.opcode = opcode;
+  return rc;
+}
+
+}  // namespace
+
 void Device::set_sleeping(bool sleeping) {
   for (auto& [id, s] : sessions_)
     s->control_page()->backend_sleeping.store(sleeping ? 1 : 0, std::memory_order_seq_cst);
@@ -312,13 +327,8 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
     return;
   }
   consume_recv(to);
-  Cqe rc{};
-  rc.wr_id = r.wr_id;
-  rc.qp_num = to.qpn;
-  rc.src_qp = in.src_qpn;
-  rc.slid = in.slid;
+  Cqe rc = recv_cqe(to, r.wr_id, in, IBV_WC_RECV);
   rc.sl = sl;
-  rc.opcode = IBV_WC_RECV;
   uint64_t cap = 0;
   if (!resolve_recv(to, r, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
@@ -422,12 +432,7 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
   }
   auto recv_error = [&](ibv_wc_status st, const char* why) {
     consume_recv(to);
-    Cqe rc{};
-    rc.wr_id = out.recv.wr_id;
-    rc.qp_num = to.qpn;
-    rc.src_qp = in.src_qpn;
-    rc.slid = in.slid;
-    rc.opcode = IBV_WC_RECV;
+    Cqe rc = recv_cqe(to, out.recv.wr_id, in, IBV_WC_RECV);
     rc.status = st;
     push_cqe(*to.recv_cq, rc, false);
     to.cnt.wc_errors[st]++;
@@ -469,12 +474,7 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
 void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
   if (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
     consume_recv(to);
-    Cqe rc{};
-    rc.wr_id = r.wr_id;
-    rc.qp_num = to.qpn;
-    rc.src_qp = in.src_qpn;
-    rc.slid = in.slid;
-    rc.opcode = is_send(in.op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM;
+    Cqe rc = recv_cqe(to, r.wr_id, in, is_send(in.op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM);
     rc.status = IBV_WC_SUCCESS;
     rc.byte_len = static_cast<uint32_t>(in.len);
     if (has_imm(in.op)) {

@@ -24,15 +24,12 @@ breaks() { grep -c "closed: \(Software caused\|Connection reset\|closed by the p
 
 # Runs rc_stream (server on h1, client on h2) under connection kills; checks the checksums.
 stream() {
-  local name=$1 n=$2 size=$3 port=$((17000 + RANDOM % 1000)) srv cli k before
+  local name=$1 n=$2 size=$3 port=$((17000 + RANDOM % 1000)) srv cli before
   before=$(breaks 1)
   hrun 1 --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" "$n" "$size" \
     >"$E2E_TMP/$name.server.out" 2>&1 &
   srv=$!
-  for ((k = 0; k < 200; k++)); do
-    hport_in_use 1 "$port" && break
-    sleep 0.1
-  done
+  hwait_port 1 "$port" "$srv" "$name"
   start_killer
   hrun 2 --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" "$n" "$size" \
     >"$E2E_TMP/$name.client.out" 2>&1 &

@@ -101,19 +101,26 @@ hstatus() { VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" status --json; }
 
 # TCP port PORT listened on in host I.
 hport_in_use() { [[ -n "$(hexec "$1" ss -Htln "sport = :$2" 2>/dev/null)" ]]; }
+# Waits up to 20 s until host I listens on PORT; fails if PID (the server) dies first.
+# Usage: hwait_port I PORT PID NAME
+hwait_port() {
+  local k
+  for ((k = 0; k < 200; k++)); do
+    hport_in_use "$1" "$2" && return 0
+    kill -0 "$3" 2>/dev/null || fail "$4: server died: $(cat "$E2E_TMP/$4.server.out" 2>/dev/null)"
+    sleep 0.1
+  done
+  fail "$4: nothing listens on port $2 of h$1 after 20 s"
+}
 
 # A pingpong ($PP_TOOL) server on host SI and client on host CI, all options on both sides.
 # Usage: hpair NAME SI CI [args...]; waits and checks both outputs.
 hpair_start() {
-  local name=$1 si=$2 ci=$3 port=$((18000 + RANDOM % 1000)) k
+  local name=$1 si=$2 ci=$3 port=$((18000 + RANDOM % 1000))
   shift 3
   hrun "$si" --guest "$name-s" -- "$PP_TOOL" -p "$port" "$@" >"$E2E_TMP/$name.server.out" 2>&1 &
   HP_SPID=$!
-  for ((k = 0; k < 200; k++)); do
-    hport_in_use "$si" "$port" && break
-    kill -0 "$HP_SPID" 2>/dev/null || fail "$name: server died: $(cat "$E2E_TMP/$name.server.out")"
-    sleep 0.1
-  done
+  hwait_port "$si" "$port" "$HP_SPID" "$name"
   hrun "$ci" --guest "$name-c" -- "$PP_TOOL" -p "$port" "$@" "$(host_ip "$si")" \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   HP_CPID=$!
@@ -128,15 +135,11 @@ hpair() {
 # Runs a perftest tool: server on host SI, client on host CI. Outputs in
 # $E2E_TMP/TOOL.{server,client}.out. Usage: hperftest SI CI TOOL ARGS...
 hperftest() {
-  local si=$1 ci=$2 tool=$3 port=$((19000 + RANDOM % 1000)) srv cli k
+  local si=$1 ci=$2 tool=$3 port=$((19000 + RANDOM % 1000)) srv cli
   shift 3
   hrun "$si" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
   srv=$!
-  for ((k = 0; k < 200; k++)); do
-    hport_in_use "$si" "$port" && break
-    kill -0 "$srv" 2>/dev/null || fail "$tool server died: $(cat "$E2E_TMP/$tool.server.out")"
-    sleep 0.1
-  done
+  hwait_port "$si" "$port" "$srv" "$tool"
   hrun "$ci" --guest pt-cli -- "$tool" -p "$port" "$@" "$(host_ip "$si")" \
     >"$E2E_TMP/$tool.client.out" 2>&1 &
   cli=$!

@@ -13,10 +13,7 @@ port=$((17000 + RANDOM % 1000))
 hrun 1 --guest doomed -- "$HOSTS_BIN/rc_stream" server "$port" 100000000 4096 \
   >"$E2E_TMP/stream.server.out" 2>&1 &
 srv=$!
-for ((k = 0; k < 200; k++)); do
-  hport_in_use 1 "$port" && break
-  sleep 0.1
-done
+hwait_port 1 "$port" "$srv" stream
 hrun 2 --guest survivor -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 100000000 4096 \
   >"$E2E_TMP/stream.client.out" 2>&1 &
 cli=$!

@@ -258,19 +258,21 @@ bool TcpTransport::read_some(Conn& c) {
     c.rend -= c.rpos;
     c.rpos = 0;
   }
-  ssize_t r = ::read(c.fd.get(), c.rbuf.data() + c.rend, c.rbuf.size() - c.rend);
-  if (r == 0) {
-    close_conn(&c, "closed by the peer");
-    return false;
-  }
-  if (r < 0) {
-    if (errno == EAGAIN || errno == EINTR) return true;
-    close_conn(&c, std::strerror(errno));
-    return false;
-  }
+  const ssize_t r = check_read(c, ::read(c.fd.get(), c.rbuf.data() + c.rend,
+                                         c.rbuf.size() - c.rend));
+  if (r < 0) return false;
   c.rend += static_cast<size_t>(r);
-  c.rx_bytes += static_cast<uint64_t>(r);
   return true;
+}
+
+ssize_t TcpTransport::check_read(Conn& c, ssize_t r) {
+  if (r > 0) {
+    c.rx_bytes += static_cast<uint64_t>(r);
+    return r;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  close_conn(&c, r == 0 ? "closed by the peer" : std::strerror(errno));
+  return -1;
 }
 
 bool TcpTransport::consume(Conn& c) {
@@ -296,18 +298,9 @@ bool TcpTransport::consume(Conn& c) {
           const uint64_t off = i == c.span_i ? c.span_off : 0;
           iov[n++] = {c.sink.spans[i].p + off, c.sink.spans[i].n - off};
         }
-        ssize_t r = ::readv(c.fd.get(), iov, n);
-        if (r == 0) {
-          close_conn(&c, "closed by the peer");
-          return false;
-        }
-        if (r < 0) {
-          if (errno == EAGAIN || errno == EINTR) return true;
-          close_conn(&c, std::strerror(errno));
-          return false;
-        }
+        const ssize_t r = check_read(c, ::readv(c.fd.get(), iov, n));
+        if (r <= 0) return r == 0;
         uint64_t got = static_cast<uint64_t>(r);
-        c.rx_bytes += got;
         c.left -= got;
         while (got) {
           const uint64_t room = c.sink.spans[c.span_i].n - c.span_off;

@@ -109,6 +109,9 @@ class TcpTransport final : public Transport {
   void set_out(Conn& c, bool on);
   /// False when the connection failed (it is closed then).
   bool read_some(Conn& c);
+  /// What a read/readv returned: the bytes (> 0), 0 for "nothing now", -1 when the connection
+  /// failed or ended (it is closed then).
+  ssize_t check_read(Conn& c, ssize_t r);
   bool flush(Conn& c);
   /// Dispatches complete frames in c.rbuf; false on a protocol error (closed then).
   bool consume(Conn& c);
