@@ -3,7 +3,7 @@
 # "switch" namespace of its own, so no address or link exists outside the namespaces. Names are
 # the only thing unique per run (a short run id prefix), so tests may run in parallel. Each host
 # gets a vrdmad (own socket, --node hI, --listen 10.77.0.I:$HOSTS_PORT, --peer every other host).
-# Everything is torn down on exit, whatever happened (trap).
+# Everything is torn down on exit, whatever happened (trap). HOSTS_VRDMAD_ARGS: more vrdmad flags.
 # Needs root (ip netns). Sources tests/e2e/lib.sh for logging, pingpong checks and clean-up.
 # shellcheck shell=bash
 # shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
@@ -55,7 +55,8 @@ start_backend() {
   rm -f "$(host_sock "$i")"
   ip netns exec "$(host_ns "$i")" env VRDMA_LOG="${HOSTS_LOG:-info}" \
     "$HOSTS_BIN/vrdmad" --socket "$(host_sock "$i")" --node "h$i" --idle-exit 0 \
-    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" >>"$E2E_TMP/vrdmad.h$i.log" 2>&1 &
+    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" ${HOSTS_VRDMAD_ARGS:-} \
+    >>"$E2E_TMP/vrdmad.h$i.log" 2>&1 &
   HOSTS_BACKEND_PID[i]=$!
   for ((k = 0; k < 100; k++)); do
     [[ -S $(host_sock "$i") ]] && return 0

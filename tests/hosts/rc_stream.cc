@@ -145,6 +145,16 @@ int main(int argc, char** argv) {
   char go = 'g';
   if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die("sync");
 
+  auto teardown = [&](int rc) {
+    ::close(sock);
+    ibv_destroy_qp(qp);
+    ibv_dereg_mr(mr);
+    ibv_destroy_cq(cq);
+    ibv_dealloc_pd(pd);
+    ibv_close_device(ctx);
+    ibv_free_device_list(list);
+    return rc;
+  };
   uint64_t sum = 0xcbf29ce484222325ull, done = 0, posted = 0;
   int inflight = 0;
   ibv_wc wc[16];
@@ -171,7 +181,7 @@ int main(int argc, char** argv) {
       if (wc[k].status != IBV_WC_SUCCESS) {
         std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", done,
                      ibv_wc_status_str(wc[k].status));
-        return 1;
+        return teardown(1);
       }
       if (server) {
         const uint8_t* p = &buf[wc[k].wr_id * size];
@@ -180,7 +190,7 @@ int main(int argc, char** argv) {
         if (wc[k].byte_len != size || seq != done) {
           std::fprintf(stderr, "rc_stream: message %" PRIu64 " carries #%" PRIu64 " (%u bytes)\n",
                        done, seq, wc[k].byte_len);
-          return 1;
+          return teardown(1);
         }
         sum = fnv(sum, p, size);
         post_recv(wc[k].wr_id);
@@ -195,12 +205,5 @@ int main(int argc, char** argv) {
               server ? "received" : "sent", n, size, sum);
   // The server's last receive may complete after the client's last send completion: wait.
   if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die("final sync");
-  ::close(sock);
-  ibv_destroy_qp(qp);
-  ibv_dereg_mr(mr);
-  ibv_destroy_cq(cq);
-  ibv_dealloc_pd(pd);
-  ibv_close_device(ctx);
-  ibv_free_device_list(list);
-  return 0;
+  return teardown(0);
 }
