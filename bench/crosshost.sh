@@ -54,7 +54,7 @@ for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
   read -ra args <<<"$cfg"
   vals=() peer=()
   for ((r = 1; r <= RUNS; r++)); do
-    hpair "run$r" 1 2 "${args[@]}" >/dev/null 2>&1
+    hpair "run$r" 1 2 "${args[@]}" >/dev/null
     vals+=("$(usec_of "$E2E_TMP/run$r.client.out")")
     peer+=("$(tcp_pp "${args[@]}")")
   done
@@ -67,7 +67,7 @@ echo "|---|---|---|---|---|---|---|"
 for size in 4096 65536 1048576; do
   vals=() peer=()
   for ((r = 1; r <= RUNS; r++)); do
-    hperftest 1 2 ib_write_bw -s "$size" -D 2 >/dev/null 2>&1
+    hperftest 1 2 ib_write_bw -s "$size" -D 2 >/dev/null
     vals+=("$(result_rows "$E2E_TMP/ib_write_bw.client.out" | awk '{print $4}' | tail -n 1)")
     hexec 1 iperf3 -s -1 -p 5201 >/dev/null 2>&1 &
     ipid=$!

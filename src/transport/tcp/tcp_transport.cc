@@ -29,9 +29,13 @@ constexpr uint64_t kDirectReadMin = 16 * 1024;
 constexpr size_t kBatchMax = 256 * 1024;
 constexpr int kMaxIov = 64;
 
-void set_nodelay(int fd) {
+void set_options(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // Unacknowledged data for this long ends the connection (a link that is down), so it is
+  // redialed rather than left hanging in kernel retransmits.
+  const unsigned user_timeout_ms = 2000;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
 }
 
 std::array<uint8_t, 16> gid_key(const uint8_t gid[16]) {
@@ -108,7 +112,7 @@ TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& diale
   c->fd = std::move(fd);
   c->dialed = dialed;
   c->rbuf.resize(kRbufBytes);
-  set_nodelay(c->fd.get());
+  set_options(c->fd.get());
   Conn* raw = c.get();
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -170,6 +174,7 @@ void TcpTransport::dial(Dial& d, uint64_t now_ns) {
   if (r < 0 && errno != EINPROGRESS) return;  // refused at once: try again later
   Conn* c = add_conn(std::move(fd), d.addr);
   c->connecting = r < 0;
+  c->dialed_ns = now_ns;
   d.conn = c;
   Hello h{};
   put_name(h.node, opt_.node);
@@ -474,9 +479,10 @@ std::vector<std::string> TcpTransport::connected() const {
 
 uint64_t TcpTransport::next_deadline() const {
   uint64_t d = 0;
+  auto at = [&](uint64_t t) { d = d == 0 ? t : std::min(d, t); };
   for (const Dial& x : dials_) {
-    if (!x.conn && (x.node.empty() || !by_node_.count(x.node)) && (d == 0 || x.next_ns < d))
-      d = x.next_ns;
+    if (!x.conn && (x.node.empty() || !by_node_.count(x.node))) at(x.next_ns);
+    if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
   }
   return d;
 }
@@ -484,6 +490,8 @@ uint64_t TcpTransport::next_deadline() const {
 bool TcpTransport::poll(uint64_t now_ns) {
   bool did = false;
   for (Dial& d : dials_) {
+    if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
+      close_conn(d.conn, "connect timed out");
     if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
       dial(d, now_ns);
   }
@@ -514,10 +522,14 @@ bool TcpTransport::poll(uint64_t now_ns) {
         // A large payload with nothing buffered is read by consume() into its spans directly.
         const bool direct = c->rx == Rx::kPayload && c->left >= kDirectReadMin &&
                             !c->sink.spans.empty() && c->rpos == c->rend;
+        const size_t room = c->rbuf.size() - c->rend;
         if (!direct && !read_some(*c)) break;
         if (!consume(*c)) break;
         if (c->rx_bytes == before) break;  // nothing more now
         did = true;
+        // A read that did not fill the buffer drained the socket: skip the read that would
+        // only say EAGAIN (syscalls are most of a small message's cost).
+        if (!direct && c->rx_bytes - before < room) break;
       }
     }
   }

@@ -36,6 +36,9 @@ class TcpTransport final : public Transport {
     bool force = false;              ///< every pair goes through TCP (dials its own listener)
   };
   static constexpr uint64_t kRedialMs = 20;
+  /// A connect that has not finished by then is given up and redialed (a SYN to a host that
+  /// is gone would otherwise wait for the kernel's minutes).
+  static constexpr uint64_t kConnectTimeoutMs = 500;
 
   /// Binds the listener; dialing starts with the first poll().
   static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
@@ -72,6 +75,7 @@ class TcpTransport final : public Transport {
     std::string node;         ///< from its Hello
     std::string dialed;       ///< the address we dialed; "" when accepted
     bool connecting = false;  ///< non-blocking connect in progress
+    uint64_t dialed_ns = 0;   ///< when the connect started
     bool hello = false;       ///< the peer's Hello arrived
     bool want_out = false;    ///< EPOLLOUT is registered
     bool dead = false;        ///< closed; freed at the end of poll()
