@@ -368,6 +368,8 @@ class Device : public transport::Receiver {
   Quotas quotas_;
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
+  /// The time of the last poll(): frames that arrive between polls use it for their timers.
+  uint64_t now_ns_ = 0;
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 

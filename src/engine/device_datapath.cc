@@ -668,6 +668,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
 }
 
 bool Device::poll(uint64_t now_ns) {
+  now_ns_ = now_ns;
   bool did = false;
   for (size_t i = 0; i < active_.size(); ++i) {
     Qp& qp = *active_[i];

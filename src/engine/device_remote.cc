@@ -6,8 +6,6 @@
 // completions; each PSN executes once (duplicates are re-acknowledged, READs re-executed,
 // atomics answered from a small cache of results). No allocation beyond what the transport
 // needs to hold guest memory alive while it is in flight.
-#include <time.h>
-
 #include <cstring>
 
 #include "common/log.h"
@@ -20,12 +18,6 @@ using wire::Syndrome;
 using wire::Type;
 
 namespace {
-
-uint64_t mono_ns() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
 
 /// Cuts a span list down to exactly `len` bytes (a receive buffer may be larger).
 void trim(std::vector<Span>& v, uint64_t len) {
@@ -306,7 +298,7 @@ void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
   const wire::Reply& rp = f.reply;
   Qp* qp = reply_target(rp);
   if (!qp) return;
-  const uint64_t now = mono_ns();
+  const uint64_t now = now_ns_;
   auto find = [&]() -> Qp::Outstanding* {
     for (Qp::Outstanding& o : qp->unacked) {
       if (o.psn == rp.psn) return &o;
@@ -533,7 +525,7 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f,
     for (Qp::Outstanding& o : qp->unacked) {
       if (o.psn == f.reply.psn && o.w.opcode == IBV_WR_RDMA_READ) o.has_result = true;
     }
-    acked(*qp, f.reply.psn, mono_ns());
+    acked(*qp, f.reply.psn, now_ns_);
     return;
   }
   const wire::Request& rq = f.req;
