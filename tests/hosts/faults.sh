@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two namespace hosts; the TCP connection between their backends is killed again and again
 # (ss -K) while RC traffic runs: a verifying stream (rc_stream: every message once, in order,
-# the same checksum on both ends), ibv_rc_pingpong -c and ib_write_bw all complete.
+# the same checksum on both ends), ibv_rc_pingpong -c and ib_write_bw all complete. A guest
+# killed mid-stream and garbage sent to a backend's port leave both backends serving.
 # Usage: faults.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -50,6 +51,29 @@ stream() {
 
 stream small 80000 1024
 stream large 3000 65536
+
+# A guest that dies mid-stream: both backends carry on, and serve the next pair.
+port=$((17000 + RANDOM % 1000))
+hrun 1 --guest dies-s -- "$HOSTS_BIN/rc_stream" server "$port" 100000000 65536 \
+  >"$E2E_TMP/dies.server.out" 2>&1 &
+srv=$!
+hwait_port 1 "$port" "$srv" dies
+hrun 2 --guest dies-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 100000000 65536 \
+  >"$E2E_TMP/dies.client.out" 2>&1 &
+cli=$!
+sleep 1
+kill_descendants "$cli"
+kill -KILL "$cli" "$srv" 2>/dev/null || true
+wait "$cli" "$srv" 2>/dev/null || true
+# Garbage on the backends' port from a stranger: a log line and a closed connection, no crash.
+hexec 2 bash -c "head -c 4096 /dev/urandom >/dev/tcp/$(host_ip 1)/$HOSTS_PORT" 2>/dev/null || true
+for ((k = 0; k < 50; k++)); do
+  grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" && break
+  sleep 0.1
+done
+grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" || fail "h1 did not refuse the garbage"
+kill -0 "${HOSTS_BACKEND_PID[1]}" && kill -0 "${HOSTS_BACKEND_PID[2]}" || fail "a backend died"
+hpair after_deaths 1 2 -c -n 500
 
 # Debian's tools under the same treatment.
 start_killer
