@@ -41,8 +41,10 @@ class Server {
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd lock_, listen_, epoll_;
 
+  /// Cross-backend traffic; null: off. Declared before dev_ so it outlives it: the device tells
+  /// it about guests that leave while it is destroyed.
+  std::unique_ptr<transport::tcp::TcpTransport> tcp_;
   engine::Device dev_;
-  std::unique_ptr<transport::tcp::TcpTransport> tcp_;  ///< cross-backend traffic; null: off
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
   std::atomic<bool> stop_{false};

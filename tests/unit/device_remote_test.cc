@@ -55,6 +55,8 @@ class DeviceRemoteTest : public DeviceTest {
     dev_.set_transport(&loop_);
     DeviceTest::SetUp();
   }
+  // loop_ dies before the base's dev_, which still announces the guests that leave.
+  void TearDown() override { dev_.set_transport(nullptr); }
   /// Delivers queued frames (those queued meanwhile too) through the codec. Returns how many.
   int pump(int max = 1 << 30) {
     int n = 0;
