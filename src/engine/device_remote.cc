@@ -314,12 +314,13 @@ void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
   };
   const uint32_t before = wire::psn_add(rp.psn, 0xffffff);  // rp.psn - 1
   switch (static_cast<Syndrome>(rp.syndrome)) {
-    case Syndrome::kAck: acked(*qp, rp.psn, now); break;
+    case Syndrome::kAck:
+      acked(*qp, rp.psn, now);
+      break;
     case Syndrome::kRnrNak:
       acked(*qp, before, now);
       // Replays of the same message may bring the same NAK more than once: one wait.
-      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr)
-        break;
+      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
       if (!rnr_wait(*qp, rp.rnr_timer, now, false))
         fail_front(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
       break;
@@ -331,8 +332,9 @@ void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
     case Syndrome::kAtomicData: {
       Qp::Outstanding* o = find();
       const bool read = static_cast<Syndrome>(rp.syndrome) == Syndrome::kReadData;
-      if (!o || o->has_result || (read ? o->w.opcode != IBV_WR_RDMA_READ || o->len != f.h.payload
-                                       : !is_atomic(o->w.opcode)))
+      if (!o || o->has_result ||
+          (read ? o->w.opcode != IBV_WR_RDMA_READ || o->len != f.h.payload
+                : !is_atomic(o->w.opcode)))
         break;  // a duplicate, or for a WQE already completed: dropped
       dst_.clear();
       holds_.clear();
@@ -354,7 +356,8 @@ void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
       sink.accepted = true;
       break;
     }
-    case Syndrome::kMax: break;
+    case Syndrome::kMax:
+      break;
   }
 }
 
@@ -468,14 +471,16 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   }
   const Response r = respond_begin(*to, in);
   switch (r.kind) {
-    case Response::kDrop: return;
+    case Response::kDrop:
+      return;
     case Response::kRnr:
       if (rc) reply(node, rq, Syndrome::kRnrNak, 0, static_cast<uint8_t>(to->attr.min_rnr_timer));
       return;
     case Response::kError:
       if (rc) reply(node, rq, Syndrome::kErrNak, r.status);
       return;
-    case Response::kOk: break;
+    case Response::kOk:
+      break;
   }
   if (rq.opcode == IBV_WR_RDMA_READ) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
@@ -487,7 +492,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   if (is_atomic(rq.opcode)) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
     to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | kCacheValid,
-                                                                          r.atomic_old};
+                                                                           r.atomic_old};
     respond_finish(*to, in, r.recv);
     reply(node, rq, Syndrome::kAtomicData, 0, 0, r.atomic_old);
     return;
@@ -515,8 +520,7 @@ void Device::on_frame(const std::string& node, const wire::Frame& f, transport::
   }
 }
 
-void Device::on_frame_done(const std::string& node, const wire::Frame& f,
-                           transport::RxSink& sink) {
+void Device::on_frame_done(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
   if (!sink.accepted) return;
   sink.accepted = false;
   if (f.type() == Type::kReply) {  // READ data is in place

@@ -1,19 +1,23 @@
 #include "proto/wire.h"
 
-#include <infiniband/verbs.h>
-
 #include <fmt/format.h>
+#include <infiniband/verbs.h>
 
 namespace vrdma::proto::wire {
 
 size_t body_size(Type t) {
   switch (t) {
-    case Type::kHello: return sizeof(Hello);
+    case Type::kHello:
+      return sizeof(Hello);
     case Type::kGuestUp:
-    case Type::kGuestDown: return sizeof(GuestEntry);
-    case Type::kRequest: return sizeof(Request);
-    case Type::kReply: return sizeof(Reply);
-    case Type::kMax: break;
+    case Type::kGuestDown:
+      return sizeof(GuestEntry);
+    case Type::kRequest:
+      return sizeof(Request);
+    case Type::kReply:
+      return sizeof(Reply);
+    case Type::kMax:
+      break;
   }
   return 0;
 }
@@ -67,7 +71,8 @@ Status check_request(const FrameHeader& h, const Request& r) {
   const bool known = is_send(op) || is_write(op) || op == IBV_WR_RDMA_READ || is_atomic(op);
   if (!known) return error(EPROTO, fmt::format("request: opcode {}", op));
   switch (r.qp_type) {
-    case IBV_QPT_RC: break;
+    case IBV_QPT_RC:
+      break;
     case IBV_QPT_UC:
       if (!is_send(op) && !is_write(op)) return error(EPROTO, "request: UC allows SEND and WRITE");
       break;
@@ -75,13 +80,14 @@ Status check_request(const FrameHeader& h, const Request& r) {
       if (!is_send(op)) return error(EPROTO, "request: UD allows SEND only");
       if (r.length > kMaxUdPayload) return error(EPROTO, "request: UD datagram above the MTU");
       break;
-    default: return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
+    default:
+      return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
   }
   // SEND and WRITE carry their data; READ and atomics carry none.
   const uint32_t want = is_send(op) || is_write(op) ? r.length : 0;
   if (h.payload != want)
-    return error(EPROTO, fmt::format("request: payload {} for a length of {}", h.payload,
-                                     r.length));
+    return error(EPROTO,
+                 fmt::format("request: payload {} for a length of {}", h.payload, r.length));
   if (is_atomic(op) && r.length != 8) return error(EPROTO, "request: atomic of length != 8");
   return Status::ok();
 }
@@ -94,9 +100,8 @@ Status check_reply(const FrameHeader& h, const Reply& r) {
   const auto s = static_cast<Syndrome>(r.syndrome);
   if (h.payload != 0 && s != Syndrome::kReadData) return error(EPROTO, "reply: unexpected data");
   if (s == Syndrome::kRnrNak && r.rnr_timer > 31) return error(EPROTO, "reply: rnr_timer > 31");
-  if (s == Syndrome::kErrNak &&
-      r.status != IBV_WC_REM_ACCESS_ERR && r.status != IBV_WC_REM_INV_REQ_ERR &&
-      r.status != IBV_WC_REM_OP_ERR)
+  if (s == Syndrome::kErrNak && r.status != IBV_WC_REM_ACCESS_ERR &&
+      r.status != IBV_WC_REM_INV_REQ_ERR && r.status != IBV_WC_REM_OP_ERR)
     return error(EPROTO, fmt::format("reply: NAK status {}", r.status));
   return Status::ok();
 }
@@ -128,7 +133,8 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
     case Type::kReply:
       std::memcpy(&out.reply, body.data(), sizeof(Reply));
       return check_reply(h, out.reply);
-    case Type::kMax: break;
+    case Type::kMax:
+      break;
   }
   return error(EPROTO, "unknown frame type");
 }

@@ -61,36 +61,36 @@ struct GuestEntry {
 static_assert(sizeof(GuestEntry) == 88);
 
 struct Request {
-  uint8_t sgid[16];      ///< requester's guest GID
-  uint8_t dgid[16];      ///< destination guest GID (valid when is_global)
-  uint16_t slid;         ///< requester's guest LID
-  uint16_t dlid;         ///< destination guest LID (when !is_global)
+  uint8_t sgid[16];  ///< requester's guest GID
+  uint8_t dgid[16];  ///< destination guest GID (valid when is_global)
+  uint16_t slid;     ///< requester's guest LID
+  uint16_t dlid;     ///< destination guest LID (when !is_global)
   uint8_t is_global;
-  uint8_t qp_type;       ///< IBV_QPT_RC, UC or UD
+  uint8_t qp_type;  ///< IBV_QPT_RC, UC or UD
   uint8_t sl;
   uint8_t reserved0;
   uint32_t src_qpn;
   uint32_t dst_qpn;
-  uint32_t psn;          ///< 24 bits; one PSN per message
-  uint32_t opcode;       ///< IBV_WR_*
-  uint32_t send_flags;   ///< IBV_SEND_SOLICITED is the only one the responder reads
-  uint32_t imm_data;     ///< network order
+  uint32_t psn;         ///< 24 bits; one PSN per message
+  uint32_t opcode;      ///< IBV_WR_*
+  uint32_t send_flags;  ///< IBV_SEND_SOLICITED is the only one the responder reads
+  uint32_t imm_data;    ///< network order
   uint32_t rkey;
   uint32_t reserved1;
   uint64_t remote_addr;
   uint64_t compare_add;
   uint64_t swap;
-  uint32_t length;       ///< message bytes (READ: bytes asked for; atomics: 8)
-  uint32_t qkey;         ///< UD
+  uint32_t length;  ///< message bytes (READ: bytes asked for; atomics: 8)
+  uint32_t qkey;    ///< UD
 };
 static_assert(sizeof(Request) == 104);
 
 enum class Syndrome : uint8_t {
-  kAck = 0,        ///< every PSN up to `psn` executed
-  kRnrNak = 1,     ///< `psn` found no receive; retry after `rnr_timer`
-  kErrNak = 2,     ///< `psn` failed at the responder with `status`; requester QP to ERR
-  kReadData = 3,   ///< READ response: payload is the data; acknowledges `psn`
-  kAtomicData = 4, ///< atomic response: `atomic_orig`; acknowledges `psn`
+  kAck = 0,         ///< every PSN up to `psn` executed
+  kRnrNak = 1,      ///< `psn` found no receive; retry after `rnr_timer`
+  kErrNak = 2,      ///< `psn` failed at the responder with `status`; requester QP to ERR
+  kReadData = 3,    ///< READ response: payload is the data; acknowledges `psn`
+  kAtomicData = 4,  ///< atomic response: `atomic_orig`; acknowledges `psn`
   kMax = 5,
 };
 
@@ -99,10 +99,10 @@ struct Reply {
   uint32_t dst_qpn;  ///< the requester's QPN
   uint32_t src_qpn;  ///< the responder's QPN
   uint32_t psn;
-  uint8_t syndrome;  ///< Syndrome
-  uint8_t rnr_timer; ///< kRnrNak: the responder's min_rnr_timer encoding
+  uint8_t syndrome;   ///< Syndrome
+  uint8_t rnr_timer;  ///< kRnrNak: the responder's min_rnr_timer encoding
   uint16_t reserved0;
-  uint32_t status;   ///< kErrNak: the ibv_wc_status the requester completes with
+  uint32_t status;  ///< kErrNak: the ibv_wc_status the requester completes with
   uint32_t reserved1;
   uint64_t atomic_orig;
 };
@@ -132,9 +132,7 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out);
 void encode(Type t, const void* body, uint32_t payload, std::vector<uint8_t>& out);
 
 /// 24-bit PSN arithmetic: a - b as a signed distance.
-inline int32_t psn_diff(uint32_t a, uint32_t b) {
-  return static_cast<int32_t>((a - b) << 8) >> 8;
-}
+inline int32_t psn_diff(uint32_t a, uint32_t b) { return static_cast<int32_t>((a - b) << 8) >> 8; }
 inline uint32_t psn_add(uint32_t a, uint32_t n) { return (a + n) & 0xffffff; }
 
 /// Copies a NUL-terminated name into a fixed field; false when it does not fit.

@@ -31,9 +31,9 @@ using Hold = std::shared_ptr<const void>;
 struct RxSink {
   std::vector<Span> spans;  ///< total bytes == the frame's payload when not empty
   std::vector<Hold> holds;
-  bool accepted = false;               ///< receiver's: the frame is to be completed when done
-  alignas(8) uint8_t ctx[512] = {};    ///< receiver's state for the frame
-  std::vector<uint8_t> scratch;        ///< receiver's buffer (a datagram lands here)
+  bool accepted = false;             ///< receiver's: the frame is to be completed when done
+  alignas(8) uint8_t ctx[512] = {};  ///< receiver's state for the frame
+  std::vector<uint8_t> scratch;      ///< receiver's buffer (a datagram lands here)
 };
 
 /// A guest of this backend as the directory announces it.

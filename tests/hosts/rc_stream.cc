@@ -128,8 +128,9 @@ int main(int argc, char** argv) {
   a.min_rnr_timer = 12;
   a.ah_attr.dlid = static_cast<uint16_t>(peer.lid);
   a.ah_attr.port_num = 1;
-  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+  if (ibv_modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                        IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
     die("RTR");
   a = {};
   a.qp_state = IBV_QPS_RTS;
@@ -138,8 +139,9 @@ int main(int argc, char** argv) {
   a.rnr_retry = 7;
   a.sq_psn = me.psn;
   a.max_rd_atomic = 1;
-  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+  if (ibv_modify_qp(qp, &a,
+                    IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                        IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
     die("RTS");
   // Both sides are ready before the first message.
   char go = 'g';

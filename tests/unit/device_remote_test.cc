@@ -29,8 +29,7 @@ class FakeLoop final : public transport::Transport {
   std::string locate_lid(uint16_t) const override { return ""; }
   std::string locate_gid(const uint8_t*) const override { return ""; }
   bool send(const std::string& node, wire::Type t, const void* body,
-            std::span<const transport::Span> payload,
-            std::span<const transport::Hold>) override {
+            std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
     EXPECT_EQ(node, self_);
     if (!up) return false;
     Sent s;

@@ -83,10 +83,16 @@ TEST(WireCodec, RefusesMalformed) {
   EXPECT_TRUE(bad([](Request& r) { r.psn = 1u << 24; }));
   EXPECT_TRUE(bad([](Request& r) { r.dst_qpn = 1u << 24; }));
   EXPECT_TRUE(bad([](Request& r) { r.is_global = 2; }));
-  EXPECT_TRUE(bad([](Request& r) { r.length = 99; }));        // payload != length
+  EXPECT_TRUE(bad([](Request& r) { r.length = 99; }));  // payload != length
   EXPECT_TRUE(bad([](Request& r) { r.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD; }));  // payload, len
-  EXPECT_TRUE(bad([](Request& r) { r.qp_type = IBV_QPT_UC; r.opcode = IBV_WR_RDMA_READ; }));
-  EXPECT_TRUE(bad([](Request& r) { r.qp_type = IBV_QPT_UD; r.opcode = IBV_WR_RDMA_WRITE; }));
+  EXPECT_TRUE(bad([](Request& r) {
+    r.qp_type = IBV_QPT_UC;
+    r.opcode = IBV_WR_RDMA_READ;
+  }));
+  EXPECT_TRUE(bad([](Request& r) {
+    r.qp_type = IBV_QPT_UD;
+    r.opcode = IBV_WR_RDMA_WRITE;
+  }));
 
   // Header: magic, version, type, body size, payload on a type without data.
   Bytes m;
@@ -179,10 +185,18 @@ TEST(WireCodec, MutatedFramesNeverCrash) {
     Bytes m = seeds[rng() % seeds.size()];
     for (int e = 1 + static_cast<int>(rng() % 3); e; --e) {
       switch (rng() % 4) {
-        case 0: m[rng() % m.size()] ^= uint8_t(1u << (rng() % 8)); break;
-        case 1: m[rng() % m.size()] = uint8_t(rng()); break;
-        case 2: m.resize(1 + rng() % m.size()); break;
-        case 3: m.resize(m.size() + rng() % 32, uint8_t(rng())); break;
+        case 0:
+          m[rng() % m.size()] ^= uint8_t(1u << (rng() % 8));
+          break;
+        case 1:
+          m[rng() % m.size()] = uint8_t(rng());
+          break;
+        case 2:
+          m.resize(1 + rng() % m.size());
+          break;
+        case 3:
+          m.resize(m.size() + rng() % 32, uint8_t(rng()));
+          break;
       }
     }
     Frame f;

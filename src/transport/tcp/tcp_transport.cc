@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -10,8 +11,6 @@
 
 #include <algorithm>
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "common/log.h"
 
@@ -263,8 +262,8 @@ bool TcpTransport::read_some(Conn& c) {
     c.rend -= c.rpos;
     c.rpos = 0;
   }
-  const ssize_t r = check_read(c, ::read(c.fd.get(), c.rbuf.data() + c.rend,
-                                         c.rbuf.size() - c.rend));
+  const ssize_t r =
+      check_read(c, ::read(c.fd.get(), c.rbuf.data() + c.rend, c.rbuf.size() - c.rend));
   if (r < 0) return false;
   c.rend += static_cast<size_t>(r);
   return true;
@@ -328,8 +327,7 @@ bool TcpTransport::consume(Conn& c) {
     std::memcpy(&h, c.rbuf.data() + c.rpos, sizeof(h));
     Status st = check_header(h);
     if (st.is_ok() && avail < sizeof(h) + h.body) return true;
-    if (st.is_ok())
-      st = decode(h, {c.rbuf.data() + c.rpos + sizeof(h), h.body}, c.frame);
+    if (st.is_ok()) st = decode(h, {c.rbuf.data() + c.rpos + sizeof(h), h.body}, c.frame);
     if (st.is_ok() && !c.hello && c.frame.type() != Type::kHello)
       st = error(EPROTO, "frame before hello");
     if (!st.is_ok()) {
@@ -340,9 +338,15 @@ bool TcpTransport::consume(Conn& c) {
     }
     c.rpos += sizeof(h) + h.body;
     switch (c.frame.type()) {
-      case Type::kHello: on_hello(c); break;
-      case Type::kGuestUp: on_guest(c, true); break;
-      case Type::kGuestDown: on_guest(c, false); break;
+      case Type::kHello:
+        on_hello(c);
+        break;
+      case Type::kGuestUp:
+        on_guest(c, true);
+        break;
+      case Type::kGuestDown:
+        on_guest(c, false);
+        break;
       default: {
         c.sink.spans.clear();
         c.sink.holds.clear();

@@ -85,7 +85,7 @@ class TcpTransport final : public Transport {
     Rx rx = Rx::kHead;
     proto::wire::Frame frame;
     RxSink sink;
-    uint64_t left = 0;  ///< payload bytes still to come
+    uint64_t left = 0;      ///< payload bytes still to come
     uint64_t rx_bytes = 0;  ///< bytes read from the socket so far (progress marker)
     size_t span_i = 0;
     uint64_t span_off = 0;
@@ -129,9 +129,9 @@ class TcpTransport final : public Transport {
   Receiver& rx_;
   UniqueFd epoll_, listen_;
   std::vector<Dial> dials_;
-  std::map<int, std::unique_ptr<Conn>> conns_;       ///< by fd
-  std::unordered_map<std::string, Conn*> by_node_;   ///< the connection frames to a node use
-  std::map<std::string, GuestInfo> local_;           ///< our guests, by name
+  std::map<int, std::unique_ptr<Conn>> conns_;      ///< by fd
+  std::unordered_map<std::string, Conn*> by_node_;  ///< the connection frames to a node use
+  std::map<std::string, GuestInfo> local_;          ///< our guests, by name
   std::unordered_map<uint16_t, Remote> by_lid_;
   std::map<std::array<uint8_t, 16>, Remote> by_gid_;
   std::vector<std::unique_ptr<Conn>> graveyard_;  ///< closed during poll(); freed at its end
