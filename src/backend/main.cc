@@ -67,6 +67,15 @@ int main(int argc, char** argv) {
     ::gethostname(host, sizeof(host) - 1);
     cfg.node = host;
   }
+  // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
+  // cross-host path on one host).
+  if (const char* t = ::getenv("VRDMA_TRANSPORT"); t && *t) {
+    if (std::string(t) != "tcp" && std::string(t) != "auto") {
+      fmt::print(stderr, "vrdmad: VRDMA_TRANSPORT={} (expected tcp or auto)\n", t);
+      return 2;
+    }
+    cfg.force = std::string(t) == "tcp" ? "tcp" : "";
+  }
   if (check_only) {
     fmt::print("{}: ok\n", config_file);
     return 0;

@@ -28,6 +28,7 @@ constexpr uint64_t kTagListen = 1ull << 62;
 constexpr uint64_t kTagDoorbell = 1ull << 61;
 constexpr uint64_t kTagWake = 1ull << 60;
 constexpr uint64_t kTagMetrics = 1ull << 59;
+constexpr uint64_t kTagTransport = 1ull << 58;
 
 /// Names the peer of a connection in log lines: its guest, pid and session once it said Hello.
 std::string who(const Server::Conn& c, int fd) {
@@ -94,6 +95,15 @@ Status Server::setup() {
   watch(listen_.get(), kTagListen);
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
+  // Backends talk over TCP when a listen address is given, or for every pair when forced.
+  if (!opt_.listen.empty() || opt_.force == "tcp") {
+    transport::tcp::TcpTransport::Options to{
+        opt_.node, opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen, opt_.peers,
+        opt_.force == "tcp"};
+    ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
+    dev_.set_transport(tcp_.get());
+    watch(tcp_->fd(), kTagTransport);
+  }
   return Status::ok();
 }
 
@@ -263,6 +273,7 @@ Status Server::run() {
   while (!stop_) {
     uint64_t now = now_ns();
     bool work = dev_.poll(now);
+    if (tcp_) work |= tcp_->poll(now);
     if (work) last_work = now;
     int timeout = 0;
     const bool spinning = now - last_work < uint64_t(opt_.spin_us) * 1000;
@@ -280,9 +291,17 @@ Status Server::run() {
         continue;
       }
       timeout = -1;
-      if (uint64_t d = dev_.next_deadline()) {
-        timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
+      uint64_t d = dev_.next_deadline();
+      if (tcp_) {
+        if (tcp_->poll(now_ns())) {  // frames the last device poll queued, or that arrived
+          dev_.set_sleeping(false);
+          last_work = now_ns();
+          continue;
+        }
+        const uint64_t t = tcp_->next_deadline();
+        if (t && (d == 0 || t < d)) d = t;
       }
+      if (d) timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
       if (metrics_ && metrics_->has_clients() && (timeout < 0 || timeout > 1000)) timeout = 1000;
       if (opt_.idle_exit_s > 0 && conns_.empty()) {
         int left = static_cast<int>(opt_.idle_exit_s * 1000 - (now - idle_since) / 1000000);
@@ -301,6 +320,10 @@ Status Server::run() {
       if (tag & kTagWake) continue;
       if (tag & kTagMetrics) {
         metrics_->on_event(fd, evs[i].events, now_ns());
+        continue;
+      }
+      if (tag & kTagTransport) {  // tcp_->poll() at the top of the loop reads it
+        last_work = now_ns();
         continue;
       }
       if (tag & kTagListen) {

@@ -15,6 +15,7 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::backend {
 
@@ -45,6 +46,9 @@ class Server {
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd lock_, listen_, epoll_;
 
+  /// Cross-backend traffic; null: off. Declared before dev_ so it outlives it: the device tells
+  /// it about guests that leave while it is destroyed.
+  std::unique_ptr<transport::tcp::TcpTransport> tcp_;
   engine::Device dev_;
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
