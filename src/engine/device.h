@@ -154,7 +154,7 @@ struct Qp {
   // How the QP's messages travel, chosen when it is connected (RTR): "shm" (the peer QP is on
   // this backend) or "tcp" (on a peer backend, `peer_node`), and why.
   std::string transport = "shm";
-  std::string transport_why = "same backend";
+  std::string transport_why = "not connected yet";
   std::string peer_node;
   bool remote = false;         ///< transport == "tcp"
   bool route_pending = false;  ///< the destination was unknown at RTR; looked up again on send

@@ -51,7 +51,7 @@ TEST_F(DeviceTest, ReportListsEveryResourceWithItsOwner) {
   EXPECT_EQ(a["type"], "RC");
   EXPECT_EQ(a["state"], "RTS");
   EXPECT_EQ(a["transport"], "shm");
-  EXPECT_EQ(a["transport_why"], "same backend");
+  EXPECT_EQ(a["transport_why"], "destination guest on this backend");
   EXPECT_EQ(a["pid"], 4242);
   EXPECT_TRUE(a.contains("sq-psn") && a.contains("rq-psn") && a.contains("pdn"));
   EXPECT_EQ(a["pdn"], a_.pd);
@@ -111,7 +111,7 @@ TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   EXPECT_EQ((*rows)[0]["lqpn"], qa_.qpn);
   const std::string line = cli::res_text("qp", *rows);
   EXPECT_EQ(line, fmt::format("vrdma0 guest a lqpn {} rqpn {} type RC state RTS sq-psn 0 rq-psn 0 "
-                              "pdn {} sq-cqn {} rq-cqn {} transport shm (same backend) pid 4242\n",
+                              "pdn {} sq-cqn {} rq-cqn {} transport shm (destination guest on this backend) pid 4242\n",
                               qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
   // Decimal matches too (QPNs are per guest: both guests' first QP has the same number); a
   // value that is not a number matches nothing.
