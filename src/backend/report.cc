@@ -40,14 +40,17 @@ nlohmann::json Reporter::backend_info() {
   last_cpu_ns_ = cpu;
   const engine::Quotas& q = cfg_.quotas;
   nlohmann::json transports = nlohmann::json::array();
-  // `state`: "up", "off", or "configured" (set in the config; the TCP transport reports
-  // whether it really listens once it exists).
+  // `state`: "up" (the TCP transport runs: listening, dialing its peers) or "off".
   transports.push_back({{"name", "shm"}, {"state", "up"}, {"why", "same-host pairs"}});
-  transports.push_back({{"name", "tcp"},
-                        {"state", cfg_.listen.empty() ? "off" : "configured"},
-                        {"listen", cfg_.listen},
-                        {"why", cfg_.listen.empty() ? "no [transport] listen"
-                                                    : "cross-host pairs on " + cfg_.listen}});
+  nlohmann::json tcp = {{"name", "tcp"}, {"state", connected_peers_ ? "up" : "off"},
+                        {"listen", cfg_.listen}};
+  if (connected_peers_) {
+    tcp["connected"] = connected_peers_();
+    tcp["why"] = cfg_.force == "tcp" ? "forced for every pair" : "cross-host pairs";
+  } else {
+    tcp["why"] = "no [transport] listen";
+  }
+  transports.push_back(tcp);
   return {
       {"version", VRDMA_VERSION},
       {"pid", ::getpid()},

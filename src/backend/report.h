@@ -7,6 +7,10 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include <functional>
+#include <string>
+#include <vector>
+
 #include "backend/config.h"
 #include "engine/device.h"
 
@@ -20,6 +24,10 @@ class Reporter {
   nlohmann::json status(const engine::Device& dev);
   /// Prometheus text exposition format 0.0.4 of the same document.
   std::string metrics(const engine::Device& dev);
+  /// Where the TCP transport, once it runs, says which peer backends are connected now.
+  void set_connected_peers(std::function<std::vector<std::string>()> f) {
+    connected_peers_ = std::move(f);
+  }
 
  private:
   nlohmann::json backend_info();
@@ -29,6 +37,7 @@ class Reporter {
   uint64_t start_mono_ns_;
   uint64_t last_mono_ns_;  ///< previous sample, for the recent busy fraction
   uint64_t last_cpu_ns_;
+  std::function<std::vector<std::string>()> connected_peers_;
 };
 
 /// Renders a status document (as Reporter::status builds it) as Prometheus text.

@@ -103,6 +103,7 @@ Status Server::setup() {
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
     watch(tcp_->fd(), kTagTransport);
+    reporter_.set_connected_peers([this] { return tcp_->connected(); });
   }
   return Status::ok();
 }

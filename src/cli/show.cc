@@ -196,9 +196,14 @@ std::string status_header(const json& status) {
                                                           : 0));
   std::string transports;
   for (const auto& t : member(b, "transports")) {
-    transports +=
-        fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ", text_of(member(t, "name")),
-                    text_of(member(t, "state")), text_of(member(t, "why")));
+    std::string why = text_of(member(t, "why"));
+    if (const json& c = member(t, "connected"); c.is_array()) {
+      std::string names;
+      for (const auto& n : c) names += (names.empty() ? "" : " ") + text_of(n);
+      why += fmt::format(", connected: {}", names.empty() ? "none" : names);
+    }
+    transports += fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ",
+                              text_of(member(t, "name")), text_of(member(t, "state")), why);
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;

@@ -186,12 +186,13 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   cfg_.listen = "0.0.0.0:7471";
   cfg_.peers = {"10.0.0.2:7471"};
   cfg_.quotas.max_qps = 7;
+  rep_.set_connected_peers([] { return std::vector<std::string>{"h2"}; });
   const std::string h = cli::status_header(status());
   EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
                                               "up [0-9]+s\\)\n")))
       << h;
-  EXPECT_NE(h.find("transports: shm up (same-host pairs); tcp configured (cross-host pairs on "
-                   "0.0.0.0:7471)\n"),
+  EXPECT_NE(h.find("transports: shm up (same-host pairs); tcp up (cross-host pairs, connected: "
+                   "h2)\n"),
             std::string::npos)
       << h;
   EXPECT_NE(h.find("peers: 10.0.0.2:7471\n"), std::string::npos) << h;
