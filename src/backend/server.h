@@ -13,6 +13,10 @@
 #include "common/unique_fd.h"
 #include "engine/device.h"
 
+namespace vrdma::fuzz {
+class CommandFuzzer;
+}
+
 namespace vrdma::backend {
 
 class Server {
@@ -25,6 +29,7 @@ class Server {
   void stop();
 
  private:
+  friend class ::vrdma::fuzz::CommandFuzzer;  ///< tests/fuzz/fuzz_command.cc calls handle()
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;

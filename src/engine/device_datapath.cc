@@ -44,8 +44,10 @@ void Device::set_sleeping(bool sleeping) {
 
 uint64_t Device::next_deadline() const {
   uint64_t d = 0;
-  for (const Qp* qp : active_) {
-    if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+  for (const Guest* g : active_guests_) {
+    for (const Qp* qp : g->active) {
+      if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+    }
   }
   return d;
 }
@@ -586,7 +588,7 @@ bool Device::flush(Qp& qp) {
   return did;
 }
 
-bool Device::process_sq(Qp& qp, uint64_t now_ns) {
+bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {
@@ -595,8 +597,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
     return true;
   }
   bool did = false;
-  // Bounded batch per visit so one busy QP cannot starve the others.
-  for (int budget = 64; qp.sq_cons != prod && budget; --budget) {
+  for (; qp.sq_cons != prod && budget; --budget) {
     // Copy the WQE out of shared memory first: the guest may rewrite the slot at any time.
     const SendWqe w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
     if (execute(qp, w, now_ns) == Step::kWait) break;  // kDone: complete_send retired it
@@ -606,14 +607,29 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
   return did;
 }
 
+// Fair across guests, not QPs: every guest with QPs gets one turn of at most kGuestBudget
+// WQEs per pass, however many busy QPs it has, and the guest that goes first rotates. Inside a
+// guest its QPs take turns the same way, so one busy QP cannot starve its siblings either.
 bool Device::poll(uint64_t now_ns) {
   bool did = false;
-  for (size_t i = 0; i < active_.size(); ++i) {
-    Qp& qp = *active_[i];
+  const size_t n = active_guests_.size();
+  if (n == 0) return false;
+  const size_t first = guest_turn_++ % n;
+  for (size_t k = 0; k < n; ++k) did |= poll_guest(*active_guests_[(first + k) % n], now_ns);
+  return did;
+}
+
+bool Device::poll_guest(Guest& g, uint64_t now_ns) {
+  constexpr uint32_t kGuestBudget = 64;
+  uint32_t budget = kGuestBudget;
+  bool did = false;
+  const size_t n = g.active.size();
+  for (size_t k = 0; k < n && budget; ++k) {
+    Qp& qp = *g.active[g.turn++ % n];
     if (qp.state == IBV_QPS_ERR) {
-      did |= flush(qp);
+      did |= flush(qp);  // bounded by the ring's size; completions nobody reaps stop it early
     } else if (sq_open(qp.state)) {
-      did |= process_sq(qp, now_ns);
+      did |= process_sq(qp, now_ns, budget);
     }
   }
   return did;

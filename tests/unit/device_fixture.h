@@ -218,7 +218,9 @@ class DeviceTest : public ::testing::Test {
     connect(b_, qb_, a_, qa_);
   }
 
-  Device dev_;
+  /// The quotas the next fixture's Device gets (a suite sets it in SetUpTestSuite).
+  static inline Quotas next_quotas_{};
+  Device dev_{next_quotas_};
   G a_, b_;
   CqV acq_, arcq_, bcq_;
   QpV qa_, qb_;
