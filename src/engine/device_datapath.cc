@@ -523,6 +523,10 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     // Atomics: the engine thread executes every atomic of this host, and the operation is also
     // a CPU atomic, so it is atomic against guests touching the word themselves.
     append_spans(*rmr, w.remote_addr - rmr->iova, 8, src_);
+    // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
+    // mappings, and one CPU atomic on the first would run past its end.
+    if (src_.size() != 1)
+      return fail(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
     auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
     uint64_t old;
     if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {

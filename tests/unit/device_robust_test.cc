@@ -282,5 +282,50 @@ TEST_F(DeviceTest, EveryGuestGetsTheSameShareOfAPassHoweverManyQpsItHas) {
   }
 }
 
+// ---- regressions ----
+
+// An MR of two extents that end 4 bytes into a word: an aligned atomic on that word used to run
+// one CPU atomic on the second extent's last 4 bytes plus 4 bytes past its segment's mapping.
+TEST_F(DeviceTest, AtomicOnAWordSplitAcrossTwoSegmentsIsRefused) {
+  connect_both();
+  uint32_t seg[2];
+  MappedRegion map[2];
+  for (int i = 0; i < 2; ++i) {
+    UniqueFd fd = make_sealed_memfd("split", 4096).value();
+    map[i] = MappedRegion::map_shared(fd.get(), 4096);
+    std::memset(map[i].data(), 0x33, 4096);
+    seg[i] = dev_.reg_segment(*b_.s, RegSegmentReq{4096}, std::move(fd)).value();
+  }
+  RegMrReq req{};
+  req.pd = b_.pd;
+  req.access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  req.addr = req.iova = 0x100000;
+  req.length = 4096;
+  req.num_extents = 2;
+  req.extents[0] = MrExtent{0, 4092, 0, seg[0], 0};
+  req.extents[1] = MrExtent{4092, 4, 4092, seg[1], 0};
+  const uint32_t rkey = dev_.reg_mr(*b_.s, req).value().rkey;
+  QpAttr a{};
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  ASSERT_TRUE(dev_.modify_qp(*b_.s, ModifyQpReq{qb_.handle, IBV_QP_ACCESS_FLAGS, a}));
+  post_rdma(qa_, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, ma_.addr, 8, ma_.mr.lkey, 0x100000 + 4088, rkey);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_INV_REQ_ERR);
+  EXPECT_TRUE(all_bytes(map[0].data(), 4096, 0x33));
+  EXPECT_TRUE(all_bytes(map[1].data(), 4096, 0x33));
+  // A word inside one extent still works.
+  ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset_attr()));
+  qa_.sq_prod = qa_.sq->producer.load();
+  connect(a_, qa_, b_, qb_);
+  post_rdma(qa_, 2, IBV_WR_ATOMIC_FETCH_AND_ADD, ma_.addr, 8, ma_.mr.lkey, 0x100000 + 8, rkey);
+  dev_.poll(now_);
+  tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(map[0].data()[8], 0x34);
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest
