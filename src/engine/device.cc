@@ -443,7 +443,11 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
   const QpAttr& a = req.attr;
   const uint32_t m = req.mask;
-  auto next = static_cast<ibv_qp_state>(a.qp_state);
+  // Range-check before the cast: an ibv_qp_state outside the enum's values is undefined
+  // behaviour (found by fuzz_ring).
+  if ((m & IBV_QP_STATE) && a.qp_state > IBV_QPS_ERR)
+    return error(EINVAL, fmt::format("unknown QP state {}", a.qp_state));
+  const auto next = (m & IBV_QP_STATE) ? static_cast<ibv_qp_state>(a.qp_state) : qp->state;
   if ((m & IBV_QP_CUR_STATE) && a.cur_qp_state != static_cast<uint32_t>(qp->state))
     return error(EINVAL, "cur_qp_state does not match the QP's state");
   RETURN_IF_ERROR(check_modify_qp(qp->type, qp->state, next, m));

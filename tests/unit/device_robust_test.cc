@@ -284,6 +284,15 @@ TEST_F(DeviceTest, EveryGuestGetsTheSameShareOfAPassHoweverManyQpsItHas) {
 
 // ---- regressions ----
 
+// fuzz_ring: a state far outside ibv_qp_state was cast to the enum before it was checked (UB).
+TEST_F(DeviceTest, ModifyToAStateOutsideTheEnumIsEinval) {
+  QpAttr a{};
+  a.qp_state = 1164928622;
+  EXPECT_EQ(modify(a_, qa_, IBV_QP_STATE, a).err(), EINVAL);
+  EXPECT_TRUE(modify(a_, qa_, 0, a)) << "without IBV_QP_STATE the field is not looked at";
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RESET);
+}
+
 // An MR of two extents that end 4 bytes into a word: an aligned atomic on that word used to run
 // one CPU atomic on the second extent's last 4 bytes plus 4 bytes past its segment's mapping.
 TEST_F(DeviceTest, AtomicOnAWordSplitAcrossTwoSegmentsIsRefused) {
