@@ -64,16 +64,8 @@ class QuotaTest : public DeviceTest {
     return dev_.create_cq(*g.s, CreateCqReq{cqe, kNone, 0, 0}, fd);
   }
   Result<RegMrResp> try_mr(G& g, const MemV& m, uint64_t len) {
-    RegMrReq req{};
-    req.pd = g.pd;
-    req.access = kAccess;
-    req.addr = m.addr;
-    req.length = len;
-    req.iova = m.addr;
-    req.num_extents = 1;
-    // The segment of m is the session's only one in the fixture (handle of reg_segment).
-    req.extents[0] = MrExtent{0, len, 0, g.s->segments.begin()->first, 0};
-    return dev_.reg_mr(*g.s, req);
+    // The segment of m is the session's only one in the fixture.
+    return dev_.reg_mr(*g.s, mr_req(g.pd, kAccess, m.addr, len, g.s->segments.begin()->first));
   }
 };
 

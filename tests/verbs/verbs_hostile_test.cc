@@ -30,34 +30,6 @@ int run_one(ibv_qp* qp, ibv_cq* cq, ibv_send_wr& wr) {
   return -1;
 }
 
-int modify(ibv_qp* qp, ibv_qp_state st, const Secrets& s) {
-  ibv_qp_attr a{};
-  a.qp_state = st;
-  int mask = IBV_QP_STATE;
-  if (st == IBV_QPS_INIT) {
-    a.port_num = 1;
-    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-    mask |= IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
-  } else if (st == IBV_QPS_RTR) {
-    a.path_mtu = IBV_MTU_4096;
-    a.dest_qp_num = s.qpn;
-    a.max_dest_rd_atomic = 1;
-    a.min_rnr_timer = 1;
-    a.ah_attr.dlid = static_cast<uint16_t>(s.lid);
-    a.ah_attr.port_num = 1;
-    mask |= IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-            IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-  } else if (st == IBV_QPS_RTS) {
-    a.timeout = 8;  // ~1 ms
-    a.retry_cnt = 2;
-    a.rnr_retry = 2;
-    a.max_rd_atomic = 1;
-    mask |= IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-            IBV_QP_MAX_QP_RD_ATOMIC;
-  }
-  return ibv_modify_qp(qp, &a, mask);
-}
-
 /// Mallory: returns 0 when every attempt failed as it must.
 int mallory_main(const char* secrets_path) {
   ::setenv("VRDMA_GUEST", "mallory", 1);
@@ -83,28 +55,20 @@ int mallory_main(const char* secrets_path) {
   const ibv_wr_opcode ops[] = {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_READ, IBV_WR_ATOMIC_FETCH_AND_ADD,
                                IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_SEND};
   for (ibv_wr_opcode op : ops) {
-    if (modify(qp, IBV_QPS_RESET, s) || modify(qp, IBV_QPS_INIT, s) ||
-        modify(qp, IBV_QPS_RTR, s) || modify(qp, IBV_QPS_RTS, s))
-      return 13;
+    // Aimed at the victim's QP; RESET first, as the previous attempt left the QP in ERR.
+    const unsigned access = IBV_ACCESS_LOCAL_WRITE;
+    const auto lid = static_cast<uint16_t>(s.lid);
+    for (ibv_qp_state st : {IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS}) {
+      if (vrdma::test::modify_rc(qp, st, lid, s.qpn, access, 2)) return 13;
+    }
     const bool atomic = op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP;
     // SEND: a forged SGE naming the victim's lkey and address as the bytes to send.
     ibv_sge sge = op == IBV_WR_SEND ? ibv_sge{s.addr, 64, s.key}
                                     : ibv_sge{reinterpret_cast<uintptr_t>(buf.data()),
                                               atomic ? 8u : 4096u, mr->lkey};
-    ibv_send_wr wr{};
+    ibv_send_wr wr = vrdma::test::make_wr(sge, op, s.addr, s.key, IBV_SEND_SIGNALED, 1,
+                                          0x4141414141414141ull);
     wr.wr_id = op;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
-    wr.opcode = op;
-    wr.send_flags = IBV_SEND_SIGNALED;
-    if (atomic) {
-      wr.wr.atomic.remote_addr = s.addr;
-      wr.wr.atomic.rkey = s.key;
-      wr.wr.atomic.compare_add = 1;
-      wr.wr.atomic.swap = 0x4141414141414141ull;
-    } else {
-      wr.wr.rdma = {s.addr, s.key};
-    }
     const int st = run_one(qp, cq, wr);
     std::printf("mallory: opcode %d -> %s (%d)\n", op,
                 st >= 0 ? ibv_wc_status_str(static_cast<ibv_wc_status>(st)) : "no completion", st);
@@ -114,11 +78,7 @@ int mallory_main(const char* secrets_path) {
   for (uint8_t b : buf) {
     if (b != 0xee) return 30;  // nothing of the victim's came back
   }
-  ibv_destroy_qp(qp);
-  ibv_dereg_mr(mr);
-  ibv_destroy_cq(cq);
-  ibv_dealloc_pd(pd);
-  ibv_close_device(ctx);
+  // No teardown: mallory just exits, and the backend reclaims what it held.
   ibv_free_device_list(list);
   return rc;
 }
@@ -154,13 +114,8 @@ class Hostile : public vrdma::test::VerbsFixture {
     EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_STATE, &ia), 0);
     return a.qp_state;
   }
-  int send(ibv_qp* qp, size_t off, uint32_t len, uint32_t lkey) {
-    ibv_sge s{addr(off), len, lkey};
-    ibv_send_wr wr{};
-    wr.sg_list = &s;
-    wr.num_sge = 1;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED;
+  static int post(ibv_qp* qp, ibv_sge s, ibv_wr_opcode op, uint64_t raddr = 0, uint32_t rkey = 0) {
+    ibv_send_wr wr = vrdma::test::make_wr(s, op, raddr, rkey);
     ibv_send_wr* bad = nullptr;
     return ibv_post_send(qp, &wr, &bad);
   }
@@ -206,7 +161,7 @@ TEST_F(Hostile, StolenKeysAndQpnReachNothing) {
   EXPECT_EQ(state(b), IBV_QPS_RTS);
   // The victim's own pair still works.
   ASSERT_EQ(post_recv(b, 1, 65536, 64), 0);
-  ASSERT_EQ(send(a, 0, 64, mr_->lkey), 0);
+  ASSERT_EQ(post(a, ibv_sge{addr(0), 64, mr_->lkey}, IBV_WR_SEND), 0);
   auto wc = poll(cq, 2);
   ASSERT_EQ(wc.size(), 2u);
   for (const ibv_wc& w : wc) EXPECT_EQ(w.status, IBV_WC_SUCCESS);
@@ -228,24 +183,14 @@ TEST_F(Hostile, PdBoundariesHoldInsideOneGuest) {
   for (int i = 0; i < 4; ++i) connect(q[i], q[i ^ 1]->qp_num);  // pairs (0,1) and (2,3)
   // Local: a SEND from pd2's MR on a QP of pd_.
   ASSERT_EQ(post_recv(q[1], 1, 0, 64), 0);
-  ibv_sge s{reinterpret_cast<uintptr_t>(other.data()), 64, mr2->lkey};
-  ibv_send_wr wr{};
-  wr.sg_list = &s;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  ibv_send_wr* bad = nullptr;
-  ASSERT_EQ(ibv_post_send(q[0], &wr, &bad), 0);
+  const auto other_addr = reinterpret_cast<uintptr_t>(other.data());
+  ASSERT_EQ(post(q[0], ibv_sge{other_addr, 64, mr2->lkey}, IBV_WR_SEND), 0);
   auto wc = poll(cq, 1);
   ASSERT_EQ(wc.size(), 1u);
   EXPECT_EQ(wc[0].status, IBV_WC_LOC_PROT_ERR);
   EXPECT_EQ(wc[0].qp_num, q[0]->qp_num);
   // Remote: an RDMA WRITE of pd_'s memory at pd2's rkey, to a responder QP of pd_.
-  ibv_sge s2{addr(0), 64, mr_->lkey};
-  wr.sg_list = &s2;
-  wr.opcode = IBV_WR_RDMA_WRITE;
-  wr.wr.rdma = {reinterpret_cast<uintptr_t>(other.data()), mr2->rkey};
-  ASSERT_EQ(ibv_post_send(q[2], &wr, &bad), 0);
+  ASSERT_EQ(post(q[2], ibv_sge{addr(0), 64, mr_->lkey}, IBV_WR_RDMA_WRITE, other_addr, mr2->rkey), 0);
   wc = poll(cq, 1);
   ASSERT_EQ(wc.size(), 1u);
   EXPECT_EQ(wc[0].qp_num, q[2]->qp_num);
