@@ -40,9 +40,22 @@ class VerbsApi : public vrdma::test::VerbsFixture {
                 uint64_t raddr, uint32_t rkey, unsigned flags = IBV_SEND_SIGNALED,
                 uint64_t compare_add = 0, uint64_t swap = 0) {
     ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data() + off), len, mr_->lkey};
-    ibv_send_wr wr = vrdma::test::make_wr(s, op, raddr, rkey, flags, compare_add, swap);
+    ibv_send_wr wr{};
     wr.wr_id = id;
-    if (op != IBV_WR_ATOMIC_FETCH_AND_ADD && op != IBV_WR_ATOMIC_CMP_AND_SWP) wr.imm_data = htonl(0xfeed);
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    wr.send_flags = flags;
+    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP) {
+      wr.wr.atomic.remote_addr = raddr;
+      wr.wr.atomic.rkey = rkey;
+      wr.wr.atomic.compare_add = compare_add;
+      wr.wr.atomic.swap = swap;
+    } else {
+      wr.wr.rdma.remote_addr = raddr;
+      wr.wr.rdma.rkey = rkey;
+      wr.imm_data = htonl(0xfeed);
+    }
     ibv_send_wr* bad = nullptr;
     return ibv_post_send(qp, &wr, &bad);
   }

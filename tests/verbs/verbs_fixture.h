@@ -19,58 +19,6 @@
 
 namespace vrdma::test {
 
-/// A signaled-by-default WR of one SGE; the RDMA or atomic fields aim at (raddr, rkey).
-inline ibv_send_wr make_wr(ibv_sge& s, ibv_wr_opcode op, uint64_t raddr = 0, uint32_t rkey = 0,
-                           unsigned flags = IBV_SEND_SIGNALED, uint64_t compare_add = 0,
-                           uint64_t swap = 0) {
-  ibv_send_wr wr{};
-  wr.sg_list = &s;
-  wr.num_sge = 1;
-  wr.opcode = op;
-  wr.send_flags = flags;
-  if (op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP) {
-    wr.wr.atomic.remote_addr = raddr;
-    wr.wr.atomic.rkey = rkey;
-    wr.wr.atomic.compare_add = compare_add;
-    wr.wr.atomic.swap = swap;
-  } else {
-    wr.wr.rdma.remote_addr = raddr;
-    wr.wr.rdma.rkey = rkey;
-  }
-  return wr;
-}
-
-/// One step of an RC QP's way RESET -> INIT -> RTR -> RTS, aimed at (dlid, dest_qpn); returns
-/// ibv_modify_qp's result. Usable outside a test fixture (the helper processes of the tests).
-inline int modify_rc(ibv_qp* qp, ibv_qp_state st, uint16_t dlid, uint32_t dest_qpn,
-                     unsigned access, uint8_t rnr_retry = 7) {
-  ibv_qp_attr a{};
-  a.qp_state = st;
-  int mask = IBV_QP_STATE;
-  if (st == IBV_QPS_INIT) {
-    a.port_num = 1;
-    a.qp_access_flags = access;
-    mask |= IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
-  } else if (st == IBV_QPS_RTR) {
-    a.path_mtu = IBV_MTU_1024;
-    a.dest_qp_num = dest_qpn;
-    a.max_dest_rd_atomic = 1;
-    a.min_rnr_timer = 1;
-    a.ah_attr.dlid = dlid;
-    a.ah_attr.port_num = 1;
-    mask |= IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-            IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
-  } else if (st == IBV_QPS_RTS) {
-    a.timeout = 8;
-    a.retry_cnt = 2;
-    a.rnr_retry = rnr_retry;
-    a.max_rd_atomic = 1;
-    mask |= IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-            IBV_QP_MAX_QP_RD_ATOMIC;
-  }
-  return ibv_modify_qp(qp, &a, mask);
-}
-
 class VerbsFixture : public ::testing::Test {
  protected:
   static constexpr unsigned kRemote =
@@ -128,13 +76,40 @@ class VerbsFixture : public ::testing::Test {
 
   uint64_t addr(size_t off) const { return reinterpret_cast<uintptr_t>(buf_.data() + off); }
 
-  int to_init(ibv_qp* qp) { return modify_rc(qp, IBV_QPS_INIT, 0, 0, IBV_ACCESS_LOCAL_WRITE | kRemote); }
+  int to_init(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | kRemote;
+    return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+  }
 
   /// RESET -> INIT -> RTR -> RTS, connected to `remote_qpn` on our own LID.
   void connect(ibv_qp* qp, uint32_t remote_qpn, uint8_t rnr_retry = 7) {
     ASSERT_EQ(to_init(qp), 0);
-    ASSERT_EQ(modify_rc(qp, IBV_QPS_RTR, lid_, remote_qpn, 0), 0);
-    ASSERT_EQ(modify_rc(qp, IBV_QPS_RTS, lid_, remote_qpn, 0, rnr_retry), 0);
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = remote_qpn;
+    a.rq_psn = 0;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 1;
+    a.ah_attr.dlid = lid_;
+    a.ah_attr.port_num = 1;
+    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                        IBV_QP_MIN_RNR_TIMER),
+              0);
+    a = {};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 8;
+    a.retry_cnt = 2;
+    a.rnr_retry = rnr_retry;
+    a.sq_psn = 0;
+    a.max_rd_atomic = 1;
+    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                        IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC),
+              0);
   }
 
   int post_recv(ibv_qp* qp, uint64_t id, size_t off, uint32_t len) {

@@ -44,9 +44,22 @@ int child_main(int to_parent, int from_parent) {
   Endpoint me{pa.lid, qp->qp_num, mr->rkey, reinterpret_cast<uintptr_t>(buf.data())}, peer{};
   if (!write_all(to_parent, &me, sizeof(me)) || !read_all(from_parent, &peer, sizeof(peer)))
     return 15;
-  const unsigned access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-  if (vrdma::test::modify_rc(qp, IBV_QPS_INIT, 0, 0, access)) return 16;
-  if (vrdma::test::modify_rc(qp, IBV_QPS_RTR, static_cast<uint16_t>(peer.lid), peer.qpn, access))
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    return 16;
+  a = {};
+  a.qp_state = IBV_QPS_RTR;
+  a.path_mtu = IBV_MTU_4096;
+  a.dest_qp_num = peer.qpn;
+  a.max_dest_rd_atomic = 1;
+  a.min_rnr_timer = 1;
+  a.ah_attr.dlid = static_cast<uint16_t>(peer.lid);
+  a.ah_attr.port_num = 1;
+  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
     return 17;
   ibv_sge sge{reinterpret_cast<uintptr_t>(buf.data() + 4096), 4096, mr->lkey};
   ibv_recv_wr rw{};
@@ -153,7 +166,18 @@ TEST_F(TwoProcesses, SendReadWriteAndAtomicsAcrossGuests) {
   auto post = [&](ibv_wr_opcode op, size_t off, uint32_t len, uint64_t raddr, uint32_t rkey,
                   uint64_t add = 0) {
     ibv_sge s{addr(off), len, mr_->lkey};
-    ibv_send_wr wr = vrdma::test::make_wr(s, op, raddr, rkey, 0, add);
+    ibv_send_wr wr{};
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    wr.opcode = op;
+    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+      wr.wr.atomic.remote_addr = raddr;
+      wr.wr.atomic.rkey = rkey;
+      wr.wr.atomic.compare_add = add;
+    } else {
+      wr.wr.rdma.remote_addr = raddr;
+      wr.wr.rdma.rkey = rkey;
+    }
     ibv_send_wr* bad = nullptr;
     EXPECT_EQ(ibv_post_send(qp, &wr, &bad), 0);
     auto wcs = poll(cq, 1);
