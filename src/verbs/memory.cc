@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -27,9 +28,8 @@ constexpr uintptr_t kPage = 4096;
 constexpr char kSegPrefix[] = "/memfd:vrdma-seg-";
 
 struct ProcSegment {
-  uintptr_t start, end;
+  uintptr_t start, end;  ///< where it was made; parts may have been unmapped since
   UniqueFd fd;
-  int prot;
 };
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
@@ -91,6 +91,26 @@ int prot_of(const Vma& v) {
          (v.perms[2] == 'x' ? PROT_EXEC : 0);
 }
 
+/// The segment id a mapping of ours shows in /proc/self/maps, or 0 for any other mapping.
+uint32_t segment_id(const Vma& v) {
+  if (v.path.rfind(kSegPrefix, 0) != 0) return 0;
+  return static_cast<uint32_t>(std::strtoul(v.path.c_str() + sizeof(kSegPrefix) - 1, nullptr, 10));
+}
+
+/// Drops the segments no page of which is mapped any more (the application unmapped or
+/// remapped them: free() of a large buffer, a shrinking heap). A segment that is only partly
+/// mapped stays: /proc/self/maps, not the range it was made for, says where it lives now.
+void forget_unmapped_segments() {
+  std::vector<uint32_t> live;
+  for (const Vma& v : read_maps(0, UINTPTR_MAX)) {
+    if (uint32_t id = segment_id(v)) live.push_back(id);
+  }
+  for (auto it = g_segments.begin(); it != g_segments.end();) {
+    if (std::find(live.begin(), live.end(), it->first) == live.end()) it = g_segments.erase(it);
+    else ++it;
+  }
+}
+
 /// Moves the anonymous pages [a, b) into a new segment mapped at the same address.
 /// Caveat (documented): a write by another thread to these pages while they are copied is lost.
 int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
@@ -114,12 +134,8 @@ int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
     VLOG_ERROR("reg_mr: remapping {:#x}+{:#x}: {}", a, b - a, std::strerror(errno));
     return EFAULT;
   }
-  // Forget segments these pages replaced (their mappings are gone).
-  for (auto it = g_segments.begin(); it != g_segments.end();) {
-    if (it->second.start < b && a < it->second.end) it = g_segments.erase(it);
-    else ++it;
-  }
-  g_segments[id] = ProcSegment{a, b, std::move(fd.value()), prot_of(v)};
+  g_segments[id] = ProcSegment{a, b, std::move(fd.value())};
+  forget_unmapped_segments();
   return 0;
 }
 
@@ -134,13 +150,31 @@ int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
 // Cost: the child copies every registered segment once, while the parent waits.
 int g_fork_pipe[2] = {-1, -1};
 
+// The mappings to privatize are read from /proc/self/maps (not taken from the ranges the
+// segments were made for: the application may have unmapped or replaced parts of those since),
+// by the parent before it forks: the child must not allocate before its heap is private, or it
+// writes into pages it still shares with the parent.
+struct SegMapping {
+  uintptr_t start, end;
+  int prot;
+};
+std::vector<SegMapping> g_fork_maps;
+
+void list_segment_mappings() {
+  g_fork_maps.clear();
+  for (const Vma& v : read_maps(0, UINTPTR_MAX)) {
+    if (segment_id(v) != 0) g_fork_maps.push_back({v.start, v.end, prot_of(v)});
+  }
+}
+
 __attribute__((no_sanitize("address"))) void privatize_segments_in_child() {
-  for (auto& [id, seg] : g_segments) {
-    const size_t len = seg.end - seg.start;
+  for (const SegMapping& v : g_fork_maps) {
+    const size_t len = v.end - v.start;
+    const int prot = v.prot;
     void* tmp = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (tmp == MAP_FAILED) continue;  // no memory for a copy: the pages stay shared
-    auto* at = reinterpret_cast<uint8_t*>(seg.start);
-    if (seg.prot & PROT_READ) {
+    auto* at = reinterpret_cast<uint8_t*>(v.start);
+    if (prot & PROT_READ) {
       for (size_t p = 0; p < len; p += kPage) {
         if (!page_is_zero(at + p)) copy_page(static_cast<uint8_t*>(tmp) + p, at + p);
       }
@@ -150,7 +184,7 @@ __attribute__((no_sanitize("address"))) void privatize_segments_in_child() {
       ::munmap(tmp, len);
       continue;
     }
-    ::mprotect(at, len, seg.prot);
+    ::mprotect(at, len, prot);
   }
   g_segments.clear();
 }
@@ -160,8 +194,9 @@ struct ForkGuard {
     ::pthread_atfork(
         [] {
           g_mu.lock();
-          if (!g_segments.empty() && ::pipe2(g_fork_pipe, O_CLOEXEC) != 0)
-            g_fork_pipe[0] = g_fork_pipe[1] = -1;
+          if (g_segments.empty()) return;
+          list_segment_mappings();
+          if (::pipe2(g_fork_pipe, O_CLOEXEC) != 0) g_fork_pipe[0] = g_fork_pipe[1] = -1;
         },
         [] {
           if (g_fork_pipe[0] >= 0) {
@@ -207,8 +242,8 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     const uintptr_t a = std::max(v.start, lo), b = std::min(v.end, hi);
     uint32_t id = 0;
     uint64_t seg_off = 0;
-    if (v.path.rfind(kSegPrefix, 0) == 0) {
-      id = static_cast<uint32_t>(std::strtoul(v.path.c_str() + sizeof(kSegPrefix) - 1, nullptr, 10));
+    if (segment_id(v) != 0) {
+      id = segment_id(v);
       if (!g_segments.count(id)) {
         VLOG_ERROR("reg_mr: unknown segment {}", id);
         return EFAULT;

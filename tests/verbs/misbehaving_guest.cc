@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "qp_setup.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -34,16 +36,7 @@ UdLoop make_ud(ibv_pd* pd, ibv_cq* cq, uint16_t lid) {
   UdLoop u;
   u.qp = ibv_create_qp(pd, &qa);
   if (!u.qp) return u;
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.port_num = 1;
-  a.qkey = 0x11111111;
-  if (ibv_modify_qp(u.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
-    return {};
-  a.qp_state = IBV_QPS_RTR;
-  if (ibv_modify_qp(u.qp, &a, IBV_QP_STATE)) return {};
-  a.qp_state = IBV_QPS_RTS;
-  if (ibv_modify_qp(u.qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN)) return {};
+  if (vrdma::test::bring_to_rts(u.qp, vrdma::test::QpPath{})) return {};
   ibv_ah_attr ah{};
   ah.dlid = lid;
   ah.port_num = 1;
@@ -60,7 +53,7 @@ int post_one(const UdLoop& u, uint32_t qpn) {
   wr.num_sge = 1;
   wr.opcode = IBV_WR_SEND;
   wr.send_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE;
-  wr.wr.ud = {u.ah, qpn, 0x11111111};
+  wr.wr.ud = {u.ah, qpn, vrdma::test::kTestQkey};
   ibv_send_wr* bad = nullptr;
   return ibv_post_send(u.qp, &wr, &bad);
 }

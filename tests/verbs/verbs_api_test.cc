@@ -420,21 +420,11 @@ TEST_F(VerbsApi, UcHasNoReadOrAtomics) {
   ibv_qp* uc = ibv_create_qp(pd_, &ia);
   ASSERT_NE(uc, nullptr);
   qps_.push_back(uc);
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.port_num = 1;
-  a.qp_access_flags = IBV_ACCESS_REMOTE_WRITE;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS), 0);
-  a = {};
-  a.qp_state = IBV_QPS_RTR;
-  a.path_mtu = IBV_MTU_1024;
-  a.dest_qp_num = uc->qp_num;
-  a.ah_attr.dlid = lid_;
-  a.ah_attr.port_num = 1;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN), 0);
-  a = {};
-  a.qp_state = IBV_QPS_RTS;
-  ASSERT_EQ(ibv_modify_qp(uc, &a, IBV_QP_STATE | IBV_QP_SQ_PSN), 0);
+  vrdma::test::QpPath path;
+  path.dlid = lid_;
+  path.dest_qpn = uc->qp_num;
+  path.access = IBV_ACCESS_REMOTE_WRITE;
+  ASSERT_EQ(vrdma::test::bring_to_rts(uc, path), 0);
   EXPECT_EQ(post_rdma(uc, 1, IBV_WR_RDMA_READ, 0, 8, 0, 0), EINVAL);
   EXPECT_EQ(post_rdma(uc, 1, IBV_WR_ATOMIC_FETCH_AND_ADD, 0, 8, 0, 0), EINVAL);
 }
@@ -460,3 +450,33 @@ TEST_F(VerbsApi, ASendQueueOfOneIsFreeAsSoonAsItsCompletionArrives) {
 }
 
 }  // namespace
+
+// Registered pages live in a segment; when the application unmaps part of it and maps fresh
+// memory there (free() of a big buffer and a later malloc do exactly this), the rest of the
+// segment must stay registrable (it once failed with "unknown segment" and EFAULT).
+TEST_F(VerbsApi, RegisteringAfterPartOfASegmentWasReplacedStillWorks) {
+  constexpr size_t kPage = 4096;
+  auto* base = static_cast<uint8_t*>(::mmap(nullptr, 3 * kPage, PROT_READ | PROT_WRITE,
+                                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  ASSERT_NE(base, MAP_FAILED);
+  std::memset(base, 'a', 3 * kPage);
+  ibv_mr* all = ibv_reg_mr(pd_, base, 3 * kPage, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(all, nullptr) << std::strerror(errno);
+  ASSERT_EQ(ibv_dereg_mr(all), 0);
+  // Replace the middle page with fresh anonymous memory and register it: a new segment.
+  ASSERT_EQ(::mmap(base + kPage, kPage, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0),
+            base + kPage);
+  ibv_mr* mid = ibv_reg_mr(pd_, base + kPage, kPage, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(mid, nullptr) << std::strerror(errno);
+  // The first and last pages are still the first segment's: registrable, contents kept.
+  ibv_mr* first = ibv_reg_mr(pd_, base, kPage, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(first, nullptr) << std::strerror(errno);
+  ibv_mr* last = ibv_reg_mr(pd_, base + 2 * kPage, kPage, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(last, nullptr) << std::strerror(errno);
+  EXPECT_EQ(base[0], 'a');
+  EXPECT_EQ(base[2 * kPage], 'a');
+  EXPECT_EQ(base[kPage], 0);
+  for (ibv_mr* m : {mid, first, last}) EXPECT_EQ(ibv_dereg_mr(m), 0);
+  ::munmap(base, 3 * kPage);
+}

@@ -511,7 +511,7 @@ TEST_F(VerbsEx, QpExUdSendsWithSetUdAddr) {
   ibv_cq_ex* cqx = make_cq_ex();
   ASSERT_NE(cqx, nullptr);
   ibv_cq* cq = ibv_cq_ex_to_cq(cqx);
-  constexpr uint32_t kQkey = 0x11111111;
+  constexpr uint32_t kQkey = vrdma::test::kTestQkey;
   std::vector<ibv_qp*> ud;
   for (uint64_t ops : {uint64_t{IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM}, uint64_t{0}}) {
     ibv_qp_init_attr_ex a = qp_attr(cq, 16, ops);
@@ -522,18 +522,7 @@ TEST_F(VerbsEx, QpExUdSendsWithSetUdAddr) {
     ASSERT_NE(qp, nullptr) << std::strerror(errno);
     qps_.push_back(qp);
     ud.push_back(qp);
-    ibv_qp_attr m{};
-    m.qp_state = IBV_QPS_INIT;
-    m.port_num = 1;
-    m.qkey = kQkey;
-    ASSERT_EQ(ibv_modify_qp(qp, &m, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY),
-              0);
-    m = {};
-    m.qp_state = IBV_QPS_RTR;
-    ASSERT_EQ(ibv_modify_qp(qp, &m, IBV_QP_STATE), 0);
-    m = {};
-    m.qp_state = IBV_QPS_RTS;
-    ASSERT_EQ(ibv_modify_qp(qp, &m, IBV_QP_STATE | IBV_QP_SQ_PSN), 0);
+    ASSERT_EQ(vrdma::test::bring_to_rts(qp, vrdma::test::QpPath{}), 0);
   }
   ibv_ah_attr aa{};
   aa.dlid = lid_;

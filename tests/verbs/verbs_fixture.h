@@ -1,10 +1,11 @@
 // The fixture the verbs tests share: one backend per test process (started by our library on
 // first use, on a socket of its own, stopped at the end), a context, a PD, a 1 MiB buffer
-// registered with every access, RC connection set-up, receives and polling.
+// registered with every access, RC connection set-up (qp_setup.h), receives and polling.
 #pragma once
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <infiniband/verbs.h>
 #include <signal.h>
 #include <unistd.h>
@@ -16,6 +17,8 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include "qp_setup.h"
 
 namespace vrdma::test {
 
@@ -86,30 +89,11 @@ class VerbsFixture : public ::testing::Test {
 
   /// RESET -> INIT -> RTR -> RTS, connected to `remote_qpn` on our own LID.
   void connect(ibv_qp* qp, uint32_t remote_qpn, uint8_t rnr_retry = 7) {
-    ASSERT_EQ(to_init(qp), 0);
-    ibv_qp_attr a{};
-    a.qp_state = IBV_QPS_RTR;
-    a.path_mtu = IBV_MTU_1024;
-    a.dest_qp_num = remote_qpn;
-    a.rq_psn = 0;
-    a.max_dest_rd_atomic = 1;
-    a.min_rnr_timer = 1;
-    a.ah_attr.dlid = lid_;
-    a.ah_attr.port_num = 1;
-    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                        IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                        IBV_QP_MIN_RNR_TIMER),
-              0);
-    a = {};
-    a.qp_state = IBV_QPS_RTS;
-    a.timeout = 8;
-    a.retry_cnt = 2;
-    a.rnr_retry = rnr_retry;
-    a.sq_psn = 0;
-    a.max_rd_atomic = 1;
-    ASSERT_EQ(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                        IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC),
-              0);
+    QpPath p;
+    p.dlid = lid_;
+    p.dest_qpn = remote_qpn;
+    p.rnr_retry = rnr_retry;
+    ASSERT_EQ(bring_to_rts(qp, p), 0);
   }
 
   int post_recv(ibv_qp* qp, uint64_t id, size_t off, uint32_t len) {
@@ -120,6 +104,66 @@ class VerbsFixture : public ::testing::Test {
     wr.num_sge = 1;
     ibv_recv_wr* bad = nullptr;
     return ibv_post_recv(qp, &wr, &bad);
+  }
+
+  ibv_sge sge(size_t off, uint32_t len) const { return ibv_sge{addr(off), len, mr_->lkey}; }
+
+  /// One send work request, as post() builds it into an ibv_send_wr.
+  struct Wr {
+    ibv_wr_opcode op = IBV_WR_SEND;
+    std::vector<ibv_sge> sges;
+    unsigned flags = IBV_SEND_SIGNALED;
+    uint64_t wr_id = 0;
+    uint64_t raddr = 0;  ///< RDMA and atomics
+    uint32_t rkey = 0;
+    uint64_t compare_add = 0, swap = 0;
+    uint32_t imm = 0;  ///< host order
+    ibv_ah* ah = nullptr;  ///< UD
+    uint32_t remote_qpn = 0;
+    uint32_t qkey = kTestQkey;
+  };
+
+  /// ibv_post_send of one WR; `bad_is_wr`, if given, says whether bad_wr named it.
+  static int post(ibv_qp* qp, Wr w, bool* bad_is_wr = nullptr) {
+    ibv_send_wr wr{};
+    wr.wr_id = w.wr_id;
+    wr.sg_list = w.sges.data();
+    wr.num_sge = static_cast<int>(w.sges.size());
+    wr.opcode = w.op;
+    wr.send_flags = w.flags;
+    wr.imm_data = htonl(w.imm);
+    if (w.ah) {
+      wr.wr.ud.ah = w.ah;
+      wr.wr.ud.remote_qpn = w.remote_qpn;
+      wr.wr.ud.remote_qkey = w.qkey;
+    } else if (w.op == IBV_WR_ATOMIC_CMP_AND_SWP || w.op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+      wr.wr.atomic.remote_addr = w.raddr;
+      wr.wr.atomic.rkey = w.rkey;
+      wr.wr.atomic.compare_add = w.compare_add;
+      wr.wr.atomic.swap = w.swap;
+    } else {
+      wr.wr.rdma.remote_addr = w.raddr;
+      wr.wr.rdma.rkey = w.rkey;
+    }
+    ibv_send_wr* bad = nullptr;
+    const int rc = ibv_post_send(qp, &wr, &bad);
+    if (bad_is_wr) *bad_is_wr = bad == &wr;
+    return rc;
+  }
+
+  /// The QP's capabilities as the device granted them (ibv_query_qp).
+  static ibv_qp_cap caps(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr ia{};
+    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_CAP, &ia), 0);
+    return ia.cap;
+  }
+
+  static ibv_qp_state state(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr ia{};
+    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_STATE, &ia), 0);
+    return a.qp_state;
   }
 
   /// Polls with ibv_poll_cq until `n` completions arrived or 5 s passed.

@@ -1,170 +1,109 @@
-// A hostile guest, through the real verbs API: a second process (guest "mallory", a fresh copy
-// of this binary) steals the victim's LID, QPN, rkey and buffer address from a file, points its
-// own RC QP at the victim's QP and tries RDMA WRITE, READ and both atomics with the stolen rkey,
-// then a SEND whose SGE names the victim's lkey. It must get error completions and move no byte
-// of the victim's; the victim's QP and data path carry on. PD boundaries inside one guest too.
-#include <sys/wait.h>
-
-#include <cstdio>
-
+// A hostile guest, through the real verbs API. The victim is a peer process (peer.h) in guest
+// "victim" with two RC QPs connected to each other; this process is "mallory", which has
+// stolen the victim's LID, a QPN, the rkey and the buffer's address (here the harness hands
+// them over; in life a leaked file or a guess). Mallory points its own RC QP at the victim's
+// QP and tries RDMA WRITE, READ and both atomics with the stolen rkey, then a SEND whose SGE
+// names the victim's key and address as its own. Every attempt must end in an error completion
+// and move no byte of the victim's; the victim's QPs stay as they were. PD boundaries inside
+// one guest too.
+#include "peer.h"
 #include "verbs_fixture.h"
 
 namespace {
 
-struct Secrets {
-  uint32_t lid, qpn, key;
-  uint64_t addr;
-};
-
-/// Posts one WR on `qp` and waits for its completion; returns its status (or -1: none came).
-int run_one(ibv_qp* qp, ibv_cq* cq, ibv_send_wr& wr) {
-  ibv_send_wr* bad = nullptr;
-  if (ibv_post_send(qp, &wr, &bad)) return -2;
-  ibv_wc wc{};
-  for (int spins = 0; spins < 20'000'000; ++spins) {
-    int n = ibv_poll_cq(cq, 1, &wc);
-    if (n < 0) return -3;
-    if (n == 1) return wc.status;
-    if (spins > 1000) ::usleep(10);
-  }
-  return -1;
-}
-
-/// Mallory: returns 0 when every attempt failed as it must.
-int mallory_main(const char* secrets_path) {
-  ::setenv("VRDMA_GUEST", "mallory", 1);
-  Secrets s{};
-  FILE* f = std::fopen(secrets_path, "r");
-  if (!f || std::fscanf(f, "%u %u %u %lu", &s.lid, &s.qpn, &s.key, &s.addr) != 4) return 10;
-  std::fclose(f);
-  int n = 0;
-  ibv_device** list = ibv_get_device_list(&n);
-  ibv_context* ctx = list && n == 1 ? ibv_open_device(list[0]) : nullptr;
-  if (!ctx) return 11;
-  ibv_pd* pd = ibv_alloc_pd(ctx);
-  ibv_cq* cq = ibv_create_cq(ctx, 16, nullptr, nullptr, 0);
-  std::vector<uint8_t> buf(8192, 0xee);
-  ibv_mr* mr = ibv_reg_mr(pd, buf.data(), buf.size(), IBV_ACCESS_LOCAL_WRITE);
-  ibv_qp_init_attr qa{};
-  qa.send_cq = qa.recv_cq = cq;
-  qa.qp_type = IBV_QPT_RC;
-  qa.cap = {4, 4, 1, 1, 0};
-  ibv_qp* qp = pd && cq && mr ? ibv_create_qp(pd, &qa) : nullptr;
-  if (!qp) return 12;
-  int rc = 0;
-  const ibv_wr_opcode ops[] = {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_READ, IBV_WR_ATOMIC_FETCH_AND_ADD,
-                               IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_SEND};
-  for (ibv_wr_opcode op : ops) {
-    // Aimed at the victim's QP; RESET first, as the previous attempt left the QP in ERR.
-    const unsigned access = IBV_ACCESS_LOCAL_WRITE;
-    const auto lid = static_cast<uint16_t>(s.lid);
-    for (ibv_qp_state st : {IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS}) {
-      if (vrdma::test::modify_rc(qp, st, lid, s.qpn, access, 2)) return 13;
-    }
-    const bool atomic = op == IBV_WR_ATOMIC_FETCH_AND_ADD || op == IBV_WR_ATOMIC_CMP_AND_SWP;
-    // SEND: a forged SGE naming the victim's lkey and address as the bytes to send.
-    ibv_sge sge = op == IBV_WR_SEND ? ibv_sge{s.addr, 64, s.key}
-                                    : ibv_sge{reinterpret_cast<uintptr_t>(buf.data()),
-                                              atomic ? 8u : 4096u, mr->lkey};
-    ibv_send_wr wr = vrdma::test::make_wr(sge, op, s.addr, s.key, IBV_SEND_SIGNALED, 1,
-                                          0x4141414141414141ull);
-    wr.wr_id = op;
-    const int st = run_one(qp, cq, wr);
-    std::printf("mallory: opcode %d -> %s (%d)\n", op,
-                st >= 0 ? ibv_wc_status_str(static_cast<ibv_wc_status>(st)) : "no completion", st);
-    const int want = op == IBV_WR_SEND ? IBV_WC_LOC_PROT_ERR : IBV_WC_RETRY_EXC_ERR;
-    if (st != want) rc = 20 + op;
-  }
-  for (uint8_t b : buf) {
-    if (b != 0xee) return 30;  // nothing of the victim's came back
-  }
-  // No teardown: mallory just exits, and the backend reclaims what it held.
-  ibv_free_device_list(list);
-  return rc;
-}
-
-const int kMalloryHook = [] {
-  if (const char* path = std::getenv("VRDMA_TEST_MALLORY")) {
-    const int rc = mallory_main(path);
-    std::fflush(stdout);
-    ::_exit(rc);
-  }
-  return 0;
-}();
+using vrdma::test::Peer;
+using vrdma::test::PeerQp;
+using vrdma::test::QpPath;
 
 class Hostile : public vrdma::test::VerbsFixture {
  protected:
   static void SetUpTestSuite() {
     VerbsFixture::SetUpTestSuite();
-    ::setenv("VRDMA_GUEST", "victim", 1);
+    ::setenv("VRDMA_GUEST", "mallory", 1);
   }
 
-  ibv_qp* rc_qp(ibv_pd* pd, ibv_cq* cq) {
+  ibv_qp* rc_qp(ibv_cq* cq) {
     ibv_qp_init_attr qa{};
     qa.send_cq = qa.recv_cq = cq;
     qa.qp_type = IBV_QPT_RC;
     qa.cap = {8, 8, 1, 1, 0};
-    ibv_qp* qp = ibv_create_qp(pd, &qa);
+    ibv_qp* qp = ibv_create_qp(pd_, &qa);
     if (qp) qps_.push_back(qp);
     return qp;
   }
-  ibv_qp_state state(ibv_qp* qp) {
-    ibv_qp_attr a{};
-    ibv_qp_init_attr ia{};
-    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_STATE, &ia), 0);
-    return a.qp_state;
+  ibv_cq* new_cq() {
+    ibv_cq* cq = ibv_create_cq(ctx_, 64, nullptr, nullptr, 0);
+    if (cq) cqs_.push_back(cq);
+    return cq;
   }
-  static int post(ibv_qp* qp, ibv_sge s, ibv_wr_opcode op, uint64_t raddr = 0, uint32_t rkey = 0) {
-    ibv_send_wr wr = vrdma::test::make_wr(s, op, raddr, rkey);
-    ibv_send_wr* bad = nullptr;
-    return ibv_post_send(qp, &wr, &bad);
+  /// Posts one WR and waits for its completion: its status, or GENERAL_ERR when none came.
+  ibv_wc_status run(ibv_qp* qp, ibv_cq* cq, const Wr& w) {
+    EXPECT_EQ(post(qp, w), 0);
+    auto wcs = poll(cq, 1);
+    return wcs.empty() ? IBV_WC_GENERAL_ERR : wcs[0].status;
   }
 };
 
 TEST_F(Hostile, StolenKeysAndQpnReachNothing) {
-  ibv_cq* cq = ibv_create_cq(ctx_, 64, nullptr, nullptr, 0);
+  Peer victim;
+  ASSERT_TRUE(victim.start("victim"));
+  const PeerQp v1 = victim.create_qp(IBV_QPT_RC, 8), v2 = victim.create_qp(IBV_QPT_RC, 8);
+  QpPath to_v1, to_v2;
+  to_v1.dlid = to_v2.dlid = victim.lid();
+  to_v1.dest_qpn = v1.qpn;
+  to_v2.dest_qpn = v2.qpn;
+  ASSERT_EQ(victim.connect(v1, to_v2), 0);
+  ASSERT_EQ(victim.connect(v2, to_v1), 0);
+  const std::vector<uint8_t> pattern(65536, 0x5a);  // the part of its buffer the attacks aim at
+  victim.write(0, pattern.data(), static_cast<uint32_t>(pattern.size()));
+  const uint64_t vaddr = victim.mem().addr;
+  const uint32_t vkey = victim.mem().rkey;
+
+  ibv_cq* cq = new_cq();
   ASSERT_NE(cq, nullptr);
-  cqs_.push_back(cq);
-  ibv_qp* a = rc_qp(pd_, cq);
-  ibv_qp* b = rc_qp(pd_, cq);
-  ASSERT_TRUE(a && b);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
-  std::memset(buf_.data(), 0x5a, buf_.size());
-  const uint64_t before = std::count(buf_.begin(), buf_.end(), 0x5a);
-
-  // The secrets mallory steals: b's address, its rkey (== lkey) and where the buffer is.
-  const std::string path = std::string(std::getenv("VRDMA_SOCKET")) + ".secrets";
-  {
-    FILE* f = std::fopen(path.c_str(), "w");
-    ASSERT_NE(f, nullptr);
-    std::fprintf(f, "%u %u %u %lu\n", lid_, b->qp_num, mr_->rkey,
-                 static_cast<unsigned long>(addr(0)));
-    std::fclose(f);
+  ibv_qp* qp = rc_qp(cq);
+  ASSERT_NE(qp, nullptr);
+  std::memset(buf_.data(), 0xee, 8192);
+  struct Attempt {
+    Wr wr;
+    ibv_wc_status want;
+  };
+  const Attempt attempts[] = {
+      {{.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 4096)}, .raddr = vaddr, .rkey = vkey},
+       IBV_WC_RETRY_EXC_ERR},
+      {{.op = IBV_WR_RDMA_READ, .sges = {sge(0, 4096)}, .raddr = vaddr, .rkey = vkey},
+       IBV_WC_RETRY_EXC_ERR},
+      {{.op = IBV_WR_ATOMIC_FETCH_AND_ADD, .sges = {sge(0, 8)}, .raddr = vaddr, .rkey = vkey,
+        .compare_add = 1},
+       IBV_WC_RETRY_EXC_ERR},
+      {{.op = IBV_WR_ATOMIC_CMP_AND_SWP, .sges = {sge(0, 8)}, .raddr = vaddr, .rkey = vkey,
+        .compare_add = 0x5a5a5a5a5a5a5a5aull, .swap = 0x4141414141414141ull},
+       IBV_WC_RETRY_EXC_ERR},
+      // A forged SGE: the victim's key and address as the bytes to send.
+      {{.op = IBV_WR_SEND, .sges = {ibv_sge{vaddr, 64, vkey}}}, IBV_WC_LOC_PROT_ERR},
+  };
+  for (const Attempt& a : attempts) {
+    SCOPED_TRACE(a.wr.op);
+    // Aimed at the victim's v2 (connected to v1, not to us). RESET first: the previous attempt
+    // left the QP in ERR.
+    ibv_qp_attr reset{};
+    reset.qp_state = IBV_QPS_RESET;
+    ASSERT_EQ(ibv_modify_qp(qp, &reset, IBV_QP_STATE), 0);
+    QpPath p = to_v2;
+    p.timeout = 4;  // ~65 µs per try: the retries run out quickly
+    ASSERT_EQ(bring_to_rts(qp, p), 0);
+    EXPECT_EQ(run(qp, cq, a.wr), a.want);
+    EXPECT_EQ(state(qp), IBV_QPS_ERR);
   }
-  pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::setenv("VRDMA_TEST_MALLORY", path.c_str(), 1);
-    ::execl("/proc/self/exe", "verbs_hostile_test", static_cast<char*>(nullptr));
-    ::_exit(3);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "mallory got through (or failed oddly); its output says how";
-  ::unlink(path.c_str());
 
-  EXPECT_EQ(static_cast<uint64_t>(std::count(buf_.begin(), buf_.end(), 0x5a)), before)
-      << "the victim's memory changed";
-  EXPECT_EQ(state(a), IBV_QPS_RTS);
-  EXPECT_EQ(state(b), IBV_QPS_RTS);
-  // The victim's own pair still works.
-  ASSERT_EQ(post_recv(b, 1, 65536, 64), 0);
-  ASSERT_EQ(post(a, ibv_sge{addr(0), 64, mr_->lkey}, IBV_WR_SEND), 0);
-  auto wc = poll(cq, 2);
-  ASSERT_EQ(wc.size(), 2u);
-  for (const ibv_wc& w : wc) EXPECT_EQ(w.status, IBV_WC_SUCCESS);
+  const auto now = victim.read(0, static_cast<uint32_t>(pattern.size()));
+  EXPECT_TRUE(now == pattern) << "the victim's memory changed";
+  EXPECT_EQ(std::count(buf_.begin(), buf_.begin() + 8192, 0xee), 8192)
+      << "bytes of the victim's came back";
+  EXPECT_EQ(victim.qp_state(v1), IBV_QPS_RTS);
+  EXPECT_EQ(victim.qp_state(v2), IBV_QPS_RTS);
+  EXPECT_TRUE(victim.poll(1, 100).empty()) << "the victim saw a completion it did not ask for";
+  EXPECT_EQ(victim.finish(), 0);
 }
 
 TEST_F(Hostile, PdBoundariesHoldInsideOneGuest) {
@@ -175,26 +114,21 @@ TEST_F(Hostile, PdBoundariesHoldInsideOneGuest) {
   ibv_mr* mr2 = ibv_reg_mr(pd2, other.data(), other.size(),
                            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   ASSERT_NE(mr2, nullptr);
-  ibv_cq* cq = ibv_create_cq(ctx_, 64, nullptr, nullptr, 0);
+  ibv_cq* cq = new_cq();
   ASSERT_NE(cq, nullptr);
-  cqs_.push_back(cq);
   ibv_qp* q[4];
-  for (ibv_qp*& x : q) ASSERT_NE(x = rc_qp(pd_, cq), nullptr);
+  for (ibv_qp*& x : q) ASSERT_NE(x = rc_qp(cq), nullptr);
   for (int i = 0; i < 4; ++i) connect(q[i], q[i ^ 1]->qp_num);  // pairs (0,1) and (2,3)
+  const auto other_addr = reinterpret_cast<uintptr_t>(other.data());
   // Local: a SEND from pd2's MR on a QP of pd_.
   ASSERT_EQ(post_recv(q[1], 1, 0, 64), 0);
-  const auto other_addr = reinterpret_cast<uintptr_t>(other.data());
-  ASSERT_EQ(post(q[0], ibv_sge{other_addr, 64, mr2->lkey}, IBV_WR_SEND), 0);
-  auto wc = poll(cq, 1);
-  ASSERT_EQ(wc.size(), 1u);
-  EXPECT_EQ(wc[0].status, IBV_WC_LOC_PROT_ERR);
-  EXPECT_EQ(wc[0].qp_num, q[0]->qp_num);
+  EXPECT_EQ(run(q[0], cq, {.sges = {ibv_sge{other_addr, 64, mr2->lkey}}}), IBV_WC_LOC_PROT_ERR);
   // Remote: an RDMA WRITE of pd_'s memory at pd2's rkey, to a responder QP of pd_.
-  ASSERT_EQ(post(q[2], ibv_sge{addr(0), 64, mr_->lkey}, IBV_WR_RDMA_WRITE, other_addr, mr2->rkey), 0);
-  wc = poll(cq, 1);
-  ASSERT_EQ(wc.size(), 1u);
-  EXPECT_EQ(wc[0].qp_num, q[2]->qp_num);
-  EXPECT_EQ(wc[0].status, IBV_WC_REM_ACCESS_ERR) << "pd2's rkey reached through a QP of pd_";
+  EXPECT_EQ(run(q[2], cq,
+                {.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 64)}, .raddr = other_addr,
+                 .rkey = mr2->rkey}),
+            IBV_WC_REM_ACCESS_ERR)
+      << "pd2's rkey reached through a QP of pd_";
   EXPECT_EQ(std::count(other.begin(), other.end(), 0x22), 8192);
   EXPECT_EQ(ibv_dereg_mr(mr2), 0);
   EXPECT_EQ(ibv_dealloc_pd(pd2), 0);

@@ -1,0 +1,91 @@
+// The two-process harness of the verbs tests: a Peer is a second copy of the test binary
+// (fork + exec, so a fresh process with its own copy of our libibverbs) in a guest of its own,
+// on the same backend. It opens the device, registers a 1 MiB buffer with every access, and then
+// drives its own QPs on the test's orders, sent over a pair of pipes: create and connect QPs,
+// post receives, poll its CQ, read or write its buffer, (de)register a second MR, run a storm of
+// fetch-and-adds. The test process asserts on what the peer reports; the peer asserts nothing.
+#pragma once
+
+#include <infiniband/verbs.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qp_setup.h"
+
+namespace vrdma::test {
+
+/// A QP the peer owns: `index` names it in later orders.
+struct PeerQp {
+  uint32_t index;
+  uint32_t qpn;
+};
+
+/// Memory of the peer as a remote side addresses it.
+struct PeerMem {
+  uint64_t addr;
+  uint32_t rkey;
+  uint32_t size;
+};
+
+/// A piece of the peer's main buffer, for scatter lists.
+struct Piece {
+  uint64_t off;
+  uint32_t len;
+  uint32_t reserved = 0;
+};
+
+inline constexpr size_t kPeerBufSize = 1 << 20;
+
+class Peer {
+ public:
+  Peer() = default;
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+  ~Peer();
+
+  /// Starts the peer in guest `guest` and waits until its device and buffer are ready.
+  /// Returns false (with a gtest failure) if it could not.
+  bool start(const std::string& guest);
+  /// Tells the peer to clean up and exit; returns its exit status (0: it cleaned up).
+  int finish();
+
+  uint16_t lid() const { return lid_; }
+  const PeerMem& mem() const { return mem_; }
+
+  PeerQp create_qp(ibv_qp_type type, uint32_t depth = 16, uint32_t max_sge = 1,
+                   uint32_t max_inline = 0);
+  int connect(const PeerQp& qp, const QpPath& path);
+  /// Posts one receive scattering into `pieces` of the peer's buffer.
+  int post_recv(const PeerQp& qp, uint64_t wr_id, const std::vector<Piece>& pieces);
+  int post_recv(const PeerQp& qp, uint64_t wr_id, uint64_t off, uint32_t len) {
+    return post_recv(qp, wr_id, {Piece{off, len}});
+  }
+  /// Up to `n` completions of the peer's CQ, waiting at most `timeout_ms` for them.
+  std::vector<ibv_wc> poll(size_t n, int timeout_ms = 5000);
+  std::vector<uint8_t> read(uint64_t off, uint32_t len);
+  void write(uint64_t off, const void* p, uint32_t len);
+  /// Registers a second 64 KiB buffer with `access` (one at a time).
+  PeerMem reg_mr(unsigned access);
+  int dereg_mr();
+  ibv_qp_state qp_state(const PeerQp& qp);
+  /// Each of `qps` posts `per_qp` FETCH_AND_ADDs of 1 on (raddr, rkey); returns how many
+  /// completed successfully (all or the count before the first error).
+  uint64_t fetch_add_storm(const std::vector<PeerQp>& qps, uint64_t raddr, uint32_t rkey,
+                           uint32_t per_qp);
+
+ private:
+  /// Sends one order and reads its answer; returns the peer's errno (0: done), or -1 with a
+  /// gtest failure if the peer is gone.
+  int call(uint32_t op, uint32_t qp, std::initializer_list<uint64_t> args, const void* payload,
+           size_t payload_len, std::vector<uint8_t>* out = nullptr);
+
+  pid_t pid_ = -1;
+  int to_peer_ = -1, from_peer_ = -1;
+  uint16_t lid_ = 0;
+  PeerMem mem_{};
+};
+
+}  // namespace vrdma::test

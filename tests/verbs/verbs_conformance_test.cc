@@ -1,0 +1,770 @@
+// The verbs conformance suite (issue 3): what the IB spec says a device does, asserted through
+// our libibverbs.so.1 between two processes in two guests (peer.h): every opcode on every QP
+// type that allows it with the data and completion fields checked, scatter/gather lists up to
+// max_sge, inline data up to max_inline_data, each error of the spec's completion semantics
+// (local protection, remote access, RNR retry, receive too small, flush, queue depth, opcode
+// vs QP type), fetch-and-adds from four QPs of another process, and the async events.
+#include <fcntl.h>
+#include <poll.h>
+
+#include <chrono>
+
+#include "peer.h"
+#include "verbs/internal.h"
+#include "verbs_fixture.h"
+
+namespace {
+
+using vrdma::test::kAllAccess;
+using vrdma::test::Peer;
+using vrdma::test::PeerQp;
+using vrdma::test::Piece;
+using vrdma::test::QpPath;
+using Clock = std::chrono::steady_clock;
+
+class Conformance : public vrdma::test::VerbsFixture {
+ protected:
+  void SetUp() override {
+    VerbsFixture::SetUp();
+    if (HasFatalFailure()) return;
+    ASSERT_TRUE(peer_.start("conformance-peer"));
+    cq_ = ibv_create_cq(ctx_, 1024, nullptr, nullptr, 0);
+    ASSERT_NE(cq_, nullptr);
+    cqs_.push_back(cq_);
+  }
+
+  void TearDown() override {
+    EXPECT_EQ(peer_.finish(), 0) << "the peer's clean-up failed";
+    for (ibv_ah* ah : ahs_) EXPECT_EQ(ibv_destroy_ah(ah), 0);
+    VerbsFixture::TearDown();
+  }
+
+  ibv_qp* make_qp(ibv_qp_type t, uint32_t depth = 16, uint32_t sge = 1, uint32_t inl = 0,
+                  ibv_cq* cq = nullptr) {
+    ibv_qp_init_attr a{};
+    a.send_cq = cq ? cq : cq_;
+    a.recv_cq = cq ? cq : cq_;
+    a.qp_type = t;
+    a.cap = {depth, depth, sge, sge, inl};
+    ibv_qp* qp = ibv_create_qp(pd_, &a);
+    EXPECT_NE(qp, nullptr) << std::strerror(errno);
+    if (qp) qps_.push_back(qp);
+    return qp;
+  }
+
+  /// Our QP of type `t` and the peer's, connected to each other (UD: both at RTS).
+  struct Pair {
+    ibv_qp* qp;
+    PeerQp peer;
+  };
+  Pair pair(ibv_qp_type t, QpPath ours = {}, QpPath theirs = {}, uint32_t depth = 16,
+            uint32_t sge = 1, uint32_t inl = 0) {
+    Pair p{make_qp(t, depth, sge, inl), peer_.create_qp(t, depth, sge)};
+    if (!p.qp) return p;
+    ours.dlid = peer_.lid();
+    ours.dest_qpn = p.peer.qpn;
+    theirs.dlid = lid_;
+    theirs.dest_qpn = p.qp->qp_num;
+    EXPECT_EQ(bring_to_rts(p.qp, ours), 0);
+    EXPECT_EQ(peer_.connect(p.peer, theirs), 0);
+    return p;
+  }
+
+  ibv_ah* peer_ah() {
+    ibv_ah_attr aa{};
+    aa.dlid = peer_.lid();
+    aa.port_num = 1;
+    ibv_ah* ah = ibv_create_ah(pd_, &aa);
+    EXPECT_NE(ah, nullptr) << std::strerror(errno);
+    ahs_.push_back(ah);
+    return ah;
+  }
+
+  /// Posts `w` and returns its completion (status GENERAL_ERR if none came in 5 s).
+  ibv_wc run(ibv_qp* qp, const Wr& w) {
+    EXPECT_EQ(post(qp, w), 0);
+    auto wcs = poll(cq_, 1);
+    if (wcs.empty()) {
+      ibv_wc none{};
+      none.status = IBV_WC_GENERAL_ERR;
+      return none;
+    }
+    return wcs[0];
+  }
+
+  /// Our own completions that arrive within `ms` (for "nothing arrives" checks).
+  std::vector<ibv_wc> drain_for(int ms) {
+    std::vector<ibv_wc> out;
+    const auto end = Clock::now() + std::chrono::milliseconds(ms);
+    while (Clock::now() < end) {
+      ibv_wc wc;
+      if (ibv_poll_cq(cq_, 1, &wc) == 1) out.push_back(wc);
+      else ::usleep(100);
+    }
+    return out;
+  }
+
+  /// The next async event other than PORT_ACTIVE (each session starts with one), acked.
+  ibv_async_event next_async_event() {
+    ibv_async_event ev{};
+    ev.event_type = static_cast<ibv_event_type>(-1);
+    for (;;) {
+      pollfd p{ctx_->async_fd, POLLIN, 0};
+      if (::poll(&p, 1, 5000) != 1) return ev;
+      EXPECT_EQ(ibv_get_async_event(ctx_, &ev), 0);
+      ibv_ack_async_event(&ev);
+      if (ev.event_type != IBV_EVENT_PORT_ACTIVE) return ev;
+    }
+  }
+
+  uint64_t peer_word(uint64_t off) {
+    auto b = peer_.read(off, 8);
+    uint64_t v = 0;
+    if (b.size() == 8) std::memcpy(&v, b.data(), 8);
+    return v;
+  }
+
+  Peer peer_;
+  ibv_cq* cq_ = nullptr;
+  std::vector<uint8_t> rbuf_;  ///< backs rmr_
+  std::vector<ibv_ah*> ahs_;
+};
+
+/// A deterministic pattern, different for each `seed`.
+void fill(uint8_t* p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(i * 31 + seed * 7 + 1);
+}
+
+// ---- Opcodes x QP types ----------------------------------------------------------------------
+
+TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
+  struct Case {
+    ibv_qp_type type;
+    ibv_wr_opcode op;
+  };
+  const Case cases[] = {
+      {IBV_QPT_RC, IBV_WR_SEND},         {IBV_QPT_RC, IBV_WR_SEND_WITH_IMM},
+      {IBV_QPT_RC, IBV_WR_RDMA_WRITE},   {IBV_QPT_RC, IBV_WR_RDMA_WRITE_WITH_IMM},
+      {IBV_QPT_RC, IBV_WR_RDMA_READ},    {IBV_QPT_RC, IBV_WR_ATOMIC_CMP_AND_SWP},
+      {IBV_QPT_RC, IBV_WR_ATOMIC_FETCH_AND_ADD},
+      {IBV_QPT_UC, IBV_WR_SEND},         {IBV_QPT_UC, IBV_WR_SEND_WITH_IMM},
+      {IBV_QPT_UC, IBV_WR_RDMA_WRITE},   {IBV_QPT_UC, IBV_WR_RDMA_WRITE_WITH_IMM},
+      {IBV_QPT_UD, IBV_WR_SEND},         {IBV_QPT_UD, IBV_WR_SEND_WITH_IMM},
+  };
+  const uint64_t remote = peer_.mem().addr;
+  const uint32_t rkey = peer_.mem().rkey;
+  unsigned seed = 0;
+  for (const Case& c : cases) {
+    ++seed;
+    const std::string what = std::string(c.type == IBV_QPT_RC   ? "RC "
+                                         : c.type == IBV_QPT_UC ? "UC "
+                                                                : "UD ") +
+                             std::to_string(c.op);
+    Pair p = pair(c.type);
+    ASSERT_NE(p.qp, nullptr);
+    const bool atomic = c.op == IBV_WR_ATOMIC_CMP_AND_SWP || c.op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    const bool imm = c.op == IBV_WR_SEND_WITH_IMM || c.op == IBV_WR_RDMA_WRITE_WITH_IMM;
+    const bool consumes_recv = c.op == IBV_WR_SEND || imm;
+    const uint32_t len = atomic ? 8 : 1000 + seed;
+    const size_t local = 8192 * seed, poff = 65536 + 8192 * seed;  // our and the peer's bytes
+    const uint32_t grh = c.type == IBV_QPT_UD ? 40 : 0;
+    fill(buf_.data() + local, len, seed);
+    std::vector<uint8_t> theirs(len);
+    fill(theirs.data(), len, seed + 100);
+    const uint64_t word = 0x1000 + seed;
+    if (c.op == IBV_WR_RDMA_READ) peer_.write(poff, theirs.data(), len);
+    if (atomic) peer_.write(poff, &word, 8);
+    if (consumes_recv) {
+      ASSERT_EQ(peer_.post_recv(p.peer, 500 + seed, 4096, 4096), 0) << what;
+    }
+
+    Wr w{.op = c.op, .sges = {sge(local, len)}, .wr_id = seed, .raddr = remote + poff,
+         .rkey = rkey, .compare_add = c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? word : 5,
+         .swap = 0xabcdef, .imm = 0x5000 + seed};
+    if (c.type == IBV_QPT_UD) {
+      w.ah = peer_ah();
+      w.remote_qpn = p.peer.qpn;
+    }
+    const ibv_wc wc = run(p.qp, w);
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << what << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(wc.wr_id, seed) << what;
+    EXPECT_EQ(wc.qp_num, p.qp->qp_num) << what;
+    const ibv_wc_opcode want_op = c.op == IBV_WR_SEND || c.op == IBV_WR_SEND_WITH_IMM ? IBV_WC_SEND
+                                  : c.op == IBV_WR_RDMA_READ                         ? IBV_WC_RDMA_READ
+                                  : c.op == IBV_WR_ATOMIC_CMP_AND_SWP               ? IBV_WC_COMP_SWAP
+                                  : c.op == IBV_WR_ATOMIC_FETCH_AND_ADD             ? IBV_WC_FETCH_ADD
+                                                                                    : IBV_WC_RDMA_WRITE;
+    EXPECT_EQ(wc.opcode, want_op) << what;
+    if (c.op == IBV_WR_RDMA_READ || atomic) {
+      EXPECT_EQ(wc.byte_len, len) << what;
+    }
+
+    if (consumes_recv) {
+      auto rx = peer_.poll(1);
+      ASSERT_EQ(rx.size(), 1u) << what;
+      EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS) << what;
+      EXPECT_EQ(rx[0].wr_id, 500u + seed) << what;
+      EXPECT_EQ(rx[0].opcode, c.op == IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_RECV_RDMA_WITH_IMM
+                                                                 : IBV_WC_RECV)
+          << what;
+      EXPECT_EQ(rx[0].byte_len, grh + len) << what;
+      EXPECT_EQ(rx[0].qp_num, p.peer.qpn) << what;
+      EXPECT_EQ(rx[0].src_qp, p.qp->qp_num) << what;
+      EXPECT_EQ(rx[0].slid, lid_) << what;
+      EXPECT_EQ((rx[0].wc_flags & IBV_WC_WITH_IMM) != 0, imm) << what;
+      if (imm) {
+        EXPECT_EQ(ntohl(rx[0].imm_data), 0x5000u + seed) << what;
+      }
+    } else {
+      EXPECT_TRUE(peer_.poll(1, 0).empty()) << what << ": no receive consumed";
+    }
+    // The bytes, where they should be.
+    if (c.op == IBV_WR_SEND || c.op == IBV_WR_SEND_WITH_IMM) {
+      EXPECT_EQ(peer_.read(4096 + grh, len), std::vector<uint8_t>(buf_.data() + local,
+                                                                   buf_.data() + local + len))
+          << what;
+    } else if (c.op == IBV_WR_RDMA_WRITE || c.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
+      EXPECT_EQ(peer_.read(poff, len),
+                std::vector<uint8_t>(buf_.data() + local, buf_.data() + local + len))
+          << what;
+    } else if (c.op == IBV_WR_RDMA_READ) {
+      EXPECT_EQ(std::memcmp(buf_.data() + local, theirs.data(), len), 0) << what;
+    } else {
+      uint64_t old;
+      std::memcpy(&old, buf_.data() + local, 8);
+      EXPECT_EQ(old, word) << what << ": the atomic returns the old value";
+      EXPECT_EQ(peer_word(poff), c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0xabcdefu : word + 5) << what;
+    }
+  }
+}
+
+TEST_F(Conformance, AnOpcodeTheQpTypeForbidsIsEinvalAndPostsNothing) {
+  ibv_device_attr d{};
+  ASSERT_EQ(ibv_query_device(ctx_, &d), 0);
+  // No memory windows, no invalidation: the device says so, and refuses the opcodes.
+  EXPECT_EQ(d.device_cap_flags & IBV_DEVICE_MEM_MGT_EXTENSIONS, 0u);
+  EXPECT_EQ(d.device_cap_flags & IBV_DEVICE_MEM_WINDOW, 0u);
+  struct Case {
+    ibv_qp_type type;
+    std::vector<ibv_wr_opcode> ops;
+  };
+  const Case cases[] = {
+      {IBV_QPT_RC, {IBV_WR_SEND_WITH_INV, IBV_WR_LOCAL_INV, IBV_WR_BIND_MW, IBV_WR_TSO}},
+      {IBV_QPT_UC, {IBV_WR_RDMA_READ, IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD,
+                    IBV_WR_SEND_WITH_INV, IBV_WR_LOCAL_INV}},
+      {IBV_QPT_UD, {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ,
+                    IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD, IBV_WR_LOCAL_INV}},
+  };
+  for (const Case& c : cases) {
+    Pair p = pair(c.type);
+    ASSERT_NE(p.qp, nullptr);
+    ibv_ah* ah = c.type == IBV_QPT_UD ? peer_ah() : nullptr;
+    for (ibv_wr_opcode op : c.ops) {
+      bool bad_is_wr = false;
+      EXPECT_EQ(post(p.qp, {.op = op, .sges = {sge(0, 8)}, .rkey = peer_.mem().rkey, .ah = ah,
+                            .remote_qpn = p.peer.qpn},
+                     &bad_is_wr),
+                EINVAL)
+          << "QP type " << c.type << ", opcode " << op;
+      EXPECT_TRUE(bad_is_wr);
+    }
+    // A chain stops at the bad WR: the one before it is posted and completes.
+    ibv_sge s = sge(0, 8);
+    ibv_send_wr second{}, first{};
+    first.wr_id = 1;
+    first.sg_list = second.sg_list = &s;
+    first.num_sge = second.num_sge = 1;
+    first.opcode = c.type == IBV_QPT_UD ? IBV_WR_SEND : IBV_WR_RDMA_WRITE;
+    first.send_flags = IBV_SEND_SIGNALED;
+    first.wr.rdma = {peer_.mem().addr, peer_.mem().rkey};
+    if (ah) first.wr.ud = {ah, p.peer.qpn, vrdma::test::kTestQkey};
+    first.next = &second;
+    second.wr_id = 2;
+    second.opcode = c.ops[0];
+    ibv_send_wr* bad = nullptr;
+    EXPECT_EQ(ibv_post_send(p.qp, &first, &bad), EINVAL);
+    EXPECT_EQ(bad, &second);
+    auto wcs = poll(cq_, 1);
+    ASSERT_EQ(wcs.size(), 1u);
+    EXPECT_EQ(wcs[0].wr_id, 1u);
+    EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+    EXPECT_TRUE(drain_for(20).empty()) << "the refused WR never reaches the device";
+    EXPECT_EQ(state(p.qp), IBV_QPS_RTS) << "a refused post leaves the QP alone";
+  }
+}
+
+// ---- Scatter/gather and inline -----------------------------------------------------------------
+
+TEST_F(Conformance, ScatterGatherListsUpToMaxSge) {
+  ibv_device_attr d{};
+  ASSERT_EQ(ibv_query_device(ctx_, &d), 0);
+  const uint32_t n = static_cast<uint32_t>(d.max_sge);
+  ASSERT_GE(n, 2u);
+  Pair p = pair(IBV_QPT_RC, {}, {}, 16, n);
+  ASSERT_NE(p.qp, nullptr);
+  // Gather n pieces of different lengths from scattered places; the total is their sum.
+  std::vector<ibv_sge> gather;
+  std::vector<uint8_t> expect;
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t len = 7 * i + 1;
+    fill(buf_.data() + 4096 * i, len, i);
+    gather.push_back(sge(4096 * i, len));
+    expect.insert(expect.end(), buf_.data() + 4096 * i, buf_.data() + 4096 * i + len);
+  }
+  const uint32_t total = static_cast<uint32_t>(expect.size());
+  // Scatter into n equal pieces of the peer's buffer, 1000 bytes apart.
+  std::vector<Piece> scatter;
+  const uint32_t piece = (total + n - 1) / n;
+  for (uint32_t i = 0; i < n; ++i) scatter.push_back(Piece{200000 + 1000 * i, piece});
+  ASSERT_EQ(peer_.post_recv(p.peer, 9, scatter), 0);
+  ibv_wc wc = run(p.qp, {.op = IBV_WR_SEND, .sges = gather});
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].byte_len, total);
+  std::vector<uint8_t> got;
+  for (uint32_t i = 0; i < n && got.size() < total; ++i) {
+    auto part = peer_.read(200000 + 1000 * i, std::min(piece, total - uint32_t(got.size())));
+    got.insert(got.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(got, expect) << "gathered in order, scattered in order";
+
+  // RDMA WRITE gathers the same way; RDMA READ scatters into our n pieces.
+  wc = run(p.qp, {.op = IBV_WR_RDMA_WRITE, .sges = gather, .raddr = peer_.mem().addr + 300000,
+                  .rkey = peer_.mem().rkey});
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(peer_.read(300000, total), expect);
+  std::vector<ibv_sge> into;
+  for (uint32_t i = 0; i < n; ++i) into.push_back(sge(500000 + 2000 * i, piece));
+  wc = run(p.qp, {.op = IBV_WR_RDMA_READ, .sges = into, .raddr = peer_.mem().addr + 300000,
+                  .rkey = peer_.mem().rkey});
+  ASSERT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wc.byte_len, piece * n);
+  for (uint32_t i = 0, at = 0; i < n && at < total; ++i, at += piece) {
+    const uint32_t k = std::min(piece, total - at);
+    EXPECT_EQ(std::memcmp(buf_.data() + 500000 + 2000 * i, expect.data() + at, k), 0) << i;
+  }
+
+  // One SGE more than the QP's max_send_sge / max_recv_sge is refused at post time, and a QP
+  // asking for more than the device's max_sge is not created.
+  gather.push_back(sge(0, 1));
+  bool bad_is_wr = false;
+  EXPECT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = gather}, &bad_is_wr), EINVAL);
+  EXPECT_TRUE(bad_is_wr);
+  scatter.push_back(Piece{0, 1});
+  EXPECT_EQ(peer_.post_recv(p.peer, 10, scatter), EINVAL);
+  ibv_qp_init_attr a{};
+  a.send_cq = a.recv_cq = cq_;
+  a.qp_type = IBV_QPT_RC;
+  a.cap = {4, 4, n + 1, 1, 0};
+  errno = 0;
+  EXPECT_EQ(ibv_create_qp(pd_, &a), nullptr);
+  EXPECT_EQ(errno, EINVAL);
+}
+
+TEST_F(Conformance, InlineDataUpToMaxInlineData) {
+  Pair p = pair(IBV_QPT_RC, {}, {}, 16, 3, 256);
+  ASSERT_NE(p.qp, nullptr);
+  const uint32_t max = caps(p.qp).max_inline_data;
+  ASSERT_GE(max, 256u);
+  // Inline data needs no MR: the bytes are copied at post time, from memory never registered,
+  // in three SGEs whose lkeys mean nothing.
+  std::vector<uint8_t> src(max);
+  fill(src.data(), max, 42);
+  const std::vector<uint8_t> sent = src;
+  const uint32_t a = max / 3, b = max / 3, c = max - a - b;
+  auto u = [&](size_t off) { return reinterpret_cast<uintptr_t>(src.data() + off); };
+  const std::vector<ibv_sge> sges = {{u(0), a, 0}, {u(a), b, 0xdead}, {u(a + b), c, 0}};
+  ASSERT_EQ(peer_.post_recv(p.peer, 1, 0, 4096), 0);
+  ASSERT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = sges, .flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE}), 0);
+  std::fill(src.begin(), src.end(), 0);  // after the post: must not matter
+  auto wcs = poll(cq_, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].byte_len, max);
+  EXPECT_EQ(peer_.read(0, max), sent);
+  // RDMA WRITE inline, likewise.
+  fill(src.data(), max, 43);
+  const std::vector<uint8_t> written = src;
+  ibv_wc wc = run(p.qp, {.op = IBV_WR_RDMA_WRITE, .sges = sges,
+                         .flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE,
+                         .raddr = peer_.mem().addr + 8192, .rkey = peer_.mem().rkey});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(peer_.read(8192, max), written);
+  // One byte more than max_inline_data: refused at post time.
+  src.push_back(0);
+  bool bad_is_wr = false;
+  EXPECT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {{u(0), max + 1, 0}},
+                        .flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE},
+                 &bad_is_wr),
+            EINVAL);
+  EXPECT_TRUE(bad_is_wr);
+  // A QP asking for more inline data than the device can do is not created.
+  ibv_qp_init_attr big{};
+  big.send_cq = big.recv_cq = cq_;
+  big.qp_type = IBV_QPT_RC;
+  big.cap = {4, 4, 1, 1, max + 1};
+  EXPECT_EQ(ibv_create_qp(pd_, &big), nullptr);
+}
+
+// ---- Error completions ----------------------------------------------------------------------
+
+TEST_F(Conformance, BadLkeyOrSgeOutsideTheMrIsLocalProtectionError) {
+  rbuf_.assign(4096, 0);
+  rmr_ = ibv_reg_mr(pd_, rbuf_.data(), rbuf_.size(), 0);  // local read only
+  ASSERT_NE(rmr_, nullptr);
+  const uint64_t start = addr(0), end = addr(buf_.size());
+  struct Case {
+    ibv_wr_opcode op;
+    ibv_sge s;
+    const char* what;
+  };
+  const Case cases[] = {
+      {IBV_WR_SEND, {start, 64, mr_->lkey ^ 0x80000000u}, "bad lkey"},
+      {IBV_WR_SEND, {start - 64, 128, mr_->lkey}, "SGE starts before the MR"},
+      {IBV_WR_SEND, {end - 64, 128, mr_->lkey}, "SGE ends past the MR"},
+      {IBV_WR_RDMA_WRITE, {start, 64, mr_->lkey ^ 0x80000000u}, "WRITE with a bad lkey"},
+      {IBV_WR_RDMA_READ, {reinterpret_cast<uintptr_t>(rbuf_.data()), 64, rmr_->lkey},
+       "READ into an MR without local write"},
+  };
+  for (const Case& c : cases) {
+    Pair p = pair(IBV_QPT_RC);
+    ASSERT_NE(p.qp, nullptr);
+    ASSERT_EQ(peer_.post_recv(p.peer, 1, 0, 4096), 0);
+    const ibv_wc wc = run(p.qp, {.op = c.op, .sges = {c.s}, .raddr = peer_.mem().addr + 65536,
+                                 .rkey = peer_.mem().rkey});
+    EXPECT_EQ(wc.status, IBV_WC_LOC_PROT_ERR) << c.what << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what;
+    EXPECT_TRUE(peer_.poll(1, 0).empty()) << c.what << ": the peer received nothing";
+  }
+  EXPECT_EQ(peer_.read(65536, 64), std::vector<uint8_t>(64, 0)) << "nothing was written";
+}
+
+TEST_F(Conformance, BadRkeyOutOfBoundsOrMissingAccessIsRemoteAccessError) {
+  const auto ro = peer_.reg_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+  ASSERT_NE(ro.rkey, 0u);
+  const uint64_t remote = peer_.mem().addr, size = peer_.mem().size;
+  const uint32_t rkey = peer_.mem().rkey;
+  struct Case {
+    ibv_wr_opcode op;
+    uint64_t raddr;
+    uint32_t rkey;
+    unsigned peer_qp_access;
+    const char* what;
+  };
+  const Case cases[] = {
+      {IBV_WR_RDMA_WRITE, remote, rkey ^ 0x80000000u, kAllAccess, "WRITE, wrong rkey"},
+      {IBV_WR_RDMA_READ, remote, rkey ^ 0x80000000u, kAllAccess, "READ, wrong rkey"},
+      {IBV_WR_RDMA_READ, remote, mr_->rkey, kAllAccess, "READ with our own guest's rkey"},
+      {IBV_WR_RDMA_WRITE, remote + size - 32, rkey, kAllAccess, "WRITE past the end"},
+      {IBV_WR_RDMA_READ, remote - 64, rkey, kAllAccess, "READ before the start"},
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote + size, rkey, kAllAccess, "atomic past the end"},
+      {IBV_WR_RDMA_WRITE, ro.addr, ro.rkey, kAllAccess, "WRITE, MR without remote write"},
+      {IBV_WR_ATOMIC_CMP_AND_SWP, ro.addr, ro.rkey, kAllAccess, "atomic, MR without atomic"},
+      {IBV_WR_RDMA_WRITE, remote, rkey, IBV_ACCESS_REMOTE_READ, "WRITE, QP without remote write"},
+      {IBV_WR_RDMA_READ, remote, rkey, IBV_ACCESS_REMOTE_WRITE, "READ, QP without remote read"},
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote, rkey, IBV_ACCESS_REMOTE_READ,
+       "atomic, QP without remote atomic"},
+  };
+  for (const Case& c : cases) {
+    if (c.rkey == rkey && c.raddr == remote && c.peer_qp_access == kAllAccess) continue;  // by chance our key is theirs
+    QpPath theirs;
+    theirs.access = c.peer_qp_access;
+    Pair p = pair(IBV_QPT_RC, {}, theirs);
+    ASSERT_NE(p.qp, nullptr);
+    const bool atomic = c.op == IBV_WR_ATOMIC_CMP_AND_SWP || c.op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    std::memset(buf_.data(), 0x77, 64);
+    const ibv_wc wc = run(p.qp, {.op = c.op, .sges = {sge(0, atomic ? 8 : 64)}, .raddr = c.raddr,
+                                 .rkey = c.rkey, .compare_add = 1});
+    EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR) << c.what << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what << ": the requester's QP is in ERR";
+  }
+  EXPECT_EQ(peer_.read(0, 64), std::vector<uint8_t>(64, 0)) << "no byte of the peer changed";
+  EXPECT_EQ(peer_.read(size - 32, 32), std::vector<uint8_t>(32, 0));
+  EXPECT_EQ(peer_.dereg_mr(), 0);
+}
+
+TEST_F(Conformance, AnMrDeregisteredByThePeerIsNoLongerReachable) {
+  const auto m = peer_.reg_mr(kAllAccess);
+  ASSERT_NE(m.rkey, 0u);
+  Pair w = pair(IBV_QPT_RC), r = pair(IBV_QPT_RC);
+  ASSERT_NE(w.qp, nullptr);
+  ASSERT_NE(r.qp, nullptr);
+  EXPECT_EQ(run(w.qp, {.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 64)}, .raddr = m.addr,
+                       .rkey = m.rkey}).status,
+            IBV_WC_SUCCESS);
+  ASSERT_EQ(peer_.dereg_mr(), 0);
+  EXPECT_EQ(run(w.qp, {.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 64)}, .raddr = m.addr,
+                       .rkey = m.rkey}).status,
+            IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(run(r.qp, {.op = IBV_WR_RDMA_READ, .sges = {sge(0, 64)}, .raddr = m.addr,
+                       .rkey = m.rkey}).status,
+            IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_F(Conformance, RnrRetryCountThenRnrRetryExceeded) {
+  // The peer's min_rnr_timer 18 asks for 5.12 ms between tries: rnr_retry N means N waits.
+  constexpr auto kRnrDelay = std::chrono::microseconds(5120);
+  QpPath theirs;
+  theirs.min_rnr_timer = 18;
+  for (uint8_t n = 0; n <= 6; ++n) {
+    QpPath ours;
+    ours.rnr_retry = n;
+    Pair p = pair(IBV_QPT_RC, ours, theirs);
+    ASSERT_NE(p.qp, nullptr);
+    const auto t0 = Clock::now();
+    const ibv_wc wc = run(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}});
+    const auto took = Clock::now() - t0;
+    EXPECT_EQ(wc.status, IBV_WC_RNR_RETRY_EXC_ERR) << "rnr_retry " << int(n);
+    EXPECT_GE(took, n * kRnrDelay) << "rnr_retry " << int(n) << ": the waits were not taken";
+    EXPECT_EQ(state(p.qp), IBV_QPS_ERR);
+  }
+  // 7 retries for ever: the send waits (well past 6 retries' worth) until a receive comes.
+  QpPath ours;
+  ours.rnr_retry = 7;
+  Pair p = pair(IBV_QPT_RC, ours, theirs);
+  ASSERT_NE(p.qp, nullptr);
+  fill(buf_.data(), 64, 7);
+  ASSERT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 77}), 0);
+  EXPECT_TRUE(drain_for(100).empty()) << "rnr_retry 7 never gives up";
+  ASSERT_EQ(peer_.post_recv(p.peer, 8, 1024, 64), 0);
+  auto wcs = poll(cq_, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wcs[0].wr_id, 77u);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(peer_.read(1024, 64), std::vector<uint8_t>(buf_.begin(), buf_.begin() + 64));
+}
+
+TEST_F(Conformance, ReceiveTooSmallIsLocalLengthAndRemoteInvalidRequest) {
+  Pair p = pair(IBV_QPT_RC);
+  ASSERT_NE(p.qp, nullptr);
+  ASSERT_EQ(peer_.post_recv(p.peer, 3, 0, 16), 0);
+  const ibv_wc wc = run(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}});
+  EXPECT_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(wc.status);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 3u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_LEN_ERR) << ibv_wc_status_str(rx[0].status);
+  EXPECT_EQ(state(p.qp), IBV_QPS_ERR);
+  EXPECT_EQ(peer_.qp_state(p.peer), IBV_QPS_ERR);
+  // UD: a datagram longer than the receive (after its 40 bytes of GRH) fails on the receiver.
+  Pair u = pair(IBV_QPT_UD);
+  ASSERT_NE(u.qp, nullptr);
+  ASSERT_EQ(peer_.post_recv(u.peer, 4, 0, 40 + 16), 0);
+  EXPECT_EQ(run(u.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .ah = peer_ah(),
+                       .remote_qpn = u.peer.qpn}).status,
+            IBV_WC_SUCCESS)
+      << "UD is unreliable: the sender does not learn";
+  rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_LEN_ERR);
+}
+
+TEST_F(Conformance, WorkOutstandingAtErrorIsFlushedInOrder) {
+  Pair p = pair(IBV_QPT_RC);
+  ASSERT_NE(p.qp, nullptr);
+  for (uint64_t i = 0; i < 3; ++i) ASSERT_EQ(post_recv(p.qp, 100 + i, 4096 * i, 64), 0);
+  // The first WR fails (bad rkey); the rest, signaled or not, are flushed behind it.
+  ibv_send_wr wrs[6]{};
+  ibv_sge s = sge(0, 64);
+  for (int i = 0; i < 6; ++i) {
+    wrs[i].wr_id = i + 1;
+    wrs[i].sg_list = &s;
+    wrs[i].num_sge = 1;
+    wrs[i].opcode = IBV_WR_RDMA_WRITE;
+    wrs[i].send_flags = i % 2 ? 0 : IBV_SEND_SIGNALED;
+    wrs[i].wr.rdma = {peer_.mem().addr, i == 0 ? peer_.mem().rkey ^ 0x80000000u : peer_.mem().rkey};
+    wrs[i].next = i < 5 ? &wrs[i + 1] : nullptr;
+  }
+  ibv_send_wr* bad = nullptr;
+  ASSERT_EQ(ibv_post_send(p.qp, wrs, &bad), 0);
+  auto wcs = poll(cq_, 9);
+  ASSERT_EQ(wcs.size(), 9u);
+  std::vector<uint64_t> send_ids, recv_ids;
+  for (const ibv_wc& wc : wcs) {
+    EXPECT_EQ(wc.qp_num, p.qp->qp_num);
+    if (wc.wr_id >= 100) {
+      recv_ids.push_back(wc.wr_id);
+      EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR);
+    } else {
+      send_ids.push_back(wc.wr_id);
+      EXPECT_EQ(wc.status, wc.wr_id == 1 ? IBV_WC_REM_ACCESS_ERR : IBV_WC_WR_FLUSH_ERR)
+          << "wr " << wc.wr_id;
+    }
+  }
+  EXPECT_EQ(send_ids, (std::vector<uint64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(recv_ids, (std::vector<uint64_t>{100, 101, 102}));
+  EXPECT_EQ(state(p.qp), IBV_QPS_ERR);
+  // Work posted to a QP in ERR completes at once, flushed.
+  ASSERT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 8)}, .flags = 0, .wr_id = 7}), 0);
+  ASSERT_EQ(post_recv(p.qp, 103, 0, 64), 0);
+  wcs = poll(cq_, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  for (const ibv_wc& wc : wcs) EXPECT_EQ(wc.status, IBV_WC_WR_FLUSH_ERR) << wc.wr_id;
+  EXPECT_EQ(peer_.read(0, 64), std::vector<uint8_t>(64, 0)) << "no flushed WRITE was executed";
+}
+
+TEST_F(Conformance, PostingBeyondTheQueueDepthIsEnomem) {
+  // The peer posts no receive and we retry for ever: every send stays queued.
+  Pair p = pair(IBV_QPT_RC, {}, {}, 8);
+  ASSERT_NE(p.qp, nullptr);
+  const uint32_t depth = caps(p.qp).max_send_wr;
+  ASSERT_GE(depth, 8u);
+  for (uint32_t i = 0; i < depth; ++i)
+    ASSERT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {sge(64 * i, 64)}, .wr_id = i}), 0) << i;
+  bool bad_is_wr = false;
+  EXPECT_EQ(post(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 99}, &bad_is_wr),
+            ENOMEM);
+  EXPECT_TRUE(bad_is_wr);
+  // The queued sends are intact: once receives come, every one completes, in order.
+  for (uint32_t i = 0; i < depth; ++i) ASSERT_EQ(peer_.post_recv(p.peer, i, 4096 * i, 64), 0);
+  auto wcs = poll(cq_, depth);
+  ASSERT_EQ(wcs.size(), depth);
+  for (uint32_t i = 0; i < depth; ++i) {
+    EXPECT_EQ(wcs[i].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wcs[i].wr_id, i);
+  }
+  EXPECT_EQ(peer_.poll(depth).size(), depth);
+  // The receive queue too: the peer's QP of depth 8 takes no more than its max_recv_wr.
+  const PeerQp small = peer_.create_qp(IBV_QPT_RC, 8);
+  QpPath theirs;
+  theirs.dlid = lid_;
+  theirs.dest_qpn = p.qp->qp_num;
+  ASSERT_EQ(peer_.connect(small, theirs), 0);
+  int rc = 0;
+  uint32_t posted = 0;
+  while ((rc = peer_.post_recv(small, posted, 0, 64)) == 0 && posted < 1024) ++posted;
+  EXPECT_EQ(rc, ENOMEM);
+  EXPECT_GE(posted, 8u);
+}
+
+// ---- Atomics ------------------------------------------------------------------------------------
+
+TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
+  constexpr int kQps = 4;
+  constexpr uint32_t kOps = 100000;
+  std::vector<PeerQp> theirs;
+  for (int i = 0; i < kQps; ++i) {
+    Pair p = pair(IBV_QPT_RC, {}, {}, 128);
+    ASSERT_NE(p.qp, nullptr);
+    theirs.push_back(p.peer);
+  }
+  std::memset(buf_.data() + 4096, 0, 8);
+  EXPECT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, kOps), uint64_t{kQps} * kOps);
+  uint64_t sum;
+  std::memcpy(&sum, buf_.data() + 4096, 8);
+  EXPECT_EQ(sum, uint64_t{kQps} * kOps);
+}
+
+// ---- Async events ---------------------------------------------------------------------------
+
+TEST_F(Conformance, PortActiveIsTheFirstAsyncEvent) {
+  pollfd p{ctx_->async_fd, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 5000), 1);
+  ibv_async_event ev{};
+  ASSERT_EQ(ibv_get_async_event(ctx_, &ev), 0);
+  EXPECT_EQ(ev.event_type, IBV_EVENT_PORT_ACTIVE);
+  EXPECT_EQ(ev.element.port_num, 1);
+  ibv_ack_async_event(&ev);
+}
+
+TEST_F(Conformance, CorruptSendQueueIndexIsQpFatalAndHurtsNobodyElse) {
+  Pair p = pair(IBV_QPT_RC);
+  ASSERT_NE(p.qp, nullptr);
+  // What a buggy or hostile guest could do: a producer index the queue cannot hold.
+  vrdma::verbs::VQp* v = vrdma::verbs::to_vqp(p.qp);
+  v->sq_hdr->producer.store(v->sq_prod + v->sq_size + 5, std::memory_order_release);
+  const uint64_t ring = 1;  // wake the backend if it sleeps, as a post would
+  ASSERT_EQ(::write(vrdma::verbs::to_vctx(ctx_)->doorbell.get(), &ring, 8), 8);
+  const ibv_async_event ev = next_async_event();
+  EXPECT_EQ(ev.event_type, IBV_EVENT_QP_FATAL);
+  EXPECT_EQ(ev.element.qp, p.qp);
+  EXPECT_EQ(state(p.qp), IBV_QPS_ERR);
+  // The backend goes on: another QP pair of the same two guests works.
+  Pair q = pair(IBV_QPT_RC);
+  ASSERT_NE(q.qp, nullptr);
+  ASSERT_EQ(peer_.post_recv(q.peer, 2, 0, 64), 0);
+  EXPECT_EQ(run(q.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 9}).status,
+            IBV_WC_SUCCESS);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 2u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+}
+
+TEST_F(Conformance, CqOverrunIsCqError) {
+  ibv_cq* small = ibv_create_cq(ctx_, 4, nullptr, nullptr, 0);
+  ASSERT_NE(small, nullptr);
+  cqs_.push_back(small);
+  ibv_qp* qp = make_qp(IBV_QPT_RC, 64, 1, 0, small);
+  ASSERT_NE(qp, nullptr);
+  const PeerQp pq = peer_.create_qp(IBV_QPT_RC);
+  QpPath ours, theirs;
+  ours.dlid = peer_.lid();
+  ours.dest_qpn = pq.qpn;
+  theirs.dlid = lid_;
+  theirs.dest_qpn = qp->qp_num;
+  ASSERT_EQ(bring_to_rts(qp, ours), 0);
+  ASSERT_EQ(peer_.connect(pq, theirs), 0);
+  // More signaled completions than the CQ holds, none polled.
+  const int n = small->cqe + 2;
+  for (int i = 0; i < n; ++i) {
+    ASSERT_EQ(post(qp, {.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 8)}, .wr_id = uint64_t(i),
+                        .raddr = peer_.mem().addr, .rkey = peer_.mem().rkey}),
+              0);
+  }
+  const ibv_async_event ev = next_async_event();
+  EXPECT_EQ(ev.event_type, IBV_EVENT_CQ_ERR);
+  EXPECT_EQ(ev.element.cq, small);
+}
+
+TEST_F(Conformance, SrqLimitReachedFiresOnceWhenArmed) {
+  ibv_srq_init_attr sa{};
+  sa.attr.max_wr = 16;
+  sa.attr.max_sge = 1;
+  ibv_srq* srq = ibv_create_srq(pd_, &sa);
+  ASSERT_NE(srq, nullptr) << std::strerror(errno);
+  ibv_qp_init_attr ia{};
+  ia.send_cq = ia.recv_cq = cq_;
+  ia.qp_type = IBV_QPT_RC;
+  ia.srq = srq;
+  ia.cap = {8, 0, 1, 1, 0};
+  ibv_qp* rq = ibv_create_qp(pd_, &ia);
+  ASSERT_NE(rq, nullptr);
+  ibv_qp* sq = make_qp(IBV_QPT_RC);
+  ASSERT_NE(sq, nullptr);
+  connect(rq, sq->qp_num);
+  connect(sq, rq->qp_num);
+  for (uint64_t i = 0; i < 8; ++i) {
+    ibv_sge s = sge(4096 * i, 64);
+    ibv_recv_wr wr{};
+    wr.wr_id = i;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_srq_recv(srq, &wr, &bad), 0);
+  }
+  ibv_srq_attr lim{};
+  lim.srq_limit = 6;
+  ASSERT_EQ(ibv_modify_srq(srq, &lim, IBV_SRQ_LIMIT), 0);
+  // 8 posted, 3 consumed: 5 left < 6.
+  for (int i = 0; i < 3; ++i)
+    ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = uint64_t(i)}), 0);
+  EXPECT_EQ(poll(cq_, 6).size(), 6u);
+  const ibv_async_event ev = next_async_event();
+  EXPECT_EQ(ev.event_type, IBV_EVENT_SRQ_LIMIT_REACHED);
+  EXPECT_EQ(ev.element.srq, srq);
+  ibv_srq_attr now{};
+  ASSERT_EQ(ibv_query_srq(srq, &now), 0);
+  EXPECT_EQ(now.srq_limit, 0u) << "the event disarms the limit";
+  EXPECT_EQ(ibv_destroy_qp(rq), 0);
+  EXPECT_EQ(ibv_destroy_srq(srq), 0);
+}
+
+}  // namespace
