@@ -84,8 +84,13 @@ void Device::release(Guest& g, Res r, uint64_t n) {
 Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
   const uint32_t limit = quotas_.max_queue_depth;
   if (limit == 0 || entries <= limit) return Status::ok();
-  VLOG_WARN("guest {}: quota max_queue_depth = {} reached ({} of {} entries)", g.name, limit, what,
-            entries);
+  // Logged once per guest: nothing is held that could be freed to re-arm it.
+  const uint32_t bit = 1u << static_cast<unsigned>(Res::kCount);
+  if (!(g.quota_logged & bit)) {
+    g.quota_logged |= bit;
+    VLOG_WARN("guest {}: quota max_queue_depth = {} reached ({} of {} entries)", g.name, limit,
+              what, entries);
+  }
   return error(ENOMEM, fmt::format("{} of {} entries: guest quota max_queue_depth = {}", what,
                                    entries, limit));
 }

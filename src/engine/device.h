@@ -164,7 +164,7 @@ struct Guest {
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
-  uint32_t quota_logged = 0;  ///< bit per Res: the hit was logged; cleared when one is freed
+  uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
   std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
   size_t turn = 0;            ///< the QP of `active` poll() visits first next time
 };
