@@ -87,6 +87,38 @@ Setter endpoint(std::string& out, bool empty_ok) {
   };
 }
 
+/// Levenshtein distance, for "did you mean" on a misspelt key.
+size_t distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+/// " (did you mean X?)" for the closest of `names` within two edits of `word`, else "".
+template <typename Map>
+std::string suggestion(std::string_view word, const Map& names, const char* open = "",
+                       const char* close = "") {
+  std::string best;
+  size_t best_d = 3;
+  for (const auto& [name, unused] : names) {
+    const size_t d = distance(word, name);
+    if (d < best_d) {
+      best_d = d;
+      best = name;
+    }
+  }
+  return best.empty() ? "" : fmt::format(" (did you mean {}{}{}?)", open, best, close);
+}
+
 }  // namespace
 
 Status Config::load_string(std::string_view text, const std::string& origin) {
@@ -124,16 +156,24 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
   for (const auto& [section, node] : root) {
     const std::string at = where(origin, node);
     auto sec = schema.find(std::string(section.str()));
-    if (sec == schema.end())
-      return error(EINVAL, fmt::format("{}: unknown section [{}]", at, section.str()));
+    if (sec == schema.end()) {
+      return error(EINVAL, fmt::format("{}: unknown section [{}]{}", at, section.str(),
+                                       suggestion(section.str(), schema, "[", "]")));
+    }
     const toml::table* t = node.as_table();
     if (!t) return error(EINVAL, fmt::format("{}: [{}] must be a table", at, section.str()));
     for (const auto& [key, value] : *t) {
       const std::string kat = where(origin, value);
       auto k = sec->second.find(std::string(key.str()));
       if (k == sec->second.end()) {
-        return error(EINVAL,
-                     fmt::format("{}: unknown key \"{}\" in [{}]", kat, key.str(), section.str()));
+        // A key of another section, or a near miss of one of this section's.
+        std::string hint = suggestion(key.str(), sec->second);
+        for (const auto& [other, keys] : schema) {
+          if (keys.count(std::string(key.str())))
+            hint = fmt::format(" (it belongs in [{}])", other);
+        }
+        return error(EINVAL, fmt::format("{}: unknown key \"{}\" in [{}]{}", kat, key.str(),
+                                         section.str(), hint));
       }
       RETURN_IF_ERROR(k->second(value, fmt::format("{}: {}.{}", kat, section.str(), key.str())));
     }

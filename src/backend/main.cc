@@ -32,6 +32,9 @@ int main(int argc, char** argv) {
   app.add_option("--listen", cfg.listen, "ADDR:PORT for backend-to-backend TCP");
   app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
   app.add_option("--node", cfg.node, "this backend's name among its peers");
+  std::string metrics_listen;
+  app.add_option("--metrics-listen", metrics_listen,
+                 "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
   CLI11_PARSE(app, argc, argv);
 
   if (!config_file.empty()) {
@@ -54,11 +57,24 @@ int main(int argc, char** argv) {
   if (!socket.empty()) cfg.socket_path = socket;
   if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
   if (spin_us >= 0) cfg.spin_us = spin_us;
+  if (!metrics_listen.empty()) {
+    cfg.metrics_enabled = true;
+    cfg.metrics_listen = metrics_listen;
+  }
   if (cfg.socket_path.empty()) cfg.socket_path = vrdma::socket_path();
   if (cfg.node.empty()) {
     char host[256] = {};
     ::gethostname(host, sizeof(host) - 1);
     cfg.node = host;
+  }
+  // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
+  // cross-host path on one host).
+  if (const char* t = ::getenv("VRDMA_TRANSPORT"); t && *t) {
+    if (std::string(t) != "tcp" && std::string(t) != "auto") {
+      fmt::print(stderr, "vrdmad: VRDMA_TRANSPORT={} (expected tcp or auto)\n", t);
+      return 2;
+    }
+    cfg.force = std::string(t) == "tcp" ? "tcp" : "";
   }
   if (check_only) {
     fmt::print("{}: ok\n", config_file);

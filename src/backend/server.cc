@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/activation.h"
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
@@ -26,6 +27,15 @@ namespace {
 constexpr uint64_t kTagListen = 1ull << 62;
 constexpr uint64_t kTagDoorbell = 1ull << 61;
 constexpr uint64_t kTagWake = 1ull << 60;
+constexpr uint64_t kTagMetrics = 1ull << 59;
+constexpr uint64_t kTagTransport = 1ull << 58;
+
+/// Names the peer of a connection in log lines: its guest, pid and session once it said Hello.
+std::string who(const Server::Conn& c, int fd) {
+  if (!c.session) return fmt::format("connection {} (before hello)", fd);
+  return fmt::format("guest {} pid {} session {}", c.session->guest->name, c.session->pid,
+                     c.session->id);
+}
 
 uint64_t now_ns() {
   timespec ts;
@@ -55,6 +65,9 @@ void Server::watch(int fd, uint64_t tag) {
 }
 
 Status Server::setup() {
+  // systemd's socket, when it started us: its path is the one to lock.
+  ASSIGN_OR_RETURN(UniqueFd inherited, inherited_listener(opt_.socket_path));
+  activated_ = inherited.valid();
   ensure_parent_dir(opt_.socket_path);
   std::string lock_path = opt_.socket_path + ".lock";
   lock_ = UniqueFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
@@ -63,15 +76,34 @@ Status Server::setup() {
     if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
     return error(errno, "flock");
   }
-  // We hold the lock: any socket file left is stale.
-  ::unlink(opt_.socket_path.c_str());
-  ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
-  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
+  // Metrics first: a backend that cannot serve what it was configured to never takes guests.
+  if (opt_.metrics_enabled) {
+    metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
+                                             [this] { return reporter_.metrics(dev_); });
+    RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
+    VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
+  }
+  listen_ = std::move(inherited);
+  if (!activated_) {
+    // We hold the lock: any socket file left is stale.
+    ::unlink(opt_.socket_path.c_str());
+    ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
+  }
+  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
   watch(listen_.get(), kTagListen);
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
+  // Backends talk over TCP when a listen address is given, or for every pair when forced.
+  if (!opt_.listen.empty() || opt_.force == "tcp") {
+    transport::tcp::TcpTransport::Options to{
+        opt_.node, opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen, opt_.peers,
+        opt_.force == "tcp"};
+    ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
+    dev_.set_transport(tcp_.get());
+    watch(tcp_->fd(), kTagTransport);
+  }
   return Status::ok();
 }
 
@@ -107,13 +139,13 @@ void Server::on_readable(int fd) {
     if (!st.is_ok()) {
       if (st.err() == EAGAIN) return;
       if (st.err() != ECONNRESET)
-        VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+        VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
     st = handle(it->second, msg, fds);
     if (!st.is_ok()) {
-      VLOG_WARN("connection {}: {}; closing it", fd, st.message());
+      VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
@@ -143,7 +175,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::vector<int> out_fds;
   UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
-    VLOG_DEBUG("op {} failed: {}", h.op, st.message());
+    VLOG_DEBUG("{}: op {} failed: {}", who(c, c.sock.get()), h.op, st.message());
     out = encode(op, h.seq, -st.err(), Empty{});
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
@@ -199,7 +231,14 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
     case Op::kStatus: {
-      std::string js = dev_.status_json();
+      std::string js = reporter_.status(dev_).dump();
+      if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
+        VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
+                  who(c, c.sock.get()), js.size(), kMaxResponse);
+        reply_err(error(E2BIG, "status too large"));
+        break;
+      }
+      fit_send_buffer(c.sock.get(), js.size() + sizeof(MsgHeader) + 4);
       out = encode(op, h.seq, 0, Empty{});
       uint32_t n = static_cast<uint32_t>(js.size());
       out.insert(out.end(), reinterpret_cast<uint8_t*>(&n), reinterpret_cast<uint8_t*>(&n) + 4);
@@ -225,7 +264,8 @@ Status Server::run() {
     }
     return st;
   }
-  VLOG_INFO("vrdmad listening on {}", opt_.socket_path);
+  VLOG_INFO("vrdmad {} listening on {}{}", VRDMA_VERSION, opt_.socket_path,
+            activated_ ? " (socket activation)" : "");
   uint64_t idle_since = now_ns();
   uint64_t last_work = now_ns();
   epoll_event evs[64];
@@ -233,6 +273,7 @@ Status Server::run() {
   while (!stop_) {
     uint64_t now = now_ns();
     bool work = dev_.poll(now);
+    if (tcp_) work |= tcp_->poll(now);
     if (work) last_work = now;
     int timeout = 0;
     const bool spinning = now - last_work < uint64_t(opt_.spin_us) * 1000;
@@ -250,9 +291,18 @@ Status Server::run() {
         continue;
       }
       timeout = -1;
-      if (uint64_t d = dev_.next_deadline()) {
-        timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
+      uint64_t d = dev_.next_deadline();
+      if (tcp_) {
+        if (tcp_->poll(now_ns())) {  // frames the last device poll queued, or that arrived
+          dev_.set_sleeping(false);
+          last_work = now_ns();
+          continue;
+        }
+        const uint64_t t = tcp_->next_deadline();
+        if (t && (d == 0 || t < d)) d = t;
       }
+      if (d) timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
+      if (metrics_ && metrics_->has_clients() && (timeout < 0 || timeout > 1000)) timeout = 1000;
       if (opt_.idle_exit_s > 0 && conns_.empty()) {
         int left = static_cast<int>(opt_.idle_exit_s * 1000 - (now - idle_since) / 1000000);
         if (left <= 0) {
@@ -268,6 +318,14 @@ Status Server::run() {
       uint64_t tag = evs[i].data.u64;
       int fd = static_cast<int>(tag & 0xffffffff);
       if (tag & kTagWake) continue;
+      if (tag & kTagMetrics) {
+        metrics_->on_event(fd, evs[i].events, now_ns());
+        continue;
+      }
+      if (tag & kTagTransport) {  // tcp_->poll() at the top of the loop reads it
+        last_work = now_ns();
+        continue;
+      }
       if (tag & kTagListen) {
         accept_all();
       } else if (tag & kTagDoorbell) {
@@ -281,8 +339,9 @@ Status Server::run() {
       }
     }
     if (!conns_.empty()) idle_since = now_ns();
+    if (metrics_) metrics_->expire(now_ns());
   }
-  ::unlink(opt_.socket_path.c_str());
+  if (!activated_) ::unlink(opt_.socket_path.c_str());
   ::unlink((opt_.socket_path + ".pid").c_str());
   return Status::ok();
 }

@@ -5,13 +5,17 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 
 #include "backend/config.h"
+#include "backend/metrics_http.h"
+#include "backend/report.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::fuzz {
 class CommandFuzzer;
@@ -28,12 +32,14 @@ class Server {
   /// Any thread, and async-signal-safe: asks run() to return and wakes it.
   void stop();
 
- private:
-  friend class ::vrdma::fuzz::CommandFuzzer;  ///< tests/fuzz/fuzz_command.cc calls handle()
+ /// One guest connection (a verbs context); public so log helpers can name it.
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;
   };
+
+ private:
+  friend class ::vrdma::fuzz::CommandFuzzer;  ///< tests/fuzz/fuzz_command.cc calls handle()
   Status setup();
   void accept_all();
   void on_readable(int fd);
@@ -45,10 +51,16 @@ class Server {
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd lock_, listen_, epoll_;
 
+  /// Cross-backend traffic; null: off. Declared before dev_ so it outlives it: the device tells
+  /// it about guests that leave while it is destroyed.
+  std::unique_ptr<transport::tcp::TcpTransport> tcp_;
   engine::Device dev_;
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
   std::atomic<bool> stop_{false};
+  Reporter reporter_{opt_};
+  std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
+  bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
 };
 
 }  // namespace vrdma::backend

@@ -1,5 +1,6 @@
 // The `vrdma` command: runs an unmodified verbs program on the vrdma device (`run`), starts the
-// backend in the foreground (`backend`) and shows what the backend holds (`status`).
+// backend in the foreground (`backend`) and shows what the backend holds and did (`status`,
+// `res show`, `stat`; see show.h).
 // It only sets up an environment and talks the control protocol; it never touches a guest's rings.
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/show.h"
 #include "common/paths.h"
 #include "common/socket.h"
 #include "proto/command.h"
@@ -46,6 +48,15 @@ fs::path exe_dir() {
 }
 
 fs::path backend_binary() { return exe_dir() / "vrdmad"; }
+
+/// Where our libibverbs.so.1 is: <prefix>/lib/vrdma once installed (its own directory, so the
+/// system's libibverbs stays untouched), <build>/lib in a build tree.
+fs::path library_dir() {
+  const fs::path installed = (exe_dir() / ".." / "lib" / "vrdma").lexically_normal();
+  std::error_code ec;
+  if (fs::exists(installed / "libibverbs.so.1", ec)) return installed;
+  return (exe_dir() / ".." / "lib").lexically_normal();
+}
 
 std::string parent_dir(const std::string& path) {
   auto slash = path.rfind('/');
@@ -150,7 +161,13 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
     return 2;
   }
   const fs::path dir = exe_dir();
-  std::string lib_dir = (dir / ".." / "lib").lexically_normal().string();
+  std::string lib_dir = library_dir().string();
+  std::error_code ec;
+  if (!fs::exists(library_dir() / "libibverbs.so.1", ec)) {
+    fmt::print(stderr, "vrdma run: no libibverbs.so.1 in {} (is vrdma installed completely?)\n",
+               lib_dir);
+    return 1;
+  }
   if (const char* old = std::getenv("LD_LIBRARY_PATH"); old && *old) {
     lib_dir += std::string(":") + old;
   }
@@ -179,12 +196,19 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
   return err == ENOENT ? 127 : 126;
 }
 
-int cmd_backend(const std::string& socket_opt, int idle_exit) {
+int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
+                const std::string& check_config, const std::string& metrics_listen) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
     args.insert(args.end(), {"--socket", socket_opt});
   }
+  if (!check_config.empty()) {
+    args.insert(args.end(), {"--config", check_config, "--check-config"});
+  } else if (!config.empty()) {
+    args.insert(args.end(), {"--config", config});
+  }
+  if (!metrics_listen.empty()) args.insert(args.end(), {"--metrics-listen", metrics_listen});
   if (idle_exit >= 0) {
     args.insert(args.end(), {"--idle-exit", std::to_string(idle_exit)});
   }
@@ -204,8 +228,13 @@ int cmd_backend(const std::string& socket_opt, int idle_exit) {
 std::string query_status(const std::string& socket) {
   auto sock = connect_unix(socket);
   if (!sock) {
-    fmt::print(stderr, "vrdma: no backend is running at {} ({})\n", socket,
-               sock.status().message());
+    const int err = sock.status().err();
+    if (err == EACCES || err == EPERM) {
+      fmt::print(stderr, "vrdma: {}\n", backend_unreachable_hint(socket, err));
+    } else {
+      fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
+                 sock.status().message(), backend_unreachable_hint(socket, err));
+    }
     std::exit(1);
   }
   constexpr uint32_t kSeq = 1;
@@ -308,20 +337,85 @@ void print_table(const nlohmann::json& j) {
              count_of(t, "cq"), count_of(t, "qp"), count_of(t, "channel"), count_of(t, "segment"));
 }
 
-int cmd_status(bool json, const std::string& socket_opt) {
+/// The backend's status document, parsed. Exits the process with a message on error.
+nlohmann::json query_status_json(const std::string& socket_opt) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   std::string text = query_status(socket);
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    fmt::print(stderr, "vrdma: the backend sent malformed status JSON: {}\n", text);
+    std::exit(1);
+  }
+  return j;
+}
+
+int cmd_status(bool json, const std::string& socket_opt) {
+  nlohmann::json j = query_status_json(socket_opt);
   if (json) {
-    fmt::print("{}\n", text);
+    fmt::print("{}\n", j.dump());
     return 0;
   }
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    fmt::print(stderr, "vrdma: the backend sent malformed status JSON: {}\n", text);
-    return 1;
-  }
-  fmt::print("backend: {}\n", socket);
+  fmt::print("{}", status_header(j));
   print_table(j);
+  return 0;
+}
+
+/// `vrdma res show [TYPE] [KEY VALUE]... [-j]` and `vrdma stat [qp|guest] [KEY VALUE]... [-j]`.
+int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::string& socket_opt) {
+  const char* const cmd = stat ? "vrdma stat" : "vrdma res show";
+  // The first word is the type when it names one (`guest` of `stat` is also a filter key, so
+  // there it is the type only when a filter pair follows it).
+  std::string type;
+  if (!words.empty()) {
+    const std::string& w = words.front();
+    const bool named = stat ? w == "qp" : (w == "qp" || w == "cq" || w == "mr" || w == "pd" ||
+                                           w == "srq");
+    if (named || words.size() % 2 == 1) {
+      type = w;
+      words.erase(words.begin());
+    }
+  }
+  auto filters = parse_filters(words);
+  if (!filters) {
+    fmt::print(stderr, "{}: {}\n", cmd, filters.status().message());
+    return 2;
+  }
+  // Check the arguments before asking the backend, so a typo is reported as one.
+  const nlohmann::json empty = {{"res", nlohmann::json::object()}};
+  auto check = stat ? stat_rows(empty, type.empty() ? "qp" : type, *filters)
+                    : res_rows(empty, type.empty() ? "qp" : type, *filters);
+  if (!check || (!stat && type.empty() && !filters->empty())) {
+    fmt::print(stderr, "{}: {}\n", cmd,
+               check ? "filters need a resource type (qp, cq, mr, pd, srq)"
+                     : check.status().message());
+    return 2;
+  }
+  nlohmann::json j = query_status_json(socket_opt);
+  if (!stat && type.empty()) {
+    if (json) {
+      fmt::print("{}\n", j["guests"].dump());
+    } else {
+      fmt::print("{}", res_summary(j));
+    }
+    return 0;
+  }
+  if (stat && type.empty()) {
+    // Both views: the sums per guest, then each QP.
+    auto g = stat_rows(j, "guest", *filters);
+    auto q = stat_rows(j, "qp", *filters);
+    if (json) {
+      fmt::print("{}\n", nlohmann::json{{"guest", *g}, {"qp", *q}}.dump());
+    } else {
+      fmt::print("{}\n{}", stat_text("guest", *g), stat_text("qp", *q));
+    }
+    return 0;
+  }
+  auto rows = stat ? stat_rows(j, type, *filters) : res_rows(j, type, *filters);
+  if (json) {
+    fmt::print("{}\n", rows->dump());
+  } else {
+    fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows));
+  }
   return 0;
 }
 
@@ -365,8 +459,14 @@ int main_impl(int argc, char** argv) {
 
   std::string backend_socket;
   int idle_exit = -1;  ///< -1: not given, vrdmad's default
+  std::string config, check_config, metrics_listen;
   auto* backend = app.add_subcommand("backend", "Run the backend (vrdmad) in the foreground");
   backend->add_option("--socket", backend_socket, "socket to listen on");
+  backend->add_option("--config", config, "TOML config file (flags given here override it)");
+  backend->add_option("--check-config", check_config,
+                      "validate this config file and exit (errors name the line)");
+  backend->add_option("--metrics-listen", metrics_listen,
+                      "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
       ->check(CLI::Range(0, 86400 * 365));
 
@@ -376,6 +476,22 @@ int main_impl(int argc, char** argv) {
   status->add_flag("--json", json, "print the backend's raw JSON");
   status->add_option("--socket", status_socket,
                      "backend socket (default: VRDMA_SOCKET or the system one)");
+
+  std::vector<std::string> res_words, stat_words;
+  bool res_json = false, stat_json = false;
+  std::string res_socket, stat_socket;
+  auto* res = app.add_subcommand("res", "Resources the backend holds, as iproute2's `rdma res`");
+  res->require_subcommand(1);
+  auto* res_show = res->add_subcommand(
+      "show", "vrdma res show [qp|cq|mr|pd|srq] [guest NAME] [lqpn N] [KEY VALUE]... [-j]");
+  res_show->add_option("args", res_words, "resource type, then KEY VALUE filters");
+  res_show->add_flag("-j,--json", res_json, "JSON output (an array of objects)");
+  res_show->add_option("--socket", res_socket, "backend socket");
+  auto* stat = app.add_subcommand(
+      "stat", "Counters per QP and per guest: vrdma stat [qp|guest] [KEY VALUE]... [-j]");
+  stat->add_option("args", stat_words, "qp or guest, then KEY VALUE filters");
+  stat->add_flag("-j,--json", stat_json, "JSON output");
+  stat->add_option("--socket", stat_socket, "backend socket");
 
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
@@ -390,10 +506,16 @@ int main_impl(int argc, char** argv) {
     return cmd_run(guest, run_socket, command);
   }
   if (*backend) {
-    return cmd_backend(backend_socket, idle_exit);
+    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen);
   }
   if (*status) {
     return cmd_status(json, status_socket);
+  }
+  if (*res_show) {
+    return cmd_show(false, res_words, res_json, res_socket);
+  }
+  if (*stat) {
+    return cmd_show(true, stat_words, stat_json, stat_socket);
   }
   return 2;
 }

@@ -11,5 +11,8 @@ std::string socket_path();
 std::string guest_name();
 /// Creates the parent directory of `path` (mode 0700 when it creates it).
 void ensure_parent_dir(const std::string& path);
+/// What to do when connecting to the backend's socket `path` failed with `err`: one sentence
+/// for the user's first mistakes (no backend, permission denied, wrong socket).
+std::string backend_unreachable_hint(const std::string& path, int err);
 
 }  // namespace vrdma

@@ -90,4 +90,15 @@ Result<UniqueFd> listen_unix(const std::string& path) {
   return fd;
 }
 
+void fit_send_buffer(int sock, size_t bytes) {
+  int have = 0;
+  socklen_t len = sizeof(have);
+  if (::getsockopt(sock, SOL_SOCKET, SO_SNDBUF, &have, &len) == 0 &&
+      static_cast<size_t>(have) >= bytes * 2)
+    return;
+  // The kernel doubles what it is given and counts its own overhead in it.
+  const int want = static_cast<int>(bytes + 64 * 1024);
+  (void)::setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want));
+}
+
 }  // namespace vrdma

@@ -22,6 +22,9 @@ Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> f
 Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds);
 
 Result<UniqueFd> connect_unix(const std::string& path);
+/// Grows the send buffer of `sock` so one message of `bytes` fits (a SOCK_SEQPACKET message
+/// larger than the buffer fails with EMSGSIZE). Best effort: capped by net.core.wmem_max.
+void fit_send_buffer(int sock, size_t bytes);
 Result<UniqueFd> listen_unix(const std::string& path);
 
 }  // namespace vrdma

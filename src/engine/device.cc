@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/identity.h"
+#include "proto/wire.h"
 #include "common/log.h"
 #include "common/memfd.h"
 #include "engine/qp_state.h"
@@ -120,12 +121,27 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
     if (it != lid_of_name_.end()) {
       g->lid = it->second;
     } else {
-      if (next_lid_ >= 0xc000) return error(ENOSPC, "no unicast LIDs left");
-      g->lid = next_lid_++;
+      // The LID comes from the name, so it is the same on every backend (a guest that moves
+      // keeps it, and peers see no clash in practice); a clash here probes to the next one.
+      if (lid_of_name_.size() >= 0xbfff) return error(ENOSPC, "no unicast LIDs left");
+      uint16_t lid = static_cast<uint16_t>(1 + fnv1a64(name) % 0xbfff);
+      auto taken = [&](uint16_t l) {
+        for (const auto& [n, v] : lid_of_name_) {
+          if (v == l) return true;
+        }
+        return false;
+      };
+      while (taken(lid)) lid = static_cast<uint16_t>(lid % 0xbfff + 1);
+      g->lid = lid;
       lid_of_name_[name] = g->lid;
     }
     guests_by_lid_[g->lid] = g.get();
     VLOG_INFO("guest {} joined: lid {:#x}", name, g->lid);
+    if (transport_) {
+      transport::GuestInfo info{name, g->lid, {}};
+      std::memcpy(info.gid, g->gid, 16);
+      transport_->announce(info, true);
+    }
   }
   auto s = std::make_unique<Session>();
   s->id = next_session_++;
@@ -154,6 +170,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   resp.session_id = s->id;
   resp.control_bytes = kPage;
   fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
+  s->comm = read_comm(req.pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
   // The port is up: say so, as a device does when its link becomes active.
@@ -188,6 +205,11 @@ void Device::close_session(Session* s) {
   sessions_.erase(s->id);
   if (--g->sessions == 0) {
     VLOG_INFO("guest {} left", g->name);
+    if (transport_) {
+      transport::GuestInfo info{g->name, g->lid, {}};
+      std::memcpy(info.gid, g->gid, 16);
+      transport_->announce(info, false);
+    }
     guests_by_lid_.erase(g->lid);
     guests_.erase(g->name);
   }
@@ -432,6 +454,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   qp->recv_cq->users++;
   CreateQpResp resp{qp->handle, qpn, qp->caps, sq_bytes + rq_bytes, sq_bytes};
   g.qps[qpn] = qp.get();
+  active_.push_back(qp.get());
   if (g.active.empty()) active_guests_.push_back(&g);
   g.active.push_back(qp.get());
   s.qps[qp->handle] = std::move(qp);
@@ -495,8 +518,8 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   if (m & IBV_QP_TIMEOUT) q.timeout = a.timeout;
   if (m & IBV_QP_RETRY_CNT) q.retry_cnt = a.retry_cnt;
   if (m & IBV_QP_RNR_RETRY) q.rnr_retry = a.rnr_retry;
-  if (m & IBV_QP_RQ_PSN) q.rq_psn = a.rq_psn & 0xffffff;
-  if (m & IBV_QP_SQ_PSN) q.sq_psn = a.sq_psn & 0xffffff;
+  if (m & IBV_QP_RQ_PSN) q.rq_psn = qp->expected_psn = a.rq_psn & 0xffffff;
+  if (m & IBV_QP_SQ_PSN) q.sq_psn = qp->next_psn = a.sq_psn & 0xffffff;
   if (m & IBV_QP_MAX_QP_RD_ATOMIC) q.max_rd_atomic = a.max_rd_atomic;
   if (m & IBV_QP_MAX_DEST_RD_ATOMIC) q.max_dest_rd_atomic = a.max_dest_rd_atomic;
   if (m & IBV_QP_MIN_RNR_TIMER) q.min_rnr_timer = a.min_rnr_timer;
@@ -506,12 +529,20 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
     ibv_qp_state prev = qp->state;
     qp->state = next;
     q.qp_state = next;
+    // Connecting: the destination decides the transport (a local guest or a peer's).
+    if (next == IBV_QPS_RTR && prev != IBV_QPS_RTR) choose_route(*qp);
+    if (next == IBV_QPS_RTS) {
+      qp->retry_left = q.retry_cnt;
+      qp->rnr_left = q.rnr_retry;
+    }
     if (next == IBV_QPS_RESET) {
       // RESET discards all outstanding work without completions.
+      qp->unacked.clear();
       qp->sq_cons = qp->sq_hdr->producer.load(std::memory_order_acquire);
       qp->rq_cons = qp->rq_hdr->producer.load(std::memory_order_acquire);
       qp->sq_hdr->consumer.store(qp->sq_cons, std::memory_order_release);
       qp->rq_hdr->consumer.store(qp->rq_cons, std::memory_order_release);
+      qp->sq_sent = qp->sq_cons;
     }
     // Leaving RTS (to ERR, RESET, SQD) or entering it ends any retry wait: in ERR the head WQE
     // is flushed, and a pending deadline must not keep the backend from sleeping.
@@ -537,7 +568,7 @@ void Device::fail_peers(const Session& s) {
   if (s.qps.empty()) return;
   for (Guest* g : active_guests_) {
     for (Qp* peer : g->active) {
-      if (peer->owner == &s || peer->type == IBV_QPT_UD) continue;
+      if (peer->owner == &s || peer->type == IBV_QPT_UD || peer->remote) continue;
       if (peer->state != IBV_QPS_RTR && peer->state != IBV_QPS_RTS && peer->state != IBV_QPS_SQD)
         continue;
       const Qp* to = lookup_remote(*peer);
@@ -550,7 +581,9 @@ void Device::fail_peers(const Session& s) {
 
 void Device::destroy_qp_now(Session& s, Qp& qp) {
   Guest& g = *qp.guest;
+  g.retired += qp.cnt;
   g.qps.erase(qp.qpn);
+  active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
   g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
   if (g.active.empty()) {
     active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
@@ -635,7 +668,8 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
 void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
   uint32_t ev[2] = {static_cast<uint32_t>(type), handle};
   if (::write(s.async_write.get(), ev, sizeof(ev)) != sizeof(ev))
-    VLOG_WARN("session {}: async event queue full, event {} dropped", s.id, int(type));
+    VLOG_WARN("guest {} session {}: async event queue full, event {} dropped", s.guest->name, s.id,
+              int(type));
 }
 
 std::string Device::status_json() const {
@@ -663,6 +697,7 @@ std::string Device::status_json() const {
         qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
                        {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
                        {"dest_qpn", qp->attr.dest_qp_num}, {"transport", qp->transport},
+                       {"transport_why", qp->transport_why}, {"peer_node", qp->peer_node},
                        {"msgs_sent", qp->cnt.msgs_sent}, {"bytes_sent", qp->cnt.bytes_sent},
                        {"msgs_received", qp->cnt.msgs_received},
                        {"bytes_received", qp->cnt.bytes_received}});

@@ -7,7 +7,9 @@
 
 #include <infiniband/verbs.h>
 
+#include <array>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <random>
@@ -20,6 +22,9 @@
 #include "proto/command.h"
 #include "proto/ring.h"
 #include "engine/quotas.h"
+#include "transport/transport.h"
+
+#include <nlohmann/json_fwd.hpp>
 
 namespace vrdma::engine {
 
@@ -90,10 +95,7 @@ struct Srq {
 };
 
 /// A run of bytes in backend memory that one SGE (or inline data) resolved to.
-struct Span {
-  uint8_t* p;
-  uint64_t n;
-};
+using Span = transport::Span;
 
 /// Why a WQE could not finish yet.
 enum class Step { kDone, kWait };
@@ -112,7 +114,14 @@ struct QpCounters {
   uint64_t rnr_naks = 0;    ///< requester: RNR NAKs received (each one a retry after the timer)
   uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
   uint64_t wc_errors[IBV_WC_TM_RNDV_INCOMPLETE + 1] = {};  ///< error completions, by ibv_wc_status
+
+  QpCounters& operator+=(const QpCounters& o);
 };
+
+/// Counters as JSON: totals, and `wc_errors` by status name ("LOC_LEN_ERR"; non-zero ones only).
+nlohmann::json counters_json(const QpCounters& c);
+/// /proc/PID/comm of a guest process; "" when it cannot be read.
+std::string read_comm(uint32_t pid);
 
 struct Qp {
   uint32_t handle = 0;
@@ -145,8 +154,27 @@ struct Qp {
   // How the QP's messages travel, chosen when it is connected (RTR): "shm" (the peer QP is on
   // this backend) or "tcp" (on a peer backend, `peer_node`), and why.
   std::string transport = "shm";
-  std::string transport_why = "same backend";
+  std::string transport_why = "not connected yet";
   std::string peer_node;
+  bool remote = false;         ///< transport == "tcp"
+  bool route_pending = false;  ///< the destination was unknown at RTR; looked up again on send
+  // Requester over tcp (RC): WQEs sent and not yet acknowledged, oldest first, as private copies.
+  // SQ slots [sq_cons, sq_sent) are in flight; complete_send retires them strictly in order.
+  struct Outstanding {
+    proto::SendWqe w;
+    uint32_t psn;
+    uint32_t len;
+    bool has_result = false;  ///< READ data / atomic result arrived
+  };
+  std::deque<Outstanding> unacked;
+  uint32_t sq_sent = 0;
+  uint32_t next_psn = 0;  ///< requester: PSN of the next new message
+  uint64_t ack_deadline_ns = 0;
+  // Responder over tcp (RC): the next PSN it executes; earlier ones are duplicates.
+  uint32_t expected_psn = 0;
+  /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
+  std::array<std::pair<uint32_t, uint64_t>, 16> atomic_cache{};
+  uint32_t atomic_cache_next = 0;
 };
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
@@ -163,6 +191,7 @@ struct Guest {
   uint32_t next_key_index = 1;
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
+  QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
   std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
@@ -172,6 +201,7 @@ struct Guest {
 struct Session {
   uint32_t id = 0;
   uint32_t pid = 0;
+  std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
   UniqueFd control_fd, doorbell, async_write, async_read;
@@ -192,10 +222,37 @@ struct Session {
 /// Fds a command's response carries back to the guest (the backend keeps its own copies).
 using FdList = std::vector<int>;
 
-class Device {
+/// What a responder is asked to do: a message from a requester QP, local or from the wire.
+struct Inbound {
+  uint32_t op = 0, send_flags = 0, imm_data = 0, rkey = 0;
+  uint64_t remote_addr = 0, compare_add = 0, swap = 0, len = 0;
+  uint32_t src_qpn = 0;
+  uint16_t slid = 0;
+  ibv_qp_type type = IBV_QPT_RC;
+};
+
+/// The responder's verdict on an Inbound before any byte moves.
+struct Response {
+  enum Kind : uint8_t {
+    kOk,     ///< accepted: data goes to dst_ (SEND/WRITE) or comes from src_ (READ)
+    kRnr,    ///< no receive posted: RNR NAK
+    kError,  ///< NAK with `status` for the requester (the responder side is already handled)
+    kDrop,   ///< no answer at all (the responder's ring is corrupt): the requester times out
+  } kind = kOk;
+  ibv_wc_status status = IBV_WC_SUCCESS;
+  const char* why = "";
+  const Mr* mr = nullptr;   ///< WRITE/READ/atomic: the responder's MR
+  proto::RecvWqe recv{};    ///< the receive WQE it lands in (SEND, WRITE_WITH_IMM)
+  uint64_t atomic_old = 0;  ///< atomics: the value before
+};
+
+class Device : public transport::Receiver {
  public:
   explicit Device(Quotas quotas = {});
-  ~Device();
+  ~Device() override;
+
+  /// Cross-backend traffic goes through `t` (may be null: single host). Set before sessions.
+  void set_transport(transport::Transport* t) { transport_ = t; }
 
   // ---- control path (each validates every field it is given) ----
   Result<Session*> open_session(const proto::HelloReq& req, proto::HelloResp& resp, FdList& fds);
@@ -219,6 +276,8 @@ class Device {
   Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
   Status destroy_srq(Session& s, uint32_t handle);
   std::string status_json() const;
+  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
+  nlohmann::json report() const;
 
   // ---- data path (datapath.cc) ----
   /// Runs every QP's rings once. Returns true when any work was done.
@@ -228,6 +287,13 @@ class Device {
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
+
+  // ---- frames from other backends (device_remote.cc) ----
+  void on_frame(const std::string& node, const proto::wire::Frame& f,
+                transport::RxSink& sink) override;
+  void on_frame_done(const std::string& node, const proto::wire::Frame& f,
+                     transport::RxSink& sink) override;
+  void on_peer_up(const std::string& node) override;
 
  private:
   Qp* find_qp(Session& s, uint32_t handle);
@@ -243,6 +309,47 @@ class Device {
   /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
   bool poll_guest(Guest& g, uint64_t now_ns);
   Qp* lookup_remote(const Qp& from);
+  /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
+  static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
+                           const uint8_t sgid[16]);
+  Guest* guest_by_gid(const uint8_t gid[16]);
+  // ---- responder, for a local requester and for one on the wire alike ----
+  /// Checks and prepares the message: RNR, rkey/PD/access/bounds, receive WQE; resolves the
+  /// responder's memory into dst_ (SEND/WRITE) or src_ (READ); executes an atomic.
+  Response respond_begin(Qp& to, const Inbound& in);
+  /// The data is in place: consumes the receive WQE and posts its completion.
+  void respond_finish(Qp& to, const Inbound& in, const proto::RecvWqe& r);
+  /// RNR wait bookkeeping for the requester; returns false when RNR retries are exhausted.
+  /// `fresh`: a new reason to wait, so the counter is reloaded from the QP's rnr_retry.
+  bool rnr_wait(Qp& qp, uint8_t rnr_timer, uint64_t now_ns, bool fresh);
+  // ---- requester over a transport (device_remote.cc) ----
+  /// Picks the QP's transport at RTR from its destination.
+  void choose_route(Qp& qp);
+  bool process_sq_remote(Qp& qp, uint64_t now_ns);
+  /// Builds and sends the request frame of an outstanding WQE; false when not connected.
+  bool send_request(Qp& qp, const Qp::Outstanding& o);
+  void resend_all(Qp& qp);
+  /// Completes outstanding WQEs up to `psn` (inclusive) in order.
+  void acked(Qp& qp, uint32_t psn, uint64_t now_ns);
+  void on_request(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);
+  void on_duplicate(const std::string& node, Qp& to, const proto::wire::Request& rq,
+                    const Inbound& in);
+  /// The QP a request names on this backend (by the destination LID or GID and QPN), or null.
+  Qp* request_target(const proto::wire::Request& rq);
+  /// The requester QP a reply is for, or null when it is gone or not waiting for replies.
+  Qp* reply_target(const proto::wire::Reply& rp);
+  void sge_holds(const Qp& qp, const proto::Sge* sge, uint32_t n, uint32_t pd);
+  uint64_t ack_ns(const Qp& qp) const;
+  void on_reply(const proto::wire::Frame& f, transport::RxSink& sink);
+  void reply(const std::string& node, const proto::wire::Request& rq, proto::wire::Syndrome s,
+             uint32_t status = 0, uint8_t rnr_timer = 0, uint64_t atomic_orig = 0,
+             std::span<const Span> data = {}, std::span<const transport::Hold> holds = {});
+  /// UD over the transport: the datagram to a guest of another backend.
+  void send_ud_remote(Qp& qp, const proto::SendWqe& w, const std::string& node, uint64_t len);
+  /// Delivers a datagram (local or from the wire) to `to`; payload from `src`.
+  void deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
+                  std::span<const Span> src, uint8_t sl);
+  void holds_of(const Mr& mr, std::vector<transport::Hold>& out) const;
   void enter_error(Qp& qp, const char* why);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
@@ -256,8 +363,17 @@ class Device {
   bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);
   /// Consumes the WQE peek_recv returned; raises the SRQ limit event when it is crossed.
   void consume_recv(Qp& to);
-  /// Local side of a send: inline bytes or SGEs into src_. False when it failed (completed).
-  bool gather(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
+  /// Local side of a send: inline bytes or SGEs into src_. A status other than success (and
+  /// `why`) when it fails; nothing is completed here.
+  ibv_wc_status gather(const Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy,
+                       uint64_t& len, const char*& why);
+  /// Local side of any WQE: the source (SEND/WRITE, into src_) or the destination (READ and
+  /// atomics, into dst_), validated; nothing is completed here.
+  ibv_wc_status local_check(const Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy,
+                            uint64_t& len, const char*& why);
+  /// local_check, completing the WQE with the error (QP to ERR) when it fails.
+  bool local_side(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
+  static Inbound inbound_of(const Qp& qp, const proto::SendWqe& w, uint64_t len);
   /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error).
   const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                            uint32_t need_access) const;
@@ -278,13 +394,17 @@ class Device {
   std::map<std::string, uint16_t> lid_of_name_;  ///< LIDs stay with a name across sessions
   std::unordered_map<uint16_t, Guest*> guests_by_lid_;
   std::map<uint32_t, std::unique_ptr<Session>> sessions_;
-  std::vector<Guest*> active_guests_;  ///< guests with a QP, for polling round-robin
+  std::vector<Qp*> active_;  ///< every QP (the TCP transport's replay walks them)
+  std::vector<Guest*> active_guests_;  ///< guests with a QP: what poll() visits, round-robin
   size_t guest_turn_ = 0;              ///< the guest poll() visits first next time
-  uint16_t next_lid_ = 1;
   uint32_t next_session_ = 1;
   std::mt19937_64 rng_;
   Quotas quotas_;
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
+  transport::Transport* transport_ = nullptr;
+  /// The time of the last poll(): frames that arrive between polls use it for their timers.
+  uint64_t now_ns_ = 0;
+  std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 
 }  // namespace vrdma::engine

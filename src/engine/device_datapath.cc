@@ -10,30 +10,35 @@
 
 #include "common/log.h"
 #include "engine/device.h"
+#include "engine/datapath_util.h"
 #include "proto/device_caps.h"
 
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
 
+
 namespace {
 
-/// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
-uint64_t rnr_delay_ns(uint8_t t) {
-  static constexpr uint32_t kUs[32] = {655360, 10,   20,   30,   40,    60,    80,    120,
-                                       160,    240,  320,  480,  640,   960,   1280,  1920,
-                                       2560,   3840, 5120, 7680, 10240, 15360, 20480, 30720,
-                                       40960,  61440, 81920, 122880, 163840, 245760, 327680,
-                                       491520};
-  return uint64_t{kUs[t & 31]} * 1000;
-}
-uint64_t ack_timeout_ns(uint8_t t) {
-  if (t == 0) return 4096ull * 1000 * 1000;  // 0 means "infinite"; wait long, retry forever
-  return (4096ull << std::min<uint8_t>(t, 31)) ;
+/// Whether [off, off + len) of the MR lies in one chunk, i.e. in one mapping.
+bool in_one_chunk(const Mr& mr, uint64_t off, uint64_t len) {
+  for (const MrChunk& c : mr.chunks) {
+    if (off >= c.mr_offset && off - c.mr_offset < c.length)
+      return len <= c.length - (off - c.mr_offset);
+  }
+  return false;
 }
 
-bool sq_open(ibv_qp_state s) { return s == IBV_QPS_RTS || s == IBV_QPS_SQD; }
-bool rq_open(ibv_qp_state s) { return s == IBV_QPS_RTR || s == IBV_QPS_RTS || s == IBV_QPS_SQD; }
+/// A receive completion for a message from the requester `in` names.
+Cqe recv_cqe(const Qp& to, uint64_t wr_id, const Inbound& in, uint32_t opcode) {
+  Cqe rc{};
+  rc.wr_id = wr_id;
+  rc.qp_num = to.qpn;
+  rc.src_qp = in.src_qpn;
+  rc.slid = in.slid;
+  rc.opcode = opcode;
+  return rc;
+}
 
 }  // namespace
 
@@ -44,10 +49,8 @@ void Device::set_sleeping(bool sleeping) {
 
 uint64_t Device::next_deadline() const {
   uint64_t d = 0;
-  for (const Guest* g : active_guests_) {
-    for (const Qp* qp : g->active) {
-      if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
-    }
+  for (const Qp* qp : active_) {
+    if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
   }
   return d;
 }
@@ -83,7 +86,8 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   if (cq.prod - cons >= cq.size) {
     // Full, or the guest wrote a consumer index that is not between ours and ours - size.
     if (!cq.overrun) {
-      VLOG_ERROR("session {}: CQ {} overrun; completions are being lost", cq.owner->id, cq.handle);
+      VLOG_ERROR("guest {} session {}: CQ {} overrun; completions are being lost",
+                 cq.owner->guest->name, cq.owner->id, cq.handle);
       cq.overrun = true;
       post_async(*cq.owner, IBV_EVENT_CQ_ERR, cq.handle);
     }
@@ -104,7 +108,8 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
       if (ch != cq.owner->channels.end()) {
         uint32_t h = cq.handle;
         if (::write(ch->second.write_end.get(), &h, sizeof(h)) != sizeof(h))
-          VLOG_WARN("session {}: completion channel {} full", cq.owner->id, cq.channel);
+          VLOG_WARN("guest {} session {}: completion channel {} full", cq.owner->guest->name,
+                    cq.owner->id, cq.channel);
       }
     }
   }
@@ -144,16 +149,26 @@ void Device::enter_error(Qp& qp, const char* why) {
   qp.wait = Wait::kNone;
 }
 
+Guest* Device::guest_by_gid(const uint8_t gid[16]) {
+  // GID 0 of a guest is fe80::/64 + its port GUID.
+  for (auto& [lid, cand] : guests_by_lid_) {
+    if (std::memcmp(cand->gid, gid, 16) == 0) return cand;
+  }
+  return nullptr;
+}
+
+bool Device::accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
+                          const uint8_t sgid[16]) {
+  // A connected QP accepts traffic only from the QP it is connected to.
+  if (to.type != type || to.attr.dest_qp_num != src_qpn) return false;
+  if (!to.attr.is_global) return to.attr.dlid == slid;
+  return std::memcmp(to.attr.dgid, sgid, 16) == 0;
+}
+
 Qp* Device::lookup_remote(const Qp& from) {
   Guest* g = nullptr;
   if (from.attr.is_global) {
-    // GID addressing: GID 0 of a guest is fe80::/64 + its port GUID.
-    for (auto& [lid, cand] : guests_by_lid_) {
-      if (std::memcmp(cand->gid, from.attr.dgid, 16) == 0) {
-        g = cand;
-        break;
-      }
-    }
+    g = guest_by_gid(from.attr.dgid);
   } else {
     auto it = guests_by_lid_.find(from.attr.dlid);
     if (it != guests_by_lid_.end()) g = it->second;
@@ -162,45 +177,9 @@ Qp* Device::lookup_remote(const Qp& from) {
   auto it = g->qps.find(from.attr.dest_qp_num);
   if (it == g->qps.end()) return nullptr;
   Qp* to = it->second;
-  // A connected QP accepts traffic only from the QP it is connected to.
-  if (to->type != from.type || to->attr.dest_qp_num != from.qpn) return nullptr;
-  if (!to->attr.is_global && to->attr.dlid != from.guest->lid) return nullptr;
-  if (to->attr.is_global && std::memcmp(to->attr.dgid, from.guest->gid, 16) != 0) return nullptr;
-  return to;
+  return accepts_from(*to, from.type, from.qpn, from.guest->lid, from.guest->gid) ? to : nullptr;
 }
 
-namespace {
-
-/// Copies `len` bytes from the `src` spans to the `dst` spans, span to span (no bounce buffer).
-void copy_spans(std::span<const Span> src, std::span<const Span> dst, uint64_t len) {
-  size_t si = 0, di = 0;
-  uint64_t so = 0, doff = 0;
-  for (uint64_t left = len; left;) {
-    const Span& s = src[si];
-    const Span& d = dst[di];
-    uint64_t n = std::min({left, s.n - so, d.n - doff});
-    std::memcpy(d.p + doff, s.p + so, n);
-    left -= n;
-    if ((so += n) == s.n) ++si, so = 0;
-    if ((doff += n) == d.n) ++di, doff = 0;
-  }
-}
-
-bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
-bool is_write(uint32_t op) { return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
-bool is_atomic(uint32_t op) {
-  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
-}
-bool has_imm(uint32_t op) { return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
-
-/// Which opcodes a QP type may post (IB spec table 150ff: UC has no READ and no atomics).
-bool opcode_valid(ibv_qp_type t, uint32_t op) {
-  if (is_send(op) || is_write(op)) return t == IBV_QPT_RC || t == IBV_QPT_UC;
-  if (op == IBV_WR_RDMA_READ || is_atomic(op)) return t == IBV_QPT_RC;
-  return false;
-}
-
-}  // namespace
 
 const Mr* Device::find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                                  uint32_t need_access) const {
@@ -262,24 +241,28 @@ bool Device::resolve_recv(const Qp& to, const RecvWqe& r, uint64_t& cap) {
                       to.srq ? to.srq->pd : to.pd);
 }
 
-bool Device::gather(Qp& qp, const SendWqe& w, uint8_t* inline_copy, uint64_t& len) {
-  auto fail = [&](ibv_wc_status st, const char* why) {
-    complete_send(qp, w, st, 0);
-    enter_error(qp, why);
-    return false;
-  };
+ibv_wc_status Device::gather(const Qp& qp, const SendWqe& w, uint8_t* inline_copy,
+                             uint64_t& len, const char*& why) {
   if (w.send_flags & IBV_SEND_INLINE) {
     // Inline bytes are copied out of the ring first: the guest may rewrite them at any time.
-    if (w.inline_len > qp.caps.max_inline_data) return fail(IBV_WC_LOC_LEN_ERR, "inline too long");
+    if (w.inline_len > qp.caps.max_inline_data) {
+      why = "inline too long";
+      return IBV_WC_LOC_LEN_ERR;
+    }
     std::memcpy(inline_copy, w.inline_data, w.inline_len);
     if (w.inline_len) src_.push_back({inline_copy, w.inline_len});
     len = w.inline_len;
-    return true;
+    return IBV_WC_SUCCESS;
   }
-  if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
-  if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len))
-    return fail(IBV_WC_LOC_PROT_ERR, "SGE outside a valid MR");
-  return true;
+  if (w.num_sge > qp.caps.max_send_sge) {
+    why = "too many SGEs";
+    return IBV_WC_LOC_LEN_ERR;
+  }
+  if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len)) {
+    why = "SGE outside a valid MR";
+    return IBV_WC_LOC_PROT_ERR;
+  }
+  return IBV_WC_SUCCESS;
 }
 
 void Device::execute_ud(Qp& qp, const SendWqe& w) {
@@ -292,7 +275,12 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   dst_.clear();
   uint64_t len = 0;
   uint8_t inline_copy[kMaxInline];
-  if (!gather(qp, w, inline_copy, len)) return;
+  const char* why = "";
+  if (const ibv_wc_status st = gather(qp, w, inline_copy, len, why); st != IBV_WC_SUCCESS) {
+    complete_send(qp, w, st, 0);
+    enter_error(qp, why);
+    return;
+  }
   // A datagram fits in one packet: the port's MTU.
   if (len > 4096) {
     complete_send(qp, w, IBV_WC_LOC_LEN_ERR, 0);
@@ -302,11 +290,19 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   const UdDest dest = unpack_ud_dest(w);
   Guest* g = nullptr;
   if (dest.is_global) {
-    for (auto& [lid, cand] : guests_by_lid_) {
-      if (std::memcmp(cand->gid, dest.dgid, 16) == 0) g = cand;
-    }
+    g = guest_by_gid(dest.dgid);
   } else if (auto it = guests_by_lid_.find(dest.dlid); it != guests_by_lid_.end()) {
     g = it->second;
+  }
+  // A guest of another backend (or any guest, when TCP is forced): the datagram goes there.
+  if (transport_ && (!g || transport_->forced())) {
+    std::string node = g ? transport_->self()
+                         : dest.is_global ? transport_->locate_gid(dest.dgid)
+                                          : transport_->locate_lid(dest.dlid);
+    if (!node.empty()) {
+      send_ud_remote(qp, w, node, len);
+      return;
+    }
   }
   Qp* to = nullptr;
   if (g) {
@@ -323,55 +319,58 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     qp.cnt.ud_dropped++;
     return;
   }
+  Inbound in = inbound_of(qp, w, len);
+  deliver_ud(*to, in, dest.is_global, qp.guest->gid, src_, dest.sl);
+}
+
+void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
+                        std::span<const Span> src, uint8_t sl) {
+  const uint64_t len = in.len;
+  dst_.clear();
   RecvWqe r;
   bool corrupt = false;
-  if (!peek_recv(*to, r, corrupt)) {
+  if (!peek_recv(to, r, corrupt)) {
     if (corrupt) {
-      enter_error(*to, "receive queue indices corrupt");
-      post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+      enter_error(to, "receive queue indices corrupt");
+      post_async(*to.owner, IBV_EVENT_QP_FATAL, to.handle);
     }
-    to->cnt.ud_dropped++;  // no receive posted: a datagram is simply lost
+    to.cnt.ud_dropped++;  // no receive posted: a datagram is simply lost
     return;
   }
-  consume_recv(*to);
-  Cqe rc{};
-  rc.wr_id = r.wr_id;
-  rc.qp_num = to->qpn;
-  rc.src_qp = qp.qpn;
-  rc.slid = qp.guest->lid;
-  rc.sl = dest.sl;
-  rc.opcode = IBV_WC_RECV;
+  consume_recv(to);
+  Cqe rc = recv_cqe(to, r.wr_id, in, IBV_WC_RECV);
+  rc.sl = sl;
   uint64_t cap = 0;
-  if (!resolve_recv(*to, r, cap)) {
+  if (!resolve_recv(to, r, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
-    push_cqe(*to->recv_cq, rc, false);
-    to->cnt.wc_errors[rc.status]++;
-    enter_error(*to, "receive SGE outside a valid MR");
+    push_cqe(*to.recv_cq, rc, false);
+    to.cnt.wc_errors[rc.status]++;
+    enter_error(to, "receive SGE outside a valid MR");
     return;
   }
   if (cap < kGrhBytes + len) {
     rc.status = IBV_WC_LOC_LEN_ERR;
-    push_cqe(*to->recv_cq, rc, false);
-    to->cnt.wc_errors[rc.status]++;
+    push_cqe(*to.recv_cq, rc, false);
+    to.cnt.wc_errors[rc.status]++;
     return;
   }
   // The first 40 bytes of the receive buffer are the GRH: written when the sender used one
   // (IPv6 header: version 6, next header 0x1b, hop limit, source and destination GIDs).
   uint8_t grh[kGrhBytes] = {};
-  if (dest.is_global) {
+  if (global) {
     grh[0] = 0x60;
     const uint16_t paylen = static_cast<uint16_t>(len);
     grh[4] = static_cast<uint8_t>(paylen >> 8);
     grh[5] = static_cast<uint8_t>(paylen);
     grh[6] = 0x1b;
     grh[7] = 64;
-    std::memcpy(grh + 8, qp.guest->gid, 16);
-    std::memcpy(grh + 24, to->guest->gid, 16);
+    std::memcpy(grh + 8, sgid, 16);
+    std::memcpy(grh + 24, to.guest->gid, 16);
     rc.wc_flags |= IBV_WC_GRH;
   }
   // The receive spans: the GRH's room first, then the payload.
   const Span grh_span{grh, kGrhBytes};
-  if (dest.is_global) copy_spans({&grh_span, 1}, dst_, kGrhBytes);
+  if (global) copy_spans({&grh_span, 1}, dst_, kGrhBytes);
   size_t skip = kGrhBytes;
   size_t di = 0;
   while (skip && di < dst_.size()) {
@@ -381,16 +380,126 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     skip -= n;
     if (dst_[di].n == 0) ++di;
   }
-  copy_spans(src_, std::span<const Span>(dst_).subspan(di), len);
+  copy_spans(src, std::span<const Span>(dst_).subspan(di), len);
   rc.status = IBV_WC_SUCCESS;
   rc.byte_len = static_cast<uint32_t>(kGrhBytes + len);
-  if (w.opcode == IBV_WR_SEND_WITH_IMM) {
+  if (in.op == IBV_WR_SEND_WITH_IMM) {
     rc.wc_flags |= IBV_WC_WITH_IMM;
-    rc.imm_data = w.imm_data;
+    rc.imm_data = in.imm_data;
   }
-  push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
-  to->cnt.msgs_received++;
-  to->cnt.bytes_received += len;
+  push_cqe(*to.recv_cq, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+  to.cnt.msgs_received++;
+  to.cnt.bytes_received += len;
+}
+
+bool Device::rnr_wait(Qp& qp, uint8_t rnr_timer, uint64_t now_ns, bool fresh) {
+  // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
+  if (fresh) qp.rnr_left = qp.attr.rnr_retry;
+  qp.wait = Wait::kRnr;
+  qp.cnt.rnr_naks++;
+  if (qp.rnr_left != 7) {
+    if (qp.rnr_left == 0) return false;
+    --qp.rnr_left;
+  }
+  qp.wait_until_ns = now_ns + rnr_delay_ns(rnr_timer);
+  return true;
+}
+
+Response Device::respond_begin(Qp& to, const Inbound& in) {
+  Response out;
+  auto nak = [&](ibv_wc_status st, const char* why) {
+    out.kind = Response::kError;
+    out.status = st;
+    out.why = why;
+    return out;
+  };
+  const uint32_t op = in.op;
+  // SEND and WRITE_WITH_IMM consume a receive WQE.
+  const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
+  if (consumes_recv) {
+    bool corrupt = false;
+    if (!peek_recv(to, out.recv, corrupt)) {
+      if (corrupt) {
+        enter_error(to, "receive queue indices corrupt");
+        post_async(*to.owner, IBV_EVENT_QP_FATAL, to.handle);
+        out.kind = Response::kDrop;
+        return out;
+      }
+      out.kind = Response::kRnr;
+      return out;
+    }
+  }
+  // Remote memory for WRITE, READ and atomics: rkey in the responder's namespace and PD, the
+  // MR's and the responder QP's access flags, bounds in iova space.
+  if (!is_send(op)) {
+    const uint32_t need = is_write(op)              ? IBV_ACCESS_REMOTE_WRITE
+                          : op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ
+                                                   : IBV_ACCESS_REMOTE_ATOMIC;
+    out.mr = find_remote_mr(to, in.rkey, in.remote_addr, in.len, need);
+    if (!out.mr)
+      return nak(IBV_WC_REM_ACCESS_ERR, "remote access error (rkey, bounds or access)");
+    if (is_atomic(op) && (in.remote_addr & 7))
+      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned address");
+    // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
+    // mappings, and one CPU atomic on the first would run past its end.
+    if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))
+      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
+  }
+  auto recv_error = [&](ibv_wc_status st, const char* why) {
+    consume_recv(to);
+    Cqe rc = recv_cqe(to, out.recv.wr_id, in, IBV_WC_RECV);
+    rc.status = st;
+    push_cqe(*to.recv_cq, rc, false);
+    to.cnt.wc_errors[st]++;
+    enter_error(to, why);
+  };
+  if (is_send(op)) {
+    uint64_t cap = 0;
+    if (!resolve_recv(to, out.recv, cap)) {
+      recv_error(IBV_WC_LOC_PROT_ERR, "receive SGE outside a valid MR");
+      return nak(IBV_WC_REM_OP_ERR, "responder protection error");
+    }
+    if (cap < in.len) {
+      recv_error(IBV_WC_LOC_LEN_ERR, "receive buffer too small");
+      return nak(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
+    }
+  } else if (is_write(op)) {
+    append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, dst_);
+  } else if (op == IBV_WR_RDMA_READ) {
+    append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, src_);
+  } else {
+    // Atomics: the engine thread executes every atomic of this host, and the operation is also
+    // a CPU atomic, so it is atomic against guests touching the word themselves. The word is in
+    // one chunk (checked above).
+    append_spans(*out.mr, in.remote_addr - out.mr->iova, 8, src_);
+    auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
+    src_.pop_back();
+    uint64_t old;
+    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+      old = __atomic_fetch_add(word, in.compare_add, __ATOMIC_SEQ_CST);
+    } else {
+      old = in.compare_add;
+      __atomic_compare_exchange_n(word, &old, in.swap, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    }
+    out.atomic_old = old;
+  }
+  return out;
+}
+
+void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
+  if (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
+    consume_recv(to);
+    Cqe rc = recv_cqe(to, r.wr_id, in, is_send(in.op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM);
+    rc.status = IBV_WC_SUCCESS;
+    rc.byte_len = static_cast<uint32_t>(in.len);
+    if (has_imm(in.op)) {
+      rc.wc_flags = IBV_WC_WITH_IMM;
+      rc.imm_data = in.imm_data;
+    }
+    push_cqe(*to.recv_cq, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+  }
+  to.cnt.msgs_received++;
+  to.cnt.bytes_received += in.len;
 }
 
 Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
@@ -403,25 +512,11 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     execute_ud(qp, w);
     return Step::kDone;
   }
-  const uint32_t op = w.opcode;
-  if (!opcode_valid(qp.type, op)) return fail(IBV_WC_LOC_QP_OP_ERR, "opcode not valid here");
-
-  // Local side. SEND/WRITE: the source (gather). READ/atomics: the destination, which needs
-  // local write access.
   src_.clear();
   dst_.clear();
   uint64_t len = 0;
   uint8_t inline_copy[kMaxInline];
-  const bool pulls = op == IBV_WR_RDMA_READ || is_atomic(op);
-  if (!pulls) {
-    if (!gather(qp, w, inline_copy, len)) return Step::kDone;
-  } else {
-    if (w.num_sge > qp.caps.max_send_sge) return fail(IBV_WC_LOC_LEN_ERR, "too many SGEs");
-    if (!resolve_sges(qp, w.sge, w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len))
-      return fail(IBV_WC_LOC_PROT_ERR, "SGE outside a valid MR");
-  }
-  if (len > kMaxMsgSize) return fail(IBV_WC_LOC_LEN_ERR, "message longer than 2 GiB");
-  if (is_atomic(op) && len != 8) return fail(IBV_WC_LOC_LEN_ERR, "atomic needs one 8-byte SGE");
+  if (!local_side(qp, w, inline_copy, len)) return Step::kDone;
 
   Qp* to = lookup_remote(qp);
   if (!to || !rq_open(to->state)) {
@@ -443,116 +538,86 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     return Step::kWait;
   }
 
-  // Responder: SEND and WRITE_WITH_IMM consume a receive WQE.
-  const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
-  RecvWqe r{};
-  if (consumes_recv) {
-    bool corrupt = false;
-    if (!peek_recv(*to, r, corrupt)) {
-      if (corrupt) {
-        enter_error(*to, "receive queue indices corrupt");
-        post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
-        return Step::kWait;
-      }
+  const Inbound in = inbound_of(qp, w, len);
+  const Response r = respond_begin(*to, in);
+  switch (r.kind) {
+    case Response::kDrop: return Step::kWait;
+    case Response::kRnr:
       if (qp.type == IBV_QPT_UC) {
         complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
         return Step::kDone;
       }
-      // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
-      if (qp.wait != Wait::kRnr) {
-        qp.wait = Wait::kRnr;
-        qp.rnr_left = qp.attr.rnr_retry;
-      }
-      qp.cnt.rnr_naks++;
-      if (qp.rnr_left != 7) {
-        if (qp.rnr_left == 0) return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
-        --qp.rnr_left;
-      }
-      qp.wait_until_ns = now_ns + rnr_delay_ns(to->attr.min_rnr_timer);
+      if (!rnr_wait(qp, to->attr.min_rnr_timer, now_ns, qp.wait != Wait::kRnr))
+        return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
       return Step::kWait;
-    }
+    case Response::kError: qp.wait = Wait::kNone; return fail(r.status, r.why);
+    case Response::kOk: break;
   }
   qp.wait = Wait::kNone;
-
-  // Remote memory for WRITE, READ and atomics: rkey in the responder's namespace and PD, the
-  // MR's and the responder QP's access flags, bounds in iova space.
-  const Mr* rmr = nullptr;
-  if (!is_send(op)) {
-    const uint32_t need = is_write(op)              ? IBV_ACCESS_REMOTE_WRITE
-                          : op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ
-                                                   : IBV_ACCESS_REMOTE_ATOMIC;
-    rmr = find_remote_mr(*to, w.rkey, w.remote_addr, len, need);
-    if (!rmr) return fail(IBV_WC_REM_ACCESS_ERR, "remote access error (rkey, bounds or access)");
-    if (is_atomic(op) && (w.remote_addr & 7))
-      return fail(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned address");
-  }
-
-  Cqe rc{};
-  if (consumes_recv) {
-    consume_recv(*to);
-    rc.wr_id = r.wr_id;
-    rc.qp_num = to->qpn;
-    rc.src_qp = qp.qpn;
-    rc.slid = qp.guest->lid;
-    rc.opcode = is_send(op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM;
-  }
-  if (is_send(op)) {
-    uint64_t cap = 0;
-    if (!resolve_recv(*to, r, cap)) {
-      rc.status = IBV_WC_LOC_PROT_ERR;
-      push_cqe(*to->recv_cq, rc, false);
-      to->cnt.wc_errors[rc.status]++;
-      enter_error(*to, "receive SGE outside a valid MR");
-      return fail(IBV_WC_REM_OP_ERR, "responder protection error");
-    }
-    if (cap < len) {
-      rc.status = IBV_WC_LOC_LEN_ERR;
-      push_cqe(*to->recv_cq, rc, false);
-      to->cnt.wc_errors[rc.status]++;
-      enter_error(*to, "receive buffer too small");
-      return fail(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
-    }
-    copy_spans(src_, dst_, len);
-  } else if (is_write(op)) {
-    append_spans(*rmr, w.remote_addr - rmr->iova, len, dst_);
-    copy_spans(src_, dst_, len);
-  } else if (op == IBV_WR_RDMA_READ) {
-    append_spans(*rmr, w.remote_addr - rmr->iova, len, src_);
-    copy_spans(src_, dst_, len);
-  } else {
-    // Atomics: the engine thread executes every atomic of this host, and the operation is also
-    // a CPU atomic, so it is atomic against guests touching the word themselves.
-    append_spans(*rmr, w.remote_addr - rmr->iova, 8, src_);
-    // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
-    // mappings, and one CPU atomic on the first would run past its end.
-    if (src_.size() != 1)
-      return fail(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
-    auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
-    uint64_t old;
-    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
-      old = __atomic_fetch_add(word, w.compare_add, __ATOMIC_SEQ_CST);
-    } else {
-      old = w.compare_add;
-      __atomic_compare_exchange_n(word, &old, w.swap, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    }
-    const Span result{reinterpret_cast<uint8_t*>(&old), 8};
+  if (is_atomic(w.opcode)) {
+    const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&r.atomic_old)), 8};
     copy_spans({&result, 1}, dst_, 8);
+  } else {
+    // SEND/WRITE: our gathered source into the responder's memory; READ: the other way.
+    copy_spans(src_, dst_, len);
   }
-  if (consumes_recv) {
-    rc.status = IBV_WC_SUCCESS;
-    rc.byte_len = static_cast<uint32_t>(len);
-    if (has_imm(op)) {
-      rc.wc_flags = IBV_WC_WITH_IMM;
-      rc.imm_data = w.imm_data;
-    }
-    push_cqe(*to->recv_cq, rc, (w.send_flags & IBV_SEND_SOLICITED) != 0);
-  }
-  to->cnt.msgs_received++;
-  to->cnt.bytes_received += len;
+  respond_finish(*to, in, r.recv);
   qp.cnt.msgs_sent++;
   qp.cnt.bytes_sent += len;
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
   return Step::kDone;
+}
+
+ibv_wc_status Device::local_check(const Qp& qp, const SendWqe& w, uint8_t* inline_copy,
+                                  uint64_t& len, const char*& why) {
+  const uint32_t op = w.opcode;
+  if (!opcode_valid(qp.type, op)) {
+    why = "opcode not valid here";
+    return IBV_WC_LOC_QP_OP_ERR;
+  }
+  // SEND/WRITE: the source (gather). READ/atomics: the destination, which needs local write.
+  if (op != IBV_WR_RDMA_READ && !is_atomic(op)) {
+    if (auto st = gather(qp, w, inline_copy, len, why); st != IBV_WC_SUCCESS) return st;
+  } else {
+    if (w.num_sge > qp.caps.max_send_sge) {
+      why = "too many SGEs";
+      return IBV_WC_LOC_LEN_ERR;
+    }
+    if (!resolve_sges(qp, w.sge, w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len)) {
+      why = "SGE outside a valid MR";
+      return IBV_WC_LOC_PROT_ERR;
+    }
+  }
+  why = "message longer than 2 GiB";
+  if (len > kMaxMsgSize) return IBV_WC_LOC_LEN_ERR;
+  why = "atomic needs one 8-byte SGE";
+  if (is_atomic(op) && len != 8) return IBV_WC_LOC_LEN_ERR;
+  return IBV_WC_SUCCESS;
+}
+
+bool Device::local_side(Qp& qp, const SendWqe& w, uint8_t* inline_copy, uint64_t& len) {
+  const char* why = "";
+  const ibv_wc_status st = local_check(qp, w, inline_copy, len, why);
+  if (st == IBV_WC_SUCCESS) return true;
+  complete_send(qp, w, st, 0);
+  enter_error(qp, why);
+  return false;
+}
+
+Inbound Device::inbound_of(const Qp& qp, const SendWqe& w, uint64_t len) {
+  Inbound in;
+  in.op = w.opcode;
+  in.send_flags = w.send_flags;
+  in.imm_data = w.imm_data;
+  in.rkey = w.rkey;
+  in.remote_addr = w.remote_addr;
+  in.compare_add = w.compare_add;
+  in.swap = w.swap;
+  in.len = len;
+  in.src_qpn = qp.qpn;
+  in.slid = qp.guest->lid;
+  in.type = qp.type;
+  return in;
 }
 
 bool Device::flush(Qp& qp) {
@@ -573,6 +638,9 @@ bool Device::flush(Qp& qp) {
     }
     qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
   }
+  // What was in flight to a peer backend is flushed with the rest.
+  qp.unacked.clear();
+  qp.sq_sent = qp.sq_cons;
   // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others.
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
   if (!qp.srq && rprod - qp.rq_cons <= qp.rq_size) {
@@ -593,6 +661,8 @@ bool Device::flush(Qp& qp) {
 }
 
 bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
+  if (qp.route_pending) choose_route(qp);
+  if (qp.remote) return process_sq_remote(qp, now_ns);
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {
@@ -614,7 +684,9 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
 // Fair across guests, not QPs: every guest with QPs gets one turn of at most kGuestBudget
 // WQEs per pass, however many busy QPs it has, and the guest that goes first rotates. Inside a
 // guest its QPs take turns the same way, so one busy QP cannot starve its siblings either.
+// (QPs on the TCP transport are driven by process_sq_remote, outside this budget.)
 bool Device::poll(uint64_t now_ns) {
+  now_ns_ = now_ns;
   bool did = false;
   const size_t n = active_guests_.size();
   if (n == 0) return false;

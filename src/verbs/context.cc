@@ -56,7 +56,12 @@ std::string library_dir() {
 
 std::string backend_binary() {
   if (const char* e = std::getenv("VRDMA_BACKEND"); e && *e) return e;
-  return library_dir() + "/../bin/vrdmad";
+  // Build tree: <build>/lib/libibverbs.so.1 and <build>/bin/vrdmad. Installed: the library has
+  // a directory of its own, <prefix>/lib/vrdma, so vrdmad is two levels up.
+  const std::string build = library_dir() + "/../bin/vrdmad";
+  const std::string installed = library_dir() + "/../../bin/vrdmad";
+  return ::access(build.c_str(), X_OK) != 0 && ::access(installed.c_str(), X_OK) == 0 ? installed
+                                                                                      : build;
 }
 
 /// Starts a detached backend (double fork, new session, log next to the socket). Two guests
@@ -64,7 +69,8 @@ std::string backend_binary() {
 void spawn_backend(const std::string& sock) {
   std::string bin = backend_binary();
   if (::access(bin.c_str(), X_OK) != 0) {
-    VLOG_ERROR("no backend at {} (set VRDMA_BACKEND)", bin);
+    VLOG_ERROR("cannot start the vrdma backend: {} is not executable; set VRDMA_BACKEND to "
+               "vrdmad's path, or start one yourself (`vrdma backend`)", bin);
     return;
   }
   ensure_parent_dir(sock);
@@ -283,7 +289,8 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   }
   auto sock = connect_backend();
   if (!sock.is_ok()) {
-    VLOG_ERROR("cannot reach the vrdma backend at {}: {}", socket_path(), sock.status().message());
+    VLOG_ERROR("cannot reach the vrdma backend: {}",
+               backend_unreachable_hint(socket_path(), sock.status().err()));
     errno = ENODEV;
     return nullptr;
   }

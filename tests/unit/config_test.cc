@@ -60,8 +60,10 @@ struct Bad {
 
 TEST(ConfigTest, RejectsWithTheLineAndChangesNothing) {
   const Bad cases[] = {
-      {"[backend]\nspin_us = 5\n", "t.toml:2: unknown key \"spin_us\" in [backend]"},
-      {"[backend]\n\n[datapth]\n", "t.toml:3: unknown section [datapth]"},
+      {"[backend]\nspin_us = 5\n",
+       "t.toml:2: unknown key \"spin_us\" in [backend] (it belongs in [datapath])"},
+      {"[backend]\n\n[datapth]\n", "t.toml:3: unknown section [datapth] (did you mean [datapath]?)"},
+      {"[quotas]\nmax_qp = 5\n", "t.toml:2: unknown key \"max_qp\" in [quotas] (did you mean max_qps?)"},
       {"[datapath]\nspin_us = \"fast\"\n", "t.toml:2: datapath.spin_us: expected an integer"},
       {"[quotas]\nmax_qps = 0\n", "t.toml:2: quotas.max_qps: 0 is out of range"},
       {"[backend]\nlog_level = \"loud\"\n", "is not one of: debug, info, warn, error"},
@@ -77,6 +79,12 @@ TEST(ConfigTest, RejectsWithTheLineAndChangesNothing) {
     EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
     EXPECT_EQ(c.quotas.max_qps, 1024u) << "a rejected file must change nothing";
   }
+}
+
+TEST(ConfigTest, NoSuggestionForAKeyFarFromAnyOther) {
+  Config c;
+  Status st = c.load_string("[quotas]\nsomething = 5\n", "t.toml");
+  EXPECT_EQ(st.message(), "t.toml:2: unknown key \"something\" in [quotas]");
 }
 
 TEST(ConfigTest, MissingFile) {

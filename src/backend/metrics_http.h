@@ -1,0 +1,61 @@
+// The metrics endpoint: a minimal HTTP/1.x server for `GET /metrics` (Prometheus text format
+// 0.0.4), run inside the backend's single event loop with non-blocking sockets. Off unless
+// [metrics] enabled = true. A client gets one response and the connection closes; requests are
+// bounded (8 KiB of headers), and the oldest client is evicted when too many are open, so slow
+// or garbage clients cost a few descriptors and never block the data path.
+// Owned by the server thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace vrdma::backend {
+
+class MetricsHttp {
+ public:
+  using Render = std::function<std::string()>;
+  static constexpr size_t kMaxRequest = 8192;
+  static constexpr size_t kMaxClients = 16;
+  static constexpr uint64_t kClientTimeoutNs = 5'000'000'000ull;
+
+  /// `epoll`: the server's epoll set; every fd is registered with `tag | fd` as its data.
+  MetricsHttp(int epoll, uint64_t tag, Render render);
+  /// Binds and listens on "ADDR:PORT" (IPv4, or [IPv6]). Errors name the address.
+  Status listen(const std::string& addr_port);
+  /// An epoll event for one of our fds (the listener or a client).
+  void on_event(int fd, uint32_t events, uint64_t now_ns);
+  /// Closes clients that have not finished within kClientTimeoutNs.
+  void expire(uint64_t now_ns);
+  /// Whether a client is open (the loop must then wake up now and then to expire it).
+  bool has_clients() const { return !clients_.empty(); }
+  /// The port actually bound (for logs).
+  int port() const { return port_; }
+
+ private:
+  struct Client {
+    UniqueFd sock;
+    uint64_t since_ns = 0;
+    std::string in, out;
+    size_t sent = 0;
+  };
+  void accept_all(uint64_t now_ns);
+  void on_readable(Client& c);
+  void respond(Client& c, int code, const char* reason, const char* type, const std::string& body);
+  /// Writes what it can; closes the client when all is sent or on error.
+  void flush(int fd);
+  void close_client(int fd);
+
+  int epoll_;
+  uint64_t tag_;
+  Render render_;
+  UniqueFd listen_;
+  int port_ = 0;
+  std::map<int, Client> clients_;  ///< by fd
+};
+
+}  // namespace vrdma::backend

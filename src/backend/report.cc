@@ -1,0 +1,206 @@
+#include "backend/report.h"
+
+#include <fmt/format.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef VRDMA_VERSION
+#define VRDMA_VERSION "unknown"
+#endif
+
+namespace vrdma::backend {
+
+namespace {
+
+uint64_t clock_ns(clockid_t id) {
+  timespec ts{};
+  ::clock_gettime(id, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+double pct(uint64_t part, uint64_t whole) {
+  return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
+}
+
+}  // namespace
+
+Reporter::Reporter(const Config& cfg)
+    : cfg_(cfg),
+      start_wall_s_(static_cast<uint64_t>(::time(nullptr))),
+      start_mono_ns_(clock_ns(CLOCK_MONOTONIC)),
+      last_mono_ns_(start_mono_ns_),
+      last_cpu_ns_(0) {}
+
+nlohmann::json Reporter::backend_info() {
+  // The engine is one thread and this runs on it, so the thread's CPU clock is the data path's.
+  const uint64_t mono = clock_ns(CLOCK_MONOTONIC);
+  const uint64_t cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+  const double busy_recent = pct(cpu - last_cpu_ns_, mono - last_mono_ns_);
+  last_mono_ns_ = mono;
+  last_cpu_ns_ = cpu;
+  const engine::Quotas& q = cfg_.quotas;
+  nlohmann::json transports = nlohmann::json::array();
+  // `state`: "up", "off", or "configured" (set in the config; the TCP transport reports
+  // whether it really listens once it exists).
+  transports.push_back({{"name", "shm"}, {"state", "up"}, {"why", "same-host pairs"}});
+  transports.push_back({{"name", "tcp"},
+                        {"state", cfg_.listen.empty() ? "off" : "configured"},
+                        {"listen", cfg_.listen},
+                        {"why", cfg_.listen.empty() ? "no [transport] listen"
+                                                    : "cross-host pairs on " + cfg_.listen}});
+  return {
+      {"version", VRDMA_VERSION},
+      {"pid", ::getpid()},
+      {"node", cfg_.node},
+      {"socket", cfg_.socket_path},
+      {"started_unix", start_wall_s_},
+      {"uptime_s", (mono - start_mono_ns_) / 1000000000ull},
+      {"quotas",
+       {{"pd", q.max_pds},
+        {"qp", q.max_qps},
+        {"cq", q.max_cqs},
+        {"srq", q.max_srqs},
+        {"mr", q.max_mrs},
+        {"mr_bytes", q.max_mr_bytes},
+        {"queue_depth", q.max_queue_depth}}},
+      {"transports", transports},
+      {"force", cfg_.force},
+      {"peers", cfg_.peers},
+      {"metrics", {{"enabled", cfg_.metrics_enabled}, {"listen", cfg_.metrics_listen}}},
+      {"datapath",
+       {{"threads", 1},
+        {"spin_us", cfg_.spin_us},
+        {"cpu_s", static_cast<double>(cpu) / 1e9},
+        {"busy_pct", pct(cpu, mono - start_mono_ns_)},
+        {"busy_pct_recent", busy_recent}}},
+  };
+}
+
+nlohmann::json Reporter::status(const engine::Device& dev) {
+  nlohmann::json j = nlohmann::json::parse(dev.status_json());
+  j.update(dev.report());
+  j["backend"] = backend_info();
+  return j;
+}
+
+std::string Reporter::metrics(const engine::Device& dev) { return prometheus_text(status(dev)); }
+
+namespace {
+
+/// A label value as the text format wants it: backslash, quote and newline escaped.
+std::string escape(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\')
+      out += "\\\\";
+    else if (c == '"')
+      out += "\\\"";
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
+  }
+  return out;
+}
+
+std::string str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+/// Collects samples per metric family, so each family's HELP/TYPE comes once, before its samples.
+class Exposition {
+ public:
+  void family(const std::string& name, const char* type, const char* help) {
+    out_ += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  }
+  void sample(const std::string& name,
+              const std::vector<std::pair<std::string, std::string>>& labels,
+              const nlohmann::json& value) {
+    out_ += name;
+    if (!labels.empty()) {
+      out_ += '{';
+      for (size_t i = 0; i < labels.size(); ++i) {
+        out_ += fmt::format("{}{}=\"{}\"", i ? "," : "", labels[i].first, escape(labels[i].second));
+      }
+      out_ += '}';
+    }
+    out_ += ' ';
+    out_ += value.is_number() ? value.dump() : "0";
+    out_ += '\n';
+  }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+using Labels = std::vector<std::pair<std::string, std::string>>;
+
+/// The counters of counters_json(), one family each, for a list of (labels, counters) rows.
+void counter_families(Exposition& e, const std::string& prefix,
+                      const std::vector<std::pair<Labels, nlohmann::json>>& rows) {
+  static const std::pair<const char*, const char*> kCounters[] = {
+      {"msgs_sent", "messages sent"},
+      {"bytes_sent", "payload bytes sent"},
+      {"msgs_received", "messages received"},
+      {"bytes_received", "payload bytes received"},
+      {"retries", "transport retries after an ACK timeout"},
+      {"rnr_naks", "RNR NAKs received"},
+      {"ud_dropped", "UD datagrams dropped (no receive, wrong qkey or no QP)"},
+  };
+  for (auto [key, help] : kCounters) {
+    const std::string name = prefix + key + "_total";
+    e.family(name, "counter", help);
+    for (const auto& [labels, c] : rows) e.sample(name, labels, c.value(key, nlohmann::json(0)));
+  }
+  const std::string name = prefix + "wc_errors_total";
+  e.family(name, "counter", "error completions by ibv_wc_status");
+  for (const auto& [labels, c] : rows) {
+    const nlohmann::json errs = c.value("wc_errors", nlohmann::json::object());
+    for (const auto& [status, n] : errs.items()) {
+      Labels l = labels;
+      l.emplace_back("status", status);
+      e.sample(name, l, n);
+    }
+  }
+}
+
+}  // namespace
+
+std::string prometheus_text(const nlohmann::json& j) {
+  Exposition e;
+  const nlohmann::json& b = j.at("backend");
+  e.family("vrdma_build_info", "gauge", "backend version and node (value is always 1)");
+  e.sample("vrdma_build_info", {{"version", str(b.at("version"))}, {"node", str(b.at("node"))}}, 1);
+  e.family("vrdma_uptime_seconds", "gauge", "seconds since the backend started");
+  e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
+  e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
+  e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
+  e.family("vrdma_quota", "gauge", "per-guest limit of each resource");
+  for (const auto& [k, v] : b.at("quotas").items()) e.sample("vrdma_quota", {{"resource", k}}, v);
+
+  const nlohmann::json& t = j.at("totals");
+  e.family("vrdma_guests", "gauge", "guests with at least one session");
+  e.sample("vrdma_guests", {}, t.at("guests"));
+  e.family("vrdma_sessions", "gauge", "open device contexts");
+  e.sample("vrdma_sessions", {}, t.at("sessions"));
+  e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
+  for (const auto& g : j.at("guests")) {
+    for (const auto& [kind, n] : g.at("resources").items())
+      e.sample("vrdma_resources", {{"guest", str(g.at("name"))}, {"kind", kind}}, n);
+  }
+
+  std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
+  for (const auto& g : j.at("guest_counters"))
+    guests.emplace_back(Labels{{"guest", str(g.at("guest"))}}, g.at("counters"));
+  for (const auto& q : j.at("res").at("qp")) {
+    qps.emplace_back(Labels{{"guest", str(q.at("guest"))},
+                            {"lqpn", str(q.at("lqpn"))},
+                            {"type", str(q.at("type"))},
+                            {"transport", str(q.at("transport"))}},
+                     q.at("counters"));
+  }
+  counter_families(e, "vrdma_guest_", guests);
+  counter_families(e, "vrdma_qp_", qps);
+  return e.take();
+}
+
+}  // namespace vrdma::backend

@@ -1,0 +1,236 @@
+#include "cli/show.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+
+namespace vrdma::cli {
+
+namespace {
+
+using nlohmann::json;
+
+const json& member(const json& j, const char* key) {
+  static const json null;
+  if (!j.is_object()) return null;
+  auto it = j.find(key);
+  return it == j.end() ? null : *it;
+}
+
+std::string text_of(const json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_null()) return "-";
+  return v.dump();
+}
+
+/// The keys each resource type may be filtered on (and prints, in this order).
+const std::vector<std::string>& fields_of(const std::string& type) {
+  static const std::map<std::string, std::vector<std::string>> kFields = {
+      {"qp",
+       {"guest", "lqpn", "rqpn", "type", "state", "sq-psn", "rq-psn", "pdn", "sq-cqn", "rq-cqn",
+        "srqn", "transport", "peer_node", "pid", "comm"}},
+      {"cq", {"guest", "cqn", "cqe", "users", "channel", "overrun", "pid", "comm"}},
+      {"mr", {"guest", "mrn", "pdn", "lkey", "rkey", "mrlen", "iova", "access", "pid", "comm"}},
+      {"pd", {"guest", "pdn", "users", "pid", "comm"}},
+      {"srq", {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "pid", "comm"}},
+      {"stat-qp", {"guest", "lqpn", "type", "transport", "pid", "comm"}},
+      {"stat-guest", {"guest"}},
+  };
+  static const std::vector<std::string> none;
+  auto it = kFields.find(type);
+  return it == kFields.end() ? none : it->second;
+}
+
+bool matches(const json& row, const Filters& filters) {
+  for (const auto& [k, want] : filters) {
+    const json& v = member(row, k.c_str());
+    if (v.is_number_integer()) {
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(want.c_str(), &end, 0);
+      if (want.empty() || *end != '\0' || v.get<int64_t>() < 0 ||
+          static_cast<unsigned long long>(v.get<int64_t>()) != n)
+        return false;
+    } else if (text_of(v) != want) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status check_keys(const std::string& type, const Filters& filters) {
+  const auto& keys = fields_of(type);
+  for (const auto& [k, v] : filters) {
+    if (std::find(keys.begin(), keys.end(), k) == keys.end()) {
+      return error(EINVAL,
+                   fmt::format("unknown filter \"{}\"; valid: {}", k, fmt::join(keys, ", ")));
+    }
+  }
+  return Status::ok();
+}
+
+json filtered(const json& rows, const Filters& filters) {
+  json out = json::array();
+  if (!rows.is_array()) return out;
+  for (const auto& r : rows)
+    if (matches(r, filters)) out.push_back(r);
+  return out;
+}
+
+std::string errors_text(const json& counters) {
+  std::string s;
+  for (const auto& [status, n] : member(counters, "wc_errors").items())
+    s += fmt::format("{}{}={}", s.empty() ? "" : ",", status, text_of(n));
+  return s.empty() ? "-" : s;
+}
+
+std::string duration(uint64_t s) {
+  if (s >= 86400) return fmt::format("{}d{}h{}m", s / 86400, s / 3600 % 24, s / 60 % 60);
+  if (s >= 3600) return fmt::format("{}h{}m{}s", s / 3600, s / 60 % 60, s % 60);
+  if (s >= 60) return fmt::format("{}m{}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+}  // namespace
+
+Result<Filters> parse_filters(const std::vector<std::string>& words) {
+  if (words.size() % 2 != 0)
+    return error(EINVAL, fmt::format("filter \"{}\" has no value (filters are KEY VALUE pairs, "
+                                     "e.g. guest NAME lqpn N)",
+                                     words.back()));
+  Filters f;
+  for (size_t i = 0; i < words.size(); i += 2) f.emplace_back(words[i], words[i + 1]);
+  return f;
+}
+
+Result<json> res_rows(const json& status, const std::string& type, const Filters& filters) {
+  if (fields_of(type).empty() || type.starts_with("stat"))
+    return error(EINVAL, fmt::format("unknown resource \"{}\"; one of: qp, cq, mr, pd, srq", type));
+  RETURN_IF_ERROR(check_keys(type, filters));
+  return filtered(member(member(status, "res"), type.c_str()), filters);
+}
+
+std::string res_text(const std::string& type, const json& rows) {
+  std::string out;
+  for (const auto& r : rows) {
+    std::string line = "vrdma0";
+    for (const auto& k : fields_of(type)) {
+      const json& v = member(r, k.c_str());
+      if (v.is_null() || (v.is_string() && v.get<std::string>().empty())) continue;
+      if ((k == "lkey" || k == "rkey" || k == "iova") && v.is_number_integer()) {
+        line += fmt::format(" {} 0x{:x}", k, v.get<uint64_t>());
+      } else {
+        line += fmt::format(" {} {}", k, text_of(v));
+      }
+      if (k == "transport") {
+        if (auto why = text_of(member(r, "transport_why")); why != "-" && !why.empty())
+          line += fmt::format(" ({})", why);
+      }
+    }
+    out += line + "\n";
+  }
+  return out;
+}
+
+std::string res_summary(const json& status) {
+  std::string out;
+  for (const auto& g : member(status, "guests")) {
+    const json& res = member(g, "resources");
+    out += fmt::format(
+        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "name")),
+        text_of(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
+        text_of(member(res, "cq")), text_of(member(res, "srq")), text_of(member(res, "qp")));
+  }
+  return out;
+}
+
+Result<json> stat_rows(const json& status, const std::string& what, const Filters& filters) {
+  if (what != "qp" && what != "guest")
+    return error(EINVAL, fmt::format("unknown counter set \"{}\"; one of: qp, guest", what));
+  RETURN_IF_ERROR(check_keys("stat-" + what, filters));
+  json rows = json::array();
+  if (what == "qp") {
+    for (const auto& q : member(member(status, "res"), "qp")) {
+      json r = json::object();
+      for (const auto& k : fields_of("stat-qp")) r[k] = member(q, k.c_str());
+      r.update(member(q, "counters"));
+      rows.push_back(std::move(r));
+    }
+  } else {
+    for (const auto& g : member(status, "guest_counters")) {
+      json r = {{"guest", member(g, "guest")}, {"qps", member(g, "qps")}};
+      r.update(member(g, "counters"));
+      rows.push_back(std::move(r));
+    }
+  }
+  return filtered(rows, filters);
+}
+
+std::string stat_text(const std::string& what, const json& rows) {
+  const bool qp = what == "qp";
+  constexpr const char* kRow =
+      "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>8} {:>7}  {}\n";
+  std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "",
+                                qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
+                                "RETRIES", "RNR_NAKS", "UD_DROP", "ERRORS");
+  for (const auto& r : rows) {
+    out +=
+        fmt::format(kRow, text_of(member(r, "guest")), text_of(member(r, qp ? "lqpn" : "qps")),
+                    qp ? text_of(member(r, "type")) : "", qp ? text_of(member(r, "transport")) : "",
+                    text_of(member(r, "msgs_sent")), text_of(member(r, "bytes_sent")),
+                    text_of(member(r, "msgs_received")), text_of(member(r, "bytes_received")),
+                    text_of(member(r, "retries")), text_of(member(r, "rnr_naks")),
+                    text_of(member(r, "ud_dropped")), errors_text(r));
+  }
+  return out;
+}
+
+std::string status_header(const json& status) {
+  const json& b = member(status, "backend");
+  std::string out = fmt::format(
+      "backend: {} (vrdmad {}, pid {}, node {}, up {})\n", text_of(member(b, "socket")),
+      text_of(member(b, "version")), text_of(member(b, "pid")), text_of(member(b, "node")),
+      duration(member(b, "uptime_s").is_number_unsigned() ? member(b, "uptime_s").get<uint64_t>()
+                                                          : 0));
+  std::string transports;
+  for (const auto& t : member(b, "transports")) {
+    transports +=
+        fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ", text_of(member(t, "name")),
+                    text_of(member(t, "state")), text_of(member(t, "why")));
+  }
+  out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
+  std::string peers;
+  for (const auto& p : member(b, "peers")) peers += (peers.empty() ? "" : ", ") + text_of(p);
+  out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
+  const json& d = member(b, "datapath");
+  auto num = [](const json& v) { return v.is_number() ? v.get<double>() : 0.0; };
+  out += fmt::format(
+      "datapath: {} thread, busy {:.1f}% since start, {:.1f}% since the last "
+      "query; polls idle rings {} us before sleeping\n",
+      text_of(member(d, "threads")), num(member(d, "busy_pct")), num(member(d, "busy_pct_recent")),
+      text_of(member(d, "spin_us")));
+  const json& m = member(b, "metrics");
+  out += fmt::format("metrics: {}\n",
+                     member(m, "enabled") == true
+                         ? fmt::format("http://{}/metrics", text_of(member(m, "listen")))
+                         : std::string("off"));
+  // Quotas are per guest: show each next to the most any guest holds.
+  const json& q = member(b, "quotas");
+  std::map<std::string, uint64_t> most;
+  for (const auto& g : member(status, "guests")) {
+    for (const auto& [k, v] : member(g, "resources").items())
+      if (v.is_number_unsigned()) most[k] = std::max(most[k], v.get<uint64_t>());
+  }
+  std::string quotas;
+  for (const char* k : {"pd", "mr", "cq", "srq", "qp"}) {
+    quotas +=
+        fmt::format("{}{} {}/{}", quotas.empty() ? "" : ", ", k, most[k], text_of(member(q, k)));
+  }
+  out += fmt::format("quotas per guest (most used/limit): {}; mr bytes {}; queue depth {}\n",
+                     quotas, text_of(member(q, "mr_bytes")), text_of(member(q, "queue_depth")));
+  return out;
+}
+
+}  // namespace vrdma::cli

@@ -1,0 +1,40 @@
+// What `vrdma status`, `vrdma res show` and `vrdma stat` print, computed from the backend's
+// status document (src/backend/report.h). Pure functions of the JSON, so they are unit-tested
+// without a backend.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+
+namespace vrdma::cli {
+
+/// "KEY VALUE" pairs from the command line (`guest NAME`, `lqpn N`, ...).
+using Filters = std::vector<std::pair<std::string, std::string>>;
+
+/// Splits `guest g1 lqpn 17` into pairs; an odd count is an error.
+Result<Filters> parse_filters(const std::vector<std::string>& words);
+
+/// The rows of `res.<type>` (type: qp, cq, mr, pd, srq) that pass every filter. Numbers match
+/// a decimal or 0x value; a key that the type does not have is an error naming the valid ones.
+Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
+                                const Filters& filters);
+
+/// One `rdma res show`-style line per row: "vrdma0 guest g lqpn 17 type RC state RTS ...".
+std::string res_text(const std::string& type, const nlohmann::json& rows);
+
+/// `vrdma res show` with no type: the counts per guest.
+std::string res_summary(const nlohmann::json& status);
+
+/// Counter rows for `vrdma stat`: `what` is "qp" (per QP) or "guest" (sums per guest).
+Result<nlohmann::json> stat_rows(const nlohmann::json& status, const std::string& what,
+                                 const Filters& filters);
+std::string stat_text(const std::string& what, const nlohmann::json& rows);
+
+/// `vrdma status`: the backend's header lines (version, uptime, transports, threads, quotas).
+std::string status_header(const nlohmann::json& status);
+
+}  // namespace vrdma::cli

@@ -1,0 +1,67 @@
+// Small helpers the data-path files share: opcode classes, IB timer encodings, span copies.
+// Internal to the engine.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "engine/device.h"
+
+namespace vrdma::engine {
+
+/// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
+inline uint64_t rnr_delay_ns(uint8_t t) {
+  static constexpr uint32_t kUs[32] = {
+      655360, 10,    20,    30,    40,    60,     80,     120,    160,    240,   320,
+      480,    640,   960,   1280,  1920,  2560,   3840,   5120,   7680,   10240, 15360,
+      20480,  30720, 40960, 61440, 81920, 122880, 163840, 245760, 327680, 491520};
+  return uint64_t{kUs[t & 31]} * 1000;
+}
+inline uint64_t ack_timeout_ns(uint8_t t) {
+  if (t == 0) return 4096ull * 1000 * 1000;  // 0 means "infinite"; wait long, retry forever
+  return (4096ull << std::min<uint8_t>(t, 31));
+}
+
+inline bool sq_open(ibv_qp_state s) { return s == IBV_QPS_RTS || s == IBV_QPS_SQD; }
+inline bool rq_open(ibv_qp_state s) {
+  return s == IBV_QPS_RTR || s == IBV_QPS_RTS || s == IBV_QPS_SQD;
+}
+
+/// Copies `len` bytes from the `src` spans to the `dst` spans, span to span (no bounce buffer).
+inline void copy_spans(std::span<const Span> src, std::span<const Span> dst, uint64_t len) {
+  size_t si = 0, di = 0;
+  uint64_t so = 0, doff = 0;
+  for (uint64_t left = len; left;) {
+    const Span& s = src[si];
+    const Span& d = dst[di];
+    uint64_t n = std::min({left, s.n - so, d.n - doff});
+    std::memcpy(d.p + doff, s.p + so, n);
+    left -= n;
+    if ((so += n) == s.n) ++si, so = 0;
+    if ((doff += n) == d.n) ++di, doff = 0;
+  }
+}
+
+inline bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+inline bool is_write(uint32_t op) {
+  return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM;
+}
+inline bool is_atomic(uint32_t op) {
+  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+}
+inline bool has_imm(uint32_t op) {
+  return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM;
+}
+
+/// Which opcodes a QP type may post (IB spec table 150ff: UC has no READ and no atomics).
+inline bool opcode_valid(ibv_qp_type t, uint32_t op) {
+  if (is_send(op) || is_write(op)) return t == IBV_QPT_RC || t == IBV_QPT_UC;
+  if (op == IBV_WR_RDMA_READ || is_atomic(op)) return t == IBV_QPT_RC;
+  return false;
+}
+
+}  // namespace vrdma::engine

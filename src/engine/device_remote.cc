@@ -1,0 +1,555 @@
+// Data path toward other backends. Requester: RC/UC over a transport with a PSN per message,
+// the unacknowledged WQEs kept (private copies) and replayed after a reconnect, a timeout, or
+// an RNR NAK, and completed strictly in order; IBV_WC_RETRY_EXC_ERR when the retry budget
+// (timeout x retry_cnt) passes with no progress. Responder: frames from the wire go through the
+// same respond_begin/respond_finish as a same-host requester, so the same faults give the same
+// completions; each PSN executes once (duplicates are re-acknowledged, READs re-executed,
+// atomics answered from a small cache of results). No allocation beyond what the transport
+// needs to hold guest memory alive while it is in flight.
+#include <cstring>
+
+#include "common/log.h"
+#include "engine/datapath_util.h"
+
+namespace vrdma::engine {
+
+using namespace vrdma::proto;
+using wire::Syndrome;
+using wire::Type;
+
+namespace {
+
+/// Cuts a span list down to exactly `len` bytes (a receive buffer may be larger).
+void trim(std::vector<Span>& v, uint64_t len) {
+  uint64_t seen = 0;
+  size_t i = 0;
+  for (; i < v.size() && seen < len; ++i) {
+    if (seen + v[i].n > len) v[i].n = len - seen;
+    seen += v[i].n;
+  }
+  v.resize(i);
+}
+
+constexpr uint32_t kCacheValid = 1u << 31;  ///< marks a used atomic-cache slot (PSNs are 24-bit)
+
+static_assert(sizeof(Response) <= sizeof(transport::RxSink::ctx));
+static_assert(std::is_trivially_copyable_v<Response>);
+
+}  // namespace
+
+void Device::choose_route(Qp& qp) {
+  qp.remote = false;
+  qp.route_pending = false;
+  qp.transport = "shm";
+  qp.peer_node.clear();
+  if (qp.type == IBV_QPT_UD) {
+    qp.transport_why = "datagrams: chosen per destination";
+    return;
+  }
+  const QpAttr& a = qp.attr;
+  Guest* local = nullptr;
+  if (a.is_global) {
+    local = guest_by_gid(a.dgid);
+  } else if (auto it = guests_by_lid_.find(static_cast<uint16_t>(a.dlid));
+             it != guests_by_lid_.end()) {
+    local = it->second;
+  }
+  auto use_tcp = [&](const std::string& node, std::string why) {
+    qp.remote = true;
+    qp.transport = "tcp";
+    qp.peer_node = node;
+    qp.transport_why = std::move(why);
+    VLOG_INFO("qp {:#x} (guest {}): tcp to {} ({})", qp.qpn, qp.guest->name, node,
+              qp.transport_why);
+  };
+  if (local) {
+    if (transport_ && transport_->forced()) {
+      use_tcp(transport_->self(), "forced (VRDMA_TRANSPORT=tcp)");
+    } else {
+      qp.transport_why = "destination guest on this backend";
+    }
+    return;
+  }
+  const std::string node = !transport_   ? std::string()
+                           : a.is_global ? transport_->locate_gid(a.dgid)
+                                         : transport_->locate_lid(static_cast<uint16_t>(a.dlid));
+  if (node.empty()) {
+    qp.transport_why = "destination not known (yet); looked up again on send";
+    qp.route_pending = true;
+    return;
+  }
+  use_tcp(node, fmt::format("destination {} is on backend {}",
+                            a.is_global ? "GID" : fmt::format("LID {:#x}", a.dlid), node));
+}
+
+uint64_t Device::ack_ns(const Qp& qp) const {
+  // A floor keeps a tiny timeout from flooding the connection with replays.
+  return std::max<uint64_t>(ack_timeout_ns(qp.attr.timeout), 1000000);
+}
+
+void Device::holds_of(const Mr& mr, std::vector<transport::Hold>& out) const {
+  for (const auto& seg : mr.segments) out.push_back(seg);
+}
+
+void Device::sge_holds(const Qp& qp, const Sge* sge, uint32_t n, uint32_t pd) {
+  for (uint32_t i = 0; i < n; ++i) {
+    if (sge[i].length == 0) continue;
+    if (const Mr* mr = find_mr(qp, sge[i].lkey, pd)) holds_of(*mr, holds_);
+  }
+}
+
+// ---- requester ----
+
+bool Device::send_request(Qp& qp, const Qp::Outstanding& o) {
+  const SendWqe& w = o.w;
+  wire::Request rq{};
+  std::memcpy(rq.sgid, qp.guest->gid, 16);
+  std::memcpy(rq.dgid, qp.attr.dgid, 16);
+  rq.slid = qp.guest->lid;
+  rq.dlid = static_cast<uint16_t>(qp.attr.dlid);
+  rq.is_global = qp.attr.is_global ? 1 : 0;
+  rq.qp_type = static_cast<uint8_t>(qp.type);
+  rq.sl = static_cast<uint8_t>(qp.attr.sl);
+  rq.src_qpn = qp.qpn;
+  rq.dst_qpn = qp.attr.dest_qp_num;
+  rq.psn = o.psn;
+  rq.opcode = w.opcode;
+  rq.send_flags = w.send_flags;
+  rq.imm_data = w.imm_data;
+  rq.rkey = w.rkey;
+  rq.remote_addr = w.remote_addr;
+  rq.compare_add = w.compare_add;
+  rq.swap = w.swap;
+  rq.length = o.len;
+  src_.clear();
+  holds_.clear();
+  if (is_send(w.opcode) || is_write(w.opcode)) {
+    // The payload is gathered from the guest's memory again on every (re)send: the guest may
+    // not touch the buffer before the completion, so it is what was posted.
+    if (w.send_flags & IBV_SEND_INLINE) {
+      if (o.len) src_.push_back({const_cast<uint8_t*>(w.inline_data), o.len});
+    } else {
+      uint64_t len = 0;
+      if (!resolve_sges(qp, w.sge, w.num_sge, 0, src_, len) || len != o.len) {
+        // The MR went away under a WQE in flight: nothing valid to send; the requester times out.
+        VLOG_WARN("qp {:#x}: send buffer deregistered while in flight", qp.qpn);
+        return false;
+      }
+      sge_holds(qp, w.sge, w.num_sge, qp.pd);
+    }
+  }
+  return transport_->send(qp.peer_node, Type::kRequest, &rq, src_, holds_);
+}
+
+void Device::resend_all(Qp& qp) {
+  for (const Qp::Outstanding& o : qp.unacked) {
+    if (!send_request(qp, o)) break;
+  }
+}
+
+void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
+  bool progress = false;
+  while (!qp.unacked.empty() && wire::psn_diff(psn, qp.unacked.front().psn) >= 0) {
+    const Qp::Outstanding& o = qp.unacked.front();
+    // A READ or atomic completes with its data, which comes before any later ACK.
+    if ((o.w.opcode == IBV_WR_RDMA_READ || is_atomic(o.w.opcode)) && !o.has_result) break;
+    const SendWqe w = o.w;
+    const uint32_t len = o.len;
+    qp.unacked.pop_front();
+    complete_send(qp, w, IBV_WC_SUCCESS, len);
+    progress = true;
+  }
+  if (!progress) return;
+  qp.retry_left = qp.attr.retry_cnt;
+  qp.rnr_left = qp.attr.rnr_retry;
+  if (qp.wait == Wait::kAck) {
+    if (qp.unacked.empty()) {
+      qp.wait = Wait::kNone;
+    } else {
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+    }
+  }
+}
+
+bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
+  bool did = false;
+  if (qp.type == IBV_QPT_RC) {
+    if (qp.wait == Wait::kRnr) {
+      if (now_ns < qp.wait_until_ns) return false;
+      qp.wait = Wait::kAck;
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      resend_all(qp);
+      did = true;
+    } else if (qp.wait == Wait::kAck && now_ns >= qp.wait_until_ns) {
+      if (qp.retry_left == 0 || qp.unacked.empty()) {
+        if (!qp.unacked.empty()) {
+          const SendWqe w = qp.unacked.front().w;
+          qp.unacked.pop_front();
+          complete_send(qp, w, IBV_WC_RETRY_EXC_ERR, 0);
+          enter_error(qp, "transport retries exhausted (no answer from the peer backend)");
+        }
+        qp.wait = Wait::kNone;
+        return true;
+      }
+      --qp.retry_left;
+      qp.cnt.retries++;
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      VLOG_DEBUG("qp {:#x}: ACK timeout, replaying {} message(s) from PSN {:#x}", qp.qpn,
+                 qp.unacked.size(), qp.unacked.front().psn);
+      resend_all(qp);
+      did = true;
+    }
+  }
+  const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
+  if (prod - qp.sq_cons > qp.sq_size) {
+    enter_error(qp, "send queue indices corrupt");
+    post_async(*qp.owner, IBV_EVENT_QP_FATAL, qp.handle);
+    return true;
+  }
+  // Many messages in flight (bounded by the SQ); a batch per visit, as on one host.
+  for (int budget = 64; qp.sq_sent != prod && budget && qp.wait != Wait::kRnr; --budget) {
+    const SendWqe w = qp.sq[qp.sq_sent & (qp.sq_size - 1)];
+    src_.clear();
+    dst_.clear();
+    uint64_t len = 0;
+    uint8_t inline_copy[kMaxInline];
+    const char* why = "";
+    const ibv_wc_status st = local_check(qp, w, inline_copy, len, why);
+    if (st != IBV_WC_SUCCESS) {
+      if (!qp.unacked.empty()) break;  // completions stay in order: after what is in flight
+      complete_send(qp, w, st, 0);
+      enter_error(qp, why);
+      qp.sq_sent = qp.sq_cons;
+      return true;
+    }
+    qp.sq_sent++;
+    did = true;
+    qp.cnt.msgs_sent++;
+    qp.cnt.bytes_sent += len;
+    Qp::Outstanding o{w, qp.next_psn, static_cast<uint32_t>(len)};
+    qp.next_psn = wire::psn_add(qp.next_psn, 1);
+    if (qp.type == IBV_QPT_UC) {  // unreliable: sent once, lost if the connection is down
+      send_request(qp, o);
+      complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+      continue;
+    }
+    qp.unacked.push_back(o);
+    if (qp.wait == Wait::kNone) {
+      qp.wait = Wait::kAck;
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+    }
+    // Not connected now: the ACK timeout or the reconnect replays it.
+    send_request(qp, qp.unacked.back());
+  }
+  return did;
+}
+
+void Device::send_ud_remote(Qp& qp, const SendWqe& w, const std::string& node, uint64_t len) {
+  const UdDest dest = unpack_ud_dest(w);
+  wire::Request rq{};
+  std::memcpy(rq.sgid, qp.guest->gid, 16);
+  std::memcpy(rq.dgid, dest.dgid, 16);
+  rq.slid = qp.guest->lid;
+  rq.dlid = dest.dlid;
+  rq.is_global = dest.is_global;
+  rq.qp_type = IBV_QPT_UD;
+  rq.sl = dest.sl;
+  rq.src_qpn = qp.qpn;
+  rq.dst_qpn = w.ud_remote_qpn & 0xffffff;
+  rq.opcode = w.opcode;
+  rq.send_flags = w.send_flags;
+  rq.imm_data = w.imm_data;
+  rq.length = static_cast<uint32_t>(len);
+  // The high bit of the WR's qkey says "use the QP's own qkey" (IB spec 10.2.5).
+  rq.qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
+  // Datagrams are at most an MTU: the transport copies them, so no hold is needed.
+  if (!transport_->send(node, Type::kRequest, &rq, src_, {})) qp.cnt.ud_dropped++;
+  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+  qp.cnt.msgs_sent++;
+  qp.cnt.bytes_sent += len;
+}
+
+void Device::on_peer_up(const std::string& node) {
+  // Whatever was in flight on the old connection may be lost: replay it; duplicates are dropped
+  // by the responder.
+  for (Qp* qp : active_) {
+    if (qp->remote && qp->peer_node == node && qp->type == IBV_QPT_RC && !qp->unacked.empty() &&
+        sq_open(qp->state) && qp->wait != Wait::kRnr) {
+      VLOG_DEBUG("qp {:#x}: peer {} back, replaying {} message(s)", qp->qpn, node,
+                 qp->unacked.size());
+      resend_all(*qp);
+    }
+  }
+}
+
+Qp* Device::reply_target(const wire::Reply& rp) {
+  Guest* g = guest_by_gid(rp.dgid);
+  if (!g) return nullptr;
+  auto it = g->qps.find(rp.dst_qpn);
+  if (it == g->qps.end()) return nullptr;
+  Qp* qp = it->second;
+  if (!qp->remote || qp->type != IBV_QPT_RC || !sq_open(qp->state) ||
+      qp->attr.dest_qp_num != rp.src_qpn)
+    return nullptr;
+  return qp;
+}
+
+void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
+  const wire::Reply& rp = f.reply;
+  Qp* qp = reply_target(rp);
+  if (!qp) return;
+  const uint64_t now = now_ns_;
+  auto find = [&]() -> Qp::Outstanding* {
+    for (Qp::Outstanding& o : qp->unacked) {
+      if (o.psn == rp.psn) return &o;
+    }
+    return nullptr;
+  };
+  auto fail_front = [&](ibv_wc_status st, const char* why) {
+    if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn) return;
+    const SendWqe w = qp->unacked.front().w;
+    qp->unacked.pop_front();
+    complete_send(*qp, w, st, 0);
+    enter_error(*qp, why);
+  };
+  const uint32_t before = wire::psn_add(rp.psn, 0xffffff);  // rp.psn - 1
+  switch (static_cast<Syndrome>(rp.syndrome)) {
+    case Syndrome::kAck:
+      acked(*qp, rp.psn, now);
+      break;
+    case Syndrome::kRnrNak:
+      acked(*qp, before, now);
+      // Replays of the same message may bring the same NAK more than once: one wait.
+      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
+      if (!rnr_wait(*qp, rp.rnr_timer, now, false))
+        fail_front(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+      break;
+    case Syndrome::kErrNak:
+      acked(*qp, before, now);
+      fail_front(static_cast<ibv_wc_status>(rp.status), "NAK from the responder");
+      break;
+    case Syndrome::kReadData:
+    case Syndrome::kAtomicData: {
+      Qp::Outstanding* o = find();
+      const bool read = static_cast<Syndrome>(rp.syndrome) == Syndrome::kReadData;
+      if (!o || o->has_result ||
+          (read ? o->w.opcode != IBV_WR_RDMA_READ || o->len != f.h.payload
+                : !is_atomic(o->w.opcode)))
+        break;  // a duplicate, or for a WQE already completed: dropped
+      dst_.clear();
+      holds_.clear();
+      uint64_t len = 0;
+      if (!resolve_sges(*qp, o->w.sge, o->w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len) ||
+          len < o->len)
+        break;  // the MR went away meanwhile: no completion; the requester times out
+      trim(dst_, o->len);
+      if (!read) {
+        const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&rp.atomic_orig)), 8};
+        copy_spans({&result, 1}, dst_, 8);
+        o->has_result = true;
+        acked(*qp, rp.psn, now);
+        break;
+      }
+      sge_holds(*qp, o->w.sge, o->w.num_sge, qp->pd);
+      sink.spans.assign(dst_.begin(), dst_.end());
+      sink.holds.assign(holds_.begin(), holds_.end());
+      sink.accepted = true;
+      break;
+    }
+    case Syndrome::kMax:
+      break;
+  }
+}
+
+// ---- responder ----
+
+Qp* Device::request_target(const wire::Request& rq) {
+  Guest* g = nullptr;
+  if (rq.is_global) {
+    g = guest_by_gid(rq.dgid);
+  } else if (auto it = guests_by_lid_.find(rq.dlid); it != guests_by_lid_.end()) {
+    g = it->second;
+  }
+  if (!g) return nullptr;
+  auto it = g->qps.find(rq.dst_qpn);
+  if (it == g->qps.end() || !rq_open(it->second->state)) return nullptr;
+  Qp* to = it->second;
+  if (rq.qp_type == IBV_QPT_UD) return to->type == IBV_QPT_UD ? to : nullptr;
+  // Exactly the check a same-host requester passes: connected to this requester.
+  return accepts_from(*to, static_cast<ibv_qp_type>(rq.qp_type), rq.src_qpn, rq.slid, rq.sgid)
+             ? to
+             : nullptr;
+}
+
+void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s, uint32_t status,
+                   uint8_t rnr_timer, uint64_t atomic_orig, std::span<const Span> data,
+                   std::span<const transport::Hold> holds) {
+  wire::Reply rp{};
+  std::memcpy(rp.dgid, rq.sgid, 16);
+  rp.dst_qpn = rq.src_qpn;
+  rp.src_qpn = rq.dst_qpn;
+  rp.psn = rq.psn;
+  rp.syndrome = static_cast<uint8_t>(s);
+  rp.rnr_timer = rnr_timer;
+  rp.status = status;
+  rp.atomic_orig = atomic_orig;
+  transport_->send(node, Type::kReply, &rp, data, holds);
+}
+
+static Inbound inbound_of_request(const wire::Request& rq) {
+  Inbound in;
+  in.op = rq.opcode;
+  in.send_flags = rq.send_flags;
+  in.imm_data = rq.imm_data;
+  in.rkey = rq.rkey;
+  in.remote_addr = rq.remote_addr;
+  in.compare_add = rq.compare_add;
+  in.swap = rq.swap;
+  in.len = rq.length;
+  in.src_qpn = rq.src_qpn;
+  in.slid = rq.slid;
+  in.type = static_cast<ibv_qp_type>(rq.qp_type);
+  return in;
+}
+
+void Device::on_duplicate(const std::string& node, Qp& to, const wire::Request& rq,
+                          const Inbound& in) {
+  if (rq.opcode == IBV_WR_RDMA_READ) {
+    // READ has no side effect: executed again (the first answer may have been lost).
+    src_.clear();
+    const Response r = respond_begin(to, in);
+    if (r.kind != Response::kOk) {
+      reply(node, rq, Syndrome::kErrNak, r.status ? r.status : IBV_WC_REM_INV_REQ_ERR);
+      return;
+    }
+    holds_.clear();
+    holds_of(*r.mr, holds_);
+    reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_);
+    return;
+  }
+  if (is_atomic(rq.opcode)) {
+    for (const auto& [psn, value] : to.atomic_cache) {
+      if (psn == (rq.psn | kCacheValid)) {
+        reply(node, rq, Syndrome::kAtomicData, 0, 0, value);
+        return;
+      }
+    }
+    reply(node, rq, Syndrome::kErrNak, IBV_WC_REM_INV_REQ_ERR);
+    return;
+  }
+  reply(node, rq, Syndrome::kAck);  // executed before: acknowledge again, never twice
+}
+
+void Device::on_request(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
+  const wire::Request& rq = f.req;
+  Qp* to = request_target(rq);
+  // No such QP, or not connected to this requester: no answer, as on one host (the requester
+  // times out and retries).
+  if (!to) return;
+  const Inbound in = inbound_of_request(rq);
+  if (rq.qp_type == IBV_QPT_UD) {
+    if (to->attr.qkey != rq.qkey) {
+      to->cnt.ud_dropped++;
+      return;
+    }
+    sink.scratch.resize(wire::kMaxUdPayload);
+    if (rq.length) sink.spans.push_back({sink.scratch.data(), rq.length});
+    sink.accepted = true;
+    return;
+  }
+  src_.clear();
+  dst_.clear();
+  holds_.clear();
+  const bool rc = rq.qp_type == IBV_QPT_RC;
+  if (rc) {
+    const int32_t d = wire::psn_diff(rq.psn, to->expected_psn);
+    if (d > 0) return;  // a gap (after an RNR NAK or a lost connection): the requester goes back
+    if (d < 0) {
+      on_duplicate(node, *to, rq, in);
+      return;
+    }
+  }
+  const Response r = respond_begin(*to, in);
+  switch (r.kind) {
+    case Response::kDrop:
+      return;
+    case Response::kRnr:
+      if (rc) reply(node, rq, Syndrome::kRnrNak, 0, static_cast<uint8_t>(to->attr.min_rnr_timer));
+      return;
+    case Response::kError:
+      if (rc) reply(node, rq, Syndrome::kErrNak, r.status);
+      return;
+    case Response::kOk:
+      break;
+  }
+  if (rq.opcode == IBV_WR_RDMA_READ) {
+    to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    respond_finish(*to, in, r.recv);
+    holds_of(*r.mr, holds_);
+    reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_);
+    return;
+  }
+  if (is_atomic(rq.opcode)) {
+    to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | kCacheValid,
+                                                                           r.atomic_old};
+    respond_finish(*to, in, r.recv);
+    reply(node, rq, Syndrome::kAtomicData, 0, 0, r.atomic_old);
+    return;
+  }
+  // SEND / WRITE: the payload is read straight into the responder's memory; the message
+  // completes (and is acknowledged) when all of it is there.
+  trim(dst_, in.len);
+  if (is_send(in.op)) {
+    sge_holds(*to, r.recv.sge, std::min<uint32_t>(r.recv.num_sge, kMaxSge),
+              to->srq ? to->srq->pd : to->pd);
+  } else {
+    holds_of(*r.mr, holds_);
+  }
+  sink.spans.assign(dst_.begin(), dst_.end());
+  sink.holds.assign(holds_.begin(), holds_.end());
+  std::memcpy(sink.ctx, &r, sizeof(r));
+  sink.accepted = true;
+}
+
+void Device::on_frame(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
+  if (f.type() == Type::kRequest) {
+    on_request(node, f, sink);
+  } else if (f.type() == Type::kReply) {
+    on_reply(f, sink);
+  }
+}
+
+void Device::on_frame_done(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
+  if (!sink.accepted) return;
+  sink.accepted = false;
+  if (f.type() == Type::kReply) {  // READ data is in place
+    Qp* qp = reply_target(f.reply);
+    if (!qp) return;
+    for (Qp::Outstanding& o : qp->unacked) {
+      if (o.psn == f.reply.psn && o.w.opcode == IBV_WR_RDMA_READ) o.has_result = true;
+    }
+    acked(*qp, f.reply.psn, now_ns_);
+    return;
+  }
+  const wire::Request& rq = f.req;
+  // Looked up again: the QP may have gone while the payload streamed in.
+  Qp* to = request_target(rq);
+  if (!to) return;
+  const Inbound in = inbound_of_request(rq);
+  if (rq.qp_type == IBV_QPT_UD) {
+    const Span s{sink.scratch.data(), rq.length};
+    deliver_ud(*to, in, rq.is_global != 0, rq.sgid, {&s, rq.length ? 1u : 0u}, rq.sl);
+    return;
+  }
+  if (rq.qp_type == IBV_QPT_RC && rq.psn != to->expected_psn) return;
+  Response r;
+  std::memcpy(&r, sink.ctx, sizeof(r));
+  respond_finish(*to, in, r.recv);
+  if (rq.qp_type == IBV_QPT_RC) {
+    to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    reply(node, rq, Syndrome::kAck);
+  }
+}
+
+}  // namespace vrdma::engine

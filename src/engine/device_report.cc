@@ -1,0 +1,189 @@
+// What the device holds and what it did, as JSON for operators: every PD, MR, CQ, SRQ and QP
+// (field names of iproute2's `rdma res show` where one exists), per-QP counters and their sums
+// per guest. `vrdma res show`, `vrdma stat` and the metrics endpoint all read this one report.
+// Control path only (owned by the engine thread, like the rest of the Device).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "engine/device.h"
+#include "engine/qp_state.h"
+
+namespace vrdma::engine {
+
+namespace {
+
+/// ibv_wc_status names without the IBV_WC_ prefix: stable keys for JSON and metric labels
+/// (the backend does not link libibverbs, so no ibv_wc_status_str()).
+constexpr const char* kWcStatusNames[] = {
+    "SUCCESS",
+    "LOC_LEN_ERR",
+    "LOC_QP_OP_ERR",
+    "LOC_EEC_OP_ERR",
+    "LOC_PROT_ERR",
+    "WR_FLUSH_ERR",
+    "MW_BIND_ERR",
+    "BAD_RESP_ERR",
+    "LOC_ACCESS_ERR",
+    "REM_INV_REQ_ERR",
+    "REM_ACCESS_ERR",
+    "REM_OP_ERR",
+    "RETRY_EXC_ERR",
+    "RNR_RETRY_EXC_ERR",
+    "LOC_RDD_VIOL_ERR",
+    "REM_INV_RD_REQ_ERR",
+    "REM_ABORT_ERR",
+    "INV_EECN_ERR",
+    "INV_EEC_STATE_ERR",
+    "FATAL_ERR",
+    "RESP_TIMEOUT_ERR",
+    "GENERAL_ERR",
+    "TM_ERR",
+    "TM_RNDV_INCOMPLETE",
+};
+static_assert(std::size(kWcStatusNames) == IBV_WC_TM_RNDV_INCOMPLETE + 1);
+
+const char* qp_type_name(ibv_qp_type t) {
+  switch (t) {
+    case IBV_QPT_RC:
+      return "RC";
+    case IBV_QPT_UC:
+      return "UC";
+    case IBV_QPT_UD:
+      return "UD";
+    default:
+      return "?";
+  }
+}
+
+/// Who owns a resource: the columns every `res show` line starts with.
+nlohmann::json owner_of(const Session& s) {
+  return {{"guest", s.guest->name}, {"pid", s.pid}, {"comm", s.comm}};
+}
+
+}  // namespace
+
+std::string read_comm(uint32_t pid) {
+  // The process name as `ps` shows it; "" when the pid is gone or in another pid namespace.
+  const std::string path = "/proc/" + std::to_string(pid) + "/comm";
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  char buf[64];
+  ssize_t n = ::read(fd, buf, sizeof(buf));
+  ::close(fd);
+  if (n <= 0) return "";
+  std::string s(buf, static_cast<size_t>(n));
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\0')) s.pop_back();
+  return s;
+}
+
+QpCounters& QpCounters::operator+=(const QpCounters& o) {
+  msgs_sent += o.msgs_sent;
+  bytes_sent += o.bytes_sent;
+  msgs_received += o.msgs_received;
+  bytes_received += o.bytes_received;
+  retries += o.retries;
+  rnr_naks += o.rnr_naks;
+  ud_dropped += o.ud_dropped;
+  for (size_t i = 0; i < std::size(wc_errors); ++i) wc_errors[i] += o.wc_errors[i];
+  return *this;
+}
+
+nlohmann::json counters_json(const QpCounters& c) {
+  nlohmann::json errs = nlohmann::json::object();
+  for (size_t i = 0; i < std::size(c.wc_errors); ++i) {
+    if (c.wc_errors[i] == 0) continue;
+    errs[kWcStatusNames[i]] = c.wc_errors[i];
+  }
+  return {{"msgs_sent", c.msgs_sent},
+          {"bytes_sent", c.bytes_sent},
+          {"msgs_received", c.msgs_received},
+          {"bytes_received", c.bytes_received},
+          {"retries", c.retries},
+          {"rnr_naks", c.rnr_naks},
+          {"ud_dropped", c.ud_dropped},
+          {"wc_errors", errs}};
+}
+
+nlohmann::json Device::report() const {
+  nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
+                 cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
+                 qps = nlohmann::json::array();
+  std::map<const Guest*, QpCounters> per_guest;
+  for (const auto& [name, g] : guests_) per_guest[g.get()] = g->retired;
+  for (const auto& [id, s] : sessions_) {
+    const nlohmann::json who = owner_of(*s);
+    auto row = [&](nlohmann::json fields) {
+      nlohmann::json r = who;
+      r.update(fields);
+      return r;
+    };
+    for (const auto& [h, pd] : s->pds) pds.push_back(row({{"pdn", h}, {"users", pd.users}}));
+    for (const auto& [h, mr] : s->mrs) {
+      mrs.push_back(row({{"mrn", h},
+                         {"pdn", mr->pd},
+                         {"lkey", mr->key},
+                         {"rkey", mr->key},
+                         {"mrlen", mr->length},
+                         {"iova", mr->iova},
+                         {"access", mr->access}}));
+    }
+    for (const auto& [h, cq] : s->cqs) {
+      nlohmann::json ch =
+          cq->channel == proto::kNone ? nlohmann::json(nullptr) : nlohmann::json(cq->channel);
+      cqs.push_back(row({{"cqn", h},
+                         {"cqe", cq->size},
+                         {"users", cq->users},
+                         {"channel", ch},
+                         {"overrun", cq->overrun}}));
+    }
+    for (const auto& [h, srq] : s->srqs) {
+      srqs.push_back(row({{"srqn", h},
+                          {"pdn", srq->pd},
+                          {"wqe", srq->size},
+                          {"max_sge", srq->max_sge},
+                          {"limit", srq->limit},
+                          {"users", srq->users}}));
+    }
+    for (const auto& [h, qp] : s->qps) {
+      per_guest[qp->guest] += qp->cnt;
+      const bool connected =
+          qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR && qp->state <= IBV_QPS_SQD;
+      nlohmann::json r = row({{"lqpn", qp->qpn},
+                              {"type", qp_type_name(qp->type)},
+                              {"state", qp_state_name(qp->state)},
+                              {"sq-psn", qp->attr.sq_psn},
+                              {"rq-psn", qp->attr.rq_psn},
+                              {"pdn", qp->pd},
+                              {"sq-cqn", qp->send_cq ? qp->send_cq->handle : 0},
+                              {"rq-cqn", qp->recv_cq ? qp->recv_cq->handle : 0},
+                              {"transport", qp->transport},
+                              {"transport_why", qp->transport_why},
+                              {"peer_node", qp->peer_node},
+                              {"counters", counters_json(qp->cnt)}});
+      if (connected) {
+        r["rqpn"] = qp->attr.dest_qp_num;
+        r["dlid"] = qp->attr.dlid;
+      }
+      if (qp->srq) r["srqn"] = qp->srq->handle;
+      qps.push_back(std::move(r));
+    }
+  }
+  nlohmann::json guests = nlohmann::json::array();
+  for (const auto& [g, c] : per_guest) {
+    guests.push_back({{"guest", g->name},
+                      {"lid", g->lid},
+                      {"qps", g->qps.size()},
+                      {"counters", counters_json(c)}});
+  }
+  return nlohmann::json{
+      {"res", {{"pd", pds}, {"mr", mrs}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
+      {"guest_counters", guests}};
+}
+
+}  // namespace vrdma::engine

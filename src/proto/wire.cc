@@ -1,0 +1,151 @@
+#include "proto/wire.h"
+
+#include <fmt/format.h>
+#include <infiniband/verbs.h>
+
+namespace vrdma::proto::wire {
+
+size_t body_size(Type t) {
+  switch (t) {
+    case Type::kHello:
+      return sizeof(Hello);
+    case Type::kGuestUp:
+    case Type::kGuestDown:
+      return sizeof(GuestEntry);
+    case Type::kRequest:
+      return sizeof(Request);
+    case Type::kReply:
+      return sizeof(Reply);
+    case Type::kMax:
+      break;
+  }
+  return 0;
+}
+
+bool put_name(char (&field)[kNameMax], std::string_view name) {
+  std::memset(field, 0, kNameMax);
+  if (name.empty() || name.size() >= kNameMax) return false;
+  std::memcpy(field, name.data(), name.size());
+  return true;
+}
+
+std::string_view get_name(const char (&field)[kNameMax]) {
+  const size_t n = strnlen(field, kNameMax);
+  if (n == 0 || n == kNameMax) return {};
+  for (size_t i = 0; i < n; ++i) {
+    if (field[i] < 0x21 || field[i] > 0x7e) return {};
+  }
+  return {field, n};
+}
+
+Status check_header(const FrameHeader& h) {
+  if (h.magic != kWireMagic) return error(EPROTO, fmt::format("bad frame magic {:#x}", h.magic));
+  if (h.version != kWireVersion)
+    return error(EPROTONOSUPPORT,
+                 fmt::format("wire version {} (this backend speaks {})", h.version, kWireVersion));
+  if (h.type == 0 || h.type >= static_cast<uint16_t>(Type::kMax))
+    return error(EPROTO, fmt::format("unknown frame type {}", h.type));
+  const Type t = static_cast<Type>(h.type);
+  if (h.body != body_size(t))
+    return error(EPROTO, fmt::format("frame type {} with a body of {} bytes", h.type, h.body));
+  // Only requests and READ replies carry data; their bounds are checked against the body.
+  if (h.payload != 0 && t != Type::kRequest && t != Type::kReply)
+    return error(EPROTO, fmt::format("frame type {} with a payload", h.type));
+  if (h.payload > kMaxPayload) return error(EPROTO, "payload larger than a message");
+  return Status::ok();
+}
+
+namespace {
+
+bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+bool is_write(uint32_t op) { return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
+bool is_atomic(uint32_t op) {
+  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+}
+
+Status check_request(const FrameHeader& h, const Request& r) {
+  if (r.is_global > 1) return error(EPROTO, "request: is_global not 0/1");
+  if (r.src_qpn > 0xffffff || r.dst_qpn > 0xffffff || r.psn > 0xffffff)
+    return error(EPROTO, "request: QPN or PSN wider than 24 bits");
+  const uint32_t op = r.opcode;
+  const bool known = is_send(op) || is_write(op) || op == IBV_WR_RDMA_READ || is_atomic(op);
+  if (!known) return error(EPROTO, fmt::format("request: opcode {}", op));
+  switch (r.qp_type) {
+    case IBV_QPT_RC:
+      break;
+    case IBV_QPT_UC:
+      if (!is_send(op) && !is_write(op)) return error(EPROTO, "request: UC allows SEND and WRITE");
+      break;
+    case IBV_QPT_UD:
+      if (!is_send(op)) return error(EPROTO, "request: UD allows SEND only");
+      if (r.length > kMaxUdPayload) return error(EPROTO, "request: UD datagram above the MTU");
+      break;
+    default:
+      return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
+  }
+  // SEND and WRITE carry their data; READ and atomics carry none.
+  const uint32_t want = is_send(op) || is_write(op) ? r.length : 0;
+  if (h.payload != want)
+    return error(EPROTO,
+                 fmt::format("request: payload {} for a length of {}", h.payload, r.length));
+  if (is_atomic(op) && r.length != 8) return error(EPROTO, "request: atomic of length != 8");
+  return Status::ok();
+}
+
+Status check_reply(const FrameHeader& h, const Reply& r) {
+  if (r.dst_qpn > 0xffffff || r.src_qpn > 0xffffff || r.psn > 0xffffff)
+    return error(EPROTO, "reply: QPN or PSN wider than 24 bits");
+  if (r.syndrome >= static_cast<uint8_t>(Syndrome::kMax))
+    return error(EPROTO, fmt::format("reply: syndrome {}", r.syndrome));
+  const auto s = static_cast<Syndrome>(r.syndrome);
+  if (h.payload != 0 && s != Syndrome::kReadData) return error(EPROTO, "reply: unexpected data");
+  if (s == Syndrome::kRnrNak && r.rnr_timer > 31) return error(EPROTO, "reply: rnr_timer > 31");
+  if (s == Syndrome::kErrNak && r.status != IBV_WC_REM_ACCESS_ERR &&
+      r.status != IBV_WC_REM_INV_REQ_ERR && r.status != IBV_WC_REM_OP_ERR)
+    return error(EPROTO, fmt::format("reply: NAK status {}", r.status));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
+  RETURN_IF_ERROR(check_header(h));
+  if (body.size() != h.body) return error(EPROTO, "frame body length mismatch");
+  out.h = h;
+  switch (static_cast<Type>(h.type)) {
+    case Type::kHello:
+      std::memcpy(&out.hello, body.data(), sizeof(Hello));
+      if (get_name(out.hello.node).empty()) return error(EPROTO, "hello: bad node name");
+      if (out.hello.wire_version != kWireVersion)
+        return error(EPROTONOSUPPORT,
+                     fmt::format("peer speaks wire version {}", out.hello.wire_version));
+      return Status::ok();
+    case Type::kGuestUp:
+    case Type::kGuestDown:
+      std::memcpy(&out.guest, body.data(), sizeof(GuestEntry));
+      if (get_name(out.guest.name).empty()) return error(EPROTO, "guest entry: bad name");
+      if (out.guest.lid == 0 || out.guest.lid >= 0xc000)
+        return error(EPROTO, fmt::format("guest entry: LID {:#x} not unicast", out.guest.lid));
+      return Status::ok();
+    case Type::kRequest:
+      std::memcpy(&out.req, body.data(), sizeof(Request));
+      return check_request(h, out.req);
+    case Type::kReply:
+      std::memcpy(&out.reply, body.data(), sizeof(Reply));
+      return check_reply(h, out.reply);
+    case Type::kMax:
+      break;
+  }
+  return error(EPROTO, "unknown frame type");
+}
+
+void encode(Type t, const void* body, uint32_t payload, std::vector<uint8_t>& out) {
+  const FrameHeader h{kWireMagic, kWireVersion, static_cast<uint16_t>(t),
+                      static_cast<uint32_t>(body_size(t)), payload};
+  const size_t at = out.size();
+  out.resize(at + sizeof(h) + h.body);
+  std::memcpy(out.data() + at, &h, sizeof(h));
+  std::memcpy(out.data() + at + sizeof(h), body, h.body);
+}
+
+}  // namespace vrdma::proto::wire

@@ -1,0 +1,143 @@
+// The backend-to-backend wire format (TCP transport): a stream of frames, each a fixed 16-byte
+// header, a fixed-size body per frame type, then `payload` bytes (message data) for the types
+// that carry data. Fixed-width little-endian fields, no pointers, sizes static_asserted.
+// Versioned: kWireVersion changes when any body changes; type values are never reused.
+// decode() validates every length and field before anything is used: it faces the network.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace vrdma::proto::wire {
+
+static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
+
+inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
+inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
+inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
+inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
+
+enum class Type : uint16_t {
+  kHello = 1,      ///< first frame each way: wire version and node name
+  kGuestUp = 2,    ///< a guest of the sender's backend exists (directory)
+  kGuestDown = 3,  ///< a guest of the sender's backend left
+  kRequest = 4,    ///< a requester's message (RC/UC/UD); SEND/WRITE/UD carry the payload
+  kReply = 5,      ///< the responder's answer: ACK, NAK, READ data, atomic result
+  kMax = 6,        ///< one past the last type; never sent
+};
+
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;     ///< Type
+  uint32_t body;     ///< bytes of the fixed body that follows (exactly the type's size)
+  uint32_t payload;  ///< data bytes after the body
+};
+static_assert(sizeof(FrameHeader) == 16);
+
+struct Hello {
+  char node[kNameMax];
+  uint32_t wire_version;
+  uint32_t flags;
+};
+static_assert(sizeof(Hello) == 72);
+
+/// kGuestUp / kGuestDown: a directory entry.
+struct GuestEntry {
+  char name[kNameMax];
+  uint8_t gid[16];
+  uint16_t lid;
+  uint16_t reserved0;
+  uint32_t reserved1;
+};
+static_assert(sizeof(GuestEntry) == 88);
+
+struct Request {
+  uint8_t sgid[16];  ///< requester's guest GID
+  uint8_t dgid[16];  ///< destination guest GID (valid when is_global)
+  uint16_t slid;     ///< requester's guest LID
+  uint16_t dlid;     ///< destination guest LID (when !is_global)
+  uint8_t is_global;
+  uint8_t qp_type;  ///< IBV_QPT_RC, UC or UD
+  uint8_t sl;
+  uint8_t reserved0;
+  uint32_t src_qpn;
+  uint32_t dst_qpn;
+  uint32_t psn;         ///< 24 bits; one PSN per message
+  uint32_t opcode;      ///< IBV_WR_*
+  uint32_t send_flags;  ///< IBV_SEND_SOLICITED is the only one the responder reads
+  uint32_t imm_data;    ///< network order
+  uint32_t rkey;
+  uint32_t reserved1;
+  uint64_t remote_addr;
+  uint64_t compare_add;
+  uint64_t swap;
+  uint32_t length;  ///< message bytes (READ: bytes asked for; atomics: 8)
+  uint32_t qkey;    ///< UD
+};
+static_assert(sizeof(Request) == 104);
+
+enum class Syndrome : uint8_t {
+  kAck = 0,         ///< every PSN up to `psn` executed
+  kRnrNak = 1,      ///< `psn` found no receive; retry after `rnr_timer`
+  kErrNak = 2,      ///< `psn` failed at the responder with `status`; requester QP to ERR
+  kReadData = 3,    ///< READ response: payload is the data; acknowledges `psn`
+  kAtomicData = 4,  ///< atomic response: `atomic_orig`; acknowledges `psn`
+  kMax = 5,
+};
+
+struct Reply {
+  uint8_t dgid[16];  ///< the requester's guest GID
+  uint32_t dst_qpn;  ///< the requester's QPN
+  uint32_t src_qpn;  ///< the responder's QPN
+  uint32_t psn;
+  uint8_t syndrome;   ///< Syndrome
+  uint8_t rnr_timer;  ///< kRnrNak: the responder's min_rnr_timer encoding
+  uint16_t reserved0;
+  uint32_t status;  ///< kErrNak: the ibv_wc_status the requester completes with
+  uint32_t reserved1;
+  uint64_t atomic_orig;
+};
+static_assert(sizeof(Reply) == 48);
+
+/// A decoded frame: the header and a copy of its body (payload still unread).
+struct Frame {
+  FrameHeader h{};
+  union {
+    Hello hello;
+    GuestEntry guest;
+    Request req;
+    Reply reply;
+  };
+  Frame() : req{} {}
+  Type type() const { return static_cast<Type>(h.type); }
+};
+
+/// The fixed body size of a type, or 0 for an unknown type.
+size_t body_size(Type t);
+
+/// Validates a header. EPROTO on anything malformed, EPROTONOSUPPORT on another version.
+Status check_header(const FrameHeader& h);
+/// Validates a header and its body bytes (exactly h.body of them) and fills `out`.
+Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out);
+/// Appends header + body of `f` (with f.h.payload set by the caller) to `out`.
+void encode(Type t, const void* body, uint32_t payload, std::vector<uint8_t>& out);
+
+/// 24-bit PSN arithmetic: a - b as a signed distance.
+inline int32_t psn_diff(uint32_t a, uint32_t b) { return static_cast<int32_t>((a - b) << 8) >> 8; }
+inline uint32_t psn_add(uint32_t a, uint32_t n) { return (a + n) & 0xffffff; }
+
+/// Copies a NUL-terminated name into a fixed field; false when it does not fit.
+bool put_name(char (&field)[kNameMax], std::string_view name);
+/// The name in a fixed field, or empty when it is not NUL-terminated printable ASCII.
+std::string_view get_name(const char (&field)[kNameMax]);
+
+}  // namespace vrdma::proto::wire

@@ -1,0 +1,552 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+
+namespace vrdma::transport::tcp {
+
+using namespace vrdma::proto::wire;
+
+namespace {
+
+constexpr size_t kRbufBytes = 64 * 1024;
+/// Payload bytes at or below this are copied into the batch; above, written from guest memory.
+constexpr uint32_t kCopyPayloadMax = 8192;
+/// Payload still to come at or above this is read straight into its spans, not via rbuf.
+constexpr uint64_t kDirectReadMin = 16 * 1024;
+constexpr size_t kBatchMax = 256 * 1024;
+constexpr int kMaxIov = 64;
+
+void set_options(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  // Unacknowledged data for this long ends the connection (a link that is down), so it is
+  // redialed rather than left hanging in kernel retransmits.
+  const unsigned user_timeout_ms = 2000;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+}
+
+std::array<uint8_t, 16> gid_key(const uint8_t gid[16]) {
+  std::array<uint8_t, 16> k;
+  std::memcpy(k.data(), gid, 16);
+  return k;
+}
+
+}  // namespace
+
+Result<sockaddr_in> parse_endpoint(const std::string& s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos) return error(EINVAL, fmt::format("\"{}\" is not ADDR:PORT", s));
+  std::string host = s.substr(0, colon);
+  int port = 0;
+  if (std::sscanf(s.c_str() + colon + 1, "%d", &port) != 1 || port < 0 || port > 65535)
+    return error(EINVAL, fmt::format("\"{}\": bad port", s));
+  if (host == "localhost") host = "127.0.0.1";
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
+    return error(EINVAL, fmt::format("\"{}\": not an IPv4 address", s));
+  return sa;
+}
+
+Result<std::unique_ptr<TcpTransport>> TcpTransport::create(Options o, Receiver& rx) {
+  if (o.node.empty() || o.node.size() >= kNameMax)
+    return error(EINVAL, "transport: node name must be 1..63 bytes");
+  std::unique_ptr<TcpTransport> t(new TcpTransport(std::move(o), rx));
+  RETURN_IF_ERROR(t->start());
+  return t;
+}
+
+TcpTransport::~TcpTransport() = default;
+
+Status TcpTransport::start() {
+  epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_.valid()) return error(errno, "epoll_create1");
+  if (opt_.listen.empty()) return error(EINVAL, "transport: no listen address");
+  ASSIGN_OR_RETURN(sockaddr_in la, parse_endpoint(opt_.listen));
+  listen_ = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!listen_.valid()) return error(errno, "socket");
+  const int one = 1;
+  ::setsockopt(listen_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(listen_.get(), reinterpret_cast<sockaddr*>(&la), sizeof(la)) < 0)
+    return error(errno, fmt::format("transport: bind {}: {}", opt_.listen, std::strerror(errno)));
+  if (::listen(listen_.get(), 64) < 0) return error(errno, "listen");
+  if (la.sin_port == 0) {  // an ephemeral port (forced TCP on one host): dial what we got
+    socklen_t len = sizeof(la);
+    ::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&la), &len);
+    char ip[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &la.sin_addr, ip, sizeof(ip));
+    opt_.listen = fmt::format("{}:{}", ip, ntohs(la.sin_port));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = nullptr;  // null: the listener
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listen_.get(), &ev);
+  std::vector<std::string> to_dial = opt_.peers;
+  // Forced: pairs on this backend go through our own listener, like any peer.
+  if (opt_.force) to_dial.push_back(opt_.listen);
+  for (const std::string& p : to_dial) {
+    ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(p));
+    dials_.push_back(Dial{p, sa, nullptr, 0, ""});
+  }
+  VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}", opt_.node, opt_.listen,
+            opt_.peers.size(), opt_.force ? ", forced for every pair" : "");
+  return Status::ok();
+}
+
+TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& dialed) {
+  auto c = std::make_unique<Conn>();
+  c->fd = std::move(fd);
+  c->dialed = dialed;
+  c->rbuf.resize(kRbufBytes);
+  set_options(c->fd.get());
+  Conn* raw = c.get();
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = raw;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, raw->fd.get(), &ev);
+  conns_[raw->fd.get()] = std::move(c);
+  return raw;
+}
+
+void TcpTransport::set_out(Conn& c, bool on) {
+  if (c.want_out == on) return;
+  c.want_out = on;
+  epoll_event ev{};
+  ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+  ev.data.ptr = &c;
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
+}
+
+void TcpTransport::close_conn(Conn* c, const std::string& why) {
+  if (c->dead) return;
+  c->dead = true;
+  if (c->hello) {
+    VLOG_WARN("transport tcp: connection to {} ({}) closed: {}", c->node,
+              c->dialed.empty() ? "accepted" : c->dialed, why);
+  } else {
+    VLOG_DEBUG("transport tcp: connection {} closed before hello: {}", c->dialed, why);
+  }
+  auto bn = by_node_.find(c->node);
+  if (bn != by_node_.end() && bn->second == c) by_node_.erase(bn);
+  for (Dial& d : dials_) {
+    if (d.conn == c) d.conn = nullptr;  // redialed by the next poll after kRedialMs
+  }
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c->fd.get(), nullptr);
+  auto it = conns_.find(c->fd.get());
+  graveyard_.push_back(std::move(it->second));
+  conns_.erase(it);
+  c->fd.reset();
+  c->txq.clear();  // drops the holds on guest memory; the engine replays what is unacknowledged
+  c->sink = {};
+}
+
+void TcpTransport::accept_all() {
+  for (;;) {
+    int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    Conn* c = add_conn(UniqueFd(fd), "");
+    Hello h{};
+    put_name(h.node, opt_.node);
+    h.wire_version = kWireVersion;
+    queue(*c, Type::kHello, &h, {}, {});
+  }
+}
+
+void TcpTransport::dial(Dial& d, uint64_t now_ns) {
+  d.next_ns = now_ns + kRedialMs * 1000000;
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return;
+  int r = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&d.sa), sizeof(d.sa));
+  if (r < 0 && errno != EINPROGRESS) return;  // refused at once: try again later
+  Conn* c = add_conn(std::move(fd), d.addr);
+  c->connecting = r < 0;
+  c->dialed_ns = now_ns;
+  d.conn = c;
+  Hello h{};
+  put_name(h.node, opt_.node);
+  h.wire_version = kWireVersion;
+  queue(*c, Type::kHello, &h, {}, {});
+  if (c->connecting) set_out(*c, true);
+}
+
+void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span> payload,
+                         std::span<const Hold> holds) {
+  uint64_t plen = 0;
+  for (const Span& s : payload) plen += s.n;
+  const bool copy = plen <= kCopyPayloadMax;
+  // Batch: append to the last item unless it carries a large payload or is big already (an
+  // item partly written keeps growing at its end, which is safe: `sent` counts from its start).
+  if (c.txq.empty() || !c.txq.back().spans.empty() || c.txq.back().bytes.size() > kBatchMax)
+    c.txq.emplace_back();
+  TxItem* it = &c.txq.back();
+  encode(t, body, static_cast<uint32_t>(plen), it->bytes);
+  if (copy) {
+    for (const Span& s : payload) it->bytes.insert(it->bytes.end(), s.p, s.p + s.n);
+    it->total = it->bytes.size();
+    return;
+  }
+  it->spans.assign(payload.begin(), payload.end());
+  it->holds.assign(holds.begin(), holds.end());
+  it->total = it->bytes.size() + plen;
+}
+
+bool TcpTransport::send(const std::string& node, Type t, const void* body,
+                        std::span<const Span> payload, std::span<const Hold> holds) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return false;
+  queue(*it->second, t, body, payload, holds);
+  return true;
+}
+
+bool TcpTransport::flush(Conn& c) {
+  while (!c.txq.empty()) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    uint64_t skip = c.sent;
+    for (const TxItem& it : c.txq) {
+      auto add = [&](const uint8_t* p, uint64_t len) {
+        if (skip >= len) {
+          skip -= len;
+          return;
+        }
+        if (n < kMaxIov) iov[n++] = {const_cast<uint8_t*>(p) + skip, len - skip};
+        skip = 0;
+      };
+      add(it.bytes.data(), it.bytes.size());
+      for (const Span& s : it.spans) add(s.p, s.n);
+      if (n >= kMaxIov) break;
+    }
+    ssize_t w = ::writev(c.fd.get(), iov, n);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EINTR) {
+        set_out(c, true);
+        return true;
+      }
+      close_conn(&c, std::strerror(errno));
+      return false;
+    }
+    uint64_t done = static_cast<uint64_t>(w);
+    while (done && !c.txq.empty()) {
+      const uint64_t rest = c.txq.front().total - c.sent;
+      if (done < rest) {
+        c.sent += done;
+        done = 0;
+      } else {
+        done -= rest;
+        c.sent = 0;
+        c.txq.pop_front();
+      }
+    }
+  }
+  set_out(c, false);
+  return true;
+}
+
+bool TcpTransport::read_some(Conn& c) {
+  if (c.rpos == c.rend) c.rpos = c.rend = 0;
+  if (c.rend == c.rbuf.size()) {  // compact: a partial frame sits at the end
+    std::memmove(c.rbuf.data(), c.rbuf.data() + c.rpos, c.rend - c.rpos);
+    c.rend -= c.rpos;
+    c.rpos = 0;
+  }
+  const ssize_t r =
+      check_read(c, ::read(c.fd.get(), c.rbuf.data() + c.rend, c.rbuf.size() - c.rend));
+  if (r < 0) return false;
+  c.rend += static_cast<size_t>(r);
+  return true;
+}
+
+ssize_t TcpTransport::check_read(Conn& c, ssize_t r) {
+  if (r > 0) {
+    c.rx_bytes += static_cast<uint64_t>(r);
+    return r;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  close_conn(&c, r == 0 ? "closed by the peer" : std::strerror(errno));
+  return -1;
+}
+
+bool TcpTransport::consume(Conn& c) {
+  for (;;) {
+    if (c.rx == Rx::kPayload) {
+      // Payload: whatever rbuf holds goes to the spans (or is dropped) ...
+      while (c.left && c.rpos < c.rend) {
+        uint64_t n = std::min<uint64_t>(c.left, c.rend - c.rpos);
+        if (!c.sink.spans.empty()) {
+          const Span& s = c.sink.spans[c.span_i];
+          n = std::min(n, s.n - c.span_off);
+          std::memcpy(s.p + c.span_off, c.rbuf.data() + c.rpos, n);
+          if ((c.span_off += n) == s.n) ++c.span_i, c.span_off = 0;
+        }
+        c.rpos += n;
+        c.left -= n;
+      }
+      // ... and a large rest is read straight into the spans.
+      while (c.left >= kDirectReadMin && !c.sink.spans.empty()) {
+        iovec iov[kMaxIov];
+        int n = 0;
+        for (size_t i = c.span_i; i < c.sink.spans.size() && n < kMaxIov; ++i) {
+          const uint64_t off = i == c.span_i ? c.span_off : 0;
+          iov[n++] = {c.sink.spans[i].p + off, c.sink.spans[i].n - off};
+        }
+        const ssize_t r = check_read(c, ::readv(c.fd.get(), iov, n));
+        if (r <= 0) return r == 0;
+        uint64_t got = static_cast<uint64_t>(r);
+        c.left -= got;
+        while (got) {
+          const uint64_t room = c.sink.spans[c.span_i].n - c.span_off;
+          const uint64_t n2 = std::min(room, got);
+          got -= n2;
+          if ((c.span_off += n2) == c.sink.spans[c.span_i].n) ++c.span_i, c.span_off = 0;
+        }
+      }
+      if (c.left) return true;  // more to read later
+      c.rx = Rx::kHead;
+      rx_.on_frame_done(c.node, c.frame, c.sink);
+      c.sink.spans.clear();
+      c.sink.holds.clear();
+      if (c.dead) return false;
+      continue;
+    }
+    const size_t avail = c.rend - c.rpos;
+    if (avail < sizeof(FrameHeader)) return true;
+    FrameHeader h;
+    std::memcpy(&h, c.rbuf.data() + c.rpos, sizeof(h));
+    Status st = check_header(h);
+    if (st.is_ok() && avail < sizeof(h) + h.body) return true;
+    if (st.is_ok()) st = decode(h, {c.rbuf.data() + c.rpos + sizeof(h), h.body}, c.frame);
+    if (st.is_ok() && !c.hello && c.frame.type() != Type::kHello)
+      st = error(EPROTO, "frame before hello");
+    if (!st.is_ok()) {
+      VLOG_ERROR("transport tcp: from {}: {}; closing the connection",
+                 c.node.empty() ? c.dialed : c.node, st.message());
+      close_conn(&c, st.message());
+      return false;
+    }
+    c.rpos += sizeof(h) + h.body;
+    switch (c.frame.type()) {
+      case Type::kHello:
+        on_hello(c);
+        break;
+      case Type::kGuestUp:
+        on_guest(c, true);
+        break;
+      case Type::kGuestDown:
+        on_guest(c, false);
+        break;
+      default: {
+        c.sink.spans.clear();
+        c.sink.holds.clear();
+        c.sink.accepted = false;
+        rx_.on_frame(c.node, c.frame, c.sink);
+        if (c.dead) return false;
+        uint64_t room = 0;
+        for (const Span& s : c.sink.spans) room += s.n;
+        if (room != h.payload) {  // the engine found no place (or a wrong one): drop it
+          if (room) VLOG_ERROR("transport tcp: receiver gave {} bytes for {}", room, h.payload);
+          c.sink.spans.clear();
+          c.sink.holds.clear();
+        }
+        c.left = h.payload;
+        c.span_i = 0;
+        c.span_off = 0;
+        c.rx = Rx::kPayload;
+        break;
+      }
+    }
+    if (c.dead) return false;
+  }
+}
+
+void TcpTransport::on_hello(Conn& c) {
+  if (c.hello) {
+    close_conn(&c, "second hello");
+    return;
+  }
+  c.hello = true;
+  c.node = std::string(get_name(c.frame.hello.node));
+  for (Dial& d : dials_) {
+    if (d.conn == &c) d.node = c.node;
+  }
+  if (c.node == opt_.node) {
+    // Our own listener (forced TCP): frames go out on the connection we dialed.
+    if (!c.dialed.empty()) {
+      by_node_[c.node] = &c;
+      rx_.on_peer_up(c.node);
+    }
+    return;
+  }
+  auto it = by_node_.find(c.node);
+  if (it != by_node_.end()) {
+    // Both sides dialed: keep the connection the smaller node name dialed; both agree.
+    Conn* old = it->second;
+    const bool keep_new = (opt_.node < c.node) == !c.dialed.empty();
+    VLOG_INFO("transport tcp: second connection to {}; keeping the {} one", c.node,
+              keep_new ? "new" : "old");
+    if (!keep_new) {
+      close_conn(&c, "duplicate connection");
+      return;
+    }
+    close_conn(old, "duplicate connection");
+  }
+  by_node_[c.node] = &c;
+  VLOG_INFO("transport tcp: connected to {} ({})", c.node,
+            c.dialed.empty() ? "accepted" : c.dialed);
+  // A fresh directory from this peer replaces what it said before.
+  std::erase_if(by_lid_, [&](const auto& e) { return e.second.node == c.node; });
+  std::erase_if(by_gid_, [&](const auto& e) { return e.second.node == c.node; });
+  send_directory(c);
+  rx_.on_peer_up(c.node);
+}
+
+void TcpTransport::send_directory(Conn& c) {
+  for (const auto& [name, g] : local_) {
+    GuestEntry e{};
+    put_name(e.name, g.name);
+    std::memcpy(e.gid, g.gid, 16);
+    e.lid = g.lid;
+    queue(c, Type::kGuestUp, &e, {}, {});
+  }
+}
+
+void TcpTransport::on_guest(Conn& c, bool up) {
+  if (c.node == opt_.node) return;
+  const GuestEntry& e = c.frame.guest;
+  const std::string name(get_name(e.name));
+  const auto key = gid_key(e.gid);
+  if (!up) {
+    auto l = by_lid_.find(e.lid);
+    if (l != by_lid_.end() && l->second.node == c.node && l->second.name == name) by_lid_.erase(l);
+    auto g = by_gid_.find(key);
+    if (g != by_gid_.end() && g->second.node == c.node) by_gid_.erase(g);
+    VLOG_DEBUG("directory: guest {} left {}", name, c.node);
+    return;
+  }
+  for (const auto& [lname, g] : local_) {
+    if (g.lid == e.lid && lname != name)
+      VLOG_WARN("directory: LID {:#x} of guest {} on {} clashes with local guest {}", e.lid, name,
+                c.node, lname);
+  }
+  auto l = by_lid_.find(e.lid);
+  if (l != by_lid_.end() && l->second.name != name)
+    VLOG_WARN("directory: LID {:#x} of guest {} on {} clashes with guest {} on {}", e.lid, name,
+              c.node, l->second.name, l->second.node);
+  by_lid_[e.lid] = Remote{c.node, name};
+  by_gid_[key] = Remote{c.node, name};
+  VLOG_DEBUG("directory: guest {} (lid {:#x}) is on {}", name, e.lid, c.node);
+}
+
+void TcpTransport::announce(const GuestInfo& g, bool up) {
+  if (up) {
+    local_[g.name] = g;
+  } else {
+    local_.erase(g.name);
+  }
+  GuestEntry e{};
+  put_name(e.name, g.name);
+  std::memcpy(e.gid, g.gid, 16);
+  e.lid = g.lid;
+  for (auto& [node, c] : by_node_) {
+    if (node != opt_.node) queue(*c, up ? Type::kGuestUp : Type::kGuestDown, &e, {}, {});
+  }
+}
+
+std::string TcpTransport::locate_lid(uint16_t lid) const {
+  auto it = by_lid_.find(lid);
+  return it == by_lid_.end() ? std::string() : it->second.node;
+}
+
+std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
+  auto it = by_gid_.find(gid_key(gid));
+  return it == by_gid_.end() ? std::string() : it->second.node;
+}
+
+std::vector<std::string> TcpTransport::connected() const {
+  std::vector<std::string> out;
+  for (const auto& [node, c] : by_node_) out.push_back(node);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+uint64_t TcpTransport::next_deadline() const {
+  uint64_t d = 0;
+  auto at = [&](uint64_t t) { d = d == 0 ? t : std::min(d, t); };
+  for (const Dial& x : dials_) {
+    if (!x.conn && (x.node.empty() || !by_node_.count(x.node))) at(x.next_ns);
+    if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
+  }
+  return d;
+}
+
+bool TcpTransport::poll(uint64_t now_ns) {
+  bool did = false;
+  for (Dial& d : dials_) {
+    if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
+      close_conn(d.conn, "connect timed out");
+    if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
+      dial(d, now_ns);
+  }
+  epoll_event evs[64];
+  const int n = ::epoll_wait(epoll_.get(), evs, 64, 0);
+  for (int i = 0; i < n; ++i) {
+    auto* c = static_cast<Conn*>(evs[i].data.ptr);
+    if (!c) {
+      accept_all();
+      did = true;
+      continue;
+    }
+    if (c->dead) continue;
+    if (c->connecting) {
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ::getsockopt(c->fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+      if (err != 0) {
+        close_conn(c, std::strerror(err));
+        continue;
+      }
+      c->connecting = false;
+    }
+    if (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
+      // Bounded per visit so one busy peer cannot starve the engine's rings.
+      for (int round = 0; round < 16 && !c->dead; ++round) {
+        const uint64_t before = c->rx_bytes;
+        // A large payload with nothing buffered is read by consume() into its spans directly.
+        const bool direct = c->rx == Rx::kPayload && c->left >= kDirectReadMin &&
+                            !c->sink.spans.empty() && c->rpos == c->rend;
+        const size_t room = c->rbuf.size() - c->rend;
+        if (!direct && !read_some(*c)) break;
+        if (!consume(*c)) break;
+        if (c->rx_bytes == before) break;  // nothing more now
+        did = true;
+        // A read that did not fill the buffer drained the socket: skip the read that would
+        // only say EAGAIN (syscalls are most of a small message's cost).
+        if (!direct && c->rx_bytes - before < room) break;
+      }
+    }
+  }
+  std::vector<Conn*> out;
+  for (auto& [fd, c] : conns_) {
+    if (!c->connecting && !c->txq.empty()) out.push_back(c.get());
+  }
+  for (Conn* c : out) {
+    if (!c->dead) flush(*c);
+    did = true;
+  }
+  graveyard_.clear();
+  return did;
+}
+
+}  // namespace vrdma::transport::tcp

@@ -1,0 +1,140 @@
+// The TCP transport: one connection per pair of backends, multiplexing all their QPs; the
+// directory of which peer hosts which guest (announced on connect and on every change); frames
+// of proto/wire.h, small ones batched into one write, large payloads written from and read into
+// guest memory in place (writev/readv, non-blocking, resumable across partial transfers).
+// A broken connection is redialed every kRedialMs; the engine replays its unacknowledged work
+// when the peer is up again (Receiver::on_peer_up).
+// Concurrency: owned by the engine thread; poll() is called from the backend's event loop.
+#pragma once
+
+#include <netinet/in.h>
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+#include "transport/transport.h"
+
+namespace vrdma::transport::tcp {
+
+/// Parses "ADDR:PORT" (IPv4 dotted quad or "localhost").
+Result<sockaddr_in> parse_endpoint(const std::string& s);
+
+class TcpTransport final : public Transport {
+ public:
+  struct Options {
+    std::string node;                ///< this backend's name among its peers
+    std::string listen;              ///< "ADDR:PORT"
+    std::vector<std::string> peers;  ///< backends to dial, "ADDR:PORT"
+    bool force = false;              ///< every pair goes through TCP (dials its own listener)
+  };
+  static constexpr uint64_t kRedialMs = 20;
+  /// A connect that has not finished by then is given up and redialed (a SYN to a host that
+  /// is gone would otherwise wait for the kernel's minutes).
+  static constexpr uint64_t kConnectTimeoutMs = 500;
+
+  /// Binds the listener; dialing starts with the first poll().
+  static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
+  ~TcpTransport() override;
+
+  /// An epoll descriptor that is readable whenever poll() has something to do.
+  int fd() const { return epoll_.get(); }
+  /// Accepts, reads and dispatches what arrived, writes what is queued, redials. Never blocks.
+  /// True when anything moved.
+  bool poll(uint64_t now_ns);
+  /// When poll() must run next even if nothing arrives (a redial), or 0.
+  uint64_t next_deadline() const;
+  /// Node names with a live connection (for status and tests).
+  std::vector<std::string> connected() const;
+
+  const std::string& self() const override { return opt_.node; }
+  bool forced() const override { return opt_.force; }
+  std::string locate_lid(uint16_t lid) const override;
+  std::string locate_gid(const uint8_t gid[16]) const override;
+  bool send(const std::string& node, proto::wire::Type t, const void* body,
+            std::span<const Span> payload, std::span<const Hold> holds) override;
+  void announce(const GuestInfo& g, bool up) override;
+
+ private:
+  struct TxItem {
+    std::vector<uint8_t> bytes;  ///< frame headers and small payloads, batched
+    std::vector<Span> spans;     ///< a large payload, gathered from guest memory at write time
+    std::vector<Hold> holds;
+    uint64_t total = 0;
+  };
+  enum class Rx : uint8_t { kHead, kPayload };
+  struct Conn {
+    UniqueFd fd;
+    std::string node;         ///< from its Hello
+    std::string dialed;       ///< the address we dialed; "" when accepted
+    bool connecting = false;  ///< non-blocking connect in progress
+    uint64_t dialed_ns = 0;   ///< when the connect started
+    bool hello = false;       ///< the peer's Hello arrived
+    bool want_out = false;    ///< EPOLLOUT is registered
+    bool dead = false;        ///< closed; freed at the end of poll()
+    // receive side
+    std::vector<uint8_t> rbuf;
+    size_t rpos = 0, rend = 0;
+    Rx rx = Rx::kHead;
+    proto::wire::Frame frame;
+    RxSink sink;
+    uint64_t left = 0;      ///< payload bytes still to come
+    uint64_t rx_bytes = 0;  ///< bytes read from the socket so far (progress marker)
+    size_t span_i = 0;
+    uint64_t span_off = 0;
+    // send side
+    std::deque<TxItem> txq;
+    uint64_t sent = 0;  ///< bytes of txq.front() already written
+  };
+  struct Dial {
+    std::string addr;
+    sockaddr_in sa{};
+    Conn* conn = nullptr;
+    uint64_t next_ns = 0;
+    std::string node;  ///< who answered there last; no redial while we have a connection to it
+  };
+  struct Remote {
+    std::string node, name;
+  };
+
+  TcpTransport(Options o, Receiver& rx) : opt_(std::move(o)), rx_(rx) {}
+  Status start();
+  void accept_all();
+  void dial(Dial& d, uint64_t now_ns);
+  Conn* add_conn(UniqueFd fd, const std::string& dialed);
+  void close_conn(Conn* c, const std::string& why);
+  void set_out(Conn& c, bool on);
+  /// False when the connection failed (it is closed then).
+  bool read_some(Conn& c);
+  /// What a read/readv returned: the bytes (> 0), 0 for "nothing now", -1 when the connection
+  /// failed or ended (it is closed then).
+  ssize_t check_read(Conn& c, ssize_t r);
+  bool flush(Conn& c);
+  /// Dispatches complete frames in c.rbuf; false on a protocol error (closed then).
+  bool consume(Conn& c);
+  void on_hello(Conn& c);
+  void on_guest(Conn& c, bool up);
+  void queue(Conn& c, proto::wire::Type t, const void* body, std::span<const Span> payload,
+             std::span<const Hold> holds);
+  void send_directory(Conn& c);
+
+  Options opt_;
+  Receiver& rx_;
+  UniqueFd epoll_, listen_;
+  std::vector<Dial> dials_;
+  std::map<int, std::unique_ptr<Conn>> conns_;      ///< by fd
+  std::unordered_map<std::string, Conn*> by_node_;  ///< the connection frames to a node use
+  std::map<std::string, GuestInfo> local_;          ///< our guests, by name
+  std::unordered_map<uint16_t, Remote> by_lid_;
+  std::map<std::array<uint8_t, 16>, Remote> by_gid_;
+  std::vector<std::unique_ptr<Conn>> graveyard_;  ///< closed during poll(); freed at its end
+};
+
+}  // namespace vrdma::transport::tcp

@@ -1,0 +1,79 @@
+// The transport interface: how the engine's requester reaches a QP on another backend, and how
+// what arrives from other backends reaches the engine. Same-host pairs ("shm") never come here:
+// the engine executes them in one step. Implementations: tcp/ (cross host; also same host when
+// forced with VRDMA_TRANSPORT=tcp).
+// Concurrency: owned by the backend's engine thread, like the engine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "proto/wire.h"
+
+namespace vrdma::transport {
+
+/// A run of bytes in backend memory (registered guest memory, mapped).
+struct Span {
+  uint8_t* p;
+  uint64_t n;
+};
+
+/// Keeps memory that spans point into alive (a guest MR's segment) while bytes are in flight:
+/// the guest may deregister the MR, or die, meanwhile.
+using Hold = std::shared_ptr<const void>;
+
+/// Where the payload of an arriving frame goes. Empty `spans`: the payload is discarded.
+/// One per connection; the receiver may keep what it decided about the frame in `ctx` and
+/// `scratch` until on_frame_done.
+struct RxSink {
+  std::vector<Span> spans;  ///< total bytes == the frame's payload when not empty
+  std::vector<Hold> holds;
+  bool accepted = false;             ///< receiver's: the frame is to be completed when done
+  alignas(8) uint8_t ctx[512] = {};  ///< receiver's state for the frame
+  std::vector<uint8_t> scratch;      ///< receiver's buffer (a datagram lands here)
+};
+
+/// A guest of this backend as the directory announces it.
+struct GuestInfo {
+  std::string name;
+  uint16_t lid = 0;
+  uint8_t gid[16] = {};
+};
+
+/// What the engine does with what arrives (implemented by engine::Device).
+class Receiver {
+ public:
+  virtual ~Receiver() = default;
+  /// A request or reply frame arrived from peer `node`; its payload (if any) is still unread.
+  /// Fill `sink` to receive the payload in place, or leave it empty to drop it.
+  virtual void on_frame(const std::string& node, const proto::wire::Frame& f, RxSink& sink) = 0;
+  /// The payload of the frame last given to on_frame is in its sink (or was dropped).
+  virtual void on_frame_done(const std::string& node, const proto::wire::Frame& f,
+                             RxSink& sink) = 0;
+  /// A connection to `node` is up (first time or after a break): unacknowledged work toward
+  /// it is replayed.
+  virtual void on_peer_up(const std::string& node) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  /// This backend's node name.
+  virtual const std::string& self() const = 0;
+  /// True when every pair, even one on this backend, goes through this transport.
+  virtual bool forced() const = 0;
+  /// The peer node hosting the guest with this LID / GID, or "" when no peer announced one.
+  virtual std::string locate_lid(uint16_t lid) const = 0;
+  virtual std::string locate_gid(const uint8_t gid[16]) const = 0;
+  /// Queues a frame for `node` with `payload` gathered from `spans` (read when the socket
+  /// takes them, not copied now). False when there is no connection to `node` now.
+  virtual bool send(const std::string& node, proto::wire::Type t, const void* body,
+                    std::span<const Span> payload = {}, std::span<const Hold> holds = {}) = 0;
+  /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
+  virtual void announce(const GuestInfo& g, bool up) = 0;
+};
+
+}  // namespace vrdma::transport

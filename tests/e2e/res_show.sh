@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# `vrdma res show` and `vrdma stat` while an unmodified ibv_rc_pingpong pair runs: both QPs are
+# listed in RTS with their transport, connected to each other, owned by the right guest, pid and
+# comm; the JSON parses (JSON::PP, a strict parser); filters select; counters grow between two
+# reads; after the pair is killed the backend lists nothing.
+# Usage: res_show.sh BIN_DIR
+# shellcheck disable=SC2016  # Perl expressions in single quotes
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+e2e_init "${1:-}"
+
+# Evaluates a Perl expression over the JSON a vrdma command prints ($j). Usage: jq_of EXPR CMD...
+jq_of() {
+  local expr=$1 out
+  shift
+  out="$("$VRDMA" "$@")" || return 1
+  printf '%s' "$out" | EXPR="$expr" perl -MJSON::PP -0777 -ne '
+    my $j = JSON::PP->new->decode($_);
+    my $r = eval $ENV{EXPR}; die $@ if $@;
+    print((defined $r ? $r : ""), "\n");'
+}
+
+# Long enough to outlast the test; killed below.
+start_server pp rs-srv -n 100000000
+start_client pp rs-cli "$PORT" -n 100000000
+
+# Both QPs reach RTS (the client's after the exchange of addresses).
+rts='scalar grep { $_->{state} eq "RTS" } @$j'
+for ((i = 0; i < 300; i++)); do
+  [[ "$(jq_of "$rts" res show qp -j 2>/dev/null)" == 2 ]] && break
+  kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/pp.client.out")"
+  sleep 0.1
+done
+"$VRDMA" res show qp -j >"$E2E_TMP/qp.json"
+[[ "$(jq_of "$rts" res show qp -j)" == 2 ]] || fail "not two QPs in RTS: $(cat "$E2E_TMP/qp.json")"
+
+# Each QP: its guest, the pid and comm of the process that owns it, RC, a transport and why,
+# and its rqpn is the other one's lqpn.
+for g in rs-srv rs-cli; do
+  row="$(jq_of 'my ($q) = @$j; join "|", $q->{guest}, $q->{type}, $q->{state}, $q->{transport},
+                $q->{transport_why}, $q->{comm}, $q->{pid}, $q->{lqpn}, $q->{rqpn}' \
+    res show qp guest "$g" -j)"
+  IFS='|' read -r guest type state transport why comm pid lqpn rqpn <<<"$row"
+  [[ $guest == "$g" && $type == RC && $state == RTS ]] || fail "$g: $row"
+  [[ $transport == shm && -n $why ]] || fail "$g: transport '$transport' ($why)"
+  [[ $comm == ibv_rc_pingpong ]] || fail "$g: comm '$comm'"
+  want_pid=$SERVER_PID
+  [[ $g == rs-cli ]] && want_pid=$CLIENT_PID
+  [[ $pid == "$want_pid" ]] || fail "$g: pid $pid, the pingpong is $want_pid"
+  declare "lqpn_${g#rs-}=$lqpn" "rqpn_${g#rs-}=$rqpn"
+done
+# shellcheck disable=SC2154  # set by declare above
+{
+  [[ $rqpn_srv == "$lqpn_cli" && $rqpn_cli == "$lqpn_srv" ]] ||
+    fail "QPs not connected to each other: srv $lqpn_srv->$rqpn_srv, cli $lqpn_cli->$rqpn_cli"
+  # Filters: by lqpn (decimal and hex) within a guest; a guest that does not exist lists none.
+  [[ "$(jq_of 'scalar @$j' res show qp guest rs-srv lqpn "$lqpn_srv" -j)" == 1 ]] || fail "lqpn filter"
+  [[ "$(jq_of 'scalar @$j' res show qp lqpn "$(printf '0x%x' "$lqpn_srv")" guest rs-srv -j)" == 1 ]] ||
+    fail "hex lqpn filter"
+}
+[[ "$(jq_of 'scalar @$j' res show qp guest nobody -j)" == 0 ]] || fail "guest filter"
+
+# The other resources of each pingpong: one PD, one MR (the buffer), one CQ.
+for t in pd mr cq; do
+  [[ "$(jq_of 'scalar @$j' res show "$t" guest rs-srv -j)" == 1 ]] || fail "res show $t guest rs-srv"
+done
+[[ "$(jq_of 'scalar @$j' res show srq -j)" == 0 ]] || fail "an SRQ appeared"
+[[ "$(jq_of '$j->[0]{mrlen} >= 4096 ? "ok" : "small"' res show mr guest rs-cli -j)" == ok ]] ||
+  fail "MR length"
+
+# Text forms, as iproute2 prints them.
+"$VRDMA" res show qp >"$E2E_TMP/qp.txt"
+[[ "$(grep -c 'state RTS' "$E2E_TMP/qp.txt")" == 2 ]] || fail "text: $(cat "$E2E_TMP/qp.txt")"
+grep -q 'lqpn [0-9]* rqpn [0-9]* type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong' \
+  "$E2E_TMP/qp.txt" || fail "text line: $(cat "$E2E_TMP/qp.txt")"
+"$VRDMA" res show >"$E2E_TMP/res.txt"
+grep -q '^vrdma0 guest rs-srv lid [0-9]*: pd 1 mr 1 cq 1 srq 0 qp 1$' "$E2E_TMP/res.txt" ||
+  fail "summary: $(cat "$E2E_TMP/res.txt")"
+
+# Bad arguments are usage errors, with the valid choices.
+rc=0
+"$VRDMA" res show qp lqpm 17 2>"$E2E_TMP/bad.err" || rc=$?
+[[ $rc == 2 ]] && grep -q 'unknown filter "lqpm"; valid: guest, lqpn' "$E2E_TMP/bad.err" ||
+  fail "typo in a filter: rc $rc, $(cat "$E2E_TMP/bad.err")"
+rc=0
+"$VRDMA" res show qp guest 2>"$E2E_TMP/bad.err" || rc=$?
+[[ $rc == 2 ]] && grep -q 'filter "guest" has no value' "$E2E_TMP/bad.err" ||
+  fail "filter without a value: rc $rc, $(cat "$E2E_TMP/bad.err")"
+
+# Counters grow between two reads, per QP and per guest.
+sent='join " ", map { "$_->{guest}=$_->{msgs_sent}/$_->{bytes_sent}" } sort { $a->{guest} cmp $b->{guest} } @$j'
+first="$(jq_of "$sent" stat qp -j)"
+sleep 1
+second="$(jq_of "$sent" stat qp -j)"
+log "counters: $first -> $second"
+for g in rs-cli rs-srv; do
+  a="$(tr ' ' '\n' <<<"$first" | sed -n "s/^$g=//p")"
+  b="$(tr ' ' '\n' <<<"$second" | sed -n "s/^$g=//p")"
+  ((${a%/*} > 0 && ${b%/*} > ${a%/*} && ${b#*/} > ${a#*/})) || fail "$g: counters $a -> $b"
+done
+gsum="$(jq_of 'my ($g) = grep { $_->{guest} eq "rs-cli" } @{$j->{guest}}; $g->{msgs_received}' stat -j)"
+((gsum > 0)) || fail "per-guest sum of rs-cli is '$gsum'"
+"$VRDMA" stat >"$E2E_TMP/stat.txt"
+grep -Eq '^rs-cli +[0-9]+ RC +shm +[1-9][0-9]* ' "$E2E_TMP/stat.txt" || fail "stat: $(cat "$E2E_TMP/stat.txt")"
+
+# `vrdma status` shows the backend, transports, the data-path thread and quotas.
+"$VRDMA" status >"$E2E_TMP/status.txt"
+for re in '^backend: .*\(vrdmad [0-9.]+, pid [0-9]+, node .*, up [0-9]' '^transports: shm up' \
+  '^datapath: 1 thread, busy [0-9.]+%' '^quotas per guest .*qp 1/[0-9]+' '^rs-srv '; do
+  grep -Eq "$re" "$E2E_TMP/status.txt" || fail "status has no /$re/: $(cat "$E2E_TMP/status.txt")"
+done
+
+# The pair dies; the backend reclaims everything and lists nothing.
+kill -KILL "$CLIENT_PID" "$SERVER_PID" 2>/dev/null || true
+wait "$CLIENT_PID" "$SERVER_PID" 2>/dev/null || true
+for ((i = 0; i < 100; i++)); do
+  [[ "$(jq_of 'scalar @$j' res show qp -j)" == 0 ]] && break
+  sleep 0.1
+done
+[[ "$(jq_of 'scalar @$j' res show qp -j)" == 0 ]] || fail "QPs left after the pair died"
+e2e_pass

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Two namespace hosts; the TCP connection between their backends is killed again and again
+# (ss -K) while RC traffic runs: a verifying stream (rc_stream: every message once, in order,
+# the same checksum on both ends), ibv_rc_pingpong -c and ib_write_bw all complete. A guest
+# killed mid-stream and garbage sent to a backend's port leave both backends serving.
+# Usage: faults.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+hosts_init "${1:-}" 2
+wait_mesh
+
+# Kills every backend-to-backend connection of h1 every KILL_EVERY seconds until stopped.
+KILLER_PID=""
+start_killer() {
+  (
+    while :; do
+      sleep "${KILL_EVERY:-0.15}"
+      hexec 1 ss -K "( sport = :$HOSTS_PORT or dport = :$HOSTS_PORT )" >/dev/null 2>&1
+    done
+  ) &
+  KILLER_PID=$!
+}
+stop_killer() { kill "$KILLER_PID" 2>/dev/null; wait "$KILLER_PID" 2>/dev/null || true; }
+breaks() { grep -c "closed: \(Software caused\|Connection reset\|closed by the peer\)" "$E2E_TMP/vrdmad.h$1.log" || true; }
+
+# Runs rc_stream (server on h1, client on h2) under connection kills; checks the checksums.
+stream() {
+  local name=$1 n=$2 size=$3 port=$((17000 + RANDOM % 1000)) srv cli before
+  before=$(breaks 1)
+  hrun 1 --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" "$n" "$size" \
+    >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  hwait_port 1 "$port" "$srv" "$name"
+  start_killer
+  hrun 2 --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" "$n" "$size" \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  wait_pid "$cli" 80
+  stop_killer
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(cat "$E2E_TMP/$name.client.out")"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(cat "$E2E_TMP/$name.server.out")"
+  local sent got
+  sent="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/$name.client.out")"
+  got="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/$name.server.out")"
+  [[ -n $sent && $sent == "$got" ]] || fail "$name: sent '$sent', received '$got'"
+  local nb=$(($(breaks 1) - before))
+  log "$name: $n x $size B, $sent on both ends, $nb connection breaks during the run"
+  [[ $nb -ge 2 ]] || fail "$name: only $nb connection breaks happened; the test did not test"
+}
+
+stream small 80000 1024
+stream large 3000 65536
+
+# A guest that dies mid-stream: both backends carry on, and serve the next pair.
+port=$((17000 + RANDOM % 1000))
+hrun 1 --guest dies-s -- "$HOSTS_BIN/rc_stream" server "$port" 100000000 65536 \
+  >"$E2E_TMP/dies.server.out" 2>&1 &
+srv=$!
+hwait_port 1 "$port" "$srv" dies
+hrun 2 --guest dies-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 100000000 65536 \
+  >"$E2E_TMP/dies.client.out" 2>&1 &
+cli=$!
+sleep 1
+kill_descendants "$cli"
+kill -KILL "$cli" "$srv" 2>/dev/null || true
+wait "$cli" "$srv" 2>/dev/null || true
+# Garbage on the backends' port from a stranger: a log line and a closed connection, no crash.
+hexec 2 bash -c "head -c 4096 /dev/urandom >/dev/tcp/$(host_ip 1)/$HOSTS_PORT" 2>/dev/null || true
+for ((k = 0; k < 50; k++)); do
+  grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" && break
+  sleep 0.1
+done
+grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" || fail "h1 did not refuse the garbage"
+kill -0 "${HOSTS_BACKEND_PID[1]}" && kill -0 "${HOSTS_BACKEND_PID[2]}" || fail "a backend died"
+hpair after_deaths 1 2 -c -n 500
+
+# Debian's tools under the same treatment.
+start_killer
+hpair validate 1 2 -c -n 3000
+PP_TOOL=ibv_rc_pingpong hpair validate_large 2 1 -c -s 262144 -n 200
+hperftest 1 2 ib_write_bw -s 65536 -n 3000
+stop_killer
+log "connection breaks seen by h1 in all: $(breaks 1)"
+e2e_pass

@@ -1,0 +1,167 @@
+# Test hosts as network namespaces: `hosts_init BIN_DIR N` creates N hosts h1..hN, each a
+# network namespace with one veth (eth0, 10.77.0.I/24) plugged into a bridge that lives in a
+# "switch" namespace of its own, so no address or link exists outside the namespaces. Names are
+# the only thing unique per run (a short run id prefix), so tests may run in parallel. Each host
+# gets a vrdmad (own socket, --node hI, --listen 10.77.0.I:$HOSTS_PORT, --peer every other host).
+# Everything is torn down on exit, whatever happened (trap). HOSTS_VRDMAD_ARGS: more vrdmad flags.
+# Needs root (ip netns). Sources tests/e2e/lib.sh for logging, pingpong checks and clean-up.
+# shellcheck shell=bash
+# shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
+E2E_NAME="hosts.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
+
+HOSTS_N=0
+HOSTS_RID=""
+HOSTS_PORT=7471
+HOSTS_BIN=""
+declare -a HOSTS_BACKEND_PID=()
+
+# Namespace name of host I (0: the switch).
+host_ns() { if [[ $1 == 0 ]]; then echo "${HOSTS_RID}sw"; else echo "${HOSTS_RID}h$1"; fi; }
+host_ip() { echo "10.77.0.$1"; }
+host_sock() { echo "$E2E_TMP/h$1.sock"; }
+
+hosts_init() {
+  local bin=$1 n=$2 i
+  e2e_init "$bin"
+  HOSTS_BIN="$(cd "$bin" && pwd)"
+  HOSTS_N=$n
+  # A run id short enough for interface names (15 bytes): "v" + 5 hex digits.
+  HOSTS_RID="v$(printf '%05x' $(((RANDOM << 5 ^ $$) & 0xfffff)))"
+  trap hosts_cleanup EXIT
+  ip netns add "$(host_ns 0)" || fail "ip netns add (need root)"
+  ip -n "$(host_ns 0)" link add br0 type bridge
+  ip -n "$(host_ns 0)" link set br0 up
+  for ((i = 1; i <= n; i++)); do
+    ip netns add "$(host_ns "$i")"
+    ip -n "$(host_ns "$i")" link set lo up
+    # Created inside the host's namespace; the peer end moves into the switch at once.
+    ip -n "$(host_ns "$i")" link add eth0 type veth peer name "p$i" netns "$(host_ns 0)"
+    ip -n "$(host_ns "$i")" addr add "$(host_ip "$i")/24" dev eth0
+    ip -n "$(host_ns "$i")" link set eth0 up
+    ip -n "$(host_ns 0)" link set "p$i" master br0
+    ip -n "$(host_ns 0)" link set "p$i" up
+  done
+  log "hosts: $n namespaces, run id $HOSTS_RID"
+  for ((i = 1; i <= n; i++)); do start_backend "$i"; done
+}
+
+# Starts (or restarts) host I's backend; waits for its socket. Log: $E2E_TMP/vrdmad.hI.log.
+start_backend() {
+  local i=$1 j peers=() k
+  for ((j = 1; j <= HOSTS_N; j++)); do
+    [[ $j == "$i" ]] || peers+=(--peer "$(host_ip "$j"):$HOSTS_PORT")
+  done
+  rm -f "$(host_sock "$i")"
+  ip netns exec "$(host_ns "$i")" env VRDMA_LOG="${HOSTS_LOG:-info}" \
+    "$HOSTS_BIN/vrdmad" --socket "$(host_sock "$i")" --node "h$i" --idle-exit 0 \
+    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" ${HOSTS_VRDMAD_ARGS:-} \
+    >>"$E2E_TMP/vrdmad.h$i.log" 2>&1 &
+  HOSTS_BACKEND_PID[i]=$!
+  for ((k = 0; k < 100; k++)); do
+    [[ -S $(host_sock "$i") ]] && return 0
+    sleep 0.1
+  done
+  fail "backend of h$i did not start: $(tail -n 5 "$E2E_TMP/vrdmad.h$i.log")"
+}
+
+# Kills host I's backend (SIGKILL: no goodbye to its peers).
+kill_backend() {
+  { kill -KILL "${HOSTS_BACKEND_PID[$1]}" && wait "${HOSTS_BACKEND_PID[$1]}"; } 2>/dev/null || true
+}
+
+# Waits until every backend has connected to every other one (its log says so), up to 20 s.
+wait_mesh() {
+  local i j k
+  for ((i = 1; i <= HOSTS_N; i++)); do
+    for ((j = 1; j <= HOSTS_N; j++)); do
+      [[ $i == "$j" ]] && continue
+      for ((k = 0; k < 200; k++)); do
+        grep -q "connected to h$j " "$E2E_TMP/vrdmad.h$i.log" && break
+        sleep 0.1
+      done
+      grep -q "connected to h$j " "$E2E_TMP/vrdmad.h$i.log" || fail "h$i never connected to h$j"
+    done
+  done
+}
+
+# Runs a command on host I through vrdma (its own backend). Usage: hrun I [--guest G] -- CMD...
+hrun() {
+  local i=$1
+  shift
+  ip netns exec "$(host_ns "$i")" env VRDMA_SOCKET="$(host_sock "$i")" \
+    VRDMA_BACKEND=/nonexistent-vrdmad "${VRUN[@]}" "$@"
+}
+# Runs a plain command in host I's namespace.
+hexec() {
+  local i=$1
+  shift
+  ip netns exec "$(host_ns "$i")" "$@"
+}
+hstatus() { VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" status --json; }
+
+# TCP port PORT listened on in host I.
+hport_in_use() { [[ -n "$(hexec "$1" ss -Htln "sport = :$2" 2>/dev/null)" ]]; }
+# Waits up to 20 s until host I listens on PORT; fails if PID (the server) dies first.
+# Usage: hwait_port I PORT PID NAME
+hwait_port() {
+  local k
+  for ((k = 0; k < 200; k++)); do
+    hport_in_use "$1" "$2" && return 0
+    kill -0 "$3" 2>/dev/null || fail "$4: server died: $(cat "$E2E_TMP/$4.server.out" 2>/dev/null)"
+    sleep 0.1
+  done
+  fail "$4: nothing listens on port $2 of h$1 after 20 s"
+}
+
+# A pingpong ($PP_TOOL) server on host SI and client on host CI, all options on both sides.
+# Usage: hpair NAME SI CI [args...]; waits and checks both outputs.
+hpair_start() {
+  local name=$1 si=$2 ci=$3 port=$((18000 + RANDOM % 1000))
+  shift 3
+  hrun "$si" --guest "$name-s" -- "$PP_TOOL" -p "$port" "$@" >"$E2E_TMP/$name.server.out" 2>&1 &
+  HP_SPID=$!
+  hwait_port "$si" "$port" "$HP_SPID" "$name"
+  hrun "$ci" --guest "$name-c" -- "$PP_TOOL" -p "$port" "$@" "$(host_ip "$si")" \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  HP_CPID=$!
+}
+hpair() {
+  local name=$1
+  log "$name: $PP_TOOL h$2 <- h$3 ${*:4}"
+  hpair_start "$@"
+  finish_pair "$name" "$HP_SPID" "$HP_CPID" 90
+}
+
+# Runs a perftest tool: server on host SI, client on host CI. Outputs in
+# $E2E_TMP/TOOL.{server,client}.out. Usage: hperftest SI CI TOOL ARGS...
+hperftest() {
+  local si=$1 ci=$2 tool=$3 port=$((19000 + RANDOM % 1000)) srv cli
+  shift 3
+  hrun "$si" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
+  srv=$!
+  hwait_port "$si" "$port" "$srv" "$tool"
+  hrun "$ci" --guest pt-cli -- "$tool" -p "$port" "$@" "$(host_ip "$si")" \
+    >"$E2E_TMP/$tool.client.out" 2>&1 &
+  cli=$!
+  wait_pid "$cli" 90
+  [[ $WAIT_RC == 0 ]] || fail "$tool client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$tool.client.out")"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$tool server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$tool.server.out")"
+  [[ -n "$(result_rows "$E2E_TMP/$tool.client.out")" ]] || fail "$tool: no result rows"
+  log "$tool: $(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
+}
+
+hosts_cleanup() {
+  local rc=$? i
+  set +e
+  kill_descendants $$
+  for ((i = 1; i <= HOSTS_N; i++)); do kill_backend "$i"; done
+  for ((i = 0; i <= HOSTS_N; i++)); do ip netns del "$(host_ns "$i")" 2>/dev/null; done
+  # Backend logs are part of what e2e_cleanup prints on failure and scans for sanitizer reports.
+  for ((i = 1; i <= HOSTS_N; i++)); do
+    [[ -f $E2E_TMP/vrdmad.h$i.log ]] && cp "$E2E_TMP/vrdmad.h$i.log" "$E2E_TMP/vrdmad.h$i.out"
+  done
+  (exit "$rc")
+  e2e_cleanup
+}

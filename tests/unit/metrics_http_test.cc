@@ -1,0 +1,157 @@
+// The metrics endpoint driven in-process: the test owns the epoll set and plays the server's
+// loop, so every client behaviour (complete, slow, oversized, garbage, too many) is exact.
+#include "backend/metrics_http.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+namespace vrdma::backend {
+namespace {
+
+constexpr uint64_t kTag = 1ull << 59;
+
+class MetricsHttpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(epoll_.valid());
+    Status st = http_.listen("127.0.0.1:0");
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    ASSERT_GT(http_.port(), 0);
+  }
+  /// One turn of the server's loop: dispatch whatever is ready.
+  void turn(int timeout_ms = 50) {
+    epoll_event evs[32];
+    int n = ::epoll_wait(epoll_.get(), evs, 32, timeout_ms);
+    for (int i = 0; i < n; ++i)
+      http_.on_event(static_cast<int>(evs[i].data.u64 & 0xffffffff), evs[i].events, now_);
+  }
+  UniqueFd connect_client() {
+    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(http_.port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    turn();  // accept
+    return fd;
+  }
+  /// Reads until EOF while turning the loop; "" on time-out.
+  std::string response(int fd) {
+    std::string out;
+    for (int i = 0; i < 200; ++i) {
+      turn(5);
+      pollfd p{fd, POLLIN, 0};
+      while (::poll(&p, 1, 0) > 0) {
+        char buf[4096];
+        ssize_t n = ::read(fd, buf, sizeof(buf));
+        if (n <= 0) return out;
+        out.append(buf, static_cast<size_t>(n));
+      }
+    }
+    return "";
+  }
+  static void send_all(int fd, const std::string& s) {
+    ASSERT_EQ(::send(fd, s.data(), s.size(), MSG_NOSIGNAL), static_cast<ssize_t>(s.size()));
+  }
+
+  UniqueFd epoll_{::epoll_create1(EPOLL_CLOEXEC)};
+  int renders_ = 0;
+  MetricsHttp http_{epoll_.get(), kTag, [this] {
+                      ++renders_;
+                      return std::string("# TYPE up gauge\nup 1\n");
+                    }};
+  uint64_t now_ = 1'000'000'000;
+};
+
+TEST_F(MetricsHttpTest, ServesMetricsAndClosesTheConnection) {
+  UniqueFd c = connect_client();
+  send_all(c.get(), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::string r = response(c.get());
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 200 OK\r\n")) << r;
+  EXPECT_NE(r.find("Content-Type: text/plain; version=0.0.4"), std::string::npos) << r;
+  EXPECT_NE(r.find("Content-Length: 21\r\n"), std::string::npos) << r;
+  EXPECT_TRUE(r.ends_with("\r\n\r\n# TYPE up gauge\nup 1\n")) << r;
+  EXPECT_EQ(renders_, 1);
+}
+
+TEST_F(MetricsHttpTest, ARequestInPiecesIsAnsweredWhenComplete) {
+  UniqueFd c = connect_client();
+  send_all(c.get(), "GET /metr");
+  turn();
+  EXPECT_EQ(renders_, 0);
+  send_all(c.get(), "ics HTTP/1.0\r\n\r\n");
+  EXPECT_TRUE(response(c.get()).starts_with("HTTP/1.1 200 OK"));
+}
+
+TEST_F(MetricsHttpTest, BadRequestsGetErrors) {
+  struct Case {
+    std::string req, status;
+  } cases[] = {
+      {"POST /metrics HTTP/1.1\r\n\r\n", "HTTP/1.1 405 "},
+      {"HEAD /metrics HTTP/1.1\r\n\r\n", "HTTP/1.1 405 "},
+      {"GET /other HTTP/1.1\r\n\r\n", "HTTP/1.1 404 "},
+      {"garbage\r\n\r\n", "HTTP/1.1 400 "},
+      {"GET /metrics SMTP\r\n\r\n", "HTTP/1.1 400 "},
+      {"GET /metrics HTTP/1.1\r\nX: " + std::string(MetricsHttp::kMaxRequest, 'a') + "\r\n\r\n",
+       "HTTP/1.1 431 "},
+  };
+  for (const auto& c : cases) {
+    UniqueFd fd = connect_client();
+    send_all(fd.get(), c.req);
+    std::string r = response(fd.get());
+    EXPECT_TRUE(r.starts_with(c.status)) << c.req.substr(0, 40) << " got: " << r;
+  }
+  EXPECT_EQ(renders_, 0);
+}
+
+TEST_F(MetricsHttpTest, SlowClientsAreEvictedAndExpireWithoutBlockingOthers) {
+  std::vector<UniqueFd> idle;
+  for (size_t i = 0; i < MetricsHttp::kMaxClients + 4; ++i) {
+    idle.push_back(connect_client());
+    now_ += 1000;  // accepted in order
+  }
+  // A complete request still gets its answer while the idle ones hold their sockets.
+  UniqueFd c = connect_client();
+  send_all(c.get(), "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_TRUE(response(c.get()).starts_with("HTTP/1.1 200 OK"));
+  // The oldest were dropped to stay within kMaxClients: they read EOF.
+  size_t closed = 0;
+  for (auto& fd : idle) {
+    pollfd p{fd.get(), POLLIN, 0};
+    char b;
+    closed += ::poll(&p, 1, 0) == 1 && ::read(fd.get(), &b, 1) == 0;
+  }
+  EXPECT_GE(closed, 5u);
+  EXPECT_LT(closed, idle.size());
+  // After the time-out every remaining one is closed too.
+  http_.expire(now_ + MetricsHttp::kClientTimeoutNs + 1);
+  for (auto& fd : idle) {
+    pollfd p{fd.get(), POLLIN, 0};
+    ASSERT_EQ(::poll(&p, 1, 1000), 1);
+    char b;
+    EXPECT_EQ(::read(fd.get(), &b, 1), 0);
+  }
+}
+
+TEST(MetricsHttpListen, BadOrTakenAddressesAreErrors) {
+  UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+  MetricsHttp a(ep.get(), kTag, [] { return std::string(); });
+  ASSERT_TRUE(a.listen("127.0.0.1:0").is_ok());
+  MetricsHttp b(ep.get(), kTag, [] { return std::string(); });
+  Status st = b.listen("127.0.0.1:" + std::to_string(a.port()));
+  EXPECT_EQ(st.err(), EADDRINUSE) << st.message();
+  EXPECT_NE(st.message().find("Address already in use"), std::string::npos);
+  EXPECT_FALSE(b.listen("300.1.2.3:9464").is_ok());
+  EXPECT_FALSE(b.listen("no-port").is_ok());
+}
+
+}  // namespace
+}  // namespace vrdma::backend

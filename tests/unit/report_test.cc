@@ -1,0 +1,222 @@
+// What operators see: the device's resource report (iproute2 field names, counters per QP and
+// per guest, error completions by status), its Prometheus rendering, and the `vrdma res show` /
+// `vrdma stat` selection and text built from it.
+#include "backend/report.h"
+
+#include <fmt/format.h>
+
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "cli/show.h"
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+using nlohmann::json;
+
+json qp_row(const json& report, const std::string& guest) {
+  for (const auto& q : report["res"]["qp"])
+    if (q["guest"] == guest) return q;
+  return nullptr;
+}
+
+/// The device plus the backend's reporter: the status document as the server builds it.
+class OpsTest : public DeviceTest {
+ protected:
+  /// Connects a to b and sends one 100-byte message.
+  void one_message() {
+    connect_both();
+    post_recv(qb_, 1, mb_.addr, 1024, mb_.mr.lkey);
+    post_send(qa_, 2, ma_.addr, 100, ma_.mr.lkey);
+    dev_.poll(now_);
+  }
+  json status() { return rep_.status(dev_); }
+
+  backend::Config cfg_;
+  backend::Reporter rep_{cfg_};
+};
+
+TEST_F(DeviceTest, ReportListsEveryResourceWithItsOwner) {
+  connect_both();
+  json r = dev_.report();
+  ASSERT_EQ(r["res"]["qp"].size(), 2u);
+  json a = qp_row(r, "a"), b = qp_row(r, "b");
+  ASSERT_TRUE(a.is_object() && b.is_object()) << r.dump();
+  EXPECT_EQ(a["lqpn"], qa_.qpn);
+  EXPECT_EQ(a["rqpn"], qb_.qpn);
+  EXPECT_EQ(b["rqpn"], qa_.qpn);
+  EXPECT_EQ(a["type"], "RC");
+  EXPECT_EQ(a["state"], "RTS");
+  EXPECT_EQ(a["transport"], "shm");
+  EXPECT_EQ(a["transport_why"], "destination guest on this backend");
+  EXPECT_EQ(a["pid"], 4242);
+  EXPECT_TRUE(a.contains("sq-psn") && a.contains("rq-psn") && a.contains("pdn"));
+  EXPECT_EQ(a["pdn"], a_.pd);
+  // One PD, one MR, two CQs (send and receive) per guest.
+  auto count = [&](const char* type, const char* guest) {
+    size_t n = 0;
+    for (const auto& x : r["res"][type]) n += x["guest"] == guest;
+    return n;
+  };
+  EXPECT_EQ(count("pd", "a"), 1u);
+  EXPECT_EQ(count("mr", "b"), 1u);
+  EXPECT_EQ(count("cq", "a"), 2u);
+  EXPECT_EQ(count("srq", "a"), 0u);
+  const json& mr = r["res"]["mr"][0];
+  EXPECT_EQ(mr["mrlen"], kMemBytes);
+  EXPECT_EQ(mr["lkey"], mr["rkey"]);
+}
+
+TEST_F(OpsTest, ReportCountsMessagesAndErrorsPerQpAndGuest) {
+  one_message();
+  json r = dev_.report();
+  json a = qp_row(r, "a"), b = qp_row(r, "b");
+  EXPECT_EQ(a["counters"]["msgs_sent"], 1);
+  EXPECT_EQ(a["counters"]["bytes_sent"], 100);
+  EXPECT_EQ(b["counters"]["msgs_received"], 1);
+  EXPECT_EQ(b["counters"]["bytes_received"], 100);
+  EXPECT_TRUE(a["counters"]["wc_errors"].empty());
+  // A bad lkey: one LOC_PROT_ERR, then the next WQE flushes.
+  post_send(qa_, 3, ma_.addr, 16, ma_.mr.lkey ^ 0x5a5a0);
+  post_send(qa_, 4, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  r = dev_.report();
+  a = qp_row(r, "a");
+  EXPECT_EQ(a["counters"]["wc_errors"], json({{"LOC_PROT_ERR", 1}, {"WR_FLUSH_ERR", 1}}));
+  // Per-guest sums survive the QP's destruction (Prometheus counters never go down).
+  ASSERT_TRUE(dev_.destroy_qp(*a_.s, qa_.handle).is_ok());
+  r = dev_.report();
+  EXPECT_EQ(r["res"]["qp"].size(), 1u);
+  json ga;
+  for (const auto& g : r["guest_counters"])
+    if (g["guest"] == "a") ga = g;
+  ASSERT_TRUE(ga.is_object()) << r.dump();
+  EXPECT_EQ(ga["qps"], 0);
+  EXPECT_EQ(ga["counters"]["msgs_sent"], 1);
+  EXPECT_EQ(ga["counters"]["wc_errors"]["LOC_PROT_ERR"], 1);
+}
+
+TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
+  connect_both();
+  json st = status();
+  auto f = cli::parse_filters({"guest", "a", "lqpn", fmt::format("{:#x}", qa_.qpn)});
+  ASSERT_TRUE(f.is_ok());
+  auto rows = cli::res_rows(st, "qp", *f);
+  ASSERT_TRUE(rows.is_ok()) << rows.status().message();
+  ASSERT_EQ(rows->size(), 1u);
+  EXPECT_EQ((*rows)[0]["lqpn"], qa_.qpn);
+  const std::string line = cli::res_text("qp", *rows);
+  EXPECT_EQ(line, fmt::format("vrdma0 guest a lqpn {} rqpn {} type RC state RTS sq-psn 0 rq-psn 0 "
+                              "pdn {} sq-cqn {} rq-cqn {} transport shm (destination guest on this backend) pid 4242\n",
+                              qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
+  // Decimal matches too (QPNs are per guest: both guests' first QP has the same number); a
+  // value that is not a number matches nothing.
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"lqpn", std::to_string(qb_.qpn)}})->size(),
+            qa_.qpn == qb_.qpn ? 2u : 1u);
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"guest", "b"}, {"lqpn", std::to_string(qb_.qpn)}})->size(),
+            1u);
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"lqpn", "17x"}})->size(), 0u);
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"state", "RTS"}})->size(), 2u);
+  EXPECT_EQ(cli::res_rows(st, "cq", {{"guest", "a"}})->size(), 2u);  // send and receive CQ
+  // Mistakes are errors that say what is valid.
+  auto bad = cli::res_rows(st, "qp", {{"lqnp", "1"}});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("valid: guest, lqpn"), std::string::npos);
+  EXPECT_FALSE(cli::res_rows(st, "qps", {}).is_ok());
+  EXPECT_FALSE(cli::parse_filters({"guest"}).is_ok());
+}
+
+TEST_F(OpsTest, StatRowsCarryTheCounters) {
+  one_message();
+  json st = status();
+  auto qps = cli::stat_rows(st, "qp", {{"guest", "b"}});
+  ASSERT_TRUE(qps.is_ok());
+  ASSERT_EQ(qps->size(), 1u);
+  EXPECT_EQ((*qps)[0]["msgs_received"], 1);
+  auto guests = cli::stat_rows(st, "guest", {});
+  ASSERT_TRUE(guests.is_ok());
+  EXPECT_EQ(guests->size(), 2u);
+  const std::string text = cli::stat_text("qp", *qps);
+  EXPECT_NE(text.find("MSGS_RX"), std::string::npos);
+  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +[0-9]+ RC +shm +0 +0 +1 +100 "))) << text;
+}
+
+TEST_F(OpsTest, PrometheusTextIsWellFormed) {
+  one_message();
+  const std::string text = rep_.metrics(dev_);
+  ASSERT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n');
+  // Every line is a HELP, a TYPE or a sample of the family declared last; families do not repeat.
+  std::istringstream in(text);
+  std::string line, family;
+  std::set<std::string> families;
+  const std::regex sample(
+      R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\\n]|\\[\\"n])*",?)*\})? -?[0-9.e+]+$)");
+  while (std::getline(in, line)) {
+    std::smatch m;
+    if (line.starts_with("# HELP ")) continue;
+    if (line.starts_with("# TYPE ")) {
+      std::istringstream t(line.substr(7));
+      std::string type;
+      t >> family >> type;
+      EXPECT_TRUE(families.insert(family).second) << "second TYPE for " << family;
+      EXPECT_TRUE(type == "counter" || type == "gauge") << line;
+      if (type == "counter") {
+        EXPECT_TRUE(family.ends_with("_total")) << line;
+      }
+      continue;
+    }
+    ASSERT_TRUE(std::regex_match(line, m, sample)) << line;
+    EXPECT_EQ(m[1].str(), family) << line;
+  }
+  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"a\",lqpn=\"{}\",type=\"RC\","
+                                  "transport=\"shm\"}} 1\n",
+                                  qa_.qpn)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("vrdma_guest_bytes_received_total{guest=\"b\"} 100\n"), std::string::npos);
+}
+
+TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
+  connect_both();
+  cfg_.listen = "0.0.0.0:7471";
+  cfg_.peers = {"10.0.0.2:7471"};
+  cfg_.quotas.max_qps = 7;
+  const std::string h = cli::status_header(status());
+  EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
+                                              "up [0-9]+s\\)\n")))
+      << h;
+  EXPECT_NE(h.find("transports: shm up (same-host pairs); tcp configured (cross-host pairs on "
+                   "0.0.0.0:7471)\n"),
+            std::string::npos)
+      << h;
+  EXPECT_NE(h.find("peers: 10.0.0.2:7471\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("datapath: 1 thread, busy "), std::string::npos) << h;
+  EXPECT_NE(h.find("metrics: off\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
+}
+
+TEST(PrometheusText, EscapesLabelValues) {
+  // Guest names come from the guest (VRDMA_GUEST): quotes, backslashes, newlines are escaped.
+  json st = {{"backend",
+              {{"version", "1"},
+               {"node", "n"},
+               {"uptime_s", 1},
+               {"datapath", {{"cpu_s", 0.5}}},
+               {"quotas", json::object()}}},
+             {"totals", {{"guests", 1}, {"sessions", 1}}},
+             {"guests", json::array({{{"name", "a\"b\\c\nd"}, {"resources", {{"qp", 1}}}}})},
+             {"guest_counters", json::array()},
+             {"res", {{"qp", json::array()}}}};
+  const std::string text = backend::prometheus_text(st);
+  EXPECT_NE(text.find("vrdma_resources{guest=\"a\\\"b\\\\c\\nd\",kind=\"qp\"} 1\n"),
+            std::string::npos)
+      << text;
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
