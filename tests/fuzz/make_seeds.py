@@ -111,7 +111,35 @@ ring = {
         op_send(1, 0, send_wqe(SEND)) + prod(2, 1) + struct.pack("<BBB", 8, 0, 0) + poll(),
 }
 
-for name, files in (("command", command), ("ring", ring)):
+# ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
+def frame(t, body, payload=b""):
+    return struct.pack("<IHHII", 0x57445256, 1, t, len(body), len(payload)) + body + payload
+
+
+hello_f = frame(1, b"node-b".ljust(64, b"\0") + struct.pack("<II", 1, 0))
+guest_up = frame(2, b"tenant".ljust(64, b"\0") + bytes(16) + struct.pack("<HHI", 3, 0, 0))
+
+
+def request(op, length, payload=b"", qp_type=2):
+    body = bytes(16) + bytes(16) + struct.pack("<HHBBBBIIIIIIII", 3, 4, 0, qp_type, 0, 0, 0x11, 0x12,
+                                               7, op, 0, 0, 0x1234, 0)
+    body += struct.pack("<QQQII", 0x1000, 1, 0, length, 0)
+    return frame(4, body, payload)
+
+
+def reply(syndrome, payload=b""):
+    body = bytes(16) + struct.pack("<IIIBBHIIQ", 0x11, 0x12, 7, syndrome, 0, 0, 0, 0, 0)
+    return frame(5, body, payload)
+
+
+wire = {
+    "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
+    "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
+        request(READ, 64) + request(FADD, 8) + request(SEND, 4, b"abcd", qp_type=4),
+    "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4),
+}
+
+for name, files in (("command", command), ("ring", ring), ("wire", wire)):
     d = os.path.join(HERE, "corpus", name)
     os.makedirs(d, exist_ok=True)
     for f, data in files.items():

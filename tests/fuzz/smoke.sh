@@ -4,7 +4,7 @@
 # tree; a crash leaves its input in WORK/ and fails the test.
 # Usage: smoke.sh FUZZER SEED_DIR WORK_DIR [RUNS]
 set -euo pipefail
-fuzzer=$1 seeds=$2 work=$3 runs=${4:-${VRDMA_FUZZ_RUNS:-20000}}
+fuzzer=$1 seeds=$2 work=$3 runs=${VRDMA_FUZZ_RUNS:-${4:-20000}}
 rm -rf "$work"
 mkdir -p "$work/corpus"
 cd "$work"
