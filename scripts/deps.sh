@@ -9,6 +9,7 @@ PACKAGES=(
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libtomlplusplus-dev
   iproute2 procps curl systemd iperf3
+  clang-14 libclang-rt-14-dev
 )
 
 missing=()

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the dependencies, builds and runs the whole test suite (unit + e2e).
-# Usage: scripts/test.sh                 release, then asan-ubsan, then tsan (what CI runs)
-#        scripts/test.sh PRESET [ctest args...]   one preset: release, debug, asan-ubsan, tsan
+# Usage: scripts/test.sh                 release, asan-ubsan, tsan, then the fuzz smoke (what CI runs)
+#        scripts/test.sh PRESET [ctest args...]   one preset: release, debug, asan-ubsan, tsan, fuzz
 #                                                 example: scripts/test.sh asan-ubsan -R e2e
+# The fuzz preset (clang-14 + libFuzzer) builds only the fuzz targets and runs each for a bounded
+# number of executions (tests/fuzz/smoke.sh: VRDMA_FUZZ_RUNS, VRDMA_FUZZ_SECONDS).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +25,7 @@ run_preset() {
 if [[ $# -gt 0 ]]; then
   run_preset "$@"
 else
-  for preset in release asan-ubsan tsan; do
+  for preset in release asan-ubsan tsan fuzz; do
     run_preset "$preset"
   done
 fi

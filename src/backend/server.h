@@ -17,6 +17,10 @@
 #include "engine/device.h"
 #include "transport/tcp/tcp_transport.h"
 
+namespace vrdma::fuzz {
+class CommandFuzzer;
+}
+
 namespace vrdma::backend {
 
 class Server {
@@ -35,6 +39,7 @@ class Server {
   };
 
  private:
+  friend class ::vrdma::fuzz::CommandFuzzer;  ///< tests/fuzz/fuzz_command.cc calls handle()
   Status setup();
   void accept_all();
   void on_readable(int fd);

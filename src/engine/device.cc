@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <iterator>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -45,7 +46,55 @@ uint32_t new_handle(Session& s, const Map&) {
   return s.next_handle++;
 }
 
+const char* res_name(Res r) {
+  static constexpr const char* kNames[] = {"max_pds", "max_qps", "max_cqs", "max_srqs", "max_mrs",
+                                           "max_mr_bytes"};
+  static_assert(std::size(kNames) == static_cast<size_t>(Res::kCount));
+  return kNames[static_cast<size_t>(r)];
+}
+
 }  // namespace
+
+// Quotas fail with ENOMEM: the errno the verbs man pages give for "not enough resources" on
+// every create/alloc/reg call. EDQUOT would say it better, but no verbs program expects it.
+Status Device::check_quota(Guest& g, Res r, uint64_t n) {
+  const uint64_t limits[] = {quotas_.max_pds, quotas_.max_qps,  quotas_.max_cqs,
+                            quotas_.max_srqs, quotas_.max_mrs, quotas_.max_mr_bytes};
+  static_assert(std::size(limits) == static_cast<size_t>(Res::kCount));
+  const uint64_t limit = limits[static_cast<size_t>(r)];
+  const uint64_t used = g.used[static_cast<size_t>(r)];
+  if (limit && (n > limit || used > limit - n)) {
+    // One line per quota until the guest frees one: a guest retrying in a loop cannot flood the log.
+    const uint32_t bit = 1u << static_cast<unsigned>(r);
+    if (!(g.quota_logged & bit)) {
+      g.quota_logged |= bit;
+      VLOG_WARN("guest {}: quota {} = {} reached (holds {}, asked for {} more)", g.name,
+                res_name(r), limit, used, n);
+    }
+    return error(ENOMEM, fmt::format("guest quota {} = {} reached", res_name(r), limit));
+  }
+  return Status::ok();
+}
+
+void Device::release(Guest& g, Res r, uint64_t n) {
+  if (n == 0) return;
+  g.used[static_cast<size_t>(r)] -= n;
+  g.quota_logged &= ~(1u << static_cast<unsigned>(r));
+}
+
+Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
+  const uint32_t limit = quotas_.max_queue_depth;
+  if (limit == 0 || entries <= limit) return Status::ok();
+  // Logged once per guest: nothing is held that could be freed to re-arm it.
+  const uint32_t bit = 1u << static_cast<unsigned>(Res::kCount);
+  if (!(g.quota_logged & bit)) {
+    g.quota_logged |= bit;
+    VLOG_WARN("guest {}: quota max_queue_depth = {} reached ({} of {} entries)", g.name, limit,
+              what, entries);
+  }
+  return error(ENOMEM, fmt::format("{} of {} entries: guest quota max_queue_depth = {}", what,
+                                   entries, limit));
+}
 
 Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {}
 Device::~Device() {
@@ -132,16 +181,25 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
 
 void Device::close_session(Session* s) {
   size_t nqp = s->qps.size(), nmr = s->mrs.size();
+  Guest* g = s->guest;
+  // A peer's QP connected to one of ours would otherwise wait for ACKs that never come.
+  fail_peers(*s);
   // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
   while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
+  release(*g, Res::kSrq, s->srqs.size());
   s->srqs.clear();
+  release(*g, Res::kCq, s->cqs.size());
   s->cqs.clear();
   s->channels.clear();
-  for (auto& [h, mr] : s->mrs) s->guest->mrs.erase(mr->key);
+  for (auto& [h, mr] : s->mrs) {
+    g->mrs.erase(mr->key);
+    release(*g, Res::kMrBytes, mr->length);
+  }
+  release(*g, Res::kMr, s->mrs.size());
   s->mrs.clear();
   s->segments.clear();
+  release(*g, Res::kPd, s->pds.size());
   s->pds.clear();
-  Guest* g = s->guest;
   VLOG_INFO("session {} closed (guest {} pid {}): reclaimed {} QPs, {} MRs", s->id, g->name,
             s->pid, nqp, nmr);
   sessions_.erase(s->id);
@@ -159,6 +217,8 @@ void Device::close_session(Session* s) {
 
 Result<uint32_t> Device::alloc_pd(Session& s) {
   if (s.pds.size() >= kMaxPd) return error(ENOMEM, "PD limit reached");
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kPd));
+  charge(*s.guest, Res::kPd);
   uint32_t h = new_handle(s, s.pds);
   s.pds[h] = Pd{h, 0};
   return h;
@@ -169,6 +229,7 @@ Status Device::dealloc_pd(Session& s, uint32_t pd) {
   if (it == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", pd));
   if (it->second.users) return error(EBUSY, "PD still has MRs or QPs");
   s.pds.erase(it);
+  release(*s.guest, Res::kPd);
   return Status::ok();
 }
 
@@ -216,6 +277,10 @@ Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
     expect += e.length;
   }
   if (expect != req.length) return error(EINVAL, "extents do not cover the MR");
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMr));
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, req.length));
+  charge(*s.guest, Res::kMr);
+  charge(*s.guest, Res::kMrBytes, req.length);
   // Key: 20-bit index in the guest's key space plus 12 random bits.
   uint32_t key;
   do {
@@ -242,6 +307,8 @@ Status Device::dereg_mr(Session& s, uint32_t handle) {
   if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", handle));
   s.guest->mrs.erase(it->second->key);
   s.pds[it->second->pd].users--;
+  release(*s.guest, Res::kMr);
+  release(*s.guest, Res::kMrBytes, it->second->length);
   s.mrs.erase(it);
   return Status::ok();
 }
@@ -273,6 +340,8 @@ Result<CreateCqResp> Device::create_cq(Session& s, const CreateCqReq& req, Uniqu
   if (req.cqe == 0 || req.cqe > kMaxCqe)
     return error(EINVAL, fmt::format("cqe {} outside 1..{}", req.cqe, kMaxCqe));
   if (s.cqs.size() >= kMaxCq) return error(ENOMEM, "CQ limit reached");
+  RETURN_IF_ERROR(check_depth(*s.guest, "CQ", req.cqe));
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kCq));
   Channel* ch = nullptr;
   if (req.channel != kNone) {
     auto it = s.channels.find(req.channel);
@@ -285,6 +354,7 @@ Result<CreateCqResp> Device::create_cq(Session& s, const CreateCqReq& req, Uniqu
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-cq", bytes));
   cq->ring = MappedRegion::map_shared(ring.get(), bytes);
   if (!cq->ring.valid()) return error(errno, "mapping CQ ring");
+  charge(*s.guest, Res::kCq);
   cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
   init_ring(cq->hdr, RingKind::kCq, sizeof(Cqe), cq->size);
   cq->entries = ring_entries<Cqe>(cq->hdr);
@@ -305,6 +375,7 @@ Status Device::destroy_cq(Session& s, uint32_t handle) {
   if (it->second->users) return error(EBUSY, "CQ still used by a QP");
   if (it->second->channel != kNone) s.channels[it->second->channel].users--;
   s.cqs.erase(it);
+  release(*s.guest, Res::kCq);
   return Status::ok();
 }
 
@@ -330,6 +401,9 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
       c.max_recv_wr > kMaxQpWr || c.max_send_sge > kMaxSge || c.max_recv_sge > kMaxSge ||
       c.max_inline_data > kMaxInline)
     return error(EINVAL, "QP capabilities exceed the device's");
+  RETURN_IF_ERROR(check_depth(*s.guest, "send queue", c.max_send_wr));
+  RETURN_IF_ERROR(check_depth(*s.guest, "receive queue", c.max_recv_wr));
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kQp));
   size_t nqp = 0;
   for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
   if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
@@ -348,6 +422,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-qp", sq_bytes + rq_bytes));
   qp->ring = MappedRegion::map_shared(ring.get(), sq_bytes + rq_bytes);
   if (!qp->ring.valid()) return error(errno, "mapping QP rings");
+  charge(g, Res::kQp);
   qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
   qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
   init_ring(qp->sq_hdr, RingKind::kSq, sizeof(SendWqe), qp->sq_size);
@@ -380,6 +455,8 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   CreateQpResp resp{qp->handle, qpn, qp->caps, sq_bytes + rq_bytes, sq_bytes};
   g.qps[qpn] = qp.get();
   active_.push_back(qp.get());
+  if (g.active.empty()) active_guests_.push_back(&g);
+  g.active.push_back(qp.get());
   s.qps[qp->handle] = std::move(qp);
   return resp;
 }
@@ -394,7 +471,11 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
   const QpAttr& a = req.attr;
   const uint32_t m = req.mask;
-  auto next = static_cast<ibv_qp_state>(a.qp_state);
+  // Range-check before the cast: an ibv_qp_state outside the enum's values is undefined
+  // behaviour (found by fuzz_ring).
+  if ((m & IBV_QP_STATE) && a.qp_state > IBV_QPS_ERR)
+    return error(EINVAL, fmt::format("unknown QP state {}", a.qp_state));
+  const auto next = (m & IBV_QP_STATE) ? static_cast<ibv_qp_state>(a.qp_state) : qp->state;
   if ((m & IBV_QP_CUR_STATE) && a.cur_qp_state != static_cast<uint32_t>(qp->state))
     return error(EINVAL, "cur_qp_state does not match the QP's state");
   RETURN_IF_ERROR(check_modify_qp(qp->type, qp->state, next, m));
@@ -483,10 +564,32 @@ Result<QueryQpResp> Device::query_qp(Session& s, uint32_t handle) {
   return r;
 }
 
+void Device::fail_peers(const Session& s) {
+  if (s.qps.empty()) return;
+  for (Guest* g : active_guests_) {
+    for (Qp* peer : g->active) {
+      if (peer->owner == &s || peer->type == IBV_QPT_UD || peer->remote) continue;
+      if (peer->state != IBV_QPS_RTR && peer->state != IBV_QPS_RTS && peer->state != IBV_QPS_SQD)
+        continue;
+      const Qp* to = lookup_remote(*peer);
+      if (!to || to->owner != &s) continue;
+      enter_error(*peer, "its connected peer's session ended");
+      post_async(*peer->owner, IBV_EVENT_QP_FATAL, peer->handle);
+    }
+  }
+}
+
 void Device::destroy_qp_now(Session& s, Qp& qp) {
-  qp.guest->retired += qp.cnt;
-  qp.guest->qps.erase(qp.qpn);
+  Guest& g = *qp.guest;
+  g.retired += qp.cnt;
+  g.qps.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
+  g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
+  if (g.active.empty()) {
+    active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
+                         active_guests_.end());
+  }
+  release(g, Res::kQp);
   s.pds[qp.pd].users--;
   qp.send_cq->users--;
   qp.recv_cq->users--;
@@ -509,12 +612,15 @@ Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, Un
     return error(EINVAL, "SRQ capabilities exceed the device's");
   if (a.srq_limit > a.max_wr) return error(EINVAL, "srq_limit above max_wr");
   if (s.srqs.size() >= kMaxSrq) return error(ENOMEM, "SRQ limit reached");
+  RETURN_IF_ERROR(check_depth(*s.guest, "SRQ", a.max_wr));
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kSrq));
   auto srq = std::make_unique<Srq>();
   srq->size = std::bit_ceil(a.max_wr);
   const size_t bytes = page_round(ring_bytes(srq->size, sizeof(RecvWqe)));
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-srq", bytes));
   srq->ring = MappedRegion::map_shared(ring.get(), bytes);
   if (!srq->ring.valid()) return error(errno, "mapping SRQ ring");
+  charge(*s.guest, Res::kSrq);
   srq->hdr = reinterpret_cast<RingHeader*>(srq->ring.data());
   init_ring(srq->hdr, RingKind::kRq, sizeof(RecvWqe), srq->size);
   srq->entries = ring_entries<RecvWqe>(srq->hdr);
@@ -555,6 +661,7 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
   if (it->second->users) return error(EBUSY, "SRQ still used by a QP");
   s.pds[it->second->pd].users--;
   s.srqs.erase(it);
+  release(*s.guest, Res::kSrq);
   return Status::ok();
 }
 

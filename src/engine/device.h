@@ -177,6 +177,9 @@ struct Qp {
   uint32_t atomic_cache_next = 0;
 };
 
+/// What a guest holds, counted against its Quotas (one counter per quota).
+enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };
+
 struct Guest {
   std::string name;
   uint64_t id = 0;
@@ -189,6 +192,10 @@ struct Guest {
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
   QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
+  uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
+  uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
+  std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
+  size_t turn = 0;            ///< the QP of `active` poll() visits first next time
 };
 
 struct Session {
@@ -290,6 +297,17 @@ class Device : public transport::Receiver {
 
  private:
   Qp* find_qp(Session& s, uint32_t handle);
+  /// ENOMEM (and one log line per hit) when `n` more of `r` would exceed the guest's quota.
+  /// Checked before anything is built; the count moves when the resource exists (`charge`).
+  Status check_quota(Guest& g, Res r, uint64_t n = 1);
+  static void charge(Guest& g, Res r, uint64_t n = 1) { g.used[static_cast<size_t>(r)] += n; }
+  static void release(Guest& g, Res r, uint64_t n = 1);
+  /// ENOMEM when one queue of `entries` is deeper than the guest's quota allows.
+  Status check_depth(Guest& g, const char* what, uint32_t entries);
+  /// RC/UC QPs of other sessions connected to a QP of `s` go to ERR, with QP_FATAL to their owner.
+  void fail_peers(const Session& s);
+  /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
+  bool poll_guest(Guest& g, uint64_t now_ns);
   Qp* lookup_remote(const Qp& from);
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
@@ -360,7 +378,8 @@ class Device : public transport::Receiver {
   const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                            uint32_t need_access) const;
   static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);
-  bool process_sq(Qp& qp, uint64_t now_ns);
+  /// Executes up to `budget` WQEs of the SQ (decremented per WQE).
+  bool process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget);
   bool flush(Qp& qp);
   void destroy_qp_now(Session& s, Qp& qp);
   const Mr* find_mr(const Qp& qp, uint32_t key, uint32_t pd) const;
@@ -375,7 +394,9 @@ class Device : public transport::Receiver {
   std::map<std::string, uint16_t> lid_of_name_;  ///< LIDs stay with a name across sessions
   std::unordered_map<uint16_t, Guest*> guests_by_lid_;
   std::map<uint32_t, std::unique_ptr<Session>> sessions_;
-  std::vector<Qp*> active_;  ///< every QP, for polling
+  std::vector<Qp*> active_;  ///< every QP (the TCP transport's replay walks them)
+  std::vector<Guest*> active_guests_;  ///< guests with a QP: what poll() visits, round-robin
+  size_t guest_turn_ = 0;              ///< the guest poll() visits first next time
   uint32_t next_session_ = 1;
   std::mt19937_64 rng_;
   Quotas quotas_;

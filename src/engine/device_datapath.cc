@@ -20,6 +20,15 @@ using namespace vrdma::proto;
 
 namespace {
 
+/// Whether [off, off + len) of the MR lies in one chunk, i.e. in one mapping.
+bool in_one_chunk(const Mr& mr, uint64_t off, uint64_t len) {
+  for (const MrChunk& c : mr.chunks) {
+    if (off >= c.mr_offset && off - c.mr_offset < c.length)
+      return len <= c.length - (off - c.mr_offset);
+  }
+  return false;
+}
+
 /// A receive completion for a message from the requester `in` names.
 Cqe recv_cqe(const Qp& to, uint64_t wr_id, const Inbound& in, uint32_t opcode) {
   Cqe rc{};
@@ -431,6 +440,10 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
       return nak(IBV_WC_REM_ACCESS_ERR, "remote access error (rkey, bounds or access)");
     if (is_atomic(op) && (in.remote_addr & 7))
       return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned address");
+    // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
+    // mappings, and one CPU atomic on the first would run past its end.
+    if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))
+      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
   }
   auto recv_error = [&](ibv_wc_status st, const char* why) {
     consume_recv(to);
@@ -456,8 +469,8 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, src_);
   } else {
     // Atomics: the engine thread executes every atomic of this host, and the operation is also
-    // a CPU atomic, so it is atomic against guests touching the word themselves. An aligned
-    // word never crosses a segment chunk (pages).
+    // a CPU atomic, so it is atomic against guests touching the word themselves. The word is in
+    // one chunk (checked above).
     append_spans(*out.mr, in.remote_addr - out.mr->iova, 8, src_);
     auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
     src_.pop_back();
@@ -647,7 +660,7 @@ bool Device::flush(Qp& qp) {
   return did;
 }
 
-bool Device::process_sq(Qp& qp, uint64_t now_ns) {
+bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
   if (qp.route_pending) choose_route(qp);
   if (qp.remote) return process_sq_remote(qp, now_ns);
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
@@ -658,8 +671,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
     return true;
   }
   bool did = false;
-  // Bounded batch per visit so one busy QP cannot starve the others.
-  for (int budget = 64; qp.sq_cons != prod && budget; --budget) {
+  for (; qp.sq_cons != prod && budget; --budget) {
     // Copy the WQE out of shared memory first: the guest may rewrite the slot at any time.
     const SendWqe w = qp.sq[qp.sq_cons & (qp.sq_size - 1)];
     if (execute(qp, w, now_ns) == Step::kWait) break;  // kDone: complete_send retired it
@@ -669,15 +681,31 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns) {
   return did;
 }
 
+// Fair across guests, not QPs: every guest with QPs gets one turn of at most kGuestBudget
+// WQEs per pass, however many busy QPs it has, and the guest that goes first rotates. Inside a
+// guest its QPs take turns the same way, so one busy QP cannot starve its siblings either.
+// (QPs on the TCP transport are driven by process_sq_remote, outside this budget.)
 bool Device::poll(uint64_t now_ns) {
   now_ns_ = now_ns;
   bool did = false;
-  for (size_t i = 0; i < active_.size(); ++i) {
-    Qp& qp = *active_[i];
+  const size_t n = active_guests_.size();
+  if (n == 0) return false;
+  const size_t first = guest_turn_++ % n;
+  for (size_t k = 0; k < n; ++k) did |= poll_guest(*active_guests_[(first + k) % n], now_ns);
+  return did;
+}
+
+bool Device::poll_guest(Guest& g, uint64_t now_ns) {
+  constexpr uint32_t kGuestBudget = 64;
+  uint32_t budget = kGuestBudget;
+  bool did = false;
+  const size_t n = g.active.size();
+  for (size_t k = 0; k < n && budget; ++k) {
+    Qp& qp = *g.active[g.turn++ % n];
     if (qp.state == IBV_QPS_ERR) {
-      did |= flush(qp);
+      did |= flush(qp);  // bounded by the ring's size; completions nobody reaps stop it early
     } else if (sq_open(qp.state)) {
-      did |= process_sq(qp, now_ns);
+      did |= process_sq(qp, now_ns, budget);
     }
   }
   return did;

@@ -112,6 +112,17 @@ class DeviceTest : public ::testing::Test {
     return req;
   }
   QpV qp(G& g, const CqV& scq, const CqV& rcq) { return create_qp(g, qp_req(g, scq, rcq)); }
+  /// An MR of `len` bytes at `addr` (iova == addr), all in segment `seg` from its start.
+  static RegMrReq mr_req(uint32_t pd, uint32_t access, uint64_t addr, uint64_t len, uint32_t seg) {
+    RegMrReq req{};
+    req.pd = pd;
+    req.access = access;
+    req.addr = req.iova = addr;
+    req.length = len;
+    req.num_extents = 1;
+    req.extents[0] = MrExtent{0, len, 0, seg, 0};
+    return req;
+  }
   MemV mem(G& g, uint32_t access = kAccess) {
     MemV m;
     UniqueFd fd = make_sealed_memfd("test-mem", kMemBytes).value();
@@ -119,15 +130,7 @@ class DeviceTest : public ::testing::Test {
     auto seg = dev_.reg_segment(*g.s, RegSegmentReq{kMemBytes}, std::move(fd));
     EXPECT_TRUE(seg.is_ok()) << seg.status().message();
     m.addr = reinterpret_cast<uint64_t>(m.map.data());
-    RegMrReq req{};
-    req.pd = g.pd;
-    req.access = access;
-    req.addr = m.addr;
-    req.length = kMemBytes;
-    req.iova = m.addr;
-    req.num_extents = 1;
-    req.extents[0] = MrExtent{0, kMemBytes, 0, seg.value(), 0};
-    auto mr = dev_.reg_mr(*g.s, req);
+    auto mr = dev_.reg_mr(*g.s, mr_req(g.pd, access, m.addr, kMemBytes, seg.value()));
     EXPECT_TRUE(mr.is_ok()) << mr.status().message();
     m.mr = mr.value();
     return m;
@@ -218,7 +221,9 @@ class DeviceTest : public ::testing::Test {
     connect(b_, qb_, a_, qa_);
   }
 
-  Device dev_;
+  /// The quotas the next fixture's Device gets (a suite sets it in SetUpTestSuite).
+  static inline Quotas next_quotas_{};
+  Device dev_{next_quotas_};
   G a_, b_;
   CqV acq_, arcq_, bcq_;
   QpV qa_, qb_;

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora of the fuzzers (tests/fuzz/corpus/{command,ring}/seed-*): valid
+command sequences and ring programs that reach deep paths, for the fuzzer to mutate.
+Layouts follow src/proto/command.h and src/proto/ring.h (little-endian). Re-run after a change
+to those formats: python3 tests/fuzz/make_seeds.py"""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NONE = 0xFFFFFFFF
+
+# ---- command fuzzer: records of [flags u8][len u16][message]; flags 1 = repair the header,
+# 2 = size the body for its opcode, 4 = attach a sealed memfd.
+OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=6,
+           create_channel=7, destroy_channel=8, create_cq=9, destroy_cq=10, create_qp=11,
+           modify_qp=12, query_qp=13, destroy_qp=14, status=15, create_srq=16, modify_srq=17,
+           query_srq=18, destroy_srq=19)
+
+
+def msg(op, body=b"", flags=3):
+    m = struct.pack("<IHHIIiI", 0x4D445256, 1, OPS[op], 24 + len(body), 1, 0, 0) + body
+    return struct.pack("<BH", flags, len(m)) + m
+
+
+def qp_attr(state, port=1, access=7, dlid=0, dqpn=0, **kw):
+    a = bytearray(76)
+    struct.pack_into("<IIIIIIII", a, 0, state, 0, 5, access, 0, 0, 0, dqpn)
+    struct.pack_into("<HBBBBBBB", a, 32, 0, port, kw.get("rd", 1), kw.get("drd", 1), 12, 14, 7, 7)
+    struct.pack_into("<H", a, 44, dlid)
+    return bytes(a)
+
+
+hello = msg("hello", b"seed-guest".ljust(64, b"\0") + struct.pack("<II", 1234, 0))
+lifecycle = b"".join([
+    hello,
+    msg("alloc_pd"),                                                     # pd 1
+    msg("create_cq", struct.pack("<IIII", 16, NONE, 0, 0)),              # cq 2
+    msg("reg_segment", struct.pack("<Q", 8192), flags=7),                # segment 3
+    msg("reg_mr", struct.pack("<IIQQQII", 1, 7, 0x10000, 8192, 0x10000, 2, 0) +
+        struct.pack("<QQQII", 0, 4096, 0, 3, 0) + struct.pack("<QQQII", 4096, 4096, 4096, 3, 0)),
+    msg("create_qp", struct.pack("<IIIIBBHI", 1, 2, 2, NONE, 2, 0, 0, 0) +
+        struct.pack("<IIIIII", 8, 8, 2, 2, 64, 0)),                       # qp 5
+    msg("modify_qp", struct.pack("<II", 5, 1 | 8 | 16 | 32) + qp_attr(1)),
+    msg("modify_qp", struct.pack("<II", 5, 1 | 128 | 256 | 1024 | 2048 | 4096 | 65536 | 131072 | 1048576) +
+        qp_attr(2, dlid=1, dqpn=0x11)),
+    msg("query_qp", struct.pack("<II", 5, 0)),
+    msg("create_channel"),
+    msg("create_srq", struct.pack("<II", 1, 0) + struct.pack("<IIII", 8, 2, 4, 0)),
+    msg("modify_srq", struct.pack("<II", 8, 2) + struct.pack("<IIII", 8, 2, 2, 0)),
+    msg("status", b"\0" * 8),
+    msg("destroy_qp", struct.pack("<II", 5, 0)),
+    msg("dereg_mr", struct.pack("<II", 4, 0)),
+    msg("destroy_cq", struct.pack("<II", 2, 0)),
+    msg("dealloc_pd", struct.pack("<II", 1, 0)),
+])
+command = {
+    "seed-lifecycle": lifecycle,
+    "seed-before-hello": msg("alloc_pd") + hello + hello,
+    "seed-raw-garbage": struct.pack("<BH", 0, 8) + b"VRDM\x01\x00\x02\x00",
+    "seed-quota": hello + msg("alloc_pd") + msg("create_cq", struct.pack("<IIII", 4, NONE, 0, 0)) * 6,
+}
+
+# ---- ring fuzzer: see fuzz_ring.cc (World::run) for the operations.
+SEND, WRITE, WRITE_IMM, SEND_IMM, READ, CAS, FADD = 2, 0, 1, 3, 4, 5, 6
+
+
+def send_wqe(opcode, num_sge=1, flags=2, wr_id=1, inline_len=0):
+    w = bytearray(320)
+    struct.pack_into("<QIIII", w, 0, wr_id, opcode, flags, 0, num_sge)
+    struct.pack_into("<I", w, 36, inline_len)
+    return bytes(w)
+
+
+def aim(sel, off, length):
+    return struct.pack("<BHH", sel, off & 0xFFFF, length)
+
+
+def op_send(qp, slot, wqe, how=0x80, sges=(aim(0, 0, 64), aim(0, 0, 0)), roff=None):
+    out = struct.pack("<BBB", 0, qp, slot) + wqe + struct.pack("<B", how)
+    if how & 0x80:
+        out += b"".join(sges)
+        if how & 1:
+            out += struct.pack("<H", roff or 0)
+    return out
+
+
+def op_recv(qp, slot, num_sge=1, sel=4, length=256):
+    w = bytearray(272)
+    struct.pack_into("<QI", w, 0, 7, num_sge)
+    return struct.pack("<BBB", 1, qp, slot) + bytes(w) + struct.pack("<B", 0x80) + aim(sel, 0, length) + aim(sel, 0, 0)
+
+
+def prod(kind, qp, n=1):  # kind 2: SQ, 3: RQ; producer = consumer + n
+    return struct.pack("<BBBI", kind, qp, 0, n)
+
+
+def poll(us=1000):
+    return struct.pack("<BBI", 5, 0, us)
+
+
+ring = {
+    "seed-rc-send": op_recv(1, 0) + prod(3, 1) + op_send(0, 0, send_wqe(SEND)) + prod(2, 0) + poll(),
+    "seed-rc-write-read": op_send(0, 0, send_wqe(WRITE), how=0x83, roff=128) +
+        op_send(0, 1, send_wqe(READ), how=0x83, roff=256) + prod(2, 0, 2) + poll(),
+    "seed-atomic-straddle": op_send(0, 0, send_wqe(FADD), how=0x8B, sges=(aim(0, 0, 8), aim(0, 0, 0)),
+                                    roff=4088) + prod(2, 0) + poll(),
+    "seed-ud": op_recv(3, 0) + prod(3, 3) + op_send(2, 0, send_wqe(SEND), how=0xB0) + prod(2, 2) + poll(),
+    "seed-srq-uc": op_recv(5, 0x80) + struct.pack("<BBBI", 4, 5, 1, 1) +
+        op_send(4, 0, send_wqe(SEND)) + prod(2, 4) + poll(),
+    "seed-corrupt-and-die": struct.pack("<BBBI", 2, 0, 1, 0xFFFFFFFF) + poll() +
+        op_send(1, 0, send_wqe(SEND)) + prod(2, 1) + struct.pack("<BBB", 8, 0, 0) + poll(),
+}
+
+# ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
+def frame(t, body, payload=b""):
+    return struct.pack("<IHHII", 0x57445256, 1, t, len(body), len(payload)) + body + payload
+
+
+hello_f = frame(1, b"node-b".ljust(64, b"\0") + struct.pack("<II", 1, 0))
+guest_up = frame(2, b"tenant".ljust(64, b"\0") + bytes(16) + struct.pack("<HHI", 3, 0, 0))
+
+
+def request(op, length, payload=b"", qp_type=2):
+    body = bytes(16) + bytes(16) + struct.pack("<HHBBBBIIIIIIII", 3, 4, 0, qp_type, 0, 0, 0x11, 0x12,
+                                               7, op, 0, 0, 0x1234, 0)
+    body += struct.pack("<QQQII", 0x1000, 1, 0, length, 0)
+    return frame(4, body, payload)
+
+
+def reply(syndrome, payload=b""):
+    body = bytes(16) + struct.pack("<IIIBBHIIQ", 0x11, 0x12, 7, syndrome, 0, 0, 0, 0, 0)
+    return frame(5, body, payload)
+
+
+wire = {
+    "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
+    "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
+        request(READ, 64) + request(FADD, 8) + request(SEND, 4, b"abcd", qp_type=4),
+    "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4),
+}
+
+for name, files in (("command", command), ("ring", ring), ("wire", wire)):
+    d = os.path.join(HERE, "corpus", name)
+    os.makedirs(d, exist_ok=True)
+    for f, data in files.items():
+        with open(os.path.join(d, f), "wb") as fh:
+            fh.write(data)
