@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI smoke run of one fuzzer: a bounded number of executions (or 35 s, whichever comes first),
+# CI smoke run of one fuzzer: a bounded number of executions (or 20 s, whichever comes first),
 # starting from the seed corpus in the tree. New inputs go to a scratch directory, never into the
 # tree; a crash leaves its input in WORK/ and fails the test.
 # Usage: smoke.sh FUZZER SEED_DIR WORK_DIR [RUNS]
@@ -9,5 +9,5 @@ rm -rf "$work"
 mkdir -p "$work/corpus"
 cd "$work"
 export VRDMA_LOG=error
-"$fuzzer" -runs="$runs" -max_total_time="${VRDMA_FUZZ_SECONDS:-35}" -max_len=4096 \
+"$fuzzer" -runs="$runs" -max_total_time="${VRDMA_FUZZ_SECONDS:-20}" -max_len=4096 \
   -print_final_stats=1 -artifact_prefix="$work/" "$work/corpus" "$seeds"
