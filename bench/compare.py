@@ -313,7 +313,16 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations and sizes")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results"))
     ap.add_argument("--no-spin-policy", action="store_true")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
     a = ap.parse_args()
+    if a.plot:
+        with open(a.plot) as f:
+            data = json.load(f)["same_host"]
+        # JSON turned the sizes into strings.
+        data = {m: {sys_: {int(k): v for k, v in by.items()} for sys_, by in systems.items()}
+                for m, systems in data.items()}
+        out = os.path.splitext(a.plot)[0] + ".png"
+        sys.exit(0 if plot(data, out) else 1)
     for tool in ["ib_send_lat", "ucx_perftest", "ss"]:
         if not shutil.which(tool):
             sys.exit(f"compare: {tool} not found (run bench/compare.sh, which installs it)")

@@ -16,4 +16,5 @@ if [[ ${#need[@]} -gt 0 ]]; then
 fi
 cmake --preset release >/dev/null
 cmake --build --preset release
-exec python3 bench/compare.py "$@"
+# Debian's python3 (where apt installed matplotlib), not one earlier on PATH.
+exec /usr/bin/python3 bench/compare.py "$@"
