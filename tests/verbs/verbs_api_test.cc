@@ -114,10 +114,7 @@ TEST_F(VerbsApi, DeviceAndPortAreWhatTheyClaim) {
 
 TEST_F(VerbsApi, SendWithImmediateAndUnsignaledCompletions) {
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   constexpr int kMsgs = 10;
   for (int i = 0; i < kMsgs; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 4096), 0);
   for (int i = 0; i < kMsgs; ++i) std::memset(buf_.data() + 65536 + 64 * i, 'A' + i, 64);
@@ -159,10 +156,7 @@ TEST_F(VerbsApi, CompletionChannelIsARealPollableFd) {
   channel_ = ibv_create_comp_channel(ctx_);
   ASSERT_NE(channel_, nullptr);
   ibv_cq* cq = make_cq(channel_);
-  ibv_qp* a = make_qp(cq, 64, 1);
-  ibv_qp* b = make_qp(cq, 64, 1);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq, 64, 1); });
   int ep = ::epoll_create1(0);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -226,10 +220,7 @@ TEST_F(VerbsApi, PostingBeyondTheQueueDepthIsEnomem) {
 
 TEST_F(VerbsApi, BadLkeyIsLocalProtectionErrorThenFlush) {
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   ASSERT_EQ(post_recv(b, 1, 0, 64), 0);
   ASSERT_EQ(post_send(a, 10, 0, 8, 0, IBV_WR_SEND, 0, mr_->lkey ^ 0x5a5a000), 0);
   ASSERT_EQ(post_send(a, 11, 0, 8, IBV_SEND_SIGNALED), 0);
@@ -260,10 +251,7 @@ TEST_F(VerbsApi, NoReceiveAndNoRnrRetryIsRnrRetryExceeded) {
 TEST_F(VerbsApi, RdmaWriteAndWriteWithImmediate) {
   make_remote_mr();
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   for (int i = 0; i < 4096; ++i) buf_[i] = static_cast<uint8_t>(i * 13);
   ASSERT_EQ(post_rdma(a, 1, IBV_WR_RDMA_WRITE, 0, 4096, raddr(100), rmr_->rkey), 0);
   auto wcs = poll(cq, 1);
@@ -295,10 +283,7 @@ TEST_F(VerbsApi, RdmaWriteAndWriteWithImmediate) {
 TEST_F(VerbsApi, RdmaReadPullsRemoteBytes) {
   make_remote_mr();
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   for (size_t i = 0; i < rbuf_.size(); ++i) rbuf_[i] = static_cast<uint8_t>(i * 7 + 3);
   ASSERT_EQ(post_rdma(a, 5, IBV_WR_RDMA_READ, 1000, 30000, raddr(333), rmr_->rkey), 0);
   auto wcs = poll(cq, 1);
@@ -376,10 +361,7 @@ TEST_F(VerbsApi, RemoteAccessErrors) {
       {IBV_WR_ATOMIC_FETCH_AND_ADD, raddr(0), rmr_->rkey, "MR without remote atomic"},
   };
   for (const Case& c : cases) {
-    ibv_qp* a = make_qp(cq);
-    ibv_qp* b = make_qp(cq);
-    connect(a, b->qp_num);
-    connect(b, a->qp_num);
+    auto [a, b] = connected_pair([&] { return make_qp(cq); });
     ASSERT_EQ(post_rdma(a, 1, c.op, 0, c.op == IBV_WR_ATOMIC_FETCH_AND_ADD ? 8 : 64, c.addr, c.rkey,
                         IBV_SEND_SIGNALED, 1),
               0);
@@ -397,10 +379,7 @@ TEST_F(VerbsApi, RemoteAccessErrors) {
 TEST_F(VerbsApi, DeregisteredMrIsNoLongerReachable) {
   make_remote_mr();
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   const uint32_t rkey = rmr_->rkey;
   ASSERT_EQ(ibv_dereg_mr(rmr_), 0);
   rmr_ = nullptr;
@@ -434,10 +413,7 @@ TEST_F(VerbsApi, ASendQueueOfOneIsFreeAsSoonAsItsCompletionArrives) {
   // guest that posted right after seeing it got ENOMEM (ib_read_lat, TX depth 1, failed so).
   make_remote_mr();
   ibv_cq* cq = make_cq();
-  ibv_qp* a = make_qp(cq, 1);
-  ibv_qp* b = make_qp(cq, 1);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq, 1); });
   for (int i = 0; i < 20000; ++i) {
     ASSERT_EQ(post_rdma(a, i, IBV_WR_RDMA_READ, 0, 64, raddr(0), rmr_->rkey), 0) << "at " << i;
     ibv_wc wc;

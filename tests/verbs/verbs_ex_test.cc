@@ -115,10 +115,7 @@ TEST_F(VerbsEx, CqExIteratesCompletionsWithEveryField) {
   ibv_poll_cq_attr bad_attr{1};
   EXPECT_EQ(ibv_start_poll(cqx, &bad_attr), EINVAL);
 
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   constexpr int kMsgs = 5;
   for (int i = 0; i < kMsgs; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 4096), 0);
   for (int i = 0; i < kMsgs; ++i) {
@@ -189,10 +186,7 @@ TEST_F(VerbsEx, CqExWorksWithACompletionChannel) {
   ibv_cq* cq = ibv_cq_ex_to_cq(cqx);
   EXPECT_EQ(cq->cq_context, this);
   EXPECT_EQ(cq->channel, channel_);
-  ibv_qp* a = make_qp(cq);
-  ibv_qp* b = make_qp(cq);
-  connect(a, b->qp_num);
-  connect(b, a->qp_num);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
   ASSERT_EQ(ibv_req_notify_cq(cq, 0), 0);
   ASSERT_EQ(post_recv(b, 1, 0, 64), 0);
   ibv_sge s{addr(128), 16, mr_->lkey};

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qp_setup.h"
@@ -94,6 +95,16 @@ class VerbsFixture : public ::testing::Test {
     p.dest_qpn = remote_qpn;
     p.rnr_retry = rnr_retry;
     ASSERT_EQ(bring_to_rts(qp, p), 0);
+  }
+
+  /// Two QPs made by `make` (the test's own QP factory), connected to each other.
+  template <typename Make>
+  std::pair<ibv_qp*, ibv_qp*> connected_pair(Make make) {
+    ibv_qp* a = make();
+    ibv_qp* b = make();
+    connect(a, b->qp_num);
+    connect(b, a->qp_num);
+    return {a, b};
   }
 
   int post_recv(ibv_qp* qp, uint64_t id, size_t off, uint32_t len) {
