@@ -24,11 +24,6 @@ using namespace vrdma::proto;
 
 namespace {
 
-constexpr uint64_t kTagListen = 1ull << 62;
-constexpr uint64_t kTagDoorbell = 1ull << 61;
-constexpr uint64_t kTagWake = 1ull << 60;
-constexpr uint64_t kTagMetrics = 1ull << 59;
-constexpr uint64_t kTagTransport = 1ull << 58;
 
 /// Names the peer of a connection in log lines: its guest, pid and session once it said Hello.
 std::string who(const Server::Conn& c, int fd) {
@@ -131,12 +126,13 @@ void Server::drop(int fd) {
 }
 
 void Server::on_readable(int fd) {
-  auto it = conns_.find(fd);
-  if (it == conns_.end()) return;
   std::vector<uint8_t> msg;
   std::vector<UniqueFd> fds;
   for (;;) {
-    Status st = recv_msg(fd, msg, kMaxRequest, fds);
+    // Looked up per message: a command may add connections (an import adopts the guest's).
+    auto it = conns_.find(fd);
+    if (it == conns_.end()) return;
+    Status st = recv_msg(fd, msg, it->second.import ? kMaxImportMessage : kMaxRequest, fds);
     if (!st.is_ok()) {
       if (st.err() == EAGAIN) return;
       if (st.err() != ECONNRESET)
@@ -146,7 +142,8 @@ void Server::on_readable(int fd) {
     }
     st = handle(it->second, msg, fds);
     if (!st.is_ok()) {
-      VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
+      it = conns_.find(fd);
+      if (it != conns_.end()) VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
@@ -169,6 +166,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   }
   const MsgHeader h = hdr.value();
   const Op op = static_cast<Op>(h.op);
+  if (sessionless(op) && op != Op::kStatus) {
+    if (c.session) return error(EPROTO, "an operator command on a guest session");
+    return handle_admin(c, h, msg, fds);
+  }
   if ((op == Op::kHello) == (c.session != nullptr) && op != Op::kStatus)
     return error(EPROTO, c.session ? "second hello" : "command before hello");
 
@@ -248,7 +249,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       std::memcpy(out.data() + offsetof(MsgHeader, length), &total, 4);
       break;
     }
-    case Op::kMax: break;
+    default: break;  // sessionless ones went to handle_admin
   }
   int32_t status;
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));

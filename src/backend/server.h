@@ -36,6 +36,15 @@ class Server {
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;
+    /// A backend handing us a guest (kImportBegin..kImportCommit): what arrived so far.
+    struct Import {
+      std::string guest;
+      uint64_t bytes = 0;
+      uint32_t nfds = 0;
+      std::vector<uint8_t> blob;
+      std::vector<UniqueFd> fds;
+    };
+    std::unique_ptr<Import> import;
   };
 
  private:
@@ -46,6 +55,23 @@ class Server {
   void drop(int fd);
   Status handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
   void watch(int fd, uint64_t tag);
+  /// The operator and backend-to-backend commands (migrate.cc): no session, admin callers only.
+  Status handle_admin(Conn& c, const proto::MsgHeader& h, std::vector<uint8_t>& msg,
+                      std::vector<UniqueFd>& fds);
+  /// Moves guest `guest` to the backend at `target`; the guest is unchanged here on failure.
+  Result<proto::MigrateResp> migrate_out(const std::string& guest, const std::string& target);
+  Result<proto::ImportResp> import_commit(Conn& c);
+  /// Serves an imported session here: its connection and doorbell join the loop.
+  void adopt(engine::Session* s, UniqueFd sock);
+  /// Stops serving the sessions of `guest` without ending them (their device moved).
+  void release_guest(const std::string& guest);
+
+  // What an epoll event is for: a tag in the high bits of its data, the fd in the low 32.
+  static constexpr uint64_t kTagListen = 1ull << 62;
+  static constexpr uint64_t kTagDoorbell = 1ull << 61;
+  static constexpr uint64_t kTagWake = 1ull << 60;
+  static constexpr uint64_t kTagMetrics = 1ull << 59;
+  static constexpr uint64_t kTagTransport = 1ull << 58;
 
   Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices

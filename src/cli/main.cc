@@ -279,6 +279,93 @@ std::string query_status(const std::string& socket) {
   return std::string(reinterpret_cast<const char*>(buf.data() + off + sizeof(len)), len);
 }
 
+/// Sends one operator request (with descriptors) to the backend at `socket` and returns the
+/// response body. Exits the process with a message on error.
+template <typename Resp, typename Req>
+Resp admin_request(const std::string& socket, proto::Op op, const Req& req, const char* what,
+                   std::span<const int> fds = {}) {
+  auto sock = connect_unix(socket);
+  if (!sock) {
+    fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
+               sock.status().message(), backend_unreachable_hint(socket, sock.status().err()));
+    std::exit(1);
+  }
+  std::vector<uint8_t> buf;
+  std::vector<UniqueFd> got;
+  Status st = send_msg(sock->get(), proto::encode(op, 1, 0, req), fds);
+  if (st) st = recv_msg(sock->get(), buf, proto::kMaxRequest, got);
+  if (!st) {
+    fmt::print(stderr, "vrdma {}: talking to {}: {}\n", what, socket, st.message());
+    std::exit(1);
+  }
+  auto hdr = proto::decode_header(buf);
+  if (!hdr || hdr->op != static_cast<uint16_t>(op)) {
+    fmt::print(stderr, "vrdma {}: bad response from {}\n", what, socket);
+    std::exit(1);
+  }
+  if (hdr->status != 0) {
+    fmt::print(stderr, "vrdma {}: the backend at {} refused: {} (its log says why)\n", what,
+               socket, std::strerror(-hdr->status));
+    std::exit(1);
+  }
+  auto body = proto::body_of<Resp>(buf);
+  if (!body) {
+    fmt::print(stderr, "vrdma {}: malformed response from {}\n", what, socket);
+    std::exit(1);
+  }
+  return body.value();
+}
+
+template <size_t N>
+bool put_field(char (&dst)[N], const std::string& v, const char* what) {
+  if (v.empty() || v.size() >= N) {
+    fmt::print(stderr, "vrdma: {} must be 1..{} bytes\n", what, N - 1);
+    return false;
+  }
+  std::memcpy(dst, v.data(), v.size());
+  return true;
+}
+
+int cmd_migrate(const std::string& guest, const std::string& to, const std::string& socket_opt,
+                bool json) {
+  const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
+  proto::MigrateReq req{};
+  if (!put_field(req.guest, guest, "the guest name") ||
+      !put_field(req.target, to, "the target socket path"))
+    return 2;
+  const auto r = admin_request<proto::MigrateResp>(socket, proto::Op::kMigrate, req, "migrate");
+  if (json) {
+    fmt::print("{}\n", nlohmann::json{{"guest", guest}, {"from", socket}, {"to", to},
+                                      {"downtime_us", r.downtime_us}, {"export_us", r.export_us},
+                                      {"transfer_us", r.transfer_us}, {"import_us", r.import_us},
+                                      {"bytes", r.bytes}, {"qps", r.qps}, {"fds", r.fds}}
+                           .dump());
+  } else {
+    fmt::print("guest {} moved to {}: downtime {} us (export {} us, transfer {} us, import {} "
+               "us); {} QPs, {} bytes of state, {} descriptors\n",
+               guest, to, r.downtime_us, r.export_us, r.transfer_us, r.import_us, r.qps, r.bytes,
+               r.fds);
+  }
+  return 0;
+}
+
+int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt) {
+  const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
+  proto::SnapshotReq req{};
+  if (!put_field(req.guest, guest, "the guest name")) return 2;
+  UniqueFd f(::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!f.valid()) {
+    fmt::print(stderr, "vrdma snapshot: {}: {}\n", file, std::strerror(errno));
+    return 1;
+  }
+  const int fd = f.get();
+  const auto r = admin_request<proto::SnapshotResp>(socket, proto::Op::kSnapshot, req, "snapshot",
+                                                   {&fd, 1});
+  fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
+             guest, r.bytes, r.qps, file, r.pause_us);
+  return 0;
+}
+
 /// Reads a non-negative count from obj[key]; 0 when absent or not a number.
 uint64_t count_of(const nlohmann::json& obj, const char* key) {
   if (!obj.is_object()) {
@@ -493,6 +580,22 @@ int main_impl(int argc, char** argv) {
   stat->add_flag("-j,--json", stat_json, "JSON output");
   stat->add_option("--socket", stat_socket, "backend socket");
 
+  std::string mig_guest, mig_to, mig_socket;
+  bool mig_json = false;
+  auto* migrate = app.add_subcommand(
+      "migrate", "Move a guest's device to another backend on this machine, live: its QPs keep "
+                 "their numbers, keys and connections");
+  migrate->add_option("guest", mig_guest, "guest name")->required();
+  migrate->add_option("--to", mig_to, "socket of the backend that takes it")->required();
+  migrate->add_option("--socket", mig_socket, "socket of the backend that serves it now");
+  migrate->add_flag("--json", mig_json, "print the result as JSON");
+
+  std::string snap_guest, snap_file, snap_socket;
+  auto* snapshot = app.add_subcommand("snapshot", "Write a guest's device state to a file");
+  snapshot->add_option("guest", snap_guest, "guest name")->required();
+  snapshot->add_option("file", snap_file, "file to write")->required();
+  snapshot->add_option("--socket", snap_socket, "backend socket");
+
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
   argc = split_run_command(argc, argv, command);
@@ -516,6 +619,12 @@ int main_impl(int argc, char** argv) {
   }
   if (*stat) {
     return cmd_show(true, stat_words, stat_json, stat_socket);
+  }
+  if (*migrate) {
+    return cmd_migrate(mig_guest, mig_to, mig_socket, mig_json);
+  }
+  if (*snapshot) {
+    return cmd_snapshot(snap_guest, snap_file, snap_socket);
   }
   return 2;
 }

@@ -12,7 +12,7 @@
 
 namespace vrdma {
 
-inline constexpr size_t kMaxFdsPerMessage = 4;
+inline constexpr size_t kMaxFdsPerMessage = 64;
 
 /// Sends one message with up to kMaxFdsPerMessage descriptors (not closed here).
 Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> fds = {});

@@ -41,6 +41,9 @@ void init_ring(RingHeader* h, RingKind kind, uint32_t entry_size, uint32_t n) {
 
 size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
 
+/// The device keeps its own descriptor of every ring it hands out, so its state can move.
+UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
+
 template <typename Map>
 uint32_t new_handle(Session& s, const Map&) {
   return s.next_handle++;
@@ -179,11 +182,14 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   return raw;
 }
 
-void Device::close_session(Session* s) {
+void Device::close_session(Session* s) { close_session_impl(s, false); }
+
+void Device::close_session_impl(Session* s, bool moved) {
   size_t nqp = s->qps.size(), nmr = s->mrs.size();
   Guest* g = s->guest;
-  // A peer's QP connected to one of ours would otherwise wait for ACKs that never come.
-  fail_peers(*s);
+  // A peer's QP connected to one of ours would otherwise wait for ACKs that never come. A
+  // session whose device moved to another backend is still alive there: its peers follow it.
+  if (!moved) fail_peers(*s);
   // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
   while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
   release(*g, Res::kSrq, s->srqs.size());
@@ -200,11 +206,16 @@ void Device::close_session(Session* s) {
   s->segments.clear();
   release(*g, Res::kPd, s->pds.size());
   s->pds.clear();
-  VLOG_INFO("session {} closed (guest {} pid {}): reclaimed {} QPs, {} MRs", s->id, g->name,
-            s->pid, nqp, nmr);
+  if (moved) {
+    VLOG_INFO("session {} (guest {} pid {}) moved away with {} QPs, {} MRs", s->id, g->name,
+              s->pid, nqp, nmr);
+  } else {
+    VLOG_INFO("session {} closed (guest {} pid {}): reclaimed {} QPs, {} MRs", s->id, g->name,
+              s->pid, nqp, nmr);
+  }
   sessions_.erase(s->id);
   if (--g->sessions == 0) {
-    VLOG_INFO("guest {} left", g->name);
+    VLOG_INFO("guest {} {}", g->name, moved ? "moved to another backend" : "left");
     if (transport_) {
       transport::GuestInfo info{g->name, g->lid, {}};
       std::memcpy(info.gid, g->gid, 16);
@@ -242,6 +253,7 @@ Result<uint32_t> Device::reg_segment(Session& s, const RegSegmentReq& req, Uniqu
   auto seg = std::make_shared<Segment>();
   seg->map = MappedRegion::map_shared(fd.get(), req.size);
   if (!seg->map.valid()) return error(errno, fmt::format("mapping segment: {}", strerror(errno)));
+  seg->fd = std::move(fd);
   uint32_t h = new_handle(s, s.segments);
   s.segments[h] = std::move(seg);
   return h;
@@ -354,6 +366,7 @@ Result<CreateCqResp> Device::create_cq(Session& s, const CreateCqReq& req, Uniqu
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-cq", bytes));
   cq->ring = MappedRegion::map_shared(ring.get(), bytes);
   if (!cq->ring.valid()) return error(errno, "mapping CQ ring");
+  cq->ring_fd = dup_fd(ring.get());
   charge(*s.guest, Res::kCq);
   cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
   init_ring(cq->hdr, RingKind::kCq, sizeof(Cqe), cq->size);
@@ -422,6 +435,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-qp", sq_bytes + rq_bytes));
   qp->ring = MappedRegion::map_shared(ring.get(), sq_bytes + rq_bytes);
   if (!qp->ring.valid()) return error(errno, "mapping QP rings");
+  qp->ring_fd = dup_fd(ring.get());
   charge(g, Res::kQp);
   qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
   qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
@@ -620,6 +634,7 @@ Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, Un
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-srq", bytes));
   srq->ring = MappedRegion::map_shared(ring.get(), bytes);
   if (!srq->ring.valid()) return error(errno, "mapping SRQ ring");
+  srq->ring_fd = dup_fd(ring.get());
   charge(*s.guest, Res::kSrq);
   srq->hdr = reinterpret_cast<RingHeader*>(srq->ring.data());
   init_ring(srq->hdr, RingKind::kRq, sizeof(RecvWqe), srq->size);

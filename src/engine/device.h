@@ -10,9 +10,11 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -34,6 +36,7 @@ struct Guest;
 /// A guest memfd mapped into the backend.
 struct Segment {
   MappedRegion map;
+  UniqueFd fd;  ///< kept so the device's state can move to another backend (device_state.cc)
 };
 
 struct Pd {
@@ -70,6 +73,7 @@ struct Cq {
   uint32_t handle = 0;
   Session* owner = nullptr;
   MappedRegion ring;
+  UniqueFd ring_fd;
   proto::RingHeader* hdr = nullptr;
   proto::Cqe* entries = nullptr;
   uint32_t size = 0;  ///< entries in the ring (power of two), backend's private copy
@@ -85,6 +89,7 @@ struct Srq {
   Session* owner = nullptr;
   uint32_t pd = 0;
   MappedRegion ring;
+  UniqueFd ring_fd;
   proto::RingHeader* hdr = nullptr;
   proto::RecvWqe* entries = nullptr;
   uint32_t size = 0;   ///< private geometry
@@ -138,6 +143,7 @@ struct Qp {
   proto::QpCaps caps{};
   proto::QpAttr attr{};
   MappedRegion ring;
+  UniqueFd ring_fd;
   proto::RingHeader* sq_hdr = nullptr;
   proto::RingHeader* rq_hdr = nullptr;
   proto::SendWqe* sq = nullptr;
@@ -222,6 +228,20 @@ struct Session {
 /// Fds a command's response carries back to the guest (the backend keeps its own copies).
 using FdList = std::vector<int>;
 
+/// A guest's whole device state as a versioned blob (device_state.cc) and the descriptors it
+/// names by index (borrowed from the device: valid until the device changes).
+struct GuestExport {
+  std::vector<uint8_t> blob;
+  std::vector<int> fds;
+  size_t qps = 0;
+};
+
+/// A session an import created, with the guest connection's socket (index given at export).
+struct ImportedSession {
+  Session* session;
+  UniqueFd sock;
+};
+
 /// What a responder is asked to do: a message from a requester QP, local or from the wire.
 struct Inbound {
   uint32_t op = 0, send_flags = 0, imm_data = 0, rkey = 0;
@@ -276,6 +296,22 @@ class Device : public transport::Receiver {
   Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
   Status destroy_srq(Session& s, uint32_t handle);
   std::string status_json() const;
+
+  // ---- moving a guest's device between backends (device_state.cc) ----
+  /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
+  /// counters, into a blob; `sock_of` gives each session's connection (-1: none, a snapshot).
+  Result<GuestExport> export_guest(const std::string& name,
+                                   const std::function<int(const Session&)>& sock_of) const;
+  /// Rebuilds a guest from export_guest's blob and descriptors (taken from `fds`), with the same
+  /// LID, GID, QPNs, keys and handles, then re-routes its QPs and the local QPs facing it. All
+  /// or nothing: a blob that fails any check creates nothing (EINVAL; EEXIST: the guest is here).
+  Result<std::vector<ImportedSession>> import_guest(std::span<const uint8_t> blob,
+                                                    std::vector<UniqueFd>& fds);
+  /// Forgets a guest whose device moved to another backend: no peer is failed, nothing is
+  /// completed; its resources are unmapped here (the guest's descriptors stay open elsewhere).
+  void detach_guest(const std::string& name);
+  /// Whether this backend serves guest `name`.
+  bool has_guest(const std::string& name) const { return guests_.count(name) != 0; }
   /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
   nlohmann::json report() const;
 
@@ -294,8 +330,19 @@ class Device : public transport::Receiver {
   void on_frame_done(const std::string& node, const proto::wire::Frame& f,
                      transport::RxSink& sink) override;
   void on_peer_up(const std::string& node) override;
+  void on_guest_located(const transport::GuestInfo& g, const std::string& node) override;
 
  private:
+  /// Re-chooses the transport of a connected QP whose destination moved, keeping its PSNs and
+  /// work: tcp -> shm settles what is in flight locally, tcp -> tcp replays it to the new node.
+  void reroute(Qp& qp);
+  /// A QP that was on tcp and whose peer QP is now on this backend: completes the in-flight
+  /// WQEs the peer executed (by its expected PSN), hands the rest back to the send queue.
+  void settle_locally(Qp& qp);
+  /// Every connected QP whose destination is guest `g` (by LID or GID).
+  template <typename F>
+  void for_qps_facing(const Guest& g, F&& f);
+  void close_session_impl(Session* s, bool moved);
   Qp* find_qp(Session& s, uint32_t handle);
   /// ENOMEM (and one log line per hit) when `n` more of `r` would exceed the guest's quota.
   /// Checked before anything is built; the count moves when the resource exists (`charge`).

@@ -25,6 +25,11 @@ size_t request_body_size(Op op) {
     case Op::kCreateQp: return sizeof(CreateQpReq);
     case Op::kModifyQp: return sizeof(ModifyQpReq);
     case Op::kStatus: return sizeof(StatusReq);
+    case Op::kMigrate: return sizeof(MigrateReq);
+    case Op::kImportBegin: return sizeof(ImportBeginReq);
+    case Op::kImportData: return kVariableBody;
+    case Op::kImportCommit: return 0;
+    case Op::kSnapshot: return sizeof(SnapshotReq);
     case Op::kMax: break;
   }
   return SIZE_MAX;
@@ -46,9 +51,14 @@ Result<MsgHeader> decode_header(std::span<const uint8_t> msg) {
 }
 
 Result<MsgHeader> decode_request(std::span<const uint8_t> msg) {
-  if (msg.size() > kMaxRequest) return error(EMSGSIZE, "request too large");
+  if (msg.size() > kMaxImportMessage) return error(EMSGSIZE, "request too large");
   ASSIGN_OR_RETURN(MsgHeader h, decode_header(msg));
   size_t want = request_body_size(static_cast<Op>(h.op));
+  if (want == kVariableBody) {
+    if (msg.size() - sizeof(MsgHeader) > kMaxImportChunk) return error(EMSGSIZE, "chunk too large");
+    return h;
+  }
+  if (msg.size() > kMaxRequest) return error(EMSGSIZE, "request too large");
   if (msg.size() - sizeof(MsgHeader) != want)
     return error(EPROTO, fmt::format("opcode {} body of {} bytes, expected {}", h.op,
                                      msg.size() - sizeof(MsgHeader), want));

@@ -43,8 +43,20 @@ enum class Op : uint16_t {
   kModifySrq = 17,
   kQuerySrq = 18,
   kDestroySrq = 19,
-  kMax = 20,  ///< one past the last opcode; never sent
+  // Operator and backend-to-backend commands (no Hello; the caller must be root or the
+  // backend's own user): moving a guest's device.
+  kMigrate = 20,
+  kImportBegin = 21,
+  kImportData = 22,  ///< variable body: a piece of the state blob, descriptors attached
+  kImportCommit = 23,
+  kSnapshot = 24,
+  kMax = 25,  ///< one past the last opcode; never sent
 };
+
+/// Whether an opcode is sent without a session (Hello) first.
+inline bool sessionless(Op op) {
+  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kSnapshot);
+}
 
 struct MsgHeader {
   uint32_t magic;
@@ -247,6 +259,57 @@ struct ModifySrqReq {
 };
 static_assert(sizeof(ModifySrqReq) == 24);
 
+// ---- kMigrate: move guest `guest`'s device to the backend listening on `target` (a socket
+// path on this machine). The response says how long its QPs could not make progress.
+inline constexpr size_t kSocketPathMax = 108;
+struct MigrateReq {
+  char guest[kGuestNameMax];
+  char target[kSocketPathMax];
+  uint32_t flags;
+  uint32_t reserved;
+};
+static_assert(sizeof(MigrateReq) == 180);
+struct MigrateResp {
+  uint64_t downtime_us;  ///< guest frozen here until the target had imported it
+  uint64_t export_us, transfer_us, import_us;
+  uint64_t bytes;  ///< state blob
+  uint32_t qps, fds;
+};
+static_assert(sizeof(MigrateResp) == 48);
+
+// ---- kImportBegin / kImportData... / kImportCommit: a backend hands a guest's state to another.
+// Data messages carry pieces of the blob (up to kMaxImportChunk bytes) and of its descriptor list
+// (up to kMaxFdsPerMessage each), in order.
+inline constexpr size_t kMaxImportChunk = 60000;
+inline constexpr size_t kMaxImportBytes = 64u << 20;
+inline constexpr uint32_t kMaxImportFds = 65536;
+struct ImportBeginReq {
+  char guest[kGuestNameMax];
+  uint64_t bytes;
+  uint32_t fds;
+  uint32_t reserved;
+};
+static_assert(sizeof(ImportBeginReq) == 80);
+struct ImportResp {
+  uint64_t import_us;
+  uint32_t qps;
+  uint32_t sessions;
+};
+static_assert(sizeof(ImportResp) == 16);
+
+// ---- kSnapshot: the guest's device state written to the file whose descriptor comes with it.
+struct SnapshotReq {
+  char guest[kGuestNameMax];
+};
+static_assert(sizeof(SnapshotReq) == 64);
+struct SnapshotResp {
+  uint64_t bytes;
+  uint64_t pause_us;  ///< the guest's QPs were held this long
+  uint32_t qps;
+  uint32_t reserved;
+};
+static_assert(sizeof(SnapshotResp) == 24);
+
 // ---- kStatus: response body is a u32 length followed by that many bytes of JSON.
 struct StatusReq {
   uint32_t flags;
@@ -254,8 +317,11 @@ struct StatusReq {
 };
 static_assert(sizeof(StatusReq) == 8);
 
-/// Body type per opcode, for the length check.
+/// Body type per opcode, for the length check; kVariableBody: up to kMaxImportChunk bytes.
+inline constexpr size_t kVariableBody = SIZE_MAX - 1;
 size_t request_body_size(Op op);
+/// Largest message the backend takes on a connection that began an import.
+inline constexpr size_t kMaxImportMessage = kMaxImportChunk + 64;
 
 /// Serialises header + body into a byte vector.
 template <typename Body>

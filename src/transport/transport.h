@@ -56,6 +56,9 @@ class Receiver {
   /// A connection to `node` is up (first time or after a break): unacknowledged work toward
   /// it is replayed.
   virtual void on_peer_up(const std::string& node) = 0;
+  /// Peer `node` announced guest `g` (it joined there, or its device moved there): QPs facing
+  /// it follow it.
+  virtual void on_guest_located(const GuestInfo& g, const std::string& node) = 0;
 };
 
 class Transport {

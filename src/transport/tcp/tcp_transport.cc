@@ -447,6 +447,9 @@ void TcpTransport::on_guest(Conn& c, bool up) {
   by_lid_[e.lid] = Remote{c.node, name};
   by_gid_[key] = Remote{c.node, name};
   VLOG_DEBUG("directory: guest {} (lid {:#x}) is on {}", name, e.lid, c.node);
+  GuestInfo info{name, e.lid, {}};
+  std::memcpy(info.gid, e.gid, 16);
+  rx_.on_guest_located(info, c.node);
 }
 
 void TcpTransport::announce(const GuestInfo& g, bool up) {

@@ -1,0 +1,688 @@
+// A guest's device state as a blob, and back: what live migration and snapshots move.
+// The blob is CBOR (nlohmann::json), versioned by kStateVersion; fixed-layout structs the wire
+// format already pins (QpAttr, QpCaps, SendWqe, QpCounters) travel as byte strings of their exact
+// size. Descriptors (memfds of segments, rings and control pages, the doorbell, pipe ends, the
+// guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
+// Import trusts nothing: every index, size, handle and reference is checked, use counts are
+// recounted from the references, and nothing is created unless all of it is valid.
+#include <fcntl.h>
+
+#include <bit>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/identity.h"
+#include "common/log.h"
+#include "common/memfd.h"
+#include "engine/datapath_util.h"
+#include "proto/device_caps.h"
+
+namespace vrdma::engine {
+
+using namespace vrdma::proto;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr uint32_t kStateVersion = 1;
+constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
+constexpr uint32_t kPage = 4096;
+constexpr uint32_t kCacheValid = 1u << 31;  ///< as in device_remote.cc
+
+size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
+
+template <typename T>
+json bytes_of(const T& v) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  return json::binary(std::vector<uint8_t>(p, p + sizeof(T)));
+}
+
+/// A field of the blob, or EINVAL naming it.
+struct Reader {
+  Status st = Status::ok();
+
+  template <typename T>
+  T num(const json& j, const char* key) {
+    if (!st.is_ok()) return T{};
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_number_integer()) {
+      st = error(EINVAL, fmt::format("state: field '{}' missing or not an integer", key));
+      return T{};
+    }
+    if constexpr (std::is_signed_v<T>) {
+      return it->template get<T>();
+    } else {
+      if (it->is_number_integer() && it->template get<int64_t>() < 0 && !it->is_number_unsigned()) {
+        st = error(EINVAL, fmt::format("state: field '{}' is negative", key));
+        return T{};
+      }
+      const uint64_t v = it->template get<uint64_t>();
+      if (v > std::numeric_limits<T>::max()) {
+        st = error(EINVAL, fmt::format("state: field '{}' out of range", key));
+        return T{};
+      }
+      return static_cast<T>(v);
+    }
+  }
+
+  template <typename T>
+  T pod(const json& j, const char* key) {
+    T out{};
+    if (!st.is_ok()) return out;
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_binary() || it->get_binary().size() != sizeof(T)) {
+      st = error(EINVAL, fmt::format("state: field '{}' missing or of the wrong size", key));
+      return out;
+    }
+    std::memcpy(&out, it->get_binary().data(), sizeof(T));
+    return out;
+  }
+
+  const json& arr(const json& j, const char* key) {
+    static const json empty = json::array();
+    if (!st.is_ok()) return empty;
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_array()) {
+      st = error(EINVAL, fmt::format("state: list '{}' missing", key));
+      return empty;
+    }
+    return *it;
+  }
+
+  std::string str(const json& j, const char* key) {
+    if (!st.is_ok()) return {};
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string()) {
+      st = error(EINVAL, fmt::format("state: field '{}' missing or not a string", key));
+      return {};
+    }
+    return it->get<std::string>();
+  }
+
+  void fail(std::string why) {
+    if (st.is_ok()) st = error(EINVAL, "state: " + why);
+  }
+};
+
+}  // namespace
+
+// ---- export ----
+
+Result<GuestExport> Device::export_guest(const std::string& name,
+                                         const std::function<int(const Session&)>& sock_of) const {
+  auto git = guests_.find(name);
+  if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
+  const Guest& g = *git->second;
+  GuestExport out;
+  auto fd = [&](int f) -> int64_t {
+    if (f < 0) return -1;
+    out.fds.push_back(f);
+    return static_cast<int64_t>(out.fds.size() - 1);
+  };
+  json sessions = json::array();
+  for (const auto& [sid, sp] : sessions_) {
+    const Session& s = *sp;
+    if (s.guest != &g) continue;
+    json js = {{"pid", s.pid},
+               {"comm", s.comm},
+               {"next_handle", s.next_handle},
+               {"control", fd(s.control_fd.get())},
+               {"doorbell", fd(s.doorbell.get())},
+               {"async_r", fd(s.async_read.get())},
+               {"async_w", fd(s.async_write.get())},
+               {"sock", fd(sock_of(s))}};
+    json pds = json::array();
+    for (const auto& [h, pd] : s.pds) pds.push_back(h);
+    js["pds"] = std::move(pds);
+    json segs = json::array();
+    for (const auto& [h, seg] : s.segments)
+      segs.push_back({h, fd(seg->fd.get()), seg->map.size()});
+    js["segs"] = std::move(segs);
+    json mrs = json::array();
+    for (const auto& [h, mr] : s.mrs) {
+      json ext = json::array();
+      for (size_t i = 0; i < mr->chunks.size(); ++i) {
+        const MrChunk& c = mr->chunks[i];
+        uint32_t seg_h = kNone;
+        for (const auto& [sh, seg] : s.segments) {
+          if (seg == mr->segments[i]) seg_h = sh;
+        }
+        ext.push_back({seg_h, c.base - mr->segments[i]->map.data(), c.mr_offset, c.length});
+      }
+      mrs.push_back({{"h", h}, {"key", mr->key}, {"pd", mr->pd}, {"access", mr->access},
+                     {"addr", mr->addr}, {"iova", mr->iova}, {"length", mr->length},
+                     {"ext", std::move(ext)}});
+    }
+    js["mrs"] = std::move(mrs);
+    json chans = json::array();
+    for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get())});
+    js["chans"] = std::move(chans);
+    json cqs = json::array();
+    for (const auto& [h, cq] : s.cqs) {
+      cqs.push_back({{"h", h}, {"fd", fd(cq->ring_fd.get())}, {"size", cq->size},
+                     {"prod", cq->prod}, {"channel", cq->channel}, {"overrun", cq->overrun}});
+    }
+    js["cqs"] = std::move(cqs);
+    json srqs = json::array();
+    for (const auto& [h, q] : s.srqs) {
+      srqs.push_back({{"h", h}, {"fd", fd(q->ring_fd.get())}, {"pd", q->pd}, {"size", q->size},
+                      {"cons", q->cons}, {"max_sge", q->max_sge}, {"limit", q->limit}});
+    }
+    js["srqs"] = std::move(srqs);
+    json qps = json::array();
+    for (const auto& [h, qp] : s.qps) {
+      json unacked = json::array();
+      for (const Qp::Outstanding& o : qp->unacked)
+        unacked.push_back({bytes_of(o.w), o.psn, o.len, o.has_result});
+      qps.push_back({{"h", h},
+                     {"qpn", qp->qpn},
+                     {"type", static_cast<uint32_t>(qp->type)},
+                     {"state", static_cast<uint32_t>(qp->state)},
+                     {"pd", qp->pd},
+                     {"scq", qp->send_cq->handle},
+                     {"rcq", qp->recv_cq->handle},
+                     {"srq", qp->srq ? qp->srq->handle : kNone},
+                     {"sig_all", qp->sq_sig_all},
+                     {"caps", bytes_of(qp->caps)},
+                     {"attr", bytes_of(qp->attr)},
+                     {"fd", fd(qp->ring_fd.get())},
+                     {"sq_size", qp->sq_size},
+                     {"rq_size", qp->rq_size},
+                     {"sq_cons", qp->sq_cons},
+                     {"rq_cons", qp->rq_cons},
+                     {"wait", static_cast<uint32_t>(qp->wait)},
+                     {"rnr_left", qp->rnr_left},
+                     {"retry_left", qp->retry_left},
+                     {"wait_until", qp->wait_until_ns},
+                     {"cnt", bytes_of(qp->cnt)},
+                     {"unacked", std::move(unacked)},
+                     {"sq_sent", qp->sq_sent},
+                     {"next_psn", qp->next_psn},
+                     {"expected_psn", qp->expected_psn},
+                     {"acache", qp->atomic_cache},
+                     {"acache_next", qp->atomic_cache_next}});
+      out.qps++;
+    }
+    js["qps"] = std::move(qps);
+    sessions.push_back(std::move(js));
+  }
+  json doc = {{"magic", kStateMagic},
+              {"version", kStateVersion},
+              {"name", g.name},
+              {"lid", g.lid},
+              {"next_qpn", g.next_qpn},
+              {"next_key_index", g.next_key_index},
+              {"retired", bytes_of(g.retired)},
+              {"sessions", std::move(sessions)}};
+  out.blob = json::to_cbor(doc);
+  return out;
+}
+
+// ---- import ----
+
+Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_t> blob,
+                                                          std::vector<UniqueFd>& fds) {
+  json doc = json::from_cbor(blob.begin(), blob.end(), true, false);
+  if (doc.is_discarded() || !doc.is_object()) return error(EINVAL, "state: not a CBOR document");
+  Reader rd;
+  if (rd.num<uint32_t>(doc, "magic") != kStateMagic) rd.fail("bad magic");
+  const uint32_t version = rd.num<uint32_t>(doc, "version");
+  RETURN_IF_ERROR(rd.st);
+  if (version != kStateVersion)
+    return error(EPROTONOSUPPORT,
+                 fmt::format("state version {} (this backend reads {})", version, kStateVersion));
+  const std::string name = rd.str(doc, "name");
+  RETURN_IF_ERROR(rd.st);
+  if (name.empty() || name.size() >= kGuestNameMax) return error(EINVAL, "state: bad guest name");
+  for (char c : name) {
+    if (c < 0x21 || c > 0x7e) return error(EINVAL, "state: guest name has non-printable characters");
+  }
+  if (guests_.count(name)) return error(EEXIST, fmt::format("guest {} is already here", name));
+  const uint16_t lid = rd.num<uint16_t>(doc, "lid");
+  RETURN_IF_ERROR(rd.st);
+  if (lid == 0 || lid > 0xbfff) return error(EINVAL, "state: LID outside the unicast range");
+  if (auto it = guests_by_lid_.find(lid); it != guests_by_lid_.end())
+    return error(EADDRINUSE, fmt::format("LID {:#x} of guest {} is taken here by guest {}", lid,
+                                         name, it->second->name));
+  for (const auto& [n, l] : lid_of_name_) {
+    if (l == lid && n != name)
+      return error(EADDRINUSE, fmt::format("LID {:#x} of guest {} is reserved here for {}", lid,
+                                           name, n));
+  }
+
+  std::vector<bool> taken(fds.size(), false);
+  // Takes descriptor `key` of `j` (each index at most once); -1 allowed when `optional`.
+  auto take = [&](const json& j, const char* key, bool optional = false) -> UniqueFd {
+    const int64_t i = rd.num<int64_t>(j, key);
+    if (!rd.st.is_ok()) return {};
+    if (i < 0 && optional) return {};
+    if (i < 0 || static_cast<size_t>(i) >= fds.size() || taken[i] || !fds[i].valid()) {
+      rd.fail(fmt::format("descriptor '{}' = {} not given (or given twice)", key, i));
+      return {};
+    }
+    taken[i] = true;
+    return std::move(fds[i]);
+  };
+  auto map_memfd = [&](UniqueFd& f, size_t bytes, const char* what) -> MappedRegion {
+    if (!rd.st.is_ok()) return {};
+    if (Status st = check_sealed_memfd(f.get(), bytes); !st.is_ok()) {
+      rd.fail(fmt::format("{}: {}", what, st.message()));
+      return {};
+    }
+    MappedRegion m = MappedRegion::map_shared(f.get(), bytes);
+    if (!m.valid()) rd.fail(fmt::format("mapping {}: {}", what, std::strerror(errno)));
+    return m;
+  };
+
+  auto g = std::make_unique<Guest>();
+  g->name = name;
+  g->id = fnv1a64(name);
+  g->port_guid = port_guid_of(name);
+  const auto gid = gid_of(name);
+  std::memcpy(g->gid, gid.data(), 16);
+  g->lid = lid;
+  g->next_qpn = rd.num<uint32_t>(doc, "next_qpn");
+  g->next_key_index = rd.num<uint32_t>(doc, "next_key_index");
+  g->retired = rd.pod<QpCounters>(doc, "retired");
+
+  std::vector<std::unique_ptr<Session>> made;
+  std::vector<UniqueFd> socks;
+  const json& jsessions = rd.arr(doc, "sessions");
+  if (rd.st.is_ok() && jsessions.empty()) rd.fail("a guest without sessions");
+  for (const json& js : jsessions) {
+    if (!rd.st.is_ok()) break;
+    auto s = std::make_unique<Session>();
+    s->guest = g.get();
+    s->pid = rd.num<uint32_t>(js, "pid");
+    s->comm = rd.str(js, "comm");
+    s->next_handle = rd.num<uint32_t>(js, "next_handle");
+    s->control_fd = take(js, "control");
+    s->control = map_memfd(s->control_fd, kPage, "control page");
+    s->doorbell = take(js, "doorbell");
+    s->async_read = take(js, "async_r");
+    s->async_write = take(js, "async_w");
+    socks.push_back(take(js, "sock", true));
+    auto handle_ok = [&](uint32_t h, const char* what) {
+      if (h == 0 || h >= s->next_handle) rd.fail(fmt::format("{} handle {} out of range", what, h));
+    };
+    for (const json& h : rd.arr(js, "pds")) {
+      if (!h.is_number_unsigned()) rd.fail("PD handle");
+      if (!rd.st.is_ok()) break;
+      const uint32_t ph = h.get<uint32_t>();
+      handle_ok(ph, "PD");
+      if (!s->pds.emplace(ph, Pd{ph, 0}).second) rd.fail("PD handle twice");
+    }
+    for (const json& e : rd.arr(js, "segs")) {
+      if (!e.is_array() || e.size() != 3 || !e[0].is_number_unsigned() || !e[2].is_number_unsigned())
+        rd.fail("segment entry");
+      if (!rd.st.is_ok()) break;
+      const uint32_t h = e[0].get<uint32_t>();
+      const uint64_t size = e[2].get<uint64_t>();
+      handle_ok(h, "segment");
+      if (size == 0 || size % kPage || size > kMaxMrSize) rd.fail("segment size");
+      auto seg = std::make_shared<Segment>();
+      const json holder = {{"fd", e[1]}};
+      seg->fd = take(holder, "fd");
+      seg->map = map_memfd(seg->fd, size, "segment");
+      if (rd.st.is_ok() && !s->segments.emplace(h, std::move(seg)).second)
+        rd.fail("segment handle twice");
+    }
+    for (const json& jm : rd.arr(js, "mrs")) {
+      if (!rd.st.is_ok()) break;
+      auto mr = std::make_unique<Mr>();
+      mr->handle = rd.num<uint32_t>(jm, "h");
+      mr->key = rd.num<uint32_t>(jm, "key");
+      mr->pd = rd.num<uint32_t>(jm, "pd");
+      mr->access = rd.num<uint32_t>(jm, "access");
+      mr->addr = rd.num<uint64_t>(jm, "addr");
+      mr->iova = rd.num<uint64_t>(jm, "iova");
+      mr->length = rd.num<uint64_t>(jm, "length");
+      mr->owner = s.get();
+      handle_ok(mr->handle, "MR");
+      auto pd = s->pds.find(mr->pd);
+      if (pd == s->pds.end()) rd.fail("MR in an unknown PD");
+      if (mr->key == 0 || g->mrs.count(mr->key)) rd.fail("MR key zero or twice");
+      if (mr->length == 0 || mr->length > kMaxMrSize) rd.fail("MR length");
+      uint64_t expect = 0;
+      for (const json& x : rd.arr(jm, "ext")) {
+        if (!x.is_array() || x.size() != 4) rd.fail("MR extent");
+        for (const json& v : x) {
+          if (!v.is_number_unsigned()) rd.fail("MR extent field");
+        }
+        if (!rd.st.is_ok()) break;
+        auto seg = s->segments.find(x[0].get<uint32_t>());
+        const uint64_t seg_off = x[1].get<uint64_t>(), mr_off = x[2].get<uint64_t>(),
+                       len = x[3].get<uint64_t>();
+        if (seg == s->segments.end() || mr_off != expect || len == 0 ||
+            seg_off > seg->second->map.size() || len > seg->second->map.size() - seg_off) {
+          rd.fail("MR extent does not fit its segment");
+          break;
+        }
+        mr->chunks.push_back({mr_off, len, seg->second->map.data() + seg_off});
+        mr->segments.push_back(seg->second);
+        expect += len;
+      }
+      if (rd.st.is_ok() && expect != mr->length) rd.fail("MR extents do not cover the MR");
+      if (!rd.st.is_ok()) break;
+      pd->second.users++;
+      g->mrs[mr->key] = mr.get();
+      if (!s->mrs.emplace(mr->handle, std::move(mr)).second) rd.fail("MR handle twice");
+    }
+    for (const json& e : rd.arr(js, "chans")) {
+      if (!e.is_array() || e.size() != 2 || !e[0].is_number_unsigned()) rd.fail("channel entry");
+      if (!rd.st.is_ok()) break;
+      const uint32_t h = e[0].get<uint32_t>();
+      handle_ok(h, "channel");
+      Channel c;
+      c.handle = h;
+      const json holder = {{"fd", e[1]}};
+      c.write_end = take(holder, "fd");
+      if (rd.st.is_ok() && !s->channels.emplace(h, std::move(c)).second) rd.fail("channel twice");
+    }
+    for (const json& jc : rd.arr(js, "cqs")) {
+      if (!rd.st.is_ok()) break;
+      auto cq = std::make_unique<Cq>();
+      cq->handle = rd.num<uint32_t>(jc, "h");
+      cq->size = rd.num<uint32_t>(jc, "size");
+      cq->prod = rd.num<uint32_t>(jc, "prod");
+      cq->channel = rd.num<uint32_t>(jc, "channel");
+      cq->overrun = jc.value("overrun", false);
+      cq->owner = s.get();
+      handle_ok(cq->handle, "CQ");
+      if (!std::has_single_bit(cq->size) || cq->size < 2 || cq->size > 2 * kMaxCqe)
+        rd.fail("CQ size");
+      cq->ring_fd = take(jc, "fd");
+      const size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
+      cq->ring = map_memfd(cq->ring_fd, bytes, "CQ ring");
+      if (cq->channel != kNone) {
+        auto ch = s->channels.find(cq->channel);
+        if (ch == s->channels.end()) rd.fail("CQ on an unknown channel");
+        else ch->second.users++;
+      }
+      if (!rd.st.is_ok()) break;
+      cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
+      cq->entries = ring_entries<Cqe>(cq->hdr);
+      if (!s->cqs.emplace(cq->handle, std::move(cq)).second) rd.fail("CQ handle twice");
+    }
+    for (const json& jq : rd.arr(js, "srqs")) {
+      if (!rd.st.is_ok()) break;
+      auto q = std::make_unique<Srq>();
+      q->handle = rd.num<uint32_t>(jq, "h");
+      q->pd = rd.num<uint32_t>(jq, "pd");
+      q->size = rd.num<uint32_t>(jq, "size");
+      q->cons = rd.num<uint32_t>(jq, "cons");
+      q->max_sge = rd.num<uint32_t>(jq, "max_sge");
+      q->limit = rd.num<uint32_t>(jq, "limit");
+      q->owner = s.get();
+      handle_ok(q->handle, "SRQ");
+      auto pd = s->pds.find(q->pd);
+      if (pd == s->pds.end()) rd.fail("SRQ in an unknown PD");
+      if (!std::has_single_bit(q->size) || q->size > kMaxQpWr * 2 || q->max_sge == 0 ||
+          q->max_sge > kMaxSge || q->limit > q->size)
+        rd.fail("SRQ geometry");
+      q->ring_fd = take(jq, "fd");
+      q->ring = map_memfd(q->ring_fd, page_round(ring_bytes(q->size, sizeof(RecvWqe))), "SRQ ring");
+      if (!rd.st.is_ok()) break;
+      pd->second.users++;
+      q->hdr = reinterpret_cast<RingHeader*>(q->ring.data());
+      q->entries = ring_entries<RecvWqe>(q->hdr);
+      if (!s->srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
+    }
+    for (const json& jq : rd.arr(js, "qps")) {
+      if (!rd.st.is_ok()) break;
+      auto qp = std::make_unique<Qp>();
+      qp->handle = rd.num<uint32_t>(jq, "h");
+      qp->qpn = rd.num<uint32_t>(jq, "qpn");
+      const uint32_t type = rd.num<uint32_t>(jq, "type");
+      const uint32_t state = rd.num<uint32_t>(jq, "state");
+      qp->pd = rd.num<uint32_t>(jq, "pd");
+      const uint32_t scq = rd.num<uint32_t>(jq, "scq"), rcq = rd.num<uint32_t>(jq, "rcq"),
+                     srq = rd.num<uint32_t>(jq, "srq");
+      qp->sq_sig_all = jq.value("sig_all", false);
+      qp->caps = rd.pod<QpCaps>(jq, "caps");
+      qp->attr = rd.pod<QpAttr>(jq, "attr");
+      qp->sq_size = rd.num<uint32_t>(jq, "sq_size");
+      qp->rq_size = rd.num<uint32_t>(jq, "rq_size");
+      qp->sq_cons = rd.num<uint32_t>(jq, "sq_cons");
+      qp->rq_cons = rd.num<uint32_t>(jq, "rq_cons");
+      const uint32_t wait = rd.num<uint32_t>(jq, "wait");
+      qp->rnr_left = rd.num<uint32_t>(jq, "rnr_left");
+      qp->retry_left = rd.num<uint32_t>(jq, "retry_left");
+      qp->wait_until_ns = rd.num<uint64_t>(jq, "wait_until");
+      qp->cnt = rd.pod<QpCounters>(jq, "cnt");
+      qp->sq_sent = rd.num<uint32_t>(jq, "sq_sent");
+      qp->next_psn = rd.num<uint32_t>(jq, "next_psn") & 0xffffff;
+      qp->expected_psn = rd.num<uint32_t>(jq, "expected_psn") & 0xffffff;
+      const json& ac = rd.arr(jq, "acache");
+      if (rd.st.is_ok() && ac.size() != qp->atomic_cache.size()) rd.fail("atomic cache size");
+      for (size_t i = 0; rd.st.is_ok() && i < ac.size(); ++i) {
+        if (!ac[i].is_array() || ac[i].size() != 2 || !ac[i][0].is_number_unsigned() ||
+            !ac[i][1].is_number_unsigned()) {
+          rd.fail("atomic cache entry");
+          break;
+        }
+        qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
+      }
+      qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
+      if (!rd.st.is_ok()) break;
+      handle_ok(qp->handle, "QP");
+      if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g->qps.count(qp->qpn)) rd.fail("QPN");
+      if (type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD) rd.fail("QP type");
+      if (state > IBV_QPS_ERR) rd.fail("QP state");
+      if (wait > static_cast<uint32_t>(Wait::kAck)) rd.fail("QP wait");
+      if (!std::has_single_bit(qp->sq_size) || qp->sq_size > 2 * kMaxQpWr ||
+          !std::has_single_bit(qp->rq_size) || qp->rq_size > 2 * kMaxQpWr ||
+          qp->caps.max_send_sge > kMaxSge || qp->caps.max_recv_sge > kMaxSge ||
+          qp->caps.max_inline_data > kMaxInline)
+        rd.fail("QP geometry");
+      if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
+      auto pd = s->pds.find(qp->pd);
+      auto sc = s->cqs.find(scq), rc = s->cqs.find(rcq);
+      if (pd == s->pds.end() || sc == s->cqs.end() || rc == s->cqs.end())
+        rd.fail("QP names an unknown PD or CQ");
+      if (srq != kNone && !s->srqs.count(srq)) rd.fail("QP names an unknown SRQ");
+      if (!rd.st.is_ok()) break;
+      qp->type = static_cast<ibv_qp_type>(type);
+      qp->state = static_cast<ibv_qp_state>(state);
+      qp->attr.qp_state = state;
+      qp->wait = static_cast<Wait>(wait);
+      for (const json& u : rd.arr(jq, "unacked")) {
+        if (!u.is_array() || u.size() != 4 || !u[0].is_binary() ||
+            u[0].get_binary().size() != sizeof(SendWqe) || !u[1].is_number_unsigned() ||
+            !u[2].is_number_unsigned() || !u[3].is_boolean()) {
+          rd.fail("unacknowledged WQE");
+          break;
+        }
+        Qp::Outstanding o{};
+        std::memcpy(&o.w, u[0].get_binary().data(), sizeof(SendWqe));
+        o.psn = u[1].get<uint32_t>() & 0xffffff;
+        o.len = u[2].get<uint32_t>();
+        o.has_result = u[3].get<bool>();
+        if (o.w.num_sge > kMaxSge) rd.fail("unacknowledged WQE's SGE count");
+        qp->unacked.push_back(o);
+      }
+      if (qp->unacked.size() > qp->sq_size) rd.fail("more unacknowledged WQEs than the SQ holds");
+      const size_t sq_bytes = page_round(ring_bytes(qp->sq_size, sizeof(SendWqe)));
+      const size_t rq_bytes = page_round(ring_bytes(qp->rq_size, sizeof(RecvWqe)));
+      qp->ring_fd = take(jq, "fd");
+      qp->ring = map_memfd(qp->ring_fd, sq_bytes + rq_bytes, "QP rings");
+      if (!rd.st.is_ok()) break;
+      qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
+      qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
+      qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
+      qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
+      qp->owner = s.get();
+      qp->guest = g.get();
+      qp->send_cq = sc->second.get();
+      qp->recv_cq = rc->second.get();
+      qp->srq = srq == kNone ? nullptr : s->srqs[srq].get();
+      pd->second.users++;
+      qp->send_cq->users++;
+      qp->recv_cq->users++;
+      if (qp->srq) qp->srq->users++;
+      g->qps[qp->qpn] = qp.get();
+      if (!s->qps.emplace(qp->handle, std::move(qp)).second) rd.fail("QP handle twice");
+    }
+    made.push_back(std::move(s));
+  }
+  RETURN_IF_ERROR(rd.st);
+
+  // All valid: count, insert, and connect.
+  Guest* gp = g.get();
+  std::vector<ImportedSession> out;
+  for (size_t i = 0; i < made.size(); ++i) {
+    Session& s = *made[i];
+    s.id = next_session_++;
+    charge(*gp, Res::kPd, s.pds.size());
+    charge(*gp, Res::kCq, s.cqs.size());
+    charge(*gp, Res::kSrq, s.srqs.size());
+    charge(*gp, Res::kQp, s.qps.size());
+    charge(*gp, Res::kMr, s.mrs.size());
+    for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
+    for (const auto& [h, qp] : s.qps) {
+      active_.push_back(qp.get());
+      gp->active.push_back(qp.get());
+    }
+    gp->sessions++;
+    out.push_back({made[i].get(), std::move(socks[i])});
+    sessions_[s.id] = std::move(made[i]);
+  }
+  if (!gp->active.empty()) active_guests_.push_back(gp);
+  lid_of_name_[name] = lid;
+  guests_by_lid_[lid] = gp;
+  guests_[name] = std::move(g);
+  VLOG_INFO("guest {} arrived: lid {:#x}, {} session(s), {} QPs", name, lid, out.size(),
+            gp->qps.size());
+  if (transport_) {
+    transport::GuestInfo info{name, lid, {}};
+    std::memcpy(info.gid, gp->gid, 16);
+    transport_->announce(info, true);
+  }
+  // Its QPs choose their transport again from here, and so do ours that face it.
+  for (Qp* qp : gp->active) reroute(*qp);
+  for_qps_facing(*gp, [&](Qp& qp) {
+    if (qp.guest != gp) reroute(qp);
+  });
+  return out;
+}
+
+void Device::detach_guest(const std::string& name) {
+  auto it = guests_.find(name);
+  if (it == guests_.end()) return;
+  Guest* g = it->second.get();
+  std::vector<Session*> ss;
+  for (auto& [id, s] : sessions_) {
+    if (s->guest == g) ss.push_back(s.get());
+  }
+  for (Session* s : ss) close_session_impl(s, true);
+}
+
+// ---- following a guest that moved ----
+
+template <typename F>
+void Device::for_qps_facing(const Guest& g, F&& f) {
+  for (Qp* qp : std::vector<Qp*>(active_)) {
+    if (qp->type == IBV_QPT_UD) continue;
+    const bool facing = qp->attr.is_global ? std::memcmp(qp->attr.dgid, g.gid, 16) == 0
+                                           : qp->attr.dlid == g.lid;
+    if (facing) f(*qp);
+  }
+}
+
+void Device::on_guest_located(const transport::GuestInfo& gi, const std::string& node) {
+  Guest g;  // only its identity: what for_qps_facing compares
+  g.lid = gi.lid;
+  std::memcpy(g.gid, gi.gid, 16);
+  for_qps_facing(g, [&](Qp& qp) {
+    if (!qp.remote || qp.peer_node != node) reroute(qp);
+  });
+}
+
+void Device::reroute(Qp& qp) {
+  if (qp.type == IBV_QPT_UD) return;
+  if (qp.state != IBV_QPS_RTR && qp.state != IBV_QPS_RTS && qp.state != IBV_QPS_SQD) return;
+  const bool was_remote = qp.remote;
+  const std::string was_node = qp.peer_node;
+  const std::string was_transport = qp.transport;
+  choose_route(qp);
+  if (qp.route_pending && was_remote) {
+    // Not known here (yet): keep going to where it was; the directory will say where it is.
+    qp.remote = true;
+    qp.route_pending = false;
+    qp.transport = was_transport;
+    qp.peer_node = was_node;
+    qp.transport_why = "destination not known here yet; following it when it is announced";
+    return;
+  }
+  if (was_remote && !qp.remote) {
+    settle_locally(qp);
+  } else if (!was_remote && qp.remote) {
+    // Nothing is in flight on shm: every WQE before sq_cons completed.
+    qp.unacked.clear();
+    qp.sq_sent = qp.sq_cons;
+    if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
+  } else if (qp.remote && qp.type == IBV_QPT_RC && !qp.unacked.empty() && qp.wait != Wait::kRnr) {
+    qp.retry_left = qp.attr.retry_cnt;
+    qp.wait = Wait::kAck;
+    qp.wait_until_ns = now_ns_ + ack_ns(qp);
+    resend_all(qp);
+  } else if (!qp.remote && qp.wait == Wait::kAck) {
+    qp.wait = Wait::kNone;  // waiting for a peer that was away: try again now
+  }
+  VLOG_INFO("qp {:#x} (guest {}): now {}{}{} ({})", qp.qpn, qp.guest->name, qp.transport,
+            qp.remote ? " to " : "", qp.peer_node, qp.transport_why);
+}
+
+void Device::settle_locally(Qp& qp) {
+  Qp* to = lookup_remote(qp);
+  if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
+  if (!to || qp.type != IBV_QPT_RC) {
+    // No responder state to settle against: what was in flight runs again from the SQ.
+    if (!qp.unacked.empty()) qp.next_psn = qp.unacked.front().psn;
+    qp.unacked.clear();
+    qp.sq_sent = qp.sq_cons;
+    return;
+  }
+  // The peer executed exactly the PSNs before its expected one: those complete now (a READ or
+  // atomic whose answer was lost gets it here), the rest go back to the send queue.
+  while (!qp.unacked.empty() && wire::psn_diff(qp.unacked.front().psn, to->expected_psn) < 0) {
+    const Qp::Outstanding o = qp.unacked.front();
+    qp.unacked.pop_front();
+    ibv_wc_status st = IBV_WC_SUCCESS;
+    if (!o.has_result && (o.w.opcode == IBV_WR_RDMA_READ || is_atomic(o.w.opcode))) {
+      dst_.clear();
+      src_.clear();
+      uint64_t len = 0;
+      if (!resolve_sges(qp, o.w.sge, o.w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len) ||
+          len < o.len) {
+        st = IBV_WC_LOC_PROT_ERR;
+      } else if (o.w.opcode == IBV_WR_RDMA_READ) {
+        const Response r = respond_begin(*to, inbound_of(qp, o.w, o.len));
+        if (r.kind == Response::kOk) copy_spans(src_, dst_, o.len);
+        else st = r.status ? r.status : IBV_WC_REM_INV_REQ_ERR;
+      } else {
+        st = IBV_WC_REM_INV_REQ_ERR;  // its result is no longer known
+        for (const auto& [psn, value] : to->atomic_cache) {
+          if (psn == (o.psn | kCacheValid)) {
+            const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&value)), 8};
+            copy_spans({&result, 1}, dst_, 8);
+            st = IBV_WC_SUCCESS;
+          }
+        }
+      }
+    }
+    complete_send(qp, o.w, st, st == IBV_WC_SUCCESS ? o.len : 0);
+    if (st != IBV_WC_SUCCESS) {
+      enter_error(qp, "in-flight request could not be settled after the peer moved here");
+      return;
+    }
+  }
+  qp.next_psn = to->expected_psn;
+  qp.unacked.clear();
+  qp.sq_sent = qp.sq_cons;
+}
+
+}  // namespace vrdma::engine
