@@ -534,6 +534,7 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   if (m & IBV_QP_RNR_RETRY) q.rnr_retry = a.rnr_retry;
   if (m & IBV_QP_RQ_PSN) q.rq_psn = qp->expected_psn = a.rq_psn & 0xffffff;
   if (m & IBV_QP_SQ_PSN) q.sq_psn = qp->next_psn = a.sq_psn & 0xffffff;
+  if (m & (IBV_QP_RQ_PSN | IBV_QP_SQ_PSN)) publish_psns(*qp);
   if (m & IBV_QP_MAX_QP_RD_ATOMIC) q.max_rd_atomic = a.max_rd_atomic;
   if (m & IBV_QP_MAX_DEST_RD_ATOMIC) q.max_dest_rd_atomic = a.max_dest_rd_atomic;
   if (m & IBV_QP_MIN_RNR_TIMER) q.min_rnr_timer = a.min_rnr_timer;

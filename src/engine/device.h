@@ -305,8 +305,12 @@ class Device : public transport::Receiver {
   /// Rebuilds a guest from export_guest's blob and descriptors (taken from `fds`), with the same
   /// LID, GID, QPNs, keys and handles, then re-routes its QPs and the local QPs facing it. All
   /// or nothing: a blob that fails any check creates nothing (EINVAL; EEXIST: the guest is here).
+  /// `recover`: the blob is the last one a backend that died kept (backend/keeper.cc); the
+  /// data path moved on since, so cursors and PSNs are taken from the rings' headers, and what
+  /// was in flight is sent again (the responder drops duplicates).
   Result<std::vector<ImportedSession>> import_guest(std::span<const uint8_t> blob,
-                                                    std::vector<UniqueFd>& fds);
+                                                    std::vector<UniqueFd>& fds,
+                                                    bool recover = false);
   /// Forgets a guest whose device moved to another backend: no peer is failed, nothing is
   /// completed; its resources are unmapped here (the guest's descriptors stay open elsewhere).
   void detach_guest(const std::string& name);
@@ -343,6 +347,12 @@ class Device : public transport::Receiver {
   template <typename F>
   void for_qps_facing(const Guest& g, F&& f);
   void close_session_impl(Session* s, bool moved);
+  Result<std::vector<ImportedSession>> import_guest_impl(std::span<const uint8_t> blob,
+                                                         std::vector<UniqueFd>& fds, bool recover);
+  /// Stores the QP's requester and responder PSNs in its ring headers (RingHeader::backend_psn).
+  static void publish_psns(Qp& qp);
+  /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
+  static void recover_from_rings(Qp& qp);
   Qp* find_qp(Session& s, uint32_t handle);
   /// ENOMEM (and one log line per hit) when `n` more of `r` would exceed the guest's quota.
   /// Checked before anything is built; the count moves when the resource exists (`charge`).

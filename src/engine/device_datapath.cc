@@ -119,8 +119,15 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
 // Retires the WQE at the head of the SQ. The slot is released before the completion is
 // published: a guest that sees the completion may post into that slot at once (a QP with a
 // send queue of one, as perftest's latency tests make, does exactly that).
+void Device::publish_psns(Qp& qp) {
+  const uint32_t at_cons = qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn;
+  qp.sq_hdr->backend_psn.store(at_cons, std::memory_order_relaxed);
+  qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
+}
+
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
   qp.sq_cons++;
+  if (qp.remote) publish_psns(qp);
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
   if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);

@@ -484,6 +484,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   }
   if (rq.opcode == IBV_WR_RDMA_READ) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    publish_psns(*to);
     respond_finish(*to, in, r.recv);
     holds_of(*r.mr, holds_);
     reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_);
@@ -491,6 +492,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   }
   if (is_atomic(rq.opcode)) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    publish_psns(*to);
     to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | kCacheValid,
                                                                            r.atomic_old};
     respond_finish(*to, in, r.recv);
@@ -548,6 +550,7 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
   respond_finish(*to, in, r.recv);
   if (rq.qp_type == IBV_QPT_RC) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
+    publish_psns(*to);
     reply(node, rq, Syndrome::kAck);
   }
 }

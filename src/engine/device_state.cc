@@ -203,7 +203,9 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                      {"next_psn", qp->next_psn},
                      {"expected_psn", qp->expected_psn},
                      {"acache", qp->atomic_cache},
-                     {"acache_next", qp->atomic_cache_next}});
+                     {"acache_next", qp->atomic_cache_next},
+                     {"remote", qp->remote},
+                     {"peer_node", qp->peer_node}});
       out.qps++;
     }
     js["qps"] = std::move(qps);
@@ -223,8 +225,38 @@ Result<GuestExport> Device::export_guest(const std::string& name,
 
 // ---- import ----
 
+void Device::recover_from_rings(Qp& qp) {
+  // The backend published these; the guest may have scribbled on them, so only sane values count.
+  const uint32_t sprod = qp.sq_hdr->producer.load(std::memory_order_acquire);
+  const uint32_t scons = qp.sq_hdr->consumer.load(std::memory_order_acquire);
+  if (scons - qp.sq_cons <= qp.sq_size && sprod - scons <= qp.sq_size) qp.sq_cons = scons;
+  const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
+  const uint32_t rcons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
+  if (rcons - qp.rq_cons <= qp.rq_size && rprod - rcons <= qp.rq_size) qp.rq_cons = rcons;
+  // What was in flight is sent again from the send queue; the responder drops duplicates.
+  qp.unacked.clear();
+  qp.sq_sent = qp.sq_cons;
+  qp.wait = Wait::kNone;
+  if (qp.type == IBV_QPT_RC) {
+    qp.next_psn = qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
+    qp.expected_psn = qp.rq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
+  }
+}
+
 Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_t> blob,
-                                                          std::vector<UniqueFd>& fds) {
+                                                          std::vector<UniqueFd>& fds,
+                                                          bool recover) {
+  // A field of an unexpected type throws inside nlohmann::json: a malformed blob, not a crash.
+  try {
+    return import_guest_impl(blob, fds, recover);
+  } catch (const json::exception& e) {
+    return error(EINVAL, fmt::format("state: {}", e.what()));
+  }
+}
+
+Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const uint8_t> blob,
+                                                               std::vector<UniqueFd>& fds,
+                                                               bool recover) {
   json doc = json::from_cbor(blob.begin(), blob.end(), true, false);
   if (doc.is_discarded() || !doc.is_object()) return error(EINVAL, "state: not a CBOR document");
   Reader rd;
@@ -405,6 +437,11 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
       if (!rd.st.is_ok()) break;
       cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
       cq->entries = ring_entries<Cqe>(cq->hdr);
+      if (recover) {
+        const uint32_t p = cq->hdr->producer.load(std::memory_order_acquire);
+        const uint32_t c = cq->hdr->consumer.load(std::memory_order_acquire);
+        if (p - cq->prod <= cq->size && p - c <= cq->size) cq->prod = p;
+      }
       if (!s->cqs.emplace(cq->handle, std::move(cq)).second) rd.fail("CQ handle twice");
     }
     for (const json& jq : rd.arr(js, "srqs")) {
@@ -429,6 +466,11 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
       pd->second.users++;
       q->hdr = reinterpret_cast<RingHeader*>(q->ring.data());
       q->entries = ring_entries<RecvWqe>(q->hdr);
+      if (recover) {
+        const uint32_t p = q->hdr->producer.load(std::memory_order_acquire);
+        const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
+        if (c - q->cons <= q->size && p - c <= q->size) q->cons = c;
+      }
       if (!s->srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
     }
     for (const json& jq : rd.arr(js, "qps")) {
@@ -467,6 +509,13 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
         qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
       }
       qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
+      // Where its messages went: reroute() compares the new route with it.
+      qp->remote = jq.value("remote", false);
+      qp->peer_node = jq.value("peer_node", std::string());
+      if (qp->remote) qp->transport = "tcp";
+      // sq_sent runs ahead of sq_cons only on tcp (what is in flight); shm leaves it behind.
+      if (!qp->remote) qp->sq_sent = qp->sq_cons;
+      if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
       if (!rd.st.is_ok()) break;
       handle_ok(qp->handle, "QP");
       if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g->qps.count(qp->qpn)) rd.fail("QPN");
@@ -478,7 +527,7 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
           qp->caps.max_send_sge > kMaxSge || qp->caps.max_recv_sge > kMaxSge ||
           qp->caps.max_inline_data > kMaxInline)
         rd.fail("QP geometry");
-      if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
+
       auto pd = s->pds.find(qp->pd);
       auto sc = s->cqs.find(scq), rc = s->cqs.find(rcq);
       if (pd == s->pds.end() || sc == s->cqs.end() || rc == s->cqs.end())
@@ -514,6 +563,7 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
       qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
       qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
       qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
+      if (recover) recover_from_rings(*qp);
       qp->owner = s.get();
       qp->guest = g.get();
       qp->send_cq = sc->second.get();
@@ -554,8 +604,8 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
   lid_of_name_[name] = lid;
   guests_by_lid_[lid] = gp;
   guests_[name] = std::move(g);
-  VLOG_INFO("guest {} arrived: lid {:#x}, {} session(s), {} QPs", name, lid, out.size(),
-            gp->qps.size());
+  VLOG_INFO("guest {} {}: lid {:#x}, {} session(s), {} QPs", name,
+            recover ? "restored from its kept state" : "arrived", lid, out.size(), gp->qps.size());
   if (transport_) {
     transport::GuestInfo info{name, lid, {}};
     std::memcpy(info.gid, gp->gid, 16);
@@ -683,6 +733,7 @@ void Device::settle_locally(Qp& qp) {
   qp.next_psn = to->expected_psn;
   qp.unacked.clear();
   qp.sq_sent = qp.sq_cons;
+  publish_psns(qp);
 }
 
 }  // namespace vrdma::engine

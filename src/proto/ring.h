@@ -34,7 +34,11 @@ struct alignas(64) RingHeader {
   AtomicU32 producer;  ///< free-running count of entries produced
   uint8_t pad1[60];
   AtomicU32 consumer;  ///< free-running count of entries consumed
-  uint8_t pad2[60];
+  /// Backend's, for a restarted backend to continue RC over tcp: SQ: the PSN of the WQE at
+  /// `consumer`; RQ: the PSN the responder expects next. (In the guest's memory: a guest that
+  /// writes it only breaks its own connection's exactly-once.)
+  AtomicU32 backend_psn;
+  uint8_t pad2[56];
   AtomicU32 armed;  ///< CQ only: 0 idle, 1 next completion, 2 next solicited completion
   uint8_t pad3[60];
 };
