@@ -17,6 +17,10 @@ struct Config {
   std::string socket_path;       ///< unix socket guests connect to ("" = VRDMA_SOCKET/default)
   int idle_exit_s = 0;           ///< exit after this long with no session; 0: never
   std::string log_level = "info";
+  /// A keeper process holds the guests' state, so a backend that dies is replaced without them
+  /// noticing more than a pause (backend/keeper.h).
+  bool keep_state = false;
+  int keep_state_grace_s = 10;  ///< how long the keeper waits for a backend to come back
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
   // [quotas] (per guest)
@@ -29,6 +33,8 @@ struct Config {
   // [metrics]
   bool metrics_enabled = false;
   std::string metrics_listen = "127.0.0.1:9464";
+  /// How this backend was started (absolute program path first): the keeper starts it again.
+  std::vector<std::string> self_argv;
 
   /// Reads a TOML file over the current values. Errors name the file and line.
   Status load_file(const std::string& path);

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "backend/keeper.h"
 #include "backend/server.h"
 #include "common/log.h"
 #include "common/paths.h"
@@ -17,7 +18,18 @@ void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Internal: `vrdmad --keeper PATH GRACE_S BACKEND_ARGV...`, started by a backend with
+  // keep_state (backend/keeper.h).
+  if (argc >= 4 && std::string(argv[1]) == "--keeper") {
+    return vrdma::backend::run_keeper(argv[2], std::atoi(argv[3]),
+                                      std::vector<std::string>(argv + 4, argv + argc));
+  }
   vrdma::backend::Config cfg;
+  {
+    char self[4096] = {};
+    if (::readlink("/proc/self/exe", self, sizeof(self) - 1) > 0) cfg.self_argv.push_back(self);
+    for (int i = 1; i < argc && !cfg.self_argv.empty(); ++i) cfg.self_argv.push_back(argv[i]);
+  }
   std::string config_file;
   bool check_only = false;
   // Flags are parsed twice: first to find --config, then over the file's values.
@@ -33,6 +45,10 @@ int main(int argc, char** argv) {
   app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
   app.add_option("--node", cfg.node, "this backend's name among its peers");
   std::string metrics_listen;
+  bool keep_state = false;
+  app.add_flag("--keep-state", keep_state,
+               "keep guests' state in a keeper process: a backend that dies is replaced without "
+               "ending their connections ([backend] keep_state)");
   app.add_option("--metrics-listen", metrics_listen,
                  "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
   CLI11_PARSE(app, argc, argv);
@@ -57,6 +73,7 @@ int main(int argc, char** argv) {
   if (!socket.empty()) cfg.socket_path = socket;
   if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
   if (spin_us >= 0) cfg.spin_us = spin_us;
+  if (keep_state) cfg.keep_state = true;
   if (!metrics_listen.empty()) {
     cfg.metrics_enabled = true;
     cfg.metrics_listen = metrics_listen;

@@ -7,6 +7,7 @@
 // target. Peers follow the guest through the directory (GuestUp from the target).
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/keeper.h"
 #include "backend/server.h"
 #include "common/log.h"
 #include "common/socket.h"
@@ -43,9 +45,8 @@ Status check_admin(int sock) {
   return Status::ok();
 }
 
-/// Sends one request and reads its response (blocking, with a deadline).
-Result<std::vector<uint8_t>> round_trip(int sock, std::span<const uint8_t> req) {
-  RETURN_IF_ERROR(send_msg(sock, req));
+/// Reads the target's answer to an import (blocking, with a deadline).
+Result<std::vector<uint8_t>> read_answer(int sock) {
   std::vector<uint8_t> buf;
   std::vector<UniqueFd> fds;
   RETURN_IF_ERROR(recv_msg(sock, buf, kMaxRequest, fds));
@@ -86,6 +87,7 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
       c.import->guest = name_of(req.guest, sizeof(req.guest));
       c.import->bytes = req.bytes;
       c.import->nfds = req.fds;
+      c.import->recover = (req.flags & kImportRecover) != 0;
       c.import->blob.reserve(req.bytes);
       return Status::ok();  // no answer: the data follows at once
     }
@@ -161,28 +163,13 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
                      return it == sock_of.end() ? -1 : it->second;
                    }));
   const uint64_t t1 = mono_us();
-  ImportBeginReq begin{};
-  std::memcpy(begin.guest, guest.data(), std::min(guest.size(), sizeof(begin.guest) - 1));
-  begin.bytes = ex.blob.size();
-  begin.fds = static_cast<uint32_t>(ex.fds.size());
-  RETURN_IF_ERROR(send_msg(sock.get(), encode(Op::kImportBegin, 1, 0, begin)));
-  size_t off = 0, fi = 0;
-  while (off < ex.blob.size() || fi < ex.fds.size()) {
-    const size_t n = std::min(kMaxImportChunk, ex.blob.size() - off);
-    const size_t nf = std::min(kMaxFdsPerMessage, ex.fds.size() - fi);
-    std::vector<uint8_t> m = encode(Op::kImportData, 2, 0, Empty{});
-    m.insert(m.end(), ex.blob.begin() + off, ex.blob.begin() + off + n);
-    const uint32_t len = static_cast<uint32_t>(m.size());
-    std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
-    RETURN_IF_ERROR(send_msg(sock.get(), m, {ex.fds.data() + fi, nf}));
-    off += n;
-    fi += nf;
-  }
+  RETURN_IF_ERROR(send_state(sock.get(), guest, ex.blob, ex.fds));
   const uint64_t t2 = mono_us();
-  ASSIGN_OR_RETURN(auto resp, round_trip(sock.get(), encode(Op::kImportCommit, 3, 0, Empty{})));
+  ASSIGN_OR_RETURN(auto resp, read_answer(sock.get()));
   ASSIGN_OR_RETURN(ImportResp ir, body_of<ImportResp>(resp));
   // The target serves the guest now: stop serving it here, without ending anything.
   release_guest(guest);
+  keep_drop(guest);
   const uint64_t t3 = mono_us();
   MigrateResp r{};
   r.downtime_us = t3 - t0;
@@ -206,7 +193,7 @@ Result<ImportResp> Server::import_commit(Conn& c) {
     return error(EPROTO, fmt::format("import incomplete: {} of {} bytes, {} of {} descriptors",
                                      im.blob.size(), im.bytes, im.fds.size(), im.nfds));
   const uint64_t t0 = mono_us();
-  ASSIGN_OR_RETURN(auto sessions, dev_.import_guest(im.blob, im.fds));
+  ASSIGN_OR_RETURN(auto sessions, dev_.import_guest(im.blob, im.fds, im.recover));
   ImportResp r{};
   r.sessions = static_cast<uint32_t>(sessions.size());
   for (auto& is : sessions) {
@@ -214,6 +201,7 @@ Result<ImportResp> Server::import_commit(Conn& c) {
     adopt(is.session, std::move(is.sock));
   }
   r.import_us = mono_us() - t0;
+  keep(im.guest);
   return r;
 }
 
@@ -244,6 +232,107 @@ void Server::release_guest(const std::string& guest) {
     conns_.erase(fd);
   }
   dev_.detach_guest(guest);
+}
+
+}  // namespace vrdma::backend
+
+namespace vrdma::backend {
+
+Status Server::start_keeper() {
+  const std::string path = opt_.socket_path + ".keeper";
+  auto sock = connect_unix(path);
+  if (!sock.is_ok()) {
+    // None: start one, detached (it must outlive us), and wait for it to listen.
+    const pid_t pid = ::fork();
+    if (pid < 0) return error(errno, "fork");
+    if (pid == 0) {
+      ::setsid();
+      if (::fork() != 0) ::_exit(0);
+      std::vector<std::string> args = {"/proc/self/exe", "--keeper", path,
+                                       std::to_string(opt_.keep_state_grace_s)};
+      args.insert(args.end(), opt_.self_argv.begin(), opt_.self_argv.end());
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      ::_exit(127);
+    }
+    ::waitpid(pid, nullptr, 0);
+    for (int i = 0; i < 200 && !sock.is_ok(); ++i) {
+      ::usleep(10000);
+      sock = connect_unix(path);
+    }
+    if (!sock.is_ok()) return error(sock.status().err(), "the state keeper did not start");
+  }
+  keeper_ = std::move(sock.value());
+  timeval tv{5, 0};
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // Whatever it kept from a backend before us comes back now.
+  RETURN_IF_ERROR(send_msg(keeper_.get(), encode(Op::kKeepRestore, 1, 0, Empty{})));
+  Conn from;  // the records arrive as imports do
+  std::vector<std::string> restored;
+  for (;;) {
+    std::vector<uint8_t> msg;
+    std::vector<UniqueFd> fds;
+    RETURN_IF_ERROR(recv_msg(keeper_.get(), msg, kMaxImportMessage, fds));
+    ASSIGN_OR_RETURN(MsgHeader h, decode_request(msg));
+    const Op op = static_cast<Op>(h.op);
+    if (op == Op::kKeepEnd) break;
+    if (op == Op::kImportBegin) {
+      const auto req = body_of<ImportBeginReq>(msg).value();
+      from.import = std::make_unique<Conn::Import>();
+      from.import->guest = name_of(req.guest, sizeof(req.guest));
+      from.import->bytes = req.bytes;
+      from.import->nfds = req.fds;
+      from.import->recover = true;
+    } else if (op == Op::kImportData && from.import) {
+      from.import->blob.insert(from.import->blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
+      for (UniqueFd& f : fds) from.import->fds.push_back(std::move(f));
+    } else if (op == Op::kImportCommit && from.import) {
+      const std::string guest = from.import->guest;
+      auto r = import_commit(from);
+      if (r.is_ok()) {
+        VLOG_INFO("guest {}: restored from the keeper ({} sessions, {} QPs, {} us)", guest,
+                  r.value().sessions, r.value().qps, r.value().import_us);
+        restored.push_back(guest);
+      } else {
+        VLOG_WARN("guest {}: its kept state could not be restored: {}", guest,
+                  r.status().message());
+        keep_drop(guest);
+      }
+      from.import.reset();
+    }
+  }
+  timeval none{0, 0};
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+  VLOG_INFO("state keeper at {}: {} guest(s) restored", path, restored.size());
+  return Status::ok();
+}
+
+void Server::keep(const std::string& guest) {
+  if (!keeper_.valid()) return;
+  if (!dev_.has_guest(guest)) {
+    keep_drop(guest);
+    return;
+  }
+  std::unordered_map<const engine::Session*, int> sock_of;
+  for (const auto& [fd, conn] : conns_) {
+    if (conn.session) sock_of[conn.session] = fd;
+  }
+  auto ex = dev_.export_guest(guest, [&](const engine::Session& s) {
+    auto it = sock_of.find(&s);
+    return it == sock_of.end() ? -1 : it->second;
+  });
+  Status st = ex.is_ok() ? send_state(keeper_.get(), guest, ex.value().blob, ex.value().fds)
+                         : ex.status();
+  if (!st.is_ok()) VLOG_WARN("guest {}: its state did not reach the keeper: {}", guest, st.message());
+}
+
+void Server::keep_drop(const std::string& guest) {
+  if (!keeper_.valid()) return;
+  KeepDropReq req{};
+  std::memcpy(req.guest, guest.data(), std::min(guest.size(), sizeof(req.guest) - 1));
+  (void)send_msg(keeper_.get(), encode(Op::kKeepDrop, 1, 0, req));
 }
 
 }  // namespace vrdma::backend

@@ -100,6 +100,7 @@ Status Server::setup() {
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
   }
+  if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
   return Status::ok();
 }
 
@@ -116,13 +117,16 @@ void Server::drop(int fd) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  std::string guest;
   if (it->second.session) {
     int db = it->second.session->doorbell.get();
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, db, nullptr);
     doorbell_to_sock_.erase(db);
+    guest = it->second.session->guest->name;
     dev_.close_session(it->second.session);
   }
   conns_.erase(it);
+  if (!guest.empty()) keep(guest);  // the keeper lets this connection go too
 }
 
 void Server::on_readable(int fd) {
@@ -254,6 +258,9 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   int32_t status;
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
   if (give.valid() && status == 0) out_fds = {give.get()};
+  // keep_state: the keeper has every change before the guest hears of it.
+  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus)
+    keep(c.session->guest->name);
   return send_msg(c.sock.get(), out, out_fds);
 }
 
@@ -345,6 +352,8 @@ Status Server::run() {
   }
   if (!activated_) ::unlink(opt_.socket_path.c_str());
   ::unlink((opt_.socket_path + ".pid").c_str());
+  // A clean exit ends the guests' devices: the keeper lets them go.
+  if (keeper_.valid()) (void)send_msg(keeper_.get(), encode(Op::kKeepBye, 1, 0, Empty{}));
   return Status::ok();
 }
 

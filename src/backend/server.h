@@ -43,6 +43,7 @@ class Server {
       uint32_t nfds = 0;
       std::vector<uint8_t> blob;
       std::vector<UniqueFd> fds;
+      bool recover = false;  ///< the kept state of a backend that died
     };
     std::unique_ptr<Import> import;
   };
@@ -65,6 +66,12 @@ class Server {
   void adopt(engine::Session* s, UniqueFd sock);
   /// Stops serving the sessions of `guest` without ending them (their device moved).
   void release_guest(const std::string& guest);
+  /// keep_state: connects to the keeper (starting one if none answers) and takes back the guests
+  /// of a backend that died.
+  Status start_keeper();
+  /// keep_state: hands the keeper guest `guest`'s current state (or, when it is gone, drops it).
+  void keep(const std::string& guest);
+  void keep_drop(const std::string& guest);
 
   // What an epoll event is for: a tag in the high bits of its data, the fd in the low 32.
   static constexpr uint64_t kTagListen = 1ull << 62;
@@ -87,6 +94,7 @@ class Server {
   Reporter reporter_{opt_};
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
   bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
+  UniqueFd keeper_;                       ///< keep_state: connection to the keeper
 };
 
 }  // namespace vrdma::backend

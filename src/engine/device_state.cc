@@ -229,10 +229,10 @@ void Device::recover_from_rings(Qp& qp) {
   // The backend published these; the guest may have scribbled on them, so only sane values count.
   const uint32_t sprod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   const uint32_t scons = qp.sq_hdr->consumer.load(std::memory_order_acquire);
-  if (scons - qp.sq_cons <= qp.sq_size && sprod - scons <= qp.sq_size) qp.sq_cons = scons;
+  if (sprod - scons <= qp.sq_size) qp.sq_cons = scons;
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
   const uint32_t rcons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
-  if (rcons - qp.rq_cons <= qp.rq_size && rprod - rcons <= qp.rq_size) qp.rq_cons = rcons;
+  if (rprod - rcons <= qp.rq_size) qp.rq_cons = rcons;
   // What was in flight is sent again from the send queue; the responder drops duplicates.
   qp.unacked.clear();
   qp.sq_sent = qp.sq_cons;
@@ -440,7 +440,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
       if (recover) {
         const uint32_t p = cq->hdr->producer.load(std::memory_order_acquire);
         const uint32_t c = cq->hdr->consumer.load(std::memory_order_acquire);
-        if (p - cq->prod <= cq->size && p - c <= cq->size) cq->prod = p;
+        if (p - c <= cq->size) cq->prod = p;
       }
       if (!s->cqs.emplace(cq->handle, std::move(cq)).second) rd.fail("CQ handle twice");
     }
@@ -469,7 +469,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
       if (recover) {
         const uint32_t p = q->hdr->producer.load(std::memory_order_acquire);
         const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
-        if (c - q->cons <= q->size && p - c <= q->size) q->cons = c;
+        if (p - c <= q->size) q->cons = c;
       }
       if (!s->srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
     }

@@ -30,6 +30,10 @@ size_t request_body_size(Op op) {
     case Op::kImportData: return kVariableBody;
     case Op::kImportCommit: return 0;
     case Op::kSnapshot: return sizeof(SnapshotReq);
+    case Op::kKeepDrop: return sizeof(KeepDropReq);
+    case Op::kKeepBye:
+    case Op::kKeepRestore:
+    case Op::kKeepEnd: return 0;
     case Op::kMax: break;
   }
   return SIZE_MAX;

@@ -50,12 +50,17 @@ enum class Op : uint16_t {
   kImportData = 22,  ///< variable body: a piece of the state blob, descriptors attached
   kImportCommit = 23,
   kSnapshot = 24,
-  kMax = 25,  ///< one past the last opcode; never sent
+  // Backend to its state keeper (backend/keeper.h).
+  kKeepDrop = 25,
+  kKeepBye = 26,
+  kKeepRestore = 27,
+  kKeepEnd = 28,
+  kMax = 29,  ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {
-  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kSnapshot);
+  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kKeepEnd);
 }
 
 struct MsgHeader {
@@ -283,11 +288,12 @@ static_assert(sizeof(MigrateResp) == 48);
 inline constexpr size_t kMaxImportChunk = 60000;
 inline constexpr size_t kMaxImportBytes = 64u << 20;
 inline constexpr uint32_t kMaxImportFds = 65536;
+inline constexpr uint32_t kImportRecover = 1;  ///< the kept state of a backend that died
 struct ImportBeginReq {
   char guest[kGuestNameMax];
   uint64_t bytes;
   uint32_t fds;
-  uint32_t reserved;
+  uint32_t flags;  ///< kImportRecover
 };
 static_assert(sizeof(ImportBeginReq) == 80);
 struct ImportResp {
@@ -296,6 +302,12 @@ struct ImportResp {
   uint32_t sessions;
 };
 static_assert(sizeof(ImportResp) == 16);
+
+// ---- kKeepDrop: the keeper forgets a guest (it left, or moved to another backend).
+struct KeepDropReq {
+  char guest[kGuestNameMax];
+};
+static_assert(sizeof(KeepDropReq) == 64);
 
 // ---- kSnapshot: the guest's device state written to the file whose descriptor comes with it.
 struct SnapshotReq {

@@ -1,0 +1,195 @@
+#include "backend/keeper.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/socket.h"
+#include "proto/command.h"
+
+namespace vrdma::backend {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr int kMaxRestarts = 3;  ///< per minute; a backend that keeps dying is let go
+
+uint64_t now_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
+
+/// Starts the backend again, detached (its own session; we do not wait for it).
+void start_backend(const std::vector<std::string>& argv) {
+  const pid_t pid = ::fork();
+  if (pid != 0) {
+    if (pid > 0) ::waitpid(pid, nullptr, 0);
+    return;
+  }
+  ::setsid();
+  if (::fork() != 0) ::_exit(0);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  ::execv(args[0], args.data());
+  ::_exit(127);
+}
+
+struct Record {
+  std::vector<uint8_t> blob;
+  std::vector<UniqueFd> fds;
+};
+
+}  // namespace
+
+Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>& blob,
+                  std::span<const int> fds, uint32_t flags) {
+  ImportBeginReq begin{};
+  std::memcpy(begin.guest, guest.data(), std::min(guest.size(), sizeof(begin.guest) - 1));
+  begin.bytes = blob.size();
+  begin.fds = static_cast<uint32_t>(fds.size());
+  begin.flags = flags;
+  RETURN_IF_ERROR(send_msg(sock, encode(Op::kImportBegin, 1, 0, begin)));
+  size_t off = 0, fi = 0;
+  while (off < blob.size() || fi < fds.size()) {
+    const size_t n = std::min(kMaxImportChunk, blob.size() - off);
+    const size_t nf = std::min(kMaxFdsPerMessage, fds.size() - fi);
+    std::vector<uint8_t> m = encode(Op::kImportData, 2, 0, Empty{});
+    m.insert(m.end(), blob.begin() + static_cast<ptrdiff_t>(off),
+             blob.begin() + static_cast<ptrdiff_t>(off + n));
+    const uint32_t len = static_cast<uint32_t>(m.size());
+    std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
+    RETURN_IF_ERROR(send_msg(sock, m, fds.subspan(fi, nf)));
+    off += n;
+    fi += nf;
+  }
+  return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
+}
+
+int run_keeper(const std::string& path, int grace_s, std::vector<std::string> backend_argv) {
+  UniqueFd lock(::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!lock.valid() || ::flock(lock.get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
+  ::unlink(path.c_str());
+  auto listener = listen_unix(path);
+  if (!listener.is_ok()) {
+    VLOG_ERROR("keeper: {}", listener.status().message());
+    return 1;
+  }
+  std::ofstream(path + ".pid") << ::getpid() << "\n";
+  ::signal(SIGPIPE, SIG_IGN);
+  std::map<std::string, Record> kept;
+  Record partial;
+  std::string partial_guest;
+  uint64_t partial_bytes = 0;
+  uint32_t partial_fds = 0;
+  UniqueFd backend;
+  uint64_t deadline = now_ms() + uint64_t(grace_s) * 1000;  // for the first backend to connect
+  std::deque<uint64_t> restarts;
+  auto finish = [&](int rc) {
+    ::unlink(path.c_str());
+    ::unlink((path + ".pid").c_str());
+    return rc;
+  };
+  VLOG_INFO("keeper: holding guests' state for the backend at {}", path);
+  for (;;) {
+    pollfd p[2] = {{listener.value().get(), POLLIN, 0}, {backend.get(), POLLIN, 0}};
+    int timeout = -1;
+    if (!backend.valid()) {
+      const uint64_t now = now_ms();
+      if (now >= deadline) {
+        if (!kept.empty())
+          VLOG_WARN("keeper: no backend came back within {} s; letting {} guest(s) go", grace_s,
+                    kept.size());
+        return finish(kept.empty() ? 0 : 1);
+      }
+      timeout = static_cast<int>(deadline - now);
+    }
+    if (::poll(p, backend.valid() ? 2 : 1, timeout) < 0 && errno != EINTR) return finish(1);
+    if (p[0].revents & POLLIN) {
+      int fd = ::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        backend = UniqueFd(fd);  // a new backend takes over
+        partial = {};
+      }
+      continue;
+    }
+    if (!backend.valid() || !(p[1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    std::vector<uint8_t> msg;
+    std::vector<UniqueFd> fds;
+    Status st = recv_msg(backend.get(), msg, kMaxImportMessage, fds);
+    auto h = st.is_ok() ? decode_request(msg) : Result<MsgHeader>(st);
+    if (!h.is_ok()) {
+      backend.reset();
+      partial = {};
+      if (kept.empty()) return finish(0);
+      // The backend died (no goodbye): start it again, holding on to its guests meanwhile.
+      const uint64_t now = now_ms();
+      while (!restarts.empty() && now - restarts.front() > 60000) restarts.pop_front();
+      if (restarts.size() >= kMaxRestarts || backend_argv.empty()) {
+        VLOG_WARN("keeper: backend gone; waiting {} s for one to come back", grace_s);
+      } else {
+        restarts.push_back(now);
+        VLOG_WARN("keeper: backend gone without a goodbye; starting it again for {} guest(s)",
+                  kept.size());
+        start_backend(backend_argv);
+      }
+      deadline = now + uint64_t(grace_s) * 1000;
+      continue;
+    }
+    switch (static_cast<Op>(h.value().op)) {
+      case Op::kImportBegin: {
+        const auto b = body_of<ImportBeginReq>(msg).value();
+        partial = {};
+        partial_guest.assign(b.guest, strnlen(b.guest, sizeof(b.guest)));
+        partial_bytes = b.bytes;
+        partial_fds = b.fds;
+        break;
+      }
+      case Op::kImportData:
+        partial.blob.insert(partial.blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
+        for (UniqueFd& f : fds) partial.fds.push_back(std::move(f));
+        break;
+      case Op::kImportCommit:
+        if (partial.blob.size() == partial_bytes && partial.fds.size() == partial_fds)
+          kept[partial_guest] = std::move(partial);
+        partial = {};
+        break;
+      case Op::kKeepDrop: {
+        const auto b = body_of<KeepDropReq>(msg).value();
+        kept.erase(std::string(b.guest, strnlen(b.guest, sizeof(b.guest))));
+        break;
+      }
+      case Op::kKeepBye:
+        return finish(0);
+      case Op::kKeepRestore: {
+        for (const auto& [guest, r] : kept) {
+          std::vector<int> raw;
+          for (const UniqueFd& f : r.fds) raw.push_back(f.get());
+          if (Status s = send_state(backend.get(), guest, r.blob, raw, kImportRecover); !s.is_ok())
+            VLOG_WARN("keeper: handing guest {} back: {}", guest, s.message());
+        }
+        (void)send_msg(backend.get(), encode(Op::kKeepEnd, 4, 0, Empty{}));
+        break;
+      }
+      default:
+        break;
+    }
+  }
+}
+
+}  // namespace vrdma::backend
