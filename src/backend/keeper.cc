@@ -26,7 +26,7 @@ using namespace vrdma::proto;
 
 namespace {
 
-constexpr int kMaxRestarts = 3;  ///< per minute; a backend that keeps dying is let go
+constexpr size_t kMaxRestarts = 10;  ///< per minute; a backend that keeps dying is let go
 
 uint64_t now_ms() {
   timespec ts;

@@ -1,10 +1,10 @@
-// The state keeper: a small process beside vrdmad (`vrdmad --keeper PATH -- BACKEND ARGS...`)
+// The state keeper: a small process beside vrdmad (`vrdmad --keeper PATH GRACE_S`)
 // that holds the latest state of every guest of its backend (the export blob and duplicates of
 // every descriptor it names, the guests' connections included), so that a backend that dies -
 // SIGKILL, a crash - can be replaced without the guests noticing more than a pause: their
 // connections stay open (the keeper holds the other reference), and the new backend imports
 // their state from the keeper. When its backend's connection ends without a goodbye the keeper
-// starts the backend again (at most kMaxRestarts times a minute); if no backend comes back within
+// starts the backend again (at most 10 times a minute); if no backend comes back within
 // the grace time it lets everything go, and the guests then see their device gone.
 // Protocol (SOCK_SEQPACKET, proto/command.h): the backend sends kImportBegin/Data/Commit per guest
 // (no answer), kKeepDrop when a guest leaves, kKeepBye on a clean exit, and kKeepRestore once

@@ -18,11 +18,23 @@ void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Internal: `vrdmad --keeper PATH GRACE_S BACKEND_ARGV...`, started by a backend with
-  // keep_state (backend/keeper.h).
+  // Internal: `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state
+  // (backend/keeper.h); how to start the backend again comes in VRDMA_KEEPER_RESTART.
   if (argc >= 4 && std::string(argv[1]) == "--keeper") {
-    return vrdma::backend::run_keeper(argv[2], std::atoi(argv[3]),
-                                      std::vector<std::string>(argv + 4, argv + argc));
+    std::vector<std::string> restart;
+    if (const char* r = ::getenv("VRDMA_KEEPER_RESTART")) {
+      std::string cur;
+      for (const char* c = r; *c; ++c) {
+        if (*c == '\x1f') {
+          restart.push_back(cur);
+          cur.clear();
+        } else {
+          cur += *c;
+        }
+      }
+      ::unsetenv("VRDMA_KEEPER_RESTART");
+    }
+    return vrdma::backend::run_keeper(argv[2], std::atoi(argv[3]), std::move(restart));
   }
   vrdma::backend::Config cfg;
   {

@@ -250,7 +250,11 @@ Status Server::start_keeper() {
       if (::fork() != 0) ::_exit(0);
       std::vector<std::string> args = {"/proc/self/exe", "--keeper", path,
                                        std::to_string(opt_.keep_state_grace_s)};
-      args.insert(args.end(), opt_.self_argv.begin(), opt_.self_argv.end());
+      // How to start us again, in the environment: on its command line it would look like us
+      // to anything that finds the backend by its arguments.
+      std::string restart;
+      for (const std::string& a : opt_.self_argv) restart += a + '\x1f';
+      ::setenv("VRDMA_KEEPER_RESTART", restart.c_str(), 1);
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
