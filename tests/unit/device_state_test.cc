@@ -1,0 +1,118 @@
+// A guest's device state leaving a Device and coming back (what `vrdma migrate` and the keeper
+// do): identity, handles and connections survive; a malformed or mutated blob never crashes the
+// importer and never leaves half a guest behind.
+#include <fcntl.h>
+
+#include <random>
+
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
+  std::vector<UniqueFd> out;
+  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  return out;
+}
+
+GuestExport export_a(Device& dev) {
+  auto ex = dev.export_guest("a", [](const Session&) { return -1; });
+  EXPECT_TRUE(ex.is_ok()) << ex.status().message();
+  return std::move(ex.value());
+}
+
+TEST_F(DeviceTest, ExportedGuestComesBackWithItsIdentityAndItsConnectionWorks) {
+  connect_both();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(drain(bcq_).size(), 1u);
+  ASSERT_EQ(drain(acq_).size(), 1u);
+
+  GuestExport ex = export_a(dev_);
+  EXPECT_EQ(ex.qps, 1u);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  dev_.detach_guest("a");
+  EXPECT_FALSE(dev_.has_guest("a"));
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_RTS);  // moving is not dying: the peer is not failed
+
+  auto r = dev_.import_guest(ex.blob, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_EQ(r.value().size(), 1u);
+  a_.s = r.value()[0].session;
+  a_.async_fd = a_.s->async_read.get();
+  EXPECT_EQ(a_.s->guest->lid, a_.hello.lid);
+  EXPECT_EQ(a_.s->guest->qps.count(qa_.qpn), 1u);
+  EXPECT_EQ(a_.s->guest->mrs.count(ma_.mr.lkey), 1u);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RTS);
+
+  // The rings and memory the guest mapped are the ones the device uses again: both ways work.
+  for (int i = 0; i < 32; ++i) ma_.p()[i] = static_cast<uint8_t>(0x40 + i);
+  post_recv(qb_, 3, mb_.addr + 100, 64, mb_.mr.lkey);
+  post_send(qa_, 4, ma_.addr, 32, ma_.mr.lkey);
+  post_recv(qa_, 5, ma_.addr + 1000, 64, ma_.mr.lkey);
+  post_send(qb_, 6, mb_.addr + 100, 32, mb_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  auto rb = drain(bcq_), ra = drain(arcq_);  // b's CQ: its receive and its send
+  ASSERT_EQ(rb.size(), 2u);
+  ASSERT_EQ(ra.size(), 1u);
+  for (const Cqe& e : rb) EXPECT_EQ(e.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ra[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ra[0].wr_id, 5u);
+  EXPECT_EQ(std::memcmp(ma_.p() + 1000, ma_.p(), 32), 0);
+  EXPECT_EQ(drain(acq_).size(), 1u);
+  // Cursors moved with it: the send queue resumed at the second slot, not the first.
+  EXPECT_EQ(qa_.sq->consumer.load(), 2u);
+}
+
+TEST_F(DeviceTest, ImportRefusesAGuestAlreadyHereAndMissingDescriptors) {
+  connect_both();
+  GuestExport ex = export_a(dev_);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  EXPECT_EQ(dev_.import_guest(ex.blob, fds).err(), EEXIST);
+  Device other;
+  std::vector<UniqueFd> none;
+  EXPECT_EQ(other.import_guest(ex.blob, none).err(), EINVAL);
+  std::vector<UniqueFd> fewer = dup_all(ex.fds);
+  fewer.pop_back();
+  EXPECT_EQ(other.import_guest(ex.blob, fewer).err(), EINVAL);
+  EXPECT_TRUE(other.sessions().empty());
+  // A descriptor of the wrong kind where a memfd belongs: refused, not mapped.
+  std::vector<UniqueFd> wrong = dup_all(ex.fds);
+  wrong[0] = UniqueFd(::open("/dev/null", O_RDWR | O_CLOEXEC));
+  EXPECT_EQ(other.import_guest(ex.blob, wrong).err(), EINVAL);
+  EXPECT_TRUE(other.sessions().empty());
+}
+
+TEST_F(DeviceTest, MutatedStateNeverCrashesTheImporterNorLeavesHalfAGuest) {
+  connect_both();
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);  // RNR: something in the QP's retry state
+  dev_.poll(now_);
+  GuestExport ex = export_a(dev_);
+  std::mt19937 rng(12345);
+  Device other;
+  int accepted = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<uint8_t> b = ex.blob;
+    const int n = 1 + static_cast<int>(rng() % 4);
+    for (int k = 0; k < n; ++k) b[rng() % b.size()] = static_cast<uint8_t>(rng());
+    if (rng() % 8 == 0) b.resize(rng() % b.size());
+    std::vector<UniqueFd> fds = dup_all(ex.fds);
+    auto r = other.import_guest(b, fds);
+    if (!r.is_ok()) {
+      EXPECT_TRUE(other.sessions().empty());
+      continue;
+    }
+    ++accepted;  // a mutation that still describes a valid guest: it must run and go cleanly
+    const std::string name = r.value()[0].session->guest->name;
+    for (int k = 0; k < 3; ++k) other.poll(now_ += 1'000'000);
+    other.detach_guest(name);
+    EXPECT_TRUE(other.sessions().empty());
+  }
+  RecordProperty("accepted_mutations", accepted);
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
