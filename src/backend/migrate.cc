@@ -5,6 +5,7 @@
 // for the target to import it, then forgets the guest without ending anything. The guest's
 // process sees nothing but a pause: the same connection, rings and memory, now served by the
 // target. Peers follow the guest through the directory (GuestUp from the target).
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -116,7 +117,7 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
         break;
       }
       const uint64_t t0 = mono_us();
-      auto ex = dev_.export_guest(guest, [](const engine::Session&) { return -1; });
+      auto ex = export_with_sockets(guest);
       const uint64_t pause = mono_us() - t0;
       if (!ex.is_ok()) {
         fail(ex.status());
@@ -140,10 +141,85 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
                    SnapshotResp{blob.size(), pause, static_cast<uint32_t>(ex.value().qps), 0});
       break;
     }
+    case Op::kRestore: {
+      if (fds.empty()) {
+        fail(error(EBADF, "restore without a file descriptor"));
+        break;
+      }
+      auto r = restore_from(fds[0].get());
+      if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
+      else fail(r.status());
+      break;
+    }
     default:
       return error(EPROTO, "not an operator command");
   }
   return send_msg(c.sock.get(), out);
+}
+
+Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest) {
+  std::unordered_map<const engine::Session*, int> sock_of;
+  for (const auto& [fd, conn] : conns_) {
+    if (conn.session) sock_of[conn.session] = fd;
+  }
+  return dev_.export_guest(guest, [&](const engine::Session& s) {
+    auto it = sock_of.find(&s);
+    return it == sock_of.end() ? -1 : it->second;
+  });
+}
+
+Result<ImportResp> Server::restore_from(int file) {
+  std::vector<uint8_t> blob;
+  uint8_t buf[65536];
+  for (;;) {
+    ssize_t n = ::read(file, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return error(errno, fmt::format("reading the snapshot: {}", std::strerror(errno)));
+    if (n == 0) break;
+    blob.insert(blob.end(), buf, buf + n);
+    if (blob.size() > kMaxImportBytes) return error(E2BIG, "snapshot too large");
+  }
+  ASSIGN_OR_RETURN(std::string layout, engine::state_fd_layout(blob));
+  const std::string guest = layout.substr(0, layout.find('\n'));
+  if (!dev_.has_guest(guest))
+    return error(ENOENT, fmt::format("guest {} is not served here (a snapshot is restored into "
+                                     "the backend that serves the guest)", guest));
+  // The device the guest has now lends its descriptors (its memory, rings and connections) to
+  // the state in the file; both must name the same resources.
+  ASSIGN_OR_RETURN(engine::GuestExport now, export_with_sockets(guest));
+  ASSIGN_OR_RETURN(std::string now_layout, engine::state_fd_layout(now.blob));
+  if (now_layout != layout)
+    return error(EINVAL, fmt::format("guest {} has created or destroyed resources since the "
+                                     "snapshot; it cannot be restored onto them", guest));
+  auto dup_all = [&] {
+    std::vector<UniqueFd> v;
+    for (int f : now.fds) v.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+    return v;
+  };
+  std::vector<UniqueFd> fds = dup_all(), undo = dup_all();
+  const uint64_t t0 = mono_us();
+  release_guest(guest);
+  auto sessions = dev_.import_guest(blob, fds, true);
+  if (!sessions.is_ok()) {
+    VLOG_WARN("guest {}: restore failed ({}); putting its device back as it was", guest,
+              sessions.status().message());
+    auto back = dev_.import_guest(now.blob, undo, true);
+    if (back.is_ok()) {
+      for (auto& is : back.value()) adopt(is.session, std::move(is.sock));
+    }
+    return sessions.status();
+  }
+  ImportResp r{};
+  r.sessions = static_cast<uint32_t>(sessions.value().size());
+  for (auto& is : sessions.value()) {
+    r.qps += static_cast<uint32_t>(is.session->qps.size());
+    adopt(is.session, std::move(is.sock));
+  }
+  r.import_us = mono_us() - t0;
+  keep(guest);
+  VLOG_INFO("guest {}: device state restored from a snapshot ({} QPs, {} us)", guest, r.qps,
+            r.import_us);
+  return r;
 }
 
 Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::string& target) {
@@ -154,14 +230,7 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   timeval tv{10, 0};
   ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   // The guest's own connections go with it.
-  std::unordered_map<const engine::Session*, int> sock_of;
-  for (const auto& [fd, conn] : conns_) {
-    if (conn.session) sock_of[conn.session] = fd;
-  }
-  ASSIGN_OR_RETURN(engine::GuestExport ex, dev_.export_guest(guest, [&](const engine::Session& s) {
-                     auto it = sock_of.find(&s);
-                     return it == sock_of.end() ? -1 : it->second;
-                   }));
+  ASSIGN_OR_RETURN(engine::GuestExport ex, export_with_sockets(guest));
   const uint64_t t1 = mono_us();
   RETURN_IF_ERROR(send_state(sock.get(), guest, ex.blob, ex.fds));
   const uint64_t t2 = mono_us();
@@ -319,14 +388,7 @@ void Server::keep(const std::string& guest) {
     keep_drop(guest);
     return;
   }
-  std::unordered_map<const engine::Session*, int> sock_of;
-  for (const auto& [fd, conn] : conns_) {
-    if (conn.session) sock_of[conn.session] = fd;
-  }
-  auto ex = dev_.export_guest(guest, [&](const engine::Session& s) {
-    auto it = sock_of.find(&s);
-    return it == sock_of.end() ? -1 : it->second;
-  });
+  auto ex = export_with_sockets(guest);
   Status st = ex.is_ok() ? send_state(keeper_.get(), guest, ex.value().blob, ex.value().fds)
                          : ex.status();
   if (!st.is_ok()) VLOG_WARN("guest {}: its state did not reach the keeper: {}", guest, st.message());

@@ -62,6 +62,10 @@ class Server {
   /// Moves guest `guest` to the backend at `target`; the guest is unchanged here on failure.
   Result<proto::MigrateResp> migrate_out(const std::string& guest, const std::string& target);
   Result<proto::ImportResp> import_commit(Conn& c);
+  /// The guest's state, its connections included (the layout a snapshot and the keeper use).
+  Result<engine::GuestExport> export_with_sockets(const std::string& guest);
+  /// vrdma restore: the snapshot read from `file` becomes the state of the guest's device.
+  Result<proto::ImportResp> restore_from(int file);
   /// Serves an imported session here: its connection and doorbell join the loop.
   void adopt(engine::Session* s, UniqueFd sock);
   /// Stops serving the sessions of `guest` without ending them (their device moved).

@@ -366,6 +366,21 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
   return 0;
 }
 
+int cmd_restore(const std::string& file, const std::string& socket_opt) {
+  const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
+  UniqueFd f(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!f.valid()) {
+    fmt::print(stderr, "vrdma restore: {}: {}\n", file, std::strerror(errno));
+    return 1;
+  }
+  const int fd = f.get();
+  const auto r = admin_request<proto::ImportResp>(socket, proto::Op::kRestore, proto::RestoreReq{},
+                                                  "restore", {&fd, 1});
+  fmt::print("restored {}: {} session(s), {} QPs; the guest's QPs were held {} us\n", file,
+             r.sessions, r.qps, r.import_us);
+  return 0;
+}
+
 /// Reads a non-negative count from obj[key]; 0 when absent or not a number.
 uint64_t count_of(const nlohmann::json& obj, const char* key) {
   if (!obj.is_object()) {
@@ -596,6 +611,13 @@ int main_impl(int argc, char** argv) {
   snapshot->add_option("file", snap_file, "file to write")->required();
   snapshot->add_option("--socket", snap_socket, "backend socket");
 
+  std::string restore_file, restore_socket;
+  auto* restore = app.add_subcommand(
+      "restore", "Put a guest's device back into the state a snapshot file holds (the backend "
+                 "must serve the guest, with the same resources)");
+  restore->add_option("file", restore_file, "snapshot file")->required();
+  restore->add_option("--socket", restore_socket, "backend socket");
+
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
   argc = split_run_command(argc, argv, command);
@@ -625,6 +647,9 @@ int main_impl(int argc, char** argv) {
   }
   if (*snapshot) {
     return cmd_snapshot(snap_guest, snap_file, snap_socket);
+  }
+  if (*restore) {
+    return cmd_restore(restore_file, restore_socket);
   }
   return 2;
 }

@@ -236,6 +236,10 @@ struct GuestExport {
   size_t qps = 0;
 };
 
+/// The guest a state blob is of, and what its descriptors are ("NAME\n[keys]"): two blobs with
+/// the same layout name the same resources, so one's descriptors serve the other.
+Result<std::string> state_fd_layout(std::span<const uint8_t> blob);
+
 /// A session an import created, with the guest connection's socket (index given at export).
 struct ImportedSession {
   Session* session;

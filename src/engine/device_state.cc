@@ -117,9 +117,12 @@ Result<GuestExport> Device::export_guest(const std::string& name,
   if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
   const Guest& g = *git->second;
   GuestExport out;
-  auto fd = [&](int f) -> int64_t {
+  json fdkeys = json::array();  // what each descriptor is, so a restore can check it is the same
+  size_t si = 0;
+  auto fd = [&](int f, std::string_view what, uint32_t h = 0) -> int64_t {
     if (f < 0) return -1;
     out.fds.push_back(f);
+    fdkeys.push_back(fmt::format("s{}.{}.{}", si, what, h));
     return static_cast<int64_t>(out.fds.size() - 1);
   };
   json sessions = json::array();
@@ -129,17 +132,17 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     json js = {{"pid", s.pid},
                {"comm", s.comm},
                {"next_handle", s.next_handle},
-               {"control", fd(s.control_fd.get())},
-               {"doorbell", fd(s.doorbell.get())},
-               {"async_r", fd(s.async_read.get())},
-               {"async_w", fd(s.async_write.get())},
-               {"sock", fd(sock_of(s))}};
+               {"control", fd(s.control_fd.get(), "control")},
+               {"doorbell", fd(s.doorbell.get(), "doorbell")},
+               {"async_r", fd(s.async_read.get(), "async_r")},
+               {"async_w", fd(s.async_write.get(), "async_w")},
+               {"sock", fd(sock_of(s), "sock")}};
     json pds = json::array();
     for (const auto& [h, pd] : s.pds) pds.push_back(h);
     js["pds"] = std::move(pds);
     json segs = json::array();
     for (const auto& [h, seg] : s.segments)
-      segs.push_back({h, fd(seg->fd.get()), seg->map.size()});
+      segs.push_back({h, fd(seg->fd.get(), "seg", h), seg->map.size()});
     js["segs"] = std::move(segs);
     json mrs = json::array();
     for (const auto& [h, mr] : s.mrs) {
@@ -158,17 +161,17 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     }
     js["mrs"] = std::move(mrs);
     json chans = json::array();
-    for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get())});
+    for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get(), "chan", h)});
     js["chans"] = std::move(chans);
     json cqs = json::array();
     for (const auto& [h, cq] : s.cqs) {
-      cqs.push_back({{"h", h}, {"fd", fd(cq->ring_fd.get())}, {"size", cq->size},
+      cqs.push_back({{"h", h}, {"fd", fd(cq->ring_fd.get(), "cq", h)}, {"size", cq->size},
                      {"prod", cq->prod}, {"channel", cq->channel}, {"overrun", cq->overrun}});
     }
     js["cqs"] = std::move(cqs);
     json srqs = json::array();
     for (const auto& [h, q] : s.srqs) {
-      srqs.push_back({{"h", h}, {"fd", fd(q->ring_fd.get())}, {"pd", q->pd}, {"size", q->size},
+      srqs.push_back({{"h", h}, {"fd", fd(q->ring_fd.get(), "srq", h)}, {"pd", q->pd}, {"size", q->size},
                       {"cons", q->cons}, {"max_sge", q->max_sge}, {"limit", q->limit}});
     }
     js["srqs"] = std::move(srqs);
@@ -188,7 +191,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                      {"sig_all", qp->sq_sig_all},
                      {"caps", bytes_of(qp->caps)},
                      {"attr", bytes_of(qp->attr)},
-                     {"fd", fd(qp->ring_fd.get())},
+                     {"fd", fd(qp->ring_fd.get(), "qp", h)},
                      {"sq_size", qp->sq_size},
                      {"rq_size", qp->rq_size},
                      {"sq_cons", qp->sq_cons},
@@ -210,6 +213,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     }
     js["qps"] = std::move(qps);
     sessions.push_back(std::move(js));
+    ++si;
   }
   json doc = {{"magic", kStateMagic},
               {"version", kStateVersion},
@@ -218,7 +222,8 @@ Result<GuestExport> Device::export_guest(const std::string& name,
               {"next_qpn", g.next_qpn},
               {"next_key_index", g.next_key_index},
               {"retired", bytes_of(g.retired)},
-              {"sessions", std::move(sessions)}};
+              {"sessions", std::move(sessions)},
+              {"fdkeys", std::move(fdkeys)}};
   out.blob = json::to_cbor(doc);
   return out;
 }
@@ -617,6 +622,14 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     if (qp.guest != gp) reroute(qp);
   });
   return out;
+}
+
+Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {
+  json doc = json::from_cbor(blob.begin(), blob.end(), true, false);
+  if (doc.is_discarded() || !doc.is_object() || !doc.contains("fdkeys") ||
+      !doc.contains("name") || !doc["name"].is_string())
+    return error(EINVAL, "not a vrdma device state");
+  return doc["name"].get<std::string>() + "\n" + doc["fdkeys"].dump();
 }
 
 void Device::detach_guest(const std::string& name) {

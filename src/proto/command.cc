@@ -34,6 +34,7 @@ size_t request_body_size(Op op) {
     case Op::kKeepBye:
     case Op::kKeepRestore:
     case Op::kKeepEnd: return 0;
+    case Op::kRestore: return sizeof(RestoreReq);
     case Op::kMax: break;
   }
   return SIZE_MAX;

@@ -55,12 +55,13 @@ enum class Op : uint16_t {
   kKeepBye = 26,
   kKeepRestore = 27,
   kKeepEnd = 28,
-  kMax = 29,  ///< one past the last opcode; never sent
+  kRestore = 29,  ///< operator: a snapshot file's state back into the guest's device
+  kMax = 30,      ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {
-  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kKeepEnd);
+  return op == Op::kStatus || (op >= Op::kMigrate && op < Op::kMax);
 }
 
 struct MsgHeader {
@@ -321,6 +322,14 @@ struct SnapshotResp {
   uint32_t reserved;
 };
 static_assert(sizeof(SnapshotResp) == 24);
+
+// ---- kRestore: the file (its descriptor comes with the request) holds a snapshot of a guest
+// this backend serves; its device state is put back (cursors and PSNs stay the rings').
+struct RestoreReq {
+  uint32_t flags;
+  uint32_t reserved;
+};
+static_assert(sizeof(RestoreReq) == 8);
 
 // ---- kStatus: response body is a u32 length followed by that many bytes of JSON.
 struct StatusReq {

@@ -2,7 +2,7 @@
 # keep_state: a backend killed with SIGKILL while traffic runs is started again by its keeper,
 # takes its guests back, and their RC connections continue: a verifying stream (rc_stream, every
 # message once and in order, equal checksums) and Debian's ibv_rc_pingpong survive three kills.
-# A clean stop lets the keeper go too.
+# A clean stop lets the keeper go too. Snapshot/restore of a running pingpong's device.
 # Usage: keep_state.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -52,10 +52,25 @@ log "rc_stream: 60000 x 4096 B across 3 SIGKILLs, $sent on both ends"
 
 # Debian's pingpong, killed under it once.
 PP_TOOL=ibv_rc_pingpong
-start_server pp ks-pps -n 5000
-start_client pp ks-ppc "$PORT" -n 5000
-kill_backend_times 1
+start_server pp ks-pps -n 50000
+start_client pp ks-ppc "$PORT" -n 50000
+KILL_EVERY=0.3 kill_backend_times 1
 finish_pair pp "$SERVER_PID" "$CLIENT_PID" 60
+
+# Snapshot and restore while a pingpong runs: the device state of the file is put back under it.
+start_server snap ks-sn -n 100000
+start_client snap ks-sc "$PORT" -n 100000
+sleep 0.5
+"$VRDMA" snapshot ks-sc "$E2E_TMP/sc.snap" >"$E2E_TMP/snap.out" 2>&1 || fail "snapshot: $(cat "$E2E_TMP/snap.out")"
+for k in 1 2; do
+  "$VRDMA" restore "$E2E_TMP/sc.snap" >>"$E2E_TMP/snap.out" 2>&1 || fail "restore: $(cat "$E2E_TMP/snap.out")"
+done
+kill -0 "$CLIENT_PID" 2>/dev/null || log "warning: the pingpong ended before the restores"
+finish_pair snap "$SERVER_PID" "$CLIENT_PID" 90
+log "$(tr '\n' ' ' <"$E2E_TMP/snap.out")"
+# The guest is gone now: its snapshot has nothing to go back into.
+"$VRDMA" restore "$E2E_TMP/sc.snap" >"$E2E_TMP/gone.out" 2>&1 && fail "restored a guest that is gone"
+grep -q "No such file" "$E2E_TMP/gone.out" || fail "restore of a gone guest: $(cat "$E2E_TMP/gone.out")"
 
 # A clean stop ends the guests' devices and the keeper with them.
 kpid="$(cat "$VRDMA_SOCKET.keeper.pid")"
