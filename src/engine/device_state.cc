@@ -204,7 +204,10 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                      {"next_psn", qp->next_psn},
                      {"expected_psn", qp->expected_psn},
                      {"acache", qp->atomic_cache},
-                     {"acache_next", qp->atomic_cache_next}});
+                     {"acache_next", qp->atomic_cache_next},
+                     // The route it had: reroute() on the target settles from it.
+                     {"remote", qp->remote},
+                     {"peer_node", qp->peer_node}});
       out.qps++;
     }
     js["qps"] = std::move(qps);
@@ -468,6 +471,19 @@ Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_
         qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
       }
       qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
+      // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
+      // messages are replayed (or settled against a responder that is here now); from shm
+      // nothing is in flight.
+      if (auto r = jq.find("remote"); r != jq.end() && r->is_boolean() && r->get<bool>()) {
+        auto pn = jq.find("peer_node");
+        if (pn == jq.end() || !pn->is_string() || pn->get_ref<const std::string&>().size() > 255)
+          rd.fail("QP peer node");
+        else {
+          qp->remote = true;
+          qp->transport = "tcp";
+          qp->peer_node = pn->get<std::string>();
+        }
+      }
       if (!rd.st.is_ok()) break;
       handle_ok(qp->handle, "QP");
       if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g->qps.count(qp->qpn)) rd.fail("QPN");
