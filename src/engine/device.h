@@ -176,6 +176,9 @@ struct Qp {
   uint32_t sq_sent = 0;
   uint32_t next_psn = 0;  ///< requester: PSN of the next new message
   uint64_t ack_deadline_ns = 0;
+  /// Its peer moved: what is in flight goes to the new node on the next poll (not inside the
+  /// import, which would hold every migrating guest frozen for it).
+  bool replay_now = false;
   // Responder over tcp (RC): the next PSN it executes; earlier ones are duplicates.
   uint32_t expected_psn = 0;
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.

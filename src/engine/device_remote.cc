@@ -173,6 +173,12 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
 
 bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
   bool did = false;
+  if (qp.replay_now) {
+    qp.replay_now = false;
+    qp.wait_until_ns = now_ns + ack_ns(qp);
+    resend_all(qp);
+    did = true;
+  }
   if (qp.type == IBV_QPT_RC) {
     if (qp.wait == Wait::kRnr) {
       if (now_ns < qp.wait_until_ns) return false;

@@ -202,11 +202,13 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                      {"wait_until", qp->wait_until_ns},
                      {"cnt", bytes_of(qp->cnt)},
                      {"unacked", std::move(unacked)},
-                     {"sq_sent", qp->sq_sent},
+                     // The shm path never advances sq_sent (nothing is in flight there).
+                     {"sq_sent", qp->remote ? qp->sq_sent : qp->sq_cons},
                      {"next_psn", qp->next_psn},
                      {"expected_psn", qp->expected_psn},
                      {"acache", qp->atomic_cache},
                      {"acache_next", qp->atomic_cache_next},
+                     // The route it had: reroute() on the target settles from it.
                      {"remote", qp->remote},
                      {"peer_node", qp->peer_node}});
       out.qps++;
@@ -514,10 +516,19 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
         qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
       }
       qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
-      // Where its messages went: reroute() compares the new route with it.
-      qp->remote = jq.value("remote", false);
-      qp->peer_node = jq.value("peer_node", std::string());
-      if (qp->remote) qp->transport = "tcp";
+      // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
+      // messages are replayed (or settled against a responder that is here now); from shm
+      // nothing is in flight.
+      if (auto r = jq.find("remote"); r != jq.end() && r->is_boolean() && r->get<bool>()) {
+        auto pn = jq.find("peer_node");
+        if (pn == jq.end() || !pn->is_string() || pn->get_ref<const std::string&>().size() > 255)
+          rd.fail("QP peer node");
+        else {
+          qp->remote = true;
+          qp->transport = "tcp";
+          qp->peer_node = pn->get<std::string>();
+        }
+      }
       // sq_sent runs ahead of sq_cons only on tcp (what is in flight); shm leaves it behind.
       if (!qp->remote) qp->sq_sent = qp->sq_cons;
       if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
@@ -691,7 +702,7 @@ void Device::reroute(Qp& qp) {
     qp.retry_left = qp.attr.retry_cnt;
     qp.wait = Wait::kAck;
     qp.wait_until_ns = now_ns_ + ack_ns(qp);
-    resend_all(qp);
+    qp.replay_now = true;
   } else if (!qp.remote && qp.wait == Wait::kAck) {
     qp.wait = Wait::kNone;  // waiting for a peer that was away: try again now
   }

@@ -53,6 +53,10 @@ e2e_init() {
     # (its stack cannot be unwound; vrdma never calls asprintf). The backend's are still ours.
     printf 'leak:/usr/bin/\nleak:vasprintf\n' >"$E2E_TMP/lsan.supp"
     export LSAN_OPTIONS="${LSAN_OPTIONS:+$LSAN_OPTIONS:}suppressions=$E2E_TMP/lsan.supp"
+    # Their signal handlers are theirs too: perftest's -D ends with a SIGALRM handler that calls
+    # fopen/printf (ThreadSanitizer: "signal-unsafe call", "signal handler spoils errno").
+    printf 'signal:/usr/bin/\n' >"$E2E_TMP/tsan.supp"
+    export TSAN_OPTIONS="${TSAN_OPTIONS:+$TSAN_OPTIONS:}suppressions=$E2E_TMP/tsan.supp"
   fi
   log "tmp $E2E_TMP, socket $VRDMA_SOCKET"
 }

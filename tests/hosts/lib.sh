@@ -165,3 +165,96 @@ hosts_cleanup() {
   (exit "$rc")
   e2e_cleanup
 }
+
+# ---- live migration (vrdma migrate) ----
+
+# Downtimes (µs) of the moves made by hmigrate, in order; MIG_JSON: the last move's JSON.
+declare -a MIG_DOWNTIMES=()
+MIG_JSON=""
+# A numeric field of MIG_JSON.
+mig_field() { [[ $MIG_JSON =~ \"$1\":([0-9]+) ]] && echo "${BASH_REMATCH[1]}"; }
+# Moves guest G from host FROM's backend to host TO's; fails unless `vrdma migrate` exits 0.
+# Each JSON result goes to $E2E_TMP/migrations.out. Usage: hmigrate G FROM TO
+hmigrate() {
+  local g=$1 from=$2 to=$3
+  hcheck_alive
+  MIG_JSON="$("$VRDMA" migrate "$g" --socket "$(host_sock "$from")" --to "$(host_sock "$to")" \
+    --json 2>&1)" || fail "vrdma migrate $g h$from -> h$to: $MIG_JSON"
+  echo "h$from -> h$to $MIG_JSON" >>"$E2E_TMP/migrations.out"
+  MIG_DOWNTIMES+=("$(mig_field downtime_us)")
+}
+# "min median max" of the numbers given as arguments.
+stats_of() {
+  printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {
+    m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2; print a[1], m, a[NR]}'
+}
+
+# The values of KEYs (top-level fields of the QP's object in `vrdma res show qp -j`, or a
+# counter's name) for each QP of guest G on host I: one line per QP, space-separated, "-" for an
+# empty string. Plain perl (JSON::PP alone takes ~0.1 s to load on a busy 2-core machine);
+# every key occurs once per QP, so the n-th match of each belongs to the n-th QP.
+# Usage: hqps I G KEY...
+hqps() {
+  local i=$1 g=$2
+  shift 2
+  VRDMA_SOCKET="$(host_sock "$i")" "$VRDMA" res show qp guest "$g" -j |
+    KEYS="$*" perl -0777 -ne '
+      my $in = $_;
+      my @cols = map { [$in =~ /"\Q$_\E":"?([^",}]*)/g] } split " ", $ENV{KEYS};
+      for my $r (0 .. $#{$cols[0]}) {
+        print join(" ", map { my $v = $_->[$r] // "?"; $v eq "" ? "-" : $v } @cols), "\n";
+      }'
+}
+# "transport/peer_node" of each QP of guest G on host I, space-separated.
+hroute() {
+  hqps "$1" "$2" transport peer_node |
+    awk '{printf "%s%s/%s", (NR > 1 ? " " : ""), $1, ($2 == "-" ? "" : $2)}'
+}
+# Processes that must live while a test waits on the backends ("PID OUTPUT_FILE" each):
+# hcheck_alive fails at once, with the output's end, when one has exited.
+declare -a HOSTS_WATCH=()
+hcheck_alive() {
+  local w pid out
+  for w in "${HOSTS_WATCH[@]}"; do
+    read -r pid out <<<"$w"
+    kill -0 "$pid" 2>/dev/null || fail "$(basename "$out") exited: $(tail -n 3 "$out" | tr '\n' ' ')"
+  done
+}
+# Waits up to SECS (default 5) until `hroute I G` prints WANT; fails otherwise.
+# Usage: hwait_route I G WANT [SECS]
+hwait_route() {
+  local got="" k
+  for ((k = 0; k < ${4:-5} * 20; k++)); do
+    hcheck_alive
+    got="$(hroute "$1" "$2" 2>/dev/null)" || got="<no answer>"
+    [[ $got == "$3" ]] && return 0
+    sleep 0.05
+  done
+  fail "guest $2 on h$1: QP routes '$got', wanted '$3'"
+}
+# Pid of the child of PID (a background `hrun ... &`, a subshell) named NAME, once the exec chain
+# (ip netns exec, env, vrdma run) has reached it; up to 10 s. Usage: child_named PID NAME
+child_named() {
+  local k c
+  for ((k = 0; k < 100; k++)); do
+    c="$(pgrep -P "$1" -x "$2" | head -n 1)" && [[ -n $c ]] && {
+      echo "$c"
+      return 0
+    }
+    sleep 0.1
+  done
+  fail "no process $2 under pid $1"
+}
+# Counter C (msgs_received, msgs_sent, ...) summed over guest G's QPs on host I.
+hcount() { hqps "$1" "$2" "$3" | awk '{s += $1} END {print s + 0}'; }
+# Waits up to 20 s until guest G on host I has moved a message (counter C > 0); fails if PID
+# (its process) exits first. Usage: hwait_flowing I G C PID
+hwait_flowing() {
+  local k
+  for ((k = 0; k < 200; k++)); do
+    [[ $(hcount "$1" "$2" "$3" 2>/dev/null || echo 0) -gt 0 ]] && return 0
+    kill -0 "$4" 2>/dev/null || fail "guest $2 on h$1 exited before any traffic"
+    sleep 0.1
+  done
+  fail "guest $2 on h$1: no traffic after 20 s"
+}

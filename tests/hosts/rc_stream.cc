@@ -3,6 +3,8 @@
 // the server checks that message i arrives i-th with the right length, and both print an FNV-1a
 // checksum of every byte they moved. Equal checksums and no complaint: nothing lost, nothing
 // duplicated, nothing reordered or corrupted. Plain verbs, no vrdma headers.
+// N = 0 (on both sides): open-ended; the client runs until SIGUSR1, then stops posting, waits for
+// its messages in flight and tells the server how many it sent (over the exchange socket).
 // Usage: rc_stream server PORT N SIZE | rc_stream client HOST PORT N SIZE
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
@@ -12,15 +14,20 @@
 #include <unistd.h>
 
 #include <cinttypes>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 namespace {
 
 constexpr int kDepth = 32;
+
+volatile std::sig_atomic_t g_stop = 0;
+void on_stop(int) { g_stop = 1; }
 
 struct Dest {
   uint32_t lid, qpn, psn;
@@ -78,7 +85,12 @@ int main(int argc, char** argv) {
     die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE");
   const char* host = server ? nullptr : argv[2];
   const int port = std::atoi(argv[server ? 2 : 3]);
-  const uint64_t n = std::strtoull(argv[server ? 3 : 4], nullptr, 10);
+  uint64_t n = std::strtoull(argv[server ? 3 : 4], nullptr, 10);
+  const bool open_ended = n == 0;
+  if (open_ended) {
+    n = std::numeric_limits<uint64_t>::max();
+    if (!server) std::signal(SIGUSR1, on_stop);
+  }
   const uint32_t size = static_cast<uint32_t>(std::strtoul(argv[server ? 4 : 5], nullptr, 10));
   if (size < 8) die("SIZE must be at least 8");
 
@@ -159,8 +171,11 @@ int main(int argc, char** argv) {
   };
   uint64_t sum = 0xcbf29ce484222325ull, done = 0, posted = 0;
   int inflight = 0;
+  uint64_t idle = 0;
   ibv_wc wc[16];
   while (done < n) {
+    if (!server && open_ended && g_stop && n != posted) n = posted;  // drain what is in flight
+    if (done >= n) break;
     while (!server && inflight < kDepth && posted < n) {
       const uint64_t slot = posted % kDepth;
       uint8_t* p = &buf[slot * size];
@@ -179,6 +194,19 @@ int main(int argc, char** argv) {
     }
     const int got = ibv_poll_cq(cq, 16, wc);
     if (got < 0) die("poll_cq");
+    if (server && open_ended && got == 0 && ++idle % 64 == 0) {
+      // Has the client said how many it sent?
+      uint64_t total;
+      if (::recv(sock, &total, sizeof(total), MSG_PEEK | MSG_DONTWAIT) == sizeof(total)) {
+        if (::recv(sock, &total, sizeof(total), MSG_WAITALL) != sizeof(total)) die("count");
+        if (total < done) {
+          std::fprintf(stderr, "rc_stream: received %" PRIu64 " messages, %" PRIu64 " sent\n", done,
+                       total);
+          return teardown(1);
+        }
+        n = total;
+      }
+    }
     for (int k = 0; k < got; ++k) {
       if (wc[k].status != IBV_WC_SUCCESS) {
         std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", done,
@@ -203,8 +231,10 @@ int main(int argc, char** argv) {
       ++done;
     }
   }
+  if (!server && open_ended && ::write(sock, &n, sizeof(n)) != sizeof(n)) die("sending the count");
   std::printf("%s %" PRIu64 " messages of %u bytes, checksum %016" PRIx64 "\n",
               server ? "received" : "sent", n, size, sum);
+  std::fflush(stdout);
   // The server's last receive may complete after the client's last send completion: wait.
   if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die("final sync");
   return teardown(0);

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Live migration between shared memory and TCP: two guests of h1 joined by a verifying RC stream
+# (rc_stream, open-ended) go through shm. One of them moves to h2 (the client, the requester, in
+# odd rounds; the server, the responder, in even ones): its QP there goes through tcp to h1, and
+# the QP left on h1 through tcp to h2. It moves back: both QPs are on shm again in h1.
+# $MIG_ROUNDS round trips, messages arriving on every route; equal checksums at the end
+# (nothing lost, duplicated or reordered across the switches).
+# Usage: migrate_shm.sh BIN_DIR   (MIG_ROUNDS, MIG_PAUSE: round trips, pause after each move)
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+hosts_init "${1:-}" 2
+wait_mesh
+
+ROUNDS="${MIG_ROUNDS:-5}"
+PAUSE="${MIG_PAUSE:-0.1}"
+# Every `vrdma` call takes ~0.2 s under a sanitizer: fewer round trips there, the same checks.
+[[ -z $SAN_PRELOAD || -n ${MIG_ROUNDS:-} ]] || ROUNDS=3
+
+# msgs_received of the server's QP on host I.
+received() { hcount "$1" sh-s msgs_received; }
+# After a move of guest G (sh-s or sh-c) to host GH: G's QP has route RG there, the other
+# guest's QP on h1 has route RO, and messages reach the server during the pause.
+# Usage: settled G GH RG RO
+settled() {
+  local g=$1 gh=$2 other="sh-s" sh=$2 c0 c1 k
+  if [[ $g == sh-s ]]; then other="sh-c"; else sh=1; fi
+  hwait_route "$gh" "$g" "$3"
+  hwait_route 1 "$other" "$4"
+  c0=$(received "$sh")
+  sleep "$PAUSE"
+  for ((k = 0; k < 100; k++)); do
+    hcheck_alive
+    c1=$(received "$sh")
+    [[ $c1 -gt $c0 ]] && return 0
+    sleep 0.05
+  done
+  fail "no message reached the server for $PAUSE s + 5 s after $g moved to h$gh (stuck at $c0)"
+}
+
+port=$((17000 + RANDOM % 1000))
+hrun 1 --guest sh-s -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/stream.server.out" 2>&1 &
+srv=$!
+hwait_port 1 "$port" "$srv" stream
+hrun 1 --guest sh-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 0 4096 \
+  >"$E2E_TMP/stream.client.out" 2>&1 &
+cli=$!
+cli_proc=$(child_named "$cli" rc_stream)
+HOSTS_WATCH=("$srv $E2E_TMP/stream.server.out" "$cli $E2E_TMP/stream.client.out")
+hwait_flowing 1 sh-s msgs_received "$srv"
+settled sh-c 1 "shm/" "shm/"
+log "stream flowing on shm in h1; moving the client, then the server, ... h1 <-> h2 $ROUNDS times"
+for ((r = 1; r <= ROUNDS; r++)); do
+  g="sh-c"
+  ((r % 2)) || g="sh-s"
+  hmigrate "$g" 1 2
+  settled "$g" 2 "tcp/h1" "tcp/h2"
+  hmigrate "$g" 2 1
+  settled "$g" 1 "shm/" "shm/"
+done
+hcheck_alive
+HOSTS_WATCH=()
+kill -USR1 "$cli_proc"
+wait_pid "$cli" 30
+[[ $WAIT_RC == 0 ]] || fail "client exited $WAIT_RC: $(cat "$E2E_TMP/stream.client.out")"
+wait_pid "$srv" 20
+[[ $WAIT_RC == 0 ]] || fail "server exited $WAIT_RC: $(cat "$E2E_TMP/stream.server.out")"
+sent="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/stream.client.out")"
+got="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/stream.server.out")"
+[[ -n $sent && $sent == "$got" ]] || fail "sent '$sent', received '$got'"
+log "stream: $sent on both ends"
+read -r mn med mx < <(stats_of "${MIG_DOWNTIMES[@]}")
+log "${#MIG_DOWNTIMES[@]} moves, downtime min $mn us, median $med us, max $mx us"
+e2e_pass
