@@ -3,6 +3,9 @@
 # Usage: scripts/test.sh                 release, asan-ubsan, tsan, then the fuzz smoke (what CI runs)
 #        scripts/test.sh PRESET [ctest args...]   one preset: release, debug, asan-ubsan, tsan, fuzz
 #                                                 example: scripts/test.sh asan-ubsan -R e2e
+# Each test preset selects by ctest label (CMakePresets.json, tests/CMakeLists.txt): release and
+# debug run every test, asan-ubsan all but the `load` and `abi` ones, tsan only the `threads` ones
+# (and builds only what they need).
 # The fuzz preset (clang-14 + libFuzzer) builds only the fuzz targets and runs each for a bounded
 # number of executions (tests/fuzz/smoke.sh: VRDMA_FUZZ_RUNS, VRDMA_FUZZ_SECONDS).
 set -euo pipefail
