@@ -156,6 +156,12 @@ hosts_cleanup() {
   local rc=$? i
   set +e
   kill_descendants $$
+  # A keep_state backend has a keeper that would start it again: the keeper goes first, then
+  # whichever backend serves the socket now.
+  for ((i = 1; i <= HOSTS_N; i++)); do
+    [[ -f $(host_sock "$i").keeper.pid ]] && kill -KILL "$(cat "$(host_sock "$i").keeper.pid")" 2>/dev/null
+    [[ -f $(host_sock "$i").pid ]] && kill -KILL "$(cat "$(host_sock "$i").pid")" 2>/dev/null
+  done
   for ((i = 1; i <= HOSTS_N; i++)); do kill_backend "$i"; done
   for ((i = 0; i <= HOSTS_N; i++)); do ip netns del "$(host_ns "$i")" 2>/dev/null; done
   # Backend logs are part of what e2e_cleanup prints on failure and scans for sanitizer reports.

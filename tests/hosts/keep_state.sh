@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# keep_state across hosts: two namespace hosts whose backends run with --keep-state; a verifying
+# RC stream (rc_stream, over the TCP transport) keeps going while the backends are killed with
+# SIGKILL in turn (h1, h2, h1): each keeper starts its backend again, the guests' state comes
+# back with PSNs from the rings, and every message arrives once and in order (equal checksums).
+# Usage: keep_state.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--keep-state"
+hosts_init "${1:-}" 2
+wait_mesh
+
+port=$((17000 + RANDOM % 1000))
+hrun 1 --guest kx-s -- "$HOSTS_BIN/rc_stream" server "$port" 40000 4096 \
+  >"$E2E_TMP/stream.server.out" 2>&1 &
+srv=$!
+hwait_port 1 "$port" "$srv" stream
+hrun 2 --guest kx-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 40000 4096 \
+  >"$E2E_TMP/stream.client.out" 2>&1 &
+cli=$!
+for k in 1 2 1; do
+  sleep 0.8
+  old="$(cat "$(host_sock "$k").pid")"
+  kill -KILL "$old"
+  for ((i = 0; i < 100; i++)); do
+    new="$(cat "$(host_sock "$k").pid" 2>/dev/null)"
+    [[ -n $new && $new != "$old" ]] && kill -0 "$new" 2>/dev/null && break
+    sleep 0.05
+  done
+  [[ -n $new && $new != "$old" ]] || fail "h$k: the keeper did not start a new backend"
+  log "h$k: backend $old killed, $new took over"
+done
+wait_pid "$cli" 60
+[[ $WAIT_RC == 0 ]] || fail "client exited $WAIT_RC: $(cat "$E2E_TMP/stream.client.out")"
+wait_pid "$srv" 20
+[[ $WAIT_RC == 0 ]] || fail "server exited $WAIT_RC: $(cat "$E2E_TMP/stream.server.out")"
+sent="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/stream.client.out")"
+got="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/stream.server.out")"
+[[ -n $sent && $sent == "$got" ]] || fail "sent '$sent', received '$got'"
+log "rc_stream across hosts: 40000 x 4096 B through 3 backend kills, $sent on both ends"
+e2e_pass
