@@ -4,15 +4,10 @@
 // requester lost its unacknowledged messages (they went out again under later PSNs).
 #include <fcntl.h>
 
-#include <deque>
-
-#include "device_fixture.h"
-#include "proto/wire.h"
+#include "loopback_fixture.h"
 
 namespace vrdma::engine::devtest {
 namespace {
-
-namespace wire = proto::wire;
 
 /// Moves guest `g` out of `dev` and back in, as a migration does; returns its new session.
 Session* move_guest(Device& dev, const std::string& g) {
@@ -53,70 +48,7 @@ TEST_F(DeviceTest, QpThatSentOnShmCanMove) {
   EXPECT_EQ(mb_.p()[256], 0x5a);
 }
 
-/// Every pair through a fake transport that loops back to the same device (as in
-/// device_remote_test.cc): frames wait until pumped.
-class FakeLoop final : public transport::Transport {
- public:
-  std::deque<std::pair<std::vector<uint8_t>, std::vector<uint8_t>>> q;  ///< frame, payload
-
-  const std::string& self() const override { return self_; }
-  bool forced() const override { return true; }
-  std::string locate_lid(uint16_t) const override { return ""; }
-  std::string locate_gid(const uint8_t*) const override { return ""; }
-  bool send(const std::string&, wire::Type t, const void* body,
-            std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
-    std::vector<uint8_t> frame, data;
-    for (const auto& sp : payload) data.insert(data.end(), sp.p, sp.p + sp.n);
-    wire::encode(t, body, static_cast<uint32_t>(data.size()), frame);
-    q.emplace_back(std::move(frame), std::move(data));
-    return true;
-  }
-  void announce(const transport::GuestInfo&, bool) override {}
-
- private:
-  std::string self_ = "me";
-};
-
-class DeviceMigrateRemoteTest : public DeviceTest {
- protected:
-  void SetUp() override {
-    dev_.set_transport(&loop_);
-    DeviceTest::SetUp();
-  }
-  void TearDown() override { dev_.set_transport(nullptr); }
-  int pump(int max = 1 << 30) {
-    int n = 0;
-    for (; n < max && !loop_.q.empty(); ++n) {
-      auto [bytes, payload] = std::move(loop_.q.front());
-      loop_.q.pop_front();
-      wire::FrameHeader h;
-      std::memcpy(&h, bytes.data(), sizeof(h));
-      wire::Frame f;
-      EXPECT_TRUE(wire::decode(h, {bytes.data() + sizeof(h), h.body}, f).is_ok());
-      transport::RxSink sink;
-      dev_.on_frame("me", f, sink);
-      uint64_t room = 0, off = 0;
-      for (const auto& sp : sink.spans) room += sp.n;
-      if (room == payload.size()) {
-        for (const auto& sp : sink.spans) {
-          std::memcpy(sp.p, payload.data() + off, sp.n);
-          off += sp.n;
-        }
-      }
-      dev_.on_frame_done("me", f, sink);
-    }
-    return n;
-  }
-  void settle() {
-    for (int i = 0; i < 100; ++i) {
-      const bool did = dev_.poll(now_);
-      if (pump() == 0 && !did) return;
-    }
-  }
-  FakeLoop loop_;
-};
-
-TEST_F(DeviceMigrateRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrder) {
+TEST_F(DeviceRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrder) {
   connect_both();
   for (int i = 0; i < 4; ++i) {
     ma_.p()[i * 8] = static_cast<uint8_t>(0x10 + i);
@@ -129,9 +61,9 @@ TEST_F(DeviceMigrateRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOn
   // The requester moves: the ACKs addressed to where it was are lost, the rest still travel.
   a_.s = move_guest(dev_, "a");
   ASSERT_NE(a_.s, nullptr);
-  std::erase_if(loop_.q, [](const auto& fr) {
+  std::erase_if(loop_.q, [](const FakeLoop::Sent& fr) {
     wire::FrameHeader h;
-    std::memcpy(&h, fr.first.data(), sizeof(h));
+    std::memcpy(&h, fr.bytes.data(), sizeof(h));
     return static_cast<wire::Type>(h.type) == wire::Type::kReply;
   });
   settle();
