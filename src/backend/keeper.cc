@@ -34,15 +34,12 @@ uint64_t now_ms() {
   return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
 }
 
-/// Starts the backend again, detached (its own session; we do not wait for it).
-void start_backend(const std::vector<std::string>& argv) {
+/// Starts the backend again in its own session; it stays our child, so we see it die before it
+/// has even connected (a backend killed while it starts would otherwise leave us waiting).
+pid_t start_backend(const std::vector<std::string>& argv) {
   const pid_t pid = ::fork();
-  if (pid != 0) {
-    if (pid > 0) ::waitpid(pid, nullptr, 0);
-    return;
-  }
+  if (pid != 0) return pid;
   ::setsid();
-  if (::fork() != 0) ::_exit(0);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -100,6 +97,21 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
   UniqueFd backend;
   uint64_t deadline = now_ms() + uint64_t(grace_s) * 1000;  // for the first backend to connect
   std::deque<uint64_t> restarts;
+  pid_t started = -1;  ///< the backend we started last, until it connects
+  // Starts the backend again unless it keeps dying; true when one was started.
+  auto restart = [&](const char* why) {
+    const uint64_t now = now_ms();
+    while (!restarts.empty() && now - restarts.front() > 60000) restarts.pop_front();
+    deadline = now + uint64_t(grace_s) * 1000;
+    if (restarts.size() >= kMaxRestarts || backend_argv.empty()) {
+      VLOG_WARN("keeper: {}; waiting {} s for a backend to come back", why, grace_s);
+      return false;
+    }
+    restarts.push_back(now);
+    VLOG_WARN("keeper: {}; starting it again for {} guest(s)", why, kept.size());
+    started = start_backend(backend_argv);
+    return true;
+  };
   auto finish = [&](int rc) {
     ::unlink(path.c_str());
     ::unlink((path + ".pid").c_str());
@@ -109,6 +121,15 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
   for (;;) {
     pollfd p[2] = {{listener.value().get(), POLLIN, 0}, {backend.get(), POLLIN, 0}};
     int timeout = -1;
+    // Reap what we started; one that died before it connected is started again.
+    for (pid_t p; (p = ::waitpid(-1, nullptr, WNOHANG)) > 0;) {
+      if (p == started && !backend.valid()) {
+        started = -1;
+        restart("the backend died before it connected");
+      } else if (p == started) {
+        started = -1;
+      }
+    }
     if (!backend.valid()) {
       const uint64_t now = now_ms();
       if (now >= deadline) {
@@ -117,7 +138,7 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
                     kept.size());
         return finish(kept.empty() ? 0 : 1);
       }
-      timeout = static_cast<int>(deadline - now);
+      timeout = static_cast<int>(std::min<uint64_t>(deadline - now, 100));
     }
     if (::poll(p, backend.valid() ? 2 : 1, timeout) < 0 && errno != EINTR) return finish(1);
     if (p[0].revents & POLLIN) {
@@ -125,6 +146,7 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
       if (fd >= 0) {
         backend = UniqueFd(fd);  // a new backend takes over
         partial = {};
+        started = -1;  // whichever it is, one connected: its death shows as EOF from now on
       }
       continue;
     }
@@ -138,17 +160,7 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
       partial = {};
       if (kept.empty()) return finish(0);
       // The backend died (no goodbye): start it again, holding on to its guests meanwhile.
-      const uint64_t now = now_ms();
-      while (!restarts.empty() && now - restarts.front() > 60000) restarts.pop_front();
-      if (restarts.size() >= kMaxRestarts || backend_argv.empty()) {
-        VLOG_WARN("keeper: backend gone; waiting {} s for one to come back", grace_s);
-      } else {
-        restarts.push_back(now);
-        VLOG_WARN("keeper: backend gone without a goodbye; starting it again for {} guest(s)",
-                  kept.size());
-        start_backend(backend_argv);
-      }
-      deadline = now + uint64_t(grace_s) * 1000;
+      restart("backend gone without a goodbye");
       continue;
     }
     switch (static_cast<Op>(h.value().op)) {

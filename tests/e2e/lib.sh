@@ -227,6 +227,36 @@ wait_pid() {
   wait "$pid" && WAIT_RC=0 || WAIT_RC=$?
 }
 
+# Pid of the child of PID (a background `hrun ... &`, a subshell) named NAME, once the exec chain
+# (ip netns exec, env, vrdma run) has reached it; up to 10 s. Usage: child_named PID NAME
+child_named() {
+  local k c
+  for ((k = 0; k < 100; k++)); do
+    c="$(pgrep -P "$1" -x "$2" | head -n 1)" && [[ -n $c ]] && {
+      echo "$c"
+      return 0
+    }
+    sleep 0.1
+  done
+  fail "no process $2 under pid $1"
+}
+
+# Waits for an rc_stream pair (client first, up to SECS) and checks that both ends moved the same
+# messages with the same checksum: nothing lost, repeated, reordered or corrupted. Outputs are
+# $E2E_TMP/NAME.client.out and NAME.server.out. Sets STREAM_RESULT ("N messages of S bytes,
+# checksum C"). Usage: finish_stream NAME CLIENT_PID SERVER_PID [SECS]
+finish_stream() {
+  local name=$1 cli=$2 srv=$3 secs=${4:-60} sent got
+  wait_pid "$cli" "$secs"
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(cat "$E2E_TMP/$name.client.out")"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(cat "$E2E_TMP/$name.server.out")"
+  sent="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/$name.client.out")"
+  got="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/$name.server.out")"
+  [[ -n $sent && $sent == "$got" ]] || fail "$name: sent '$sent', received '$got'"
+  STREAM_RESULT=$sent
+}
+
 # Checks that a pingpong output file has the two result lines.
 check_pp_output() {
   local f=$1

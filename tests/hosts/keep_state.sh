@@ -30,12 +30,6 @@ for k in 1 2 1; do
   [[ -n $new && $new != "$old" ]] || fail "h$k: the keeper did not start a new backend"
   log "h$k: backend $old killed, $new took over"
 done
-wait_pid "$cli" 60
-[[ $WAIT_RC == 0 ]] || fail "client exited $WAIT_RC: $(cat "$E2E_TMP/stream.client.out")"
-wait_pid "$srv" 20
-[[ $WAIT_RC == 0 ]] || fail "server exited $WAIT_RC: $(cat "$E2E_TMP/stream.server.out")"
-sent="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/stream.client.out")"
-got="$(grep -o 'checksum [0-9a-f]*' "$E2E_TMP/stream.server.out")"
-[[ -n $sent && $sent == "$got" ]] || fail "sent '$sent', received '$got'"
-log "rc_stream across hosts: 40000 x 4096 B through 3 backend kills, $sent on both ends"
+finish_stream stream "$cli" "$srv" 60
+log "rc_stream across hosts through 3 backend kills: $STREAM_RESULT on both ends"
 e2e_pass

@@ -238,19 +238,6 @@ hwait_route() {
   done
   fail "guest $2 on h$1: QP routes '$got', wanted '$3'"
 }
-# Pid of the child of PID (a background `hrun ... &`, a subshell) named NAME, once the exec chain
-# (ip netns exec, env, vrdma run) has reached it; up to 10 s. Usage: child_named PID NAME
-child_named() {
-  local k c
-  for ((k = 0; k < 100; k++)); do
-    c="$(pgrep -P "$1" -x "$2" | head -n 1)" && [[ -n $c ]] && {
-      echo "$c"
-      return 0
-    }
-    sleep 0.1
-  done
-  fail "no process $2 under pid $1"
-}
 # Counter C (msgs_received, msgs_sent, ...) summed over guest G's QPs on host I.
 hcount() { hqps "$1" "$2" "$3" | awk '{s += $1} END {print s + 0}'; }
 # Waits up to 20 s until guest G on host I has moved a message (counter C > 0); fails if PID

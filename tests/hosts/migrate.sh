@@ -111,15 +111,8 @@ stream_under_moves() {
   hcheck_alive
   HOSTS_WATCH=()
   kill -USR1 "$cli_proc"
-  wait_pid "$cli" 30
-  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(cat "$E2E_TMP/$name.client.out")"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(cat "$E2E_TMP/$name.server.out")"
-  local sent got
-  sent="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/$name.client.out")"
-  got="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/$name.server.out")"
-  [[ -n $sent && $sent == "$got" ]] || fail "$name: sent '$sent', received '$got'"
-  log "$name: $sent on both ends"
+  finish_stream "$name" "$cli" "$srv" 30
+  log "$name: $STREAM_RESULT on both ends"
   log_downtimes "$name: rc_stream $mover (1 QP)" "${MIG_DOWNTIMES[@]:first}"
 }
 part() { [[ -z ${MIG_ONLY:-} || $MIG_ONLY == "$1" ]]; }

@@ -60,14 +60,8 @@ done
 hcheck_alive
 HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
-wait_pid "$cli" 30
-[[ $WAIT_RC == 0 ]] || fail "client exited $WAIT_RC: $(cat "$E2E_TMP/stream.client.out")"
-wait_pid "$srv" 20
-[[ $WAIT_RC == 0 ]] || fail "server exited $WAIT_RC: $(cat "$E2E_TMP/stream.server.out")"
-sent="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/stream.client.out")"
-got="$(grep -o '[0-9]* messages of .*' "$E2E_TMP/stream.server.out")"
-[[ -n $sent && $sent == "$got" ]] || fail "sent '$sent', received '$got'"
-log "stream: $sent on both ends"
+finish_stream stream "$cli" "$srv" 30
+log "stream: $STREAM_RESULT on both ends"
 read -r mn med mx < <(stats_of "${MIG_DOWNTIMES[@]}")
 log "${#MIG_DOWNTIMES[@]} moves, downtime min $mn us, median $med us, max $mx us"
 e2e_pass
