@@ -79,29 +79,10 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
       else fail(r.status());
       break;
     }
-    case Op::kImportBegin: {
-      const auto req = body_of<ImportBeginReq>(msg).value();
-      if (c.import) return error(EPROTO, "second import on one connection");
-      if (req.bytes > kMaxImportBytes || req.fds > kMaxImportFds)
-        return error(E2BIG, "import larger than the limits");
-      c.import = std::make_unique<Conn::Import>();
-      c.import->guest = name_of(req.guest, sizeof(req.guest));
-      c.import->bytes = req.bytes;
-      c.import->nfds = req.fds;
-      c.import->recover = (req.flags & kImportRecover) != 0;
-      c.import->blob.reserve(req.bytes);
-      return Status::ok();  // no answer: the data follows at once
-    }
-    case Op::kImportData: {
-      if (!c.import) return error(EPROTO, "import data without a begin");
-      Conn::Import& im = *c.import;
-      const size_t n = msg.size() - sizeof(MsgHeader);
-      if (im.blob.size() + n > im.bytes || im.fds.size() + fds.size() > im.nfds)
-        return error(EPROTO, "import data beyond what was announced");
-      im.blob.insert(im.blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
-      for (UniqueFd& f : fds) im.fds.push_back(std::move(f));
-      return Status::ok();
-    }
+    case Op::kImportBegin:
+      return import_begin(c, msg);  // no answer: the data follows at once
+    case Op::kImportData:
+      return import_data(c, msg, fds);
     case Op::kImportCommit: {
       auto r = import_commit(c);
       c.import.reset();
@@ -220,6 +201,31 @@ Result<ImportResp> Server::restore_from(int file) {
   VLOG_INFO("guest {}: device state restored from a snapshot ({} QPs, {} us)", guest, r.qps,
             r.import_us);
   return r;
+}
+
+Status Server::import_begin(Conn& c, const std::vector<uint8_t>& msg) {
+  const auto req = body_of<ImportBeginReq>(msg).value();
+  if (c.import) return error(EPROTO, "second import on one connection");
+  if (req.bytes > kMaxImportBytes || req.fds > kMaxImportFds)
+    return error(E2BIG, "import larger than the limits");
+  c.import = std::make_unique<Conn::Import>();
+  c.import->guest = name_of(req.guest, sizeof(req.guest));
+  c.import->bytes = req.bytes;
+  c.import->nfds = req.fds;
+  c.import->recover = (req.flags & kImportRecover) != 0;
+  c.import->blob.reserve(req.bytes);
+  return Status::ok();
+}
+
+Status Server::import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
+  if (!c.import) return error(EPROTO, "import data without a begin");
+  Conn::Import& im = *c.import;
+  const size_t n = msg.size() - sizeof(MsgHeader);
+  if (im.blob.size() + n > im.bytes || im.fds.size() + fds.size() > im.nfds)
+    return error(EPROTO, "import data beyond what was announced");
+  im.blob.insert(im.blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
+  for (UniqueFd& f : fds) im.fds.push_back(std::move(f));
+  return Status::ok();
 }
 
 Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::string& target) {
@@ -353,16 +359,16 @@ Status Server::start_keeper() {
     ASSIGN_OR_RETURN(MsgHeader h, decode_request(msg));
     const Op op = static_cast<Op>(h.op);
     if (op == Op::kKeepEnd) break;
-    if (op == Op::kImportBegin) {
-      const auto req = body_of<ImportBeginReq>(msg).value();
-      from.import = std::make_unique<Conn::Import>();
-      from.import->guest = name_of(req.guest, sizeof(req.guest));
-      from.import->bytes = req.bytes;
-      from.import->nfds = req.fds;
-      from.import->recover = true;
-    } else if (op == Op::kImportData && from.import) {
-      from.import->blob.insert(from.import->blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
-      for (UniqueFd& f : fds) from.import->fds.push_back(std::move(f));
+    // A record that does not add up is skipped (logged); the others are still restored.
+    if (op == Op::kImportBegin || op == Op::kImportData) {
+      if (op == Op::kImportBegin) from.import.reset();
+      Status st = op == Op::kImportBegin ? import_begin(from, msg)
+                  : from.import         ? import_data(from, msg, fds)
+                                        : Status::ok();
+      if (!st.is_ok()) {
+        VLOG_WARN("state keeper: a kept guest is skipped: {}", st.message());
+        from.import.reset();
+      }
     } else if (op == Op::kImportCommit && from.import) {
       const std::string guest = from.import->guest;
       auto r = import_commit(from);

@@ -61,6 +61,10 @@ class Server {
                       std::vector<UniqueFd>& fds);
   /// Moves guest `guest` to the backend at `target`; the guest is unchanged here on failure.
   Result<proto::MigrateResp> migrate_out(const std::string& guest, const std::string& target);
+  /// The pieces of an import (a migrating backend's, or the keeper's after a restart), checked
+  /// against what kImportBegin announced.
+  Status import_begin(Conn& c, const std::vector<uint8_t>& msg);
+  Status import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
   Result<proto::ImportResp> import_commit(Conn& c);
   /// The guest's state, its connections included (the layout a snapshot and the keeper use).
   Result<engine::GuestExport> export_with_sockets(const std::string& guest);
