@@ -42,15 +42,22 @@ wait_connected() {
   fail "the pair did not connect"
 }
 
-port="$(free_port)"
-vrun --guest ks-s -- "$BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/stream.server.out" 2>&1 &
-srv=$!
-for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
-vrun --guest ks-c -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 4096 \
-  >"$E2E_TMP/stream.client.out" 2>&1 &
-cli=$!
-cli_proc=$(child_named "$cli" rc_stream)
-wait_connected
+# Starts an open-ended rc_stream pair NAME (guests NAME-s, NAME-c) and waits until it is connected.
+# Sets srv, cli (their `vrdma run`) and cli_proc (the client, which SIGUSR1 stops).
+start_stream() {
+  local name=$1 port i
+  port="$(free_port)"
+  vrun --guest "$name-s" -- "$BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
+  vrun --guest "$name-c" -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 4096 \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  cli_proc=$(child_named "$cli" rc_stream)
+  wait_connected
+}
+
+start_stream stream
 kill_backend_times 3
 kill -USR1 "$cli_proc"  # open-ended stream: the client drains and says how many it sent
 finish_stream stream "$cli" "$srv" 60
@@ -59,16 +66,8 @@ restored="$(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log" || true)"
 log "rc_stream across 3 SIGKILLs: $STREAM_RESULT on both ends"
 
 # Snapshot and restore under a running stream: the file's device state is put back under it.
-port="$(free_port)"
-vrun --guest ks-ss -- "$BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/snap.server.out" 2>&1 &
-srv=$!
-for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
-vrun --guest ks-sc -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 4096 \
-  >"$E2E_TMP/snap.client.out" 2>&1 &
-cli=$!
-cli_proc=$(child_named "$cli" rc_stream)
-wait_connected
-"$VRDMA" snapshot ks-sc "$E2E_TMP/sc.snap" >"$E2E_TMP/snap.out" 2>&1 || fail "snapshot: $(cat "$E2E_TMP/snap.out")"
+start_stream snap
+"$VRDMA" snapshot snap-c "$E2E_TMP/sc.snap" >"$E2E_TMP/snap.out" 2>&1 || fail "snapshot: $(cat "$E2E_TMP/snap.out")"
 for k in 1 2; do
   sleep 0.3
   "$VRDMA" restore "$E2E_TMP/sc.snap" >>"$E2E_TMP/snap.out" 2>&1 || fail "restore: $(cat "$E2E_TMP/snap.out")"
