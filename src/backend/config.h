@@ -23,6 +23,9 @@ struct Config {
   int keep_state_grace_s = 10;  ///< how long the keeper waits for a backend to come back
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
+  /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
+  /// "Direct path"); not with keep_state yet.
+  bool direct_path = false;
   // [quotas] (per guest)
   engine::Quotas quotas;
   // [transport]

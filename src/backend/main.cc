@@ -57,6 +57,10 @@ int main(int argc, char** argv) {
   app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
   app.add_option("--node", cfg.node, "this backend's name among its peers");
   std::string metrics_listen;
+  bool direct_path = false;
+  app.add_flag("--direct-path", direct_path,
+               "let guests of one uid copy to each other themselves, the backend only granting "
+               "and revoking ([datapath] direct_path)");
   bool keep_state = false;
   app.add_flag("--keep-state", keep_state,
                "keep guests' state in a keeper process: a backend that dies is replaced without "
@@ -86,6 +90,7 @@ int main(int argc, char** argv) {
   if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
   if (spin_us >= 0) cfg.spin_us = spin_us;
   if (keep_state) cfg.keep_state = true;
+  if (direct_path) cfg.direct_path = true;
   if (!metrics_listen.empty()) {
     cfg.metrics_enabled = true;
     cfg.metrics_listen = metrics_listen;

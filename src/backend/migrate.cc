@@ -37,12 +37,9 @@ std::string name_of(const char* field, size_t max) { return std::string(field, s
 
 /// Operator commands move guests between backends: only root or the backend's own user.
 Status check_admin(int sock) {
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
-    return error(errno, "SO_PEERCRED");
-  if (cred.uid != 0 && cred.uid != ::geteuid())
-    return error(EPERM, fmt::format("uid {} may not move guests", cred.uid));
+  ASSIGN_OR_RETURN(uint32_t uid, peer_uid(sock));
+  if (uid != 0 && uid != ::geteuid())
+    return error(EPERM, fmt::format("uid {} may not move guests", uid));
   return Status::ok();
 }
 

@@ -101,6 +101,9 @@ Status Server::setup() {
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
   }
   if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
+  if (opt_.direct_path && opt_.keep_state)
+    VLOG_WARN("direct_path is off: a keeper cannot hold the state of direct QPs yet");
+  dev_.set_direct(opt_.direct_path && !opt_.keep_state);
   return Status::ok();
 }
 
@@ -198,6 +201,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   };
   auto handle_of = [&] { return body_of<HandleReq>(msg).value().handle; };
   engine::Session* s = c.session;
+  int32_t status;
   switch (op) {
     case Op::kHello: {
       HelloResp resp{};
@@ -208,6 +212,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         break;
       }
       c.session = r.value();
+      if (auto uid = peer_uid(c.sock.get()); uid.is_ok()) c.session->uid = uid.value();
       out = encode(op, h.seq, 0, resp);
       out_fds = fl;
       int db = c.session->doorbell.get();
@@ -236,6 +241,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kModifySrq: reply_status(dev_.modify_srq(*s, body_of<ModifySrqReq>(msg).value())); break;
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
+    case Op::kDirectGrant:
+    case Op::kDirectRings: {
+      std::vector<UniqueFd> owned;
+      if (op == Op::kDirectGrant) reply(dev_.direct_grant(*s, handle_of(), owned));
+      else reply(dev_.direct_rings(*s, handle_of(), owned));
+      std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
+      if (status == 0) {
+        for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());
+        fit_send_buffer(c.sock.get(), out.size());
+        return send_msg(c.sock.get(), out, out_fds);  // before `owned` closes them
+      }
+      break;
+    }
     case Op::kStatus: {
       std::string js = reporter_.status(dev_).dump();
       if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
@@ -255,7 +273,6 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     }
     default: break;  // sessionless ones went to handle_admin
   }
-  int32_t status;
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
   if (give.valid() && status == 0) out_fds = {give.get()};
   // keep_state: the keeper has every change before the guest hears of it.

@@ -101,4 +101,12 @@ void fit_send_buffer(int sock, size_t bytes) {
   (void)::setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want));
 }
 
+Result<uint32_t> peer_uid(int sock) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
+    return error(errno, "SO_PEERCRED");
+  return static_cast<uint32_t>(cred.uid);
+}
+
 }  // namespace vrdma

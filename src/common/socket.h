@@ -26,5 +26,7 @@ Result<UniqueFd> connect_unix(const std::string& path);
 /// larger than the buffer fails with EMSGSIZE). Best effort: capped by net.core.wmem_max.
 void fit_send_buffer(int sock, size_t bytes);
 Result<UniqueFd> listen_unix(const std::string& path);
+/// The uid of the process at the other end of a unix socket (SO_PEERCRED).
+Result<uint32_t> peer_uid(int sock);
 
 }  // namespace vrdma

@@ -64,6 +64,13 @@ class MappedRegion {
     return {p, len};
   }
 
+  /// Maps `len` bytes of `fd` shared, read-only (a descriptor opened read-only allows no more).
+  static MappedRegion map_readonly(int fd, size_t len) {
+    void* p = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return {};
+    return {p, len};
+  }
+
   uint8_t* data() const { return static_cast<uint8_t*>(addr_); }
   size_t size() const { return len_; }
   bool valid() const { return addr_ != nullptr; }

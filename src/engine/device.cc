@@ -157,6 +157,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   ControlPage* cp = s->control_page();
   cp->magic = kRingMagic;
   cp->version = kRingVersion;
+  cp->features = direct_ ? kFeatureDirect : 0;
   cp->backend_sleeping.store(0);
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");
@@ -187,6 +188,7 @@ void Device::close_session(Session* s) { close_session_impl(s, false); }
 void Device::close_session_impl(Session* s, bool moved) {
   size_t nqp = s->qps.size(), nmr = s->mrs.size();
   Guest* g = s->guest;
+  bump_epoch(*g);
   // A peer's QP connected to one of ours would otherwise wait for ACKs that never come. A
   // session whose device moved to another backend is still alive there: its peers follow it.
   if (!moved) fail_peers(*s);
@@ -317,6 +319,7 @@ Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
 Status Device::dereg_mr(Session& s, uint32_t handle) {
   auto it = s.mrs.find(handle);
   if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", handle));
+  bump_epoch(*s.guest);
   s.guest->mrs.erase(it->second->key);
   s.pds[it->second->pd].users--;
   release(*s.guest, Res::kMr);
@@ -483,6 +486,7 @@ Qp* Device::find_qp(Session& s, uint32_t handle) {
 Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   Qp* qp = find_qp(s, req.handle);
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
+  bump_epoch(*s.guest);
   const QpAttr& a = req.attr;
   const uint32_t m = req.mask;
   // Range-check before the cast: an ibv_qp_state outside the enum's values is undefined
@@ -557,6 +561,7 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
       qp->rq_cons = qp->rq_hdr->producer.load(std::memory_order_acquire);
       qp->sq_hdr->consumer.store(qp->sq_cons, std::memory_order_release);
       qp->rq_hdr->consumer.store(qp->rq_cons, std::memory_order_release);
+      qp->sq_hdr->retired.store(qp->sq_cons, std::memory_order_release);
       qp->sq_sent = qp->sq_cons;
     }
     // Leaving RTS (to ERR, RESET, SQD) or entering it ends any retry wait: in ERR the head WQE
@@ -596,6 +601,7 @@ void Device::fail_peers(const Session& s) {
 
 void Device::destroy_qp_now(Session& s, Qp& qp) {
   Guest& g = *qp.guest;
+  bump_epoch(g);
   g.retired += qp.cnt;
   g.qps.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());

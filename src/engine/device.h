@@ -81,6 +81,9 @@ struct Cq {
   uint32_t channel = proto::kNone;
   uint32_t users = 0;
   bool overrun = false;
+  /// A QP's own completion ring (direct path): the peer's library produces into it too, so
+  /// `prod` is re-read from the header before each completion (never trusted: see push_cqe).
+  bool shared_producer = false;
 };
 
 /// A shared receive queue: one ring of receive WQEs that several QPs of a session draw from.
@@ -184,7 +187,16 @@ struct Qp {
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
   std::array<std::pair<uint32_t, uint64_t>, 16> atomic_cache{};
   uint32_t atomic_cache_next = 0;
+  // Direct path (device_direct.cc): once granted, the QP's send completions (own_send) and
+  // receive completions (own_recv) go to rings of its own, which its CQs' pollers also read,
+  // whoever executes the work; `direct` says a grant is in force (for reports).
+  std::unique_ptr<Cq> own_send, own_recv;
+  bool direct = false;
 };
+
+/// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.
+inline Cq& send_ring(Qp& qp) { return qp.own_send ? *qp.own_send : *qp.send_cq; }
+inline Cq& recv_ring(Qp& qp) { return qp.own_recv ? *qp.own_recv : *qp.recv_cq; }
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
 enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };
@@ -205,11 +217,15 @@ struct Guest {
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
   std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
   size_t turn = 0;            ///< the QP of `active` poll() visits first next time
+  /// proto::EpochPage, made at its first direct grant (device_direct.cc).
+  MappedRegion epoch;
+  UniqueFd epoch_fd;
 };
 
 struct Session {
   uint32_t id = 0;
   uint32_t pid = 0;
+  uint32_t uid = UINT32_MAX;  ///< SO_PEERCRED, set by the server; direct grants need equal ones
   std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
@@ -303,6 +319,19 @@ class Device : public transport::Receiver {
   Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
   Status destroy_srq(Session& s, uint32_t handle);
   std::string status_json() const;
+
+  // ---- direct path between guests of one uid (device_direct.cc) ----
+  /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
+  void set_direct(bool on) { direct_ = on; }
+  /// Lets the library of QP `handle` execute its WQEs itself into its peer QP's memory: checks
+  /// every condition (RC, RTS, peer on this backend and connected back, same uid, no SRQ, no
+  /// completion channel, nothing in flight), gives both QPs their own completion rings, and
+  /// fills `fds` (kDirectGrant's order). EAGAIN: not now (peer not ready, work in flight).
+  Result<proto::DirectGrantResp> direct_grant(Session& s, uint32_t handle,
+                                              std::vector<UniqueFd>& fds);
+  /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds.
+  Result<proto::DirectRingsResp> direct_rings(Session& s, uint32_t handle,
+                                              std::vector<UniqueFd>& fds);
 
   // ---- moving a guest's device between backends (device_state.cc) ----
   /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
@@ -415,6 +444,8 @@ class Device : public transport::Receiver {
                   std::span<const Span> src, uint8_t sl);
   void holds_of(const Mr& mr, std::vector<transport::Hold>& out) const;
   void enter_error(Qp& qp, const char* why);
+  /// Something a direct grant of (or to) guest `g` relies on changed: grants stop.
+  void bump_epoch(Guest& g);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
@@ -468,6 +499,7 @@ class Device : public transport::Receiver {
   transport::Transport* transport_ = nullptr;
   /// The time of the last poll(): frames that arrive between polls use it for their timers.
   uint64_t now_ns_ = 0;
+  bool direct_ = false;
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 

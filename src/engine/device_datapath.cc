@@ -82,6 +82,9 @@ bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n, uint32_t nee
 }
 
 bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
+  // A QP's own ring (direct path) has a second producer, the peer's library, which only writes
+  // while this side does not: take up where it left off. A bad value only fails the check below.
+  if (cq.shared_producer) cq.prod = cq.hdr->producer.load(std::memory_order_acquire);
   const uint32_t cons = cq.hdr->consumer.load(std::memory_order_acquire);
   if (cq.prod - cons >= cq.size) {
     // Full, or the guest wrote a consumer index that is not between ours and ours - size.
@@ -131,7 +134,10 @@ void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t 
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
   if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
-  if (st == IBV_WC_SUCCESS && !signaled) return;
+  if (st == IBV_WC_SUCCESS && !signaled) {
+    qp.sq_hdr->retired.store(qp.sq_cons, std::memory_order_release);
+    return;
+  }
   Cqe e{};
   e.wr_id = w.wr_id;
   e.status = st;
@@ -145,7 +151,8 @@ void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t 
   }
   e.byte_len = len;
   e.qp_num = qp.qpn;
-  push_cqe(*qp.send_cq, e, false);
+  push_cqe(send_ring(qp), e, false);
+  qp.sq_hdr->retired.store(qp.sq_cons, std::memory_order_release);
 }
 
 void Device::enter_error(Qp& qp, const char* why) {
@@ -154,6 +161,7 @@ void Device::enter_error(Qp& qp, const char* why) {
   qp.state = IBV_QPS_ERR;
   qp.attr.qp_state = IBV_QPS_ERR;
   qp.wait = Wait::kNone;
+  bump_epoch(*qp.guest);
 }
 
 Guest* Device::guest_by_gid(const uint8_t gid[16]) {
@@ -214,6 +222,9 @@ void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<
 }
 
 bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
+  // Direct path: the peer's library consumes this RQ too (never while we do): resume at the
+  // guest-visible cursor. A bad one is caught by the `avail` check below.
+  if (to.own_recv && !to.srq) to.rq_cons = to.rq_hdr->consumer.load(std::memory_order_acquire);
   RingHeader* hdr = to.srq ? to.srq->hdr : to.rq_hdr;
   const uint32_t cons = to.srq ? to.srq->cons : to.rq_cons;
   const uint32_t size = to.srq ? to.srq->size : to.rq_size;
@@ -350,14 +361,14 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
   uint64_t cap = 0;
   if (!resolve_recv(to, r, cap)) {
     rc.status = IBV_WC_LOC_PROT_ERR;
-    push_cqe(*to.recv_cq, rc, false);
+    push_cqe(recv_ring(to), rc, false);
     to.cnt.wc_errors[rc.status]++;
     enter_error(to, "receive SGE outside a valid MR");
     return;
   }
   if (cap < kGrhBytes + len) {
     rc.status = IBV_WC_LOC_LEN_ERR;
-    push_cqe(*to.recv_cq, rc, false);
+    push_cqe(recv_ring(to), rc, false);
     to.cnt.wc_errors[rc.status]++;
     return;
   }
@@ -394,7 +405,7 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
     rc.wc_flags |= IBV_WC_WITH_IMM;
     rc.imm_data = in.imm_data;
   }
-  push_cqe(*to.recv_cq, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+  push_cqe(recv_ring(to), rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
   to.cnt.msgs_received++;
   to.cnt.bytes_received += len;
 }
@@ -456,7 +467,7 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     consume_recv(to);
     Cqe rc = recv_cqe(to, out.recv.wr_id, in, IBV_WC_RECV);
     rc.status = st;
-    push_cqe(*to.recv_cq, rc, false);
+    push_cqe(recv_ring(to), rc, false);
     to.cnt.wc_errors[st]++;
     enter_error(to, why);
   };
@@ -503,7 +514,7 @@ void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
       rc.wc_flags = IBV_WC_WITH_IMM;
       rc.imm_data = in.imm_data;
     }
-    push_cqe(*to.recv_cq, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+    push_cqe(recv_ring(to), rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
   }
   to.cnt.msgs_received++;
   to.cnt.bytes_received += in.len;
@@ -638,18 +649,20 @@ bool Device::flush(Qp& qp) {
       e.status = IBV_WC_WR_FLUSH_ERR;
       e.opcode = IBV_WC_SEND;
       e.qp_num = qp.qpn;
-      if (!push_cqe(*qp.send_cq, e, false)) break;
+      if (!push_cqe(send_ring(qp), e, false)) break;
       qp.cnt.wc_errors[IBV_WC_WR_FLUSH_ERR]++;
       qp.sq_cons++;
       did = true;
     }
     qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+    qp.sq_hdr->retired.store(qp.sq_cons, std::memory_order_release);
   }
   // What was in flight to a peer backend is flushed with the rest.
   qp.unacked.clear();
   qp.sq_sent = qp.sq_cons;
   // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others.
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
+  if (qp.own_recv && !qp.srq) qp.rq_cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
   if (!qp.srq && rprod - qp.rq_cons <= qp.rq_size) {
     while (qp.rq_cons != rprod) {
       Cqe e{};
@@ -657,7 +670,7 @@ bool Device::flush(Qp& qp) {
       e.status = IBV_WC_WR_FLUSH_ERR;
       e.opcode = IBV_WC_RECV;
       e.qp_num = qp.qpn;
-      if (!push_cqe(*qp.recv_cq, e, false)) break;
+      if (!push_cqe(recv_ring(qp), e, false)) break;
       qp.cnt.wc_errors[IBV_WC_WR_FLUSH_ERR]++;
       qp.rq_cons++;
       did = true;

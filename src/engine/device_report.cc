@@ -140,7 +140,11 @@ nlohmann::json Device::report() const {
                          {"cqe", cq->size},
                          {"users", cq->users},
                          {"channel", ch},
-                         {"overrun", cq->overrun}}));
+                         {"overrun", cq->overrun},
+                         // Cursors: what the backend produced, what the guest says it consumed.
+                         {"ring", {{"produced", cq->prod},
+                                   {"consumed", cq->hdr->consumer.load(std::memory_order_relaxed)},
+                                   {"armed", cq->hdr->armed.load(std::memory_order_relaxed)}}}}));
     }
     for (const auto& [h, srq] : s->srqs) {
       srqs.push_back(row({{"srqn", h},
@@ -162,10 +166,19 @@ nlohmann::json Device::report() const {
                               {"pdn", qp->pd},
                               {"sq-cqn", qp->send_cq ? qp->send_cq->handle : 0},
                               {"rq-cqn", qp->recv_cq ? qp->recv_cq->handle : 0},
-                              {"transport", qp->transport},
-                              {"transport_why", qp->transport_why},
+                              {"transport", qp->direct ? "direct" : qp->transport},
+                              {"transport_why", qp->direct ? "granted: the library copies "
+                                                             "into the peer (same uid, same host)"
+                                                           : qp->transport_why},
                               {"peer_node", qp->peer_node},
                               {"counters", counters_json(qp->cnt)}});
+      // Cursors, for a queue that seems stuck: what the guest posted, what the backend took.
+      r["ring"] = {{"sq_posted", qp->sq_hdr->producer.load(std::memory_order_relaxed)},
+                   {"sq_taken", qp->sq_cons},
+                   {"sq_sent", qp->sq_sent},
+                   {"rq_posted", qp->rq_hdr ? qp->rq_hdr->producer.load(std::memory_order_relaxed) : 0},
+                   {"rq_taken", qp->rq_cons},
+                   {"wait", static_cast<int>(qp->wait)}};
       if (connected) {
         r["rqpn"] = qp->attr.dest_qp_num;
         r["dlid"] = qp->attr.dlid;

@@ -116,6 +116,11 @@ Result<GuestExport> Device::export_guest(const std::string& name,
   auto git = guests_.find(name);
   if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
   const Guest& g = *git->second;
+  for (const Qp* qp : g.active) {
+    if (qp->own_send || qp->own_recv)
+      return error(EBUSY, fmt::format("guest {}: QP {:#x} has used the direct path, whose state "
+                                      "cannot move yet", name, qp->qpn));
+  }
   GuestExport out;
   json fdkeys = json::array();  // what each descriptor is, so a restore can check it is the same
   size_t si = 0;
@@ -647,6 +652,7 @@ void Device::detach_guest(const std::string& name) {
   auto it = guests_.find(name);
   if (it == guests_.end()) return;
   Guest* g = it->second.get();
+  bump_epoch(*g);
   std::vector<Session*> ss;
   for (auto& [id, s] : sessions_) {
     if (s->guest == g) ss.push_back(s.get());

@@ -16,7 +16,9 @@ size_t request_body_size(Op op) {
     case Op::kDestroyQp:
     case Op::kQueryQp:
     case Op::kQuerySrq:
-    case Op::kDestroySrq: return sizeof(HandleReq);
+    case Op::kDestroySrq:
+    case Op::kDirectGrant:
+    case Op::kDirectRings: return sizeof(HandleReq);
     case Op::kCreateSrq: return sizeof(CreateSrqReq);
     case Op::kModifySrq: return sizeof(ModifySrqReq);
     case Op::kRegSegment: return sizeof(RegSegmentReq);

@@ -56,12 +56,15 @@ enum class Op : uint16_t {
   kKeepRestore = 27,
   kKeepEnd = 28,
   kRestore = 29,  ///< operator: a snapshot file's state back into the guest's device
-  kMax = 30,      ///< one past the last opcode; never sent
+  // The direct path between guests of one uid (docs/ARCHITECTURE.md, "Direct path").
+  kDirectGrant = 30,
+  kDirectRings = 31,
+  kMax = 32,  ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {
-  return op == Op::kStatus || (op >= Op::kMigrate && op < Op::kMax);
+  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kRestore);
 }
 
 struct MsgHeader {
@@ -155,6 +158,67 @@ struct CreateCqResp {
   uint64_t ring_bytes;
 };
 static_assert(sizeof(CreateCqResp) == 16);
+
+// ---- kDirectGrant: may this RC QP's library execute its WQEs itself, straight into the peer's
+// memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring, the
+// peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
+// read-only), then `num_segments` memfds of the peer's segments that its MRs name.
+inline constexpr uint32_t kMaxDirectChunks = 4;
+inline constexpr uint32_t kMaxDirectMrs = 64;
+inline constexpr uint32_t kDirectFixedFds = 5;
+struct DirectChunk {
+  uint64_t mr_offset;
+  uint64_t length;
+  uint64_t seg_offset;
+  uint32_t segment;  ///< index among the response's segment fds
+  uint32_t reserved;
+};
+static_assert(sizeof(DirectChunk) == 32);
+struct DirectMr {  ///< one MR of the peer, in the peer QP's PD
+  uint32_t key;
+  uint32_t access;
+  uint32_t num_chunks;
+  uint32_t reserved;
+  uint64_t addr;  ///< where lkeys address it (the peer's virtual address)
+  uint64_t iova;  ///< where rkeys do
+  uint64_t length;
+  uint64_t reserved2;
+  DirectChunk chunks[kMaxDirectChunks];
+};
+static_assert(sizeof(DirectMr) == 48 + 32 * kMaxDirectChunks);
+struct DirectGrantResp {
+  uint32_t peer_qpn;
+  uint32_t peer_access;  ///< the peer QP's qp_access_flags
+  uint32_t my_lid;
+  uint32_t peer_rq_entries;
+  uint64_t peer_ring_bytes;
+  uint64_t peer_rq_offset;
+  uint32_t send_ring_entries;  ///< this QP's send-completion ring
+  uint32_t recv_ring_entries;  ///< the peer QP's receive-completion ring
+  uint32_t my_epoch;           ///< the epochs the grant holds for
+  uint32_t peer_epoch;
+  uint32_t num_segments;
+  uint32_t num_mrs;
+  DirectMr mrs[kMaxDirectMrs];
+};
+static_assert(sizeof(DirectGrantResp) == 56 + sizeof(DirectMr) * kMaxDirectMrs);
+
+// ---- kDirectRings: the QPs' own completion rings that feed a CQ (HandleReq: the CQ). One fd
+// per ring, in order.
+inline constexpr uint32_t kMaxDirectRings = 64;
+struct DirectRing {
+  uint32_t qp;       ///< QP handle
+  uint32_t recv;     ///< 0: its send completions, 1: its receive completions
+  uint32_t entries;  ///< ring entries (power of two)
+  uint32_t reserved;
+};
+static_assert(sizeof(DirectRing) == 16);
+struct DirectRingsResp {
+  uint32_t gen;  ///< the CQ's direct_gen these rings are of
+  uint32_t count;
+  DirectRing rings[kMaxDirectRings];
+};
+static_assert(sizeof(DirectRingsResp) == 8 + 16 * kMaxDirectRings);
 
 struct QpCaps {
   uint32_t max_send_wr;

@@ -13,7 +13,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kRingMagic = 0x474e4952;  // "RING"
-inline constexpr uint16_t kRingVersion = 2;  // 2: UD destinations in SendWqe
+inline constexpr uint16_t kRingVersion = 3;  // 2: UD destinations in SendWqe; 3: direct path
 inline constexpr uint32_t kMaxSge = 16;
 inline constexpr uint32_t kMaxInline = 256;  ///< inline bytes share the SGE area of a WQE
 inline constexpr uint32_t kMaxRingEntries = 1u << 15;
@@ -30,7 +30,10 @@ struct alignas(64) RingHeader {
   uint16_t kind;  ///< RingKind
   uint32_t entry_size;
   uint32_t num_entries;  ///< power of two; informational for the guest
-  uint8_t pad0[48];
+  /// CQ only: bumped by the backend when a QP's own completion ring (direct path) starts to
+  /// feed this CQ; the guest then asks for the rings (kDirectRings).
+  AtomicU32 direct_gen;
+  uint8_t pad0[44];
   AtomicU32 producer;  ///< free-running count of entries produced
   uint8_t pad1[60];
   AtomicU32 consumer;  ///< free-running count of entries consumed
@@ -38,7 +41,11 @@ struct alignas(64) RingHeader {
   /// `consumer`; RQ: the PSN the responder expects next. (In the guest's memory: a guest that
   /// writes it only breaks its own connection's exactly-once.)
   AtomicU32 backend_psn;
-  uint8_t pad2[56];
+  /// SQ only: WQEs the backend has retired *and* completed (stored after the completion is
+  /// written). The direct path starts only when this equals the guest's producer, so that no
+  /// completion it writes can pass one of the backend's.
+  AtomicU32 retired;
+  uint8_t pad2[52];
   AtomicU32 armed;  ///< CQ only: 0 idle, 1 next completion, 2 next solicited completion
   uint8_t pad3[60];
 };
@@ -127,15 +134,29 @@ struct Cqe {
 static_assert(sizeof(Cqe) == 48);
 
 /// Per-session page the backend shares with the guest: tells the guest when to ring the doorbell.
+inline constexpr uint32_t kFeatureDirect = 1;  ///< the backend grants the direct path (kDirectGrant)
+
 struct alignas(64) ControlPage {
   uint32_t magic;
   uint16_t version;
   uint16_t reserved;
-  uint8_t pad0[56];
+  uint32_t features;  ///< kFeature* bits the backend offers this session
+  uint8_t pad0[52];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
   uint8_t pad1[60];
 };
 static_assert(sizeof(ControlPage) == 128);
+
+/// A guest's epoch (direct path): the backend bumps it whenever something of the guest that a
+/// direct grant relies on changes (a QP is modified or destroyed or fails, an MR goes, a session
+/// ends, the guest moves). A peer's library uses its grant only while both epochs are unchanged.
+/// Mapped read-only by the guests.
+struct alignas(64) EpochPage {
+  uint32_t magic;
+  AtomicU32 epoch;
+  uint8_t pad[56];
+};
+static_assert(sizeof(EpochPage) == 64);
 
 inline constexpr size_t ring_bytes(uint32_t entries, size_t entry_size) {
   return sizeof(RingHeader) + size_t{entries} * entry_size;

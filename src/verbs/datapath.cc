@@ -49,6 +49,12 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   }
   int rc = 0;
   qp->sq_lock.lock();
+  // Same-uid peer on this backend: execute what we can ourselves (direct.cc).
+  direct_post(*qp, wr);
+  if (!wr) {
+    qp->sq_lock.unlock();
+    return 0;
+  }
   const uint32_t start = qp->sq_prod;
   for (; wr; wr = wr->next) {
     const uint32_t cons = qp->sq_hdr->consumer.load(std::memory_order_acquire);
@@ -158,10 +164,11 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   VCq* cq = to_vcq(c);
   cq->lock.lock();
-  const uint32_t prod = cq->hdr->producer.load(std::memory_order_acquire);
   int got = 0;
-  while (got < n && cq->cons != prod) {
-    const Cqe& e = cq->entries[cq->cons & (cq->size - 1)];
+  while (got < n) {
+    const Cqe* next = next_cqe(*cq);
+    if (!next) break;
+    const Cqe& e = *next;
     ibv_wc& w = wc[got++];
     w.wr_id = e.wr_id;
     w.status = static_cast<ibv_wc_status>(e.status);
@@ -176,10 +183,9 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     w.slid = e.slid;
     w.sl = e.sl;
     w.dlid_path_bits = e.dlid_path_bits;
-    cq->cons++;
   }
   if (got) {
-    cq->hdr->consumer.store(cq->cons, std::memory_order_release);
+    publish_consumed(*cq);
     cq->empty_polls = 0;
   } else if (++cq->empty_polls % kYieldEvery == 0) {
     // Nothing will ever arrive from a dead backend: say so rather than spin for ever.

@@ -30,22 +30,23 @@ constexpr uint32_t kLivenessEvery = 1024;  ///< as poll_cq (datapath.cc)
 VCq* cq_of(ibv_cq_ex* c) { return to_vcq(ibv_cq_ex_to_cq(c)); }
 const Cqe& current(ibv_cq_ex* c) { return *cq_of(c)->ex_cur; }
 
-/// Stands on the completion at the private consumer cursor and steps past it. CQ lock held.
-void take_next(VCq* cq) {
-  const Cqe& e = cq->entries[cq->cons & (cq->size - 1)];
-  cq->ex_cur = &e;
-  cq->cq_ex.wr_id = e.wr_id;
-  cq->cq_ex.status = static_cast<ibv_wc_status>(e.status);
-  cq->cons++;
+/// Stands on the next completion (the CQ's ring or a QP's own, direct.cc) and steps past it;
+/// false when there is none. CQ lock held.
+bool take_next(VCq* cq) {
+  const Cqe* e = next_cqe(*cq);
+  if (!e) return false;
+  cq->ex_cur = e;
+  cq->cq_ex.wr_id = e->wr_id;
+  cq->cq_ex.status = static_cast<ibv_wc_status>(e->status);
+  return true;
 }
 
 int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   if (attr && attr->comp_mask) return EINVAL;
   VCq* cq = cq_of(c);
   cq->lock.lock();
-  if (cq->cons != cq->hdr->producer.load(std::memory_order_acquire)) {
+  if (take_next(cq)) {
     cq->empty_polls = 0;
-    take_next(cq);
     return 0;
   }
   const uint32_t empty = ++cq->empty_polls;
@@ -59,15 +60,12 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
 }
 
 int next_poll(ibv_cq_ex* c) {
-  VCq* cq = cq_of(c);
-  if (cq->cons == cq->hdr->producer.load(std::memory_order_acquire)) return ENOENT;
-  take_next(cq);
-  return 0;
+  return take_next(cq_of(c)) ? 0 : ENOENT;
 }
 
 void end_poll(ibv_cq_ex* c) {
   VCq* cq = cq_of(c);
-  cq->hdr->consumer.store(cq->cons, std::memory_order_release);
+  publish_consumed(*cq);
   cq->ex_cur = nullptr;
   cq->lock.unlock();
 }

@@ -9,7 +9,9 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "common/unique_fd.h"
 #include "proto/command.h"
 #include "proto/ring.h"
+#include "verbs/direct.h"
 
 namespace vrdma::verbs {
 
@@ -47,6 +50,11 @@ struct VContext {
   std::map<uint32_t, struct VCq*> cqs;
   std::map<uint32_t, struct VQp*> qps;
   std::map<uint32_t, uint32_t> segments;  ///< process segment id -> this session's handle
+  /// This process's MRs by key, for the direct path's local checks; mr_gen moves on every
+  /// deregistration, so a QP's one-entry cache of this map knows when it is stale.
+  std::mutex mr_mu;
+  std::unordered_map<uint32_t, LocalMr> local_mrs;
+  std::atomic<uint32_t> mr_gen{0};
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -106,6 +114,11 @@ struct VCq {
   uint32_t events_reported = 0;        ///< completion events handed out by ibv_get_cq_event
   uint32_t empty_polls = 0;            ///< consecutive polls that found nothing
   const proto::Cqe* ex_cur = nullptr;  ///< cq_ex: the completion start/next_poll stand on
+  uint32_t seen = 0;                   ///< producer index last read
+  // Direct path: QPs' own completion rings that feed this CQ (direct.cc), learned by direct_gen.
+  std::vector<std::unique_ptr<OwnRing>> own;
+  uint32_t direct_gen = 0;
+  size_t own_turn = 0;
 };
 
 struct VQp {
@@ -127,6 +140,15 @@ struct VQp {
   SpinLock sq_lock, rq_lock;
   uint32_t ex_batch_start = 0;  ///< qp_ex: sq_prod at wr_start (under sq_lock until complete)
   int ex_batch_err = 0;         ///< qp_ex: first error of the batch; wr_complete returns it
+  // Direct path (direct.cc), under sq_lock: the grant in force, when to ask for one again.
+  std::unique_ptr<Grant> grant;
+  uint32_t grant_wait = 0;     ///< posts to let pass before asking again
+  uint32_t grant_backoff = 0;  ///< the wait after the next refusal
+  uint32_t pd = 0;             ///< the PD handle (local SGE checks)
+  bool sig_all = false;
+  uint32_t mr_gen = ~0u;  ///< one-entry cache of VContext::local_mrs
+  uint32_t mr_key = 0;
+  LocalMr mr{};
 };
 
 inline VCq* to_vcq(ibv_cq* c) { return reinterpret_cast<VCq*>(c); }

@@ -144,6 +144,11 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
   mr->mr.lkey = resp.lkey;
   mr->mr.rkey = resp.rkey;
   mr->handle = resp.handle;
+  {
+    std::lock_guard<std::mutex> g(ctx->mr_mu);
+    ctx->local_mrs[resp.lkey] = LocalMr{reinterpret_cast<uintptr_t>(addr), length,
+                                        req->access, req->pd};
+  }
   return &mr->mr;
 }
 }  // namespace
@@ -167,7 +172,13 @@ VERBS_EXPORT ibv_mr* ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uin
 
 VERBS_EXPORT int ibv_dereg_mr(ibv_mr* mr) {
   auto* v = reinterpret_cast<VMr*>(mr);
+  VContext* ctx = to_vctx(mr->context);
   if (int rc = destroy_handle(mr->context, Op::kDeregMr, v->handle)) return rc;
+  {
+    std::lock_guard<std::mutex> g(ctx->mr_mu);
+    ctx->local_mrs.erase(mr->lkey);
+    ctx->mr_gen.fetch_add(1, std::memory_order_release);
+  }
   delete v;
   return 0;
 }
@@ -316,6 +327,8 @@ VERBS_EXPORT ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   qp->sq_size = resp.caps.max_send_wr;
   qp->rq_size = resp.caps.max_recv_wr;
   qp->caps = resp.caps;
+  qp->pd = req.pd;
+  qp->sig_all = attr->sq_sig_all != 0;
   ibv_qp& q = qp->qp;
   q.context = pd->context;
   q.qp_context = attr->qp_context;
@@ -344,6 +357,10 @@ VERBS_EXPORT int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
   if (!attr) return EINVAL;
   ModifyQpReq req{to_vqp(qp)->handle, static_cast<uint32_t>(mask), to_wire(*attr)};
   Empty resp;
+  VQp* v = to_vqp(qp);
+  v->sq_lock.lock();
+  v->grant.reset();  // any change ends a direct grant (the backend's epoch moves too)
+  v->sq_lock.unlock();
   if (int rc = to_vctx(qp->context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0)) return rc;
   if (mask & IBV_QP_STATE) qp->state = attr->qp_state;
   return 0;
@@ -377,6 +394,8 @@ VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
   VQp* v = to_vqp(qp);
   VContext* ctx = to_vctx(qp->context);
   if (int rc = destroy_handle(qp->context, Op::kDestroyQp, v->handle)) return rc;
+  drop_rings(*to_vcq(qp->send_cq), v->handle);
+  drop_rings(*to_vcq(qp->recv_cq), v->handle);
   {
     std::lock_guard<std::mutex> g(ctx->objs_mu);
     ctx->qps.erase(v->handle);

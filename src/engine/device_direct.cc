@@ -1,0 +1,183 @@
+// The direct path's control side: grants that let the library of an RC QP execute its WQEs
+// itself, straight into its peer QP's memory, when both guests run as one uid on this backend
+// (such processes could already read each other's memory). The backend stays in the control
+// path: it checks every condition at grant time, hands out only the peer's rings, MR table and
+// segments, and ends grants by bumping the guests' epochs. docs/ARCHITECTURE.md, "Direct path".
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <bit>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "common/memfd.h"
+#include "common/socket.h"
+#include "engine/datapath_util.h"
+#include "engine/device.h"
+
+namespace vrdma::engine {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr size_t kPage = 4096;
+
+UniqueFd dup_of(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
+
+/// A read-only descriptor of the same file: what a guest may map of a page only we write.
+UniqueFd read_only(int fd) {
+  return UniqueFd(::open(fmt::format("/proc/self/fd/{}", fd).c_str(), O_RDONLY | O_CLOEXEC));
+}
+
+/// A QP's own completion ring, as large as the CQ it stands in for (same handle, no channel).
+Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
+  auto r = std::make_unique<Cq>();
+  r->handle = of.handle;
+  r->owner = of.owner;
+  r->size = of.size;
+  const size_t bytes = (ring_bytes(r->size, sizeof(Cqe)) + kPage - 1) & ~(kPage - 1);
+  ASSIGN_OR_RETURN(r->ring_fd, make_sealed_memfd("vrdma-qp-cq", bytes));
+  r->ring = MappedRegion::map_shared(r->ring_fd.get(), bytes);
+  if (!r->ring.valid()) return error(errno, "mapping a QP completion ring");
+  r->hdr = reinterpret_cast<RingHeader*>(r->ring.data());
+  r->hdr->magic = kRingMagic;
+  r->hdr->version = kRingVersion;
+  r->hdr->kind = static_cast<uint16_t>(RingKind::kCq);
+  r->hdr->entry_size = sizeof(Cqe);
+  r->hdr->num_entries = r->size;
+  r->entries = ring_entries<Cqe>(r->hdr);
+  r->shared_producer = true;
+  return r;
+}
+
+}  // namespace
+
+void Device::bump_epoch(Guest& g) {
+  if (!g.epoch.valid()) return;  // never granted: nobody looks
+  reinterpret_cast<EpochPage*>(g.epoch.data())->epoch.fetch_add(1, std::memory_order_acq_rel);
+  for (Qp* qp : g.active) qp->direct = false;
+}
+
+Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
+                                             std::vector<UniqueFd>& fds) {
+  if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([backend] direct_path)");
+  Qp* a = find_qp(s, handle);
+  if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
+  if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct path: RC QPs only");
+  if (a->srq) return error(EOPNOTSUPP, "direct path: not for a QP on an SRQ");
+  if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct path: QP not in RTS");
+  if (a->remote || a->route_pending) return error(EOPNOTSUPP, "direct path: peer on another host");
+  Qp* b = lookup_remote(*a);
+  if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
+  if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
+  if (b->owner->uid != s.uid || s.uid == UINT32_MAX)
+    return error(EPERM, "direct path: peer runs as another user");
+  if (a->send_cq->channel != kNone || b->recv_cq->channel != kNone)
+    return error(EOPNOTSUPP, "direct path: a CQ with a completion channel");
+  // Nothing of ours in flight: the library starts where the backend stopped.
+  if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
+      a->wait != Wait::kNone)
+    return error(EAGAIN, "direct path: work in flight");
+
+  DirectGrantResp resp{};
+  // The peer's MRs in its QP's PD, and the segments they lie in.
+  std::map<const Segment*, uint32_t> seg_index;
+  std::vector<int> seg_fds;
+  for (const auto& [h, mr] : b->owner->mrs) {
+    if (mr->pd != b->pd) continue;
+    if (resp.num_mrs == kMaxDirectMrs || mr->chunks.size() > kMaxDirectChunks)
+      return error(E2BIG, "direct path: the peer's MRs do not fit a grant");
+    DirectMr& d = resp.mrs[resp.num_mrs++];
+    d.key = mr->key;
+    d.access = mr->access;
+    d.addr = mr->addr;
+    d.iova = mr->iova;
+    d.length = mr->length;
+    d.num_chunks = static_cast<uint32_t>(mr->chunks.size());
+    for (size_t i = 0; i < mr->chunks.size(); ++i) {
+      const Segment* seg = mr->segments[i].get();
+      auto [it, fresh] = seg_index.emplace(seg, static_cast<uint32_t>(seg_fds.size()));
+      if (fresh) seg_fds.push_back(seg->fd.get());
+      d.chunks[i] = DirectChunk{mr->chunks[i].mr_offset, mr->chunks[i].length,
+                                static_cast<uint64_t>(mr->chunks[i].base - seg->map.data()),
+                                it->second, 0};
+    }
+  }
+  if (seg_fds.size() + kDirectFixedFds > kMaxFdsPerMessage)
+    return error(E2BIG, "direct path: the peer's memory spans too many segments");
+
+  // Both guests' epoch pages, made on first use.
+  for (Guest* g : {a->guest, b->guest}) {
+    if (g->epoch.valid()) continue;
+    ASSIGN_OR_RETURN(g->epoch_fd, make_sealed_memfd("vrdma-epoch", kPage));
+    g->epoch = MappedRegion::map_shared(g->epoch_fd.get(), kPage);
+    if (!g->epoch.valid()) {
+      g->epoch_fd.reset();
+      return error(errno, "mapping an epoch page");
+    }
+    reinterpret_cast<EpochPage*>(g->epoch.data())->magic = kRingMagic;
+  }
+  // Own completion rings, kept for the QPs' lives: from now on all their completions, the
+  // backend's and the library's, go there in order. The CQs' pollers learn of them by direct_gen.
+  if (!a->own_send) {
+    ASSIGN_OR_RETURN(a->own_send, own_ring(*a->send_cq));
+    a->send_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
+  }
+  if (!b->own_recv) {
+    ASSIGN_OR_RETURN(b->own_recv, own_ring(*b->recv_cq));
+    // Start at the cursor the RQ is at, for peek_recv's resume.
+    b->rq_hdr->consumer.store(b->rq_cons, std::memory_order_release);
+    b->recv_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
+  }
+
+  fds.clear();
+  fds.push_back(dup_of(b->ring_fd.get()));
+  fds.push_back(dup_of(a->own_send->ring_fd.get()));
+  fds.push_back(dup_of(b->own_recv->ring_fd.get()));
+  fds.push_back(read_only(a->guest->epoch_fd.get()));
+  fds.push_back(read_only(b->guest->epoch_fd.get()));
+  for (int fd : seg_fds) fds.push_back(dup_of(fd));
+  for (const UniqueFd& fd : fds) {
+    if (!fd.valid()) return error(EMFILE, "direct path: duplicating descriptors");
+  }
+
+  resp.peer_qpn = b->qpn;
+  resp.peer_access = b->attr.qp_access_flags;
+  resp.my_lid = a->guest->lid;
+  resp.peer_rq_entries = b->rq_size;
+  resp.peer_ring_bytes = b->ring.size();
+  resp.peer_rq_offset = static_cast<uint64_t>(reinterpret_cast<uint8_t*>(b->rq_hdr) -
+                                              b->ring.data());
+  resp.send_ring_entries = a->own_send->size;
+  resp.recv_ring_entries = b->own_recv->size;
+  resp.my_epoch = reinterpret_cast<EpochPage*>(a->guest->epoch.data())->epoch.load();
+  resp.peer_epoch = reinterpret_cast<EpochPage*>(b->guest->epoch.data())->epoch.load();
+  resp.num_segments = static_cast<uint32_t>(seg_fds.size());
+  a->direct = true;
+  return resp;
+}
+
+Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
+                                             std::vector<UniqueFd>& fds) {
+  auto it = s.cqs.find(handle);
+  if (it == s.cqs.end()) return error(EINVAL, fmt::format("no CQ {}", handle));
+  const Cq* cq = it->second.get();
+  DirectRingsResp resp{};
+  resp.gen = cq->hdr->direct_gen.load(std::memory_order_acquire);
+  fds.clear();
+  auto add = [&](const Qp& qp, const Cq& ring, uint32_t recv) -> Status {
+    if (resp.count == kMaxDirectRings) return error(E2BIG, "too many QP rings on one CQ");
+    resp.rings[resp.count++] = DirectRing{qp.handle, recv, ring.size, 0};
+    fds.push_back(dup_of(ring.ring_fd.get()));
+    return fds.back().valid() ? Status::ok() : error(EMFILE, "duplicating a ring descriptor");
+  };
+  for (const auto& [h, qp] : s.qps) {
+    if (qp->own_send && qp->send_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_send, 0));
+    if (qp->own_recv && qp->recv_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_recv, 1));
+  }
+  return resp;
+}
+
+}  // namespace vrdma::engine

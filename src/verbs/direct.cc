@@ -1,0 +1,363 @@
+// The direct path in the library (see direct.h). No syscall here but the rare grant and ring
+// lookups; the hot path is checks against the grant, memcpy, and two release stores.
+#include "verbs/direct.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+
+namespace vrdma::verbs {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr uint32_t kFirstBackoff = 64;       ///< posts between asks after a "not now"
+constexpr uint32_t kMaxBackoff = 1u << 16;   ///< ... growing to this
+constexpr uint32_t kMaxSpans = kMaxSge * kMaxDirectChunks;
+
+struct Span {
+  uint8_t* p;
+  uint64_t n;
+};
+
+/// Copies `len` bytes from `src` to `dst`, span to span.
+void copy(const Span* src, const Span* dst, uint64_t len) {
+  size_t si = 0, di = 0;
+  uint64_t so = 0, doff = 0;
+  while (len) {
+    const uint64_t n = std::min({len, src[si].n - so, dst[di].n - doff});
+    std::memcpy(dst[di].p + doff, src[si].p + so, n);
+    len -= n;
+    if ((so += n) == src[si].n) ++si, so = 0;
+    if ((doff += n) == dst[di].n) ++di, doff = 0;
+  }
+}
+
+bool map_ring(OwnRing& r, int fd, uint32_t entries) {
+  const size_t bytes = ring_bytes(entries, sizeof(Cqe));
+  r.map = MappedRegion::map_shared(fd, bytes);
+  if (!r.map.valid()) return false;
+  r.hdr = reinterpret_cast<RingHeader*>(r.map.data());
+  r.entries = ring_entries<Cqe>(r.hdr);
+  r.size = entries;
+  return true;
+}
+
+/// Appends a completion to an own ring we are the producer of; false when it is full.
+bool push(OwnRing& r, const Cqe& e) {
+  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
+  if (prod - r.hdr->consumer.load(std::memory_order_acquire) >= r.size) return false;
+  r.entries[prod & (r.size - 1)] = e;
+  r.hdr->producer.store(prod + 1, std::memory_order_release);
+  return true;
+}
+
+bool has_room(const OwnRing& r) {
+  return r.hdr->producer.load(std::memory_order_relaxed) -
+             r.hdr->consumer.load(std::memory_order_acquire) <
+         r.size;
+}
+
+/// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
+/// rkey's iova), as spans of our mappings.
+bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
+                  bool by_iova, Span* out, size_t& n) {
+  const DirectMr* mr = nullptr;
+  for (const DirectMr& m : g.mrs) {
+    if (m.key == key) {
+      mr = &m;
+      break;
+    }
+  }
+  if (!mr || (mr->access & access) != access) return false;
+  const uint64_t base = by_iova ? mr->iova : mr->addr;
+  if (at < base || len > mr->length || at - base > mr->length - len) return false;
+  uint64_t off = at - base;
+  for (uint32_t i = 0; i < mr->num_chunks && len; ++i) {
+    const DirectChunk& c = mr->chunks[i];
+    if (off >= c.mr_offset + c.length || off < c.mr_offset) continue;
+    if (n == kMaxSpans) return false;
+    const uint64_t in = off - c.mr_offset;
+    const uint64_t take = std::min(len, c.length - in);
+    out[n++] = Span{g.segs[c.segment].data() + c.seg_offset + in, take};
+    off += take;
+    len -= take;
+  }
+  return len == 0;
+}
+
+/// Our own MR for `key` in the QP's PD (cached per QP; the map is read under its lock).
+const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key) {
+  const uint32_t gen = ctx.mr_gen.load(std::memory_order_acquire);
+  if (qp.mr_gen != gen || qp.mr_key != key) {
+    std::lock_guard<std::mutex> g(ctx.mr_mu);
+    auto it = ctx.local_mrs.find(key);
+    if (it == ctx.local_mrs.end()) return nullptr;
+    qp.mr = it->second;
+    qp.mr_key = key;
+    qp.mr_gen = gen;
+  }
+  return qp.mr.pd == qp.pd ? &qp.mr : nullptr;
+}
+
+/// The WR's local memory as spans; `need`: access the MRs must allow. False: leave it to the
+/// backend (which reports the right error).
+bool local_spans(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, Span* out,
+                 size_t& n, uint64_t& len) {
+  len = 0;
+  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > qp.caps.max_send_sge) return false;
+  const bool inl = (wr.send_flags & IBV_SEND_INLINE) && wr.opcode != IBV_WR_RDMA_READ;
+  for (int i = 0; i < wr.num_sge; ++i) {
+    const ibv_sge& s = wr.sg_list[i];
+    if (s.length == 0) continue;
+    if (!inl) {
+      const LocalMr* mr = local_mr(ctx, qp, s.lkey);
+      if (!mr || (mr->access & need) != need || s.addr < mr->addr || s.length > mr->length ||
+          s.addr - mr->addr > mr->length - s.length)
+        return false;
+    }
+    out[n++] = Span{reinterpret_cast<uint8_t*>(s.addr), s.length};
+    len += s.length;
+  }
+  if (inl && len > qp.caps.max_inline_data) return false;
+  return len <= kMaxMsgSize;
+}
+
+bool grant_still_good(const Grant& g) {
+  return g.my_epoch->epoch.load(std::memory_order_acquire) == g.my_epoch_v &&
+         g.peer_epoch->epoch.load(std::memory_order_acquire) == g.peer_epoch_v;
+}
+
+/// Asks the backend for a grant; backs off after a refusal.
+void ask_grant(VQp& qp) {
+  VContext& ctx = *to_vctx(qp.qp.context);
+  auto resp = std::make_unique<DirectGrantResp>();
+  std::vector<UniqueFd> fds;
+  HandleReq req{qp.handle, 0};
+  const int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+  if (rc) {
+    // Not now (peer not connected yet, work in flight): soon. Not for this QP: rarely.
+    const uint32_t base = rc == EAGAIN ? kFirstBackoff : kMaxBackoff / 4;
+    qp.grant_backoff = std::min(std::max(qp.grant_backoff * 2, base), kMaxBackoff);
+    qp.grant_wait = qp.grant_backoff;
+    return;
+  }
+  const DirectGrantResp& r = *resp;
+  auto g = std::make_unique<Grant>();
+  bool ok = fds.size() == kDirectFixedFds + r.num_segments && r.num_mrs <= kMaxDirectMrs &&
+            r.peer_rq_entries && (r.peer_rq_entries & (r.peer_rq_entries - 1)) == 0;
+  if (ok) {
+    g->peer_ring = MappedRegion::map_shared(fds[0].get(), r.peer_ring_bytes);
+    ok = g->peer_ring.valid() &&
+         r.peer_rq_offset + ring_bytes(r.peer_rq_entries, sizeof(RecvWqe)) <= r.peer_ring_bytes;
+  }
+  if (ok) {
+    g->peer_rq_hdr = reinterpret_cast<RingHeader*>(g->peer_ring.data() + r.peer_rq_offset);
+    g->peer_rq = ring_entries<RecvWqe>(g->peer_rq_hdr);
+    g->peer_rq_size = r.peer_rq_entries;
+    ok = map_ring(g->send, fds[1].get(), r.send_ring_entries) &&
+         map_ring(g->peer_recv, fds[2].get(), r.recv_ring_entries);
+  }
+  if (ok) {
+    g->my_epoch_map = MappedRegion::map_readonly(fds[3].get(), sizeof(EpochPage));
+    g->peer_epoch_map = MappedRegion::map_readonly(fds[4].get(), sizeof(EpochPage));
+    ok = g->my_epoch_map.valid() && g->peer_epoch_map.valid();
+  }
+  for (uint32_t i = 0; ok && i < r.num_segments; ++i) {
+    struct stat st{};
+    ok = ::fstat(fds[kDirectFixedFds + i].get(), &st) == 0 && st.st_size > 0;
+    if (ok) g->segs.push_back(MappedRegion::map_shared(fds[kDirectFixedFds + i].get(),
+                                                      static_cast<size_t>(st.st_size)));
+    ok = ok && g->segs.back().valid();
+  }
+  if (ok) {
+    // Only chunks that lie inside the segments we mapped.
+    for (uint32_t i = 0; i < r.num_mrs; ++i) {
+      const DirectMr& m = r.mrs[i];
+      bool good = m.num_chunks <= kMaxDirectChunks;
+      for (uint32_t c = 0; good && c < m.num_chunks; ++c) {
+        const DirectChunk& ch = m.chunks[c];
+        good = ch.segment < g->segs.size() && ch.seg_offset <= g->segs[ch.segment].size() &&
+               ch.length <= g->segs[ch.segment].size() - ch.seg_offset;
+      }
+      if (good) g->mrs.push_back(m);
+    }
+  }
+  if (!ok) {
+    VLOG_WARN("direct path: unusable grant for QP {:#x}; staying on the backend", qp.qp.qp_num);
+    qp.grant_backoff = qp.grant_wait = kMaxBackoff;
+    return;
+  }
+  g->my_epoch = reinterpret_cast<const EpochPage*>(g->my_epoch_map.data());
+  g->peer_epoch = reinterpret_cast<const EpochPage*>(g->peer_epoch_map.data());
+  g->my_epoch_v = r.my_epoch;
+  g->peer_epoch_v = r.peer_epoch;
+  g->peer_qpn = r.peer_qpn;
+  g->peer_access = r.peer_access;
+  g->my_lid = r.my_lid;
+  qp.grant = std::move(g);
+  qp.grant_backoff = 0;
+}
+
+/// Executes one WR straight into the peer; false (nothing done) when it must go to the backend.
+bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
+  const uint32_t op = wr.opcode;
+  const bool consumes = op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM ||
+                        op == IBV_WR_RDMA_WRITE_WITH_IMM;
+  if (!consumes && op != IBV_WR_RDMA_WRITE && op != IBV_WR_RDMA_READ) return false;
+  const bool signaled = qp.sig_all || (wr.send_flags & IBV_SEND_SIGNALED);
+  if (signaled && !has_room(g.send)) return false;
+  Span local[kMaxSge], remote[kMaxSpans];
+  size_t nl = 0, nr = 0;
+  uint64_t len = 0;
+  const uint32_t local_need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_LOCAL_WRITE : 0;
+  if (!local_spans(ctx, qp, wr, local_need, local, nl, len)) return false;
+
+  RecvWqe rwqe;
+  uint32_t rcons = 0;
+  if (consumes) {
+    rcons = g.peer_rq_hdr->consumer.load(std::memory_order_relaxed);
+    const uint32_t avail = g.peer_rq_hdr->producer.load(std::memory_order_acquire) - rcons;
+    if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
+    rwqe = g.peer_rq[rcons & (g.peer_rq_size - 1)];  // copied: the peer may rewrite the slot
+  }
+  if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
+    if (rwqe.num_sge > kMaxSge) return false;
+    uint64_t cap = 0;
+    for (uint32_t i = 0; i < rwqe.num_sge; ++i) {
+      const Sge& s = rwqe.sge[i];
+      if (s.length == 0) continue;
+      if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, remote, nr))
+        return false;
+      cap += s.length;
+    }
+    if (cap < len) return false;
+    copy(local, remote, len);
+  } else if (len) {
+    const uint32_t need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
+    if ((g.peer_access & need) != need) return false;
+    if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))
+      return false;
+    if (op == IBV_WR_RDMA_READ) copy(remote, local, len);
+    else copy(local, remote, len);
+  }
+  if (consumes) {
+    g.peer_rq_hdr->consumer.store(rcons + 1, std::memory_order_release);
+    Cqe rc{};
+    rc.wr_id = rwqe.wr_id;
+    rc.status = IBV_WC_SUCCESS;
+    rc.opcode = op == IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV;
+    rc.byte_len = static_cast<uint32_t>(len);
+    if (op != IBV_WR_SEND) {
+      rc.wc_flags = IBV_WC_WITH_IMM;
+      rc.imm_data = wr.imm_data;
+    }
+    rc.qp_num = g.peer_qpn;
+    rc.src_qp = qp.qp.qp_num;
+    rc.slid = static_cast<uint16_t>(g.my_lid);
+    push(g.peer_recv, rc);  // room checked above; we are its only producer now
+  }
+  if (signaled) {
+    Cqe e{};
+    e.wr_id = wr.wr_id;
+    e.status = IBV_WC_SUCCESS;
+    e.opcode = op == IBV_WR_RDMA_READ    ? IBV_WC_RDMA_READ
+               : consumes && op != IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_SEND
+                                                              : IBV_WC_RDMA_WRITE;
+    e.byte_len = static_cast<uint32_t>(len);
+    e.qp_num = qp.qp.qp_num;
+    push(g.send, e);
+  }
+  return true;
+}
+
+}  // namespace
+
+void direct_post(VQp& qp, ibv_send_wr*& wr) {
+  VContext& ctx = *to_vctx(qp.qp.context);
+  if (qp.qp.qp_type != IBV_QPT_RC || !(ctx.control_page()->features & kFeatureDirect)) return;
+  // Only when everything the backend took from this SQ is completed: nothing can pass it.
+  if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return;
+  if (!qp.grant) {
+    if (qp.grant_wait) {
+      --qp.grant_wait;
+      return;
+    }
+    ask_grant(qp);
+    if (!qp.grant) return;
+  }
+  Grant& g = *qp.grant;
+  if (!grant_still_good(g)) {
+    qp.grant.reset();  // the next post asks again
+    return;
+  }
+  while (wr && execute(ctx, qp, g, *wr)) wr = wr->next;
+}
+
+const Cqe* next_cqe(VCq& cq) {
+  if (cq.cons == cq.seen) cq.seen = cq.hdr->producer.load(std::memory_order_acquire);
+  if (cq.cons != cq.seen) return &cq.entries[cq.cons++ & (cq.size - 1)];
+  // QPs' own rings: learn of new ones first.
+  const uint32_t gen = cq.hdr->direct_gen.load(std::memory_order_acquire);
+  if (gen != cq.direct_gen) {
+    VContext& ctx = *to_vctx(cq.cq.context);
+    auto resp = std::make_unique<DirectRingsResp>();
+    std::vector<UniqueFd> fds;
+    HandleReq req{cq.handle, 0};
+    if (ctx.call(Op::kDirectRings, req, *resp, {}, &fds) == 0 && fds.size() == resp->count &&
+        resp->count <= kMaxDirectRings) {
+      for (uint32_t i = 0; i < resp->count; ++i) {
+        const DirectRing& d = resp->rings[i];
+        const bool known = std::any_of(cq.own.begin(), cq.own.end(), [&](const auto& r) {
+          return r->qp == d.qp && r->recv == (d.recv != 0);
+        });
+        if (known || d.entries == 0 || (d.entries & (d.entries - 1))) continue;
+        auto r = std::make_unique<OwnRing>();
+        if (!map_ring(*r, fds[i].get(), d.entries)) continue;
+        r->qp = d.qp;
+        r->recv = d.recv != 0;
+        r->cons = r->seen = r->hdr->consumer.load(std::memory_order_acquire);
+        cq.own.push_back(std::move(r));
+      }
+      cq.direct_gen = resp->gen;
+    } else {
+      cq.direct_gen = gen;  // do not ask on every poll; the rings it missed stay unread
+      VLOG_WARN("direct path: could not look up the QP rings of CQ {}", cq.handle);
+    }
+  }
+  const size_t n = cq.own.size();
+  for (size_t k = 0; k < n; ++k) {
+    OwnRing& r = *cq.own[(cq.own_turn + k) % n];
+    if (r.cons == r.seen) r.seen = r.hdr->producer.load(std::memory_order_acquire);
+    if (r.cons == r.seen) continue;
+    // A completion the backend put in the CQ's ring before this one was written comes first.
+    cq.seen = cq.hdr->producer.load(std::memory_order_acquire);
+    if (cq.cons != cq.seen) return &cq.entries[cq.cons++ & (cq.size - 1)];
+    cq.own_turn = (cq.own_turn + k + 1) % n;
+    return &r.entries[r.cons++ & (r.size - 1)];
+  }
+  return nullptr;
+}
+
+void publish_consumed(VCq& cq) {
+  cq.hdr->consumer.store(cq.cons, std::memory_order_release);
+  for (auto& r : cq.own) {
+    if (r->hdr->consumer.load(std::memory_order_relaxed) != r->cons)
+      r->hdr->consumer.store(r->cons, std::memory_order_release);
+  }
+}
+
+void drop_rings(VCq& cq, uint32_t qp) {
+  cq.lock.lock();
+  std::erase_if(cq.own, [&](const auto& r) { return r->qp == qp; });
+  cq.own_turn = 0;
+  cq.lock.unlock();
+}
+
+}  // namespace vrdma::verbs

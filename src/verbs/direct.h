@@ -1,0 +1,73 @@
+// The library's side of the direct path (docs/ARCHITECTURE.md, "Direct path"): an RC QP whose
+// peer QP is a guest of the same uid on the same backend may, once the backend grants it,
+// execute its WQEs itself: copy straight into the peer's memory (mapped from the segments the
+// grant names), take the peer's receive WQEs, and write both completions into the QPs' own
+// completion rings. Anything it cannot do at once (no receive posted, a key it does not know,
+// an atomic, a full ring) goes to the send queue for the backend, which then writes into the
+// same rings, so each queue's completions stay in order whoever executed the work.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/unique_fd.h"
+#include "proto/command.h"
+#include "proto/ring.h"
+
+namespace vrdma::verbs {
+
+struct VQp;
+struct VCq;
+struct VContext;
+
+/// One MR of this process, as the direct path checks local SGEs against it.
+struct LocalMr {
+  uint64_t addr = 0, length = 0;
+  uint32_t access = 0, pd = 0;
+};
+
+/// A QP's own completion ring as this process maps it (producer or consumer side).
+struct OwnRing {
+  MappedRegion map;
+  proto::RingHeader* hdr = nullptr;
+  proto::Cqe* entries = nullptr;
+  uint32_t size = 0;
+  uint32_t cons = 0;  ///< consumer side: private cursor
+  uint32_t seen = 0;  ///< consumer side: producer index last read
+  uint32_t qp = 0;    ///< the QP's handle
+  bool recv = false;  ///< its receive completions (else its send completions)
+};
+
+/// What a grant gives one QP: the peer's RQ, both completion rings, the epochs and the peer's
+/// memory. Owned by the QP, used under its sq_lock.
+struct Grant {
+  MappedRegion peer_ring;
+  proto::RingHeader* peer_rq_hdr = nullptr;
+  proto::RecvWqe* peer_rq = nullptr;
+  uint32_t peer_rq_size = 0;
+  OwnRing send, peer_recv;
+  MappedRegion my_epoch_map, peer_epoch_map;
+  const proto::EpochPage* my_epoch = nullptr;
+  const proto::EpochPage* peer_epoch = nullptr;
+  uint32_t my_epoch_v = 0, peer_epoch_v = 0;
+  std::vector<MappedRegion> segs;
+  std::vector<proto::DirectMr> mrs;
+  uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;
+};
+
+/// Executes WRs of `wr`'s chain directly while it can; leaves `wr` at the first one it did not
+/// execute (null: all done). Asks for a grant when the QP has none. Called under the SQ lock.
+void direct_post(VQp& qp, ibv_send_wr*& wr);
+
+/// The next completion of `cq`, from its ring or a QP's own ring (never one that a completion
+/// of the same queue written earlier to the CQ's ring would have to precede); steps past it.
+/// Null when there is none. CQ lock held; publish_consumed() gives the slots back.
+const proto::Cqe* next_cqe(VCq& cq);
+void publish_consumed(VCq& cq);
+/// Forgets the own rings of QP `qp` (destroyed) that feed `cq`.
+void drop_rings(VCq& cq, uint32_t qp);
+
+}  // namespace vrdma::verbs
