@@ -129,6 +129,7 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
     ASSIGN_OR_RETURN(b->own_recv, own_ring(*b->recv_cq));
     // Start at the cursor the RQ is at, for peek_recv's resume.
     b->rq_hdr->consumer.store(b->rq_cons, std::memory_order_release);
+    b->rq_hdr->armed.store(1, std::memory_order_release);
     b->recv_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
   }
 

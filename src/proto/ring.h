@@ -46,7 +46,9 @@ struct alignas(64) RingHeader {
   /// completion it writes can pass one of the backend's.
   AtomicU32 retired;
   uint8_t pad2[52];
-  AtomicU32 armed;  ///< CQ only: 0 idle, 1 next completion, 2 next solicited completion
+  /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
+  /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
+  AtomicU32 armed;
   uint8_t pad3[60];
 };
 static_assert(sizeof(RingHeader) == 256);

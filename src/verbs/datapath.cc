@@ -153,8 +153,9 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   }
   if (qp->rq_prod != start) {
     qp->rq_hdr->producer.store(qp->rq_prod, std::memory_order_release);
-    // A receive can unblock a sender the backend is holding in RNR wait.
-    to_vctx(q->context)->ring_doorbell();
+    // A receive can unblock a sender the backend is holding in RNR wait (sooner than its
+    // timer), unless a direct peer feeds this RQ: then waking the backend only costs a core.
+    if (!qp->rq_hdr->armed.load(std::memory_order_relaxed)) to_vctx(q->context)->ring_doorbell();
   }
   qp->rq_lock.unlock();
   if (rc) *bad = wr;

@@ -3,6 +3,7 @@
 #include "verbs/direct.h"
 
 #include <sys/stat.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstring>
@@ -49,19 +50,20 @@ bool map_ring(OwnRing& r, int fd, uint32_t entries) {
   return true;
 }
 
-/// Appends a completion to an own ring we are the producer of; false when it is full.
-bool push(OwnRing& r, const Cqe& e) {
+/// Whether an own ring we produce into has a free slot (the consumer's index is read only when
+/// the copy in `seen` says full).
+bool has_room(OwnRing& r) {
   const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
-  if (prod - r.hdr->consumer.load(std::memory_order_acquire) >= r.size) return false;
-  r.entries[prod & (r.size - 1)] = e;
-  r.hdr->producer.store(prod + 1, std::memory_order_release);
-  return true;
+  if (prod - r.seen < r.size) return true;
+  r.seen = r.hdr->consumer.load(std::memory_order_acquire);
+  return prod - r.seen < r.size;
 }
 
-bool has_room(const OwnRing& r) {
-  return r.hdr->producer.load(std::memory_order_relaxed) -
-             r.hdr->consumer.load(std::memory_order_acquire) <
-         r.size;
+/// Appends a completion to an own ring (has_room() said yes).
+void push(OwnRing& r, const Cqe& e) {
+  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
+  r.entries[prod & (r.size - 1)] = e;
+  r.hdr->producer.store(prod + 1, std::memory_order_release);
 }
 
 /// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
@@ -127,6 +129,33 @@ bool local_spans(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, S
   }
   if (inl && len > qp.caps.max_inline_data) return false;
   return len <= kMaxMsgSize;
+}
+
+/// Receive WQEs the peer has posted and we have not taken. The peer may simply be a little
+/// behind (it reposts as it polls): wait for it up to kRnrSpinNs before answering "none", which
+/// sends the WQE to the backend's RNR wait, a timer of (usually) hundreds of microseconds.
+constexpr uint64_t kRnrSpinNs = 1000000;
+uint32_t posted_receives(Grant& g, uint32_t cons) {
+  uint32_t avail = g.peer_rq_seen - cons;
+  if (avail && avail <= g.peer_rq_size) return avail;
+  avail = (g.peer_rq_seen = g.peer_rq_hdr->producer.load(std::memory_order_acquire)) - cons;
+  if (avail) return avail;
+  timespec t0;
+  ::clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (uint32_t i = 1;; ++i) {
+    __builtin_ia32_pause();
+    avail = (g.peer_rq_seen = g.peer_rq_hdr->producer.load(std::memory_order_acquire)) - cons;
+    if (avail || i % 64) {
+      if (avail) return avail;
+      continue;
+    }
+    timespec t;
+    ::clock_gettime(CLOCK_MONOTONIC, &t);
+    if (uint64_t(t.tv_sec - t0.tv_sec) * 1000000000ull + uint64_t(t.tv_nsec) -
+            uint64_t(t0.tv_nsec) >
+        kRnrSpinNs)
+      return 0;
+  }
 }
 
 bool grant_still_good(const Grant& g) {
@@ -198,6 +227,9 @@ void ask_grant(VQp& qp) {
   g->peer_epoch = reinterpret_cast<const EpochPage*>(g->peer_epoch_map.data());
   g->my_epoch_v = r.my_epoch;
   g->peer_epoch_v = r.peer_epoch;
+  g->send.seen = g->send.hdr->consumer.load(std::memory_order_acquire);
+  g->peer_recv.seen = g->peer_recv.hdr->consumer.load(std::memory_order_acquire);
+  g->peer_rq_seen = g->peer_rq_hdr->producer.load(std::memory_order_acquire);
   g->peer_qpn = r.peer_qpn;
   g->peer_access = r.peer_access;
   g->my_lid = r.my_lid;
@@ -223,7 +255,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   uint32_t rcons = 0;
   if (consumes) {
     rcons = g.peer_rq_hdr->consumer.load(std::memory_order_relaxed);
-    const uint32_t avail = g.peer_rq_hdr->producer.load(std::memory_order_acquire) - rcons;
+    const uint32_t avail = posted_receives(g, rcons);
     if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
     rwqe = g.peer_rq[rcons & (g.peer_rq_size - 1)];  // copied: the peer may rewrite the slot
   }
@@ -261,7 +293,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     rc.qp_num = g.peer_qpn;
     rc.src_qp = qp.qp.qp_num;
     rc.slid = static_cast<uint16_t>(g.my_lid);
-    push(g.peer_recv, rc);  // room checked above; we are its only producer now
+    push(g.peer_recv, rc);
   }
   if (signaled) {
     Cqe e{};

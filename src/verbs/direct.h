@@ -36,7 +36,8 @@ struct OwnRing {
   proto::Cqe* entries = nullptr;
   uint32_t size = 0;
   uint32_t cons = 0;  ///< consumer side: private cursor
-  uint32_t seen = 0;  ///< consumer side: producer index last read
+  uint32_t seen = 0;  ///< consumer side: producer index last read; producer side: consumer's
+
   uint32_t qp = 0;    ///< the QP's handle
   bool recv = false;  ///< its receive completions (else its send completions)
 };
@@ -48,6 +49,7 @@ struct Grant {
   proto::RingHeader* peer_rq_hdr = nullptr;
   proto::RecvWqe* peer_rq = nullptr;
   uint32_t peer_rq_size = 0;
+  uint32_t peer_rq_seen = 0;  ///< the peer's RQ producer index last read
   OwnRing send, peer_recv;
   MappedRegion my_epoch_map, peer_epoch_map;
   const proto::EpochPage* my_epoch = nullptr;
@@ -58,6 +60,8 @@ struct Grant {
   uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;
 };
 
+/// The cursors of another process are read only when the copy we have says "full" or "empty":
+/// each such read moves a cache line between the cores.
 /// Executes WRs of `wr`'s chain directly while it can; leaves `wr` at the first one it did not
 /// execute (null: all done). Asks for a grant when the QP has none. Called under the SQ lock.
 void direct_post(VQp& qp, ibv_send_wr*& wr);
