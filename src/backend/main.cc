@@ -101,6 +101,9 @@ int main(int argc, char** argv) {
     ::gethostname(host, sizeof(host) - 1);
     cfg.node = host;
   }
+  // VRDMA_DIRECT_PATH=1: as --direct-path (for a backend the library starts on first use).
+  if (const char* d = ::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
+    cfg.direct_path = true;
   // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
   // cross-host path on one host).
   if (const char* t = ::getenv("VRDMA_TRANSPORT"); t && *t) {

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "common/memfd.h"
 #include "common/socket.h"
 #include "engine/datapath_util.h"
@@ -157,6 +158,8 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   resp.peer_epoch = reinterpret_cast<EpochPage*>(b->guest->epoch.data())->epoch.load();
   resp.num_segments = static_cast<uint32_t>(seg_fds.size());
   a->direct = true;
+  VLOG_INFO("direct path: guest {} QP {:#x} -> guest {} QP {:#x} ({} MRs, {} segments)",
+            a->guest->name, a->qpn, b->guest->name, b->qpn, resp.num_mrs, resp.num_segments);
   return resp;
 }
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The direct path (docs/ARCHITECTURE.md, "Direct path"): two guests of one uid on a backend that
+# grants it (VRDMA_DIRECT_PATH=1, as `vrdmad --direct-path`) move their bytes themselves. Debian's
+# tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
+# checksummed rc_stream), every perftest size, atomics (which stay on the backend), and the
+# backend must say which QPs are direct. Then the same pair on a backend without it: not direct.
+# Usage: direct_path.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+e2e_init "${1:-}"
+BIN="$(dirname "$VRDMA")"
+export VRDMA_DIRECT_PATH=1  # the backend the library starts inherits it
+
+# Waits until `vrdma res show qp` lists N QPs whose transport is $2. Usage: wait_transport N T
+wait_transport() {
+  local i
+  for ((i = 0; i < 200; i++)); do
+    [[ $("$VRDMA" res show qp 2>/dev/null | grep -c "transport $2") -ge $1 ]] && return 0
+    sleep 0.05
+  done
+  fail "expected $1 QPs with transport $2: $("$VRDMA" res show qp 2>&1)"
+}
+
+# 1. ibv_rc_pingpong -c validates every buffer it receives; both QPs are granted while it runs.
+start_server pp pp-a -n 100000 -c
+start_client pp pp-b "$PORT" -n 100000 -c
+wait_transport 2 direct
+finish_pair pp "$SERVER_PID" "$CLIENT_PID" 90
+grep -q "direct path: guest pp-b QP" "$E2E_TMP/vrdmad.log" || fail "no grant for pp-b in the log"
+
+# 2. A checksummed stream of SENDs (32 in flight): nothing lost, repeated, reordered or corrupted.
+port="$(free_port)"
+vrun --guest st-s -- "$BIN/rc_stream" server "$port" 20000 8192 >"$E2E_TMP/st.server.out" 2>&1 &
+srv=$!
+for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
+vrun --guest st-c -- "$BIN/rc_stream" client 127.0.0.1 "$port" 20000 8192 \
+  >"$E2E_TMP/st.client.out" 2>&1 &
+cli=$!
+finish_stream st "$cli" "$srv" 90
+grep -q "direct path: guest st-c QP" "$E2E_TMP/vrdmad.log" || fail "rc_stream was not granted"
+log "rc_stream: $STREAM_RESULT"
+
+# 3. perftest over every size; READ and the atomics too (atomics go through the backend).
+for tool in ib_send_bw ib_write_bw ib_read_bw; do
+  run_perftest "$tool" -a -n 100
+  rows="$(result_rows "$E2E_TMP/$tool.client.out")"
+  [[ $(wc -l <<<"$rows") -ge 23 ]] || fail "$tool -a: not every size: $rows"
+  awk '{ if ($4 + 0 <= 0) exit 1 }' <<<"$rows" || fail "$tool: a size with no bandwidth: $rows"
+  log "$tool -a: 8 MiB: $(tail -n 1 <<<"$rows" | awk '{print $4}') MB/s"
+done
+for tool in ib_send_lat ib_write_lat ib_atomic_lat; do
+  run_perftest "$tool" -n 2000
+  row="$(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
+  [[ $(awk '{print $2}' <<<"$row") == 2000 ]] || fail "$tool: no result row: $row"
+  log "$tool: $row"
+done
+grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
+[[ $grants -ge 5 ]] || fail "expected perftest's client QPs granted, log has $grants"
+
+# 4. A backend without the direct path: the same pair stays on it.
+kill "$(backend_pid)" 2>/dev/null || true
+for ((i = 0; i < 50; i++)); do [[ -S $VRDMA_SOCKET ]] || break; sleep 0.1; done
+unset VRDMA_DIRECT_PATH
+start_server off off-a -n 20000 -c
+start_client off off-b "$PORT" -n 20000 -c
+wait_transport 2 shm
+finish_pair off "$SERVER_PID" "$CLIENT_PID" 90
+e2e_pass
