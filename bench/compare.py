@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """vrdma against what a user would pick instead, side by side in one run (issue 5).
 
-Same host: Debian's unmodified perftest through vrdma (two guests of one backend) against UCX's
+Same host: Debian's unmodified perftest through vrdma (two guests of one backend, through the
+backend and on the direct path of same-uid guests, --direct-path) against UCX's
 ucx_perftest over shared memory (posix, and sysv+cma) and against the machine's limits (a
 two-process shared-memory ping-pong, single-thread memcpy). Every point is the median of
 --repeat runs, with min and max; the systems run interleaved, so load changes hit all of them.
@@ -59,12 +60,14 @@ class Runner:
         self.env.pop("VRDMA_GUEST", None)
         self.backend = None
 
-    def start_backend(self, spin_us=None):
+    def start_backend(self, spin_us=None, direct=False):
         self.stop_backend()
         cmd = [os.path.join(self.bin, "vrdmad"), "--socket", self.env["VRDMA_SOCKET"],
                "--idle-exit", "0"]
         if spin_us is not None:
             cmd += ["--spin-us", str(spin_us)]
+        if direct:
+            cmd += ["--direct-path"]
         self.backend = subprocess.Popen(cmd, env=self.env, stderr=open(
             os.path.join(self.tmp, "vrdmad.log"), "a"))
         for _ in range(100):
@@ -164,36 +167,42 @@ def same_host(r, sizes, repeat, quick):
     def add(table, system, size, value):
         table.setdefault(system, {}).setdefault(size, []).append(value)
 
-    r.start_backend()
     for rep in range(repeat):
         log(f"same host: round {rep + 1}/{repeat}")
+        # vrdma twice: through the backend (any two guests), and on the direct path (guests of
+        # one uid; --direct-path), each with its own backend.
+        for v, direct in [("vrdma", False), ("vrdma direct", True)]:
+            r.start_backend(direct=direct)
+            for s in sizes:
+                li, bi = lat_iters(s, quick), bw_iters(s, quick)
+                # Latency: one-way µs (perftest's t_typical).
+                add(lat, f"{v} ib_send_lat", s, r.perftest("ib_send_lat", s, li)[4])
+                add(lat, f"{v} ib_write_lat", s, r.perftest("ib_write_lat", s, li)[4])
+                # Bandwidth MB/s, and message rate (Mpps) from the same runs.
+                w = r.perftest("ib_write_bw", s, bi)
+                add(bw, f"{v} ib_write_bw", s, w[3])
+                sd = r.perftest("ib_send_bw", s, bi)
+                add(bw, f"{v} ib_send_bw", s, sd[3])
+                if s == 8:
+                    add(rate, f"{v} ib_send_bw", s, sd[4])
+                    add(rate, f"{v} ib_write_bw", s, w[4])
+            r.stop_backend()
         for s in sizes:
             li, bi = lat_iters(s, quick), bw_iters(s, quick)
-            # Latency: one-way µs (perftest's t_typical of send/write; UCX's median; half the
-            # round trip of the shm ping-pong).
-            add(lat, "vrdma ib_send_lat", s, r.perftest("ib_send_lat", s, li)[4])
-            add(lat, "vrdma ib_write_lat", s, r.perftest("ib_write_lat", s, li)[4])
+            # UCX's median one-way latency; half the round trip of the shm ping-pong.
             add(lat, "UCX posix tag_lat", s, r.ucx("posix,self", "tag_lat", s, li)[1])
             add(lat, "UCX sysv+cma tag_lat", s, r.ucx("sysv,cma,self", "tag_lat", s, li)[1])
             add(lat, "shm ping-pong (limit)", s, r.shm_pingpong(s, li * 10))
-            # Bandwidth MB/s, and message rate (Mpps) from the same runs.
-            w = r.perftest("ib_write_bw", s, bi)
-            add(bw, "vrdma ib_write_bw", s, w[3])
-            sd = r.perftest("ib_send_bw", s, bi)
-            add(bw, "vrdma ib_send_bw", s, sd[3])
             u = r.ucx("posix,self", "ucp_put_bw", s, bi)
             add(bw, "UCX posix ucp_put_bw", s, u[5])
             u2 = r.ucx("sysv,cma,self", "ucp_put_bw", s, bi)
             add(bw, "UCX sysv+cma ucp_put_bw", s, u2[5])
             add(bw, "memcpy 1 thread (limit)", s, r.memcpy(s))
             if s == 8:
-                add(rate, "vrdma ib_send_bw", s, sd[4])
-                add(rate, "vrdma ib_write_bw", s, w[4])
                 t = r.ucx("posix,self", "tag_bw", s, bi)
                 add(rate, "UCX posix tag_bw", s, t[7] / 1e6)
                 t2 = r.ucx("sysv,cma,self", "tag_bw", s, bi)
                 add(rate, "UCX sysv+cma tag_bw", s, t2[7] / 1e6)
-    r.stop_backend()
     return {"latency_us": lat, "bandwidth_MBps": bw, "msg_rate_Mpps": rate}
 
 
@@ -268,12 +277,13 @@ def targets(data):
         else:
             rows.append(f"- {what}: **{r:.2f}** (target {goal}) — {'met' if ok(r) else 'not met'}")
 
-    r = ratio(data, "latency_us", "vrdma ib_send_lat", "UCX posix tag_lat", 8)
-    line("8 B latency, vrdma ib_send_lat / UCX posix", r, "≤ 2", lambda x: x <= 2)
-    r = ratio(data, "bandwidth_MBps", "vrdma ib_write_bw", "memcpy 1 thread (limit)", 1 << 20)
-    line("1 MiB WRITE bandwidth / single-thread memcpy", r, "≥ 0.8", lambda x: x >= 0.8)
-    r = ratio(data, "msg_rate_Mpps", "vrdma ib_send_bw", "UCX posix tag_bw", 8)
-    line("8 B message rate, vrdma ib_send_bw / UCX posix", r, "≥ 0.5", lambda x: x >= 0.5)
+    for v in ["vrdma direct", "vrdma"]:
+        r = ratio(data, "latency_us", f"{v} ib_send_lat", "UCX posix tag_lat", 8)
+        line(f"8 B latency, {v} ib_send_lat / UCX posix", r, "≤ 2", lambda x: x <= 2)
+        r = ratio(data, "bandwidth_MBps", f"{v} ib_write_bw", "memcpy 1 thread (limit)", 1 << 20)
+        line(f"1 MiB WRITE bandwidth, {v} / single-thread memcpy", r, "≥ 0.8", lambda x: x >= 0.8)
+        r = ratio(data, "msg_rate_Mpps", f"{v} ib_send_bw", "UCX posix tag_bw", 8)
+        line(f"8 B message rate, {v} ib_send_bw / UCX posix", r, "≥ 0.5", lambda x: x >= 0.5)
     return rows
 
 
