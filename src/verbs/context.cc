@@ -159,6 +159,7 @@ void VContext::ring_doorbell() const {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (control_page()->backend_sleeping.load(std::memory_order_relaxed)) {
     uint64_t one = 1;
+    woke_backend.store(true, std::memory_order_relaxed);
     ssize_t n = ::write(doorbell.get(), &one, sizeof(one));
     (void)n;
   }

@@ -199,12 +199,26 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     // stayed empty for a while, let the backend (which produces completions) run. Without
     // this, on a machine with fewer cores than spinners, each completion waits for a
     // scheduler time slice (milliseconds). Only the empty path pays this syscall.
+    const bool yield = should_yield(*cq);
     cq->lock.unlock();
-    ::sched_yield();
+    if (yield) ::sched_yield();
     return 0;
   }
   cq->lock.unlock();
   return got;
+}
+
+bool should_yield(const VCq& cq) {
+  VContext& ctx = *to_vctx(cq.cq.context);
+  // Completions of a CQ with no direct QP all come from the backend.
+  if (cq.own.empty()) return true;
+  // A direct peer writes them itself: yielding would only delay them, unless the backend is
+  // awake (it shares the CPUs) or we just woke it (it needs a CPU to run at all).
+  if (!ctx.control_page()->backend_sleeping.load(std::memory_order_relaxed)) {
+    ctx.woke_backend.store(false, std::memory_order_relaxed);
+    return true;
+  }
+  return ctx.woke_backend.load(std::memory_order_relaxed);
 }
 
 int req_notify_cq(ibv_cq* c, int solicited_only) {

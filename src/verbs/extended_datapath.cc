@@ -50,11 +50,12 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
     return 0;
   }
   const uint32_t empty = ++cq->empty_polls;
+  const bool yield = empty % kYieldEvery == 0 && should_yield(*cq);
   cq->lock.unlock();
   if (empty % kYieldEvery == 0) {
     // As poll_cq: a dead backend produces nothing, say so; otherwise let the backend run.
     if (empty % kLivenessEvery == 0 && to_vctx(c->context)->backend_gone()) return EIO;
-    ::sched_yield();
+    if (yield) ::sched_yield();
   }
   return ENOENT;
 }

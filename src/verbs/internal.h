@@ -75,6 +75,8 @@ struct VContext {
   bool backend_gone();
   std::atomic<bool> dead{false};
   std::atomic<bool> fatal_reported{false};  ///< IBV_EVENT_DEVICE_FATAL was handed out
+  /// ring_doorbell() woke the backend and no poll has seen it awake since (should_yield).
+  mutable std::atomic<bool> woke_backend{false};
 };
 
 inline VContext* to_vctx(ibv_context* c) {
@@ -160,6 +162,8 @@ bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op);
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);
+/// Whether an empty poll of `cq` should give the CPU away (sched_yield) to let the backend run.
+bool should_yield(const VCq& cq);
 int req_notify_cq(ibv_cq* cq, int solicited_only);
 
 // Registered memory (memory.cc): makes [addr, addr+len) reachable by the backend and fills the
