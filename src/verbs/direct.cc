@@ -257,7 +257,13 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     rcons = g.peer_rq_hdr->consumer.load(std::memory_order_relaxed);
     const uint32_t avail = posted_receives(g, rcons);
     if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
-    rwqe = g.peer_rq[rcons & (g.peer_rq_size - 1)];  // copied: the peer may rewrite the slot
+    // Copied (the peer may rewrite the slot), and only the SGEs it has: a whole RecvWqe is five
+    // cache lines that the peer's core wrote.
+    const RecvWqe& slot = g.peer_rq[rcons & (g.peer_rq_size - 1)];
+    rwqe.wr_id = slot.wr_id;
+    rwqe.num_sge = slot.num_sge;
+    if (rwqe.num_sge > kMaxSge) return false;
+    std::memcpy(rwqe.sge, slot.sge, rwqe.num_sge * sizeof(Sge));
   }
   if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
     if (rwqe.num_sge > kMaxSge) return false;
