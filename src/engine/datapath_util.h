@@ -1,8 +1,10 @@
-// Small helpers the data-path files share: opcode classes, IB timer encodings, span copies.
-// Internal to the engine.
+// Small helpers the engine's files share: opcode classes, IB timer encodings, span copies, ring
+// set-up. Internal to the engine.
 #pragma once
 
 #include <infiniband/verbs.h>
+
+#include <fcntl.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -12,6 +14,25 @@
 #include "engine/device.h"
 
 namespace vrdma::engine {
+
+inline constexpr uint32_t kPage = 4096;
+inline size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
+
+/// Writes a fresh ring header: empty, this protocol's magic and version.
+inline void init_ring(proto::RingHeader* h, proto::RingKind kind, uint32_t entry_size,
+                      uint32_t n) {
+  h->magic = proto::kRingMagic;
+  h->version = proto::kRingVersion;
+  h->kind = static_cast<uint16_t>(kind);
+  h->entry_size = entry_size;
+  h->num_entries = n;
+  h->producer.store(0, std::memory_order_relaxed);
+  h->consumer.store(0, std::memory_order_relaxed);
+  h->armed.store(0, std::memory_order_relaxed);
+}
+
+/// The device keeps its own descriptor of every ring it hands out, so its state can move.
+inline UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
 
 /// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
 inline uint64_t rnr_delay_ns(uint8_t t) {

@@ -17,6 +17,7 @@
 #include "proto/wire.h"
 #include "common/log.h"
 #include "common/memfd.h"
+#include "engine/datapath_util.h"
 #include "engine/qp_state.h"
 #include "proto/device_caps.h"
 
@@ -25,24 +26,6 @@ namespace vrdma::engine {
 using namespace vrdma::proto;
 
 namespace {
-
-constexpr uint32_t kPage = 4096;
-
-void init_ring(RingHeader* h, RingKind kind, uint32_t entry_size, uint32_t n) {
-  h->magic = kRingMagic;
-  h->version = kRingVersion;
-  h->kind = static_cast<uint16_t>(kind);
-  h->entry_size = entry_size;
-  h->num_entries = n;
-  h->producer.store(0, std::memory_order_relaxed);
-  h->consumer.store(0, std::memory_order_relaxed);
-  h->armed.store(0, std::memory_order_relaxed);
-}
-
-size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
-
-/// The device keeps its own descriptor of every ring it hands out, so its state can move.
-UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
 
 template <typename Map>
 uint32_t new_handle(Session& s, const Map&) {

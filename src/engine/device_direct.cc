@@ -23,10 +23,6 @@ using namespace vrdma::proto;
 
 namespace {
 
-constexpr size_t kPage = 4096;
-
-UniqueFd dup_of(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
-
 /// A read-only descriptor of the same file: what a guest may map of a page only we write.
 UniqueFd read_only(int fd) {
   return UniqueFd(::open(fmt::format("/proc/self/fd/{}", fd).c_str(), O_RDONLY | O_CLOEXEC));
@@ -38,16 +34,12 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   r->handle = of.handle;
   r->owner = of.owner;
   r->size = of.size;
-  const size_t bytes = (ring_bytes(r->size, sizeof(Cqe)) + kPage - 1) & ~(kPage - 1);
+  const size_t bytes = page_round(ring_bytes(r->size, sizeof(Cqe)));
   ASSIGN_OR_RETURN(r->ring_fd, make_sealed_memfd("vrdma-qp-cq", bytes));
   r->ring = MappedRegion::map_shared(r->ring_fd.get(), bytes);
   if (!r->ring.valid()) return error(errno, "mapping a QP completion ring");
   r->hdr = reinterpret_cast<RingHeader*>(r->ring.data());
-  r->hdr->magic = kRingMagic;
-  r->hdr->version = kRingVersion;
-  r->hdr->kind = static_cast<uint16_t>(RingKind::kCq);
-  r->hdr->entry_size = sizeof(Cqe);
-  r->hdr->num_entries = r->size;
+  init_ring(r->hdr, RingKind::kCq, sizeof(Cqe), r->size);
   r->entries = ring_entries<Cqe>(r->hdr);
   r->shared_producer = true;
   return r;
@@ -135,12 +127,12 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   }
 
   fds.clear();
-  fds.push_back(dup_of(b->ring_fd.get()));
-  fds.push_back(dup_of(a->own_send->ring_fd.get()));
-  fds.push_back(dup_of(b->own_recv->ring_fd.get()));
+  fds.push_back(dup_fd(b->ring_fd.get()));
+  fds.push_back(dup_fd(a->own_send->ring_fd.get()));
+  fds.push_back(dup_fd(b->own_recv->ring_fd.get()));
   fds.push_back(read_only(a->guest->epoch_fd.get()));
   fds.push_back(read_only(b->guest->epoch_fd.get()));
-  for (int fd : seg_fds) fds.push_back(dup_of(fd));
+  for (int fd : seg_fds) fds.push_back(dup_fd(fd));
   for (const UniqueFd& fd : fds) {
     if (!fd.valid()) return error(EMFILE, "direct path: duplicating descriptors");
   }
@@ -174,7 +166,7 @@ Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
   auto add = [&](const Qp& qp, const Cq& ring, uint32_t recv) -> Status {
     if (resp.count == kMaxDirectRings) return error(E2BIG, "too many QP rings on one CQ");
     resp.rings[resp.count++] = DirectRing{qp.handle, recv, ring.size, 0};
-    fds.push_back(dup_of(ring.ring_fd.get()));
+    fds.push_back(dup_fd(ring.ring_fd.get()));
     return fds.back().valid() ? Status::ok() : error(EMFILE, "duplicating a ring descriptor");
   };
   for (const auto& [h, qp] : s.qps) {

@@ -28,10 +28,7 @@ namespace {
 
 constexpr uint32_t kStateVersion = 1;
 constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-constexpr uint32_t kPage = 4096;
 constexpr uint32_t kCacheValid = 1u << 31;  ///< as in device_remote.cc
-
-size_t page_round(size_t n) { return (n + kPage - 1) & ~size_t{kPage - 1}; }
 
 template <typename T>
 json bytes_of(const T& v) {

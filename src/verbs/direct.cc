@@ -266,7 +266,6 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     std::memcpy(rwqe.sge, slot.sge, rwqe.num_sge * sizeof(Sge));
   }
   if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
-    if (rwqe.num_sge > kMaxSge) return false;
     uint64_t cap = 0;
     for (uint32_t i = 0; i < rwqe.num_sge; ++i) {
       const Sge& s = rwqe.sge[i];
