@@ -10,15 +10,7 @@ HOSTS_VRDMAD_ARGS="--keep-state"
 hosts_init "${1:-}" 2
 wait_mesh
 
-port=$((17000 + RANDOM % 1000))
-hrun 1 --guest kx-s -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 \
-  >"$E2E_TMP/stream.server.out" 2>&1 &
-srv=$!
-hwait_port 1 "$port" "$srv" stream
-hrun 2 --guest kx-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 0 4096 \
-  >"$E2E_TMP/stream.client.out" 2>&1 &
-cli=$!
-cli_proc=$(child_named "$cli" rc_stream)
+hstream_start kx 1 2
 hwait_flowing 1 kx-s msgs_received "$srv"  # connected: no command in flight when a backend dies
 for k in 1 2 1; do
   sleep 0.8
@@ -33,6 +25,6 @@ for k in 1 2 1; do
   log "h$k: backend $old killed, $new took over"
 done
 kill -USR1 "$cli_proc"  # open-ended: the client drains and says how many it sent
-finish_stream stream "$cli" "$srv" 60
+finish_stream kx "$cli" "$srv" 60
 log "rc_stream across hosts through 3 backend kills: $STREAM_RESULT on both ends"
 e2e_pass

@@ -114,6 +114,23 @@ hwait_port() {
   fail "$4: nothing listens on port $2 of h$1 after 20 s"
 }
 
+# An open-ended rc_stream NAME of 4 KiB messages: server guest NAME-s on host SH, client guest
+# NAME-c on host CH, outputs $E2E_TMP/NAME.{server,client}.out. Sets srv and cli (their hrun; a
+# caller's `local srv cli cli_proc` receives them) and cli_proc (the client, which SIGUSR1 stops:
+# finish_stream then checks both ends). Usage: hstream_start NAME SH CH
+hstream_start() {
+  local name=$1 sh=$2 ch=$3 port=$((17000 + RANDOM % 1000))
+  hrun "$sh" --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 \
+    >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  hwait_port "$sh" "$port" "$srv" "$name"
+  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip "$sh")" "$port" 0 4096 \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  # shellcheck disable=SC2034  # for the caller
+  cli_proc=$(child_named "$cli" rc_stream)
+}
+
 # A pingpong ($PP_TOOL) server on host SI and client on host CI, all options on both sides.
 # Usage: hpair NAME SI CI [args...]; waits and checks both outputs.
 hpair_start() {
@@ -144,12 +161,20 @@ hperftest() {
   hrun "$ci" --guest pt-cli -- "$tool" -p "$port" "$@" "$(host_ip "$si")" \
     >"$E2E_TMP/$tool.client.out" 2>&1 &
   cli=$!
-  wait_pid "$cli" 90
-  [[ $WAIT_RC == 0 ]] || fail "$tool client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$tool.client.out")"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$tool server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$tool.server.out")"
-  [[ -n "$(result_rows "$E2E_TMP/$tool.client.out")" ]] || fail "$tool: no result rows"
+  hperftest_finish "$tool" "$cli" "$srv" 90
   log "$tool: $(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
+}
+
+# Waits for a perftest pair NAME (client first, up to SECS) and checks that both ended normally
+# and the client printed its result rows ($E2E_TMP/NAME.{server,client}.out).
+# Usage: hperftest_finish NAME CLIENT_PID SERVER_PID SECS
+hperftest_finish() {
+  local name=$1
+  wait_pid "$2" "$4"
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.client.out")"
+  wait_pid "$3" 20
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.server.out")"
+  [[ -n "$(result_rows "$E2E_TMP/$name.client.out")" ]] || fail "$name: no result rows"
 }
 
 hosts_cleanup() {

@@ -84,22 +84,14 @@ log_downtimes() {
 # the role of the h1 guest (server: the responder moves; client: the requester, with SENDs in
 # flight). Usage: stream_under_moves NAME MOVER ROUNDS
 stream_under_moves() {
-  local name=$1 mover=$2 rounds=$3 port=$((17000 + RANDOM % 1000)) sh ch g pg c first
+  local name=$1 mover=$2 rounds=$3 sh ch g pg c first srv cli cli_proc
   first=${#MIG_DOWNTIMES[@]}
   if [[ $mover == server ]]; then
     sh=1 ch=2 g=$name-s pg=$name-c c=msgs_received
   else
     sh=2 ch=1 g=$name-c pg=$name-s c=msgs_sent
   fi
-  hrun "$sh" --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 \
-    >"$E2E_TMP/$name.server.out" 2>&1 &
-  local srv=$!
-  hwait_port "$sh" "$port" "$srv" "$name"
-  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip "$sh")" "$port" 0 4096 \
-    >"$E2E_TMP/$name.client.out" 2>&1 &
-  local cli=$!
-  local cli_proc
-  cli_proc=$(child_named "$cli" rc_stream)
+  hstream_start "$name" "$sh" "$ch"
   HOSTS_WATCH=("$srv $E2E_TMP/$name.server.out" "$cli $E2E_TMP/$name.client.out")
   hwait_flowing 1 "$g" "$c" "$srv"
   hwait_route 1 "$g" "tcp/h2"
@@ -149,11 +141,7 @@ bw_under_moves() {
     from=$to to=$t
   done
   HOSTS_WATCH=()
-  wait_pid "$cli" 60
-  [[ $WAIT_RC == 0 ]] || fail "$g: client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$g.client.out")"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$g: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$g.server.out")"
-  [[ -n "$(result_rows "$E2E_TMP/$g.client.out")" ]] || fail "$g: no result rows"
+  hperftest_finish "$g" "$cli" "$srv" 60
   log "$g: $m move(s); $(result_rows "$E2E_TMP/$g.client.out" | tail -n 1)"
   log_downtimes "$g: ib_write_bw ($nq QPs)" "${MIG_DOWNTIMES[@]:first}"
 }

@@ -37,15 +37,8 @@ settled() {
   fail "no message reached the server for $PAUSE s + 5 s after $g moved to h$gh (stuck at $c0)"
 }
 
-port=$((17000 + RANDOM % 1000))
-hrun 1 --guest sh-s -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/stream.server.out" 2>&1 &
-srv=$!
-hwait_port 1 "$port" "$srv" stream
-hrun 1 --guest sh-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 0 4096 \
-  >"$E2E_TMP/stream.client.out" 2>&1 &
-cli=$!
-cli_proc=$(child_named "$cli" rc_stream)
-HOSTS_WATCH=("$srv $E2E_TMP/stream.server.out" "$cli $E2E_TMP/stream.client.out")
+hstream_start sh 1 1
+HOSTS_WATCH=("$srv $E2E_TMP/sh.server.out" "$cli $E2E_TMP/sh.client.out")
 hwait_flowing 1 sh-s msgs_received "$srv"
 settled sh-c 1 "shm/" "shm/"
 log "stream flowing on shm in h1; moving the client, then the server, ... h1 <-> h2 $ROUNDS times"
@@ -60,7 +53,7 @@ done
 hcheck_alive
 HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
-finish_stream stream "$cli" "$srv" 30
+finish_stream sh "$cli" "$srv" 30
 log "stream: $STREAM_RESULT on both ends"
 read -r mn med mx < <(stats_of "${MIG_DOWNTIMES[@]}")
 log "${#MIG_DOWNTIMES[@]} moves, downtime min $mn us, median $med us, max $mx us"
