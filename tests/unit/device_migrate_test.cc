@@ -50,11 +50,7 @@ TEST_F(DeviceTest, QpThatSentOnShmCanMove) {
 
 TEST_F(DeviceRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrder) {
   connect_both();
-  for (int i = 0; i < 4; ++i) {
-    ma_.p()[i * 8] = static_cast<uint8_t>(0x10 + i);
-    post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
-    post_send(qa_, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
-  }
+  post_numbered(4);
   dev_.poll(now_);
   ASSERT_EQ(loop_.q.size(), 4u);
   EXPECT_EQ(pump(2), 2);  // two requests executed; their ACKs wait in the queue

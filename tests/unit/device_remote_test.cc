@@ -45,11 +45,7 @@ TEST_F(DeviceRemoteTest, SendGoesThroughTheTransportAndCompletes) {
 
 TEST_F(DeviceRemoteTest, LostFramesAreReplayedAndExecutedOnce) {
   connect_both();
-  for (int i = 0; i < 3; ++i) {
-    ma_.p()[i * 8] = static_cast<uint8_t>(0x10 + i);
-    post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
-    post_send(qa_, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
-  }
+  post_numbered(3);
   dev_.poll(now_);
   ASSERT_EQ(loop_.q.size(), 3u);
   EXPECT_EQ(pump(1), 1);  // the first arrives ...

@@ -80,6 +80,15 @@ class DeviceRemoteTest : public DeviceTest {
     }
     return n;
   }
+  /// Posts `n` 8-byte SENDs a -> b (message i carries 0x10 + i in its first byte, wr_id 200 + i)
+  /// and the receives they land in (64 bytes apart in b's MR, wr_id 100 + i).
+  void post_numbered(int n) {
+    for (int i = 0; i < n; ++i) {
+      ma_.p()[i * 8] = static_cast<uint8_t>(0x10 + i);
+      post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
+      post_send(qa_, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
+    }
+  }
   /// Runs the device and the transport until nothing moves.
   void settle() {
     for (int i = 0; i < 100; ++i) {
