@@ -197,7 +197,8 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
 }
 
 int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
-                const std::string& check_config, const std::string& metrics_listen) {
+                const std::string& check_config, const std::string& metrics_listen,
+                bool direct_path) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
@@ -209,6 +210,7 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
     args.insert(args.end(), {"--config", config});
   }
   if (!metrics_listen.empty()) args.insert(args.end(), {"--metrics-listen", metrics_listen});
+  if (direct_path) args.emplace_back("--direct-path");
   if (idle_exit >= 0) {
     args.insert(args.end(), {"--idle-exit", std::to_string(idle_exit)});
   }
@@ -571,6 +573,9 @@ int main_impl(int argc, char** argv) {
                       "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
       ->check(CLI::Range(0, 86400 * 365));
+  bool direct_path = false;
+  backend->add_flag("--direct-path", direct_path,
+                    "let guests of one uid copy to each other themselves ([datapath] direct_path)");
 
   bool json = false;
   std::string status_socket;
@@ -631,7 +636,8 @@ int main_impl(int argc, char** argv) {
     return cmd_run(guest, run_socket, command);
   }
   if (*backend) {
-    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen);
+    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen,
+                       direct_path);
   }
   if (*status) {
     return cmd_status(json, status_socket);
