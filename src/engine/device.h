@@ -185,6 +185,8 @@ struct Qp {
   // Responder over tcp (RC): the next PSN it executes; earlier ones are duplicates.
   uint32_t expected_psn = 0;
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
+  /// A used slot's PSN carries kAtomicCacheValid (PSNs are 24-bit).
+  static constexpr uint32_t kAtomicCacheValid = 1u << 31;
   std::array<std::pair<uint32_t, uint64_t>, 16> atomic_cache{};
   uint32_t atomic_cache_next = 0;
   // Direct path (device_direct.cc): once granted, the QP's send completions (own_send) and

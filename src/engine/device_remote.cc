@@ -30,8 +30,6 @@ void trim(std::vector<Span>& v, uint64_t len) {
   v.resize(i);
 }
 
-constexpr uint32_t kCacheValid = 1u << 31;  ///< marks a used atomic-cache slot (PSNs are 24-bit)
-
 static_assert(sizeof(Response) <= sizeof(transport::RxSink::ctx));
 static_assert(std::is_trivially_copyable_v<Response>);
 
@@ -435,7 +433,7 @@ void Device::on_duplicate(const std::string& node, Qp& to, const wire::Request& 
   }
   if (is_atomic(rq.opcode)) {
     for (const auto& [psn, value] : to.atomic_cache) {
-      if (psn == (rq.psn | kCacheValid)) {
+      if (psn == (rq.psn | Qp::kAtomicCacheValid)) {
         reply(node, rq, Syndrome::kAtomicData, 0, 0, value);
         return;
       }
@@ -499,7 +497,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   if (is_atomic(rq.opcode)) {
     to->expected_psn = wire::psn_add(to->expected_psn, 1);
     publish_psns(*to);
-    to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | kCacheValid,
+    to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | Qp::kAtomicCacheValid,
                                                                            r.atomic_old};
     respond_finish(*to, in, r.recv);
     reply(node, rq, Syndrome::kAtomicData, 0, 0, r.atomic_old);

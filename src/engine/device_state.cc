@@ -28,7 +28,6 @@ namespace {
 
 constexpr uint32_t kStateVersion = 1;
 constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-constexpr uint32_t kCacheValid = 1u << 31;  ///< as in device_remote.cc
 
 template <typename T>
 json bytes_of(const T& v) {
@@ -743,7 +742,7 @@ void Device::settle_locally(Qp& qp) {
       } else {
         st = IBV_WC_REM_INV_REQ_ERR;  // its result is no longer known
         for (const auto& [psn, value] : to->atomic_cache) {
-          if (psn == (o.psn | kCacheValid)) {
+          if (psn == (o.psn | Qp::kAtomicCacheValid)) {
             const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&value)), 8};
             copy_spans({&result, 1}, dst_, 8);
             st = IBV_WC_SUCCESS;

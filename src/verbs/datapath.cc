@@ -12,13 +12,6 @@ namespace vrdma::verbs {
 
 using namespace vrdma::proto;
 
-namespace {
-
-constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
-constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
-
-}  // namespace
-
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
   switch (op) {
     case IBV_WR_SEND:
@@ -57,8 +50,7 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   }
   const uint32_t start = qp->sq_prod;
   for (; wr; wr = wr->next) {
-    const uint32_t cons = qp->sq_hdr->consumer.load(std::memory_order_acquire);
-    if (qp->sq_prod - cons >= qp->sq_size) {
+    if (ring_full(qp->sq_hdr, qp->sq_prod, qp->sq_size, qp->sq_cons_seen)) {
       rc = ENOMEM;
       break;
     }
@@ -135,8 +127,7 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   qp->rq_lock.lock();
   const uint32_t start = qp->rq_prod;
   for (; wr; wr = wr->next) {
-    const uint32_t cons = qp->rq_hdr->consumer.load(std::memory_order_acquire);
-    if (qp->rq_prod - cons >= qp->rq_size) {
+    if (ring_full(qp->rq_hdr, qp->rq_prod, qp->rq_size, qp->rq_cons_seen)) {
       rc = ENOMEM;
       break;
     }

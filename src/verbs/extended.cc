@@ -31,12 +31,6 @@ static_assert(offsetof(VQp, qp) == 0 && offsetof(VQp, qp_ex) == 0);
 
 namespace {
 
-template <typename T>
-T* fail_ptr(int err) {
-  errno = err;
-  return nullptr;
-}
-
 /// Completion fields the rings carry (proto::Cqe); timestamps, CVLAN, flow tag and TM info no.
 constexpr uint64_t kSupportedWcFlags = IBV_WC_STANDARD_FLAGS;
 

@@ -18,9 +18,6 @@ using namespace vrdma::proto;
 
 namespace {
 
-constexpr uint32_t kYieldEvery = 16;       ///< as poll_cq (datapath.cc)
-constexpr uint32_t kLivenessEvery = 1024;  ///< as poll_cq (datapath.cc)
-
 // ---- ibv_cq_ex ----
 // Locking: start_poll takes the CQ's lock when it returns 0 and end_poll releases it; a failed
 // start_poll (ENOENT, EIO) holds nothing, and the caller must not call end_poll (the man page's
@@ -104,7 +101,7 @@ SendWqe* open_wqe(ibv_qp_ex* q, ibv_wr_opcode op) {
     fail_batch(qp, EINVAL);
     return nullptr;
   }
-  if (qp->sq_prod - qp->sq_hdr->consumer.load(std::memory_order_acquire) >= qp->sq_size) {
+  if (ring_full(qp->sq_hdr, qp->sq_prod, qp->sq_size, qp->sq_cons_seen)) {
     fail_batch(qp, ENOMEM);
     return nullptr;
   }

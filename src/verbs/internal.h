@@ -20,22 +20,9 @@
 #include "proto/command.h"
 #include "proto/ring.h"
 #include "verbs/direct.h"
+#include "verbs/path_lock.h"
 
 namespace vrdma::verbs {
-
-/// A spinlock for the post/poll paths: uncontended it costs one atomic, and it never sleeps.
-class SpinLock {
- public:
-  void lock() {
-    while (flag_.exchange(true, std::memory_order_acquire)) {
-      while (flag_.load(std::memory_order_relaxed)) __builtin_ia32_pause();
-    }
-  }
-  void unlock() { flag_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> flag_{false};
-};
 
 struct VContext {
   verbs_context vctx;  ///< must stay first: ibv_context is its last member
@@ -112,7 +99,7 @@ struct VCq {
   proto::Cqe* entries;
   uint32_t size;
   uint32_t cons;  ///< guest-private consumer cursor
-  SpinLock lock;
+  PathLock lock;
   uint32_t events_reported = 0;        ///< completion events handed out by ibv_get_cq_event
   uint32_t empty_polls = 0;            ///< consecutive polls that found nothing
   const proto::Cqe* ex_cur = nullptr;  ///< cq_ex: the completion start/next_poll stand on
@@ -138,8 +125,10 @@ struct VQp {
   proto::RecvWqe* rq;
   uint32_t sq_size, rq_size;
   uint32_t sq_prod = 0, rq_prod = 0;  ///< guest-private producer cursors
+  /// The last consumer cursors read from the rings (they only move forward); see ring_full().
+  uint32_t sq_cons_seen = 0, rq_cons_seen = 0;
   proto::QpCaps caps;
-  SpinLock sq_lock, rq_lock;
+  PathLock sq_lock, rq_lock;
   uint32_t ex_batch_start = 0;  ///< qp_ex: sq_prod at wr_start (under sq_lock until complete)
   int ex_batch_err = 0;         ///< qp_ex: first error of the batch; wr_complete returns it
   // Direct path (direct.cc), under sq_lock: the grant in force, when to ask for one again.
@@ -153,10 +142,28 @@ struct VQp {
   LocalMr mr{};
 };
 
+/// Whether a ring we produce into (`prod`, `size`) has no free slot. The consumer's cursor is a
+/// cache line the other side writes on every entry it takes: it is read only when the copy in
+/// `seen` says full, not once per post.
+inline bool ring_full(const proto::RingHeader* h, uint32_t prod, uint32_t size, uint32_t& seen) {
+  if (prod - seen < size) return false;
+  seen = h->consumer.load(std::memory_order_acquire);
+  return prod - seen >= size;
+}
+
+/// A verb that returns a pointer fails with NULL and errno.
+template <typename T>
+T* fail_ptr(int err) {
+  errno = err;
+  return nullptr;
+}
+
 inline VCq* to_vcq(ibv_cq* c) { return reinterpret_cast<VCq*>(c); }
 inline VQp* to_vqp(ibv_qp* q) { return reinterpret_cast<VQp*>(q); }
 
 // Data path (datapath.cc).
+inline constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
+inline constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
 /// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
 bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op);
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);

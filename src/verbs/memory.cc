@@ -34,7 +34,7 @@ struct ProcSegment {
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
 /// may register the same pages.
-std::mutex g_mu;
+std::mutex g_segments_mu;
 std::map<uint32_t, ProcSegment> g_segments;
 uint32_t g_next_segment = 1;
 
@@ -193,7 +193,7 @@ struct ForkGuard {
   ForkGuard() {
     ::pthread_atfork(
         [] {
-          g_mu.lock();
+          g_segments_mu.lock();
           if (g_segments.empty()) return;
           list_segment_mappings();
           if (::pipe2(g_fork_pipe, O_CLOEXEC) != 0) g_fork_pipe[0] = g_fork_pipe[1] = -1;
@@ -209,7 +209,7 @@ struct ForkGuard {
             ::close(g_fork_pipe[0]);
             g_fork_pipe[0] = g_fork_pipe[1] = -1;
           }
-          g_mu.unlock();
+          g_segments_mu.unlock();
         },
         [] {
           privatize_segments_in_child();
@@ -220,7 +220,7 @@ struct ForkGuard {
             ::close(g_fork_pipe[1]);
             g_fork_pipe[0] = g_fork_pipe[1] = -1;
           }
-          g_mu.unlock();
+          g_segments_mu.unlock();
         });
   }
 };
@@ -233,7 +233,7 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
   if (len == 0 || addr + len < addr) return EINVAL;
   const uintptr_t lo = addr & ~(kPage - 1);
   const uintptr_t hi = (addr + len + kPage - 1) & ~(kPage - 1);
-  std::lock_guard<std::mutex> g(g_mu);
+  std::lock_guard<std::mutex> g(g_segments_mu);
   std::vector<Vma> vmas = read_maps(lo, hi);
   uintptr_t cursor = lo;
   req.num_extents = 0;

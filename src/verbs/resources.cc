@@ -18,12 +18,6 @@ using namespace vrdma::proto;
 
 namespace {
 
-template <typename T>
-T* fail_ptr(int err) {
-  errno = err;
-  return nullptr;
-}
-
 int destroy_handle(ibv_context* c, Op op, uint32_t handle) {
   HandleReq req{handle, 0};
   Empty resp;

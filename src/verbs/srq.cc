@@ -16,7 +16,7 @@ using namespace vrdma::proto;
 namespace {
 
 /// Every live SRQ by (context, handle), for ibv_get_async_event.
-std::mutex g_mu;
+std::mutex g_srqs_mu;
 std::map<std::pair<ibv_context*, uint32_t>, ibv_srq*> g_srqs;
 
 int srq_command(ibv_srq* srq, Op op, const void* req, size_t req_len, void* resp,
@@ -29,7 +29,7 @@ int srq_command(ibv_srq* srq, Op op, const void* req, size_t req_len, void* resp
 namespace vrdma::verbs {
 
 ibv_srq* find_srq(ibv_context* ctx, uint32_t handle) {
-  std::lock_guard<std::mutex> g(g_mu);
+  std::lock_guard<std::mutex> g(g_srqs_mu);
   auto it = g_srqs.find({ctx, handle});
   return it == g_srqs.end() ? nullptr : it->second;
 }
@@ -44,8 +44,7 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   srq->lock.lock();
   const uint32_t start = srq->prod;
   for (; wr; wr = wr->next) {
-    const uint32_t cons = srq->hdr->consumer.load(std::memory_order_acquire);
-    if (srq->prod - cons >= srq->size) {
+    if (ring_full(srq->hdr, srq->prod, srq->size, srq->cons_seen)) {
       rc = ENOMEM;
       break;
     }
@@ -104,7 +103,7 @@ VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* attr) {
   pthread_cond_init(&srq->srq.cond, nullptr);
   attr->attr.max_wr = resp.attr.max_wr;
   attr->attr.max_sge = resp.attr.max_sge;
-  std::lock_guard<std::mutex> g(g_mu);
+  std::lock_guard<std::mutex> g(g_srqs_mu);
   g_srqs[{pd->context, srq->handle}] = &srq->srq;
   return &srq->srq;
 }
@@ -131,7 +130,7 @@ VERBS_EXPORT int ibv_destroy_srq(ibv_srq* srq) {
   HandleReq req{v->handle, 0};
   if (int rc = srq_command(srq, Op::kDestroySrq, &req, sizeof(req), nullptr, 0)) return rc;
   {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::mutex> g(g_srqs_mu);
     g_srqs.erase({srq->context, v->handle});
   }
   pthread_cond_destroy(&srq->cond);

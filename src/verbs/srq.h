@@ -18,7 +18,8 @@ struct VSrq {
   uint32_t size;
   uint32_t max_sge;
   uint32_t prod = 0;  ///< guest-private producer cursor
-  SpinLock lock;
+  uint32_t cons_seen = 0;  ///< the consumer cursor last read (ring_full)
+  PathLock lock;
 };
 
 inline VSrq* to_vsrq(ibv_srq* s) { return reinterpret_cast<VSrq*>(s); }
