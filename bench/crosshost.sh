@@ -3,7 +3,9 @@
 # pair of namespace hosts (tests/hosts/lib.sh), measured in the same run, runs interleaved:
 #  - latency: Debian's ibv_rc_pingpong (h2 -> h1) vs bench/tcp_pingpong --client/--server, the
 #    same ping-pong over one TCP connection with TCP_NODELAY and blocking reads;
-#  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1.
+#  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1;
+#  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
+#    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw.
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
 set -euo pipefail
@@ -20,6 +22,7 @@ wait_mesh
 TCP_PP="$HOSTS_BIN/tcp_pingpong"
 [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
+command -v ucx_perftest >/dev/null || fail "ucx_perftest missing (scripts/deps.sh installs ucx-utils)"
 cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
 today="$(date +%F)"
@@ -29,12 +32,29 @@ stats() {
                                    printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}'
 }
 usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
-# One table row: LABEL, then the vrdma numbers in vals[], the TCP ones in peer[].
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+# One table row: LABEL, then the vrdma numbers in vals[], raw TCP's in peer[], UCX's in ucx[].
 row() {
   read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
   read -r pmed pmin pmax < <(printf '%s\n' "${peer[@]}" | stats)
-  ratio="$(awk -v a="$med" -v b="$pmed" 'BEGIN {printf "%.2f", a / b}')"
-  echo "| $today | $machine | $1 | $RUNS | $med ($min–$max) | $pmed ($pmin–$pmax) | $ratio |"
+  read -r umed umin umax < <(printf '%s\n' "${ucx[@]}" | stats)
+  echo "| $today | $machine | $1 | $RUNS | $med ($min–$max) | $pmed ($pmin–$pmax) |" \
+    "$umed ($umin–$umax) | $(ratio "$med" "$pmed") | $(ratio "$med" "$umed") |"
+}
+
+# ucx_perftest h2 -> h1 over UCX's TCP transport: TEST SIZE ITERS; prints the Final row
+# (iters, typical/avg/overall latency µs, avg/overall MB/s, avg/overall msg/s).
+ucx_tcp() {
+  local port=$((18000 + RANDOM % 1000)) srv
+  local env=(env UCX_TLS=tcp UCX_NET_DEVICES=eth0)
+  hexec 1 "${env[@]}" ucx_perftest -p "$port" >/dev/null 2>&1 &
+  srv=$!
+  hwait_port 1 "$port" "$srv" ucx_perftest
+  hexec 2 "${env[@]}" ucx_perftest -p "$port" -t "$1" -s "$2" -n "$3" "$(host_ip 1)" \
+    >"$E2E_TMP/ucx.out" 2>&1 || fail "ucx_perftest $*: $(tail -n 5 "$E2E_TMP/ucx.out")"
+  wait "$srv" || true
+  awk '/^Final:/ {$1 = ""; print; f = 1} END {exit !f}' "$E2E_TMP/ucx.out" ||
+    fail "ucx_perftest $*: no Final row: $(tail -n 5 "$E2E_TMP/ucx.out")"
 }
 
 # Raw TCP ping-pong h2 -> h1 with ARGS; prints usec/iter.
@@ -48,24 +68,25 @@ tcp_pp() {
   usec_of "$E2E_TMP/tcp.out"
 }
 
-echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | raw TCP µs/iter median (min–max) | vrdma / TCP |"
-echo "|---|---|---|---|---|---|---|"
+echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | raw TCP µs/iter median (min–max) | UCX tcp µs/iter median (min–max) | vrdma / TCP | vrdma / UCX |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
   read -ra args <<<"$cfg"
-  vals=() peer=()
+  vals=() peer=() ucx=()
   for ((r = 1; r <= RUNS; r++)); do
     hpair "run$r" 1 2 "${args[@]}" >/dev/null
     vals+=("$(usec_of "$E2E_TMP/run$r.client.out")")
     peer+=("$(tcp_pp "${args[@]}")")
+    ucx+=("$(ucx_tcp tag_lat "${args[1]}" "${args[3]}" | awk '{printf "%.2f", 2 * $4}')")
   done
   row "\`ibv_rc_pingpong $cfg\`"
 done
 
 echo
-echo "| date | machine | command (h2 -> h1) | runs | vrdma MB/s median (min–max) | iperf3 MB/s median (min–max) | vrdma / TCP |"
-echo "|---|---|---|---|---|---|---|"
+echo "| date | machine | command (h2 -> h1) | runs | vrdma MB/s median (min–max) | iperf3 MB/s median (min–max) | UCX tcp ucp_put_bw MB/s median (min–max) | vrdma / TCP | vrdma / UCX |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for size in 4096 65536 1048576; do
-  vals=() peer=()
+  vals=() peer=() ucx=()
   for ((r = 1; r <= RUNS; r++)); do
     hperftest 1 2 ib_write_bw -s "$size" -D 2 >/dev/null
     vals+=("$(result_rows "$E2E_TMP/ib_write_bw.client.out" | awk '{print $4}' | tail -n 1)")
@@ -75,6 +96,8 @@ for size in 4096 65536 1048576; do
     peer+=("$(hexec 2 iperf3 -c "$(host_ip 1)" -p 5201 -t 2 -l "$size" -J |
       perl -MJSON::PP -0777 -ne 'printf "%.2f", decode_json($_)->{end}{sum_received}{bits_per_second} / 8e6')")
     wait "$ipid" || true
+    # About two seconds at a few hundred MB/s, as the others.
+    ucx+=("$(ucx_tcp ucp_put_bw "$size" $((400000000 / size)) | awk '{printf "%.2f", $6}')")
   done
   row "\`ib_write_bw -s $size -D 2\` vs \`iperf3 -t 2 -l $size\`"
 done
