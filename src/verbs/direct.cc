@@ -234,6 +234,7 @@ void ask_grant(VQp& qp) {
   g->peer_access = r.peer_access;
   g->my_lid = r.my_lid;
   qp.grant = std::move(g);
+  qp.granted.store(true, std::memory_order_release);
   qp.grant_backoff = 0;
 }
 
@@ -332,6 +333,7 @@ void direct_post(VQp& qp, ibv_send_wr*& wr) {
   Grant& g = *qp.grant;
   if (!grant_still_good(g)) {
     qp.grant.reset();  // the next post asks again
+    qp.granted.store(false, std::memory_order_relaxed);
     return;
   }
   while (wr && execute(ctx, qp, g, *wr)) wr = wr->next;
