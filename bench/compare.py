@@ -44,8 +44,9 @@ def listening(port):
 
 
 def free_port():
+    # Below Linux's ephemeral range (32768-60999), where clients' own ports would collide.
     while True:
-        p = random.randint(20000, 50000)
+        p = random.randint(20000, 32000)
         if not listening(p):
             return p
 
@@ -84,8 +85,16 @@ class Runner:
 
     def pair(self, server, client, env=None, timeout=120):
         """Starts `server` (a list with PORT in it), waits for it to listen, runs `client`;
-        returns the client's stdout. Raises on failure."""
-        port = free_port()
+        returns the client's stdout. Raises on failure; a port taken meanwhile gets another."""
+        for attempt in range(3):
+            try:
+                return self.pair_on(free_port(), server, client, env, timeout)
+            except RuntimeError as e:
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                log(f"port taken, retrying: {str(e)[-120:]}")
+
+    def pair_on(self, port, server, client, env, timeout):
         sub = lambda cmd: [str(port) if a == "PORT" else a for a in cmd]
         env = env or self.env
         srv = subprocess.Popen(sub(server), env=env, stdout=subprocess.PIPE,
