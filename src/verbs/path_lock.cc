@@ -27,7 +27,15 @@ bool asymmetric_barrier_available() {
 #endif
 }
 
-bool asymmetric_barrier() { return membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0; }
+bool asymmetric_barrier() {
+  if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return true;
+  // A child of fork() may find the registration its parent made missing: register again. Then
+  // the global barrier, which needs no registration (slower, and rare here).
+  if (membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 &&
+      membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0)
+    return true;
+  return membarrier(MEMBARRIER_CMD_GLOBAL) == 0;
+}
 
 void PathLock::lock_slow(pthread_t me) {
   if (state_.load(std::memory_order_acquire) == kBiased &&
@@ -53,7 +61,7 @@ void PathLock::lock_slow(pthread_t me) {
   state_.compare_exchange_strong(biased, kRevoking, std::memory_order_seq_cst);
   if (state_.load(std::memory_order_acquire) != kRevoked) {
     if (!asymmetric_barrier()) {
-      // Registered but refused: nothing can make the owner's store visible in time.
+      // Refused after registering: nothing can make the owner's store visible in time.
       VLOG_ERROR("membarrier failed after registration; cannot share a queue between threads");
       std::abort();
     }
