@@ -315,7 +315,21 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   return true;
 }
 
+/// Under sq_lock.
+void reset_grant(VQp& qp) {
+  qp.grant.reset();
+  qp.granted.store(false, std::memory_order_relaxed);
+}
+
 }  // namespace
+
+void drop_grant(VQp& qp) {
+  // A post that installs a grant after this check is ended by the epoch the backend moves.
+  if (!qp.granted.load(std::memory_order_acquire)) return;
+  qp.sq_lock.lock();
+  reset_grant(qp);
+  qp.sq_lock.unlock();
+}
 
 void direct_post(VQp& qp, ibv_send_wr*& wr) {
   VContext& ctx = *to_vctx(qp.qp.context);
@@ -332,8 +346,7 @@ void direct_post(VQp& qp, ibv_send_wr*& wr) {
   }
   Grant& g = *qp.grant;
   if (!grant_still_good(g)) {
-    qp.grant.reset();  // the next post asks again
-    qp.granted.store(false, std::memory_order_relaxed);
+    reset_grant(qp);  // the next post asks again
     return;
   }
   while (wr && execute(ctx, qp, g, *wr)) wr = wr->next;

@@ -65,6 +65,8 @@ struct Grant {
 /// Executes WRs of `wr`'s chain directly while it can; leaves `wr` at the first one it did not
 /// execute (null: all done). Asks for a grant when the QP has none. Called under the SQ lock.
 void direct_post(VQp& qp, ibv_send_wr*& wr);
+/// Ends the QP's grant, if any (the next post asks again). Takes sq_lock only when there is one.
+void drop_grant(VQp& qp);
 
 /// The next completion of `cq`, from its ring or a QP's own ring (never one that a completion
 /// of the same queue written earlier to the CQ's ring would have to precede); steps past it.

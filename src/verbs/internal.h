@@ -133,8 +133,8 @@ struct VQp {
   int ex_batch_err = 0;         ///< qp_ex: first error of the batch; wr_complete returns it
   // Direct path (direct.cc), under sq_lock: the grant in force, when to ask for one again.
   std::unique_ptr<Grant> grant;
-  /// `grant` is set: read without the lock by ibv_modify_qp, so that a thread that only sets the
-  /// QP up never takes sq_lock (and its bias, path_lock.h) from the thread that posts.
+  /// `grant` is set: read without the lock by drop_grant (ibv_modify_qp), so that a thread that
+  /// only sets the QP up never takes sq_lock (and its bias, path_lock.h) from the one that posts.
   std::atomic<bool> granted{false};
   uint32_t grant_wait = 0;     ///< posts to let pass before asking again
   uint32_t grant_backoff = 0;  ///< the wait after the next refusal

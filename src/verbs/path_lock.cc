@@ -48,11 +48,7 @@ void PathLock::lock_slow(pthread_t me) {
     pthread_t none = 0;
     if (owner_.compare_exchange_strong(none, me, std::memory_order_acq_rel)) {
       // Ours now (the exchange was a full barrier): take it the owner's way.
-      in_.store(true, std::memory_order_relaxed);
-      std::atomic_signal_fence(std::memory_order_seq_cst);
-      if (state_.load(std::memory_order_relaxed) == kBiased) return;
-      in_.store(false, std::memory_order_relaxed);
-      spin_.lock();
+      if (!enter_biased()) spin_.lock();
       return;
     }
   }

@@ -48,10 +48,7 @@ class PathLock {
   void lock() {
     const pthread_t me = ::pthread_self();
     if (owner_.load(std::memory_order_relaxed) == me) {
-      in_.store(true, std::memory_order_relaxed);
-      std::atomic_signal_fence(std::memory_order_seq_cst);  // the compiler keeps the order
-      if (state_.load(std::memory_order_relaxed) == kBiased) return;
-      in_.store(false, std::memory_order_relaxed);
+      if (enter_biased()) return;
     } else if (state_.load(std::memory_order_relaxed) != kRevoked) {
       lock_slow(me);
       return;
@@ -78,6 +75,15 @@ class PathLock {
  private:
   enum : uint32_t { kBiased = 0, kRevoking = 1, kRevoked = 2 };
   void lock_slow(pthread_t me);
+  /// The owner's way in: true when the bias still stands (then it holds the lock), false when
+  /// it was revoked (then it must take the spinlock).
+  bool enter_biased() {
+    in_.store(true, std::memory_order_relaxed);
+    std::atomic_signal_fence(std::memory_order_seq_cst);  // the compiler keeps the order
+    if (state_.load(std::memory_order_relaxed) == kBiased) return true;
+    in_.store(false, std::memory_order_relaxed);
+    return false;
+  }
 
   std::atomic<pthread_t> owner_{0};  ///< the thread with the bias (0: none yet)
   std::atomic<uint32_t> state_{kBiased};

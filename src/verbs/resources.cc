@@ -352,14 +352,7 @@ VERBS_EXPORT int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
   ModifyQpReq req{to_vqp(qp)->handle, static_cast<uint32_t>(mask), to_wire(*attr)};
   Empty resp;
   VQp* v = to_vqp(qp);
-  // Any change ends a direct grant. The backend moves the epoch too, which ends a grant that a
-  // post installs after this check.
-  if (v->granted.load(std::memory_order_acquire)) {
-    v->sq_lock.lock();
-    v->grant.reset();
-    v->granted.store(false, std::memory_order_relaxed);
-    v->sq_lock.unlock();
-  }
+  drop_grant(*v);  // any change ends a direct grant (the backend's epoch moves too)
   if (int rc = to_vctx(qp->context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0)) return rc;
   if (mask & IBV_QP_STATE) qp->state = attr->qp_state;
   return 0;

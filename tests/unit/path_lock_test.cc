@@ -28,7 +28,8 @@ constexpr int kRounds = 20;
 constexpr int kRounds = 200;
 #endif
 
-std::pair<uint64_t, uint64_t> hammer(PathLock& lock, int threads, int per_thread, bool owner_first) {
+std::pair<uint64_t, uint64_t> hammer(PathLock& lock, int threads, int per_thread,
+                                     bool owner_first) {
   uint64_t counter = 0;
   std::atomic<uint64_t> made{0};
   std::atomic<bool> go{false};
@@ -55,7 +56,8 @@ std::pair<uint64_t, uint64_t> hammer(PathLock& lock, int threads, int per_thread
 }
 
 TEST(PathLock, OneThreadHoldsTheBiasUntilASecondThreadTakesTheLock) {
-  if (!asymmetric_barrier_available()) GTEST_SKIP() << "no membarrier here: the lock is never biased";
+  if (!asymmetric_barrier_available())
+    GTEST_SKIP() << "no membarrier here: the lock is never biased";
   PathLock lock;
   EXPECT_FALSE(lock.biased());
   for (int i = 0; i < 1000; ++i) {
