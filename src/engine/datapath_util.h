@@ -29,6 +29,8 @@ inline void init_ring(proto::RingHeader* h, proto::RingKind kind, uint32_t entry
   h->producer.store(0, std::memory_order_relaxed);
   h->consumer.store(0, std::memory_order_relaxed);
   h->armed.store(0, std::memory_order_relaxed);
+  h->direct_msgs.store(0, std::memory_order_relaxed);
+  h->direct_bytes.store(0, std::memory_order_relaxed);
 }
 
 /// The device keeps its own descriptor of every ring it hands out, so its state can move.

@@ -585,7 +585,7 @@ void Device::fail_peers(const Session& s) {
 void Device::destroy_qp_now(Session& s, Qp& qp) {
   Guest& g = *qp.guest;
   bump_epoch(g);
-  g.retired += qp.cnt;
+  g.retired += counters_of(qp);
   g.qps.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
   g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
@@ -699,13 +699,14 @@ std::string Device::status_json() const {
         totals[k] = totals[k].get<size_t>() + n;
       }
       for (const auto& [h, qp] : s->qps) {
+        const QpCounters cnt = counters_of(*qp);
         qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
                        {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
                        {"dest_qpn", qp->attr.dest_qp_num}, {"transport", qp->transport},
                        {"transport_why", qp->transport_why}, {"peer_node", qp->peer_node},
-                       {"msgs_sent", qp->cnt.msgs_sent}, {"bytes_sent", qp->cnt.bytes_sent},
-                       {"msgs_received", qp->cnt.msgs_received},
-                       {"bytes_received", qp->cnt.bytes_received}});
+                       {"msgs_sent", cnt.msgs_sent}, {"bytes_sent", cnt.bytes_sent},
+                       {"msgs_received", cnt.msgs_received},
+                       {"bytes_received", cnt.bytes_received}});
       }
     }
     char gid[40];

@@ -199,6 +199,9 @@ struct Qp {
 /// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.
 inline Cq& send_ring(Qp& qp) { return qp.own_send ? *qp.own_send : *qp.send_cq; }
 inline Cq& recv_ring(Qp& qp) { return qp.own_recv ? *qp.own_recv : *qp.recv_cq; }
+/// The QP's counters: what the backend moved, plus what libraries moved on the direct path
+/// (counted in the headers of its own rings).
+QpCounters counters_of(const Qp& qp);
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
 enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };

@@ -94,6 +94,19 @@ QpCounters& QpCounters::operator+=(const QpCounters& o) {
   return *this;
 }
 
+QpCounters counters_of(const Qp& qp) {
+  QpCounters c = qp.cnt;
+  if (qp.own_send) {
+    c.msgs_sent += qp.own_send->hdr->direct_msgs.load(std::memory_order_relaxed);
+    c.bytes_sent += qp.own_send->hdr->direct_bytes.load(std::memory_order_relaxed);
+  }
+  if (qp.own_recv) {
+    c.msgs_received += qp.own_recv->hdr->direct_msgs.load(std::memory_order_relaxed);
+    c.bytes_received += qp.own_recv->hdr->direct_bytes.load(std::memory_order_relaxed);
+  }
+  return c;
+}
+
 nlohmann::json counters_json(const QpCounters& c) {
   nlohmann::json errs = nlohmann::json::object();
   for (size_t i = 0; i < std::size(c.wc_errors); ++i) {
@@ -155,7 +168,8 @@ nlohmann::json Device::report() const {
                           {"users", srq->users}}));
     }
     for (const auto& [h, qp] : s->qps) {
-      per_guest[qp->guest] += qp->cnt;
+      const QpCounters cnt = counters_of(*qp);
+      per_guest[qp->guest] += cnt;
       const bool connected =
           qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR && qp->state <= IBV_QPS_SQD;
       nlohmann::json r = row({{"lqpn", qp->qpn},
@@ -171,7 +185,14 @@ nlohmann::json Device::report() const {
                                                              "into the peer (same uid, same host)"
                                                            : qp->transport_why},
                               {"peer_node", qp->peer_node},
-                              {"counters", counters_json(qp->cnt)}});
+                              {"counters", counters_json(cnt)}});
+      // The part of them that libraries moved on the direct path (own rings' headers).
+      if (qp->own_send)
+        r["counters"]["direct_msgs_sent"] =
+            qp->own_send->hdr->direct_msgs.load(std::memory_order_relaxed);
+      if (qp->own_recv)
+        r["counters"]["direct_msgs_received"] =
+            qp->own_recv->hdr->direct_msgs.load(std::memory_order_relaxed);
       // Cursors, for a queue that seems stuck: what the guest posted, what the backend took.
       r["ring"] = {{"sq_posted", qp->sq_hdr->producer.load(std::memory_order_relaxed)},
                    {"sq_taken", qp->sq_cons},

@@ -23,6 +23,9 @@ enum class RingKind : uint16_t { kSq = 1, kRq = 2, kCq = 3 };
 using AtomicU32 = std::atomic<uint32_t>;
 static_assert(AtomicU32::is_always_lock_free);
 static_assert(sizeof(AtomicU32) == 4);
+using AtomicU64 = std::atomic<uint64_t>;
+static_assert(AtomicU64::is_always_lock_free);
+static_assert(sizeof(AtomicU64) == 8);
 
 struct alignas(64) RingHeader {
   uint32_t magic;
@@ -33,7 +36,15 @@ struct alignas(64) RingHeader {
   /// CQ only: bumped by the backend when a QP's own completion ring (direct path) starts to
   /// feed this CQ; the guest then asks for the rings (kDirectRings).
   AtomicU32 direct_gen;
-  uint8_t pad0[44];
+  uint32_t reserved0;
+  /// A QP's own completion ring only (direct path), written by the library that executes: on
+  /// a send ring the messages and bytes this QP sent directly, on a receive ring those its
+  /// peer delivered to it directly. The backend adds them to the QP's counters (a guest can
+  /// only misreport its own traffic). On this line, which no poller reads, so counting moves
+  /// no cache line between the cores.
+  AtomicU64 direct_msgs;
+  AtomicU64 direct_bytes;
+  uint8_t pad0[24];
   AtomicU32 producer;  ///< free-running count of entries produced
   uint8_t pad1[60];
   AtomicU32 consumer;  ///< free-running count of entries consumed

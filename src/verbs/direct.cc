@@ -66,6 +66,14 @@ void push(OwnRing& r, const Cqe& e) {
   r.hdr->producer.store(prod + 1, std::memory_order_release);
 }
 
+/// One message more in an own ring's counters (this library is their only writer).
+void count(OwnRing& r, uint64_t bytes) {
+  r.hdr->direct_msgs.store(r.hdr->direct_msgs.load(std::memory_order_relaxed) + 1,
+                           std::memory_order_relaxed);
+  r.hdr->direct_bytes.store(r.hdr->direct_bytes.load(std::memory_order_relaxed) + bytes,
+                            std::memory_order_relaxed);
+}
+
 /// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
 /// rkey's iova), as spans of our mappings.
 bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
@@ -301,6 +309,8 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     rc.slid = static_cast<uint16_t>(g.my_lid);
     push(g.peer_recv, rc);
   }
+  count(g.send, len);
+  count(g.peer_recv, len);
   if (signaled) {
     Cqe e{};
     e.wr_id = wr.wr_id;

@@ -3,7 +3,8 @@
 # grants it (VRDMA_DIRECT_PATH=1, as `vrdmad --direct-path`) move their bytes themselves. Debian's
 # tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
 # checksummed rc_stream), every perftest size, atomics (which stay on the backend), and the
-# backend must say which QPs are direct. Then the same pair on a backend without it: not direct.
+# backend must say which QPs are direct and count their messages. Then the same pair on a
+# backend without it: not direct.
 # Usage: direct_path.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -19,6 +20,12 @@ wait_transport() {
     sleep 0.05
   done
   fail "expected $1 QPs with transport $2: $("$VRDMA" res show qp 2>&1)"
+}
+
+# Counter C (msgs_sent, ...) of guest G, summed over its QPs. Usage: direct_count G C
+direct_count() {
+  "$VRDMA" stat qp guest "$1" -j | C="$2" perl -MJSON::PP -0777 -ne \
+    'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)}; print $s'
 }
 
 # 1. ibv_rc_pingpong -c validates every buffer it receives; both sides' QPs are granted.
@@ -40,7 +47,17 @@ vrun --guest st-c -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 8192 \
 cli=$!
 cli_proc=$(child_named "$cli" rc_stream)
 wait_transport 1 direct
+# The backend counts what the libraries move directly: the direct parts of both sides' counters
+# grow, and the totals include them.
+a_sent="$(direct_count st-c direct_msgs_sent)" a_recv="$(direct_count st-s direct_msgs_received)"
 sleep 1
+b_sent="$(direct_count st-c direct_msgs_sent)" b_recv="$(direct_count st-s direct_msgs_received)"
+((b_sent > a_sent && b_recv > a_recv)) ||
+  fail "direct messages not counted: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
+t_sent="$(direct_count st-c msgs_sent)" t_recv="$(direct_count st-s msgs_received)"
+((t_sent >= b_sent && t_recv >= b_recv)) ||
+  fail "totals without the direct messages: sent $t_sent < $b_sent or received $t_recv < $b_recv"
+log "counted while direct: sent $a_sent -> $b_sent (total $t_sent), received $a_recv -> $b_recv"
 kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 90
 log "rc_stream: $STREAM_RESULT"
