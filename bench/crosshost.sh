@@ -8,11 +8,14 @@
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw.
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
+# CORUN=K: K more processes that do nothing but sched_yield() run beside the latency rows (the
+# CPUs a real host's other busy-polling programs would take; the bandwidth rows run without).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"
 RUNS="${2:-5}"
+CORUN="${CORUN:-0}"
 export E2E_DEADLINE="${E2E_DEADLINE:-3600}"  # lib.sh's watchdog; a benchmark may take long
 # shellcheck source-path=SCRIPTDIR/.. source=tests/hosts/lib.sh
 source "$ROOT/tests/hosts/lib.sh"
@@ -68,6 +71,22 @@ tcp_pp() {
   usec_of "$E2E_TMP/tcp.out"
 }
 
+# (On a failure hosts_cleanup kills them with every other descendant.)
+corun_pids=()
+corun_label=""
+stop_corun() {
+  local p
+  for p in "${corun_pids[@]}"; do { kill "$p" && wait "$p"; } 2>/dev/null || true; done
+  corun_pids=()
+}
+for ((k = 0; k < CORUN; k++)); do
+  python3 -c $'import os\nwhile True: os.sched_yield()' &
+  corun_pids+=($!)
+done
+if ((CORUN > 0)); then
+  corun_label=" (+$CORUN co-runners)"
+  log "$CORUN yielding co-runners beside the latency rows"
+fi
 echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | raw TCP µs/iter median (min–max) | UCX tcp µs/iter median (min–max) | vrdma / TCP | vrdma / UCX |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
@@ -79,8 +98,9 @@ for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
     peer+=("$(tcp_pp "${args[@]}")")
     ucx+=("$(ucx_tcp tag_lat "${args[1]}" "${args[3]}" | awk '{printf "%.2f", 2 * $4}')")
   done
-  row "\`ibv_rc_pingpong $cfg\`"
+  row "\`ibv_rc_pingpong $cfg\`$corun_label"
 done
+stop_corun
 
 echo
 echo "| date | machine | command (h2 -> h1) | runs | vrdma MB/s median (min–max) | iperf3 MB/s median (min–max) | UCX tcp ucp_put_bw MB/s median (min–max) | vrdma / TCP | vrdma / UCX |"
