@@ -18,7 +18,9 @@ size_t request_body_size(Op op) {
     case Op::kQuerySrq:
     case Op::kDestroySrq:
     case Op::kDirectGrant:
-    case Op::kDirectRings: return sizeof(HandleReq);
+    case Op::kDirectRings:
+    case Op::kDirectRemote: return sizeof(HandleReq);
+    case Op::kDirectOffer: return sizeof(DirectOfferReq);
     case Op::kCreateSrq: return sizeof(CreateSrqReq);
     case Op::kModifySrq: return sizeof(ModifySrqReq);
     case Op::kRegSegment: return sizeof(RegSegmentReq);

@@ -59,7 +59,10 @@ enum class Op : uint16_t {
   // The direct path between guests of one uid (docs/ARCHITECTURE.md, "Direct path").
   kDirectGrant = 30,
   kDirectRings = 31,
-  kMax = 32,  ///< one past the last opcode; never sent
+  // The direct path across backends (docs/ARCHITECTURE.md, "Across hosts").
+  kDirectOffer = 32,
+  kDirectRemote = 33,
+  kMax = 34,  ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is sent without a session (Hello) first.
@@ -219,6 +222,45 @@ struct DirectRingsResp {
   DirectRing rings[kMaxDirectRings];
 };
 static_assert(sizeof(DirectRingsResp) == 8 + 16 * kMaxDirectRings);
+
+// ---- The direct path across backends (docs/ARCHITECTURE.md, "Across hosts"): the libraries
+// of an RC QP pair whose QPs live on two backends talk TCP to each other; the backends only
+// introduce them.
+// kDirectOffer: the library of QP `qp` takes its peer QP's direct connection on TCP `port` of
+// this host, from whoever presents `token`. The backend checks the QP (RC, peer on another
+// backend, RTR or RTS, no SRQ, no completion channel on its receive CQ), gives it its own
+// receive-completion ring (response fd 0) and passes the offer to the peer's backend.
+inline constexpr size_t kDirectTokenBytes = 16;
+struct DirectOfferReq {
+  uint32_t qp;    ///< QP handle
+  uint16_t port;  ///< host order
+  uint16_t reserved;
+  uint8_t token[kDirectTokenBytes];
+};
+static_assert(sizeof(DirectOfferReq) == 24);
+struct DirectOfferResp {
+  uint32_t recv_ring_entries;  ///< the QP's own receive-completion ring (fd 0)
+  uint32_t peer_qpn;           ///< the QP's destination QPN: the only one that may connect
+  uint32_t my_lid;
+  uint32_t reserved;
+};
+static_assert(sizeof(DirectOfferResp) == 16);
+// kDirectRemote (HandleReq: the QP): may this QP's library send straight to its peer's library?
+// Needs the peer's offer (matching this QP's destination), RTS, nothing in flight, no completion
+// channel on the send CQ, rnr_retry 7. Response fd 0: the QP's own send-completion ring. From
+// then on the backend executes nothing of this QP's send queue. EAGAIN: not yet (no offer, work
+// in flight); EOPNOTSUPP: never for this QP.
+struct DirectRemoteResp {
+  uint32_t send_ring_entries;
+  uint32_t peer_qpn;
+  uint32_t my_lid;
+  uint32_t peer_ipv4;  ///< network order: where the peer's library listens ...
+  uint16_t peer_port;  ///< ... host order
+  uint16_t reserved0;
+  uint32_t reserved1;
+  uint8_t token[kDirectTokenBytes];
+};
+static_assert(sizeof(DirectRemoteResp) == 40);
 
 struct QpCaps {
   uint32_t max_send_wr;

@@ -148,6 +148,8 @@ static_assert(sizeof(Cqe) == 48);
 
 /// Per-session page the backend shares with the guest: tells the guest when to ring the doorbell.
 inline constexpr uint32_t kFeatureDirect = 1;  ///< the backend grants the direct path (kDirectGrant)
+/// ... and across backends (kDirectOffer, kDirectRemote)
+inline constexpr uint32_t kFeatureDirectRemote = 2;
 
 struct alignas(64) ControlPage {
   uint32_t magic;

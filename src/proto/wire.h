@@ -20,7 +20,7 @@ namespace vrdma::proto::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint16_t kWireVersion = 2;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
@@ -31,7 +31,8 @@ enum class Type : uint16_t {
   kGuestDown = 3,  ///< a guest of the sender's backend left
   kRequest = 4,    ///< a requester's message (RC/UC/UD); SEND/WRITE/UD carry the payload
   kReply = 5,      ///< the responder's answer: ACK, NAK, READ data, atomic result
-  kMax = 6,        ///< one past the last type; never sent
+  kDirectOffer = 6,  ///< a library takes a direct connection (kDirectOffer command); version 2
+  kMax = 7,          ///< one past the last type; never sent
 };
 
 struct FrameHeader {
@@ -108,6 +109,23 @@ struct Reply {
 };
 static_assert(sizeof(Reply) == 48);
 
+/// kDirectOffer: the library of QP `src_qpn` (a guest of the sender) takes a direct TCP connection
+/// from the library of QP `dst_qpn` (addressed as in a Request) on `port` of the address the
+/// receiver knows the sender by, from whoever presents `token`. No payload.
+struct DirectOffer {
+  uint8_t sgid[16];  ///< the offering guest's GID
+  uint8_t dgid[16];  ///< the destination guest's GID (valid when is_global)
+  uint16_t slid;
+  uint16_t dlid;  ///< when !is_global
+  uint8_t is_global;
+  uint8_t reserved0;
+  uint16_t port;
+  uint32_t src_qpn;
+  uint32_t dst_qpn;
+  uint8_t token[16];
+};
+static_assert(sizeof(DirectOffer) == 64);
+
 /// A decoded frame: the header and a copy of its body (payload still unread).
 struct Frame {
   FrameHeader h{};
@@ -116,6 +134,7 @@ struct Frame {
     GuestEntry guest;
     Request req;
     Reply reply;
+    DirectOffer offer;
   };
   Frame() : req{} {}
   Type type() const { return static_cast<Type>(h.type); }
