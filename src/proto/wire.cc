@@ -16,6 +16,8 @@ size_t body_size(Type t) {
       return sizeof(Request);
     case Type::kReply:
       return sizeof(Reply);
+    case Type::kDirectOffer:
+      return sizeof(DirectOffer);
     case Type::kMax:
       break;
   }
@@ -133,6 +135,13 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
     case Type::kReply:
       std::memcpy(&out.reply, body.data(), sizeof(Reply));
       return check_reply(h, out.reply);
+    case Type::kDirectOffer:
+      std::memcpy(&out.offer, body.data(), sizeof(DirectOffer));
+      if (out.offer.is_global > 1) return error(EPROTO, "direct offer: is_global not 0/1");
+      if (out.offer.src_qpn > 0xffffff || out.offer.dst_qpn > 0xffffff)
+        return error(EPROTO, "direct offer: QPN wider than 24 bits");
+      if (out.offer.port == 0) return error(EPROTO, "direct offer: port 0");
+      return Status::ok();
     case Type::kMax:
       break;
   }
