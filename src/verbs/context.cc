@@ -342,6 +342,7 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
 
 VERBS_EXPORT int ibv_close_device(ibv_context* c) {
   VContext* ctx = to_vctx(c);
+  remote_shutdown(*ctx);
   ::close(c->async_fd);
   pthread_mutex_destroy(&c->mutex);
   delete ctx;  // closing the socket makes the backend reclaim anything left

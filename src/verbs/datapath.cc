@@ -42,6 +42,11 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   }
   int rc = 0;
   qp->sq_lock.lock();
+  // Peer on another backend, reached through its library (remote.cc).
+  if (remote_post(*qp, wr, rc, bad)) {
+    qp->sq_lock.unlock();
+    return rc;
+  }
   // Same-uid peer on this backend: execute what we can ourselves (direct.cc).
   direct_post(*qp, wr);
   if (!wr) {
@@ -149,6 +154,7 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (!qp->rq_hdr->armed.load(std::memory_order_relaxed)) to_vctx(q->context)->ring_doorbell();
   }
   qp->rq_lock.unlock();
+  remote_receives_posted(*qp);
   if (rc) *bad = wr;
   return rc;
 }
@@ -157,8 +163,12 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   VCq* cq = to_vcq(c);
   cq->lock.lock();
   int got = 0;
+  bool progressed = false;
   while (got < n) {
     const Cqe* next = next_cqe(*cq);
+    // Nothing here: read the connections of peers' libraries (remote.cc), once.
+    if (!next && !got && !progressed && (progressed = true) && remote_progress(*cq))
+      next = next_cqe(*cq);
     if (!next) break;
     const Cqe& e = *next;
     ibv_wc& w = wc[got++];

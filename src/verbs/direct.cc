@@ -40,40 +40,6 @@ void copy(const Span* src, const Span* dst, uint64_t len) {
   }
 }
 
-bool map_ring(OwnRing& r, int fd, uint32_t entries) {
-  const size_t bytes = ring_bytes(entries, sizeof(Cqe));
-  r.map = MappedRegion::map_shared(fd, bytes);
-  if (!r.map.valid()) return false;
-  r.hdr = reinterpret_cast<RingHeader*>(r.map.data());
-  r.entries = ring_entries<Cqe>(r.hdr);
-  r.size = entries;
-  return true;
-}
-
-/// Whether an own ring we produce into has a free slot (the consumer's index is read only when
-/// the copy in `seen` says full).
-bool has_room(OwnRing& r) {
-  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
-  if (prod - r.seen < r.size) return true;
-  r.seen = r.hdr->consumer.load(std::memory_order_acquire);
-  return prod - r.seen < r.size;
-}
-
-/// Appends a completion to an own ring (has_room() said yes).
-void push(OwnRing& r, const Cqe& e) {
-  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
-  r.entries[prod & (r.size - 1)] = e;
-  r.hdr->producer.store(prod + 1, std::memory_order_release);
-}
-
-/// One message more in an own ring's counters (this library is their only writer).
-void count(OwnRing& r, uint64_t bytes) {
-  r.hdr->direct_msgs.store(r.hdr->direct_msgs.load(std::memory_order_relaxed) + 1,
-                           std::memory_order_relaxed);
-  r.hdr->direct_bytes.store(r.hdr->direct_bytes.load(std::memory_order_relaxed) + bytes,
-                            std::memory_order_relaxed);
-}
-
 /// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
 /// rkey's iova), as spans of our mappings.
 bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
@@ -100,20 +66,6 @@ bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint3
     len -= take;
   }
   return len == 0;
-}
-
-/// Our own MR for `key` in the QP's PD (cached per QP; the map is read under its lock).
-const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key) {
-  const uint32_t gen = ctx.mr_gen.load(std::memory_order_acquire);
-  if (qp.mr_gen != gen || qp.mr_key != key) {
-    std::lock_guard<std::mutex> g(ctx.mr_mu);
-    auto it = ctx.local_mrs.find(key);
-    if (it == ctx.local_mrs.end()) return nullptr;
-    qp.mr = it->second;
-    qp.mr_key = key;
-    qp.mr_gen = gen;
-  }
-  return qp.mr.pd == qp.pd ? &qp.mr : nullptr;
 }
 
 /// The WR's local memory as spans; `need`: access the MRs must allow. False: leave it to the
@@ -332,6 +284,54 @@ void reset_grant(VQp& qp) {
 }
 
 }  // namespace
+
+/// Our own MR for `key` in the QP's PD (cached per QP; the map is read under its lock).
+const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key) {
+  const uint32_t gen = ctx.mr_gen.load(std::memory_order_acquire);
+  if (qp.mr_gen != gen || qp.mr_key != key) {
+    std::lock_guard<std::mutex> g(ctx.mr_mu);
+    auto it = ctx.local_mrs.find(key);
+    if (it == ctx.local_mrs.end()) return nullptr;
+    qp.mr = it->second;
+    qp.mr_key = key;
+    qp.mr_gen = gen;
+  }
+  return qp.mr.pd == qp.pd ? &qp.mr : nullptr;
+}
+
+bool map_ring(OwnRing& r, int fd, uint32_t entries) {
+  const size_t bytes = ring_bytes(entries, sizeof(Cqe));
+  r.map = MappedRegion::map_shared(fd, bytes);
+  if (!r.map.valid()) return false;
+  r.hdr = reinterpret_cast<RingHeader*>(r.map.data());
+  r.entries = ring_entries<Cqe>(r.hdr);
+  r.size = entries;
+  return true;
+}
+
+/// Whether an own ring we produce into has a free slot (the consumer's index is read only when
+/// the copy in `seen` says full).
+bool has_room(OwnRing& r) {
+  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
+  if (prod - r.seen < r.size) return true;
+  r.seen = r.hdr->consumer.load(std::memory_order_acquire);
+  return prod - r.seen < r.size;
+}
+
+/// Appends a completion to an own ring (has_room() said yes).
+void push(OwnRing& r, const Cqe& e) {
+  const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
+  r.entries[prod & (r.size - 1)] = e;
+  r.hdr->producer.store(prod + 1, std::memory_order_release);
+}
+
+/// One message more in an own ring's counters (this library is their only writer).
+void count(OwnRing& r, uint64_t bytes) {
+  r.hdr->direct_msgs.store(r.hdr->direct_msgs.load(std::memory_order_relaxed) + 1,
+                           std::memory_order_relaxed);
+  r.hdr->direct_bytes.store(r.hdr->direct_bytes.load(std::memory_order_relaxed) + bytes,
+                            std::memory_order_relaxed);
+}
 
 void drop_grant(VQp& qp) {
   // A post that installs a grant after this check is ended by the epoch the backend moves.

@@ -26,6 +26,7 @@ struct VContext;
 /// One MR of this process, as the direct path checks local SGEs against it.
 struct LocalMr {
   uint64_t addr = 0, length = 0;
+  uint64_t iova = 0;  ///< where rkeys address it
   uint32_t access = 0, pd = 0;
 };
 
@@ -59,6 +60,18 @@ struct Grant {
   std::vector<proto::DirectMr> mrs;
   uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;
 };
+
+/// This process's MR for `key` in the QP's PD, or null (cached per QP; under the SQ lock).
+const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key);
+/// Maps an own completion ring of `entries` from its memfd.
+bool map_ring(OwnRing& r, int fd, uint32_t entries);
+/// Whether an own ring we produce into has a free slot (the consumer's index is read only when
+/// the copy in `seen` says full).
+bool has_room(OwnRing& r);
+/// Appends a completion to an own ring (has_room() said yes).
+void push(OwnRing& r, const proto::Cqe& e);
+/// One message more in an own ring's counters (this library is their only writer).
+void count(OwnRing& r, uint64_t bytes);
 
 /// The cursors of another process are read only when the copy we have says "full" or "empty":
 /// each such read moves a cache line between the cores.

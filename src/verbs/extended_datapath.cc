@@ -42,7 +42,7 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   if (attr && attr->comp_mask) return EINVAL;
   VCq* cq = cq_of(c);
   cq->lock.lock();
-  if (take_next(cq)) {
+  if (take_next(cq) || (remote_progress(*cq) && take_next(cq))) {
     cq->empty_polls = 0;
     return 0;
   }

@@ -21,6 +21,7 @@
 #include "proto/ring.h"
 #include "verbs/direct.h"
 #include "verbs/path_lock.h"
+#include "verbs/remote.h"
 
 namespace vrdma::verbs {
 
@@ -64,6 +65,10 @@ struct VContext {
   std::atomic<bool> fatal_reported{false};  ///< IBV_EVENT_DEVICE_FATAL was handed out
   /// ring_doorbell() woke the backend and no poll has seen it awake since (should_yield).
   mutable std::atomic<bool> woke_backend{false};
+  /// The direct path across backends (remote.cc): this process's hub, made on first use.
+  std::mutex hub_make;
+  std::shared_ptr<Hub> hub;
+  std::atomic<Hub*> hub_raw{nullptr};
 };
 
 inline VContext* to_vctx(ibv_context* c) {
@@ -108,6 +113,9 @@ struct VCq {
   std::vector<std::unique_ptr<OwnRing>> own;
   uint32_t direct_gen = 0;
   size_t own_turn = 0;
+  // Direct path across backends: the connections of this CQ's QPs, as of the hub's gen.
+  uint32_t rgen = 0;
+  std::vector<std::shared_ptr<Conn>> rconns;
 };
 
 struct VQp {
@@ -143,6 +151,9 @@ struct VQp {
   uint32_t mr_gen = ~0u;  ///< one-entry cache of VContext::local_mrs
   uint32_t mr_key = 0;
   LocalMr mr{};
+  uint32_t access = 0;  ///< qp_access_flags, as last set
+  /// The direct path across backends (remote.cc); made at the first offer or connection.
+  std::unique_ptr<RemoteQp> remote;
 };
 
 /// Whether a ring we produce into (`prod`, `size`) has no free slot. The consumer's cursor is a

@@ -140,7 +140,7 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
   mr->handle = resp.handle;
   {
     std::lock_guard<std::mutex> g(ctx->mr_mu);
-    ctx->local_mrs[resp.lkey] = LocalMr{reinterpret_cast<uintptr_t>(addr), length,
+    ctx->local_mrs[resp.lkey] = LocalMr{reinterpret_cast<uintptr_t>(addr), length, req->iova,
                                         req->access, req->pd};
   }
   return &mr->mr;
@@ -353,8 +353,10 @@ VERBS_EXPORT int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
   Empty resp;
   VQp* v = to_vqp(qp);
   drop_grant(*v);  // any change ends a direct grant (the backend's epoch moves too)
+  remote_before_modify(*v, mask, *attr);
   if (int rc = to_vctx(qp->context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0)) return rc;
   if (mask & IBV_QP_STATE) qp->state = attr->qp_state;
+  remote_after_modify(*v, mask, *attr);
   return 0;
 }
 
@@ -385,6 +387,7 @@ VERBS_EXPORT int ibv_query_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask, ibv_qp_in
 VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
   VQp* v = to_vqp(qp);
   VContext* ctx = to_vctx(qp->context);
+  remote_destroy(*v);
   if (int rc = destroy_handle(qp->context, Op::kDestroyQp, v->handle)) return rc;
   drop_rings(*to_vcq(qp->send_cq), v->handle);
   drop_rings(*to_vcq(qp->recv_cq), v->handle);

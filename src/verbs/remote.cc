@@ -1,0 +1,1341 @@
+// The direct path across backends in the library (see remote.h).
+//
+// Connections. Each direction of a QP pair has its own TCP connection, dialed by the requester:
+// requests go one way, responses (ACK, NAK, READ data, atomic results) come back on it. So each
+// end of a socket has one writer role, and a connection never needs a tie-break.
+//
+// Threads. The application's thread posts (writes requests) and, while it polls an empty CQ,
+// reads the connections of that CQ's QPs itself; the hub's thread waits in epoll for the rest:
+// a target that only spins on its memory, a backlog to flush. Per connection: rx_mu (reading and
+// executing), tx_mu (writing and the backlog); per QP: fl_mu (WRs in flight and the send ring).
+// Order: rx_mu before fl_mu; nothing takes an rx_mu while it holds fl_mu or tx_mu.
+#include "verbs/remote.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/log.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+
+namespace vrdma::verbs {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kRxBuf = 64 * 1024;
+constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
+constexpr int kDialMs = 1000;
+constexpr uint64_t kHelloMs = 2000;
+constexpr uint32_t kFirstBackoff = 64;      ///< posts between asks after a "not yet"
+constexpr uint32_t kMaxBackoff = 1u << 16;  ///< ... growing to this
+
+enum FType : uint8_t {
+  kSend = 1,
+  kSendImm = 2,
+  kWrite = 3,
+  kWriteImm = 4,
+  kRead = 5,
+  kCas = 6,
+  kFaa = 7,
+  kAck = 16,
+  kNak = 17,
+  kReadResp = 18,
+  kAtomicResp = 19,
+};
+
+/// One frame between two libraries; SEND/WRITE data or READ data follows it.
+struct Frame {
+  uint8_t type;
+  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
+  uint16_t flags;  ///< requests: IBV_SEND_SOLICITED
+  uint32_t imm;    ///< as the WR gave it (network order)
+  uint32_t len;    ///< requests: message bytes (READ: asked for); kReadResp: its data
+  uint32_t rkey;
+  uint64_t raddr;
+  uint64_t arg0;  ///< atomics: compare/add; responses: requests executed so far
+  uint64_t arg1;  ///< kCas: swap; kAtomicResp: the value before
+};
+static_assert(sizeof(Frame) == 40);
+
+struct Hello {
+  uint32_t magic, version;
+  uint32_t from_qpn, to_qpn;
+  uint32_t from_lid, reserved;
+  uint8_t token[kDirectTokenBytes];
+};
+static_assert(sizeof(Hello) == 40);
+struct HelloAck {
+  uint32_t magic;
+  int32_t err;
+};
+
+uint64_t now_ms() {
+  timespec t;
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1000 + uint64_t(t.tv_nsec) / 1000000;
+}
+
+bool is_request(uint8_t t) { return t >= kSend && t <= kFaa; }
+bool carries_data(uint8_t t) { return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm; }
+bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || t == kWriteImm; }
+
+uint8_t frame_type(ibv_wr_opcode op) {
+  switch (op) {
+    case IBV_WR_SEND: return kSend;
+    case IBV_WR_SEND_WITH_IMM: return kSendImm;
+    case IBV_WR_RDMA_WRITE: return kWrite;
+    case IBV_WR_RDMA_WRITE_WITH_IMM: return kWriteImm;
+    case IBV_WR_RDMA_READ: return kRead;
+    case IBV_WR_ATOMIC_CMP_AND_SWP: return kCas;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD: return kFaa;
+    default: return 0;
+  }
+}
+
+ibv_wc_opcode wc_opcode(uint32_t op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM: return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ: return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP: return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD: return IBV_WC_FETCH_ADD;
+    default: return IBV_WC_SEND;
+  }
+}
+
+bool answered_by_data(uint32_t op) {
+  return op == IBV_WR_RDMA_READ || op == IBV_WR_ATOMIC_CMP_AND_SWP ||
+         op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+}
+
+}  // namespace
+
+/// What the hub's epoll reports: the stop event, the listener, a connection in its hello, or a
+/// connection.
+struct Watch {
+  enum Kind { kStop, kListen, kPending, kConn } kind;
+};
+
+struct Conn : Watch {
+  Conn() : Watch{kConn} {}
+  UniqueFd fd;
+  Hub* hub = nullptr;
+  bool requester = false;
+  const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
+  const ibv_cq* recv_cq = nullptr;
+  std::mutex rx_mu;
+  VQp* qp = nullptr;  ///< under rx_mu; null once the QP is gone
+  // Receiving: a buffer, and the frame being taken in.
+  std::vector<uint8_t> buf = std::vector<uint8_t>(kRxBuf);
+  size_t beg = 0, end = 0;
+  enum class Rx { kHeader, kStart, kPayload } rx = Rx::kHeader;
+  Frame f{};
+  uint64_t left = 0;  ///< payload bytes still to come
+  MemSpan dst[kMaxSge];
+  size_t nd = 0, di = 0;
+  uint64_t doff = 0;
+  bool discard = false;  ///< the payload goes nowhere
+  RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
+  uint32_t rcons = 0;
+  bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
+  uint64_t executed = 0, acked = 0;
+  std::atomic<bool> stalled{false};  ///< responder: waits for a receive (or completion room)
+  // Sending: what the socket did not take yet.
+  std::mutex tx_mu;
+  struct Piece {
+    std::vector<uint8_t> own;  ///< a copy, or empty when `p` is the application's memory
+    const uint8_t* p;
+    size_t n;
+  };
+  std::deque<Piece> backlog;
+  std::atomic<bool> want_out{false};
+  std::atomic<bool> broken{false};
+  std::mutex arm_mu;  ///< one epoll_ctl at a time, from the current flags
+  bool watched = false;
+};
+
+struct Hub {
+  VContext* ctx = nullptr;
+  std::mutex mu;  ///< conns, and the control fields of every RemoteQp
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::atomic<uint32_t> gen{1};  ///< moves when conns does
+  UniqueFd ep, stop, lfd;
+  uint16_t port = 0;
+  Watch stop_w{Watch::kStop}, listen_w{Watch::kListen};
+  struct Pending : Watch {
+    Pending() : Watch{kPending} {}
+    UniqueFd fd;
+    Hello h{};
+    size_t got = 0;
+    uint64_t deadline = 0;
+  };
+  std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
+  std::thread thr;
+};
+
+namespace {
+
+void epoll_set(Hub& h, int op, int fd, uint32_t events, Watch* w) {
+  epoll_event e{};
+  e.events = events;
+  e.data.ptr = w;
+  ::epoll_ctl(h.ep.get(), op, fd, &e);
+}
+
+/// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
+/// to write (while there is a backlog).
+void rearm(Conn& c) {
+  std::lock_guard<std::mutex> g(c.arm_mu);
+  if (c.broken.load()) {
+    if (c.watched) epoll_set(*c.hub, EPOLL_CTL_DEL, c.fd.get(), 0, nullptr);
+    c.watched = false;
+    return;
+  }
+  uint32_t ev = EPOLLRDHUP;
+  if (!c.stalled.load()) ev |= EPOLLIN;
+  if (c.want_out.load()) ev |= EPOLLOUT;
+  epoll_set(*c.hub, c.watched ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c.fd.get(), ev, &c);
+  c.watched = true;
+}
+
+void set_sock_opts(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  unsigned int ms = 5000;  // a peer that vanished (data unacknowledged) ends the connection
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+}
+
+// ---- sending ----
+
+/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
+/// when `copy`; else referenced: a requester's payload, which the application leaves alone until
+/// the WR completes). False when the connection is broken.
+bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy) {
+  std::lock_guard<std::mutex> g(c.tx_mu);
+  if (c.broken.load(std::memory_order_relaxed)) return false;
+  iovec iov[kMaxSge + 1];
+  size_t n = 0, total = sizeof(f);
+  iov[n++] = iovec{const_cast<Frame*>(&f), sizeof(f)};
+  for (size_t i = 0; i < nd; ++i) {
+    if (!data[i].n) continue;
+    iov[n++] = iovec{data[i].p, data[i].n};
+    total += data[i].n;
+  }
+  size_t done = 0;
+  if (c.backlog.empty()) {
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = n;
+    const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      c.broken.store(true);
+      return false;
+    }
+    done = w > 0 ? static_cast<size_t>(w) : 0;
+    if (done == total) return true;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
+    size_t len = iov[i].iov_len;
+    if (done >= len) {
+      done -= len;
+      continue;
+    }
+    p += done;
+    len -= done;
+    done = 0;
+    Conn::Piece pc;
+    if (i == 0 || copy) {
+      pc.own.assign(p, p + len);
+      pc.p = pc.own.data();
+    } else {
+      pc.p = p;
+    }
+    pc.n = len;
+    c.backlog.push_back(std::move(pc));
+  }
+  if (!c.want_out.exchange(true)) rearm(c);
+  return true;
+}
+
+/// Writes what it can of the backlog (tx_mu held). False when the connection broke.
+bool flush_locked(Conn& c) {
+  while (!c.backlog.empty()) {
+    iovec iov[64];
+    size_t n = 0;
+    for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
+      iov[n++] = iovec{const_cast<uint8_t*>(it->p), it->n};
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = n;
+    const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
+      c.broken.store(true);
+      return false;
+    }
+    size_t done = static_cast<size_t>(w);
+    while (done && !c.backlog.empty()) {
+      Conn::Piece& pc = c.backlog.front();
+      if (done >= pc.n) {
+        done -= pc.n;
+        c.backlog.pop_front();
+      } else {
+        pc.p += done;
+        pc.n -= done;
+        done = 0;
+      }
+    }
+  }
+  if (c.want_out.exchange(false)) rearm(c);
+  return true;
+}
+
+// ---- completions and errors ----
+
+/// Writes the completion of a requester's WR (tx: fl_mu held).
+void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
+  if (status == IBV_WC_SUCCESS) count(r.send, e.len);
+  if (!e.signaled && status == IBV_WC_SUCCESS) return;
+  if (!has_room(r.send)) {
+    VLOG_ERROR("direct path: send CQ of QP {:#x} overrun; a completion is lost", qp.qp.qp_num);
+    return;
+  }
+  Cqe c{};
+  c.wr_id = e.wr_id;
+  c.status = static_cast<uint32_t>(status);
+  c.opcode = wc_opcode(e.opcode);
+  c.byte_len = status == IBV_WC_SUCCESS ? e.len : 0;
+  c.qp_num = qp.qp.qp_num;
+  push(r.send, c);
+}
+
+/// Completes the head with `head_status` (or its own local error) and flushes the rest (fl_mu).
+void flush_inflight(VQp& qp, RemoteQp& r, int head_status) {
+  bool head = true;
+  while (!r.inflight.empty()) {
+    const Inflight& e = r.inflight.front();
+    int st = IBV_WC_WR_FLUSH_ERR;
+    if (head) st = head_status >= 0 ? head_status : (!e.sent ? e.status : IBV_WC_WR_FLUSH_ERR);
+    complete(qp, r, e, st);
+    r.inflight.pop_front();
+    head = false;
+  }
+  r.failing = true;
+}
+
+/// The QP to ERR on the direct path: its connections end (the peer sees them close) and the
+/// backend moves it (flushing its receive queue). Once.
+void to_error(VQp& qp, const char* why) {
+  RemoteQp& r = *qp.remote;
+  if (r.failed.exchange(true)) return;
+  r.active.store(false);
+  VLOG_WARN("direct path: QP {:#x} to the error state: {}", qp.qp.qp_num, why);
+  for (Conn* c : {r.out.get(), r.in.get()}) {
+    if (c) ::shutdown(c->fd.get(), SHUT_RDWR);
+  }
+  ModifyQpReq req{};
+  req.handle = qp.handle;
+  req.mask = IBV_QP_STATE;
+  req.attr.qp_state = IBV_QPS_ERR;
+  Empty resp;
+  to_vctx(qp.qp.context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0);
+}
+
+/// The requester's WRs answered by `n` (requests executed so far) complete (fl_mu held); then a
+/// WR that failed locally, if it is now the head, completes with its error. False: the answer
+/// does not fit what was sent (a broken peer).
+bool complete_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+  while (!r.inflight.empty() && r.inflight.front().sent && r.inflight.front().seq < n) {
+    const Inflight& e = r.inflight.front();
+    if (answered_by_data(e.opcode)) return false;
+    complete(qp, r, e, IBV_WC_SUCCESS);
+    r.inflight.pop_front();
+  }
+  if (!r.inflight.empty() && !r.inflight.front().sent) {
+    flush_inflight(qp, r, -1);
+    fail = true;
+  }
+  return true;
+}
+
+/// This process's MR for a key in `pd` (thread-safe; no cache).
+bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
+  std::lock_guard<std::mutex> g(ctx.mr_mu);
+  auto it = ctx.local_mrs.find(key);
+  if (it == ctx.local_mrs.end() || it->second.pd != pd) return false;
+  out = it->second;
+  return true;
+}
+
+/// [iova, iova + len) of the MR under `rkey`, in this process's memory, with `need` allowed by
+/// the MR and the QP.
+uint8_t* rkey_memory(VQp& qp, uint32_t rkey, uint64_t iova, uint64_t len, uint32_t need) {
+  LocalMr mr;
+  if ((qp.access & need) != need || !find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr) ||
+      (mr.access & need) != need || iova < mr.iova || len > mr.length ||
+      iova - mr.iova > mr.length - len)
+    return nullptr;
+  return reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+}
+
+// ---- receiving ----
+
+/// Reads into the buffer: 1 got bytes, 0 none now, -1 closed or failed.
+int fill(Conn& c) {
+  if (c.beg == c.end) {
+    c.beg = c.end = 0;
+  } else if (c.buf.size() - c.end < sizeof(Frame)) {
+    std::memmove(c.buf.data(), c.buf.data() + c.beg, c.end - c.beg);
+    c.end -= c.beg;
+    c.beg = 0;
+  }
+  const ssize_t r = ::recv(c.fd.get(), c.buf.data() + c.end, c.buf.size() - c.end, 0);
+  if (r > 0) {
+    c.end += static_cast<size_t>(r);
+    return 1;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+  return -1;
+}
+
+void advance(Conn& c, uint64_t n) {
+  while (n) {
+    const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
+    c.doff += k;
+    n -= k;
+    if (c.doff == c.dst[c.di].n) ++c.di, c.doff = 0;
+  }
+}
+
+/// Moves payload into its destination: 1 all of it is there, 0 more to come, -1 broken.
+int rx_payload(Conn& c) {
+  while (c.left) {
+    if (c.beg < c.end) {
+      uint64_t n = std::min<uint64_t>(c.left, c.end - c.beg);
+      c.left -= n;
+      if (!c.discard) {
+        const uint8_t* p = c.buf.data() + c.beg;
+        while (n) {
+          const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
+          std::memcpy(c.dst[c.di].p + c.doff, p, k);
+          p += k;
+          n -= k;
+          c.beg += k;
+          advance(c, k);
+        }
+      } else {
+        c.beg += n;
+      }
+      continue;
+    }
+    if (c.discard || c.left < kDirectReadMin) {
+      const int r = fill(c);
+      if (r <= 0) return r;
+      continue;
+    }
+    // Large: straight into the destination.
+    iovec iov[kMaxSge];
+    size_t n = 0;
+    uint64_t want = c.left;
+    for (size_t i = c.di; i < c.nd && want; ++i) {
+      const uint64_t off = i == c.di ? c.doff : 0;
+      const uint64_t k = std::min(want, c.dst[i].n - off);
+      iov[n++] = iovec{c.dst[i].p + off, k};
+      want -= k;
+    }
+    const ssize_t r = ::readv(c.fd.get(), iov, static_cast<int>(n));
+    if (r > 0) {
+      advance(c, static_cast<uint64_t>(r));
+      c.left -= static_cast<uint64_t>(r);
+    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      return 0;
+    } else {
+      return -1;
+    }
+  }
+  return 1;
+}
+
+enum class Start { kGo, kStall, kFail };
+
+void send_nak(Conn& c, ibv_wc_status st) {
+  Frame f{};
+  f.type = kNak;
+  f.status = static_cast<uint8_t>(st);
+  f.arg0 = c.executed;
+  send_frame(c, f, nullptr, 0, true);
+  c.acked = c.executed;
+  c.nak_sent = true;
+}
+
+/// The responder's receive WQE for the frame, copied out (not consumed). False: none posted
+/// yet, or no room for its completion; the connection then waits (stalled).
+bool peek_recv(Conn& c, VQp& qp, RemoteQp& r) {
+  for (int pass = 0; pass < 2; ++pass) {
+    const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
+    const uint32_t prod = qp.rq_hdr->producer.load(std::memory_order_seq_cst);
+    if (prod != cons && prod - cons <= qp.rq_size && has_room(r.recv)) {
+      const RecvWqe& w = qp.rq[cons & (qp.rq_size - 1)];
+      c.rwqe.wr_id = w.wr_id;
+      c.rwqe.num_sge = std::min<uint32_t>(w.num_sge, kMaxSge);
+      std::memcpy(c.rwqe.sge, w.sge, c.rwqe.num_sge * sizeof(Sge));
+      c.rcons = cons;
+      c.stalled.store(false);
+      return true;
+    }
+    // Say we wait before looking again: a receive posted in between sees the flag.
+    if (!pass) c.stalled.store(true, std::memory_order_seq_cst);
+  }
+  r.rx_stalled.store(true, std::memory_order_seq_cst);
+  return false;
+}
+
+/// The receive completion of a consumed WQE (status success unless given).
+void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status) {
+  qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+  Cqe e{};
+  e.wr_id = c.rwqe.wr_id;
+  e.status = static_cast<uint32_t>(status);
+  e.opcode = c.f.type == kWriteImm ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV;
+  if (status == IBV_WC_SUCCESS) {
+    e.byte_len = c.f.len;
+    if (c.f.type != kSend) {
+      e.wc_flags = IBV_WC_WITH_IMM;
+      e.imm_data = c.f.imm;
+    }
+  }
+  e.qp_num = qp.qp.qp_num;
+  e.src_qp = r.peer_qpn;
+  e.slid = static_cast<uint16_t>(r.peer_lid);
+  push(r.recv, e);
+}
+
+/// A request's header has arrived: check it against our memory and say where its data goes.
+Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
+  const Frame& f = c.f;
+  c.nd = c.di = 0;
+  c.doff = 0;
+  c.discard = false;
+  c.left = 0;
+  if (c.nak_sent) {
+    c.discard = true;
+    c.left = carries_data(f.type) ? f.len : 0;
+    return Start::kGo;
+  }
+  if (consumes_recv(f.type) && !peek_recv(c, qp, r)) return Start::kStall;
+  r.rx_stalled.store(false, std::memory_order_relaxed);
+  VContext& ctx = *to_vctx(qp.qp.context);
+  switch (f.type) {
+    case kSend:
+    case kSendImm: {
+      uint64_t cap = 0;
+      for (uint32_t i = 0; i < c.rwqe.num_sge; ++i) {
+        const Sge& s = c.rwqe.sge[i];
+        if (!s.length) continue;
+        LocalMr mr;
+        if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
+            s.addr < mr.addr || s.length > mr.length || s.addr - mr.addr > mr.length - s.length) {
+          push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR);
+          send_nak(c, IBV_WC_REM_OP_ERR);
+          fail = true;
+          return Start::kFail;
+        }
+        c.dst[c.nd++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+        cap += s.length;
+      }
+      if (cap < f.len) {
+        push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR);
+        send_nak(c, IBV_WC_REM_INV_REQ_ERR);
+        fail = true;
+        return Start::kFail;
+      }
+      c.left = f.len;
+      return Start::kGo;
+    }
+    case kWrite:
+    case kWriteImm: {
+      if (f.len) {
+        uint8_t* p = rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_WRITE);
+        if (!p) {
+          send_nak(c, IBV_WC_REM_ACCESS_ERR);
+          c.discard = true;
+          c.left = f.len;
+          return Start::kGo;
+        }
+        c.dst[c.nd++] = MemSpan{p, f.len};
+      }
+      c.left = f.len;
+      return Start::kGo;
+    }
+    case kRead: {
+      uint8_t* p =
+          f.len ? rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_READ) : nullptr;
+      if (f.len && !p) {
+        send_nak(c, IBV_WC_REM_ACCESS_ERR);
+        return Start::kGo;
+      }
+      Frame a{};
+      a.type = kReadResp;
+      a.len = f.len;
+      a.arg0 = ++c.executed;
+      const MemSpan d{p, f.len};
+      send_frame(c, a, &d, 1, true);
+      c.acked = c.executed;
+      count(r.recv, f.len);
+      return Start::kGo;
+    }
+    case kCas:
+    case kFaa: {
+      uint8_t* p = rkey_memory(qp, f.rkey, f.raddr, 8, IBV_ACCESS_REMOTE_ATOMIC);
+      if (!p || (f.raddr & 7)) {
+        send_nak(c, p ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_REM_ACCESS_ERR);
+        return Start::kGo;
+      }
+      auto* word = reinterpret_cast<uint64_t*>(p);
+      uint64_t old;
+      if (f.type == kFaa) {
+        old = __atomic_fetch_add(word, f.arg0, __ATOMIC_SEQ_CST);
+      } else {
+        old = f.arg0;
+        __atomic_compare_exchange_n(word, &old, f.arg1, false, __ATOMIC_SEQ_CST,
+                                    __ATOMIC_SEQ_CST);
+      }
+      Frame a{};
+      a.type = kAtomicResp;
+      a.len = 8;
+      a.arg0 = ++c.executed;
+      a.arg1 = old;
+      send_frame(c, a, nullptr, 0, true);
+      c.acked = c.executed;
+      count(r.recv, 8);
+      return Start::kGo;
+    }
+    default:
+      return Start::kFail;  // not a request: checked by the caller
+  }
+}
+
+void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.nak_sent) return;
+  const uint8_t t = c.f.type;
+  if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start
+  if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS);
+  count(r.recv, c.f.len);
+  ++c.executed;
+}
+
+/// A response's header has arrived (requester).
+Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why) {
+  const Frame& f = c.f;
+  c.nd = c.di = 0;
+  c.doff = 0;
+  c.discard = false;
+  c.left = 0;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (r.failing) {  // already in error: take the bytes, do nothing
+    c.discard = true;
+    c.left = f.type == kReadResp ? f.len : 0;
+    return Start::kGo;
+  }
+  const bool data = f.type == kReadResp || f.type == kAtomicResp;
+  const uint64_t before = data ? f.arg0 - 1 : f.arg0;
+  if ((data && f.arg0 == 0) || !complete_upto(qp, r, before, fail)) {
+    why = "the peer answered out of order";
+    return Start::kFail;
+  }
+  if (fail) return Start::kFail;
+  if (f.type == kAck) return Start::kGo;
+  Inflight* e = r.inflight.empty() ? nullptr : &r.inflight.front();
+  if (!e || !e->sent || e->seq != before) {
+    why = "the peer answered a request that was not sent";
+    return Start::kFail;
+  }
+  if (f.type == kNak) {
+    flush_inflight(qp, r, f.status);
+    fail = true;
+    why = "the peer refused a request";
+    return Start::kFail;
+  }
+  if (f.type == kAtomicResp) {
+    if (!answered_by_data(e->opcode) || e->opcode == IBV_WR_RDMA_READ) {
+      why = "an atomic result for another WR";
+      return Start::kFail;
+    }
+    std::memcpy(e->local[0].p, &f.arg1, 8);
+    complete(qp, r, *e, IBV_WC_SUCCESS);
+    r.inflight.pop_front();
+    return Start::kGo;
+  }
+  // kReadResp
+  if (e->opcode != IBV_WR_RDMA_READ || f.len != e->len) {
+    why = "READ data for another WR";
+    return Start::kFail;
+  }
+  for (uint8_t i = 0; i < e->nl; ++i) c.dst[c.nd++] = e->local[i];
+  c.left = f.len;
+  return Start::kGo;
+}
+
+void finish_response(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.f.type != kReadResp || c.discard) return;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (r.inflight.empty()) return;
+  complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
+  r.inflight.pop_front();
+}
+
+/// The connection closed or failed. A requester with WRs in flight puts its QP in ERR (they
+/// complete with RETRY_EXC_ERR, as a peer that stopped answering does); otherwise the peer is
+/// just gone, and the next post finds out.
+void broken(Conn& c, VQp& qp, const char* why) {
+  c.broken.store(true);
+  rearm(c);
+  if (!c.requester) return;
+  RemoteQp& r = *qp.remote;
+  bool any;
+  {
+    std::lock_guard<std::mutex> g(r.fl_mu);
+    any = !r.inflight.empty();
+    if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR);
+  }
+  if (any) to_error(qp, why);
+}
+
+/// Reads and executes what has arrived (rx_mu held, c.qp set). True when it took anything.
+bool drain(Conn& c) {
+  VQp& qp = *c.qp;
+  RemoteQp& r = *qp.remote;
+  if (c.broken.load()) return false;
+  bool did = false;
+  for (;;) {
+    if (c.rx == Conn::Rx::kHeader) {
+      if (c.end - c.beg < sizeof(Frame)) {
+        const int got = fill(c);
+        if (got < 0) {
+          broken(c, qp, "the peer's library closed the connection");
+          return true;
+        }
+        if (got == 0) break;
+        continue;
+      }
+      std::memcpy(&c.f, c.buf.data() + c.beg, sizeof(Frame));
+      c.beg += sizeof(Frame);
+      c.rx = Conn::Rx::kStart;
+      did = true;
+    }
+    if (c.rx == Conn::Rx::kStart) {
+      bool fail = false;
+      const char* why = "the peer sent a malformed frame";
+      Start s;
+      if (c.requester ? is_request(c.f.type) || c.f.type < kAck || c.f.type > kAtomicResp
+                      : !is_request(c.f.type) || c.f.len > kMaxMsgSize) {
+        s = Start::kFail;
+      } else {
+        s = c.requester ? start_response(c, qp, r, fail, why) : start_request(c, qp, r, fail);
+      }
+      if (s == Start::kStall) {
+        rearm(c);  // no more EPOLLIN until a receive is posted
+        break;
+      }
+      if (s == Start::kFail) {
+        if (!fail) {  // a broken peer: end it as a lost connection
+          ::shutdown(c.fd.get(), SHUT_RDWR);
+          broken(c, qp, why);
+        } else {
+          to_error(qp, c.requester ? why : "a request failed at this responder");
+          c.broken.store(true);
+          rearm(c);
+        }
+        return true;
+      }
+      c.rx = Conn::Rx::kPayload;
+    }
+    const int got = rx_payload(c);
+    if (got < 0) {
+      broken(c, qp, "the peer's library closed the connection");
+      return true;
+    }
+    if (got == 0) break;
+    if (c.requester) finish_response(c, qp, r);
+    else finish_request(c, qp, r);
+    c.rx = Conn::Rx::kHeader;
+  }
+  // One cumulative ACK for what this batch executed.
+  if (!c.requester && c.executed != c.acked && !c.nak_sent) {
+    Frame a{};
+    a.type = kAck;
+    a.arg0 = c.executed;
+    send_frame(c, a, nullptr, 0, true);
+    c.acked = c.executed;
+  }
+  return did;
+}
+
+// ---- the hub ----
+
+void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    h.conns.push_back(c);
+    h.gen.fetch_add(1, std::memory_order_release);
+  }
+  rearm(*c);
+}
+
+/// Ends a connection for good: nothing reads it or writes it again.
+void retire(Hub& h, const std::shared_ptr<Conn>& c) {
+  {
+    std::lock_guard<std::mutex> g(c->rx_mu);
+    c->qp = nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> g(c->tx_mu);
+    c->backlog.clear();
+    c->broken.store(true);
+  }
+  rearm(*c);
+  ::shutdown(c->fd.get(), SHUT_RDWR);
+  std::lock_guard<std::mutex> g(h.mu);
+  std::erase(h.conns, c);
+  h.gen.fetch_add(1, std::memory_order_release);
+}
+
+std::shared_ptr<Conn> find_conn(Hub& h, const Conn* p) {
+  std::lock_guard<std::mutex> g(h.mu);
+  for (const auto& c : h.conns) {
+    if (c.get() == p) return c;
+  }
+  return nullptr;
+}
+
+/// A dialer's hello is complete: is it the peer of one of our offers?
+void accept_hello(Hub& h, Hub::Pending& p) {
+  VContext& ctx = *h.ctx;
+  HelloAck ack{kMagic, EPERM};
+  std::shared_ptr<Conn> c;
+  if (p.h.magic == kMagic && p.h.version == kVersion) {
+    std::lock_guard<std::mutex> go(ctx.objs_mu);
+    std::lock_guard<std::mutex> g(h.mu);
+    for (const auto& [handle, qp] : ctx.qps) {
+      RemoteQp* r = qp->remote.get();
+      if (!r || !r->offered || r->dead || qp->qp.qp_num != p.h.to_qpn ||
+          r->peer_qpn != p.h.from_qpn ||
+          std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
+        continue;
+      if (r->in && !r->in->broken.load()) {
+        ack.err = EBUSY;
+        break;
+      }
+      c = std::make_shared<Conn>();
+      c->fd = std::move(p.fd);
+      c->hub = &h;
+      c->qp = qp;
+      c->send_cq = qp->qp.send_cq;
+      c->recv_cq = qp->qp.recv_cq;
+      r->peer_lid = p.h.from_lid;
+      if (r->in) std::erase(h.conns, r->in);
+      r->in = c;
+      h.conns.push_back(c);
+      h.gen.fetch_add(1, std::memory_order_release);
+      ack.err = 0;
+      break;
+    }
+  }
+  const int fd = c ? c->fd.get() : p.fd.get();
+  if (::send(fd, &ack, sizeof(ack), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(ack)) && c) {
+    c->broken.store(true);
+  }
+  if (c) {
+    rearm(*c);
+    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library", p.h.to_qpn,
+              p.h.from_qpn);
+  } else {
+    VLOG_WARN("direct path: refused a connection for QP {:#x} ({})", p.h.to_qpn,
+              ack.err == EBUSY ? "it has one" : "no such offer");
+  }
+}
+
+void on_pending(Hub& h, Hub::Pending* p) {
+  auto it = std::find_if(h.pending.begin(), h.pending.end(),
+                         [&](const auto& x) { return x.get() == p; });
+  if (it == h.pending.end()) return;
+  const ssize_t r = ::recv(p->fd.get(), reinterpret_cast<uint8_t*>(&p->h) + p->got,
+                           sizeof(Hello) - p->got, 0);
+  if (r > 0) p->got += static_cast<size_t>(r);
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  if (r > 0 && p->got < sizeof(Hello)) return;
+  epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
+  if (p->got == sizeof(Hello)) accept_hello(h, *p);
+  h.pending.erase(it);
+}
+
+void run(Hub& h) {
+  sigset_t all;
+  ::sigfillset(&all);
+  ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
+  epoll_event ev[32];
+  for (;;) {
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, h.pending.empty() ? -1 : 200);
+    for (int i = 0; i < n; ++i) {
+      auto* w = static_cast<Watch*>(ev[i].data.ptr);
+      switch (w->kind) {
+        case Watch::kStop:
+          return;
+        case Watch::kListen:
+          for (;;) {
+            const int fd = ::accept4(h.lfd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0) break;
+            set_sock_opts(fd);
+            auto p = std::make_unique<Hub::Pending>();
+            p->fd = UniqueFd(fd);
+            p->deadline = now_ms() + kHelloMs;
+            epoll_set(h, EPOLL_CTL_ADD, fd, EPOLLIN, p.get());
+            h.pending.push_back(std::move(p));
+          }
+          break;
+        case Watch::kPending:
+          on_pending(h, static_cast<Hub::Pending*>(w));
+          break;
+        case Watch::kConn: {
+          std::shared_ptr<Conn> c = find_conn(h, static_cast<Conn*>(w));
+          if (!c) break;
+          if (ev[i].events & EPOLLOUT) {
+            std::lock_guard<std::mutex> g(c->tx_mu);
+            flush_locked(*c);
+          }
+          if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+            std::lock_guard<std::mutex> g(c->rx_mu);
+            if (!c->qp) break;
+            drain(*c);
+            // A closed connection that waits for a receive would wake us for ever.
+            if ((ev[i].events & (EPOLLHUP | EPOLLERR)) && c->stalled.load() && !c->broken)
+              broken(*c, *c->qp, "the peer's library closed the connection");
+          }
+          break;
+        }
+      }
+    }
+    const uint64_t t = now_ms();
+    std::erase_if(h.pending, [&](const auto& p) {
+      if (p->deadline > t) return false;
+      epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
+      return true;
+    });
+  }
+}
+
+/// The process's hub, started on first use (a listener, an epoll set, a thread). Null when it
+/// cannot be made.
+Hub* hub_of(VContext& ctx) {
+  if (Hub* h = ctx.hub_raw.load(std::memory_order_acquire)) return h;
+  std::lock_guard<std::mutex> g(ctx.hub_make);
+  if (ctx.hub) return ctx.hub.get();
+  auto h = std::make_shared<Hub>();
+  h->ctx = &ctx;
+  h->ep = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  h->stop = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  h->lfd = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t alen = sizeof(a);
+  if (!h->ep.valid() || !h->stop.valid() || !h->lfd.valid() ||
+      ::bind(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::listen(h->lfd.get(), 64) != 0 ||
+      ::getsockname(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
+    VLOG_WARN("direct path: cannot listen for peers' libraries: {}", std::strerror(errno));
+    return nullptr;
+  }
+  h->port = ntohs(a.sin_port);
+  epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
+  epoll_set(*h, EPOLL_CTL_ADD, h->lfd.get(), EPOLLIN, &h->listen_w);
+  Hub* raw = h.get();
+  h->thr = std::thread([raw] { run(*raw); });
+  ctx.hub = std::move(h);
+  ctx.hub_raw.store(raw, std::memory_order_release);
+  return raw;
+}
+
+RemoteQp& remote_of(Hub& h, VQp& qp) {
+  std::lock_guard<std::mutex> g(h.mu);
+  if (!qp.remote) qp.remote = std::make_unique<RemoteQp>();
+  return *qp.remote;
+}
+
+/// Connects to the peer's library (blocking, bounded). Invalid on failure (logged).
+UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return {};
+  set_sock_opts(fd.get());
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = ipv4;
+  a.sin_port = htons(port);
+  auto wait_for = [&](short ev) {
+    pollfd p{fd.get(), ev, 0};
+    return ::poll(&p, 1, kDialMs) == 1 && (p.revents & ev);
+  };
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (errno != EINPROGRESS || !wait_for(POLLOUT) ||
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)
+      return {};
+  }
+  if (::send(fd.get(), &hello, sizeof(hello), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(hello)))
+    return {};
+  HelloAck ack{};
+  size_t got = 0;
+  while (got < sizeof(ack)) {
+    if (!wait_for(POLLIN)) return {};
+    const ssize_t r = ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
+    if (r <= 0) return {};
+    got += static_cast<size_t>(r);
+  }
+  if (ack.magic != kMagic || ack.err != 0) {
+    errno = ack.err ? ack.err : EPROTO;
+    return {};
+  }
+  return fd;
+}
+
+void back_off(RemoteQp& r, uint32_t base) {
+  r.backoff = std::min(std::max(r.backoff * 2, base), kMaxBackoff);
+  r.ask_wait = r.backoff;
+}
+
+/// Asks the backend for the peer's offer and connects (under the SQ lock). True: `out` is up.
+bool connect_out(VQp& qp) {
+  VContext& ctx = *to_vctx(qp.qp.context);
+  // Only when everything the backend took from this SQ is completed: nothing can pass it.
+  if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
+  if (qp.remote && qp.remote->ask_wait) {
+    --qp.remote->ask_wait;
+    return false;
+  }
+  Hub* h = hub_of(ctx);
+  if (!h) return false;
+  RemoteQp& r = remote_of(*h, qp);
+  DirectRemoteResp resp{};
+  std::vector<UniqueFd> fds;
+  HandleReq req{qp.handle, 0};
+  if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
+    if (rc == EAGAIN) back_off(r, kFirstBackoff);
+    else r.never = true;
+    return false;
+  }
+  if (fds.size() != 1 || !resp.send_ring_entries ||
+      (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
+      !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {
+    VLOG_WARN("direct path: unusable answer for QP {:#x}; staying on the backend",
+              qp.qp.qp_num);
+    r.never = true;
+    return false;
+  }
+  Hello hello{kMagic, kVersion, qp.qp.qp_num, resp.peer_qpn, resp.my_lid, 0, {}};
+  std::memcpy(hello.token, resp.token, kDirectTokenBytes);
+  UniqueFd fd = dial(resp.peer_ipv4, resp.peer_port, hello);
+  if (!fd.valid()) {
+    char ip[INET_ADDRSTRLEN] = "?";
+    ::inet_ntop(AF_INET, &resp.peer_ipv4, ip, sizeof(ip));
+    VLOG_WARN("direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
+              "the backend",
+              qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
+    back_off(r, kMaxBackoff / 4);
+    return false;
+  }
+  r.send.seen = r.send.hdr->consumer.load(std::memory_order_acquire);
+  auto c = std::make_shared<Conn>();
+  c->fd = std::move(fd);
+  c->hub = h;
+  c->requester = true;
+  c->qp = &qp;
+  c->send_cq = qp.qp.send_cq;
+  c->recv_cq = qp.qp.recv_cq;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    r.out = c;
+  }
+  register_conn(*h, c);
+  r.active.store(true, std::memory_order_release);
+  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library", qp.qp.qp_num,
+            resp.peer_qpn);
+  return true;
+}
+
+/// A WR's local memory, checked against our MRs: success, or the error its completion gets.
+int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, MemSpan* out,
+                 size_t& n) {
+  const bool inl = (wr.send_flags & IBV_SEND_INLINE) && carries_data(frame_type(wr.opcode));
+  const uint32_t need = answered_by_data(wr.opcode) ? IBV_ACCESS_LOCAL_WRITE : 0;
+  uint64_t len = 0;
+  for (int i = 0; i < wr.num_sge; ++i) {
+    const ibv_sge& s = wr.sg_list[i];
+    if (!s.length) continue;
+    if (!inl) {
+      const LocalMr* mr = local_mr(ctx, qp, s.lkey);
+      if (!mr || (mr->access & need) != need || s.addr < mr->addr || s.length > mr->length ||
+          s.addr - mr->addr > mr->length - s.length)
+        return IBV_WC_LOC_PROT_ERR;
+    }
+    out[n++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+    len += s.length;
+  }
+  if (len > kMaxMsgSize) return IBV_WC_LOC_LEN_ERR;
+  if (wr.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
+    if (len != 8 || n != 1) return IBV_WC_LOC_LEN_ERR;
+  }
+  e.len = static_cast<uint32_t>(len);
+  return IBV_WC_SUCCESS;
+}
+
+/// Ends a QP's connections (it leaves RTS, or goes).
+void teardown(VQp& qp) {
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
+  if (!h || !qp.remote) return;
+  std::shared_ptr<Conn> in, out;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    qp.remote->dead = true;
+    in = std::move(qp.remote->in);
+    out = std::move(qp.remote->out);
+  }
+  qp.remote->active.store(false);
+  for (const auto& c : {in, out}) {
+    if (c) retire(*h, c);
+  }
+}
+
+}  // namespace
+
+bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
+  // A QP posted to through ibv_wr_* writes its WQEs straight into the ring: it stays there.
+  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp_ex.wr_start) return false;
+  VContext& ctx = *to_vctx(qp.qp.context);
+  if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
+  RemoteQp* r = qp.remote.get();
+  if (!r || !r->active.load(std::memory_order_acquire)) {
+    if (r && (r->failed.load() || r->never || r->dead)) return false;
+    if (!connect_out(qp)) return false;
+    r = qp.remote.get();
+  }
+  rc = 0;
+  bool fail = false;
+  for (; wr; wr = wr->next) {
+    const uint8_t type = frame_type(wr->opcode);
+    if (!type || wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp.caps.max_send_sge) {
+      rc = EINVAL;
+      break;
+    }
+    if ((wr->send_flags & IBV_SEND_INLINE) && carries_data(type)) {
+      uint64_t total = 0;
+      for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
+      if (total > qp.caps.max_inline_data) {
+        rc = EINVAL;
+        break;
+      }
+    }
+    Inflight e;
+    e.wr_id = wr->wr_id;
+    e.opcode = wr->opcode;
+    e.signaled = qp.sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
+    MemSpan data[kMaxSge];
+    size_t nd = 0;
+    const int st = local_memory(ctx, qp, *wr, e, data, nd);
+    std::unique_lock<std::mutex> fl(r->fl_mu);
+    if (r->inflight.size() >= qp.sq_size) {
+      rc = ENOMEM;
+      break;
+    }
+    if (r->failing || st != IBV_WC_SUCCESS || !r->out || r->out->broken.load()) {
+      // It completes in order, with its error (or flushed, after one).
+      e.status = r->failing ? IBV_WC_WR_FLUSH_ERR
+                 : st != IBV_WC_SUCCESS ? st
+                                        : IBV_WC_RETRY_EXC_ERR;
+      r->failing = true;
+      r->inflight.push_back(e);
+      if (r->inflight.size() == 1) {
+        flush_inflight(qp, *r, -1);
+        fail = true;
+      }
+      continue;
+    }
+    e.sent = true;
+    e.seq = r->sent++;
+    if (answered_by_data(wr->opcode)) {
+      e.nl = static_cast<uint8_t>(nd);
+      std::copy(data, data + nd, e.local);
+    }
+    r->inflight.push_back(e);
+    fl.unlock();
+    Frame f{};
+    f.type = type;
+    f.flags = static_cast<uint16_t>(wr->send_flags & IBV_SEND_SOLICITED);
+    f.imm = wr->imm_data;
+    f.len = e.len;
+    if (type == kCas || type == kFaa) {
+      f.rkey = wr->wr.atomic.rkey;
+      f.raddr = wr->wr.atomic.remote_addr;
+      f.arg0 = wr->wr.atomic.compare_add;
+      f.arg1 = wr->wr.atomic.swap;
+    } else {
+      f.rkey = wr->wr.rdma.rkey;
+      f.raddr = wr->wr.rdma.remote_addr;
+    }
+    const bool inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
+    if (!send_frame(*r->out, f, carries_data(type) ? data : nullptr, carries_data(type) ? nd : 0,
+                    inl)) {
+      std::lock_guard<std::mutex> g(r->fl_mu);
+      flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR);
+      fail = true;
+    }
+  }
+  if (fail) to_error(qp, "a WR failed on the direct path");
+  if (rc) *bad = wr;
+  return true;
+}
+
+void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
+  if (!(mask & IBV_QP_STATE) || !qp.remote) return;
+  const ibv_qp_state to = attr.qp_state;
+  if (to == IBV_QPS_RTS && qp.qp.state == IBV_QPS_RTS) return;  // attributes only
+  if (to == IBV_QPS_RTR || to == IBV_QPS_RTS) return;            // on its way up
+  // Leaving RTS: in ERR the WRs in flight are flushed; in RESET they are dropped.
+  qp.sq_lock.lock();
+  if (to == IBV_QPS_ERR || to == IBV_QPS_SQE || to == IBV_QPS_SQD) {
+    std::lock_guard<std::mutex> g(qp.remote->fl_mu);
+    if (!qp.remote->inflight.empty()) flush_inflight(qp, *qp.remote, IBV_WC_WR_FLUSH_ERR);
+  }
+  teardown(qp);
+  qp.remote->failed.store(true);
+  if (to == IBV_QPS_RESET) qp.remote.reset();
+  qp.sq_lock.unlock();
+}
+
+void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
+  if (mask & IBV_QP_ACCESS_FLAGS) qp.access = attr.qp_access_flags;
+  if (!(mask & IBV_QP_STATE) || (attr.qp_state != IBV_QPS_RTR && attr.qp_state != IBV_QPS_RTS))
+    return;
+  VContext& ctx = *to_vctx(qp.qp.context);
+  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq ||
+      !(ctx.control_page()->features & kFeatureDirectRemote) ||
+      (qp.remote && (qp.remote->offered || qp.remote->dead)))
+    return;
+  Hub* h = hub_of(ctx);
+  if (!h) return;
+  RemoteQp& r = remote_of(*h, qp);
+  DirectOfferReq req{};
+  req.qp = qp.handle;
+  req.port = h->port;
+  if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
+    return;
+  DirectOfferResp resp{};
+  std::vector<UniqueFd> fds;
+  if (ctx.call(Op::kDirectOffer, req, resp, {}, &fds) != 0) return;  // not for this QP (or not yet)
+  if (fds.size() != 1 || !resp.recv_ring_entries ||
+      (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
+    VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
+    return;
+  }
+  OwnRing ring;
+  if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return;
+  ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
+  std::lock_guard<std::mutex> g(h->mu);
+  r.recv = std::move(ring);
+  std::memcpy(r.token, req.token, kDirectTokenBytes);
+  r.peer_qpn = resp.peer_qpn;
+  r.my_lid = resp.my_lid;
+  r.offered = true;
+}
+
+void remote_destroy(VQp& qp) {
+  if (!qp.remote) return;
+  qp.sq_lock.lock();
+  teardown(qp);
+  qp.sq_lock.unlock();
+}
+
+bool remote_progress(VCq& cq) {
+  Hub* h = to_vctx(cq.cq.context)->hub_raw.load(std::memory_order_acquire);
+  if (!h) return false;
+  const uint32_t gen = h->gen.load(std::memory_order_acquire);
+  if (gen != cq.rgen) {
+    std::lock_guard<std::mutex> g(h->mu);
+    cq.rconns.clear();
+    for (const auto& c : h->conns) {
+      if (c->send_cq == &cq.cq || c->recv_cq == &cq.cq) cq.rconns.push_back(c);
+    }
+    cq.rgen = gen;
+  }
+  bool did = false;
+  for (const auto& c : cq.rconns) {
+    if (c->broken.load(std::memory_order_relaxed)) continue;
+    if (c->want_out.load(std::memory_order_relaxed)) {
+      std::unique_lock<std::mutex> t(c->tx_mu, std::try_to_lock);
+      if (t) flush_locked(*c);
+    }
+    std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
+    if (!l || !c->qp) continue;
+    const bool was_stalled = c->stalled.load();
+    did |= drain(*c);
+    if (was_stalled && !c->stalled.load()) rearm(*c);
+  }
+  return did;
+}
+
+void remote_receives_posted(VQp& qp) {
+  RemoteQp* r = qp.remote.get();
+  if (!r || !r->rx_stalled.load(std::memory_order_seq_cst)) return;
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
+  if (!h) return;
+  std::shared_ptr<Conn> c;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    c = r->in;
+  }
+  if (!c) return;
+  std::lock_guard<std::mutex> l(c->rx_mu);
+  if (!c->qp) return;
+  drain(*c);
+  if (!c->stalled.load()) rearm(*c);
+}
+
+void remote_shutdown(VContext& ctx) {
+  std::shared_ptr<Hub> h;
+  {
+    std::lock_guard<std::mutex> g(ctx.hub_make);
+    h = std::move(ctx.hub);
+    ctx.hub_raw.store(nullptr);
+  }
+  if (!h) return;
+  const uint64_t one = 1;
+  if (::write(h->stop.get(), &one, sizeof(one)) < 0) {
+    VLOG_WARN("direct path: cannot stop the hub thread: {}", std::strerror(errno));
+    h->thr.detach();
+    return;
+  }
+  h->thr.join();
+}
+
+}  // namespace vrdma::verbs

@@ -1,0 +1,95 @@
+// The direct path across backends, the library's side (docs/ARCHITECTURE.md, "Across hosts"):
+// the libraries of an RC QP pair whose QPs live on two backends talk TCP to each other, so a
+// message passes two processes (as over UCX's tcp transport or a TCP ping-pong) instead of four.
+// The backends only introduce them: the responder's library listens and offers its port and a
+// token through the backends (kDirectOffer); the requester's library, once everything the
+// backend took from its send queue is completed, gets that offer (kDirectRemote), dials, and from
+// then on sends every WR of the QP itself. Each library checks what reaches its own memory
+// (keys, PD, access, bounds, receive WQEs) against its own MRs, so no trust between the two is
+// needed. A connection that breaks puts the QP in ERR. One thread per process (the hub) takes
+// connections and serves them while the application does not poll.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+
+#include "proto/command.h"
+#include "proto/ring.h"
+#include "verbs/direct.h"
+
+namespace vrdma::verbs {
+
+struct VQp;
+struct VCq;
+struct VContext;
+struct Conn;
+struct Hub;
+
+/// A run of local memory a WR reads or writes.
+struct MemSpan {
+  uint8_t* p;
+  uint64_t n;
+};
+
+/// A WR of the requester, from its post to its completion, oldest first.
+struct Inflight {
+  uint64_t wr_id = 0;
+  uint64_t seq = 0;  ///< its request's number on the connection (sent ones only)
+  uint32_t opcode = 0;
+  uint32_t len = 0;
+  bool signaled = false;
+  bool sent = false;  ///< false: a WR that failed locally (status) or is to be flushed
+  int status = IBV_WC_SUCCESS;
+  uint8_t nl = 0;  ///< READ/atomic: where the answer goes
+  MemSpan local[proto::kMaxSge];
+};
+
+/// A QP's state on the direct path across backends. Control fields under Hub::mu.
+struct RemoteQp {
+  // Responder: our offer, and the connection the peer's library made to it.
+  bool offered = false;
+  uint8_t token[proto::kDirectTokenBytes] = {};
+  uint32_t peer_qpn = 0, my_lid = 0;
+  uint32_t peer_lid = 0;  ///< from the peer's hello (the slid of receive completions)
+  bool dead = false;      ///< torn down: takes no connection any more
+  std::atomic<bool> rx_stalled{false};  ///< `in` waits for a receive to be posted
+  OwnRing recv;  ///< the QP's own receive-completion ring (we produce into it)
+  std::shared_ptr<Conn> in;
+  // Requester: our connection, our own send-completion ring, the WRs not yet completed.
+  std::shared_ptr<Conn> out;
+  OwnRing send;
+  std::mutex fl_mu;  ///< inflight, sent, the send ring's producer side
+  std::deque<Inflight> inflight;
+  uint64_t sent = 0;  ///< requests written to `out`
+  bool failing = false;  ///< an entry failed locally: no more requests go out
+  uint32_t ask_wait = 0, backoff = 0;
+  bool never = false;               ///< the backend said never for this QP
+  std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring
+  std::atomic<bool> active{false};  ///< `out` is up: every post goes through it
+};
+
+/// Before the ring path of ibv_post_send (under the SQ lock): when this QP talks to its peer's
+/// library directly (or now can), sends the chain that way and returns true with `rc`/`bad` set.
+/// False: the WRs go to the ring as before.
+bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad);
+/// ibv_modify_qp, before the backend hears of it: leaving RTS ends the connections (ERR flushes
+/// the WRs in flight, RESET drops them).
+void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr);
+/// ibv_modify_qp, after the backend agreed: at RTR (or RTS, if RTR was too early) the QP offers
+/// to take its peer's connection.
+void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr);
+/// ibv_destroy_qp, first: ends the QP's connections.
+void remote_destroy(VQp& qp);
+/// From an empty poll of `cq`: reads the connections of its QPs. True when it did something.
+bool remote_progress(VCq& cq);
+/// From ibv_post_recv: a connection waiting for a receive may go on.
+void remote_receives_posted(VQp& qp);
+/// ibv_close_device: stops the hub's thread and closes everything.
+void remote_shutdown(VContext& ctx);
+
+}  // namespace vrdma::verbs

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The direct path across backends (--direct-remote): two namespace hosts whose backends only
+# introduce each RC QP pair's libraries, which then talk TCP to each other. Debian's unmodified
+# tools across them: ibv_rc_pingpong -c (LID and GID), every perftest opcode (SEND, WRITE, READ,
+# atomics), a verifying RC stream whose direct counts grow while it runs, a completion channel
+# (stays on the backends), and a peer killed mid-stream: the survivor's QP fails with a clear
+# error, and both backends serve the next pair.
+# Usage: direct_remote.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--direct-remote ${HOSTS_VRDMAD_ARGS:-}"
+hosts_init "${1:-}" 2
+wait_mesh
+
+# Counter C (direct_msgs_sent, msgs_sent, ...) of guest G on host H, summed over its QPs.
+hcount() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" stat qp guest "$2" -j | C="$3" perl -MJSON::PP \
+    -0777 -ne 'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)}; print $s'
+}
+# Lines of host H's backend log that say a library of guest G took the direct path.
+granted() { grep -c "direct path across.*guest $2 " "$E2E_TMP/vrdmad.h$1.log" || true; }
+
+# 1. ibv_rc_pingpong validating every buffer, both ways direct, in LID and GID mode.
+hpair lid 1 2 -c -n 20000
+hpair gid 2 1 -g 0 -c -n 5000 -s 65536
+for g in lid-s lid-c; do
+  h=1
+  [[ $g == *-c ]] && h=2
+  [[ $(granted "$h" "$g") -ge 1 ]] || fail "no direct connection for $g: $(grep -i direct "$E2E_TMP/vrdmad.h$h.log" | tail -n 3)"
+done
+
+# 2. A completion channel keeps the QP on the backends; it still works.
+hpair events 1 2 -e -c -n 2000
+
+# 3. A checksummed stream: while it runs, direct messages are counted on both ends.
+hstream_start st 1 2
+sleep 1.5
+a_sent="$(hcount 2 st-c direct_msgs_sent)" a_recv="$(hcount 1 st-s direct_msgs_received)"
+sleep 1
+b_sent="$(hcount 2 st-c direct_msgs_sent)" b_recv="$(hcount 1 st-s direct_msgs_received)"
+((b_sent > a_sent && b_recv > a_recv)) ||
+  fail "not direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
+log "stream direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
+kill -USR1 "$cli_proc"
+finish_stream st "$cli" "$srv" 60
+log "rc_stream: $STREAM_RESULT"
+
+# 4. Every opcode through perftest.
+hperftest 1 2 ib_send_lat -n 2000
+hperftest 1 2 ib_write_lat -n 2000
+hperftest 1 2 ib_read_lat -n 2000
+hperftest 1 2 ib_atomic_lat -n 2000
+hperftest 1 2 ib_write_bw -s 1048576 -n 500
+hperftest 1 2 ib_send_bw -n 5000 -x 0
+hperftest 1 2 ib_read_bw -s 65536 -n 1000
+
+# 5. The server's process dies mid-stream: the client's QP goes to ERR with a clear line in its
+# output (a failed completion), nothing hangs, and both backends serve the next pair.
+hstream_start dies 1 2
+sleep 1.5
+kill -KILL "$(child_named "$srv" rc_stream)" 2>/dev/null || true
+wait_pid "$cli" 30
+[[ $WAIT_RC != 0 && $WAIT_RC != 124 ]] ||
+  fail "client after its peer died: exit $WAIT_RC: $(tail -n 3 "$E2E_TMP/dies.client.out")"
+grep -q "completion .* failed" "$E2E_TMP/dies.client.out" ||
+  fail "client did not report a failed completion: $(tail -n 3 "$E2E_TMP/dies.client.out")"
+log "peer killed: client says: $(grep -m1 failed "$E2E_TMP/dies.client.out")"
+hpair after 1 2 -c -n 2000
+e2e_pass
