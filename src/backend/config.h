@@ -26,6 +26,9 @@ struct Config {
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
   /// "Direct path"); not with keep_state yet.
   bool direct_path = false;
+  /// The same across backends: the libraries of an RC QP pair on two backends talk TCP to each
+  /// other, the backends only introduce them; not with keep_state yet.
+  bool direct_remote = false;
   // [quotas] (per guest)
   engine::Quotas quotas;
   // [transport]

@@ -61,6 +61,10 @@ int main(int argc, char** argv) {
   app.add_flag("--direct-path", direct_path,
                "let guests of one uid copy to each other themselves, the backend only granting "
                "and revoking ([datapath] direct_path)");
+  bool direct_remote = false;
+  app.add_flag("--direct-remote", direct_remote,
+               "let the libraries of an RC QP pair on two backends talk TCP to each other, the "
+               "backends only introducing them ([datapath] direct_remote)");
   bool keep_state = false;
   app.add_flag("--keep-state", keep_state,
                "keep guests' state in a keeper process: a backend that dies is replaced without "
@@ -91,6 +95,7 @@ int main(int argc, char** argv) {
   if (spin_us >= 0) cfg.spin_us = spin_us;
   if (keep_state) cfg.keep_state = true;
   if (direct_path) cfg.direct_path = true;
+  if (direct_remote) cfg.direct_remote = true;
   if (!metrics_listen.empty()) {
     cfg.metrics_enabled = true;
     cfg.metrics_listen = metrics_listen;
@@ -104,6 +109,9 @@ int main(int argc, char** argv) {
   // VRDMA_DIRECT_PATH=1: as --direct-path (for a backend the library starts on first use).
   if (const char* d = ::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
     cfg.direct_path = true;
+  // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
+  if (const char* d = ::getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
+    cfg.direct_remote = true;
   // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
   // cross-host path on one host).
   if (const char* t = ::getenv("VRDMA_TRANSPORT"); t && *t) {

@@ -104,6 +104,9 @@ Status Server::setup() {
   if (opt_.direct_path && opt_.keep_state)
     VLOG_WARN("direct_path is off: a keeper cannot hold the state of direct QPs yet");
   dev_.set_direct(opt_.direct_path && !opt_.keep_state);
+  if (opt_.direct_remote && opt_.keep_state)
+    VLOG_WARN("direct_remote is off: a keeper cannot hold the state of direct QPs yet");
+  dev_.set_direct_remote(opt_.direct_remote && !opt_.keep_state);
   return Status::ok();
 }
 
@@ -242,10 +245,15 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
     case Op::kDirectGrant:
-    case Op::kDirectRings: {
+    case Op::kDirectRings:
+    case Op::kDirectOffer:
+    case Op::kDirectRemote: {
       std::vector<UniqueFd> owned;
       if (op == Op::kDirectGrant) reply(dev_.direct_grant(*s, handle_of(), owned));
-      else reply(dev_.direct_rings(*s, handle_of(), owned));
+      else if (op == Op::kDirectRings) reply(dev_.direct_rings(*s, handle_of(), owned));
+      else if (op == Op::kDirectOffer)
+        reply(dev_.direct_offer(*s, body_of<DirectOfferReq>(msg).value(), owned));
+      else reply(dev_.direct_remote(*s, handle_of(), owned));
       std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
       if (status == 0) {
         for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());

@@ -198,7 +198,7 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
 
 int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
                 const std::string& check_config, const std::string& metrics_listen,
-                bool direct_path) {
+                bool direct_path, bool direct_remote) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
@@ -211,6 +211,7 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
   }
   if (!metrics_listen.empty()) args.insert(args.end(), {"--metrics-listen", metrics_listen});
   if (direct_path) args.emplace_back("--direct-path");
+  if (direct_remote) args.emplace_back("--direct-remote");
   if (idle_exit >= 0) {
     args.insert(args.end(), {"--idle-exit", std::to_string(idle_exit)});
   }
@@ -576,6 +577,10 @@ int main_impl(int argc, char** argv) {
   bool direct_path = false;
   backend->add_flag("--direct-path", direct_path,
                     "let guests of one uid copy to each other themselves ([datapath] direct_path)");
+  bool direct_remote = false;
+  backend->add_flag("--direct-remote", direct_remote,
+                    "let the libraries of a QP pair on two backends talk TCP to each other "
+                    "([datapath] direct_remote)");
 
   bool json = false;
   std::string status_socket;
@@ -637,7 +642,7 @@ int main_impl(int argc, char** argv) {
   }
   if (*backend) {
     return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen,
-                       direct_path);
+                       direct_path, direct_remote);
   }
   if (*status) {
     return cmd_status(json, status_socket);

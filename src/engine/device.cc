@@ -140,7 +140,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   ControlPage* cp = s->control_page();
   cp->magic = kRingMagic;
   cp->version = kRingVersion;
-  cp->features = direct_ ? kFeatureDirect : 0;
+  cp->features = (direct_ ? kFeatureDirect : 0) | (direct_remote_ ? kFeatureDirectRemote : 0);
   cp->backend_sleeping.store(0);
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");
@@ -546,6 +546,11 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
       qp->rq_hdr->consumer.store(qp->rq_cons, std::memory_order_release);
       qp->sq_hdr->retired.store(qp->sq_cons, std::memory_order_release);
       qp->sq_sent = qp->sq_cons;
+      // A direct connection across backends ends with it: its peer's offer was for this
+      // connection, and the backend executes its send queue again.
+      qp->direct_remote = false;
+      qp->direct = false;
+      s.guest->direct_offers.erase(qp->qpn);
     }
     // Leaving RTS (to ERR, RESET, SQD) or entering it ends any retry wait: in ERR the head WQE
     // is flushed, and a pending deadline must not keep the backend from sleeping.
@@ -587,6 +592,7 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
   bump_epoch(g);
   g.retired += counters_of(qp);
   g.qps.erase(qp.qpn);
+  g.direct_offers.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
   g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
   if (g.active.empty()) {

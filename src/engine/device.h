@@ -194,6 +194,9 @@ struct Qp {
   // whoever executes the work; `direct` says a grant is in force (for reports).
   std::unique_ptr<Cq> own_send, own_recv;
   bool direct = false;
+  /// Across backends (kDirectRemote): its library sends over TCP straight to its peer's library,
+  /// and the backend executes nothing of its send queue any more (until RESET).
+  bool direct_remote = false;
 };
 
 /// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.
@@ -202,6 +205,18 @@ inline Cq& recv_ring(Qp& qp) { return qp.own_recv ? *qp.own_recv : *qp.recv_cq; 
 /// The QP's counters: what the backend moved, plus what libraries moved on the direct path
 /// (counted in the headers of its own rings).
 QpCounters counters_of(const Qp& qp);
+
+/// A peer backend's library offered QP `src_qpn` of its guest (`slid`/`sgid`) a direct TCP
+/// connection for a QP of ours (the wire's DirectOffer, kept until that QP is reset or goes).
+struct RemoteOffer {
+  std::string node;  ///< the peer backend it came from
+  uint16_t slid = 0;
+  uint8_t sgid[16] = {};
+  uint32_t src_qpn = 0;
+  uint16_t port = 0;   ///< host order
+  uint32_t ipv4 = 0;   ///< network order: the peer backend's address on that connection
+  uint8_t token[proto::kDirectTokenBytes] = {};
+};
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
 enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };
@@ -225,6 +240,8 @@ struct Guest {
   /// proto::EpochPage, made at its first direct grant (device_direct.cc).
   MappedRegion epoch;
   UniqueFd epoch_fd;
+  /// Direct offers from peer backends, by the QPN of ours they are for (device_direct.cc).
+  std::unordered_map<uint32_t, RemoteOffer> direct_offers;
 };
 
 struct Session {
@@ -337,6 +354,22 @@ class Device : public transport::Receiver {
   /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds.
   Result<proto::DirectRingsResp> direct_rings(Session& s, uint32_t handle,
                                               std::vector<UniqueFd>& fds);
+
+  // ---- direct path across backends (device_direct.cc; ARCHITECTURE.md "Across hosts") ----
+  /// Allows kDirectOffer/kDirectRemote ([datapath] direct_remote). Off: both answer EOPNOTSUPP.
+  void set_direct_remote(bool on) { direct_remote_ = on; }
+  /// The library of RC QP `req.qp` (peer on another backend, RTR or RTS) listens on
+  /// `req.port` for its peer's library: gives the QP its own receive-completion ring (fds[0])
+  /// and sends the offer to the peer's backend. EAGAIN: not connected yet (state, route, no
+  /// connection to the peer backend); EOPNOTSUPP: never for this QP.
+  Result<proto::DirectOfferResp> direct_offer(Session& s, const proto::DirectOfferReq& req,
+                                              std::vector<UniqueFd>& fds);
+  /// May the library of QP `handle` send straight to its peer's library? Needs the peer's
+  /// offer, RTS, rnr_retry 7, nothing in flight, no channel on the send CQ. Gives the QP its
+  /// own send-completion ring (fds[0]); from then on the backend executes nothing of its SQ.
+  /// EAGAIN: not yet; EOPNOTSUPP: never for this QP.
+  Result<proto::DirectRemoteResp> direct_remote(Session& s, uint32_t handle,
+                                                std::vector<UniqueFd>& fds);
 
   // ---- moving a guest's device between backends (device_state.cc) ----
   /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
@@ -451,6 +484,12 @@ class Device : public transport::Receiver {
   void enter_error(Qp& qp, const char* why);
   /// Something a direct grant of (or to) guest `g` relies on changed: grants stop.
   void bump_epoch(Guest& g);
+  /// The QP's own send / receive completion ring (direct path), made on first use, kept for
+  /// the QP's life; the CQ's pollers learn of it by its direct_gen.
+  static Status give_own_send(Qp& qp);
+  static Status give_own_recv(Qp& qp);
+  /// A peer backend passed a library's direct offer (wire::DirectOffer) for a guest of ours.
+  void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
@@ -505,6 +544,7 @@ class Device : public transport::Receiver {
   /// The time of the last poll(): frames that arrive between polls use it for their timers.
   uint64_t now_ns_ = 0;
   bool direct_ = false;
+  bool direct_remote_ = false;
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 

@@ -3,10 +3,13 @@
 // (such processes could already read each other's memory). The backend stays in the control
 // path: it checks every condition at grant time, hands out only the peer's rings, MR table and
 // segments, and ends grants by bumping the guests' epochs. docs/ARCHITECTURE.md, "Direct path".
+// Across backends it only introduces two libraries (offer, then remote): they talk TCP.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <bit>
+#include <cstring>
 #include <map>
 
 #include <fmt/format.h>
@@ -53,15 +56,38 @@ void Device::bump_epoch(Guest& g) {
   for (Qp* qp : g.active) qp->direct = false;
 }
 
+Status Device::give_own_send(Qp& qp) {
+  if (qp.own_send) return Status::ok();
+  ASSIGN_OR_RETURN(qp.own_send, own_ring(*qp.send_cq));
+  qp.send_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
+  return Status::ok();
+}
+
+Status Device::give_own_recv(Qp& qp) {
+  if (qp.own_recv) return Status::ok();
+  ASSIGN_OR_RETURN(qp.own_recv, own_ring(*qp.recv_cq));
+  // Start at the cursor the RQ is at, for peek_recv's resume; receives posted from now on ring
+  // no doorbell (the library consumes them as well).
+  qp.rq_hdr->consumer.store(qp.rq_cons, std::memory_order_release);
+  qp.rq_hdr->armed.store(1, std::memory_order_release);
+  qp.recv_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
+  return Status::ok();
+}
+
 Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
                                              std::vector<UniqueFd>& fds) {
-  if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([backend] direct_path)");
+  if (!direct_ && !direct_remote_)
+    return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
   if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct path: RC QPs only");
   if (a->srq) return error(EOPNOTSUPP, "direct path: not for a QP on an SRQ");
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct path: QP not in RTS");
-  if (a->remote || a->route_pending) return error(EOPNOTSUPP, "direct path: peer on another host");
+  // A peer on another backend: the library asks kDirectRemote instead (even with direct_path
+  // off, so that a library asks one question whatever the backend offers).
+  if (a->remote) return error(EREMOTE, "direct path: peer on another backend (kDirectRemote)");
+  if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
+  if (a->route_pending) return error(EAGAIN, "direct path: destination not located yet");
   Qp* b = lookup_remote(*a);
   if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
   if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
@@ -113,18 +139,9 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
     reinterpret_cast<EpochPage*>(g->epoch.data())->magic = kRingMagic;
   }
   // Own completion rings, kept for the QPs' lives: from now on all their completions, the
-  // backend's and the library's, go there in order. The CQs' pollers learn of them by direct_gen.
-  if (!a->own_send) {
-    ASSIGN_OR_RETURN(a->own_send, own_ring(*a->send_cq));
-    a->send_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
-  }
-  if (!b->own_recv) {
-    ASSIGN_OR_RETURN(b->own_recv, own_ring(*b->recv_cq));
-    // Start at the cursor the RQ is at, for peek_recv's resume.
-    b->rq_hdr->consumer.store(b->rq_cons, std::memory_order_release);
-    b->rq_hdr->armed.store(1, std::memory_order_release);
-    b->recv_cq->hdr->direct_gen.fetch_add(1, std::memory_order_release);
-  }
+  // backend's and the library's, go there in order.
+  RETURN_IF_ERROR(give_own_send(*a));
+  RETURN_IF_ERROR(give_own_recv(*b));
 
   fds.clear();
   fds.push_back(dup_fd(b->ring_fd.get()));
@@ -173,6 +190,132 @@ Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
     if (qp->own_send && qp->send_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_send, 0));
     if (qp->own_recv && qp->recv_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_recv, 1));
   }
+  return resp;
+}
+
+
+// ---- across backends ----
+
+Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& req,
+                                             std::vector<UniqueFd>& fds) {
+  if (!direct_remote_)
+    return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
+  Qp* b = find_qp(s, req.qp);
+  if (!b) return error(EINVAL, fmt::format("no QP {}", req.qp));
+  if (b->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct offer: RC QPs only");
+  if (b->srq) return error(EOPNOTSUPP, "direct offer: not for a QP on an SRQ");
+  if (b->recv_cq->channel != kNone)
+    return error(EOPNOTSUPP, "direct offer: the receive CQ has a completion channel");
+  if (b->state != IBV_QPS_RTR && b->state != IBV_QPS_RTS)
+    return error(EAGAIN, "direct offer: QP not in RTR or RTS");
+  if (b->route_pending) return error(EAGAIN, "direct offer: destination not located yet");
+  if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
+  if (req.port == 0) return error(EINVAL, "direct offer: port 0");
+
+  // Before the peer hears of it: from now on every receive completion of b goes to its own
+  // ring, whoever produces it (this backend for what still comes mediated, or b's library).
+  RETURN_IF_ERROR(give_own_recv(*b));
+  wire::DirectOffer o{};
+  std::memcpy(o.sgid, b->guest->gid, 16);
+  std::memcpy(o.dgid, b->attr.dgid, 16);
+  o.slid = b->guest->lid;
+  o.dlid = static_cast<uint16_t>(b->attr.dlid);
+  o.is_global = b->attr.is_global ? 1 : 0;
+  o.port = req.port;
+  o.src_qpn = b->qpn;
+  o.dst_qpn = b->attr.dest_qp_num;
+  std::memcpy(o.token, req.token, kDirectTokenBytes);
+  if (!transport_->send(b->peer_node, wire::Type::kDirectOffer, &o))
+    return error(EAGAIN, fmt::format("direct offer: no connection to backend {}", b->peer_node));
+
+  fds.clear();
+  fds.push_back(dup_fd(b->own_recv->ring_fd.get()));
+  if (!fds.back().valid()) return error(EMFILE, "direct offer: duplicating a descriptor");
+  DirectOfferResp resp{};
+  resp.recv_ring_entries = b->own_recv->size;
+  resp.peer_qpn = b->attr.dest_qp_num;
+  resp.my_lid = b->guest->lid;
+  VLOG_INFO("direct offer: guest {} QP {:#x} takes QP {:#x} of backend {} on port {}",
+            b->guest->name, b->qpn, b->attr.dest_qp_num, b->peer_node, req.port);
+  return resp;
+}
+
+void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o) {
+  Guest* g = nullptr;
+  if (o.is_global) {
+    g = guest_by_gid(o.dgid);
+  } else if (auto it = guests_by_lid_.find(o.dlid); it != guests_by_lid_.end()) {
+    g = it->second;
+  }
+  if (!g) {
+    VLOG_WARN("direct offer from {} for QP {:#x} of an unknown guest ({}); dropped", node,
+              o.dst_qpn, o.is_global ? "by GID" : fmt::format("LID {:#x}", o.dlid));
+    return;
+  }
+  // Kept only for a QP that exists: its reset or destruction erases the offer again.
+  auto q = g->qps.find(o.dst_qpn);
+  if (q == g->qps.end() || q->second->type != IBV_QPT_RC) {
+    VLOG_WARN("direct offer from {} for guest {}: no RC QP {:#x}; dropped", node, g->name,
+              o.dst_qpn);
+    return;
+  }
+  RemoteOffer& r = g->direct_offers[o.dst_qpn];  // a later offer replaces an earlier one
+  r.node = node;
+  r.slid = o.slid;
+  std::memcpy(r.sgid, o.sgid, 16);
+  r.src_qpn = o.src_qpn;
+  r.port = o.port;
+  r.ipv4 = transport_ ? transport_->peer_ipv4(node) : 0;
+  std::memcpy(r.token, o.token, kDirectTokenBytes);
+  VLOG_DEBUG("direct offer from {}: QP {:#x} -> guest {} QP {:#x}, port {}", node, o.src_qpn,
+             g->name, o.dst_qpn, o.port);
+}
+
+Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
+                                               std::vector<UniqueFd>& fds) {
+  if (!direct_remote_)
+    return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
+  Qp* a = find_qp(s, handle);
+  if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
+  if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct remote: RC QPs only");
+  if (a->send_cq->channel != kNone)
+    return error(EOPNOTSUPP, "direct remote: the send CQ has a completion channel");
+  if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct remote: QP not in RTS");
+  if (a->route_pending) return error(EAGAIN, "direct remote: destination not located yet");
+  if (!a->remote) return error(EOPNOTSUPP, "direct remote: peer on this backend");
+  // The libraries have no RNR retry budget to share: a receiver without a receive posted makes
+  // the sender wait, as rnr_retry 7 (infinite) does.
+  if (a->attr.rnr_retry != 7) return error(EOPNOTSUPP, "direct remote: needs rnr_retry 7");
+  if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
+      a->wait != Wait::kNone)
+    return error(EAGAIN, "direct remote: work in flight");
+  auto it = a->guest->direct_offers.find(a->qpn);
+  if (it == a->guest->direct_offers.end())
+    return error(EAGAIN, "direct remote: the peer's library has not offered yet");
+  const RemoteOffer& o = it->second;
+  const bool from_peer =
+      o.src_qpn == a->attr.dest_qp_num && o.node == a->peer_node &&
+      (a->attr.is_global ? std::memcmp(o.sgid, a->attr.dgid, 16) == 0 : o.slid == a->attr.dlid);
+  if (!from_peer) return error(EAGAIN, "direct remote: the offer is not from this QP's peer");
+  if (o.ipv4 == 0) return error(EAGAIN, "direct remote: the peer backend's address is unknown");
+
+  RETURN_IF_ERROR(give_own_send(*a));
+  fds.clear();
+  fds.push_back(dup_fd(a->own_send->ring_fd.get()));
+  if (!fds.back().valid()) return error(EMFILE, "direct remote: duplicating a descriptor");
+  DirectRemoteResp resp{};
+  resp.send_ring_entries = a->own_send->size;
+  resp.peer_qpn = o.src_qpn;
+  resp.my_lid = a->guest->lid;
+  resp.peer_ipv4 = o.ipv4;
+  resp.peer_port = o.port;
+  std::memcpy(resp.token, o.token, kDirectTokenBytes);
+  a->direct = true;
+  a->direct_remote = true;
+  char ip[INET_ADDRSTRLEN] = "?";
+  ::inet_ntop(AF_INET, &o.ipv4, ip, sizeof(ip));
+  VLOG_INFO("direct path: guest {} QP {:#x} -> QP {:#x} of backend {} (library at {}:{})",
+            a->guest->name, a->qpn, o.src_qpn, o.node, ip, o.port);
   return resp;
 }
 

@@ -523,6 +523,8 @@ void Device::on_frame(const std::string& node, const wire::Frame& f, transport::
     on_request(node, f, sink);
   } else if (f.type() == Type::kReply) {
     on_reply(f, sink);
+  } else if (f.type() == Type::kDirectOffer) {
+    on_direct_offer(node, f.offer);  // no payload: nothing for on_frame_done
   }
 }
 

@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "engine/device.h"
 #include "engine/qp_state.h"
 
@@ -92,6 +94,15 @@ QpCounters& QpCounters::operator+=(const QpCounters& o) {
   ud_dropped += o.ud_dropped;
   for (size_t i = 0; i < std::size(wc_errors); ++i) wc_errors[i] += o.wc_errors[i];
   return *this;
+}
+
+/// Why a QP's messages travel as they do (a direct path overrides the transport chosen at RTR).
+static std::string transport_why(const Qp& qp) {
+  if (qp.direct_remote)
+    return fmt::format("granted across backends: the libraries talk TCP (peer on {})",
+                       qp.peer_node);
+  if (qp.direct) return "granted: the library copies into the peer (same uid, same host)";
+  return qp.transport_why;
 }
 
 /// What libraries moved for `qp` on the direct path, as counted in its own rings' headers.
@@ -190,10 +201,9 @@ nlohmann::json Device::report() const {
                               {"pdn", qp->pd},
                               {"sq-cqn", qp->send_cq ? qp->send_cq->handle : 0},
                               {"rq-cqn", qp->recv_cq ? qp->recv_cq->handle : 0},
-                              {"transport", qp->direct ? "direct" : qp->transport},
-                              {"transport_why", qp->direct ? "granted: the library copies "
-                                                             "into the peer (same uid, same host)"
-                                                           : qp->transport_why},
+                              {"transport", qp->direct || qp->direct_remote ? "direct"
+                                                                            : qp->transport},
+                              {"transport_why", transport_why(*qp)},
                               {"peer_node", qp->peer_node},
                               {"counters", counters_json(cnt)}});
       // The part of them that libraries moved on the direct path (own rings' headers).

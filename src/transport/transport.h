@@ -47,7 +47,8 @@ struct GuestInfo {
 class Receiver {
  public:
   virtual ~Receiver() = default;
-  /// A request or reply frame arrived from peer `node`; its payload (if any) is still unread.
+  /// A request, reply or direct-offer frame arrived from peer `node`; its payload (if any) is
+  /// still unread.
   /// Fill `sink` to receive the payload in place, or leave it empty to drop it.
   virtual void on_frame(const std::string& node, const proto::wire::Frame& f, RxSink& sink) = 0;
   /// The payload of the frame last given to on_frame is in its sink (or was dropped).
@@ -77,6 +78,10 @@ class Transport {
                     std::span<const Span> payload = {}, std::span<const Hold> holds = {}) = 0;
   /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
   virtual void announce(const GuestInfo& g, bool up) = 0;
+  /// The IPv4 address (network order) of the connection to `node`, as its socket's peer: where
+  /// that backend's host is reached (a direct offer's libraries listen there). 0 when there is
+  /// no connection or it is not IPv4.
+  virtual uint32_t peer_ipv4(const std::string& node) const = 0;
 };
 
 }  // namespace vrdma::transport

@@ -112,11 +112,14 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
+WIRE_VERSION = 2  # kWireVersion
+
+
 def frame(t, body, payload=b""):
-    return struct.pack("<IHHII", 0x57445256, 1, t, len(body), len(payload)) + body + payload
+    return struct.pack("<IHHII", 0x57445256, WIRE_VERSION, t, len(body), len(payload)) + body + payload
 
 
-hello_f = frame(1, b"node-b".ljust(64, b"\0") + struct.pack("<II", 1, 0))
+hello_f = frame(1, b"node-b".ljust(64, b"\0") + struct.pack("<II", WIRE_VERSION, 0))
 guest_up = frame(2, b"tenant".ljust(64, b"\0") + bytes(16) + struct.pack("<HHI", 3, 0, 0))
 
 
@@ -132,11 +135,18 @@ def reply(syndrome, payload=b""):
     return frame(5, body, payload)
 
 
+def direct_offer(src_qpn, dst_qpn, port, is_global=0):
+    body = bytes(16) + bytes(16) + struct.pack("<HHBBHII", 3, 4, is_global, 0, port, src_qpn, dst_qpn)
+    return frame(6, body + bytes(range(16)))
+
+
 wire = {
     "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
     "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
         request(READ, 64) + request(FADD, 8) + request(SEND, 4, b"abcd", qp_type=4),
     "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4),
+    "seed-direct-offers": hello_f + direct_offer(0x12, 0x11, 40000) +
+        direct_offer(0xffffff, 0x11, 1, is_global=1),
 }
 
 for name, files in (("command", command), ("ring", ring), ("wire", wire)):

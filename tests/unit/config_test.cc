@@ -13,6 +13,8 @@ TEST(ConfigTest, EmptyFileKeepsDefaults) {
   EXPECT_EQ(c.quotas.max_qps, 1024u);
   EXPECT_FALSE(c.metrics_enabled);
   EXPECT_EQ(c.metrics_listen, "127.0.0.1:9464");
+  EXPECT_FALSE(c.direct_path);
+  EXPECT_FALSE(c.direct_remote);
 }
 
 TEST(ConfigTest, ReadsEverySection) {
@@ -24,6 +26,8 @@ idle_exit_s = 5
 log_level = "debug"
 [datapath]
 spin_us = 50
+direct_path = true
+direct_remote = true
 [quotas]
 max_qps = 7
 max_mr_bytes = 1048576
@@ -42,6 +46,8 @@ listen = "127.0.0.1:9000"
   EXPECT_EQ(c.idle_exit_s, 5);
   EXPECT_EQ(c.log_level, "debug");
   EXPECT_EQ(c.spin_us, 50);
+  EXPECT_TRUE(c.direct_path);
+  EXPECT_TRUE(c.direct_remote);
   EXPECT_EQ(c.quotas.max_qps, 7u);
   EXPECT_EQ(c.quotas.max_mr_bytes, 1048576u);
   EXPECT_EQ(c.node, "a");

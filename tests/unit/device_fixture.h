@@ -21,6 +21,7 @@ using namespace vrdma::proto;
 
 struct G {  ///< one guest session, as its library sees it
   Session* s = nullptr;
+  Device* dev = nullptr;  ///< the backend serving it (the fixture's dev_ unless told otherwise)
   HelloResp hello{};
   int async_fd = -1;
   uint32_t pd = 0;
@@ -50,13 +51,14 @@ constexpr uint32_t kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 
 class DeviceTest : public ::testing::Test {
  protected:
-  G open(const char* name) {
+  G open(const char* name, Device* dev = nullptr) {
     HelloReq req{};
     std::snprintf(req.guest, sizeof(req.guest), "%s", name);
     req.pid = 4242;
     G g;
+    g.dev = dev ? dev : &dev_;
     FdList fds;
-    auto r = dev_.open_session(req, g.hello, fds);
+    auto r = g.dev->open_session(req, g.hello, fds);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     g.s = r.value();
     EXPECT_EQ(fds.size(), 3u);
@@ -67,12 +69,12 @@ class DeviceTest : public ::testing::Test {
     if (!ev.empty()) {
       EXPECT_EQ(ev[0], std::make_pair(uint32_t{IBV_EVENT_PORT_ACTIVE}, 1u));
     }
-    g.pd = dev_.alloc_pd(*g.s).value();
+    g.pd = g.dev->alloc_pd(*g.s).value();
     return g;
   }
   CqV cq(G& g, uint32_t cqe = 64) {
     UniqueFd fd;
-    auto r = dev_.create_cq(*g.s, CreateCqReq{cqe, kNone, 0, 0}, fd);
+    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, kNone, 0, 0}, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     CqV c;
     c.handle = r->handle;
@@ -85,7 +87,7 @@ class DeviceTest : public ::testing::Test {
   /// Creates a QP and maps its rings as the guest library would.
   QpV create_qp(G& g, const CreateQpReq& req) {
     UniqueFd fd;
-    auto r = dev_.create_qp(*g.s, req, fd);
+    auto r = g.dev->create_qp(*g.s, req, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     QpV q;
     q.handle = r->handle;
@@ -127,20 +129,25 @@ class DeviceTest : public ::testing::Test {
     MemV m;
     UniqueFd fd = make_sealed_memfd("test-mem", kMemBytes).value();
     m.map = MappedRegion::map_shared(fd.get(), kMemBytes);
-    auto seg = dev_.reg_segment(*g.s, RegSegmentReq{kMemBytes}, std::move(fd));
+    auto seg = g.dev->reg_segment(*g.s, RegSegmentReq{kMemBytes}, std::move(fd));
     EXPECT_TRUE(seg.is_ok()) << seg.status().message();
     m.addr = reinterpret_cast<uint64_t>(m.map.data());
-    auto mr = dev_.reg_mr(*g.s, mr_req(g.pd, access, m.addr, kMemBytes, seg.value()));
+    auto mr = g.dev->reg_mr(*g.s, mr_req(g.pd, access, m.addr, kMemBytes, seg.value()));
     EXPECT_TRUE(mr.is_ok()) << mr.status().message();
     m.mr = mr.value();
     return m;
   }
   Status modify(G& g, QpV& q, uint32_t mask, QpAttr a) {
-    return dev_.modify_qp(*g.s, ModifyQpReq{q.handle, mask, a});
+    return g.dev->modify_qp(*g.s, ModifyQpReq{q.handle, mask, a});
   }
   // RESET -> INIT -> RTR -> RTS, pointing `q` at the peer (lid, qpn).
   void connect(G& g, QpV& q, const G& peer, const QpV& pq, uint8_t rnr_retry = 7,
                uint8_t min_rnr_timer = 1) {
+    connect_rtr(g, q, peer, pq, min_rnr_timer);
+    to_rts(g, q, rnr_retry);
+  }
+  // RESET -> INIT -> RTR only.
+  void connect_rtr(G& g, QpV& q, const G& peer, const QpV& pq, uint8_t min_rnr_timer = 1) {
     QpAttr a{};
     a.qp_state = IBV_QPS_INIT;
     a.port_num = 1;
@@ -156,7 +163,10 @@ class DeviceTest : public ::testing::Test {
     a.min_rnr_timer = min_rnr_timer;
     ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
                                  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER, a));
-    a = {};
+  }
+  // RTR -> RTS.
+  void to_rts(G& g, QpV& q, uint8_t rnr_retry = 7) {
+    QpAttr a{};
     a.qp_state = IBV_QPS_RTS;
     a.timeout = 14;
     a.retry_cnt = 7;
@@ -200,7 +210,7 @@ class DeviceTest : public ::testing::Test {
     return out;
   }
   ibv_qp_state state(G& g, const QpV& q) {
-    return static_cast<ibv_qp_state>(dev_.query_qp(*g.s, q.handle).value().attr.qp_state);
+    return static_cast<ibv_qp_state>(g.dev->query_qp(*g.s, q.handle).value().attr.qp_state);
   }
   nlohmann::json totals() { return nlohmann::json::parse(dev_.status_json())["totals"]; }
 

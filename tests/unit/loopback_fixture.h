@@ -41,6 +41,7 @@ class FakeLoop final : public transport::Transport {
     return true;
   }
   void announce(const transport::GuestInfo&, bool) override {}
+  uint32_t peer_ipv4(const std::string&) const override { return 0x0100007f; }  // 127.0.0.1
 
  private:
   std::string self_ = "me";

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 
+#include <cstring>
 #include <random>
 
 #include "proto/wire.h"
@@ -33,12 +34,24 @@ Request send_req(uint32_t len) {
   return r;
 }
 
+DirectOffer offer() {
+  DirectOffer o{};
+  o.slid = 0x21;
+  o.dlid = 0x42;
+  o.port = 40000;
+  o.src_qpn = 0xabcdef;
+  o.dst_qpn = 0x11;
+  for (uint8_t i = 0; i < 16; ++i) o.token[i] = static_cast<uint8_t>(0xa0 + i);
+  return o;
+}
+
 TEST(WireCodec, SizesArePinned) {
   EXPECT_EQ(sizeof(FrameHeader), 16u);
   EXPECT_EQ(body_size(Type::kHello), 72u);
   EXPECT_EQ(body_size(Type::kGuestUp), 88u);
   EXPECT_EQ(body_size(Type::kRequest), 104u);
   EXPECT_EQ(body_size(Type::kReply), 48u);
+  EXPECT_EQ(body_size(Type::kDirectOffer), 64u);
   EXPECT_EQ(body_size(Type::kMax), 0u);
 }
 
@@ -67,6 +80,40 @@ TEST(WireCodec, RoundTrips) {
   encode(Type::kGuestUp, &g, 0, m);
   ASSERT_TRUE(decode_bytes(m, f).is_ok());
   EXPECT_EQ(f.guest.lid, 0x1234);
+
+  m.clear();
+  DirectOffer o = offer();
+  o.is_global = 1;
+  o.dgid[15] = 9;
+  encode(Type::kDirectOffer, &o, 0, m);
+  ASSERT_EQ(m.size(), sizeof(FrameHeader) + 64);
+  ASSERT_TRUE(decode_bytes(m, f).is_ok());
+  EXPECT_EQ(f.type(), Type::kDirectOffer);
+  EXPECT_EQ(f.offer.slid, 0x21);
+  EXPECT_EQ(f.offer.dlid, 0x42);
+  EXPECT_EQ(f.offer.is_global, 1);
+  EXPECT_EQ(f.offer.dgid[15], 9);
+  EXPECT_EQ(f.offer.port, 40000);
+  EXPECT_EQ(f.offer.src_qpn, 0xabcdefu);
+  EXPECT_EQ(f.offer.dst_qpn, 0x11u);
+  EXPECT_EQ(std::memcmp(f.offer.token, o.token, sizeof(o.token)), 0);
+}
+
+TEST(WireCodec, RefusesMalformedDirectOffer) {
+  Frame f;
+  auto err = [&](auto mutate, uint32_t payload = 0) {
+    DirectOffer o = offer();
+    mutate(o);
+    Bytes m;
+    encode(Type::kDirectOffer, &o, payload, m);
+    return decode_bytes(m, f).err();
+  };
+  EXPECT_EQ(err([](DirectOffer&) {}), 0);
+  EXPECT_EQ(err([](DirectOffer& o) { o.is_global = 2; }), EPROTO);
+  EXPECT_EQ(err([](DirectOffer& o) { o.src_qpn = 1u << 24; }), EPROTO);
+  EXPECT_EQ(err([](DirectOffer& o) { o.dst_qpn = 1u << 24; }), EPROTO);
+  EXPECT_EQ(err([](DirectOffer& o) { o.port = 0; }), EPROTO);
+  EXPECT_EQ(err([](DirectOffer&) {}, 8), EPROTO);  // no payload on an offer
 }
 
 TEST(WireCodec, RefusesMalformed) {
@@ -109,7 +156,8 @@ TEST(WireCodec, RefusesMalformed) {
     return decode_bytes(c, f).err() == err;
   };
   EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.magic ^= 1; }));
-  EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.version = 2; }, EPROTONOSUPPORT));
+  EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.version = kWireVersion + 1; }, EPROTONOSUPPORT));
+  EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.version = 1; }, EPROTONOSUPPORT));  // before offers
   EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.type = 0; }));
   EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.type = static_cast<uint16_t>(Type::kMax); }));
   EXPECT_TRUE(hdr_bad([](FrameHeader& x) { x.body = 71; }));
@@ -163,11 +211,18 @@ void expect_valid(const Frame& f) {
   if (f.type() == Type::kHello) {
     EXPECT_FALSE(get_name(f.hello.node).empty());
   }
+  if (f.type() == Type::kDirectOffer) {
+    EXPECT_EQ(f.h.payload, 0u);
+    EXPECT_LE(f.offer.is_global, 1);
+    EXPECT_LE(f.offer.src_qpn, 0xffffffu);
+    EXPECT_LE(f.offer.dst_qpn, 0xffffffu);
+    EXPECT_NE(f.offer.port, 0);
+  }
 }
 
 TEST(WireCodec, MutatedFramesNeverCrash) {
   std::mt19937_64 rng(7);
-  std::vector<Bytes> seeds(4);
+  std::vector<Bytes> seeds(5);
   Hello h{};
   put_name(h.node, "node");
   h.wire_version = kWireVersion;
@@ -180,6 +235,8 @@ TEST(WireCodec, MutatedFramesNeverCrash) {
   encode(Type::kRequest, &r, 64, seeds[2]);
   Reply rp{};
   encode(Type::kReply, &rp, 0, seeds[3]);
+  const DirectOffer o = offer();
+  encode(Type::kDirectOffer, &o, 0, seeds[4]);
   int ok = 0, bad = 0;
   for (int i = 0; i < 200000; ++i) {
     Bytes m = seeds[rng() % seeds.size()];

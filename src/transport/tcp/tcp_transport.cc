@@ -211,6 +211,17 @@ bool TcpTransport::send(const std::string& node, Type t, const void* body,
   return true;
 }
 
+uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return 0;
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  if (::getpeername(it->second->fd.get(), reinterpret_cast<sockaddr*>(&sa), &len) != 0 ||
+      sa.sin_family != AF_INET)
+    return 0;
+  return sa.sin_addr.s_addr;
+}
+
 bool TcpTransport::flush(Conn& c) {
   while (!c.txq.empty()) {
     iovec iov[kMaxIov];

@@ -61,6 +61,7 @@ class TcpTransport final : public Transport {
   bool send(const std::string& node, proto::wire::Type t, const void* body,
             std::span<const Span> payload, std::span<const Hold> holds) override;
   void announce(const GuestInfo& g, bool up) override;
+  uint32_t peer_ipv4(const std::string& node) const override;
 
  private:
   struct TxItem {

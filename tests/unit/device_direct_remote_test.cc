@@ -1,0 +1,392 @@
+// The direct path across backends, backend side: two Devices (backends "A" and "B") joined by a
+// fake transport pair that holds frames until the test pumps them through the wire codec.
+// Guest a (QP a) lives on A, guest b (QP b) on B, connected RC to each other. b's library offers
+// (kDirectOffer), the offer travels to A, a's library asks kDirectRemote; every refusal the
+// libraries rely on (EAGAIN: not yet, EOPNOTSUPP: never, EREMOTE from kDirectGrant) is pinned.
+#include <arpa/inet.h>
+#include <sys/stat.h>
+
+#include <deque>
+#include <set>
+
+#include "device_fixture.h"
+#include "proto/wire.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+namespace wire = proto::wire;
+
+/// One backend's end of a fake connection to one peer backend: frames sent wait in `q` until
+/// the test pumps them into the peer's Device; the directory is what the test says it is.
+class FakeLink final : public transport::Transport {
+ public:
+  struct Sent {
+    std::vector<uint8_t> bytes;  ///< header + body
+    std::vector<uint8_t> payload;
+  };
+  FakeLink(std::string self, std::string peer, uint32_t peer_ipv4)
+      : self_(std::move(self)), peer_(std::move(peer)), peer_ipv4_(peer_ipv4) {}
+  std::deque<Sent> q;
+  std::set<uint16_t> peer_lids;  ///< guests the peer announced
+
+  const std::string& self() const override { return self_; }
+  bool forced() const override { return false; }
+  std::string locate_lid(uint16_t lid) const override {
+    return peer_lids.count(lid) ? peer_ : std::string();
+  }
+  std::string locate_gid(const uint8_t*) const override { return ""; }
+  bool send(const std::string& node, wire::Type t, const void* body,
+            std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
+    EXPECT_EQ(node, peer_);
+    Sent s;
+    uint64_t n = 0;
+    for (const auto& sp : payload) {
+      s.payload.insert(s.payload.end(), sp.p, sp.p + sp.n);
+      n += sp.n;
+    }
+    wire::encode(t, body, static_cast<uint32_t>(n), s.bytes);
+    q.push_back(std::move(s));
+    return true;
+  }
+  void announce(const transport::GuestInfo&, bool) override {}
+  uint32_t peer_ipv4(const std::string& node) const override {
+    return node == peer_ ? peer_ipv4_ : 0;
+  }
+
+ private:
+  std::string self_, peer_;
+  uint32_t peer_ipv4_;
+};
+
+/// Frames of one type among those queued.
+size_t count(const FakeLink& l, wire::Type t) {
+  size_t n = 0;
+  for (const auto& s : l.q) {
+    wire::FrameHeader h;
+    std::memcpy(&h, s.bytes.data(), sizeof(h));
+    n += static_cast<wire::Type>(h.type) == t;
+  }
+  return n;
+}
+
+constexpr uint16_t kPort = 40000;
+
+class DirectRemoteTest : public DeviceTest {
+ protected:
+  void SetUp() override {
+    dev_.set_transport(&ta_);
+    devb_.set_transport(&tb_);
+    dev_.set_direct_remote(true);
+    devb_.set_direct_remote(true);
+    a_ = open("a");
+    b_ = open("b", &devb_);
+    ASSERT_NE(a_.hello.lid, b_.hello.lid);
+    ta_.peer_lids = {static_cast<uint16_t>(b_.hello.lid)};
+    tb_.peer_lids = {static_cast<uint16_t>(a_.hello.lid)};
+    acq_ = cq(a_);
+    arcq_ = cq(a_);
+    bcq_ = cq(b_);
+    qa_ = qp(a_, acq_, arcq_);
+    qb_ = qp(b_, bcq_, bcq_);
+    ma_ = mem(a_);
+    mb_ = mem(b_);
+    for (uint8_t i = 0; i < kDirectTokenBytes; ++i) token_[i] = static_cast<uint8_t>(0x5a ^ i);
+  }
+  // The links die before the devices, which still announce the guests that leave.
+  void TearDown() override {
+    dev_.set_transport(nullptr);
+    devb_.set_transport(nullptr);
+  }
+  /// Delivers what each side queued to the other, through the codec. Returns how many frames.
+  int pump() {
+    int n = 0;
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (auto [from, to, node] : {std::tuple{&ta_, &devb_, "A"}, std::tuple{&tb_, &dev_, "B"}}) {
+        while (!from->q.empty()) {
+          FakeLink::Sent s = std::move(from->q.front());
+          from->q.pop_front();
+          wire::FrameHeader h;
+          std::memcpy(&h, s.bytes.data(), sizeof(h));
+          wire::Frame f;
+          EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, f).is_ok());
+          transport::RxSink sink;
+          to->on_frame(node, f, sink);
+          uint64_t room = 0;
+          for (const auto& sp : sink.spans) room += sp.n;
+          if (room == s.payload.size()) {
+            size_t off = 0;
+            for (const auto& sp : sink.spans) {
+              std::memcpy(sp.p, s.payload.data() + off, sp.n);
+              off += sp.n;
+            }
+          }
+          to->on_frame_done(node, f, sink);
+          ++n;
+          moved = true;
+        }
+      }
+    }
+    return n;
+  }
+  Result<DirectOfferResp> offer(G& g, const QpV& q, std::vector<UniqueFd>& fds,
+                                uint16_t port = kPort) {
+    DirectOfferReq req{};
+    req.qp = q.handle;
+    req.port = port;
+    std::memcpy(req.token, token_, kDirectTokenBytes);
+    return g.dev->direct_offer(*g.s, req, fds);
+  }
+  Result<DirectRemoteResp> remote(G& g, const QpV& q, std::vector<UniqueFd>& fds) {
+    return g.dev->direct_remote(*g.s, q.handle, fds);
+  }
+  /// b at RTR offers; the offer reaches A.
+  void offer_b() {
+    std::vector<UniqueFd> fds;
+    auto r = offer(b_, qb_, fds);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    ASSERT_EQ(pump(), 1);
+  }
+  const std::unordered_map<uint32_t, RemoteOffer>& offers_of_a() {
+    return a_.s->guest->direct_offers;
+  }
+  /// A wire offer as B's backend would send it for b (the test then mutates it).
+  wire::DirectOffer wire_offer() {
+    wire::DirectOffer o{};
+    o.slid = static_cast<uint16_t>(b_.hello.lid);
+    o.dlid = static_cast<uint16_t>(a_.hello.lid);
+    o.port = kPort;
+    o.src_qpn = qb_.qpn;
+    o.dst_qpn = qa_.qpn;
+    std::memcpy(o.token, token_, kDirectTokenBytes);
+    return o;
+  }
+  void deliver_to_a(const std::string& node, const wire::DirectOffer& o) {
+    std::vector<uint8_t> bytes;
+    wire::encode(wire::Type::kDirectOffer, &o, 0, bytes);
+    wire::FrameHeader h;
+    std::memcpy(&h, bytes.data(), sizeof(h));
+    wire::Frame f;
+    ASSERT_TRUE(wire::decode(h, {bytes.data() + sizeof(h), h.body}, f).is_ok());
+    transport::RxSink sink;
+    dev_.on_frame(node, f, sink);
+    dev_.on_frame_done(node, f, sink);
+  }
+
+  const uint32_t ipv4_b_ = ::inet_addr("10.1.2.3");
+  FakeLink ta_{"A", "B", ipv4_b_};
+  FakeLink tb_{"B", "A", ::inet_addr("10.1.2.1")};
+  Device devb_;  ///< backend B (after its link: it announces its guests' departure to it)
+  uint8_t token_[kDirectTokenBytes] = {};
+};
+
+TEST_F(DirectRemoteTest, ControlPageOffersTheFeature) {
+  EXPECT_EQ(a_.s->control_page()->features & kFeatureDirectRemote, kFeatureDirectRemote);
+  EXPECT_EQ(a_.s->control_page()->features & kFeatureDirect, 0u);
+}
+
+TEST_F(DirectRemoteTest, OfferAtRtrThenRemoteAtRts) {
+  connect_rtr(a_, qa_, b_, qb_);
+  connect_rtr(b_, qb_, a_, qa_);
+  std::vector<UniqueFd> fds;
+  auto o = offer(b_, qb_, fds);
+  ASSERT_TRUE(o.is_ok()) << o.status().message();
+  EXPECT_EQ(o->peer_qpn, qa_.qpn);
+  EXPECT_EQ(o->my_lid, b_.hello.lid);
+  EXPECT_EQ(o->recv_ring_entries, bcq_.size);
+  ASSERT_EQ(fds.size(), 1u);
+  struct stat st{};
+  ASSERT_EQ(::fstat(fds[0].get(), &st), 0);
+  MappedRegion ring = MappedRegion::map_shared(fds[0].get(), static_cast<size_t>(st.st_size));
+  ASSERT_TRUE(ring.valid());
+  EXPECT_EQ(reinterpret_cast<RingHeader*>(ring.data())->magic, kRingMagic);
+  EXPECT_EQ(qb_.rq->armed.load(), 1u);  // receives posted from now on ring no doorbell
+  EXPECT_EQ(count(tb_, wire::Type::kDirectOffer), 1u);
+  ASSERT_EQ(pump(), 1);
+  ASSERT_EQ(offers_of_a().count(qa_.qpn), 1u);
+
+  fds.clear();
+  auto early = remote(a_, qa_, fds);
+  EXPECT_EQ(early.err(), EAGAIN) << early.status().message();  // a is only RTR
+  to_rts(a_, qa_);
+  auto r = remote(a_, qa_, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->peer_qpn, qb_.qpn);
+  EXPECT_EQ(r->my_lid, a_.hello.lid);
+  EXPECT_EQ(r->peer_ipv4, ipv4_b_);
+  EXPECT_EQ(r->peer_port, kPort);
+  EXPECT_EQ(std::memcmp(r->token, token_, kDirectTokenBytes), 0);
+  EXPECT_EQ(r->send_ring_entries, acq_.size);
+  ASSERT_EQ(fds.size(), 1u);
+  ASSERT_EQ(::fstat(fds[0].get(), &st), 0);
+  EXPECT_GT(st.st_size, 0);
+  EXPECT_GT(acq_.hdr->direct_gen.load(), 0u);  // the send CQ's poller fetches the new ring
+
+  // The QP's own send ring is among its CQ's rings now.
+  std::vector<UniqueFd> rings;
+  auto dr = dev_.direct_rings(*a_.s, acq_.handle, rings);
+  ASSERT_TRUE(dr.is_ok());
+  ASSERT_EQ(dr->count, 1u);
+  EXPECT_EQ(dr->rings[0].qp, qa_.handle);
+  EXPECT_EQ(dr->rings[0].recv, 0u);
+
+  // Reported as direct.
+  bool seen = false;
+  const nlohmann::json rep = dev_.report();
+  for (const auto& q : rep["res"]["qp"]) {
+    if (q["lqpn"] != qa_.qpn) continue;
+    seen = true;
+    EXPECT_EQ(q["transport"], "direct");
+    EXPECT_NE(q["transport_why"].get<std::string>().find("TCP"), std::string::npos);
+  }
+  EXPECT_TRUE(seen);
+
+  // From now on the backend executes nothing of a's send queue: the library sends.
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  for (int i = 0; i < 5; ++i) dev_.poll(now_);
+  EXPECT_TRUE(ta_.q.empty());
+  EXPECT_TRUE(drain(acq_).empty());
+}
+
+TEST_F(DirectRemoteTest, OfferRefusals) {
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(offer(b_, qb_, fds).err(), EAGAIN);  // RESET
+  connect_rtr(b_, qb_, a_, qa_);
+  EXPECT_EQ(offer(b_, qb_, fds, 0).err(), EINVAL);  // port 0
+  DirectOfferReq bad{};
+  bad.qp = 999;
+  bad.port = kPort;
+  EXPECT_EQ(devb_.direct_offer(*b_.s, bad, fds).err(), EINVAL);
+  // A QP whose peer is on its own backend (here: b's own QP) has no use for it.
+  QpV qc = qp(b_, bcq_, bcq_);
+  connect_rtr(b_, qc, b_, qb_);
+  EXPECT_EQ(offer(b_, qc, fds).err(), EOPNOTSUPP);
+  // Off: never.
+  devb_.set_direct_remote(false);
+  EXPECT_EQ(offer(b_, qb_, fds).err(), EOPNOTSUPP);
+  EXPECT_TRUE(tb_.q.empty());
+}
+
+TEST_F(DirectRemoteTest, OfferRefusedWithAChannelOnTheReceiveCq) {
+  UniqueFd read_end;
+  auto ch = devb_.create_channel(*b_.s, read_end);
+  ASSERT_TRUE(ch.is_ok());
+  UniqueFd ring;
+  auto c = devb_.create_cq(*b_.s, CreateCqReq{64, ch.value(), 0, 0}, ring);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  CqV chcq;
+  chcq.handle = c->handle;
+  QpV qc = qp(b_, bcq_, chcq);
+  connect_rtr(b_, qc, a_, qa_);
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(offer(b_, qc, fds).err(), EOPNOTSUPP);
+}
+
+TEST_F(DirectRemoteTest, RemoteRefusedWithoutRnrRetry7) {
+  connect_both(6);  // a: rnr_retry 6
+  offer_b();
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EOPNOTSUPP);
+}
+
+TEST_F(DirectRemoteTest, RemoteWaitsForAnOffer) {
+  connect_both();
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);  // b's library never offered
+  EXPECT_EQ(remote(b_, qb_, fds).err(), EAGAIN);  // nor did a's
+  offer_b();
+  EXPECT_TRUE(remote(a_, qa_, fds).is_ok());
+  EXPECT_EQ(remote(b_, qb_, fds).err(), EAGAIN);  // one direction at a time
+}
+
+TEST_F(DirectRemoteTest, RemoteWaitsForWorkInFlight) {
+  connect_both();
+  offer_b();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);  // posted, not taken
+  dev_.poll(now_);
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);  // sent, not acknowledged
+  pump();
+  ASSERT_EQ(drain(acq_).size(), 1u);
+  EXPECT_TRUE(remote(a_, qa_, fds).is_ok());
+}
+
+TEST_F(DirectRemoteTest, OfferOfAnotherPairDoesNotMatch) {
+  connect_both();
+  std::vector<UniqueFd> fds;
+  wire::DirectOffer o = wire_offer();
+  o.src_qpn = qb_.qpn + 1;  // another QP of b's guest
+  deliver_to_a("B", o);
+  ASSERT_EQ(offers_of_a().count(qa_.qpn), 1u);
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);
+  o = wire_offer();
+  o.slid = static_cast<uint16_t>(b_.hello.lid + 1);  // another guest's QP of that number
+  deliver_to_a("B", o);
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);
+  deliver_to_a("C", wire_offer());  // from a backend a's peer is not on
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);
+  // For QPs or guests that are not here: dropped.
+  o = wire_offer();
+  o.dst_qpn = qa_.qpn + 100;
+  deliver_to_a("B", o);
+  o = wire_offer();
+  o.dlid = static_cast<uint16_t>(a_.hello.lid + 1);
+  deliver_to_a("B", o);
+  EXPECT_EQ(offers_of_a().size(), 1u);
+  // The right one replaces the wrong one.
+  deliver_to_a("B", wire_offer());
+  EXPECT_EQ(offers_of_a().size(), 1u);
+  EXPECT_TRUE(remote(a_, qa_, fds).is_ok());
+}
+
+TEST_F(DirectRemoteTest, GrantAnswersEremoteForARemotePeer) {
+  connect_both();
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(dev_.direct_grant(*a_.s, qa_.handle, fds).err(), EREMOTE);
+  dev_.set_direct(true);
+  EXPECT_EQ(dev_.direct_grant(*a_.s, qa_.handle, fds).err(), EREMOTE);
+  dev_.set_direct(false);
+  dev_.set_direct_remote(false);
+  EXPECT_EQ(dev_.direct_grant(*a_.s, qa_.handle, fds).err(), EOPNOTSUPP);
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EOPNOTSUPP);
+}
+
+TEST_F(DirectRemoteTest, OfferGoesWithItsQp) {
+  connect_both();
+  offer_b();
+  ASSERT_EQ(offers_of_a().size(), 1u);
+  QpAttr reset{};
+  reset.qp_state = IBV_QPS_RESET;
+  ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset));
+  EXPECT_TRUE(offers_of_a().empty());
+  connect(a_, qa_, b_, qb_);
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(remote(a_, qa_, fds).err(), EAGAIN);  // the old offer was for the old connection
+  offer_b();
+  ASSERT_EQ(offers_of_a().size(), 1u);
+  ASSERT_TRUE(remote(a_, qa_, fds).is_ok());
+  ASSERT_TRUE(dev_.destroy_qp(*a_.s, qa_.handle).is_ok());
+  EXPECT_TRUE(offers_of_a().empty());
+}
+
+TEST_F(DirectRemoteTest, ResetEndsTheDirectConnection) {
+  connect_both();
+  offer_b();
+  std::vector<UniqueFd> fds;
+  ASSERT_TRUE(remote(a_, qa_, fds).is_ok());
+  QpAttr reset{};
+  reset.qp_state = IBV_QPS_RESET;
+  ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset));
+  connect(a_, qa_, b_, qb_);
+  // Mediated again: the backend sends what is posted.
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
