@@ -681,7 +681,6 @@ bool Device::flush(Qp& qp) {
 }
 
 bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
-  if (qp.direct_remote) return false;  // its library sends (kDirectRemote), not the backend
   if (qp.route_pending) choose_route(qp);
   if (qp.remote) return process_sq_remote(qp, now_ns);
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;

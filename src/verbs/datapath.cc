@@ -189,6 +189,7 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   if (got) {
     publish_consumed(*cq);
     cq->empty_polls = 0;
+    if (cq->rclaimed) remote_release(*cq);
   } else if (++cq->empty_polls % kYieldEvery == 0) {
     // Nothing will ever arrive from a dead backend: say so rather than spin for ever.
     if (cq->empty_polls % kLivenessEvery == 0 && to_vctx(c->context)->backend_gone()) {

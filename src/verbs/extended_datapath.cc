@@ -44,6 +44,7 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   cq->lock.lock();
   if (take_next(cq) || (remote_progress(*cq) && take_next(cq))) {
     cq->empty_polls = 0;
+    if (cq->rclaimed) remote_release(*cq);
     return 0;
   }
   const uint32_t empty = ++cq->empty_polls;

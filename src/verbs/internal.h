@@ -116,6 +116,7 @@ struct VCq {
   // Direct path across backends: the connections of this CQ's QPs, as of the hub's gen.
   uint32_t rgen = 0;
   std::vector<std::shared_ptr<Conn>> rconns;
+  bool rclaimed = false;  ///< an empty poll claimed rconns (remote.h)
 };
 
 struct VQp {

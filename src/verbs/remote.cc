@@ -46,6 +46,7 @@ constexpr size_t kRxBuf = 64 * 1024;
 constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
 constexpr int kDialMs = 1000;
 constexpr uint64_t kHelloMs = 2000;
+constexpr int kClaimMs = 10;
 constexpr uint32_t kFirstBackoff = 64;      ///< posts between asks after a "not yet"
 constexpr uint32_t kMaxBackoff = 1u << 16;  ///< ... growing to this
 
@@ -143,6 +144,7 @@ struct Conn : Watch {
   bool requester = false;
   const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
   const ibv_cq* recv_cq = nullptr;
+  const RingHeader* rq_hdr = nullptr;  ///< the QP's receive queue
   std::mutex rx_mu;
   VQp* qp = nullptr;  ///< under rx_mu; null once the QP is gone
   // Receiving: a buffer, and the frame being taken in.
@@ -160,6 +162,12 @@ struct Conn : Watch {
   bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
   uint64_t executed = 0, acked = 0;
   std::atomic<bool> stalled{false};  ///< responder: waits for a receive (or completion room)
+  /// The application polls a CQ of this connection's QP, and reads it itself: the hub does not
+  /// watch it for data (its wake-ups would only take the CPU from the poller). Ends when a poll
+  /// finds a completion, or when the polls stop (`polls` still, checked every kClaimMs).
+  std::atomic<bool> claimed{false};
+  std::atomic<uint32_t> polls{0};
+  uint32_t polls_seen = 0;  ///< the hub's
   // Sending: what the socket did not take yet.
   std::mutex tx_mu;
   struct Piece {
@@ -212,7 +220,7 @@ void rearm(Conn& c) {
     return;
   }
   uint32_t ev = EPOLLRDHUP;
-  if (!c.stalled.load()) ev |= EPOLLIN;
+  if (!c.stalled.load() && !c.claimed.load()) ev |= EPOLLIN;
   if (c.want_out.load()) ev |= EPOLLOUT;
   epoll_set(*c.hub, c.watched ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c.fd.get(), ev, &c);
   c.watched = true;
@@ -853,6 +861,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       c->qp = qp;
       c->send_cq = qp->qp.send_cq;
       c->recv_cq = qp->qp.recv_cq;
+      c->rq_hdr = qp->rq_hdr;
       r->peer_lid = p.h.from_lid;
       if (r->in) std::erase(h.conns, r->in);
       r->in = c;
@@ -890,13 +899,38 @@ void on_pending(Hub& h, Hub::Pending* p) {
   h.pending.erase(it);
 }
 
+/// Whether the application claims any connection (then the hub looks every kClaimMs).
+bool claims_of(Hub& h) {
+  std::lock_guard<std::mutex> g(h.mu);
+  return std::any_of(h.conns.begin(), h.conns.end(),
+                     [](const auto& c) { return c->claimed.load(std::memory_order_relaxed); });
+}
+
+/// Claims whose polls stopped without a completion: the hub watches those connections again.
+void release_idle_claims(Hub& h) {
+  std::vector<std::shared_ptr<Conn>> idle;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    for (const auto& c : h.conns) {
+      if (!c->claimed.load(std::memory_order_relaxed)) continue;
+      const uint32_t p = c->polls.load(std::memory_order_relaxed);
+      if (p == c->polls_seen) idle.push_back(c);
+      c->polls_seen = p;
+    }
+  }
+  for (const auto& c : idle) {
+    c->claimed.store(false);
+    rearm(*c);
+  }
+}
+
 void run(Hub& h) {
   sigset_t all;
   ::sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   epoll_event ev[32];
   for (;;) {
-    const int n = ::epoll_wait(h.ep.get(), ev, 32, h.pending.empty() ? -1 : 200);
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, claims_of(h) ? kClaimMs : h.pending.empty() ? -1 : 200);
     for (int i = 0; i < n; ++i) {
       auto* w = static_cast<Watch*>(ev[i].data.ptr);
       switch (w->kind) {
@@ -936,6 +970,7 @@ void run(Hub& h) {
         }
       }
     }
+    release_idle_claims(h);
     const uint64_t t = now_ms();
     std::erase_if(h.pending, [&](const auto& p) {
       if (p->deadline > t) return false;
@@ -1073,6 +1108,7 @@ bool connect_out(VQp& qp) {
   c->qp = &qp;
   c->send_cq = qp.qp.send_cq;
   c->recv_cq = qp.qp.recv_cq;
+  c->rq_hdr = qp.rq_hdr;
   {
     std::lock_guard<std::mutex> g(h->mu);
     r.out = c;
@@ -1291,6 +1327,12 @@ bool remote_progress(VCq& cq) {
   bool did = false;
   for (const auto& c : cq.rconns) {
     if (c->broken.load(std::memory_order_relaxed)) continue;
+    c->polls.store(c->polls.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    if (!c->claimed.load(std::memory_order_relaxed)) {
+      c->claimed.store(true);
+      rearm(*c);
+      cq.rclaimed = true;
+    }
     if (c->want_out.load(std::memory_order_relaxed)) {
       std::unique_lock<std::mutex> t(c->tx_mu, std::try_to_lock);
       if (t) flush_locked(*c);
@@ -1302,6 +1344,26 @@ bool remote_progress(VCq& cq) {
     if (was_stalled && !c->stalled.load()) rearm(*c);
   }
   return did;
+}
+
+void remote_release(VCq& cq) {
+  // Only the connections that bring what the application may now wait for in memory: the peer's
+  // requests to a QP with no receive posted (WRITEs, which complete nothing here). A QP with
+  // receives posted is waited on by polling; responses to our requests complete WRs, and are
+  // waited on by polling too. The rest stays claimed until the polls stop (kClaimMs).
+  bool any = false;
+  for (const auto& c : cq.rconns) {
+    if (!c->claimed.load(std::memory_order_relaxed)) continue;
+    if (c->requester || c->broken.load(std::memory_order_relaxed) ||
+        c->rq_hdr->producer.load(std::memory_order_relaxed) !=
+            c->rq_hdr->consumer.load(std::memory_order_relaxed)) {
+      any = true;
+      continue;
+    }
+    c->claimed.store(false);
+    rearm(*c);
+  }
+  cq.rclaimed = any;
 }
 
 void remote_receives_posted(VQp& qp) {

@@ -87,6 +87,9 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr);
 void remote_destroy(VQp& qp);
 /// From an empty poll of `cq`: reads the connections of its QPs. True when it did something.
 bool remote_progress(VCq& cq);
+/// A poll of `cq` found a completion: the connections it claimed (read by the application,
+/// not the hub, while it polls) go back to the hub.
+void remote_release(VCq& cq);
 /// From ibv_post_recv: a connection waiting for a receive may go on.
 void remote_receives_posted(VQp& qp);
 /// ibv_close_device: stops the hub's thread and closes everything.

@@ -18,7 +18,7 @@ hcount() {
     -0777 -ne 'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)}; print $s'
 }
 # Lines of host H's backend log that say a library of guest G took the direct path.
-granted() { grep -c "direct path across.*guest $2 " "$E2E_TMP/vrdmad.h$1.log" || true; }
+granted() { grep -c "direct path: guest $2 QP .* of backend" "$E2E_TMP/vrdmad.h$1.log" || true; }
 
 # 1. ibv_rc_pingpong validating every buffer, both ways direct, in LID and GID mode.
 hpair lid 1 2 -c -n 20000
