@@ -8,6 +8,8 @@
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw.
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
+# HOSTS_VRDMAD_ARGS=--direct-remote: vrdma's rows take the direct path across backends (the
+# libraries talk TCP to each other; docs/ARCHITECTURE.md); the rows say "direct".
 # CORUN=K: K more processes that do nothing but sched_yield() run beside the latency rows (the
 # CPUs a real host's other busy-polling programs would take; the bandwidth rows run without).
 set -euo pipefail
@@ -83,6 +85,8 @@ for ((k = 0; k < CORUN; k++)); do
   python3 -c $'import os\nwhile True: os.sched_yield()' &
   corun_pids+=($!)
 done
+mode_label=""
+[[ " ${HOSTS_VRDMAD_ARGS:-} " == *" --direct-remote "* ]] && mode_label=" direct"
 if ((CORUN > 0)); then
   corun_label=" (+$CORUN co-runners)"
   log "$CORUN yielding co-runners beside the latency rows"
@@ -98,7 +102,7 @@ for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
     peer+=("$(tcp_pp "${args[@]}")")
     ucx+=("$(ucx_tcp tag_lat "${args[1]}" "${args[3]}" | awk '{printf "%.2f", 2 * $4}')")
   done
-  row "\`ibv_rc_pingpong $cfg\`$corun_label"
+  row "\`ibv_rc_pingpong $cfg\`$mode_label$corun_label"
 done
 stop_corun
 
@@ -119,6 +123,6 @@ for size in 4096 65536 1048576; do
     # About two seconds at a few hundred MB/s, as the others.
     ucx+=("$(ucx_tcp ucp_put_bw "$size" $((400000000 / size)) | awk '{printf "%.2f", $6}')")
   done
-  row "\`ib_write_bw -s $size -D 2\` vs \`iperf3 -t 2 -l $size\`"
+  row "\`ib_write_bw -s $size -D 2\`$mode_label vs \`iperf3 -t 2 -l $size\`"
 done
 e2e_pass

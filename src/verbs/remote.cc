@@ -75,8 +75,11 @@ struct Frame {
   uint64_t raddr;
   uint64_t arg0;  ///< atomics: compare/add; responses: requests executed so far
   uint64_t arg1;  ///< kCas: swap; kAtomicResp: the value before
+  /// Requests: how many of the receiver's requests the sender has executed (an ACK riding on
+  /// the other direction's traffic, cumulative).
+  uint64_t ack;
 };
-static_assert(sizeof(Frame) == 40);
+static_assert(sizeof(Frame) == 48);
 
 struct Hello {
   uint32_t magic, version;
@@ -160,7 +163,9 @@ struct Conn : Watch {
   RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
   uint32_t rcons = 0;
   bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
-  uint64_t executed = 0, acked = 0;
+  /// Responder: requests executed, and how many of them the peer has been told of (by an ACK
+  /// here, or riding on a request of ours on the other connection).
+  std::atomic<uint64_t> executed{0}, acked{0};
   std::atomic<bool> stalled{false};  ///< responder: waits for a receive (or completion room)
   /// The application polls a CQ of this connection's QP, and reads it itself: the hub does not
   /// watch it for data (its wake-ups would only take the CPU from the poller). Ends when a poll
@@ -370,14 +375,16 @@ void to_error(VQp& qp, const char* why) {
   to_vctx(qp.qp.context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0);
 }
 
-/// The requester's WRs answered by `n` (requests executed so far) complete (fl_mu held); then a
-/// WR that failed locally, if it is now the head, completes with its error. False: the answer
-/// does not fit what was sent (a broken peer).
-bool complete_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
-  while (!r.inflight.empty() && r.inflight.front().sent && r.inflight.front().seq < n) {
-    const Inflight& e = r.inflight.front();
-    if (answered_by_data(e.opcode)) return false;
-    complete(qp, r, e, IBV_WC_SUCCESS);
+/// The peer has executed `n` of our requests (fl_mu held): those answered by an ACK complete,
+/// up to the first that waits for its data (READ, atomic); then a WR that failed locally, if it
+/// is now the head, completes with its error (`fail`: the QP goes to ERR). False: the peer
+/// claims more than was sent (a broken peer).
+bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+  if (n > r.sent) return false;
+  r.peer_executed = std::max(r.peer_executed, n);
+  while (!r.inflight.empty() && r.inflight.front().sent &&
+         r.inflight.front().seq < r.peer_executed && !answered_by_data(r.inflight.front().opcode)) {
+    complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
     r.inflight.pop_front();
   }
   if (!r.inflight.empty() && !r.inflight.front().sent) {
@@ -487,13 +494,24 @@ int rx_payload(Conn& c) {
 
 enum class Start { kGo, kStall, kFail };
 
+/// An ACK for what this responder executed and has not told the peer of yet.
+void send_ack(Conn& c) {
+  const uint64_t e = c.executed.load();
+  if (e == c.acked.load() || c.nak_sent) return;
+  Frame a{};
+  a.type = kAck;
+  a.arg0 = e;
+  send_frame(c, a, nullptr, 0, true);
+  c.acked.store(e);
+}
+
 void send_nak(Conn& c, ibv_wc_status st) {
   Frame f{};
   f.type = kNak;
   f.status = static_cast<uint8_t>(st);
-  f.arg0 = c.executed;
+  f.arg0 = c.executed.load();
   send_frame(c, f, nullptr, 0, true);
-  c.acked = c.executed;
+  c.acked.store(f.arg0);
   c.nak_sent = true;
 }
 
@@ -606,10 +624,10 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
       Frame a{};
       a.type = kReadResp;
       a.len = f.len;
-      a.arg0 = ++c.executed;
+      a.arg0 = c.executed.fetch_add(1) + 1;
       const MemSpan d{p, f.len};
       send_frame(c, a, &d, 1, true);
-      c.acked = c.executed;
+      c.acked.store(a.arg0);
       count(r.recv, f.len);
       return Start::kGo;
     }
@@ -632,10 +650,10 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
       Frame a{};
       a.type = kAtomicResp;
       a.len = 8;
-      a.arg0 = ++c.executed;
+      a.arg0 = c.executed.fetch_add(1) + 1;
       a.arg1 = old;
       send_frame(c, a, nullptr, 0, true);
-      c.acked = c.executed;
+      c.acked.store(a.arg0);
       count(r.recv, 8);
       return Start::kGo;
     }
@@ -650,7 +668,13 @@ void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
   if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start
   if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS);
   count(r.recv, c.f.len);
-  ++c.executed;
+  c.executed.fetch_add(1);
+}
+
+/// An ACK riding on the peer's request: it executed `n` of ours (fl_mu taken here).
+bool ack_riding(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  return r.failing || acked_upto(qp, r, n, fail);
 }
 
 /// A response's header has arrived (requester).
@@ -668,7 +692,7 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
   }
   const bool data = f.type == kReadResp || f.type == kAtomicResp;
   const uint64_t before = data ? f.arg0 - 1 : f.arg0;
-  if ((data && f.arg0 == 0) || !complete_upto(qp, r, before, fail)) {
+  if ((data && f.arg0 == 0) || !acked_upto(qp, r, before, fail)) {
     why = "the peer answered out of order";
     return Start::kFail;
   }
@@ -693,7 +717,8 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
     std::memcpy(e->local[0].p, &f.arg1, 8);
     complete(qp, r, *e, IBV_WC_SUCCESS);
     r.inflight.pop_front();
-    return Start::kGo;
+    acked_upto(qp, r, f.arg0, fail);
+    return fail ? Start::kFail : Start::kGo;
   }
   // kReadResp
   if (e->opcode != IBV_WR_RDMA_READ || f.len != e->len) {
@@ -705,12 +730,16 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
   return Start::kGo;
 }
 
-void finish_response(Conn& c, VQp& qp, RemoteQp& r) {
-  if (c.f.type != kReadResp || c.discard) return;
+/// False: the QP goes to ERR (a WR after it failed locally).
+bool finish_response(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.f.type != kReadResp || c.discard) return true;
   std::lock_guard<std::mutex> g(r.fl_mu);
-  if (r.inflight.empty()) return;
+  if (r.inflight.empty()) return true;
   complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
   r.inflight.pop_front();
+  bool fail = false;
+  acked_upto(qp, r, c.f.arg0, fail);
+  return !fail;
 }
 
 /// The connection closed or failed. A requester with WRs in flight puts its QP in ERR (they
@@ -731,7 +760,9 @@ void broken(Conn& c, VQp& qp, const char* why) {
 }
 
 /// Reads and executes what has arrived (rx_mu held, c.qp set). True when it took anything.
-bool drain(Conn& c) {
+/// `defer_ack`: the application's thread reads; the responder's ACK waits to ride on its next
+/// request (remote_post), or goes at its next empty poll (remote_progress).
+bool drain(Conn& c, bool defer_ack) {
   VQp& qp = *c.qp;
   RemoteQp& r = *qp.remote;
   if (c.broken.load()) return false;
@@ -759,6 +790,12 @@ bool drain(Conn& c) {
       if (c.requester ? is_request(c.f.type) || c.f.type < kAck || c.f.type > kAtomicResp
                       : !is_request(c.f.type) || c.f.len > kMaxMsgSize) {
         s = Start::kFail;
+      } else if (!c.requester && c.f.ack && !ack_riding(qp, r, c.f.ack, fail)) {
+        why = "the peer acknowledged requests that were not sent";
+        s = Start::kFail;
+      } else if (fail) {
+        why = "a WR failed on the direct path";
+        s = Start::kFail;
       } else {
         s = c.requester ? start_response(c, qp, r, fail, why) : start_request(c, qp, r, fail);
       }
@@ -785,18 +822,18 @@ bool drain(Conn& c) {
       return true;
     }
     if (got == 0) break;
-    if (c.requester) finish_response(c, qp, r);
-    else finish_request(c, qp, r);
+    if (c.requester) {
+      if (!finish_response(c, qp, r)) {
+        to_error(qp, "a WR failed on the direct path");
+        return true;
+      }
+    } else {
+      finish_request(c, qp, r);
+    }
     c.rx = Conn::Rx::kHeader;
   }
   // One cumulative ACK for what this batch executed.
-  if (!c.requester && c.executed != c.acked && !c.nak_sent) {
-    Frame a{};
-    a.type = kAck;
-    a.arg0 = c.executed;
-    send_frame(c, a, nullptr, 0, true);
-    c.acked = c.executed;
-  }
+  if (!c.requester && !defer_ack) send_ack(c);
   return did;
 }
 
@@ -851,7 +888,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
           r->peer_qpn != p.h.from_qpn ||
           std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
         continue;
-      if (r->in && !r->in->broken.load()) {
+      if (r->in) {  // one per QP's life in RTR/RTS (a reset ends it and the offer)
         ack.err = EBUSY;
         break;
       }
@@ -863,8 +900,8 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       c->recv_cq = qp->qp.recv_cq;
       c->rq_hdr = qp->rq_hdr;
       r->peer_lid = p.h.from_lid;
-      if (r->in) std::erase(h.conns, r->in);
       r->in = c;
+      r->in_raw.store(c.get(), std::memory_order_release);
       h.conns.push_back(c);
       h.gen.fetch_add(1, std::memory_order_release);
       ack.err = 0;
@@ -920,6 +957,7 @@ void release_idle_claims(Hub& h) {
   }
   for (const auto& c : idle) {
     c->claimed.store(false);
+    if (!c->requester) send_ack(*c);
     rearm(*c);
   }
 }
@@ -961,7 +999,7 @@ void run(Hub& h) {
           if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
             std::lock_guard<std::mutex> g(c->rx_mu);
             if (!c->qp) break;
-            drain(*c);
+            drain(*c, false);
             // A closed connection that waits for a receive would wake us for ever.
             if ((ev[i].events & (EPOLLHUP | EPOLLERR)) && c->stalled.load() && !c->broken)
               broken(*c, *c->qp, "the peer's library closed the connection");
@@ -1154,10 +1192,14 @@ void teardown(VQp& qp) {
   {
     std::lock_guard<std::mutex> g(h->mu);
     qp.remote->dead = true;
+    qp.remote->in_raw.store(nullptr);
     in = std::move(qp.remote->in);
     out = std::move(qp.remote->out);
   }
   qp.remote->active.store(false);
+  // What we executed and have not acknowledged yet (an ACK that was to ride on a request of
+  // ours) goes before the connection closes: the peer's WRs complete.
+  if (in) send_ack(*in);
   for (const auto& c : {in, out}) {
     if (c) retire(*h, c);
   }
@@ -1239,7 +1281,10 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       f.rkey = wr->wr.rdma.rkey;
       f.raddr = wr->wr.rdma.remote_addr;
     }
+    Conn* in = r->in_raw.load(std::memory_order_acquire);
+    if (in) f.ack = in->executed.load();
     const bool inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
+    if (in && f.ack) in->acked.store(f.ack);
     if (!send_frame(*r->out, f, carries_data(type) ? data : nullptr, carries_data(type) ? nd : 0,
                     inl)) {
       std::lock_guard<std::mutex> g(r->fl_mu);
@@ -1327,6 +1372,8 @@ bool remote_progress(VCq& cq) {
   bool did = false;
   for (const auto& c : cq.rconns) {
     if (c->broken.load(std::memory_order_relaxed)) continue;
+    // The application polls again without having posted: what it owes goes now.
+    if (!c->requester) send_ack(*c);
     c->polls.store(c->polls.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     if (!c->claimed.load(std::memory_order_relaxed)) {
       c->claimed.store(true);
@@ -1340,7 +1387,7 @@ bool remote_progress(VCq& cq) {
     std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
     if (!l || !c->qp) continue;
     const bool was_stalled = c->stalled.load();
-    did |= drain(*c);
+    did |= drain(*c, true);
     if (was_stalled && !c->stalled.load()) rearm(*c);
   }
   return did;
@@ -1361,6 +1408,7 @@ void remote_release(VCq& cq) {
       continue;
     }
     c->claimed.store(false);
+    send_ack(*c);
     rearm(*c);
   }
   cq.rclaimed = any;
@@ -1379,7 +1427,7 @@ void remote_receives_posted(VQp& qp) {
   if (!c) return;
   std::lock_guard<std::mutex> l(c->rx_mu);
   if (!c->qp) return;
-  drain(*c);
+  drain(*c, false);
   if (!c->stalled.load()) rearm(*c);
 }
 

@@ -60,12 +60,14 @@ struct RemoteQp {
   std::atomic<bool> rx_stalled{false};  ///< `in` waits for a receive to be posted
   OwnRing recv;  ///< the QP's own receive-completion ring (we produce into it)
   std::shared_ptr<Conn> in;
+  std::atomic<Conn*> in_raw{nullptr};  ///< `in`, for the post path (set once, cleared at teardown)
   // Requester: our connection, our own send-completion ring, the WRs not yet completed.
   std::shared_ptr<Conn> out;
   OwnRing send;
   std::mutex fl_mu;  ///< inflight, sent, the send ring's producer side
   std::deque<Inflight> inflight;
-  uint64_t sent = 0;  ///< requests written to `out`
+  uint64_t sent = 0;           ///< requests written to `out`
+  uint64_t peer_executed = 0;  ///< of them, executed by the peer (its ACKs, cumulative)
   bool failing = false;  ///< an entry failed locally: no more requests go out
   uint32_t ask_wait = 0, backoff = 0;
   bool never = false;               ///< the backend said never for this QP
