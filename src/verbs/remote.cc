@@ -38,7 +38,8 @@ namespace vrdma::verbs {
 
 using namespace vrdma::proto;
 
-namespace {
+// The library-to-library protocol (named, not anonymous: Conn and Hub hold these).
+namespace rwire {
 
 constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
 constexpr uint32_t kVersion = 1;
@@ -47,8 +48,6 @@ constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are rea
 constexpr int kDialMs = 1000;
 constexpr uint64_t kHelloMs = 2000;
 constexpr int kClaimMs = 10;
-constexpr uint32_t kFirstBackoff = 64;      ///< posts between asks after a "not yet"
-constexpr uint32_t kMaxBackoff = 1u << 16;  ///< ... growing to this
 
 enum FType : uint8_t {
   kSend = 1,
@@ -92,6 +91,15 @@ struct HelloAck {
   uint32_t magic;
   int32_t err;
 };
+
+}  // namespace rwire
+
+using namespace rwire;
+
+namespace {
+
+constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
+constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
 
 uint64_t now_ms() {
   timespec t;
@@ -1094,7 +1102,7 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello) {
 }
 
 void back_off(RemoteQp& r, uint32_t base) {
-  r.backoff = std::min(std::max(r.backoff * 2, base), kMaxBackoff);
+  r.backoff = std::min(std::max(r.backoff * 2, base), kAskMax);
   r.ask_wait = r.backoff;
 }
 
@@ -1114,7 +1122,7 @@ bool connect_out(VQp& qp) {
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
-    if (rc == EAGAIN) back_off(r, kFirstBackoff);
+    if (rc == EAGAIN) back_off(r, kAskFirst);
     else r.never = true;
     return false;
   }
@@ -1135,7 +1143,7 @@ bool connect_out(VQp& qp) {
     VLOG_WARN("direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
               "the backend",
               qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
-    back_off(r, kMaxBackoff / 4);
+    back_off(r, kAskMax / 4);
     return false;
   }
   r.send.seen = r.send.hdr->consumer.load(std::memory_order_acquire);
