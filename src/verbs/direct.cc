@@ -323,6 +323,7 @@ void push(OwnRing& r, const Cqe& e) {
   const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
   r.entries[prod & (r.size - 1)] = e;
   r.hdr->producer.store(prod + 1, std::memory_order_release);
+  tsan_ring_release();
 }
 
 /// One message more in an own ring's counters (this library is their only writer).
@@ -402,6 +403,7 @@ const Cqe* next_cqe(VCq& cq) {
     cq.seen = cq.hdr->producer.load(std::memory_order_acquire);
     if (cq.cons != cq.seen) return &cq.entries[cq.cons++ & (cq.size - 1)];
     cq.own_turn = (cq.own_turn + k + 1) % n;
+    tsan_ring_acquire();
     return &r.entries[r.cons++ & (r.size - 1)];
   }
   return nullptr;

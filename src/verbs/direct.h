@@ -9,6 +9,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -63,6 +64,22 @@ struct Grant {
 
 /// This process's MR for `key` in the QP's PD, or null (cached per QP; under the SQ lock).
 const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key);
+/// Edges ThreadSanitizer cannot see, given to it through one address (nothing in other builds):
+/// - a producer in this process (the hub's thread, remote.cc) and the CQ's poller reach an own
+///   ring through two mappings of one memfd; its producer index orders them (release, then
+///   acquire), but ThreadSanitizer sees two addresses, and would report the data a completion
+///   stands for as a race;
+/// - bytes that arrive on one connection to a peer's library may answer bytes sent on another
+///   (a program that sends from the buffer it receives into, as ibv_rc_pingpong does): the order
+///   goes through the peer's process.
+#if defined(__SANITIZE_THREAD__)
+inline std::atomic<uint32_t> g_tsan_ring_edge{0};
+inline void tsan_ring_release() { g_tsan_ring_edge.fetch_add(1, std::memory_order_release); }
+inline void tsan_ring_acquire() { (void)g_tsan_ring_edge.load(std::memory_order_acquire); }
+#else
+inline void tsan_ring_release() {}
+inline void tsan_ring_acquire() {}
+#endif
 /// Maps an own completion ring of `entries` from its memfd.
 bool map_ring(OwnRing& r, int fd, uint32_t entries);
 /// Whether an own ring we produce into has a free slot (the consumer's index is read only when

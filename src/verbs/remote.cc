@@ -268,6 +268,7 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
     m.msg_iov = iov;
     m.msg_iovlen = n;
     const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
+    tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
     if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       c.broken.store(true);
       return false;
@@ -310,6 +311,7 @@ bool flush_locked(Conn& c) {
     m.msg_iov = iov;
     m.msg_iovlen = n;
     const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
+    tsan_ring_release();
     if (w < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
       c.broken.store(true);
@@ -372,7 +374,13 @@ void to_error(VQp& qp, const char* why) {
   if (r.failed.exchange(true)) return;
   r.active.store(false);
   VLOG_WARN("direct path: QP {:#x} to the error state: {}", qp.qp.qp_num, why);
-  for (Conn* c : {r.out.get(), r.in.get()}) {
+  std::shared_ptr<Conn> conns[2];
+  if (Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(h->mu);  // teardown may be taking them away
+    conns[0] = r.out;
+    conns[1] = r.in;
+  }
+  for (const auto& c : conns) {
     if (c) ::shutdown(c->fd.get(), SHUT_RDWR);
   }
   ModifyQpReq req{};
@@ -435,6 +443,7 @@ int fill(Conn& c) {
   }
   const ssize_t r = ::recv(c.fd.get(), c.buf.data() + c.end, c.buf.size() - c.end, 0);
   if (r > 0) {
+    tsan_ring_acquire();
     c.end += static_cast<size_t>(r);
     return 1;
   }
@@ -489,6 +498,7 @@ int rx_payload(Conn& c) {
     }
     const ssize_t r = ::readv(c.fd.get(), iov, static_cast<int>(n));
     if (r > 0) {
+      tsan_ring_acquire();
       advance(c, static_cast<uint64_t>(r));
       c.left -= static_cast<uint64_t>(r);
     } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
@@ -874,10 +884,10 @@ void retire(Hub& h, const std::shared_ptr<Conn>& c) {
   h.gen.fetch_add(1, std::memory_order_release);
 }
 
-std::shared_ptr<Conn> find_conn(Hub& h, const Conn* p) {
+std::shared_ptr<Conn> find_conn(Hub& h, const Watch* p) {
   std::lock_guard<std::mutex> g(h.mu);
   for (const auto& c : h.conns) {
-    if (c.get() == p) return c;
+    if (static_cast<const Watch*>(c.get()) == p) return c;
   }
   return nullptr;
 }
@@ -933,7 +943,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
 void on_pending(Hub& h, Hub::Pending* p) {
   auto it = std::find_if(h.pending.begin(), h.pending.end(),
                          [&](const auto& x) { return x.get() == p; });
-  if (it == h.pending.end()) return;
+  if (it == h.pending.end()) return;  // (checked by the caller too)
   const ssize_t r = ::recv(p->fd.get(), reinterpret_cast<uint8_t*>(&p->h) + p->got,
                            sizeof(Hello) - p->got, 0);
   if (r > 0) p->got += static_cast<size_t>(r);
@@ -944,11 +954,12 @@ void on_pending(Hub& h, Hub::Pending* p) {
   h.pending.erase(it);
 }
 
-/// Whether the application claims any connection (then the hub looks every kClaimMs).
-bool claims_of(Hub& h) {
+/// How long the hub may wait for an event. While it has connections, kClaimMs: the application
+/// may claim one at any time (it says nothing to the hub), and the hub must see when its polls
+/// stop, to take the connection back and send the ACK it owes.
+int hub_timeout(Hub& h) {
   std::lock_guard<std::mutex> g(h.mu);
-  return std::any_of(h.conns.begin(), h.conns.end(),
-                     [](const auto& c) { return c->claimed.load(std::memory_order_relaxed); });
+  return !h.conns.empty() ? kClaimMs : h.pending.empty() ? -1 : 200;
 }
 
 /// Claims whose polls stopped without a completion: the hub watches those connections again.
@@ -976,10 +987,18 @@ void run(Hub& h) {
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   epoll_event ev[32];
   for (;;) {
-    const int n = ::epoll_wait(h.ep.get(), ev, 32, claims_of(h) ? kClaimMs : h.pending.empty() ? -1 : 200);
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, hub_timeout(h));
     for (int i = 0; i < n; ++i) {
+      // A connection may have gone since epoll_wait returned: the pointer is only compared
+      // with what still exists (find_conn, pending) before anything reads through it.
       auto* w = static_cast<Watch*>(ev[i].data.ptr);
-      switch (w->kind) {
+      const Watch::Kind kind = w == &h.stop_w     ? Watch::kStop
+                               : w == &h.listen_w ? Watch::kListen
+                               : std::any_of(h.pending.begin(), h.pending.end(),
+                                             [&](const auto& p) { return p.get() == w; })
+                                   ? Watch::kPending
+                                   : Watch::kConn;
+      switch (kind) {
         case Watch::kStop:
           return;
         case Watch::kListen:
@@ -998,7 +1017,7 @@ void run(Hub& h) {
           on_pending(h, static_cast<Hub::Pending*>(w));
           break;
         case Watch::kConn: {
-          std::shared_ptr<Conn> c = find_conn(h, static_cast<Conn*>(w));
+          std::shared_ptr<Conn> c = find_conn(h, w);
           if (!c) break;
           if (ev[i].events & EPOLLOUT) {
             std::lock_guard<std::mutex> g(c->tx_mu);
