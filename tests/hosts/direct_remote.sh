@@ -2,7 +2,8 @@
 # The direct path across backends (--direct-remote): two namespace hosts whose backends only
 # introduce each RC QP pair's libraries, which then talk TCP to each other. Debian's unmodified
 # tools across them: ibv_rc_pingpong -c (LID and GID), every perftest opcode (SEND, WRITE, READ,
-# atomics), a verifying RC stream whose direct counts grow while it runs, a completion channel
+# atomics), a verifying RC stream whose direct counts grow while it runs (and go on growing when
+# strangers connect to a library's port with a bad hello or none), a completion channel
 # (stays on the backends), and a peer killed mid-stream: the survivor's QP fails with a clear
 # error, and both backends serve the next pair.
 # Usage: direct_remote.sh BIN_DIR
@@ -41,6 +42,18 @@ b_sent="$(hcount 2 st-c direct_msgs_sent)" b_recv="$(hcount 1 st-s direct_msgs_r
 ((b_sent > a_sent && b_recv > a_recv)) ||
   fail "not direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
 log "stream direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
+# A stranger at the server library's port (from its backend's log): a wrong hello, then one
+# that says nothing. Both are refused or dropped; the stream goes on.
+port="$(grep -o "guest st-s QP .* on port [0-9]*" "$E2E_TMP/vrdmad.h1.log" | tail -n 1 | awk '{print $NF}')"
+[[ -n $port ]] || fail "no offer of st-s in h1's log"
+hexec 2 bash -c "exec 3<>/dev/tcp/$(host_ip 1)/$port; printf 'x%.0s' {1..40} >&3; sleep 0.2" ||
+  fail "cannot reach the library's port $port"
+hexec 2 bash -c "exec 3<>/dev/tcp/$(host_ip 1)/$port; sleep 2.5" &
+sleep 3
+grep -q "refused a connection" "$E2E_TMP/st.server.out" ||
+  fail "the library did not refuse a bad hello: $(tail -n 3 "$E2E_TMP/st.server.out")"
+c_sent="$(hcount 2 st-c direct_msgs_sent)"
+((c_sent > b_sent)) || fail "the stream stopped after a stranger connected: $b_sent -> $c_sent"
 kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 60
 log "rc_stream: $STREAM_RESULT"
