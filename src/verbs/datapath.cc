@@ -212,8 +212,10 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
 
 bool should_yield(const VCq& cq) {
   VContext& ctx = *to_vctx(cq.cq.context);
-  // Completions of a CQ with no direct QP all come from the backend.
-  if (cq.own.empty()) return true;
+  // Completions of a CQ with no direct QP all come from the backend; those of one whose QPs
+  // talk to peers' libraries come through the kernel (remote.h), which needs a CPU too, and a
+  // program beside us may want this one.
+  if (cq.own.empty() || !cq.rconns.empty()) return true;
   // A direct peer writes them itself: yielding would only delay them, unless the backend is
   // awake (it shares the CPUs) or we just woke it (it needs a CPU to run at all).
   if (!ctx.control_page()->backend_sleeping.load(std::memory_order_relaxed)) {
