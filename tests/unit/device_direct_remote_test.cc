@@ -9,8 +9,7 @@
 #include <deque>
 #include <set>
 
-#include "device_fixture.h"
-#include "proto/wire.h"
+#include "loopback_fixture.h"
 
 namespace vrdma::engine::devtest {
 namespace {
@@ -19,15 +18,10 @@ namespace wire = proto::wire;
 
 /// One backend's end of a fake connection to one peer backend: frames sent wait in `q` until
 /// the test pumps them into the peer's Device; the directory is what the test says it is.
-class FakeLink final : public transport::Transport {
+class FakeLink final : public RecordingTransport {
  public:
-  struct Sent {
-    std::vector<uint8_t> bytes;  ///< header + body
-    std::vector<uint8_t> payload;
-  };
   FakeLink(std::string self, std::string peer, uint32_t peer_ipv4)
       : self_(std::move(self)), peer_(std::move(peer)), peer_ipv4_(peer_ipv4) {}
-  std::deque<Sent> q;
   std::set<uint16_t> peer_lids;  ///< guests the peer announced
 
   const std::string& self() const override { return self_; }
@@ -36,25 +30,12 @@ class FakeLink final : public transport::Transport {
     return peer_lids.count(lid) ? peer_ : std::string();
   }
   std::string locate_gid(const uint8_t*) const override { return ""; }
-  bool send(const std::string& node, wire::Type t, const void* body,
-            std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
-    EXPECT_EQ(node, peer_);
-    Sent s;
-    uint64_t n = 0;
-    for (const auto& sp : payload) {
-      s.payload.insert(s.payload.end(), sp.p, sp.p + sp.n);
-      n += sp.n;
-    }
-    wire::encode(t, body, static_cast<uint32_t>(n), s.bytes);
-    q.push_back(std::move(s));
-    return true;
-  }
-  void announce(const transport::GuestInfo&, bool) override {}
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }
 
  private:
+  const std::string& to() const override { return peer_; }
   std::string self_, peer_;
   uint32_t peer_ipv4_;
 };
@@ -107,22 +88,7 @@ class DirectRemoteTest : public DeviceTest {
         while (!from->q.empty()) {
           FakeLink::Sent s = std::move(from->q.front());
           from->q.pop_front();
-          wire::FrameHeader h;
-          std::memcpy(&h, s.bytes.data(), sizeof(h));
-          wire::Frame f;
-          EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, f).is_ok());
-          transport::RxSink sink;
-          to->on_frame(node, f, sink);
-          uint64_t room = 0;
-          for (const auto& sp : sink.spans) room += sp.n;
-          if (room == s.payload.size()) {
-            size_t off = 0;
-            for (const auto& sp : sink.spans) {
-              std::memcpy(sp.p, s.payload.data() + off, sp.n);
-              off += sp.n;
-            }
-          }
-          to->on_frame_done(node, f, sink);
+          deliver(s, *to, node);
           ++n;
           moved = true;
         }

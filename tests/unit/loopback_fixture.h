@@ -12,8 +12,9 @@ namespace vrdma::engine::devtest {
 
 namespace wire = proto::wire;
 
-/// A transport that loops back to the same device and holds frames until pumped.
-class FakeLoop final : public transport::Transport {
+/// A transport whose sends are encoded (through the wire codec) and kept in `q` until the test
+/// delivers them.
+class RecordingTransport : public transport::Transport {
  public:
   struct Sent {
     std::vector<uint8_t> bytes;  ///< header + body
@@ -22,13 +23,9 @@ class FakeLoop final : public transport::Transport {
   std::deque<Sent> q;
   bool up = true;  ///< false: sends fail (no connection)
 
-  const std::string& self() const override { return self_; }
-  bool forced() const override { return true; }
-  std::string locate_lid(uint16_t) const override { return ""; }
-  std::string locate_gid(const uint8_t*) const override { return ""; }
   bool send(const std::string& node, wire::Type t, const void* body,
             std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
-    EXPECT_EQ(node, self_);
+    EXPECT_EQ(node, to());
     if (!up) return false;
     Sent s;
     uint64_t n = 0;
@@ -41,9 +38,45 @@ class FakeLoop final : public transport::Transport {
     return true;
   }
   void announce(const transport::GuestInfo&, bool) override {}
+
+ protected:
+  /// The one node this transport sends to.
+  virtual const std::string& to() const = 0;
+};
+
+/// Delivers one recorded frame to `to` as if it came from `node`: decoded by the codec, its
+/// payload copied where the receiver says it goes.
+inline void deliver(RecordingTransport::Sent& s, transport::Receiver& to, const std::string& node) {
+  wire::FrameHeader h;
+  std::memcpy(&h, s.bytes.data(), sizeof(h));
+  wire::Frame f;
+  EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, f).is_ok());
+  EXPECT_EQ(h.payload, s.payload.size());
+  transport::RxSink sink;
+  to.on_frame(node, f, sink);
+  uint64_t room = 0;
+  for (const auto& sp : sink.spans) room += sp.n;
+  if (room == s.payload.size()) {
+    size_t off = 0;
+    for (const auto& sp : sink.spans) {
+      std::memcpy(sp.p, s.payload.data() + off, sp.n);
+      off += sp.n;
+    }
+  }
+  to.on_frame_done(node, f, sink);
+}
+
+/// A transport that loops back to the same device and holds frames until pumped.
+class FakeLoop final : public RecordingTransport {
+ public:
+  const std::string& self() const override { return self_; }
+  bool forced() const override { return true; }
+  std::string locate_lid(uint16_t) const override { return ""; }
+  std::string locate_gid(const uint8_t*) const override { return ""; }
   uint32_t peer_ipv4(const std::string&) const override { return 0x0100007f; }  // 127.0.0.1
 
  private:
+  const std::string& to() const override { return self_; }
   std::string self_ = "me";
 };
 
@@ -61,23 +94,7 @@ class DeviceRemoteTest : public DeviceTest {
     for (; n < max && !loop_.q.empty(); ++n) {
       FakeLoop::Sent s = std::move(loop_.q.front());
       loop_.q.pop_front();
-      wire::FrameHeader h;
-      std::memcpy(&h, s.bytes.data(), sizeof(h));
-      wire::Frame f;
-      EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, f).is_ok());
-      EXPECT_EQ(h.payload, s.payload.size());
-      transport::RxSink sink;
-      dev_.on_frame("me", f, sink);
-      uint64_t room = 0;
-      for (const auto& sp : sink.spans) room += sp.n;
-      if (room == s.payload.size()) {
-        size_t off = 0;
-        for (const auto& sp : sink.spans) {
-          std::memcpy(sp.p, s.payload.data() + off, sp.n);
-          off += sp.n;
-        }
-      }
-      dev_.on_frame_done("me", f, sink);
+      deliver(s, dev_, "me");
     }
     return n;
   }
