@@ -22,8 +22,8 @@ hcount() {
 granted() { grep -c "direct path: guest $2 QP .* of backend" "$E2E_TMP/vrdmad.h$1.log" || true; }
 
 # 1. ibv_rc_pingpong validating every buffer, both ways direct, in LID and GID mode.
-hpair lid 1 2 -c -n 20000
-hpair gid 2 1 -g 0 -c -n 5000 -s 65536
+hpair lid 1 2 -c -n 5000
+hpair gid 2 1 -g 0 -c -n 1000 -s 65536
 for g in lid-s lid-c; do
   h=1
   [[ $g == *-c ]] && h=2
@@ -31,13 +31,13 @@ for g in lid-s lid-c; do
 done
 
 # 2. A completion channel keeps the QP on the backends; it still works.
-hpair events 1 2 -e -c -n 2000
+hpair events 1 2 -e -c -n 500
 
 # 3. A checksummed stream: while it runs, direct messages are counted on both ends.
 hstream_start st 1 2
-sleep 1.5
-a_sent="$(hcount 2 st-c direct_msgs_sent)" a_recv="$(hcount 1 st-s direct_msgs_received)"
 sleep 1
+a_sent="$(hcount 2 st-c direct_msgs_sent)" a_recv="$(hcount 1 st-s direct_msgs_received)"
+sleep 0.5
 b_sent="$(hcount 2 st-c direct_msgs_sent)" b_recv="$(hcount 1 st-s direct_msgs_received)"
 ((b_sent > a_sent && b_recv > a_recv)) ||
   fail "not direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"
@@ -48,8 +48,8 @@ port="$(grep -o "guest st-s QP .* on port [0-9]*" "$E2E_TMP/vrdmad.h1.log" | tai
 [[ -n $port ]] || fail "no offer of st-s in h1's log"
 hexec 2 bash -c "exec 3<>/dev/tcp/$(host_ip 1)/$port; printf 'x%.0s' {1..40} >&3; sleep 0.2" ||
   fail "cannot reach the library's port $port"
-hexec 2 bash -c "exec 3<>/dev/tcp/$(host_ip 1)/$port; sleep 2.5" &
-sleep 3
+hexec 2 bash -c "exec 3<>/dev/tcp/$(host_ip 1)/$port; sleep 2.2" &
+sleep 2.5
 grep -q "refused a connection" "$E2E_TMP/st.server.out" ||
   fail "the library did not refuse a bad hello: $(tail -n 3 "$E2E_TMP/st.server.out")"
 c_sent="$(hcount 2 st-c direct_msgs_sent)"
@@ -59,18 +59,18 @@ finish_stream st "$cli" "$srv" 60
 log "rc_stream: $STREAM_RESULT"
 
 # 4. Every opcode through perftest.
-hperftest 1 2 ib_send_lat -n 2000
-hperftest 1 2 ib_write_lat -n 2000
-hperftest 1 2 ib_read_lat -n 2000
-hperftest 1 2 ib_atomic_lat -n 2000
-hperftest 1 2 ib_write_bw -s 1048576 -n 500
-hperftest 1 2 ib_send_bw -n 5000 -x 0
-hperftest 1 2 ib_read_bw -s 65536 -n 1000
+hperftest 1 2 ib_send_lat -n 1000
+hperftest 1 2 ib_write_lat -n 1000
+hperftest 1 2 ib_read_lat -n 1000
+hperftest 1 2 ib_atomic_lat -n 1000
+hperftest 1 2 ib_write_bw -s 1048576 -n 100
+hperftest 1 2 ib_send_bw -n 2000 -x 0
+hperftest 1 2 ib_read_bw -s 65536 -n 300
 
 # 5. The server's process dies mid-stream: the client's QP goes to ERR with a clear line in its
 # output (a failed completion), nothing hangs, and both backends serve the next pair.
 hstream_start dies 1 2
-sleep 1.5
+sleep 1
 kill -KILL "$(child_named "$srv" rc_stream)" 2>/dev/null || true
 wait_pid "$cli" 30
 [[ $WAIT_RC != 0 && $WAIT_RC != 124 ]] ||
@@ -78,5 +78,5 @@ wait_pid "$cli" 30
 grep -q "completion .* failed" "$E2E_TMP/dies.client.out" ||
   fail "client did not report a failed completion: $(tail -n 3 "$E2E_TMP/dies.client.out")"
 log "peer killed: client says: $(grep -m1 failed "$E2E_TMP/dies.client.out")"
-hpair after 1 2 -c -n 2000
+hpair after 1 2 -c -n 500
 e2e_pass
