@@ -193,7 +193,6 @@ Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
   return resp;
 }
 
-
 // ---- across backends ----
 
 Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& req,

@@ -108,30 +108,45 @@ uint64_t now_ms() {
 }
 
 bool is_request(uint8_t t) { return t >= kSend && t <= kFaa; }
-bool carries_data(uint8_t t) { return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm; }
+bool carries_data(uint8_t t) {
+  return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm;
+}
 bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || t == kWriteImm; }
 
 uint8_t frame_type(ibv_wr_opcode op) {
   switch (op) {
-    case IBV_WR_SEND: return kSend;
-    case IBV_WR_SEND_WITH_IMM: return kSendImm;
-    case IBV_WR_RDMA_WRITE: return kWrite;
-    case IBV_WR_RDMA_WRITE_WITH_IMM: return kWriteImm;
-    case IBV_WR_RDMA_READ: return kRead;
-    case IBV_WR_ATOMIC_CMP_AND_SWP: return kCas;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD: return kFaa;
-    default: return 0;
+    case IBV_WR_SEND:
+      return kSend;
+    case IBV_WR_SEND_WITH_IMM:
+      return kSendImm;
+    case IBV_WR_RDMA_WRITE:
+      return kWrite;
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return kWriteImm;
+    case IBV_WR_RDMA_READ:
+      return kRead;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return kCas;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return kFaa;
+    default:
+      return 0;
   }
 }
 
 ibv_wc_opcode wc_opcode(uint32_t op) {
   switch (op) {
     case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM: return IBV_WC_RDMA_WRITE;
-    case IBV_WR_RDMA_READ: return IBV_WC_RDMA_READ;
-    case IBV_WR_ATOMIC_CMP_AND_SWP: return IBV_WC_COMP_SWAP;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD: return IBV_WC_FETCH_ADD;
-    default: return IBV_WC_SEND;
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    default:
+      return IBV_WC_SEND;
   }
 }
 
@@ -662,8 +677,7 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
         old = __atomic_fetch_add(word, f.arg0, __ATOMIC_SEQ_CST);
       } else {
         old = f.arg0;
-        __atomic_compare_exchange_n(word, &old, f.arg1, false, __ATOMIC_SEQ_CST,
-                                    __ATOMIC_SEQ_CST);
+        __atomic_compare_exchange_n(word, &old, f.arg1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
       }
       Frame a{};
       a.type = kAtomicResp;
@@ -903,8 +917,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
     for (const auto& [handle, qp] : ctx.qps) {
       RemoteQp* r = qp->remote.get();
       if (!r || !r->offered || r->dead || qp->qp.qp_num != p.h.to_qpn ||
-          r->peer_qpn != p.h.from_qpn ||
-          std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
+          r->peer_qpn != p.h.from_qpn || std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
         continue;
       if (r->in) {  // one per QP's life in RTR/RTS (a reset ends it and the offer)
         ack.err = EBUSY;
@@ -941,11 +954,11 @@ void accept_hello(Hub& h, Hub::Pending& p) {
 }
 
 void on_pending(Hub& h, Hub::Pending* p) {
-  auto it = std::find_if(h.pending.begin(), h.pending.end(),
-                         [&](const auto& x) { return x.get() == p; });
+  auto it =
+      std::find_if(h.pending.begin(), h.pending.end(), [&](const auto& x) { return x.get() == p; });
   if (it == h.pending.end()) return;  // (checked by the caller too)
-  const ssize_t r = ::recv(p->fd.get(), reinterpret_cast<uint8_t*>(&p->h) + p->got,
-                           sizeof(Hello) - p->got, 0);
+  const ssize_t r =
+      ::recv(p->fd.get(), reinterpret_cast<uint8_t*>(&p->h) + p->got, sizeof(Hello) - p->got, 0);
   if (r > 0) p->got += static_cast<size_t>(r);
   if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
   if (r > 0 && p->got < sizeof(Hello)) return;
@@ -1109,7 +1122,8 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello) {
   size_t got = 0;
   while (got < sizeof(ack)) {
     if (!wait_for(POLLIN)) return {};
-    const ssize_t r = ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
+    const ssize_t r =
+        ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
     if (r <= 0) return {};
     got += static_cast<size_t>(r);
   }
@@ -1141,15 +1155,16 @@ bool connect_out(VQp& qp) {
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
-    if (rc == EAGAIN) back_off(r, kAskFirst);
-    else r.never = true;
+    if (rc == EAGAIN)
+      back_off(r, kAskFirst);
+    else
+      r.never = true;
     return false;
   }
   if (fds.size() != 1 || !resp.send_ring_entries ||
       (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
       !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {
-    VLOG_WARN("direct path: unusable answer for QP {:#x}; staying on the backend",
-              qp.qp.qp_num);
+    VLOG_WARN("direct path: unusable answer for QP {:#x}; staying on the backend", qp.qp.qp_num);
     r.never = true;
     return false;
   }
@@ -1159,9 +1174,10 @@ bool connect_out(VQp& qp) {
   if (!fd.valid()) {
     char ip[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &resp.peer_ipv4, ip, sizeof(ip));
-    VLOG_WARN("direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
-              "the backend",
-              qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
+    VLOG_WARN(
+        "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
+        "the backend",
+        qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
     back_off(r, kAskMax / 4);
     return false;
   }
@@ -1275,7 +1291,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     }
     if (r->failing || st != IBV_WC_SUCCESS || !r->out || r->out->broken.load()) {
       // It completes in order, with its error (or flushed, after one).
-      e.status = r->failing ? IBV_WC_WR_FLUSH_ERR
+      e.status = r->failing             ? IBV_WC_WR_FLUSH_ERR
                  : st != IBV_WC_SUCCESS ? st
                                         : IBV_WC_RETRY_EXC_ERR;
       r->failing = true;
@@ -1328,7 +1344,7 @@ void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   if (!(mask & IBV_QP_STATE) || !qp.remote) return;
   const ibv_qp_state to = attr.qp_state;
   if (to == IBV_QPS_RTS && qp.qp.state == IBV_QPS_RTS) return;  // attributes only
-  if (to == IBV_QPS_RTR || to == IBV_QPS_RTS) return;            // on its way up
+  if (to == IBV_QPS_RTR || to == IBV_QPS_RTS) return;           // on its way up
   // Leaving RTS: in ERR the WRs in flight are flushed; in RESET they are dropped.
   qp.sq_lock.lock();
   if (to == IBV_QPS_ERR || to == IBV_QPS_SQE || to == IBV_QPS_SQD) {

@@ -55,8 +55,8 @@ struct RemoteQp {
   bool offered = false;
   uint8_t token[proto::kDirectTokenBytes] = {};
   uint32_t peer_qpn = 0, my_lid = 0;
-  uint32_t peer_lid = 0;  ///< from the peer's hello (the slid of receive completions)
-  bool dead = false;      ///< torn down: takes no connection any more
+  uint32_t peer_lid = 0;                ///< from the peer's hello (the slid of receive completions)
+  bool dead = false;                    ///< torn down: takes no connection any more
   std::atomic<bool> rx_stalled{false};  ///< `in` waits for a receive to be posted
   OwnRing recv;  ///< the QP's own receive-completion ring (we produce into it)
   std::shared_ptr<Conn> in;
@@ -68,7 +68,7 @@ struct RemoteQp {
   std::deque<Inflight> inflight;
   uint64_t sent = 0;           ///< requests written to `out`
   uint64_t peer_executed = 0;  ///< of them, executed by the peer (its ACKs, cumulative)
-  bool failing = false;  ///< an entry failed locally: no more requests go out
+  bool failing = false;        ///< an entry failed locally: no more requests go out
   uint32_t ask_wait = 0, backoff = 0;
   bool never = false;               ///< the backend said never for this QP
   std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring

@@ -162,7 +162,7 @@ TEST_F(DirectRemoteTest, OfferAtRtrThenRemoteAtRts) {
   EXPECT_EQ(o->my_lid, b_.hello.lid);
   EXPECT_EQ(o->recv_ring_entries, bcq_.size);
   ASSERT_EQ(fds.size(), 1u);
-  struct stat st{};
+  struct stat st {};
   ASSERT_EQ(::fstat(fds[0].get(), &st), 0);
   MappedRegion ring = MappedRegion::map_shared(fds[0].get(), static_cast<size_t>(st.st_size));
   ASSERT_TRUE(ring.valid());
