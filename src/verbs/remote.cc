@@ -351,6 +351,12 @@ bool flush_locked(Conn& c) {
 
 // ---- completions and errors ----
 
+/// Drops the oldest WR in flight (fl_mu held).
+void pop_head(RemoteQp& r) {
+  if (r.inflight.front().sent) r.awaiting.fetch_sub(1, std::memory_order_relaxed);
+  r.inflight.pop_front();
+}
+
 /// Writes the completion of a requester's WR (tx: fl_mu held).
 void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
   if (status == IBV_WC_SUCCESS) count(r.send, e.len);
@@ -376,7 +382,7 @@ void flush_inflight(VQp& qp, RemoteQp& r, int head_status) {
     int st = IBV_WC_WR_FLUSH_ERR;
     if (head) st = head_status >= 0 ? head_status : (!e.sent ? e.status : IBV_WC_WR_FLUSH_ERR);
     complete(qp, r, e, st);
-    r.inflight.pop_front();
+    pop_head(r);
     head = false;
   }
   r.failing = true;
@@ -416,7 +422,7 @@ bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
   while (!r.inflight.empty() && r.inflight.front().sent &&
          r.inflight.front().seq < r.peer_executed && !answered_by_data(r.inflight.front().opcode)) {
     complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
-    r.inflight.pop_front();
+    pop_head(r);
   }
   if (!r.inflight.empty() && !r.inflight.front().sent) {
     flush_inflight(qp, r, -1);
@@ -748,7 +754,7 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
     }
     std::memcpy(e->local[0].p, &f.arg1, 8);
     complete(qp, r, *e, IBV_WC_SUCCESS);
-    r.inflight.pop_front();
+    pop_head(r);
     acked_upto(qp, r, f.arg0, fail);
     return fail ? Start::kFail : Start::kGo;
   }
@@ -768,7 +774,7 @@ bool finish_response(Conn& c, VQp& qp, RemoteQp& r) {
   std::lock_guard<std::mutex> g(r.fl_mu);
   if (r.inflight.empty()) return true;
   complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
-  r.inflight.pop_front();
+  pop_head(r);
   bool fail = false;
   acked_upto(qp, r, c.f.arg0, fail);
   return !fail;
@@ -1309,6 +1315,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       std::copy(data, data + nd, e.local);
     }
     r->inflight.push_back(e);
+    r->awaiting.fetch_add(1, std::memory_order_relaxed);
     fl.unlock();
     Frame f{};
     f.type = type;
@@ -1429,6 +1436,9 @@ bool remote_progress(VCq& cq) {
     }
     std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
     if (!l || !c->qp) continue;
+    // Nothing of ours waits for an answer: the responses' connection has nothing we need (in a
+    // ping-pong the ACKs ride on the peer's requests), and reading it costs a syscall a poll.
+    if (c->requester && c->qp->remote->awaiting.load(std::memory_order_relaxed) == 0) continue;
     const bool was_stalled = c->stalled.load();
     did |= drain(*c, true);
     if (was_stalled && !c->stalled.load()) rearm(*c);

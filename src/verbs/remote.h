@@ -68,6 +68,7 @@ struct RemoteQp {
   std::deque<Inflight> inflight;
   uint64_t sent = 0;           ///< requests written to `out`
   uint64_t peer_executed = 0;  ///< of them, executed by the peer (its ACKs, cumulative)
+  std::atomic<uint32_t> awaiting{0};  ///< sent WRs in `inflight`: answers expected on `out`
   bool failing = false;        ///< an entry failed locally: no more requests go out
   uint32_t ask_wait = 0, backoff = 0;
   bool never = false;               ///< the backend said never for this QP
