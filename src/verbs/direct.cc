@@ -322,8 +322,8 @@ bool has_room(OwnRing& r) {
 void push(OwnRing& r, const Cqe& e) {
   const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
   r.entries[prod & (r.size - 1)] = e;
+  tsan_ring_release();  // before the index: a poller that sees the index must see the edge
   r.hdr->producer.store(prod + 1, std::memory_order_release);
-  tsan_ring_release();
 }
 
 /// One message more in an own ring's counters (this library is their only writer).
