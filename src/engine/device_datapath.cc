@@ -9,6 +9,7 @@
 #include <span>
 
 #include "common/log.h"
+#include "common/rdma_atomic.h"
 #include "engine/device.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
@@ -486,20 +487,14 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
   } else if (op == IBV_WR_RDMA_READ) {
     append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, src_);
   } else {
-    // Atomics: the engine thread executes every atomic of this host, and the operation is also
-    // a CPU atomic, so it is atomic against guests touching the word themselves. The word is in
-    // one chunk (checked above).
+    // Atomics: a CPU atomic (rdma_atomic), so atomic against the other atomics of this host,
+    // whoever executes them (this thread, or a library on the direct path across backends), and
+    // against guests touching the word themselves. The word is in one chunk (checked above).
     append_spans(*out.mr, in.remote_addr - out.mr->iova, 8, src_);
     auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
     src_.pop_back();
-    uint64_t old;
-    if (op == IBV_WR_ATOMIC_FETCH_AND_ADD) {
-      old = __atomic_fetch_add(word, in.compare_add, __ATOMIC_SEQ_CST);
-    } else {
-      old = in.compare_add;
-      __atomic_compare_exchange_n(word, &old, in.swap, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-    }
-    out.atomic_old = old;
+    out.atomic_old =
+        rdma_atomic(word, op == IBV_WR_ATOMIC_FETCH_AND_ADD, in.compare_add, in.swap);
   }
   return out;
 }

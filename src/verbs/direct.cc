@@ -22,10 +22,7 @@ constexpr uint32_t kFirstBackoff = 64;       ///< posts between asks after a "no
 constexpr uint32_t kMaxBackoff = 1u << 16;   ///< ... growing to this
 constexpr uint32_t kMaxSpans = kMaxSge * kMaxDirectChunks;
 
-struct Span {
-  uint8_t* p;
-  uint64_t n;
-};
+using Span = MemSpan;
 
 /// Copies `len` bytes from `src` to `dst`, span to span.
 void copy(const Span* src, const Span* dst, uint64_t len) {
@@ -53,7 +50,7 @@ bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint3
   }
   if (!mr || (mr->access & access) != access) return false;
   const uint64_t base = by_iova ? mr->iova : mr->addr;
-  if (at < base || len > mr->length || at - base > mr->length - len) return false;
+  if (!in_range(base, mr->length, at, len)) return false;
   uint64_t off = at - base;
   for (uint32_t i = 0; i < mr->num_chunks && len; ++i) {
     const DirectChunk& c = mr->chunks[i];
@@ -66,29 +63,6 @@ bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint3
     len -= take;
   }
   return len == 0;
-}
-
-/// The WR's local memory as spans; `need`: access the MRs must allow. False: leave it to the
-/// backend (which reports the right error).
-bool local_spans(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, Span* out,
-                 size_t& n, uint64_t& len) {
-  len = 0;
-  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > qp.caps.max_send_sge) return false;
-  const bool inl = (wr.send_flags & IBV_SEND_INLINE) && wr.opcode != IBV_WR_RDMA_READ;
-  for (int i = 0; i < wr.num_sge; ++i) {
-    const ibv_sge& s = wr.sg_list[i];
-    if (s.length == 0) continue;
-    if (!inl) {
-      const LocalMr* mr = local_mr(ctx, qp, s.lkey);
-      if (!mr || (mr->access & need) != need || s.addr < mr->addr || s.length > mr->length ||
-          s.addr - mr->addr > mr->length - s.length)
-        return false;
-    }
-    out[n++] = Span{reinterpret_cast<uint8_t*>(s.addr), s.length};
-    len += s.length;
-  }
-  if (inl && len > qp.caps.max_inline_data) return false;
-  return len <= kMaxMsgSize;
 }
 
 /// Receive WQEs the peer has posted and we have not taken. The peer may simply be a little
@@ -210,7 +184,8 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   size_t nl = 0, nr = 0;
   uint64_t len = 0;
   const uint32_t local_need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_LOCAL_WRITE : 0;
-  if (!local_spans(ctx, qp, wr, local_need, local, nl, len)) return false;
+  // Any local error: the backend executes it and reports it.
+  if (local_sges(ctx, qp, wr, local_need, local, nl, len) != IBV_WC_SUCCESS) return false;
 
   RecvWqe rwqe;
   uint32_t rcons = 0;
@@ -297,6 +272,29 @@ const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key) {
     qp.mr_gen = gen;
   }
   return qp.mr.pd == qp.pd ? &qp.mr : nullptr;
+}
+
+int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, MemSpan* out,
+               size_t& n, uint64_t& len) {
+  len = 0;
+  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > qp.caps.max_send_sge)
+    return IBV_WC_LOC_LEN_ERR;
+  const bool inl = (wr.send_flags & IBV_SEND_INLINE) &&
+                   (wr.opcode == IBV_WR_SEND || wr.opcode == IBV_WR_SEND_WITH_IMM ||
+                    wr.opcode == IBV_WR_RDMA_WRITE || wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM);
+  for (int i = 0; i < wr.num_sge; ++i) {
+    const ibv_sge& s = wr.sg_list[i];
+    if (s.length == 0) continue;
+    if (!inl) {
+      const LocalMr* mr = local_mr(ctx, qp, s.lkey);
+      if (!mr || (mr->access & need) != need || !in_range(mr->addr, mr->length, s.addr, s.length))
+        return IBV_WC_LOC_PROT_ERR;
+    }
+    out[n++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+    len += s.length;
+  }
+  if (inl && len > qp.caps.max_inline_data) return IBV_WC_LOC_LEN_ERR;
+  return len <= kMaxMsgSize ? IBV_WC_SUCCESS : IBV_WC_LOC_LEN_ERR;
 }
 
 bool map_ring(OwnRing& r, int fd, uint32_t entries) {

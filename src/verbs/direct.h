@@ -24,6 +24,17 @@ struct VQp;
 struct VCq;
 struct VContext;
 
+/// A run of memory (ours, or a peer's as we map it) that a WR reads or writes.
+struct MemSpan {
+  uint8_t* p;
+  uint64_t n;
+};
+
+/// Whether [at, at + len) lies in [base, base + size), without overflow.
+inline bool in_range(uint64_t base, uint64_t size, uint64_t at, uint64_t len) {
+  return at >= base && len <= size && at - base <= size - len;
+}
+
 /// One MR of this process, as the direct path checks local SGEs against it.
 struct LocalMr {
   uint64_t addr = 0, length = 0;
@@ -80,6 +91,12 @@ inline void tsan_ring_acquire() { (void)g_tsan_ring_edge.load(std::memory_order_
 inline void tsan_ring_release() {}
 inline void tsan_ring_acquire() {}
 #endif
+/// The WR's local memory as spans, checked against this process's MRs (key, PD, `need`,
+/// bounds; inline data, for the opcodes that carry data, needs none): IBV_WC_SUCCESS, or the
+/// error the WR's completion gets (LOC_PROT_ERR; LOC_LEN_ERR for a message too long). Under the
+/// SQ lock (local_mr's cache).
+int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, MemSpan* out,
+               size_t& n, uint64_t& len);
 /// Maps an own completion ring of `entries` from its memfd.
 bool map_ring(OwnRing& r, int fd, uint32_t entries);
 /// Whether an own ring we produce into has a free slot (the consumer's index is read only when

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "common/rdma_atomic.h"
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
 
@@ -158,13 +159,13 @@ bool answered_by_data(uint32_t op) {
 }  // namespace
 
 /// What the hub's epoll reports: the stop event, the listener, a connection in its hello, or a
-/// connection.
+/// connection. The kind is told by the object's address (run()), never read through it: a
+/// connection may be gone by the time its event is looked at.
 struct Watch {
-  enum Kind { kStop, kListen, kPending, kConn } kind;
+  enum Kind { kStop, kListen, kPending, kConn };
 };
 
 struct Conn : Watch {
-  Conn() : Watch{kConn} {}
   UniqueFd fd;
   Hub* hub = nullptr;
   bool requester = false;
@@ -217,9 +218,8 @@ struct Hub {
   std::atomic<uint32_t> gen{1};  ///< moves when conns does
   UniqueFd ep, stop, lfd;
   uint16_t port = 0;
-  Watch stop_w{Watch::kStop}, listen_w{Watch::kListen};
+  Watch stop_w, listen_w;
   struct Pending : Watch {
-    Pending() : Watch{kPending} {}
     UniqueFd fd;
     Hello h{};
     size_t got = 0;
@@ -445,8 +445,7 @@ bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
 uint8_t* rkey_memory(VQp& qp, uint32_t rkey, uint64_t iova, uint64_t len, uint32_t need) {
   LocalMr mr;
   if ((qp.access & need) != need || !find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr) ||
-      (mr.access & need) != need || iova < mr.iova || len > mr.length ||
-      iova - mr.iova > mr.length - len)
+      (mr.access & need) != need || !in_range(mr.iova, mr.length, iova, len))
     return nullptr;
   return reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
 }
@@ -620,7 +619,7 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
         if (!s.length) continue;
         LocalMr mr;
         if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
-            s.addr < mr.addr || s.length > mr.length || s.addr - mr.addr > mr.length - s.length) {
+            !in_range(mr.addr, mr.length, s.addr, s.length)) {
           push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR);
           send_nak(c, IBV_WC_REM_OP_ERR);
           fail = true;
@@ -677,14 +676,8 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
         send_nak(c, p ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_REM_ACCESS_ERR);
         return Start::kGo;
       }
-      auto* word = reinterpret_cast<uint64_t*>(p);
-      uint64_t old;
-      if (f.type == kFaa) {
-        old = __atomic_fetch_add(word, f.arg0, __ATOMIC_SEQ_CST);
-      } else {
-        old = f.arg0;
-        __atomic_compare_exchange_n(word, &old, f.arg1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-      }
+      const uint64_t old =
+          rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
       Frame a{};
       a.type = kAtomicResp;
       a.len = 8;
@@ -1210,22 +1203,9 @@ bool connect_out(VQp& qp) {
 /// A WR's local memory, checked against our MRs: success, or the error its completion gets.
 int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, MemSpan* out,
                  size_t& n) {
-  const bool inl = (wr.send_flags & IBV_SEND_INLINE) && carries_data(frame_type(wr.opcode));
   const uint32_t need = answered_by_data(wr.opcode) ? IBV_ACCESS_LOCAL_WRITE : 0;
   uint64_t len = 0;
-  for (int i = 0; i < wr.num_sge; ++i) {
-    const ibv_sge& s = wr.sg_list[i];
-    if (!s.length) continue;
-    if (!inl) {
-      const LocalMr* mr = local_mr(ctx, qp, s.lkey);
-      if (!mr || (mr->access & need) != need || s.addr < mr->addr || s.length > mr->length ||
-          s.addr - mr->addr > mr->length - s.length)
-        return IBV_WC_LOC_PROT_ERR;
-    }
-    out[n++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
-    len += s.length;
-  }
-  if (len > kMaxMsgSize) return IBV_WC_LOC_LEN_ERR;
+  if (const int st = local_sges(ctx, qp, wr, need, out, n, len); st != IBV_WC_SUCCESS) return st;
   if (wr.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
     if (len != 8 || n != 1) return IBV_WC_LOC_LEN_ERR;
   }

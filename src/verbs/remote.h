@@ -30,12 +30,6 @@ struct VContext;
 struct Conn;
 struct Hub;
 
-/// A run of local memory a WR reads or writes.
-struct MemSpan {
-  uint8_t* p;
-  uint64_t n;
-};
-
 /// A WR of the requester, from its post to its completion, oldest first.
 struct Inflight {
   uint64_t wr_id = 0;
