@@ -1,14 +1,26 @@
 // The direct path across backends in the library (see remote.h).
 //
-// Connections. Each direction of a QP pair has its own TCP connection, dialed by the requester:
-// requests go one way, responses (ACK, NAK, READ data, atomic results) come back on it. So each
-// end of a socket has one writer role, and a connection never needs a tie-break.
+// Connections. A QP pair shares one TCP connection, dialed by the first of the two libraries to
+// send; the other adopts it when it sends too (a requester whose peer's library has dialed it
+// uses that connection instead of dialing). Both directions then ride on one stream: the kernel
+// acknowledges each side's data on the other side's, where two one-way connections cost a pure
+// TCP ACK per message, inside the receiver's recv() (a ping-pong 14 -> 20 us per round trip
+// across the namespace hosts). Only when both dial at once do two connections stay, one per
+// direction, each carrying requests one way and their responses back.
+//
+// No receive. A request that finds no receive (or no room for its completion) is not waited
+// for on the stream: that would stop the responses behind it, which the application may be
+// waiting for before it posts one. The responder answers kRnr and drops it and every request
+// after it until the requester's kRewind; it sends kResume once a receive is posted, and the
+// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK with
+// an infinite retry count, as rnr_retry 7 asks). So every WR keeps what it takes to be sent again.
 //
 // Threads. The application's thread posts (writes requests) and, while it polls an empty CQ,
 // reads the connections of that CQ's QPs itself; the hub's thread waits in epoll for the rest:
 // a target that only spins on its memory, a backlog to flush. Per connection: rx_mu (reading and
-// executing), tx_mu (writing and the backlog); per QP: fl_mu (WRs in flight and the send ring).
-// Order: rx_mu before fl_mu; nothing takes an rx_mu while it holds fl_mu or tx_mu.
+// executing), tx_mu (writing and the backlog); per QP: fl_mu (WRs in flight, the send ring, and
+// the order requests are written in). Order: rx_mu, fl_mu, tx_mu; nothing takes an rx_mu while
+// it holds fl_mu or tx_mu, nor fl_mu while it holds tx_mu.
 #include "verbs/remote.h"
 
 #include <arpa/inet.h>
@@ -43,7 +55,7 @@ using namespace vrdma::proto;
 namespace rwire {
 
 constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kRxBuf = 64 * 1024;
 constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
 constexpr int kDialMs = 1000;
@@ -58,39 +70,29 @@ enum FType : uint8_t {
   kRead = 5,
   kCas = 6,
   kFaa = 7,
+  kRewind = 8,  ///< requester, after kResume: its requests from the dropped one on follow
   kAck = 16,
   kNak = 17,
   kReadResp = 18,
   kAtomicResp = 19,
+  kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped
+  kResume = 21,  ///< a receive is posted: send them again
 };
 
-/// One frame between two libraries; SEND/WRITE data or READ data follows it.
-struct Frame {
-  uint8_t type;
-  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
-  uint16_t flags;  ///< requests: IBV_SEND_SOLICITED
-  uint32_t imm;    ///< as the WR gave it (network order)
-  uint32_t len;    ///< requests: message bytes (READ: asked for); kReadResp: its data
-  uint32_t rkey;
-  uint64_t raddr;
-  uint64_t arg0;  ///< atomics: compare/add; responses: requests executed so far
-  uint64_t arg1;  ///< kCas: swap; kAtomicResp: the value before
-  /// Requests: how many of the receiver's requests the sender has executed (an ACK riding on
-  /// the other direction's traffic, cumulative).
-  uint64_t ack;
-};
-static_assert(sizeof(Frame) == 48);
+constexpr uint32_t kTakesRequests = 1;  ///< Hello::flags: the dialer executes requests too
 
 struct Hello {
   uint32_t magic, version;
   uint32_t from_qpn, to_qpn;
-  uint32_t from_lid, reserved;
+  uint32_t from_lid, flags;
   uint8_t token[kDirectTokenBytes];
 };
 static_assert(sizeof(Hello) == 40);
 struct HelloAck {
   uint32_t magic;
   int32_t err;
+  uint32_t lid;  ///< the acceptor's (the slid of receive completions on the dialer's side)
+  uint32_t reserved;
 };
 
 }  // namespace rwire
@@ -108,7 +110,9 @@ uint64_t now_ms() {
   return uint64_t(t.tv_sec) * 1000 + uint64_t(t.tv_nsec) / 1000000;
 }
 
-bool is_request(uint8_t t) { return t >= kSend && t <= kFaa; }
+/// Frames that travel with requests (to the responder), and those that answer them.
+bool request_dir(uint8_t t) { return t >= kSend && t <= kRewind; }
+bool response_dir(uint8_t t) { return t >= kAck && t <= kResume; }
 bool carries_data(uint8_t t) {
   return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm;
 }
@@ -162,13 +166,17 @@ bool answered_by_data(uint32_t op) {
 /// connection. The kind is told by the object's address (run()), never read through it: a
 /// connection may be gone by the time its event is looked at.
 struct Watch {
-  enum Kind { kStop, kListen, kPending, kConn };
+  enum Kind { kStop, kWake, kListen, kPending, kConn };
 };
 
 struct Conn : Watch {
   UniqueFd fd;
   Hub* hub = nullptr;
-  bool requester = false;
+  /// Which frames it may bring: the peer's requests (it is our QP's `in`), answers to ours (it
+  /// is our `out`); both once one connection carries both directions. Set before any such
+  /// frame can come.
+  std::atomic<bool> req_in{false}, resp_in{false};
+  bool peer_takes_requests = true;  ///< ours may go on it (the dialer said so in its hello)
   const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
   const ibv_cq* recv_cq = nullptr;
   const RingHeader* rq_hdr = nullptr;  ///< the QP's receive queue
@@ -190,7 +198,7 @@ struct Conn : Watch {
   /// Responder: requests executed, and how many of them the peer has been told of (by an ACK
   /// here, or riding on a request of ours on the other connection).
   std::atomic<uint64_t> executed{0}, acked{0};
-  std::atomic<bool> stalled{false};  ///< responder: waits for a receive (or completion room)
+  bool rnr = false;  ///< responder: sent kRnr; requests are dropped until the peer's kRewind
   /// The application polls a CQ of this connection's QP, and reads it itself: the hub does not
   /// watch it for data (its wake-ups would only take the CPU from the poller). Ends when a poll
   /// finds a completion, or when the polls stop (`polls` still, checked every kClaimMs).
@@ -217,8 +225,9 @@ struct Hub {
   std::vector<std::shared_ptr<Conn>> conns;
   std::atomic<uint32_t> gen{1};  ///< moves when conns does
   UniqueFd ep, stop, lfd;
+  UniqueFd wake;  ///< a connection the thread did not make: its wait gets the tick (hub_timeout)
   uint16_t port = 0;
-  Watch stop_w, listen_w;
+  Watch stop_w, wake_w, listen_w;
   struct Pending : Watch {
     UniqueFd fd;
     Hello h{};
@@ -248,7 +257,7 @@ void rearm(Conn& c) {
     return;
   }
   uint32_t ev = EPOLLRDHUP;
-  if (!c.stalled.load() && !c.claimed.load()) ev |= EPOLLIN;
+  if (!c.claimed.load()) ev |= EPOLLIN;
   if (c.want_out.load()) ev |= EPOLLOUT;
   epoll_set(*c.hub, c.watched ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c.fd.get(), ev, &c);
   c.watched = true;
@@ -431,6 +440,30 @@ bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
   return true;
 }
 
+/// Writes a WR's request (fl_mu held: requests go out in the order of their numbers), with the
+/// ACK for the peer's requests riding on it. False: the connection is broken.
+bool write_request(RemoteQp& r, Conn& out, Inflight& e) {
+  Conn* in = r.in_raw.load(std::memory_order_acquire);
+  e.f.ack = in ? in->executed.load() : 0;
+  if (in && e.f.ack) in->acked.store(e.f.ack);
+  if (!carries_data(e.f.type)) return send_frame(out, e.f, nullptr, 0, true);
+  const MemSpan inl{e.inl_data, e.len};
+  return e.inl ? send_frame(out, e.f, &inl, 1, true) : send_frame(out, e.f, e.local, e.nl, false);
+}
+
+/// The peer's kResume: kRewind, then every request from the one it dropped on, in order (fl_mu
+/// held). A write that fails leaves it to the reader, which finds the connection broken.
+void resend(RemoteQp& r, Conn& out) {
+  r.rnr = false;
+  Frame w{};
+  w.type = kRewind;
+  if (!send_frame(out, w, nullptr, 0, true)) return;
+  for (Inflight& e : r.inflight) {
+    if (!e.sent) break;  // failed locally: completes in its turn, and the QP goes to ERR
+    if (e.seq >= r.resend_from && !write_request(r, out, e)) return;
+  }
+}
+
 /// This process's MR for a key in `pd` (thread-safe; no cache).
 bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
   std::lock_guard<std::mutex> g(ctx.mr_mu);
@@ -530,7 +563,7 @@ int rx_payload(Conn& c) {
   return 1;
 }
 
-enum class Start { kGo, kStall, kFail };
+enum class Start { kGo, kFail };
 
 /// An ACK for what this responder executed and has not told the peer of yet.
 void send_ack(Conn& c) {
@@ -553,26 +586,55 @@ void send_nak(Conn& c, ibv_wc_status st) {
   c.nak_sent = true;
 }
 
+/// Whether a request that needs a receive can be executed now: one is posted, and its
+/// completion has room (rx_mu held: this library is the ring's producer).
+bool receivable(VQp& qp, RemoteQp& r) {
+  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
+  const uint32_t prod = qp.rq_hdr->producer.load(std::memory_order_seq_cst);
+  return prod != cons && prod - cons <= qp.rq_size && has_room(r.recv);
+}
+
 /// The responder's receive WQE for the frame, copied out (not consumed). False: none posted
-/// yet, or no room for its completion; the connection then waits (stalled).
+/// yet, or no room for its completion.
 bool peek_recv(Conn& c, VQp& qp, RemoteQp& r) {
-  for (int pass = 0; pass < 2; ++pass) {
-    const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
-    const uint32_t prod = qp.rq_hdr->producer.load(std::memory_order_seq_cst);
-    if (prod != cons && prod - cons <= qp.rq_size && has_room(r.recv)) {
-      const RecvWqe& w = qp.rq[cons & (qp.rq_size - 1)];
-      c.rwqe.wr_id = w.wr_id;
-      c.rwqe.num_sge = std::min<uint32_t>(w.num_sge, kMaxSge);
-      std::memcpy(c.rwqe.sge, w.sge, c.rwqe.num_sge * sizeof(Sge));
-      c.rcons = cons;
-      c.stalled.store(false);
-      return true;
-    }
-    // Say we wait before looking again: a receive posted in between sees the flag.
-    if (!pass) c.stalled.store(true, std::memory_order_seq_cst);
-  }
-  r.rx_stalled.store(true, std::memory_order_seq_cst);
-  return false;
+  if (!receivable(qp, r)) return false;
+  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_relaxed);
+  const RecvWqe& w = qp.rq[cons & (qp.rq_size - 1)];
+  c.rwqe.wr_id = w.wr_id;
+  c.rwqe.num_sge = std::min<uint32_t>(w.num_sge, kMaxSge);
+  std::memcpy(c.rwqe.sge, w.sge, c.rwqe.num_sge * sizeof(Sge));
+  c.rcons = cons;
+  return true;
+}
+
+/// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
+/// held). Called after a post_recv, from empty polls and from the hub's tick.
+void try_resume(Conn& c, VQp& qp, RemoteQp& r) {
+  if (!r.resume_owed.load(std::memory_order_seq_cst) || !receivable(qp, r) ||
+      !r.resume_owed.exchange(false))
+    return;
+  Frame f{};
+  f.type = kResume;
+  f.arg0 = c.executed.load();
+  send_frame(c, f, nullptr, 0, true);
+  c.acked.store(f.arg0);
+}
+
+/// The request being read found no receive: the peer is told (kRnr, with how many of its
+/// requests were executed: the number of this one), and this one and those after it are dropped
+/// until its kRewind (rx_mu held).
+void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
+  Frame f{};
+  f.type = kRnr;
+  f.arg0 = c.executed.load();
+  send_frame(c, f, nullptr, 0, true);
+  c.acked.store(f.arg0);
+  c.rnr = true;
+  VLOG_DEBUG("direct path: QP {:#x} has no receive for request {} of its peer: kRnr", qp.qp.qp_num,
+             f.arg0);
+  // Owed before looking again: a receive posted in between either is seen here or sees the flag.
+  r.resume_owed.store(true, std::memory_order_seq_cst);
+  try_resume(c, qp, r);
 }
 
 /// The receive completion of a consumed WQE (status success unless given).
@@ -602,13 +664,19 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
   c.doff = 0;
   c.discard = false;
   c.left = 0;
-  if (c.nak_sent) {
+  // Dropped: after a NAK; after a kRnr until the peer's resend begins (kRewind, which is
+  // dropped too: it only ends that; a stray one is ignored); one that finds no receive.
+  bool drop = c.nak_sent || c.rnr || f.type == kRewind;
+  if (!drop && consumes_recv(f.type) && !peek_recv(c, qp, r)) {
+    send_rnr(c, qp, r);
+    drop = true;
+  }
+  if (drop) {
+    if (f.type == kRewind) c.rnr = false;
     c.discard = true;
     c.left = carries_data(f.type) ? f.len : 0;
     return Start::kGo;
   }
-  if (consumes_recv(f.type) && !peek_recv(c, qp, r)) return Start::kStall;
-  r.rx_stalled.store(false, std::memory_order_relaxed);
   VContext& ctx = *to_vctx(qp.qp.context);
   switch (f.type) {
     case kSend:
@@ -694,7 +762,7 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
 }
 
 void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
-  if (c.nak_sent) return;
+  if (c.nak_sent || c.discard) return;
   const uint8_t t = c.f.type;
   if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start
   if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS);
@@ -729,6 +797,25 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
   }
   if (fail) return Start::kFail;
   if (f.type == kAck) return Start::kGo;
+  if (f.type == kRnr) {
+    if (r.rnr || f.arg0 != r.peer_executed || f.arg0 >= r.sent) {
+      why = "the peer refused a request that was not sent for want of a receive";
+      return Start::kFail;
+    }
+    r.rnr = true;  // nothing more is written until its kResume
+    r.resend_from = f.arg0;
+    return Start::kGo;
+  }
+  if (f.type == kResume) {
+    if (!r.rnr) {
+      why = "the peer asked to resend what it had not refused";
+      return Start::kFail;
+    }
+    VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again", qp.qp.qp_num,
+               r.resend_from);
+    resend(r, c);
+    return Start::kGo;
+  }
   Inflight* e = r.inflight.empty() ? nullptr : &r.inflight.front();
   if (!e || !e->sent || e->seq != before) {
     why = "the peer answered a request that was not sent";
@@ -779,7 +866,7 @@ bool finish_response(Conn& c, VQp& qp, RemoteQp& r) {
 void broken(Conn& c, VQp& qp, const char* why) {
   c.broken.store(true);
   rearm(c);
-  if (!c.requester) return;
+  if (!c.resp_in.load()) return;
   RemoteQp& r = *qp.remote;
   bool any;
   {
@@ -814,32 +901,29 @@ bool drain(Conn& c, bool defer_ack) {
       c.rx = Conn::Rx::kStart;
       did = true;
     }
+    const bool req = request_dir(c.f.type);
     if (c.rx == Conn::Rx::kStart) {
       bool fail = false;
       const char* why = "the peer sent a malformed frame";
       Start s;
-      if (c.requester ? is_request(c.f.type) || c.f.type < kAck || c.f.type > kAtomicResp
-                      : !is_request(c.f.type) || c.f.len > kMaxMsgSize) {
+      if (req ? !c.req_in.load(std::memory_order_acquire) || c.f.len > kMaxMsgSize
+              : !response_dir(c.f.type) || !c.resp_in.load(std::memory_order_acquire)) {
         s = Start::kFail;
-      } else if (!c.requester && c.f.ack && !ack_riding(qp, r, c.f.ack, fail)) {
+      } else if (req && c.f.ack && !ack_riding(qp, r, c.f.ack, fail)) {
         why = "the peer acknowledged requests that were not sent";
         s = Start::kFail;
       } else if (fail) {
         why = "a WR failed on the direct path";
         s = Start::kFail;
       } else {
-        s = c.requester ? start_response(c, qp, r, fail, why) : start_request(c, qp, r, fail);
-      }
-      if (s == Start::kStall) {
-        rearm(c);  // no more EPOLLIN until a receive is posted
-        break;
+        s = req ? start_request(c, qp, r, fail) : start_response(c, qp, r, fail, why);
       }
       if (s == Start::kFail) {
         if (!fail) {  // a broken peer: end it as a lost connection
           ::shutdown(c.fd.get(), SHUT_RDWR);
           broken(c, qp, why);
         } else {
-          to_error(qp, c.requester ? why : "a request failed at this responder");
+          to_error(qp, req ? "a request failed at this responder" : why);
           c.broken.store(true);
           rearm(c);
         }
@@ -853,18 +937,16 @@ bool drain(Conn& c, bool defer_ack) {
       return true;
     }
     if (got == 0) break;
-    if (c.requester) {
-      if (!finish_response(c, qp, r)) {
-        to_error(qp, "a WR failed on the direct path");
-        return true;
-      }
-    } else {
+    if (req) {
       finish_request(c, qp, r);
+    } else if (!finish_response(c, qp, r)) {
+      to_error(qp, "a WR failed on the direct path");
+      return true;
     }
     c.rx = Conn::Rx::kHeader;
   }
   // One cumulative ACK for what this batch executed.
-  if (!c.requester && !defer_ack) send_ack(c);
+  if (c.req_in.load(std::memory_order_relaxed) && !defer_ack) send_ack(c);
   return did;
 }
 
@@ -877,6 +959,10 @@ void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
     h.gen.fetch_add(1, std::memory_order_release);
   }
   rearm(*c);
+  const uint64_t one = 1;
+  if (::write(h.wake.get(), &one, sizeof(one)) < 0) {
+    VLOG_WARN("direct path: cannot wake the hub thread: {}", std::strerror(errno));
+  }
 }
 
 /// Ends a connection for good: nothing reads it or writes it again.
@@ -908,7 +994,7 @@ std::shared_ptr<Conn> find_conn(Hub& h, const Watch* p) {
 /// A dialer's hello is complete: is it the peer of one of our offers?
 void accept_hello(Hub& h, Hub::Pending& p) {
   VContext& ctx = *h.ctx;
-  HelloAck ack{kMagic, EPERM};
+  HelloAck ack{kMagic, EPERM, 0, 0};
   std::shared_ptr<Conn> c;
   if (p.h.magic == kMagic && p.h.version == kVersion) {
     std::lock_guard<std::mutex> go(ctx.objs_mu);
@@ -918,11 +1004,15 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       if (!r || !r->offered || r->dead || qp->qp.qp_num != p.h.to_qpn ||
           r->peer_qpn != p.h.from_qpn || std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
         continue;
-      if (r->in) {  // one per QP's life in RTR/RTS (a reset ends it and the offer)
+      // One per QP's life in RTR/RTS (a reset ends it and the offer); and none when our own
+      // dial got there first: the peer's library then adopts that one (EBUSY tells it).
+      if (r->in) {
         ack.err = EBUSY;
         break;
       }
       c = std::make_shared<Conn>();
+      c->req_in.store(true);
+      c->peer_takes_requests = (p.h.flags & kTakesRequests) != 0;
       c->fd = std::move(p.fd);
       c->hub = &h;
       c->qp = qp;
@@ -930,6 +1020,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       c->recv_cq = qp->qp.recv_cq;
       c->rq_hdr = qp->rq_hdr;
       r->peer_lid = p.h.from_lid;
+      ack.lid = r->my_lid;
       r->in = c;
       r->in_raw.store(c.get(), std::memory_order_release);
       h.conns.push_back(c);
@@ -988,8 +1079,24 @@ void release_idle_claims(Hub& h) {
   }
   for (const auto& c : idle) {
     c->claimed.store(false);
-    if (!c->requester) send_ack(*c);
+    if (c->req_in.load()) send_ack(*c);
     rearm(*c);
+  }
+}
+
+/// kResumes owed for receives posted since (post_recv sends them itself; this catches a
+/// completion ring that had no room, and a post that raced with the kRnr).
+void resume_waiting(Hub& h) {
+  std::vector<std::shared_ptr<Conn>> owe;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    for (const auto& c : h.conns) {
+      if (c->req_in.load(std::memory_order_relaxed)) owe.push_back(c);
+    }
+  }
+  for (const auto& c : owe) {
+    std::lock_guard<std::mutex> g(c->rx_mu);
+    if (c->qp && c->qp->remote) try_resume(*c, *c->qp, *c->qp->remote);
   }
 }
 
@@ -998,6 +1105,7 @@ void run(Hub& h) {
   ::sigfillset(&all);
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   epoll_event ev[32];
+  uint64_t resumed_at = now_ms();
   for (;;) {
     const int n = ::epoll_wait(h.ep.get(), ev, 32, hub_timeout(h));
     for (int i = 0; i < n; ++i) {
@@ -1005,6 +1113,7 @@ void run(Hub& h) {
       // with what still exists (find_conn, pending) before anything reads through it.
       auto* w = static_cast<Watch*>(ev[i].data.ptr);
       const Watch::Kind kind = w == &h.stop_w     ? Watch::kStop
+                               : w == &h.wake_w   ? Watch::kWake
                                : w == &h.listen_w ? Watch::kListen
                                : std::any_of(h.pending.begin(), h.pending.end(),
                                              [&](const auto& p) { return p.get() == w; })
@@ -1013,6 +1122,11 @@ void run(Hub& h) {
       switch (kind) {
         case Watch::kStop:
           return;
+        case Watch::kWake: {
+          uint64_t n;
+          if (::read(h.wake.get(), &n, sizeof(n)) < 0) break;  // (nothing more to do)
+          break;
+        }
         case Watch::kListen:
           for (;;) {
             const int fd = ::accept4(h.lfd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -1039,9 +1153,6 @@ void run(Hub& h) {
             std::lock_guard<std::mutex> g(c->rx_mu);
             if (!c->qp) break;
             drain(*c, false);
-            // A closed connection that waits for a receive would wake us for ever.
-            if ((ev[i].events & (EPOLLHUP | EPOLLERR)) && c->stalled.load() && !c->broken)
-              broken(*c, *c->qp, "the peer's library closed the connection");
           }
           break;
         }
@@ -1049,6 +1160,10 @@ void run(Hub& h) {
     }
     release_idle_claims(h);
     const uint64_t t = now_ms();
+    if (t - resumed_at >= kClaimMs) {
+      resume_waiting(h);
+      resumed_at = t;
+    }
     std::erase_if(h.pending, [&](const auto& p) {
       if (p->deadline > t) return false;
       epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
@@ -1067,12 +1182,13 @@ Hub* hub_of(VContext& ctx) {
   h->ctx = &ctx;
   h->ep = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   h->stop = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  h->wake = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   h->lfd = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   socklen_t alen = sizeof(a);
-  if (!h->ep.valid() || !h->stop.valid() || !h->lfd.valid() ||
+  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid() || !h->lfd.valid() ||
       ::bind(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
       ::listen(h->lfd.get(), 64) != 0 ||
       ::getsockname(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
@@ -1081,6 +1197,7 @@ Hub* hub_of(VContext& ctx) {
   }
   h->port = ntohs(a.sin_port);
   epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
+  epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->lfd.get(), EPOLLIN, &h->listen_w);
   Hub* raw = h.get();
   h->thr = std::thread([raw] { run(*raw); });
@@ -1095,8 +1212,9 @@ RemoteQp& remote_of(Hub& h, VQp& qp) {
   return *qp.remote;
 }
 
-/// Connects to the peer's library (blocking, bounded). Invalid on failure (logged).
-UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello) {
+/// Connects to the peer's library (blocking, bounded): the connection and the peer's LID, or
+/// invalid with errno (EBUSY: the peer's library has dialed us).
+UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello, uint32_t& peer_lid) {
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return {};
   set_sock_opts(fd.get());
@@ -1130,6 +1248,7 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello) {
     errno = ack.err ? ack.err : EPROTO;
     return {};
   }
+  peer_lid = ack.lid;
   return fd;
 }
 
@@ -1167,36 +1286,64 @@ bool connect_out(VQp& qp) {
     r.never = true;
     return false;
   }
-  Hello hello{kMagic, kVersion, qp.qp.qp_num, resp.peer_qpn, resp.my_lid, 0, {}};
-  std::memcpy(hello.token, resp.token, kDirectTokenBytes);
-  UniqueFd fd = dial(resp.peer_ipv4, resp.peer_port, hello);
-  if (!fd.valid()) {
-    char ip[INET_ADDRSTRLEN] = "?";
-    ::inet_ntop(AF_INET, &resp.peer_ipv4, ip, sizeof(ip));
-    VLOG_WARN(
-        "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
-        "the backend",
-        qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
-    back_off(r, kAskMax / 4);
-    return false;
-  }
   r.send.seen = r.send.hdr->consumer.load(std::memory_order_acquire);
-  auto c = std::make_shared<Conn>();
-  c->fd = std::move(fd);
-  c->hub = h;
-  c->requester = true;
-  c->qp = &qp;
-  c->send_cq = qp.qp.send_cq;
-  c->recv_cq = qp.qp.recv_cq;
-  c->rq_hdr = qp.rq_hdr;
-  {
+  // The peer's library has dialed us: its connection takes our requests too.
+  auto adoptable = [&] {
     std::lock_guard<std::mutex> g(h->mu);
+    return r.in && !r.in->broken.load() && r.in->peer_takes_requests ? r.in : nullptr;
+  };
+  std::shared_ptr<Conn> c = adoptable();
+  if (!c) {
+    Hello hello{
+        kMagic, kVersion, qp.qp.qp_num, resp.peer_qpn, resp.my_lid, r.offered ? kTakesRequests : 0,
+        {}};
+    std::memcpy(hello.token, resp.token, kDirectTokenBytes);
+    uint32_t peer_lid = 0;
+    UniqueFd fd = dial(resp.peer_ipv4, resp.peer_port, hello, peer_lid);
+    if (fd.valid()) {
+      c = std::make_shared<Conn>();
+      c->fd = std::move(fd);
+      c->hub = h;
+      c->qp = &qp;
+      c->send_cq = qp.qp.send_cq;
+      c->recv_cq = qp.qp.recv_cq;
+      c->rq_hdr = qp.rq_hdr;
+      c->resp_in.store(true);
+      {
+        std::lock_guard<std::mutex> g(h->mu);
+        r.out = c;
+        // The peer's requests come on it too, unless its own dial got here first (then each
+        // direction keeps its own connection).
+        if (!r.in && r.offered) {
+          c->req_in.store(true);
+          r.peer_lid = peer_lid;
+          r.in = c;
+          r.in_raw.store(c.get(), std::memory_order_release);
+        }
+      }
+      register_conn(*h, c);
+    } else if (errno == EBUSY) {
+      c = adoptable();  // both dialed at once, and the peer's got there first
+    }
+    if (!c) {
+      char ip[INET_ADDRSTRLEN] = "?";
+      ::inet_ntop(AF_INET, &resp.peer_ipv4, ip, sizeof(ip));
+      VLOG_WARN(
+          "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
+          "the backend",
+          qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
+      back_off(r, kAskMax / 4);
+      return false;
+    }
+  }
+  if (!c->resp_in.load()) {  // adopted
+    std::lock_guard<std::mutex> g(h->mu);
+    c->resp_in.store(true);
     r.out = c;
   }
-  register_conn(*h, c);
   r.active.store(true, std::memory_order_release);
-  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library", qp.qp.qp_num,
-            resp.peer_qpn);
+  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library{}", qp.qp.qp_num,
+            resp.peer_qpn, c == r.in ? " (one connection both ways)" : "");
   return true;
 }
 
@@ -1229,9 +1376,8 @@ void teardown(VQp& qp) {
   // What we executed and have not acknowledged yet (an ACK that was to ride on a request of
   // ours) goes before the connection closes: the peer's WRs complete.
   if (in) send_ack(*in);
-  for (const auto& c : {in, out}) {
-    if (c) retire(*h, c);
-  }
+  if (in) retire(*h, in);
+  if (out && out != in) retire(*h, out);
 }
 
 }  // namespace
@@ -1258,7 +1404,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     if ((wr->send_flags & IBV_SEND_INLINE) && carries_data(type)) {
       uint64_t total = 0;
       for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
-      if (total > qp.caps.max_inline_data) {
+      if (total > std::min(qp.caps.max_inline_data, kMaxInline)) {
         rc = EINVAL;
         break;
       }
@@ -1270,7 +1416,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     MemSpan data[kMaxSge];
     size_t nd = 0;
     const int st = local_memory(ctx, qp, *wr, e, data, nd);
-    std::unique_lock<std::mutex> fl(r->fl_mu);
+    std::lock_guard<std::mutex> fl(r->fl_mu);
     if (r->inflight.size() >= qp.sq_size) {
       rc = ENOMEM;
       break;
@@ -1290,14 +1436,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     }
     e.sent = true;
     e.seq = r->sent++;
-    if (answered_by_data(wr->opcode)) {
-      e.nl = static_cast<uint8_t>(nd);
-      std::copy(data, data + nd, e.local);
-    }
-    r->inflight.push_back(e);
-    r->awaiting.fetch_add(1, std::memory_order_relaxed);
-    fl.unlock();
-    Frame f{};
+    Frame& f = e.f;
     f.type = type;
     f.flags = static_cast<uint16_t>(wr->send_flags & IBV_SEND_SOLICITED);
     f.imm = wr->imm_data;
@@ -1311,13 +1450,19 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       f.rkey = wr->wr.rdma.rkey;
       f.raddr = wr->wr.rdma.remote_addr;
     }
-    Conn* in = r->in_raw.load(std::memory_order_acquire);
-    if (in) f.ack = in->executed.load();
-    const bool inl = (wr->send_flags & IBV_SEND_INLINE) != 0;
-    if (in && f.ack) in->acked.store(f.ack);
-    if (!send_frame(*r->out, f, carries_data(type) ? data : nullptr, carries_data(type) ? nd : 0,
-                    inl)) {
-      std::lock_guard<std::mutex> g(r->fl_mu);
+    Inflight& q = r->inflight.emplace_back(e);
+    if ((wr->send_flags & IBV_SEND_INLINE) && carries_data(type)) {
+      // The application may reuse inline data at once: a resend takes it from here.
+      q.inl = true;
+      uint8_t* at = q.inl_data;
+      for (size_t i = 0; i < nd; ++i) at = std::copy_n(data[i].p, data[i].n, at);
+    } else {
+      q.nl = static_cast<uint8_t>(nd);
+      std::copy(data, data + nd, q.local);
+    }
+    r->awaiting.fetch_add(1, std::memory_order_relaxed);
+    // After a kRnr it waits in line for the peer's kResume (resend()).
+    if (!r->rnr && !write_request(*r, *r->out, q)) {
       flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR);
       fail = true;
     }
@@ -1403,7 +1548,8 @@ bool remote_progress(VCq& cq) {
   for (const auto& c : cq.rconns) {
     if (c->broken.load(std::memory_order_relaxed)) continue;
     // The application polls again without having posted: what it owes goes now.
-    if (!c->requester) send_ack(*c);
+    const bool req_in = c->req_in.load(std::memory_order_relaxed);
+    if (req_in) send_ack(*c);
     c->polls.store(c->polls.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     if (!c->claimed.load(std::memory_order_relaxed)) {
       c->claimed.store(true);
@@ -1416,12 +1562,12 @@ bool remote_progress(VCq& cq) {
     }
     std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
     if (!l || !c->qp) continue;
-    // Nothing of ours waits for an answer: the responses' connection has nothing we need (in a
-    // ping-pong the ACKs ride on the peer's requests), and reading it costs a syscall a poll.
-    if (c->requester && c->qp->remote->awaiting.load(std::memory_order_relaxed) == 0) continue;
-    const bool was_stalled = c->stalled.load();
+    RemoteQp& r = *c->qp->remote;
+    // Nothing of ours waits for an answer: a connection of responses only has nothing we need,
+    // and reading it costs a syscall a poll.
+    if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0) continue;
     did |= drain(*c, true);
-    if (was_stalled && !c->stalled.load()) rearm(*c);
+    if (req_in) try_resume(*c, *c->qp, r);
   }
   return did;
 }
@@ -1429,14 +1575,22 @@ bool remote_progress(VCq& cq) {
 void remote_release(VCq& cq) {
   // Only the connections that bring what the application may now wait for in memory: the peer's
   // requests to a QP with no receive posted (WRITEs, which complete nothing here). A QP with
-  // receives posted is waited on by polling; responses to our requests complete WRs, and are
-  // waited on by polling too. The rest stays claimed until the polls stop (kClaimMs).
+  // receives posted, or with requests of ours unanswered, is waited on by polling; so is one
+  // whose peer has sent no request yet (a READ ping-pong's requester: a release would cost
+  // two epoll_ctl a round trip). The rest stays claimed until the polls stop (kClaimMs).
   bool any = false;
   for (const auto& c : cq.rconns) {
     if (!c->claimed.load(std::memory_order_relaxed)) continue;
-    if (c->requester || c->broken.load(std::memory_order_relaxed) ||
-        c->rq_hdr->producer.load(std::memory_order_relaxed) !=
-            c->rq_hdr->consumer.load(std::memory_order_relaxed)) {
+    bool keep = !c->req_in.load(std::memory_order_relaxed) ||
+                c->executed.load(std::memory_order_relaxed) == 0 ||
+                c->broken.load(std::memory_order_relaxed) ||
+                c->rq_hdr->producer.load(std::memory_order_relaxed) !=
+                    c->rq_hdr->consumer.load(std::memory_order_relaxed);
+    if (!keep && c->resp_in.load(std::memory_order_relaxed)) {
+      std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
+      keep = !l || !c->qp || c->qp->remote->awaiting.load(std::memory_order_relaxed) != 0;
+    }
+    if (keep) {
       any = true;
       continue;
     }
@@ -1449,7 +1603,10 @@ void remote_release(VCq& cq) {
 
 void remote_receives_posted(VQp& qp) {
   RemoteQp* r = qp.remote.get();
-  if (!r || !r->rx_stalled.load(std::memory_order_seq_cst)) return;
+  if (!r) return;
+  // The receive's producer index before the flag (send_rnr() stores them the other way round).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (!r->resume_owed.load(std::memory_order_seq_cst)) return;
   Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
   if (!h) return;
   std::shared_ptr<Conn> c;
@@ -1459,9 +1616,7 @@ void remote_receives_posted(VQp& qp) {
   }
   if (!c) return;
   std::lock_guard<std::mutex> l(c->rx_mu);
-  if (!c->qp) return;
-  drain(*c, false);
-  if (!c->stalled.load()) rearm(*c);
+  if (c->qp) try_resume(*c, qp, *r);
 }
 
 void remote_shutdown(VContext& ctx) {

@@ -30,7 +30,31 @@ struct VContext;
 struct Conn;
 struct Hub;
 
-/// A WR of the requester, from its post to its completion, oldest first.
+// The library-to-library protocol (named, not anonymous: the structs below hold its frames).
+namespace rwire {
+
+/// One frame between two libraries; SEND/WRITE data or READ data follows it.
+struct Frame {
+  uint8_t type;
+  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
+  uint16_t flags;  ///< requests: IBV_SEND_SOLICITED
+  uint32_t imm;    ///< as the WR gave it (network order)
+  uint32_t len;    ///< requests: message bytes (READ: asked for); kReadResp: its data
+  uint32_t rkey;
+  uint64_t raddr;
+  uint64_t arg0;  ///< atomics: compare/add; responses: requests executed so far
+  uint64_t arg1;  ///< kCas: swap; kAtomicResp: the value before
+  /// Requests: how many of the receiver's requests the sender has executed (an ACK riding on
+  /// the other direction's traffic, cumulative).
+  uint64_t ack;
+};
+static_assert(sizeof(Frame) == 48);
+
+}  // namespace rwire
+
+/// A WR of the requester, from its post to its completion, oldest first. It keeps what it
+/// takes to send its request again: a responder that found no receive drops it and what
+/// follows (kRnr), and asks for them again once one is posted (kResume).
 struct Inflight {
   uint64_t wr_id = 0;
   uint64_t seq = 0;  ///< its request's number on the connection (sent ones only)
@@ -38,9 +62,12 @@ struct Inflight {
   uint32_t len = 0;
   bool signaled = false;
   bool sent = false;  ///< false: a WR that failed locally (status) or is to be flushed
+  bool inl = false;   ///< its data is in `inl_data` (posted inline: the application may reuse it)
   int status = IBV_WC_SUCCESS;
-  uint8_t nl = 0;  ///< READ/atomic: where the answer goes
+  uint8_t nl = 0;  ///< spans in `local`: its data (SEND, WRITE), or where the answer goes
   MemSpan local[proto::kMaxSge];
+  rwire::Frame f{};  ///< its request, but for the riding ACK
+  uint8_t inl_data[proto::kMaxInline];
 };
 
 /// A QP's state on the direct path across backends. Control fields under Hub::mu.
@@ -49,21 +76,29 @@ struct RemoteQp {
   bool offered = false;
   uint8_t token[proto::kDirectTokenBytes] = {};
   uint32_t peer_qpn = 0, my_lid = 0;
-  uint32_t peer_lid = 0;                ///< from the peer's hello (the slid of receive completions)
-  bool dead = false;                    ///< torn down: takes no connection any more
-  std::atomic<bool> rx_stalled{false};  ///< `in` waits for a receive to be posted
+  uint32_t peer_lid = 0;  ///< from the peer's hello (the slid of receive completions)
+  bool dead = false;      ///< torn down: takes no connection any more
+  /// `in` sent kRnr (a request found no receive, or no room for its completion) and owes the
+  /// peer a kResume once there is one.
+  std::atomic<bool> resume_owed{false};
   OwnRing recv;  ///< the QP's own receive-completion ring (we produce into it)
+  /// The connection the peer's requests come on: the one its library dialed, or the one ours
+  /// dialed (one connection then carries both directions; see remote.cc).
   std::shared_ptr<Conn> in;
   std::atomic<Conn*> in_raw{nullptr};  ///< `in`, for the post path (set once, cleared at teardown)
-  // Requester: our connection, our own send-completion ring, the WRs not yet completed.
+  // Requester: our connection (often `in` itself), our own send-completion ring, the WRs not
+  // yet completed.
   std::shared_ptr<Conn> out;
   OwnRing send;
-  std::mutex fl_mu;  ///< inflight, sent, the send ring's producer side
+  std::mutex fl_mu;  ///< inflight, sent, rnr, the send ring's producer side; held while a request
+                     ///< is written, so they go in order
   std::deque<Inflight> inflight;
-  uint64_t sent = 0;           ///< requests written to `out`
-  uint64_t peer_executed = 0;  ///< of them, executed by the peer (its ACKs, cumulative)
+  uint64_t sent = 0;                  ///< requests written to `out`
+  uint64_t peer_executed = 0;         ///< of them, executed by the peer (its ACKs, cumulative)
   std::atomic<uint32_t> awaiting{0};  ///< sent WRs in `inflight`: answers expected on `out`
-  bool failing = false;        ///< an entry failed locally: no more requests go out
+  bool failing = false;               ///< an entry failed locally: no more requests go out
+  bool rnr = false;                   ///< the peer dropped requests from `resend_from` on (kRnr)
+  uint64_t resend_from = 0;           ///< ... and they go again, in order, at its kResume
   uint32_t ask_wait = 0, backoff = 0;
   bool never = false;               ///< the backend said never for this QP
   std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring

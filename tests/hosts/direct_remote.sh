@@ -2,7 +2,7 @@
 # The direct path across backends (--direct-remote): two namespace hosts whose backends only
 # introduce each RC QP pair's libraries, which then talk TCP to each other. Debian's unmodified
 # tools across them: ibv_rc_pingpong -c (LID and GID), every perftest opcode (SEND, WRITE, READ,
-# atomics), a verifying RC stream whose direct counts grow while it runs (and go on growing when
+# atomics), a SEND that finds no receive while an ACK waits behind it (rc_stream rnr-*), a verifying RC stream whose direct counts grow while it runs (and go on growing when
 # strangers connect to a library's port with a bad hello or none), a completion channel
 # (stays on the backends), and a peer killed mid-stream: the survivor's QP fails with a clear
 # error, and both backends serve the next pair.
@@ -29,6 +29,15 @@ for g in lid-s lid-c; do
   [[ $g == *-c ]] && h=2
   [[ $(granted "$h" "$g") -ge 1 ]] || fail "no direct connection for $g: $(grep -i direct "$E2E_TMP/vrdmad.h$h.log" | tail -n 3)"
 done
+
+# 1b. One connection carries both directions: a SEND that finds no receive is dropped (kRnr)
+# and sent again once one is posted (kResume), and the ACK behind it on that connection gets
+# through meanwhile; the SENDs arrive in order with the bytes they were posted with.
+hrnr rnr 1 2
+grep -q "one connection both ways" "$E2E_TMP/rnr.server.out" ||
+  fail "rnr: the pair did not share one connection: $(grep "direct path" "$E2E_TMP/rnr.server.out")"
+grep -q "has no receive for request" "$E2E_TMP/rnr.server.out" ||
+  fail "rnr: the SEND found a receive: nothing was tested"
 
 # 2. A completion channel keeps the QP on the backends; it still works.
 hpair events 1 2 -e -c -n 500

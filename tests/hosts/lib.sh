@@ -131,6 +131,27 @@ hstream_start() {
   cli_proc=$(child_named "$cli" rc_stream)
 }
 
+# rc_stream's RNR test (a SEND with no receive must not hold up the ACK behind it): server on
+# host SH, client on CH, both must say "rnr: ok". Outputs $E2E_TMP/NAME.{server,client}.out; the
+# server's library logs at debug level. Usage: hrnr NAME SH CH
+hrnr() {
+  local name=$1 sh=$2 ch=$3 port=$((17000 + RANDOM % 1000)) srv cli
+  hrun "$sh" --guest "$name-s" -- env VRDMA_LOG=debug "$HOSTS_BIN/rc_stream" rnr-server "$port" \
+    >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  hwait_port "$sh" "$port" "$srv" "$name"
+  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" rnr-client "$(host_ip "$sh")" "$port" \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  wait_pid "$cli" 30
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.client.out")"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.server.out")"
+  grep -q "^rnr: ok" "$E2E_TMP/$name.server.out" && grep -q "^rnr: ok" "$E2E_TMP/$name.client.out" ||
+    fail "$name: no \"rnr: ok\" from both ends"
+  log "$name: a SEND without a receive waited; the ACK behind it did not"
+}
+
 # A pingpong ($PP_TOOL) server on host SI and client on host CI, all options on both sides.
 # Usage: hpair NAME SI CI [args...]; waits and checks both outputs.
 hpair_start() {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two namespace hosts, a backend in each, joined by TCP: Debian's unmodified ibv_rc_pingpong
 # across them in LID mode and with GIDs (-g 0), with content validation (-c), events, large
-# messages; ibv_ud_pingpong; and every QP shows its transport and peer backend in the status.
+# messages; a SEND that finds no receive (rc_stream rnr-*); ibv_ud_pingpong; and every QP shows
+# its transport and peer backend in the status.
 # Usage: pingpong.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -20,6 +21,7 @@ finish_pair lid "$HP_SPID" "$HP_CPID" 90
 hpair gid 1 2 -g 0 -c
 hpair events_large 2 1 -e -c -s 65536 -n 500
 hpair huge 1 2 -g 0 -c -s 4000000 -n 20
+hrnr rnr 2 1
 PP_TOOL=ibv_ud_pingpong hpair ud 1 2 -n 2000
 PP_TOOL=ibv_ud_pingpong hpair ud_gid 2 1 -g 0 -n 2000
 e2e_pass

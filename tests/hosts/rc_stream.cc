@@ -6,6 +6,14 @@
 // N = 0 (on both sides): open-ended; the client runs until SIGUSR1, then stops posting, waits for
 // its messages in flight and tells the server how many it sent (over the exchange socket).
 // Usage: rc_stream server PORT N SIZE | rc_stream client HOST PORT N SIZE
+//
+// rnr-server PORT | rnr-client HOST PORT: a SEND that finds no receive must not hold up what
+// comes behind it. After a ping-pong warm-up (which puts the pair on whatever path vrdma takes),
+// the client SENDs A (inline, its buffer overwritten at once) and A2 to the server, which has no
+// receive posted; the server then SENDs B and waits for B's completion before it posts its
+// receives. B's ACK travels behind A and A2: a responder that stopped reading at A would never
+// let B complete (real RC: A is RNR-NAKed and retried, B completes). Then A and A2 must arrive,
+// in order, with the bytes they had when posted. Prints "rnr: ok".
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 #include <netdb.h>
@@ -20,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -32,6 +41,8 @@ void on_stop(int) { g_stop = 1; }
 struct Dest {
   uint32_t lid, qpn, psn;
 };
+
+constexpr int kWarmup = 300;  ///< rnr mode: round trips before the test
 
 [[noreturn]] void die(const char* what) {
   std::fprintf(stderr, "rc_stream: %s\n", what);
@@ -77,60 +88,95 @@ int exchange(bool server, const char* host, int port, const Dest& me, Dest& peer
   return fd;
 }
 
-}  // namespace
+/// One RC QP, connected to the peer's over the exchange socket.
+struct Link {
+  ibv_device** list = nullptr;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_cq* cq = nullptr;
+  ibv_mr* mr = nullptr;
+  ibv_qp* qp = nullptr;
+  int sock = -1;
+  std::vector<uint8_t> buf;
 
-int main(int argc, char** argv) {
-  const bool server = argc == 5 && std::strcmp(argv[1], "server") == 0;
-  if (!server && !(argc == 6 && std::strcmp(argv[1], "client") == 0))
-    die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE");
-  const char* host = server ? nullptr : argv[2];
-  const int port = std::atoi(argv[server ? 2 : 3]);
-  uint64_t n = std::strtoull(argv[server ? 3 : 4], nullptr, 10);
-  const bool open_ended = n == 0;
-  if (open_ended) {
-    n = std::numeric_limits<uint64_t>::max();
-    if (!server) std::signal(SIGUSR1, on_stop);
-  }
-  const uint32_t size = static_cast<uint32_t>(std::strtoul(argv[server ? 4 : 5], nullptr, 10));
-  if (size < 8) die("SIZE must be at least 8");
-
-  int nd = 0;
-  ibv_device** list = ibv_get_device_list(&nd);
-  if (!list || nd < 1) die("no device");
-  ibv_context* ctx = ibv_open_device(list[0]);
-  ibv_pd* pd = ctx ? ibv_alloc_pd(ctx) : nullptr;
-  ibv_cq* cq = pd ? ibv_create_cq(ctx, 2 * kDepth, nullptr, nullptr, 0) : nullptr;
-  std::vector<uint8_t> buf(size_t{size} * kDepth);
-  ibv_mr* mr = cq ? ibv_reg_mr(pd, buf.data(), buf.size(), IBV_ACCESS_LOCAL_WRITE) : nullptr;
-  if (!mr) die("setting up PD/CQ/MR");
-  ibv_qp_init_attr qa{};
-  qa.send_cq = cq;
-  qa.recv_cq = cq;
-  qa.qp_type = IBV_QPT_RC;
-  qa.cap = {kDepth, kDepth, 1, 1, 0};
-  ibv_qp* qp = ibv_create_qp(pd, &qa);
-  ibv_port_attr pa{};
-  if (!qp || ibv_query_port(ctx, 1, &pa)) die("creating QP");
-  Dest me{pa.lid, qp->qp_num, static_cast<uint32_t>(std::random_device{}() & 0xffffff)}, peer{};
-
-  ibv_qp_attr a{};
-  a.qp_state = IBV_QPS_INIT;
-  a.port_num = 1;
-  if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
-    die("INIT");
-  // Receives first, so the first SEND finds one.
-  auto post_recv = [&](uint64_t slot) {
+  void post_recv(uint64_t slot, uint32_t size) {
     ibv_sge s{reinterpret_cast<uintptr_t>(&buf[slot * size]), size, mr->lkey};
     ibv_recv_wr wr{}, *bad = nullptr;
     wr.wr_id = slot;
     wr.sg_list = &s;
     wr.num_sge = 1;
     if (ibv_post_recv(qp, &wr, &bad)) die("post_recv");
-  };
-  if (server) {
-    for (int k = 0; k < kDepth; ++k) post_recv(k);
   }
-  const int sock = exchange(server, host, port, me, peer);
+  void post_send(uint64_t id, const uint8_t* p, uint32_t len, unsigned flags) {
+    ibv_sge s{reinterpret_cast<uintptr_t>(p), len, mr->lkey};
+    ibv_send_wr wr{}, *bad = nullptr;
+    wr.wr_id = id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED | flags;
+    if (ibv_post_send(qp, &wr, &bad)) die("post_send");
+  }
+  /// Polls until one completion, which must be a success.
+  ibv_wc wait() {
+    ibv_wc wc{};
+    int got;
+    while ((got = ibv_poll_cq(cq, 1, &wc)) == 0) {
+    }
+    if (got < 0) die("poll_cq");
+    if (wc.status != IBV_WC_SUCCESS) {
+      std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", wc.wr_id,
+                   ibv_wc_status_str(wc.status));
+      std::exit(1);
+    }
+    return wc;
+  }
+  void sync(const char* what) {
+    char go = 'g';
+    if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die(what);
+  }
+  int close(int rc) {
+    ::close(sock);
+    ibv_destroy_qp(qp);
+    ibv_dereg_mr(mr);
+    ibv_destroy_cq(cq);
+    ibv_dealloc_pd(pd);
+    ibv_close_device(ctx);
+    ibv_free_device_list(list);
+    return rc;
+  }
+};
+
+/// Opens the device, makes the QP (with `recvs` receives of `size` bytes posted before the
+/// peer can send) and connects it to the peer's through the exchange.
+void connect(Link& l, bool server, const char* host, int port, uint32_t size, int recvs,
+             uint32_t max_inline) {
+  int nd = 0;
+  l.list = ibv_get_device_list(&nd);
+  if (!l.list || nd < 1) die("no device");
+  l.ctx = ibv_open_device(l.list[0]);
+  l.pd = l.ctx ? ibv_alloc_pd(l.ctx) : nullptr;
+  l.cq = l.pd ? ibv_create_cq(l.ctx, 2 * kDepth, nullptr, nullptr, 0) : nullptr;
+  l.buf.resize(size_t{size} * kDepth);
+  l.mr = l.cq ? ibv_reg_mr(l.pd, l.buf.data(), l.buf.size(), IBV_ACCESS_LOCAL_WRITE) : nullptr;
+  if (!l.mr) die("setting up PD/CQ/MR");
+  ibv_qp_init_attr qa{};
+  qa.send_cq = l.cq;
+  qa.recv_cq = l.cq;
+  qa.qp_type = IBV_QPT_RC;
+  qa.cap = {kDepth, kDepth, 1, 1, max_inline};
+  l.qp = ibv_create_qp(l.pd, &qa);
+  ibv_port_attr pa{};
+  if (!l.qp || ibv_query_port(l.ctx, 1, &pa)) die("creating QP");
+  Dest me{pa.lid, l.qp->qp_num, static_cast<uint32_t>(std::random_device{}() & 0xffffff)}, peer{};
+
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  if (ibv_modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+    die("INIT");
+  for (int k = 0; k < recvs; ++k) l.post_recv(k, size);  // so the first SEND finds one
+  l.sock = exchange(server, host, port, me, peer);
   a = {};
   a.qp_state = IBV_QPS_RTR;
   a.path_mtu = IBV_MTU_4096;
@@ -140,7 +186,7 @@ int main(int argc, char** argv) {
   a.min_rnr_timer = 12;
   a.ah_attr.dlid = static_cast<uint16_t>(peer.lid);
   a.ah_attr.port_num = 1;
-  if (ibv_modify_qp(qp, &a,
+  if (ibv_modify_qp(l.qp, &a,
                     IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
                         IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
     die("RTR");
@@ -151,24 +197,23 @@ int main(int argc, char** argv) {
   a.rnr_retry = 7;
   a.sq_psn = me.psn;
   a.max_rd_atomic = 1;
-  if (ibv_modify_qp(qp, &a,
+  if (ibv_modify_qp(l.qp, &a,
                     IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                         IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
     die("RTS");
-  // Both sides are ready before the first message.
-  char go = 'g';
-  if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die("sync");
+  l.sync("sync");  // both sides are ready before the first message
+}
 
-  auto teardown = [&](int rc) {
-    ::close(sock);
-    ibv_destroy_qp(qp);
-    ibv_dereg_mr(mr);
-    ibv_destroy_cq(cq);
-    ibv_dealloc_pd(pd);
-    ibv_close_device(ctx);
-    ibv_free_device_list(list);
-    return rc;
-  };
+/// The stream (see the top).
+int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
+  if (size < 8) die("SIZE must be at least 8");
+  const bool open_ended = n == 0;
+  if (open_ended) {
+    n = std::numeric_limits<uint64_t>::max();
+    if (!server) std::signal(SIGUSR1, on_stop);
+  }
+  Link l;
+  connect(l, server, host, port, size, server ? kDepth : 0, 0);
   uint64_t sum = 0xcbf29ce484222325ull, done = 0, posted = 0;
   int inflight = 0;
   uint64_t idle = 0;
@@ -177,32 +222,24 @@ int main(int argc, char** argv) {
     if (!server && open_ended && g_stop && n != posted) n = posted;  // drain what is in flight
     if (done >= n) break;
     while (!server && inflight < kDepth && posted < n) {
-      const uint64_t slot = posted % kDepth;
-      uint8_t* p = &buf[slot * size];
+      uint8_t* p = &l.buf[(posted % kDepth) * size];
       fill(p, size, posted);
       sum = fnv(sum, p, size);
-      ibv_sge s{reinterpret_cast<uintptr_t>(p), size, mr->lkey};
-      ibv_send_wr wr{}, *bad = nullptr;
-      wr.wr_id = posted;
-      wr.sg_list = &s;
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_SEND;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      if (ibv_post_send(qp, &wr, &bad)) die("post_send");
+      l.post_send(posted, p, size, 0);
       ++posted;
       ++inflight;
     }
-    const int got = ibv_poll_cq(cq, 16, wc);
+    const int got = ibv_poll_cq(l.cq, 16, wc);
     if (got < 0) die("poll_cq");
     if (server && open_ended && got == 0 && ++idle % 64 == 0) {
       // Has the client said how many it sent?
       uint64_t total;
-      if (::recv(sock, &total, sizeof(total), MSG_PEEK | MSG_DONTWAIT) == sizeof(total)) {
-        if (::recv(sock, &total, sizeof(total), MSG_WAITALL) != sizeof(total)) die("count");
+      if (::recv(l.sock, &total, sizeof(total), MSG_PEEK | MSG_DONTWAIT) == sizeof(total)) {
+        if (::recv(l.sock, &total, sizeof(total), MSG_WAITALL) != sizeof(total)) die("count");
         if (total < done) {
           std::fprintf(stderr, "rc_stream: received %" PRIu64 " messages, %" PRIu64 " sent\n", done,
                        total);
-          return teardown(1);
+          return l.close(1);
         }
         n = total;
       }
@@ -211,19 +248,19 @@ int main(int argc, char** argv) {
       if (wc[k].status != IBV_WC_SUCCESS) {
         std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", done,
                      ibv_wc_status_str(wc[k].status));
-        return teardown(1);
+        return l.close(1);
       }
       if (server) {
-        const uint8_t* p = &buf[wc[k].wr_id * size];
+        const uint8_t* p = &l.buf[wc[k].wr_id * size];
         uint64_t seq;
         std::memcpy(&seq, p, 8);
         if (wc[k].byte_len != size || seq != done) {
           std::fprintf(stderr, "rc_stream: message %" PRIu64 " carries #%" PRIu64 " (%u bytes)\n",
                        done, seq, wc[k].byte_len);
-          return teardown(1);
+          return l.close(1);
         }
         sum = fnv(sum, p, size);
-        post_recv(wc[k].wr_id);
+        l.post_recv(wc[k].wr_id, size);
       } else {
         if (wc[k].wr_id != done) die("send completions out of order");
         --inflight;
@@ -231,11 +268,87 @@ int main(int argc, char** argv) {
       ++done;
     }
   }
-  if (!server && open_ended && ::write(sock, &n, sizeof(n)) != sizeof(n)) die("sending the count");
+  if (!server && open_ended && ::write(l.sock, &n, sizeof(n)) != sizeof(n))
+    die("sending the count");
   std::printf("%s %" PRIu64 " messages of %u bytes, checksum %016" PRIx64 "\n",
               server ? "received" : "sent", n, size, sum);
   std::fflush(stdout);
   // The server's last receive may complete after the client's last send completion: wait.
-  if (::write(sock, &go, 1) != 1 || ::read(sock, &go, 1) != 1) die("final sync");
-  return teardown(0);
+  l.sync("final sync");
+  return l.close(0);
+}
+
+/// The RNR test (see the top). Slots: 0 and 1 receive, 2 and 3 send.
+int rnr(bool server, const char* host, int port) {
+  constexpr uint32_t kSize = 64;
+  constexpr uint64_t kA = 0xa1a1a1a1a1a1a1a1ull, kB = 0xb2b2b2b2b2b2b2b2ull;
+  Link l;
+  connect(l, server, host, port, kSize, 1, 16);
+  uint8_t* out = &l.buf[2 * kSize];
+  uint8_t* out2 = &l.buf[3 * kSize];
+  // Warm-up: each side keeps one receive posted per message to come, and none after.
+  for (int i = 0; i < kWarmup; ++i) {
+    if (!server) l.post_send(2, out, kSize, 0);
+    const bool last = i == kWarmup - 1;
+    for (int got = 0; got < 2;) {
+      const ibv_wc wc = l.wait();
+      ++got;
+      if (wc.opcode != IBV_WC_RECV) continue;
+      if (!last) l.post_recv(0, kSize);
+      if (server) l.post_send(2, out, kSize, 0);
+    }
+  }
+  if (!server) {
+    std::memcpy(out, &kA, 8);
+    l.post_send(10, out, 8, IBV_SEND_INLINE);
+    std::memset(out, 0xee, 8);  // inline: the WR took the bytes at its post
+    fill(out2, kSize, 2);
+    l.post_send(11, out2, kSize, 0);
+    char sent = 's';
+    if (::write(l.sock, &sent, 1) != 1) die("sync");
+    l.post_recv(1, kSize);
+    uint64_t b = 0;
+    for (int got = 0; got < 3; ++got) {
+      const ibv_wc wc = l.wait();
+      if (wc.opcode == IBV_WC_RECV) std::memcpy(&b, &l.buf[1 * kSize], 8);
+    }
+    if (b != kB) die("B arrived wrong");
+  } else {
+    char sent;
+    if (::read(l.sock, &sent, 1) != 1) die("sync");
+    ::usleep(100 * 1000);  // A and A2 are there, and find no receive
+    std::memcpy(out, &kB, 8);
+    l.post_send(20, out, kSize, 0);
+    if (l.wait().wr_id != 20) die("B's completion is not the first");
+    l.post_recv(0, 8);
+    l.post_recv(1, kSize);
+    const ibv_wc a = l.wait(), a2 = l.wait();
+    uint64_t va = 0;
+    std::memcpy(&va, &l.buf[0], 8);
+    std::vector<uint8_t> want(kSize);
+    fill(want.data(), kSize, 2);
+    if (a.wr_id != 0 || a.byte_len != 8 || va != kA) die("A arrived wrong (or not first)");
+    if (a2.wr_id != 1 || a2.byte_len != kSize || std::memcmp(&l.buf[kSize], want.data(), kSize))
+      die("A2 arrived wrong");
+  }
+  std::printf("rnr: ok\n");
+  std::fflush(stdout);
+  l.sync("final sync");
+  return l.close(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "server" && argc == 5)
+    return stream(true, nullptr, std::atoi(argv[2]), std::strtoull(argv[3], nullptr, 10),
+                  static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)));
+  if (mode == "client" && argc == 6)
+    return stream(false, argv[2], std::atoi(argv[3]), std::strtoull(argv[4], nullptr, 10),
+                  static_cast<uint32_t>(std::strtoul(argv[5], nullptr, 10)));
+  if (mode == "rnr-server" && argc == 3) return rnr(true, nullptr, std::atoi(argv[2]));
+  if (mode == "rnr-client" && argc == 4) return rnr(false, argv[2], std::atoi(argv[3]));
+  die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE | rnr-server PORT |"
+      " rnr-client HOST PORT");
 }
