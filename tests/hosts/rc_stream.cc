@@ -286,17 +286,19 @@ int rnr(bool server, const char* host, int port) {
   connect(l, server, host, port, kSize, 1, 16);
   uint8_t* out = &l.buf[2 * kSize];
   uint8_t* out2 = &l.buf[3 * kSize];
-  // Warm-up: each side keeps one receive posted per message to come, and none after.
-  for (int i = 0; i < kWarmup; ++i) {
-    if (!server) l.post_send(2, out, kSize, 0);
-    const bool last = i == kWarmup - 1;
-    for (int got = 0; got < 2;) {
-      const ibv_wc wc = l.wait();
-      ++got;
-      if (wc.opcode != IBV_WC_RECV) continue;
-      if (!last) l.post_recv(0, kSize);
-      if (server) l.post_send(2, out, kSize, 0);
+  // Warm-up: each side keeps one receive posted while a message is to come, and none after
+  // (counted by receives: a send completion and the next receive come in either order).
+  int recvd = 0, sends = 0;
+  if (!server) l.post_send(2, out, kSize, 0);
+  while (recvd < kWarmup || sends < kWarmup) {
+    if (l.wait().opcode != IBV_WC_RECV) {
+      ++sends;
+      continue;
     }
+    ++recvd;
+    if (recvd < kWarmup) l.post_recv(0, kSize);
+    // The server answers every ping; the client pings again until it has sent kWarmup.
+    if (server || recvd < kWarmup) l.post_send(2, out, kSize, 0);
   }
   if (!server) {
     std::memcpy(out, &kA, 8);
