@@ -55,9 +55,12 @@ using namespace vrdma::proto;
 namespace rwire {
 
 constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;         // 3: 64-byte frames
 constexpr size_t kRxBuf = 64 * 1024;
 constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
+/// After a frame with such a payload, the next header is read with at most this much behind it:
+/// a large payload that follows then goes in place, not through the buffer (one copy less).
+constexpr size_t kHeaderReadAfterLarge = 1024;
 constexpr int kDialMs = 1000;
 constexpr uint64_t kHelloMs = 2000;
 constexpr int kClaimMs = 10;
@@ -187,7 +190,8 @@ struct Conn : Watch {
   size_t beg = 0, end = 0;
   enum class Rx { kHeader, kStart, kPayload } rx = Rx::kHeader;
   Frame f{};
-  uint64_t left = 0;  ///< payload bytes still to come
+  uint64_t left = 0;   ///< payload bytes still to come
+  bool large = false;  ///< the last frame's payload was read in place (see fill())
   MemSpan dst[kMaxSge];
   size_t nd = 0, di = 0;
   uint64_t doff = 0;
@@ -494,7 +498,9 @@ int fill(Conn& c) {
     c.end -= c.beg;
     c.beg = 0;
   }
-  const ssize_t r = ::recv(c.fd.get(), c.buf.data() + c.end, c.buf.size() - c.end, 0);
+  size_t want = c.buf.size() - c.end;
+  if (c.large && c.rx == Conn::Rx::kHeader) want = std::min(want, kHeaderReadAfterLarge);
+  const ssize_t r = ::recv(c.fd.get(), c.buf.data() + c.end, want, 0);
   if (r > 0) {
     tsan_ring_acquire();
     c.end += static_cast<size_t>(r);
@@ -930,6 +936,7 @@ bool drain(Conn& c, bool defer_ack) {
         return true;
       }
       c.rx = Conn::Rx::kPayload;
+      c.large = !c.discard && c.left >= kDirectReadMin;
     }
     const int got = rx_payload(c);
     if (got < 0) {

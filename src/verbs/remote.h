@@ -33,7 +33,11 @@ struct Hub;
 // The library-to-library protocol (named, not anonymous: the structs below hold its frames).
 namespace rwire {
 
-/// One frame between two libraries; SEND/WRITE data or READ data follows it.
+/// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
+/// 48 its fields take: the kernel's copy of a payload into the socket (rep movsb) runs ~3x
+/// slower when its destination is 1..63 bytes past its source modulo 4 KiB (4K aliasing), which
+/// is what a 48-byte frame made of every page-aligned buffer the stream started page-aligned:
+/// +14 µs a 64 KiB round trip (BENCHMARKS.md, "64-byte frames").
 struct Frame {
   uint8_t type;
   uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
@@ -47,8 +51,9 @@ struct Frame {
   /// Requests: how many of the receiver's requests the sender has executed (an ACK riding on
   /// the other direction's traffic, cumulative).
   uint64_t ack;
+  uint8_t pad[16];  ///< zero
 };
-static_assert(sizeof(Frame) == 48);
+static_assert(sizeof(Frame) == 64);
 
 }  // namespace rwire
 
