@@ -34,10 +34,9 @@ struct Hub;
 namespace rwire {
 
 /// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
-/// 48 its fields take: the kernel's copy of a payload into the socket (rep movsb) runs ~3x
-/// slower when its destination is 1..63 bytes past its source modulo 4 KiB (4K aliasing), which
-/// is what a 48-byte frame made of every page-aligned buffer the stream started page-aligned:
-/// +14 µs a 64 KiB round trip (BENCHMARKS.md, "64-byte frames").
+/// 48 its fields take: behind a header of 1..63 bytes, the kernel's copy of a page-aligned
+/// payload into the socket runs ~3x slower (likely 4K aliasing in its rep movsb): +14 µs a
+/// 64 KiB round trip (BENCHMARKS.md, "64-byte frames").
 struct Frame {
   uint8_t type;
   uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
