@@ -191,7 +191,7 @@ struct Conn : Watch {
   enum class Rx { kHeader, kStart, kPayload } rx = Rx::kHeader;
   Frame f{};
   uint64_t left = 0;   ///< payload bytes still to come
-  bool large = false;  ///< the last frame's payload was read in place (see fill())
+  bool large = false;  ///< the last frame's payload was kDirectReadMin or more (see fill())
   MemSpan dst[kMaxSge];
   size_t nd = 0, di = 0;
   uint64_t doff = 0;

@@ -22,7 +22,7 @@ log "backend $bpid: $fds0 fds with no guests"
 
 session_of() { echo "scalar grep { \$_->{pid} == $1 } map { @{\$_->{sessions}} } @{\$j->{guests}}"; }
 
-# Each of the four phases twice; once under a sanitizer, where a round takes ~4 s instead of ~1.
+# Each of the four phases twice; once under a sanitizer, where every round is several times slower.
 rounds=${ROUNDS:-8}
 [[ -z $SAN_PRELOAD || -n ${ROUNDS:-} ]] || rounds=4
 for ((r = 0; r < rounds; r++)); do
