@@ -62,7 +62,7 @@ for q in $QP_COUNTS; do
     for ((k = 0; k < 200; k++)); do
       (($(hcount "$to" "$g" msgs_sent) > c0)) && break
       hcheck_alive
-      sleep 0.05
+      nap 0.05
     done
     t=$from from=$to to=$t
   done

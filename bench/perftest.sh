@@ -44,7 +44,7 @@ echo
 
 iperf_port="$(free_port)"
 iperf3 -s -B 127.0.0.1 -p "$iperf_port" >"$E2E_TMP/iperf3.server.out" 2>&1 &
-sleep 0.3
+nap 0.3
 echo "| size | ib_send_bw MB/s | ib_write_bw MB/s | ib_read_bw MB/s | TCP (iperf3) MB/s | ib_write_bw / TCP |"
 echo "|---|---|---|---|---|---|"
 for s in "${SIZES[@]}"; do

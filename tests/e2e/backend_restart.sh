@@ -13,7 +13,7 @@ log "SIGKILL backend $old"
 kill -KILL "$old"
 for ((i = 0; i < 50; i++)); do
   kill -0 "$old" 2>/dev/null || break
-  sleep 0.1
+  nap 0.1
 done
 [[ -S $VRDMA_SOCKET ]] || log "(the socket file is gone too)"
 if "$VRDMA" status >/dev/null 2>&1; then fail "status answered with the backend dead"; fi

@@ -52,7 +52,7 @@ perl -MIO::Socket::INET -e '$s = IO::Socket::INET->new(LocalAddr => "127.0.0.1:'
 holder=$!
 for ((i = 0; i < 50; i++)); do
   port_in_use "$busy" && break
-  sleep 0.1
+  nap 0.1
 done
 printf '[metrics]\nenabled = true\nlisten = "127.0.0.1:%s"\n' "$busy" >"$E2E_TMP/taken.toml"
 rc=0
@@ -70,7 +70,7 @@ printf '[backend]\nsocket = "%s"\nidle_exit_s = 0\n[quotas]\nmax_qps = 7\nmax_cq
 "$VRDMA" backend --socket "$VRDMA_SOCKET" --config "$E2E_TMP/good.toml" >"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((i = 0; i < 100; i++)); do
   [[ -S $VRDMA_SOCKET ]] && break
-  sleep 0.1
+  nap 0.1
 done
 [[ -S $VRDMA_SOCKET ]] || fail "the backend did not listen on --socket $VRDMA_SOCKET"
 [[ ! -e $E2E_TMP/from-file.sock ]] || fail "the file's socket was used over --socket"

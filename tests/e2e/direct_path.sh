@@ -17,7 +17,7 @@ wait_transport() {
   local i
   for ((i = 0; i < 200; i++)); do
     [[ $("$VRDMA" res show qp 2>/dev/null | grep -c "transport $2") -ge $1 ]] && return 0
-    sleep 0.05
+    nap 0.05
   done
   fail "expected $1 QPs with transport $2: $("$VRDMA" res show qp 2>&1)"
 }

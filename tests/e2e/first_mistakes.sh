@@ -28,7 +28,7 @@ grep -q "cannot reach the vrdma backend: nothing listens on $VRDMA_SOCKET" "$E2E
 "$VRDMA" backend --socket "$VRDMA_SOCKET" --idle-exit 0 >"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((i = 0; i < 100; i++)); do
   [[ -S $VRDMA_SOCKET ]] && break
-  sleep 0.1
+  nap 0.1
 done
 [[ -S $VRDMA_SOCKET ]] || fail "no backend"
 if [[ $(id -u) == 0 ]] && command -v setpriv >/dev/null && id nobody >/dev/null 2>&1; then

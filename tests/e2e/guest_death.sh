@@ -65,7 +65,7 @@ srv=$SERVER_PID
 start_client mid death-cli-mid "$PORT" -n 1000000
 cli=$CLIENT_PID
 wait_status "$(session_of "$cli")" 1 20 || fail "the client has no session: $(status_json)"
-sleep 0.5
+nap 0.5
 kill -0 "$cli" 2>/dev/null || fail "the client ended early: $(cat "$E2E_TMP/mid.client.out")"
 kill -KILL "$srv"
 wait "$srv" 2>/dev/null || true

@@ -66,7 +66,7 @@ grep -q vrdma0 "$E2E_TMP/devinfo.out" || fail "no vrdma0: $(cat "$E2E_TMP/devinf
 kill -TERM "$(backend_pid)"
 for ((i = 0; i < 50; i++)); do
   [[ -z "$(backend_pid)" ]] && break
-  sleep 0.1
+  nap 0.1
 done
 
 # The installed library on its own finds the installed backend (lib/vrdma/../../bin/vrdmad).
@@ -77,7 +77,7 @@ grep -q 'hca_id:.*vrdma0' "$E2E_TMP/lib.out" || fail "no vrdma0: $(cat "$E2E_TMP
 kill -TERM "$(backend_pid)"
 for ((i = 0; i < 50; i++)); do
   [[ -z "$(backend_pid)" ]] && break
-  sleep 0.1
+  nap 0.1
 done
 
 # Socket activation: systemd-socket-activate owns the socket and starts vrdmad on the first
@@ -88,7 +88,7 @@ if command -v systemd-socket-activate >/dev/null; then
     "$P/bin/vrdmad" --socket "$VRDMA_SOCKET" >"$E2E_TMP/vrdmad.log" 2>&1 &
   for ((i = 0; i < 100; i++)); do
     [[ -S $VRDMA_SOCKET ]] && break
-    sleep 0.1
+    nap 0.1
   done
   run_installed "$P/bin/vrdma" run -- ibv_devinfo -l >"$E2E_TMP/activated.out" 2>&1 ||
     fail "ibv_devinfo on an activated socket: $(cat "$E2E_TMP/activated.out")"

@@ -25,7 +25,7 @@ kill_backend_times() {
     for ((i = 0; i < 100; i++)); do
       new="$(backend_pid)"
       [[ -n $new && $new != "$old" ]] && break
-      sleep 0.05
+      nap 0.05
     done
     [[ -n $new && $new != "$old" ]] || fail "the keeper did not start a new backend after kill $k"
     log "kill $k: backend $old -> $new"
@@ -37,7 +37,7 @@ kill_backend_times() {
 wait_connected() {
   for ((i = 0; i < 200; i++)); do
     [[ $("$VRDMA" res show qp 2>/dev/null | grep -c 'state RTS') -ge 2 ]] && return 0
-    sleep 0.05
+    nap 0.05
   done
   fail "the pair did not connect"
 }
@@ -69,7 +69,7 @@ log "rc_stream across 3 SIGKILLs: $STREAM_RESULT on both ends"
 start_stream snap
 "$VRDMA" snapshot snap-c "$E2E_TMP/sc.snap" >"$E2E_TMP/snap.out" 2>&1 || fail "snapshot: $(cat "$E2E_TMP/snap.out")"
 for k in 1 2; do
-  sleep 0.3
+  nap 0.3
   "$VRDMA" restore "$E2E_TMP/sc.snap" >>"$E2E_TMP/snap.out" 2>&1 || fail "restore: $(cat "$E2E_TMP/snap.out")"
 done
 kill -USR1 "$cli_proc"

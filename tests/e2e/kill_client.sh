@@ -22,7 +22,7 @@ log "SIGKILL client $cli"
 kill -KILL "$cli"
 wait "$cli" 2>/dev/null || true
 
-sleep 0.5
+nap 0.5
 kill -0 "$bpid" 2>/dev/null || fail "the backend ($bpid) died with the client"
 wait_status "scalar grep { \$_->{pid} == $cli } map { @{\$_->{sessions}} } @{\$j->{guests}}" 0 10 ||
   fail "the killed client's session is still there: $(status_json)"

@@ -40,7 +40,7 @@ TOML
   >"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((i = 0; i < 100; i++)); do
   port_in_use "$MPORT" && break
-  sleep 0.1
+  nap 0.1
 done
 port_in_use "$MPORT" || fail "nothing listens on the metrics port $MPORT"
 URL="http://127.0.0.1:$MPORT/metrics"
@@ -65,7 +65,7 @@ start_client pp m-cli "$PORT" -n 100000000
 for ((i = 0; i < 300; i++)); do
   [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"lqpn"' | wc -l)" == 2 ]] && break
   kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/pp.client.out")"
-  sleep 0.1
+  nap 0.1
 done
 
 scrape "$E2E_TMP/a.prom" || fail "scrape failed"

@@ -17,7 +17,7 @@ TOML
   --idle-exit 0 2>"$E2E_TMP/vrdmad.log" &
 for ((i = 0; i < 100; i++)); do
   [[ -S $VRDMA_SOCKET ]] && break
-  sleep 0.1
+  nap 0.1
 done
 [[ -S $VRDMA_SOCKET ]] || fail "the backend did not start"
 

@@ -29,7 +29,7 @@ rts='scalar grep { $_->{state} eq "RTS" } @$j'
 for ((i = 0; i < 300; i++)); do
   [[ "$(jq_of "$rts" res show qp -j 2>/dev/null)" == 2 ]] && break
   kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/pp.client.out")"
-  sleep 0.1
+  nap 0.1
 done
 "$VRDMA" res show qp -j >"$E2E_TMP/qp.json"
 [[ "$(jq_of "$rts" res show qp -j)" == 2 ]] || fail "not two QPs in RTS: $(cat "$E2E_TMP/qp.json")"
@@ -115,7 +115,7 @@ kill -KILL "$CLIENT_PID" "$SERVER_PID" 2>/dev/null || true
 wait "$CLIENT_PID" "$SERVER_PID" 2>/dev/null || true
 for ((i = 0; i < 100; i++)); do
   [[ "$(jq_of 'scalar @$j' res show qp -j)" == 0 ]] && break
-  sleep 0.1
+  nap 0.1
 done
 [[ "$(jq_of 'scalar @$j' res show qp -j)" == 0 ]] || fail "QPs left after the pair died"
 e2e_pass

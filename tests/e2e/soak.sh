@@ -58,7 +58,7 @@ while ((SECONDS < end)); do
     next_kill=$((SECONDS + 1 + RANDOM % 2))
   fi
   kill -0 "$bpid" 2>/dev/null || fail "the backend died"
-  sleep 0.2
+  nap 0.2
 done
 log "soak over: $pairs pairs started, $killed processes killed; draining"
 # Pairs still running get 10 s to finish, then they are killed.
@@ -68,7 +68,7 @@ for ((i = 0; i < 100 && ${#started[@]} > 0; i++)); do
     if wait "$p" 2>/dev/null; then ok=$((ok + 1)); else failed=$((failed + 1)); fi
     unset "started[$p]"
   done
-  sleep 0.1
+  nap 0.1
 done
 for p in "${!started[@]}"; do
   kill -KILL "$p" 2>/dev/null || true

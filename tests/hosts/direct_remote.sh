@@ -46,7 +46,7 @@ hpair events 1 2 -e -c -n 500
 hstream_start st 1 2
 sleep 1
 a_sent="$(hcount 2 st-c direct_msgs_sent)" a_recv="$(hcount 1 st-s direct_msgs_received)"
-sleep 0.5
+nap 0.5
 b_sent="$(hcount 2 st-c direct_msgs_sent)" b_recv="$(hcount 1 st-s direct_msgs_received)"
 ((b_sent > a_sent && b_recv > a_recv)) ||
   fail "not direct: sent $a_sent -> $b_sent, received $a_recv -> $b_recv"

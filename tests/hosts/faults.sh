@@ -62,7 +62,7 @@ wait "$cli" "$srv" 2>/dev/null || true
 hexec 2 bash -c "head -c 4096 /dev/urandom >/dev/tcp/$(host_ip 1)/$HOSTS_PORT" 2>/dev/null || true
 for ((k = 0; k < 50; k++)); do
   grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" && break
-  sleep 0.1
+  nap 0.1
 done
 grep -q "closing the connection" "$E2E_TMP/vrdmad.h1.log" || fail "h1 did not refuse the garbage"
 kill -0 "${HOSTS_BACKEND_PID[1]}" && kill -0 "${HOSTS_BACKEND_PID[2]}" || fail "a backend died"

@@ -11,7 +11,7 @@ VRDMA_TRANSPORT=tcp "$BIN/vrdmad" --socket "$VRDMA_SOCKET" --node solo --idle-ex
   >"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((k = 0; k < 100; k++)); do
   [[ -S $VRDMA_SOCKET ]] && break
-  sleep 0.1
+  nap 0.1
 done
 grep -q "forced for every pair" "$E2E_TMP/vrdmad.log" || fail "backend did not force tcp"
 

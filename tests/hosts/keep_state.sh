@@ -13,13 +13,13 @@ wait_mesh
 hstream_start kx 1 2
 hwait_flowing 1 kx-s msgs_received "$srv"  # connected: no command in flight when a backend dies
 for k in 1 2 1; do
-  sleep 0.8
+  nap 0.8
   old="$(cat "$(host_sock "$k").pid")"
   kill -KILL "$old"
   for ((i = 0; i < 100; i++)); do
     new="$(cat "$(host_sock "$k").pid" 2>/dev/null)"
     [[ -n $new && $new != "$old" ]] && kill -0 "$new" 2>/dev/null && break
-    sleep 0.05
+    nap 0.05
   done
   [[ -n $new && $new != "$old" ]] || fail "h$k: the keeper did not start a new backend"
   log "h$k: backend $old killed, $new took over"

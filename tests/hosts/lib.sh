@@ -60,7 +60,7 @@ start_backend() {
   HOSTS_BACKEND_PID[i]=$!
   for ((k = 0; k < 100; k++)); do
     [[ -S $(host_sock "$i") ]] && return 0
-    sleep 0.1
+    nap 0.1
   done
   fail "backend of h$i did not start: $(tail -n 5 "$E2E_TMP/vrdmad.h$i.log")"
 }
@@ -78,7 +78,7 @@ wait_mesh() {
       [[ $i == "$j" ]] && continue
       for ((k = 0; k < 200; k++)); do
         grep -q "connected to h$j " "$E2E_TMP/vrdmad.h$i.log" && break
-        sleep 0.1
+        nap 0.1
       done
       grep -q "connected to h$j " "$E2E_TMP/vrdmad.h$i.log" || fail "h$i never connected to h$j"
     done
@@ -109,7 +109,7 @@ hwait_port() {
   for ((k = 0; k < 200; k++)); do
     hport_in_use "$1" "$2" && return 0
     kill -0 "$3" 2>/dev/null || fail "$4: server died: $(cat "$E2E_TMP/$4.server.out" 2>/dev/null)"
-    sleep 0.1
+    nap 0.1
   done
   fail "$4: nothing listens on port $2 of h$1 after 20 s"
 }
@@ -280,7 +280,7 @@ hwait_route() {
     hcheck_alive
     got="$(hroute "$1" "$2" 2>/dev/null)" || got="<no answer>"
     [[ $got == "$3" ]] && return 0
-    sleep 0.05
+    nap 0.05
   done
   fail "guest $2 on h$1: QP routes '$got', wanted '$3'"
 }
@@ -293,7 +293,7 @@ hwait_flowing() {
   for ((k = 0; k < 200; k++)); do
     [[ $(hcount "$1" "$2" "$3" 2>/dev/null || echo 0) -gt 0 ]] && return 0
     kill -0 "$4" 2>/dev/null || fail "guest $2 on h$1 exited before any traffic"
-    sleep 0.1
+    nap 0.1
   done
   fail "guest $2 on h$1: no traffic after 20 s"
 }

@@ -57,7 +57,7 @@ move() {
     rc="$(routes_count "$to" "$g" "$c")" || rc="? 0"
     got="${rc% *}" c0="${rc##* }"
     [[ $got == "$want" ]] && break
-    sleep 0.05
+    nap 0.05
   done
   [[ $got == "$want" ]] || fail "guest $g on h$to: QP routes '$got', wanted '$want'"
   # The peer's side, on every PEER_EVERY-th move of a part (each costs a `vrdma` call; when the
@@ -68,7 +68,7 @@ move() {
     hcheck_alive
     c1=$(hcount "$to" "$g" "$c")
     [[ $c1 -gt $c0 ]] && return 0
-    sleep 0.05
+    nap 0.05
   done
   fail "guest $g on h$to: $c stayed at $c0 for $PAUSE s + 5 s after the move (no traffic)"
 }

@@ -32,7 +32,7 @@ settled() {
     hcheck_alive
     c1=$(received "$sh")
     [[ $c1 -gt $c0 ]] && return 0
-    sleep 0.05
+    nap 0.05
   done
   fail "no message reached the server for $PAUSE s + 5 s after $g moved to h$gh (stuck at $c0)"
 }

@@ -14,7 +14,7 @@ hpair_start lid 1 2 -c -n 2000
 for ((k = 0; k < 200; k++)); do
   t="$(hstatus 2 | perl -MJSON::PP -0777 -ne 'for $g (@{decode_json($_)->{guests}}) { for $q (@{$g->{qps}}) { print "$q->{transport}/$q->{peer_node} " } }')"
   [[ $t == "tcp/h1 " ]] && break
-  sleep 0.05
+  nap 0.05
 done
 [[ $t == "tcp/h1 " ]] || fail "h2's QP: transport/peer '$t', wanted tcp/h1"
 finish_pair lid "$HP_SPID" "$HP_CPID" 90
