@@ -192,6 +192,7 @@ struct Conn : Watch {
   Frame f{};
   uint64_t left = 0;   ///< payload bytes still to come
   bool large = false;  ///< the last frame's payload was kDirectReadMin or more (see fill())
+  bool emptied = false;  ///< the last read of the socket left nothing in it (see drain())
   MemSpan dst[kMaxSge];
   size_t nd = 0, di = 0;
   uint64_t doff = 0;
@@ -504,9 +505,13 @@ int fill(Conn& c) {
   if (r > 0) {
     tsan_ring_acquire();
     c.end += static_cast<size_t>(r);
+    c.emptied = static_cast<size_t>(r) < want;
     return 1;
   }
-  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+    c.emptied = true;
+    return 0;
+  }
   return -1;
 }
 
@@ -556,6 +561,7 @@ int rx_payload(Conn& c) {
       want -= k;
     }
     const ssize_t r = ::readv(c.fd.get(), iov, static_cast<int>(n));
+    c.emptied = r <= 0 || static_cast<uint64_t>(r) < c.left - want;
     if (r > 0) {
       tsan_ring_acquire();
       advance(c, static_cast<uint64_t>(r));
@@ -894,6 +900,10 @@ bool drain(Conn& c, bool defer_ack) {
   for (;;) {
     if (c.rx == Conn::Rx::kHeader) {
       if (c.end - c.beg < sizeof(Frame)) {
+        // A read that returned less than it asked for left the socket empty: another read now
+        // would find nothing, and cost a syscall between every request and its answer (the
+        // next poll, or the hub's next EPOLLIN, reads what comes later).
+        if (did && c.beg == c.end && c.emptied) break;
         const int got = fill(c);
         if (got < 0) {
           broken(c, qp, "the peer's library closed the connection");
