@@ -28,6 +28,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -38,6 +39,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -64,6 +66,11 @@ constexpr size_t kHeaderReadAfterLarge = 1024;
 constexpr int kDialMs = 1000;
 constexpr uint64_t kHelloMs = 2000;
 constexpr int kClaimMs = 10;
+/// After the hub took a request off a connection it polls for this long before it sleeps again
+/// (VRDMA_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target that
+/// spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
+/// ~60 us on a 2-vCPU VM whose CPUs the spinning programs hold.
+constexpr uint64_t kHubSpinUs = 200;
 
 enum FType : uint8_t {
   kSend = 1,
@@ -107,10 +114,24 @@ namespace {
 constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
 constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
 
-uint64_t now_ms() {
+uint64_t now_ns() {
   timespec t;
   ::clock_gettime(CLOCK_MONOTONIC, &t);
-  return uint64_t(t.tv_sec) * 1000 + uint64_t(t.tv_nsec) / 1000000;
+  return uint64_t(t.tv_sec) * 1000000000 + uint64_t(t.tv_nsec);
+}
+uint64_t now_ms() { return now_ns() / 1000000; }
+
+uint64_t hub_spin_ns() {
+  const char* e = std::getenv("VRDMA_SPIN_US");
+  if (!e || !*e) return kHubSpinUs * 1000;
+  char* end = nullptr;
+  const unsigned long long us = std::strtoull(e, &end, 10);
+  if (*end != '\0' || us > 10000000) {
+    VLOG_WARN("VRDMA_SPIN_US={}: not a number of microseconds up to 10000000; using {}", e,
+              kHubSpinUs);
+    return kHubSpinUs * 1000;
+  }
+  return us * 1000;
 }
 
 /// Frames that travel with requests (to the responder), and those that answer them.
@@ -190,8 +211,8 @@ struct Conn : Watch {
   size_t beg = 0, end = 0;
   enum class Rx { kHeader, kStart, kPayload } rx = Rx::kHeader;
   Frame f{};
-  uint64_t left = 0;   ///< payload bytes still to come
-  bool large = false;  ///< the last frame's payload was kDirectReadMin or more (see fill())
+  uint64_t left = 0;     ///< payload bytes still to come
+  bool large = false;    ///< the last frame's payload was kDirectReadMin or more (see fill())
   bool emptied = false;  ///< the last read of the socket left nothing in it (see drain())
   MemSpan dst[kMaxSge];
   size_t nd = 0, di = 0;
@@ -1123,8 +1144,18 @@ void run(Hub& h) {
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   epoll_event ev[32];
   uint64_t resumed_at = now_ms();
+  const uint64_t spin_ns = hub_spin_ns();
+  uint64_t busy_at = 0;  ///< when the hub last read a connection
   for (;;) {
-    const int n = ::epoll_wait(h.ep.get(), ev, 32, hub_timeout(h));
+    const uint64_t now = now_ns();
+    const bool spin = now - busy_at < spin_ns;
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, spin ? 0 : hub_timeout(h));
+    if (n == 0 && spin) {
+      // Polling: the CPU goes to whoever else wants it between polls (a spinning target has
+      // to run to see its memory).
+      ::sched_yield();
+      continue;
+    }
     for (int i = 0; i < n; ++i) {
       // A connection may have gone since epoll_wait returned: the pointer is only compared
       // with what still exists (find_conn, pending) before anything reads through it.
@@ -1169,7 +1200,7 @@ void run(Hub& h) {
           if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
             std::lock_guard<std::mutex> g(c->rx_mu);
             if (!c->qp) break;
-            drain(*c, false);
+            if (drain(*c, false)) busy_at = now;
           }
           break;
         }

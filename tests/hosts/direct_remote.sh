@@ -70,6 +70,8 @@ log "rc_stream: $STREAM_RESULT"
 # 4. Every opcode through perftest.
 hperftest 1 2 ib_send_lat -n 1000
 hperftest 1 2 ib_write_lat -n 1000
+# The same with a hub that sleeps at once after each request (it polls for 200 µs by default).
+VRDMA_SPIN_US=0 hperftest 1 2 ib_write_lat -n 1000
 hperftest 1 2 ib_read_lat -n 1000
 hperftest 1 2 ib_atomic_lat -n 1000
 hperftest 1 2 ib_write_bw -s 1048576 -n 100
