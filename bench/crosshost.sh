@@ -5,7 +5,9 @@
 #    same ping-pong over one TCP connection with TCP_NODELAY and blocking reads;
 #  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1;
 #  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
-#    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw.
+#    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw;
+#  - with the direct path, perftest's ib_{send,write,read}_lat with the library's hub thread
+#    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_SPIN_US=0).
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
 # HOSTS_VRDMAD_ARGS=--direct-remote: vrdma's rows take the direct path across backends (the
@@ -125,4 +127,29 @@ for size in 4096 65536 1048576; do
   done
   row "\`ib_write_bw -s $size -D 2\`$mode_label vs \`iperf3 -t 2 -l $size\`"
 done
+
+# The direct path's hub thread: polling for 200 µs after a request (the default) against sleeping
+# at once (VRDMA_SPIN_US=0), runs interleaved; perftest's one-way latency, typical and average.
+if [[ -n $mode_label ]]; then
+  echo
+  echo "| date | machine | command (h2 -> h1) | runs | hub polls 200 µs: t_typical µs | t_avg µs | VRDMA_SPIN_US=0: t_typical µs | t_avg µs | t_avg 200 µs / 0 |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  for tool in ib_send_lat ib_write_lat ib_read_lat; do
+    typ=() avg=() typ0=() avg0=()
+    for ((r = 1; r <= RUNS; r++)); do
+      hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
+      read -r t a < <(result_rows "$E2E_TMP/$tool.client.out" | awk '{print $5, $6}' | tail -n 1)
+      typ+=("$t") avg+=("$a")
+      VRDMA_SPIN_US=0 hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
+      read -r t a < <(result_rows "$E2E_TMP/$tool.client.out" | awk '{print $5, $6}' | tail -n 1)
+      typ0+=("$t") avg0+=("$a")
+    done
+    read -r tm tmin tmax < <(printf '%s\n' "${typ[@]}" | stats)
+    read -r am amin amax < <(printf '%s\n' "${avg[@]}" | stats)
+    read -r tm0 tmin0 tmax0 < <(printf '%s\n' "${typ0[@]}" | stats)
+    read -r am0 amin0 amax0 < <(printf '%s\n' "${avg0[@]}" | stats)
+    echo "| $today | $machine | \`$tool -s 8 -n 5000\`$mode_label | $RUNS | $tm ($tmin–$tmax) |" \
+      "$am ($amin–$amax) | $tm0 ($tmin0–$tmax0) | $am0 ($amin0–$amax0) | $(ratio "$am" "$am0") |"
+  done
+fi
 e2e_pass
