@@ -130,6 +130,8 @@ done
 
 # The direct path's hub thread: polling for 200 µs after a request (the default) against sleeping
 # at once (VRDMA_SPIN_US=0), runs interleaved; perftest's one-way latency, typical and average.
+# t_typical and t_avg of the last hperftest TOOL.
+lat_of() { result_rows "$E2E_TMP/$1.client.out" | awk '{print $5, $6}' | tail -n 1; }
 if [[ -n $mode_label ]]; then
   echo
   echo "| date | machine | command (h2 -> h1) | runs | hub polls 200 µs: t_typical µs | t_avg µs | VRDMA_SPIN_US=0: t_typical µs | t_avg µs | t_avg 200 µs / 0 |"
@@ -138,10 +140,10 @@ if [[ -n $mode_label ]]; then
     typ=() avg=() typ0=() avg0=()
     for ((r = 1; r <= RUNS; r++)); do
       hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
-      read -r t a < <(result_rows "$E2E_TMP/$tool.client.out" | awk '{print $5, $6}' | tail -n 1)
+      read -r t a < <(lat_of "$tool")
       typ+=("$t") avg+=("$a")
       VRDMA_SPIN_US=0 hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
-      read -r t a < <(result_rows "$E2E_TMP/$tool.client.out" | awk '{print $5, $6}' | tail -n 1)
+      read -r t a < <(lat_of "$tool")
       typ0+=("$t") avg0+=("$a")
     done
     read -r tm tmin tmax < <(printf '%s\n' "${typ[@]}" | stats)
