@@ -9,7 +9,6 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
-BIN="$(dirname "$VRDMA")"
 export VRDMA_DIRECT_PATH=1  # the backend the library starts inherits it
 
 # Waits until `vrdma res show qp` lists N QPs whose transport is $2. Usage: wait_transport N T
@@ -38,14 +37,7 @@ done
 
 # 2. An open-ended checksummed stream of SENDs (32 in flight): the sender's QP shows as direct
 # while it runs; then nothing lost, repeated, reordered or corrupted.
-port="$(free_port)"
-vrun --guest st-s -- "$BIN/rc_stream" server "$port" 0 8192 >"$E2E_TMP/st.server.out" 2>&1 &
-srv=$!
-for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
-vrun --guest st-c -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 8192 \
-  >"$E2E_TMP/st.client.out" 2>&1 &
-cli=$!
-cli_proc=$(child_named "$cli" rc_stream)
+stream_start st 8192
 wait_transport 1 direct
 # The backend counts what the libraries move directly: the direct parts of both sides' counters
 # grow, and the totals include them.

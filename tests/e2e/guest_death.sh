@@ -31,9 +31,9 @@ for ((r = 0; r < rounds; r++)); do
   # Late: 0.3-1 s after (both connected, mid-transfer).
   phase=$((r % 4))
   size=$((64 << (RANDOM % 8)))
-  start_server "r$r" "death-srv-$r" -n 1000000 -s "$size"
+  start_server "r$r" "death-srv-$r" -n "$PP_UNTIL_STOPPED" -s "$size"
   srv=$SERVER_PID
-  start_client "r$r" "death-cli-$r" "$PORT" -n 1000000 -s "$size"
+  start_client "r$r" "death-cli-$r" "$PORT" -n "$PP_UNTIL_STOPPED" -s "$size"
   cli=$CLIENT_PID
   wait_status "$(session_of "$cli")" 1 20 || fail "round $r: the client has no session: $(status_json)"
   if ((phase < 2)); then delay_ms=$((RANDOM % 30)); else delay_ms=$((300 + RANDOM % 700)); fi
@@ -60,9 +60,9 @@ done
 
 # A connected peer of a dead guest fails at once (QP in ERR, flush completion) rather than after
 # its retries: kill a server mid-transfer and check the client reports a failed completion.
-start_server mid death-srv-mid -n 1000000
+start_server mid death-srv-mid -n "$PP_UNTIL_STOPPED"
 srv=$SERVER_PID
-start_client mid death-cli-mid "$PORT" -n 1000000
+start_client mid death-cli-mid "$PORT" -n "$PP_UNTIL_STOPPED"
 cli=$CLIENT_PID
 wait_status "$(session_of "$cli")" 1 20 || fail "the client has no session: $(status_json)"
 nap 0.5

@@ -45,15 +45,7 @@ wait_connected() {
 # Starts an open-ended rc_stream pair NAME (guests NAME-s, NAME-c) and waits until it is connected.
 # Sets srv, cli (their `vrdma run`) and cli_proc (the client, which SIGUSR1 stops).
 start_stream() {
-  local name=$1 port i
-  port="$(free_port)"
-  vrun --guest "$name-s" -- "$BIN/rc_stream" server "$port" 0 4096 >"$E2E_TMP/$name.server.out" 2>&1 &
-  srv=$!
-  for ((i = 0; i < 100; i++)); do port_in_use "$port" && break; sleep 0.1; done
-  vrun --guest "$name-c" -- "$BIN/rc_stream" client 127.0.0.1 "$port" 0 4096 \
-    >"$E2E_TMP/$name.client.out" 2>&1 &
-  cli=$!
-  cli_proc=$(child_named "$cli" rc_stream)
+  stream_start "$1"
   wait_connected
 }
 

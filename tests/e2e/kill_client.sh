@@ -7,9 +7,9 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
 
-start_server long victim-srv -n 1000000
+start_server long victim-srv -n "$PP_UNTIL_STOPPED"
 srv=$SERVER_PID
-start_client long victim-cli "$PORT" -n 1000000
+start_client long victim-cli "$PORT" -n "$PP_UNTIL_STOPPED"
 cli=$CLIENT_PID
 sleep 1
 kill -0 "$cli" 2>/dev/null || fail "the client ended before it was killed: $(cat "$E2E_TMP/long.client.out")"

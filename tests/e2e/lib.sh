@@ -273,6 +273,34 @@ finish_stream() {
   STREAM_RESULT=$sent
 }
 
+# Iterations for a pingpong that a test watches, or kills, while it runs: more round trips than
+# any run can make before the test's deadline (2e9 at 0.05 µs each is 100 s), so the test, never
+# the speed of the product, decides when the program stops.
+PP_UNTIL_STOPPED=2000000000
+
+# An open-ended rc_stream of SIZE-byte messages (default 4096) on this backend: server guest
+# NAME-s, client guest NAME-c, outputs $E2E_TMP/NAME.{server,client}.out. It runs until the test
+# stops it: `kill -USR1 "$cli_proc"`, then finish_stream NAME "$cli" "$srv" checks both ends. Sets
+# srv and cli (their `vrdma run`) and cli_proc (the client itself). Usage: stream_start NAME [SIZE]
+stream_start() {
+  local name=$1 size=${2:-4096} port i bin
+  bin="$(dirname "$VRDMA")"
+  port="$(free_port)"
+  vrun --guest "$name-s" -- "$bin/rc_stream" server "$port" 0 "$size" \
+    >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  for ((i = 0; i < 200; i++)); do
+    port_in_use "$port" && break
+    kill -0 "$srv" 2>/dev/null || fail "$name: server died: $(cat "$E2E_TMP/$name.server.out")"
+    nap 0.1
+  done
+  vrun --guest "$name-c" -- "$bin/rc_stream" client 127.0.0.1 "$port" 0 "$size" \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  # shellcheck disable=SC2034  # for the caller
+  cli_proc=$(child_named "$cli" rc_stream)
+}
+
 # Checks that a pingpong output file has the two result lines.
 check_pp_output() {
   local f=$1

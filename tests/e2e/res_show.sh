@@ -20,9 +20,9 @@ jq_of() {
     print((defined $r ? $r : ""), "\n");'
 }
 
-# Long enough to outlast the test; killed below.
-start_server pp rs-srv -n 100000000
-start_client pp rs-cli "$PORT" -n 100000000
+# Runs until the test kills it below.
+start_server pp rs-srv -n "$PP_UNTIL_STOPPED"
+start_client pp rs-cli "$PORT" -n "$PP_UNTIL_STOPPED"
 
 # Both QPs reach RTS (the client's after the exchange of addresses).
 rts='scalar grep { $_->{state} eq "RTS" } @$j'

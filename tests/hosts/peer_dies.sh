@@ -10,11 +10,11 @@ hosts_init "${1:-}" 2
 wait_mesh
 
 port=$((17000 + RANDOM % 1000))
-hrun 1 --guest doomed -- "$HOSTS_BIN/rc_stream" server "$port" 100000000 4096 \
+hrun 1 --guest doomed -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 \
   >"$E2E_TMP/stream.server.out" 2>&1 &
 srv=$!
 hwait_port 1 "$port" "$srv" stream
-hrun 2 --guest survivor -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 100000000 4096 \
+hrun 2 --guest survivor -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 0 4096 \
   >"$E2E_TMP/stream.client.out" 2>&1 &
 cli=$!
 sleep 1
