@@ -199,7 +199,10 @@ std::string status_header(const json& status) {
     std::string why = text_of(member(t, "why"));
     if (const json& c = member(t, "connected"); c.is_array()) {
       std::string names;
-      for (const auto& n : c) names += (names.empty() ? "" : " ") + text_of(n);
+      for (const auto& n : c) {
+        if (!names.empty()) names += ' ';
+        names += text_of(n);
+      }
       why += fmt::format(", connected: {}", names.empty() ? "none" : names);
     }
     transports += fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ",
@@ -207,7 +210,10 @@ std::string status_header(const json& status) {
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;
-  for (const auto& p : member(b, "peers")) peers += (peers.empty() ? "" : ", ") + text_of(p);
+  for (const auto& p : member(b, "peers")) {
+    if (!peers.empty()) peers += ", ";
+    peers += text_of(p);
+  }
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
   const json& d = member(b, "datapath");
   auto num = [](const json& v) { return v.is_number() ? v.get<double>() : 0.0; };
