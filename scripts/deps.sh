@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev libtomlplusplus-dev
   iproute2 procps curl systemd iperf3
   clang-14 libclang-rt-14-dev
+  debhelper lintian
 )
 
 missing=()

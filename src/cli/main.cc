@@ -49,10 +49,10 @@ fs::path exe_dir() {
 
 fs::path backend_binary() { return exe_dir() / "vrdmad"; }
 
-/// Where our libibverbs.so.1 is: <prefix>/lib/vrdma once installed (its own directory, so the
-/// system's libibverbs stays untouched), <build>/lib in a build tree.
+/// Where our libibverbs.so.1 is: <libdir>/vrdma once installed (its own directory, so the
+/// system's libibverbs stays untouched; CMakeLists.txt), <build>/lib in a build tree.
 fs::path library_dir() {
-  const fs::path installed = (exe_dir() / ".." / "lib" / "vrdma").lexically_normal();
+  const fs::path installed = (exe_dir() / VRDMA_BIN_TO_LIB).lexically_normal();
   std::error_code ec;
   if (fs::exists(installed / "libibverbs.so.1", ec)) return installed;
   return (exe_dir() / ".." / "lib").lexically_normal();

@@ -57,9 +57,9 @@ std::string library_dir() {
 std::string backend_binary() {
   if (const char* e = std::getenv("VRDMA_BACKEND"); e && *e) return e;
   // Build tree: <build>/lib/libibverbs.so.1 and <build>/bin/vrdmad. Installed: the library has
-  // a directory of its own, <prefix>/lib/vrdma, so vrdmad is two levels up.
+  // a directory of its own, <libdir>/vrdma, and vrdmad is in <bindir> (CMakeLists.txt).
   const std::string build = library_dir() + "/../bin/vrdmad";
-  const std::string installed = library_dir() + "/../../bin/vrdmad";
+  const std::string installed = library_dir() + "/" VRDMA_LIB_TO_BIN "/vrdmad";
   return ::access(build.c_str(), X_OK) != 0 && ::access(installed.c_str(), X_OK) == 0 ? installed
                                                                                       : build;
 }
