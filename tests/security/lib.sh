@@ -1,0 +1,94 @@
+# Shared helpers for the security tests (ctest label `security`): attacks by a second, real uid
+# on one backend, as the README's SocketGroup/SocketMode=0660 recipe lets several users share it.
+# `sec_init BIN_DIR` creates two users (VICTIM and ATTACKER, uids of their own, no home, no
+# shell) in one group, and starts a root backend whose socket that group may use; `as_user USER
+# CMD...` runs a command as that user against it. Users and group are removed on exit, whatever
+# happened. Needs root. Sources tests/e2e/lib.sh for logging, pingpongs and clean-up.
+# shellcheck shell=bash
+# shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
+E2E_NAME="security.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
+
+SEC_BIN=""
+SEC_GROUP=""
+VICTIM=""
+ATTACKER=""
+BACKEND_PID=""
+
+sec_init() {
+  local bin=$1 rid k
+  e2e_init "$bin"
+  SEC_BIN="$(cd "$bin" && pwd)"
+  [[ $(id -u) == 0 ]] || fail "needs root (it creates users)"
+  # Short names (useradd allows 32 bytes): a run id, so parallel tests do not collide.
+  rid="$(printf '%05x' $(((RANDOM << 5 ^ $$) & 0xfffff)))"
+  SEC_GROUP="vrsec$rid" VICTIM="vrsec${rid}v" ATTACKER="vrsec${rid}a"
+  trap sec_cleanup EXIT
+  groupadd "$SEC_GROUP" || fail "groupadd"
+  for u in "$VICTIM" "$ATTACKER"; do
+    useradd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin -g "$SEC_GROUP" "$u" ||
+      fail "useradd $u"
+  done
+  log "users $VICTIM ($(id -u "$VICTIM")) and $ATTACKER ($(id -u "$ATTACKER")), group $SEC_GROUP"
+  # The users reach the socket through our temp dir, and write their outputs into it.
+  chmod 0711 "$E2E_TMP"
+  mkdir -m 0777 "$E2E_TMP/out"
+  "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
+    >>"$E2E_TMP/vrdmad.log" 2>&1 &
+  BACKEND_PID=$!
+  for ((k = 0; k < 100; k++)); do
+    [[ -S $VRDMA_SOCKET ]] && break
+    nap 0.1
+  done
+  [[ -S $VRDMA_SOCKET ]] || fail "the backend did not start: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
+  # The README's recipe: SocketGroup=GROUP, SocketMode=0660.
+  chgrp "$SEC_GROUP" "$VRDMA_SOCKET"
+  chmod 0660 "$VRDMA_SOCKET"
+}
+
+# Runs CMD as USER (its own uid and group, no other privilege) on our backend; the library may
+# not start another one. Usage: as_user USER CMD...
+as_user() {
+  local u=$1
+  shift
+  runuser -u "$u" -- env VRDMA_SOCKET="$VRDMA_SOCKET" VRDMA_BACKEND=/nonexistent-vrdmad \
+    ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} ${LSAN_OPTIONS:+LSAN_OPTIONS=$LSAN_OPTIONS} \
+    "$@"
+}
+# `vrdma run` as USER: Usage: vrun_as USER [--guest G] -- CMD...
+vrun_as() {
+  local u=$1
+  shift
+  as_user "$u" "$SEC_BIN/vrdma" run "$@"
+}
+
+# Fails unless the backend is alive and serves a new ibv_rc_pingpong pair (root's guests).
+backend_serves() {
+  kill -0 "$BACKEND_PID" 2>/dev/null || fail "the backend died: $(tail -n 20 "$E2E_TMP/vrdmad.log")"
+  run_pair "after-$1" sec-after-s sec-after-c -n 200
+}
+
+sec_cleanup() {
+  local rc=$? u
+  set +e
+  kill_descendants $$
+  for u in "$ATTACKER" "$VICTIM"; do
+    [[ -n $u ]] || continue
+    pkill -KILL -u "$u" 2>/dev/null
+    userdel "$u" 2>/dev/null
+  done
+  [[ -n $SEC_GROUP ]] && groupdel "$SEC_GROUP" 2>/dev/null
+  (exit "$rc")
+  e2e_cleanup
+}
+
+# Makes start_server/start_client/run_pair run their programs as USER (`root`: as this shell).
+# Usage: pp_as USER
+pp_as() {
+  if [[ $1 == root ]]; then
+    VRUN=("$SEC_BIN/vrdma" run)
+    [[ -z $SAN_PRELOAD ]] || VRUN=(env "LD_PRELOAD=$SAN_PRELOAD" "$SEC_BIN/vrdma" run)
+  else
+    VRUN=(vrun_as "$1")
+  fi
+}
