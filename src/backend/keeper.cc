@@ -11,12 +11,12 @@
 
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <map>
 
 #include <fmt/format.h>
 
 #include "common/log.h"
+#include "common/paths.h"
 #include "common/socket.h"
 #include "proto/command.h"
 
@@ -79,15 +79,24 @@ Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>
 }
 
 int run_keeper(const std::string& path, int grace_s, std::vector<std::string> backend_argv) {
-  UniqueFd lock(::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!lock.valid() || ::flock(lock.get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
-  ::unlink(path.c_str());
+  auto dir = open_socket_dir(path, true);
+  if (!dir.is_ok()) {
+    VLOG_ERROR("keeper: {}", dir.status().message());
+    return 1;
+  }
+  auto lock = open_beside(dir.value(), path + ".lock", O_RDWR | O_CREAT);
+  if (!lock.is_ok()) {
+    VLOG_ERROR("keeper: {}", lock.status().message());
+    return 1;
+  }
+  if (::flock(lock.value().get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
+  unlink_beside(dir.value(), path);
   auto listener = listen_unix(path);
   if (!listener.is_ok()) {
     VLOG_ERROR("keeper: {}", listener.status().message());
     return 1;
   }
-  std::ofstream(path + ".pid") << ::getpid() << "\n";
+  write_pid_beside(dir.value(), path + ".pid");
   ::signal(SIGPIPE, SIG_IGN);
   std::map<std::string, Record> kept;
   Record partial;
@@ -113,8 +122,8 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
     return true;
   };
   auto finish = [&](int rc) {
-    ::unlink(path.c_str());
-    ::unlink((path + ".pid").c_str());
+    unlink_beside(dir.value(), path);
+    unlink_beside(dir.value(), path + ".pid");
     return rc;
   };
   VLOG_INFO("keeper: holding guests' state for the backend at {}", path);

@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   // (backend/keeper.h); how to start the backend again comes in VRDMA_KEEPER_RESTART.
   if (argc >= 4 && std::string(argv[1]) == "--keeper") {
     std::vector<std::string> restart;
-    if (const char* r = ::getenv("VRDMA_KEEPER_RESTART")) {
+    if (const char* r = ::secure_getenv("VRDMA_KEEPER_RESTART")) {
       std::string cur;
       for (const char* c = r; *c; ++c) {
         if (*c == '\x1f') {
@@ -107,14 +107,14 @@ int main(int argc, char** argv) {
     cfg.node = host;
   }
   // VRDMA_DIRECT_PATH=1: as --direct-path (for a backend the library starts on first use).
-  if (const char* d = ::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
+  if (const char* d = ::secure_getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
     cfg.direct_path = true;
   // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
-  if (const char* d = ::getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
+  if (const char* d = ::secure_getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
     cfg.direct_remote = true;
   // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
   // cross-host path on one host).
-  if (const char* t = ::getenv("VRDMA_TRANSPORT"); t && *t) {
+  if (const char* t = ::secure_getenv("VRDMA_TRANSPORT"); t && *t) {
     if (std::string(t) != "tcp" && std::string(t) != "auto") {
       fmt::print(stderr, "vrdmad: VRDMA_TRANSPORT={} (expected tcp or auto)\n", t);
       return 2;
@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
     fmt::print("{}: ok\n", config_file);
     return 0;
   }
-  if (::getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
+  if (::secure_getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
 
   ::signal(SIGPIPE, SIG_IGN);
   struct sigaction sa{};

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 
 #include <fmt/format.h>
 
@@ -63,10 +62,8 @@ Status Server::setup() {
   // systemd's socket, when it started us: its path is the one to lock.
   ASSIGN_OR_RETURN(UniqueFd inherited, inherited_listener(opt_.socket_path));
   activated_ = inherited.valid();
-  ensure_parent_dir(opt_.socket_path);
-  std::string lock_path = opt_.socket_path + ".lock";
-  lock_ = UniqueFd(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!lock_.valid()) return error(errno, "open " + lock_path + ": " + std::strerror(errno));
+  ASSIGN_OR_RETURN(dir_, open_socket_dir(opt_.socket_path, true));
+  ASSIGN_OR_RETURN(lock_, open_beside(dir_, opt_.socket_path + ".lock", O_RDWR | O_CREAT));
   if (::flock(lock_.get(), LOCK_EX | LOCK_NB) < 0) {
     if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
     return error(errno, "flock");
@@ -83,10 +80,10 @@ Status Server::setup() {
   listen_ = std::move(inherited);
   if (!activated_) {
     // We hold the lock: any socket file left is stale.
-    ::unlink(opt_.socket_path.c_str());
+    unlink_beside(dir_, opt_.socket_path);
     ASSIGN_OR_RETURN(listen_, listen_unix(opt_.socket_path));
   }
-  std::ofstream(opt_.socket_path + ".pid") << ::getpid() << "\n";
+  write_pid_beside(dir_, opt_.socket_path + ".pid");
   watch(listen_.get(), kTagListen);
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
@@ -375,8 +372,8 @@ Status Server::run() {
     if (!conns_.empty()) idle_since = now_ns();
     if (metrics_) metrics_->expire(now_ns());
   }
-  if (!activated_) ::unlink(opt_.socket_path.c_str());
-  ::unlink((opt_.socket_path + ".pid").c_str());
+  if (!activated_) unlink_beside(dir_, opt_.socket_path);
+  unlink_beside(dir_, opt_.socket_path + ".pid");
   // A clean exit ends the guests' devices: the keeper lets them go.
   if (keeper_.valid()) (void)send_msg(keeper_.get(), encode(Op::kKeepBye, 1, 0, Empty{}));
   return Status::ok();

@@ -69,7 +69,7 @@ std::string parent_dir(const std::string& path) {
   return path.substr(0, slash);
 }
 
-bool backend_answers(const std::string& socket) { return connect_unix(socket).is_ok(); }
+bool backend_answers(const std::string& socket) { return connect_backend_socket(socket).is_ok(); }
 
 /// Starts `vrdmad --socket PATH --idle-exit 60` detached from us (double fork + setsid), its
 /// output appended to <dir of PATH>/vrdmad.log. Returns once the daemon's parent has exited.
@@ -80,8 +80,13 @@ bool spawn_backend(const std::string& socket) {
                std::strerror(errno));
     return false;
   }
-  ensure_parent_dir(socket);
+  auto dir = open_socket_dir(socket, true);
+  if (!dir) {
+    fmt::print(stderr, "vrdma: cannot start a backend: {}\n", dir.status().message());
+    return false;
+  }
   const std::string log_path = parent_dir(socket) + "/vrdmad.log";
+  auto log = open_beside(dir.value(), log_path, O_WRONLY | O_CREAT | O_APPEND);
   const std::string idle = std::to_string(kIdleExitOnDemand);
 
   pid_t child = ::fork();
@@ -98,13 +103,12 @@ bool spawn_backend(const std::string& socket) {
       ::_exit(daemon < 0 ? 1 : 0);
     }
     int in = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    int out = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     if (in >= 0) {
       ::dup2(in, STDIN_FILENO);
     }
-    if (out >= 0) {
-      ::dup2(out, STDOUT_FILENO);
-      ::dup2(out, STDERR_FILENO);
+    if (log) {
+      ::dup2(log->get(), STDOUT_FILENO);
+      ::dup2(log->get(), STDERR_FILENO);
     }
     // Nothing else of ours (a test harness's pipe, say) may stay open for the daemon's lifetime.
     ::close_range(3, ~0U, 0);
@@ -229,7 +233,7 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
 
 /// Asks the backend at `socket` for its status JSON. Exits the process with a message on error.
 std::string query_status(const std::string& socket) {
-  auto sock = connect_unix(socket);
+  auto sock = connect_backend_socket(socket);
   if (!sock) {
     const int err = sock.status().err();
     if (err == EACCES || err == EPERM) {
@@ -287,7 +291,7 @@ std::string query_status(const std::string& socket) {
 template <typename Resp, typename Req>
 Resp admin_request(const std::string& socket, proto::Op op, const Req& req, const char* what,
                    std::span<const int> fds = {}) {
-  auto sock = connect_unix(socket);
+  auto sock = connect_backend_socket(socket);
   if (!sock) {
     fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
                sock.status().message(), backend_unreachable_hint(socket, sock.status().err()));

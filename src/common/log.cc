@@ -11,7 +11,7 @@ namespace vrdma::log {
 
 Level threshold() {
   static const Level level = [] {
-    const char* e = std::getenv("VRDMA_LOG");
+    const char* e = ::secure_getenv("VRDMA_LOG");
     if (!e) return Level::kInfo;
     if (!std::strcmp(e, "debug")) return Level::kDebug;
     if (!std::strcmp(e, "warn")) return Level::kWarn;

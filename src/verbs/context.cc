@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/auxv.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -55,7 +56,7 @@ std::string library_dir() {
 }
 
 std::string backend_binary() {
-  if (const char* e = std::getenv("VRDMA_BACKEND"); e && *e) return e;
+  if (const char* e = ::secure_getenv("VRDMA_BACKEND"); e && *e) return e;
   // Build tree: <build>/lib/libibverbs.so.1 and <build>/bin/vrdmad. Installed: the library has
   // a directory of its own, <libdir>/vrdma, and vrdmad is in <bindir> (CMakeLists.txt).
   const std::string build = library_dir() + "/../bin/vrdmad";
@@ -67,25 +68,35 @@ std::string backend_binary() {
 /// Starts a detached backend (double fork, new session, log next to the socket). Two guests
 /// that race here both start one; the backend's lock lets only the first one serve.
 void spawn_backend(const std::string& sock) {
+  // A setuid (AT_SECURE) program never starts one: the backend would run with its privileges.
+  if (::getauxval(AT_SECURE)) {
+    VLOG_ERROR("no vrdma backend answers on {}, and a setuid program does not start one; start "
+               "one yourself (`vrdma backend`, `systemctl start vrdmad.socket`)", sock);
+    return;
+  }
   std::string bin = backend_binary();
   if (::access(bin.c_str(), X_OK) != 0) {
     VLOG_ERROR("cannot start the vrdma backend: {} is not executable; set VRDMA_BACKEND to "
                "vrdmad's path, or start one yourself (`vrdma backend`)", bin);
     return;
   }
-  ensure_parent_dir(sock);
-  std::string log_path = sock.substr(0, sock.rfind('/') + 1) + "vrdmad.log";
+  auto dir = open_socket_dir(sock, true);
+  if (!dir.is_ok()) {
+    VLOG_ERROR("cannot start the vrdma backend: {}", dir.status().message());
+    return;
+  }
+  auto log = open_beside(dir.value(), sock.substr(0, sock.rfind('/') + 1) + "vrdmad.log",
+                         O_WRONLY | O_CREAT | O_APPEND);
   pid_t pid = ::fork();
   if (pid < 0) return;
   if (pid == 0) {
     if (::fork() != 0) ::_exit(0);
     ::setsid();
     int null = ::open("/dev/null", O_RDONLY);
-    int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
     ::dup2(null, 0);
-    if (log >= 0) {
-      ::dup2(log, 1);
-      ::dup2(log, 2);
+    if (log.is_ok()) {
+      ::dup2(log.value().get(), 1);
+      ::dup2(log.value().get(), 2);
     }
     // Keep none of the application's descriptors alive in the daemon.
     ::close_range(3, ~0u, 0);
@@ -100,12 +111,12 @@ void spawn_backend(const std::string& sock) {
 
 Result<UniqueFd> connect_backend() {
   const std::string path = socket_path();
-  auto r = connect_unix(path);
+  auto r = connect_backend_socket(path);
   if (r.is_ok()) return r;
   if (r.err() != ENOENT && r.err() != ECONNREFUSED) return r;
   spawn_backend(path);
   for (int i = 0; i < 500; ++i) {  // up to ~5 s
-    r = connect_unix(path);
+    r = connect_backend_socket(path);
     if (r.is_ok()) return r;
     timespec ts{0, 10 * 1000 * 1000};
     ::nanosleep(&ts, nullptr);

@@ -122,7 +122,7 @@ uint64_t now_ns() {
 uint64_t now_ms() { return now_ns() / 1000000; }
 
 uint64_t hub_spin_ns() {
-  const char* e = std::getenv("VRDMA_SPIN_US");
+  const char* e = ::secure_getenv("VRDMA_SPIN_US");
   if (!e || !*e) return kHubSpinUs * 1000;
   char* end = nullptr;
   const unsigned long long us = std::strtoull(e, &end, 10);
