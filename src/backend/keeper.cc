@@ -1,6 +1,7 @@
 #include "backend/keeper.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -12,8 +13,6 @@
 #include <cstring>
 #include <deque>
 #include <map>
-
-#include <fmt/format.h>
 
 #include "common/log.h"
 #include "common/paths.h"

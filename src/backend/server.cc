@@ -1,5 +1,6 @@
 #include "backend/server.h"
 
+#include <fmt/format.h>
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -9,8 +10,6 @@
 #include <unistd.h>
 
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "backend/activation.h"
 #include "common/log.h"

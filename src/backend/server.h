@@ -90,7 +90,7 @@ class Server {
 
   Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
-  UniqueFd dir_;  ///< the socket's directory, checked (open_socket_dir): its files open from here
+  UniqueFd dir_;   ///< the socket's directory, checked (open_socket_dir): its files open from here
   UniqueFd lock_, listen_, epoll_;
 
   /// Cross-backend traffic; null: off. Declared before dev_ so it outlives it: the device tells

@@ -1,6 +1,7 @@
 #include "common/paths.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,8 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-
-#include <fmt/format.h>
 
 #include "common/socket.h"
 
@@ -70,7 +69,7 @@ Result<UniqueFd> open_socket_dir(const std::string& socket_path, bool create) {
                                       dir));
     return error(e, fmt::format("open {}: {}", dir, std::strerror(e)));
   }
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd.get(), &st) < 0) return error(errno, "fstat " + dir);
   const uid_t me = ::geteuid();
   if (st.st_uid != me && st.st_uid != 0)

@@ -2,6 +2,7 @@
 #include "engine/device.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -9,17 +10,16 @@
 #include <bit>
 #include <cstring>
 #include <iterator>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <unordered_set>
 
 #include "common/identity.h"
-#include "proto/wire.h"
 #include "common/log.h"
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
 #include "engine/qp_state.h"
 #include "proto/device_caps.h"
+#include "proto/wire.h"
 
 namespace vrdma::engine {
 
@@ -87,6 +87,40 @@ Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }
 
+Result<uint16_t> Device::new_guest_lid(const std::string& name) {
+  if (transport_) {
+    // The GID comes from the name: a guest of that name on a peer backend has it, and its
+    // peers' QPs would hear ours. One name, one place (a guest that moves keeps its name through
+    // the migration handshake, not through a Hello).
+    const auto gid = gid_of(name);
+    const std::string there = transport_->locate_gid(gid.data());
+    if (!there.empty() && there != transport_->self()) {
+      VLOG_WARN(
+          "guest {}: refused: backend {} has a guest of that name (its GID and LID are the "
+          "name's), and its peers' QPs would hear this one",
+          name, there);
+      return error(EADDRINUSE,
+                   fmt::format("guest {} lives on backend {}; choose another name", name, there));
+    }
+  }
+  // The LID comes from the name too, so it is the same on every backend (a guest that moves
+  // keeps it, and peers see no clash in practice), and stays with the name here. A LID taken
+  // here or by a peer backend's guest (the directory) probes to the next one: a local guest
+  // never gets a LID that a peer's QPs are connected to.
+  auto elsewhere = [&](uint16_t l) { return transport_ && !transport_->locate_lid(l).empty(); };
+  if (auto it = lid_of_name_.find(name); it != lid_of_name_.end() && !elsewhere(it->second))
+    return it->second;
+  std::unordered_set<uint16_t> here;
+  for (const auto& [n, l] : lid_of_name_) {
+    if (n != name) here.insert(l);
+  }
+  auto lid = static_cast<uint16_t>(1 + fnv1a64(name) % 0xbfff);
+  for (uint32_t tries = 0; tries < 0xbfff; ++tries, lid = static_cast<uint16_t>(lid % 0xbfff + 1)) {
+    if (!here.contains(lid) && !elsewhere(lid)) return lid;
+  }
+  return error(ENOSPC, "no unicast LIDs left");
+}
+
 Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdList& fds) {
   size_t len = strnlen(req.guest, kGuestNameMax);
   if (len == 0 || len == kGuestNameMax)
@@ -95,44 +129,31 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   for (char c : name) {
     if (c < 0x21 || c > 0x7e) return error(EINVAL, "guest name has non-printable characters");
   }
-  auto& g = guests_[name];
-  if (!g) {
-    g = std::make_unique<Guest>();
-    g->name = name;
-    g->id = fnv1a64(name);
-    g->port_guid = port_guid_of(name);
+  auto found = guests_.find(name);
+  if (found == guests_.end()) {
+    ASSIGN_OR_RETURN(const uint16_t lid, new_guest_lid(name));
+    auto ng = std::make_unique<Guest>();
+    ng->name = name;
+    ng->id = fnv1a64(name);
+    ng->port_guid = port_guid_of(name);
     auto gid = gid_of(name);
-    std::memcpy(g->gid, gid.data(), 16);
-    auto it = lid_of_name_.find(name);
-    if (it != lid_of_name_.end()) {
-      g->lid = it->second;
-    } else {
-      // The LID comes from the name, so it is the same on every backend (a guest that moves
-      // keeps it, and peers see no clash in practice); a clash here probes to the next one.
-      if (lid_of_name_.size() >= 0xbfff) return error(ENOSPC, "no unicast LIDs left");
-      uint16_t lid = static_cast<uint16_t>(1 + fnv1a64(name) % 0xbfff);
-      auto taken = [&](uint16_t l) {
-        for (const auto& [n, v] : lid_of_name_) {
-          if (v == l) return true;
-        }
-        return false;
-      };
-      while (taken(lid)) lid = static_cast<uint16_t>(lid % 0xbfff + 1);
-      g->lid = lid;
-      lid_of_name_[name] = g->lid;
-    }
-    guests_by_lid_[g->lid] = g.get();
-    VLOG_INFO("guest {} joined: lid {:#x}", name, g->lid);
+    std::memcpy(ng->gid, gid.data(), 16);
+    ng->lid = lid;
+    lid_of_name_[name] = lid;
+    guests_by_lid_[lid] = ng.get();
+    VLOG_INFO("guest {} joined: lid {:#x}", name, lid);
     if (transport_) {
-      transport::GuestInfo info{name, g->lid, {}};
-      std::memcpy(info.gid, g->gid, 16);
+      transport::GuestInfo info{name, lid, {}};
+      std::memcpy(info.gid, ng->gid, 16);
       transport_->announce(info, true);
     }
+    found = guests_.emplace(name, std::move(ng)).first;
   }
+  Guest* g = found->second.get();
   auto s = std::make_unique<Session>();
   s->id = next_session_++;
   s->pid = req.pid;
-  s->guest = g.get();
+  s->guest = g;
 
   ASSIGN_OR_RETURN(s->control_fd, make_sealed_memfd("vrdma-control", kPage));
   s->control = MappedRegion::map_shared(s->control_fd.get(), kPage);

@@ -321,6 +321,9 @@ class Device : public transport::Receiver {
 
   // ---- control path (each validates every field it is given) ----
   Result<Session*> open_session(const proto::HelloReq& req, proto::HelloResp& resp, FdList& fds);
+  /// The LID a new guest `name` gets (its name's hash, probing past LIDs taken here or by a peer
+  /// backend's guest), or EADDRINUSE when a peer backend has a guest of that name.
+  Result<uint16_t> new_guest_lid(const std::string& name);
   void close_session(Session* s);
   Result<uint32_t> alloc_pd(Session& s);
   Status dealloc_pd(Session& s, uint32_t pd);
@@ -440,6 +443,9 @@ class Device : public transport::Receiver {
   /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
   bool poll_guest(Guest& g, uint64_t now_ns);
   Qp* lookup_remote(const Qp& from);
+  /// lookup_remote() for a requester on this backend: null unless the responder's route is
+  /// local too (a QP connected to a peer on another node hears only that node).
+  Qp* local_responder(const Qp& from);
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                            const uint8_t sgid[16]);
@@ -465,13 +471,15 @@ class Device : public transport::Receiver {
   void on_request(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);
   void on_duplicate(const std::string& node, Qp& to, const proto::wire::Request& rq,
                     const Inbound& in);
-  /// The QP a request names on this backend (by the destination LID or GID and QPN), or null.
-  Qp* request_target(const proto::wire::Request& rq);
-  /// The requester QP a reply is for, or null when it is gone or not waiting for replies.
-  Qp* reply_target(const proto::wire::Reply& rp);
+  /// The QP a request from `node` names on this backend (by the destination LID or GID and
+  /// QPN), or null: also when that QP is not connected to the requester through `node`.
+  Qp* request_target(const std::string& node, const proto::wire::Request& rq);
+  /// The requester QP a reply from `node` is for, or null when it is gone, not waiting for
+  /// replies, or its peer is not on `node`.
+  Qp* reply_target(const std::string& node, const proto::wire::Reply& rp);
   void sge_holds(const Qp& qp, const proto::Sge* sge, uint32_t n, uint32_t pd);
   uint64_t ack_ns(const Qp& qp) const;
-  void on_reply(const proto::wire::Frame& f, transport::RxSink& sink);
+  void on_reply(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);
   void reply(const std::string& node, const proto::wire::Request& rq, proto::wire::Syndrome s,
              uint32_t status = 0, uint8_t rnr_timer = 0, uint64_t atomic_orig = 0,
              std::span<const Span> data = {}, std::span<const transport::Hold> holds = {});

@@ -196,6 +196,14 @@ Qp* Device::lookup_remote(const Qp& from) {
   return accepts_from(*to, from.type, from.qpn, from.guest->lid, from.guest->gid) ? to : nullptr;
 }
 
+Qp* Device::local_responder(const Qp& from) {
+  Qp* to = lookup_remote(from);
+  if (!to) return nullptr;
+  // It must have chosen this backend for its peer: a QP whose peer lives on another node hears
+  // only that node's connection, never a local guest that took the peer's LID or GID.
+  if (to->route_pending) choose_route(*to);
+  return to->remote || to->route_pending ? nullptr : to;
+}
 
 const Mr* Device::find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                                  uint32_t need_access) const {
@@ -531,7 +539,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   uint8_t inline_copy[kMaxInline];
   if (!local_side(qp, w, inline_copy, len)) return Step::kDone;
 
-  Qp* to = lookup_remote(qp);
+  Qp* to = local_responder(qp);
   if (!to || !rq_open(to->state)) {
     if (qp.type == IBV_QPT_UC) {  // unreliable: the message is silently lost
       complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));

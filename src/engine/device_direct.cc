@@ -88,7 +88,7 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   if (a->remote) return error(EREMOTE, "direct path: peer on another backend (kDirectRemote)");
   if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
   if (a->route_pending) return error(EAGAIN, "direct path: destination not located yet");
-  Qp* b = lookup_remote(*a);
+  Qp* b = local_responder(*a);
   if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
   if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
   if (b->owner->uid != s.uid || s.uid == UINT32_MAX)

@@ -60,6 +60,27 @@ void Device::choose_route(Qp& qp) {
     VLOG_INFO("qp {:#x} (guest {}): tcp to {} ({})", qp.qpn, qp.guest->name, node,
               qp.transport_why);
   };
+  if (local && !a.is_global && transport_) {
+    // A LID is not a name: a local guest that holds one a peer backend's guest also holds (it
+    // took it before the directory heard of the other) could be anyone. Neither is chosen; GIDs
+    // (the guest's name) are unambiguous.
+    // (The same guest, by its GID, listed there too has just moved here: that entry is stale.)
+    const std::string there = transport_->locate_lid(static_cast<uint16_t>(a.dlid));
+    if (!there.empty() && there != transport_->self() &&
+        transport_->locate_gid(local->gid) != there) {
+      std::string why = fmt::format(
+          "LID {:#x} is both guest {} here and a guest of backend {}: "
+          "not connected (use GIDs)",
+          a.dlid, local->name, there);
+      // Looked up again on every send: said once.
+      if (why != qp.transport_why)
+        VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+      qp.transport = "none";
+      qp.transport_why = std::move(why);
+      qp.route_pending = true;
+      return;
+    }
+  }
   if (local) {
     if (transport_ && transport_->forced()) {
       use_tcp(transport_->self(), "forced (VRDMA_TRANSPORT=tcp)");
@@ -286,21 +307,21 @@ void Device::on_peer_up(const std::string& node) {
   }
 }
 
-Qp* Device::reply_target(const wire::Reply& rp) {
+Qp* Device::reply_target(const std::string& node, const wire::Reply& rp) {
   Guest* g = guest_by_gid(rp.dgid);
   if (!g) return nullptr;
   auto it = g->qps.find(rp.dst_qpn);
   if (it == g->qps.end()) return nullptr;
   Qp* qp = it->second;
-  if (!qp->remote || qp->type != IBV_QPT_RC || !sq_open(qp->state) ||
+  if (!qp->remote || qp->peer_node != node || qp->type != IBV_QPT_RC || !sq_open(qp->state) ||
       qp->attr.dest_qp_num != rp.src_qpn)
     return nullptr;
   return qp;
 }
 
-void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
+void Device::on_reply(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
   const wire::Reply& rp = f.reply;
-  Qp* qp = reply_target(rp);
+  Qp* qp = reply_target(node, rp);
   if (!qp) return;
   const uint64_t now = now_ns_;
   auto find = [&]() -> Qp::Outstanding* {
@@ -367,7 +388,7 @@ void Device::on_reply(const wire::Frame& f, transport::RxSink& sink) {
 
 // ---- responder ----
 
-Qp* Device::request_target(const wire::Request& rq) {
+Qp* Device::request_target(const std::string& node, const wire::Request& rq) {
   Guest* g = nullptr;
   if (rq.is_global) {
     g = guest_by_gid(rq.dgid);
@@ -379,10 +400,13 @@ Qp* Device::request_target(const wire::Request& rq) {
   if (it == g->qps.end() || !rq_open(it->second->state)) return nullptr;
   Qp* to = it->second;
   if (rq.qp_type == IBV_QPT_UD) return to->type == IBV_QPT_UD ? to : nullptr;
-  // Exactly the check a same-host requester passes: connected to this requester.
-  return accepts_from(*to, static_cast<ibv_qp_type>(rq.qp_type), rq.src_qpn, rq.slid, rq.sgid)
-             ? to
-             : nullptr;
+  // Exactly the check a same-host requester passes (connected to this requester), and the
+  // frame came from the node the QP chose for its peer: a guest elsewhere that claims the
+  // peer's LID or GID is not heard.
+  if (!accepts_from(*to, static_cast<ibv_qp_type>(rq.qp_type), rq.src_qpn, rq.slid, rq.sgid))
+    return nullptr;
+  if (to->route_pending) choose_route(*to);
+  return to->remote && to->peer_node == node ? to : nullptr;
 }
 
 void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s, uint32_t status,
@@ -446,7 +470,7 @@ void Device::on_duplicate(const std::string& node, Qp& to, const wire::Request& 
 
 void Device::on_request(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
   const wire::Request& rq = f.req;
-  Qp* to = request_target(rq);
+  Qp* to = request_target(node, rq);
   // No such QP, or not connected to this requester: no answer, as on one host (the requester
   // times out and retries).
   if (!to) return;
@@ -522,7 +546,7 @@ void Device::on_frame(const std::string& node, const wire::Frame& f, transport::
   if (f.type() == Type::kRequest) {
     on_request(node, f, sink);
   } else if (f.type() == Type::kReply) {
-    on_reply(f, sink);
+    on_reply(node, f, sink);
   } else if (f.type() == Type::kDirectOffer) {
     on_direct_offer(node, f.offer);  // no payload: nothing for on_frame_done
   }
@@ -532,7 +556,7 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
   if (!sink.accepted) return;
   sink.accepted = false;
   if (f.type() == Type::kReply) {  // READ data is in place
-    Qp* qp = reply_target(f.reply);
+    Qp* qp = reply_target(node, f.reply);
     if (!qp) return;
     for (Qp::Outstanding& o : qp->unacked) {
       if (o.psn == f.reply.psn && o.w.opcode == IBV_WR_RDMA_READ) o.has_result = true;
@@ -542,7 +566,7 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
   }
   const wire::Request& rq = f.req;
   // Looked up again: the QP may have gone while the payload streamed in.
-  Qp* to = request_target(rq);
+  Qp* to = request_target(node, rq);
   if (!to) return;
   const Inbound in = inbound_of_request(rq);
   if (rq.qp_type == IBV_QPT_UD) {

@@ -70,8 +70,10 @@ std::string backend_binary() {
 void spawn_backend(const std::string& sock) {
   // A setuid (AT_SECURE) program never starts one: the backend would run with its privileges.
   if (::getauxval(AT_SECURE)) {
-    VLOG_ERROR("no vrdma backend answers on {}, and a setuid program does not start one; start "
-               "one yourself (`vrdma backend`, `systemctl start vrdmad.socket`)", sock);
+    VLOG_ERROR(
+        "no vrdma backend answers on {}, and a setuid program does not start one; start "
+        "one yourself (`vrdma backend`, `systemctl start vrdmad.socket`)",
+        sock);
     return;
   }
   std::string bin = backend_binary();

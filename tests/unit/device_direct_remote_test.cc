@@ -9,6 +9,7 @@
 #include <deque>
 #include <set>
 
+#include "common/identity.h"
 #include "loopback_fixture.h"
 
 namespace vrdma::engine::devtest {
@@ -23,13 +24,19 @@ class FakeLink final : public RecordingTransport {
   FakeLink(std::string self, std::string peer, uint32_t peer_ipv4)
       : self_(std::move(self)), peer_(std::move(peer)), peer_ipv4_(peer_ipv4) {}
   std::set<uint16_t> peer_lids;  ///< guests the peer announced
+  std::set<std::string> peer_names;  ///< the same guests' names (their GIDs)
 
   const std::string& self() const override { return self_; }
   bool forced() const override { return false; }
   std::string locate_lid(uint16_t lid) const override {
     return peer_lids.count(lid) ? peer_ : std::string();
   }
-  std::string locate_gid(const uint8_t*) const override { return ""; }
+  std::string locate_gid(const uint8_t* gid) const override {
+    for (const std::string& n : peer_names) {
+      if (std::memcmp(gid_of(n).data(), gid, 16) == 0) return peer_;
+    }
+    return "";
+  }
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }
@@ -65,6 +72,8 @@ class DirectRemoteTest : public DeviceTest {
     ASSERT_NE(a_.hello.lid, b_.hello.lid);
     ta_.peer_lids = {static_cast<uint16_t>(b_.hello.lid)};
     tb_.peer_lids = {static_cast<uint16_t>(a_.hello.lid)};
+    ta_.peer_names = {"b"};
+    tb_.peer_names = {"a"};
     acq_ = cq(a_);
     arcq_ = cq(a_);
     bcq_ = cq(b_);
@@ -352,6 +361,94 @@ TEST_F(DirectRemoteTest, ResetEndsTheDirectConnection) {
   post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
   dev_.poll(now_);
   EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);
+}
+
+// ---- A guest on this backend cannot pose as a peer backend's guest (issue 21) ----
+
+/// A guest name whose LID (the name's hash) is `lid`: what an attacker searches for.
+std::string name_with_lid(uint32_t lid) {
+  for (uint32_t i = 0;; ++i) {
+    std::string n = "m" + std::to_string(i);
+    if (1 + fnv1a64(n) % 0xbfff == lid) return n;
+  }
+}
+
+TEST_F(DirectRemoteTest, ALocalGuestNeverGetsTheLidOfAPeersGuest) {
+  const std::string n = name_with_lid(b_.hello.lid);
+  G m = open(n.c_str());
+  EXPECT_NE(m.hello.lid, b_.hello.lid);
+  EXPECT_NE(m.hello.lid, a_.hello.lid);
+}
+
+TEST_F(DirectRemoteTest, TheNameOfAPeersGuestIsRefusedAtHello) {
+  HelloReq req{};
+  std::snprintf(req.guest, sizeof(req.guest), "b");
+  HelloResp resp{};
+  FdList fds;
+  auto r = dev_.open_session(req, resp, fds);
+  EXPECT_EQ(r.err(), EADDRINUSE);
+  EXPECT_NE(r.status().message().find("backend B"), std::string::npos) << r.status().message();
+  // Refused before anything was made: no guest "b" here.
+  for (const auto& g : nlohmann::json::parse(dev_.status_json())["guests"])
+    EXPECT_NE(g["name"], "b");
+}
+
+TEST_F(DirectRemoteTest, ALidHeldHereAndByAPeerConnectsNoOneAndALocalImpostorIsNotHeard) {
+  // The impostor took b's LID before the directory heard of b.
+  ta_.peer_lids.clear();
+  const std::string n = name_with_lid(b_.hello.lid);
+  G m = open(n.c_str());
+  ASSERT_EQ(m.hello.lid, b_.hello.lid);
+  ta_.peer_lids = {static_cast<uint16_t>(b_.hello.lid)};
+  // a connects to b by LID: ambiguous, so neither b nor the impostor.
+  connect(a_, qa_, b_, qb_);
+  auto js = nlohmann::json::parse(dev_.status_json());
+  for (const auto& g : js["guests"]) {
+    if (g["name"] != "a") continue;
+    EXPECT_NE(g["qps"][0]["transport"], "shm");
+    EXPECT_NE(g["qps"][0]["transport_why"].get<std::string>().find("not connected"),
+              std::string::npos);
+  }
+  // The impostor's QP (QPN 0x11, what a's QP expects) writes into a's memory: not heard.
+  CqV mcq = cq(m);
+  QpV qm = qp(m, mcq, mcq);
+  ASSERT_EQ(qm.qpn, qb_.qpn);
+  connect(m, qm, a_, qa_);
+  MemV mm = mem(m);
+  std::memset(mm.p(), 0xee, 64);
+  std::memset(ma_.p(), 0x11, 64);
+  SendWqe w{};
+  w.wr_id = 9;
+  w.opcode = IBV_WR_RDMA_WRITE;
+  w.send_flags = IBV_SEND_SIGNALED;
+  w.num_sge = 1;
+  w.sge[0] = Sge{mm.addr, 64, mm.mr.lkey};
+  w.remote_addr = ma_.addr;
+  w.rkey = ma_.mr.rkey;
+  qm.sqe[qm.sq_prod & (qm.sq_size - 1)] = w;
+  qm.sq->producer.store(++qm.sq_prod, std::memory_order_release);
+  for (int i = 0; i < 10; ++i) dev_.poll(now_);
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(ma_.p()[i], 0x11) << "byte " << i;
+  for (const Cqe& c : drain(mcq)) EXPECT_NE(c.status, IBV_WC_SUCCESS);
+}
+
+TEST_F(DirectRemoteTest, ARequestFromAnotherNodeIsNotHeard) {
+  connect_both();
+  post_recv(qa_, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qb_, 2, mb_.addr, 8, mb_.mr.lkey);
+  devb_.poll(now_);
+  ASSERT_EQ(count(tb_, wire::Type::kRequest), 1u);
+  FakeLink::Sent s = tb_.q.front();
+  // The same bytes over the connection of a node a's QP is not connected through: dropped.
+  deliver(s, dev_, "C");
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(arcq_).empty());
+  // From B, its peer's node, they are heard.
+  deliver(s, dev_, "B");
+  dev_.poll(now_);
+  auto rx = drain(arcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
 }
 
 }  // namespace
