@@ -23,6 +23,12 @@ constexpr uint64_t port_guid_of(std::string_view guest) {
   return (fnv1a64(guest) & 0x00ffffffffffffffull) | (0x02ull << 56);
 }
 
+/// The LID a guest's name hashes to, in the unicast range 1..0xbfff. A backend gives it unless
+/// it is taken (Device::new_guest_lid then probes to the next free one).
+constexpr uint16_t lid_of_name(std::string_view guest) {
+  return static_cast<uint16_t>(1 + fnv1a64(guest) % 0xbfff);
+}
+
 /// GID 0 in wire (big-endian) byte order.
 constexpr std::array<uint8_t, 16> gid_of(std::string_view guest) {
   std::array<uint8_t, 16> g{};

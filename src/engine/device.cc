@@ -114,7 +114,7 @@ Result<uint16_t> Device::new_guest_lid(const std::string& name) {
   for (const auto& [n, l] : lid_of_name_) {
     if (n != name) here.insert(l);
   }
-  auto lid = static_cast<uint16_t>(1 + fnv1a64(name) % 0xbfff);
+  uint16_t lid = lid_of_name(name);
   for (uint32_t tries = 0; tries < 0xbfff; ++tries, lid = static_cast<uint16_t>(lid % 0xbfff + 1)) {
     if (!here.contains(lid) && !elsewhere(lid)) return lid;
   }

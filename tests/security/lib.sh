@@ -11,28 +11,15 @@ E2E_NAME="security.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
 
 SEC_BIN=""
 SEC_GROUP=""
+SEC_NEXT_CLEANUP=""
 VICTIM=""
 ATTACKER=""
 BACKEND_PID=""
 
 sec_init() {
-  local bin=$1 rid k
+  local bin=$1 k
   e2e_init "$bin"
-  SEC_BIN="$(cd "$bin" && pwd)"
-  [[ $(id -u) == 0 ]] || fail "needs root (it creates users)"
-  # Short names (useradd allows 32 bytes): a run id, so parallel tests do not collide.
-  rid="$(printf '%05x' $(((RANDOM << 5 ^ $$) & 0xfffff)))"
-  SEC_GROUP="vrsec$rid" VICTIM="vrsec${rid}v" ATTACKER="vrsec${rid}a"
-  trap sec_cleanup EXIT
-  groupadd "$SEC_GROUP" || fail "groupadd"
-  for u in "$VICTIM" "$ATTACKER"; do
-    useradd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin -g "$SEC_GROUP" "$u" ||
-      fail "useradd $u"
-  done
-  log "users $VICTIM ($(id -u "$VICTIM")) and $ATTACKER ($(id -u "$ATTACKER")), group $SEC_GROUP"
-  # The users reach the socket through our temp dir, and write their outputs into it.
-  chmod 0711 "$E2E_TMP"
-  mkdir -m 0777 "$E2E_TMP/out"
+  sec_users "$bin"
   "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
     >>"$E2E_TMP/vrdmad.log" 2>&1 &
   BACKEND_PID=$!
@@ -41,17 +28,54 @@ sec_init() {
     nap 0.1
   done
   [[ -S $VRDMA_SOCKET ]] || fail "the backend did not start: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
-  # The README's recipe: SocketGroup=GROUP, SocketMode=0660.
-  chgrp "$SEC_GROUP" "$VRDMA_SOCKET"
-  chmod 0660 "$VRDMA_SOCKET"
+  share_socket "$VRDMA_SOCKET"  # the README's recipe
 }
 
-# Runs CMD as USER (its own uid and group, no other privilege) on our backend; the library may
-# not start another one. Usage: as_user USER CMD...
+# Creates the users and their group (after e2e_init or hosts_init: their clean-up runs after
+# ours) and lets them into our temp dir. Usage: sec_users BIN_DIR
+sec_users() {
+  local rid u
+  SEC_BIN="$(cd "$1" && pwd)"
+  [[ $(id -u) == 0 ]] || fail "needs root (it creates users)"
+  # Short names (useradd allows 32 bytes): a run id, so parallel tests do not collide.
+  rid="$(printf '%05x' $(((RANDOM << 5 ^ $$) & 0xfffff)))"
+  SEC_GROUP="vrsec$rid" VICTIM="vrsec${rid}v" ATTACKER="vrsec${rid}a"
+  SEC_NEXT_CLEANUP="$(trap -p EXIT | sed -n "s/^trap -- '\([a-z_]*\)' EXIT$/\1/p")"
+  trap sec_cleanup EXIT
+  groupadd "$SEC_GROUP" || fail "groupadd"
+  for u in "$VICTIM" "$ATTACKER"; do
+    useradd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin -g "$SEC_GROUP" "$u" ||
+      fail "useradd $u"
+  done
+  log "users $VICTIM ($(id -u "$VICTIM")) and $ATTACKER ($(id -u "$ATTACKER")), group $SEC_GROUP"
+  # The users reach the sockets through our temp dir, and write their outputs into it.
+  chmod 0711 "$E2E_TMP"
+  mkdir -m 0777 "$E2E_TMP/out"
+}
+
+# Lets the group use the backend socket SOCK, as SocketGroup=/SocketMode=0660 would.
+share_socket() {
+  chgrp "$SEC_GROUP" "$1"
+  chmod 0660 "$1"
+}
+
+# Runs CMD as USER: its uid, its group, no other privilege. setpriv execs (runuser forks), so a
+# background `become ... &` is CMD's own pid, as the e2e helpers expect. Usage: become USER CMD...
+become() {
+  become_argv "$1"
+  shift
+  "${BECOME[@]}" "$@"
+}
+# Sets BECOME to the command words that run what follows as USER (for `ip netns exec`, which
+# cannot run a shell function). Usage: become_argv USER
+become_argv() { BECOME=(setpriv --reuid="$1" --regid="$(id -g "$1")" --init-groups --); }
+
+# Runs CMD as USER on our backend; the library may not start another one.
+# Usage: as_user USER CMD...
 as_user() {
   local u=$1
   shift
-  runuser -u "$u" -- env VRDMA_SOCKET="$VRDMA_SOCKET" VRDMA_BACKEND=/nonexistent-vrdmad \
+  become "$u" env VRDMA_SOCKET="$VRDMA_SOCKET" VRDMA_BACKEND=/nonexistent-vrdmad \
     ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} ${LSAN_OPTIONS:+LSAN_OPTIONS=$LSAN_OPTIONS} \
     "$@"
 }
@@ -79,7 +103,7 @@ sec_cleanup() {
   done
   [[ -n $SEC_GROUP ]] && groupdel "$SEC_GROUP" 2>/dev/null
   (exit "$rc")
-  e2e_cleanup
+  "${SEC_NEXT_CLEANUP:-e2e_cleanup}"
 }
 
 # Makes start_server/start_client/run_pair run their programs as USER (`root`: as this shell).

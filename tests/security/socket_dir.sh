@@ -17,7 +17,7 @@ trap 'cleanup_vdir; sec_cleanup' EXIT
 
 # The victim as cron or su would run it: no VRDMA_SOCKET, no XDG_RUNTIME_DIR.
 victim_run() {
-  runuser -u "$VICTIM" -- env -u VRDMA_SOCKET -u XDG_RUNTIME_DIR -u VRDMA_BACKEND \
+  become "$VICTIM" env -u VRDMA_SOCKET -u XDG_RUNTIME_DIR -u VRDMA_BACKEND \
     ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} "$SEC_BIN/vrdma" run -- "$@"
 }
 # Expects the victim's ibv_devinfo to fail with a message matching RE. Usage: refused NAME RE
@@ -30,19 +30,19 @@ refused() {
 }
 
 # 1. The attacker makes the victim's directory first and serves a backend in it.
-runuser -u "$ATTACKER" -- mkdir -m 0755 "$VDIR"
-runuser -u "$ATTACKER" -- "$SEC_BIN/vrdmad" --socket "$VDIR/vrdmad.sock" --idle-exit 0 \
+become "$ATTACKER" mkdir -m 0755 "$VDIR"
+become "$ATTACKER" "$SEC_BIN/vrdmad" --socket "$VDIR/vrdmad.sock" --idle-exit 0 \
   >"$E2E_TMP/attacker-vrdmad.out" 2>&1 &
 for ((k = 0; k < 100; k++)); do
   [[ -S $VDIR/vrdmad.sock ]] && break
   nap 0.1
 done
 [[ -S $VDIR/vrdmad.sock ]] || fail "the attacker's backend did not start: $(cat "$E2E_TMP/attacker-vrdmad.out")"
-runuser -u "$ATTACKER" -- chmod 0777 "$VDIR/vrdmad.sock"
+become "$ATTACKER" chmod 0777 "$VDIR/vrdmad.sock"
 refused foreign-dir "belongs to uid $(id -u "$ATTACKER"), not to you"
 # The library on its own (no `vrdma run`) refuses it too.
 rc=0
-runuser -u "$VICTIM" -- env -u VRDMA_SOCKET -u XDG_RUNTIME_DIR VRDMA_BACKEND=/nonexistent \
+become "$VICTIM" env -u VRDMA_SOCKET -u XDG_RUNTIME_DIR VRDMA_BACKEND=/nonexistent \
   LD_LIBRARY_PATH="$SEC_BIN/../lib" ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} ibv_devinfo \
   >"$E2E_TMP/lib.out" 2>&1 || rc=$?
 [[ $rc != 0 ]] && grep -q "belongs to uid $(id -u "$ATTACKER")" "$E2E_TMP/lib.out" ||
@@ -55,7 +55,7 @@ rm -rf "$VDIR"
 # 2. A symlink in its place, to a directory the attacker owns.
 mkdir -m 0755 "$E2E_TMP/attacker-dir"
 chown "$ATTACKER" "$E2E_TMP/attacker-dir"
-runuser -u "$ATTACKER" -- ln -s "$E2E_TMP/attacker-dir" "$VDIR"
+become "$ATTACKER" ln -s "$E2E_TMP/attacker-dir" "$VDIR"
 refused symlink "not a directory but a symlink"
 [[ -z "$(ls -A "$E2E_TMP/attacker-dir")" ]] || fail "files appeared in the symlink's target: $(ls "$E2E_TMP/attacker-dir")"
 rm -f "$VDIR"

@@ -369,7 +369,7 @@ TEST_F(DirectRemoteTest, ResetEndsTheDirectConnection) {
 std::string name_with_lid(uint32_t lid) {
   for (uint32_t i = 0;; ++i) {
     std::string n = "m" + std::to_string(i);
-    if (1 + fnv1a64(n) % 0xbfff == lid) return n;
+    if (lid_of_name(n) == lid) return n;
   }
 }
 
