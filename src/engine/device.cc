@@ -228,6 +228,9 @@ void Device::close_session_impl(Session* s, bool moved) {
       transport_->announce(info, false);
     }
     guests_by_lid_.erase(g->lid);
+    // A guest that moved away keeps its LID reserved here, to come back to; one that left frees
+    // it (else every name ever seen would hold a LID until 0xbfff names locked everyone out).
+    if (!moved) lid_of_name_.erase(g->name);
     guests_.erase(g->name);
   }
 }

@@ -538,7 +538,8 @@ class Device : public transport::Receiver {
   bool resolve_recv(const Qp& to, const proto::RecvWqe& r, uint64_t& cap);
 
   std::map<std::string, std::unique_ptr<Guest>> guests_;
-  std::map<std::string, uint16_t> lid_of_name_;  ///< LIDs stay with a name across sessions
+  /// LIDs by name, for live guests and those that moved away (to come back to the same LID).
+  std::map<std::string, uint16_t> lid_of_name_;
   std::unordered_map<uint16_t, Guest*> guests_by_lid_;
   std::map<uint32_t, std::unique_ptr<Session>> sessions_;
   std::vector<Qp*> active_;  ///< every QP (the TCP transport's replay walks them)

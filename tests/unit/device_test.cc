@@ -324,5 +324,19 @@ TEST_F(DeviceTest, CloseSessionReclaimsEverything) {
   EXPECT_FALSE(dev_.poll(now_));
 }
 
+// More names than there are LIDs come and go: a guest that left gives its LID back (issue 21:
+// the table of LIDs by name only grew, and after 0xbfff names every new guest was refused).
+TEST_F(DeviceTest, GuestsThatLeftGiveTheirLidsBack) {
+  for (uint32_t i = 0; i < 0xc000 + 16; ++i) {
+    HelloReq req{};
+    std::snprintf(req.guest, sizeof(req.guest), "churn-%u", i);
+    HelloResp resp{};
+    FdList fds;
+    auto r = dev_.open_session(req, resp, fds);
+    ASSERT_TRUE(r.is_ok()) << "guest " << i << ": " << r.status().message();
+    dev_.close_session(r.value());
+  }
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest
