@@ -209,13 +209,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kHello: {
       HelloResp resp{};
       engine::FdList fl;
-      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), resp, fl);
+      // Who the guest is comes from the kernel: a guest without credentials gets no session.
+      auto cred = peer_cred(c.sock.get());
+      if (!cred.is_ok()) {
+        VLOG_WARN("{}: hello refused: {}", who(c, c.sock.get()), cred.status().message());
+        reply_err(error(EPERM, cred.status().message()));
+        break;
+      }
+      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), cred.value(), resp, fl);
       if (!r.is_ok()) {
         reply_err(r.status());
         break;
       }
       c.session = r.value();
-      if (auto uid = peer_uid(c.sock.get()); uid.is_ok()) c.session->uid = uid.value();
       out = encode(op, h.seq, 0, resp);
       out_fds = fl;
       int db = c.session->doorbell.get();

@@ -82,12 +82,14 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
                                    entries, limit));
 }
 
-Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {}
+Device::Device(Quotas quotas)
+    : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {}
 Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }
 
-Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdList& fds) {
+Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer, HelloResp& resp,
+                                      FdList& fds) {
   size_t len = strnlen(req.guest, kGuestNameMax);
   if (len == 0 || len == kGuestNameMax)
     return error(EINVAL, "guest name must be 1..63 bytes, NUL-terminated");
@@ -95,10 +97,34 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   for (char c : name) {
     if (c < 0x21 || c > 0x7e) return error(EINVAL, "guest name has non-printable characters");
   }
+  // The pid in the request is the guest's word; the kernel's is the one recorded.
+  if (req.pid != peer.pid)
+    VLOG_DEBUG("guest {}: hello claims pid {}, the socket's peer is pid {}", name, req.pid,
+               peer.pid);
+  // A guest belongs to the uid that created it: another uid sharing its QPN space, epoch page and
+  // quotas could exhaust them, or take its QPs' peers' messages.
+  if (auto it = guests_.find(name); it != guests_.end()) {
+    Guest& owned = *it->second;
+    if (peer.uid != owned.owner_uid && !is_admin_uid(peer.uid, backend_uid_)) {
+      // Once per guest and uid: an attacker retrying in a loop cannot flood the log.
+      auto& seen = owned.refused_logged;
+      const bool logged = std::find(seen.begin(), seen.end(), peer.uid) != seen.end();
+      if (!logged && seen.size() < kMaxRefusalsLogged) {
+        seen.push_back(peer.uid);
+        VLOG_WARN(
+            "guest {}: uid {} (pid {}) refused a session (EPERM): the guest belongs to uid {}",
+            name, peer.uid, peer.pid, owned.owner_uid);
+      } else {
+        VLOG_DEBUG("guest {}: uid {} (pid {}) refused a session again", name, peer.uid, peer.pid);
+      }
+      return error(EPERM, fmt::format("guest {} belongs to another user", name));
+    }
+  }
   auto& g = guests_[name];
   if (!g) {
     g = std::make_unique<Guest>();
     g->name = name;
+    g->owner_uid = peer.uid;
     g->id = fnv1a64(name);
     g->port_guid = port_guid_of(name);
     auto gid = gid_of(name);
@@ -122,7 +148,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
       lid_of_name_[name] = g->lid;
     }
     guests_by_lid_[g->lid] = g.get();
-    VLOG_INFO("guest {} joined: lid {:#x}", name, g->lid);
+    VLOG_INFO("guest {} joined: lid {:#x}, owner uid {}", name, g->lid, g->owner_uid);
     if (transport_) {
       transport::GuestInfo info{name, g->lid, {}};
       std::memcpy(info.gid, g->gid, 16);
@@ -131,7 +157,8 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   }
   auto s = std::make_unique<Session>();
   s->id = next_session_++;
-  s->pid = req.pid;
+  s->pid = peer.pid;
+  s->uid = peer.uid;
   s->guest = g.get();
 
   ASSIGN_OR_RETURN(s->control_fd, make_sealed_memfd("vrdma-control", kPage));
@@ -157,12 +184,12 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   resp.session_id = s->id;
   resp.control_bytes = kPage;
   fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
-  s->comm = read_comm(req.pid);
+  s->comm = read_comm(s->pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
   // The port is up: say so, as a device does when its link becomes active.
   post_async(*raw, IBV_EVENT_PORT_ACTIVE, 1);
-  VLOG_INFO("session {} opened: guest {} pid {}", raw->id, name, req.pid);
+  VLOG_INFO("session {} opened: guest {} pid {} uid {}", raw->id, name, raw->pid, raw->uid);
   return raw;
 }
 
@@ -695,7 +722,7 @@ std::string Device::status_json() const {
     nlohmann::json qps = nlohmann::json::array();
     for (const auto& [id, s] : sessions_) {
       if (s->guest != g.get()) continue;
-      sess.push_back({{"id", id}, {"pid", s->pid}});
+      sess.push_back({{"id", id}, {"pid", s->pid}, {"uid", s->uid}});
       const std::pair<const char*, size_t> counts[] = {
           {"pd", s->pds.size()}, {"mr", s->mrs.size()}, {"cq", s->cqs.size()},
           {"qp", s->qps.size()}, {"srq", s->srqs.size()}, {"channel", s->channels.size()},
@@ -720,8 +747,14 @@ std::string Device::status_json() const {
                   g->gid[0], g->gid[1], g->gid[2], g->gid[3], g->gid[4], g->gid[5], g->gid[6],
                   g->gid[7], g->gid[8], g->gid[9], g->gid[10], g->gid[11], g->gid[12],
                   g->gid[13], g->gid[14], g->gid[15]);
-    guests.push_back({{"name", name}, {"lid", g->lid}, {"gid", gid}, {"sessions", sess},
-                      {"resources", res}, {"qps", qps}});
+    // `uid`: the owner; backend/report.cc shows a guest only to it and the admins.
+    guests.push_back({{"name", name},
+                      {"uid", g->owner_uid},
+                      {"lid", g->lid},
+                      {"gid", gid},
+                      {"sessions", sess},
+                      {"resources", res},
+                      {"qps", qps}});
   }
   return nlohmann::json{{"guests", guests}, {"totals", totals}}.dump();
 }

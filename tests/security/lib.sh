@@ -33,7 +33,9 @@ sec_init() {
   # The users reach the socket through our temp dir, and write their outputs into it.
   chmod 0711 "$E2E_TMP"
   mkdir -m 0777 "$E2E_TMP/out"
-  "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
+  # SEC_VRDMAD_LOG=debug: the backend logs at that level (what a test greps may be a debug line).
+  ${SEC_VRDMAD_LOG:+env VRDMA_LOG=$SEC_VRDMAD_LOG} \
+    "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
     >>"$E2E_TMP/vrdmad.log" 2>&1 &
   BACKEND_PID=$!
   for ((k = 0; k < 100; k++)); do
@@ -80,6 +82,65 @@ sec_cleanup() {
   [[ -n $SEC_GROUP ]] && groupdel "$SEC_GROUP" 2>/dev/null
   (exit "$rc")
   e2e_cleanup
+}
+
+# Pid of USER's process whose command line matches the extended regex PATTERN, once it runs
+# (up to 10 s). Usage: user_proc USER PATTERN
+user_proc() {
+  local k p
+  for ((k = 0; k < 100; k++)); do
+    p="$(pgrep -u "$1" -f -- "$2" | head -n 1)" && [[ -n $p ]] && {
+      echo "$p"
+      return 0
+    }
+    nap 0.1
+  done
+  fail "no process of $1 matches '$2'"
+}
+
+# stream_start (tests/e2e/lib.sh) as USER: an open-ended, verifying rc_stream between USER's
+# guests NAME-s and NAME-c, until `kill -USR1 "$cli_proc"`; finish_stream NAME "$cli" "$srv" then
+# checks that both ends moved the same bytes. Sets srv, cli and cli_proc as stream_start does.
+# Usage: sec_stream_start USER NAME [SIZE]
+sec_stream_start() {
+  local u=$1 name=$2 size=${3:-4096} port i
+  pp_as "$u"
+  port="$(free_port)"
+  vrun --guest "$name-s" -- "$SEC_BIN/rc_stream" server "$port" 0 "$size" \
+    >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  for ((i = 0; i < 200; i++)); do
+    port_in_use "$port" && break
+    kill -0 "$srv" 2>/dev/null || fail "$name: server died: $(cat "$E2E_TMP/$name.server.out")"
+    nap 0.1
+  done
+  vrun --guest "$name-c" -- "$SEC_BIN/rc_stream" client 127.0.0.1 "$port" 0 "$size" \
+    >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  # runuser forks (it closes a PAM session after), so the client is not a child of $cli.
+  cli_proc=$(user_proc "$u" "rc_stream client 127\\.0\\.0\\.1 $port ")
+}
+
+# The msgs_sent counter of the QPs of GUEST, as root sees it (the admin's whole view).
+# Usage: guest_sent GUEST
+guest_sent() {
+  status_query 'my ($g) = grep { $_->{guest} eq "'"$1"'" } @{$j->{guest_counters}};
+    $g ? $g->{counters}{msgs_sent} : -1'
+}
+
+# Waits until GUEST's QPs have sent more than N messages (the stream moves on). Usage:
+# wait_sent_above GUEST N
+wait_sent_above() {
+  wait_status 'my ($g) = grep { $_->{guest} eq "'"$1"'" } @{$j->{guest_counters}};
+    $g && $g->{counters}{msgs_sent} > '"$2"' ? "moving" : "stuck"' moving 30 ||
+    fail "$1: the stream made no progress past $2 messages"
+}
+
+# Fails unless the backend's log has a line matching the extended regex PATTERN.
+# Usage: logged PATTERN WHAT
+logged() {
+  grep -Eq -- "$1" "$E2E_TMP/vrdmad.log" ||
+    fail "no log line for $2 (wanted /$1/): $(tail -n 10 "$E2E_TMP/vrdmad.log")"
 }
 
 # Makes start_server/start_client/run_pair run their programs as USER (`root`: as this shell).
