@@ -4,6 +4,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <set>
+
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
 #endif
@@ -87,6 +89,72 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
 }
 
 std::string Reporter::metrics(const engine::Device& dev) { return prometheus_text(status(dev)); }
+
+nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
+  using nlohmann::json;
+  if (v.admin) {
+    j["view"] = {{"uid", v.uid}, {"admin", true}};
+    return j;
+  }
+  // Members by reference (a missing or mistyped one reads as empty): no temporaries to iterate.
+  static const json kNoArray = json::array(), kNoObject = json::object();
+  auto arr = [](const json& o, const char* k) -> const json& {
+    auto it = o.find(k);
+    return it != o.end() && it->is_array() ? *it : kNoArray;
+  };
+  auto obj = [](const json& o, const char* k) -> const json& {
+    auto it = o.find(k);
+    return it != o.end() && it->is_object() ? *it : kNoObject;
+  };
+  // Totals count what this viewer sees, so they agree with the rows it gets.
+  json totals = json::object();
+  for (const auto& [k, n] : obj(j, "totals").items()) totals[k] = 0;
+  totals["guests"] = 0;
+  totals["sessions"] = 0;
+  std::set<std::string> mine;
+  json guests = json::array();
+  for (const json& g : arr(j, "guests")) {
+    if (!g.is_object() || v.uid == engine::kNoUid || g.value("uid", engine::kNoUid) != v.uid)
+      continue;
+    mine.insert(g.value("name", std::string()));
+    totals["guests"] = totals["guests"].get<uint64_t>() + 1;
+    totals["sessions"] = totals["sessions"].get<uint64_t>() + arr(g, "sessions").size();
+    for (const auto& [kind, n] : obj(g, "resources").items()) {
+      if (n.is_number_unsigned())
+        totals[kind] = totals.value(kind, uint64_t{0}) + n.get<uint64_t>();
+    }
+    guests.push_back(g);
+  }
+  auto own = [&](const json& row) {
+    return row.is_object() && mine.count(row.value("guest", std::string())) != 0;
+  };
+  // Keys open memory; addresses tell where it is. The owner's process knows both already.
+  static constexpr const char* kSecret[] = {"lkey", "rkey", "iova"};
+  json res = json::object();
+  for (const auto& [type, rows] : obj(j, "res").items()) {
+    json kept = json::array();
+    if (rows.is_array()) {
+      for (const json& r : rows) {
+        if (!own(r)) continue;
+        json row = r;
+        for (const char* k : kSecret) row.erase(k);
+        kept.push_back(std::move(row));
+      }
+    }
+    res[type] = std::move(kept);
+  }
+  json counters = json::array();
+  for (const json& g : arr(j, "guest_counters")) {
+    if (own(g)) counters.push_back(g);
+  }
+  j["guests"] = std::move(guests);
+  j["totals"] = std::move(totals);
+  j["res"] = std::move(res);
+  j["guest_counters"] = std::move(counters);
+  j["view"] = {
+      {"uid", v.uid}, {"admin", false}, {"hidden", "other users' guests; MR keys and addresses"}};
+  return j;
+}
 
 namespace {
 

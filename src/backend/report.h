@@ -1,6 +1,7 @@
 // What the backend tells operators about itself and its device: the status document that
-// `vrdma status`, `vrdma res show` and `vrdma stat` read (the Status command), and the same
-// numbers as Prometheus text for the metrics endpoint. Owned by the engine (server) thread.
+// `vrdma status`, `vrdma res show` and `vrdma stat` read (the Status command), cut down to what
+// the caller may see (visible_status), and the same numbers as Prometheus text for the metrics
+// endpoint. Owned by the engine (server) thread.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,19 @@
 #include "engine/device.h"
 
 namespace vrdma::backend {
+
+/// Who asks for the status document (SO_PEERCRED of the Status command's connection).
+struct Viewer {
+  uint32_t uid = engine::kNoUid;
+  bool admin = false;  ///< root or the backend's user (is_admin_uid): sees everything
+};
+
+/// The part of a status document (Reporter::status) that `v` may see. Admins: all of it. Anyone
+/// else: only the guests it owns (`guests[].uid`) and their rows in `res` and `guest_counters`,
+/// without MR keys and addresses (`lkey`, `rkey`, `iova`), and `totals` summed over those guests
+/// only. `view` says which it is. Other users' QPNs, PSNs and keys are what a cross-uid
+/// connection needs, so they never leave the backend (ARCHITECTURE.md, "Security").
+nlohmann::json visible_status(nlohmann::json status, const Viewer& v);
 
 class Reporter {
  public:

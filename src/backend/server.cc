@@ -269,7 +269,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     }
     case Op::kStatus: {
-      std::string js = reporter_.status(dev_).dump();
+      // What the caller may see (its own guests, no keys, unless it is an admin), by the
+      // kernel's word on who it is; before or after hello alike.
+      Viewer v;
+      if (auto cred = peer_cred(c.sock.get()); cred.is_ok()) {
+        v.uid = cred.value().uid;
+        v.admin = is_admin_uid(v.uid, dev_.backend_uid());
+      }
+      nlohmann::json doc = visible_status(reporter_.status(dev_), v);
+      if (!v.admin) {
+        VLOG_DEBUG("{}: status for uid {}: its own {} guest(s), keys and addresses hidden",
+                   who(c, c.sock.get()), v.uid, doc["guests"].size());
+      }
+      std::string js = doc.dump();
       if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
         VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
                   who(c, c.sock.get()), js.size(), kMaxResponse);
