@@ -4,7 +4,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <map>
 #include <set>
+
+#include "common/log.h"
 
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
@@ -88,7 +91,16 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
   return j;
 }
 
-std::string Reporter::metrics(const engine::Device& dev) { return prometheus_text(status(dev)); }
+std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns) {
+  const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
+  if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
+    metrics_text_ = prometheus_text(status(dev), cfg_.metrics_guest_names);
+    metrics_at_ns_ = now_ns;
+    ++metrics_renders_;
+    VLOG_DEBUG("metrics: new snapshot of {} bytes", metrics_text_.size());
+  }
+  return metrics_text_;
+}
 
 nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
   using nlohmann::json;
@@ -236,7 +248,18 @@ void counter_families(Exposition& e, const std::string& prefix,
 
 }  // namespace
 
-std::string prometheus_text(const nlohmann::json& j) {
+std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
+  // A guest's label: its name only when the operator asked for names (a name is whatever its
+  // user chose, and says who runs what); else its LID, unique on this backend.
+  std::map<std::string, std::string> lid_label;
+  for (const auto& g : j.at("guests")) {
+    if (g.contains("lid")) lid_label[str(g.at("name"))] = "lid-" + str(g.at("lid"));
+  }
+  auto guest = [&](const nlohmann::json& name) {
+    if (guest_names) return str(name);
+    auto it = lid_label.find(str(name));
+    return it == lid_label.end() ? std::string("-") : it->second;
+  };
   Exposition e;
   const nlohmann::json& b = j.at("backend");
   e.family("vrdma_build_info", "gauge", "backend version and node (value is always 1)");
@@ -256,14 +279,14 @@ std::string prometheus_text(const nlohmann::json& j) {
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())
-      e.sample("vrdma_resources", {{"guest", str(g.at("name"))}, {"kind", kind}}, n);
+      e.sample("vrdma_resources", {{"guest", guest(g.at("name"))}, {"kind", kind}}, n);
   }
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
   for (const auto& g : j.at("guest_counters"))
-    guests.emplace_back(Labels{{"guest", str(g.at("guest"))}}, g.at("counters"));
+    guests.emplace_back(Labels{{"guest", guest(g.at("guest"))}}, g.at("counters"));
   for (const auto& q : j.at("res").at("qp")) {
-    qps.emplace_back(Labels{{"guest", str(q.at("guest"))},
+    qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
                             {"lqpn", str(q.at("lqpn"))},
                             {"type", str(q.at("type"))},
                             {"transport", str(q.at("transport"))}},

@@ -76,7 +76,7 @@ Status Server::setup() {
   // Metrics first: a backend that cannot serve what it was configured to never takes guests.
   if (opt_.metrics_enabled) {
     metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
-                                             [this] { return reporter_.metrics(dev_); });
+                                             [this] { return reporter_.metrics(dev_, now_ns()); });
     RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
     VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
   }

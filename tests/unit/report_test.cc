@@ -147,7 +147,8 @@ TEST_F(OpsTest, StatRowsCarryTheCounters) {
 
 TEST_F(OpsTest, PrometheusTextIsWellFormed) {
   one_message();
-  const std::string text = rep_.metrics(dev_);
+  cfg_.metrics_guest_names = true;
+  const std::string text = rep_.metrics(dev_, now_);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
   // Every line is a HELP, a TYPE or a sample of the family declared last; families do not repeat.
@@ -213,10 +214,51 @@ TEST(PrometheusText, EscapesLabelValues) {
              {"guests", json::array({{{"name", "a\"b\\c\nd"}, {"resources", {{"qp", 1}}}}})},
              {"guest_counters", json::array()},
              {"res", {{"qp", json::array()}}}};
-  const std::string text = backend::prometheus_text(st);
+  const std::string text = backend::prometheus_text(st, true);
   EXPECT_NE(text.find("vrdma_resources{guest=\"a\\\"b\\\\c\\nd\",kind=\"qp\"} 1\n"),
             std::string::npos)
       << text;
+}
+
+TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
+  one_message();
+  ASSERT_FALSE(cfg_.metrics_guest_names);  // the default
+  const std::string text = rep_.metrics(dev_, now_);
+  EXPECT_EQ(text.find("guest=\"a\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("guest=\"b\""), std::string::npos) << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+                                  b_.hello.lid)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"lid-{}\",lqpn=\"{}\",",
+                                  a_.hello.lid, qa_.qpn)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(
+      text.find(fmt::format("vrdma_resources{{guest=\"lid-{}\",kind=\"qp\"}} 1\n", a_.hello.lid)),
+      std::string::npos)
+      << text;
+}
+
+TEST_F(OpsTest, MetricsRenderAtMostOncePerInterval) {
+  cfg_.metrics_min_interval_ms = 1000;
+  const std::string first = rep_.metrics(dev_, now_);
+  EXPECT_EQ(rep_.metrics_renders(), 1u);
+  // Within the interval: the snapshot, even though the device moved on.
+  one_message();
+  EXPECT_EQ(rep_.metrics(dev_, now_ + 999'999'999), first);
+  EXPECT_EQ(rep_.metrics_renders(), 1u);
+  // After it: a new rendering with the new counters.
+  const std::string later = rep_.metrics(dev_, now_ + 1'000'000'000);
+  EXPECT_EQ(rep_.metrics_renders(), 2u);
+  EXPECT_NE(later.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+                                   b_.hello.lid)),
+            std::string::npos)
+      << later;
+  // 0: every scrape renders.
+  cfg_.metrics_min_interval_ms = 0;
+  rep_.metrics(dev_, now_ + 1'000'000'000);
+  EXPECT_EQ(rep_.metrics_renders(), 3u);
 }
 
 /// Guests of two users (a: kOwner, b: kOther) on a backend run by kBackendUid.
