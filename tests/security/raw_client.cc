@@ -28,6 +28,12 @@ int usage() {
   return 1;
 }
 
+/// "EPERM (Operation not permitted)" for a response's -errno.
+std::string errno_text(int status) {
+  const char* name = strerrorname_np(-status);
+  return std::string(name ? name : "E?") + " (" + std::strerror(-status) + ")";
+}
+
 /// Sends one request and returns the response's status (0 or -errno); `buf` holds the response.
 int call(int sock, const std::vector<uint8_t>& req, std::vector<uint8_t>& buf, const char* what) {
   std::vector<UniqueFd> fds;
@@ -51,7 +57,7 @@ int status(int sock) {
   std::vector<uint8_t> buf;
   const int st = call(sock, encode(Op::kStatus, 2, 0, StatusReq{}), buf, "status");
   if (st != 0) {
-    std::fprintf(stderr, "status: %s (%s)\n", strerrorname_np(-st), std::strerror(-st));
+    std::fprintf(stderr, "status: %s\n", errno_text(st).c_str());
     return 3;
   }
   const size_t off = sizeof(MsgHeader);
@@ -83,7 +89,7 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> buf;
   const int st = call(sock.value().get(), encode(Op::kHello, 1, 0, req), buf, "hello");
   if (st != 0) {
-    std::fprintf(stderr, "hello: %s (%s)\n", strerrorname_np(-st), std::strerror(-st));
+    std::fprintf(stderr, "hello: %s\n", errno_text(st).c_str());
     return 3;
   }
   std::fprintf(stderr, "hello: session opened in guest %s\n", argv[3]);
