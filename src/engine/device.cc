@@ -121,6 +121,27 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
     }
   }
   auto& g = guests_[name];
+  // A guest made for this hello goes again if its first session cannot be made (no LID left, no
+  // descriptors): left behind, it would hold its name for its owner with no session to end it.
+  struct ForgetIfFailed {
+    Device& dev;
+    const std::string& name;
+    bool armed;
+    ~ForgetIfFailed() {
+      if (!armed) return;
+      auto it = dev.guests_.find(name);
+      if (it == dev.guests_.end()) return;
+      if (Guest* fresh = it->second.get(); fresh && fresh->lid) {
+        dev.guests_by_lid_.erase(fresh->lid);
+        if (dev.transport_) {
+          transport::GuestInfo info{name, fresh->lid, {}};
+          std::memcpy(info.gid, fresh->gid, 16);
+          dev.transport_->announce(info, false);
+        }
+      }
+      dev.guests_.erase(it);
+    }
+  } undo{*this, name, !g};
   if (!g) {
     g = std::make_unique<Guest>();
     g->name = name;
@@ -187,6 +208,7 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
   s->comm = read_comm(s->pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
+  undo.armed = false;
   // The port is up: say so, as a device does when its link becomes active.
   post_async(*raw, IBV_EVENT_PORT_ACTIVE, 1);
   VLOG_INFO("session {} opened: guest {} pid {} uid {}", raw->id, name, raw->pid, raw->uid);

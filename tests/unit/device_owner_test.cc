@@ -2,6 +2,8 @@
 // Device::open_session, identity from SO_PEERCRED rather than from the hello, and the owner
 // surviving what moves guests (the state blob, and a version 1 blob that had no owner).
 #include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -100,6 +102,28 @@ TEST_F(OwnerTest, StatusNamesEachGuestsOwnerAndEachSessionsUid) {
     EXPECT_EQ(g["sessions"][0]["pid"], 777);
   }
   EXPECT_TRUE(seen) << st.dump();
+}
+
+TEST_F(OwnerTest, AGuestWhoseFirstSessionFailsLeavesNoTraceBehind) {
+  // No descriptor left for the session's control page: the hello fails (EMFILE), and the guest
+  // it would have created is gone, so the name is not held for that uid with no session to end.
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  const int lowest = ::dup(0);  // every descriptor below it is in use
+  ASSERT_GE(lowest, 0);
+  ::close(lowest);
+  rlimit tight = old;
+  tight.rlim_cur = static_cast<rlim_t>(lowest);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  auto r = hello("fails", kOwner);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.err(), EMFILE) << r.status().message();
+  EXPECT_FALSE(dev_.has_guest("fails"));
+  EXPECT_EQ(nlohmann::json::parse(dev_.status_json())["totals"]["guests"], 2);  // a and b
+  auto again = hello("fails", kStranger);
+  ASSERT_TRUE(again.is_ok()) << again.status().message();
+  EXPECT_EQ(again.value()->guest->owner_uid, kStranger);
 }
 
 std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
