@@ -156,7 +156,10 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"peers", string_list(c.peers)},
         {"force", string(c.force, {"", "tcp"})}}},
       {"metrics",
-       {{"enabled", boolean(c.metrics_enabled)}, {"listen", endpoint(c.metrics_listen, false)}}},
+       {{"enabled", boolean(c.metrics_enabled)},
+        {"listen", endpoint(c.metrics_listen, false)},
+        {"min_interval_ms", integer(c.metrics_min_interval_ms, 0, 3600 * 1000)},
+        {"guest_names", boolean(c.metrics_guest_names)}}},
   };
   for (const auto& [section, node] : root) {
     const std::string at = where(origin, node);

@@ -39,6 +39,11 @@ struct Config {
   // [metrics]
   bool metrics_enabled = false;
   std::string metrics_listen = "127.0.0.1:9464";
+  /// Scrapes within this many ms of the last rendering get that snapshot (the rendering runs on
+  /// the engine thread, and any local uid can scrape).
+  int metrics_min_interval_ms = 1000;
+  /// Label guests by name (chosen by their users: who runs what) instead of by LID.
+  bool metrics_guest_names = false;
   /// How this backend was started (absolute program path first): the keeper starts it again.
   std::vector<std::string> self_argv;
 

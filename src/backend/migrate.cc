@@ -38,7 +38,7 @@ std::string name_of(const char* field, size_t max) { return std::string(field, s
 /// Operator commands move guests between backends: only root or the backend's own user.
 Status check_admin(int sock) {
   ASSIGN_OR_RETURN(uint32_t uid, peer_uid(sock));
-  if (uid != 0 && uid != ::geteuid())
+  if (!is_admin_uid(uid, ::geteuid()))
     return error(EPERM, fmt::format("uid {} may not move guests", uid));
   return Status::ok();
 }
@@ -281,6 +281,14 @@ Result<ImportResp> Server::import_commit(Conn& c) {
 
 void Server::adopt(engine::Session* s, UniqueFd sock) {
   if (!sock.valid()) return;
+  // The connection is the guest's own, so the kernel still knows who made it: that, not the
+  // blob, names the session's pid and uid. A blob of version 1 had no owner: the guest then
+  // belongs to the uid of its first session with a connection.
+  if (auto cred = peer_cred(sock.get()); cred.is_ok()) {
+    s->pid = cred.value().pid;
+    s->uid = cred.value().uid;
+    if (s->guest->owner_uid == engine::kNoUid) s->guest->owner_uid = s->uid;
+  }
   const int fd = sock.get();
   Conn& c = conns_[fd];
   c.sock = std::move(sock);

@@ -4,6 +4,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <map>
+#include <set>
+
+#include "common/log.h"
+
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
 #endif
@@ -86,7 +91,82 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
   return j;
 }
 
-std::string Reporter::metrics(const engine::Device& dev) { return prometheus_text(status(dev)); }
+std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns) {
+  const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
+  if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
+    metrics_text_ = prometheus_text(status(dev), cfg_.metrics_guest_names);
+    metrics_at_ns_ = now_ns;
+    ++metrics_renders_;
+    VLOG_DEBUG("metrics: new snapshot of {} bytes", metrics_text_.size());
+  }
+  return metrics_text_;
+}
+
+nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
+  using nlohmann::json;
+  if (v.admin) {
+    j["view"] = {{"uid", v.uid}, {"admin", true}};
+    return j;
+  }
+  // Members by reference (a missing or mistyped one reads as empty): no temporaries to iterate.
+  static const json kNoArray = json::array(), kNoObject = json::object();
+  auto arr = [](const json& o, const char* k) -> const json& {
+    auto it = o.find(k);
+    return it != o.end() && it->is_array() ? *it : kNoArray;
+  };
+  auto obj = [](const json& o, const char* k) -> const json& {
+    auto it = o.find(k);
+    return it != o.end() && it->is_object() ? *it : kNoObject;
+  };
+  // Totals count what this viewer sees, so they agree with the rows it gets.
+  json totals = json::object();
+  for (const auto& [k, n] : obj(j, "totals").items()) totals[k] = 0;
+  totals["guests"] = 0;
+  totals["sessions"] = 0;
+  std::set<std::string> mine;
+  json guests = json::array();
+  for (const json& g : arr(j, "guests")) {
+    if (!g.is_object() || v.uid == engine::kNoUid || g.value("uid", engine::kNoUid) != v.uid)
+      continue;
+    mine.insert(g.value("name", std::string()));
+    totals["guests"] = totals["guests"].get<uint64_t>() + 1;
+    totals["sessions"] = totals["sessions"].get<uint64_t>() + arr(g, "sessions").size();
+    for (const auto& [kind, n] : obj(g, "resources").items()) {
+      if (n.is_number_unsigned())
+        totals[kind] = totals.value(kind, uint64_t{0}) + n.get<uint64_t>();
+    }
+    guests.push_back(g);
+  }
+  auto own = [&](const json& row) {
+    return row.is_object() && mine.count(row.value("guest", std::string())) != 0;
+  };
+  // Keys open memory; addresses tell where it is. The owner's process knows both already.
+  static constexpr const char* kSecret[] = {"lkey", "rkey", "iova"};
+  json res = json::object();
+  for (const auto& [type, rows] : obj(j, "res").items()) {
+    json kept = json::array();
+    if (rows.is_array()) {
+      for (const json& r : rows) {
+        if (!own(r)) continue;
+        json row = r;
+        for (const char* k : kSecret) row.erase(k);
+        kept.push_back(std::move(row));
+      }
+    }
+    res[type] = std::move(kept);
+  }
+  json counters = json::array();
+  for (const json& g : arr(j, "guest_counters")) {
+    if (own(g)) counters.push_back(g);
+  }
+  j["guests"] = std::move(guests);
+  j["totals"] = std::move(totals);
+  j["res"] = std::move(res);
+  j["guest_counters"] = std::move(counters);
+  j["view"] = {
+      {"uid", v.uid}, {"admin", false}, {"hidden", "other users' guests; MR keys and addresses"}};
+  return j;
+}
 
 namespace {
 
@@ -168,7 +248,18 @@ void counter_families(Exposition& e, const std::string& prefix,
 
 }  // namespace
 
-std::string prometheus_text(const nlohmann::json& j) {
+std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
+  // A guest's label: its name only when the operator asked for names (a name is whatever its
+  // user chose, and says who runs what); else its LID, unique on this backend.
+  std::map<std::string, std::string> lid_label;
+  for (const auto& g : j.at("guests")) {
+    if (g.contains("lid")) lid_label[str(g.at("name"))] = "lid-" + str(g.at("lid"));
+  }
+  auto guest = [&](const nlohmann::json& name) {
+    if (guest_names) return str(name);
+    auto it = lid_label.find(str(name));
+    return it == lid_label.end() ? std::string("-") : it->second;
+  };
   Exposition e;
   const nlohmann::json& b = j.at("backend");
   e.family("vrdma_build_info", "gauge", "backend version and node (value is always 1)");
@@ -188,14 +279,14 @@ std::string prometheus_text(const nlohmann::json& j) {
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())
-      e.sample("vrdma_resources", {{"guest", str(g.at("name"))}, {"kind", kind}}, n);
+      e.sample("vrdma_resources", {{"guest", guest(g.at("name"))}, {"kind", kind}}, n);
   }
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
   for (const auto& g : j.at("guest_counters"))
-    guests.emplace_back(Labels{{"guest", str(g.at("guest"))}}, g.at("counters"));
+    guests.emplace_back(Labels{{"guest", guest(g.at("guest"))}}, g.at("counters"));
   for (const auto& q : j.at("res").at("qp")) {
-    qps.emplace_back(Labels{{"guest", str(q.at("guest"))},
+    qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
                             {"lqpn", str(q.at("lqpn"))},
                             {"type", str(q.at("type"))},
                             {"transport", str(q.at("transport"))}},

@@ -1,6 +1,7 @@
 // What the backend tells operators about itself and its device: the status document that
-// `vrdma status`, `vrdma res show` and `vrdma stat` read (the Status command), and the same
-// numbers as Prometheus text for the metrics endpoint. Owned by the engine (server) thread.
+// `vrdma status`, `vrdma res show` and `vrdma stat` read (the Status command), cut down to what
+// the caller may see (visible_status), and the same numbers as Prometheus text for the metrics
+// endpoint, rendered at most once per [metrics] min_interval_ms. Owned by the engine thread.
 #pragma once
 
 #include <cstdint>
@@ -16,14 +17,31 @@
 
 namespace vrdma::backend {
 
+/// Who asks for the status document (SO_PEERCRED of the Status command's connection).
+struct Viewer {
+  uint32_t uid = engine::kNoUid;
+  bool admin = false;  ///< root or the backend's user (is_admin_uid): sees everything
+};
+
+/// The part of a status document (Reporter::status) that `v` may see. Admins: all of it. Anyone
+/// else: only the guests it owns (`guests[].uid`) and their rows in `res` and `guest_counters`,
+/// without MR keys and addresses (`lkey`, `rkey`, `iova`), and `totals` summed over those guests
+/// only. `view` says which it is. Other users' QPNs, PSNs and keys are what a cross-uid
+/// connection needs, so they never leave the backend (ARCHITECTURE.md, "Security").
+nlohmann::json visible_status(nlohmann::json status, const Viewer& v);
+
 class Reporter {
  public:
   explicit Reporter(const Config& cfg);
   /// The whole status document: `backend` (version, uptime, quotas, transports, peers, the
   /// data-path thread), the device's guests and totals, `res` and `guest_counters`.
   nlohmann::json status(const engine::Device& dev);
-  /// Prometheus text exposition format 0.0.4 of the same document.
-  std::string metrics(const engine::Device& dev);
+  /// Prometheus text exposition format 0.0.4 of the same document. Rendered on the engine
+  /// thread, so at most once per [metrics] min_interval_ms: scrapes in between (by any local
+  /// uid that can reach the endpoint) get the last snapshot and cost the rings nothing.
+  std::string metrics(const engine::Device& dev, uint64_t now_ns);
+  /// How many times metrics() rendered a new snapshot (for tests).
+  uint64_t metrics_renders() const { return metrics_renders_; }
   /// Where the TCP transport, once it runs, says which peer backends are connected now.
   void set_connected_peers(std::function<std::vector<std::string>()> f) {
     connected_peers_ = std::move(f);
@@ -38,9 +56,14 @@ class Reporter {
   uint64_t last_mono_ns_;  ///< previous sample, for the recent busy fraction
   uint64_t last_cpu_ns_;
   std::function<std::vector<std::string>()> connected_peers_;
+  std::string metrics_text_;  ///< the last snapshot metrics() rendered
+  uint64_t metrics_at_ns_ = 0;
+  uint64_t metrics_renders_ = 0;
 };
 
-/// Renders a status document (as Reporter::status builds it) as Prometheus text.
-std::string prometheus_text(const nlohmann::json& status);
+/// Renders a status document (as Reporter::status builds it) as Prometheus text. Guests are
+/// labelled `guest="NAME"` with `guest_names`, else `guest="lid-N"` (their LID, decimal, as
+/// `vrdma status` prints it: stable for the guest's life, and no name another user chose).
+std::string prometheus_text(const nlohmann::json& status, bool guest_names);
 
 }  // namespace vrdma::backend

@@ -72,7 +72,7 @@ Status Server::setup() {
   // Metrics first: a backend that cannot serve what it was configured to never takes guests.
   if (opt_.metrics_enabled) {
     metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
-                                             [this] { return reporter_.metrics(dev_); });
+                                             [this] { return reporter_.metrics(dev_, now_ns()); });
     RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
     VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
   }
@@ -205,13 +205,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kHello: {
       HelloResp resp{};
       engine::FdList fl;
-      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), resp, fl);
+      // Who the guest is comes from the kernel: a guest without credentials gets no session.
+      auto cred = peer_cred(c.sock.get());
+      if (!cred.is_ok()) {
+        VLOG_WARN("{}: hello refused: {}", who(c, c.sock.get()), cred.status().message());
+        reply_err(error(EPERM, cred.status().message()));
+        break;
+      }
+      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), cred.value(), resp, fl);
       if (!r.is_ok()) {
         reply_err(r.status());
         break;
       }
       c.session = r.value();
-      if (auto uid = peer_uid(c.sock.get()); uid.is_ok()) c.session->uid = uid.value();
       out = encode(op, h.seq, 0, resp);
       out_fds = fl;
       int db = c.session->doorbell.get();
@@ -259,7 +265,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     }
     case Op::kStatus: {
-      std::string js = reporter_.status(dev_).dump();
+      // What the caller may see (its own guests, no keys, unless it is an admin), by the
+      // kernel's word on who it is; before or after hello alike.
+      Viewer v;
+      if (auto cred = peer_cred(c.sock.get()); cred.is_ok()) {
+        v.uid = cred.value().uid;
+        v.admin = is_admin_uid(v.uid, dev_.backend_uid());
+      }
+      nlohmann::json doc = visible_status(reporter_.status(dev_), v);
+      if (!v.admin) {
+        VLOG_DEBUG("{}: status for uid {}: its own {} guest(s), keys and addresses hidden",
+                   who(c, c.sock.get()), v.uid, doc["guests"].size());
+      }
+      std::string js = doc.dump();
       if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
         VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
                   who(c, c.sock.get()), js.size(), kMaxResponse);

@@ -241,6 +241,11 @@ std::string status_header(const json& status) {
   }
   out += fmt::format("quotas per guest (most used/limit): {}; mr bytes {}; queue depth {}\n",
                      quotas, text_of(member(q, "mr_bytes")), text_of(member(q, "queue_depth")));
+  // A caller that is not an admin gets a cut-down document (backend/report.h, visible_status).
+  if (const json& v = member(status, "view"); member(v, "admin") == false) {
+    out += fmt::format("view: uid {}: its own guests only, without {}\n", text_of(member(v, "uid")),
+                       "MR keys and addresses (root and the backend's user see everything)");
+  }
   return out;
 }
 

@@ -34,7 +34,8 @@ Result<nlohmann::json> stat_rows(const nlohmann::json& status, const std::string
                                  const Filters& filters);
 std::string stat_text(const std::string& what, const nlohmann::json& rows);
 
-/// `vrdma status`: the backend's header lines (version, uptime, transports, threads, quotas).
+/// `vrdma status`: the backend's header lines (version, uptime, transports, threads, quotas, and
+/// for a caller who is not an admin, that the view is cut down to its own guests).
 std::string status_header(const nlohmann::json& status);
 
 }  // namespace vrdma::cli

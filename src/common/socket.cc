@@ -101,12 +101,18 @@ void fit_send_buffer(int sock, size_t bytes) {
   (void)::setsockopt(sock, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want));
 }
 
-Result<uint32_t> peer_uid(int sock) {
+Result<PeerCred> peer_cred(int sock) {
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0)
-    return error(errno, "SO_PEERCRED");
-  return static_cast<uint32_t>(cred.uid);
+    return error(errno, std::string("SO_PEERCRED: ") + std::strerror(errno));
+  return PeerCred{static_cast<uint32_t>(cred.pid), static_cast<uint32_t>(cred.uid),
+                  static_cast<uint32_t>(cred.gid)};
+}
+
+Result<uint32_t> peer_uid(int sock) {
+  ASSIGN_OR_RETURN(PeerCred c, peer_cred(sock));
+  return c.uid;
 }
 
 }  // namespace vrdma

@@ -26,7 +26,21 @@ Result<UniqueFd> connect_unix(const std::string& path);
 /// larger than the buffer fails with EMSGSIZE). Best effort: capped by net.core.wmem_max.
 void fit_send_buffer(int sock, size_t bytes);
 Result<UniqueFd> listen_unix(const std::string& path);
+/// Who is at the other end of a unix socket, as the kernel recorded it at connect() (SO_PEERCRED):
+/// what the backend trusts about a guest, never what the guest says of itself.
+struct PeerCred {
+  uint32_t pid = 0;
+  uint32_t uid = UINT32_MAX;
+  uint32_t gid = UINT32_MAX;
+};
+Result<PeerCred> peer_cred(int sock);
 /// The uid of the process at the other end of a unix socket (SO_PEERCRED).
 Result<uint32_t> peer_uid(int sock);
+/// The backend's administrators: root and the user the backend runs as (`backend_uid`, its
+/// euid). They may run operator commands, join any guest and see every key (ARCHITECTURE.md,
+/// "Security: who may see and join what").
+inline bool is_admin_uid(uint32_t uid, uint32_t backend_uid) {
+  return uid == 0 || uid == backend_uid;
+}
 
 }  // namespace vrdma

@@ -82,7 +82,8 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
                                    entries, limit));
 }
 
-Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {}
+Device::Device(Quotas quotas)
+    : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {}
 Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }
@@ -121,7 +122,8 @@ Result<uint16_t> Device::new_guest_lid(const std::string& name) {
   return error(ENOSPC, "no unicast LIDs left");
 }
 
-Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdList& fds) {
+Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer, HelloResp& resp,
+                                      FdList& fds) {
   size_t len = strnlen(req.guest, kGuestNameMax);
   if (len == 0 || len == kGuestNameMax)
     return error(EINVAL, "guest name must be 1..63 bytes, NUL-terminated");
@@ -129,11 +131,36 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   for (char c : name) {
     if (c < 0x21 || c > 0x7e) return error(EINVAL, "guest name has non-printable characters");
   }
+  // The pid in the request is the guest's word; the kernel's is the one recorded.
+  if (req.pid != peer.pid)
+    VLOG_DEBUG("guest {}: hello claims pid {}, the socket's peer is pid {}", name, req.pid,
+               peer.pid);
+  // A guest belongs to the uid that created it: another uid sharing its QPN space, epoch page and
+  // quotas could exhaust them, or take its QPs' peers' messages.
   auto found = guests_.find(name);
-  if (found == guests_.end()) {
+  if (found != guests_.end()) {
+    Guest& owned = *found->second;
+    if (peer.uid != owned.owner_uid && !is_admin_uid(peer.uid, backend_uid_)) {
+      // Once per guest and uid: an attacker retrying in a loop cannot flood the log.
+      auto& seen = owned.refused_logged;
+      const bool logged = std::find(seen.begin(), seen.end(), peer.uid) != seen.end();
+      if (!logged && seen.size() < kMaxRefusalsLogged) {
+        seen.push_back(peer.uid);
+        VLOG_WARN(
+            "guest {}: uid {} (pid {}) refused a session (EPERM): the guest belongs to uid {}",
+            name, peer.uid, peer.pid, owned.owner_uid);
+      } else {
+        VLOG_DEBUG("guest {}: uid {} (pid {}) refused a session again", name, peer.uid, peer.pid);
+      }
+      return error(EPERM, fmt::format("guest {} belongs to another user", name));
+    }
+  }
+  const bool fresh = found == guests_.end();
+  if (fresh) {
     ASSIGN_OR_RETURN(const uint16_t lid, new_guest_lid(name));
     auto ng = std::make_unique<Guest>();
     ng->name = name;
+    ng->owner_uid = peer.uid;
     ng->id = fnv1a64(name);
     ng->port_guid = port_guid_of(name);
     auto gid = gid_of(name);
@@ -141,7 +168,7 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
     ng->lid = lid;
     lid_of_name_[name] = lid;
     guests_by_lid_[lid] = ng.get();
-    VLOG_INFO("guest {} joined: lid {:#x}", name, lid);
+    VLOG_INFO("guest {} joined: lid {:#x}, owner uid {}", name, lid, ng->owner_uid);
     if (transport_) {
       transport::GuestInfo info{name, lid, {}};
       std::memcpy(info.gid, ng->gid, 16);
@@ -150,9 +177,28 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
     found = guests_.emplace(name, std::move(ng)).first;
   }
   Guest* g = found->second.get();
+  // A guest made for this hello goes again if its first session cannot be made (no descriptors):
+  // left behind, it would hold its name and LID for its owner with no session to end it.
+  struct ForgetIfFailed {
+    Device& dev;
+    Guest* fresh;
+    ~ForgetIfFailed() {
+      if (!fresh) return;
+      dev.guests_by_lid_.erase(fresh->lid);
+      dev.lid_of_name_.erase(fresh->name);
+      if (dev.transport_) {
+        transport::GuestInfo info{fresh->name, fresh->lid, {}};
+        std::memcpy(info.gid, fresh->gid, 16);
+        dev.transport_->announce(info, false);
+      }
+      const std::string name = fresh->name;  // a copy: the entry erased owns `fresh`
+      dev.guests_.erase(name);
+    }
+  } undo{*this, fresh ? g : nullptr};
   auto s = std::make_unique<Session>();
   s->id = next_session_++;
-  s->pid = req.pid;
+  s->pid = peer.pid;
+  s->uid = peer.uid;
   s->guest = g;
 
   ASSIGN_OR_RETURN(s->control_fd, make_sealed_memfd("vrdma-control", kPage));
@@ -178,12 +224,13 @@ Result<Session*> Device::open_session(const HelloReq& req, HelloResp& resp, FdLi
   resp.session_id = s->id;
   resp.control_bytes = kPage;
   fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
-  s->comm = read_comm(req.pid);
+  s->comm = read_comm(s->pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);
+  undo.fresh = nullptr;
   // The port is up: say so, as a device does when its link becomes active.
   post_async(*raw, IBV_EVENT_PORT_ACTIVE, 1);
-  VLOG_INFO("session {} opened: guest {} pid {}", raw->id, name, req.pid);
+  VLOG_INFO("session {} opened: guest {} pid {} uid {}", raw->id, name, raw->pid, raw->uid);
   return raw;
 }
 
@@ -719,7 +766,7 @@ std::string Device::status_json() const {
     nlohmann::json qps = nlohmann::json::array();
     for (const auto& [id, s] : sessions_) {
       if (s->guest != g.get()) continue;
-      sess.push_back({{"id", id}, {"pid", s->pid}});
+      sess.push_back({{"id", id}, {"pid", s->pid}, {"uid", s->uid}});
       const std::pair<const char*, size_t> counts[] = {
           {"pd", s->pds.size()}, {"mr", s->mrs.size()}, {"cq", s->cqs.size()},
           {"qp", s->qps.size()}, {"srq", s->srqs.size()}, {"channel", s->channels.size()},
@@ -744,8 +791,14 @@ std::string Device::status_json() const {
                   g->gid[0], g->gid[1], g->gid[2], g->gid[3], g->gid[4], g->gid[5], g->gid[6],
                   g->gid[7], g->gid[8], g->gid[9], g->gid[10], g->gid[11], g->gid[12],
                   g->gid[13], g->gid[14], g->gid[15]);
-    guests.push_back({{"name", name}, {"lid", g->lid}, {"gid", gid}, {"sessions", sess},
-                      {"resources", res}, {"qps", qps}});
+    // `uid`: the owner; backend/report.cc shows a guest only to it and the admins.
+    guests.push_back({{"name", name},
+                      {"uid", g->owner_uid},
+                      {"lid", g->lid},
+                      {"gid", gid},
+                      {"sessions", sess},
+                      {"resources", res},
+                      {"qps", qps}});
   }
   return nlohmann::json{{"guests", guests}, {"totals", totals}}.dump();
 }

@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/socket.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "proto/command.h"
@@ -218,11 +219,21 @@ struct RemoteOffer {
   uint8_t token[proto::kDirectTokenBytes] = {};
 };
 
+/// An unknown uid (a session or guest whose owner is not known: only admins may join it).
+inline constexpr uint32_t kNoUid = UINT32_MAX;
+/// Distinct uids per guest whose refused hello is logged at warn level; later ones at debug.
+inline constexpr size_t kMaxRefusalsLogged = 16;
+
 /// What a guest holds, counted against its Quotas (one counter per quota).
 enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };
 
 struct Guest {
   std::string name;
+  /// The uid whose process created it (SO_PEERCRED). Only that uid and the admins may open
+  /// sessions in it, and only they see it in status (backend/report.h, visible_status).
+  uint32_t owner_uid = kNoUid;
+  /// Uids already refused a session here and logged once (bounded: kMaxRefusalsLogged).
+  std::vector<uint32_t> refused_logged;
   uint64_t id = 0;
   uint64_t port_guid = 0;
   uint8_t gid[16] = {};
@@ -246,8 +257,8 @@ struct Guest {
 
 struct Session {
   uint32_t id = 0;
-  uint32_t pid = 0;
-  uint32_t uid = UINT32_MAX;  ///< SO_PEERCRED, set by the server; direct grants need equal ones
+  uint32_t pid = 0;       ///< SO_PEERCRED at hello (the pid a guest claims is ignored)
+  uint32_t uid = kNoUid;  ///< SO_PEERCRED at hello; direct grants need equal ones
   std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
@@ -319,8 +330,18 @@ class Device : public transport::Receiver {
   /// Cross-backend traffic goes through `t` (may be null: single host). Set before sessions.
   void set_transport(transport::Transport* t) { transport_ = t; }
 
+  /// The user the backend runs as (its euid, by default): like root, an admin, who may join
+  /// any guest. Tests set another.
+  void set_backend_uid(uint32_t uid) { backend_uid_ = uid; }
+  uint32_t backend_uid() const { return backend_uid_; }
+
   // ---- control path (each validates every field it is given) ----
-  Result<Session*> open_session(const proto::HelloReq& req, proto::HelloResp& resp, FdList& fds);
+  /// A session in guest `req.guest` for the process `peer` names (SO_PEERCRED: its pid and uid
+  /// are what the backend records; HelloReq::pid is ignored). A new guest belongs to
+  /// `peer.uid`; an existing one takes only its owner and the admins (is_admin_uid): anyone
+  /// else gets EPERM and one warning per guest and uid.
+  Result<Session*> open_session(const proto::HelloReq& req, const PeerCred& peer,
+                                proto::HelloResp& resp, FdList& fds);
   /// The LID a new guest `name` gets (its name's hash, probing past LIDs taken here or by a peer
   /// backend's guest), or EADDRINUSE when a peer backend has a guest of that name.
   Result<uint16_t> new_guest_lid(const std::string& name);
@@ -554,6 +575,7 @@ class Device : public transport::Receiver {
   uint64_t now_ns_ = 0;
   bool direct_ = false;
   bool direct_remote_ = false;
+  uint32_t backend_uid_;                ///< see set_backend_uid
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 

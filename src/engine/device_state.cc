@@ -26,7 +26,10 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr uint32_t kStateVersion = 1;
+// History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob
+// imports with the owner unknown: backend/migrate.cc takes it from the guest's connection).
+constexpr uint32_t kStateVersion = 2;
+constexpr uint32_t kStateVersionOldest = 1;
 constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
 
 template <typename T>
@@ -131,6 +134,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     const Session& s = *sp;
     if (s.guest != &g) continue;
     json js = {{"pid", s.pid},
+               {"uid", s.uid},
                {"comm", s.comm},
                {"next_handle", s.next_handle},
                {"control", fd(s.control_fd.get(), "control")},
@@ -221,6 +225,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
   json doc = {{"magic", kStateMagic},
               {"version", kStateVersion},
               {"name", g.name},
+              {"owner_uid", g.owner_uid},
               {"lid", g.lid},
               {"next_qpn", g.next_qpn},
               {"next_key_index", g.next_key_index},
@@ -271,9 +276,9 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   if (rd.num<uint32_t>(doc, "magic") != kStateMagic) rd.fail("bad magic");
   const uint32_t version = rd.num<uint32_t>(doc, "version");
   RETURN_IF_ERROR(rd.st);
-  if (version != kStateVersion)
-    return error(EPROTONOSUPPORT,
-                 fmt::format("state version {} (this backend reads {})", version, kStateVersion));
+  if (version < kStateVersionOldest || version > kStateVersion)
+    return error(EPROTONOSUPPORT, fmt::format("state version {} (this backend reads {} to {})",
+                                              version, kStateVersionOldest, kStateVersion));
   const std::string name = rd.str(doc, "name");
   RETURN_IF_ERROR(rd.st);
   if (name.empty() || name.size() >= kGuestNameMax) return error(EINVAL, "state: bad guest name");
@@ -324,6 +329,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   const auto gid = gid_of(name);
   std::memcpy(g->gid, gid.data(), 16);
   g->lid = lid;
+  if (version >= 2) g->owner_uid = rd.num<uint32_t>(doc, "owner_uid");
   g->next_qpn = rd.num<uint32_t>(doc, "next_qpn");
   g->next_key_index = rd.num<uint32_t>(doc, "next_key_index");
   g->retired = rd.pod<QpCounters>(doc, "retired");
@@ -337,6 +343,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     auto s = std::make_unique<Session>();
     s->guest = g.get();
     s->pid = rd.num<uint32_t>(js, "pid");
+    if (version >= 2) s->uid = rd.num<uint32_t>(js, "uid");
     s->comm = rd.str(js, "comm");
     s->next_handle = rd.num<uint32_t>(js, "next_handle");
     s->control_fd = take(js, "control");

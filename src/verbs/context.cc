@@ -317,7 +317,15 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   std::vector<UniqueFd> fds;
   if (ctx->call(Op::kHello, req, ctx->hello, {}, &fds) != 0 || fds.size() != 3) {
     int err = errno ? errno : EIO;
-    VLOG_ERROR("backend refused guest '{}': {}", ctx->guest, std::strerror(err));
+    if (err == EPERM) {
+      // The name is another user's guest (the backend does not say whose).
+      VLOG_ERROR(
+          "guest {} belongs to another user (not to uid {}); choose another name with "
+          "VRDMA_GUEST (vrdma run --guest NAME)",
+          ctx->guest, ::geteuid());
+    } else {
+      VLOG_ERROR("backend refused guest '{}': {}", ctx->guest, std::strerror(err));
+    }
     delete ctx;
     errno = err;
     return nullptr;

@@ -35,6 +35,11 @@ idle_exit_s = 0
 [metrics]
 enabled = true
 listen = "127.0.0.1:$MPORT"
+# Names, so the checks below can find each guest (by default guests are labelled by LID); every
+# scrape a new rendering, so counters that grew between two scrapes show it however fast the
+# machine runs them (the snapshot interval is ops_test's: MetricsRenderAtMostOncePerInterval).
+guest_names = true
+min_interval_ms = 0
 TOML
 "$VRDMA" backend --socket "$VRDMA_SOCKET" --config "$E2E_TMP/vrdmad.toml" \
   >"$E2E_TMP/vrdmad.log" 2>&1 &

@@ -74,7 +74,7 @@ class World {
       std::snprintf(req.guest, sizeof(req.guest), "fuzz-%d", g);
       HelloResp resp{};
       FdList fds;
-      s_[g] = dev_.open_session(req, resp, fds).value();
+      s_[g] = dev_.open_session(req, PeerCred{0, 0, 0}, resp, fds).value();
       lid_[g] = static_cast<uint16_t>(resp.lid);
       pd_[g] = dev_.alloc_pd(*s_[g]).value();
       UniqueFd fd;

@@ -20,7 +20,9 @@ sec_init() {
   local bin=$1 k
   e2e_init "$bin"
   sec_users "$bin"
-  "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
+  # SEC_VRDMAD_LOG=debug: the backend logs at that level (what a test greps may be a debug line).
+  ${SEC_VRDMAD_LOG:+env VRDMA_LOG=$SEC_VRDMAD_LOG} \
+    "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
     >>"$E2E_TMP/vrdmad.log" 2>&1 &
   BACKEND_PID=$!
   for ((k = 0; k < 100; k++)); do
@@ -104,6 +106,37 @@ sec_cleanup() {
   [[ -n $SEC_GROUP ]] && groupdel "$SEC_GROUP" 2>/dev/null
   (exit "$rc")
   "${SEC_NEXT_CLEANUP:-e2e_cleanup}"
+}
+
+# stream_start (tests/e2e/lib.sh) as USER: an open-ended, verifying rc_stream between USER's
+# guests NAME-s and NAME-c, until `kill -USR1 "$cli_proc"`; finish_stream NAME "$cli" "$srv" then
+# checks that both ends moved the same bytes. Sets srv, cli and cli_proc as stream_start does.
+# Usage: sec_stream_start USER NAME [SIZE]
+sec_stream_start() {
+  pp_as "$1"
+  stream_start "$2" "${3:-4096}"
+}
+
+# The msgs_sent counter of the QPs of GUEST, as root sees it (the admin's whole view).
+# Usage: guest_sent GUEST
+guest_sent() {
+  status_query 'my ($g) = grep { $_->{guest} eq "'"$1"'" } @{$j->{guest_counters}};
+    $g ? $g->{counters}{msgs_sent} : -1'
+}
+
+# Waits until GUEST's QPs have sent more than N messages (the stream moves on). Usage:
+# wait_sent_above GUEST N
+wait_sent_above() {
+  wait_status 'my ($g) = grep { $_->{guest} eq "'"$1"'" } @{$j->{guest_counters}};
+    $g && $g->{counters}{msgs_sent} > '"$2"' ? "moving" : "stuck"' moving 30 ||
+    fail "$1: the stream made no progress past $2 messages"
+}
+
+# Fails unless the backend's log has a line matching the extended regex PATTERN.
+# Usage: logged PATTERN WHAT
+logged() {
+  grep -Eq -- "$1" "$E2E_TMP/vrdmad.log" ||
+    fail "no log line for $2 (wanted /$1/): $(tail -n 10 "$E2E_TMP/vrdmad.log")"
 }
 
 # Makes start_server/start_client/run_pair run their programs as USER (`root`: as this shell).

@@ -93,6 +93,32 @@ TEST(ConfigTest, NoSuggestionForAKeyFarFromAnyOther) {
   EXPECT_EQ(st.message(), "t.toml:2: unknown key \"something\" in [quotas]");
 }
 
+TEST(ConfigTest, MetricsSnapshotIntervalAndGuestNames) {
+  Config c;
+  EXPECT_EQ(c.metrics_min_interval_ms, 1000);
+  EXPECT_FALSE(c.metrics_guest_names);
+  Status st = c.load_string("[metrics]\nmin_interval_ms = 250\nguest_names = true\n", "t.toml");
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(c.metrics_min_interval_ms, 250);
+  EXPECT_TRUE(c.metrics_guest_names);
+  const Bad cases[] = {
+      {"[metrics]\nmin_interval_ms = -1\n",
+       "t.toml:2: metrics.min_interval_ms: -1 is out of range"},
+      {"[metrics]\nguest_names = \"yes\"\n",
+       "t.toml:2: metrics.guest_names: expected true or false"},
+      {"[metrics]\nguest_name = true\n",
+       "t.toml:2: unknown key \"guest_name\" in [metrics] (did you mean guest_names?)"},
+      {"[backend]\nmin_interval_ms = 5\n", "(it belongs in [metrics])"},
+  };
+  for (const Bad& b : cases) {
+    Config d;
+    st = d.load_string(b.text, "t.toml");
+    EXPECT_FALSE(st.is_ok()) << b.text;
+    EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
+    EXPECT_EQ(d.metrics_min_interval_ms, 1000);
+  }
+}
+
 TEST(ConfigTest, MissingFile) {
   Config c;
   Status st = c.load_file("/nonexistent/vrdmad.toml");

@@ -385,7 +385,7 @@ TEST_F(DirectRemoteTest, TheNameOfAPeersGuestIsRefusedAtHello) {
   std::snprintf(req.guest, sizeof(req.guest), "b");
   HelloResp resp{};
   FdList fds;
-  auto r = dev_.open_session(req, resp, fds);
+  auto r = dev_.open_session(req, cred_, resp, fds);
   EXPECT_EQ(r.err(), EADDRINUSE);
   EXPECT_NE(r.status().message().find("backend B"), std::string::npos) << r.status().message();
   // Refused before anything was made: no guest "b" here.

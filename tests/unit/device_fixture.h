@@ -58,7 +58,7 @@ class DeviceTest : public ::testing::Test {
     G g;
     g.dev = dev ? dev : &dev_;
     FdList fds;
-    auto r = g.dev->open_session(req, g.hello, fds);
+    auto r = g.dev->open_session(req, cred_, g.hello, fds);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     g.s = r.value();
     EXPECT_EQ(fds.size(), 3u);
@@ -234,6 +234,8 @@ class DeviceTest : public ::testing::Test {
   /// The quotas the next fixture's Device gets (a suite sets it in SetUpTestSuite).
   static inline Quotas next_quotas_{};
   Device dev_{next_quotas_};
+  /// Who open() says is at the other end of the socket (SO_PEERCRED, as the server passes it).
+  PeerCred cred_{4242, static_cast<uint32_t>(::geteuid()), static_cast<uint32_t>(::getegid())};
   G a_, b_;
   CqV acq_, arcq_, bcq_;
   QpV qa_, qb_;

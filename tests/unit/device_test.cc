@@ -332,7 +332,7 @@ TEST_F(DeviceTest, GuestsThatLeftGiveTheirLidsBack) {
     std::snprintf(req.guest, sizeof(req.guest), "churn-%u", i);
     HelloResp resp{};
     FdList fds;
-    auto r = dev_.open_session(req, resp, fds);
+    auto r = dev_.open_session(req, cred_, resp, fds);
     ASSERT_TRUE(r.is_ok()) << "guest " << i << ": " << r.status().message();
     dev_.close_session(r.value());
   }

@@ -147,7 +147,8 @@ TEST_F(OpsTest, StatRowsCarryTheCounters) {
 
 TEST_F(OpsTest, PrometheusTextIsWellFormed) {
   one_message();
-  const std::string text = rep_.metrics(dev_);
+  cfg_.metrics_guest_names = true;
+  const std::string text = rep_.metrics(dev_, now_);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
   // Every line is a HELP, a TYPE or a sample of the family declared last; families do not repeat.
@@ -213,10 +214,162 @@ TEST(PrometheusText, EscapesLabelValues) {
              {"guests", json::array({{{"name", "a\"b\\c\nd"}, {"resources", {{"qp", 1}}}}})},
              {"guest_counters", json::array()},
              {"res", {{"qp", json::array()}}}};
-  const std::string text = backend::prometheus_text(st);
+  const std::string text = backend::prometheus_text(st, true);
   EXPECT_NE(text.find("vrdma_resources{guest=\"a\\\"b\\\\c\\nd\",kind=\"qp\"} 1\n"),
             std::string::npos)
       << text;
+}
+
+TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
+  one_message();
+  ASSERT_FALSE(cfg_.metrics_guest_names);  // the default
+  const std::string text = rep_.metrics(dev_, now_);
+  EXPECT_EQ(text.find("guest=\"a\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("guest=\"b\""), std::string::npos) << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+                                  b_.hello.lid)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"lid-{}\",lqpn=\"{}\",",
+                                  a_.hello.lid, qa_.qpn)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(
+      text.find(fmt::format("vrdma_resources{{guest=\"lid-{}\",kind=\"qp\"}} 1\n", a_.hello.lid)),
+      std::string::npos)
+      << text;
+}
+
+TEST_F(OpsTest, MetricsRenderAtMostOncePerInterval) {
+  cfg_.metrics_min_interval_ms = 1000;
+  const std::string first = rep_.metrics(dev_, now_);
+  EXPECT_EQ(rep_.metrics_renders(), 1u);
+  // Within the interval: the snapshot, even though the device moved on.
+  one_message();
+  EXPECT_EQ(rep_.metrics(dev_, now_ + 999'999'999), first);
+  EXPECT_EQ(rep_.metrics_renders(), 1u);
+  // After it: a new rendering with the new counters.
+  const std::string later = rep_.metrics(dev_, now_ + 1'000'000'000);
+  EXPECT_EQ(rep_.metrics_renders(), 2u);
+  EXPECT_NE(later.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+                                   b_.hello.lid)),
+            std::string::npos)
+      << later;
+  // 0: every scrape renders.
+  cfg_.metrics_min_interval_ms = 0;
+  rep_.metrics(dev_, now_ + 1'000'000'000);
+  EXPECT_EQ(rep_.metrics_renders(), 3u);
+}
+
+/// Guests of two users (a: kOwner, b: kOther) on a backend run by kBackendUid.
+class VisibilityTest : public OpsTest {
+ protected:
+  static constexpr uint32_t kBackendUid = 60000, kOwner = 60001, kOther = 60002;
+  void SetUp() override {
+    dev_.set_backend_uid(kBackendUid);
+    cred_.uid = kOwner;
+    a_ = open("a");
+    cred_.uid = kOther;
+    b_ = open("b");
+    acq_ = cq(a_);
+    arcq_ = cq(a_);
+    bcq_ = cq(b_);
+    qa_ = qp(a_, acq_, arcq_);
+    qb_ = qp(b_, bcq_, bcq_);
+    ma_ = mem(a_);
+    mb_ = mem(b_);
+    one_message();
+  }
+  json as(uint32_t uid) {
+    return backend::visible_status(status(), backend::Viewer{uid, is_admin_uid(uid, kBackendUid)});
+  }
+  /// Every key of every object in `j`, recursively.
+  static void keys_of(const json& j, std::set<std::string>& out) {
+    if (j.is_object()) {
+      for (const auto& [k, v] : j.items()) {
+        out.insert(k);
+        keys_of(v, out);
+      }
+    } else if (j.is_array()) {
+      for (const auto& v : j) keys_of(v, out);
+    }
+  }
+  /// Every guest name anywhere in the document (guests, res rows, counters).
+  static std::set<std::string> guests_in(const json& st) {
+    std::set<std::string> out;
+    for (const auto& g : st["guests"]) out.insert(g["name"].get<std::string>());
+    for (const auto& [type, rows] : st["res"].items())
+      for (const auto& r : rows) out.insert(r["guest"].get<std::string>());
+    for (const auto& g : st["guest_counters"]) out.insert(g["guest"].get<std::string>());
+    return out;
+  }
+};
+
+TEST_F(VisibilityTest, AdminsSeeEveryGuestWithKeys) {
+  for (uint32_t uid : {0u, kBackendUid}) {
+    const json st = as(uid);
+    EXPECT_EQ(guests_in(st), (std::set<std::string>{"a", "b"})) << uid;
+    EXPECT_EQ(st["view"]["admin"], true);
+    std::set<std::string> keys;
+    keys_of(st, keys);
+    EXPECT_TRUE(keys.count("rkey") && keys.count("lkey") && keys.count("iova")) << uid;
+    EXPECT_EQ(st["totals"]["guests"], 2);
+    EXPECT_EQ(st["res"]["mr"].size(), 2u);
+  }
+}
+
+TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
+  const json st = as(kOwner);
+  EXPECT_EQ(guests_in(st), std::set<std::string>{"a"}) << st.dump();
+  EXPECT_EQ(st["view"]["admin"], false);
+  EXPECT_EQ(st["view"]["uid"], kOwner);
+  std::set<std::string> keys;
+  keys_of(st, keys);
+  for (const char* k : {"lkey", "rkey", "iova"}) EXPECT_EQ(keys.count(k), 0u) << k;
+  // Its own resources are all there, and the totals are its own.
+  EXPECT_EQ(st["res"]["qp"].size(), 1u);
+  EXPECT_EQ(st["res"]["qp"][0]["lqpn"], qa_.qpn);
+  EXPECT_EQ(st["res"]["mr"].size(), 1u);
+  EXPECT_EQ(st["res"]["mr"][0]["mrlen"], kMemBytes);
+  EXPECT_EQ(st["res"]["cq"].size(), 2u);
+  EXPECT_EQ(st["guest_counters"].size(), 1u);
+  EXPECT_EQ(st["guest_counters"][0]["counters"]["msgs_sent"], 1);
+  EXPECT_EQ(st["totals"]["guests"], 1);
+  EXPECT_EQ(st["totals"]["sessions"], 1);
+  EXPECT_EQ(st["totals"]["qp"], 1);
+  EXPECT_EQ(st["totals"]["cq"], 2);
+  EXPECT_EQ(st["totals"]["mr"], 1);
+  // The other user sees only b; the CLI's views work on what is left.
+  const json other = as(kOther);
+  EXPECT_EQ(guests_in(other), std::set<std::string>{"b"});
+  auto mrs = cli::res_rows(other, "mr", {});
+  ASSERT_TRUE(mrs.is_ok());
+  ASSERT_EQ(mrs->size(), 1u);
+  const std::string line = cli::res_text("mr", *mrs);
+  EXPECT_EQ(line.find("key"), std::string::npos) << line;
+  EXPECT_EQ(line.find("iova"), std::string::npos) << line;
+  EXPECT_NE(line.find("mrlen 8192"), std::string::npos) << line;
+  EXPECT_NE(cli::status_header(other).find("view: uid 60002: its own guests only"),
+            std::string::npos);
+  EXPECT_EQ(cli::status_header(as(0)).find("view:"), std::string::npos);
+  EXPECT_EQ(cli::stat_rows(other, "guest", {})->size(), 1u);
+  EXPECT_EQ(cli::stat_rows(other, "qp", {})->size(), 1u);
+}
+
+TEST_F(VisibilityTest, AStrangerOrAnUnknownCallerSeesNoGuest) {
+  for (uint32_t uid : {60003u, kNoUid}) {
+    const json st = as(uid);
+    EXPECT_TRUE(guests_in(st).empty()) << st.dump();
+    EXPECT_EQ(st["totals"]["guests"], 0);
+    EXPECT_EQ(st["totals"]["qp"], 0);
+    EXPECT_TRUE(st.contains("backend"));
+    EXPECT_EQ(cli::res_summary(st), "");
+  }
+  // Even a document that is not what the server builds is cut down, never thrown at.
+  const json odd = backend::visible_status(json{{"guests", 3}, {"res", {{"qp", "x"}}}},
+                                           backend::Viewer{kOwner, false});
+  EXPECT_TRUE(odd["guests"].empty());
+  EXPECT_TRUE(odd["res"]["qp"].empty());
 }
 
 }  // namespace
