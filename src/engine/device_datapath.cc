@@ -30,6 +30,15 @@ bool in_one_chunk(const Mr& mr, uint64_t off, uint64_t len) {
   return false;
 }
 
+/// The backend address of byte `off` of the MR (which lies in one of its chunks), as a number.
+uintptr_t host_address(const Mr& mr, uint64_t off) {
+  for (const MrChunk& c : mr.chunks) {
+    if (off >= c.mr_offset && off - c.mr_offset < c.length)
+      return reinterpret_cast<uintptr_t>(c.base) + (off - c.mr_offset);
+  }
+  return 0;
+}
+
 /// A receive completion for a message from the requester `in` names.
 Cqe recv_cqe(const Qp& to, uint64_t wr_id, const Inbound& in, uint32_t opcode) {
   Cqe rc{};
@@ -463,6 +472,12 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     // mappings, and one CPU atomic on the first would run past its end.
     if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))
       return nak(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
+    // The host address must be aligned as well: an MR whose address and iova differ mod 8
+    // (ibv_reg_mr_iova, or extents at odd segment offsets) turns an aligned iova into a
+    // misaligned word, and a CPU atomic on it is a split lock (a bus lock per atomic on x86,
+    // SIGBUS on arm64). The spec's status for a misaligned atomic, as above.
+    if (is_atomic(op) && (host_address(*out.mr, in.remote_addr - out.mr->iova) & 7))
+      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned host address");
   }
   auto recv_error = [&](ibv_wc_status st, const char* why) {
     consume_recv(to);

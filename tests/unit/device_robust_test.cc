@@ -328,5 +328,42 @@ TEST_F(DeviceTest, AtomicOnAWordSplitAcrossTwoSegmentsIsRefused) {
   EXPECT_EQ(map[0].data()[8], 0x34);
 }
 
+// An aligned iova on a misaligned host word: the MR starts 4 bytes into its segment, so iova
+// 0x200008 is the backend's map + 12. A CPU atomic there would be a split lock; it fails as a
+// misaligned iova does (IBV_WC_REM_INV_REQ_ERR) and touches nothing.
+TEST_F(DeviceTest, AtomicOnAMisalignedHostAddressIsRefusedLikeAMisalignedIova) {
+  connect_both();
+  UniqueFd fd = make_sealed_memfd("odd", 4096).value();
+  MappedRegion map = MappedRegion::map_shared(fd.get(), 4096);
+  std::memset(map.data(), 0x33, 4096);
+  const uint32_t seg = dev_.reg_segment(*b_.s, RegSegmentReq{4096}, std::move(fd)).value();
+  RegMrReq req{};
+  req.pd = b_.pd;
+  req.access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  req.addr = req.iova = 0x200000;
+  req.length = 64;
+  req.num_extents = 1;
+  req.extents[0] = MrExtent{0, 64, 4, seg, 0};
+  const uint32_t rkey = dev_.reg_mr(*b_.s, req).value().rkey;
+  QpAttr a{};
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  ASSERT_TRUE(dev_.modify_qp(*b_.s, ModifyQpReq{qb_.handle, IBV_QP_ACCESS_FLAGS, a}));
+  for (uint64_t raddr : {0x200000ull + 8, 0x200000ull + 4}) {  // aligned iova, then misaligned
+    for (uint32_t op : {IBV_WR_ATOMIC_FETCH_AND_ADD, IBV_WR_ATOMIC_CMP_AND_SWP}) {
+      SCOPED_TRACE(::testing::Message() << "remote_addr " << std::hex << raddr << " op " << op);
+      ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset_attr()));
+      qa_.sq_prod = qa_.sq->producer.load();
+      connect(a_, qa_, b_, qb_);
+      post_rdma(qa_, 1, op, ma_.addr, 8, ma_.mr.lkey, raddr, rkey);
+      dev_.poll(now_);
+      auto tx = drain(acq_);
+      ASSERT_EQ(tx.size(), 1u);
+      EXPECT_EQ(tx[0].status, IBV_WC_REM_INV_REQ_ERR);
+      EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+      EXPECT_TRUE(all_bytes(map.data(), 4096, 0x33));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest
