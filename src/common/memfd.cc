@@ -20,6 +20,23 @@ Result<UniqueFd> make_sealed_memfd(const std::string& name, size_t size) {
   return fd;
 }
 
+Result<UniqueFd> make_write_sealed_memfd(const std::string& name, size_t size,
+                                         MappedRegion& writer) {
+  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid()) return error(errno, fmt::format("memfd_create: {}", std::strerror(errno)));
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) < 0)
+    return error(errno, fmt::format("ftruncate memfd to {}: {}", size, std::strerror(errno)));
+  // The writer's mapping first: F_SEAL_FUTURE_WRITE leaves existing mappings writable and
+  // refuses every later one.
+  MappedRegion map = MappedRegion::map_shared(fd.get(), size);
+  if (!map.valid()) return error(errno, fmt::format("mapping memfd: {}", std::strerror(errno)));
+  if (::fcntl(fd.get(), F_ADD_SEALS,
+              F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) < 0)
+    return error(errno, fmt::format("sealing memfd: {}", std::strerror(errno)));
+  writer = std::move(map);
+  return fd;
+}
+
 Status check_sealed_memfd(int fd, size_t size) {
   int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0) return error(EINVAL, "descriptor is not a sealable memfd");

@@ -1,6 +1,10 @@
 // Isolation and robustness of the device model (issue 6): per-guest quotas, a hostile guest
 // with another guest's keys and QPN, peers of a guest that dies, and fairness of the data path
 // across guests.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+
 #include "device_fixture.h"
 
 namespace vrdma::engine::devtest {
@@ -362,6 +366,41 @@ TEST_F(DeviceTest, AtomicOnAMisalignedHostAddressIsRefusedLikeAMisalignedIova) {
       EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
       EXPECT_TRUE(all_bytes(map.data(), 4096, 0x33));
     }
+  }
+}
+
+// The epoch pages a direct grant hands out read-only: reopening one read-write through
+// /proc/self/fd (what a guest can do with any descriptor it holds) gives no way to write it, so
+// a guest cannot move its epoch back and keep a revoked grant alive.
+TEST_F(DeviceTest, EpochDescriptorsStayReadOnlyWhenReopenedReadWrite) {
+  dev_.set_direct(true);
+  a_.s->uid = b_.s->uid = ::getuid();
+  connect_both();
+  std::vector<UniqueFd> fds;
+  auto r = dev_.direct_grant(*a_.s, qa_.handle, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_GE(fds.size(), 5u);
+  for (int i : {3, 4}) {  // kDirectGrant's order: my epoch, the peer's epoch
+    SCOPED_TRACE(i);
+    MappedRegion ro = MappedRegion::map_readonly(fds[i].get(), sizeof(EpochPage));
+    ASSERT_TRUE(ro.valid());
+    const auto* page = reinterpret_cast<const EpochPage*>(ro.data());
+    const uint64_t before = page->epoch.load();
+    UniqueFd rw(::open(fmt::format("/proc/self/fd/{}", fds[i].get()).c_str(), O_RDWR));
+    if (rw.valid()) {
+      EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw.get(), 0), MAP_FAILED);
+      EXPECT_EQ(errno, EPERM);
+      const uint64_t zero = 0;
+      EXPECT_EQ(::pwrite(rw.get(), &zero, sizeof(zero), 0), -1);
+      EXPECT_EQ(errno, EPERM);
+    }
+    EXPECT_NE(::mprotect(ro.data(), 4096, PROT_READ | PROT_WRITE), 0);
+    // The backend still moves it: a's on a's QP leaving RTS, b's on b's MR going.
+    if (i == 3)
+      ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset_attr()));
+    else
+      ASSERT_TRUE(dev_.dereg_mr(*b_.s, mb_.mr.handle));
+    EXPECT_GT(page->epoch.load(), before);
   }
 }
 
