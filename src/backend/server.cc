@@ -232,6 +232,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     }
     case Op::kRegMr: reply(dev_.reg_mr(*s, body_of<RegMrReq>(msg).value())); break;
     case Op::kDeregMr: reply_status(dev_.dereg_mr(*s, handle_of())); break;
+    case Op::kDeregSegment: reply_status(dev_.dereg_segment(*s, handle_of())); break;
     case Op::kCreateChannel: reply_handle(dev_.create_channel(*s, give)); break;
     case Op::kDestroyChannel: reply_status(dev_.destroy_channel(*s, handle_of())); break;
     case Op::kCreateCq: reply(dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), give)); break;

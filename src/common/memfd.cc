@@ -1,8 +1,10 @@
 #include "common/memfd.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 
 #include <cstring>
 
@@ -37,7 +39,18 @@ Result<UniqueFd> make_write_sealed_memfd(const std::string& name, size_t size,
   return fd;
 }
 
+Status check_shmem(int fd) {
+  struct statfs fs {};
+  if (::fstatfs(fd, &fs) < 0) return error(errno, fmt::format("fstatfs: {}", std::strerror(errno)));
+  if (static_cast<uint64_t>(fs.f_type) == TMPFS_MAGIC) return Status::ok();
+  if (static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC)
+    return error(EINVAL, "hugetlbfs memfd (MFD_HUGETLB): only tmpfs memfds can be segments");
+  return error(EINVAL, fmt::format("not a tmpfs memfd (filesystem magic {:#x})",
+                                   static_cast<uint64_t>(fs.f_type)));
+}
+
 Status check_sealed_memfd(int fd, size_t size) {
+  RETURN_IF_ERROR(check_shmem(fd));
   int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0) return error(EINVAL, "descriptor is not a sealable memfd");
   if (!(seals & F_SEAL_SHRINK)) return error(EINVAL, "memfd is not sealed against shrinking");

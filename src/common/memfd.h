@@ -20,7 +20,12 @@ Result<UniqueFd> make_sealed_memfd(const std::string& name, size_t size);
 Result<UniqueFd> make_write_sealed_memfd(const std::string& name, size_t size,
                                          MappedRegion& writer);
 
-/// Checks that `fd` is a memfd sealed against shrinking and at least `size` bytes long.
+/// Checks that `fd` is a file of tmpfs (shmem, where memfds live by default). EINVAL, saying
+/// which, for anything else: hugetlbfs (MFD_HUGETLB), whose pages a guest can take away from
+/// under a mapping, or any other filesystem.
+Status check_shmem(int fd);
+
+/// Checks that `fd` is a tmpfs memfd sealed against shrinking and at least `size` bytes long.
 Status check_sealed_memfd(int fd, size_t size);
 
 }  // namespace vrdma

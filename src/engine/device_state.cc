@@ -609,6 +609,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     charge(*gp, Res::kQp, s.qps.size());
     charge(*gp, Res::kMr, s.mrs.size());
     for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
+    for (const auto& [h, seg] : s.segments) charge_segment(*gp, seg->map.size());
     for (const auto& [h, qp] : s.qps) {
       active_.push_back(qp.get());
       gp->active.push_back(qp.get());

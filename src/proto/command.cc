@@ -11,6 +11,7 @@ size_t request_body_size(Op op) {
     case Op::kCreateChannel: return 0;
     case Op::kDeallocPd:
     case Op::kDeregMr:
+    case Op::kDeregSegment:
     case Op::kDestroyChannel:
     case Op::kDestroyCq:
     case Op::kDestroyQp:

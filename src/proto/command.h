@@ -62,7 +62,9 @@ enum class Op : uint16_t {
   // The direct path across backends (docs/ARCHITECTURE.md, "Across hosts").
   kDirectOffer = 32,
   kDirectRemote = 33,
-  kMax = 34,  ///< one past the last opcode; never sent
+  /// Releases a segment (kRegSegment) no MR uses any more: HandleReq, no response body.
+  kDeregSegment = 34,
+  kMax = 35,  ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is sent without a session (Hello) first.
