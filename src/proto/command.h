@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -66,6 +67,9 @@ enum class Op : uint16_t {
   kDeregSegment = 34,
   kMax = 35,  ///< one past the last opcode; never sent
 };
+
+/// The opcode's name for log lines ("kRegMr" -> "reg_mr"); "op N" for an unknown one.
+std::string op_name(uint16_t op);
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {
