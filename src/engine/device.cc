@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/guest_fault.h"
 #include "common/identity.h"
 #include "proto/wire.h"
 #include "common/log.h"
@@ -97,7 +98,10 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
                                    entries, limit));
 }
 
-Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {}
+Device::Device(Quotas quotas) : rng_(std::random_device{}()), quotas_(quotas) {
+  // Copies to and from guest memory fail their WQE on a fault instead of killing the process.
+  install_guest_fault_handler();
+}
 Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }
