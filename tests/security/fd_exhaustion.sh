@@ -43,6 +43,13 @@ wait_log "$LOG" "uid $(id -u "$ATTACKER"): 64 connections have not said hello \(
 pp_as "$VICTIM"
 run_pair victim-idle vic-s vic-c -n 200
 wait_log "$LOG" 'said no hello within 5000 ms; closing it' 30 || fail "no log line for the hello timeout"
+# Every pending connection times out (they were accepted over a while): the backend is back to
+# what it held before the attack.
+for ((k = 0; k < 200; k++)); do
+  (($(fds_of "$BACKEND_PID") <= base)) && break
+  nap 0.1
+done
+(($(fds_of "$BACKEND_PID") <= base)) || fail "the backend still holds $(fds_of "$BACKEND_PID") descriptors (was $base)"
 # The attacker still holds its (closed) sockets: the backend has nothing to do.
 pct=$(cpu_percent "$BACKEND_PID" 1)
 log "backend CPU while the attacker idles: $pct%"
