@@ -21,6 +21,11 @@ struct Config {
   /// noticing more than a pause (backend/keeper.h).
   bool keep_state = false;
   int keep_state_grace_s = 10;  ///< how long the keeper waits for a backend to come back
+  /// Connections that have not said Hello, per uid: more are closed at once.
+  int max_pending_connections = 64;
+  /// How long a connection may stay without saying Hello (or starting an import) before it is
+  /// closed.
+  int hello_timeout_ms = 5000;
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
@@ -29,7 +34,7 @@ struct Config {
   /// The same across backends: the libraries of an RC QP pair on two backends talk TCP to each
   /// other, the backends only introduce them; not with keep_state yet.
   bool direct_remote = false;
-  // [quotas] (per guest)
+  // [quotas] (per guest), and [backend] max_mapped_bytes (quotas.max_mapped_bytes: all guests)
   engine::Quotas quotas;
   // [transport]
   std::string node;              ///< this backend's name among its peers ("" = hostname)

@@ -1,7 +1,10 @@
 // vrdmad: the vrdma backend, the process that plays the RDMA device for the guests of a host.
 // Configuration: built-in defaults < --config FILE (TOML) < command-line flags.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <CLI/CLI.hpp>
 
@@ -127,6 +130,18 @@ int main(int argc, char** argv) {
   }
   if (::secure_getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
 
+  // Every guest connection, ring and registered segment is one of our descriptors, and a
+  // service starts with a soft limit of 1024: take what the hard limit allows
+  // (packaging/vrdmad.service sets LimitNOFILE).
+  if (rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+    const rlim_t soft = nofile.rlim_cur;
+    nofile.rlim_cur = nofile.rlim_max;
+    if (soft != nofile.rlim_max && ::setrlimit(RLIMIT_NOFILE, &nofile) != 0)
+      VLOG_WARN("raising the descriptor limit from {} to {}: {}", soft, nofile.rlim_max,
+                std::strerror(errno));
+    else
+      VLOG_DEBUG("descriptor limit {} (was {})", nofile.rlim_cur, soft);
+  }
   ::signal(SIGPIPE, SIG_IGN);
   struct sigaction sa{};
   sa.sa_handler = on_signal;

@@ -106,18 +106,85 @@ Status Server::setup() {
   return Status::ok();
 }
 
+// Every connection costs a descriptor before it has said who it is: those that have not said
+// Hello are capped per uid and timed out, so idle connections cannot fill the descriptor table.
 void Server::accept_all() {
+  const uint64_t now = now_ns();
   for (;;) {
     int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;
-    conns_[fd].sock = UniqueFd(fd);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+        pause_listener(now, errno);
+      return;
+    }
+    UniqueFd sock(fd);
+    auto uid = peer_uid(fd);
+    const uint32_t u = uid.is_ok() ? uid.value() : UINT32_MAX;
+    uint32_t& pending = pending_by_uid_[u];
+    if (pending >= static_cast<uint32_t>(opt_.max_pending_connections)) {
+      uint64_t held = 0;
+      if (pending_cap_log_.ready(now, held)) {
+        VLOG_WARN(
+            "uid {}: {} connections have not said hello (max_pending_connections); "
+            "closing new ones{}",
+            u, pending, log::held_note(held));
+      }
+      continue;  // closed: the client's next call sees the connection end
+    }
+    ++pending;
+    Conn& c = conns_[fd];
+    c.sock = std::move(sock);
+    c.uid = u;
+    c.hello_deadline_ns = now + uint64_t(opt_.hello_timeout_ms) * 1000000;
+    pending_.emplace_back(c.hello_deadline_ns, fd);
     watch(fd, 0);
   }
+}
+
+void Server::leave_pending(Conn& c) {
+  if (!c.hello_deadline_ns) return;
+  c.hello_deadline_ns = 0;
+  auto it = pending_by_uid_.find(c.uid);
+  if (it != pending_by_uid_.end() && --it->second == 0) pending_by_uid_.erase(it);
+}
+
+void Server::expire_pending(uint64_t now) {
+  while (!pending_.empty() && pending_.front().first <= now) {
+    const auto [deadline, fd] = pending_.front();
+    pending_.pop_front();
+    auto it = conns_.find(fd);
+    // Gone, or said Hello, or the descriptor is another connection's now.
+    if (it == conns_.end() || it->second.hello_deadline_ns != deadline) continue;
+    uint64_t held = 0;
+    if (hello_log_.ready(now, held)) {
+      VLOG_WARN("connection {} (uid {}) said no hello within {} ms; closing it{}", fd,
+                it->second.uid, opt_.hello_timeout_ms, log::held_note(held));
+    }
+    drop(fd);
+  }
+}
+
+void Server::pause_listener(uint64_t now, int err) {
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
+  listen_resume_ns_ = now + kAcceptPauseNs;
+  uint64_t held = 0;
+  if (accept_log_.ready(now, held)) {
+    VLOG_WARN("accept: {} ({} connections open); not accepting for {} ms or until one closes{}",
+              std::strerror(err), conns_.size(), kAcceptPauseNs / 1000000, log::held_note(held));
+  }
+}
+
+void Server::resume_listener() {
+  listen_resume_ns_ = 0;
+  watch(listen_.get(), kTagListen);
 }
 
 void Server::drop(int fd) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
+  leave_pending(it->second);
+  if (listen_resume_ns_) resume_listener();  // a descriptor is free again
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
   std::string guest;
   if (it->second.session) {
@@ -139,6 +206,18 @@ void Server::on_readable(int fd) {
     auto it = conns_.find(fd);
     if (it == conns_.end()) return;
     Status st = recv_msg(fd, msg, it->second.import ? kMaxImportMessage : kMaxRequest, fds);
+    if (!st.is_ok() && st.err() == EMFILE && msg.size() >= sizeof(MsgHeader)) {
+      // The descriptors it carried found no room here (the table is full): that command fails
+      // with EMFILE, the session goes on.
+      uint64_t held = 0;
+      if (fds_log_.ready(now_ns(), held))
+        VLOG_WARN("{}: {}; failing the command with EMFILE{}", who(it->second, fd), st.message(),
+                  log::held_note(held));
+      MsgHeader raw;
+      std::memcpy(&raw, msg.data(), sizeof(raw));
+      st = send_msg(fd, encode(static_cast<Op>(raw.op), raw.seq, -EMFILE, Empty{}));
+      if (st.is_ok()) continue;
+    }
     if (!st.is_ok()) {
       if (st.err() == EAGAIN) return;
       if (st.err() != ECONNRESET)
@@ -147,12 +226,13 @@ void Server::on_readable(int fd) {
       return;
     }
     st = handle(it->second, msg, fds);
+    it = conns_.find(fd);
     if (!st.is_ok()) {
-      it = conns_.find(fd);
       if (it != conns_.end()) VLOG_WARN("{}: {}; closing it", who(it->second, fd), st.message());
       drop(fd);
       return;
     }
+    if (it != conns_.end() && (it->second.session || it->second.import)) leave_pending(it->second);
   }
 }
 
@@ -234,6 +314,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     }
     case Op::kRegMr: reply(dev_.reg_mr(*s, body_of<RegMrReq>(msg).value())); break;
     case Op::kDeregMr: reply_status(dev_.dereg_mr(*s, handle_of())); break;
+    case Op::kDeregSegment: reply_status(dev_.dereg_segment(*s, handle_of())); break;
     case Op::kCreateChannel: reply_handle(dev_.create_channel(*s, give)); break;
     case Op::kDestroyChannel: reply_status(dev_.destroy_channel(*s, handle_of())); break;
     case Op::kCreateCq: reply(dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), give)); break;
@@ -320,6 +401,8 @@ Status Server::run() {
   uint32_t iter = 0;
   while (!stop_) {
     uint64_t now = now_ns();
+    if (!pending_.empty() && pending_.front().first <= now) expire_pending(now);
+    if (listen_resume_ns_ && now >= listen_resume_ns_) resume_listener();
     bool work = dev_.poll(now);
     if (tcp_) work |= tcp_->poll(now);
     if (work) last_work = now;
@@ -350,6 +433,12 @@ Status Server::run() {
         if (t && (d == 0 || t < d)) d = t;
       }
       if (d) timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
+      // Wake for the next Hello deadline and for the end of the listener's rest.
+      for (uint64_t t : {pending_.empty() ? 0 : pending_.front().first, listen_resume_ns_}) {
+        if (!t) continue;
+        const int ms = t > now ? static_cast<int>((t - now) / 1000000) + 1 : 0;
+        if (timeout < 0 || ms < timeout) timeout = ms;
+      }
       if (metrics_ && metrics_->has_clients() && (timeout < 0 || timeout > 1000)) timeout = 1000;
       if (opt_.idle_exit_s > 0 && conns_.empty()) {
         int left = static_cast<int>(opt_.idle_exit_s * 1000 - (now - idle_since) / 1000000);

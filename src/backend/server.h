@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -12,6 +13,7 @@
 #include "backend/config.h"
 #include "backend/metrics_http.h"
 #include "backend/report.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "engine/device.h"
@@ -46,12 +48,22 @@ class Server {
       bool recover = false;  ///< the kept state of a backend that died
     };
     std::unique_ptr<Import> import;
+    uint32_t uid = UINT32_MAX;       ///< SO_PEERCRED at accept
+    uint64_t hello_deadline_ns = 0;  ///< nonzero while it has not said Hello (or begun an import)
   };
 
  private:
   friend class ::vrdma::fuzz::CommandFuzzer;  ///< tests/fuzz/fuzz_command.cc calls handle()
   Status setup();
   void accept_all();
+  /// The connection said Hello or began an import: it no longer counts as pending.
+  void leave_pending(Conn& c);
+  /// Closes the connections whose Hello deadline has passed.
+  void expire_pending(uint64_t now);
+  /// accept found no descriptor left: the listener rests for kAcceptPauseNs, or until a
+  /// connection closes (it stays readable, and the loop would spin on it).
+  void pause_listener(uint64_t now, int err);
+  void resume_listener();
   void on_readable(int fd);
   void drop(int fd);
   Status handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
@@ -87,6 +99,7 @@ class Server {
   static constexpr uint64_t kTagWake = 1ull << 60;
   static constexpr uint64_t kTagMetrics = 1ull << 59;
   static constexpr uint64_t kTagTransport = 1ull << 58;
+  static constexpr uint64_t kAcceptPauseNs = 100'000'000;
 
   Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
@@ -99,6 +112,13 @@ class Server {
   engine::Device dev_;
   std::unordered_map<int, Conn> conns_;             ///< by socket fd
   std::unordered_map<int, int> doorbell_to_sock_;   ///< doorbell fd -> socket fd
+  /// Connections that have not said Hello: their count per uid (max_pending_connections), and
+  /// their deadlines in accept order (an entry whose connection moved on is skipped).
+  std::unordered_map<uint32_t, uint32_t> pending_by_uid_;
+  std::deque<std::pair<uint64_t, int>> pending_;
+  uint64_t listen_resume_ns_ = 0;  ///< nonzero: the listener rests until then (pause_listener)
+  log::Every pending_cap_log_{1'000'000'000}, hello_log_{1'000'000'000}, accept_log_{1'000'000'000},
+      fds_log_{1'000'000'000};
   std::atomic<bool> stop_{false};
   Reporter reporter_{opt_};
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled

@@ -4,6 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
+#include <string>
+
 namespace vrdma::log {
 
 enum class Level { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
@@ -15,6 +18,35 @@ template <typename... Args>
 void emit(Level level, fmt::format_string<Args...> f, Args&&... args) {
   if (level < threshold()) return;
   write(level, fmt::format(f, std::forward<Args>(args)...));
+}
+
+/// A condition that recurs as fast as someone can cause it (a peer reconnecting, a full
+/// descriptor table): at most one line per `every_ns`, saying how many were held back.
+/// Not thread-safe: one per owner thread.
+class Every {
+ public:
+  explicit Every(uint64_t every_ns) : every_ns_(every_ns) {}
+  /// True when a line may be written now; `held` is then the number held back since the last.
+  bool ready(uint64_t now_ns, uint64_t& held) {
+    if (now_ns < next_ns_) {
+      ++held_;
+      return false;
+    }
+    held = held_;
+    held_ = 0;
+    next_ns_ = now_ns + every_ns_;
+    return true;
+  }
+
+ private:
+  uint64_t every_ns_;
+  uint64_t next_ns_ = 0;
+  uint64_t held_ = 0;
+};
+
+/// " (N more not logged)" for an Every's `held`, or "".
+inline std::string held_note(uint64_t held) {
+  return held ? fmt::format(" ({} more not logged)", held) : std::string();
 }
 
 }  // namespace vrdma::log

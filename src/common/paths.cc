@@ -38,12 +38,12 @@ std::string default_socket_path() {
   return "/tmp/vrdma-" + std::to_string(::geteuid()) + "/vrdmad.sock";
 }
 
-Result<UniqueFd> connect_backend_socket(const std::string& path) {
+Result<UniqueFd> connect_backend_socket(const std::string& path, int send_timeout_ms) {
   if (path == default_socket_path()) {
     auto dir = open_socket_dir(path, false);
     if (!dir.is_ok() && dir.err() != ENOENT) return dir.status();
   }
-  return connect_unix(path);
+  return connect_unix(path, send_timeout_ms);
 }
 
 std::string guest_name() {

@@ -17,8 +17,9 @@ std::string socket_path();
 std::string default_socket_path();
 /// Connects to the backend's socket `path`. At the default path, whose directory another user
 /// could have made first, the directory is checked (open_socket_dir) before anything that
-/// listens there is trusted with our memory: EPERM and why when it fails.
-Result<UniqueFd> connect_backend_socket(const std::string& path);
+/// listens there is trusted with our memory: EPERM and why when it fails. `send_timeout_ms`: as
+/// connect_unix().
+Result<UniqueFd> connect_backend_socket(const std::string& path, int send_timeout_ms = 0);
 /// VRDMA_GUEST if set, else "pgrp-<process group id>" (one guest per process group).
 std::string guest_name();
 /// The directory holding the backend's socket `socket_path` and the files beside it (lock, pid

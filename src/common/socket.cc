@@ -1,6 +1,7 @@
 #include "common/socket.h"
 
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 
 #include <cstring>
@@ -56,8 +57,12 @@ Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<Uni
   }
   if (n < 0) return error(errno, std::string("recvmsg: ") + std::strerror(errno));
   if (n == 0) return error(ECONNRESET, "peer closed the connection");
-  if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) return error(EMSGSIZE, "message truncated");
+  if (msg.msg_flags & MSG_TRUNC) return error(EMSGSIZE, "message truncated");
   buf.resize(static_cast<size_t>(n));
+  if (msg.msg_flags & MSG_CTRUNC)
+    return error(EMFILE,
+                 "descriptors attached to the message were dropped (no room in the "
+                 "descriptor table, or more than the receiver takes)");
   return Status::ok();
 }
 
@@ -71,10 +76,15 @@ Result<sockaddr_un> unix_addr(const std::string& path) {
 }
 }  // namespace
 
-Result<UniqueFd> connect_unix(const std::string& path) {
+Result<UniqueFd> connect_unix(const std::string& path, int send_timeout_ms) {
   ASSIGN_OR_RETURN(sockaddr_un a, unix_addr(path));
   UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return error(errno, "socket");
+  if (send_timeout_ms > 0) {
+    // A unix connect waits on the send timeout too (a full backlog).
+    timeval tv{send_timeout_ms / 1000, (send_timeout_ms % 1000) * 1000};
+    (void)::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0)
     return error(errno, "connect " + path + ": " + std::strerror(errno));
   return fd;

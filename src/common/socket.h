@@ -18,10 +18,15 @@ inline constexpr size_t kMaxFdsPerMessage = 64;
 Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> fds = {});
 
 /// Receives one message into `buf` (resized to what arrived) and any descriptors attached.
-/// Returns ECONNRESET on orderly shutdown; EMSGSIZE when the message did not fit in `cap`.
+/// Returns ECONNRESET on orderly shutdown; EMSGSIZE when the message did not fit in `cap`;
+/// EMFILE, with `buf` holding the message, when its descriptors were dropped (MSG_CTRUNC: this
+/// process's descriptor table is full, or the sender attached more than kMaxFdsPerMessage).
 Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds);
 
-Result<UniqueFd> connect_unix(const std::string& path);
+/// Connects to a SOCK_SEQPACKET listener. `send_timeout_ms` > 0 bounds the connect (a
+/// listener whose backlog is full would block it) and every later send (SO_SNDTIMEO): they
+/// fail with EAGAIN instead of waiting for a peer that does not read.
+Result<UniqueFd> connect_unix(const std::string& path, int send_timeout_ms = 0);
 /// Grows the send buffer of `sock` so one message of `bytes` fits (a SOCK_SEQPACKET message
 /// larger than the buffer fails with EMSGSIZE). Best effort: capped by net.core.wmem_max.
 void fit_send_buffer(int sock, size_t bytes);

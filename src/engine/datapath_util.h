@@ -11,6 +11,8 @@
 #include <cstring>
 #include <span>
 
+#include "common/guest_fault.h"
+#include "common/rdma_atomic.h"
 #include "engine/device.h"
 
 namespace vrdma::engine {
@@ -67,6 +69,49 @@ inline void copy_spans(std::span<const Span> src, std::span<const Span> dst, uin
     if ((so += n) == s.n) ++si, so = 0;
     if ((doff += n) == d.n) ++di, doff = 0;
   }
+}
+
+/// copy_spans under the guest-fault guard (common/guest_fault.h): false when guest memory
+/// faulted, with the faulting address in `fault`; what was copied before the fault stays.
+[[nodiscard]] inline bool guarded_copy(std::span<const Span> src, std::span<const Span> dst,
+                                       uint64_t len, uintptr_t& fault) {
+  struct Job {
+    std::span<const Span> src, dst;
+    uint64_t len;
+  } job{src, dst, len};
+  return run_guarded(
+      [](void* p) {
+        const auto* j = static_cast<const Job*>(p);
+        copy_spans(j->src, j->dst, j->len);
+      },
+      &job, fault);
+}
+
+/// rdma_atomic under the guest-fault guard: false when the word faulted.
+[[nodiscard]] inline bool guarded_atomic(uint64_t* word, bool fetch_add, uint64_t compare_add,
+                                         uint64_t swap, uint64_t& old, uintptr_t& fault) {
+  struct Job {
+    uint64_t* word;
+    bool fetch_add;
+    uint64_t compare_add, swap, old;
+  } job{word, fetch_add, compare_add, swap, 0};
+  const bool ok = run_guarded(
+      [](void* p) {
+        auto* j = static_cast<Job*>(p);
+        j->old = rdma_atomic(j->word, j->fetch_add, j->compare_add, j->swap);
+      },
+      &job, fault);
+  old = job.old;
+  return ok;
+}
+
+/// Whether `addr` lies in one of the spans.
+inline bool in_spans(std::span<const Span> spans, uintptr_t addr) {
+  for (const Span& s : spans) {
+    const auto p = reinterpret_cast<uintptr_t>(s.p);
+    if (addr >= p && addr - p < s.n) return true;
+  }
+  return false;
 }
 
 inline bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }

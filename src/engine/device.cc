@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
+#include "common/guest_fault.h"
 #include "common/identity.h"
 #include "common/log.h"
 #include "common/memfd.h"
@@ -33,8 +34,9 @@ uint32_t new_handle(Session& s, const Map&) {
 }
 
 const char* res_name(Res r) {
-  static constexpr const char* kNames[] = {"max_pds", "max_qps", "max_cqs", "max_srqs", "max_mrs",
-                                           "max_mr_bytes"};
+  static constexpr const char* kNames[] = {"max_pds",      "max_qps",          "max_cqs",
+                                           "max_srqs",     "max_mrs",          "max_mr_bytes",
+                                           "max_segments", "max_segment_bytes"};
   static_assert(std::size(kNames) == static_cast<size_t>(Res::kCount));
   return kNames[static_cast<size_t>(r)];
 }
@@ -44,8 +46,9 @@ const char* res_name(Res r) {
 // Quotas fail with ENOMEM: the errno the verbs man pages give for "not enough resources" on
 // every create/alloc/reg call. EDQUOT would say it better, but no verbs program expects it.
 Status Device::check_quota(Guest& g, Res r, uint64_t n) {
-  const uint64_t limits[] = {quotas_.max_pds, quotas_.max_qps,  quotas_.max_cqs,
-                            quotas_.max_srqs, quotas_.max_mrs, quotas_.max_mr_bytes};
+  const uint64_t limits[] = {quotas_.max_pds,      quotas_.max_qps,          quotas_.max_cqs,
+                             quotas_.max_srqs,     quotas_.max_mrs,          quotas_.max_mr_bytes,
+                             quotas_.max_segments, quotas_.max_segment_bytes};
   static_assert(std::size(limits) == static_cast<size_t>(Res::kCount));
   const uint64_t limit = limits[static_cast<size_t>(r)];
   const uint64_t used = g.used[static_cast<size_t>(r)];
@@ -68,6 +71,19 @@ void Device::release(Guest& g, Res r, uint64_t n) {
   g.quota_logged &= ~(1u << static_cast<unsigned>(r));
 }
 
+void Device::charge_segment(Guest& g, uint64_t bytes) {
+  charge(g, Res::kSegment);
+  charge(g, Res::kSegmentBytes, bytes);
+  mapped_bytes_ += bytes;
+}
+
+void Device::release_segment(Guest& g, uint64_t bytes) {
+  release(g, Res::kSegment);
+  release(g, Res::kSegmentBytes, bytes);
+  mapped_bytes_ -= bytes;
+  if (mapped_bytes_ < quotas_.max_mapped_bytes) mapped_logged_ = false;
+}
+
 Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
   const uint32_t limit = quotas_.max_queue_depth;
   if (limit == 0 || entries <= limit) return Status::ok();
@@ -83,7 +99,10 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
 }
 
 Device::Device(Quotas quotas)
-    : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {}
+    : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {
+  // Copies to and from guest memory fail their WQE on a fault instead of killing the process.
+  install_guest_fault_handler();
+}
 Device::~Device() {
   while (!sessions_.empty()) close_session(sessions_.begin()->second.get());
 }
@@ -256,6 +275,7 @@ void Device::close_session_impl(Session* s, bool moved) {
   }
   release(*g, Res::kMr, s->mrs.size());
   s->mrs.clear();
+  for (const auto& [h, seg] : s->segments) release_segment(*g, seg->map.size());
   s->segments.clear();
   release(*g, Res::kPd, s->pds.size());
   s->pds.clear();
@@ -301,18 +321,56 @@ Status Device::dealloc_pd(Session& s, uint32_t pd) {
 }
 
 Result<uint32_t> Device::reg_segment(Session& s, const RegSegmentReq& req, UniqueFd fd) {
+  Guest& g = *s.guest;
   if (s.segments.size() >= kMaxSegments) return error(ENOMEM, "segment limit reached");
   if (req.size == 0 || req.size % kPage || req.size > kMaxMrSize)
     return error(EINVAL, fmt::format("bad segment size {}", req.size));
   if (!fd.valid()) return error(EBADF, "segment without a descriptor");
+  // tmpfs (shmem) memfds only: a hugetlbfs one (MFD_HUGETLB) can lose its page to a hole the
+  // guest punches and the free huge page another process takes, and the backend's next access
+  // to it is a SIGBUS. Logged once per guest: a guest retrying cannot flood the log.
+  if (Status st = check_shmem(fd.get()); !st.is_ok()) {
+    if (!g.refused_fs_logged) {
+      g.refused_fs_logged = true;
+      VLOG_WARN("guest {} pid {}: segment refused: {}", g.name, s.pid, st.message());
+    }
+    return st;
+  }
   RETURN_IF_ERROR(check_sealed_memfd(fd.get(), req.size));
+  RETURN_IF_ERROR(check_quota(g, Res::kSegment));
+  RETURN_IF_ERROR(check_quota(g, Res::kSegmentBytes, req.size));
+  if (req.size > quotas_.max_mapped_bytes - std::min(mapped_bytes_, quotas_.max_mapped_bytes)) {
+    if (!mapped_logged_) {
+      mapped_logged_ = true;
+      VLOG_WARN("guest {}: max_mapped_bytes = {} reached (all guests map {}, asked for {} more)",
+                g.name, quotas_.max_mapped_bytes, mapped_bytes_, req.size);
+    }
+    return error(ENOMEM,
+                 fmt::format("backend max_mapped_bytes = {} reached", quotas_.max_mapped_bytes));
+  }
   auto seg = std::make_shared<Segment>();
   seg->map = MappedRegion::map_shared(fd.get(), req.size);
   if (!seg->map.valid()) return error(errno, fmt::format("mapping segment: {}", strerror(errno)));
   seg->fd = std::move(fd);
+  charge_segment(g, req.size);
   uint32_t h = new_handle(s, s.segments);
   s.segments[h] = std::move(seg);
   return h;
+}
+
+Status Device::dereg_segment(Session& s, uint32_t handle) {
+  auto it = s.segments.find(handle);
+  if (it == s.segments.end()) return error(EINVAL, fmt::format("no segment {}", handle));
+  for (const auto& [h, mr] : s.mrs) {
+    for (const auto& seg : mr->segments) {
+      if (seg == it->second) return error(EBUSY, fmt::format("segment {} has MR {}", handle, h));
+    }
+  }
+  // A frame of the TCP transport may still hold the mapping (transport::Hold); it goes with the
+  // last holder. The quota comes back now.
+  release_segment(*s.guest, it->second->map.size());
+  s.segments.erase(it);
+  return Status::ok();
 }
 
 Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {

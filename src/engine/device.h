@@ -225,7 +225,7 @@ inline constexpr uint32_t kNoUid = UINT32_MAX;
 inline constexpr size_t kMaxRefusalsLogged = 16;
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
-enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kCount };
+enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kSegment, kSegmentBytes, kCount };
 
 struct Guest {
   std::string name;
@@ -246,6 +246,7 @@ struct Guest {
   QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
+  bool refused_fs_logged = false;  ///< a segment on another filesystem (hugetlbfs) was logged
   std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
   size_t turn = 0;            ///< the QP of `active` poll() visits first next time
   /// proto::EpochPage, made at its first direct grant (device_direct.cc).
@@ -348,7 +349,12 @@ class Device : public transport::Receiver {
   void close_session(Session* s);
   Result<uint32_t> alloc_pd(Session& s);
   Status dealloc_pd(Session& s, uint32_t pd);
+  /// Maps a guest's sealed tmpfs memfd (hugetlbfs and other filesystems: EINVAL), within the
+  /// guest's segment quotas and the backend's max_mapped_bytes (ENOMEM).
   Result<uint32_t> reg_segment(Session& s, const proto::RegSegmentReq& req, UniqueFd fd);
+  /// Unmaps and closes a segment no MR of the session uses (EBUSY while one does), and gives
+  /// its quota back: the library releases a segment when its last MR is deregistered.
+  Status dereg_segment(Session& s, uint32_t handle);
   Result<proto::RegMrResp> reg_mr(Session& s, const proto::RegMrReq& req);
   Status dereg_mr(Session& s, uint32_t handle);
   Result<uint32_t> create_channel(Session& s, UniqueFd& read_end);
@@ -457,6 +463,9 @@ class Device : public transport::Receiver {
   Status check_quota(Guest& g, Res r, uint64_t n = 1);
   static void charge(Guest& g, Res r, uint64_t n = 1) { g.used[static_cast<size_t>(r)] += n; }
   static void release(Guest& g, Res r, uint64_t n = 1);
+  /// Charges (or gives back) a segment of `bytes` to guest `g` and to the backend's total.
+  void charge_segment(Guest& g, uint64_t bytes);
+  void release_segment(Guest& g, uint64_t bytes);
   /// ENOMEM when one queue of `entries` is deeper than the guest's quota allows.
   Status check_depth(Guest& g, const char* what, uint32_t entries);
   /// RC/UC QPs of other sessions connected to a QP of `s` go to ERR, with QP_FATAL to their owner.
@@ -569,6 +578,8 @@ class Device : public transport::Receiver {
   uint32_t next_session_ = 1;
   std::mt19937_64 rng_;
   Quotas quotas_;
+  uint64_t mapped_bytes_ = 0;    ///< segment bytes mapped for all guests (max_mapped_bytes)
+  bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
   /// The time of the last poll(): frames that arrive between polls use it for their timers.

@@ -9,7 +9,6 @@
 #include <span>
 
 #include "common/log.h"
-#include "common/rdma_atomic.h"
 #include "engine/device.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
@@ -28,6 +27,15 @@ bool in_one_chunk(const Mr& mr, uint64_t off, uint64_t len) {
       return len <= c.length - (off - c.mr_offset);
   }
   return false;
+}
+
+/// The backend address of byte `off` of the MR (which lies in one of its chunks), as a number.
+uintptr_t host_address(const Mr& mr, uint64_t off) {
+  for (const MrChunk& c : mr.chunks) {
+    if (off >= c.mr_offset && off - c.mr_offset < c.length)
+      return reinterpret_cast<uintptr_t>(c.base) + (off - c.mr_offset);
+  }
+  return 0;
 }
 
 /// A receive completion for a message from the requester `in` names.
@@ -364,11 +372,11 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
     to.cnt.ud_dropped++;  // no receive posted: a datagram is simply lost
     return;
   }
-  consume_recv(to);
   Cqe rc = recv_cqe(to, r.wr_id, in, IBV_WC_RECV);
   rc.sl = sl;
   uint64_t cap = 0;
   if (!resolve_recv(to, r, cap)) {
+    consume_recv(to);
     rc.status = IBV_WC_LOC_PROT_ERR;
     push_cqe(recv_ring(to), rc, false);
     to.cnt.wc_errors[rc.status]++;
@@ -376,6 +384,7 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
     return;
   }
   if (cap < kGrhBytes + len) {
+    consume_recv(to);
     rc.status = IBV_WC_LOC_LEN_ERR;
     push_cqe(recv_ring(to), rc, false);
     to.cnt.wc_errors[rc.status]++;
@@ -397,7 +406,8 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
   }
   // The receive spans: the GRH's room first, then the payload.
   const Span grh_span{grh, kGrhBytes};
-  if (global) copy_spans({&grh_span, 1}, dst_, kGrhBytes);
+  uintptr_t fault = 0;
+  bool copied = !global || guarded_copy({&grh_span, 1}, dst_, kGrhBytes, fault);
   size_t skip = kGrhBytes;
   size_t di = 0;
   while (skip && di < dst_.size()) {
@@ -407,7 +417,29 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
     skip -= n;
     if (dst_[di].n == 0) ++di;
   }
-  copy_spans(src, std::span<const Span>(dst_).subspan(di), len);
+  if (copied) copied = guarded_copy(src, std::span<const Span>(dst_).subspan(di), len, fault);
+  if (!copied) {
+    // The sender's memory faulted: the datagram is lost (UD is unreliable), the receive stays
+    // posted. The receiver's: its receive fails and its QP with it.
+    const bool sender = in_spans(src, fault);
+    VLOG_WARN(
+        "guest {} QP {:#x}: {} memory at {:#x} faulted (SIGBUS/SIGSEGV) delivering a "
+        "datagram; {}",
+        to.guest->name, to.qpn, sender ? "the sender's" : "its", fault,
+        sender ? "the datagram is lost" : "the receive fails");
+    if (sender) {
+      to.cnt.ud_dropped++;
+      return;
+    }
+    consume_recv(to);
+    rc.status = IBV_WC_LOC_PROT_ERR;
+    push_cqe(recv_ring(to), rc, false);
+    to.cnt.wc_errors[rc.status]++;
+    enter_error(to, "its memory faulted");
+    post_async(*to.owner, IBV_EVENT_QP_FATAL, to.handle);
+    return;
+  }
+  consume_recv(to);
   rc.status = IBV_WC_SUCCESS;
   rc.byte_len = static_cast<uint32_t>(kGrhBytes + len);
   if (in.op == IBV_WR_SEND_WITH_IMM) {
@@ -471,6 +503,12 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     // mappings, and one CPU atomic on the first would run past its end.
     if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))
       return nak(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
+    // The host address must be aligned as well: an MR whose address and iova differ mod 8
+    // (ibv_reg_mr_iova, or extents at odd segment offsets) turns an aligned iova into a
+    // misaligned word, and a CPU atomic on it is a split lock (a bus lock per atomic on x86,
+    // SIGBUS on arm64). The spec's status for a misaligned atomic, as above.
+    if (is_atomic(op) && (host_address(*out.mr, in.remote_addr - out.mr->iova) & 7))
+      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned host address");
   }
   auto recv_error = [&](ibv_wc_status st, const char* why) {
     consume_recv(to);
@@ -501,8 +539,17 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     append_spans(*out.mr, in.remote_addr - out.mr->iova, 8, src_);
     auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
     src_.pop_back();
-    out.atomic_old =
-        rdma_atomic(word, op == IBV_WR_ATOMIC_FETCH_AND_ADD, in.compare_add, in.swap);
+    uintptr_t fault = 0;
+    if (!guarded_atomic(word, op == IBV_WR_ATOMIC_FETCH_AND_ADD, in.compare_add, in.swap,
+                        out.atomic_old, fault)) {
+      VLOG_WARN(
+          "guest {} QP {:#x}: memory at {:#x} faulted (SIGBUS/SIGSEGV) under an atomic; "
+          "the atomic fails",
+          to.guest->name, to.qpn, fault);
+      enter_error(to, "its memory faulted");
+      post_async(*to.owner, IBV_EVENT_QP_FATAL, to.handle);
+      return nak(IBV_WC_REM_ACCESS_ERR, "the responder's memory faulted");
+    }
   }
   return out;
 }
@@ -575,12 +622,31 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     case Response::kOk: break;
   }
   qp.wait = Wait::kNone;
+  uintptr_t fault = 0;
+  bool copied;
+  std::span<const Span> theirs;  ///< the responder's side of the copy
   if (is_atomic(w.opcode)) {
     const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&r.atomic_old)), 8};
-    copy_spans({&result, 1}, dst_, 8);
+    copied = guarded_copy({&result, 1}, dst_, 8, fault);
   } else {
     // SEND/WRITE: our gathered source into the responder's memory; READ: the other way.
-    copy_spans(src_, dst_, len);
+    copied = guarded_copy(src_, dst_, len, fault);
+    theirs = w.opcode == IBV_WR_RDMA_READ ? std::span<const Span>(src_) : dst_;
+  }
+  if (!copied) {
+    // The requester's memory faulted: its WQE fails as with a bad local buffer. The
+    // responder's: the responder's QP fails too (its memory is broken), and the requester sees
+    // a remote access error.
+    const bool remote = in_spans(theirs, fault);
+    const Qp& owner = remote ? *to : qp;
+    VLOG_WARN(
+        "guest {} QP {:#x}: memory at {:#x} faulted (SIGBUS/SIGSEGV) while guest {} QP "
+        "{:#x} moved a message; the message fails",
+        owner.guest->name, owner.qpn, fault, qp.guest->name, qp.qpn);
+    if (!remote) return fail(IBV_WC_LOC_PROT_ERR, "its memory faulted");
+    enter_error(*to, "its memory faulted");
+    post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
+    return fail(IBV_WC_REM_ACCESS_ERR, "the responder's memory faulted");
   }
   respond_finish(*to, in, r.recv);
   qp.cnt.msgs_sent++;

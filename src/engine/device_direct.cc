@@ -130,12 +130,11 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   // Both guests' epoch pages, made on first use.
   for (Guest* g : {a->guest, b->guest}) {
     if (g->epoch.valid()) continue;
-    ASSIGN_OR_RETURN(g->epoch_fd, make_sealed_memfd("vrdma-epoch", kPage));
-    g->epoch = MappedRegion::map_shared(g->epoch_fd.get(), kPage);
-    if (!g->epoch.valid()) {
-      g->epoch_fd.reset();
-      return error(errno, "mapping an epoch page");
-    }
+    // Sealed against future writes: the guests get read-only descriptors of it, and one
+    // reopened read-write through /proc/PID/fd must not let a guest move the epoch back.
+    MappedRegion writer;
+    ASSIGN_OR_RETURN(g->epoch_fd, make_write_sealed_memfd("vrdma-epoch", kPage, writer));
+    g->epoch = std::move(writer);
     reinterpret_cast<EpochPage*>(g->epoch.data())->magic = kRingMagic;
   }
   // Own completion rings, kept for the QPs' lives: from now on all their completions, the

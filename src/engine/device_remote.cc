@@ -370,7 +370,15 @@ void Device::on_reply(const std::string& node, const wire::Frame& f, transport::
       trim(dst_, o->len);
       if (!read) {
         const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&rp.atomic_orig)), 8};
-        copy_spans({&result, 1}, dst_, 8);
+        uintptr_t fault = 0;
+        if (!guarded_copy({&result, 1}, dst_, 8, fault)) {
+          VLOG_WARN(
+              "guest {} QP {:#x}: memory at {:#x} faulted (SIGBUS/SIGSEGV) taking an "
+              "atomic's result",
+              qp->guest->name, qp->qpn, fault);
+          fail_front(IBV_WC_LOC_PROT_ERR, "its memory faulted");
+          break;
+        }
         o->has_result = true;
         acked(*qp, rp.psn, now);
         break;

@@ -616,6 +616,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     charge(*gp, Res::kQp, s.qps.size());
     charge(*gp, Res::kMr, s.mrs.size());
     for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
+    for (const auto& [h, seg] : s.segments) charge_segment(*gp, seg->map.size());
     for (const auto& [h, qp] : s.qps) {
       active_.push_back(qp.get());
       gp->active.push_back(qp.get());
@@ -744,15 +745,18 @@ void Device::settle_locally(Qp& qp) {
         st = IBV_WC_LOC_PROT_ERR;
       } else if (o.w.opcode == IBV_WR_RDMA_READ) {
         const Response r = respond_begin(*to, inbound_of(qp, o.w, o.len));
-        if (r.kind == Response::kOk) copy_spans(src_, dst_, o.len);
-        else st = r.status ? r.status : IBV_WC_REM_INV_REQ_ERR;
+        uintptr_t fault = 0;
+        if (r.kind != Response::kOk)
+          st = r.status ? r.status : IBV_WC_REM_INV_REQ_ERR;
+        else if (!guarded_copy(src_, dst_, o.len, fault))
+          st = in_spans(src_, fault) ? IBV_WC_REM_ACCESS_ERR : IBV_WC_LOC_PROT_ERR;
       } else {
         st = IBV_WC_REM_INV_REQ_ERR;  // its result is no longer known
         for (const auto& [psn, value] : to->atomic_cache) {
           if (psn == (o.psn | Qp::kAtomicCacheValid)) {
             const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&value)), 8};
-            copy_spans({&result, 1}, dst_, 8);
-            st = IBV_WC_SUCCESS;
+            uintptr_t fault = 0;
+            st = guarded_copy({&result, 1}, dst_, 8, fault) ? IBV_WC_SUCCESS : IBV_WC_LOC_PROT_ERR;
           }
         }
       }

@@ -15,6 +15,14 @@ struct Quotas {
   uint32_t max_mrs = 4096;
   uint64_t max_mr_bytes = 64ull << 30;  ///< registered bytes, summed over the guest's MRs
   uint32_t max_queue_depth = 8192;      ///< entries in one SQ, RQ, SRQ or CQ
+  /// Registered-memory segments (memfds the backend holds and maps, one descriptor each), and
+  /// their bytes: the address space the guest's memory takes in the backend. Segments hold whole
+  /// pages, and one stays while any MR uses part of it, so the bytes can exceed max_mr_bytes.
+  uint32_t max_segments = 4096;
+  uint64_t max_segment_bytes = 128ull << 30;
+  /// Not per guest: the segment bytes the backend maps for all guests together (x86-64 user
+  /// space is 128 TiB; guests' names are free, so per-guest quotas alone do not bound it).
+  uint64_t max_mapped_bytes = 32ull << 40;
 };
 
 }  // namespace vrdma::engine

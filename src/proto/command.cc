@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <iterator>
+
 namespace vrdma::proto {
 
 size_t request_body_size(Op op) {
@@ -11,6 +13,7 @@ size_t request_body_size(Op op) {
     case Op::kCreateChannel: return 0;
     case Op::kDeallocPd:
     case Op::kDeregMr:
+    case Op::kDeregSegment:
     case Op::kDestroyChannel:
     case Op::kDestroyCq:
     case Op::kDestroyQp:
@@ -42,6 +45,20 @@ size_t request_body_size(Op op) {
     case Op::kMax: break;
   }
   return SIZE_MAX;
+}
+
+std::string op_name(uint16_t op) {
+  static constexpr const char* kNames[] = {
+      nullptr,        "hello",        "alloc_pd",       "dealloc_pd",      "reg_segment",
+      "reg_mr",       "dereg_mr",     "create_channel", "destroy_channel", "create_cq",
+      "destroy_cq",   "create_qp",    "modify_qp",      "query_qp",        "destroy_qp",
+      "status",       "create_srq",   "modify_srq",     "query_srq",       "destroy_srq",
+      "migrate",      "import_begin", "import_data",    "import_commit",   "snapshot",
+      "keep_drop",    "keep_bye",     "keep_restore",   "keep_end",        "restore",
+      "direct_grant", "direct_rings", "direct_offer",   "direct_remote",   "dereg_segment"};
+  static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
+  if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
+  return kNames[op];
 }
 
 Result<MsgHeader> decode_header(std::span<const uint8_t> msg) {

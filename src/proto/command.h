@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -62,8 +63,13 @@ enum class Op : uint16_t {
   // The direct path across backends (docs/ARCHITECTURE.md, "Across hosts").
   kDirectOffer = 32,
   kDirectRemote = 33,
-  kMax = 34,  ///< one past the last opcode; never sent
+  /// Releases a segment (kRegSegment) no MR uses any more: HandleReq, no response body.
+  kDeregSegment = 34,
+  kMax = 35,  ///< one past the last opcode; never sent
 };
+
+/// The opcode's name for log lines ("kRegMr" -> "reg_mr"); "op N" for an unknown one.
+std::string op_name(uint16_t op);
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {

@@ -111,14 +111,36 @@ void spawn_backend(const std::string& sock) {
   ::waitpid(pid, &st, 0);
 }
 
+/// How long a control call waits for the backend (VRDMA_TIMEOUT_MS; 0: for ever).
+int control_timeout_ms() {
+  static const int ms = [] {
+    const char* e = ::secure_getenv("VRDMA_TIMEOUT_MS");
+    if (!e || !*e) return 30000;
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    if (*end != '\0' || v < 0 || v > 86400000) {
+      VLOG_WARN("VRDMA_TIMEOUT_MS={} is not a number of milliseconds; using 30000", e);
+      return 30000;
+    }
+    return static_cast<int>(v);
+  }();
+  return ms;
+}
+
+uint64_t mono_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
+
 Result<UniqueFd> connect_backend() {
   const std::string path = socket_path();
-  auto r = connect_backend_socket(path);
+  auto r = connect_backend_socket(path, control_timeout_ms());
   if (r.is_ok()) return r;
   if (r.err() != ENOENT && r.err() != ECONNREFUSED) return r;
   spawn_backend(path);
   for (int i = 0; i < 500; ++i) {  // up to ~5 s
-    r = connect_backend_socket(path);
+    r = connect_backend_socket(path, control_timeout_ms());
     if (r.is_ok()) return r;
     timespec ts{0, 10 * 1000 * 1000};
     ::nanosleep(&ts, nullptr);
@@ -140,7 +162,47 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
   if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
   Status st = send_msg(sock.get(), msg, fds_in);
   std::vector<UniqueFd> fds;
-  if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
+  // A backend that does not answer (hung, or its descriptor table full) must not hang the
+  // application: the verb fails with ETIMEDOUT. A late answer is skipped by the next call (its
+  // sequence number is older), and what the backend made for it goes with the context.
+  const int timeout_ms = control_timeout_ms();
+  const uint64_t deadline = mono_ms() + static_cast<uint64_t>(timeout_ms);
+  for (;;) {
+    if (st.err() == EAGAIN) st = error(ETIMEDOUT, "sendmsg timed out");
+    if (st.is_ok() && timeout_ms > 0) {
+      pollfd p{sock.get(), POLLIN, 0};
+      int n;
+      do {
+        const uint64_t now = mono_ms();
+        n = ::poll(&p, 1, now >= deadline ? 0 : static_cast<int>(deadline - now));
+      } while (n < 0 && errno == EINTR);
+      if (n == 0) st = error(ETIMEDOUT, "no answer");
+    }
+    if (st.err() == ETIMEDOUT) {
+      VLOG_ERROR("{}: the backend did not answer within {} ms (VRDMA_TIMEOUT_MS); failing it",
+                 op_name(h.op), timeout_ms);
+      errno = ETIMEDOUT;
+      return ETIMEDOUT;
+    }
+    if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
+    // The answer to a call that timed out earlier: not ours.
+    if ((st.is_ok() || st.err() == EMFILE) && msg.size() >= sizeof(MsgHeader)) {
+      MsgHeader rh;
+      std::memcpy(&rh, msg.data(), sizeof(rh));
+      if (static_cast<int32_t>(rh.seq - h.seq) < 0) {
+        VLOG_DEBUG("skipping the late answer to call {} ({})", rh.seq, op_name(rh.op));
+        continue;
+      }
+    }
+    break;
+  }
+  if (st.err() == EMFILE) {
+    // The response came, but this process had no room for its descriptors: the verb fails; the
+    // device is fine (what the backend made for it goes with the context).
+    VLOG_ERROR("op {}: {}", h.op, st.message());
+    errno = EMFILE;
+    return EMFILE;
+  }
   if (!st.is_ok()) {
     if (!dead.exchange(true)) VLOG_ERROR("lost the backend: {}", st.message());
     errno = EIO;
@@ -305,7 +367,8 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   if (!sock.is_ok()) {
     VLOG_ERROR("cannot reach the vrdma backend: {}",
                backend_unreachable_hint(socket_path(), sock.status().err()));
-    errno = ENODEV;
+    // EAGAIN: the connect timed out (a backend whose queue of new connections is full).
+    errno = sock.status().err() == EAGAIN ? ETIMEDOUT : ENODEV;
     return nullptr;
   }
   auto* ctx = new VContext();

@@ -37,7 +37,14 @@ struct VContext {
   std::mutex objs_mu;  ///< guards the handle maps below
   std::map<uint32_t, struct VCq*> cqs;
   std::map<uint32_t, struct VQp*> qps;
-  std::map<uint32_t, uint32_t> segments;  ///< process segment id -> this session's handle
+  /// A process segment this context's session knows: its handle there, and how many MR extents
+  /// (registered, or being registered) name it. At zero uses the library releases it
+  /// (kDeregSegment), so the backend holds no memory nobody registers. Under memory.cc's lock.
+  struct SessionSegment {
+    uint32_t handle = 0;
+    uint32_t uses = 0;
+  };
+  std::map<uint32_t, SessionSegment> segments;  ///< by process segment id
   /// This process's MRs by key, for the direct path's local checks; mr_gen moves on every
   /// deregistration, so a QP's one-entry cache of this map knows when it is stale.
   std::mutex mr_mu;
@@ -84,6 +91,7 @@ struct VPd {
 struct VMr {
   ibv_mr mr;
   uint32_t handle;
+  std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
 };
 
 struct VChannel {
@@ -190,7 +198,13 @@ int req_notify_cq(ibv_cq* cq, int solicited_only);
 
 // Registered memory (memory.cc): makes [addr, addr+len) reachable by the backend and fills the
 // extents of a kRegMr request.
-int describe_memory(VContext& ctx, void* addr, size_t len, proto::RegMrReq& req);
+// `segments` receives the process segment id of each extent as it is counted as a use; the
+// caller gives them back with release_segments when the registration fails or the MR goes.
+int describe_memory(VContext& ctx, void* addr, size_t len, proto::RegMrReq& req,
+                    std::vector<uint32_t>& segments);
+/// Gives back one use per entry of `segments`; a segment of the context's session that no MR
+/// uses any more is released there (kDeregSegment).
+void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);
 
 // Device attributes (context.cc).
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a);

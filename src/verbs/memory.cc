@@ -228,7 +228,8 @@ ForkGuard g_fork_guard;
 
 }  // namespace
 
-int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& req) {
+int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& req,
+                    std::vector<uint32_t>& segments) {
   const auto addr = reinterpret_cast<uintptr_t>(addr_p);
   if (len == 0 || addr + len < addr) return EINVAL;
   const uintptr_t lo = addr & ~(kPage - 1);
@@ -257,6 +258,10 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
                  "register it yet", a, v.perms, v.path);
       return EFAULT;
     }
+    if (req.num_extents == proto::kMaxMrExtents) {
+      VLOG_ERROR("reg_mr: range spans more than {} mappings", proto::kMaxMrExtents);
+      return EINVAL;
+    }
     // This context's backend session must know the segment.
     auto known = ctx.segments.find(id);
     if (known == ctx.segments.end()) {
@@ -266,18 +271,18 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
       int fd = ps.fd.get();
       if (int rc = ctx.call(proto::Op::kRegSegment, sreq, sresp, std::span<const int>(&fd, 1)))
         return rc;
-      known = ctx.segments.emplace(id, sresp.handle).first;
+      known = ctx.segments.emplace(id, VContext::SessionSegment{sresp.handle, 0}).first;
     }
+    // Counted before the MR exists: a deregistration on another thread must not release it
+    // between here and kRegMr.
+    known->second.uses++;
+    segments.push_back(id);
     const uintptr_t x = std::max(a, addr), y = std::min(b, addr + len);
-    if (req.num_extents == proto::kMaxMrExtents) {
-      VLOG_ERROR("reg_mr: range spans more than {} mappings", proto::kMaxMrExtents);
-      return EINVAL;
-    }
     proto::MrExtent& e = req.extents[req.num_extents++];
     e.mr_offset = x - addr;
     e.length = y - x;
     e.seg_offset = seg_off + (x - a);
-    e.segment = known->second;
+    e.segment = known->second.handle;
     cursor = b;
   }
   if (cursor < hi) {
@@ -285,6 +290,28 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     return EFAULT;
   }
   return 0;
+}
+
+void release_segments(VContext& ctx, const std::vector<uint32_t>& segments) {
+  std::vector<uint32_t> unused;
+  {
+    std::lock_guard<std::mutex> g(g_segments_mu);
+    for (uint32_t id : segments) {
+      auto it = ctx.segments.find(id);
+      if (it == ctx.segments.end() || --it->second.uses != 0) continue;
+      unused.push_back(it->second.handle);
+      ctx.segments.erase(it);
+    }
+  }
+  // Outside the lock: another thread registering the same pages meanwhile finds no handle and
+  // registers the segment again, under a new one. The pages stay in the process's segment (they
+  // are the application's memory); only the session lets go of them.
+  for (uint32_t h : unused) {
+    proto::HandleReq req{h, 0};
+    proto::Empty resp;
+    if (int rc = ctx.call(proto::Op::kDeregSegment, &req, sizeof(req), &resp, 0))
+      VLOG_WARN("releasing segment {}: {}", h, std::strerror(rc));
+  }
 }
 
 }  // namespace vrdma::verbs

@@ -773,7 +773,8 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     case kCas:
     case kFaa: {
       uint8_t* p = rkey_memory(qp, f.rkey, f.raddr, 8, IBV_ACCESS_REMOTE_ATOMIC);
-      if (!p || (f.raddr & 7)) {
+      // Aligned in iova and in this process (split locks, as the backend's responder checks).
+      if (!p || (f.raddr & 7) || (reinterpret_cast<uintptr_t>(p) & 7)) {
         send_nak(c, p ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_REM_ACCESS_ERR);
         return Start::kGo;
       }

@@ -126,10 +126,18 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
   req->addr = reinterpret_cast<uintptr_t>(addr);
   req->length = length;
   req->iova = iova;
-  if (int rc = describe_memory(*ctx, addr, length, *req)) return fail_ptr<ibv_mr>(rc);
+  std::vector<uint32_t> segments;
+  if (int rc = describe_memory(*ctx, addr, length, *req, segments)) {
+    release_segments(*ctx, segments);
+    return fail_ptr<ibv_mr>(rc);
+  }
   RegMrResp resp{};
-  if (ctx->call(Op::kRegMr, *req, resp)) return nullptr;
+  if (int rc = ctx->call(Op::kRegMr, *req, resp)) {
+    release_segments(*ctx, segments);
+    return fail_ptr<ibv_mr>(rc);
+  }
   auto* mr = new VMr{};
+  mr->segments = std::move(segments);
   mr->mr.context = pd->context;
   mr->mr.pd = pd;
   mr->mr.addr = addr;
@@ -173,6 +181,7 @@ VERBS_EXPORT int ibv_dereg_mr(ibv_mr* mr) {
     ctx->local_mrs.erase(mr->lkey);
     ctx->mr_gen.fetch_add(1, std::memory_order_release);
   }
+  release_segments(*ctx, v->segments);
   delete v;
   return 0;
 }

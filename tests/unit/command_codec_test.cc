@@ -81,6 +81,7 @@ TEST(CommandCodec, EveryOpcodeRoundTrips) {
   round_trip<RegSegmentReq>(Op::kRegSegment, rng);
   round_trip<RegMrReq>(Op::kRegMr, rng);
   round_trip<HandleReq>(Op::kDeregMr, rng);
+  round_trip<HandleReq>(Op::kDeregSegment, rng);
   round_trip<Empty>(Op::kCreateChannel, rng);
   round_trip<HandleReq>(Op::kDestroyChannel, rng);
   round_trip<CreateCqReq>(Op::kCreateCq, rng);

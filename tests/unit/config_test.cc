@@ -17,6 +17,38 @@ TEST(ConfigTest, EmptyFileKeepsDefaults) {
   EXPECT_FALSE(c.direct_remote);
 }
 
+TEST(ConfigTest, ReadsTheExhaustionLimits) {
+  Config c;
+  EXPECT_EQ(c.max_pending_connections, 64);
+  EXPECT_EQ(c.hello_timeout_ms, 5000);
+  EXPECT_EQ(c.quotas.max_segments, 4096u);
+  EXPECT_EQ(c.quotas.max_segment_bytes, 128ull << 30);
+  EXPECT_EQ(c.quotas.max_mapped_bytes, 32ull << 40);
+  Status st = c.load_string(R"(
+[backend]
+max_pending_connections = 8
+hello_timeout_ms = 250
+max_mapped_bytes = 1073741824
+[quotas]
+max_segments = 16
+max_segment_bytes = 1048576
+)",
+                            "t.toml");
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(c.max_pending_connections, 8);
+  EXPECT_EQ(c.hello_timeout_ms, 250);
+  EXPECT_EQ(c.quotas.max_mapped_bytes, 1ull << 30);
+  EXPECT_EQ(c.quotas.max_segments, 16u);
+  EXPECT_EQ(c.quotas.max_segment_bytes, 1ull << 20);
+  st = c.load_string("[quotas]\nmax_segment = 3\n", "u.toml");
+  EXPECT_NE(st.message().find("u.toml:2: unknown key \"max_segment\" in [quotas] (did you mean "
+                              "max_segments?)"),
+            std::string::npos)
+      << st.message();
+  st = c.load_string("[quotas]\nmax_mapped_bytes = 4096\n", "v.toml");
+  EXPECT_NE(st.message().find("(it belongs in [backend])"), std::string::npos) << st.message();
+}
+
 TEST(ConfigTest, ReadsEverySection) {
   Config c;
   Status st = c.load_string(R"(

@@ -1,6 +1,12 @@
 // Isolation and robustness of the device model (issue 6): per-guest quotas, a hostile guest
 // with another guest's keys and QPN, peers of a guest that dies, and fairness of the data path
 // across guests.
+#include <fcntl.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+
+#include <fmt/format.h>
+
 #include "device_fixture.h"
 
 namespace vrdma::engine::devtest {
@@ -120,6 +126,98 @@ TEST_F(QuotaTest, FreeingOrClosingGivesTheQuotaBack) {
   EXPECT_TRUE(try_qp(a2, c).is_ok());
   EXPECT_TRUE(try_qp(a2, c).is_ok());
   EXPECT_EQ(try_qp(a2, c).status().err(), ENOMEM);
+}
+
+// ---- segments: what a guest's registered memory costs the backend ----
+
+class SegmentQuotaTest : public DeviceTest {
+ protected:
+  // The common set-up gives each guest one segment of kMemBytes.
+  static void SetUpTestSuite() {
+    Quotas q;
+    q.max_segments = 3;
+    q.max_segment_bytes = 4 * kMemBytes;
+    q.max_mapped_bytes = 7 * kMemBytes;  // a and b together
+    next_quotas_ = q;
+  }
+  static void TearDownTestSuite() { next_quotas_ = {}; }
+  Result<uint32_t> try_segment(G& g, uint64_t bytes) {
+    return dev_.reg_segment(*g.s, RegSegmentReq{bytes}, make_sealed_memfd("seg", bytes).value());
+  }
+  uint64_t segments_of(const G& g) { return g.s->segments.size(); }
+};
+
+TEST_F(SegmentQuotaTest, CountBytesAndTheBackendsTotalFailWithEnomem) {
+  // Count: a holds 1 of 3.
+  ASSERT_TRUE(try_segment(a_, kMemBytes).is_ok());
+  ASSERT_TRUE(try_segment(a_, kMemBytes).is_ok());
+  auto r = try_segment(a_, kMemBytes);
+  EXPECT_EQ(r.status().err(), ENOMEM);
+  EXPECT_NE(r.status().message().find("max_segments"), std::string::npos) << r.status().message();
+  // Bytes: one segment larger than the guest's whole allowance (a sparse 1 TiB memfd costs the
+  // guest nothing, and would cost the backend 1 TiB of address space).
+  r = try_segment(b_, 1ull << 40);
+  EXPECT_EQ(r.status().err(), ENOMEM);
+  EXPECT_NE(r.status().message().find("max_segment_bytes"), std::string::npos)
+      << r.status().message();
+  r = try_segment(b_, 4 * kMemBytes);  // b holds kMemBytes of 4 * kMemBytes
+  EXPECT_EQ(r.status().err(), ENOMEM);
+  // The backend's total: a maps 3, b 1 + 3 = 7 of 7; a third guest gets nothing.
+  ASSERT_TRUE(try_segment(b_, 3 * kMemBytes).is_ok());
+  G c = open("c");
+  r = try_segment(c, kMemBytes);
+  EXPECT_EQ(r.status().err(), ENOMEM);
+  EXPECT_NE(r.status().message().find("max_mapped_bytes"), std::string::npos)
+      << r.status().message();
+  // Closing a session gives all of it back.
+  dev_.close_session(a_.s);
+  EXPECT_TRUE(try_segment(c, kMemBytes).is_ok());
+}
+
+TEST_F(SegmentQuotaTest, ASegmentIsReleasedOnlyWhenNoMrUsesIt) {
+  const uint32_t seg = b_.s->segments.begin()->first;  // mb_'s MR lies in it
+  EXPECT_EQ(dev_.dereg_segment(*b_.s, seg).err(), EBUSY);
+  // A second MR in the same segment (two extents of it): still busy after the first goes.
+  RegMrReq req = mr_req(b_.pd, kAccess, mb_.addr, kMemBytes, seg);
+  req.num_extents = 2;
+  req.extents[0] = MrExtent{0, 4096, 0, seg, 0};
+  req.extents[1] = MrExtent{4096, kMemBytes - 4096, 4096, seg, 0};
+  auto mr2 = dev_.reg_mr(*b_.s, req);
+  ASSERT_TRUE(mr2.is_ok()) << mr2.status().message();
+  ASSERT_TRUE(dev_.dereg_mr(*b_.s, mb_.mr.handle));
+  EXPECT_EQ(dev_.dereg_segment(*b_.s, seg).err(), EBUSY);
+  ASSERT_TRUE(dev_.dereg_mr(*b_.s, mr2->handle));
+  ASSERT_TRUE(dev_.dereg_segment(*b_.s, seg));
+  EXPECT_EQ(segments_of(b_), 0u);
+  EXPECT_EQ(dev_.dereg_segment(*b_.s, seg).err(), EINVAL) << "released already";
+  EXPECT_EQ(dev_.reg_mr(*b_.s, mr_req(b_.pd, kAccess, mb_.addr, 4096, seg)).status().err(), EINVAL);
+  // Its quota is back: b may hold 3 again.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(try_segment(b_, kMemBytes).is_ok()) << i;
+  // Another session's handle names nothing here.
+  EXPECT_EQ(dev_.dereg_segment(*a_.s, b_.s->segments.begin()->first).err(), EINVAL);
+}
+
+// A memfd whose pages a guest can take away from under the backend's mapping (hugetlbfs: punch
+// the page out, let another process take the free huge page; the backend's next access is a
+// SIGBUS), or a descriptor that is no memfd at all, is no segment.
+TEST_F(DeviceTest, OnlyTmpfsMemfdsAreSegments) {
+  UniqueFd huge(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB));
+  if (huge.valid()) {
+    // Sizing a hugetlb file reserves nothing: no huge page is needed to be refused.
+    ASSERT_EQ(::ftruncate(huge.get(), 2 << 20), 0);
+    ASSERT_EQ(::fcntl(huge.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), 0);
+    auto r = dev_.reg_segment(*a_.s, RegSegmentReq{2 << 20}, std::move(huge));
+    EXPECT_EQ(r.status().err(), EINVAL);
+    EXPECT_NE(r.status().message().find("hugetlbfs"), std::string::npos) << r.status().message();
+  } else {
+    ADD_FAILURE() << "memfd_create(MFD_HUGETLB): " << std::strerror(errno) << " (no hugetlbfs?)";
+  }
+  UniqueFd efd(::eventfd(0, EFD_CLOEXEC));
+  auto r = dev_.reg_segment(*a_.s, RegSegmentReq{4096}, std::move(efd));
+  EXPECT_EQ(r.status().err(), EINVAL);
+  EXPECT_NE(r.status().message().find("not a tmpfs memfd"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(a_.s->segments.size(), 1u) << "only the fixture's";
 }
 
 // ---- a hostile guest ----
@@ -326,6 +424,78 @@ TEST_F(DeviceTest, AtomicOnAWordSplitAcrossTwoSegmentsIsRefused) {
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
   EXPECT_EQ(map[0].data()[8], 0x34);
+}
+
+// An aligned iova on a misaligned host word: the MR starts 4 bytes into its segment, so iova
+// 0x200008 is the backend's map + 12. A CPU atomic there would be a split lock; it fails as a
+// misaligned iova does (IBV_WC_REM_INV_REQ_ERR) and touches nothing.
+TEST_F(DeviceTest, AtomicOnAMisalignedHostAddressIsRefusedLikeAMisalignedIova) {
+  connect_both();
+  UniqueFd fd = make_sealed_memfd("odd", 4096).value();
+  MappedRegion map = MappedRegion::map_shared(fd.get(), 4096);
+  std::memset(map.data(), 0x33, 4096);
+  const uint32_t seg = dev_.reg_segment(*b_.s, RegSegmentReq{4096}, std::move(fd)).value();
+  RegMrReq req{};
+  req.pd = b_.pd;
+  req.access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  req.addr = req.iova = 0x200000;
+  req.length = 64;
+  req.num_extents = 1;
+  req.extents[0] = MrExtent{0, 64, 4, seg, 0};
+  const uint32_t rkey = dev_.reg_mr(*b_.s, req).value().rkey;
+  QpAttr a{};
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  ASSERT_TRUE(dev_.modify_qp(*b_.s, ModifyQpReq{qb_.handle, IBV_QP_ACCESS_FLAGS, a}));
+  for (uint64_t raddr : {0x200000ull + 8, 0x200000ull + 4}) {  // aligned iova, then misaligned
+    for (uint32_t op : {IBV_WR_ATOMIC_FETCH_AND_ADD, IBV_WR_ATOMIC_CMP_AND_SWP}) {
+      SCOPED_TRACE(::testing::Message() << "remote_addr " << std::hex << raddr << " op " << op);
+      ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset_attr()));
+      qa_.sq_prod = qa_.sq->producer.load();
+      connect(a_, qa_, b_, qb_);
+      post_rdma(qa_, 1, op, ma_.addr, 8, ma_.mr.lkey, raddr, rkey);
+      dev_.poll(now_);
+      auto tx = drain(acq_);
+      ASSERT_EQ(tx.size(), 1u);
+      EXPECT_EQ(tx[0].status, IBV_WC_REM_INV_REQ_ERR);
+      EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+      EXPECT_TRUE(all_bytes(map.data(), 4096, 0x33));
+    }
+  }
+}
+
+// The epoch pages a direct grant hands out read-only: reopening one read-write through
+// /proc/self/fd (what a guest can do with any descriptor it holds) gives no way to write it, so
+// a guest cannot move its epoch back and keep a revoked grant alive.
+TEST_F(DeviceTest, EpochDescriptorsStayReadOnlyWhenReopenedReadWrite) {
+  dev_.set_direct(true);
+  a_.s->uid = b_.s->uid = ::getuid();
+  connect_both();
+  std::vector<UniqueFd> fds;
+  auto r = dev_.direct_grant(*a_.s, qa_.handle, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_GE(fds.size(), 5u);
+  for (int i : {3, 4}) {  // kDirectGrant's order: my epoch, the peer's epoch
+    SCOPED_TRACE(i);
+    MappedRegion ro = MappedRegion::map_readonly(fds[i].get(), sizeof(EpochPage));
+    ASSERT_TRUE(ro.valid());
+    const auto* page = reinterpret_cast<const EpochPage*>(ro.data());
+    const uint64_t before = page->epoch.load();
+    UniqueFd rw(::open(fmt::format("/proc/self/fd/{}", fds[i].get()).c_str(), O_RDWR));
+    if (rw.valid()) {
+      EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw.get(), 0), MAP_FAILED);
+      EXPECT_EQ(errno, EPERM);
+      const uint64_t zero = 0;
+      EXPECT_EQ(::pwrite(rw.get(), &zero, sizeof(zero), 0), -1);
+      EXPECT_EQ(errno, EPERM);
+    }
+    EXPECT_NE(::mprotect(ro.data(), 4096, PROT_READ | PROT_WRITE), 0);
+    // The backend still moves it: a's on a's QP leaving RTS, b's on b's MR going.
+    if (i == 3)
+      ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset_attr()));
+    else
+      ASSERT_TRUE(dev_.dereg_mr(*b_.s, mb_.mr.handle));
+    EXPECT_GT(page->epoch.load(), before);
+  }
 }
 
 }  // namespace

@@ -427,6 +427,35 @@ TEST_F(VerbsApi, ASendQueueOfOneIsFreeAsSoonAsItsCompletionArrives) {
 
 }  // namespace
 
+// Fresh buffers registered, deregistered and unmapped in a loop: the library releases each
+// segment with its last MR, so the session never holds more than a few. More iterations than the
+// default max_segments (4096): without the release the 4097th registration fails with ENOMEM,
+// and a backend at a service's 1024-descriptor soft limit lost the device at ~1,010.
+TEST_F(VerbsApi, FreshBuffersRegisteredAndFreedInALoopNeverRunOut) {
+  constexpr size_t kLen = 64 * 1024;
+  for (int i = 0; i < 4200; ++i) {
+    // A fresh mapping each time, as free() of a large buffer and the next malloc give.
+    void* p = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    static_cast<uint8_t*>(p)[i % kLen] = 1;
+    ibv_mr* mr = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+    ASSERT_NE(mr, nullptr) << "registration " << i << ": " << std::strerror(errno);
+    ASSERT_EQ(ibv_dereg_mr(mr), 0) << i;
+    ASSERT_EQ(::munmap(p, kLen), 0);
+  }
+  // The segment of the fixture's MR is the session's only one left (and one released just now
+  // is registered again when the same pages are).
+  void* p = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  ibv_mr* a = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(a, nullptr) << std::strerror(errno);
+  ASSERT_EQ(ibv_dereg_mr(a), 0);
+  ibv_mr* b = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(b, nullptr) << std::strerror(errno);
+  ASSERT_EQ(ibv_dereg_mr(b), 0);
+  ::munmap(p, kLen);
+}
+
 // Registered pages live in a segment; when the application unmaps part of it and maps fresh
 // memory there (free() of a big buffer and a later malloc do exactly this), the rest of the
 // segment must stay registrable (it once failed with "unknown segment" and EFAULT).

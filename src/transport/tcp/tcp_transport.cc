@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/guest_fault.h"
 #include "common/log.h"
 
 namespace vrdma::transport::tcp {
@@ -90,10 +91,7 @@ Status TcpTransport::start() {
     ::inet_ntop(AF_INET, &la.sin_addr, ip, sizeof(ip));
     opt_.listen = fmt::format("{}:{}", ip, ntohs(la.sin_port));
   }
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.ptr = nullptr;  // null: the listener
-  ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, listen_.get(), &ev);
+  watch_listener(true);
   std::vector<std::string> to_dial = opt_.peers;
   // Forced: pairs on this backend go through our own listener, like any peer.
   if (opt_.force) to_dial.push_back(opt_.listen);
@@ -153,10 +151,29 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   c->sink = {};
 }
 
-void TcpTransport::accept_all() {
+void TcpTransport::watch_listener(bool on) {
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = nullptr;  // null: the listener
+  ::epoll_ctl(epoll_.get(), on ? EPOLL_CTL_ADD : EPOLL_CTL_DEL, listen_.get(), &ev);
+}
+
+bool TcpTransport::accept_all(uint64_t now_ns) {
   for (;;) {
     int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EMFILE && errno != ENFILE && errno != ENOBUFS && errno != ENOMEM) return true;
+      // The connection stays queued and the listener readable: rest it (poll() takes it back),
+      // or the backend's loop would see work on every turn.
+      uint64_t held = 0;
+      if (accept_log_.ready(now_ns, held))
+        VLOG_WARN("tcp: accept: {}; not accepting for {} ms{}", std::strerror(errno),
+                  kAcceptPauseMs, log::held_note(held));
+      watch_listener(false);
+      accept_resume_ns_ = now_ns + kAcceptPauseMs * 1000000;
+      return false;
+    }
     Conn* c = add_conn(UniqueFd(fd), "");
     Hello h{};
     put_name(h.node, opt_.node);
@@ -299,7 +316,14 @@ bool TcpTransport::consume(Conn& c) {
         if (!c.sink.spans.empty()) {
           const Span& s = c.sink.spans[c.span_i];
           n = std::min(n, s.n - c.span_off);
-          std::memcpy(s.p + c.span_off, c.rbuf.data() + c.rpos, n);
+          // Guest memory: a fault there loses these bytes of the message, not the backend
+          // (the engine saw the same fault or will: common/guest_fault.h).
+          uintptr_t fault = 0;
+          if (!guarded_memcpy(s.p + c.span_off, c.rbuf.data() + c.rpos, n, fault))
+            VLOG_WARN(
+                "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) taking a payload "
+                "from {}; those bytes are lost",
+                fault, c.node);
           if ((c.span_off += n) == s.n) ++c.span_i, c.span_off = 0;
         }
         c.rpos += n;
@@ -502,11 +526,16 @@ uint64_t TcpTransport::next_deadline() const {
     if (!x.conn && (x.node.empty() || !by_node_.count(x.node))) at(x.next_ns);
     if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
   }
+  if (accept_resume_ns_) at(accept_resume_ns_);
   return d;
 }
 
 bool TcpTransport::poll(uint64_t now_ns) {
   bool did = false;
+  if (accept_resume_ns_ && now_ns >= accept_resume_ns_) {
+    accept_resume_ns_ = 0;
+    watch_listener(true);
+  }
   for (Dial& d : dials_) {
     if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
       close_conn(d.conn, "connect timed out");
@@ -518,8 +547,7 @@ bool TcpTransport::poll(uint64_t now_ns) {
   for (int i = 0; i < n; ++i) {
     auto* c = static_cast<Conn*>(evs[i].data.ptr);
     if (!c) {
-      accept_all();
-      did = true;
+      did |= accept_all(now_ns);
       continue;
     }
     if (c->dead) continue;

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "transport/transport.h"
@@ -39,6 +40,9 @@ class TcpTransport final : public Transport {
   /// A connect that has not finished by then is given up and redialed (a SYN to a host that
   /// is gone would otherwise wait for the kernel's minutes).
   static constexpr uint64_t kConnectTimeoutMs = 500;
+  /// The listener rests this long after accept fails for want of descriptors (EMFILE/ENFILE):
+  /// it stays readable, and accepting again at once would spin.
+  static constexpr uint64_t kAcceptPauseMs = 100;
 
   /// Binds the listener; dialing starts with the first poll().
   static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
@@ -107,7 +111,9 @@ class TcpTransport final : public Transport {
 
   TcpTransport(Options o, Receiver& rx) : opt_(std::move(o)), rx_(rx) {}
   Status start();
-  void accept_all();
+  /// Accepts what is queued; false when the listener had to be paused (no descriptors).
+  bool accept_all(uint64_t now_ns);
+  void watch_listener(bool on);
   void dial(Dial& d, uint64_t now_ns);
   Conn* add_conn(UniqueFd fd, const std::string& dialed);
   void close_conn(Conn* c, const std::string& why);
@@ -129,6 +135,8 @@ class TcpTransport final : public Transport {
   Options opt_;
   Receiver& rx_;
   UniqueFd epoll_, listen_;
+  uint64_t accept_resume_ns_ = 0;          ///< nonzero: the listener is paused until then
+  log::Every accept_log_{10'000'000'000};  ///< one line per 10 s while descriptors run out
   std::vector<Dial> dials_;
   std::map<int, std::unique_ptr<Conn>> conns_;      ///< by fd
   std::unordered_map<std::string, Conn*> by_node_;  ///< the connection frames to a node use
