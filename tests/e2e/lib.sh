@@ -171,6 +171,18 @@ wait_status() {
 
 port_in_use() { [[ -n "$(ss -Htln "sport = :$1" 2>/dev/null)" ]]; }
 
+# Waits up to 20 s until something listens on PORT; fails at once if PID (server NAME, its output
+# in $E2E_TMP/NAME.server.out) exits first. Usage: wait_listen PORT PID NAME
+wait_listen() {
+  local k
+  for ((k = 0; k < 200; k++)); do
+    port_in_use "$1" && return 0
+    kill -0 "$2" 2>/dev/null || fail "$3: server died: $(cat "$E2E_TMP/$3.server.out")"
+    nap 0.1
+  done
+  fail "$3: nothing listens on port $1 after 20 s"
+}
+
 # A TCP port nobody listens on, from a random range (tests may run in parallel).
 free_port() {
   local p
@@ -283,17 +295,13 @@ PP_UNTIL_STOPPED=2000000000
 # stops it: `kill -USR1 "$cli_proc"`, then finish_stream NAME "$cli" "$srv" checks both ends. Sets
 # srv and cli (their `vrdma run`) and cli_proc (the client itself). Usage: stream_start NAME [SIZE]
 stream_start() {
-  local name=$1 size=${2:-4096} port i bin
+  local name=$1 size=${2:-4096} port bin
   bin="$(dirname "$VRDMA")"
   port="$(free_port)"
   vrun --guest "$name-s" -- "$bin/rc_stream" server "$port" 0 "$size" \
     >"$E2E_TMP/$name.server.out" 2>&1 &
   srv=$!
-  for ((i = 0; i < 200; i++)); do
-    port_in_use "$port" && break
-    kill -0 "$srv" 2>/dev/null || fail "$name: server died: $(cat "$E2E_TMP/$name.server.out")"
-    nap 0.1
-  done
+  wait_listen "$port" "$srv" "$name"
   vrun --guest "$name-c" -- "$bin/rc_stream" client 127.0.0.1 "$port" 0 "$size" \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   cli=$!
@@ -339,16 +347,12 @@ run_pair() {
 # Runs one perftest server/client pair (guests pt-srv, pt-cli); outputs in
 # $E2E_TMP/TOOL.{server,client}.out. Usage: run_perftest TOOL ARGS...
 run_perftest() {
-  local tool=$1 port srv cli i
+  local tool=$1 port srv cli
   shift
   port="$(free_port)"
   "${VRUN[@]}" --guest pt-srv -- "$tool" -p "$port" "$@" >"$E2E_TMP/$tool.server.out" 2>&1 &
   srv=$!
-  for ((i = 0; i < 200; i++)); do
-    port_in_use "$port" && break
-    kill -0 "$srv" 2>/dev/null || fail "$tool server died: $(cat "$E2E_TMP/$tool.server.out")"
-    nap 0.1
-  done
+  wait_listen "$port" "$srv" "$tool"
   "${VRUN[@]}" --guest pt-cli -- "$tool" -p "$port" "$@" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
   cli=$!
   wait_pid "$cli" 90

@@ -417,16 +417,7 @@ TEST_F(DirectRemoteTest, ALidHeldHereAndByAPeerConnectsNoOneAndALocalImpostorIsN
   MemV mm = mem(m);
   std::memset(mm.p(), 0xee, 64);
   std::memset(ma_.p(), 0x11, 64);
-  SendWqe w{};
-  w.wr_id = 9;
-  w.opcode = IBV_WR_RDMA_WRITE;
-  w.send_flags = IBV_SEND_SIGNALED;
-  w.num_sge = 1;
-  w.sge[0] = Sge{mm.addr, 64, mm.mr.lkey};
-  w.remote_addr = ma_.addr;
-  w.rkey = ma_.mr.rkey;
-  qm.sqe[qm.sq_prod & (qm.sq_size - 1)] = w;
-  qm.sq->producer.store(++qm.sq_prod, std::memory_order_release);
+  post_rdma(qm, 9, IBV_WR_RDMA_WRITE, mm.addr, 64, mm.mr.lkey, ma_.addr, ma_.mr.rkey);
   for (int i = 0; i < 10; ++i) dev_.poll(now_);
   for (int i = 0; i < 64; ++i) ASSERT_EQ(ma_.p()[i], 0x11) << "byte " << i;
   for (const Cqe& c : drain(mcq)) EXPECT_NE(c.status, IBV_WC_SUCCESS);

@@ -53,20 +53,6 @@ class DeviceFaultTest : public DeviceTest {
     a.qp_access_flags = kAll;
     ASSERT_TRUE(modify(g, q, IBV_QP_ACCESS_FLAGS, a));
   }
-  void post_rdma(QpV& q, uint64_t wr_id, uint32_t opcode, uint64_t laddr, uint32_t len,
-                 uint32_t lkey, uint64_t raddr, uint32_t rkey) {
-    SendWqe w{};
-    w.wr_id = wr_id;
-    w.opcode = opcode;
-    w.send_flags = IBV_SEND_SIGNALED;
-    w.num_sge = 1;
-    w.sge[0] = Sge{laddr, len, lkey};
-    w.remote_addr = raddr;
-    w.rkey = rkey;
-    w.compare_add = 1;
-    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
-    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
-  }
   /// The device still serves: a fresh pair of guests moves a message.
   void expect_device_serves() {
     G c = open("c"), d = open("d");
@@ -165,20 +151,6 @@ TEST_F(DeviceFaultTest, SendFromFaultingMemoryFailsOnlyTheSender) {
 }
 
 TEST_F(DeviceFaultTest, DatagramsWithFaultingMemoryFailTheirOwnerOnly) {
-  auto ud_qp = [&](G& g, CqV& c) {
-    QpV q = create_qp(g, qp_req(g, c, c, IBV_QPT_UD));
-    QpAttr a{};
-    a.qp_state = IBV_QPS_INIT;
-    a.port_num = 1;
-    a.qkey = 0x11;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, a));
-    a = {};
-    a.qp_state = IBV_QPS_RTR;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE, a));
-    a.qp_state = IBV_QPS_RTS;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN, a));
-    return q;
-  };
   auto post_ud = [&](QpV& q, uint64_t addr, uint32_t lkey, const G& to, uint32_t qpn) {
     SendWqe w{};
     w.wr_id = 9;
@@ -194,7 +166,7 @@ TEST_F(DeviceFaultTest, DatagramsWithFaultingMemoryFailTheirOwnerOnly) {
     q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
     q.sq->producer.store(++q.sq_prod, std::memory_order_release);
   };
-  QpV ua = ud_qp(a_, acq_), ub = ud_qp(b_, bcq_);
+  QpV ua = ud_qp(a_, acq_, 0x11), ub = ud_qp(b_, bcq_, 0x11);
   const RegMrResp bad_a = broken_mr(a_, "fault-ud-a");
   const RegMrResp bad_b = broken_mr(b_, "fault-ud-b");
   // The sender's memory faults: the datagram is lost, b's receive stays posted.

@@ -114,6 +114,21 @@ class DeviceTest : public ::testing::Test {
     return req;
   }
   QpV qp(G& g, const CqV& scq, const CqV& rcq) { return create_qp(g, qp_req(g, scq, rcq)); }
+  /// A UD QP on `cq` (both queues) with `qkey`, in RTS.
+  QpV ud_qp(G& g, const CqV& cq, uint32_t qkey) {
+    QpV q = create_qp(g, qp_req(g, cq, cq, IBV_QPT_UD));
+    QpAttr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qkey = qkey;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, a));
+    a = {};
+    a.qp_state = IBV_QPS_RTR;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE, a));
+    a.qp_state = IBV_QPS_RTS;
+    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN, a));
+    return q;
+  }
   /// An MR of `len` bytes at `addr` (iova == addr), all in segment `seg` from its start.
   static RegMrReq mr_req(uint32_t pd, uint32_t access, uint64_t addr, uint64_t len, uint32_t seg) {
     RegMrReq req{};
@@ -183,6 +198,23 @@ class DeviceTest : public ::testing::Test {
     q.rqe[q.rq_prod & (q.rq_size - 1)] = w;
     q.rq->producer.store(++q.rq_prod, std::memory_order_release);
   }
+  /// Posts one RDMA WRITE/READ/atomic naming a remote address and key (atomics: add 1, or
+  /// compare with 1 and swap in 0x4141...).
+  static void post_rdma(QpV& q, uint64_t wr_id, uint32_t opcode, uint64_t laddr, uint32_t len,
+                        uint32_t lkey, uint64_t raddr, uint32_t rkey) {
+    SendWqe w{};
+    w.wr_id = wr_id;
+    w.opcode = opcode;
+    w.send_flags = IBV_SEND_SIGNALED;
+    w.num_sge = 1;
+    w.sge[0] = Sge{laddr, len, lkey};
+    w.remote_addr = raddr;
+    w.rkey = rkey;
+    w.compare_add = 1;
+    w.swap = 0x4141414141414141ull;
+    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
+    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
+  }
   void post_send(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
                  uint32_t flags = IBV_SEND_SIGNALED, uint32_t opcode = IBV_WR_SEND,
                  uint32_t imm = 0) {
@@ -215,8 +247,12 @@ class DeviceTest : public ::testing::Test {
   nlohmann::json totals() { return nlohmann::json::parse(dev_.status_json())["totals"]; }
 
   // The common set-up: guests a and b, one connected RC QP each, memory registered on both.
-  void SetUp() override {
+  void SetUp() override { make_pair(cred_.uid, cred_.uid); }
+  /// The common set-up's guests, a opened by uid `uid_a` and b by `uid_b`.
+  void make_pair(uint32_t uid_a, uint32_t uid_b) {
+    cred_.uid = uid_a;
     a_ = open("a");
+    cred_.uid = uid_b;
     b_ = open("b");
     acq_ = cq(a_);
     arcq_ = cq(a_);

@@ -12,22 +12,6 @@
 namespace vrdma::engine::devtest {
 namespace {
 
-/// Posts one RDMA WRITE/READ/atomic naming a remote address and key.
-void post_rdma(QpV& q, uint64_t wr_id, uint32_t opcode, uint64_t laddr, uint32_t len,
-               uint32_t lkey, uint64_t raddr, uint32_t rkey) {
-  SendWqe w{};
-  w.wr_id = wr_id;
-  w.opcode = opcode;
-  w.send_flags = IBV_SEND_SIGNALED;
-  w.num_sge = 1;
-  w.sge[0] = Sge{laddr, len, lkey};
-  w.remote_addr = raddr;
-  w.rkey = rkey;
-  w.compare_add = 1;
-  w.swap = 0x4141414141414141ull;
-  q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
-  q.sq->producer.store(++q.sq_prod, std::memory_order_release);
-}
 
 QpAttr reset_attr() {
   QpAttr a{};

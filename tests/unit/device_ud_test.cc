@@ -10,20 +10,6 @@ namespace {
 
 class DeviceUdTest : public DeviceTest {
  protected:
-  QpV ud_qp(G& g, const CqV& cq, uint32_t qkey) {
-    QpV q = create_qp(g, qp_req(g, cq, cq, IBV_QPT_UD));
-    QpAttr a{};
-    a.qp_state = IBV_QPS_INIT;
-    a.port_num = 1;
-    a.qkey = qkey;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY, a));
-    a = {};
-    a.qp_state = IBV_QPS_RTR;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE, a));
-    a.qp_state = IBV_QPS_RTS;
-    EXPECT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN, a));
-    return q;
-  }
   void post_ud(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
                const UdDest& d, uint32_t qpn, uint32_t qkey, uint32_t op = IBV_WR_SEND) {
     SendWqe w{};

@@ -267,17 +267,7 @@ class VisibilityTest : public OpsTest {
   static constexpr uint32_t kBackendUid = 60000, kOwner = 60001, kOther = 60002;
   void SetUp() override {
     dev_.set_backend_uid(kBackendUid);
-    cred_.uid = kOwner;
-    a_ = open("a");
-    cred_.uid = kOther;
-    b_ = open("b");
-    acq_ = cq(a_);
-    arcq_ = cq(a_);
-    bcq_ = cq(b_);
-    qa_ = qp(a_, acq_, arcq_);
-    qb_ = qp(b_, bcq_, bcq_);
-    ma_ = mem(a_);
-    mb_ = mem(b_);
+    make_pair(kOwner, kOther);
     one_message();
   }
   json as(uint32_t uid) {
