@@ -62,6 +62,14 @@ pp_as root
 backend_serves idle
 
 # ---- 2: a full descriptor table ----
+# Not under a sanitizer: its own checks need descriptors (UBSan's vptr check tests memory with a
+# pipe, and with the table full it reported a false error in the backend); the release preset
+# runs this part.
+if [[ -n $SAN_PRELOAD ]]; then
+  log "sanitized build: the full-table part is left to the release build"
+  e2e_pass
+  exit 0
+fi
 FULL="$E2E_TMP/full.sock"
 (
   ulimit -n 1024

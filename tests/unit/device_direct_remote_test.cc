@@ -389,7 +389,8 @@ TEST_F(DirectRemoteTest, TheNameOfAPeersGuestIsRefusedAtHello) {
   EXPECT_EQ(r.err(), EADDRINUSE);
   EXPECT_NE(r.status().message().find("backend B"), std::string::npos) << r.status().message();
   // Refused before anything was made: no guest "b" here.
-  for (const auto& g : nlohmann::json::parse(dev_.status_json())["guests"])
+  const auto js = nlohmann::json::parse(dev_.status_json());
+  for (const auto& g : js["guests"])
     EXPECT_NE(g["name"], "b");
 }
 
