@@ -70,7 +70,11 @@ nlohmann::json Reporter::backend_info() {
         {"srq", q.max_srqs},
         {"mr", q.max_mrs},
         {"mr_bytes", q.max_mr_bytes},
-        {"queue_depth", q.max_queue_depth}}},
+        {"queue_depth", q.max_queue_depth},
+        {"segment", q.max_segments},
+        {"segment_bytes", q.max_segment_bytes},
+        // Not per guest: all guests' segment bytes together (totals.segment_bytes).
+        {"mapped_bytes", q.max_mapped_bytes}}},
       {"transports", transports},
       {"force", cfg_.force},
       {"peers", cfg_.peers},
@@ -268,7 +272,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
   e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
-  e.family("vrdma_quota", "gauge", "per-guest limit of each resource");
+  e.family("vrdma_quota", "gauge",
+           "per-guest limit of each resource (mapped_bytes: all guests' segment bytes together)");
   for (const auto& [k, v] : b.at("quotas").items()) e.sample("vrdma_quota", {{"resource", k}}, v);
 
   const nlohmann::json& t = j.at("totals");
@@ -276,6 +281,9 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_guests", {}, t.at("guests"));
   e.family("vrdma_sessions", "gauge", "open device contexts");
   e.sample("vrdma_sessions", {}, t.at("sessions"));
+  e.family("vrdma_mapped_bytes", "gauge",
+           "segment bytes the backend maps for all guests (limit: vrdma_quota mapped_bytes)");
+  e.sample("vrdma_mapped_bytes", {}, t.value("segment_bytes", nlohmann::json(0)));
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())

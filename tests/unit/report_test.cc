@@ -202,6 +202,53 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
 }
 
+// The segment quotas (count and bytes per guest, mapped bytes for all guests) are in the status
+// document, its text header and the metrics, each beside what the guests use.
+TEST_F(OpsTest, SegmentQuotasAndUseAreShown) {
+  connect_both();
+  cfg_.quotas.max_segments = 9;
+  cfg_.quotas.max_segment_bytes = 1ull << 20;
+  cfg_.quotas.max_mapped_bytes = 3ull << 20;
+  const json st = status();
+  const json& q = st["backend"]["quotas"];
+  EXPECT_EQ(q["segment"], 9);
+  EXPECT_EQ(q["segment_bytes"], 1ull << 20);
+  EXPECT_EQ(q["mapped_bytes"], 3ull << 20);
+  // Each guest registered one segment of kMemBytes and one MR over it.
+  for (const auto& g : st["guests"]) {
+    EXPECT_EQ(g["resources"]["segment"], 1) << g.dump();
+    EXPECT_EQ(g["resources"]["segment_bytes"], kMemBytes) << g.dump();
+    EXPECT_EQ(g["resources"]["mr_bytes"], kMemBytes) << g.dump();
+  }
+  EXPECT_EQ(st["totals"]["segment_bytes"], 2 * kMemBytes);
+  const std::string h = cli::status_header(st);
+  EXPECT_NE(h.find(fmt::format("mr bytes {}/{}", kMemBytes, cfg_.quotas.max_mr_bytes)),
+            std::string::npos)
+      << h;
+  EXPECT_NE(h.find("segment 1/9"), std::string::npos) << h;
+  EXPECT_NE(h.find(fmt::format("segment bytes {}/1048576", kMemBytes)), std::string::npos) << h;
+  EXPECT_NE(h.find(fmt::format("mapped bytes (guests shown/limit for all guests): {}/3145728\n",
+                               2 * kMemBytes)),
+            std::string::npos)
+      << h;
+  const std::string m = backend::prometheus_text(st, true);
+  for (const std::string& want : std::vector<std::string>{
+           "vrdma_quota{resource=\"segment\"} 9\n",
+           "vrdma_quota{resource=\"segment_bytes\"} 1048576\n",
+           "vrdma_quota{resource=\"mapped_bytes\"} 3145728\n",
+           fmt::format("vrdma_mapped_bytes {}\n", 2 * kMemBytes),
+           fmt::format("vrdma_resources{{guest=\"a\",kind=\"segment_bytes\"}} {}\n", kMemBytes),
+           "vrdma_resources{guest=\"b\",kind=\"segment\"} 1\n"})
+    EXPECT_NE(m.find(want), std::string::npos) << want << " not in:\n" << m;
+  // A segment released gives its bytes back, in the status as in the quota.
+  ASSERT_TRUE(dev_.dereg_mr(*a_.s, ma_.mr.handle).is_ok());
+  ASSERT_EQ(a_.s->segments.size(), 1u);
+  ASSERT_TRUE(dev_.dereg_segment(*a_.s, a_.s->segments.begin()->first).is_ok());
+  const json after = status();
+  EXPECT_EQ(after["totals"]["segment_bytes"], kMemBytes);
+  EXPECT_EQ(after["totals"]["segment"], 1);
+}
+
 TEST(PrometheusText, EscapesLabelValues) {
   // Guest names come from the guest (VRDMA_GUEST): quotes, backslashes, newlines are escaped.
   json st = {{"backend",
@@ -339,6 +386,7 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(st["totals"]["qp"], 1);
   EXPECT_EQ(st["totals"]["cq"], 2);
   EXPECT_EQ(st["totals"]["mr"], 1);
+  EXPECT_EQ(st["totals"]["segment_bytes"], kMemBytes);  // its own guest's, not a's too
   // The other user sees only b; the CLI's views work on what is left.
   const json other = as(kOther);
   EXPECT_EQ(guests_in(other), std::set<std::string>{"b"});
