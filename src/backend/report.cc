@@ -95,6 +95,33 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
   return j;
 }
 
+const Reporter::View& Reporter::status_for(const engine::Device& dev, const Viewer& v,
+                                           uint64_t now_ns) {
+  auto view_of = [&v](const nlohmann::json& whole) {
+    nlohmann::json doc = visible_status(whole, v);
+    const auto g = doc.find("guests");
+    return View{doc.dump(), g != doc.end() && g->is_array() ? g->size() : 0};
+  };
+  if (v.admin) {
+    ++status_renders_;
+    admin_status_ = view_of(status(dev));
+    return admin_status_;
+  }
+  const uint64_t interval_ns = uint64_t(cfg_.status_min_interval_ms) * 1000000ull;
+  if (!have_status_snapshot_ || now_ns - status_at_ns_ >= interval_ns ||
+      changed_uids_.count(v.uid) != 0) {
+    status_snapshot_ = status(dev);
+    status_at_ns_ = now_ns;
+    have_status_snapshot_ = true;
+    ++status_renders_;
+    status_views_.clear();
+    changed_uids_.clear();  // the snapshot has every change so far
+  }
+  auto it = status_views_.find(v.uid);
+  if (it == status_views_.end()) it = status_views_.emplace(v.uid, view_of(status_snapshot_)).first;
+  return it->second;
+}
+
 std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns) {
   const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
   if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {

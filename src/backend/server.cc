@@ -179,6 +179,7 @@ void Server::drop(int fd) {
   if (it == conns_.end()) return;
   leave_pending(it->second);
   listen_rest_.end();  // a descriptor is free again
+  if (it->second.session) reporter_.note_change(it->second.uid);
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
   std::string guest;
   if (it->second.session) {
@@ -347,12 +348,14 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         v.uid = cred.value().uid;
         v.admin = is_admin_uid(v.uid, dev_.backend_uid());
       }
-      nlohmann::json doc = visible_status(reporter_.status(dev_), v);
+      // Non-admins: from a snapshot (Reporter::status_for), so a caller asking in a loop costs
+      // the data path a lookup, not a rendering of every QP.
+      const Reporter::View& view = reporter_.status_for(dev_, v, now_ns());
+      const std::string& js = view.json;
       if (!v.admin) {
         VLOG_DEBUG("{}: status for uid {}: its own {} guest(s), keys and addresses hidden",
-                   who(c, c.sock.get()), v.uid, doc["guests"].size());
+                   who(c, c.sock.get()), v.uid, view.guests);
       }
-      std::string js = doc.dump();
       if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
         VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
                   who(c, c.sock.get()), js.size(), kMaxResponse);
@@ -373,8 +376,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
   if (give.valid() && status == 0) out_fds = {give.get()};
   // keep_state: the keeper has every change before the guest hears of it.
-  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus)
+  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus) {
+    reporter_.note_change(c.uid);  // its next status shows this change
     keep(c.session->guest->name);
+  }
   return send_msg(c.sock.get(), out, out_fds);
 }
 

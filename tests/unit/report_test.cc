@@ -404,6 +404,52 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(cli::stat_rows(other, "qp", {})->size(), 1u);
 }
 
+// Status for callers who are not admins comes from a snapshot at most status_min_interval_ms old
+// (the clock is the test's): a caller asking in a loop does not render the device each time, but
+// sees its own changes at once. Admins get a fresh document every time.
+TEST_F(VisibilityTest, StatusForNonAdminsComesFromARateLimitedSnapshot) {
+  ASSERT_EQ(cfg_.status_min_interval_ms, 100);
+  const backend::Viewer owner{kOwner, false}, other{kOther, false}, admin{0, true};
+  auto qps = [](const backend::Reporter::View& v) {
+    return json::parse(v.json)["totals"]["qp"].get<uint64_t>();
+  };
+  const uint64_t t0 = now_;
+  const std::string first = rep_.status_for(dev_, owner, t0).json;
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  EXPECT_EQ(rep_.status_for(dev_, owner, t0 + 1'000'000).guests, 1u);
+  for (int i = 0; i < 1000; ++i) rep_.status_for(dev_, owner, t0 + 2'000'000);
+  EXPECT_EQ(rep_.status_for(dev_, other, t0 + 3'000'000).guests, 1u);  // its own guest only
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  EXPECT_EQ(rep_.status_for(dev_, owner, t0 + 4'000'000).json, first);
+  // b's QP goes without its user's session saying so (another user's change): the snapshot is
+  // stale until the interval is over.
+  ASSERT_TRUE(dev_.destroy_qp(*b_.s, qb_.handle).is_ok());
+  EXPECT_EQ(qps(rep_.status_for(dev_, other, t0 + 5'000'000)), 1u);
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  // The caller's own change (the server notes every command that succeeds): seen at once.
+  rep_.note_change(kOther);
+  EXPECT_EQ(qps(rep_.status_for(dev_, owner, t0 + 6'000'000)), 1u);  // a's own QP
+  EXPECT_EQ(rep_.status_renders(), 1u);                              // not a's change
+  EXPECT_EQ(qps(rep_.status_for(dev_, other, t0 + 6'000'000)), 0u);
+  EXPECT_EQ(rep_.status_renders(), 2u);
+  // Once the interval is over, the next request renders again.
+  rep_.status_for(dev_, owner, t0 + 6'000'000 + 99'999'999);
+  EXPECT_EQ(rep_.status_renders(), 2u);
+  rep_.status_for(dev_, owner, t0 + 6'000'000 + 100'000'000);
+  EXPECT_EQ(rep_.status_renders(), 3u);
+  // Admins: fresh every time, with what only they see.
+  const backend::Reporter::View& a = rep_.status_for(dev_, admin, t0 + 106'000'000);
+  EXPECT_EQ(a.guests, 2u);
+  EXPECT_NE(a.json.find("\"rkey\""), std::string::npos);
+  rep_.status_for(dev_, admin, t0 + 106'000'000);
+  EXPECT_EQ(rep_.status_renders(), 5u);
+  // 0: every request renders.
+  cfg_.status_min_interval_ms = 0;
+  rep_.status_for(dev_, owner, t0 + 106'000'000);
+  rep_.status_for(dev_, owner, t0 + 106'000'000);
+  EXPECT_EQ(rep_.status_renders(), 7u);
+}
+
 TEST_F(VisibilityTest, AStrangerOrAnUnknownCallerSeesNoGuest) {
   for (uint32_t uid : {60003u, kNoUid}) {
     const json st = as(uid);
