@@ -1,8 +1,8 @@
 // ListenerRest: what a level-triggered listener does when accept fails for want of descriptors.
 // The connection stays queued and the listener readable, so a loop that keeps watching it would
 // wake on every turn and spin; instead it stops watching the listener for a while (or until its
-// owner frees a descriptor) and logs one line per period. Shared by the backend's unix listener
-// and the metrics endpoint. Not thread-safe: one per owner thread (the backend's loop).
+// owner frees a descriptor) and logs one line per period. Shared by the backend's unix listener,
+// the metrics endpoint and the TCP transport. Not thread-safe: one per owner thread (the loop).
 #pragma once
 
 #include <sys/epoll.h>
@@ -18,6 +18,8 @@ class ListenerRest {
  public:
   static constexpr uint64_t kRestNs = 100'000'000;  ///< 100 ms
   static constexpr uint64_t kLogEveryNs = 1'000'000'000;
+
+  explicit ListenerRest(uint64_t log_every_ns = kLogEveryNs) : log_(log_every_ns) {}
 
   /// accept's errno that means "no descriptor (or kernel memory) for the new connection".
   static bool out_of_descriptors(int err) {
@@ -61,7 +63,7 @@ class ListenerRest {
   uint64_t data_ = 0;
   uint64_t until_ns_ = 0;
   uint64_t rests_ = 0;
-  log::Every log_{kLogEveryNs};
+  log::Every log_;
 };
 
 }  // namespace vrdma
