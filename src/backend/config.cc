@@ -140,6 +140,7 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"keep_state_grace_s", integer(c.keep_state_grace_s, 1, 3600)},
         {"max_pending_connections", integer(c.max_pending_connections, 1, 1 << 20)},
         {"hello_timeout_ms", integer(c.hello_timeout_ms, 10, 3600 * 1000)},
+        {"status_min_interval_ms", integer(c.status_min_interval_ms, 0, 60 * 1000)},
         {"max_mapped_bytes", integer(q.max_mapped_bytes, 1 << 20, int64_t{1} << 47)}}},
       {"datapath",
        {{"spin_us", integer(c.spin_us, 0, 10000000)},

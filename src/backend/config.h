@@ -26,6 +26,10 @@ struct Config {
   /// How long a connection may stay without saying Hello (or starting an import) before it is
   /// closed.
   int hello_timeout_ms = 5000;
+  /// A caller that is not an admin gets the status document from a snapshot at most this many ms
+  /// old (rendering it runs on the engine thread, and any local uid may ask, even before Hello);
+  /// admins get a fresh one. 0: every request renders.
+  int status_min_interval_ms = 100;
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,

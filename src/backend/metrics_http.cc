@@ -57,6 +57,7 @@ Status MetricsHttp::listen(const std::string& addr_port) {
   ev.data.u64 = tag_ | static_cast<uint32_t>(listen_.get());
   if (::epoll_ctl(epoll_, EPOLL_CTL_ADD, listen_.get(), &ev) < 0)
     return error(errno, std::string("metrics: epoll_ctl: ") + std::strerror(errno));
+  rest_.bind(epoll_, listen_.get(), ev.data.u64);
   return Status::ok();
 }
 
@@ -86,8 +87,19 @@ void MetricsHttp::expire(uint64_t now_ns) {
 
 void MetricsHttp::accept_all(uint64_t now_ns) {
   for (;;) {
+    ++accepts_;
     int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      // The scrape stays queued and the listener readable: rest it, or the loop would spin.
+      if (const int err = errno; ListenerRest::out_of_descriptors(err)) {
+        uint64_t held = 0;
+        if (rest_.start(now_ns, held))
+          VLOG_WARN("metrics: accept: {}; not accepting for {} ms or until a client closes{}",
+                    std::strerror(err), ListenerRest::kRestNs / 1000000, log::held_note(held));
+      }
+      return;
+    }
     if (clients_.size() >= kMaxClients) {
       // Full: the client that has waited longest is the likeliest to be stuck.
       auto oldest = clients_.begin();
@@ -181,7 +193,7 @@ void MetricsHttp::flush(int fd) {
 
 void MetricsHttp::close_client(int fd) {
   ::epoll_ctl(epoll_, EPOLL_CTL_DEL, fd, nullptr);
-  clients_.erase(fd);
+  if (clients_.erase(fd)) rest_.end();  // a descriptor is free again
 }
 
 }  // namespace vrdma::backend

@@ -11,6 +11,7 @@
 #include <map>
 #include <string>
 
+#include "common/listener_rest.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 
@@ -31,6 +32,13 @@ class MetricsHttp {
   void on_event(int fd, uint32_t events, uint64_t now_ns);
   /// Closes clients that have not finished within kClientTimeoutNs.
   void expire(uint64_t now_ns);
+  /// Watches the listener again once a rest (accept out of descriptors) is over.
+  void poll(uint64_t now_ns) { rest_.poll(now_ns); }
+  /// Nonzero while the listener rests: when the loop must wake to watch it again.
+  uint64_t rest_until_ns() const { return rest_.until_ns(); }
+  /// accept4 calls so far, and rests for want of descriptors (for tests).
+  uint64_t accepts() const { return accepts_; }
+  uint64_t rests() const { return rest_.rests(); }
   /// Whether a client is open (the loop must then wake up now and then to expire it).
   bool has_clients() const { return !clients_.empty(); }
   /// The port actually bound (for logs).
@@ -56,6 +64,8 @@ class MetricsHttp {
   UniqueFd listen_;
   int port_ = 0;
   std::map<int, Client> clients_;  ///< by fd
+  ListenerRest rest_;              ///< the listener's rest when accept finds no descriptor
+  uint64_t accepts_ = 0;
 };
 
 }  // namespace vrdma::backend

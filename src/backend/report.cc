@@ -70,7 +70,11 @@ nlohmann::json Reporter::backend_info() {
         {"srq", q.max_srqs},
         {"mr", q.max_mrs},
         {"mr_bytes", q.max_mr_bytes},
-        {"queue_depth", q.max_queue_depth}}},
+        {"queue_depth", q.max_queue_depth},
+        {"segment", q.max_segments},
+        {"segment_bytes", q.max_segment_bytes},
+        // Not per guest: all guests' segment bytes together (totals.segment_bytes).
+        {"mapped_bytes", q.max_mapped_bytes}}},
       {"transports", transports},
       {"force", cfg_.force},
       {"peers", cfg_.peers},
@@ -89,6 +93,33 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
   j.update(dev.report());
   j["backend"] = backend_info();
   return j;
+}
+
+const Reporter::View& Reporter::status_for(const engine::Device& dev, const Viewer& v,
+                                           uint64_t now_ns) {
+  auto view_of = [&v](const nlohmann::json& whole) {
+    nlohmann::json doc = visible_status(whole, v);
+    const auto g = doc.find("guests");
+    return View{doc.dump(), g != doc.end() && g->is_array() ? g->size() : 0};
+  };
+  if (v.admin) {
+    ++status_renders_;
+    admin_status_ = view_of(status(dev));
+    return admin_status_;
+  }
+  const uint64_t interval_ns = uint64_t(cfg_.status_min_interval_ms) * 1000000ull;
+  if (!have_status_snapshot_ || now_ns - status_at_ns_ >= interval_ns ||
+      changed_uids_.count(v.uid) != 0) {
+    status_snapshot_ = status(dev);
+    status_at_ns_ = now_ns;
+    have_status_snapshot_ = true;
+    ++status_renders_;
+    status_views_.clear();
+    changed_uids_.clear();  // the snapshot has every change so far
+  }
+  auto it = status_views_.find(v.uid);
+  if (it == status_views_.end()) it = status_views_.emplace(v.uid, view_of(status_snapshot_)).first;
+  return it->second;
 }
 
 std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns) {
@@ -268,7 +299,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
   e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
-  e.family("vrdma_quota", "gauge", "per-guest limit of each resource");
+  e.family("vrdma_quota", "gauge",
+           "per-guest limit of each resource (mapped_bytes: all guests' segment bytes together)");
   for (const auto& [k, v] : b.at("quotas").items()) e.sample("vrdma_quota", {{"resource", k}}, v);
 
   const nlohmann::json& t = j.at("totals");
@@ -276,6 +308,9 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_guests", {}, t.at("guests"));
   e.family("vrdma_sessions", "gauge", "open device contexts");
   e.sample("vrdma_sessions", {}, t.at("sessions"));
+  e.family("vrdma_mapped_bytes", "gauge",
+           "segment bytes the backend maps for all guests (limit: vrdma_quota mapped_bytes)");
+  e.sample("vrdma_mapped_bytes", {}, t.value("segment_bytes", nlohmann::json(0)));
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())

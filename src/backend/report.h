@@ -5,10 +5,10 @@
 #pragma once
 
 #include <cstdint>
-#include <nlohmann/json.hpp>
-#include <string>
-
 #include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +36,21 @@ class Reporter {
   /// The whole status document: `backend` (version, uptime, quotas, transports, peers, the
   /// data-path thread), the device's guests and totals, `res` and `guest_counters`.
   nlohmann::json status(const engine::Device& dev);
+  /// A status document as one viewer sees it, as JSON text.
+  struct View {
+    std::string json;
+    size_t guests = 0;  ///< how many guests it shows (for the log)
+  };
+  /// The status document as `v` may see it (visible_status). Admins get a fresh one; anyone else
+  /// one cut from a snapshot at most [backend] status_min_interval_ms old (kept per uid until the
+  /// next snapshot), or newer than the caller's own last change (note_change): repeated callers
+  /// cost the engine thread a lookup, and a caller still sees at once what it just did.
+  const View& status_for(const engine::Device& dev, const Viewer& v, uint64_t now_ns);
+  /// A session of `uid` changed the device (a command that succeeded, a session that ended): its
+  /// next status_for() renders a new snapshot.
+  void note_change(uint32_t uid) { changed_uids_.insert(uid); }
+  /// How many times status_for() rendered the whole document (for tests).
+  uint64_t status_renders() const { return status_renders_; }
   /// Prometheus text exposition format 0.0.4 of the same document. Rendered on the engine
   /// thread, so at most once per [metrics] min_interval_ms: scrapes in between (by any local
   /// uid that can reach the endpoint) get the last snapshot and cost the rings nothing.
@@ -59,6 +74,15 @@ class Reporter {
   std::string metrics_text_;  ///< the last snapshot metrics() rendered
   uint64_t metrics_at_ns_ = 0;
   uint64_t metrics_renders_ = 0;
+  nlohmann::json status_snapshot_;  ///< the last whole document status_for() rendered
+  uint64_t status_at_ns_ = 0;
+  uint64_t status_renders_ = 0;
+  bool have_status_snapshot_ = false;
+  /// The snapshot as each non-admin uid sees it, dumped (cleared with each new snapshot). uids
+  /// come from SO_PEERCRED, so there are as many entries as users who asked within one interval.
+  std::map<uint32_t, View> status_views_;
+  std::set<uint32_t> changed_uids_;  ///< uids that changed the device since the snapshot
+  View admin_status_;                ///< the last fresh document status_for() gave an admin
 };
 
 /// Renders a status document (as Reporter::status builds it) as Prometheus text. Guests are

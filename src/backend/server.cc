@@ -84,6 +84,7 @@ Status Server::setup() {
   }
   write_pid_beside(dir_, opt_.socket_path + ".pid");
   watch(listen_.get(), kTagListen);
+  listen_rest_.bind(epoll_.get(), listen_.get(), kTagListen | static_cast<uint32_t>(listen_.get()));
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
   // Backends talk over TCP when a listen address is given, or for every pair when forced.
@@ -114,8 +115,7 @@ void Server::accept_all() {
     int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-        pause_listener(now, errno);
+      if (ListenerRest::out_of_descriptors(errno)) pause_listener(now, errno);
       return;
     }
     UniqueFd sock(fd);
@@ -166,25 +166,20 @@ void Server::expire_pending(uint64_t now) {
 }
 
 void Server::pause_listener(uint64_t now, int err) {
-  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, listen_.get(), nullptr);
-  listen_resume_ns_ = now + kAcceptPauseNs;
   uint64_t held = 0;
-  if (accept_log_.ready(now, held)) {
+  if (listen_rest_.start(now, held)) {
     VLOG_WARN("accept: {} ({} connections open); not accepting for {} ms or until one closes{}",
-              std::strerror(err), conns_.size(), kAcceptPauseNs / 1000000, log::held_note(held));
+              std::strerror(err), conns_.size(), ListenerRest::kRestNs / 1000000,
+              log::held_note(held));
   }
-}
-
-void Server::resume_listener() {
-  listen_resume_ns_ = 0;
-  watch(listen_.get(), kTagListen);
 }
 
 void Server::drop(int fd) {
   auto it = conns_.find(fd);
   if (it == conns_.end()) return;
   leave_pending(it->second);
-  if (listen_resume_ns_) resume_listener();  // a descriptor is free again
+  listen_rest_.end();  // a descriptor is free again
+  if (it->second.session) reporter_.note_change(it->second.uid);
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
   std::string guest;
   if (it->second.session) {
@@ -353,12 +348,14 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         v.uid = cred.value().uid;
         v.admin = is_admin_uid(v.uid, dev_.backend_uid());
       }
-      nlohmann::json doc = visible_status(reporter_.status(dev_), v);
+      // Non-admins: from a snapshot (Reporter::status_for), so a caller asking in a loop costs
+      // the data path a lookup, not a rendering of every QP.
+      const Reporter::View& view = reporter_.status_for(dev_, v, now_ns());
+      const std::string& js = view.json;
       if (!v.admin) {
         VLOG_DEBUG("{}: status for uid {}: its own {} guest(s), keys and addresses hidden",
-                   who(c, c.sock.get()), v.uid, doc["guests"].size());
+                   who(c, c.sock.get()), v.uid, view.guests);
       }
-      std::string js = doc.dump();
       if (js.size() + sizeof(MsgHeader) + 4 > kMaxResponse) {
         VLOG_WARN("{}: status document of {} bytes exceeds the {}-byte response limit",
                   who(c, c.sock.get()), js.size(), kMaxResponse);
@@ -379,8 +376,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
   if (give.valid() && status == 0) out_fds = {give.get()};
   // keep_state: the keeper has every change before the guest hears of it.
-  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus)
+  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus) {
+    reporter_.note_change(c.uid);  // its next status shows this change
     keep(c.session->guest->name);
+  }
   return send_msg(c.sock.get(), out, out_fds);
 }
 
@@ -402,7 +401,8 @@ Status Server::run() {
   while (!stop_) {
     uint64_t now = now_ns();
     if (!pending_.empty() && pending_.front().first <= now) expire_pending(now);
-    if (listen_resume_ns_ && now >= listen_resume_ns_) resume_listener();
+    listen_rest_.poll(now);
+    if (metrics_) metrics_->poll(now);
     bool work = dev_.poll(now);
     if (tcp_) work |= tcp_->poll(now);
     if (work) last_work = now;
@@ -433,8 +433,9 @@ Status Server::run() {
         if (t && (d == 0 || t < d)) d = t;
       }
       if (d) timeout = d > now ? static_cast<int>((d - now) / 1000000) + 1 : 0;
-      // Wake for the next Hello deadline and for the end of the listener's rest.
-      for (uint64_t t : {pending_.empty() ? 0 : pending_.front().first, listen_resume_ns_}) {
+      // Wake for the next Hello deadline and for the end of the listeners' rests.
+      for (uint64_t t : {pending_.empty() ? 0 : pending_.front().first, listen_rest_.until_ns(),
+                         metrics_ ? metrics_->rest_until_ns() : 0}) {
         if (!t) continue;
         const int ms = t > now ? static_cast<int>((t - now) / 1000000) + 1 : 0;
         if (timeout < 0 || ms < timeout) timeout = ms;

@@ -13,6 +13,7 @@
 #include "backend/config.h"
 #include "backend/metrics_http.h"
 #include "backend/report.h"
+#include "common/listener_rest.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -60,10 +61,9 @@ class Server {
   void leave_pending(Conn& c);
   /// Closes the connections whose Hello deadline has passed.
   void expire_pending(uint64_t now);
-  /// accept found no descriptor left: the listener rests for kAcceptPauseNs, or until a
-  /// connection closes (it stays readable, and the loop would spin on it).
+  /// accept found no descriptor left: the listener rests (ListenerRest) until a connection
+  /// closes or its time is up (it stays readable, and the loop would spin on it).
   void pause_listener(uint64_t now, int err);
-  void resume_listener();
   void on_readable(int fd);
   void drop(int fd);
   Status handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
@@ -99,7 +99,6 @@ class Server {
   static constexpr uint64_t kTagWake = 1ull << 60;
   static constexpr uint64_t kTagMetrics = 1ull << 59;
   static constexpr uint64_t kTagTransport = 1ull << 58;
-  static constexpr uint64_t kAcceptPauseNs = 100'000'000;
 
   Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
@@ -116,9 +115,8 @@ class Server {
   /// their deadlines in accept order (an entry whose connection moved on is skipped).
   std::unordered_map<uint32_t, uint32_t> pending_by_uid_;
   std::deque<std::pair<uint64_t, int>> pending_;
-  uint64_t listen_resume_ns_ = 0;  ///< nonzero: the listener rests until then (pause_listener)
-  log::Every pending_cap_log_{1'000'000'000}, hello_log_{1'000'000'000}, accept_log_{1'000'000'000},
-      fds_log_{1'000'000'000};
+  ListenerRest listen_rest_;  ///< the listener's rest when descriptors run out (pause_listener)
+  log::Every pending_cap_log_{1'000'000'000}, hello_log_{1'000'000'000}, fds_log_{1'000'000'000};
   std::atomic<bool> stop_{false};
   Reporter reporter_{opt_};
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled

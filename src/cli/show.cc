@@ -239,8 +239,17 @@ std::string status_header(const json& status) {
     quotas +=
         fmt::format("{}{} {}/{}", quotas.empty() ? "" : ", ", k, most[k], text_of(member(q, k)));
   }
-  out += fmt::format("quotas per guest (most used/limit): {}; mr bytes {}; queue depth {}\n",
-                     quotas, text_of(member(q, "mr_bytes")), text_of(member(q, "queue_depth")));
+  for (const char* k : {"mr_bytes", "segment", "segment_bytes"}) {
+    std::string name = k;
+    std::replace(name.begin(), name.end(), '_', ' ');
+    quotas += fmt::format(", {} {}/{}", name, most[k], text_of(member(q, k)));
+  }
+  out += fmt::format("quotas per guest (most used/limit): {}; queue depth {}\n", quotas,
+                     text_of(member(q, "queue_depth")));
+  // Not per guest: the segment bytes of the guests shown, against the cap for all guests.
+  out += fmt::format("mapped bytes (guests shown/limit for all guests): {}/{}\n",
+                     text_of(member(member(status, "totals"), "segment_bytes")),
+                     text_of(member(q, "mapped_bytes")));
   // A caller that is not an admin gets a cut-down document (backend/report.h, visible_status).
   if (const json& v = member(status, "view"); member(v, "admin") == false) {
     out += fmt::format("view: uid {}: its own guests only, without {}\n", text_of(member(v, "uid")),

@@ -21,6 +21,7 @@ TEST(ConfigTest, ReadsTheExhaustionLimits) {
   Config c;
   EXPECT_EQ(c.max_pending_connections, 64);
   EXPECT_EQ(c.hello_timeout_ms, 5000);
+  EXPECT_EQ(c.status_min_interval_ms, 100);
   EXPECT_EQ(c.quotas.max_segments, 4096u);
   EXPECT_EQ(c.quotas.max_segment_bytes, 128ull << 30);
   EXPECT_EQ(c.quotas.max_mapped_bytes, 32ull << 40);
@@ -28,6 +29,7 @@ TEST(ConfigTest, ReadsTheExhaustionLimits) {
 [backend]
 max_pending_connections = 8
 hello_timeout_ms = 250
+status_min_interval_ms = 0
 max_mapped_bytes = 1073741824
 [quotas]
 max_segments = 16
@@ -37,6 +39,7 @@ max_segment_bytes = 1048576
   ASSERT_TRUE(st.is_ok()) << st.message();
   EXPECT_EQ(c.max_pending_connections, 8);
   EXPECT_EQ(c.hello_timeout_ms, 250);
+  EXPECT_EQ(c.status_min_interval_ms, 0);
   EXPECT_EQ(c.quotas.max_mapped_bytes, 1ull << 30);
   EXPECT_EQ(c.quotas.max_segments, 16u);
   EXPECT_EQ(c.quotas.max_segment_bytes, 1ull << 20);

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -26,12 +27,13 @@ class MetricsHttpTest : public ::testing::Test {
     ASSERT_TRUE(st.is_ok()) << st.message();
     ASSERT_GT(http_.port(), 0);
   }
-  /// One turn of the server's loop: dispatch whatever is ready.
-  void turn(int timeout_ms = 50) {
+  /// One turn of the server's loop: dispatch whatever is ready. Returns the number of events.
+  int turn(int timeout_ms = 50) {
     epoll_event evs[32];
     int n = ::epoll_wait(epoll_.get(), evs, 32, timeout_ms);
     for (int i = 0; i < n; ++i)
       http_.on_event(static_cast<int>(evs[i].data.u64 & 0xffffffff), evs[i].events, now_);
+    return n < 0 ? 0 : n;
   }
   UniqueFd connect_client() {
     UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -139,6 +141,94 @@ TEST_F(MetricsHttpTest, SlowClientsAreEvictedAndExpireWithoutBlockingOthers) {
     char b;
     EXPECT_EQ(::read(fd.get(), &b, 1), 0);
   }
+}
+
+// A full descriptor table: accept fails with EMFILE and the scrape stays queued, so the
+// level-triggered listener stays readable. The listener must rest (leave the epoll set) instead
+// of waking the loop on every turn, and take the scrape once its rest is over.
+TEST_F(MetricsHttpTest, AListenerOutOfDescriptorsRestsInsteadOfSpinning) {
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  // A client connected first (its socket is the test's), then the table filled up to a lowered
+  // soft limit: the backend side of the connection has no descriptor to take.
+  UniqueFd client(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(http_.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(client.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  int highest = ::dup(epoll_.get());
+  ASSERT_GE(highest, 0);
+  ::close(highest);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(highest) + 64;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<UniqueFd> filler;
+  for (;;) {
+    int fd = ::dup(epoll_.get());
+    if (fd < 0) break;
+    filler.emplace_back(fd);
+  }
+  const int fill_err = errno;
+  const uint64_t accepts_before = http_.accepts();
+  int wakeups = 0;
+  for (int i = 0; i < 200; ++i) wakeups += turn(0);
+  const uint64_t accepts_full = http_.accepts() - accepts_before, rests_full = http_.rests();
+  // The time of the rest passes (the loop's clock, not the wall's): it looks once more, and
+  // rests again while the table is still full.
+  now_ += ListenerRest::kRestNs;
+  http_.poll(now_);
+  EXPECT_EQ(http_.rest_until_ns(), 0u);
+  for (int i = 0; i < 200; ++i) wakeups += turn(0);
+  const uint64_t rests_after = http_.rests();
+  // A descriptor comes free: after the rest the scrape is accepted and answered.
+  filler.clear();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_EQ(fill_err, EMFILE);
+  EXPECT_EQ(wakeups, 2) << "the listener woke the loop on every turn";
+  EXPECT_EQ(accepts_full, 1u);
+  EXPECT_EQ(rests_full, 1u);
+  EXPECT_EQ(rests_after, 2u);
+  EXPECT_NE(http_.rest_until_ns(), 0u);
+  now_ += ListenerRest::kRestNs;
+  http_.poll(now_);
+  send_all(client.get(), "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_TRUE(response(client.get()).starts_with("HTTP/1.1 200 OK"));
+  EXPECT_EQ(http_.rest_until_ns(), 0u);
+}
+
+// A client that closes frees a descriptor: a resting listener is watched again at once.
+TEST_F(MetricsHttpTest, AClosedClientEndsTheRest) {
+  UniqueFd c = connect_client();
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  UniqueFd waiting(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(http_.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(waiting.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  int highest = ::dup(epoll_.get());
+  ASSERT_GE(highest, 0);
+  ::close(highest);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(highest) + 16;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<UniqueFd> filler;
+  for (int fd; (fd = ::dup(epoll_.get())) >= 0;) filler.emplace_back(fd);
+  for (int i = 0; i < 50; ++i) turn(0);
+  const bool rested = http_.rest_until_ns() != 0;
+  // The first client's request is answered and its connection closed: one descriptor free.
+  send_all(c.get(), "GET /metrics HTTP/1.1\r\n\r\n");
+  const bool answered = response(c.get()).starts_with("HTTP/1.1 200 OK");
+  const bool awake = http_.rest_until_ns() == 0;
+  filler.clear();
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_TRUE(rested);
+  EXPECT_TRUE(answered);
+  EXPECT_TRUE(awake);
+  send_all(waiting.get(), "GET /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_TRUE(response(waiting.get()).starts_with("HTTP/1.1 200 OK"));
 }
 
 TEST(MetricsHttpListen, BadOrTakenAddressesAreErrors) {

@@ -202,6 +202,53 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
 }
 
+// The segment quotas (count and bytes per guest, mapped bytes for all guests) are in the status
+// document, its text header and the metrics, each beside what the guests use.
+TEST_F(OpsTest, SegmentQuotasAndUseAreShown) {
+  connect_both();
+  cfg_.quotas.max_segments = 9;
+  cfg_.quotas.max_segment_bytes = 1ull << 20;
+  cfg_.quotas.max_mapped_bytes = 3ull << 20;
+  const json st = status();
+  const json& q = st["backend"]["quotas"];
+  EXPECT_EQ(q["segment"], 9);
+  EXPECT_EQ(q["segment_bytes"], 1ull << 20);
+  EXPECT_EQ(q["mapped_bytes"], 3ull << 20);
+  // Each guest registered one segment of kMemBytes and one MR over it.
+  for (const auto& g : st["guests"]) {
+    EXPECT_EQ(g["resources"]["segment"], 1) << g.dump();
+    EXPECT_EQ(g["resources"]["segment_bytes"], kMemBytes) << g.dump();
+    EXPECT_EQ(g["resources"]["mr_bytes"], kMemBytes) << g.dump();
+  }
+  EXPECT_EQ(st["totals"]["segment_bytes"], 2 * kMemBytes);
+  const std::string h = cli::status_header(st);
+  EXPECT_NE(h.find(fmt::format("mr bytes {}/{}", kMemBytes, cfg_.quotas.max_mr_bytes)),
+            std::string::npos)
+      << h;
+  EXPECT_NE(h.find("segment 1/9"), std::string::npos) << h;
+  EXPECT_NE(h.find(fmt::format("segment bytes {}/1048576", kMemBytes)), std::string::npos) << h;
+  EXPECT_NE(h.find(fmt::format("mapped bytes (guests shown/limit for all guests): {}/3145728\n",
+                               2 * kMemBytes)),
+            std::string::npos)
+      << h;
+  const std::string m = backend::prometheus_text(st, true);
+  for (const std::string& want : std::vector<std::string>{
+           "vrdma_quota{resource=\"segment\"} 9\n",
+           "vrdma_quota{resource=\"segment_bytes\"} 1048576\n",
+           "vrdma_quota{resource=\"mapped_bytes\"} 3145728\n",
+           fmt::format("vrdma_mapped_bytes {}\n", 2 * kMemBytes),
+           fmt::format("vrdma_resources{{guest=\"a\",kind=\"segment_bytes\"}} {}\n", kMemBytes),
+           "vrdma_resources{guest=\"b\",kind=\"segment\"} 1\n"})
+    EXPECT_NE(m.find(want), std::string::npos) << want << " not in:\n" << m;
+  // A segment released gives its bytes back, in the status as in the quota.
+  ASSERT_TRUE(dev_.dereg_mr(*a_.s, ma_.mr.handle).is_ok());
+  ASSERT_EQ(a_.s->segments.size(), 1u);
+  ASSERT_TRUE(dev_.dereg_segment(*a_.s, a_.s->segments.begin()->first).is_ok());
+  const json after = status();
+  EXPECT_EQ(after["totals"]["segment_bytes"], kMemBytes);
+  EXPECT_EQ(after["totals"]["segment"], 1);
+}
+
 TEST(PrometheusText, EscapesLabelValues) {
   // Guest names come from the guest (VRDMA_GUEST): quotes, backslashes, newlines are escaped.
   json st = {{"backend",
@@ -329,6 +376,7 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(st["totals"]["qp"], 1);
   EXPECT_EQ(st["totals"]["cq"], 2);
   EXPECT_EQ(st["totals"]["mr"], 1);
+  EXPECT_EQ(st["totals"]["segment_bytes"], kMemBytes);  // its own guest's, not a's too
   // The other user sees only b; the CLI's views work on what is left.
   const json other = as(kOther);
   EXPECT_EQ(guests_in(other), std::set<std::string>{"b"});
@@ -344,6 +392,52 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(cli::status_header(as(0)).find("view:"), std::string::npos);
   EXPECT_EQ(cli::stat_rows(other, "guest", {})->size(), 1u);
   EXPECT_EQ(cli::stat_rows(other, "qp", {})->size(), 1u);
+}
+
+// Status for callers who are not admins comes from a snapshot at most status_min_interval_ms old
+// (the clock is the test's): a caller asking in a loop does not render the device each time, but
+// sees its own changes at once. Admins get a fresh document every time.
+TEST_F(VisibilityTest, StatusForNonAdminsComesFromARateLimitedSnapshot) {
+  ASSERT_EQ(cfg_.status_min_interval_ms, 100);
+  const backend::Viewer owner{kOwner, false}, other{kOther, false}, admin{0, true};
+  auto qps = [](const backend::Reporter::View& v) {
+    return json::parse(v.json)["totals"]["qp"].get<uint64_t>();
+  };
+  const uint64_t t0 = now_;
+  const std::string first = rep_.status_for(dev_, owner, t0).json;
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  EXPECT_EQ(rep_.status_for(dev_, owner, t0 + 1'000'000).guests, 1u);
+  for (int i = 0; i < 1000; ++i) rep_.status_for(dev_, owner, t0 + 2'000'000);
+  EXPECT_EQ(rep_.status_for(dev_, other, t0 + 3'000'000).guests, 1u);  // its own guest only
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  EXPECT_EQ(rep_.status_for(dev_, owner, t0 + 4'000'000).json, first);
+  // b's QP goes without its user's session saying so (another user's change): the snapshot is
+  // stale until the interval is over.
+  ASSERT_TRUE(dev_.destroy_qp(*b_.s, qb_.handle).is_ok());
+  EXPECT_EQ(qps(rep_.status_for(dev_, other, t0 + 5'000'000)), 1u);
+  EXPECT_EQ(rep_.status_renders(), 1u);
+  // The caller's own change (the server notes every command that succeeds): seen at once.
+  rep_.note_change(kOther);
+  EXPECT_EQ(qps(rep_.status_for(dev_, owner, t0 + 6'000'000)), 1u);  // a's own QP
+  EXPECT_EQ(rep_.status_renders(), 1u);                              // not a's change
+  EXPECT_EQ(qps(rep_.status_for(dev_, other, t0 + 6'000'000)), 0u);
+  EXPECT_EQ(rep_.status_renders(), 2u);
+  // Once the interval is over, the next request renders again.
+  rep_.status_for(dev_, owner, t0 + 6'000'000 + 99'999'999);
+  EXPECT_EQ(rep_.status_renders(), 2u);
+  rep_.status_for(dev_, owner, t0 + 6'000'000 + 100'000'000);
+  EXPECT_EQ(rep_.status_renders(), 3u);
+  // Admins: fresh every time, with what only they see.
+  const backend::Reporter::View& a = rep_.status_for(dev_, admin, t0 + 106'000'000);
+  EXPECT_EQ(a.guests, 2u);
+  EXPECT_NE(a.json.find("\"rkey\""), std::string::npos);
+  rep_.status_for(dev_, admin, t0 + 106'000'000);
+  EXPECT_EQ(rep_.status_renders(), 5u);
+  // 0: every request renders.
+  cfg_.status_min_interval_ms = 0;
+  rep_.status_for(dev_, owner, t0 + 106'000'000);
+  rep_.status_for(dev_, owner, t0 + 106'000'000);
+  EXPECT_EQ(rep_.status_renders(), 7u);
 }
 
 TEST_F(VisibilityTest, AStrangerOrAnUnknownCallerSeesNoGuest) {

@@ -92,6 +92,7 @@ Status TcpTransport::start() {
     opt_.listen = fmt::format("{}:{}", ip, ntohs(la.sin_port));
   }
   watch_listener(true);
+  accept_rest_.bind(epoll_.get(), listen_.get(), 0);  // data 0: the listener (watch_listener)
   std::vector<std::string> to_dial = opt_.peers;
   // Forced: pairs on this backend go through our own listener, like any peer.
   if (opt_.force) to_dial.push_back(opt_.listen);
@@ -147,6 +148,7 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   graveyard_.push_back(std::move(it->second));
   conns_.erase(it);
   c->fd.reset();
+  accept_rest_.end();  // a descriptor is free again
   c->txq.clear();  // drops the holds on guest memory; the engine replays what is unacknowledged
   c->sink = {};
 }
@@ -163,15 +165,14 @@ bool TcpTransport::accept_all(uint64_t now_ns) {
     int fd = ::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EMFILE && errno != ENFILE && errno != ENOBUFS && errno != ENOMEM) return true;
+      const int err = errno;
+      if (!ListenerRest::out_of_descriptors(err)) return true;
       // The connection stays queued and the listener readable: rest it (poll() takes it back),
       // or the backend's loop would see work on every turn.
       uint64_t held = 0;
-      if (accept_log_.ready(now_ns, held))
-        VLOG_WARN("tcp: accept: {}; not accepting for {} ms{}", std::strerror(errno),
-                  kAcceptPauseMs, log::held_note(held));
-      watch_listener(false);
-      accept_resume_ns_ = now_ns + kAcceptPauseMs * 1000000;
+      if (accept_rest_.start(now_ns, held))
+        VLOG_WARN("tcp: accept: {}; not accepting for {} ms{}", std::strerror(err),
+                  ListenerRest::kRestNs / 1000000, log::held_note(held));
       return false;
     }
     Conn* c = add_conn(UniqueFd(fd), "");
@@ -526,16 +527,13 @@ uint64_t TcpTransport::next_deadline() const {
     if (!x.conn && (x.node.empty() || !by_node_.count(x.node))) at(x.next_ns);
     if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
   }
-  if (accept_resume_ns_) at(accept_resume_ns_);
+  if (accept_rest_.until_ns()) at(accept_rest_.until_ns());
   return d;
 }
 
 bool TcpTransport::poll(uint64_t now_ns) {
   bool did = false;
-  if (accept_resume_ns_ && now_ns >= accept_resume_ns_) {
-    accept_resume_ns_ = 0;
-    watch_listener(true);
-  }
+  accept_rest_.poll(now_ns);
   for (Dial& d : dials_) {
     if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
       close_conn(d.conn, "connect timed out");

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/listener_rest.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -40,9 +41,6 @@ class TcpTransport final : public Transport {
   /// A connect that has not finished by then is given up and redialed (a SYN to a host that
   /// is gone would otherwise wait for the kernel's minutes).
   static constexpr uint64_t kConnectTimeoutMs = 500;
-  /// The listener rests this long after accept fails for want of descriptors (EMFILE/ENFILE):
-  /// it stays readable, and accepting again at once would spin.
-  static constexpr uint64_t kAcceptPauseMs = 100;
 
   /// Binds the listener; dialing starts with the first poll().
   static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
@@ -135,8 +133,8 @@ class TcpTransport final : public Transport {
   Options opt_;
   Receiver& rx_;
   UniqueFd epoll_, listen_;
-  uint64_t accept_resume_ns_ = 0;          ///< nonzero: the listener is paused until then
-  log::Every accept_log_{10'000'000'000};  ///< one line per 10 s while descriptors run out
+  /// The listener's rest when accept finds no descriptor (one log line per 10 s).
+  ListenerRest accept_rest_{10'000'000'000};
   std::vector<Dial> dials_;
   std::map<int, std::unique_ptr<Conn>> conns_;      ///< by fd
   std::unordered_map<std::string, Conn*> by_node_;  ///< the connection frames to a node use
