@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/memfd.h"
 #include "verbs/internal.h"
+#include "verbs/stop_world.h"
 
 namespace vrdma::verbs {
 namespace {
@@ -111,30 +112,90 @@ void forget_unmapped_segments() {
   }
 }
 
-/// Moves the anonymous pages [a, b) into a new segment mapped at the same address.
-/// Caveat (documented): a write by another thread to these pages while they are copied is lost.
-int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
-  id = g_next_segment++;
-  auto fd = make_sealed_memfd("vrdma-seg-" + std::to_string(id), b - a);
-  if (!fd.is_ok()) {
-    VLOG_ERROR("reg_mr: {}", fd.status().message());
-    return ENOMEM;
+/// A piece of an MR's page range inside one mapping of /proc/self/maps.
+struct Piece {
+  Vma v;
+  uintptr_t a, b;  ///< the part of v the MR's pages cover
+  uint32_t id;     ///< its segment; 0 while it is anonymous memory still to be moved into one
+};
+
+/// Moves the anonymous pieces (id 0) into new segments mapped at the same addresses, with the
+/// process's other threads stopped (stop_world.h), so that no write to these pages (the MR's
+/// or its neighbours') is lost between the copy and the remap. A piece in a mapping that holds
+/// a thread's stack pointer is refused (EFAULT): the thread writes there all the time.
+int make_segments(std::vector<Piece>& pieces) {
+  struct Fresh {
+    Piece* piece;
+    uint32_t id;
+    UniqueFd fd;
+    MappedRegion copy;  ///< the memfd, mapped here for the copy
+  };
+  std::vector<Fresh> fresh;
+  // Everything that allocates is prepared before the threads stop (one may hold malloc's lock).
+  for (Piece& p : pieces) {
+    if (p.id != 0) continue;
+    const uint32_t id = g_next_segment++;
+    auto fd = make_sealed_memfd("vrdma-seg-" + std::to_string(id), p.b - p.a);
+    if (!fd.is_ok()) {
+      VLOG_ERROR("reg_mr: {}", fd.status().message());
+      return ENOMEM;
+    }
+    MappedRegion copy = MappedRegion::map_shared(fd->get(), p.b - p.a);
+    if (!copy.valid()) return ENOMEM;
+    fresh.push_back(Fresh{&p, id, std::move(fd.value()), std::move(copy)});
   }
-  MappedRegion tmp = MappedRegion::map_shared(fd->get(), b - a);
-  if (!tmp.valid()) return ENOMEM;
-  const bool readable = v.perms[0] == 'r';
-  if (!readable && ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ) != 0) return EFAULT;
-  for (uintptr_t p = a; p < b; p += kPage) {
-    const auto* src = reinterpret_cast<const uint8_t*>(p);
-    if (!page_is_zero(src)) copy_page(tmp.data() + (p - a), src);
+  if (fresh.empty()) return 0;
+  WorldStop world;
+  if (int rc = world.stop()) return rc;
+  // Stopped: system calls and the memory prepared above only (no allocation, no log).
+  uintptr_t stack_sp = 0;
+  const Piece* on_stack = nullptr;
+  for (const Fresh& f : fresh) {
+    for (uintptr_t sp : world.stack_pointers()) {
+      if (sp >= f.piece->v.start && sp < f.piece->v.end) {
+        on_stack = f.piece;
+        stack_sp = sp;
+      }
+    }
   }
-  void* r = ::mmap(reinterpret_cast<void*>(a), b - a, prot_of(v), MAP_SHARED | MAP_FIXED,
-                   fd->get(), 0);
-  if (r == MAP_FAILED) {
-    VLOG_ERROR("reg_mr: remapping {:#x}+{:#x}: {}", a, b - a, std::strerror(errno));
+  size_t done = 0;
+  int failed_errno = 0;
+  for (; !on_stack && done < fresh.size(); ++done) {
+    const Piece& p = *fresh[done].piece;
+    if (p.v.perms[0] != 'r' &&
+        ::mprotect(reinterpret_cast<void*>(p.a), p.b - p.a, PROT_READ) != 0) {
+      failed_errno = errno;
+      break;
+    }
+    for (uintptr_t at = p.a; at < p.b; at += kPage) {
+      const auto* src = reinterpret_cast<const uint8_t*>(at);
+      if (!page_is_zero(src)) copy_page(fresh[done].copy.data() + (at - p.a), src);
+    }
+    if (::mmap(reinterpret_cast<void*>(p.a), p.b - p.a, prot_of(p.v), MAP_SHARED | MAP_FIXED,
+               fresh[done].fd.get(), 0) == MAP_FAILED) {
+      failed_errno = errno;
+      ::mprotect(reinterpret_cast<void*>(p.a), p.b - p.a, prot_of(p.v));
+      break;
+    }
+  }
+  world.release();
+  for (size_t i = 0; i < done; ++i) {
+    Piece& p = *fresh[i].piece;
+    p.id = fresh[i].id;
+    g_segments[p.id] = ProcSegment{p.a, p.b, std::move(fresh[i].fd)};
+  }
+  if (on_stack) {
+    VLOG_ERROR(
+        "reg_mr: {:#x}+{:#x} is in the mapping {:#x}-{:#x} that holds a thread's stack "
+        "(stack pointer {:#x}); stacks cannot be registered",
+        on_stack->a, on_stack->b - on_stack->a, on_stack->v.start, on_stack->v.end, stack_sp);
     return EFAULT;
   }
-  g_segments[id] = ProcSegment{a, b, std::move(fd.value())};
+  if (done < fresh.size()) {
+    const Piece& p = *fresh[done].piece;
+    VLOG_ERROR("reg_mr: remapping {:#x}+{:#x}: {}", p.a, p.b - p.a, std::strerror(failed_errno));
+    return EFAULT;
+  }
   forget_unmapped_segments();
   return 0;
 }
@@ -235,33 +296,45 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
   const uintptr_t lo = addr & ~(kPage - 1);
   const uintptr_t hi = (addr + len + kPage - 1) & ~(kPage - 1);
   std::lock_guard<std::mutex> g(g_segments_mu);
-  std::vector<Vma> vmas = read_maps(lo, hi);
+  // First what the range is made of, then new segments for its anonymous pieces (all at once,
+  // one stop of the other threads), then each extent.
+  std::vector<Piece> pieces;
   uintptr_t cursor = lo;
-  req.num_extents = 0;
-  for (const Vma& v : vmas) {
+  for (const Vma& v : read_maps(lo, hi)) {
     if (v.start > cursor) break;  // a hole
-    const uintptr_t a = std::max(v.start, lo), b = std::min(v.end, hi);
-    uint32_t id = 0;
-    uint64_t seg_off = 0;
-    if (segment_id(v) != 0) {
-      id = segment_id(v);
-      if (!g_segments.count(id)) {
-        VLOG_ERROR("reg_mr: unknown segment {}", id);
+    Piece p{v, std::max(v.start, lo), std::min(v.end, hi), segment_id(v)};
+    if (p.id != 0) {
+      if (!g_segments.count(p.id)) {
+        VLOG_ERROR("reg_mr: unknown segment {}", p.id);
         return EFAULT;
       }
-      seg_off = v.offset + (a - v.start);
-    } else if (v.perms[3] == 'p' && (v.path.empty() || v.path == "[heap]")) {
-      if (int rc = make_segment(v, a, b, id)) return rc;
-      seg_off = 0;
-    } else {
-      VLOG_ERROR("reg_mr: memory at {:#x} ({} {}) is not anonymous private memory; vrdma cannot "
-                 "register it yet", a, v.perms, v.path);
+    } else if (v.path == "[stack]") {
+      VLOG_ERROR("reg_mr: {:#x} is on the main thread's stack; stacks cannot be registered", p.a);
+      return EFAULT;
+    } else if (v.perms[3] != 'p' || !(v.path.empty() || v.path == "[heap]")) {
+      VLOG_ERROR(
+          "reg_mr: memory at {:#x} ({} {}) is not anonymous private memory; vrdma cannot "
+          "register it yet",
+          p.a, v.perms, v.path);
       return EFAULT;
     }
-    if (req.num_extents == proto::kMaxMrExtents) {
+    if (pieces.size() == proto::kMaxMrExtents) {
       VLOG_ERROR("reg_mr: range spans more than {} mappings", proto::kMaxMrExtents);
       return EINVAL;
     }
+    pieces.push_back(p);
+    cursor = p.b;
+  }
+  if (cursor < hi) {
+    VLOG_ERROR("reg_mr: {:#x}+{:#x} is not fully mapped", addr, len);
+    return EFAULT;
+  }
+  if (int rc = make_segments(pieces)) return rc;
+  req.num_extents = 0;
+  for (const Piece& p : pieces) {
+    // A new segment starts at p.a; in an existing one, the mapping says where p.a is.
+    const uint64_t seg_off = segment_id(p.v) != 0 ? p.v.offset + (p.a - p.v.start) : 0;
+    const uint32_t id = p.id;
     // This context's backend session must know the segment.
     auto known = ctx.segments.find(id);
     if (known == ctx.segments.end()) {
@@ -277,17 +350,12 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     // between here and kRegMr.
     known->second.uses++;
     segments.push_back(id);
-    const uintptr_t x = std::max(a, addr), y = std::min(b, addr + len);
+    const uintptr_t x = std::max(p.a, addr), y = std::min(p.b, addr + len);
     proto::MrExtent& e = req.extents[req.num_extents++];
     e.mr_offset = x - addr;
     e.length = y - x;
-    e.seg_offset = seg_off + (x - a);
+    e.seg_offset = seg_off + (x - p.a);
     e.segment = known->second.handle;
-    cursor = b;
-  }
-  if (cursor < hi) {
-    VLOG_ERROR("reg_mr: {:#x}+{:#x} is not fully mapped", addr, len);
-    return EFAULT;
   }
   return 0;
 }
