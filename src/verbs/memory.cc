@@ -31,6 +31,7 @@ constexpr char kSegPrefix[] = "/memfd:vrdma-seg-";
 struct ProcSegment {
   uintptr_t start, end;  ///< where it was made; parts may have been unmapped since
   UniqueFd fd;
+  bool dontfork = false;  ///< MADV_DONTFORK (fork_safe()): a child gets none of it
 };
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
@@ -182,7 +183,10 @@ int make_segments(std::vector<Piece>& pieces) {
   for (size_t i = 0; i < done; ++i) {
     Piece& p = *fresh[i].piece;
     p.id = fresh[i].id;
-    g_segments[p.id] = ProcSegment{p.a, p.b, std::move(fresh[i].fd)};
+    // As rdma-core's ibv_fork_init: a child does not get registered pages (nor a copy of them).
+    const bool dontfork =
+        fork_safe() && ::madvise(reinterpret_cast<void*>(p.a), p.b - p.a, MADV_DONTFORK) == 0;
+    g_segments[p.id] = ProcSegment{p.a, p.b, std::move(fresh[i].fd), dontfork};
   }
   if (on_stack) {
     VLOG_ERROR(
@@ -208,7 +212,10 @@ int make_segments(std::vector<Piece>& pieces) {
 // copy to be that snapshot, the parent waits in its fork handler until the child has copied:
 // otherwise it would be changing the pages (and its heap) under the copy. As with rdma-core,
 // the child cannot use the parent's verbs objects; its segments are forgotten.
-// Cost: the child copies every registered segment once, while the parent waits.
+// Cost: the child copies every registered segment once, while the parent waits. Not with
+// fork_safe() (ibv_fork_init, RDMAV_FORK_SAFE): segments made then are MADV_DONTFORK, the child
+// gets no mapping there at all (as with rdma-core, which MADV_DONTFORKs an MR's pages), and
+// nothing is copied; the bytes beside an MR in its pages vanish from the child with them.
 int g_fork_pipe[2] = {-1, -1};
 
 // The mappings to privatize are read from /proc/self/maps (not taken from the ranges the
@@ -224,7 +231,10 @@ std::vector<SegMapping> g_fork_maps;
 void list_segment_mappings() {
   g_fork_maps.clear();
   for (const Vma& v : read_maps(0, UINTPTR_MAX)) {
-    if (segment_id(v) != 0) g_fork_maps.push_back({v.start, v.end, prot_of(v)});
+    const uint32_t id = segment_id(v);
+    auto it = g_segments.find(id);
+    if (id != 0 && (it == g_segments.end() || !it->second.dontfork))
+      g_fork_maps.push_back({v.start, v.end, prot_of(v)});
   }
 }
 
@@ -257,6 +267,7 @@ struct ForkGuard {
           g_segments_mu.lock();
           if (g_segments.empty()) return;
           list_segment_mappings();
+          if (g_fork_maps.empty()) return;  // all MADV_DONTFORK: nothing to copy
           if (::pipe2(g_fork_pipe, O_CLOEXEC) != 0) g_fork_pipe[0] = g_fork_pipe[1] = -1;
         },
         [] {

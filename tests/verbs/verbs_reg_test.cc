@@ -3,6 +3,7 @@
 // it; buffers on a thread's stack are refused with EFAULT.
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <chrono>
@@ -158,6 +159,34 @@ TEST_F(VerbsRegTest, OtherThreadsStackIsRefused) {
   expect_refused(pd_, buf.load(), 8192);
   leave.store(true, std::memory_order_release);
   other.join();
+}
+
+// After ibv_fork_init() registered pages are MADV_DONTFORK, as with rdma-core: a child has no
+// mapping there (and fork() copies nothing), while the parent keeps its data. Without it a child
+// gets a private copy (verbs_two_process_test and the e2e tests fork with registered memory).
+TEST_F(VerbsRegTest, ForkInitLeavesRegisteredPagesOutOfTheChild) {
+  ASSERT_EQ(ibv_fork_init(), 0);
+  EXPECT_EQ(ibv_is_fork_initialized(), IBV_FORK_ENABLED);
+  constexpr size_t kLen = 4 * kPage;
+  void* m = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  std::memset(m, 0x5a, kLen);
+  ibv_mr* mr = ibv_reg_mr(pd_, m, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // mincore fails with ENOMEM on an address with no mapping.
+    unsigned char vec[4];
+    const bool mapped = ::mincore(m, kLen, vec) == 0 || errno != ENOMEM;
+    ::_exit(mapped ? 1 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(static_cast<unsigned char*>(m)[kLen - 1], 0x5a);
+  EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  ::munmap(m, kLen);
 }
 
 }  // namespace
