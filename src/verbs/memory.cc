@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/log.h"
@@ -120,6 +121,75 @@ struct Piece {
   uint32_t id;     ///< its segment; 0 while it is anonymous memory still to be moved into one
 };
 
+enum class Recheck { kSame, kChanged, kOnStack, kTooBig };
+
+/// Reads /proc/self/maps into `buf` again (the threads stopped: no allocation) and checks that
+/// each piece still lies in anonymous private mappings with the permissions read before (another
+/// thread may have unmapped or replaced them meanwhile), none of which holds a stack pointer in
+/// `sps`. `*bad` is the piece that failed, `*bad_sp` the stack pointer.
+template <typename Pieces>
+Recheck recheck_maps(std::vector<char>& buf, const Pieces& pieces, std::span<const uintptr_t> sps,
+                     const Piece** bad, uintptr_t* bad_sp) {
+  *bad = pieces.front();
+  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Recheck::kChanged;
+  size_t n = 0;
+  for (ssize_t r; n < buf.size() && (r = ::read(fd, buf.data() + n, buf.size() - n)) != 0;) {
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      return Recheck::kChanged;
+    }
+    n += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  if (n == buf.size()) return Recheck::kTooBig;
+  for (const Piece* p : pieces) {
+    *bad = p;
+    uintptr_t covered = p->a;
+    for (size_t at = 0; at < n;) {
+      const char* line = buf.data() + at;
+      const char* eol = static_cast<const char*>(std::memchr(line, '\n', n - at));
+      const size_t len = eol ? static_cast<size_t>(eol - line) : n - at;
+      at += len + 1;
+      // "start-end perms offset dev inode   path"
+      const char* c = line;
+      auto hex = [&c] {
+        uintptr_t v = 0;
+        for (;; ++c) {
+          const int d = *c >= '0' && *c <= '9'   ? *c - '0'
+                        : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10
+                                                 : -1;
+          if (d < 0) return v;
+          v = v << 4 | static_cast<uintptr_t>(d);
+        }
+      };
+      const uintptr_t start = hex();
+      ++c;
+      const uintptr_t end = hex();
+      if (end <= p->a || start >= p->b) continue;
+      for (uintptr_t sp : sps) {
+        if (sp >= start && sp < end) {
+          *bad_sp = sp;
+          return Recheck::kOnStack;
+        }
+      }
+      const char* perms = c + 1;
+      // The path is the sixth field; fields are separated by spaces.
+      const char* path = perms;
+      for (int field = 0; field < 4 && path < line + len; ++path)
+        if (*path == ' ' && path[1] != ' ') ++field;
+      while (path < line + len && *path == ' ') ++path;
+      const std::string_view name(path, static_cast<size_t>(line + len - path));
+      if (start > covered || std::memcmp(perms, p->v.perms, 4) != 0 || name != p->v.path)
+        return Recheck::kChanged;
+      covered = end;
+    }
+    if (covered < p->b) return Recheck::kChanged;
+  }
+  return Recheck::kSame;
+}
+
 /// Moves the anonymous pieces (id 0) into new segments mapped at the same addresses, with the
 /// process's other threads stopped (stop_world.h), so that no write to these pages (the MR's
 /// or its neighbours') is lost between the copy and the remap. A piece in a mapping that holds
@@ -146,18 +216,34 @@ int make_segments(std::vector<Piece>& pieces) {
     fresh.push_back(Fresh{&p, id, std::move(fd.value()), std::move(copy)});
   }
   if (fresh.empty()) return 0;
+  std::vector<const Piece*> checked;
+  for (const Fresh& f : fresh) checked.push_back(f.piece);
+  std::vector<char> maps(size_t{1} << 20);
   WorldStop world;
-  if (int rc = world.stop()) return rc;
-  // Stopped: system calls and the memory prepared above only (no allocation, no log).
+  Recheck now = Recheck::kTooBig;
+  const Piece* bad = nullptr;
   uintptr_t stack_sp = 0;
-  const Piece* on_stack = nullptr;
-  for (const Fresh& f : fresh) {
-    for (uintptr_t sp : world.stack_pointers()) {
-      if (sp >= f.piece->v.start && sp < f.piece->v.end) {
-        on_stack = f.piece;
-        stack_sp = sp;
-      }
-    }
+  for (;;) {
+    if (int rc = world.stop()) return rc;
+    // Stopped: system calls and the memory prepared above only (no allocation, no log).
+    now = recheck_maps(maps, checked, world.stack_pointers(), &bad, &stack_sp);
+    if (now != Recheck::kTooBig || maps.size() >= (size_t{64} << 20)) break;
+    world.release();
+    maps.resize(maps.size() * 4);
+  }
+  const Piece* on_stack = now == Recheck::kOnStack ? bad : nullptr;
+  if (now == Recheck::kTooBig) {
+    world.release();
+    VLOG_ERROR("reg_mr: /proc/self/maps is larger than {} bytes; cannot check it", maps.size());
+    return ENOMEM;
+  }
+  if (now == Recheck::kChanged) {
+    world.release();
+    VLOG_ERROR(
+        "reg_mr: the mappings of {:#x}+{:#x} changed during the registration (another "
+        "thread unmapped or replaced them)",
+        bad->a, bad->b - bad->a);
+    return EFAULT;
   }
   size_t done = 0;
   int failed_errno = 0;
