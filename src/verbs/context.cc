@@ -546,14 +546,22 @@ VERBS_EXPORT int ibv_get_async_event(ibv_context* c, ibv_async_event* ev) {
 VERBS_EXPORT void ibv_ack_async_event(ibv_async_event*) {}
 
 VERBS_EXPORT int ibv_fork_init(void) {
-  // Registered pages are shared memfd mappings: after fork() parent and child share them
-  // (documented in docs/ARCHITECTURE.md); there is nothing to set up.
+  // From now on registered pages are MADV_DONTFORK (memory.cc), as with rdma-core: a child
+  // does not get them, and fork() no longer copies them.
   g_fork_init = true;
   return 0;
 }
 
+namespace vrdma::verbs {
+bool fork_safe() {
+  // rdma-core reads these at ibv_get_device_list; read at the first registration here.
+  static const bool env = ::getenv("RDMAV_FORK_SAFE") || ::getenv("IBV_FORK_SAFE");
+  return env || g_fork_init.load();
+}
+}  // namespace vrdma::verbs
+
 VERBS_EXPORT enum ibv_fork_status ibv_is_fork_initialized(void) {
-  return g_fork_init ? IBV_FORK_ENABLED : IBV_FORK_DISABLED;
+  return vrdma::verbs::fork_safe() ? IBV_FORK_ENABLED : IBV_FORK_DISABLED;
 }
 
 VERBS_EXPORT int ibv_dontfork_range(void*, size_t) { return 0; }

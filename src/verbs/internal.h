@@ -202,6 +202,9 @@ int req_notify_cq(ibv_cq* cq, int solicited_only);
 // caller gives them back with release_segments when the registration fails or the MR goes.
 int describe_memory(VContext& ctx, void* addr, size_t len, proto::RegMrReq& req,
                     std::vector<uint32_t>& segments);
+/// Whether ibv_fork_init() was called or RDMAV_FORK_SAFE/IBV_FORK_SAFE is set (context.cc):
+/// new segments are then MADV_DONTFORK and fork() does not copy them.
+bool fork_safe();
 /// Gives back one use per entry of `segments`; a segment of the context's session that no MR
 /// uses any more is released there (kDeregSegment).
 void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);

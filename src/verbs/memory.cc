@@ -15,11 +15,13 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/log.h"
 #include "common/memfd.h"
 #include "verbs/internal.h"
+#include "verbs/stop_world.h"
 
 namespace vrdma::verbs {
 namespace {
@@ -30,6 +32,7 @@ constexpr char kSegPrefix[] = "/memfd:vrdma-seg-";
 struct ProcSegment {
   uintptr_t start, end;  ///< where it was made; parts may have been unmapped since
   UniqueFd fd;
+  bool dontfork = false;  ///< MADV_DONTFORK (fork_safe()): a child gets none of it
 };
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
@@ -111,30 +114,178 @@ void forget_unmapped_segments() {
   }
 }
 
-/// Moves the anonymous pages [a, b) into a new segment mapped at the same address.
-/// Caveat (documented): a write by another thread to these pages while they are copied is lost.
-int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
-  id = g_next_segment++;
-  auto fd = make_sealed_memfd("vrdma-seg-" + std::to_string(id), b - a);
-  if (!fd.is_ok()) {
-    VLOG_ERROR("reg_mr: {}", fd.status().message());
+/// A piece of an MR's page range inside one mapping of /proc/self/maps.
+struct Piece {
+  Vma v;
+  uintptr_t a, b;  ///< the part of v the MR's pages cover
+  uint32_t id;     ///< its segment; 0 while it is anonymous memory still to be moved into one
+};
+
+enum class Recheck { kSame, kChanged, kOnStack, kTooBig };
+
+/// Reads /proc/self/maps into `buf` again (the threads stopped: no allocation) and checks that
+/// each piece still lies in anonymous private mappings with the permissions read before (another
+/// thread may have unmapped or replaced them meanwhile), none of which holds a stack pointer in
+/// `sps`. `*bad` is the piece that failed, `*bad_sp` the stack pointer.
+template <typename Pieces>
+Recheck recheck_maps(std::vector<char>& buf, const Pieces& pieces, std::span<const uintptr_t> sps,
+                     const Piece** bad, uintptr_t* bad_sp) {
+  *bad = pieces.front();
+  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Recheck::kChanged;
+  size_t n = 0;
+  for (ssize_t r; n < buf.size() && (r = ::read(fd, buf.data() + n, buf.size() - n)) != 0;) {
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      return Recheck::kChanged;
+    }
+    n += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  if (n == buf.size()) return Recheck::kTooBig;
+  for (const Piece* p : pieces) {
+    *bad = p;
+    uintptr_t covered = p->a;
+    for (size_t at = 0; at < n;) {
+      const char* line = buf.data() + at;
+      const char* eol = static_cast<const char*>(std::memchr(line, '\n', n - at));
+      const size_t len = eol ? static_cast<size_t>(eol - line) : n - at;
+      at += len + 1;
+      // "start-end perms offset dev inode   path"
+      const char* c = line;
+      auto hex = [&c] {
+        uintptr_t v = 0;
+        for (;; ++c) {
+          const int d = *c >= '0' && *c <= '9'   ? *c - '0'
+                        : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10
+                                                 : -1;
+          if (d < 0) return v;
+          v = v << 4 | static_cast<uintptr_t>(d);
+        }
+      };
+      const uintptr_t start = hex();
+      ++c;
+      const uintptr_t end = hex();
+      if (end <= p->a || start >= p->b) continue;
+      for (uintptr_t sp : sps) {
+        if (sp >= start && sp < end) {
+          *bad_sp = sp;
+          return Recheck::kOnStack;
+        }
+      }
+      const char* perms = c + 1;
+      // The path is the sixth field; fields are separated by spaces.
+      const char* path = perms;
+      for (int field = 0; field < 4 && path < line + len; ++path)
+        if (*path == ' ' && path[1] != ' ') ++field;
+      while (path < line + len && *path == ' ') ++path;
+      const std::string_view name(path, static_cast<size_t>(line + len - path));
+      if (start > covered || std::memcmp(perms, p->v.perms, 4) != 0 || name != p->v.path)
+        return Recheck::kChanged;
+      covered = end;
+    }
+    if (covered < p->b) return Recheck::kChanged;
+  }
+  return Recheck::kSame;
+}
+
+/// Moves the anonymous pieces (id 0) into new segments mapped at the same addresses, with the
+/// process's other threads stopped (stop_world.h), so that no write to these pages (the MR's
+/// or its neighbours') is lost between the copy and the remap. A piece in a mapping that holds
+/// a thread's stack pointer is refused (EFAULT): the thread writes there all the time.
+int make_segments(std::vector<Piece>& pieces) {
+  struct Fresh {
+    Piece* piece;
+    uint32_t id;
+    UniqueFd fd;
+    MappedRegion copy;  ///< the memfd, mapped here for the copy
+  };
+  std::vector<Fresh> fresh;
+  // Everything that allocates is prepared before the threads stop (one may hold malloc's lock).
+  for (Piece& p : pieces) {
+    if (p.id != 0) continue;
+    const uint32_t id = g_next_segment++;
+    auto fd = make_sealed_memfd("vrdma-seg-" + std::to_string(id), p.b - p.a);
+    if (!fd.is_ok()) {
+      VLOG_ERROR("reg_mr: {}", fd.status().message());
+      return ENOMEM;
+    }
+    MappedRegion copy = MappedRegion::map_shared(fd->get(), p.b - p.a);
+    if (!copy.valid()) return ENOMEM;
+    fresh.push_back(Fresh{&p, id, std::move(fd.value()), std::move(copy)});
+  }
+  if (fresh.empty()) return 0;
+  std::vector<const Piece*> checked;
+  for (const Fresh& f : fresh) checked.push_back(f.piece);
+  std::vector<char> maps(size_t{1} << 20);
+  WorldStop world;
+  Recheck now = Recheck::kTooBig;
+  const Piece* bad = nullptr;
+  uintptr_t stack_sp = 0;
+  for (;;) {
+    if (int rc = world.stop()) return rc;
+    // Stopped: system calls and the memory prepared above only (no allocation, no log).
+    now = recheck_maps(maps, checked, world.stack_pointers(), &bad, &stack_sp);
+    if (now != Recheck::kTooBig || maps.size() >= (size_t{64} << 20)) break;
+    world.release();
+    maps.resize(maps.size() * 4);
+  }
+  const Piece* on_stack = now == Recheck::kOnStack ? bad : nullptr;
+  if (now == Recheck::kTooBig) {
+    world.release();
+    VLOG_ERROR("reg_mr: /proc/self/maps is larger than {} bytes; cannot check it", maps.size());
     return ENOMEM;
   }
-  MappedRegion tmp = MappedRegion::map_shared(fd->get(), b - a);
-  if (!tmp.valid()) return ENOMEM;
-  const bool readable = v.perms[0] == 'r';
-  if (!readable && ::mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ) != 0) return EFAULT;
-  for (uintptr_t p = a; p < b; p += kPage) {
-    const auto* src = reinterpret_cast<const uint8_t*>(p);
-    if (!page_is_zero(src)) copy_page(tmp.data() + (p - a), src);
-  }
-  void* r = ::mmap(reinterpret_cast<void*>(a), b - a, prot_of(v), MAP_SHARED | MAP_FIXED,
-                   fd->get(), 0);
-  if (r == MAP_FAILED) {
-    VLOG_ERROR("reg_mr: remapping {:#x}+{:#x}: {}", a, b - a, std::strerror(errno));
+  if (now == Recheck::kChanged) {
+    world.release();
+    VLOG_ERROR(
+        "reg_mr: the mappings of {:#x}+{:#x} changed during the registration (another "
+        "thread unmapped or replaced them)",
+        bad->a, bad->b - bad->a);
     return EFAULT;
   }
-  g_segments[id] = ProcSegment{a, b, std::move(fd.value())};
+  size_t done = 0;
+  int failed_errno = 0;
+  for (; !on_stack && done < fresh.size(); ++done) {
+    const Piece& p = *fresh[done].piece;
+    if (p.v.perms[0] != 'r' &&
+        ::mprotect(reinterpret_cast<void*>(p.a), p.b - p.a, PROT_READ) != 0) {
+      failed_errno = errno;
+      break;
+    }
+    for (uintptr_t at = p.a; at < p.b; at += kPage) {
+      const auto* src = reinterpret_cast<const uint8_t*>(at);
+      if (!page_is_zero(src)) copy_page(fresh[done].copy.data() + (at - p.a), src);
+    }
+    if (::mmap(reinterpret_cast<void*>(p.a), p.b - p.a, prot_of(p.v), MAP_SHARED | MAP_FIXED,
+               fresh[done].fd.get(), 0) == MAP_FAILED) {
+      failed_errno = errno;
+      ::mprotect(reinterpret_cast<void*>(p.a), p.b - p.a, prot_of(p.v));
+      break;
+    }
+  }
+  world.release();
+  for (size_t i = 0; i < done; ++i) {
+    Piece& p = *fresh[i].piece;
+    p.id = fresh[i].id;
+    // As rdma-core's ibv_fork_init: a child does not get registered pages (nor a copy of them).
+    const bool dontfork =
+        fork_safe() && ::madvise(reinterpret_cast<void*>(p.a), p.b - p.a, MADV_DONTFORK) == 0;
+    g_segments[p.id] = ProcSegment{p.a, p.b, std::move(fresh[i].fd), dontfork};
+  }
+  if (on_stack) {
+    VLOG_ERROR(
+        "reg_mr: {:#x}+{:#x} is in the mapping {:#x}-{:#x} that holds a thread's stack "
+        "(stack pointer {:#x}); stacks cannot be registered",
+        on_stack->a, on_stack->b - on_stack->a, on_stack->v.start, on_stack->v.end, stack_sp);
+    return EFAULT;
+  }
+  if (done < fresh.size()) {
+    const Piece& p = *fresh[done].piece;
+    VLOG_ERROR("reg_mr: remapping {:#x}+{:#x}: {}", p.a, p.b - p.a, std::strerror(failed_errno));
+    return EFAULT;
+  }
   forget_unmapped_segments();
   return 0;
 }
@@ -147,7 +298,10 @@ int make_segment(const Vma& v, uintptr_t a, uintptr_t b, uint32_t& id) {
 // copy to be that snapshot, the parent waits in its fork handler until the child has copied:
 // otherwise it would be changing the pages (and its heap) under the copy. As with rdma-core,
 // the child cannot use the parent's verbs objects; its segments are forgotten.
-// Cost: the child copies every registered segment once, while the parent waits.
+// Cost: the child copies every registered segment once, while the parent waits. Not with
+// fork_safe() (ibv_fork_init, RDMAV_FORK_SAFE): segments made then are MADV_DONTFORK, the child
+// gets no mapping there at all (as with rdma-core, which MADV_DONTFORKs an MR's pages), and
+// nothing is copied; the bytes beside an MR in its pages vanish from the child with them.
 int g_fork_pipe[2] = {-1, -1};
 
 // The mappings to privatize are read from /proc/self/maps (not taken from the ranges the
@@ -163,7 +317,10 @@ std::vector<SegMapping> g_fork_maps;
 void list_segment_mappings() {
   g_fork_maps.clear();
   for (const Vma& v : read_maps(0, UINTPTR_MAX)) {
-    if (segment_id(v) != 0) g_fork_maps.push_back({v.start, v.end, prot_of(v)});
+    const uint32_t id = segment_id(v);
+    auto it = g_segments.find(id);
+    if (id != 0 && (it == g_segments.end() || !it->second.dontfork))
+      g_fork_maps.push_back({v.start, v.end, prot_of(v)});
   }
 }
 
@@ -196,6 +353,7 @@ struct ForkGuard {
           g_segments_mu.lock();
           if (g_segments.empty()) return;
           list_segment_mappings();
+          if (g_fork_maps.empty()) return;  // all MADV_DONTFORK: nothing to copy
           if (::pipe2(g_fork_pipe, O_CLOEXEC) != 0) g_fork_pipe[0] = g_fork_pipe[1] = -1;
         },
         [] {
@@ -235,33 +393,45 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
   const uintptr_t lo = addr & ~(kPage - 1);
   const uintptr_t hi = (addr + len + kPage - 1) & ~(kPage - 1);
   std::lock_guard<std::mutex> g(g_segments_mu);
-  std::vector<Vma> vmas = read_maps(lo, hi);
+  // First what the range is made of, then new segments for its anonymous pieces (all at once,
+  // one stop of the other threads), then each extent.
+  std::vector<Piece> pieces;
   uintptr_t cursor = lo;
-  req.num_extents = 0;
-  for (const Vma& v : vmas) {
+  for (const Vma& v : read_maps(lo, hi)) {
     if (v.start > cursor) break;  // a hole
-    const uintptr_t a = std::max(v.start, lo), b = std::min(v.end, hi);
-    uint32_t id = 0;
-    uint64_t seg_off = 0;
-    if (segment_id(v) != 0) {
-      id = segment_id(v);
-      if (!g_segments.count(id)) {
-        VLOG_ERROR("reg_mr: unknown segment {}", id);
+    Piece p{v, std::max(v.start, lo), std::min(v.end, hi), segment_id(v)};
+    if (p.id != 0) {
+      if (!g_segments.count(p.id)) {
+        VLOG_ERROR("reg_mr: unknown segment {}", p.id);
         return EFAULT;
       }
-      seg_off = v.offset + (a - v.start);
-    } else if (v.perms[3] == 'p' && (v.path.empty() || v.path == "[heap]")) {
-      if (int rc = make_segment(v, a, b, id)) return rc;
-      seg_off = 0;
-    } else {
-      VLOG_ERROR("reg_mr: memory at {:#x} ({} {}) is not anonymous private memory; vrdma cannot "
-                 "register it yet", a, v.perms, v.path);
+    } else if (v.path == "[stack]") {
+      VLOG_ERROR("reg_mr: {:#x} is on the main thread's stack; stacks cannot be registered", p.a);
+      return EFAULT;
+    } else if (v.perms[3] != 'p' || !(v.path.empty() || v.path == "[heap]")) {
+      VLOG_ERROR(
+          "reg_mr: memory at {:#x} ({} {}) is not anonymous private memory; vrdma cannot "
+          "register it yet",
+          p.a, v.perms, v.path);
       return EFAULT;
     }
-    if (req.num_extents == proto::kMaxMrExtents) {
+    if (pieces.size() == proto::kMaxMrExtents) {
       VLOG_ERROR("reg_mr: range spans more than {} mappings", proto::kMaxMrExtents);
       return EINVAL;
     }
+    pieces.push_back(p);
+    cursor = p.b;
+  }
+  if (cursor < hi) {
+    VLOG_ERROR("reg_mr: {:#x}+{:#x} is not fully mapped", addr, len);
+    return EFAULT;
+  }
+  if (int rc = make_segments(pieces)) return rc;
+  req.num_extents = 0;
+  for (const Piece& p : pieces) {
+    // A new segment starts at p.a; in an existing one, the mapping says where p.a is.
+    const uint64_t seg_off = segment_id(p.v) != 0 ? p.v.offset + (p.a - p.v.start) : 0;
+    const uint32_t id = p.id;
     // This context's backend session must know the segment.
     auto known = ctx.segments.find(id);
     if (known == ctx.segments.end()) {
@@ -277,17 +447,12 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     // between here and kRegMr.
     known->second.uses++;
     segments.push_back(id);
-    const uintptr_t x = std::max(a, addr), y = std::min(b, addr + len);
+    const uintptr_t x = std::max(p.a, addr), y = std::min(p.b, addr + len);
     proto::MrExtent& e = req.extents[req.num_extents++];
     e.mr_offset = x - addr;
     e.length = y - x;
-    e.seg_offset = seg_off + (x - a);
+    e.seg_offset = seg_off + (x - p.a);
     e.segment = known->second.handle;
-    cursor = b;
-  }
-  if (cursor < hi) {
-    VLOG_ERROR("reg_mr: {:#x}+{:#x} is not fully mapped", addr, len);
-    return EFAULT;
   }
   return 0;
 }

@@ -48,6 +48,7 @@
 #include "common/rdma_atomic.h"
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
+#include "verbs/stop_world.h"
 
 namespace vrdma::verbs {
 
@@ -1142,6 +1143,8 @@ void resume_waiting(Hub& h) {
 void run(Hub& h) {
   sigset_t all;
   ::sigfillset(&all);
+  // Except the signal that stops it while memory is registered (stop_world.h): it allocates.
+  ::sigdelset(&all, stop_signal());
   ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
   epoll_event ev[32];
   uint64_t resumed_at = now_ms();
