@@ -87,6 +87,39 @@ Setter endpoint(std::string& out, bool empty_ok) {
   };
 }
 
+/// The metrics endpoint: "ADDR:PORT", or "unix:" and an absolute path.
+Setter metrics_endpoint(std::string& out) {
+  return [&out](const toml::node& n, const std::string& at) -> Status {
+    if (!n.is_string()) return error(EINVAL, at + ": expected \"ADDR:PORT\" or \"unix:PATH\"");
+    std::string v = *n.value<std::string>();
+    if (!v.starts_with("unix:")) return endpoint(out, false)(n, at);
+    const std::string path = v.substr(5);
+    if (path.empty() || path.front() != '/' || path.back() == '/')
+      return error(EINVAL, fmt::format("{}: \"{}\": unix: needs an absolute path to a socket "
+                                       "file (\"unix:/run/vrdma/metrics.sock\")",
+                                       at, v));
+    out = std::move(v);
+    return Status::ok();
+  };
+}
+
+/// A file mode in octal, as a string ("0600"): only read and write bits, and the owner's both.
+Setter socket_mode(mode_t& out) {
+  return [&out](const toml::node& n, const std::string& at) -> Status {
+    const std::string v = n.is_string() ? *n.value<std::string>() : std::string();
+    unsigned long m = 0;
+    bool ok = n.is_string() && v.size() >= 3 && v.size() <= 4 &&
+              v.find_first_not_of("01234567") == std::string::npos;
+    if (ok) m = std::stoul(v, nullptr, 8);
+    if (!ok || (m & ~0666ul) != 0 || (m & 0600) != 0600)
+      return error(EINVAL, fmt::format("{}: expected an octal mode as a string, \"0600\" or "
+                                       "\"0660\" (read and write bits only, the owner's both)",
+                                       at));
+    out = static_cast<mode_t>(m);
+    return Status::ok();
+  };
+}
+
 /// Levenshtein distance, for "did you mean" on a misspelt key.
 size_t distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
@@ -163,7 +196,8 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"force", string(c.force, {"", "tcp"})}}},
       {"metrics",
        {{"enabled", boolean(c.metrics_enabled)},
-        {"listen", endpoint(c.metrics_listen, false)},
+        {"listen", metrics_endpoint(c.metrics_listen)},
+        {"socket_mode", socket_mode(c.metrics_socket_mode)},
         {"min_interval_ms", integer(c.metrics_min_interval_ms, 0, 3600 * 1000)},
         {"guest_names", boolean(c.metrics_guest_names)}}},
   };

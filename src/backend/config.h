@@ -3,6 +3,8 @@
 // unknown key, a wrong type or a value out of range is rejected as a whole, with its line.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -47,7 +49,9 @@ struct Config {
   std::string force;             ///< "" (choose per peer) or "tcp" (also for same-host pairs)
   // [metrics]
   bool metrics_enabled = false;
-  std::string metrics_listen = "127.0.0.1:9464";
+  std::string metrics_listen = "127.0.0.1:9464";  ///< "ADDR:PORT" or "unix:/PATH"
+  /// The mode of a unix:PATH socket (who may connect: whoever may write it, so 0600 or 0660).
+  mode_t metrics_socket_mode = 0600;
   /// Scrapes within this many ms of the last rendering get that snapshot (the rendering runs on
   /// the engine thread, and any local uid can scrape).
   int metrics_min_interval_ms = 1000;

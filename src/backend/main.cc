@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
                "keep guests' state in a keeper process: a backend that dies is replaced without "
                "ending their connections ([backend] keep_state)");
   app.add_option("--metrics-listen", metrics_listen,
-                 "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
+                 "serve Prometheus metrics on ADDR:PORT or unix:PATH (enables [metrics])");
   CLI11_PARSE(app, argc, argv);
 
   if (!config_file.empty()) {

@@ -6,21 +6,36 @@
 #include <netinet/in.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
 
 #include "common/log.h"
+#include "common/paths.h"
+#include "common/socket.h"
 
 namespace vrdma::backend {
 
 MetricsHttp::MetricsHttp(int epoll, uint64_t tag, Render render)
     : epoll_(epoll), tag_(tag), render_(std::move(render)) {}
 
-Status MetricsHttp::listen(const std::string& addr_port) {
+MetricsHttp::~MetricsHttp() {
+  if (unix_path_.empty()) return;
+  // Only the file we bound: never one that replaced it.
+  struct stat st {};
+  const std::string base = unix_path_.substr(unix_path_.rfind('/') + 1);
+  if (::fstatat(dir_.get(), base.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+      st.st_dev == unix_dev_ && st.st_ino == unix_ino_)
+    unlink_beside(dir_, unix_path_);
+}
+
+Status MetricsHttp::listen(const std::string& addr_port, mode_t socket_mode) {
+  if (addr_port.starts_with("unix:")) return listen_unix(addr_port.substr(5), socket_mode);
   auto colon = addr_port.rfind(':');
   if (colon == std::string::npos)
-    return error(EINVAL, "metrics listen \"" + addr_port + "\" is not ADDR:PORT");
+    return error(EINVAL, "metrics listen \"" + addr_port + "\" is not ADDR:PORT or unix:PATH");
   std::string host = addr_port.substr(0, colon);
   const std::string port = addr_port.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
@@ -51,6 +66,71 @@ Status MetricsHttp::listen(const std::string& addr_port) {
   ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
   port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                                          : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  where_ = fmt::format("http://{}/metrics", addr_port);
+  return watch(std::move(fd));
+}
+
+Status MetricsHttp::listen_unix(const std::string& path, mode_t mode) {
+  const std::string what = "metrics listen unix:" + path;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (path.empty() || path.front() != '/' || path.back() == '/')
+    return error(EINVAL, what + ": expected an absolute path to a socket file");
+  if (path.size() >= sizeof(a.sun_path))
+    return error(ENAMETOOLONG, fmt::format("{}: longer than a unix socket path may be ({} bytes)",
+                                           what, sizeof(a.sun_path) - 1));
+  if ((mode & ~mode_t{0666}) != 0 || (mode & 0600) != 0600)
+    return error(EINVAL, fmt::format("{}: socket mode {:04o}: the owner must read and write it, "
+                                     "and no execute or special bits",
+                                     what, mode));
+  std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+  // The directory is checked as the backend's own: another user who could write it could
+  // replace the socket with theirs, or plant a symlink for our chmod and unlink to follow.
+  auto dir = open_socket_dir(path, false);
+  if (!dir.is_ok()) return error(dir.err(), what + ": " + dir.status().message());
+  const std::string base = path.substr(path.rfind('/') + 1);
+  struct stat st {};
+  if (::fstatat(dir->get(), base.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (!S_ISSOCK(st.st_mode))
+      return error(EEXIST, fmt::format("{}: {} exists and is not a socket{}; remove it or choose "
+                                       "another path",
+                                       what, path, S_ISLNK(st.st_mode) ? " but a symlink" : ""));
+    // A socket file left by a backend that died (the caller holds the backend's lock), unless
+    // something else listens on it: then the path is another program's.
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!probe.valid()) return error(errno, what + ": socket: " + std::strerror(errno));
+    if (::connect(probe.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 ||
+        errno == EAGAIN || errno == EPROTOTYPE)
+      return error(EADDRINUSE, fmt::format("{}: something listens on {} already", what, path));
+    if (errno != ECONNREFUSED)
+      return error(errno, fmt::format("{}: {} exists and connecting to it to see whether it is "
+                                      "stale failed: {}",
+                                      what, path, std::strerror(errno)));
+    unlink_beside(dir.value(), path);
+  }
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return error(errno, what + ": socket: " + std::strerror(errno));
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0)
+    return error(errno, fmt::format("{}: bind: {}", what, std::strerror(errno)));
+  // Bound but not listening yet: no one can connect before the mode is what was asked.
+  int err = 0;
+  if (::fchmodat(dir->get(), base.c_str(), mode, 0) < 0 ||
+      ::fstatat(dir->get(), base.c_str(), &st, AT_SYMLINK_NOFOLLOW) < 0 ||
+      ::listen(fd.get(), 16) < 0)
+    err = errno;
+  if (err) {
+    unlink_beside(dir.value(), path);
+    return error(err, fmt::format("{}: {}", what, std::strerror(err)));
+  }
+  dir_ = std::move(dir.value());
+  unix_path_ = path;
+  unix_dev_ = st.st_dev;
+  unix_ino_ = st.st_ino;
+  where_ = "unix:" + path;
+  return watch(std::move(fd));
+}
+
+Status MetricsHttp::watch(UniqueFd fd) {
   listen_ = std::move(fd);
   epoll_event ev{};
   ev.events = EPOLLIN;
@@ -100,6 +180,14 @@ void MetricsHttp::accept_all(uint64_t now_ns) {
       }
       return;
     }
+    UniqueFd sock(fd);
+    std::optional<uint32_t> uid;
+    if (!unix_path_.empty()) {
+      // Over the unix socket the kernel says who scrapes; without it, no answer.
+      auto cred = peer_cred(fd);
+      if (!cred.is_ok()) continue;
+      uid = cred->uid;
+    }
     if (clients_.size() >= kMaxClients) {
       // Full: the client that has waited longest is the likeliest to be stuck.
       auto oldest = clients_.begin();
@@ -109,8 +197,9 @@ void MetricsHttp::accept_all(uint64_t now_ns) {
       close_client(oldest->first);
     }
     Client& c = clients_[fd];
-    c.sock = UniqueFd(fd);
+    c.sock = std::move(sock);
     c.since_ns = now_ns;
+    c.uid = uid;
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.u64 = tag_ | static_cast<uint32_t>(fd);
@@ -155,7 +244,7 @@ void MetricsHttp::on_readable(Client& c) {
   if (method != "GET") {
     respond(c, 405, "Method Not Allowed", "text/plain", "only GET\n");
   } else if (target == "/metrics" || target.starts_with("/metrics?")) {
-    respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", render_());
+    respond(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", render_(c.uid));
   } else {
     respond(c, 404, "Not Found", "text/plain", "vrdmad serves /metrics only\n");
   }

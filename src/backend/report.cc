@@ -122,15 +122,26 @@ const Reporter::View& Reporter::status_for(const engine::Device& dev, const View
   return it->second;
 }
 
-std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns) {
+std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns, const Viewer& v) {
   const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
   if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
-    metrics_text_ = prometheus_text(status(dev), cfg_.metrics_guest_names);
+    metrics_snapshot_ = status(dev);
+    metrics_text_ = prometheus_text(metrics_snapshot_, cfg_.metrics_guest_names);
+    metrics_views_.clear();
     metrics_at_ns_ = now_ns;
     ++metrics_renders_;
     VLOG_DEBUG("metrics: new snapshot of {} bytes", metrics_text_.size());
   }
-  return metrics_text_;
+  if (v.admin) return metrics_text_;
+  auto it = metrics_views_.find(v.uid);
+  if (it == metrics_views_.end()) {
+    it = metrics_views_
+             .emplace(v.uid, prometheus_text(visible_status(metrics_snapshot_, v),
+                                             cfg_.metrics_guest_names))
+             .first;
+    VLOG_DEBUG("metrics: uid {} sees its own guests only ({} bytes)", v.uid, it->second.size());
+  }
+  return it->second;
 }
 
 nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {

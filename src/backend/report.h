@@ -51,10 +51,13 @@ class Reporter {
   void note_change(uint32_t uid) { changed_uids_.insert(uid); }
   /// How many times status_for() rendered the whole document (for tests).
   uint64_t status_renders() const { return status_renders_; }
-  /// Prometheus text exposition format 0.0.4 of the same document. Rendered on the engine
-  /// thread, so at most once per [metrics] min_interval_ms: scrapes in between (by any local
-  /// uid that can reach the endpoint) get the last snapshot and cost the rings nothing.
-  std::string metrics(const engine::Device& dev, uint64_t now_ns);
+  /// Prometheus text exposition format 0.0.4 of the same document, as `v` may see it
+  /// (visible_status; admins, and TCP scrapes, which carry no credentials: everything). The
+  /// document is built on the engine thread, so at most once per [metrics] min_interval_ms:
+  /// scrapes in between (by any local uid that can reach the endpoint) get the last snapshot,
+  /// each non-admin uid's text cut from it once, and cost the rings nothing.
+  std::string metrics(const engine::Device& dev, uint64_t now_ns,
+                      const Viewer& v = Viewer{engine::kNoUid, true});
   /// How many times metrics() rendered a new snapshot (for tests).
   uint64_t metrics_renders() const { return metrics_renders_; }
   /// Where the TCP transport, once it runs, says which peer backends are connected now.
@@ -71,7 +74,10 @@ class Reporter {
   uint64_t last_mono_ns_;  ///< previous sample, for the recent busy fraction
   uint64_t last_cpu_ns_;
   std::function<std::vector<std::string>()> connected_peers_;
-  std::string metrics_text_;  ///< the last snapshot metrics() rendered
+  nlohmann::json metrics_snapshot_;  ///< the last document metrics() built
+  std::string metrics_text_;         ///< ... rendered whole (admins, TCP)
+  /// ... as each non-admin uid sees it (cleared with each new snapshot; uids from SO_PEERCRED).
+  std::map<uint32_t, std::string> metrics_views_;
   uint64_t metrics_at_ns_ = 0;
   uint64_t metrics_renders_ = 0;
   nlohmann::json status_snapshot_;  ///< the last whole document status_for() rendered

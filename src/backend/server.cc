@@ -71,10 +71,24 @@ Status Server::setup() {
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   // Metrics first: a backend that cannot serve what it was configured to never takes guests.
   if (opt_.metrics_enabled) {
-    metrics_ = std::make_unique<MetricsHttp>(epoll_.get(), kTagMetrics,
-                                             [this] { return reporter_.metrics(dev_, now_ns()); });
-    RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen));
-    VLOG_INFO("metrics on http://{}/metrics", opt_.metrics_listen);
+    // The control socket's path, and the files beside it, are not the metrics' to take.
+    for (const char* suffix : {"", ".lock", ".pid"}) {
+      if (opt_.metrics_listen == "unix:" + opt_.socket_path + suffix)
+        return error(EINVAL, fmt::format("metrics listen {}: the backend's own {}",
+                                         opt_.metrics_listen, *suffix ? "file" : "socket"));
+    }
+    // Over TCP no one is known, so a scrape sees what an admin sees (guests by LID unless
+    // guest_names). Over a unix socket a scraper who is not an admin sees its own guests only,
+    // as with `vrdma status`.
+    metrics_ = std::make_unique<MetricsHttp>(
+        epoll_.get(), kTagMetrics, [this](std::optional<uint32_t> uid) {
+          Viewer v{engine::kNoUid, true};
+          if (uid) v = Viewer{*uid, is_admin_uid(*uid, dev_.backend_uid())};
+          return reporter_.metrics(dev_, now_ns(), v);
+        });
+    // We hold the lock: a socket file left at a unix path is stale.
+    RETURN_IF_ERROR(metrics_->listen(opt_.metrics_listen, opt_.metrics_socket_mode));
+    VLOG_INFO("metrics on {}", metrics_->where());
   }
   listen_ = std::move(inherited);
   if (!activated_) {
@@ -481,6 +495,7 @@ Status Server::run() {
   }
   if (!activated_) unlink_beside(dir_, opt_.socket_path);
   unlink_beside(dir_, opt_.socket_path + ".pid");
+  metrics_.reset();  // closes its clients and removes its unix socket, while we hold the lock
   // A clean exit ends the guests' devices: the keeper lets them go.
   if (keeper_.valid()) (void)send_msg(keeper_.get(), encode(Op::kKeepBye, 1, 0, Empty{}));
   return Status::ok();

@@ -575,7 +575,7 @@ int main_impl(int argc, char** argv) {
   backend->add_option("--check-config", check_config,
                       "validate this config file and exit (errors name the line)");
   backend->add_option("--metrics-listen", metrics_listen,
-                      "serve Prometheus metrics on ADDR:PORT (enables [metrics])");
+                      "serve Prometheus metrics on ADDR:PORT or unix:PATH (enables [metrics])");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
       ->check(CLI::Range(0, 86400 * 365));
   bool direct_path = false;

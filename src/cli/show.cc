@@ -223,10 +223,11 @@ std::string status_header(const json& status) {
       text_of(member(d, "threads")), num(member(d, "busy_pct")), num(member(d, "busy_pct_recent")),
       text_of(member(d, "spin_us")));
   const json& m = member(b, "metrics");
-  out += fmt::format("metrics: {}\n",
-                     member(m, "enabled") == true
-                         ? fmt::format("http://{}/metrics", text_of(member(m, "listen")))
-                         : std::string("off"));
+  const std::string listen = text_of(member(m, "listen"));
+  out += fmt::format("metrics: {}\n", member(m, "enabled") != true ? std::string("off")
+                                      : listen.starts_with("unix:")
+                                          ? listen
+                                          : fmt::format("http://{}/metrics", listen));
   // Quotas are per guest: show each next to the most any guest holds.
   const json& q = member(b, "quotas");
   std::map<std::string, uint64_t> most;

@@ -154,6 +154,38 @@ TEST(ConfigTest, MetricsSnapshotIntervalAndGuestNames) {
   }
 }
 
+TEST(ConfigTest, MetricsOnAUnixSocket) {
+  Config c;
+  EXPECT_EQ(c.metrics_socket_mode, 0600u);
+  Status st = c.load_string(
+      "[metrics]\nlisten = \"unix:/run/vrdma/metrics.sock\"\nsocket_mode = \"0660\"\n", "t.toml");
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(c.metrics_listen, "unix:/run/vrdma/metrics.sock");
+  EXPECT_EQ(c.metrics_socket_mode, 0660u);
+  const Bad cases[] = {
+      {"[metrics]\nlisten = \"unix:metrics.sock\"\n",
+       "t.toml:2: metrics.listen: \"unix:metrics.sock\": unix: needs an absolute path"},
+      {"[metrics]\nlisten = \"unix:\"\n", "t.toml:2: metrics.listen: \"unix:\": unix: needs"},
+      {"[metrics]\nlisten = \"unix:/run/vrdma/\"\n", "t.toml:2: metrics.listen: "},
+      {"[metrics]\nlisten = \"metrics.sock\"\n",
+       "t.toml:2: metrics.listen: \"metrics.sock\" is not"},
+      {"[metrics]\n\nsocket_mode = \"0777\"\n", "t.toml:3: metrics.socket_mode: expected an octal"},
+      {"[metrics]\nsocket_mode = \"0400\"\n", "t.toml:2: metrics.socket_mode: expected an octal"},
+      {"[metrics]\nsocket_mode = \"066\"\n", "t.toml:2: metrics.socket_mode: expected an octal"},
+      {"[metrics]\nsocket_mode = \"06608\"\n", "t.toml:2: metrics.socket_mode: expected an octal"},
+      {"[metrics]\nsocket_mode = 660\n", "t.toml:2: metrics.socket_mode: expected an octal"},
+      {"[metrics]\nsocket_mod = \"0600\"\n", "(did you mean socket_mode?)"},
+  };
+  for (const Bad& b : cases) {
+    Config d;
+    st = d.load_string(b.text, "t.toml");
+    EXPECT_FALSE(st.is_ok()) << b.text;
+    EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
+    EXPECT_EQ(d.metrics_listen, "127.0.0.1:9464");
+    EXPECT_EQ(d.metrics_socket_mode, 0600u);
+  }
+}
+
 TEST(ConfigTest, MissingFile) {
   Config c;
   Status st = c.load_file("/nonexistent/vrdmad.toml");

@@ -1,5 +1,6 @@
 // The metrics endpoint driven in-process: the test owns the epoll set and plays the server's
-// loop, so every client behaviour (complete, slow, oversized, garbage, too many) is exact.
+// loop, so every client behaviour (complete, slow, oversized, garbage, too many) is exact. Over
+// TCP and over a unix socket in a temporary directory (its checks, mode, stale file, peer uid).
 #include "backend/metrics_http.h"
 
 #include <arpa/inet.h>
@@ -9,8 +10,14 @@
 #include <sys/epoll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,14 +26,9 @@ namespace {
 
 constexpr uint64_t kTag = 1ull << 59;
 
-class MetricsHttpTest : public ::testing::Test {
+/// The test's side of the server loop: the epoll set, the endpoint and a client's view of it.
+class MetricsLoop : public ::testing::Test {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(epoll_.valid());
-    Status st = http_.listen("127.0.0.1:0");
-    ASSERT_TRUE(st.is_ok()) << st.message();
-    ASSERT_GT(http_.port(), 0);
-  }
   /// One turn of the server's loop: dispatch whatever is ready. Returns the number of events.
   int turn(int timeout_ms = 50) {
     epoll_event evs[32];
@@ -34,16 +36,6 @@ class MetricsHttpTest : public ::testing::Test {
     for (int i = 0; i < n; ++i)
       http_.on_event(static_cast<int>(evs[i].data.u64 & 0xffffffff), evs[i].events, now_);
     return n < 0 ? 0 : n;
-  }
-  UniqueFd connect_client() {
-    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(http_.port()));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-    turn();  // accept
-    return fd;
   }
   /// Reads until EOF while turning the loop; "" on time-out.
   std::string response(int fd) {
@@ -66,11 +58,33 @@ class MetricsHttpTest : public ::testing::Test {
 
   UniqueFd epoll_{::epoll_create1(EPOLL_CLOEXEC)};
   int renders_ = 0;
-  MetricsHttp http_{epoll_.get(), kTag, [this] {
+  std::optional<uint32_t> uid_;  ///< whom the last rendering was for
+  MetricsHttp http_{epoll_.get(), kTag, [this](std::optional<uint32_t> uid) {
                       ++renders_;
+                      uid_ = uid;
                       return std::string("# TYPE up gauge\nup 1\n");
                     }};
   uint64_t now_ = 1'000'000'000;
+};
+
+class MetricsHttpTest : public MetricsLoop {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(epoll_.valid());
+    Status st = http_.listen("127.0.0.1:0");
+    ASSERT_TRUE(st.is_ok()) << st.message();
+    ASSERT_GT(http_.port(), 0);
+  }
+  UniqueFd connect_client() {
+    UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(http_.port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    turn();  // accept
+    return fd;
+  }
 };
 
 TEST_F(MetricsHttpTest, ServesMetricsAndClosesTheConnection) {
@@ -82,6 +96,7 @@ TEST_F(MetricsHttpTest, ServesMetricsAndClosesTheConnection) {
   EXPECT_NE(r.find("Content-Length: 21\r\n"), std::string::npos) << r;
   EXPECT_TRUE(r.ends_with("\r\n\r\n# TYPE up gauge\nup 1\n")) << r;
   EXPECT_EQ(renders_, 1);
+  EXPECT_FALSE(uid_.has_value()) << "TCP carries no credentials";
 }
 
 TEST_F(MetricsHttpTest, ARequestInPiecesIsAnsweredWhenComplete) {
@@ -243,14 +258,152 @@ TEST_F(MetricsHttpTest, AClosedClientEndsTheRest) {
 
 TEST(MetricsHttpListen, BadOrTakenAddressesAreErrors) {
   UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
-  MetricsHttp a(ep.get(), kTag, [] { return std::string(); });
+  MetricsHttp a(ep.get(), kTag, [](auto) { return std::string(); });
   ASSERT_TRUE(a.listen("127.0.0.1:0").is_ok());
-  MetricsHttp b(ep.get(), kTag, [] { return std::string(); });
+  MetricsHttp b(ep.get(), kTag, [](auto) { return std::string(); });
   Status st = b.listen("127.0.0.1:" + std::to_string(a.port()));
   EXPECT_EQ(st.err(), EADDRINUSE) << st.message();
   EXPECT_NE(st.message().find("Address already in use"), std::string::npos);
   EXPECT_FALSE(b.listen("300.1.2.3:9464").is_ok());
   EXPECT_FALSE(b.listen("no-port").is_ok());
+}
+
+/// The endpoint on unix:DIR/m.sock, DIR a fresh 0700 directory of the test's.
+class MetricsUnixTest : public MetricsLoop {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/vrdma-metrics-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    path_ = dir_ + "/m.sock";
+  }
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  static UniqueFd connect_to(const std::string& path) {
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::snprintf(a.sun_path, sizeof(a.sun_path), "%s", path.c_str());
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0) fd.reset();
+    return fd;
+  }
+  static mode_t mode_of(const std::string& path) {
+    struct stat st {};
+    return ::lstat(path.c_str(), &st) == 0 ? st.st_mode : 0;
+  }
+  /// A socket file at `path` that nothing listens on: what a backend that died leaves.
+  static void stale_socket(const std::string& path) {
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::snprintf(a.sun_path, sizeof(a.sun_path), "%s", path.c_str());
+    ASSERT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  }
+  Status listen_at(const std::string& path, mode_t mode = 0600) {
+    MetricsHttp m(epoll_.get(), kTag, [](auto) { return std::string(); });
+    return m.listen("unix:" + path, mode);
+  }
+
+  std::string dir_, path_;
+};
+
+TEST_F(MetricsUnixTest, ServesMetricsWithThePeersUidAndRemovesItsSocket) {
+  stale_socket(path_);  // left by a backend that died: replaced
+  Status st = http_.listen("unix:" + path_);
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(http_.where(), "unix:" + path_);
+  EXPECT_EQ(http_.port(), 0);
+  EXPECT_TRUE(S_ISSOCK(mode_of(path_)));
+  EXPECT_EQ(mode_of(path_) & 07777, 0600u);
+  UniqueFd c = connect_to(path_);
+  ASSERT_TRUE(c.valid());
+  turn();  // accept
+  send_all(c.get(), "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string r = response(c.get());
+  EXPECT_TRUE(r.starts_with("HTTP/1.1 200 OK\r\n")) << r;
+  EXPECT_TRUE(r.ends_with("\r\n\r\n# TYPE up gauge\nup 1\n")) << r;
+  ASSERT_TRUE(uid_.has_value());
+  EXPECT_EQ(*uid_, ::geteuid());
+  // A second endpoint on the same path: the first one listens there, so it is refused.
+  st = listen_at(path_);
+  EXPECT_EQ(st.err(), EADDRINUSE) << st.message();
+  EXPECT_NE(st.message().find(path_), std::string::npos) << st.message();
+  EXPECT_TRUE(S_ISSOCK(mode_of(path_))) << "the refused endpoint removed the live socket";
+}
+
+TEST_F(MetricsUnixTest, TheSocketGetsItsModeAndGoesWithTheEndpoint) {
+  {
+    MetricsHttp m(epoll_.get(), kTag, [](auto) { return std::string(); });
+    ASSERT_TRUE(m.listen("unix:" + path_, 0660).is_ok());
+    EXPECT_EQ(mode_of(path_) & 07777, 0660u);
+  }
+  EXPECT_EQ(mode_of(path_), 0u) << "the socket file is left behind";
+  // A file that replaced ours is not ours to remove.
+  {
+    MetricsHttp m(epoll_.get(), kTag, [](auto) { return std::string(); });
+    ASSERT_TRUE(m.listen("unix:" + path_).is_ok());
+    ASSERT_EQ(::unlink(path_.c_str()), 0);
+    stale_socket(path_);
+  }
+  EXPECT_TRUE(S_ISSOCK(mode_of(path_)));
+}
+
+TEST_F(MetricsUnixTest, BadPathsAndModesAreRefusedWithThePath) {
+  struct Case {
+    std::string path;
+    int err;
+    std::string expect;
+  };
+  const std::string file = dir_ + "/file";
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  ASSERT_EQ(::symlink(file.c_str(), (dir_ + "/link").c_str()), 0);
+  const Case cases[] = {
+      {"relative.sock", EINVAL, "absolute path"},
+      {"", EINVAL, "absolute path"},
+      {dir_ + "/", EINVAL, "absolute path"},
+      {dir_ + "/missing/m.sock", ENOENT, dir_ + "/missing does not exist"},
+      {file, EEXIST, file + " exists and is not a socket"},
+      {dir_ + "/link", EEXIST, "is not a socket but a symlink"},
+      {dir_ + "/" + std::string(120, 'x'), ENAMETOOLONG, "longer than"},
+  };
+  for (const Case& c : cases) {
+    Status st = listen_at(c.path);
+    EXPECT_EQ(st.err(), c.err) << c.path << ": " << st.message();
+    EXPECT_NE(st.message().find("unix:" + c.path), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(c.expect), std::string::npos) << st.message();
+  }
+  EXPECT_EQ(::access(file.c_str(), F_OK), 0) << "a file in the way was removed";
+  for (mode_t bad : {0700u, 0400u, 04600u}) {
+    Status st = listen_at(path_, bad);
+    EXPECT_EQ(st.err(), EINVAL) << std::oct << bad;
+    EXPECT_NE(st.message().find("socket mode"), std::string::npos) << st.message();
+  }
+  EXPECT_EQ(mode_of(path_), 0u);
+}
+
+// The directory is checked as the backend's socket directory is: another user who could write
+// it, or who planted it as a symlink, could swap the socket or point chmod and unlink elsewhere.
+TEST_F(MetricsUnixTest, ASymlinkedOrWritableDirectoryIsRefused) {
+  const std::string real = dir_ + "/real", link = dir_ + "/linked";
+  ASSERT_EQ(::mkdir(real.c_str(), 0700), 0);
+  ASSERT_EQ(::symlink(real.c_str(), link.c_str()), 0);
+  Status st = listen_at(link + "/m.sock");
+  EXPECT_EQ(st.err(), EPERM) << st.message();
+  EXPECT_NE(st.message().find("unix:" + link + "/m.sock"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("symlink"), std::string::npos) << st.message();
+  EXPECT_EQ(mode_of(real + "/m.sock"), 0u);
+  ASSERT_EQ(::chmod(real.c_str(), 0777), 0);
+  st = listen_at(real + "/m.sock");
+  EXPECT_EQ(st.err(), EPERM) << st.message();
+  EXPECT_NE(st.message().find("writable by other users"), std::string::npos) << st.message();
+  EXPECT_EQ(mode_of(real + "/m.sock"), 0u);
+  // Readable and searchable by a group (for 0660 and a group of scrapers) is fine.
+  ASSERT_EQ(::chmod(real.c_str(), 0750), 0);
+  EXPECT_TRUE(listen_at(real + "/m.sock").is_ok());
 }
 
 }  // namespace

@@ -394,6 +394,35 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(cli::stat_rows(other, "qp", {})->size(), 1u);
 }
 
+// Metrics scraped over a unix socket, where the kernel says who scrapes: a user who is not an
+// admin gets its own guests only, cut from the same snapshot (one rendering of the device for
+// everyone within min_interval_ms); admins and TCP scrapes get every guest.
+TEST_F(VisibilityTest, MetricsOverAUnixSocketShowAUserItsOwnGuestsOnly) {
+  const std::string a_rows = fmt::format("{{guest=\"lid-{}\"", a_.hello.lid),
+                    b_rows = fmt::format("{{guest=\"lid-{}\"", b_.hello.lid);
+  const backend::Viewer owner{kOwner, false}, other{kOther, false};
+  const std::string all = rep_.metrics(dev_, now_);
+  EXPECT_NE(all.find(a_rows), std::string::npos) << all;
+  EXPECT_NE(all.find(b_rows), std::string::npos) << all;
+  EXPECT_EQ(rep_.metrics(dev_, now_, backend::Viewer{0, true}), all);
+  const std::string mine = rep_.metrics(dev_, now_, owner);
+  EXPECT_NE(mine.find(a_rows), std::string::npos) << mine;
+  EXPECT_EQ(mine.find(b_rows), std::string::npos) << mine;
+  EXPECT_NE(mine.find("vrdma_guests 1\n"), std::string::npos) << mine;
+  EXPECT_NE(all.find("vrdma_guests 2\n"), std::string::npos) << all;
+  EXPECT_NE(mine.find(fmt::format("vrdma_mapped_bytes {}\n", kMemBytes)), std::string::npos)
+      << mine;
+  const std::string theirs = rep_.metrics(dev_, now_ + 1, other);
+  EXPECT_EQ(theirs.find(a_rows), std::string::npos) << theirs;
+  EXPECT_NE(theirs.find(b_rows), std::string::npos) << theirs;
+  // A uid with no guest: the backend's own numbers, no guest at all.
+  const std::string none = rep_.metrics(dev_, now_ + 2, backend::Viewer{60003, false});
+  EXPECT_EQ(none.find("{guest="), std::string::npos) << none;
+  EXPECT_NE(none.find("vrdma_uptime_seconds"), std::string::npos) << none;
+  EXPECT_EQ(rep_.metrics_renders(), 1u);
+  EXPECT_EQ(rep_.metrics(dev_, now_ + 3, owner), mine);
+}
+
 // Status for callers who are not admins comes from a snapshot at most status_min_interval_ms old
 // (the clock is the test's): a caller asking in a loop does not render the device each time, but
 // sees its own changes at once. Admins get a fresh document every time.
