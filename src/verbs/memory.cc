@@ -2,10 +2,13 @@
 // pages are moved into a sealed memfd ("segment") mapped at the same address, so the guest
 // keeps using the same pointers and the backend maps the same pages: the data path is a plain
 // memcpy, with no syscall per message (process_vm_writev costs ~3.5 µs per call). Pages that
-// are already in a segment are reused. See docs/ARCHITECTURE.md, "Registered memory".
+// are already in a segment are reused. When no MR names a segment any more, what the
+// application still maps of it becomes anonymous private memory again (make_anonymous). See
+// docs/ARCHITECTURE.md, "Registered memory".
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +36,9 @@ struct ProcSegment {
   uintptr_t start, end;  ///< where it was made; parts may have been unmapped since
   UniqueFd fd;
   bool dontfork = false;  ///< MADV_DONTFORK (fork_safe()): a child gets none of it
+  /// MR extents of every context that name it (the sum of the contexts' SessionSegment::uses):
+  /// at zero its pages become anonymous memory again (make_anonymous).
+  uint32_t uses = 0;
 };
 
 /// Every segment of this process, by id. Segments are process-wide: several contexts (sessions)
@@ -94,11 +100,18 @@ int prot_of(const Vma& v) {
          (v.perms[2] == 'x' ? PROT_EXEC : 0);
 }
 
-/// The segment id a mapping of ours shows in /proc/self/maps, or 0 for any other mapping.
-uint32_t segment_id(const Vma& v) {
-  if (v.path.rfind(kSegPrefix, 0) != 0) return 0;
-  return static_cast<uint32_t>(std::strtoul(v.path.c_str() + sizeof(kSegPrefix) - 1, nullptr, 10));
+/// The segment id in the path of a mapping of /proc/self/maps, or 0.
+uint32_t segment_id(std::string_view path) {
+  constexpr std::string_view prefix(kSegPrefix);
+  if (path.substr(0, prefix.size()) != prefix) return 0;
+  uint32_t id = 0;
+  for (size_t i = prefix.size(); i < path.size() && path[i] >= '0' && path[i] <= '9'; ++i)
+    id = id * 10 + static_cast<uint32_t>(path[i] - '0');
+  return id;
 }
+
+/// The segment id a mapping of ours shows in /proc/self/maps, or 0 for any other mapping.
+uint32_t segment_id(const Vma& v) { return segment_id(std::string_view(v.path)); }
 
 /// Drops the segments no page of which is mapped any more (the application unmapped or
 /// remapped them: free() of a large buffer, a shrinking heap). A segment that is only partly
@@ -123,6 +136,62 @@ struct Piece {
 
 enum class Recheck { kSame, kChanged, kOnStack, kTooBig };
 
+/// Reads /proc/self/maps into `buf` without allocating (the threads may be stopped): its length,
+/// or -1 when it cannot be read, or buf.size() when it did not fit.
+ssize_t read_maps_raw(std::vector<char>& buf) {
+  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  size_t n = 0;
+  for (ssize_t r; n < buf.size() && (r = ::read(fd, buf.data() + n, buf.size() - n)) != 0;) {
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      ::close(fd);
+      return -1;
+    }
+    n += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  return static_cast<ssize_t>(n);
+}
+
+/// One line of /proc/self/maps, parsed in place (no allocation): "start-end perms offset dev
+/// inode   path".
+struct MapsLine {
+  uintptr_t start, end;
+  uint64_t offset;
+  const char* perms;  ///< 4 characters
+  std::string_view path;
+};
+
+MapsLine parse_maps_line(const char* line, size_t len) {
+  const char* c = line;
+  const char* const eol = line + len;
+  auto hex = [&c, eol] {
+    uint64_t v = 0;
+    for (; c < eol; ++c) {
+      const int d = *c >= '0' && *c <= '9' ? *c - '0' : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10 : -1;
+      if (d < 0) break;
+      v = v << 4 | static_cast<uint64_t>(d);
+    }
+    return v;
+  };
+  MapsLine m{};
+  m.start = hex();
+  ++c;
+  m.end = hex();
+  ++c;
+  m.perms = c;
+  c += 5;
+  m.offset = c < eol ? hex() : 0;
+  // The path is the sixth field; fields are separated by spaces.
+  const char* path = m.perms;
+  for (int field = 0; field < 4 && path < eol; ++path)
+    if (*path == ' ' && path[1] != ' ') ++field;
+  while (path < eol && *path == ' ') ++path;
+  m.path = std::string_view(path, static_cast<size_t>(eol - std::min(path, eol)));
+  return m;
+}
+
 /// Reads /proc/self/maps into `buf` again (the threads stopped: no allocation) and checks that
 /// each piece still lies in anonymous private mappings with the permissions read before (another
 /// thread may have unmapped or replaced them meanwhile), none of which holds a stack pointer in
@@ -131,18 +200,9 @@ template <typename Pieces>
 Recheck recheck_maps(std::vector<char>& buf, const Pieces& pieces, std::span<const uintptr_t> sps,
                      const Piece** bad, uintptr_t* bad_sp) {
   *bad = pieces.front();
-  const int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Recheck::kChanged;
-  size_t n = 0;
-  for (ssize_t r; n < buf.size() && (r = ::read(fd, buf.data() + n, buf.size() - n)) != 0;) {
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      ::close(fd);
-      return Recheck::kChanged;
-    }
-    n += static_cast<size_t>(r);
-  }
-  ::close(fd);
+  const ssize_t got = read_maps_raw(buf);
+  if (got < 0) return Recheck::kChanged;
+  const auto n = static_cast<size_t>(got);
   if (n == buf.size()) return Recheck::kTooBig;
   for (const Piece* p : pieces) {
     *bad = p;
@@ -152,38 +212,17 @@ Recheck recheck_maps(std::vector<char>& buf, const Pieces& pieces, std::span<con
       const char* eol = static_cast<const char*>(std::memchr(line, '\n', n - at));
       const size_t len = eol ? static_cast<size_t>(eol - line) : n - at;
       at += len + 1;
-      // "start-end perms offset dev inode   path"
-      const char* c = line;
-      auto hex = [&c] {
-        uintptr_t v = 0;
-        for (;; ++c) {
-          const int d = *c >= '0' && *c <= '9'   ? *c - '0'
-                        : *c >= 'a' && *c <= 'f' ? *c - 'a' + 10
-                                                 : -1;
-          if (d < 0) return v;
-          v = v << 4 | static_cast<uintptr_t>(d);
-        }
-      };
-      const uintptr_t start = hex();
-      ++c;
-      const uintptr_t end = hex();
-      if (end <= p->a || start >= p->b) continue;
+      const MapsLine m = parse_maps_line(line, len);
+      if (m.end <= p->a || m.start >= p->b) continue;
       for (uintptr_t sp : sps) {
-        if (sp >= start && sp < end) {
+        if (sp >= m.start && sp < m.end) {
           *bad_sp = sp;
           return Recheck::kOnStack;
         }
       }
-      const char* perms = c + 1;
-      // The path is the sixth field; fields are separated by spaces.
-      const char* path = perms;
-      for (int field = 0; field < 4 && path < line + len; ++path)
-        if (*path == ' ' && path[1] != ' ') ++field;
-      while (path < line + len && *path == ' ') ++path;
-      const std::string_view name(path, static_cast<size_t>(line + len - path));
-      if (start > covered || std::memcmp(perms, p->v.perms, 4) != 0 || name != p->v.path)
+      if (m.start > covered || std::memcmp(m.perms, p->v.perms, 4) != 0 || m.path != p->v.path)
         return Recheck::kChanged;
-      covered = end;
+      covered = m.end;
     }
     if (covered < p->b) return Recheck::kChanged;
   }
@@ -290,6 +329,203 @@ int make_segments(std::vector<Piece>& pieces) {
   return 0;
 }
 
+int64_t now_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+/// A mapping of a segment that make_anonymous turns back into anonymous memory.
+struct SegMapping {
+  uintptr_t start, end;
+  int prot;
+  uint32_t id;      ///< its segment
+  uint64_t offset;  ///< in the segment's memfd
+  bool moved;
+};
+
+/// Lists in `out` (up to its size) the mappings of the segments `ids` that `maps` (the text of
+/// /proc/self/maps) shows; no allocation. The number there is, and their bytes, in `*bytes`.
+size_t find_segment_mappings(const char* maps, size_t n, const std::vector<uint32_t>& ids,
+                             std::vector<SegMapping>& out, size_t* bytes) {
+  size_t count = 0;
+  *bytes = 0;
+  for (size_t at = 0; at < n;) {
+    const char* line = maps + at;
+    const char* eol = static_cast<const char*>(std::memchr(line, '\n', n - at));
+    const size_t len = eol ? static_cast<size_t>(eol - line) : n - at;
+    at += len + 1;
+    const MapsLine m = parse_maps_line(line, len);
+    const uint32_t id = segment_id(m.path);
+    if (id == 0 || std::find(ids.begin(), ids.end(), id) == ids.end()) continue;
+    if (count < out.size()) {
+      const int prot = (m.perms[0] == 'r' ? PROT_READ : 0) | (m.perms[1] == 'w' ? PROT_WRITE : 0) |
+                       (m.perms[2] == 'x' ? PROT_EXEC : 0);
+      out[count] = SegMapping{m.start, m.end, prot, id, m.offset, false};
+    }
+    ++count;
+    *bytes += m.end - m.start;
+  }
+  return count;
+}
+
+/// Turns what the application still maps of the segments `ids` (no MR names them any more) back
+/// into private anonymous memory with the same contents and protection, and forgets those
+/// segments (their memfds go with the backend's descriptors). With the other threads stopped, as
+/// for make_segments: each mapping is copied into anonymous memory made before the stop, which
+/// mremap then moves over it, so no write to the pages is lost. The mappings are read again from
+/// /proc/self/maps while the threads are stopped (the application may have unmapped or remapped
+/// some since). A segment whose pages cannot move (the threads did not stop, no memory for the
+/// copy) stays as it is: shared memory, reused by the next registration of those pages.
+void make_anonymous(const std::vector<uint32_t>& ids) {
+  size_t bytes = 0, count = 0;
+  std::vector<Vma> before;
+  for (const Vma& v : read_maps(0, UINTPTR_MAX)) {
+    const uint32_t id = segment_id(v);
+    if (id != 0 && std::find(ids.begin(), ids.end(), id) != ids.end()) {
+      bytes += v.end - v.start;
+      ++count;
+      before.push_back(v);
+    }
+  }
+  std::vector<char> maps(size_t{1} << 20);
+  std::vector<SegMapping> found;
+  std::vector<uint32_t> kept;  ///< segments some mapping of which did not move
+  for (int attempt = 0; count != 0; ++attempt) {
+    if (attempt == 4) {
+      VLOG_WARN(
+          "dereg_mr: the mappings of a released segment kept changing; its pages stay "
+          "shared memory");
+      return;
+    }
+    // Everything that allocates is prepared before the threads stop. Room for mappings that
+    // grow or appear meanwhile, within reason.
+    found.assign(count + 16, SegMapping{});
+    const size_t room = bytes + 16 * kPage;
+    void* spare = ::mmap(nullptr, room, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (spare == MAP_FAILED) {
+      VLOG_WARN("dereg_mr: no memory to make {} bytes of released segments anonymous again: {}",
+                bytes, std::strerror(errno));
+      return;
+    }
+    auto* base = static_cast<uint8_t*>(spare);
+    // The copy's pages where the memfds hold data are faulted in now, while the threads run,
+    // not while they are stopped (the mappings are laid out in the copy in the order
+    // /proc/self/maps lists them; if that changes meanwhile, the faults just happen later).
+    // MADV_POPULATE_WRITE needs Linux 5.14; without it the faults happen during the copy.
+    if (attempt == 0) {
+      size_t at = 0;
+      for (const Vma& v : before) {
+        const size_t len = v.end - v.start;
+        const auto ps = g_segments.find(segment_id(v));
+        const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
+        for (size_t off = 0; fd >= 0 && off < len;) {
+          const off_t data = ::lseek(fd, static_cast<off_t>(v.offset + off), SEEK_DATA);
+          if (data < 0) break;
+          const off_t hole = ::lseek(fd, data, SEEK_HOLE);
+          off = (static_cast<uint64_t>(data) - v.offset) & ~(kPage - 1);
+          if (off >= len) break;
+          const size_t end =
+              hole > data ? std::min<size_t>(len, static_cast<uint64_t>(hole) - v.offset) : len;
+          const size_t n = (end - off + kPage - 1) & ~(kPage - 1);
+          ::madvise(base + at + off, std::min(n, len - off), MADV_POPULATE_WRITE);
+          off += n;
+        }
+        at += len;
+      }
+    }
+    const int64_t stop_start = now_ns();
+    WorldStop world;
+    if (world.stop("dereg_mr") != 0) {
+      ::munmap(spare, room);
+      VLOG_WARN("dereg_mr: released segments stay shared memory (the threads did not stop)");
+      return;
+    }
+    // Stopped: system calls and the memory prepared above only (no allocation, no log).
+    const ssize_t n = read_maps_raw(maps);
+    if (n < 0 || static_cast<size_t>(n) == maps.size()) {
+      world.release();
+      ::munmap(spare, room);
+      if (n < 0 || maps.size() >= (size_t{64} << 20)) {
+        VLOG_WARN("dereg_mr: cannot read /proc/self/maps; released segments stay shared memory");
+        return;
+      }
+      maps.resize(maps.size() * 4);
+      continue;
+    }
+    count = find_segment_mappings(maps.data(), static_cast<size_t>(n), ids, found, &bytes);
+    if (count > found.size() || bytes > room) {
+      world.release();
+      ::munmap(spare, room);
+      continue;  // with room for what there is now
+    }
+    size_t used = 0;
+    for (size_t i = 0; i < count; ++i) {
+      SegMapping& m = found[i];
+      const size_t len = m.end - m.start;
+      auto* at = reinterpret_cast<uint8_t*>(m.start);
+      uint8_t* copy = base + used;
+      used += len;
+      if (!(m.prot & PROT_READ) && ::mprotect(at, len, m.prot | PROT_READ) != 0) continue;
+      // Only the memfd's data: reading a hole through the mapping would allocate a page there
+      // (tmpfs has no shared zero page). Pages of zeros stay unpopulated in the copy, as in any
+      // anonymous memory.
+      const auto ps = g_segments.find(m.id);
+      const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
+      for (size_t off = 0; off < len;) {
+        size_t data_end = len;
+        if (fd >= 0) {
+          const off_t data = ::lseek(fd, static_cast<off_t>(m.offset + off), SEEK_DATA);
+          if (data >= 0) {
+            const off_t hole = ::lseek(fd, data, SEEK_HOLE);
+            off = (static_cast<uint64_t>(data) - m.offset) & ~(kPage - 1);
+            if (off >= len) break;
+            if (hole > data)
+              data_end = std::min<size_t>(len, static_cast<uint64_t>(hole) - m.offset);
+          } else if (errno == ENXIO) {
+            break;  // no data from there on (otherwise no answer: every page from here is read)
+          }
+        }
+        for (; off < data_end; off += kPage) {
+          if (!page_is_zero(at + off)) copy_page(copy + off, at + off);
+        }
+      }
+      if ((m.prot != (PROT_READ | PROT_WRITE) && ::mprotect(copy, len, m.prot) != 0) ||
+          ::mremap(copy, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED) {
+        ::mprotect(at, len, m.prot);
+        continue;
+      }
+      m.moved = true;
+    }
+    world.release();
+    VLOG_DEBUG("dereg_mr: {} bytes in {} mapping(s) made anonymous again; threads stopped {} us",
+               bytes, count, (now_ns() - stop_start) / 1000);
+    // What was not moved out of the spare mapping: its tail, and the copies of mappings that
+    // did not move. (Never the holes left by those that moved: another thread may map there.)
+    used = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const SegMapping& m = found[i];
+      if (!m.moved) {
+        ::munmap(base + used, m.end - m.start);
+        kept.push_back(m.id);
+      }
+      used += m.end - m.start;
+    }
+    if (used < room) ::munmap(base + used, room - used);
+    if (!kept.empty()) {
+      VLOG_WARN(
+          "dereg_mr: {} mapping(s) of released segments could not be made anonymous again; "
+          "their pages stay shared memory",
+          kept.size());
+    }
+    break;
+  }
+  // The others are no longer mapped: their memfds close here, and with the backend's.
+  for (uint32_t id : ids) {
+    if (std::find(kept.begin(), kept.end(), id) == kept.end()) g_segments.erase(id);
+  }
+}
+
 // fork(): a child must not share the parent's registered pages, which hold whatever else the
 // application keeps in them (malloc's chunks and free lists, for one): two processes writing
 // one heap corrupt both (seen: glibc's "malloc(): unaligned tcache chunk detected"). The child
@@ -302,16 +538,14 @@ int make_segments(std::vector<Piece>& pieces) {
 // fork_safe() (ibv_fork_init, RDMAV_FORK_SAFE): segments made then are MADV_DONTFORK, the child
 // gets no mapping there at all (as with rdma-core, which MADV_DONTFORKs an MR's pages), and
 // nothing is copied; the bytes beside an MR in its pages vanish from the child with them.
+// Pages whose last MR is gone are anonymous memory again (make_anonymous), without
+// MADV_DONTFORK (as rdma-core's ibv_dereg_mr MADV_DOFORKs them): copy-on-write, no copy here.
 int g_fork_pipe[2] = {-1, -1};
 
 // The mappings to privatize are read from /proc/self/maps (not taken from the ranges the
 // segments were made for: the application may have unmapped or replaced parts of those since),
 // by the parent before it forks: the child must not allocate before its heap is private, or it
 // writes into pages it still shares with the parent.
-struct SegMapping {
-  uintptr_t start, end;
-  int prot;
-};
 std::vector<SegMapping> g_fork_maps;
 
 void list_segment_mappings() {
@@ -320,7 +554,7 @@ void list_segment_mappings() {
     const uint32_t id = segment_id(v);
     auto it = g_segments.find(id);
     if (id != 0 && (it == g_segments.end() || !it->second.dontfork))
-      g_fork_maps.push_back({v.start, v.end, prot_of(v)});
+      g_fork_maps.push_back({v.start, v.end, prot_of(v), id, v.offset, false});
   }
 }
 
@@ -446,6 +680,7 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     // Counted before the MR exists: a deregistration on another thread must not release it
     // between here and kRegMr.
     known->second.uses++;
+    g_segments[id].uses++;
     segments.push_back(id);
     const uintptr_t x = std::max(p.a, addr), y = std::min(p.b, addr + len);
     proto::MrExtent& e = req.extents[req.num_extents++];
@@ -461,16 +696,24 @@ void release_segments(VContext& ctx, const std::vector<uint32_t>& segments) {
   std::vector<uint32_t> unused;
   {
     std::lock_guard<std::mutex> g(g_segments_mu);
+    std::vector<uint32_t> unregistered;  ///< segments no MR of any context names any more
     for (uint32_t id : segments) {
       auto it = ctx.segments.find(id);
-      if (it == ctx.segments.end() || --it->second.uses != 0) continue;
+      if (it == ctx.segments.end()) continue;
+      auto ps = g_segments.find(id);
+      if (ps != g_segments.end() && ps->second.uses > 0 && --ps->second.uses == 0)
+        unregistered.push_back(id);
+      if (--it->second.uses != 0) continue;
       unused.push_back(it->second.handle);
       ctx.segments.erase(it);
     }
+    // Under the lock: a registration of the same pages on another thread waits, then finds
+    // anonymous memory and makes a new segment of it.
+    if (!unregistered.empty()) make_anonymous(unregistered);
   }
   // Outside the lock: another thread registering the same pages meanwhile finds no handle and
-  // registers the segment again, under a new one. The pages stay in the process's segment (they
-  // are the application's memory); only the session lets go of them.
+  // registers the segment again, under a new one (or, if its pages became anonymous memory, a
+  // new segment).
   for (uint32_t h : unused) {
     proto::HandleReq req{h, 0};
     proto::Empty resp;

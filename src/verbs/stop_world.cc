@@ -38,6 +38,10 @@ std::mutex g_stop_mu;  ///< one stop at a time; never taken by the handler
 /// Odd while the threads must stay stopped: the handler sleeps on it (a futex).
 std::atomic<uint32_t> g_stop_gen{0};
 std::atomic<uint32_t> g_ack_count{0};  ///< slots of g_acks taken (a futex the registrar waits on)
+/// Threads inside the stopping part of the handler, where every signal is blocked (its
+/// sa_mask): the next stop waits for them to leave, or it would take such a thread, released a
+/// moment ago, for one that blocks the signal and leave it running.
+std::atomic<int> g_in_handler{0};
 Ack g_acks[kMaxStopped];
 
 // The registrar's state, under g_stop_mu: static, so stop() needs no allocation.
@@ -54,6 +58,7 @@ bool g_installed;
 alignas(8) char g_dents[16384];
 char g_status[4096];
 std::vector<pid_t> g_warned;  ///< threads already logged as not stoppable
+const char* g_what = "reg_mr";  ///< the current stop's verb, for release()'s log line
 
 long stop_futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* ts) {
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, ts, nullptr, 0);
@@ -84,6 +89,7 @@ void on_stop_signal(int, siginfo_t*, void* uc) {
   const int saved = errno;
   const uint32_t gen = g_stop_gen.load(std::memory_order_acquire);
   if (gen & 1) {  // otherwise a late signal of a stop that gave up on this thread: nothing to do
+    g_in_handler.fetch_add(1, std::memory_order_acq_rel);
     const uint32_t i = g_ack_count.fetch_add(1, std::memory_order_acq_rel);
     if (i < kMaxStopped) {
       g_acks[i].sp.store(interrupted_sp(uc), std::memory_order_relaxed);
@@ -93,6 +99,7 @@ void on_stop_signal(int, siginfo_t*, void* uc) {
     stop_futex(&g_ack_count, FUTEX_WAKE_PRIVATE, 1, nullptr);
     while (g_stop_gen.load(std::memory_order_acquire) == gen)
       stop_futex(&g_stop_gen, FUTEX_WAIT_PRIVATE, gen, nullptr);
+    g_in_handler.fetch_sub(1, std::memory_order_acq_rel);
   }
   errno = saved;
 }
@@ -128,6 +135,17 @@ bool blocks_signal(pid_t tid, int sig) {
   return (mask >> (sig - 1)) & 1;
 }
 
+/// blocks_signal, asked again for up to ~0.2 ms: a thread released by the previous stop blocks
+/// every signal until it has returned from the handler (g_in_handler and its sigreturn).
+bool blocks_signal_still(pid_t tid, int sig) {
+  for (int i = 0; i < 10; ++i) {
+    if (!blocks_signal(tid, sig)) return false;
+    const timespec pause{0, 20'000};
+    ::nanosleep(&pause, nullptr);
+  }
+  return true;
+}
+
 bool known(pid_t tid) {
   for (int i = 0; i < g_ntargets; ++i)
     if (g_targets[i] == tid) return true;
@@ -160,7 +178,7 @@ int signal_new_threads(pid_t self) {
       pid_t tid = 0;
       for (const char* c = name; *c; ++c) tid = *c >= '0' && *c <= '9' ? tid * 10 + (*c - '0') : -1;
       if (tid <= 0 || tid == self || known(tid)) continue;
-      if (blocks_signal(tid, sig)) {
+      if (blocks_signal_still(tid, sig)) {
         if (g_nskipped < kMaxSkipped) g_skipped[g_nskipped++] = tid;
         continue;
       }
@@ -217,9 +235,10 @@ bool wait_for_acks(uint32_t gen, int64_t deadline) {
 
 int stop_signal() { return SIGRTMIN + 7; }
 
-int WorldStop::stop() {
+int WorldStop::stop(const char* what) {
   g_stop_mu.lock();
   held_ = true;
+  g_what = what;
   const int sig = stop_signal();
   struct sigaction cur {};
   ::sigaction(sig, nullptr, &cur);
@@ -228,9 +247,9 @@ int WorldStop::stop() {
     if (g_installed || cur.sa_handler != SIG_DFL) {
       release();
       VLOG_ERROR(
-          "reg_mr: signal {} (SIGRTMIN+7, which vrdma uses to stop threads while it "
-          "registers memory) has another handler; cannot register new memory",
-          sig);
+          "{}: signal {} (SIGRTMIN+7, which vrdma uses to stop threads while it "
+          "moves registered memory) has another handler; the pages cannot move",
+          what, sig);
       return EAGAIN;
     }
     struct sigaction sa {};
@@ -239,6 +258,11 @@ int WorldStop::stop() {
     ::sigfillset(&sa.sa_mask);  // nothing else runs on top of a stopped thread's handler
     ::sigaction(sig, &sa, nullptr);
     g_installed = true;
+  }
+  // The threads of the previous stop leave the handler first (they were woken at its release).
+  for (int i = 0; g_in_handler.load(std::memory_order_acquire) > 0 && i < 100'000; ++i) {
+    const timespec pause{0, 1'000};
+    ::nanosleep(&pause, nullptr);
   }
   g_ntargets = 0;
   g_nskipped = 0;
@@ -259,11 +283,11 @@ int WorldStop::stop() {
       release();
       if (added < 0)
         VLOG_ERROR(
-            "reg_mr: cannot stop the process's threads (/proc/self/task unreadable or more "
+            "{}: cannot stop the process's threads (/proc/self/task unreadable or more "
             "than {})",
-            kMaxStopped);
+            what, kMaxStopped);
       else
-        VLOG_ERROR("reg_mr: a thread did not stop within {} ms (of {}); registration refused",
+        VLOG_ERROR("{}: a thread did not stop within {} ms (of {}); the pages cannot move", what,
                    kStopTimeoutNs / 1'000'000, stopped);
       return EAGAIN;
     }
@@ -282,9 +306,9 @@ void WorldStop::release() {
     if (std::find(g_warned.begin(), g_warned.end(), tid) != g_warned.end()) continue;
     g_warned.push_back(tid);
     VLOG_WARN(
-        "reg_mr: thread {} blocks signal {} (SIGRTMIN+7) and is not stopped while memory "
-        "is registered: its writes to the pages being registered may be lost",
-        tid, stop_signal());
+        "{}: thread {} blocks signal {} (SIGRTMIN+7) and is not stopped while registered "
+        "memory moves: its writes to the pages that move may be lost",
+        g_what, tid, stop_signal());
   }
   g_stop_mu.unlock();
 }

@@ -26,8 +26,9 @@ class WorldStop {
   ~WorldStop() { release(); }
 
   /// 0 with every other thread stopped; otherwise an errno (EAGAIN: a thread did not stop in
-  /// time, or the signal's handler was replaced), with nothing stopped and a log line.
-  int stop();
+  /// time, or the signal's handler was replaced), with nothing stopped and a log line that
+  /// begins with `what` (the verb that stops: "reg_mr", "dereg_mr").
+  int stop(const char* what = "reg_mr");
   /// Lets the threads go (idempotent); logs what stop() could not do silently.
   void release();
   /// The stack pointers of the stopped threads when they stopped, and the caller's (valid

@@ -1,6 +1,7 @@
 // ibv_reg_mr while other threads run (issue 21, item 6): registration moves pages into a segment,
 // and no write by another thread to those pages may be lost meanwhile, inside the MR or beside
-// it; buffers on a thread's stack are refused with EFAULT.
+// it; buffers on a thread's stack are refused with EFAULT. After the last deregistration the
+// pages are anonymous private memory again (issue 21), and no write is lost then either.
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -8,6 +9,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -32,18 +37,34 @@ size_t counter_offset(size_t p, int t) {
   return p * kPage + 2048 + 8 * static_cast<size_t>(t);
 }
 
+/// Whether any page of [addr, addr+len) is mapped from one of the library's segments (a
+/// `vrdma-seg` memfd) according to /proc/self/maps.
+bool in_segment(const void* addr, size_t len) {
+  const auto lo = reinterpret_cast<uintptr_t>(addr), hi = lo + len;
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  if (!f) return false;
+  char line[4096];
+  bool found = false;
+  while (std::fgets(line, sizeof(line), f)) {
+    unsigned long s = 0, e = 0;
+    if (std::sscanf(line, "%lx-%lx", &s, &e) != 2 || e <= lo || s >= hi) continue;
+    if (std::strstr(line, "vrdma-seg")) found = true;
+  }
+  std::fclose(f);
+  return found;
+}
+
+enum class Moving {
+  kRegistering,    ///< the workers write while the MR is registered and deregistered
+  kDeregistering,  ///< the MR is registered before they write, deregistered while they do
+};
+
 // Workers increment their counters in the current region (each counter has one writer) while
-// the test registers and deregisters an MR on it; each worker counts its increments itself.
+// the test registers and/or deregisters an MR on it; each worker counts its increments itself.
 // After each round the workers stop and the region must hold every increment they counted.
-// Every round takes fresh anonymous pages, so every registration copies and remaps them.
-TEST_F(VerbsRegTest, NoWriteIsLostWhileRegistering) {
-#if defined(__SANITIZE_THREAD__)
-  // TSan holds an asynchronous signal back until the thread enters one of its interceptors: the
-  // workers below spin in instrumented code only, so none would stop and every registration
-  // would time out (EAGAIN). The release and asan-ubsan builds run it.
-  GTEST_SKIP() << "ThreadSanitizer defers the stop signal of threads that never leave "
-                  "instrumented code";
-#endif
+// Every round takes fresh anonymous pages, so every registration copies and remaps them, and
+// every deregistration makes them anonymous memory again.
+void expect_no_lost_write(ibv_pd* pd, Moving moving, int max_rounds) {
   std::atomic<uint8_t*> region{nullptr};
   std::atomic<int> round{0}, stop_round{0}, done_count{0};
   std::atomic<bool> quit{false};
@@ -79,25 +100,34 @@ TEST_F(VerbsRegTest, NoWriteIsLostWhileRegistering) {
 
   const auto start = std::chrono::steady_clock::now();
   uint64_t lost = 0, increments = 0;
-  int rounds = 0;
-  for (; rounds < kRegistrations; ++rounds) {
+  int rounds = 0, still_shared = 0;
+  for (; rounds < max_rounds; ++rounds) {
     // A cap, not an assertion: a slow machine runs fewer rounds.
     if (std::chrono::steady_clock::now() - start > std::chrono::seconds(10)) break;
     void* m =
         ::mmap(nullptr, kPages * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     ASSERT_NE(m, MAP_FAILED);
     auto* base = static_cast<uint8_t*>(m);
+    ibv_mr* mr = nullptr;
+    if (moving == Moving::kDeregistering) {
+      mr = ibv_reg_mr(pd, base + 256, kPages * kPage - 512, IBV_ACCESS_LOCAL_WRITE);
+      ASSERT_NE(mr, nullptr) << std::strerror(errno);
+    }
     uint64_t before[kWorkers];
     for (int t = 0; t < kWorkers; ++t) before[t] = progress[t].load(std::memory_order_relaxed);
     region.store(base, std::memory_order_release);
     round.store(rounds + 1, std::memory_order_release);
-    // Every worker writes in this region before the registration starts.
+    // Every worker writes in this region before the pages move.
     for (int t = 0; t < kWorkers; ++t) {
       while (progress[t].load(std::memory_order_relaxed) == before[t]) std::this_thread::yield();
     }
-    ibv_mr* mr = ibv_reg_mr(pd_, base + 256, kPages * kPage - 512, IBV_ACCESS_LOCAL_WRITE);
-    ASSERT_NE(mr, nullptr) << std::strerror(errno);
+    if (moving == Moving::kRegistering) {
+      mr = ibv_reg_mr(pd, base + 256, kPages * kPage - 512, IBV_ACCESS_LOCAL_WRITE);
+      ASSERT_NE(mr, nullptr) << std::strerror(errno);
+    }
     ASSERT_EQ(ibv_dereg_mr(mr), 0);
+    // Still writing: the pages moved under them.
+    if (moving == Moving::kDeregistering && in_segment(base, kPages * kPage)) ++still_shared;
     stop_round.store(rounds + 1, std::memory_order_release);
     while (done_count.load(std::memory_order_acquire) != kWorkers * (rounds + 1))
       std::this_thread::yield();
@@ -112,9 +142,151 @@ TEST_F(VerbsRegTest, NoWriteIsLostWhileRegistering) {
   }
   quit.store(true, std::memory_order_release);
   for (auto& w : workers) w.join();
-  RecordProperty("registrations", rounds);
+  ::testing::Test::RecordProperty(moving == Moving::kRegistering ? "registrations" : "rounds",
+                                  rounds);
   EXPECT_GT(rounds, 0);
-  EXPECT_EQ(lost, 0u) << "of " << increments << " increments in " << rounds << " registrations";
+  EXPECT_EQ(lost, 0u) << "of " << increments << " increments in " << rounds << " rounds";
+  EXPECT_EQ(still_shared, 0) << "rounds whose pages stayed in a segment after deregistration";
+}
+
+// TSan holds an asynchronous signal back until the thread enters one of its interceptors: the
+// workers of expect_no_lost_write spin in instrumented code only, so none would stop and every
+// move of the pages would time out. The release and asan-ubsan builds run these.
+#if defined(__SANITIZE_THREAD__)
+#define SKIP_UNDER_TSAN()                                                               \
+  GTEST_SKIP() << "ThreadSanitizer defers the stop signal of threads that never leave " \
+                  "instrumented code"
+#else
+#define SKIP_UNDER_TSAN() (void)0
+#endif
+
+TEST_F(VerbsRegTest, NoWriteIsLostWhileRegistering) {
+  SKIP_UNDER_TSAN();
+  expect_no_lost_write(pd_, Moving::kRegistering, kRegistrations);
+}
+
+// The last deregistration copies the pages into anonymous memory and mremaps it over them: no
+// write by another thread may be lost there either (bounded: 500 rounds, 10 s at most).
+TEST_F(VerbsRegTest, NoWriteIsLostWhileDeregistering) {
+  SKIP_UNDER_TSAN();
+  expect_no_lost_write(pd_, Moving::kDeregistering, 500);
+}
+
+/// Fills `len` bytes with a pattern of `seed` (no zero page: every page holds data).
+void fill(uint8_t* p, size_t len, uint8_t seed) {
+  for (size_t i = 0; i < len; ++i) p[i] = static_cast<uint8_t>(seed + i * 7 + (i >> 12));
+}
+/// Whether bytes [from, to) of `p` still hold fill(p, ..., seed)'s pattern.
+bool holds(const uint8_t* p, size_t from, size_t to, uint8_t seed) {
+  for (size_t i = from; i < to; ++i)
+    if (p[i] != static_cast<uint8_t>(seed + i * 7 + (i >> 12))) return false;
+  return true;
+}
+
+// After the last deregistration the pages are private anonymous memory again, with their
+// contents: MADV_FREE is accepted (EINVAL on shared memory) and MADV_DONTNEED zeroes them (a
+// memfd's pages read back their old contents). The old code left them in the segment.
+TEST_F(VerbsRegTest, MmapPagesAreAnonymousAgainAfterDeregistration) {
+  constexpr size_t kLen = 64 * kPage;
+  void* m = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* p = static_cast<uint8_t*>(m);
+  fill(p, kLen, 3);
+  std::memset(p + 10 * kPage, 0, 4 * kPage);  // zero pages stay zeros
+  ibv_mr* mr = ibv_reg_mr(pd_, p + 100, kLen - 200, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_TRUE(in_segment(p, kLen));
+  ASSERT_EQ(ibv_dereg_mr(mr), 0);
+  EXPECT_FALSE(in_segment(p, kLen)) << "still mapped from a vrdma-seg memfd";
+  EXPECT_TRUE(holds(p, 0, 10 * kPage, 3));
+  for (size_t i = 10 * kPage; i < 14 * kPage; ++i) ASSERT_EQ(p[i], 0) << i;
+  EXPECT_TRUE(holds(p, 14 * kPage, kLen, 3));
+  // Writable as before.
+  p[5] = 0x77;
+  EXPECT_EQ(p[5], 0x77);
+  EXPECT_EQ(::madvise(p + 32 * kPage, 16 * kPage, MADV_FREE), 0) << std::strerror(errno);
+  ASSERT_EQ(::madvise(p, 16 * kPage, MADV_DONTNEED), 0);
+  bool zeros = true;
+  for (size_t i = 0; i < 16 * kPage; ++i) zeros = zeros && p[i] == 0;
+  EXPECT_TRUE(zeros) << "MADV_DONTNEED did not zero the pages";
+  // Registered again: a new segment, the same contents.
+  fill(p, kLen, 9);
+  mr = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_TRUE(holds(p, 0, kLen, 9));
+  ASSERT_EQ(ibv_dereg_mr(mr), 0);
+  EXPECT_TRUE(holds(p, 0, kLen, 9));
+  EXPECT_FALSE(in_segment(p, kLen));
+  ::munmap(m, kLen);
+}
+
+// The same for a malloc'd heap buffer (its pages hold malloc's data beside it) and a protection
+// that is not read-write; only pages inside the buffer are advised.
+TEST_F(VerbsRegTest, MallocPagesAreAnonymousAgainAfterDeregistration) {
+  constexpr size_t kLen = 96 * 1024;  // below malloc's mmap threshold: the heap
+  auto* p = static_cast<uint8_t*>(std::malloc(kLen));
+  ASSERT_NE(p, nullptr);
+  fill(p, kLen, 5);
+  ibv_mr* mr = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_TRUE(in_segment(p, kLen));
+  ASSERT_EQ(ibv_dereg_mr(mr), 0);
+  // The pages wholly inside the buffer: its first and last page may hold a neighbour that is
+  // still registered (the fixture's buffer may be on the heap too), and stay in its segment.
+  auto* inner =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + kPage - 1) & ~(kPage - 1));
+  EXPECT_FALSE(in_segment(inner, 16 * kPage)) << "still mapped from a vrdma-seg memfd";
+  EXPECT_TRUE(holds(p, 0, kLen, 5));
+  EXPECT_EQ(::madvise(inner, 4 * kPage, MADV_FREE), 0) << std::strerror(errno);
+  ASSERT_EQ(::madvise(inner + 8 * kPage, 4 * kPage, MADV_DONTNEED), 0);
+  bool zeros = true;
+  for (size_t i = 0; i < 4 * kPage; ++i) zeros = zeros && inner[8 * kPage + i] == 0;
+  EXPECT_TRUE(zeros) << "MADV_DONTNEED did not zero the pages";
+  std::free(p);
+  // Read-only pages stay read-only, with their contents.
+  void* m = ::mmap(nullptr, 8 * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  fill(static_cast<uint8_t*>(m), 8 * kPage, 11);
+  ASSERT_EQ(::mprotect(m, 8 * kPage, PROT_READ), 0);
+  mr = ibv_reg_mr(pd_, m, 8 * kPage, 0);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  ASSERT_EQ(ibv_dereg_mr(mr), 0);
+  EXPECT_FALSE(in_segment(m, 8 * kPage));
+  EXPECT_TRUE(holds(static_cast<uint8_t*>(m), 0, 8 * kPage, 11));
+  char line[4096];
+  bool readonly = false;
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  ASSERT_NE(f, nullptr);
+  while (std::fgets(line, sizeof(line), f)) {
+    unsigned long s = 0, e = 0;
+    char perms[5] = {};
+    if (std::sscanf(line, "%lx-%lx %4s", &s, &e, perms) == 3 &&
+        s <= reinterpret_cast<uintptr_t>(m) && e > reinterpret_cast<uintptr_t>(m))
+      readonly = std::string(perms) == "r--p";
+  }
+  std::fclose(f);
+  EXPECT_TRUE(readonly);
+  ::munmap(m, 8 * kPage);
+}
+
+// Two MRs on one segment: the first deregistration leaves the pages in it (the other MR still
+// names them); the last makes them anonymous.
+TEST_F(VerbsRegTest, PagesStayInTheSegmentWhileAnotherMrNamesThem) {
+  constexpr size_t kLen = 16 * kPage;
+  void* m = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* p = static_cast<uint8_t*>(m);
+  fill(p, kLen, 1);
+  ibv_mr* a = ibv_reg_mr(pd_, p, kLen, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(a, nullptr) << std::strerror(errno);
+  ibv_mr* b = ibv_reg_mr(pd_, p + kPage, kPage, IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(b, nullptr) << std::strerror(errno);
+  ASSERT_EQ(ibv_dereg_mr(a), 0);
+  EXPECT_TRUE(in_segment(p, kLen));
+  ASSERT_EQ(ibv_dereg_mr(b), 0);
+  EXPECT_FALSE(in_segment(p, kLen));
+  EXPECT_TRUE(holds(p, 0, kLen, 1));
+  ::munmap(m, kLen);
 }
 
 void expect_refused(ibv_pd* pd, void* buf, size_t len) {
@@ -162,7 +334,8 @@ TEST_F(VerbsRegTest, OtherThreadsStackIsRefused) {
 }
 
 // After ibv_fork_init() registered pages are MADV_DONTFORK, as with rdma-core: a child has no
-// mapping there (and fork() copies nothing), while the parent keeps its data. Without it a child
+// mapping there (and fork() copies nothing), while the parent keeps its data; once deregistered
+// they are inherited again. Without it a child
 // gets a private copy (verbs_two_process_test and the e2e tests fork with registered memory).
 TEST_F(VerbsRegTest, ForkInitLeavesRegisteredPagesOutOfTheChild) {
   ASSERT_EQ(ibv_fork_init(), 0);
@@ -186,6 +359,20 @@ TEST_F(VerbsRegTest, ForkInitLeavesRegisteredPagesOutOfTheChild) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   EXPECT_EQ(static_cast<unsigned char*>(m)[kLen - 1], 0x5a);
   EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  // Deregistered, the pages are anonymous memory again, without MADV_DONTFORK (rdma-core
+  // MADV_DOFORKs them at ibv_dereg_mr): a child gets them copy-on-write, with their contents.
+  const pid_t child2 = ::fork();
+  ASSERT_GE(child2, 0);
+  if (child2 == 0) {
+    unsigned char vec[4];
+    if (::mincore(m, kLen, vec) != 0) ::_exit(1);
+    auto* c = static_cast<unsigned char*>(m);
+    c[0] = 0x11;  // the child's own copy
+    ::_exit(c[kLen - 1] == 0x5a && c[0] == 0x11 ? 0 : 2);
+  }
+  ASSERT_EQ(::waitpid(child2, &status, 0), child2);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(static_cast<unsigned char*>(m)[0], 0x5a);
   ::munmap(m, kLen);
 }
 
