@@ -110,9 +110,11 @@ e2e_cleanup() {
     pid="$(backend_pid)"
     if [[ -n $pid ]]; then
       kill -TERM "$pid" 2>/dev/null
+      # `sleep`, not nap: bash's `read -t` in an EXIT trap that a TERM started has aborted bash
+      # itself ("longjmp causes uninitialized stack frame"), skipping the rest of the clean-up.
       for ((i = 0; i < 30; i++)); do
         kill -0 "$pid" 2>/dev/null || break
-        nap 0.1
+        sleep 0.1
       done
       kill -KILL "$pid" 2>/dev/null
     fi
