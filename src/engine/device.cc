@@ -814,24 +814,9 @@ void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
 
 std::string Device::status_json() const {
   nlohmann::json guests = nlohmann::json::array();
-  nlohmann::json totals = {{"guests", guests_.size()},
-                           {"sessions", sessions_.size()},
-                           {"pd", 0},
-                           {"mr", 0},
-                           {"cq", 0},
-                           {"qp", 0},
-                           {"srq", 0},
-                           {"channel", 0},
-                           {"segment", 0},
-                           {"mr_bytes", 0},
-                           {"segment_bytes", 0}};
-  for (const auto& [name, g] : guests_) {
-    nlohmann::json sess = nlohmann::json::array();
-    // Bytes as the quotas count them (summed over the guest's sessions). Over all guests,
-    // segment_bytes is what the backend maps, against [backend] max_mapped_bytes.
-    const uint64_t mr_bytes = g->used[static_cast<size_t>(Res::kMrBytes)];
-    const uint64_t seg_bytes = g->used[static_cast<size_t>(Res::kSegmentBytes)];
-    nlohmann::json res = {{"pd", 0},
+  // What a guest holds, by kind: each guest's `resources` and the totals count the same keys.
+  auto holdings = [](uint64_t mr_bytes, uint64_t seg_bytes) {
+    return nlohmann::json{{"pd", 0},
                           {"mr", 0},
                           {"cq", 0},
                           {"qp", 0},
@@ -840,6 +825,17 @@ std::string Device::status_json() const {
                           {"segment", 0},
                           {"mr_bytes", mr_bytes},
                           {"segment_bytes", seg_bytes}};
+  };
+  nlohmann::json totals = holdings(0, 0);
+  totals["guests"] = guests_.size();
+  totals["sessions"] = sessions_.size();
+  for (const auto& [name, g] : guests_) {
+    nlohmann::json sess = nlohmann::json::array();
+    // Bytes as the quotas count them (summed over the guest's sessions). Over all guests,
+    // segment_bytes is what the backend maps, against [backend] max_mapped_bytes.
+    const uint64_t mr_bytes = g->used[static_cast<size_t>(Res::kMrBytes)];
+    const uint64_t seg_bytes = g->used[static_cast<size_t>(Res::kSegmentBytes)];
+    nlohmann::json res = holdings(mr_bytes, seg_bytes);
     totals["mr_bytes"] = totals["mr_bytes"].get<uint64_t>() + mr_bytes;
     totals["segment_bytes"] = totals["segment_bytes"].get<uint64_t>() + seg_bytes;
     nlohmann::json qps = nlohmann::json::array();
