@@ -28,8 +28,8 @@ direct_count() {
 }
 
 # 1. ibv_rc_pingpong -c validates every buffer it receives; both sides' QPs are granted.
-start_server pp pp-a -n 20000 -c
-start_client pp pp-b "$PORT" -n 20000 -c
+start_server pp pp-a -n 5000 -c
+start_client pp pp-b "$PORT" -n 5000 -c
 finish_pair pp "$SERVER_PID" "$CLIENT_PID" 90
 for g in pp-a pp-b; do
   grep -q "direct path: guest $g QP" "$E2E_TMP/vrdmad.log" || fail "no grant for $g in the log"
