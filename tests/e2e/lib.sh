@@ -311,6 +311,21 @@ stream_start() {
   cli_proc=$(child_named "$cli" rc_stream)
 }
 
+# Starts a pingpong pair NAME (server guest SG, client guest CG) that runs until the test kills
+# it, and waits up to 30 s until both its QPs are in RTS. Sets SERVER_PID, CLIENT_PID and PORT.
+# Usage: start_held_pair NAME SG CG
+start_held_pair() {
+  local i
+  start_server "$1" "$2" -n "$PP_UNTIL_STOPPED"
+  start_client "$1" "$3" "$PORT" -n "$PP_UNTIL_STOPPED"
+  for ((i = 0; i < 300; i++)); do
+    [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"lqpn"' | wc -l)" == 2 ]] && return 0
+    kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/$1.client.out")"
+    nap 0.1
+  done
+  fail "$1: the pair's QPs did not reach RTS in 30 s"
+}
+
 # Checks that a pingpong output file has the two result lines.
 check_pp_output() {
   local f=$1

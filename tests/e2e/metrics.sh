@@ -65,13 +65,7 @@ exec 7<>"/dev/tcp/127.0.0.1/$MPORT"
 exec 8<>"/dev/tcp/127.0.0.1/$MPORT"
 printf 'GET /metr' >&8
 
-start_server pp m-srv -n "$PP_UNTIL_STOPPED"
-start_client pp m-cli "$PORT" -n "$PP_UNTIL_STOPPED"
-for ((i = 0; i < 300; i++)); do
-  [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"lqpn"' | wc -l)" == 2 ]] && break
-  kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/pp.client.out")"
-  nap 0.1
-done
+start_held_pair pp m-srv m-cli
 
 scrape "$E2E_TMP/a.prom" || fail "scrape failed"
 sleep 1

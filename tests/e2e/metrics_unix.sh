@@ -68,13 +68,7 @@ grep -q '^vrdma_guests 0$' "$E2E_TMP/idle.prom" || fail "vrdma_guests is not 0"
   http://localhost/nope)" == 404 ]] || fail "unknown path"
 
 # The backend's own user is an admin: it sees every guest.
-start_server pp mu-srv -n "$PP_UNTIL_STOPPED"
-start_client pp mu-cli "$PORT" -n "$PP_UNTIL_STOPPED"
-for ((i = 0; i < 300; i++)); do
-  [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"lqpn"' | wc -l)" == 2 ]] && break
-  kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/pp.client.out")"
-  nap 0.1
-done
+start_held_pair pp mu-srv mu-cli
 scrape "$E2E_TMP/pp.prom" || fail "scrape failed"
 perl "$HERE/prom_check.pl" <"$E2E_TMP/pp.prom" || fail "exposition rejected"
 for g in mu-srv mu-cli; do
