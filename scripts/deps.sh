@@ -11,6 +11,7 @@ PACKAGES=(
   iproute2 procps curl systemd iperf3
   clang-14 libclang-rt-14-dev
   debhelper lintian
+  libssl-dev openssl
 )
 
 missing=()
