@@ -1,6 +1,6 @@
 // The `vrdma` command: runs an unmodified verbs program on the vrdma device (`run`), starts the
 // backend in the foreground (`backend`) and shows what the backend holds and did (`status`,
-// `res show`, `stat`; see show.h).
+// `res show`, `stat`; see show.h) and creates the backends' TLS credentials (`cluster`; cluster.h).
 // It only sets up an environment and talks the control protocol; it never touches a guest's rings.
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/cluster.h"
 #include "cli/show.h"
 #include "common/paths.h"
 #include "common/socket.h"
@@ -528,6 +529,29 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
   return 0;
 }
 
+/// `vrdma cluster init|add-node|show`: exit 2 for a bad argument, 1 for any other failure.
+int cmd_cluster(const std::string& sub, const std::string& dir, const std::string& name, int days,
+                bool force) {
+  Result<std::string> out = std::string();
+  bool all_ok = true;  // of `show`: every certificate verified
+  if (sub == "init") {
+    out = cluster_init(dir);
+  } else if (sub == "add-node") {
+    out = cluster_add_node(dir, name, days, force);
+  } else if (auto report = cluster_show(dir); report) {
+    out = report->text;
+    all_ok = report->all_ok;
+  } else {
+    out = report.status();
+  }
+  if (!out) {
+    fmt::print(stderr, "vrdma cluster {}: {}\n", sub, out.status().message());
+    return out.err() == EINVAL ? 2 : 1;
+  }
+  fmt::print("{}", *out);
+  return all_ok ? 0 : 1;
+}
+
 /// For `vrdma run [opts] [--] CMD ARGS...`: moves CMD ARGS... into `command` and returns the
 /// number of leading arguments left for the option parser.
 int split_run_command(int argc, char** argv, std::vector<std::string>& command) {
@@ -632,6 +656,22 @@ int main_impl(int argc, char** argv) {
   restore->add_option("file", restore_file, "snapshot file")->required();
   restore->add_option("--socket", restore_socket, "backend socket");
 
+  std::string cl_dir = kDefaultClusterDir, cl_name;
+  int cl_days = kDefaultNodeDays;
+  bool cl_force = false;
+  auto* cluster = app.add_subcommand("cluster", "The CA and node certificates of backends' TLS");
+  cluster->require_subcommand(1);
+  auto* cl_init = cluster->add_subcommand("init", "Create the cluster CA (ca.key, ca.pem)");
+  auto* cl_add = cluster->add_subcommand("add-node", "Create NAME.key and NAME.pem for a backend");
+  auto* cl_show = cluster->add_subcommand("show", "List the certificates and verify each");
+  for (auto* c : {cl_init, cl_add, cl_show})
+    c->add_option("--dir", cl_dir, "credentials directory")->capture_default_str();
+  cl_add->add_option("name", cl_name, "the backend's node name (vrdmad --node)")->required();
+  cl_add->add_option("--days", cl_days, "validity in days")
+      ->check(CLI::Range(1, 36500))
+      ->capture_default_str();
+  cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
+
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
   argc = split_run_command(argc, argv, command);
@@ -665,6 +705,10 @@ int main_impl(int argc, char** argv) {
   }
   if (*restore) {
     return cmd_restore(restore_file, restore_socket);
+  }
+  if (*cluster) {
+    return cmd_cluster(cluster->get_subcommands().front()->get_name(), cl_dir, cl_name, cl_days,
+                       cl_force);
   }
   return 2;
 }
