@@ -93,7 +93,7 @@ Result<UniqueFd> open_cluster_dir(const std::string& dir, bool create) {
   return fd;
 }
 
-/// ENOENT when dir/name does not exist, EEXIST with a message when it does.
+/// Ok when dir/name does not exist; EEXIST naming it (then `hint`) when it does.
 Status refuse_existing(int dirfd, const std::string& dir, const std::string& name,
                        const char* hint) {
   struct stat st {};
