@@ -193,7 +193,12 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
        {{"node", string(c.node)},
         {"listen", endpoint(c.listen, true)},
         {"peers", string_list(c.peers)},
-        {"force", string(c.force, {"", "tcp"})}}},
+        {"force", string(c.force, {"", "tcp"})},
+        {"cluster_dir", string(c.cluster_dir)},
+        {"ca", string(c.tls_ca)},
+        {"cert", string(c.tls_cert)},
+        {"key", string(c.tls_key)},
+        {"insecure", boolean(c.insecure)}}},
       {"metrics",
        {{"enabled", boolean(c.metrics_enabled)},
         {"listen", metrics_endpoint(c.metrics_listen)},
@@ -227,7 +232,7 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
     }
   }
   for (const std::string& p : c.peers) {
-    toml::value<std::string> v(p);
+    toml::value<std::string> v(p.substr(p.find('@') + 1));  // "NODE@ADDR:PORT" names the node
     std::string tmp;
     RETURN_IF_ERROR(endpoint(tmp, false)(v, origin + ": transport.peers"));
   }

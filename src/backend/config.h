@@ -47,6 +47,12 @@ struct Config {
   std::string listen;            ///< "ADDR:PORT" for backend-to-backend TCP; "" = off
   std::vector<std::string> peers;  ///< "ADDR:PORT" of other backends
   std::string force;             ///< "" (choose per peer) or "tcp" (also for same-host pairs)
+  /// The cluster credential (`vrdma cluster`): DIR/ca.pem, DIR/NODE.pem, DIR/NODE.key; `ca`,
+  /// `cert`, `key` name the files one by one instead (or override one of them).
+  std::string cluster_dir, tls_ca, tls_cert, tls_key;
+  /// Run the TCP transport with no credential on a non-loopback address (anyone who reaches
+  /// the port can inject into guests' connections): only when the operator says so.
+  bool insecure = false;
   // [metrics]
   bool metrics_enabled = false;
   std::string metrics_listen = "127.0.0.1:9464";  ///< "ADDR:PORT" or "unix:/PATH"

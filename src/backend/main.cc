@@ -59,6 +59,14 @@ int main(int argc, char** argv) {
   app.add_option("--listen", cfg.listen, "ADDR:PORT for backend-to-backend TCP");
   app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
   app.add_option("--node", cfg.node, "this backend's name among its peers");
+  std::string cluster_dir;
+  app.add_option("--cluster-dir", cluster_dir,
+                 "the cluster credential: DIR/ca.pem, DIR/NODE.pem, DIR/NODE.key (vrdma cluster "
+                 "init / add-node); backends authenticate each other with TLS 1.3");
+  bool insecure = false;
+  app.add_flag("--insecure", insecure,
+               "allow the TCP transport with no credential on a non-loopback address: no "
+               "authentication, no encryption ([transport] insecure)");
   std::string metrics_listen;
   bool direct_path = false;
   app.add_flag("--direct-path", direct_path,
@@ -94,6 +102,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!socket.empty()) cfg.socket_path = socket;
+  if (!cluster_dir.empty()) cfg.cluster_dir = cluster_dir;
+  if (insecure) cfg.insecure = true;
   if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
   if (spin_us >= 0) cfg.spin_us = spin_us;
   if (keep_state) cfg.keep_state = true;

@@ -52,6 +52,7 @@ nlohmann::json Reporter::backend_info() {
   if (connected_peers_) {
     tcp["connected"] = connected_peers_();
     tcp["why"] = cfg_.force == "tcp" ? "forced for every pair" : "cross-host pairs";
+    if (transport_details_) tcp.update(transport_details_());
   } else {
     tcp["why"] = "no [transport] listen";
   }

@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
+#include "transport/tcp/tls.h"
 
 namespace vrdma::backend {
 
@@ -55,6 +56,66 @@ void Server::watch(int fd, uint64_t tag) {
   ev.events = EPOLLIN;
   ev.data.u64 = tag | static_cast<uint32_t>(fd);
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev);
+}
+
+namespace {
+
+/// What the TCP transport shows in status: how it is protected, who is connected as whom, and
+/// what it refused.
+nlohmann::json transport_json(const transport::tcp::TcpTransport& t) {
+  nlohmann::json peers = nlohmann::json::array();
+  for (const auto& p : t.peers()) {
+    peers.push_back({{"node", p.node},
+                     {"address", p.address},
+                     {"identity", p.identity},
+                     {"cipher", p.cipher},
+                     {"since_unix", p.since_unix}});
+  }
+  const auto& r = t.refused();
+  return {{"security", t.secure() ? "tls" : "insecure"},
+          {"peers", peers},
+          {"refused",
+           {{"handshake", r.handshake},
+            {"name", r.name},
+            {"pending", r.pending},
+            {"directory", r.directory},
+            {"frames", r.frames}}}};
+}
+
+}  // namespace
+
+Result<std::shared_ptr<const transport::tcp::TlsContext>> Server::transport_credential() const {
+  using transport::tcp::TlsFiles;
+  TlsFiles f;
+  if (!opt_.cluster_dir.empty()) f = TlsFiles::in_dir(opt_.cluster_dir, opt_.node);
+  if (!opt_.tls_ca.empty()) f.ca = opt_.tls_ca;
+  if (!opt_.tls_cert.empty()) f.cert = opt_.tls_cert;
+  if (!opt_.tls_key.empty()) f.key = opt_.tls_key;
+  if (f.ca.empty() && f.cert.empty() && f.key.empty()) {
+    // No credential: plain TCP, which anyone who reaches the port can speak. Only on loopback
+    // (one host, forced TCP) unless the operator says so.
+    const std::string listen = opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen;
+    ASSIGN_OR_RETURN(sockaddr_in sa, transport::tcp::parse_endpoint(listen));
+    if (!transport::tcp::is_loopback(sa) && !opt_.insecure)
+      return error(EPERM,
+                   fmt::format("[transport] listen {} is not a loopback address and no cluster "
+                               "credential is configured: anyone who reaches the port could "
+                               "inject into guests' connections. Create one (vrdma cluster init; "
+                               "vrdma cluster add-node {}) and set [transport] cluster_dir "
+                               "(--cluster-dir), or run unauthenticated with [transport] "
+                               "insecure = true (--insecure)",
+                               listen, opt_.node));
+    if (!transport::tcp::is_loopback(sa))
+      VLOG_WARN(
+          "transport tcp: INSECURE (insecure = true): peers are not authenticated and "
+          "traffic is not encrypted");
+    return std::shared_ptr<const transport::tcp::TlsContext>();
+  }
+  if (f.ca.empty() || f.cert.empty() || f.key.empty())
+    return error(EINVAL, "[transport]: the credential needs ca, cert and key (or cluster_dir)");
+  auto ctx = transport::tcp::TlsContext::load(f, opt_.node);
+  if (!ctx.is_ok()) return ctx.status();
+  return std::shared_ptr<const transport::tcp::TlsContext>(std::move(ctx).value());
 }
 
 Status Server::setup() {
@@ -103,13 +164,15 @@ Status Server::setup() {
   watch(wake_.get(), kTagWake);
   // Backends talk over TCP when a listen address is given, or for every pair when forced.
   if (!opt_.listen.empty() || opt_.force == "tcp") {
-    transport::tcp::TcpTransport::Options to{
-        opt_.node, opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen, opt_.peers,
-        opt_.force == "tcp"};
+    transport::tcp::TcpTransport::Options to{opt_.node,
+                                             opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen,
+                                             opt_.peers, opt_.force == "tcp", nullptr};
+    ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
+    reporter_.set_transport_details([this] { return transport_json(*tcp_); });
   }
   if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
   if (opt_.direct_path && opt_.keep_state)

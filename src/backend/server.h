@@ -100,6 +100,8 @@ class Server {
   static constexpr uint64_t kTagMetrics = 1ull << 59;
   static constexpr uint64_t kTagTransport = 1ull << 58;
 
+  /// The TLS context of [transport]'s credential; null for plain TCP (loopback, or insecure).
+  Result<std::shared_ptr<const transport::tcp::TlsContext>> transport_credential() const;
   Config opt_;
   UniqueFd wake_;  ///< eventfd that stop() writes, so a sleeping loop notices
   UniqueFd dir_;   ///< the socket's directory, checked (open_socket_dir): its files open from here

@@ -503,7 +503,10 @@ class Device : public transport::Receiver {
                     const Inbound& in);
   /// The QP a request from `node` names on this backend (by the destination LID or GID and
   /// QPN), or null: also when that QP is not connected to the requester through `node`.
-  Qp* request_target(const std::string& node, const proto::wire::Request& rq);
+  /// `why` (when given) says why a frame is refused when that is worth telling the operator:
+  /// it is not from the QP's peer; null for a QP that is merely gone.
+  Qp* request_target(const std::string& node, const proto::wire::Request& rq,
+                     const char** why = nullptr);
   /// The requester QP a reply from `node` is for, or null when it is gone, not waiting for
   /// replies, or its peer is not on `node`.
   Qp* reply_target(const std::string& node, const proto::wire::Reply& rp);

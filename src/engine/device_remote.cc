@@ -313,9 +313,14 @@ Qp* Device::reply_target(const std::string& node, const wire::Reply& rp) {
   auto it = g->qps.find(rp.dst_qpn);
   if (it == g->qps.end()) return nullptr;
   Qp* qp = it->second;
-  if (!qp->remote || qp->peer_node != node || qp->type != IBV_QPT_RC || !sq_open(qp->state) ||
-      qp->attr.dest_qp_num != rp.src_qpn)
+  if (qp->type != IBV_QPT_RC || !sq_open(qp->state)) return nullptr;
+  if (!qp->remote || qp->peer_node != node || qp->attr.dest_qp_num != rp.src_qpn) {
+    transport_->refused_frame(
+        node, fmt::format("reply for qp {:#x} from qp {:#x}: {}", rp.dst_qpn, rp.src_qpn,
+                          qp->remote && qp->peer_node == node ? "not the QP's peer QP"
+                                                              : "the QP's peer is elsewhere"));
     return nullptr;
+  }
   return qp;
 }
 
@@ -396,25 +401,43 @@ void Device::on_reply(const std::string& node, const wire::Frame& f, transport::
 
 // ---- responder ----
 
-Qp* Device::request_target(const std::string& node, const wire::Request& rq) {
+Qp* Device::request_target(const std::string& node, const wire::Request& rq, const char** why) {
+  auto refuse = [&](const char* w) -> Qp* {
+    if (why) *why = w;
+    return nullptr;
+  };
   Guest* g = nullptr;
   if (rq.is_global) {
     g = guest_by_gid(rq.dgid);
   } else if (auto it = guests_by_lid_.find(rq.dlid); it != guests_by_lid_.end()) {
     g = it->second;
   }
-  if (!g) return nullptr;
+  if (!g) return refuse("no guest here has that destination LID/GID");
   auto it = g->qps.find(rq.dst_qpn);
   if (it == g->qps.end() || !rq_open(it->second->state)) return nullptr;
   Qp* to = it->second;
-  if (rq.qp_type == IBV_QPT_UD) return to->type == IBV_QPT_UD ? to : nullptr;
+  if (rq.qp_type == IBV_QPT_UD) {
+    if (to->type != IBV_QPT_UD) return refuse("a datagram for a QP that is not UD");
+    // A datagram's source is a guest of the node it came from (the directory's word), never
+    // one of ours or another node's.
+    // (Forced TCP on one host: our own node, and the source is one of our guests.)
+    const bool ours =
+        rq.is_global ? guest_by_gid(rq.sgid) != nullptr : guests_by_lid_.count(rq.slid) != 0;
+    const std::string src =
+        rq.is_global ? transport_->locate_gid(rq.sgid) : transport_->locate_lid(rq.slid);
+    if (node == transport_->self() ? !ours : src != node)
+      return refuse("a datagram whose source LID/GID is not that node's");
+    return to;
+  }
   // Exactly the check a same-host requester passes (connected to this requester), and the
   // frame came from the node the QP chose for its peer: a guest elsewhere that claims the
   // peer's LID or GID is not heard.
   if (!accepts_from(*to, static_cast<ibv_qp_type>(rq.qp_type), rq.src_qpn, rq.slid, rq.sgid))
-    return nullptr;
+    return refuse("the QP is not connected to that requester");
   if (to->route_pending) choose_route(*to);
-  return to->remote && to->peer_node == node ? to : nullptr;
+  if (!to->remote || to->peer_node != node)
+    return refuse(to->remote ? "the QP's peer is on another node" : "the QP's peer is local");
+  return to;
 }
 
 void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s, uint32_t status,
@@ -478,10 +501,16 @@ void Device::on_duplicate(const std::string& node, Qp& to, const wire::Request& 
 
 void Device::on_request(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
   const wire::Request& rq = f.req;
-  Qp* to = request_target(node, rq);
+  const char* why = nullptr;
+  Qp* to = request_target(node, rq, &why);
   // No such QP, or not connected to this requester: no answer, as on one host (the requester
-  // times out and retries).
-  if (!to) return;
+  // times out and retries), and nothing that depends on the QP's state (its PSN).
+  if (!to) {
+    if (why)
+      transport_->refused_frame(
+          node, fmt::format("request for qp {:#x} (dlid {:#x}): {}", rq.dst_qpn, rq.dlid, why));
+    return;
+  }
   const Inbound in = inbound_of_request(rq);
   if (rq.qp_type == IBV_QPT_UD) {
     if (to->attr.qkey != rq.qkey) {

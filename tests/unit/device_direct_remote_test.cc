@@ -37,6 +37,7 @@ class FakeLink final : public RecordingTransport {
     }
     return "";
   }
+  void refused_frame(const std::string&, const std::string&) override {}
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }

@@ -74,6 +74,10 @@ class FakeLoop final : public RecordingTransport {
   std::string locate_lid(uint16_t) const override { return ""; }
   std::string locate_gid(const uint8_t*) const override { return ""; }
   uint32_t peer_ipv4(const std::string&) const override { return 0x0100007f; }  // 127.0.0.1
+  void refused_frame(const std::string& node, const std::string& why) override {
+    refused.push_back(node + ": " + why);
+  }
+  std::vector<std::string> refused;  ///< what refused_frame was told
 
  private:
   const std::string& to() const override { return self_; }

@@ -1,17 +1,23 @@
-// The TCP transport between two backends in one process, over loopback: a direct offer frame
-// reaches the other side's Receiver, and peer_ipv4 names the address the connection comes from.
+// The TCP transport between backends in one process, over loopback: a direct offer frame
+// reaches the other side's Receiver, and peer_ipv4 names the address the connection comes from;
+// with a cluster credential the peers authenticate each other (TLS 1.3), a peer without one is
+// refused, and a node cannot take over a directory entry another node holds.
+#include "transport/tcp/tcp_transport.h"
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "cli/cluster.h"
 #include "common/unique_fd.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::transport::tcp {
 namespace {
@@ -49,7 +55,47 @@ struct Recorder final : Receiver {
   }
   void on_frame_done(const std::string&, const wire::Frame&, RxSink&) override {}
   void on_peer_up(const std::string& node) override { up.push_back(node); }
-  void on_guest_located(const GuestInfo&, const std::string&) override {}
+  std::vector<std::pair<std::string, uint16_t>> located;  ///< (node, lid)
+  void on_guest_located(const GuestInfo& g, const std::string& node) override {
+    located.emplace_back(node, g.lid);
+  }
+};
+
+bool connected(const TcpTransport& t, const std::string& node) {
+  auto c = t.connected();
+  return std::find(c.begin(), c.end(), node) != c.end();
+}
+
+/// Polls every transport until done() or 5 s.
+template <typename Done>
+bool run_until(std::initializer_list<TcpTransport*> ts, Done done) {
+  for (uint64_t end = now_ns() + 5000000000ull; now_ns() < end;) {
+    for (TcpTransport* t : ts) t->poll(now_ns());
+    if (done()) return true;
+  }
+  return false;
+}
+
+/// A cluster (CA and one credential per node) in a temporary directory.
+class Cluster {
+ public:
+  explicit Cluster(std::initializer_list<const char*> nodes) {
+    char tmpl[] = "/tmp/vrdma-tls-test.XXXXXX";
+    dir_ = ::mkdtemp(tmpl);
+    dir_ += "/cluster";
+    EXPECT_TRUE(cli::cluster_init(dir_).is_ok());
+    for (const char* n : nodes) EXPECT_TRUE(cli::cluster_add_node(dir_, n).is_ok());
+  }
+  ~Cluster() { std::system(("rm -rf " + dir_.substr(0, dir_.rfind('/'))).c_str()); }
+  std::shared_ptr<const TlsContext> ctx(const std::string& node) const {
+    auto c = TlsContext::load(TlsFiles::in_dir(dir_, node), node);
+    EXPECT_TRUE(c.is_ok()) << c.status().message();
+    return c.is_ok() ? std::shared_ptr<const TlsContext>(std::move(c).value()) : nullptr;
+  }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
 };
 
 TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
@@ -57,23 +103,13 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   ASSERT_NE(port, 0);
   Recorder ra, rb;
   const std::string addr_a = "127.0.0.1:" + std::to_string(port);
-  auto a = TcpTransport::create({"node-a", addr_a, {}, false}, ra);
+  auto a = TcpTransport::create({"node-a", addr_a, {}, false, nullptr}, ra);
   ASSERT_TRUE(a.is_ok()) << a.status().message();
-  auto b = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false}, rb);
+  auto b = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, nullptr}, rb);
   ASSERT_TRUE(b.is_ok()) << b.status().message();
-  auto connected = [](const TcpTransport& t, const std::string& node) {
-    auto c = t.connected();
-    return std::find(c.begin(), c.end(), node) != c.end();
-  };
-  auto run_until = [&](auto done) {
-    for (uint64_t end = now_ns() + 5000000000ull; now_ns() < end;) {
-      (*a)->poll(now_ns());
-      (*b)->poll(now_ns());
-      if (done()) return true;
-    }
-    return false;
-  };
-  ASSERT_TRUE(run_until([&] { return connected(**a, "node-b") && connected(**b, "node-a"); }));
+  auto both = {a->get(), b->get()};
+  ASSERT_TRUE(
+      run_until(both, [&] { return connected(**a, "node-b") && connected(**b, "node-a"); }));
   EXPECT_EQ((*a)->peer_ipv4("node-b"), ::inet_addr("127.0.0.1"));
   EXPECT_EQ((*b)->peer_ipv4("node-a"), ::inet_addr("127.0.0.1"));
   EXPECT_EQ((*a)->peer_ipv4("nobody"), 0u);
@@ -86,7 +122,7 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   o.dst_qpn = 0x11;
   o.token[0] = 0x5a;
   ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}));
-  ASSERT_TRUE(run_until([&] { return !ra.offers.empty(); }));
+  ASSERT_TRUE(run_until(both, [&] { return !ra.offers.empty(); }));
   ASSERT_EQ(ra.offers.size(), 1u);
   EXPECT_EQ(ra.offers[0].node, "node-b");
   EXPECT_EQ(ra.offers[0].offer.port, 40000);
@@ -95,6 +131,99 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   EXPECT_EQ(ra.offers[0].offer.token[0], 0x5a);
   // The connection stays up: the frame was well formed.
   EXPECT_TRUE(connected(**a, "node-b"));
+}
+
+TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
+  Cluster cl({"node-a", "node-b"});
+  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
+  Recorder ra, rb;
+  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  auto b = TcpTransport::create(
+      {"node-b", "127.0.0.1:0", {"node-a@" + addr_a}, false, cl.ctx("node-b")}, rb);
+  ASSERT_TRUE(b.is_ok()) << b.status().message();
+  auto both = {a->get(), b->get()};
+  ASSERT_TRUE(
+      run_until(both, [&] { return connected(**a, "node-b") && connected(**b, "node-a"); }));
+  const auto peers = (*a)->peers();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].identity, "node-b");
+  EXPECT_EQ(peers[0].cipher, "TLS_AES_128_GCM_SHA256");
+  EXPECT_GT(peers[0].since_unix, 0u);
+  // Many frames, more than one TLS record and more than the session's buffer, in order.
+  for (uint32_t i = 0; i < 20000; ++i) {
+    wire::DirectOffer o{};
+    o.port = static_cast<uint16_t>(i + 1);
+    o.src_qpn = i;
+    ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}));
+  }
+  ASSERT_TRUE(run_until(both, [&] { return ra.offers.size() == 20000; })) << ra.offers.size();
+  for (uint32_t i = 0; i < 20000; ++i) ASSERT_EQ(ra.offers[i].offer.src_qpn, i);
+  EXPECT_EQ((*a)->refused().handshake, 0u);
+}
+
+TEST(TcpTransport, APeerWithoutTheCredentialIsRefused) {
+  Cluster cl({"node-a", "node-b"});
+  Cluster other({"node-b"});  // the right name, signed by another CA
+  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
+  Recorder ra, rb, rc;
+  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  ASSERT_TRUE(a.is_ok());
+  auto plain = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, nullptr}, rb);
+  ASSERT_TRUE(plain.is_ok());
+  auto forged =
+      TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, other.ctx("node-b")}, rc);
+  ASSERT_TRUE(forged.is_ok());
+  auto all = {a->get(), plain->get(), forged->get()};
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->refused().handshake >= 4; }));
+  EXPECT_TRUE((*a)->connected().empty());
+  EXPECT_TRUE(ra.up.empty());
+  EXPECT_TRUE(rb.up.empty());
+  EXPECT_TRUE(rc.up.empty());
+}
+
+TEST(TcpTransport, ANodeCannotTakeOverWhatAnotherNodeHolds) {
+  Cluster cl({"node-a", "node-b", "node-c"});
+  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
+  Recorder ra, rb, rc;
+  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  auto b = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, cl.ctx("node-b")}, rb);
+  auto c = TcpTransport::create({"node-c", "127.0.0.1:0", {addr_a}, false, cl.ctx("node-c")}, rc);
+  ASSERT_TRUE(a.is_ok() && b.is_ok() && c.is_ok());
+  auto all = {a->get(), b->get(), c->get()};
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->connected().size() == 2; }));
+  GuestInfo g{"vm1", 0x21, {}};
+  g.gid[15] = 0x21;
+  (*b)->announce(g, true);
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->locate_lid(0x21) == "node-b"; }));
+  // node-c claims the same guest (LID and GID): refused while node-b holds it.
+  (*c)->announce(g, true);
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->refused().directory == 1; }));
+  EXPECT_EQ((*a)->locate_lid(0x21), "node-b");
+  EXPECT_EQ((*a)->locate_gid(g.gid), "node-b");
+  // node-b lets it go (the guest migrated): node-c's claim applies.
+  ra.located.clear();
+  (*b)->announce(g, false);
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->locate_lid(0x21) == "node-c"; }));
+  ASSERT_EQ(ra.located.size(), 1u);
+  EXPECT_EQ(ra.located[0].first, "node-c");
+  // And node-b cannot take it back by announcing it.
+  (*b)->announce(g, true);
+  ASSERT_TRUE(run_until(all, [&] { return (*a)->refused().directory == 2; }));
+  EXPECT_EQ((*a)->locate_lid(0x21), "node-c");
+}
+
+TEST(TcpTransport, CredentialErrorsSayWhatToDo) {
+  Cluster cl({"node-a"});
+  auto wrong = TlsContext::load(TlsFiles::in_dir(cl.dir(), "node-a"), "node-b");
+  ASSERT_FALSE(wrong.is_ok());
+  EXPECT_NE(wrong.status().message().find("names node \"node-a\""), std::string::npos)
+      << wrong.status().message();
+  ASSERT_EQ(::chmod((cl.dir() + "/node-a.key").c_str(), 0644), 0);
+  auto open = TlsContext::load(TlsFiles::in_dir(cl.dir(), "node-a"), "node-a");
+  ASSERT_FALSE(open.is_ok());
+  EXPECT_NE(open.status().message().find("chmod 600"), std::string::npos)
+      << open.status().message();
 }
 
 }  // namespace

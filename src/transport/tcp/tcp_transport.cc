@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <ctime>
 
 #include "common/guest_fault.h"
 #include "common/log.h"
@@ -28,6 +29,18 @@ constexpr uint32_t kCopyPayloadMax = 8192;
 constexpr uint64_t kDirectReadMin = 16 * 1024;
 constexpr size_t kBatchMax = 256 * 1024;
 constexpr int kMaxIov = 64;
+/// Guest memory is copied through this (fault-safe) before TLS encrypts it.
+constexpr size_t kStageBytes = 16384;
+
+std::string address_of(int fd) {
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0 || sa.sin_family != AF_INET)
+    return "?";
+  char ip[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+  return fmt::format("{}:{}", ip, ntohs(sa.sin_port));
+}
 
 void set_options(int fd) {
   const int one = 1;
@@ -61,6 +74,21 @@ Result<sockaddr_in> parse_endpoint(const std::string& s) {
     return error(EINVAL, fmt::format("\"{}\": not an IPv4 address", s));
   return sa;
 }
+
+Result<PeerSpec> parse_peer(const std::string& s) {
+  PeerSpec p;
+  p.addr = s;
+  if (const auto at = s.find('@'); at != std::string::npos) {
+    p.node = s.substr(0, at);
+    p.addr = s.substr(at + 1);
+    if (p.node.empty() || p.node.size() >= kNameMax)
+      return error(EINVAL, fmt::format("\"{}\": the node name before @ must be 1..63 bytes", s));
+  }
+  RETURN_IF_ERROR(parse_endpoint(p.addr).status());
+  return p;
+}
+
+bool is_loopback(const sockaddr_in& sa) { return (ntohl(sa.sin_addr.s_addr) >> 24) == 127; }
 
 Result<std::unique_ptr<TcpTransport>> TcpTransport::create(Options o, Receiver& rx) {
   if (o.node.empty() || o.node.size() >= kNameMax)
@@ -97,18 +125,26 @@ Status TcpTransport::start() {
   // Forced: pairs on this backend go through our own listener, like any peer.
   if (opt_.force) to_dial.push_back(opt_.listen);
   for (const std::string& p : to_dial) {
-    ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(p));
-    dials_.push_back(Dial{p, sa, nullptr, 0, ""});
+    ASSIGN_OR_RETURN(PeerSpec spec, parse_peer(p));
+    ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(spec.addr));
+    if (!spec.node.empty()) allow_.push_back(spec.node);
+    dials_.push_back(Dial{spec.addr, spec.node, sa, nullptr, 0, ""});
   }
-  VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}", opt_.node, opt_.listen,
-            opt_.peers.size(), opt_.force ? ", forced for every pair" : "");
+  VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}; {}", opt_.node, opt_.listen,
+            opt_.peers.size(), opt_.force ? ", forced for every pair" : "",
+            opt_.tls ? "TLS 1.3, peers authenticated by the cluster CA"
+                     : "INSECURE: no authentication, no encryption");
   return Status::ok();
 }
 
-TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& dialed) {
+TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& dialed,
+                                           uint64_t now_ns) {
   auto c = std::make_unique<Conn>();
   c->fd = std::move(fd);
   c->dialed = dialed;
+  c->addr = dialed.empty() ? address_of(c->fd.get()) : dialed;
+  c->opened_ns = now_ns;
+  if (opt_.tls) c->tls = std::make_unique<TlsStream>(*opt_.tls, dialed.empty());
   c->rbuf.resize(kRbufBytes);
   set_options(c->fd.get());
   Conn* raw = c.get();
@@ -133,13 +169,18 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   if (c->dead) return;
   c->dead = true;
   if (c->hello) {
-    VLOG_WARN("transport tcp: connection to {} ({}) closed: {}", c->node,
-              c->dialed.empty() ? "accepted" : c->dialed, why);
+    VLOG_WARN("transport tcp: connection to {} ({}, {}) closed: {}", c->node,
+              c->dialed.empty() ? "accepted" : "dialed", c->addr, why);
   } else {
-    VLOG_DEBUG("transport tcp: connection {} closed before hello: {}", c->dialed, why);
+    VLOG_DEBUG("transport tcp: connection {} closed before hello: {}", c->addr, why);
+    if (c->dialed.empty()) --unauthenticated_;
   }
   auto bn = by_node_.find(c->node);
-  if (bn != by_node_.end() && bn->second == c) by_node_.erase(bn);
+  if (bn != by_node_.end() && bn->second == c) {
+    by_node_.erase(bn);
+    down_since_[c->node] = now_ns_;
+  }
+  std::erase(rx_again_, c);
   for (Dial& d : dials_) {
     if (d.conn == c) d.conn = nullptr;  // redialed by the next poll after kRedialMs
   }
@@ -175,7 +216,19 @@ bool TcpTransport::accept_all(uint64_t now_ns) {
                   ListenerRest::kRestNs / 1000000, log::held_note(held));
       return false;
     }
-    Conn* c = add_conn(UniqueFd(fd), "");
+    if (unauthenticated_ >= kMaxUnauthenticated) {
+      ++refused_.pending;
+      uint64_t held = 0;
+      if (refuse_log_.ready(now_ns, held))
+        VLOG_WARN(
+            "transport tcp: refused a connection from {}: {} connections have not "
+            "finished their hello{}",
+            address_of(fd), unauthenticated_, log::held_note(held));
+      ::close(fd);
+      continue;
+    }
+    Conn* c = add_conn(UniqueFd(fd), "", now_ns);
+    ++unauthenticated_;
     Hello h{};
     put_name(h.node, opt_.node);
     h.wire_version = kWireVersion;
@@ -189,7 +242,8 @@ void TcpTransport::dial(Dial& d, uint64_t now_ns) {
   if (!fd.valid()) return;
   int r = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&d.sa), sizeof(d.sa));
   if (r < 0 && errno != EINPROGRESS) return;  // refused at once: try again later
-  Conn* c = add_conn(std::move(fd), d.addr);
+  Conn* c = add_conn(std::move(fd), d.addr, now_ns);
+  c->expect = d.expect;
   c->connecting = r < 0;
   c->dialed_ns = now_ns;
   d.conn = c;
@@ -197,7 +251,7 @@ void TcpTransport::dial(Dial& d, uint64_t now_ns) {
   put_name(h.node, opt_.node);
   h.wire_version = kWireVersion;
   queue(*c, Type::kHello, &h, {}, {});
-  if (c->connecting) set_out(*c, true);
+  if (c->connecting || c->tls) set_out(*c, true);  // TLS: the handshake starts when writable
 }
 
 void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span> payload,
@@ -241,6 +295,7 @@ uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
 }
 
 bool TcpTransport::flush(Conn& c) {
+  if (c.tls) return flush_tls(c);
   while (!c.txq.empty()) {
     iovec iov[kMaxIov];
     int n = 0;
@@ -291,8 +346,7 @@ bool TcpTransport::read_some(Conn& c) {
     c.rend -= c.rpos;
     c.rpos = 0;
   }
-  const ssize_t r =
-      check_read(c, ::read(c.fd.get(), c.rbuf.data() + c.rend, c.rbuf.size() - c.rend));
+  const ssize_t r = read_into(c, c.rbuf.data() + c.rend, c.rbuf.size() - c.rend);
   if (r < 0) return false;
   c.rend += static_cast<size_t>(r);
   return true;
@@ -331,7 +385,7 @@ bool TcpTransport::consume(Conn& c) {
         c.left -= n;
       }
       // ... and a large rest is read straight into the spans.
-      while (c.left >= kDirectReadMin && !c.sink.spans.empty()) {
+      while (c.left >= kDirectReadMin && !c.sink.spans.empty() && !c.tls) {
         iovec iov[kMaxIov];
         int n = 0;
         for (size_t i = c.span_i; i < c.sink.spans.size() && n < kMaxIov; ++i) {
@@ -412,8 +466,24 @@ void TcpTransport::on_hello(Conn& c) {
     close_conn(&c, "second hello");
     return;
   }
+  const std::string name(get_name(c.frame.hello.node));
+  // The name is the certificate's, never what a peer says; and, with named peers, one of them.
+  if (c.tls && name != c.tls->peer_name()) {
+    refuse(refused_.name, "transport tcp: {} claims node {} but its certificate names {}; closing",
+           c.addr, name, c.tls->peer_name());
+    close_conn(&c, "hello under another node's name");
+    return;
+  }
+  if (!allowed(name) && name != opt_.node) {
+    refuse(refused_.name, "transport tcp: {} is node {}, not one of [transport] peers; closing",
+           c.addr, name);
+    close_conn(&c, "not an allowed peer");
+    return;
+  }
+  if (c.dialed.empty()) --unauthenticated_;
   c.hello = true;
-  c.node = std::string(get_name(c.frame.hello.node));
+  c.node = name;
+  c.since_unix = static_cast<uint64_t>(::time(nullptr));
   for (Dial& d : dials_) {
     if (d.conn == &c) d.node = c.node;
   }
@@ -439,11 +509,15 @@ void TcpTransport::on_hello(Conn& c) {
     close_conn(old, "duplicate connection");
   }
   by_node_[c.node] = &c;
-  VLOG_INFO("transport tcp: connected to {} ({})", c.node,
-            c.dialed.empty() ? "accepted" : c.dialed);
-  // A fresh directory from this peer replaces what it said before.
-  std::erase_if(by_lid_, [&](const auto& e) { return e.second.node == c.node; });
-  std::erase_if(by_gid_, [&](const auto& e) { return e.second.node == c.node; });
+  down_since_.erase(c.node);
+  VLOG_INFO("transport tcp: connected to {} ({}, {}; {})", c.node,
+            c.dialed.empty() ? "accepted" : "dialed", c.addr,
+            c.tls ? fmt::format("authenticated, {}", c.tls->cipher()) : "INSECURE");
+  // A fresh directory from this peer replaces what it said before: entries it does not announce
+  // again soon are dropped (they still hold against other nodes' claims meanwhile).
+  for (auto& [lid, r] : by_lid_) r.stale |= r.node == c.node;
+  for (auto& [gid, r] : by_gid_) r.stale |= r.node == c.node;
+  stale_until_[c.node] = now_ns_ + kRedirectoryMs * 1000000;
   send_directory(c);
   rx_.on_peer_up(c.node);
 }
@@ -461,31 +535,109 @@ void TcpTransport::send_directory(Conn& c) {
 void TcpTransport::on_guest(Conn& c, bool up) {
   if (c.node == opt_.node) return;
   const GuestEntry& e = c.frame.guest;
-  const std::string name(get_name(e.name));
+  GuestInfo g{std::string(get_name(e.name)), e.lid, {}};
+  std::memcpy(g.gid, e.gid, 16);
   const auto key = gid_key(e.gid);
   if (!up) {
+    // Only the holder lets go of an entry; a claim another node waits with may apply now.
     auto l = by_lid_.find(e.lid);
-    if (l != by_lid_.end() && l->second.node == c.node && l->second.name == name) by_lid_.erase(l);
-    auto g = by_gid_.find(key);
-    if (g != by_gid_.end() && g->second.node == c.node) by_gid_.erase(g);
-    VLOG_DEBUG("directory: guest {} left {}", name, c.node);
+    if (l != by_lid_.end() && l->second.node == c.node && l->second.name == g.name)
+      by_lid_.erase(l);
+    auto gi = by_gid_.find(key);
+    if (gi != by_gid_.end() && gi->second.node == c.node) by_gid_.erase(gi);
+    auto cl = claims_.find(e.lid);
+    if (cl != claims_.end() && cl->second.node == c.node) claims_.erase(cl);
+    VLOG_DEBUG("directory: guest {} left {}", g.name, c.node);
+    settle_claims(now_ns_);
     return;
   }
-  for (const auto& [lname, g] : local_) {
-    if (g.lid == e.lid && lname != name)
-      VLOG_WARN("directory: LID {:#x} of guest {} on {} clashes with local guest {}", e.lid, name,
-                c.node, lname);
+  for (const auto& [lname, lg] : local_) {
+    if (lg.lid == e.lid || std::memcmp(lg.gid, e.gid, 16) == 0) {
+      refuse(refused_.directory,
+             "directory: refused guest {} (lid {:#x}) from {} ({}): guest {} of this backend "
+             "holds that LID/GID",
+             g.name, e.lid, c.node, c.addr, lname);
+      return;
+    }
   }
-  auto l = by_lid_.find(e.lid);
-  if (l != by_lid_.end() && l->second.name != name)
-    VLOG_WARN("directory: LID {:#x} of guest {} on {} clashes with guest {} on {}", e.lid, name,
-              c.node, l->second.name, l->second.node);
-  by_lid_[e.lid] = Remote{c.node, name};
-  by_gid_[key] = Remote{c.node, name};
-  VLOG_DEBUG("directory: guest {} (lid {:#x}) is on {}", name, e.lid, c.node);
-  GuestInfo info{name, e.lid, {}};
-  std::memcpy(info.gid, e.gid, 16);
-  rx_.on_guest_located(info, c.node);
+  const std::string holder = holder_against(c.node, g, now_ns_);
+  if (!holder.empty()) {
+    refuse(refused_.directory,
+           "directory: refused guest {} (lid {:#x}) from {} ({}): {} holds that LID/GID; the "
+           "claim applies if {} lets it go (a migration) or is gone for {} s",
+           g.name, e.lid, c.node, c.addr, holder, holder, kOwnerGoneMs / 1000);
+    claims_[e.lid] = Claim{c.node, g};
+    return;
+  }
+  apply_guest(c.node, g);
+}
+
+std::string TcpTransport::holder_against(const std::string& node, const GuestInfo& g,
+                                         uint64_t now_ns) const {
+  auto holds = [&](const Remote& r) {
+    if (r.node == node) return false;
+    if (connected_to(r.node)) return true;
+    auto d = down_since_.find(r.node);
+    return d != down_since_.end() && now_ns - d->second < kOwnerGoneMs * 1000000;
+  };
+  if (auto l = by_lid_.find(g.lid); l != by_lid_.end() && holds(l->second)) return l->second.node;
+  if (auto x = by_gid_.find(gid_key(g.gid)); x != by_gid_.end() && holds(x->second))
+    return x->second.node;
+  return {};
+}
+
+void TcpTransport::apply_guest(const std::string& node, const GuestInfo& g) {
+  by_lid_[g.lid] = Remote{node, g.name, false};
+  by_gid_[gid_key(g.gid)] = Remote{node, g.name, false};
+  claims_.erase(g.lid);
+  VLOG_DEBUG("directory: guest {} (lid {:#x}) is on {}", g.name, g.lid, node);
+  rx_.on_guest_located(g, node);
+}
+
+void TcpTransport::settle_claims(uint64_t now_ns) {
+  for (auto it = stale_until_.begin(); it != stale_until_.end();) {
+    if (now_ns < it->second) {
+      ++it;
+      continue;
+    }
+    const std::string& node = it->first;
+    std::erase_if(by_lid_, [&](const auto& e) { return e.second.node == node && e.second.stale; });
+    std::erase_if(by_gid_, [&](const auto& e) { return e.second.node == node && e.second.stale; });
+    it = stale_until_.erase(it);
+  }
+  std::vector<Claim> ready;
+  for (auto it = claims_.begin(); it != claims_.end();) {
+    if (!connected_to(it->second.node)) {
+      it = claims_.erase(it);  // its node is gone: it announces again when it is back
+    } else if (holder_against(it->second.node, it->second.g, now_ns).empty()) {
+      ready.push_back(std::move(it->second));
+      it = claims_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (const Claim& cl : ready) {
+    VLOG_INFO("directory: guest {} (lid {:#x}) moved to {}", cl.g.name, cl.g.lid, cl.node);
+    apply_guest(cl.node, cl.g);
+  }
+}
+
+bool TcpTransport::allowed(const std::string& node) const {
+  return allow_.empty() || std::find(allow_.begin(), allow_.end(), node) != allow_.end();
+}
+
+template <typename... Args>
+void TcpTransport::refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args) {
+  ++counter;
+  uint64_t held = 0;
+  if (refuse_log_.ready(now_ns_, held))
+    VLOG_WARN("{}{}", fmt::format(f, std::forward<Args>(args)...), log::held_note(held));
+}
+
+void TcpTransport::refused_frame(const std::string& node, const std::string& why) {
+  auto it = by_node_.find(node);
+  refuse(refused_.frames, "transport tcp: refused a frame from {} ({}): {}", node,
+         it == by_node_.end() ? "?" : it->second->addr, why);
 }
 
 void TcpTransport::announce(const GuestInfo& g, bool up) {
@@ -520,6 +672,16 @@ std::vector<std::string> TcpTransport::connected() const {
   return out;
 }
 
+std::vector<TcpTransport::PeerInfo> TcpTransport::peers() const {
+  std::vector<PeerInfo> out;
+  for (const auto& [node, c] : by_node_) {
+    out.push_back({node, c->addr, c->tls ? c->tls->peer_name() : "",
+                   c->tls ? c->tls->cipher() : "none", c->since_unix});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.node < b.node; });
+  return out;
+}
+
 uint64_t TcpTransport::next_deadline() const {
   uint64_t d = 0;
   auto at = [&](uint64_t t) { d = d == 0 ? t : std::min(d, t); };
@@ -528,17 +690,187 @@ uint64_t TcpTransport::next_deadline() const {
     if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
   }
   if (accept_rest_.until_ns()) at(accept_rest_.until_ns());
+  if (!rx_again_.empty()) at(1);  // plaintext is waiting inside TLS: no event will say so
+  for (const auto& [fd, c] : conns_) {
+    if (!c->hello) at(c->opened_ns + kHelloTimeoutMs * 1000000);
+  }
+  for (const auto& [node, t] : stale_until_) at(t);
+  if (!claims_.empty()) at(now_ns_ + 100'000'000);
   return d;
+}
+
+bool TcpTransport::handshake(Conn& c) {
+  TlsStream& t = *c.tls;
+  for (;;) {
+    std::string why;
+    const int h = t.handshake(why);
+    if (t.push(c.fd.get()) < 0) {
+      close_conn(&c, std::strerror(errno));
+      return false;
+    }
+    if (h < 0) {
+      refuse(refused_.handshake, "transport tcp: TLS handshake with {} failed: {}", c.addr, why);
+      close_conn(&c, "TLS handshake failed: " + why);
+      return false;
+    }
+    if (h > 0) break;
+    const ssize_t r = t.pull(c.fd.get());
+    if (r < 0) {
+      close_conn(&c, errno ? std::strerror(errno) : "closed by the peer during the TLS handshake");
+      return false;
+    }
+    if (r == 0) {
+      set_out(c, t.out_pending());
+      return true;
+    }
+  }
+  if (!c.expect.empty() && t.peer_name() != c.expect) {
+    refuse(refused_.name, "transport tcp: {} is node {}, but [transport] peers expects {} there",
+           c.addr, t.peer_name(), c.expect);
+    close_conn(&c, "another node answered");
+    return false;
+  }
+  VLOG_DEBUG("transport tcp: TLS with {} ({}): {}", c.addr, t.peer_name(), t.cipher());
+  set_out(c, t.out_pending());  // our Hello, queued, goes at the end of this poll
+  return true;
+}
+
+ssize_t TcpTransport::read_into(Conn& c, void* p, size_t n) {
+  if (!c.tls) return check_read(c, ::read(c.fd.get(), p, n));
+  for (;;) {
+    std::string why;
+    const ssize_t r = c.tls->read(p, n, why);
+    if (r > 0) return check_read(c, r);
+    if (r < 0) {
+      VLOG_ERROR("transport tcp: from {} ({}): {}; closing the connection",
+                 c.node.empty() ? "?" : c.node, c.addr, why);
+      close_conn(&c, why);
+      return -1;
+    }
+    const ssize_t got = c.tls->pull(c.fd.get());
+    if (got == 0) return 0;
+    if (got < 0) return check_read(c, errno == 0 ? 0 : -1);
+  }
+}
+
+bool TcpTransport::flush_tls(Conn& c) {
+  TlsStream& t = *c.tls;
+  bool blocked = false;
+  while (t.established() && !c.txq.empty() && !blocked) {
+    TxItem& it = c.txq.front();
+    const uint8_t* p = nullptr;
+    uint64_t n = 0;
+    if (c.sent < it.bytes.size()) {
+      p = it.bytes.data() + c.sent;
+      n = it.bytes.size() - c.sent;
+    } else {
+      uint64_t off = c.sent - it.bytes.size();
+      for (const Span& s : it.spans) {
+        if (off < s.n) {
+          // Guest memory: copied with a fault guard before OpenSSL reads it.
+          n = std::min<uint64_t>(s.n - off, kStageBytes);
+          stage_.resize(kStageBytes);
+          uintptr_t fault = 0;
+          if (!guarded_memcpy(stage_.data(), s.p + off, n, fault)) {
+            VLOG_WARN(
+                "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) sending to {}; zeros "
+                "are sent instead",
+                fault, c.node);
+            std::memset(stage_.data(), 0, n);
+          }
+          p = stage_.data();
+          break;
+        }
+        off -= s.n;
+      }
+    }
+    std::string why;
+    const ssize_t w = t.write(p, n, why);
+    if (w < 0) {
+      close_conn(&c, "TLS: " + why);
+      return false;
+    }
+    if (w == 0) {  // the session's buffer is full: to the socket with it
+      const int r = t.push(c.fd.get());
+      if (r < 0) {
+        close_conn(&c, std::strerror(errno));
+        return false;
+      }
+      blocked = r == 0;
+      continue;
+    }
+    c.sent += static_cast<uint64_t>(w);
+    if (c.sent == it.total) {
+      c.sent = 0;
+      c.txq.pop_front();
+    }
+  }
+  if (t.push(c.fd.get()) < 0) {
+    close_conn(&c, std::strerror(errno));
+    return false;
+  }
+  set_out(c, t.out_pending() || (!c.txq.empty() && t.established()));
+  return true;
+}
+
+void TcpTransport::expire_unauthenticated(uint64_t now_ns) {
+  std::vector<Conn*> late;
+  for (auto& [fd, c] : conns_) {
+    if (!c->hello && !c->connecting && now_ns - c->opened_ns > kHelloTimeoutMs * 1000000)
+      late.push_back(c.get());
+  }
+  for (Conn* c : late) {
+    if (c->dialed.empty()) {
+      refuse(refused_.pending, "transport tcp: {} did not finish its {}hello in {} ms; closing",
+             c->addr, c->tls ? "TLS handshake and " : "", kHelloTimeoutMs);
+    }
+    close_conn(c, "no hello in time");
+  }
+}
+
+bool TcpTransport::read_conn(Conn& c) {
+  bool did = false;
+  // Bounded per visit so one busy peer cannot starve the engine's rings.
+  for (int round = 0; round < 16 && !c.dead; ++round) {
+    const uint64_t before = c.rx_bytes;
+    // A large payload with nothing buffered is read by consume() into its spans directly.
+    const bool direct = !c.tls && c.rx == Rx::kPayload && c.left >= kDirectReadMin &&
+                        !c.sink.spans.empty() && c.rpos == c.rend;
+    const size_t room = c.rbuf.size() - c.rend;
+    if (!direct && !read_some(c)) break;
+    if (!consume(c)) break;
+    if (c.rx_bytes == before) break;  // nothing more now
+    did = true;
+    // A read that did not fill the buffer drained the socket: skip the read that would
+    // only say EAGAIN (syscalls are most of a small message's cost).
+    if (!direct && !c.tls && c.rx_bytes - before < room) break;
+  }
+  if (!c.dead && c.tls && c.tls->has_buffered() && !c.again) {
+    c.again = true;
+    rx_again_.push_back(&c);
+  }
+  return did;
 }
 
 bool TcpTransport::poll(uint64_t now_ns) {
   bool did = false;
+  now_ns_ = now_ns;
   accept_rest_.poll(now_ns);
   for (Dial& d : dials_) {
     if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
       close_conn(d.conn, "connect timed out");
     if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
       dial(d, now_ns);
+  }
+  if (conns_.size() > by_node_.size()) expire_unauthenticated(now_ns);
+  if (!claims_.empty() || !stale_until_.empty()) settle_claims(now_ns);
+  if (!rx_again_.empty()) {
+    std::vector<Conn*> again;
+    again.swap(rx_again_);
+    for (Conn* c : again) {
+      c->again = false;
+      if (!c->dead) did |= read_conn(*c);
+    }
   }
   epoll_event evs[64];
   const int n = ::epoll_wait(epoll_.get(), evs, 64, 0);
@@ -559,27 +891,21 @@ bool TcpTransport::poll(uint64_t now_ns) {
       }
       c->connecting = false;
     }
-    if (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
-      // Bounded per visit so one busy peer cannot starve the engine's rings.
-      for (int round = 0; round < 16 && !c->dead; ++round) {
-        const uint64_t before = c->rx_bytes;
-        // A large payload with nothing buffered is read by consume() into its spans directly.
-        const bool direct = c->rx == Rx::kPayload && c->left >= kDirectReadMin &&
-                            !c->sink.spans.empty() && c->rpos == c->rend;
-        const size_t room = c->rbuf.size() - c->rend;
-        if (!direct && !read_some(*c)) break;
-        if (!consume(*c)) break;
-        if (c->rx_bytes == before) break;  // nothing more now
-        did = true;
-        // A read that did not fill the buffer drained the socket: skip the read that would
-        // only say EAGAIN (syscalls are most of a small message's cost).
-        if (!direct && c->rx_bytes - before < room) break;
-      }
+    if (evs[i].events & EPOLLOUT) c->out_ready = true;
+    if (c->tls && !c->tls->established()) {
+      did = true;
+      if (!handshake(*c) || !c->tls->established()) continue;
     }
+    if (evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) did |= read_conn(*c);
   }
   std::vector<Conn*> out;
   for (auto& [fd, c] : conns_) {
-    if (!c->connecting && !c->txq.empty()) out.push_back(c.get());
+    // A connection waiting for room (EPOLLOUT registered) is written when the room is there;
+    // a TLS one in its handshake only by handshake().
+    const bool has = c->tls ? c->tls->established() && (!c->txq.empty() || c->tls->out_pending())
+                            : !c->txq.empty();
+    if (!c->connecting && has && (!c->want_out || c->out_ready)) out.push_back(c.get());
+    c->out_ready = false;
   }
   for (Conn* c : out) {
     if (!c->dead) flush(*c);

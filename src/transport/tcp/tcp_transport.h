@@ -22,12 +22,22 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "transport/tcp/tls.h"
 #include "transport/transport.h"
 
 namespace vrdma::transport::tcp {
 
 /// Parses "ADDR:PORT" (IPv4 dotted quad or "localhost").
 Result<sockaddr_in> parse_endpoint(const std::string& s);
+/// A configured peer: "ADDR:PORT", or "NODE@ADDR:PORT" (only NODE may answer there, and only
+/// the nodes named so may connect: the peers list is then an allow-list).
+struct PeerSpec {
+  std::string node;  ///< "" when not named
+  std::string addr;
+};
+Result<PeerSpec> parse_peer(const std::string& s);
+/// True for 127.0.0.0/8 (what an unauthenticated transport may listen on).
+bool is_loopback(const sockaddr_in& sa);
 
 class TcpTransport final : public Transport {
  public:
@@ -36,7 +46,32 @@ class TcpTransport final : public Transport {
     std::string listen;              ///< "ADDR:PORT"
     std::vector<std::string> peers;  ///< backends to dial, "ADDR:PORT"
     bool force = false;              ///< every pair goes through TCP (dials its own listener)
+    /// The cluster credential: every connection is TLS 1.3, mutually authenticated, and a
+    /// peer's node name is its certificate's. Null: plain TCP (insecure; the caller decided).
+    std::shared_ptr<const TlsContext> tls;
   };
+  /// What this backend refused, by reason (status, metrics).
+  struct Refused {
+    uint64_t handshake = 0;  ///< TLS handshake failed (no or a wrong credential, not TLS at all)
+    uint64_t name = 0;       ///< Hello under a name not its certificate's, or not allowed
+    uint64_t pending = 0;    ///< over the cap of unauthenticated connections, or too slow
+    uint64_t directory = 0;  ///< a directory entry about what another node (or we) hold
+    uint64_t frames = 0;     ///< a request/reply from a node that is not the QP's peer
+  };
+  /// A live connection to a peer (status).
+  struct PeerInfo {
+    std::string node, address, identity, cipher;
+    uint64_t since_unix = 0;
+  };
+  /// Connections that have not finished the handshake and Hello: more are closed at accept.
+  static constexpr size_t kMaxUnauthenticated = 64;
+  /// ... and each is closed if it has not finished them by then.
+  static constexpr uint64_t kHelloTimeoutMs = 5000;
+  /// A node whose connection is down this long no longer holds its directory entries against
+  /// another node's claim (a backend that died; its guests may start elsewhere).
+  static constexpr uint64_t kOwnerGoneMs = 10000;
+  /// After a node's Hello, its entries it has not announced again by then are dropped.
+  static constexpr uint64_t kRedirectoryMs = 2000;
   static constexpr uint64_t kRedialMs = 20;
   /// A connect that has not finished by then is given up and redialed (a SYN to a host that
   /// is gone would otherwise wait for the kernel's minutes).
@@ -55,6 +90,9 @@ class TcpTransport final : public Transport {
   uint64_t next_deadline() const;
   /// Node names with a live connection (for status and tests).
   std::vector<std::string> connected() const;
+  std::vector<PeerInfo> peers() const;
+  const Refused& refused() const { return refused_; }
+  bool secure() const { return opt_.tls != nullptr; }
 
   const std::string& self() const override { return opt_.node; }
   bool forced() const override { return opt_.force; }
@@ -64,6 +102,7 @@ class TcpTransport final : public Transport {
             std::span<const Span> payload, std::span<const Hold> holds) override;
   void announce(const GuestInfo& g, bool up) override;
   uint32_t peer_ipv4(const std::string& node) const override;
+  void refused_frame(const std::string& node, const std::string& why) override;
 
  private:
   struct TxItem {
@@ -77,9 +116,16 @@ class TcpTransport final : public Transport {
     UniqueFd fd;
     std::string node;         ///< from its Hello
     std::string dialed;       ///< the address we dialed; "" when accepted
+    std::string addr;         ///< the peer's ADDR:PORT (logs)
+    std::string expect;       ///< the node that must answer (a "NODE@ADDR:PORT" peer), or ""
+    std::unique_ptr<TlsStream> tls;  ///< null: plain TCP
+    uint64_t opened_ns = 0;          ///< accepted or dialed (the hello deadline counts from here)
+    uint64_t since_unix = 0;         ///< when its Hello arrived
     bool connecting = false;  ///< non-blocking connect in progress
     uint64_t dialed_ns = 0;   ///< when the connect started
     bool hello = false;       ///< the peer's Hello arrived
+    bool again = false;       ///< in rx_again_
+    bool out_ready = false;   ///< EPOLLOUT reported in this poll
     bool want_out = false;    ///< EPOLLOUT is registered
     bool dead = false;        ///< closed; freed at the end of poll()
     // receive side
@@ -98,6 +144,7 @@ class TcpTransport final : public Transport {
   };
   struct Dial {
     std::string addr;
+    std::string expect;  ///< "NODE@": only NODE may answer
     sockaddr_in sa{};
     Conn* conn = nullptr;
     uint64_t next_ns = 0;
@@ -105,6 +152,12 @@ class TcpTransport final : public Transport {
   };
   struct Remote {
     std::string node, name;
+    bool stale = false;  ///< from before the node's last Hello, not announced again yet
+  };
+  /// A node's claim on a LID or GID another node holds: applied when that node lets it go.
+  struct Claim {
+    std::string node;
+    GuestInfo g;
   };
 
   TcpTransport(Options o, Receiver& rx) : opt_(std::move(o)), rx_(rx) {}
@@ -113,7 +166,27 @@ class TcpTransport final : public Transport {
   bool accept_all(uint64_t now_ns);
   void watch_listener(bool on);
   void dial(Dial& d, uint64_t now_ns);
-  Conn* add_conn(UniqueFd fd, const std::string& dialed);
+  Conn* add_conn(UniqueFd fd, const std::string& dialed, uint64_t now_ns);
+  /// Moves the TLS handshake on; false when the connection failed (closed then).
+  bool handshake(Conn& c);
+  /// Reads plaintext (through TLS when on): like check_read's result.
+  ssize_t read_into(Conn& c, void* p, size_t n);
+  /// Reads and dispatches what arrived on c (bounded); true when anything moved.
+  bool read_conn(Conn& c);
+  /// Writes what txq holds through TLS; false when the connection failed.
+  bool flush_tls(Conn& c);
+  /// Closes connections that did not finish their hello in time.
+  void expire_unauthenticated(uint64_t now_ns);
+  /// Applies the claims whose holder let go (or is gone).
+  void settle_claims(uint64_t now_ns);
+  /// The node holding this LID/GID against `node`'s claim, or "" when the claim may be applied.
+  std::string holder_against(const std::string& node, const GuestInfo& g, uint64_t now_ns) const;
+  void apply_guest(const std::string& node, const GuestInfo& g);
+  /// Counts a refusal and logs it (one line a second; the rest are counted in the next line).
+  template <typename... Args>
+  void refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args);
+  bool allowed(const std::string& node) const;
+  bool connected_to(const std::string& node) const { return by_node_.count(node) != 0; }
   void close_conn(Conn* c, const std::string& why);
   void set_out(Conn& c, bool on);
   /// False when the connection failed (it is closed then).
@@ -142,6 +215,17 @@ class TcpTransport final : public Transport {
   std::unordered_map<uint16_t, Remote> by_lid_;
   std::map<std::array<uint8_t, 16>, Remote> by_gid_;
   std::vector<std::unique_ptr<Conn>> graveyard_;  ///< closed during poll(); freed at its end
+  std::vector<std::string> allow_;                ///< nodes named in peers ("" = any)
+  size_t unauthenticated_ = 0;                    ///< accepted connections before their hello
+  std::vector<Conn*> rx_again_;  ///< TLS connections with plaintext left to read (no EPOLLIN)
+  std::map<std::string, uint64_t> down_since_;  ///< nodes whose connection broke, and when
+  /// Nodes that said Hello again: their entries not announced again by then are dropped.
+  std::map<std::string, uint64_t> stale_until_;
+  std::map<uint16_t, Claim> claims_;  ///< refused claims, by LID
+  uint64_t now_ns_ = 0;               ///< of the last poll()
+  Refused refused_;
+  log::Every refuse_log_{1'000'000'000};  ///< one refusal line per second, the rest counted
+  std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
 };
 
 }  // namespace vrdma::transport::tcp

@@ -1,0 +1,206 @@
+#include "transport/tcp/tls.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace vrdma::transport::tcp {
+
+namespace {
+
+/// Each direction of a connection's BIO pair: ciphertext between the session and the socket.
+constexpr size_t kPairBytes = 256 * 1024;
+/// Plaintext per record (TLS's maximum), and what a record adds to it (TLS 1.3 with AES-GCM:
+/// 5 header + 1 content type + 16 tag), with room to spare.
+constexpr size_t kRecordBytes = 16384;
+constexpr size_t kRecordOverhead = 64;
+
+std::string cn_of(X509* cert) {
+  char cn[256] = {};
+  if (!cert ||
+      X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, cn, sizeof(cn)) <= 0)
+    return {};
+  return cn;
+}
+
+Status check_key_file(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    return error(errno, fmt::format("{}: {}", path, std::strerror(errno)));
+  if (!S_ISREG(st.st_mode))
+    return error(EINVAL, fmt::format("{}: not a regular file (a symlink?)", path));
+  if (st.st_uid != ::geteuid() && st.st_uid != 0)
+    return error(EPERM, fmt::format("{}: owned by uid {}, not by this backend's user or root", path,
+                                    st.st_uid));
+  if (st.st_mode & 077)
+    return error(EPERM, fmt::format("{}: others may read it (mode {:04o}): chmod 600 {}", path,
+                                    st.st_mode & 07777, path));
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string tls_errors() {
+  std::string out;
+  while (unsigned long e = ERR_get_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    out += out.empty() ? "" : "; ";
+    out += buf;
+  }
+  return out.empty() ? "no detail from OpenSSL" : out;
+}
+
+TlsFiles TlsFiles::in_dir(const std::string& dir, const std::string& node) {
+  return {dir + "/ca.pem", dir + "/" + node + ".pem", dir + "/" + node + ".key"};
+}
+
+Result<std::unique_ptr<TlsContext>> TlsContext::load(const TlsFiles& f, const std::string& node) {
+  ERR_clear_error();
+  RETURN_IF_ERROR(check_key_file(f.key));
+  SSL_CTX* raw = SSL_CTX_new(TLS_method());
+  if (!raw) return error(ENOMEM, "TLS: " + tls_errors());
+  std::unique_ptr<TlsContext> ctx(new TlsContext(raw));
+  SSL_CTX_set_min_proto_version(raw, TLS1_3_VERSION);
+  SSL_CTX_set_max_proto_version(raw, TLS1_3_VERSION);
+  // AES-128-GCM first: with AES-NI it is the cheapest authenticated cipher there is.
+  SSL_CTX_set_ciphersuites(raw,
+                           "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256:"
+                           "TLS_AES_256_GCM_SHA384");
+  SSL_CTX_set_num_tickets(raw, 0);  // no resumption: connections are few and long
+  SSL_CTX_set_session_cache_mode(raw, SSL_SESS_CACHE_OFF);
+  SSL_CTX_set_mode(raw, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  if (SSL_CTX_load_verify_file(raw, f.ca.c_str()) != 1)
+    return error(EINVAL, fmt::format("TLS: cannot load the cluster CA {}: {}", f.ca, tls_errors()));
+  if (SSL_CTX_use_certificate_chain_file(raw, f.cert.c_str()) != 1)
+    return error(EINVAL,
+                 fmt::format("TLS: cannot load the certificate {}: {}", f.cert, tls_errors()));
+  if (SSL_CTX_use_PrivateKey_file(raw, f.key.c_str(), SSL_FILETYPE_PEM) != 1)
+    return error(EINVAL, fmt::format("TLS: cannot load the key {}: {}", f.key, tls_errors()));
+  if (SSL_CTX_check_private_key(raw) != 1)
+    return error(EINVAL, fmt::format("TLS: {} is not the key of {}", f.key, f.cert));
+  // Our own certificate must pass the check our peers make, or we would only learn it from them.
+  X509* own = SSL_CTX_get0_certificate(raw);
+  const std::string cn = cn_of(own);
+  if (cn != node)
+    return error(EINVAL, fmt::format("TLS: {} names node \"{}\", but this backend is \"{}\" "
+                                     "(vrdma cluster add-node {})",
+                                     f.cert, cn, node, node));
+  X509_STORE_CTX* vctx = X509_STORE_CTX_new();
+  X509_STORE_CTX_init(vctx, SSL_CTX_get_cert_store(raw), own, nullptr);
+  const bool ok = X509_verify_cert(vctx) == 1;
+  const int verr = X509_STORE_CTX_get_error(vctx);
+  X509_STORE_CTX_free(vctx);
+  if (!ok)
+    return error(EINVAL, fmt::format("TLS: {} does not verify against {}: {}", f.cert, f.ca,
+                                     X509_verify_cert_error_string(verr)));
+  SSL_CTX_set_verify(raw, SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT, nullptr);
+  return ctx;
+}
+
+TlsContext::~TlsContext() { SSL_CTX_free(ctx_); }
+
+TlsStream::TlsStream(const TlsContext& ctx, bool server) {
+  ssl_ = SSL_new(ctx.get());
+  BIO_new_bio_pair(&int_, kPairBytes, &ext_, kPairBytes);
+  SSL_set_bio(ssl_, int_, int_);  // the session owns its end
+  if (server) {
+    SSL_set_accept_state(ssl_);
+  } else {
+    SSL_set_connect_state(ssl_);
+  }
+}
+
+TlsStream::~TlsStream() {
+  SSL_free(ssl_);
+  BIO_free(ext_);
+}
+
+ssize_t TlsStream::pull(int fd) {
+  char* p = nullptr;
+  const int room = BIO_nwrite0(ext_, &p);
+  if (room <= 0) return 0;
+  const ssize_t r = ::read(fd, p, static_cast<size_t>(room));
+  if (r > 0) {
+    BIO_nwrite(ext_, &p, static_cast<int>(r));
+    return r;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  if (r == 0) errno = 0;
+  return -1;
+}
+
+int TlsStream::push(int fd) {
+  for (;;) {
+    char* p = nullptr;
+    const int n = BIO_nread0(ext_, &p);
+    if (n <= 0) return 1;
+    const ssize_t w = ::send(fd, p, static_cast<size_t>(n), MSG_NOSIGNAL);
+    if (w < 0) return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    BIO_nread(ext_, &p, static_cast<int>(w));
+    if (w < n) return 0;
+  }
+}
+
+bool TlsStream::out_pending() const { return BIO_ctrl_pending(ext_) > 0; }
+
+int TlsStream::handshake(std::string& why) {
+  if (established_) return 1;
+  ERR_clear_error();
+  const int r = SSL_do_handshake(ssl_);
+  if (r == 1) {
+    established_ = true;
+    peer_name_ = cn_of(SSL_get0_peer_certificate(ssl_));
+    cipher_ = SSL_get_cipher_name(ssl_);
+    return 1;
+  }
+  const int e = SSL_get_error(ssl_, r);
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  const long v = SSL_get_verify_result(ssl_);
+  why = v != X509_V_OK ? fmt::format("certificate: {}", X509_verify_cert_error_string(v))
+                       : tls_errors();
+  return -1;
+}
+
+ssize_t TlsStream::read(void* p, size_t n, std::string& why) {
+  if (n == 0) return 0;
+  ERR_clear_error();
+  const int r = SSL_read(ssl_, p, static_cast<int>(std::min<size_t>(n, 1u << 30)));
+  if (r > 0) return r;
+  const int e = SSL_get_error(ssl_, r);
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  why = e == SSL_ERROR_ZERO_RETURN
+            ? "the peer closed its TLS session"
+            : "a record failed its check (forged or altered): " + tls_errors();
+  return -1;
+}
+
+bool TlsStream::has_buffered() const {
+  return SSL_has_pending(ssl_) == 1 || BIO_ctrl_pending(int_) > 0;
+}
+
+ssize_t TlsStream::write(const void* p, size_t n, std::string& why) {
+  const size_t room = BIO_ctrl_get_write_guarantee(int_);
+  if (room <= kRecordOverhead) return 0;
+  const size_t chunk = std::min({n, kRecordBytes, room - kRecordOverhead});
+  ERR_clear_error();
+  const int r = SSL_write(ssl_, p, static_cast<int>(chunk));
+  if (r > 0) return r;
+  const int e = SSL_get_error(ssl_, r);
+  if (e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ) return 0;
+  why = tls_errors();
+  return -1;
+}
+
+}  // namespace vrdma::transport::tcp

@@ -1,0 +1,82 @@
+// TLS 1.3 between backends (OpenSSL): mutual authentication with a cluster CA, the peer's node
+// name bound to its certificate's CN, every byte after the handshake encrypted and integrity
+// protected (AES-GCM). Why TLS, and what it costs: docs/ARCHITECTURE.md, "Trust across hosts".
+// The TLS engine talks to a memory BIO pair, not to the socket: the transport moves ciphertext
+// between the pair and its non-blocking socket itself, one read() or write() for many records.
+// Concurrency: one thread (the backend's engine thread) per object.
+#pragma once
+
+#include <openssl/types.h>
+#include <sys/types.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+
+namespace vrdma::transport::tcp {
+
+/// A node's credential: the cluster CA, its certificate (subject CN = its node name), its key.
+struct TlsFiles {
+  std::string ca, cert, key;
+  /// DIR/ca.pem, DIR/NODE.pem, DIR/NODE.key (what `vrdma cluster add-node NODE` writes).
+  static TlsFiles in_dir(const std::string& dir, const std::string& node);
+};
+
+class TlsContext {
+ public:
+  /// Loads and checks the credential of `node`: the key file is a regular file of this uid or
+  /// root that no one else may read; the certificate verifies against the CA and names `node`.
+  static Result<std::unique_ptr<TlsContext>> load(const TlsFiles& f, const std::string& node);
+  ~TlsContext();
+  SSL_CTX* get() const { return ctx_; }
+
+ private:
+  explicit TlsContext(SSL_CTX* c) : ctx_(c) {}
+  SSL_CTX* ctx_;
+};
+
+/// One connection's TLS session over a memory BIO pair.
+class TlsStream {
+ public:
+  TlsStream(const TlsContext& ctx, bool server);
+  ~TlsStream();
+  TlsStream(const TlsStream&) = delete;
+  TlsStream& operator=(const TlsStream&) = delete;
+
+  /// Reads ciphertext from `fd` into the session: bytes read (> 0), 0 for none now (EAGAIN, or
+  /// no room until the session consumes), -1 when the connection ended (errno set; 0 for EOF).
+  ssize_t pull(int fd);
+  /// Writes pending ciphertext to `fd`: 1 all written, 0 some left (EAGAIN), -1 failed (errno).
+  int push(int fd);
+  bool out_pending() const;
+
+  /// Advances the handshake: 1 done, 0 more to exchange, -1 failed (`why` says why).
+  int handshake(std::string& why);
+  bool established() const { return established_; }
+  /// The verified peer's certificate CN, and the cipher suite (after the handshake).
+  const std::string& peer_name() const { return peer_name_; }
+  const std::string& cipher() const { return cipher_; }
+
+  /// Decrypts into p: bytes (> 0), 0 when a whole record is not there yet, -1 on a forged,
+  /// altered or closing record (`why`).
+  ssize_t read(void* p, size_t n, std::string& why);
+  /// Plaintext that read() can return without more ciphertext.
+  bool has_buffered() const;
+  /// Encrypts up to n bytes into whole records: the bytes taken (0 while the outgoing buffer is
+  /// full: push() first); -1 on an error (`why`).
+  ssize_t write(const void* p, size_t n, std::string& why);
+
+ private:
+  SSL* ssl_ = nullptr;
+  BIO* ext_ = nullptr;  ///< our end of the pair: ciphertext to and from the socket
+  BIO* int_ = nullptr;  ///< the session's end
+  bool established_ = false;
+  std::string peer_name_, cipher_;
+};
+
+/// The queued OpenSSL errors as one line (and clears them).
+std::string tls_errors();
+
+}  // namespace vrdma::transport::tcp
