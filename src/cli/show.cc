@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 #include <map>
 
 namespace vrdma::cli {
@@ -215,6 +216,27 @@ std::string status_header(const json& status) {
     peers += text_of(p);
   }
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
+  for (const auto& t : member(b, "transports")) {
+    if (!t.contains("security")) continue;
+    // Who each connected peer proved to be, and what the transport turned away.
+    for (const auto& p : member(t, "peers")) {
+      const json& since = member(p, "since_unix");
+      const uint64_t at = since.is_number_unsigned() ? since.get<uint64_t>() : 0;
+      const uint64_t now = static_cast<uint64_t>(::time(nullptr));
+      out +=
+          fmt::format("  peer {} at {}: {}, {}, for {}\n", text_of(member(p, "node")),
+                      text_of(member(p, "address")),
+                      member(p, "identity") == "" ? std::string("NOT authenticated")
+                                                  : "certificate " + text_of(member(p, "identity")),
+                      text_of(member(p, "cipher")), duration(now > at ? now - at : 0));
+    }
+    std::string refused;
+    for (const auto& [k, v] : member(t, "refused").items()) {
+      if (v != 0) refused += fmt::format("{}{} {}", refused.empty() ? "" : ", ", k, text_of(v));
+    }
+    out += fmt::format("  security: {}; refused: {}\n", text_of(member(t, "security")),
+                       refused.empty() ? "nothing" : refused);
+  }
   const json& d = member(b, "datapath");
   auto num = [](const json& v) { return v.is_number() ? v.get<double>() : 0.0; };
   out += fmt::format(

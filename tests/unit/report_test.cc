@@ -188,7 +188,21 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   cfg_.peers = {"10.0.0.2:7471"};
   cfg_.quotas.max_qps = 7;
   rep_.set_connected_peers([] { return std::vector<std::string>{"h2"}; });
+  rep_.set_transport_details([] {
+    return nlohmann::json{{"security", "tls"},
+                          {"peers",
+                           {{{"node", "h2"},
+                             {"address", "10.0.0.2:7471"},
+                             {"identity", "h2"},
+                             {"cipher", "TLS_AES_128_GCM_SHA256"},
+                             {"since_unix", 1}}}},
+                          {"refused", {{"handshake", 2}, {"name", 0}, {"frames", 5}}}};
+  });
   const std::string h = cli::status_header(status());
+  EXPECT_NE(h.find("  peer h2 at 10.0.0.2:7471: certificate h2, TLS_AES_128_GCM_SHA256, for "),
+            std::string::npos)
+      << h;
+  EXPECT_NE(h.find("  security: tls; refused: frames 5, handshake 2\n"), std::string::npos) << h;
   EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
                                               "up [0-9]+s\\)\n")))
       << h;
