@@ -311,6 +311,19 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
   e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
+  for (const auto& tr : b.value("transports", nlohmann::json::array())) {
+    if (!tr.contains("refused")) continue;
+    e.family("vrdma_transport_refused_total", "counter",
+             "what the TCP transport turned away, by reason (handshake: no or a wrong credential; "
+             "name: a Hello under a name not its certificate's or not allowed; pending: over the "
+             "cap of unauthenticated connections or too slow; directory: a claim on another "
+             "node's LID/GID; frames: from a node that is not the QP's peer)");
+    for (const auto& [k, v] : tr.at("refused").items())
+      e.sample("vrdma_transport_refused_total", {{"reason", k}}, v);
+    e.family("vrdma_transport_peers", "gauge", "connected peer backends, by how they are secured");
+    e.sample("vrdma_transport_peers", {{"security", str(tr.at("security"))}},
+             tr.at("peers").size());
+  }
   e.family("vrdma_quota", "gauge",
            "per-guest limit of each resource (mapped_bytes: all guests' segment bytes together)");
   for (const auto& [k, v] : b.at("quotas").items()) e.sample("vrdma_quota", {{"resource", k}}, v);

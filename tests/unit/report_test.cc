@@ -203,6 +203,9 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
             std::string::npos)
       << h;
   EXPECT_NE(h.find("  security: tls; refused: frames 5, handshake 2\n"), std::string::npos) << h;
+  const std::string m = backend::prometheus_text(status(), false);
+  EXPECT_NE(m.find("vrdma_transport_refused_total{reason=\"frames\"} 5\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_transport_peers{security=\"tls\"} 1\n"), std::string::npos) << m;
   EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
                                               "up [0-9]+s\\)\n")))
       << h;
