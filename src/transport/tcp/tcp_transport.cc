@@ -709,7 +709,9 @@ bool TcpTransport::handshake(Conn& c) {
       return false;
     }
     if (h < 0) {
-      refuse(refused_.handshake, "transport tcp: TLS handshake with {} failed: {}", c.addr, why);
+      refuse(refused_.handshake,
+             "transport tcp: TLS handshake with {} failed: {}; closing the connection", c.addr,
+             why);
       close_conn(&c, "TLS handshake failed: " + why);
       return false;
     }
@@ -729,6 +731,11 @@ bool TcpTransport::handshake(Conn& c) {
            c.addr, t.peer_name(), c.expect);
     close_conn(&c, "another node answered");
     return false;
+  }
+  // Who answers at a dialed address is known now: no redial while we hold a connection to it,
+  // even if this one is closed as a duplicate before the peer's Hello reaches us.
+  for (Dial& d : dials_) {
+    if (d.conn == &c) d.node = t.peer_name();
   }
   VLOG_DEBUG("transport tcp: TLS with {} ({}): {}", c.addr, t.peer_name(), t.cipher());
   set_out(c, t.out_pending());  // our Hello, queued, goes at the end of this poll
