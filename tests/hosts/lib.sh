@@ -58,7 +58,11 @@ hosts_init() {
   for ((i = 1; i <= n; i++)); do nodes+=("h$i"); done
   make_cluster "$HOSTS_CLUSTER" "${nodes[@]}"
   HOSTS_VRDMAD_HELP="$("$HOSTS_BIN/vrdmad" --help 2>&1)"
-  vrdmad_has --cluster-dir || log "this vrdmad has no --cluster-dir: the backends run unauthenticated"
+  if ! vrdmad_has --cluster-dir; then
+    log "this vrdmad has no --cluster-dir: the backends run unauthenticated"
+  elif [[ ${HOSTS_INSECURE:-0} == 1 ]]; then
+    log "backends: --insecure (the plain transport)"
+  fi
   for ((i = 1; i <= HOSTS_B; i++)); do start_backend "$i"; done
 }
 
