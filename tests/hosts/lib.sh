@@ -1,9 +1,13 @@
-# Test hosts as network namespaces: `hosts_init BIN_DIR N` creates N hosts h1..hN, each a
+# Test hosts as network namespaces: `hosts_init BIN_DIR N [B]` creates N hosts h1..hN, each a
 # network namespace with one veth (eth0, 10.77.0.I/24) plugged into a bridge that lives in a
 # "switch" namespace of its own, so no address or link exists outside the namespaces. Names are
 # the only thing unique per run (a short run id prefix), so tests may run in parallel. Each host
-# gets a vrdmad (own socket, --node hI, --listen 10.77.0.I:$HOSTS_PORT, --peer every other host).
+# of h1..hB (B defaults to N) gets a vrdmad (own socket, --node hI, --listen 10.77.0.I:$HOSTS_PORT,
+# --peer every other of them); the others are bare hosts on the same network.
 # Everything is torn down on exit, whatever happened (trap). HOSTS_VRDMAD_ARGS: more vrdmad flags.
+# The backends authenticate each other: a cluster made per test in $E2E_TMP/cluster (nodes
+# h1..hN, make_cluster) and `--cluster-dir` for each; HOSTS_INSECURE=1 runs them all with
+# `--insecure` (the plain TCP transport) instead, HOSTS_SECURITY[I]=tls|insecure|none one host.
 # Needs root (ip netns). Sources tests/e2e/lib.sh for logging, pingpong checks and clean-up.
 # shellcheck shell=bash
 # shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
@@ -11,10 +15,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
 E2E_NAME="hosts.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
 
 HOSTS_N=0
+HOSTS_B=0  # hosts with a backend: h1..hB
 HOSTS_RID=""
 HOSTS_PORT=7471
 HOSTS_BIN=""
 declare -a HOSTS_BACKEND_PID=()
+# Per host: "tls" (--cluster-dir), "insecure" (--insecure) or "none" (neither); tests may set an
+# entry before hosts_init. Unset: "insecure" under HOSTS_INSECURE=1, else "tls".
+declare -a HOSTS_SECURITY=()
+HOSTS_CLUSTER=""
 
 # Namespace name of host I (0: the switch).
 host_ns() { if [[ $1 == 0 ]]; then echo "${HOSTS_RID}sw"; else echo "${HOSTS_RID}h$1"; fi; }
@@ -26,6 +35,7 @@ hosts_init() {
   e2e_init "$bin"
   HOSTS_BIN="$(cd "$bin" && pwd)"
   HOSTS_N=$n
+  HOSTS_B=${3:-$n}
   # A run id short enough for interface names (15 bytes): "v" + 5 hex digits.
   HOSTS_RID="v$(printf '%05x' $(((RANDOM << 5 ^ $$) & 0xfffff)))"
   trap hosts_cleanup EXIT
@@ -43,19 +53,85 @@ hosts_init() {
     ip -n "$(host_ns 0)" link set "p$i" up
   done
   log "hosts: $n namespaces, run id $HOSTS_RID"
-  for ((i = 1; i <= n; i++)); do start_backend "$i"; done
+  HOSTS_CLUSTER="$E2E_TMP/cluster"
+  local nodes=()
+  for ((i = 1; i <= n; i++)); do nodes+=("h$i"); done
+  make_cluster "$HOSTS_CLUSTER" "${nodes[@]}"
+  HOSTS_VRDMAD_HELP="$("$HOSTS_BIN/vrdmad" --help 2>&1)"
+  if ! vrdmad_has --cluster-dir; then
+    log "this vrdmad has no --cluster-dir: the backends run unauthenticated"
+  elif [[ ${HOSTS_INSECURE:-0} == 1 ]]; then
+    log "backends: --insecure (the plain transport)"
+  fi
+  for ((i = 1; i <= HOSTS_B; i++)); do start_backend "$i"; done
+}
+
+# Creates a cluster CA in DIR (ca.key, ca.pem) and a key and certificate signed by it for each
+# NAME (NAME.key, NAME.pem: CN=NAME, client and server auth, Ed25519). Through `vrdma cluster`
+# when this build has it, else the same files with the openssl CLI. Usage: make_cluster DIR NAME...
+make_cluster() {
+  local dir=$1 name
+  shift
+  mkdir -p "$dir"
+  if "$HOSTS_BIN/vrdma" cluster --help 2>&1 | grep -q add-node; then
+    [[ -f $dir/ca.pem ]] || "$HOSTS_BIN/vrdma" cluster init --dir "$dir" >/dev/null ||
+      fail "vrdma cluster init --dir $dir"
+    for name in "$@"; do
+      "$HOSTS_BIN/vrdma" cluster add-node "$name" --dir "$dir" >/dev/null ||
+        fail "vrdma cluster add-node $name --dir $dir"
+    done
+    return 0
+  fi
+  (
+    set -e
+    cd "$dir"
+    umask 077
+    if [[ ! -f ca.pem ]]; then
+      openssl genpkey -algorithm ed25519 -out ca.key
+      openssl req -x509 -new -key ca.key -out ca.pem -days 3650 -subj "/CN=vrdma cluster CA" \
+        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+    fi
+    printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
+      "extendedKeyUsage=serverAuth,clientAuth" >node.ext
+    for name in "$@"; do
+      openssl genpkey -algorithm ed25519 -out "$name.key"
+      openssl req -new -key "$name.key" -subj "/CN=$name" |
+        openssl x509 -req -CA ca.pem -CAkey ca.key -set_serial "0x$(openssl rand -hex 16)" \
+          -days 3650 -extfile node.ext -out "$name.pem"
+    done
+    rm -f node.ext
+  ) >/dev/null 2>"$dir/openssl.err" || fail "make_cluster: $(tail -n 3 "$dir/openssl.err")"
+  rm -f "$dir/openssl.err"
+}
+
+# This build's vrdmad takes FLAG (--cluster-dir, --insecure): until the authenticated transport
+# is in, the backends run without either.
+HOSTS_VRDMAD_HELP=""
+vrdmad_has() { [[ $HOSTS_VRDMAD_HELP == *"$1"* ]]; }
+# The security flags of host I's backend, one a line.
+security_args() {
+  local mode=${HOSTS_SECURITY[$1]:-}
+  [[ -n $mode ]] || { [[ ${HOSTS_INSECURE:-0} == 1 ]] && mode=insecure || mode=tls; }
+  case $mode in
+    tls) vrdmad_has --cluster-dir && printf '%s\n' --cluster-dir "$HOSTS_CLUSTER" ;;
+    insecure) vrdmad_has --insecure && echo --insecure ;;
+    none) ;;
+    *) fail "HOSTS_SECURITY[$1]: '$mode' (tls, insecure or none)" ;;
+  esac
+  return 0
 }
 
 # Starts (or restarts) host I's backend; waits for its socket. Log: $E2E_TMP/vrdmad.hI.log.
 start_backend() {
-  local i=$1 j peers=() k
-  for ((j = 1; j <= HOSTS_N; j++)); do
+  local i=$1 j peers=() k sec
+  for ((j = 1; j <= HOSTS_B; j++)); do
     [[ $j == "$i" ]] || peers+=(--peer "$(host_ip "$j"):$HOSTS_PORT")
   done
+  mapfile -t sec < <(security_args "$i")
   rm -f "$(host_sock "$i")"
   ip netns exec "$(host_ns "$i")" env VRDMA_LOG="${HOSTS_LOG:-info}" \
     "$HOSTS_BIN/vrdmad" --socket "$(host_sock "$i")" --node "h$i" --idle-exit 0 \
-    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" ${HOSTS_VRDMAD_ARGS:-} \
+    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" "${sec[@]}" ${HOSTS_VRDMAD_ARGS:-} \
     >>"$E2E_TMP/vrdmad.h$i.log" 2>&1 &
   HOSTS_BACKEND_PID[i]=$!
   for ((k = 0; k < 100; k++)); do
@@ -73,8 +149,8 @@ kill_backend() {
 # Waits until every backend has connected to every other one (its log says so), up to 20 s.
 wait_mesh() {
   local i j k
-  for ((i = 1; i <= HOSTS_N; i++)); do
-    for ((j = 1; j <= HOSTS_N; j++)); do
+  for ((i = 1; i <= HOSTS_B; i++)); do
+    for ((j = 1; j <= HOSTS_B; j++)); do
       [[ $i == "$j" ]] && continue
       for ((k = 0; k < 200; k++)); do
         grep -q "connected to h$j " "$E2E_TMP/vrdmad.h$i.log" && break
@@ -99,6 +175,8 @@ hexec() {
   ip netns exec "$(host_ns "$i")" "$@"
 }
 hstatus() { VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" status --json; }
+# status_query (tests/e2e/lib.sh) on host I's backend. Usage: hstatus_query I EXPR
+hstatus_query() { VRDMA_SOCKET="$(host_sock "$1")" status_query "$2"; }
 
 # TCP port PORT listened on in host I.
 hport_in_use() { [[ -n "$(hexec "$1" ss -Htln "sport = :$2" 2>/dev/null)" ]]; }
