@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +42,36 @@ class Every {
  private:
   uint64_t every_ns_;
   uint64_t next_ns_ = 0;
+  uint64_t held_ = 0;
+};
+
+/// Like Every, but lets a burst through first: up to `burst` lines at once, then one per
+/// `every_ns` (each attempt of an attacker is seen, a flood of them is not written out).
+class Burst {
+ public:
+  Burst(uint64_t every_ns, uint64_t burst) : every_ns_(every_ns), burst_(burst), tokens_(burst) {}
+  bool ready(uint64_t now_ns, uint64_t& held) {
+    if (last_ns_ == 0) last_ns_ = now_ns;
+    if (now_ns > last_ns_) {
+      const uint64_t add = (now_ns - last_ns_) / every_ns_;
+      if (add) {
+        tokens_ = std::min(burst_, tokens_ + add);
+        last_ns_ += add * every_ns_;
+      }
+    }
+    if (tokens_ == 0) {
+      ++held_;
+      return false;
+    }
+    --tokens_;
+    held = held_;
+    held_ = 0;
+    return true;
+  }
+
+ private:
+  uint64_t every_ns_, burst_, tokens_;
+  uint64_t last_ns_ = 0;
   uint64_t held_ = 0;
 };
 

@@ -21,7 +21,7 @@ trust_done() {
 # A field of the "tcp" entry of host I's status `transports`, as a Perl path ('{security}',
 # '{refused}{name}'); empty when absent. Usage: htcp I PATH
 htcp() {
-  hstatus_query "$1" "my (\$t) = grep { \$_->{name} eq 'tcp' } @{\$j->{transports}}; \$t->$2"
+  hstatus_query "$1" "my (\$t) = grep { \$_->{name} eq 'tcp' } @{\$j->{backend}{transports}}; \$t->$2"
 }
 # Host I's tcp transport reports SECURITY ("tls" or "insecure"). Usage: expect_security I SECURITY
 expect_security() {

@@ -182,7 +182,7 @@ class TcpTransport final : public Transport {
   /// The node holding this LID/GID against `node`'s claim, or "" when the claim may be applied.
   std::string holder_against(const std::string& node, const GuestInfo& g, uint64_t now_ns) const;
   void apply_guest(const std::string& node, const GuestInfo& g);
-  /// Counts a refusal and logs it (one line a second; the rest are counted in the next line).
+  /// Counts a refusal and logs it (refuse_log_ bounds the lines; the rest are counted).
   template <typename... Args>
   void refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args);
   bool allowed(const std::string& node) const;
@@ -224,7 +224,8 @@ class TcpTransport final : public Transport {
   std::map<uint16_t, Claim> claims_;  ///< refused claims, by LID
   uint64_t now_ns_ = 0;               ///< of the last poll()
   Refused refused_;
-  log::Every refuse_log_{1'000'000'000};  ///< one refusal line per second, the rest counted
+  /// Refusal lines: 20 at once, then one a second; the rest are counted in the next line.
+  log::Burst refuse_log_{1'000'000'000, 20};
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
 };
 
