@@ -57,68 +57,33 @@ hosts_init() {
   local nodes=()
   for ((i = 1; i <= n; i++)); do nodes+=("h$i"); done
   make_cluster "$HOSTS_CLUSTER" "${nodes[@]}"
-  HOSTS_VRDMAD_HELP="$("$HOSTS_BIN/vrdmad" --help 2>&1)"
-  if ! vrdmad_has --cluster-dir; then
-    log "this vrdmad has no --cluster-dir: the backends run unauthenticated"
-  elif [[ ${HOSTS_INSECURE:-0} == 1 ]]; then
-    log "backends: --insecure (the plain transport)"
-  fi
+  [[ ${HOSTS_INSECURE:-0} == 1 ]] && log "backends: --insecure (the plain transport)"
   for ((i = 1; i <= HOSTS_B; i++)); do start_backend "$i"; done
 }
 
-# Creates a cluster CA in DIR (ca.key, ca.pem) and a key and certificate signed by it for each
-# NAME (NAME.key, NAME.pem: CN=NAME, client and server auth, Ed25519). Through `vrdma cluster`
-# when this build has it, else the same files with the openssl CLI. Usage: make_cluster DIR NAME...
+# Creates a cluster CA in DIR (ca.key, ca.pem) and a credential for each NAME (NAME.key,
+# NAME.pem) with `vrdma cluster`, as an operator would. Usage: make_cluster DIR NAME...
 make_cluster() {
   local dir=$1 name
   shift
-  mkdir -p "$dir"
-  if "$HOSTS_BIN/vrdma" cluster --help 2>&1 | grep -q add-node; then
-    [[ -f $dir/ca.pem ]] || "$HOSTS_BIN/vrdma" cluster init --dir "$dir" >/dev/null ||
-      fail "vrdma cluster init --dir $dir"
-    for name in "$@"; do
-      "$HOSTS_BIN/vrdma" cluster add-node "$name" --dir "$dir" >/dev/null ||
-        fail "vrdma cluster add-node $name --dir $dir"
-    done
-    return 0
-  fi
-  (
-    set -e
-    cd "$dir"
-    umask 077
-    if [[ ! -f ca.pem ]]; then
-      openssl genpkey -algorithm ed25519 -out ca.key
-      openssl req -x509 -new -key ca.key -out ca.pem -days 3650 -subj "/CN=vrdma cluster CA" \
-        -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
-    fi
-    printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" \
-      "extendedKeyUsage=serverAuth,clientAuth" >node.ext
-    for name in "$@"; do
-      openssl genpkey -algorithm ed25519 -out "$name.key"
-      openssl req -new -key "$name.key" -subj "/CN=$name" |
-        openssl x509 -req -CA ca.pem -CAkey ca.key -set_serial "0x$(openssl rand -hex 16)" \
-          -days 3650 -extfile node.ext -out "$name.pem"
-    done
-    rm -f node.ext
-  ) >/dev/null 2>"$dir/openssl.err" || fail "make_cluster: $(tail -n 3 "$dir/openssl.err")"
-  rm -f "$dir/openssl.err"
+  [[ -f $dir/ca.pem ]] || "$HOSTS_BIN/vrdma" cluster init --dir "$dir" >/dev/null ||
+    fail "vrdma cluster init --dir $dir"
+  for name in "$@"; do
+    "$HOSTS_BIN/vrdma" cluster add-node "$name" --dir "$dir" >/dev/null ||
+      fail "vrdma cluster add-node $name --dir $dir"
+  done
 }
 
-# This build's vrdmad takes FLAG (--cluster-dir, --insecure): until the authenticated transport
-# is in, the backends run without either.
-HOSTS_VRDMAD_HELP=""
-vrdmad_has() { [[ $HOSTS_VRDMAD_HELP == *"$1"* ]]; }
 # The security flags of host I's backend, one a line.
 security_args() {
   local mode=${HOSTS_SECURITY[$1]:-}
   [[ -n $mode ]] || { [[ ${HOSTS_INSECURE:-0} == 1 ]] && mode=insecure || mode=tls; }
   case $mode in
-    tls) vrdmad_has --cluster-dir && printf '%s\n' --cluster-dir "$HOSTS_CLUSTER" ;;
-    insecure) vrdmad_has --insecure && echo --insecure ;;
+    tls) printf '%s\n' --cluster-dir "$HOSTS_CLUSTER" ;;
+    insecure) echo --insecure ;;
     none) ;;
     *) fail "HOSTS_SECURITY[$1]: '$mode' (tls, insecure or none)" ;;
   esac
-  return 0
 }
 
 # Starts (or restarts) host I's backend; waits for its socket. Log: $E2E_TMP/vrdmad.hI.log.
