@@ -23,6 +23,8 @@ CORUN="${CORUN:-0}"
 export E2E_DEADLINE="${E2E_DEADLINE:-3600}"  # lib.sh's watchdog; a benchmark may take long
 # shellcheck source-path=SCRIPTDIR/.. source=tests/hosts/lib.sh
 source "$ROOT/tests/hosts/lib.sh"
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 hosts_init "$BIN_DIR" 2
 wait_mesh
 
@@ -34,12 +36,6 @@ cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
 today="$(date +%F)"
 
-stats() {
-  sort -g | awk '{a[NR] = $1} END {m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
-                                   printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}'
-}
-usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
 # One table row: LABEL, then the vrdma numbers in vals[], raw TCP's in peer[], UCX's in ucx[].
 row() {
   read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)

@@ -12,6 +12,8 @@ RUNS="${2:-5}"
 
 # shellcheck source-path=SCRIPTDIR/.. source=tests/e2e/lib.sh
 source "$ROOT/tests/e2e/lib.sh"
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
 export E2E_DEADLINE="${E2E_DEADLINE:-3600}"  # lib.sh's watchdog; a benchmark may take long
 e2e_init "$BIN_DIR"
 
@@ -27,12 +29,6 @@ today="$(date +%F)"
 TCP_PP="$BIN_DIR/tcp_pingpong"
 [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
 
-# Median, min and max of the numbers on stdin.
-stats() {
-  sort -g | awk '{a[NR] = $1} END {m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
-                                   printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}'
-}
-usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
 
 echo "| date | machine | command | runs | vrdma µs/iter median (min–max) | TCP loopback µs/iter median (min–max) | TCP / vrdma |"
 echo "|---|---|---|---|---|---|---|"

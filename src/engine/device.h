@@ -13,21 +13,21 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <random>
 #include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "common/log.h"
 #include "common/socket.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "engine/quotas.h"
 #include "proto/command.h"
 #include "proto/ring.h"
-#include "engine/quotas.h"
 #include "transport/transport.h"
-
-#include <nlohmann/json_fwd.hpp>
 
 namespace vrdma::engine {
 
@@ -175,11 +175,14 @@ struct Qp {
     uint32_t psn;
     uint32_t len;
     bool has_result = false;  ///< READ data / atomic result arrived
+    transport::TxMark mark;   ///< where its last send ends in the connection's stream
   };
   std::deque<Outstanding> unacked;
   uint32_t sq_sent = 0;
   uint32_t next_psn = 0;  ///< requester: PSN of the next new message
   uint64_t ack_deadline_ns = 0;
+  /// The connection's progress (Transport::tx_progress) when the ACK timer last looked.
+  uint64_t ack_progress = 0;
   /// Its peer moved: what is in flight goes to the new node on the next poll (not inside the
   /// import, which would hold every migrating guest frozen for it).
   bool replay_now = false;
@@ -494,8 +497,12 @@ class Device : public transport::Receiver {
   void choose_route(Qp& qp);
   bool process_sq_remote(Qp& qp, uint64_t now_ns);
   /// Builds and sends the request frame of an outstanding WQE; false when not connected.
-  bool send_request(Qp& qp, const Qp::Outstanding& o);
+  /// Sends (again) and records where it ends in the stream (o.mark).
+  bool send_request(Qp& qp, Qp::Outstanding& o);
   void resend_all(Qp& qp);
+  /// The ACK timer of an RC QP over TCP went off: spend a retry only for time in which the peer
+  /// is not answering, and replay only what reached it. True when anything was sent.
+  bool ack_timeout(Qp& qp, uint64_t now_ns);
   /// Completes outstanding WQEs up to `psn` (inclusive) in order.
   void acked(Qp& qp, uint32_t psn, uint64_t now_ns);
   void on_request(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);
@@ -585,6 +592,7 @@ class Device : public transport::Receiver {
   bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
+  log::Every ack_log_{1'000'000'000};  ///< ACK timeouts: one line a second, the rest counted
   /// The time of the last poll(): frames that arrive between polls use it for their timers.
   uint64_t now_ns_ = 0;
   bool direct_ = false;

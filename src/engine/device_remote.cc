@@ -119,7 +119,7 @@ void Device::sge_holds(const Qp& qp, const Sge* sge, uint32_t n, uint32_t pd) {
 
 // ---- requester ----
 
-bool Device::send_request(Qp& qp, const Qp::Outstanding& o) {
+bool Device::send_request(Qp& qp, Qp::Outstanding& o) {
   const SendWqe& w = o.w;
   wire::Request rq{};
   std::memcpy(rq.sgid, qp.guest->gid, 16);
@@ -157,13 +157,70 @@ bool Device::send_request(Qp& qp, const Qp::Outstanding& o) {
       sge_holds(qp, w.sge, w.num_sge, qp.pd);
     }
   }
-  return transport_->send(qp.peer_node, Type::kRequest, &rq, src_, holds_);
+  if (!transport_->send(qp.peer_node, Type::kRequest, &rq, src_, holds_)) return false;
+  o.mark = transport_->tx_mark(qp.peer_node);
+  return true;
 }
 
 void Device::resend_all(Qp& qp) {
-  for (const Qp::Outstanding& o : qp.unacked) {
+  for (Qp::Outstanding& o : qp.unacked) {
     if (!send_request(qp, o)) break;
   }
+}
+
+bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
+  // IBV_WC_RETRY_EXC_ERR means no forward progress from the peer for timeout x (retry_cnt + 1).
+  // Over TCP a request may still sit in this backend's queue or the kernel's, behind other
+  // bytes, TCP's own recovery and the RTT: while the connection moves (the peer acknowledges
+  // our bytes or sends its own), that is not the peer failing to answer, and a replay would
+  // only queue duplicates behind the same bytes.
+  const Qp::Outstanding& front = qp.unacked.front();
+  const bool in_pipe = front.mark.conn != 0 &&
+                       !transport_->tx_delivered(qp.peer_node, front.mark) &&
+                       transport_->tx_mark(qp.peer_node).conn == front.mark.conn;
+  if (in_pipe) {
+    // Progress is judged from the second timeout of a wait on: the first one only notes where
+    // the connection stands (0: not looked yet), and counts as a retry, as on a fabric.
+    const uint64_t prog = transport_->tx_progress(qp.peer_node);
+    const bool moved = qp.ack_progress != 0 && prog != qp.ack_progress;
+    qp.ack_progress = prog;
+    if (moved) {
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      return false;
+    }
+  }
+  if (qp.retry_left == 0) {
+    const SendWqe w = front.w;
+    qp.unacked.pop_front();
+    complete_send(qp, w, IBV_WC_RETRY_EXC_ERR, 0);
+    enter_error(qp, in_pipe ? "transport retries exhausted (the connection to the peer backend "
+                              "moved nothing for the QP's whole retry budget)"
+                            : "transport retries exhausted (the peer backend has the request but "
+                              "did not answer)");
+    qp.wait = Wait::kNone;
+    return true;
+  }
+  --qp.retry_left;
+  qp.cnt.retries++;
+  qp.wait_until_ns = now_ns + ack_ns(qp);
+  uint64_t held = 0;
+  if (ack_log_.ready(now_ns, held))
+    VLOG_INFO("qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: {}; {} retries left{}", qp.qpn,
+              qp.guest->name, front.psn, qp.peer_node,
+              in_pipe ? "the connection moved nothing, not replaying (still queued)"
+                      : "the peer has it, replaying what reached it",
+              qp.retry_left, log::held_note(held));
+  if (in_pipe) return false;
+  // Replayed: what the peer's TCP acknowledged (the rest is still on its way).
+  bool did = false;
+  for (Qp::Outstanding& o : qp.unacked) {
+    if (o.mark.conn != 0 && o.mark.conn == transport_->tx_mark(qp.peer_node).conn &&
+        !transport_->tx_delivered(qp.peer_node, o.mark))
+      break;
+    if (!send_request(qp, o)) break;
+    did = true;
+  }
+  return did;
 }
 
 void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
@@ -179,6 +236,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
     progress = true;
   }
   if (!progress) return;
+  qp.ack_progress = 0;
   qp.retry_left = qp.attr.retry_cnt;
   qp.rnr_left = qp.attr.rnr_retry;
   if (qp.wait == Wait::kAck) {
@@ -206,23 +264,12 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
       resend_all(qp);
       did = true;
     } else if (qp.wait == Wait::kAck && now_ns >= qp.wait_until_ns) {
-      if (qp.retry_left == 0 || qp.unacked.empty()) {
-        if (!qp.unacked.empty()) {
-          const SendWqe w = qp.unacked.front().w;
-          qp.unacked.pop_front();
-          complete_send(qp, w, IBV_WC_RETRY_EXC_ERR, 0);
-          enter_error(qp, "transport retries exhausted (no answer from the peer backend)");
-        }
+      if (qp.unacked.empty()) {
         qp.wait = Wait::kNone;
         return true;
       }
-      --qp.retry_left;
-      qp.cnt.retries++;
-      qp.wait_until_ns = now_ns + ack_ns(qp);
-      VLOG_DEBUG("qp {:#x}: ACK timeout, replaying {} message(s) from PSN {:#x}", qp.qpn,
-                 qp.unacked.size(), qp.unacked.front().psn);
-      resend_all(qp);
-      did = true;
+      did |= ack_timeout(qp, now_ns);
+      if (qp.wait == Wait::kNone) return true;  // failed: the QP is in ERR
     }
   }
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
@@ -251,7 +298,7 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
     did = true;
     qp.cnt.msgs_sent++;
     qp.cnt.bytes_sent += len;
-    Qp::Outstanding o{w, qp.next_psn, static_cast<uint32_t>(len)};
+    Qp::Outstanding o{w, qp.next_psn, static_cast<uint32_t>(len), false, {}};
     qp.next_psn = wire::psn_add(qp.next_psn, 1);
     if (qp.type == IBV_QPT_UC) {  // unreliable: sent once, lost if the connection is down
       send_request(qp, o);

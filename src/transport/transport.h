@@ -62,6 +62,13 @@ class Receiver {
   virtual void on_guest_located(const GuestInfo& g, const std::string& node) = 0;
 };
 
+/// Where a frame ends in its connection's byte stream (after send()): `conn` names the
+/// connection (a new one after a reconnect), `end` the bytes queued on it up to that frame's end.
+struct TxMark {
+  uint64_t conn = 0;
+  uint64_t end = 0;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -76,6 +83,14 @@ class Transport {
   /// takes them, not copied now). False when there is no connection to `node` now.
   virtual bool send(const std::string& node, proto::wire::Type t, const void* body,
                     std::span<const Span> payload = {}, std::span<const Hold> holds = {}) = 0;
+  /// The mark of the frame last queued for `node` ({0, 0} without a connection).
+  virtual TxMark tx_mark(const std::string& node) const = 0;
+  /// True when the peer's TCP has acknowledged every byte up to `m` on that same connection:
+  /// the frame is at the peer, not in a queue here (false when the connection is gone).
+  virtual bool tx_delivered(const std::string& node, const TxMark& m) = 0;
+  /// Grows whenever the connection to `node` moves: the peer acknowledged more of our bytes or
+  /// sent us more of its own (an ACK timer spends no retry while it grows).
+  virtual uint64_t tx_progress(const std::string& node) = 0;
   /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
   virtual void announce(const GuestInfo& g, bool up) = 0;
   /// The IPv4 address (network order) of the connection to `node`, as its socket's peer: where

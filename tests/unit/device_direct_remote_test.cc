@@ -38,6 +38,9 @@ class FakeLink final : public RecordingTransport {
     return "";
   }
   void refused_frame(const std::string&, const std::string&) override {}
+  transport::TxMark tx_mark(const std::string&) const override { return {}; }
+  bool tx_delivered(const std::string&, const transport::TxMark&) override { return true; }
+  uint64_t tx_progress(const std::string&) override { return 0; }
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }

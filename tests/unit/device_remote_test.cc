@@ -156,5 +156,67 @@ TEST_F(DeviceRemoteTest, PeerGoneEndsInRetryExceededAfterTheBudget) {
   EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
 }
 
+TEST_F(DeviceRemoteTest, NoRetryIsSpentWhileTheConnectionMovesAndNothingIsReplayed) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7
+  loop_.conn = 1;  // frames are in a stream: queued here until the test says delivered
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  // Ten ACK timeouts' worth (more than retry_cnt + 1) behind other bytes that keep moving.
+  for (int i = 0; i < 10; ++i) {
+    now_ += 70'000'000;
+    ++loop_.progress;
+    dev_.poll(now_);
+  }
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(loop_.q.size(), 1u);  // not replayed: the one copy is still on its way
+  // It arrives; the answer completes it.
+  loop_.delivered = loop_.queued;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+}
+
+TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplaying) {
+  connect_both();
+  loop_.conn = 1;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  std::vector<Cqe> tx;
+  int steps = 0;
+  while (tx.empty() && steps < 20) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+    ++steps;
+    tx = drain(acq_);
+  }
+  EXPECT_EQ(steps, 8);  // 7 retries, each after an ACK timeout, then the error
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+  EXPECT_EQ(loop_.q.size(), 1u);  // never queued twice
+}
+
+TEST_F(DeviceRemoteTest, ARequestThePeerHasButDoesNotAnswerIsReplayed) {
+  connect_both();
+  loop_.conn = 1;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  loop_.q.clear();                 // lost at the peer (a QP not ready there yet)
+  loop_.delivered = loop_.queued;  // ... after its TCP acknowledged it
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  now_ += 70'000'000;
+  dev_.poll(now_);
+  EXPECT_EQ(loop_.q.size(), 1u);  // replayed
+  loop_.delivered = loop_.queued;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest

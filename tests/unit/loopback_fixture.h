@@ -22,6 +22,15 @@ class RecordingTransport : public transport::Transport {
   };
   std::deque<Sent> q;
   bool up = true;  ///< false: sends fail (no connection)
+  // The stream as TcpTransport's TxMark sees it. conn 0 (the default): no stream information,
+  // every frame counts as at the peer. conn 1: frames up to `delivered` (counted in frames)
+  // are at the peer, and `progress` is what tx_progress says.
+  uint64_t conn = 0, queued = 0, delivered = 0, progress = 0;
+  transport::TxMark tx_mark(const std::string&) const override { return {conn, queued}; }
+  bool tx_delivered(const std::string&, const transport::TxMark& m) override {
+    return m.conn == 0 || (m.conn == conn && m.end <= delivered);
+  }
+  uint64_t tx_progress(const std::string&) override { return progress; }
 
   bool send(const std::string& node, wire::Type t, const void* body,
             std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
@@ -35,6 +44,7 @@ class RecordingTransport : public transport::Transport {
     }
     wire::encode(t, body, static_cast<uint32_t>(n), s.bytes);
     q.push_back(std::move(s));
+    ++queued;
     return true;
   }
   void announce(const transport::GuestInfo&, bool) override {}

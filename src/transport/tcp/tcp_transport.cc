@@ -3,8 +3,10 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <linux/sockios.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -144,6 +146,7 @@ TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& diale
   c->dialed = dialed;
   c->addr = dialed.empty() ? address_of(c->fd.get()) : dialed;
   c->opened_ns = now_ns;
+  c->id = next_conn_id_++;
   if (opt_.tls) c->tls = std::make_unique<TlsStream>(*opt_.tls, dialed.empty());
   c->rbuf.resize(kRbufBytes);
   set_options(c->fd.get());
@@ -264,7 +267,9 @@ void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span
   if (c.txq.empty() || !c.txq.back().spans.empty() || c.txq.back().bytes.size() > kBatchMax)
     c.txq.emplace_back();
   TxItem* it = &c.txq.back();
+  const size_t before = it->bytes.size();
   encode(t, body, static_cast<uint32_t>(plen), it->bytes);
+  c.queued_end += it->bytes.size() - before + plen;
   if (copy) {
     for (const Span& s : payload) it->bytes.insert(it->bytes.end(), s.p, s.p + s.n);
     it->total = it->bytes.size();
@@ -281,6 +286,41 @@ bool TcpTransport::send(const std::string& node, Type t, const void* body,
   if (it == by_node_.end()) return false;
   queue(*it->second, t, body, payload, holds);
   return true;
+}
+
+TxMark TcpTransport::tx_mark(const std::string& node) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return {};
+  return {it->second->id, it->second->queued_end};
+}
+
+uint64_t TcpTransport::acked_of(Conn& c) {
+  int outq = 0;
+  if (::ioctl(c.fd.get(), SIOCOUTQ, &outq) != 0) return c.plain_acked;
+  if (!c.tls) {
+    c.plain_acked = std::max(c.plain_acked, c.written - std::min<uint64_t>(c.written, outq));
+    return c.plain_acked;
+  }
+  // Ciphertext the peer acknowledged, mapped back to the plaintext its records carried.
+  const uint64_t cipher = c.tls->sent() - std::min<uint64_t>(c.tls->sent(), outq);
+  while (!c.marks.empty() && c.marks.front().first <= cipher) {
+    c.plain_acked = c.marks.front().second;
+    c.marks.pop_front();
+  }
+  return c.plain_acked;
+}
+
+bool TcpTransport::tx_delivered(const std::string& node, const TxMark& m) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end() || it->second->id != m.conn) return false;
+  return acked_of(*it->second) >= m.end;
+}
+
+uint64_t TcpTransport::tx_progress(const std::string& node) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return 0;
+  Conn& c = *it->second;
+  return (c.id << 48) + acked_of(c) + c.rx_bytes;
 }
 
 uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
@@ -323,6 +363,7 @@ bool TcpTransport::flush(Conn& c) {
       return false;
     }
     uint64_t done = static_cast<uint64_t>(w);
+    c.written += done;
     while (done && !c.txq.empty()) {
       const uint64_t rest = c.txq.front().total - c.sent;
       if (done < rest) {
@@ -807,6 +848,8 @@ bool TcpTransport::flush_tls(Conn& c) {
       continue;
     }
     c.sent += static_cast<uint64_t>(w);
+    c.written += static_cast<uint64_t>(w);
+    c.marks.emplace_back(t.produced(), c.written);
     if (c.sent == it.total) {
       c.sent = 0;
       c.txq.pop_front();
@@ -837,8 +880,10 @@ void TcpTransport::expire_unauthenticated(uint64_t now_ns) {
 
 bool TcpTransport::read_conn(Conn& c) {
   bool did = false;
-  // Bounded per visit so one busy peer cannot starve the engine's rings.
-  for (int round = 0; round < 16 && !c.dead; ++round) {
+  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB (a TLS
+  // read returns one 16 KiB record at most).
+  const int rounds = c.tls ? 64 : 16;
+  for (int round = 0; round < rounds && !c.dead; ++round) {
     const uint64_t before = c.rx_bytes;
     // A large payload with nothing buffered is read by consume() into its spans directly.
     const bool direct = !c.tls && c.rx == Rx::kPayload && c.left >= kDirectReadMin &&

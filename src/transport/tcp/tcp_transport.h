@@ -102,6 +102,9 @@ class TcpTransport final : public Transport {
             std::span<const Span> payload, std::span<const Hold> holds) override;
   void announce(const GuestInfo& g, bool up) override;
   uint32_t peer_ipv4(const std::string& node) const override;
+  TxMark tx_mark(const std::string& node) const override;
+  bool tx_delivered(const std::string& node, const TxMark& m) override;
+  uint64_t tx_progress(const std::string& node) override;
   void refused_frame(const std::string& node, const std::string& why) override;
 
  private:
@@ -141,6 +144,13 @@ class TcpTransport final : public Transport {
     // send side
     std::deque<TxItem> txq;
     uint64_t sent = 0;  ///< bytes of txq.front() already written
+    // where frames are in the stream (Transport::TxMark)
+    uint64_t id = 0;          ///< this connection's number (TxMark::conn)
+    uint64_t queued_end = 0;  ///< stream bytes queued so far
+    uint64_t written = 0;     ///< ... of which written (to the socket, or into TLS)
+    /// TLS: (ciphertext produced, plaintext written) after each record; popped once acked.
+    std::deque<std::pair<uint64_t, uint64_t>> marks;
+    uint64_t plain_acked = 0;  ///< stream bytes the peer's TCP acknowledged (last computed)
   };
   struct Dial {
     std::string addr;
@@ -224,6 +234,9 @@ class TcpTransport final : public Transport {
   std::map<uint16_t, Claim> claims_;  ///< refused claims, by LID
   uint64_t now_ns_ = 0;               ///< of the last poll()
   Refused refused_;
+  uint64_t next_conn_id_ = 1;
+  /// Stream bytes of `c` the peer's TCP acknowledged (SIOCOUTQ: what the kernel still holds).
+  uint64_t acked_of(Conn& c);
   /// Refusal lines: 20 at once, then one a second; the rest are counted in the next line.
   log::Burst refuse_log_{1'000'000'000, 20};
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS

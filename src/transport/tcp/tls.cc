@@ -149,11 +149,14 @@ int TlsStream::push(int fd) {
     const ssize_t w = ::send(fd, p, static_cast<size_t>(n), MSG_NOSIGNAL);
     if (w < 0) return errno == EAGAIN || errno == EINTR ? 0 : -1;
     BIO_nread(ext_, &p, static_cast<int>(w));
+    sent_ += static_cast<uint64_t>(w);
     if (w < n) return 0;
   }
 }
 
 bool TlsStream::out_pending() const { return BIO_ctrl_pending(ext_) > 0; }
+
+uint64_t TlsStream::produced() const { return BIO_number_written(int_); }
 
 int TlsStream::handshake(std::string& why) {
   if (established_) return 1;

@@ -51,6 +51,9 @@ class TlsStream {
   /// Writes pending ciphertext to `fd`: 1 all written, 0 some left (EAGAIN), -1 failed (errno).
   int push(int fd);
   bool out_pending() const;
+  /// Ciphertext produced by the session so far, and written to the socket so far.
+  uint64_t produced() const;
+  uint64_t sent() const { return sent_; }
 
   /// Advances the handshake: 1 done, 0 more to exchange, -1 failed (`why` says why).
   int handshake(std::string& why);
@@ -73,6 +76,7 @@ class TlsStream {
   BIO* ext_ = nullptr;  ///< our end of the pair: ciphertext to and from the socket
   BIO* int_ = nullptr;  ///< the session's end
   bool established_ = false;
+  uint64_t sent_ = 0;
   std::string peer_name_, cipher_;
 };
 

@@ -1,0 +1,11 @@
+# Helpers the benchmark scripts share (sourced).
+# shellcheck shell=bash
+
+# Median, min and max of the numbers on stdin, one a line: "MED MIN MAX".
+stats() {
+  sort -g | awk '{a[NR] = $1} END {m = (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
+                                   printf "%.2f %.2f %.2f\n", m, a[1], a[NR]}'
+}
+# usec/iter of an ibv_*_pingpong or tcp_pingpong output file.
+usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
