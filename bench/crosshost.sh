@@ -32,9 +32,6 @@ TCP_PP="$HOSTS_BIN/tcp_pingpong"
 [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
 command -v ucx_perftest >/dev/null || fail "ucx_perftest missing (scripts/deps.sh installs ucx-utils)"
-cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
-machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
-today="$(date +%F)"
 
 # One table row: LABEL, then the vrdma numbers in vals[], raw TCP's in peer[], UCX's in ucx[].
 row() {

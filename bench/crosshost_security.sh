@@ -20,9 +20,6 @@ wait_mesh
 TCP_PP="$HOSTS_BIN/tcp_pingpong"
 [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
-cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
-machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
-today="$(date +%F)"
 
 # Restarts both backends authenticated (tls) or not (insecure) and checks what status says.
 use_mode() {

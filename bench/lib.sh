@@ -9,3 +9,7 @@ stats() {
 # usec/iter of an ibv_*_pingpong or tcp_pingpong output file.
 usec_of() { awk '/usec\/iter/ {print $(NF-1)}' "$1"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
+# What each table row names: the machine and the day.
+cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
+machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
+today="$(date +%F)"

@@ -22,9 +22,6 @@ CONFIGS=(
   "-s 65536 -n 10000"
 )
 
-cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
-machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
-today="$(date +%F)"
 
 TCP_PP="$BIN_DIR/tcp_pingpong"
 [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"

@@ -138,13 +138,7 @@ TEST_F(DeviceRemoteTest, PeerGoneEndsInRetryExceededAfterTheBudget) {
   post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
   dev_.poll(now_);
   std::vector<Cqe> tx;
-  int steps = 0;
-  while (tx.empty() && steps < 20) {
-    now_ += 70'000'000;
-    dev_.poll(now_);
-    ++steps;
-    tx = drain(acq_);
-  }
+  const int steps = timeouts_until_completion(tx);
   EXPECT_EQ(steps, 8);  // 7 retries, each after an ACK timeout, then the error
   dev_.poll(now_);      // the QP in ERR flushes the rest
   for (const Cqe& e : drain(acq_)) tx.push_back(e);
@@ -186,13 +180,7 @@ TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplay
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
   dev_.poll(now_);
   std::vector<Cqe> tx;
-  int steps = 0;
-  while (tx.empty() && steps < 20) {
-    now_ += 70'000'000;
-    dev_.poll(now_);
-    ++steps;
-    tx = drain(acq_);
-  }
+  const int steps = timeouts_until_completion(tx);
   EXPECT_EQ(steps, 8);  // 7 retries, each after an ACK timeout, then the error
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);

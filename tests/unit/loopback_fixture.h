@@ -121,6 +121,18 @@ class DeviceRemoteTest : public DeviceTest {
       post_send(qa_, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
     }
   }
+  /// Moves the clock one ACK timeout (timeout 14: ~67 ms) at a time until a send of a's
+  /// completes (at most 20); returns how many it took, the completions in `tx`.
+  int timeouts_until_completion(std::vector<Cqe>& tx) {
+    int steps = 0;
+    while (tx.empty() && steps < 20) {
+      ++steps;
+      now_ += 70'000'000;
+      dev_.poll(now_);
+      tx = drain(acq_);
+    }
+    return steps;
+  }
   /// Runs the device and the transport until nothing moves.
   void settle() {
     for (int i = 0; i < 100; ++i) {
