@@ -795,7 +795,10 @@ ssize_t TcpTransport::read_into(Conn& c, void* p, size_t n) {
       close_conn(&c, why);
       return -1;
     }
-    const ssize_t got = c.tls->pull(c.fd.get());
+    // A read that got less than it had room for drained the socket: the next would only say
+    // EAGAIN (syscalls are most of a small message's cost), until the next visit.
+    if (c.drained) return 0;
+    const ssize_t got = c.tls->pull(c.fd.get(), &c.drained);
     if (got == 0) return 0;
     if (got < 0) return check_read(c, errno == 0 ? 0 : -1);
   }
@@ -883,6 +886,7 @@ bool TcpTransport::read_conn(Conn& c) {
   // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB (a TLS
   // read returns one 16 KiB record at most).
   const int rounds = c.tls ? 64 : 16;
+  c.drained = false;
   for (int round = 0; round < rounds && !c.dead; ++round) {
     const uint64_t before = c.rx_bytes;
     // A large payload with nothing buffered is read by consume() into its spans directly.

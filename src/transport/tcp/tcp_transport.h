@@ -129,6 +129,7 @@ class TcpTransport final : public Transport {
     bool hello = false;       ///< the peer's Hello arrived
     bool again = false;       ///< in rx_again_
     bool out_ready = false;   ///< EPOLLOUT reported in this poll
+    bool drained = false;     ///< TLS: this visit's last socket read emptied it
     bool want_out = false;    ///< EPOLLOUT is registered
     bool dead = false;        ///< closed; freed at the end of poll()
     // receive side

@@ -127,11 +127,12 @@ TlsStream::~TlsStream() {
   BIO_free(ext_);
 }
 
-ssize_t TlsStream::pull(int fd) {
+ssize_t TlsStream::pull(int fd, bool* drained) {
   char* p = nullptr;
   const int room = BIO_nwrite0(ext_, &p);
   if (room <= 0) return 0;
   const ssize_t r = ::read(fd, p, static_cast<size_t>(room));
+  if (drained) *drained = r < room;
   if (r > 0) {
     BIO_nwrite(ext_, &p, static_cast<int>(r));
     return r;

@@ -47,7 +47,8 @@ class TlsStream {
 
   /// Reads ciphertext from `fd` into the session: bytes read (> 0), 0 for none now (EAGAIN, or
   /// no room until the session consumes), -1 when the connection ended (errno set; 0 for EOF).
-  ssize_t pull(int fd);
+  /// `drained`: the read got less than it had room for (the socket is empty now).
+  ssize_t pull(int fd, bool* drained = nullptr);
   /// Writes pending ciphertext to `fd`: 1 all written, 0 some left (EAGAIN), -1 failed (errno).
   int push(int fd);
   bool out_pending() const;
