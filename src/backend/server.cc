@@ -62,14 +62,17 @@ namespace {
 
 /// What the TCP transport shows in status: how it is protected, who is connected as whom, and
 /// what it refused.
-nlohmann::json transport_json(const transport::tcp::TcpTransport& t) {
+nlohmann::json transport_json(transport::tcp::TcpTransport& t) {
   nlohmann::json peers = nlohmann::json::array();
   for (const auto& p : t.peers()) {
     peers.push_back({{"node", p.node},
                      {"address", p.address},
                      {"identity", p.identity},
                      {"cipher", p.cipher},
-                     {"since_unix", p.since_unix}});
+                     {"since_unix", p.since_unix},
+                     {"queued_bytes", p.queued_bytes},
+                     {"unacked_bytes", p.unacked_bytes},
+                     {"rx_bytes", p.rx_bytes}});
   }
   const auto& r = t.refused();
   return {{"security", t.secure() ? "tls" : "insecure"},

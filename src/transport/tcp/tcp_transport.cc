@@ -130,7 +130,7 @@ Status TcpTransport::start() {
     ASSIGN_OR_RETURN(PeerSpec spec, parse_peer(p));
     ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(spec.addr));
     if (!spec.node.empty()) allow_.push_back(spec.node);
-    dials_.push_back(Dial{spec.addr, spec.node, sa, nullptr, 0, ""});
+    dials_.push_back(Dial{spec.addr, spec.node, sa, nullptr, 0, kRedialMs, ""});
   }
   VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}; {}", opt_.node, opt_.listen,
             opt_.peers.size(), opt_.force ? ", forced for every pair" : "",
@@ -240,7 +240,8 @@ bool TcpTransport::accept_all(uint64_t now_ns) {
 }
 
 void TcpTransport::dial(Dial& d, uint64_t now_ns) {
-  d.next_ns = now_ns + kRedialMs * 1000000;
+  d.next_ns = now_ns + d.backoff_ms * 1000000;
+  d.backoff_ms = std::min(d.backoff_ms * 2, kRedialMaxMs);  // reset when a Hello arrives
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return;
   int r = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&d.sa), sizeof(d.sa));
@@ -526,7 +527,9 @@ void TcpTransport::on_hello(Conn& c) {
   c.node = name;
   c.since_unix = static_cast<uint64_t>(::time(nullptr));
   for (Dial& d : dials_) {
-    if (d.conn == &c) d.node = c.node;
+    if (d.conn != &c) continue;
+    d.node = c.node;
+    d.backoff_ms = kRedialMs;
   }
   if (c.node == opt_.node) {
     // Our own listener (forced TCP): frames go out on the connection we dialed.
@@ -713,11 +716,13 @@ std::vector<std::string> TcpTransport::connected() const {
   return out;
 }
 
-std::vector<TcpTransport::PeerInfo> TcpTransport::peers() const {
+std::vector<TcpTransport::PeerInfo> TcpTransport::peers() {
   std::vector<PeerInfo> out;
   for (const auto& [node, c] : by_node_) {
+    const uint64_t acked = acked_of(*c);
     out.push_back({node, c->addr, c->tls ? c->tls->peer_name() : "",
-                   c->tls ? c->tls->cipher() : "none", c->since_unix});
+                   c->tls ? c->tls->cipher() : "none", c->since_unix, c->queued_end - c->written,
+                   c->written - std::min(c->written, acked), c->rx_bytes});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.node < b.node; });
   return out;

@@ -2,7 +2,8 @@
 // directory of which peer hosts which guest (announced on connect and on every change); frames
 // of proto/wire.h, small ones batched into one write, large payloads written from and read into
 // guest memory in place (writev/readv, non-blocking, resumable across partial transfers).
-// A broken connection is redialed every kRedialMs; the engine replays its unacknowledged work
+// A broken connection is redialed (kRedialMs, doubling to kRedialMaxMs while dials fail); the
+// engine replays its unacknowledged work
 // when the peer is up again (Receiver::on_peer_up).
 // Concurrency: owned by the engine thread; poll() is called from the backend's event loop.
 #pragma once
@@ -62,6 +63,9 @@ class TcpTransport final : public Transport {
   struct PeerInfo {
     std::string node, address, identity, cipher;
     uint64_t since_unix = 0;
+    uint64_t queued_bytes = 0;   ///< frames queued here, not yet written to the socket/TLS
+    uint64_t unacked_bytes = 0;  ///< written, not yet acknowledged by the peer's TCP
+    uint64_t rx_bytes = 0;       ///< received on this connection
   };
   /// Connections that have not finished the handshake and Hello: more are closed at accept.
   static constexpr size_t kMaxUnauthenticated = 64;
@@ -73,9 +77,13 @@ class TcpTransport final : public Transport {
   /// After a node's Hello, its entries it has not announced again by then are dropped.
   static constexpr uint64_t kRedirectoryMs = 2000;
   static constexpr uint64_t kRedialMs = 20;
+  /// Dials that keep failing back off, doubling up to this.
+  static constexpr uint64_t kRedialMaxMs = 1000;
   /// A connect that has not finished by then is given up and redialed (a SYN to a host that
   /// is gone would otherwise wait for the kernel's minutes).
-  static constexpr uint64_t kConnectTimeoutMs = 500;
+  /// Above the kernel's first SYN retransmission (1 s) and a long path's RTT: a lost SYN is
+  /// retried by the kernel before we give up on the dial.
+  static constexpr uint64_t kConnectTimeoutMs = 3000;
 
   /// Binds the listener; dialing starts with the first poll().
   static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
@@ -90,7 +98,7 @@ class TcpTransport final : public Transport {
   uint64_t next_deadline() const;
   /// Node names with a live connection (for status and tests).
   std::vector<std::string> connected() const;
-  std::vector<PeerInfo> peers() const;
+  std::vector<PeerInfo> peers();
   const Refused& refused() const { return refused_; }
   bool secure() const { return opt_.tls != nullptr; }
 
@@ -159,6 +167,7 @@ class TcpTransport final : public Transport {
     sockaddr_in sa{};
     Conn* conn = nullptr;
     uint64_t next_ns = 0;
+    uint64_t backoff_ms = kRedialMs;  ///< doubles while dials fail; back to kRedialMs on Hello
     std::string node;  ///< who answered there last; no redial while we have a connection to it
   };
   struct Remote {
