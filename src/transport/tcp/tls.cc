@@ -68,6 +68,13 @@ TlsFiles TlsFiles::in_dir(const std::string& dir, const std::string& node) {
 
 Result<std::unique_ptr<TlsContext>> TlsContext::load(const TlsFiles& f, const std::string& node) {
   ERR_clear_error();
+  for (const std::string* file : {&f.ca, &f.cert, &f.key}) {
+    if (::access(file->c_str(), F_OK) != 0)
+      return error(errno, fmt::format("TLS: {}: {}: this node's credential is not there (make it "
+                                      "with `vrdma cluster add-node {}` where the cluster CA is, "
+                                      "then copy ca.pem, {}.pem and {}.key here)",
+                                      *file, std::strerror(errno), node, node, node));
+  }
   RETURN_IF_ERROR(check_key_file(f.key));
   SSL_CTX* raw = SSL_CTX_new(TLS_method());
   if (!raw) return error(ENOMEM, "TLS: " + tls_errors());
