@@ -27,8 +27,8 @@ timed() {
   "$@"
   SPENT=$(($(ticks "$pid" "$hub") - t0))
 }
-# At most this many ticks (1/CLK_TCK s) in a second of wall time: a spinning thread takes all of
-# them that the scheduler gives it; an idle hub a few.
+# Ticks in a second of CPU time. A thread that spins takes every one the scheduler gives it; the
+# checks below allow the hub half a second over a whole attack (it takes a few ticks).
 HZ="$(getconf CLK_TCK)"
 direct_sent() { hcount 2 st-c direct_msgs_sent; }
 # Fails unless the stream's direct count moved since $1 (what it was).
@@ -68,17 +68,17 @@ grep -q "refused a connection from $(host_ip 2):[0-9]*: no offer of QP $to_qpn .
   "$E2E_TMP/st.server.out" || fail "no line for the wrong token: $(grep "direct path" "$E2E_TMP/st.server.out" | tail -n 3)"
 log "wrong token: $out"
 
-# 3. 1,000 idle connections (over 2 s). 5.5 s in, the hub holds none of them any more.
+# 3. 1,000 idle connections (over 2 s). 6 s in, the hub holds none of them any more.
 flood() {
-  hexec 2 python3 "$ATTACK" flood "$(host_ip 1)" "$port" 1000 7 >"$E2E_TMP/flood.out" 2>&1 &
+  hexec 2 python3 "$ATTACK" flood "$(host_ip 1)" "$port" 1000 8 >"$E2E_TMP/flood.out" 2>&1 &
   local attacker=$!
-  sleep 5.5
+  sleep 6
   held="$(hexec 1 ss -Htn state established "sport = :$port" | wc -l)"
   wait "$attacker" || fail "flood: $(cat "$E2E_TMP/flood.out")"
 }
 timed flood
-read -r _ est _ closed _ fast _ slowest _ open <"$E2E_TMP/flood.out"
-((held == 1)) || fail "flood: the hub holds $((held - 1)) strangers' connections after 5.5 s"
+read -r _ est _ closed _ fast _ slowest _ <"$E2E_TMP/flood.out"
+((held == 1)) || fail "flood: the hub holds $((held - 1)) strangers' connections after 6 s"
 ((est == 1000 && closed >= 950 && fast >= 900)) || fail "flood: $(cat "$E2E_TMP/flood.out")"
 awk -v s="$slowest" 'BEGIN {exit !(s < 3.5)}' || fail "flood: idle for $slowest s before closed"
 ((SPENT < HZ / 2)) || fail "flood: the hub thread took $SPENT ticks of $HZ a second"

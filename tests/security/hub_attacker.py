@@ -67,11 +67,14 @@ def flood(host, port, n, secs):
     start = time.monotonic()
     opened = established = closed = fast = 0
     slowest = 0.0
+    next_open = start
     while (opened < n or sel.get_map()) and time.monotonic() - start < secs:
-        if opened < n:
+        if opened < n and time.monotonic() >= next_open:
             open_many(host, port, min(BATCH, n - opened), sel)
             opened += min(BATCH, n - opened)
-        for key, _ in sel.select(timeout=PACE):
+            next_open += PACE
+        wait = next_open - time.monotonic() if opened < n else 0.1
+        for key, _ in sel.select(timeout=max(0.0, min(wait, 0.1))):
             s, st = key.fileobj, key.data
             now = time.monotonic()
             if st["up"] is None:
