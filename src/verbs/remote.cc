@@ -1450,7 +1450,11 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello, uint32_t& peer_l
     if (!wait_for(POLLIN)) return {};
     const ssize_t r =
         ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
-    if (r <= 0) return {};
+    if (r <= 0) {
+      if (r == 0)
+        errno = ECONNRESET;  // refused: a hello the peer's hub does not know is not answered
+      return {};
+    }
     got += static_cast<size_t>(r);
   }
   if (ack.magic != kMagic || ack.err != 0) {
