@@ -236,11 +236,15 @@ static_assert(sizeof(DirectRingsResp) == 8 + 16 * kMaxDirectRings);
 // this host, from whoever presents `token`. The backend checks the QP (RC, peer on another
 // backend, RTR or RTS, no SRQ, no completion channel on its receive CQ), gives it its own
 // receive-completion ring (response fd 0) and passes the offer to the peer's backend.
+// With kDirectOfferWhere (and port 0) it only answers where the library is to listen: the
+// address the peer's library will dial (`listen_ipv4`), checked as for an offer, nothing given
+// or sent; EADDRNOTAVAIL when it is unknown. (A backend older than the flag answers EINVAL.)
 inline constexpr size_t kDirectTokenBytes = 16;
+inline constexpr uint16_t kDirectOfferWhere = 1;  ///< DirectOfferReq::flags
 struct DirectOfferReq {
   uint32_t qp;    ///< QP handle
   uint16_t port;  ///< host order
-  uint16_t reserved;
+  uint16_t flags;
   uint8_t token[kDirectTokenBytes];
 };
 static_assert(sizeof(DirectOfferReq) == 24);
@@ -248,7 +252,7 @@ struct DirectOfferResp {
   uint32_t recv_ring_entries;  ///< the QP's own receive-completion ring (fd 0)
   uint32_t peer_qpn;           ///< the QP's destination QPN: the only one that may connect
   uint32_t my_lid;
-  uint32_t reserved;
+  uint32_t listen_ipv4;  ///< network order: the address to listen on (0: unknown)
 };
 static_assert(sizeof(DirectOfferResp) == 16);
 // kDirectRemote (HandleReq: the QP): may this QP's library send straight to its peer's library?

@@ -39,11 +39,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "common/listener_rest.h"
 #include "common/log.h"
 #include "common/rdma_atomic.h"
 #include "proto/device_caps.h"
@@ -65,7 +67,13 @@ constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are rea
 /// a large payload that follows then goes in place, not through the buffer (one copy less).
 constexpr size_t kHeaderReadAfterLarge = 1024;
 constexpr int kDialMs = 1000;
+/// A connection whose hello has not come by then is closed; at most kMaxPending wait at a time
+/// (more are closed as they come): strangers can hold neither descriptors nor the hub's thread.
 constexpr uint64_t kHelloMs = 2000;
+constexpr size_t kMaxPending = 16;
+constexpr size_t kMaxListeners = 8;                ///< addresses a hub listens on
+constexpr uint64_t kStrangerLogNs = 1000000000;    ///< a line per kind of refusal per second
+constexpr uint64_t kAcceptLogNs = 10000000000ull;  ///< accept out of descriptors: every 10 s
 constexpr int kClaimMs = 10;
 /// After the hub took a request off a connection it polls for this long before it sleeps again
 /// (VRDMA_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target that
@@ -251,17 +259,38 @@ struct Hub {
   std::mutex mu;  ///< conns, and the control fields of every RemoteQp
   std::vector<std::shared_ptr<Conn>> conns;
   std::atomic<uint32_t> gen{1};  ///< moves when conns does
-  UniqueFd ep, stop, lfd;
+  UniqueFd ep, stop;
   UniqueFd wake;  ///< a connection the thread did not make: its wait gets the tick (hub_timeout)
-  uint16_t port = 0;
-  Watch stop_w, wake_w, listen_w;
+  Watch stop_w, wake_w;
+  /// A listener on one address of this host: the one our backend says the peer's library
+  /// dials (several only when QPs face backends reached through different addresses). Made by
+  /// the application's thread under listen_mu, published by `nlisteners`; from then on only
+  /// the thread touches `rest`. Never closed before the hub goes.
+  struct Listener : Watch {
+    UniqueFd fd;
+    uint32_t ipv4 = 0;  ///< network order
+    uint16_t port = 0;  ///< host order
+    /// accept found no descriptor: the listener is not watched for a while (not to spin).
+    ListenerRest rest{kAcceptLogNs};
+  };
+  std::mutex listen_mu;
+  std::array<Listener, kMaxListeners> listeners;
+  std::atomic<size_t> nlisteners{0};
+  /// A connection until its hello is checked: at most kMaxPending, each for kHelloMs.
   struct Pending : Watch {
     UniqueFd fd;
     Hello h{};
     size_t got = 0;
     uint64_t deadline = 0;
+    sockaddr_in from{};
   };
   std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
+  /// Strangers, counted by the thread (read by anyone): hellos refused (a wrong token, QPN pair,
+  /// magic or version, or none), connections closed because kMaxPending were waiting, and hellos
+  /// that did not come within kHelloMs.
+  std::atomic<uint64_t> refused{0}, over_cap{0}, timed_out{0};
+  log::Every refused_log{kStrangerLogNs}, over_cap_log{kStrangerLogNs},
+      timed_out_log{kStrangerLogNs};  ///< the thread's own
   std::thread thr;
 };
 
@@ -1031,18 +1060,47 @@ std::shared_ptr<Conn> find_conn(Hub& h, const Watch* p) {
   return nullptr;
 }
 
-/// A dialer's hello is complete: is it the peer of one of our offers?
+/// "ADDR:PORT" of a peer, for log lines.
+std::string addr_of(const sockaddr_in& a) {
+  char ip[INET_ADDRSTRLEN] = "?";
+  ::inet_ntop(AF_INET, &a.sin_addr, ip, sizeof(ip));
+  return fmt::format("{}:{}", ip, ntohs(a.sin_port));
+}
+
+/// Compares tokens in a time that does not depend on where they differ.
+bool same_token(const uint8_t* a, const uint8_t* b) {
+  uint8_t d = 0;
+  for (size_t i = 0; i < kDirectTokenBytes; ++i) d |= a[i] ^ b[i];
+  return d == 0;
+}
+
+/// Counts a stranger's connection and logs it (a line a second at most, with the count): it is
+/// closed by the caller, unanswered.
+void refuse(Hub& h, const Hub::Pending& p, const char* why) {
+  const uint64_t n = h.refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  uint64_t held = 0;
+  if (h.refused_log.ready(now_ns(), held))
+    VLOG_WARN("direct path: refused a connection from {}: {} ({} refused so far){}",
+              addr_of(p.from), why, n, log::held_note(held));
+}
+
+/// A dialer's hello is complete. Unless it names one of our offers, with its token and QPN
+/// pair, nothing else is done: the connection is refused and closed at once, unanswered.
 void accept_hello(Hub& h, Hub::Pending& p) {
   VContext& ctx = *h.ctx;
+  if (p.h.magic != kMagic || p.h.version != kVersion) {
+    refuse(h, p, "not a hello of this version");
+    return;
+  }
   HelloAck ack{kMagic, EPERM, 0, 0};
   std::shared_ptr<Conn> c;
-  if (p.h.magic == kMagic && p.h.version == kVersion) {
+  {
     std::lock_guard<std::mutex> go(ctx.objs_mu);
     std::lock_guard<std::mutex> g(h.mu);
     for (const auto& [handle, qp] : ctx.qps) {
       RemoteQp* r = qp->remote.get();
       if (!r || !r->offered || r->dead || qp->qp.qp_num != p.h.to_qpn ||
-          r->peer_qpn != p.h.from_qpn || std::memcmp(r->token, p.h.token, kDirectTokenBytes) != 0)
+          r->peer_qpn != p.h.from_qpn || !same_token(r->token, p.h.token))
         continue;
       // One per QP's life in RTR/RTS (a reset ends it and the offer); and none when our own
       // dial got there first: the peer's library then adopts that one (EBUSY tells it).
@@ -1069,40 +1127,117 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       break;
     }
   }
+  if (ack.err == EPERM) {
+    refuse(h, p,
+           fmt::format("no offer of QP {:#x} to QP {:#x} with that token", p.h.to_qpn, p.h.from_qpn)
+               .c_str());
+    return;
+  }
   const int fd = c ? c->fd.get() : p.fd.get();
   if (::send(fd, &ack, sizeof(ack), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(ack)) && c) {
     c->broken.store(true);
   }
   if (c) {
     rearm(*c);
-    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library", p.h.to_qpn,
-              p.h.from_qpn);
+    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library at {}", p.h.to_qpn,
+              p.h.from_qpn, addr_of(p.from));
   } else {
-    VLOG_WARN("direct path: refused a connection for QP {:#x} ({})", p.h.to_qpn,
-              ack.err == EBUSY ? "it has one" : "no such offer");
+    VLOG_INFO("direct path: QP {:#x} has a connection from QP {:#x}'s library already", p.h.to_qpn,
+              p.h.from_qpn);
   }
+}
+
+/// Reads what came of a hello. True when the connection is done with (checked, or refused: it
+/// is closed with `p`). A watched one (`deadline` set) is no longer watched then.
+bool read_hello(Hub& h, Hub::Pending& p) {
+  const ssize_t r =
+      ::recv(p.fd.get(), reinterpret_cast<uint8_t*>(&p.h) + p.got, sizeof(Hello) - p.got, 0);
+  if (r > 0) p.got += static_cast<size_t>(r);
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+  if (r > 0 && p.got < sizeof(Hello)) return false;
+  // Unwatched before the descriptor may move to a connection, which the hub watches anew.
+  if (p.deadline) epoll_set(h, EPOLL_CTL_DEL, p.fd.get(), 0, nullptr);
+  if (p.got == sizeof(Hello))
+    accept_hello(h, p);
+  else
+    refuse(h, p, r == 0 ? "closed before its hello" : "failed before its hello");
+  return true;
 }
 
 void on_pending(Hub& h, Hub::Pending* p) {
   auto it =
       std::find_if(h.pending.begin(), h.pending.end(), [&](const auto& x) { return x.get() == p; });
   if (it == h.pending.end()) return;  // (checked by the caller too)
-  const ssize_t r =
-      ::recv(p->fd.get(), reinterpret_cast<uint8_t*>(&p->h) + p->got, sizeof(Hello) - p->got, 0);
-  if (r > 0) p->got += static_cast<size_t>(r);
-  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
-  if (r > 0 && p->got < sizeof(Hello)) return;
-  epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
-  if (p->got == sizeof(Hello)) accept_hello(h, *p);
-  h.pending.erase(it);
+  if (read_hello(h, *p)) h.pending.erase(it);
+}
+
+/// Takes the connections waiting at listener `l`. A hello that is there in full at once is
+/// checked at once; others wait in `pending`, at most kMaxPending of them: more are closed.
+void accept_all(Hub& h, Hub::Listener& l) {
+  for (;;) {
+    auto p = std::make_unique<Hub::Pending>();
+    socklen_t len = sizeof(p->from);
+    p->fd = UniqueFd(::accept4(l.fd.get(), reinterpret_cast<sockaddr*>(&p->from), &len,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!p->fd.valid()) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      uint64_t held = 0;
+      if (ListenerRest::out_of_descriptors(errno) && l.rest.start(now_ns(), held))
+        VLOG_WARN(
+            "direct path: cannot accept peers' libraries on port {}: {}; not listening for "
+            "{} ms{}",
+            l.port, std::strerror(errno), ListenerRest::kRestNs / 1000000, log::held_note(held));
+      return;  // EAGAIN: all taken
+    }
+    set_sock_opts(p->fd.get());
+    if (read_hello(h, *p)) continue;
+    if (h.pending.size() >= kMaxPending) {
+      const uint64_t n = h.over_cap.fetch_add(1, std::memory_order_relaxed) + 1;
+      uint64_t held = 0;
+      if (h.over_cap_log.ready(now_ns(), held))
+        VLOG_WARN(
+            "direct path: closed a connection from {}: {} others have not said hello yet ({} "
+            "closed so far){}",
+            addr_of(p->from), kMaxPending, n, log::held_note(held));
+      continue;
+    }
+    p->deadline = now_ms() + kHelloMs;
+    epoll_set(h, EPOLL_CTL_ADD, p->fd.get(), EPOLLIN, p.get());
+    h.pending.push_back(std::move(p));
+  }
+}
+
+/// Closes the connections whose hello is late.
+void expire_pending(Hub& h, uint64_t now) {
+  std::erase_if(h.pending, [&](const auto& p) {
+    if (p->deadline > now) return false;
+    epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
+    const uint64_t n = h.timed_out.fetch_add(1, std::memory_order_relaxed) + 1;
+    uint64_t held = 0;
+    if (h.timed_out_log.ready(now_ns(), held))
+      VLOG_WARN("direct path: closed a connection from {}: no hello within {} ms ({} so far){}",
+                addr_of(p->from), kHelloMs, n, log::held_note(held));
+    return true;
+  });
 }
 
 /// How long the hub may wait for an event. While it has connections, kClaimMs: the application
 /// may claim one at any time (it says nothing to the hub), and the hub must see when its polls
-/// stop, to take the connection back and send the ACK it owes.
-int hub_timeout(Hub& h) {
-  std::lock_guard<std::mutex> g(h.mu);
-  return !h.conns.empty() ? kClaimMs : h.pending.empty() ? -1 : 200;
+/// stop, to take the connection back and send the ACK it owes. While hellos are awaited, their
+/// deadlines; while a listener rests, its end.
+int hub_timeout(Hub& h, uint64_t now) {
+  int ms = -1;
+  auto at_most = [&](int m) { ms = ms < 0 ? m : std::min(ms, m); };
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    if (!h.conns.empty()) at_most(kClaimMs);
+  }
+  if (!h.pending.empty()) at_most(200);
+  for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i) {
+    if (const uint64_t until = h.listeners[i].rest.until_ns())
+      at_most(until > now ? static_cast<int>((until - now + 999999) / 1000000) : 0);
+  }
+  return ms;
 }
 
 /// Claims whose polls stopped without a completion: the hub watches those connections again.
@@ -1150,10 +1285,11 @@ void run(Hub& h) {
   uint64_t resumed_at = now_ms();
   const uint64_t spin_ns = hub_spin_ns();
   uint64_t busy_at = 0;  ///< when the hub last read a connection
+  ::pthread_setname_np(::pthread_self(), "vrdma-hub");
   for (;;) {
     const uint64_t now = now_ns();
     const bool spin = now - busy_at < spin_ns;
-    const int n = ::epoll_wait(h.ep.get(), ev, 32, spin ? 0 : hub_timeout(h));
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, spin ? 0 : hub_timeout(h, now));
     if (n == 0 && spin) {
       // Polling: the CPU goes to whoever else wants it between polls (a spinning target has
       // to run to see its memory).
@@ -1163,10 +1299,14 @@ void run(Hub& h) {
     for (int i = 0; i < n; ++i) {
       // A connection may have gone since epoll_wait returned: the pointer is only compared
       // with what still exists (find_conn, pending) before anything reads through it.
+      // Listeners stay as long as the hub.
       auto* w = static_cast<Watch*>(ev[i].data.ptr);
-      const Watch::Kind kind = w == &h.stop_w     ? Watch::kStop
-                               : w == &h.wake_w   ? Watch::kWake
-                               : w == &h.listen_w ? Watch::kListen
+      const size_t nl = h.nlisteners.load(std::memory_order_acquire);
+      const bool listener = std::any_of(h.listeners.begin(), h.listeners.begin() + nl,
+                                        [&](const Watch& l) { return &l == w; });
+      const Watch::Kind kind = w == &h.stop_w   ? Watch::kStop
+                               : w == &h.wake_w ? Watch::kWake
+                               : listener       ? Watch::kListen
                                : std::any_of(h.pending.begin(), h.pending.end(),
                                              [&](const auto& p) { return p.get() == w; })
                                    ? Watch::kPending
@@ -1180,16 +1320,7 @@ void run(Hub& h) {
           break;
         }
         case Watch::kListen:
-          for (;;) {
-            const int fd = ::accept4(h.lfd.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-            if (fd < 0) break;
-            set_sock_opts(fd);
-            auto p = std::make_unique<Hub::Pending>();
-            p->fd = UniqueFd(fd);
-            p->deadline = now_ms() + kHelloMs;
-            epoll_set(h, EPOLL_CTL_ADD, fd, EPOLLIN, p.get());
-            h.pending.push_back(std::move(p));
-          }
+          accept_all(h, *static_cast<Hub::Listener*>(w));
           break;
         case Watch::kPending:
           on_pending(h, static_cast<Hub::Pending*>(w));
@@ -1216,16 +1347,15 @@ void run(Hub& h) {
       resume_waiting(h);
       resumed_at = t;
     }
-    std::erase_if(h.pending, [&](const auto& p) {
-      if (p->deadline > t) return false;
-      epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
-      return true;
-    });
+    expire_pending(h, t);
+    const uint64_t tn = now_ns();
+    for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i)
+      h.listeners[i].rest.poll(tn);
   }
 }
 
-/// The process's hub, started on first use (a listener, an epoll set, a thread). Null when it
-/// cannot be made.
+/// The process's hub, started on first use (an epoll set, a thread; listeners come with the
+/// first offer on each address, listen_on()). Null when it cannot be made.
 Hub* hub_of(VContext& ctx) {
   if (Hub* h = ctx.hub_raw.load(std::memory_order_acquire)) return h;
   std::lock_guard<std::mutex> g(ctx.hub_make);
@@ -1235,27 +1365,54 @@ Hub* hub_of(VContext& ctx) {
   h->ep = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   h->stop = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   h->wake = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  h->lfd = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t alen = sizeof(a);
-  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid() || !h->lfd.valid() ||
-      ::bind(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::listen(h->lfd.get(), 64) != 0 ||
-      ::getsockname(h->lfd.get(), reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
-    VLOG_WARN("direct path: cannot listen for peers' libraries: {}", std::strerror(errno));
+  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid()) {
+    VLOG_WARN("direct path: cannot start the hub: {}", std::strerror(errno));
     return nullptr;
   }
-  h->port = ntohs(a.sin_port);
   epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
-  epoll_set(*h, EPOLL_CTL_ADD, h->lfd.get(), EPOLLIN, &h->listen_w);
   Hub* raw = h.get();
   h->thr = std::thread([raw] { run(*raw); });
   ctx.hub = std::move(h);
   ctx.hub_raw.store(raw, std::memory_order_release);
   return raw;
+}
+
+/// The port the hub listens on at `ipv4` (network order; the address our backend says the peer's
+/// library dials), listening there first if it does not yet; 0 when it cannot.
+uint16_t listen_on(Hub& h, uint32_t ipv4) {
+  std::lock_guard<std::mutex> g(h.listen_mu);
+  const size_t n = h.nlisteners.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < n; ++i) {
+    if (h.listeners[i].ipv4 == ipv4) return h.listeners[i].port;
+  }
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = ipv4;
+  const std::string at = addr_of(a);
+  if (n == kMaxListeners) {
+    VLOG_WARN("direct path: not listening on {} too: {} addresses already", at, kMaxListeners);
+    return 0;
+  }
+  Hub::Listener& l = h.listeners[n];
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  socklen_t alen = sizeof(a);
+  if (!fd.valid() || ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::listen(fd.get(), 64) != 0 ||
+      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
+    VLOG_WARN("direct path: cannot listen for peers' libraries on {}: {}", at,
+              std::strerror(errno));
+    return 0;
+  }
+  l.fd = std::move(fd);
+  l.ipv4 = ipv4;
+  l.port = ntohs(a.sin_port);
+  l.rest.bind(h.ep.get(), l.fd.get(), reinterpret_cast<uintptr_t>(static_cast<Watch*>(&l)));
+  // Published before it is watched: the thread tells a listener's events by this count.
+  h.nlisteners.store(n + 1, std::memory_order_release);
+  epoll_set(h, EPOLL_CTL_ADD, l.fd.get(), EPOLLIN, &l);
+  VLOG_DEBUG("direct path: listening for peers' libraries on {}", addr_of(a));
+  return l.port;
 }
 
 RemoteQp& remote_of(Hub& h, VQp& qp) {
@@ -1293,7 +1450,11 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello, uint32_t& peer_l
     if (!wait_for(POLLIN)) return {};
     const ssize_t r =
         ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
-    if (r <= 0) return {};
+    if (r <= 0) {
+      if (r == 0)
+        errno = ECONNRESET;  // refused: a hello the peer's hub does not know is not answered
+      return {};
+    }
     got += static_cast<size_t>(r);
   }
   if (ack.magic != kMagic || ack.err != 0) {
@@ -1555,9 +1716,20 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   Hub* h = hub_of(ctx);
   if (!h) return;
   RemoteQp& r = remote_of(*h, qp);
+  // We listen only where the peer's library will dial: the address our backend says.
   DirectOfferReq req{};
   req.qp = qp.handle;
-  req.port = h->port;
+  req.flags = kDirectOfferWhere;
+  DirectOfferResp where{};
+  if (const int rc = ctx.call(Op::kDirectOffer, req, where)) {
+    if (rc == EADDRNOTAVAIL)
+      VLOG_INFO("direct path: QP {:#x} stays on the backends: no address of ours for its peer",
+                qp.qp.qp_num);
+    return;  // not for this QP (or not yet)
+  }
+  req.flags = 0;
+  req.port = listen_on(*h, where.listen_ipv4);
+  if (req.port == 0) return;
   if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
     return;
   DirectOfferResp resp{};

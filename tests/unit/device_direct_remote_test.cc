@@ -44,6 +44,7 @@ class FakeLink final : public RecordingTransport {
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }
+  void set_peer_ipv4(uint32_t a) { peer_ipv4_ = a; }
 
  private:
   const std::string& to() const override { return peer_; }
@@ -226,6 +227,33 @@ TEST_F(DirectRemoteTest, OfferAtRtrThenRemoteAtRts) {
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
   for (int i = 0; i < 5; ++i) dev_.poll(now_);
   EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);
+}
+
+// kDirectOfferWhere: where b's library is to listen (the address the peer's library dials),
+// checked as an offer is, and nothing given or sent.
+TEST_F(DirectRemoteTest, WhereToListen) {
+  connect_rtr(b_, qb_, a_, qa_);
+  std::vector<UniqueFd> fds;
+  DirectOfferReq req{};
+  req.qp = qb_.handle;
+  req.flags = kDirectOfferWhere;
+  tb_.set_peer_ipv4(::inet_addr("127.0.0.1"));  // a peer backend on this host: loopback
+  auto w = devb_.direct_offer(*b_.s, req, fds);
+  ASSERT_TRUE(w.is_ok()) << w.status().message();
+  EXPECT_EQ(w->listen_ipv4, ::inet_addr("127.0.0.1"));
+  EXPECT_TRUE(fds.empty());
+  EXPECT_EQ(count(tb_, wire::Type::kDirectOffer), 0u);
+  EXPECT_EQ(qb_.rq->armed.load(), 0u);  // no own ring yet
+  // Unknown (no connection to the peer): no address, so the library does not listen at all.
+  tb_.set_peer_ipv4(0);
+  EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EADDRNOTAVAIL);
+  req.port = kPort;  // an offer with an unknown flag
+  EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EINVAL);
+  // The offer itself says the address too.
+  tb_.set_peer_ipv4(::inet_addr("127.0.0.1"));
+  auto o = offer(b_, qb_, fds);
+  ASSERT_TRUE(o.is_ok()) << o.status().message();
+  EXPECT_EQ(o->listen_ipv4, ::inet_addr("127.0.0.1"));
 }
 
 TEST_F(DirectRemoteTest, OfferRefusals) {
