@@ -49,26 +49,6 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
-/// This host's IPv4 address (network order) that the peer backend at `peer` reaches us by, and
-/// so the address its libraries dial: the source address of our route to it (a UDP connect sends
-/// nothing). 0 when there is none; a peer on loopback gets loopback. The local address of the
-/// transport's own connection would be exact where a host has several addresses toward one
-/// peer; the transport does not expose it yet.
-uint32_t address_toward(uint32_t peer) {
-  if (peer == 0) return 0;
-  if ((ntohl(peer) >> 24) == 127) return htonl(INADDR_LOOPBACK);
-  UniqueFd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = peer;
-  a.sin_port = htons(9);  // discard; any port does for a route lookup
-  socklen_t len = sizeof(a);
-  if (!s.valid() || ::connect(s.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&a), &len) != 0 || a.sin_family != AF_INET)
-    return 0;
-  return a.sin_addr.s_addr;
-}
-
 }  // namespace
 
 void Device::bump_epoch(Guest& g) {
@@ -230,7 +210,7 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (b->route_pending) return error(EAGAIN, "direct offer: destination not located yet");
   if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
   DirectOfferResp resp{};
-  resp.listen_ipv4 = address_toward(transport_->peer_ipv4(b->peer_node));
+  resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
   if (req.flags == kDirectOfferWhere && req.port == 0) {
     if (resp.listen_ipv4 == 0)
       return error(EADDRNOTAVAIL,

@@ -97,6 +97,9 @@ class Transport {
   /// that backend's host is reached (a direct offer's libraries listen there). 0 when there is
   /// no connection or it is not IPv4.
   virtual uint32_t peer_ipv4(const std::string& node) const = 0;
+  /// This end's IPv4 address (network order) of the connection to `node`: the address that
+  /// backend reaches us by (where our libraries listen for a direct offer). 0 without one.
+  virtual uint32_t local_ipv4(const std::string& node) const = 0;
   /// A request or reply from `node` failed a check (it is not the QP's peer, or names a QP
   /// that is not there): counted, and logged (rate-limited) with the peer's address.
   virtual void refused_frame(const std::string& node, const std::string& why) = 0;

@@ -38,12 +38,11 @@ class FakeLink final : public RecordingTransport {
     return "";
   }
   void refused_frame(const std::string&, const std::string&) override {}
-  transport::TxMark tx_mark(const std::string&) const override { return {}; }
-  bool tx_delivered(const std::string&, const transport::TxMark&) override { return true; }
-  uint64_t tx_progress(const std::string&) override { return 0; }
   uint32_t peer_ipv4(const std::string& node) const override {
     return node == peer_ ? peer_ipv4_ : 0;
   }
+  /// One host: we are reached where the peer is.
+  uint32_t local_ipv4(const std::string& node) const override { return peer_ipv4(node); }
   void set_peer_ipv4(uint32_t a) { peer_ipv4_ = a; }
 
  private:

@@ -84,6 +84,7 @@ class FakeLoop final : public RecordingTransport {
   std::string locate_lid(uint16_t) const override { return ""; }
   std::string locate_gid(const uint8_t*) const override { return ""; }
   uint32_t peer_ipv4(const std::string&) const override { return 0x0100007f; }  // 127.0.0.1
+  uint32_t local_ipv4(const std::string&) const override { return 0x0100007f; }
   void refused_frame(const std::string& node, const std::string& why) override {
     refused.push_back(node + ": " + why);
   }

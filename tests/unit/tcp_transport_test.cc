@@ -113,6 +113,8 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   EXPECT_EQ((*a)->peer_ipv4("node-b"), ::inet_addr("127.0.0.1"));
   EXPECT_EQ((*b)->peer_ipv4("node-a"), ::inet_addr("127.0.0.1"));
   EXPECT_EQ((*a)->peer_ipv4("nobody"), 0u);
+  EXPECT_EQ((*a)->local_ipv4("node-b"), ::inet_addr("127.0.0.1"));
+  EXPECT_EQ((*a)->local_ipv4("nobody"), 0u);
 
   wire::DirectOffer o{};
   o.slid = 0x21;

@@ -324,15 +324,26 @@ uint64_t TcpTransport::tx_progress(const std::string& node) {
   return (c.id << 48) + acked_of(c) + c.rx_bytes;
 }
 
-uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return 0;
+namespace {
+
+/// The IPv4 address of one end of `fd` (getpeername or getsockname), or 0.
+uint32_t ipv4_of(int fd, int (*name)(int, sockaddr*, socklen_t*)) {
   sockaddr_in sa{};
   socklen_t len = sizeof(sa);
-  if (::getpeername(it->second->fd.get(), reinterpret_cast<sockaddr*>(&sa), &len) != 0 ||
-      sa.sin_family != AF_INET)
-    return 0;
+  if (name(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0 || sa.sin_family != AF_INET) return 0;
   return sa.sin_addr.s_addr;
+}
+
+}  // namespace
+
+uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
+  auto it = by_node_.find(node);
+  return it == by_node_.end() ? 0 : ipv4_of(it->second->fd.get(), ::getpeername);
+}
+
+uint32_t TcpTransport::local_ipv4(const std::string& node) const {
+  auto it = by_node_.find(node);
+  return it == by_node_.end() ? 0 : ipv4_of(it->second->fd.get(), ::getsockname);
 }
 
 bool TcpTransport::flush(Conn& c) {

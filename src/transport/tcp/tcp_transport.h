@@ -110,6 +110,7 @@ class TcpTransport final : public Transport {
             std::span<const Span> payload, std::span<const Hold> holds) override;
   void announce(const GuestInfo& g, bool up) override;
   uint32_t peer_ipv4(const std::string& node) const override;
+  uint32_t local_ipv4(const std::string& node) const override;
   TxMark tx_mark(const std::string& node) const override;
   bool tx_delivered(const std::string& node, const TxMark& m) override;
   uint64_t tx_progress(const std::string& node) override;
