@@ -183,6 +183,8 @@ struct Qp {
   uint64_t ack_deadline_ns = 0;
   /// The connection's progress (Transport::tx_progress) when the ACK timer last looked.
   uint64_t ack_progress = 0;
+  uint64_t ack_moved_ns = 0;  ///< when the ACK timer last saw the connection move
+  bool ack_looked = false;    ///< ack_progress and ack_moved_ns are set (this wait)
   /// Its peer moved: what is in flight goes to the new node on the next poll (not inside the
   /// import, which would hold every migrating guest frozen for it).
   bool replay_now = false;

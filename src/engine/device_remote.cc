@@ -180,11 +180,16 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
                        transport_->tx_mark(qp.peer_node).conn == front.mark.conn;
   if (in_pipe) {
     // Progress is judged from the second timeout of a wait on: the first one only notes where
-    // the connection stands (0: not looked yet), and counts as a retry, as on a fabric.
+    // the connection stands, and counts as a retry, as on a fabric. Later,
+    // a timeout costs nothing if the connection moved, or if it has been still for less than
+    // the path's own round trip (a long path: the answer cannot be there yet).
     const uint64_t prog = transport_->tx_progress(qp.peer_node);
-    const bool moved = qp.ack_progress != 0 && prog != qp.ack_progress;
+    const bool looked = qp.ack_looked;
+    const bool moved = looked && prog != qp.ack_progress;
+    if (!looked || moved) qp.ack_moved_ns = now_ns;
     qp.ack_progress = prog;
-    if (moved) {
+    qp.ack_looked = true;
+    if (moved || (looked && now_ns - qp.ack_moved_ns < transport_->tx_patience_ns(qp.peer_node))) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       return false;
     }
@@ -236,7 +241,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
     progress = true;
   }
   if (!progress) return;
-  qp.ack_progress = 0;
+  qp.ack_looked = false;
   qp.retry_left = qp.attr.retry_cnt;
   qp.rnr_left = qp.attr.rnr_retry;
   if (qp.wait == Wait::kAck) {

@@ -91,6 +91,10 @@ class Transport {
   /// Grows whenever the connection to `node` moves: the peer acknowledged more of our bytes or
   /// sent us more of its own (an ACK timer spends no retry while it grows).
   virtual uint64_t tx_progress(const std::string& node) = 0;
+  /// How long the connection to `node` may move nothing before its peer counts as not
+  /// answering: the path's round trip and its variation as TCP measures them (TCP's own
+  /// retransmission timeout without its floor), in ns; 0 without a connection.
+  virtual uint64_t tx_patience_ns(const std::string& node) = 0;
   /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
   virtual void announce(const GuestInfo& g, bool up) = 0;
   /// The IPv4 address (network order) of the connection to `node`, as its socket's peer: where

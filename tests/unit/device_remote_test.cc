@@ -187,6 +187,26 @@ TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplay
   EXPECT_EQ(loop_.q.size(), 1u);  // never queued twice
 }
 
+TEST_F(DeviceRemoteTest, ALongPathIsNotAPeerThatDoesNotAnswer) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s of budget
+  loop_.conn = 1;
+  loop_.patience_ns = 1'000'000'000;  // a path whose round trip (as TCP measures it) is ~1 s
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  dev_.poll(now_);
+  for (int i = 0; i < 12; ++i) {  // 0.84 s: nothing moves, and nothing could have yet
+    now_ += 70'000'000;
+    dev_.poll(now_);
+  }
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(loop_.q.size(), 1u);
+  loop_.delivered = loop_.queued;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+}
+
 TEST_F(DeviceRemoteTest, ARequestThePeerHasButDoesNotAnswerIsReplayed) {
   connect_both();
   loop_.conn = 1;

@@ -31,6 +31,8 @@ class RecordingTransport : public transport::Transport {
     return m.conn == 0 || (m.conn == conn && m.end <= delivered);
   }
   uint64_t tx_progress(const std::string&) override { return progress; }
+  uint64_t patience_ns = 0;  ///< what tx_patience_ns says (the path's round trip)
+  uint64_t tx_patience_ns(const std::string&) override { return patience_ns; }
 
   bool send(const std::string& node, wire::Type t, const void* body,
             std::span<const transport::Span> payload, std::span<const transport::Hold>) override {

@@ -114,6 +114,7 @@ class TcpTransport final : public Transport {
   TxMark tx_mark(const std::string& node) const override;
   bool tx_delivered(const std::string& node, const TxMark& m) override;
   uint64_t tx_progress(const std::string& node) override;
+  uint64_t tx_patience_ns(const std::string& node) override;
   void refused_frame(const std::string& node, const std::string& why) override;
 
  private:
