@@ -159,6 +159,9 @@ struct Later {
 struct Stats {
   uint64_t rx = 0, fwd = 0, fwd_bytes = 0, lost = 0, down = 0, qfull = 0, dup = 0, corrupt = 0,
            reorder = 0, txerr = 0, kdrop = 0;
+  /// TCP payload bytes received, and of those dropped here or corrupted (what the senders' TCP
+  /// must send again): the tests tell a sender's own repeats from the network's with them.
+  uint64_t payload = 0, payload_spoilt = 0;
   int last_errno = 0;
 };
 
@@ -242,11 +245,12 @@ class Impairer {
       char buf[512];
       std::snprintf(buf, sizeof(buf),
                     "%s %s: rx %lu fwd %lu (%lu bytes) lost %lu down %lu qfull %lu dup %lu "
-                    "corrupt %lu reorder %lu txerr %lu%s%s kdrop %lu queued %zu (%zu bytes)",
+                    "corrupt %lu reorder %lu txerr %lu%s%s kdrop %lu queued %zu (%zu bytes) "
+                    "payload %lu spoilt %lu",
                     why, d->name.c_str(), s.rx, s.fwd, s.fwd_bytes, s.lost, s.down, s.qfull, s.dup,
                     s.corrupt, s.reorder, s.txerr, s.last_errno ? " last " : "",
                     s.last_errno ? std::strerror(s.last_errno) : "", s.kdrop, d->q.size(),
-                    d->queued_bytes);
+                    d->queued_bytes, s.payload, s.payload_spoilt);
       say(buf);
     }
   }
@@ -257,8 +261,10 @@ class Impairer {
     say(v ? "link down" : "link up");
     if (!v) return;
     for (Direction* d : {&ab, &ba}) {  // what was on the wire is lost
-      d->s.down += d->q.size();
-      d->q = {};
+      for (; !d->q.empty(); d->q.pop()) {
+        ++d->s.down;
+        d->s.payload_spoilt += tcp_payload(d->q.top().bytes.data(), d->q.top().bytes.size());
+      }
       d->queued_bytes = 0;
       d->link_free = 0;
     }
@@ -281,6 +287,16 @@ class Impairer {
     return static_cast<int64_t>(std::max(0.0, ms) * 1e6);
   }
 
+  /// TCP payload bytes of an IPv4 frame (0 for anything else).
+  static size_t tcp_payload(const uint8_t* f, size_t n) {
+    if (n < kEthHeader + 20 || f[12] != 0x08 || f[13] != 0x00 || f[kEthHeader + 9] != 6) return 0;
+    const size_t ihl = size_t{f[kEthHeader] & 0x0fu} * 4;
+    if (n < kEthHeader + ihl + 20) return 0;
+    const size_t total = size_t{f[kEthHeader + 2]} << 8 | f[kEthHeader + 3];
+    const size_t doff = size_t{f[kEthHeader + ihl + 12]} >> 4 << 2;
+    return total > ihl + doff ? total - ihl - doff : 0;
+  }
+
   /// Flips one random bit past the Ethernet and IP headers (so TCP's or UDP's checksum covers
   /// it); false for a frame with nothing past them.
   bool corrupt(uint8_t* f, size_t n) {
@@ -301,25 +317,32 @@ class Impairer {
   /// One received frame (the receive buffer's bytes, which `corrupt` may change).
   void ingress(Direction& d, uint8_t* f, size_t n, int64_t now) {
     ++d.s.rx;
+    const size_t payload = tcp_payload(f, n);
+    d.s.payload += payload;
     if (down) {
       ++d.s.down;
+      d.s.payload_spoilt += payload;
       return;
     }
     if (chance(d.p.loss)) {
       ++d.s.lost;
+      d.s.payload_spoilt += payload;
       return;
     }
     const int copies = chance(d.p.dup) ? 2 : 1;
     if (copies == 2) ++d.s.dup;
+    int good = 0;  // copies that leave intact
     for (int c = 0; c < copies; ++c) {
       const bool bad = chance(d.p.corrupt);
-      if (!d.p.timed() && d.q.empty()) {                              // leaves at once
-        if (c == 0) {                                                 // from the receive buffer
+      if (!d.p.timed() && d.q.empty()) {  // leaves at once
+        if (c == 0) {                     // from the receive buffer
           if (copies == 2) d.tx.add(std::vector<uint8_t>(f, f + n));  // the duplicate, clean
-          if (bad && corrupt(f, n)) ++d.s.corrupt;
+          if (bad && corrupt(f, n)) ++d.s.corrupt; else ++good;
           d.tx.add(f, n);
         } else if (bad && corrupt(d.tx.owned.back().data(), n)) {
           ++d.s.corrupt;
+        } else {
+          ++good;
         }
         continue;
       }
@@ -338,10 +361,11 @@ class Impairer {
       else
         t += delay_sample(d.p);
       Frame fr{t, seq_++, std::vector<uint8_t>(f, f + n)};
-      if (bad && corrupt(fr.bytes.data(), n)) ++d.s.corrupt;
+      if (bad && corrupt(fr.bytes.data(), n)) ++d.s.corrupt; else ++good;
       d.queued_bytes += n;
       d.q.push(std::move(fr));
     }
+    if (good == 0) d.s.payload_spoilt += payload;
   }
 
   /// Moves d's due frames into its batch and sends the batch.
@@ -350,9 +374,10 @@ class Impairer {
       // priority_queue::top is const: the frame is moved out through a cast, then popped.
       Frame& fr = const_cast<Frame&>(d.q.top());
       d.queued_bytes -= fr.bytes.size();
-      if (down)
+      if (down) {
         ++d.s.down;
-      else
+        d.s.payload_spoilt += tcp_payload(fr.bytes.data(), fr.bytes.size());
+      } else
         d.tx.add(std::move(fr.bytes));
       d.q.pop();
     }

@@ -44,7 +44,7 @@ impaired_hosts_init() {
   IMPAIR_PID=$!
   local k
   for ((k = 0; k < 100; k++)); do
-    grep -q "forwarding p1 <-> p2" "$E2E_TMP/impair.out" && break
+    grep -qs "forwarding p1 <-> p2" "$E2E_TMP/impair.out" && break
     kill -0 "$IMPAIR_PID" 2>/dev/null || fail "impair exited: $(cat "$E2E_TMP/impair.out")"
     nap 0.1
   done
@@ -97,6 +97,22 @@ impair_stats() {
   grep "status p" "$E2E_TMP/impair.out" | tail -n 2 | sed 's/^impair [^ ]* [^ ]* //' >&2
 }
 
+# A counter of direction DIR (p1->p2 or p2->p1) in the impairer's last status line.
+# Usage: impair_field DIR FIELD
+impair_field() {
+  grep "status $1:" "$E2E_TMP/impair.out" | tail -n 1 | awk -v f="$2" '{for (i = 1; i < NF; i++) if ($i == f) {print $(i + 1); exit}}'
+}
+# TCP payload bytes h2 -> h1 that the network delivered intact (every byte h2's TCP sent, less
+# what the impairer dropped or corrupted) since the last call; IMPAIR_DELIVERED holds the total.
+IMPAIR_DELIVERED=0
+delivered_since() {
+  local now
+  impair_ctl status "status p2->p1"
+  now=$(($(impair_field "p2->p1" payload) - $(impair_field "p2->p1" spoilt)))
+  echo $((now - IMPAIR_DELIVERED))
+  IMPAIR_DELIVERED=$now
+}
+
 # Seconds from epoch time A to B, three decimals. Usage: secs_between A B
 secs_between() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.3f", b - a}'; }
 
@@ -130,9 +146,16 @@ impair_verdict() {
 # ibv_rc_pingpong -c (timeout 14, hard-coded in it) with N round trips, up to SECS (default 60).
 # Usage: check_pingpong NAME N [SECS]
 check_pingpong() {
-  log "$1: ibv_rc_pingpong -c -n $2"
-  hpair_start "$1" 1 2 -c -n "$2"
-  finish_pair "$1" "$HP_SPID" "$HP_CPID" "${3:-60}"
+  local name=$1 end
+  log "$name: ibv_rc_pingpong -c -n $2"
+  hpair_start "$name" 1 2 -c -n "$2"
+  for end in client server; do
+    if [[ $end == client ]]; then wait_pid "$HP_CPID" "${3:-60}"; else wait_pid "$HP_SPID" 10; fi
+    [[ $WAIT_RC == 0 ]] ||
+      fail "$name: $end exited $WAIT_RC: $(tail -n 3 "$E2E_TMP/$name.$end.out" | tr '\n' ' ')"
+    check_pp_output "$E2E_TMP/$name.$end.out"
+  done
+  log "$name: ok: $(grep -E 'usec/iter' "$E2E_TMP/$name.client.out")"
 }
 
 # ib_write_bw -D SECS (perftest's timeout 14 unless ARGS say -u), up to SECS + 40 s in all.
@@ -179,17 +202,34 @@ stream_runs() {
   done
 }
 
-# A verified stream that runs SECS seconds, then stops: equal checksums on both ends.
+# A verified stream that runs SECS seconds, then stops: equal checksums on both ends. What TCP
+# carried h2 -> h1 meanwhile, against the messages' bytes, is the stream's wire share; the first
+# stream of a test (no impairment: IMPAIR_CALIBRATE=1) writes it to $E2E_TMP/share0, and later
+# ones check that they repeat (replay) less than IMPAIR_REPLAY_MAX % beyond it, when it is set
+# (only where the network repeats nothing itself: TCP's own retransmissions would count).
 # Usage: check_stream NAME SECS [rc_stream OPTIONS...]
 check_stream() {
-  local name=$1 secs=$2 srv cli cli_proc
+  local name=$1 secs=$2 srv cli cli_proc wire msgs share share0 extra
   shift 2
   log "$name: verified rc_stream for $secs s $*"
+  delivered_since >/dev/null
   istream_start "$name" "$@"
   stream_runs "$name" "$secs"
   kill -USR1 "$cli_proc"
   finish_stream "$name" "$cli" "$srv" 40
-  log "$name: $STREAM_RESULT on both ends"
+  wire=$(delivered_since)
+  msgs=${STREAM_RESULT%% *}
+  share=$(awk -v w="$wire" -v m="$msgs" 'BEGIN {printf "%.4f", m ? w / (m * 4096) : 0}')
+  log "$name: $STREAM_RESULT on both ends; TCP carried $wire bytes, $share x the messages"
+  if [[ ${IMPAIR_CALIBRATE:-0} == 1 ]]; then
+    echo "$share" >"$E2E_TMP/share0"
+  elif [[ -n ${IMPAIR_REPLAY_MAX:-} && -f $E2E_TMP/share0 ]]; then
+    share0=$(cat "$E2E_TMP/share0")
+    extra=$(awk -v s="$share" -v z="$share0" 'BEGIN {printf "%.2f", (s / z - 1) * 100}')
+    log "$name: $extra % more than the unimpaired stream's $share0 (replays)"
+    awk -v e="$extra" -v m="$IMPAIR_REPLAY_MAX" 'BEGIN {exit !(e < m)}' ||
+      fail "$name: $extra % of the bytes repeated (replays), over $IMPAIR_REPLAY_MAX %"
+  fi
 }
 
 # The three checks under the current impairments, each on its own (impair_try).
