@@ -57,6 +57,7 @@ impaired_hosts_init() {
 # The impairer's counters go to its log before lib.sh's clean-up kills everything.
 impaired_cleanup() {
   local rc=$? k
+  set +e  # or `(exit "$rc")` below would end the clean-up of a failed test
   if [[ -n $IMPAIR_PID ]] && kill -TERM "$IMPAIR_PID" 2>/dev/null; then
     for ((k = 0; k < 20; k++)); do
       kill -0 "$IMPAIR_PID" 2>/dev/null || break
@@ -76,7 +77,7 @@ impair_ctl() {
   before=$(grep -c -- "$2" "$E2E_TMP/impair.out" || true)
   echo "$1" >"$IMPAIR_CTL"
   for ((k = 0; k < 200; k++)); do
-    line="$(grep -- "$2" "$E2E_TMP/impair.out" | sed -n "$((before + 1))p")"
+    line="$(grep -- "$2" "$E2E_TMP/impair.out" | sed -n "$((before + 1))p")" || true
     if [[ -n $line ]]; then
       [[ $line =~ \(([0-9]+\.[0-9]+)\) ]] && IMPAIR_T=${BASH_REMATCH[1]}
       return 0
@@ -131,7 +132,8 @@ impair_try() {
   set -e
   if [[ $rc != 0 ]]; then
     IMPAIR_FAILED+=("$name")
-    log "$name: FAILED (see above)"
+    log "$name: FAILED; what its programs said: $(grep -hiE "fail|error|exceeded" \
+      "$E2E_TMP/$name".*.out 2>/dev/null | sort -u | head -n 4 | tr '\n' ' ')"
   fi
   return 0
 }
@@ -143,14 +145,15 @@ impair_verdict() {
 
 # ---- the three checks of issue 30, h2 (client) -> h1 (server) ----
 
-# ibv_rc_pingpong -c (timeout 14, hard-coded in it) with N round trips, up to SECS (default 60).
-# Usage: check_pingpong NAME N [SECS]
+# ibv_rc_pingpong -c (timeout 14, hard-coded in it) with N round trips and ARGS, up to SECS
+# (default 60). Usage: check_pingpong NAME N [SECS [ARGS...]]
 check_pingpong() {
-  local name=$1 end
-  log "$name: ibv_rc_pingpong -c -n $2"
-  hpair_start "$name" 1 2 -c -n "$2"
+  local name=$1 n=$2 secs=${3:-60} end
+  shift $(($# < 3 ? $# : 3))
+  log "$name: ibv_rc_pingpong -c -n $n $*"
+  hpair_start "$name" 1 2 -c -n "$n" "$@"
   for end in client server; do
-    if [[ $end == client ]]; then wait_pid "$HP_CPID" "${3:-60}"; else wait_pid "$HP_SPID" 10; fi
+    if [[ $end == client ]]; then wait_pid "$HP_CPID" "$secs"; else wait_pid "$HP_SPID" 10; fi
     [[ $WAIT_RC == 0 ]] ||
       fail "$name: $end exited $WAIT_RC: $(tail -n 3 "$E2E_TMP/$name.$end.out" | tr '\n' ' ')"
     check_pp_output "$E2E_TMP/$name.$end.out"
@@ -235,8 +238,8 @@ check_stream() {
 # The three checks under the current impairments, each on its own (impair_try).
 # Usage: check_all LABEL PINGPONG_N STREAM_SECS
 check_all() {
-  impair_try "$1.pingpong" check_pingpong "$1.pp" "$2"
+  impair_try "$1.pp" check_pingpong "$1.pp" "$2"
   impair_try "$1.stream" check_stream "$1.stream" "$3"
-  impair_try "$1.write_bw" check_write_bw "$1.bw" 5
+  impair_try "$1.bw" check_write_bw "$1.bw" 5
   impair_stats
 }

@@ -25,7 +25,7 @@ awk -v t="$took" 'BEGIN {exit !(t > 0 && t < 3)}' || IMPAIR_FAILED+=(out.on_time
 kill -KILL "$(child_named "$srv" rc_stream)" 2>/dev/null || true
 wait "$srv" 2>/dev/null || true
 
-nap "$(awk -v d="$t_down" -v now="$EPOCHREALTIME" 'BEGIN {r = d + 30 - now; print r > 0 ? r : 0}')"
+nap "$(awk -v d="$t_down" -v now="$EPOCHREALTIME" 'BEGIN {r = d + 30 - now; print (r > 0 ? r : 0)}')"
 impair_up
 t_up=$IMPAIR_T
 log "link down for $(secs_between "$t_down" "$t_up") s"
