@@ -11,6 +11,9 @@
 source "$(dirname "${BASH_SOURCE[0]}")/impair_lib.sh"
 impaired_hosts_init "${1:-}"
 wait_mesh
+# The reference: 1 ms each way keeps the stream's pace (and so its share) near the others', and
+# the machine from dropping frames at full speed (TCP's retransmissions would count).
+impair_set --delay 1
 IMPAIR_CALIBRATE=1 check_stream calib 2
 IMPAIR_REPLAY_MAX=3
 
