@@ -6,6 +6,10 @@
 // N = 0 (on both sides): open-ended; the client runs until SIGUSR1, then stops posting, waits for
 // its messages in flight and tells the server how many it sent (over the exchange socket).
 // Usage: rc_stream server PORT N SIZE | rc_stream client HOST PORT N SIZE
+// Options (anywhere after the mode): --timeout N, the QP's ACK timeout exponent (default 14, as
+// Debian's tools); --stall-ms MS: a line "rc_stream: stall of S s ended at EPOCH" whenever
+// completions resume after MS or more without one (the impaired tests time a link flap with it).
+// A failed completion also prints "rc_stream: failed at EPOCH" (CLOCK_REALTIME seconds).
 //
 // rnr-server PORT | rnr-client HOST PORT: a SEND that finds no receive must not hold up what
 // comes behind it. After a ping-pong warm-up (which puts the pair on whatever path vrdma takes),
@@ -19,6 +23,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cinttypes>
@@ -36,6 +41,8 @@ namespace {
 constexpr int kDepth = 32;
 
 volatile std::sig_atomic_t g_stop = 0;
+uint8_t g_timeout = 14;  ///< --timeout
+long g_stall_ms = 0;     ///< --stall-ms (0: no stall lines)
 void on_stop(int) { g_stop = 1; }
 
 struct Dest {
@@ -43,6 +50,26 @@ struct Dest {
 };
 
 constexpr int kWarmup = 300;  ///< rnr mode: round trips before the test
+
+/// CLOCK_REALTIME as "SECONDS.MICROS", for lines the tests compare with other processes' times.
+std::string epoch_now() {
+  timespec ts;
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%ld.%06ld", static_cast<long>(ts.tv_sec), ts.tv_nsec / 1000);
+  return buf;
+}
+double mono_s() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+/// Reports a failed completion: what failed and when.
+void report_failure(uint64_t which, ibv_wc_status st) {
+  std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", which,
+               ibv_wc_status_str(st));
+  std::fprintf(stderr, "rc_stream: failed at %s\n", epoch_now().c_str());
+}
 
 [[noreturn]] void die(const char* what) {
   std::fprintf(stderr, "rc_stream: %s\n", what);
@@ -125,8 +152,7 @@ struct Link {
     }
     if (got < 0) die("poll_cq");
     if (wc.status != IBV_WC_SUCCESS) {
-      std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", wc.wr_id,
-                   ibv_wc_status_str(wc.status));
+      report_failure(wc.wr_id, wc.status);
       std::exit(1);
     }
     return wc;
@@ -192,7 +218,7 @@ void connect(Link& l, bool server, const char* host, int port, uint32_t size, in
     die("RTR");
   a = {};
   a.qp_state = IBV_QPS_RTS;
-  a.timeout = 14;
+  a.timeout = g_timeout;
   a.retry_cnt = 7;
   a.rnr_retry = 7;
   a.sq_psn = me.psn;
@@ -217,6 +243,7 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
   uint64_t sum = 0xcbf29ce484222325ull, done = 0, posted = 0;
   int inflight = 0;
   uint64_t idle = 0;
+  double last = 0;  // when the last completion came (--stall-ms)
   ibv_wc wc[16];
   while (done < n) {
     if (!server && open_ended && g_stop && n != posted) n = posted;  // drain what is in flight
@@ -231,6 +258,13 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
     }
     const int got = ibv_poll_cq(l.cq, 16, wc);
     if (got < 0) die("poll_cq");
+    if (got > 0 && g_stall_ms > 0) {
+      const double now = mono_s();
+      if (last > 0 && (now - last) * 1000 >= static_cast<double>(g_stall_ms))
+        std::fprintf(stderr, "rc_stream: stall of %.3f s ended at %s\n", now - last,
+                     epoch_now().c_str());
+      last = now;
+    }
     if (server && open_ended && got == 0 && ++idle % 64 == 0) {
       // Has the client said how many it sent?
       uint64_t total;
@@ -246,8 +280,7 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
     }
     for (int k = 0; k < got; ++k) {
       if (wc[k].status != IBV_WC_SUCCESS) {
-        std::fprintf(stderr, "rc_stream: completion %" PRIu64 " failed: %s\n", done,
-                     ibv_wc_status_str(wc[k].status));
+        report_failure(done, wc[k].status);
         return l.close(1);
       }
       if (server) {
@@ -342,6 +375,23 @@ int rnr(bool server, const char* host, int port) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The options go; the positional arguments stay, in order, for the modes below.
+  int kept = 1;
+  for (int k = 1; k < argc; ++k) {
+    const std::string arg = argv[k];
+    if ((arg == "--timeout" || arg == "--stall-ms") && k + 1 < argc) {
+      const long v = std::strtol(argv[++k], nullptr, 10);
+      if (arg == "--timeout") {
+        if (v < 0 || v > 31) die("--timeout: 0 to 31");
+        g_timeout = static_cast<uint8_t>(v);
+      } else {
+        g_stall_ms = v;
+      }
+      continue;
+    }
+    argv[kept++] = argv[k];
+  }
+  argc = kept;
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "server" && argc == 5)
     return stream(true, nullptr, std::atoi(argv[2]), std::strtoull(argv[3], nullptr, 10),
@@ -352,5 +402,5 @@ int main(int argc, char** argv) {
   if (mode == "rnr-server" && argc == 3) return rnr(true, nullptr, std::atoi(argv[2]));
   if (mode == "rnr-client" && argc == 4) return rnr(false, argv[2], std::atoi(argv[3]));
   die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE | rnr-server PORT |"
-      " rnr-client HOST PORT");
+      " rnr-client HOST PORT; options: --timeout N, --stall-ms MS");
 }

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 30: a 30 s outage between two hosts under a verified rc_stream with timeout 14 and
+# retry_cnt 7 (0.54 s of budget): the client's send fails with IBV_WC_RETRY_EXC_ERR ("transport
+# retry counter exceeded") about 0.54 s into the outage (the test allows 3 s on a noisy machine
+# and logs the time); after link-up a new ibv_rc_pingpong -c works at once (logged: the time
+# from link-up to its end).
+# Usage: impaired_outage.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=impair_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/impair_lib.sh"
+impaired_hosts_init "${1:-}" --delay 1
+wait_mesh
+
+istream_start out
+stream_runs out 2
+impair_down
+t_down=$IMPAIR_T
+wait_pid "$cli" 20
+[[ $WAIT_RC != 124 ]] || fail "out: the client still runs 20 s into the outage"
+grep -q "transport retry counter exceeded" "$E2E_TMP/out.client.out" ||
+  fail "out: the client ended otherwise: $(tail -n 3 "$E2E_TMP/out.client.out")"
+failed_at=$(awk '/failed at/ {print $NF; exit}' "$E2E_TMP/out.client.out")
+took=$(secs_between "$t_down" "$failed_at")
+log "out: IBV_WC_RETRY_EXC_ERR $took s into the outage (timeout 14, retry_cnt 7: 0.54 s)"
+awk -v t="$took" 'BEGIN {exit !(t > 0 && t < 3)}' || IMPAIR_FAILED+=(out.on_time)
+kill -KILL "$(child_named "$srv" rc_stream)" 2>/dev/null || true
+wait "$srv" 2>/dev/null || true
+
+nap "$(awk -v d="$t_down" -v now="$EPOCHREALTIME" 'BEGIN {r = d + 30 - now; print (r > 0 ? r : 0)}')"
+impair_up
+t_up=$IMPAIR_T
+log "link down for $(secs_between "$t_down" "$t_up") s"
+impair_try after check_pingpong after 200 30
+log "after: ibv_rc_pingpong -c -n 200 ended $(secs_between "$t_up" "$EPOCHREALTIME") s after link-up"
+impair_stats
+impair_verdict
