@@ -118,7 +118,8 @@ struct SslFree {
   void operator()(SSL* s) const noexcept { SSL_free(s); }
   void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
 };
-/// A TLS session; it never closes its descriptor (SSL_set_fd), so it goes before the UniqueFd.
+/// A TLS session. It never closes its descriptor (SSL_set_fd): declared after the UniqueFd, it
+/// is freed before the descriptor closes.
 using SslPtr = std::unique_ptr<SSL, SslFree>;
 using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
 
@@ -214,8 +215,8 @@ struct Conn : Watch {
   UniqueFd fd;
   SslPtr ssl;         ///< the TLS session on `fd`: every byte goes through it
   std::mutex ssl_mu;  ///< innermost: one call into `ssl` at a time
-  const char* tls_err =
-      nullptr;  ///< why a read failed, when TLS said (a record that fails its check)
+  /// Why a read failed, when TLS said (say, a record that failed its integrity check).
+  const char* tls_err = nullptr;
   Hub* hub = nullptr;
   /// Which frames it may bring: the peer's requests (it is our QP's `in`), answers to ours (it
   /// is our `out`); both once one connection carries both directions. Set before any such
