@@ -20,12 +20,27 @@
 // a target that only spins on its memory, a backlog to flush. Per connection: rx_mu (reading and
 // executing), tx_mu (writing and the backlog); per QP: fl_mu (WRs in flight, the send ring, and
 // the order requests are written in). Order: rx_mu, fl_mu, tx_mu; nothing takes an rx_mu while
-// it holds fl_mu or tx_mu, nor fl_mu while it holds tx_mu.
+// it holds fl_mu or tx_mu, nor fl_mu while it holds tx_mu. Innermost, ssl_mu: held only around
+// each call into the connection's TLS session, which a read and a write must not enter at once.
+//
+// TLS. Every connection is TLS 1.3 with an external PSK (no certificates): the dialer names the
+// QP pair (PskIdentity), both derive the key from the offer's token with HKDF, and the acceptor
+// finds the offer by that identity. A stranger without the token fails the handshake; one that
+// does not even start with a TLS record is closed unread and unanswered. Reads: a TLS record is
+// decrypted whole, so what the socket held may now sit in the session (SSL_has_pending), where
+// epoll does not see it: a read stops only once the session holds nothing. Writes: one record at
+// a time (a frame header and a small payload in one); a record the socket did not take is the
+// session's to finish, and the next write must offer the same bytes first (SSL_write's rule): the
+// backlog keeps them first in line.
 #include "verbs/remote.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/core_names.h>
+#include <openssl/err.h>
+#include <openssl/kdf.h>
+#include <openssl/ssl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
@@ -40,6 +55,7 @@
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -59,16 +75,16 @@ using namespace vrdma::proto;
 // The library-to-library protocol (named, not anonymous: Conn and Hub hold these).
 namespace rwire {
 
-constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
-constexpr uint32_t kVersion = 3;         // 3: 64-byte frames
 constexpr size_t kRxBuf = 64 * 1024;
 constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
 /// After a frame with such a payload, the next header is read with at most this much behind it:
 /// a large payload that follows then goes in place, not through the buffer (one copy less).
 constexpr size_t kHeaderReadAfterLarge = 1024;
-constexpr int kDialMs = 1000;
-/// A connection whose hello has not come by then is closed; at most kMaxPending wait at a time
-/// (more are closed as they come): strangers can hold neither descriptors nor the hub's thread.
+constexpr int kDialMs = 1000;         ///< connect, TLS handshake and hello, in all
+constexpr size_t kTlsRecord = 16384;  ///< the most plaintext a TLS record carries
+/// A connection whose TLS handshake and hello have not come by then is closed; at most kMaxPending
+/// wait at a time (more are closed as they come): strangers can hold neither descriptors nor the
+/// hub's thread.
 constexpr uint64_t kHelloMs = 2000;
 constexpr size_t kMaxPending = 16;
 constexpr size_t kMaxListeners = 8;                ///< addresses a hub listens on
@@ -98,21 +114,14 @@ enum FType : uint8_t {
   kResume = 21,  ///< a receive is posted: send them again
 };
 
-constexpr uint32_t kTakesRequests = 1;  ///< Hello::flags: the dialer executes requests too
-
-struct Hello {
-  uint32_t magic, version;
-  uint32_t from_qpn, to_qpn;
-  uint32_t from_lid, flags;
-  uint8_t token[kDirectTokenBytes];
+struct SslFree {
+  void operator()(SSL* s) const noexcept { SSL_free(s); }
+  void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
 };
-static_assert(sizeof(Hello) == 40);
-struct HelloAck {
-  uint32_t magic;
-  int32_t err;
-  uint32_t lid;  ///< the acceptor's (the slid of receive completions on the dialer's side)
-  uint32_t reserved;
-};
+/// A TLS session. It never closes its descriptor (SSL_set_fd): declared after the UniqueFd, it
+/// is freed before the descriptor closes.
+using SslPtr = std::unique_ptr<SSL, SslFree>;
+using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
 
 }  // namespace rwire
 
@@ -204,6 +213,10 @@ struct Watch {
 
 struct Conn : Watch {
   UniqueFd fd;
+  SslPtr ssl;         ///< the TLS session on `fd`: every byte goes through it
+  std::mutex ssl_mu;  ///< innermost: one call into `ssl` at a time
+  /// Why a read failed, when TLS said (say, a record that failed its integrity check).
+  const char* tls_err = nullptr;
   Hub* hub = nullptr;
   /// Which frames it may bring: the peer's requests (it is our QP's `in`), answers to ours (it
   /// is our `out`); both once one connection carries both directions. Set before any such
@@ -248,6 +261,7 @@ struct Conn : Watch {
     size_t n;
   };
   std::deque<Piece> backlog;
+  std::vector<uint8_t> rec = std::vector<uint8_t>(kTlsRecord);  ///< a record's bytes gathered
   std::atomic<bool> want_out{false};
   std::atomic<bool> broken{false};
   std::mutex arm_mu;  ///< one epoll_ctl at a time, from the current flags
@@ -256,6 +270,7 @@ struct Conn : Watch {
 
 struct Hub {
   VContext* ctx = nullptr;
+  SslCtxPtr tls;  ///< both sides' TLS settings (make_tls)
   std::mutex mu;  ///< conns, and the control fields of every RemoteQp
   std::vector<std::shared_ptr<Conn>> conns;
   std::atomic<uint32_t> gen{1};  ///< moves when conns does
@@ -279,14 +294,23 @@ struct Hub {
   /// A connection until its hello is checked: at most kMaxPending, each for kHelloMs.
   struct Pending : Watch {
     UniqueFd fd;
+    SslPtr ssl;             ///< once its first byte is a TLS handshake's
+    bool shook = false;     ///< the handshake is done: the hello comes through `ssl`
+    bool want_out = false;  ///< the handshake waits for room to write
+    /// From psk_find(): the identity it found an offer for, and that offer's token; or why none.
+    bool known = false;
+    PskIdentity id{};
+    uint8_t token[kDirectTokenBytes] = {};
+    std::string why;
     Hello h{};
     size_t got = 0;
     uint64_t deadline = 0;
     sockaddr_in from{};
   };
   std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
-  /// Strangers, counted by the thread (read by anyone): hellos refused (a wrong token, QPN pair,
-  /// magic or version, or none), connections closed because kMaxPending were waiting, and hellos
+  /// Strangers, counted by the thread (read by anyone): hellos refused (not TLS, a failed
+  /// handshake: no offer for its identity, a wrong key; a wrong QPN pair, magic or version, or
+  /// no hello), connections closed because kMaxPending were waiting, and hellos
   /// that did not come within kHelloMs.
   std::atomic<uint64_t> refused{0}, over_cap{0}, timed_out{0};
   log::Every refused_log{kStrangerLogNs}, over_cap_log{kStrangerLogNs},
@@ -326,6 +350,189 @@ void set_sock_opts(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
 }
 
+// ---- TLS ----
+
+/// The key of a QP pair's connection: HKDF-SHA256 of the offer's token, the identity as info.
+bool derive_psk(const uint8_t* token, const PskIdentity& id, uint8_t (&key)[kPskBytes]) {
+  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, "HKDF", nullptr);
+  EVP_KDF_CTX* k = kdf ? EVP_KDF_CTX_new(kdf) : nullptr;
+  EVP_KDF_free(kdf);
+  if (!k) return false;
+  char digest[] = "SHA256";
+  OSSL_PARAM p[] = {OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+                    OSSL_PARAM_construct_octet_string(
+                        OSSL_KDF_PARAM_KEY, const_cast<uint8_t*>(token), kDirectTokenBytes),
+                    OSSL_PARAM_construct_octet_string(
+                        OSSL_KDF_PARAM_SALT, const_cast<char*>(kPskSalt), sizeof(kPskSalt) - 1),
+                    OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO,
+                                                      const_cast<PskIdentity*>(&id), sizeof(id)),
+                    OSSL_PARAM_construct_end()};
+  const bool ok = EVP_KDF_derive(k, key, kPskBytes, p) == 1;
+  EVP_KDF_CTX_free(k);
+  return ok;
+}
+
+/// A PSK is taken as a resumed session, whose context must be the connection's once peers are
+/// verified (SSL_VERIFY_PEER, make_tls).
+constexpr unsigned char kSidCtx[] = "vrdma direct";
+
+/// A session that resumes nothing: it only carries the PSK to the handshake. Null on failure.
+SSL_SESSION* psk_session(SSL* s, const uint8_t* token, const PskIdentity& id) {
+  const SSL_CIPHER* cipher = SSL_CIPHER_find(s, kTlsCipher);
+  uint8_t key[kPskBytes];
+  if (!cipher || !derive_psk(token, id, key)) return nullptr;
+  SSL_SESSION* ps = SSL_SESSION_new();
+  const bool ok = ps && SSL_SESSION_set1_master_key(ps, key, sizeof(key)) == 1 &&
+                  SSL_SESSION_set_cipher(ps, cipher) == 1 &&
+                  SSL_SESSION_set1_id_context(ps, kSidCtx, sizeof(kSidCtx) - 1) == 1 &&
+                  SSL_SESSION_set_protocol_version(ps, TLS1_3_VERSION) == 1;
+  OPENSSL_cleanse(key, sizeof(key));
+  if (!ok) {
+    SSL_SESSION_free(ps);
+    return nullptr;
+  }
+  return ps;
+}
+
+/// The dialer's PSK, for the handshake of dial() (its SSL's app data while it runs).
+struct DialPsk {
+  PskIdentity id;
+  const uint8_t* token;
+};
+
+int psk_use(SSL* s, const EVP_MD* md, const unsigned char** id, size_t* idlen, SSL_SESSION** sess) {
+  *sess = nullptr;
+  const auto* d = static_cast<const DialPsk*>(SSL_get_app_data(s));
+  const SSL_CIPHER* cipher = SSL_CIPHER_find(s, kTlsCipher);
+  if (!d || !cipher) return 0;
+  if (md && md != SSL_CIPHER_get_handshake_digest(cipher)) return 1;  // not for this hash: none
+  *sess = psk_session(s, d->token, d->id);
+  if (!*sess) return 0;
+  *id = reinterpret_cast<const unsigned char*>(&d->id);
+  *idlen = sizeof(d->id);
+  return 1;
+}
+
+/// The QP that offered to take `from_qpn`'s connection (ctx.objs_mu and Hub::mu held).
+VQp* offer_of(VContext& ctx, uint32_t to_qpn, uint32_t from_qpn) {
+  for (const auto& [handle, qp] : ctx.qps) {
+    const RemoteQp* r = qp->remote.get();
+    if (r && r->offered && !r->dead && qp->qp.qp_num == to_qpn && r->peer_qpn == from_qpn)
+      return qp;
+  }
+  return nullptr;
+}
+
+/// The acceptor's side of the PSK (the hub's thread, in SSL_accept): the key of the offer the
+/// identity names, or none (the handshake then fails: there is no certificate to fall back on).
+int psk_find(SSL* s, const unsigned char* idp, size_t idlen, SSL_SESSION** sess) {
+  *sess = nullptr;
+  auto* p = static_cast<Hub::Pending*>(SSL_get_app_data(s));
+  Hub* h = static_cast<Hub*>(SSL_CTX_get_app_data(SSL_get_SSL_CTX(s)));
+  if (!p || !h) return 0;
+  PskIdentity id{};
+  if (idlen != sizeof(id)) {
+    p->why = "not an identity of ours";
+    return 1;
+  }
+  std::memcpy(&id, idp, sizeof(id));
+  if (id.magic != kMagic || id.version != kVersion) {
+    p->why = "a library of another version";
+    return 1;
+  }
+  {
+    VContext& ctx = *h->ctx;
+    std::lock_guard<std::mutex> go(ctx.objs_mu);
+    std::lock_guard<std::mutex> g(h->mu);
+    VQp* qp = offer_of(ctx, id.to_qpn, id.from_qpn);
+    if (!qp) {
+      p->why = fmt::format("no offer of QP {:#x} to QP {:#x}", id.to_qpn, id.from_qpn);
+      return 1;
+    }
+    std::memcpy(p->token, qp->remote->token, kDirectTokenBytes);
+  }
+  *sess = psk_session(s, p->token, id);
+  if (!*sess) return 0;
+  p->known = true;
+  p->id = id;
+  p->why = fmt::format("a wrong key for QP {:#x} to QP {:#x}", id.to_qpn, id.from_qpn);
+  return 1;
+}
+
+/// Both sides' settings: TLS 1.3 and one suite only; the PSK or nothing (no certificate is
+/// trusted, so a peer cannot fall back to one); no tickets, no session cache.
+SslCtxPtr make_tls(Hub& h) {
+  SslCtxPtr t(SSL_CTX_new(TLS_method()));
+  if (!t || SSL_CTX_set_min_proto_version(t.get(), TLS1_3_VERSION) != 1 ||
+      SSL_CTX_set_max_proto_version(t.get(), TLS1_3_VERSION) != 1 ||
+      SSL_CTX_set_ciphersuites(t.get(), "TLS_AES_128_GCM_SHA256") != 1 ||
+      SSL_CTX_set_num_tickets(t.get(), 0) != 1)
+    return nullptr;
+  SSL_CTX_set_options(t.get(), SSL_OP_NO_TICKET);
+  SSL_CTX_set_session_cache_mode(t.get(), SSL_SESS_CACHE_OFF);
+  SSL_CTX_set_verify(t.get(), SSL_VERIFY_PEER, nullptr);
+  SSL_CTX_set_session_id_context(t.get(), kSidCtx, sizeof(kSidCtx) - 1);
+  // A record at a time per write (partial writes), and a write retried from another place
+  // (the backlog's copy): see send_frame.
+  SSL_CTX_set_mode(t.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  SSL_CTX_set_psk_use_session_callback(t.get(), psk_use);
+  SSL_CTX_set_psk_find_session_callback(t.get(), psk_find);
+  SSL_CTX_set_app_data(t.get(), &h);
+  return t;
+}
+
+/// The reason of the oldest TLS error of this thread (the queue is emptied).
+const char* tls_reason() {
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  const char* r = e ? ERR_reason_error_string(e) : nullptr;
+  return r ? r : "closed";
+}
+
+/// One read from the session: bytes, 0 none now, -1 closed or failed (`tls_err` says why, if
+/// TLS knows). `more`: the session still holds bytes (the socket may not wake anyone for them).
+ssize_t tls_read(Conn& c, void* p, size_t n, bool& more) {
+  std::lock_guard<std::mutex> g(c.ssl_mu);
+  ERR_clear_error();  // SSL_get_error reads this thread's queue: an application's leftovers too
+  const int r = SSL_read(c.ssl.get(), p, static_cast<int>(std::min<size_t>(n, INT_MAX)));
+  more = SSL_has_pending(c.ssl.get()) == 1;
+  if (r > 0) return r;
+  const int e = SSL_get_error(c.ssl.get(), r);
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  c.tls_err = e == SSL_ERROR_SSL ? tls_reason() : nullptr;
+  ERR_clear_error();
+  return -1;
+}
+
+/// Writes the first bytes of `iov` past `skip`, one record's worth (gathered into Conn::rec when
+/// they are in pieces): how many, 0 none now, -1 broken (tx_mu held). Always min(kTlsRecord,
+/// what is there) bytes, so a record the socket did not take is offered again, the same bytes
+/// first and at least as many, by the next write from the same place in line.
+ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip) {
+  size_t i = 0;
+  while (i < n && skip >= iov[i].iov_len) skip -= iov[i++].iov_len;
+  if (i == n) return 0;
+  const uint8_t* p = static_cast<const uint8_t*>(iov[i].iov_base) + skip;
+  size_t len = iov[i].iov_len - skip;
+  if (len < kTlsRecord && i + 1 < n) {
+    uint8_t* at = std::copy_n(p, len, c.rec.data());
+    for (++i; i < n && len < kTlsRecord; ++i) {
+      const size_t k = std::min(iov[i].iov_len, kTlsRecord - len);
+      at = std::copy_n(static_cast<const uint8_t*>(iov[i].iov_base), k, at);
+      len += k;
+    }
+    p = c.rec.data();
+  }
+  len = std::min(len, kTlsRecord);
+  std::lock_guard<std::mutex> g(c.ssl_mu);
+  ERR_clear_error();
+  const int w = SSL_write(c.ssl.get(), p, static_cast<int>(len));
+  if (w > 0) return w;
+  const int e = SSL_get_error(c.ssl.get(), w);
+  ERR_clear_error();
+  return e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ ? 0 : -1;
+}
+
 // ---- sending ----
 
 /// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
@@ -344,17 +551,17 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
   }
   size_t done = 0;
   if (c.backlog.empty()) {
-    msghdr m{};
-    m.msg_iov = iov;
-    m.msg_iovlen = n;
-    const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
-    tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
-    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      c.broken.store(true);
-      return false;
+    for (;;) {
+      const ssize_t w = tls_write(c, iov, n, done);
+      tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
+      if (w < 0) {
+        c.broken.store(true);
+        return false;
+      }
+      done += static_cast<size_t>(w);
+      if (done == total) return true;
+      if (w == 0) break;
     }
-    done = w > 0 ? static_cast<size_t>(w) : 0;
-    if (done == total) return true;
   }
   for (size_t i = 0; i < n; ++i) {
     const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
@@ -387,16 +594,13 @@ bool flush_locked(Conn& c) {
     size_t n = 0;
     for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
       iov[n++] = iovec{const_cast<uint8_t*>(it->p), it->n};
-    msghdr m{};
-    m.msg_iov = iov;
-    m.msg_iovlen = n;
-    const ssize_t w = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL);
+    const ssize_t w = tls_write(c, iov, n, 0);
     tsan_ring_release();
     if (w < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return true;
       c.broken.store(true);
       return false;
     }
+    if (w == 0) return true;
     size_t done = static_cast<size_t>(w);
     while (done && !c.backlog.empty()) {
       Conn::Piece& pc = c.backlog.front();
@@ -552,18 +756,16 @@ int fill(Conn& c) {
   }
   size_t want = c.buf.size() - c.end;
   if (c.large && c.rx == Conn::Rx::kHeader) want = std::min(want, kHeaderReadAfterLarge);
-  const ssize_t r = ::recv(c.fd.get(), c.buf.data() + c.end, want, 0);
+  bool more = false;
+  const ssize_t r = tls_read(c, c.buf.data() + c.end, want, more);
   if (r > 0) {
     tsan_ring_acquire();
     c.end += static_cast<size_t>(r);
-    c.emptied = static_cast<size_t>(r) < want;
+    c.emptied = !more;
     return 1;
   }
-  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-    c.emptied = true;
-    return 0;
-  }
-  return -1;
+  c.emptied = true;
+  return r == 0 ? 0 : -1;
 }
 
 void advance(Conn& c, uint64_t n) {
@@ -601,26 +803,17 @@ int rx_payload(Conn& c) {
       if (r <= 0) return r;
       continue;
     }
-    // Large: straight into the destination.
-    iovec iov[kMaxSge];
-    size_t n = 0;
-    uint64_t want = c.left;
-    for (size_t i = c.di; i < c.nd && want; ++i) {
-      const uint64_t off = i == c.di ? c.doff : 0;
-      const uint64_t k = std::min(want, c.dst[i].n - off);
-      iov[n++] = iovec{c.dst[i].p + off, k};
-      want -= k;
-    }
-    const ssize_t r = ::readv(c.fd.get(), iov, static_cast<int>(n));
-    c.emptied = r <= 0 || static_cast<uint64_t>(r) < c.left - want;
+    // Large: straight into the destination, a record at a time.
+    bool more = false;
+    const ssize_t r =
+        tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    c.emptied = r <= 0 || !more;
     if (r > 0) {
       tsan_ring_acquire();
       advance(c, static_cast<uint64_t>(r));
       c.left -= static_cast<uint64_t>(r);
-    } else if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      return 0;
     } else {
-      return -1;
+      return static_cast<int>(r);
     }
   }
   return 1;
@@ -952,13 +1145,14 @@ bool drain(Conn& c, bool defer_ack) {
   for (;;) {
     if (c.rx == Conn::Rx::kHeader) {
       if (c.end - c.beg < sizeof(Frame)) {
-        // A read that returned less than it asked for left the socket empty: another read now
-        // would find nothing, and cost a syscall between every request and its answer (the
-        // next poll, or the hub's next EPOLLIN, reads what comes later).
+        // A read that left nothing in the TLS session most likely left the socket empty too:
+        // another read now would find nothing, and cost a syscall between every request and its
+        // answer (the next poll, or the hub's next EPOLLIN, reads what comes later; what the
+        // session holds, epoll does not see: it is read now).
         if (did && c.beg == c.end && c.emptied) break;
         const int got = fill(c);
         if (got < 0) {
-          broken(c, qp, "the peer's library closed the connection");
+          broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
           return true;
         }
         if (got == 0) break;
@@ -1002,7 +1196,7 @@ bool drain(Conn& c, bool defer_ack) {
     }
     const int got = rx_payload(c);
     if (got < 0) {
-      broken(c, qp, "the peer's library closed the connection");
+      broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
       return true;
     }
     if (got == 0) break;
@@ -1084,34 +1278,43 @@ void refuse(Hub& h, const Hub::Pending& p, const char* why) {
               addr_of(p.from), why, n, log::held_note(held));
 }
 
-/// A dialer's hello is complete. Unless it names one of our offers, with its token and QPN
-/// pair, nothing else is done: the connection is refused and closed at once, unanswered.
+/// Writes a hello's answer: false unless all of it went (tx_mu held, for a published one).
+bool answer_hello(Conn& c, const HelloAck& ack) {
+  const iovec v{const_cast<HelloAck*>(&ack), sizeof(ack)};
+  return tls_write(c, &v, 1, 0) == static_cast<ssize_t>(sizeof(ack));
+}
+
+/// A dialer's hello is complete, inside a TLS session whose key was that of the offer its
+/// identity named. Unless the hello names the same QP pair and the offer is still the one the
+/// key came from, nothing else is done: the connection is refused and closed, unanswered.
 void accept_hello(Hub& h, Hub::Pending& p) {
   VContext& ctx = *h.ctx;
   if (p.h.magic != kMagic || p.h.version != kVersion) {
     refuse(h, p, "not a hello of this version");
     return;
   }
+  if (!p.known || p.h.from_qpn != p.id.from_qpn || p.h.to_qpn != p.id.to_qpn) {
+    refuse(h, p, "a hello for another QP pair than its key's");
+    return;
+  }
   HelloAck ack{kMagic, EPERM, 0, 0};
-  std::shared_ptr<Conn> c;
+  auto c = std::make_shared<Conn>();
+  // Taken before the connection is published: the answer goes out before anything of ours.
+  std::unique_lock<std::mutex> tx(c->tx_mu);
   {
     std::lock_guard<std::mutex> go(ctx.objs_mu);
     std::lock_guard<std::mutex> g(h.mu);
-    for (const auto& [handle, qp] : ctx.qps) {
-      RemoteQp* r = qp->remote.get();
-      if (!r || !r->offered || r->dead || qp->qp.qp_num != p.h.to_qpn ||
-          r->peer_qpn != p.h.from_qpn || !same_token(r->token, p.h.token))
-        continue;
-      // One per QP's life in RTR/RTS (a reset ends it and the offer); and none when our own
-      // dial got there first: the peer's library then adopts that one (EBUSY tells it).
-      if (r->in) {
-        ack.err = EBUSY;
-        break;
-      }
-      c = std::make_shared<Conn>();
+    VQp* qp = offer_of(ctx, p.h.to_qpn, p.h.from_qpn);
+    RemoteQp* r = qp ? qp->remote.get() : nullptr;
+    // One per QP's life in RTR/RTS (a reset ends it and the offer); and none when our own
+    // dial got there first: the peer's library then adopts that one (EBUSY tells it).
+    if (r && same_token(r->token, p.token) && r->in) {
+      ack.err = EBUSY;
+    } else if (r && same_token(r->token, p.token)) {
       c->req_in.store(true);
       c->peer_takes_requests = (p.h.flags & kTakesRequests) != 0;
       c->fd = std::move(p.fd);
+      c->ssl = std::move(p.ssl);
       c->hub = &h;
       c->qp = qp;
       c->send_cq = qp->qp.send_cq;
@@ -1124,43 +1327,101 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       h.conns.push_back(c);
       h.gen.fetch_add(1, std::memory_order_release);
       ack.err = 0;
-      break;
     }
   }
   if (ack.err == EPERM) {
     refuse(h, p,
-           fmt::format("no offer of QP {:#x} to QP {:#x} with that token", p.h.to_qpn, p.h.from_qpn)
+           fmt::format("no offer of QP {:#x} to QP {:#x} with that key", p.h.to_qpn, p.h.from_qpn)
                .c_str());
     return;
   }
-  const int fd = c ? c->fd.get() : p.fd.get();
-  if (::send(fd, &ack, sizeof(ack), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(ack)) && c) {
-    c->broken.store(true);
-  }
-  if (c) {
+  if (ack.err == 0) {
+    // From now on the session reads ahead (fewer syscalls): nothing was read past the hello.
+    SSL_set_read_ahead(c->ssl.get(), 1);
+    if (!answer_hello(*c, ack)) c->broken.store(true);
+    tx.unlock();
     rearm(*c);
-    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library at {}", p.h.to_qpn,
-              p.h.from_qpn, addr_of(p.from));
-  } else {
-    VLOG_INFO("direct path: QP {:#x} has a connection from QP {:#x}'s library already", p.h.to_qpn,
-              p.h.from_qpn);
+    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library at {} ({}, {})",
+              p.h.to_qpn, p.h.from_qpn, addr_of(p.from), SSL_get_version(c->ssl.get()),
+              SSL_get_cipher_name(c->ssl.get()));
+    return;
   }
+  tx.unlock();
+  c->fd = std::move(p.fd);
+  c->ssl = std::move(p.ssl);
+  answer_hello(*c, ack);
+  VLOG_INFO("direct path: QP {:#x} has a connection from QP {:#x}'s library already", p.h.to_qpn,
+            p.h.from_qpn);
 }
 
-/// Reads what came of a hello. True when the connection is done with (checked, or refused: it
-/// is closed with `p`). A watched one (`deadline` set) is no longer watched then.
+/// A handshake's next step, then the hello: 1 it is all there, 0 more to come, -1 refused
+/// (`why`). A connection that does not open with a TLS handshake record is refused before a
+/// byte of it is read: nothing of a stranger's plaintext is parsed, nor answered.
+int hello_step(Hub& h, Hub::Pending& p, std::string& why) {
+  if (!p.ssl) {
+    uint8_t first = 0;
+    const ssize_t r = ::recv(p.fd.get(), &first, 1, MSG_PEEK);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+    if (r <= 0) {
+      why = r == 0 ? "closed before its hello" : "failed before its hello";
+      return -1;
+    }
+    constexpr uint8_t kTlsHandshake = 22;  // a TLS record's content type
+    if (first != kTlsHandshake) {
+      why = "not TLS (a stranger, or a library of an older version)";
+      return -1;
+    }
+    p.ssl.reset(SSL_new(h.tls.get()));
+    if (!p.ssl || SSL_set_fd(p.ssl.get(), p.fd.get()) != 1) {
+      why = "no TLS session for it";
+      return -1;
+    }
+    SSL_set_app_data(p.ssl.get(), &p);
+    SSL_set_accept_state(p.ssl.get());
+  }
+  SSL* s = p.ssl.get();
+  ERR_clear_error();
+  const int r = p.shook ? SSL_read(s, reinterpret_cast<uint8_t*>(&p.h) + p.got,
+                                   static_cast<int>(sizeof(Hello) - p.got))
+                        : SSL_accept(s);
+  if (r > 0 && !p.shook) {
+    p.shook = true;
+    SSL_set_app_data(s, nullptr);
+    return hello_step(h, p, why);  // the hello may have come with the handshake's end
+  }
+  if (r > 0) {
+    p.got += static_cast<size_t>(r);
+    return p.got == sizeof(Hello) ? 1 : 0;
+  }
+  const int e = SSL_get_error(s, r);
+  p.want_out = e == SSL_ERROR_WANT_WRITE;
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  if (p.shook) {
+    ERR_clear_error();
+    why = "closed before its hello";
+  } else {
+    why = fmt::format("its TLS handshake failed: {}{}", tls_reason(),
+                      p.why.empty() ? "" : " (" + p.why + ")");
+  }
+  return -1;
+}
+
+/// Reads what came of a handshake and hello. True when the connection is done with (checked, or
+/// refused: it is closed with `p`). A watched one (`deadline` set) is no longer watched then.
 bool read_hello(Hub& h, Hub::Pending& p) {
-  const ssize_t r =
-      ::recv(p.fd.get(), reinterpret_cast<uint8_t*>(&p.h) + p.got, sizeof(Hello) - p.got, 0);
-  if (r > 0) p.got += static_cast<size_t>(r);
-  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return false;
-  if (r > 0 && p.got < sizeof(Hello)) return false;
+  std::string why;
+  const int step = hello_step(h, p, why);
+  if (step == 0) {
+    if (p.deadline)
+      epoll_set(h, EPOLL_CTL_MOD, p.fd.get(), EPOLLIN | (p.want_out ? uint32_t{EPOLLOUT} : 0u), &p);
+    return false;
+  }
   // Unwatched before the descriptor may move to a connection, which the hub watches anew.
   if (p.deadline) epoll_set(h, EPOLL_CTL_DEL, p.fd.get(), 0, nullptr);
-  if (p.got == sizeof(Hello))
+  if (step > 0)
     accept_hello(h, p);
   else
-    refuse(h, p, r == 0 ? "closed before its hello" : "failed before its hello");
+    refuse(h, p, why.c_str());
   return true;
 }
 
@@ -1202,7 +1463,8 @@ void accept_all(Hub& h, Hub::Listener& l) {
       continue;
     }
     p->deadline = now_ms() + kHelloMs;
-    epoll_set(h, EPOLL_CTL_ADD, p->fd.get(), EPOLLIN, p.get());
+    epoll_set(h, EPOLL_CTL_ADD, p->fd.get(), EPOLLIN | (p->want_out ? uint32_t{EPOLLOUT} : 0u),
+              p.get());
     h.pending.push_back(std::move(p));
   }
 }
@@ -1369,6 +1631,11 @@ Hub* hub_of(VContext& ctx) {
     VLOG_WARN("direct path: cannot start the hub: {}", std::strerror(errno));
     return nullptr;
   }
+  h->tls = make_tls(*h);
+  if (!h->tls) {
+    VLOG_WARN("direct path: cannot start the hub: no TLS context: {}", tls_reason());
+    return nullptr;
+  }
   epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
   Hub* raw = h.get();
@@ -1421,9 +1688,13 @@ RemoteQp& remote_of(Hub& h, VQp& qp) {
   return *qp.remote;
 }
 
-/// Connects to the peer's library (blocking, bounded): the connection and the peer's LID, or
-/// invalid with errno (EBUSY: the peer's library has dialed us).
-UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello, uint32_t& peer_lid) {
+/// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
+/// with the key derived from `token`, the hello and its answer. The connection (its session in
+/// `ssl`) and the peer's LID, or invalid with errno and `why` (EBUSY: the peer's library has
+/// dialed us).
+UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const uint8_t* token,
+              SslPtr& ssl, uint32_t& peer_lid, const char*& why) {
+  why = nullptr;
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return {};
   set_sock_opts(fd.get());
@@ -1431,36 +1702,70 @@ UniqueFd dial(uint32_t ipv4, uint16_t port, const Hello& hello, uint32_t& peer_l
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = ipv4;
   a.sin_port = htons(port);
+  const uint64_t deadline = now_ms() + kDialMs;
   auto wait_for = [&](short ev) {
+    const uint64_t now = now_ms();
     pollfd p{fd.get(), ev, 0};
-    return ::poll(&p, 1, kDialMs) == 1 && (p.revents & ev);
+    return now < deadline && ::poll(&p, 1, static_cast<int>(deadline - now)) == 1 &&
+           (p.revents & ev);
   };
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
     int err = 0;
     socklen_t len = sizeof(err);
     if (errno != EINPROGRESS || !wait_for(POLLOUT) ||
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0)
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      if (err) errno = err;
       return {};
+    }
   }
-  if (::send(fd.get(), &hello, sizeof(hello), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(hello)))
+  ssl.reset(SSL_new(h.tls.get()));
+  if (!ssl || SSL_set_fd(ssl.get(), fd.get()) != 1) {
+    errno = ENOMEM;
     return {};
+  }
+  SSL_set_connect_state(ssl.get());
+  const DialPsk psk{PskIdentity{kMagic, kVersion, hello.from_qpn, hello.to_qpn}, token};
+  SSL_set_app_data(ssl.get(), const_cast<DialPsk*>(&psk));
+  // Each step until it is done, waiting for what it asks; no read ahead until the hello's
+  // answer is in (what follows it is the hub's to read, and epoll does not see the session).
+  auto step = [&](auto&& call) {
+    for (;;) {
+      ERR_clear_error();
+      const int r = call();
+      if (r > 0) return r;
+      const int e = SSL_get_error(ssl.get(), r);
+      if ((e == SSL_ERROR_WANT_READ && wait_for(POLLIN)) ||
+          (e == SSL_ERROR_WANT_WRITE && wait_for(POLLOUT)))
+        continue;
+      if (e == SSL_ERROR_SSL) why = tls_reason();
+      ERR_clear_error();
+      errno = e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE ? ETIMEDOUT : ECONNRESET;
+      return r;
+    }
+  };
+  const int shook = step([&] { return SSL_connect(ssl.get()); });
+  SSL_set_app_data(ssl.get(), nullptr);
+  if (shook <= 0) return {};
+  if (!SSL_session_reused(ssl.get())) {  // the PSK made the session, nothing else could
+    errno = EPROTO;
+    return {};
+  }
+  if (step([&] { return SSL_write(ssl.get(), &hello, sizeof(hello)); }) <= 0) return {};
   HelloAck ack{};
   size_t got = 0;
   while (got < sizeof(ack)) {
-    if (!wait_for(POLLIN)) return {};
-    const ssize_t r =
-        ::recv(fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, 0);
-    if (r <= 0) {
-      if (r == 0)
-        errno = ECONNRESET;  // refused: a hello the peer's hub does not know is not answered
-      return {};
-    }
+    const int r = step([&] {
+      return SSL_read(ssl.get(), reinterpret_cast<uint8_t*>(&ack) + got,
+                      static_cast<int>(sizeof(ack) - got));
+    });
+    if (r <= 0) return {};  // refused: a hello the peer's hub does not know is not answered
     got += static_cast<size_t>(r);
   }
   if (ack.magic != kMagic || ack.err != 0) {
     errno = ack.err ? ack.err : EPROTO;
     return {};
   }
+  SSL_set_read_ahead(ssl.get(), 1);
   peer_lid = ack.lid;
   return fd;
 }
@@ -1507,15 +1812,16 @@ bool connect_out(VQp& qp) {
   };
   std::shared_ptr<Conn> c = adoptable();
   if (!c) {
-    Hello hello{
-        kMagic, kVersion, qp.qp.qp_num, resp.peer_qpn, resp.my_lid, r.offered ? kTakesRequests : 0,
-        {}};
-    std::memcpy(hello.token, resp.token, kDirectTokenBytes);
+    const Hello hello{kMagic,        kVersion,    qp.qp.qp_num,
+                      resp.peer_qpn, resp.my_lid, r.offered ? kTakesRequests : 0};
     uint32_t peer_lid = 0;
-    UniqueFd fd = dial(resp.peer_ipv4, resp.peer_port, hello, peer_lid);
+    SslPtr ssl;
+    const char* why = nullptr;
+    UniqueFd fd = dial(*h, resp.peer_ipv4, resp.peer_port, hello, resp.token, ssl, peer_lid, why);
     if (fd.valid()) {
       c = std::make_shared<Conn>();
       c->fd = std::move(fd);
+      c->ssl = std::move(ssl);
       c->hub = h;
       c->qp = &qp;
       c->send_cq = qp.qp.send_cq;
@@ -1544,7 +1850,7 @@ bool connect_out(VQp& qp) {
       VLOG_WARN(
           "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
           "the backend",
-          qp.qp.qp_num, ip, resp.peer_port, std::strerror(errno));
+          qp.qp.qp_num, ip, resp.peer_port, why ? why : std::strerror(errno));
       back_off(r, kAskMax / 4);
       return false;
     }
@@ -1555,8 +1861,9 @@ bool connect_out(VQp& qp) {
     r.out = c;
   }
   r.active.store(true, std::memory_order_release);
-  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library{}", qp.qp.qp_num,
-            resp.peer_qpn, c == r.in ? " (one connection both ways)" : "");
+  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library ({}, {}){}", qp.qp.qp_num,
+            resp.peer_qpn, SSL_get_version(c->ssl.get()), SSL_get_cipher_name(c->ssl.get()),
+            c == r.in ? " (one connection both ways)" : "");
   return true;
 }
 

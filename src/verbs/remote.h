@@ -31,7 +31,42 @@ struct Conn;
 struct Hub;
 
 // The library-to-library protocol (named, not anonymous: the structs below hold its frames).
+// Everything after the TCP connect travels inside TLS 1.3, authenticated by a key both libraries
+// derive from the offer's token (an external PSK, remote.cc): the token never travels.
 namespace rwire {
+
+constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
+/// 3: 64-byte frames; 4: inside TLS 1.3 (external PSK), the hello without the token.
+constexpr uint32_t kVersion = 4;
+
+/// The PSK identity the dialer names in its TLS ClientHello: which QP pair, of which version.
+/// The key is HKDF-SHA256 of the offer's token, salted with kPskSalt, with these bytes as info.
+struct PskIdentity {
+  uint32_t magic, version;
+  uint32_t from_qpn, to_qpn;  ///< the dialer's QP, the acceptor's
+};
+static_assert(sizeof(PskIdentity) == 16);
+inline constexpr char kPskSalt[] = "vrdma direct path";
+/// The only cipher suite offered or taken: TLS_AES_128_GCM_SHA256 (its two code bytes).
+inline constexpr unsigned char kTlsCipher[2] = {0x13, 0x01};
+inline constexpr size_t kPskBytes = 32;  ///< the key: the suite's hash length
+
+constexpr uint32_t kTakesRequests = 1;  ///< Hello::flags: the dialer executes requests too
+
+/// The dialer's first message inside TLS; the acceptor answers with a HelloAck.
+struct Hello {
+  uint32_t magic, version;
+  uint32_t from_qpn, to_qpn;  ///< as in its PSK identity
+  uint32_t from_lid, flags;
+};
+static_assert(sizeof(Hello) == 24);
+struct HelloAck {
+  uint32_t magic;
+  int32_t err;
+  uint32_t lid;  ///< the acceptor's (the slid of receive completions on the dialer's side)
+  uint32_t reserved;
+};
+static_assert(sizeof(HelloAck) == 16);
 
 /// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
 /// 48 its fields take: behind a header of 1..63 bytes, the kernel's copy of a page-aligned

@@ -3,8 +3,11 @@
 # issue 20): two namespace hosts with --direct-remote and a direct RC stream between them; an
 # attacker on the client's host (hub_attacker.py) then
 #   - finds the hub listening only on the address its backend announced (not on loopback);
-#   - sends a well-formed hello with the right QPNs and a wrong token: closed at once,
-#     unanswered, logged with its address;
+#   - sends a hello of the plain-TCP protocol before TLS (hub_attacker.py, and
+#     hub_tls_attacker plain) with the right QPNs: closed at once, unread past its first byte
+#     and unanswered, logged with its address;
+#   - does a TLS 1.3 handshake naming the right QPN pair as its PSK identity with a wrong key
+#     (hub_tls_attacker psk): the handshake fails, logged with its address and the pair;
 #   - opens 1,000 idle connections: those over the cap closed at once, the rest after 2 s, and
 #     the hub's thread does not burn a core meanwhile (its CPU time, /proc/PID/task/TID/stat);
 #   - queues connections while the library has no descriptor left: the hub stops watching its
@@ -17,6 +20,7 @@ ATTACK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/hub_attacker.py"
 HOSTS_VRDMAD_ARGS="--direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 2
 wait_mesh
+TLS_ATTACK="$HOSTS_BIN/vrdma_hub_tls_attacker"
 
 # CPU time (clock ticks) of the hub thread TID of process PID so far.
 ticks() { awk '{print $14 + $15}' "/proc/$1/task/$2/stat"; }
@@ -61,12 +65,31 @@ bound="$(hexec 1 ss -Htln "sport = :$port" | awk '{print $4}')"
 hexec 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$port" 2>/dev/null &&
   fail "the hub answers on loopback too"
 
-# 2. A wrong token with the right QPNs.
+# 2. The connection carries TLS 1.3 (both libraries say so). Strangers with the right QPNs: a
+# plain hello (the old protocol; its token is never looked at), twice; TLS with a wrong key.
+# The hub logs a line a second at most: each attack waits for the previous one's to pass.
+for side in server client; do
+  grep -q "through its library (TLSv1.3, TLS_AES_128_GCM_SHA256)\|from its library at .* (TLSv1.3, TLS_AES_128_GCM_SHA256)" \
+    "$E2E_TMP/st.$side.out" || fail "st's $side does not say TLS 1.3: $(grep "direct path" "$E2E_TMP/st.$side.out")"
+done
+refused_line() { # N REASON-REGEX
+  grep -q "refused a connection from $(host_ip 2):[0-9]*: $2 ($1 refused so far)" "$E2E_TMP/st.server.out" ||
+    fail "no line for refusal $1: $(grep "direct path" "$E2E_TMP/st.server.out" | tail -n 3)"
+}
 out="$(hexec 2 python3 "$ATTACK" hello "$(host_ip 1)" "$port" "$to_qpn" "$from_qpn" 2>&1)" ||
-  fail "wrong token: $out"
-grep -q "refused a connection from $(host_ip 2):[0-9]*: no offer of QP $to_qpn .* (1 refused so far)" \
-  "$E2E_TMP/st.server.out" || fail "no line for the wrong token: $(grep "direct path" "$E2E_TMP/st.server.out" | tail -n 3)"
-log "wrong token: $out"
+  fail "plain hello: $out"
+refused_line 1 "not TLS .*"
+nap 1.1
+out="$(hexec 2 "$TLS_ATTACK" plain "$(host_ip 1)" "$port" "$to_qpn" "$from_qpn" 2>&1)" ||
+  fail "plain hello (C++): $out"
+refused_line 2 "not TLS .*"
+log "plain hello: $out"
+nap 1.1
+out="$(hexec 2 "$TLS_ATTACK" psk "$(host_ip 1)" "$port" "$to_qpn" "$from_qpn" 2>&1)" ||
+  fail "wrong key: $out"
+refused_line 3 "its TLS handshake failed: .* (a wrong key for QP $to_qpn to QP $from_qpn)"
+log "wrong key: $out; the hub: $(grep -o "its TLS handshake failed: [^(]*" "$E2E_TMP/st.server.out" | tail -n 1)"
+sent="$(still_direct "$sent" "strangers' hellos")"
 
 # 3. 1,000 idle connections (over 2 s). 6 s in, the hub holds none of them any more.
 flood() {
