@@ -2,8 +2,9 @@
 """A stranger at a library's direct-path port (the hub of src/verbs/remote.cc), for direct_hub.sh.
 
 hello HOST PORT TO_QPN FROM_QPN
-    Sends a well-formed hello (magic, version, the real QPN pair) with a wrong token. The hub
-    must close the connection at once without a byte of answer. Prints "closed unanswered".
+    Sends a plain (not TLS) hello of the old protocol (magic, version, the real QPN pair, a
+    random token): the hub takes only a TLS handshake, so it must close the connection at once
+    without a byte of answer. Prints "closed unanswered".
 flood HOST PORT N SECS
     Opens N connections, 10 every 20 ms, and says nothing on them. The hub must close them:
     those over its cap at once, the rest when their hello is late. Prints "established E closed
