@@ -8,6 +8,7 @@
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/impaired.sh [BIN_DIR (default build/release/bin)] [RUNS (default 1)]
 # IMPAIRED_CONDITIONS: a ';'-separated list of impair options to use instead of the default set.
+# IMPAIRED_KEEP_CONNECTION=1: keep the backends (and their connection) across conditions.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,6 +83,15 @@ echo "|---|---|---|---|---|---|---|---|---|---|"
 for cond in "${conditions[@]}"; do
   read -ra args <<<"$cond"
   impair_set "${args[@]}" 2>/dev/null
+  # The backends' connection starts on the path as it is now, as iperf3's does: one that was
+  # set up on a faster path keeps TCP's estimates of that path for a while (BENCHMARKS.md).
+  if [[ ${IMPAIRED_KEEP_CONNECTION:-0} != 1 ]]; then
+    kill_backend 1
+    kill_backend 2
+    start_backend 1
+    start_backend 2
+    wait_mesh
+  fi
   n=$(pp_iters "$(delay_of "$cond")")
   for ((r = 1; r <= RUNS; r++)); do
     vb=$(vrdma_bw)
