@@ -31,8 +31,10 @@ log "vrdmad --listen $(host_ip 1):$((HOSTS_PORT + 1)) without a credential: exit
 [[ $rc == 1 ]] || miss "vrdmad without a credential on $(host_ip 1) exited $rc, wanted 1"
 grep -q -- "insecure" "$out" || miss "vrdmad without a credential did not name --insecure"
 
-hexec 1 "$HOSTS_BIN/vrdmad" --socket "$E2E_TMP/loop.sock" --node h1 --idle-exit 0 \
-  --listen "127.0.0.1:$((HOSTS_PORT + 1))" >"$E2E_TMP/loop.out" 2>&1 &
+# Not through hexec (a function: in the background it is a subshell, and $! would be that
+# subshell, leaving the backend behind when it is killed): ip netns exec execs vrdmad itself.
+ip netns exec "$(host_ns 1)" "$HOSTS_BIN/vrdmad" --socket "$E2E_TMP/loop.sock" --node h1 \
+  --idle-exit 0 --listen "127.0.0.1:$((HOSTS_PORT + 1))" >"$E2E_TMP/loop.out" 2>&1 &
 loop=$!
 for ((k = 0; k < 100; k++)); do
   [[ -S $E2E_TMP/loop.sock ]] && break
