@@ -108,7 +108,10 @@ start_backend() {
 
 # Kills host I's backend (SIGKILL: no goodbye to its peers).
 kill_backend() {
-  { kill -KILL "${HOSTS_BACKEND_PID[$1]}" && wait "${HOSTS_BACKEND_PID[$1]}"; } 2>/dev/null || true
+  # A bare host (hosts_init's B < N) has none: nounset would end the clean-up right here.
+  local pid=${HOSTS_BACKEND_PID[$1]:-}
+  [[ -n $pid ]] || return 0
+  { kill -KILL "$pid" && wait "$pid"; } 2>/dev/null || true
 }
 
 # Waits until every backend has connected to every other one (its log says so), up to 20 s.
