@@ -218,9 +218,9 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   if (in_pipe) return false;
   // Replayed: what the peer's TCP acknowledged (the rest is still on its way).
   bool did = false;
+  const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
   for (Qp::Outstanding& o : qp.unacked) {
-    if (o.mark.conn != 0 && o.mark.conn == transport_->tx_mark(qp.peer_node).conn &&
-        !transport_->tx_delivered(qp.peer_node, o.mark))
+    if (o.mark.conn != 0 && o.mark.conn == conn && !transport_->tx_delivered(qp.peer_node, o.mark))
       break;
     if (!send_request(qp, o)) break;
     did = true;

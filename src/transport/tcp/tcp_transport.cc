@@ -95,7 +95,7 @@ Result<PeerSpec> parse_peer(const std::string& s) {
     if (p.node.empty() || p.node.size() >= kNameMax)
       return error(EINVAL, fmt::format("\"{}\": the node name before @ must be 1..63 bytes", s));
   }
-  RETURN_IF_ERROR(parse_endpoint(p.addr).status());
+  ASSIGN_OR_RETURN(p.sa, parse_endpoint(p.addr));
   return p;
 }
 
@@ -137,9 +137,8 @@ Status TcpTransport::start() {
   if (opt_.force) to_dial.push_back(opt_.listen);
   for (const std::string& p : to_dial) {
     ASSIGN_OR_RETURN(PeerSpec spec, parse_peer(p));
-    ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(spec.addr));
     if (!spec.node.empty()) allow_.push_back(spec.node);
-    dials_.push_back(Dial{spec.addr, spec.node, sa, nullptr, 0, kRedialMs, ""});
+    dials_.push_back(Dial{spec.addr, spec.node, spec.sa, nullptr, 0, kRedialMs, ""});
   }
   VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}; {}", opt_.node, opt_.listen,
             opt_.peers.size(), opt_.force ? ", forced for every pair" : "",
@@ -156,6 +155,7 @@ TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& diale
   c->addr = dialed.empty() ? address_of(c->fd.get()) : dialed;
   c->opened_ns = now_ns;
   c->id = next_conn_id_++;
+  ++prehello_;
   if (opt_.tls) c->tls = std::make_unique<TlsStream>(*opt_.tls, dialed.empty());
   c->rbuf.resize(kRbufBytes);
   set_options(c->fd.get());
@@ -186,6 +186,7 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   } else {
     VLOG_DEBUG("transport tcp: connection {} closed before hello: {}", c->addr, why);
     if (c->dialed.empty()) --unauthenticated_;
+    --prehello_;
   }
   auto bn = by_node_.find(c->node);
   if (bn != by_node_.end() && bn->second == c) {
@@ -552,6 +553,7 @@ void TcpTransport::on_hello(Conn& c) {
     return;
   }
   if (c.dialed.empty()) --unauthenticated_;
+  --prehello_;
   c.hello = true;
   c.node = name;
   c.since_unix = static_cast<uint64_t>(::time(nullptr));
@@ -767,6 +769,7 @@ uint64_t TcpTransport::next_deadline() const {
   if (accept_rest_.until_ns()) at(accept_rest_.until_ns());
   if (!rx_again_.empty()) at(1);  // plaintext is waiting inside TLS: no event will say so
   for (const auto& [fd, c] : conns_) {
+    if (!prehello_) break;
     if (!c->hello) at(c->opened_ns + kHelloTimeoutMs * 1000000);
   }
   for (const auto& [node, t] : stale_until_) at(t);
@@ -952,7 +955,7 @@ bool TcpTransport::poll(uint64_t now_ns) {
     if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
       dial(d, now_ns);
   }
-  if (conns_.size() > by_node_.size()) expire_unauthenticated(now_ns);
+  if (prehello_) expire_unauthenticated(now_ns);
   if (!claims_.empty() || !stale_until_.empty()) settle_claims(now_ns);
   if (!rx_again_.empty()) {
     std::vector<Conn*> again;

@@ -35,6 +35,7 @@ Result<sockaddr_in> parse_endpoint(const std::string& s);
 struct PeerSpec {
   std::string node;  ///< "" when not named
   std::string addr;
+  sockaddr_in sa{};  ///< addr, parsed
 };
 Result<PeerSpec> parse_peer(const std::string& s);
 /// True for 127.0.0.0/8 (what an unauthenticated transport may listen on).
@@ -239,6 +240,10 @@ class TcpTransport final : public Transport {
   std::vector<std::unique_ptr<Conn>> graveyard_;  ///< closed during poll(); freed at its end
   std::vector<std::string> allow_;                ///< nodes named in peers ("" = any)
   size_t unauthenticated_ = 0;                    ///< accepted connections before their hello
+  /// All connections before their hello (dialed ones too): the hello deadline is looked at
+  /// only while there are any (not on every poll of a forced-TCP backend, whose own accepted
+  /// connection is never in by_node_).
+  size_t prehello_ = 0;
   std::vector<Conn*> rx_again_;  ///< TLS connections with plaintext left to read (no EPOLLIN)
   std::map<std::string, uint64_t> down_since_;  ///< nodes whose connection broke, and when
   /// Nodes that said Hello again: their entries not announced again by then are dropped.
