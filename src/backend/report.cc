@@ -271,6 +271,11 @@ void counter_families(Exposition& e, const std::string& prefix,
       {"retries", "transport retries after an ACK timeout"},
       {"rnr_naks", "RNR NAKs received"},
       {"ud_dropped", "UD datagrams dropped (no receive, wrong qkey or no QP)"},
+      {"replays", "messages sent again across backends (reconnect, ACK timeout, NAK)"},
+      {"replayed_bytes", "payload bytes sent again across backends"},
+      {"seq_naks", "sequence-error NAKs received across backends"},
+      {"naks_sent", "NAKs sent across backends as responder (RNR, sequence, fault)"},
+      {"held", "times new work waited for the QP's queued frames to go out"},
   };
   for (auto [key, help] : kCounters) {
     const std::string name = prefix + key + "_total";

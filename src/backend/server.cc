@@ -72,7 +72,8 @@ nlohmann::json transport_json(transport::tcp::TcpTransport& t) {
                      {"since_unix", p.since_unix},
                      {"queued_bytes", p.queued_bytes},
                      {"unacked_bytes", p.unacked_bytes},
-                     {"rx_bytes", p.rx_bytes}});
+                     {"rx_bytes", p.rx_bytes},
+                     {"dropped_bytes", p.dropped_bytes}});
   }
   const auto& r = t.refused();
   return {{"security", t.secure() ? "tls" : "insecure"},

@@ -172,18 +172,18 @@ Result<json> stat_rows(const json& status, const std::string& what, const Filter
 std::string stat_text(const std::string& what, const json& rows) {
   const bool qp = what == "qp";
   constexpr const char* kRow =
-      "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>8} {:>7}  {}\n";
+      "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>7} {:>8} {:>7}  {}\n";
   std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "",
                                 qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
-                                "RETRIES", "RNR_NAKS", "UD_DROP", "ERRORS");
+                                "RETRIES", "REPLAYS", "RNR_NAKS", "UD_DROP", "ERRORS");
   for (const auto& r : rows) {
-    out +=
-        fmt::format(kRow, text_of(member(r, "guest")), text_of(member(r, qp ? "lqpn" : "qps")),
-                    qp ? text_of(member(r, "type")) : "", qp ? text_of(member(r, "transport")) : "",
-                    text_of(member(r, "msgs_sent")), text_of(member(r, "bytes_sent")),
-                    text_of(member(r, "msgs_received")), text_of(member(r, "bytes_received")),
-                    text_of(member(r, "retries")), text_of(member(r, "rnr_naks")),
-                    text_of(member(r, "ud_dropped")), errors_text(r));
+    out += fmt::format(kRow, text_of(member(r, "guest")), text_of(member(r, qp ? "lqpn" : "qps")),
+                       qp ? text_of(member(r, "type")) : "",
+                       qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
+                       text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
+                       text_of(member(r, "bytes_received")), text_of(member(r, "retries")),
+                       text_of(member(r, "replays")), text_of(member(r, "rnr_naks")),
+                       text_of(member(r, "ud_dropped")), errors_text(r));
   }
   return out;
 }

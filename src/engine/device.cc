@@ -582,6 +582,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   qp->send_cq->users++;
   qp->recv_cq->users++;
   CreateQpResp resp{qp->handle, qpn, qp->caps, sq_bytes + rq_bytes, sq_bytes};
+  qp->flow = next_flow_++;
   g.qps[qpn] = qp.get();
   active_.push_back(qp.get());
   if (g.active.empty()) active_guests_.push_back(&g);
@@ -666,6 +667,7 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
       qp->retry_left = q.retry_cnt;
       qp->rnr_left = q.rnr_retry;
     }
+    if (next == IBV_QPS_ERR || next == IBV_QPS_RESET) take_back(*qp);
     if (next == IBV_QPS_RESET) {
       // RESET discards all outstanding work without completions.
       qp->unacked.clear();
@@ -719,6 +721,7 @@ void Device::fail_peers(const Session& s) {
 void Device::destroy_qp_now(Session& s, Qp& qp) {
   Guest& g = *qp.guest;
   bump_epoch(g);
+  take_back(qp);
   g.retired += counters_of(qp);
   g.qps.erase(qp.qpn);
   g.direct_offers.erase(qp.qpn);

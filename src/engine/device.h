@@ -123,6 +123,12 @@ struct QpCounters {
   uint64_t rnr_naks = 0;    ///< requester: RNR NAKs received (each one a retry after the timer)
   uint64_t ud_dropped = 0;  ///< UD datagrams that found no receive, a wrong qkey or no QP
   uint64_t wc_errors[IBV_WC_TM_RNDV_INCOMPLETE + 1] = {};  ///< error completions, by ibv_wc_status
+  // Across backends (device state version 3; zero in a version 2 blob).
+  uint64_t replays = 0;         ///< requester: messages sent again (reconnect, timeout, NAK)
+  uint64_t replayed_bytes = 0;  ///< ... and their bytes
+  uint64_t seq_naks = 0;        ///< requester: sequence-error NAKs received
+  uint64_t naks_sent = 0;       ///< responder: NAKs sent (RNR, sequence error, fault)
+  uint64_t held = 0;  ///< requester: times new work waited for its queued frames to go out
 
   QpCounters& operator+=(const QpCounters& o);
 };
@@ -185,11 +191,20 @@ struct Qp {
   uint64_t ack_progress = 0;
   uint64_t ack_moved_ns = 0;  ///< when the ACK timer last saw the connection move
   bool ack_looked = false;    ///< ack_progress and ack_moved_ns are set (this wait)
+  /// Names its frames in the transport's queue (Transport::send's flow), so that they can be
+  /// taken back when it fails or goes; unique in this backend's life.
+  uint64_t flow = 0;
+  transport::TxMark tx_last;  ///< where its last frame ends in the connection's stream
+  bool held = false;          ///< new work waits for its queued frames (counted once a wait)
+  /// The responder QP was not ready (RESET/INIT) for the head message since then: that waits
+  /// at most the transport retry budget, and spends no RNR retry.
+  uint64_t not_ready_since_ns = 0;
   /// Its peer moved: what is in flight goes to the new node on the next poll (not inside the
   /// import, which would hold every migrating guest frozen for it).
   bool replay_now = false;
   // Responder over tcp (RC): the next PSN it executes; earlier ones are duplicates.
   uint32_t expected_psn = 0;
+  bool seq_nak_sent = false;  ///< a gap was NAKed: once, until expected_psn arrives
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
   /// A used slot's PSN carries kAtomicCacheValid (PSNs are 24-bit).
   static constexpr uint32_t kAtomicCacheValid = 1u << 31;
@@ -433,6 +448,9 @@ class Device : public transport::Receiver {
   bool poll(uint64_t now_ns);
   /// Earliest retry deadline of a waiting QP, or 0.
   uint64_t next_deadline() const;
+  /// A QP's frames this deep in the connection's queue hold its next WQEs in the send queue:
+  /// one bulk QP cannot bury the others' messages (or its own ACK timer) under megabytes.
+  static constexpr uint64_t kQpQueuedMax = 1 << 20;
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
@@ -501,7 +519,11 @@ class Device : public transport::Receiver {
   /// Builds and sends the request frame of an outstanding WQE; false when not connected.
   /// Sends (again) and records where it ends in the stream (o.mark).
   bool send_request(Qp& qp, Qp::Outstanding& o);
+  /// send_request of a message sent before (counted as a replay).
+  bool resend(Qp& qp, Qp::Outstanding& o);
   void resend_all(Qp& qp);
+  /// The QP failed, was reset or destroyed: its frames still queued for the peer go.
+  void take_back(Qp& qp);
   /// The ACK timer of an RC QP over TCP went off: spend a retry only for time in which the peer
   /// is not answering, and replay only what reached it. True when anything was sent.
   bool ack_timeout(Qp& qp, uint64_t now_ns);
@@ -524,7 +546,19 @@ class Device : public transport::Receiver {
   void on_reply(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);
   void reply(const std::string& node, const proto::wire::Request& rq, proto::wire::Syndrome s,
              uint32_t status = 0, uint8_t rnr_timer = 0, uint64_t atomic_orig = 0,
-             std::span<const Span> data = {}, std::span<const transport::Hold> holds = {});
+             std::span<const Span> data = {}, std::span<const transport::Hold> holds = {},
+             uint64_t flow = 0);
+  /// A NAK from responder `to` (counted).
+  void nak(const std::string& node, Qp& to, const proto::wire::Request& rq, proto::wire::Syndrome s,
+           uint32_t status = 0, uint8_t rnr_timer = 0);
+  /// The responder executed expected_psn: the next one is expected, and a new gap is told.
+  void advance_expected(Qp& to);
+  /// The guest a request is addressed to (by LID or GID), or null.
+  Guest* dest_guest(const proto::wire::Request& rq);
+  /// The RC QP a request names when it exists but is not at RTR yet (RESET, INIT), or null.
+  Qp* not_ready_target(const proto::wire::Request& rq);
+  /// The RNR timer of a "not ready" NAK: 1.28 ms (IB encoding 14).
+  static constexpr uint8_t kNotReadyRnrTimer = 14;
   /// UD over the transport: the datagram to a guest of another backend.
   void send_ud_remote(Qp& qp, const proto::SendWqe& w, const std::string& node, uint64_t len);
   /// Delivers a datagram (local or from the wire) to `to`; payload from `src`.
@@ -594,6 +628,7 @@ class Device : public transport::Receiver {
   bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
+  uint64_t next_flow_ = 1;
   log::Every ack_log_{1'000'000'000};  ///< ACK timeouts: one line a second, the rest counted
   /// The time of the last poll(): frames that arrive between polls use it for their timers.
   uint64_t now_ns_ = 0;

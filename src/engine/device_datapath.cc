@@ -167,6 +167,7 @@ void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t 
 void Device::enter_error(Qp& qp, const char* why) {
   if (qp.state == IBV_QPS_ERR) return;
   VLOG_INFO("qp {:#x} (guest {}) -> ERR: {}", qp.qpn, qp.guest->name, why);
+  take_back(qp);
   qp.state = IBV_QPS_ERR;
   qp.attr.qp_state = IBV_QPS_ERR;
   qp.wait = Wait::kNone;

@@ -157,15 +157,27 @@ bool Device::send_request(Qp& qp, Qp::Outstanding& o) {
       sge_holds(qp, w.sge, w.num_sge, qp.pd);
     }
   }
-  if (!transport_->send(qp.peer_node, Type::kRequest, &rq, src_, holds_)) return false;
+  if (!transport_->send(qp.peer_node, Type::kRequest, &rq, src_, holds_, qp.flow)) return false;
   o.mark = transport_->tx_mark(qp.peer_node);
+  qp.tx_last = o.mark;
+  return true;
+}
+
+bool Device::resend(Qp& qp, Qp::Outstanding& o) {
+  if (!send_request(qp, o)) return false;
+  qp.cnt.replays++;
+  qp.cnt.replayed_bytes += o.len;
   return true;
 }
 
 void Device::resend_all(Qp& qp) {
   for (Qp::Outstanding& o : qp.unacked) {
-    if (!send_request(qp, o)) break;
+    if (!resend(qp, o)) break;
   }
+}
+
+void Device::take_back(Qp& qp) {
+  if (qp.remote && transport_) transport_->drop_flow(qp.peer_node, qp.flow);
 }
 
 bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
@@ -222,7 +234,7 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   for (Qp::Outstanding& o : qp.unacked) {
     if (o.mark.conn != 0 && o.mark.conn == conn && !transport_->tx_delivered(qp.peer_node, o.mark))
       break;
-    if (!send_request(qp, o)) break;
+    if (!resend(qp, o)) break;
     did = true;
   }
   return did;
@@ -242,6 +254,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   }
   if (!progress) return;
   qp.ack_looked = false;
+  qp.not_ready_since_ns = 0;
   qp.retry_left = qp.attr.retry_cnt;
   qp.rnr_left = qp.attr.rnr_retry;
   if (qp.wait == Wait::kAck) {
@@ -285,6 +298,14 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
   }
   // Many messages in flight (bounded by the SQ); a batch per visit, as on one host.
   for (int budget = 64; qp.sq_sent != prod && budget && qp.wait != Wait::kRnr; --budget) {
+    // Back-pressure: while its last frame is deep in the connection's queue, new WQEs stay in
+    // the send queue (their ACK clocks not started); the transport's progress brings it back.
+    if (transport_->tx_unwritten(qp.peer_node, qp.tx_last) > kQpQueuedMax) {
+      if (!qp.held) qp.cnt.held++;
+      qp.held = true;
+      break;
+    }
+    qp.held = false;
     const SendWqe w = qp.sq[qp.sq_sent & (qp.sq_size - 1)];
     src_.clear();
     dst_.clear();
@@ -403,8 +424,33 @@ void Device::on_reply(const std::string& node, const wire::Frame& f, transport::
       acked(*qp, before, now);
       // Replays of the same message may bring the same NAK more than once: one wait.
       if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
+      if (rp.status == wire::kRnrNotReady) {
+        // The peer QP is not at RTR yet (it is being connected): what a fabric drops silently,
+        // and the requester's transport retries ride out. Asked again after the timer, for
+        // at most that same budget, spending no RNR retry.
+        qp->cnt.rnr_naks++;
+        if (!qp->not_ready_since_ns) qp->not_ready_since_ns = now;
+        if (now - qp->not_ready_since_ns > ack_ns(*qp) * (qp->attr.retry_cnt + 1)) {
+          fail_front(IBV_WC_RETRY_EXC_ERR,
+                     "transport retries exhausted (the peer QP never became ready: not at RTR)");
+          break;
+        }
+        qp->wait = Wait::kRnr;
+        qp->wait_until_ns = now + rnr_delay_ns(rp.rnr_timer);
+        break;
+      }
       if (!rnr_wait(*qp, rp.rnr_timer, now, false))
         fail_front(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+      break;
+    case Syndrome::kSeqNak:
+      // The responder is missing `psn` (lost with a connection, or sent while an RNR wait was
+      // being decided): everything before it executed, everything from it goes again. It
+      // answered, so no retry is spent; it says so once per gap.
+      acked(*qp, before, now);
+      qp->cnt.seq_naks++;
+      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
+      qp->wait_until_ns = now + ack_ns(*qp);
+      resend_all(*qp);
       break;
     case Syndrome::kErrNak:
       acked(*qp, before, now);
@@ -458,12 +504,7 @@ Qp* Device::request_target(const std::string& node, const wire::Request& rq, con
     if (why) *why = w;
     return nullptr;
   };
-  Guest* g = nullptr;
-  if (rq.is_global) {
-    g = guest_by_gid(rq.dgid);
-  } else if (auto it = guests_by_lid_.find(rq.dlid); it != guests_by_lid_.end()) {
-    g = it->second;
-  }
+  Guest* g = dest_guest(rq);
   if (!g) return refuse("no guest here has that destination LID/GID");
   auto it = g->qps.find(rq.dst_qpn);
   if (it == g->qps.end() || !rq_open(it->second->state)) return nullptr;
@@ -494,7 +535,7 @@ Qp* Device::request_target(const std::string& node, const wire::Request& rq, con
 
 void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s, uint32_t status,
                    uint8_t rnr_timer, uint64_t atomic_orig, std::span<const Span> data,
-                   std::span<const transport::Hold> holds) {
+                   std::span<const transport::Hold> holds, uint64_t flow) {
   wire::Reply rp{};
   std::memcpy(rp.dgid, rq.sgid, 16);
   rp.dst_qpn = rq.src_qpn;
@@ -504,7 +545,35 @@ void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s,
   rp.rnr_timer = rnr_timer;
   rp.status = status;
   rp.atomic_orig = atomic_orig;
-  transport_->send(node, Type::kReply, &rp, data, holds);
+  transport_->send(node, Type::kReply, &rp, data, holds, flow);
+}
+
+void Device::nak(const std::string& node, Qp& to, const wire::Request& rq, Syndrome s,
+                 uint32_t status, uint8_t rnr_timer) {
+  to.cnt.naks_sent++;
+  reply(node, rq, s, status, rnr_timer);
+}
+
+void Device::advance_expected(Qp& to) {
+  to.expected_psn = wire::psn_add(to.expected_psn, 1);
+  to.seq_nak_sent = false;
+  publish_psns(to);
+}
+
+Guest* Device::dest_guest(const wire::Request& rq) {
+  if (rq.is_global) return guest_by_gid(rq.dgid);
+  auto it = guests_by_lid_.find(rq.dlid);
+  return it == guests_by_lid_.end() ? nullptr : it->second;
+}
+
+Qp* Device::not_ready_target(const wire::Request& rq) {
+  Guest* g = rq.qp_type == IBV_QPT_RC ? dest_guest(rq) : nullptr;
+  if (!g) return nullptr;
+  auto it = g->qps.find(rq.dst_qpn);
+  if (it == g->qps.end()) return nullptr;
+  Qp* qp = it->second;
+  const bool early = qp->state == IBV_QPS_RESET || qp->state == IBV_QPS_INIT;
+  return qp->type == IBV_QPT_RC && early ? qp : nullptr;
 }
 
 static Inbound inbound_of_request(const wire::Request& rq) {
@@ -561,6 +630,8 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
     if (why)
       transport_->refused_frame(
           node, fmt::format("request for qp {:#x} (dlid {:#x}): {}", rq.dst_qpn, rq.dlid, why));
+    else if (Qp* early = not_ready_target(rq))
+      nak(node, *early, rq, Syndrome::kRnrNak, wire::kRnrNotReady, kNotReadyRnrTimer);
     return;
   }
   const Inbound in = inbound_of_request(rq);
@@ -580,7 +651,16 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   const bool rc = rq.qp_type == IBV_QPT_RC;
   if (rc) {
     const int32_t d = wire::psn_diff(rq.psn, to->expected_psn);
-    if (d > 0) return;  // a gap (after an RNR NAK or a lost connection): the requester goes back
+    if (d > 0) {
+      // A gap (after an RNR NAK or a lost connection): said once, the requester goes back.
+      if (!to->seq_nak_sent) {
+        to->seq_nak_sent = true;
+        wire::Request at = rq;
+        at.psn = to->expected_psn;
+        nak(node, *to, at, Syndrome::kSeqNak);
+      }
+      return;
+    }
     if (d < 0) {
       on_duplicate(node, *to, rq, in);
       return;
@@ -591,25 +671,24 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
     case Response::kDrop:
       return;
     case Response::kRnr:
-      if (rc) reply(node, rq, Syndrome::kRnrNak, 0, static_cast<uint8_t>(to->attr.min_rnr_timer));
+      if (rc)
+        nak(node, *to, rq, Syndrome::kRnrNak, 0, static_cast<uint8_t>(to->attr.min_rnr_timer));
       return;
     case Response::kError:
-      if (rc) reply(node, rq, Syndrome::kErrNak, r.status);
+      if (rc) nak(node, *to, rq, Syndrome::kErrNak, r.status);
       return;
     case Response::kOk:
       break;
   }
   if (rq.opcode == IBV_WR_RDMA_READ) {
-    to->expected_psn = wire::psn_add(to->expected_psn, 1);
-    publish_psns(*to);
+    advance_expected(*to);
     respond_finish(*to, in, r.recv);
     holds_of(*r.mr, holds_);
-    reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_);
+    reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_, to->flow);
     return;
   }
   if (is_atomic(rq.opcode)) {
-    to->expected_psn = wire::psn_add(to->expected_psn, 1);
-    publish_psns(*to);
+    advance_expected(*to);
     to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | Qp::kAtomicCacheValid,
                                                                            r.atomic_old};
     respond_finish(*to, in, r.recv);
@@ -668,8 +747,7 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
   std::memcpy(&r, sink.ctx, sizeof(r));
   respond_finish(*to, in, r.recv);
   if (rq.qp_type == IBV_QPT_RC) {
-    to->expected_psn = wire::psn_add(to->expected_psn, 1);
-    publish_psns(*to);
+    advance_expected(*to);
     reply(node, rq, Syndrome::kAck);
   }
 }

@@ -93,6 +93,11 @@ QpCounters& QpCounters::operator+=(const QpCounters& o) {
   rnr_naks += o.rnr_naks;
   ud_dropped += o.ud_dropped;
   for (size_t i = 0; i < std::size(wc_errors); ++i) wc_errors[i] += o.wc_errors[i];
+  replays += o.replays;
+  replayed_bytes += o.replayed_bytes;
+  seq_naks += o.seq_naks;
+  naks_sent += o.naks_sent;
+  held += o.held;
   return *this;
 }
 
@@ -138,6 +143,11 @@ nlohmann::json counters_json(const QpCounters& c) {
           {"retries", c.retries},
           {"rnr_naks", c.rnr_naks},
           {"ud_dropped", c.ud_dropped},
+          {"replays", c.replays},
+          {"replayed_bytes", c.replayed_bytes},
+          {"seq_naks", c.seq_naks},
+          {"naks_sent", c.naks_sent},
+          {"held", c.held},
           {"wc_errors", errs}};
 }
 

@@ -27,8 +27,11 @@ using json = nlohmann::json;
 namespace {
 
 // History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob
-// imports with the owner unknown: backend/migrate.cc takes it from the guest's connection).
-constexpr uint32_t kStateVersion = 2;
+// imports with the owner unknown: backend/migrate.cc takes it from the guest's connection);
+// 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix).
+constexpr uint32_t kStateVersion = 3;
+/// sizeof(QpCounters) in a version 2 blob.
+constexpr size_t kCountersV2 = offsetof(QpCounters, replays);
 constexpr uint32_t kStateVersionOldest = 1;
 constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
 
@@ -67,16 +70,18 @@ struct Reader {
     }
   }
 
+  /// `older`: the size an older version wrote, a prefix of T (the rest stays zero).
   template <typename T>
-  T pod(const json& j, const char* key) {
+  T pod(const json& j, const char* key, size_t older = sizeof(T)) {
     T out{};
     if (!st.is_ok()) return out;
     auto it = j.find(key);
-    if (it == j.end() || !it->is_binary() || it->get_binary().size() != sizeof(T)) {
+    const size_t n = it == j.end() || !it->is_binary() ? 0 : it->get_binary().size();
+    if (n == 0 || (n != sizeof(T) && n != older)) {
       st = error(EINVAL, fmt::format("state: field '{}' missing or of the wrong size", key));
       return out;
     }
-    std::memcpy(&out, it->get_binary().data(), sizeof(T));
+    std::memcpy(&out, it->get_binary().data(), n);
     return out;
   }
 
@@ -332,7 +337,8 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   if (version >= 2) g->owner_uid = rd.num<uint32_t>(doc, "owner_uid");
   g->next_qpn = rd.num<uint32_t>(doc, "next_qpn");
   g->next_key_index = rd.num<uint32_t>(doc, "next_key_index");
-  g->retired = rd.pod<QpCounters>(doc, "retired");
+  const size_t counters_size = version >= 3 ? sizeof(QpCounters) : kCountersV2;
+  g->retired = rd.pod<QpCounters>(doc, "retired", counters_size);
 
   std::vector<std::unique_ptr<Session>> made;
   std::vector<UniqueFd> socks;
@@ -509,7 +515,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
       qp->rnr_left = rd.num<uint32_t>(jq, "rnr_left");
       qp->retry_left = rd.num<uint32_t>(jq, "retry_left");
       qp->wait_until_ns = rd.num<uint64_t>(jq, "wait_until");
-      qp->cnt = rd.pod<QpCounters>(jq, "cnt");
+      qp->cnt = rd.pod<QpCounters>(jq, "cnt", counters_size);
       qp->sq_sent = rd.num<uint32_t>(jq, "sq_sent");
       qp->next_psn = rd.num<uint32_t>(jq, "next_psn") & 0xffffff;
       qp->expected_psn = rd.num<uint32_t>(jq, "expected_psn") & 0xffffff;
@@ -618,6 +624,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
     for (const auto& [h, seg] : s.segments) charge_segment(*gp, seg->map.size());
     for (const auto& [h, qp] : s.qps) {
+      qp->flow = next_flow_++;
       active_.push_back(qp.get());
       gp->active.push_back(qp.get());
     }

@@ -101,7 +101,8 @@ Status check_reply(const FrameHeader& h, const Reply& r) {
     return error(EPROTO, fmt::format("reply: syndrome {}", r.syndrome));
   const auto s = static_cast<Syndrome>(r.syndrome);
   if (h.payload != 0 && s != Syndrome::kReadData) return error(EPROTO, "reply: unexpected data");
-  if (s == Syndrome::kRnrNak && r.rnr_timer > 31) return error(EPROTO, "reply: rnr_timer > 31");
+  if (s == Syndrome::kRnrNak && (r.rnr_timer > 31 || (r.status != 0 && r.status != kRnrNotReady)))
+    return error(EPROTO, "reply: rnr_timer > 31 or an RNR status not known");
   if (s == Syndrome::kErrNak && r.status != IBV_WC_REM_ACCESS_ERR &&
       r.status != IBV_WC_REM_INV_REQ_ERR && r.status != IBV_WC_REM_OP_ERR)
     return error(EPROTO, fmt::format("reply: NAK status {}", r.status));

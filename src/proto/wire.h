@@ -1,7 +1,8 @@
 // The backend-to-backend wire format (TCP transport): a stream of frames, each a fixed 16-byte
 // header, a fixed-size body per frame type, then `payload` bytes (message data) for the types
 // that carry data. Fixed-width little-endian fields, no pointers, sizes static_asserted.
-// Versioned: kWireVersion changes when any body changes; type values are never reused.
+// Versioned: kWireVersion changes when any body or value set changes; type values are never
+// reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady.
 // decode() validates every length and field before anything is used: it faces the network.
 #pragma once
 
@@ -20,7 +21,7 @@ namespace vrdma::proto::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 2;
+inline constexpr uint16_t kWireVersion = 3;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
@@ -92,8 +93,15 @@ enum class Syndrome : uint8_t {
   kErrNak = 2,      ///< `psn` failed at the responder with `status`; requester QP to ERR
   kReadData = 3,    ///< READ response: payload is the data; acknowledges `psn`
   kAtomicData = 4,  ///< atomic response: `atomic_orig`; acknowledges `psn`
-  kMax = 5,
+  /// A gap: the responder expects `psn` (everything before it executed) and dropped later ones;
+  /// sent once per gap. The requester sends again from `psn`.
+  kSeqNak = 5,
+  kMax = 6,
 };
+
+/// Reply::status of a kRnrNak: the responder QP is not ready yet (RESET/INIT, not RTR), rather
+/// than out of receive WQEs.
+inline constexpr uint32_t kRnrNotReady = 1;
 
 struct Reply {
   uint8_t dgid[16];  ///< the requester's guest GID
@@ -103,7 +111,8 @@ struct Reply {
   uint8_t syndrome;   ///< Syndrome
   uint8_t rnr_timer;  ///< kRnrNak: the responder's min_rnr_timer encoding
   uint16_t reserved0;
-  uint32_t status;  ///< kErrNak: the ibv_wc_status the requester completes with
+  uint32_t status;  ///< kErrNak: the ibv_wc_status the requester completes with; kRnrNak: 0
+                    ///< or kRnrNotReady
   uint32_t reserved1;
   uint64_t atomic_orig;
 };

@@ -81,8 +81,18 @@ class Transport {
   virtual std::string locate_gid(const uint8_t gid[16]) const = 0;
   /// Queues a frame for `node` with `payload` gathered from `spans` (read when the socket
   /// takes them, not copied now). False when there is no connection to `node` now.
+  /// `flow` names the QP it is for (0: none), so that drop_flow can take it back.
   virtual bool send(const std::string& node, proto::wire::Type t, const void* body,
-                    std::span<const Span> payload = {}, std::span<const Hold> holds = {}) = 0;
+                    std::span<const Span> payload = {}, std::span<const Hold> holds = {},
+                    uint64_t flow = 0) = 0;
+  /// Takes back the frames of `flow` still queued for `node` and not begun on the socket (a QP
+  /// that failed or went away: nothing of it may hold up the others). Frames batched with
+  /// another flow's stay. The stream's marks keep their meaning.
+  virtual void drop_flow(const std::string& node, uint64_t flow) = 0;
+  /// Bytes of the stream up to `m` that this backend still holds (not yet handed to the
+  /// socket): how deep in the queue the frame at `m` sits. 0 once written, or when `m` is of
+  /// another connection.
+  virtual uint64_t tx_unwritten(const std::string& node, const TxMark& m) const = 0;
   /// The mark of the frame last queued for `node` ({0, 0} without a connection).
   virtual TxMark tx_mark(const std::string& node) const = 0;
   /// True when the peer's TCP has acknowledged every byte up to `m` on that same connection:

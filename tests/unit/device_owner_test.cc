@@ -159,6 +159,8 @@ TEST_F(OwnerTest, AVersionOneBlobImportsWithNoOwnerWhichOnlyAdminsMayJoin) {
   doc["version"] = 1;
   doc.erase("owner_uid");
   for (auto& js : doc["sessions"]) js.erase("uid");
+  // ... and counters without the transport's (version 3 added them at the end).
+  doc["retired"].get_binary().resize(offsetof(QpCounters, replays));
   const std::vector<uint8_t> v1 = nlohmann::json::to_cbor(doc);
   std::vector<UniqueFd> fds = dup_all(ex.value().fds);
   Device other;
@@ -171,7 +173,7 @@ TEST_F(OwnerTest, AVersionOneBlobImportsWithNoOwnerWhichOnlyAdminsMayJoin) {
   EXPECT_EQ(hello("old", kOwner, &other).err(), EPERM);
   EXPECT_TRUE(hello("old", 0, &other).is_ok());
   // A version this backend does not know is refused, whole.
-  doc["version"] = 3;
+  doc["version"] = 4;
   std::vector<UniqueFd> more = dup_all(ex.value().fds);
   Device third;
   EXPECT_EQ(third.import_guest(nlohmann::json::to_cbor(doc), more).err(), EPROTONOSUPPORT);

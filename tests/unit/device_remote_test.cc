@@ -184,7 +184,101 @@ TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplay
   EXPECT_EQ(steps, 8);  // 7 retries, each after an ACK timeout, then the error
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
-  EXPECT_EQ(loop_.q.size(), 1u);  // never queued twice
+  // Never queued twice, and taken back from the queue when the QP failed: nothing of a dead
+  // QP holds up the connection.
+  EXPECT_EQ(loop_.q.size(), 0u);
+  EXPECT_EQ(loop_.dropped_flows.size(), 1u);
+}
+
+/// The counters of guest `g`'s QP `qpn` in the device's report.
+nlohmann::json qp_counters(Device& dev, uint32_t qpn, const char* guest) {
+  const nlohmann::json rep = dev.report();
+  for (const auto& q : rep["res"]["qp"]) {
+    if (q["lqpn"] == qpn && q["guest"] == guest) return q["counters"];
+  }
+  return {};
+}
+
+TEST_F(DeviceRemoteTest, AQpDeepInTheConnectionsQueueHoldsItsNewWork) {
+  connect_both();
+  loop_.conn = 1;
+  for (int i = 0; i < 4; ++i) post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
+  loop_.backlog = Device::kQpQueuedMax + 1;  // its frames sit behind a megabyte
+  for (int i = 0; i < 4; ++i) post_send(qa_, 200 + i, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  EXPECT_EQ(loop_.q.size(), 1u);  // the first went; the rest wait in the send queue
+  // Time passes while the connection moves: still held, and nothing failed.
+  for (int i = 0; i < 10; ++i) {
+    now_ += 70'000'000;
+    ++loop_.progress;
+    dev_.poll(now_);
+  }
+  EXPECT_EQ(loop_.q.size(), 1u);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RTS);
+  loop_.backlog = 0;  // the connection drained
+  loop_.delivered = 1 << 20;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 4u);
+  for (const Cqe& e : tx) EXPECT_EQ(e.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["held"], 1);
+}
+
+TEST_F(DeviceRemoteTest, AGapIsNakedOnceAndTheRequesterGoesBackAtOnce) {
+  connect_both();
+  post_numbered(3);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 3u);
+  loop_.q.pop_front();  // PSN 0 lost (a connection that broke under it)
+  settle();             // 1 and 2 are a gap: one sequence NAK, and all three go again
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 3u);  // no ACK timeout was needed: the clock never moved
+  for (const Cqe& e : tx) EXPECT_EQ(e.status, IBV_WC_SUCCESS);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(rx[i].wr_id, 100u + i);
+    EXPECT_EQ(mb_.p()[i * 64], 0x10 + i);  // in order, each once
+  }
+  const auto a = qp_counters(dev_, qa_.qpn, "a"), b = qp_counters(dev_, qb_.qpn, "b");
+  EXPECT_EQ(a["seq_naks"], 1);
+  EXPECT_EQ(a["replays"], 3);
+  EXPECT_EQ(a["retries"], 0);
+  EXPECT_EQ(b["naks_sent"], 1);
+}
+
+TEST_F(DeviceRemoteTest, APeerQpNotYetAtRtrIsWaitedForNotFailed) {
+  connect(a_, qa_, b_, qb_);  // b is still in RESET: its side connects later
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  settle();
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(qp_counters(dev_, qb_.qpn, "b")["naks_sent"], 1);  // "not ready", not silence
+  connect(b_, qb_, a_, qa_);
+  post_recv(qb_, 100, mb_.addr, 64, mb_.mr.lkey);
+  now_ += 2'000'000;  // the NAK's 1.28 ms, far below an ACK timeout (67 ms)
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);
+}
+
+TEST_F(DeviceRemoteTest, APeerQpThatNeverGetsReadyFailsAfterTheTransportBudget) {
+  connect(a_, qa_, b_, qb_);  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  std::vector<Cqe> tx;
+  uint64_t waited = 0;
+  for (; tx.empty() && waited < 2'000'000'000; waited += 2'000'000) {
+    now_ += 2'000'000;
+    settle();
+    tx = drain(acq_);
+  }
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);  // what silence would give, on time
+  EXPECT_GT(waited, 500'000'000u);
+  EXPECT_LT(waited, 700'000'000u);
 }
 
 TEST_F(DeviceRemoteTest, ALongPathIsNotAPeerThatDoesNotAnswer) {

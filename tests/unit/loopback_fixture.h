@@ -19,6 +19,7 @@ class RecordingTransport : public transport::Transport {
   struct Sent {
     std::vector<uint8_t> bytes;  ///< header + body
     std::vector<uint8_t> payload;
+    uint64_t flow = 0;
   };
   std::deque<Sent> q;
   bool up = true;  ///< false: sends fail (no connection)
@@ -34,11 +35,26 @@ class RecordingTransport : public transport::Transport {
   uint64_t patience_ns = 0;  ///< what tx_patience_ns says (the path's round trip)
   uint64_t tx_patience_ns(const std::string&) override { return patience_ns; }
 
+  /// What tx_unwritten says of every mark of a connection: how deep in this backend's queue a
+  /// frame sits.
+  uint64_t backlog = 0;
+  uint64_t tx_unwritten(const std::string&, const transport::TxMark& m) const override {
+    return m.conn == 0 ? 0 : backlog;  // conn 0: nothing sent yet
+  }
+  /// drop_flow takes back the recorded frames of that flow not yet delivered.
+  std::vector<uint64_t> dropped_flows;
+  void drop_flow(const std::string&, uint64_t flow) override {
+    dropped_flows.push_back(flow);
+    std::erase_if(q, [&](const Sent& s) { return s.flow == flow; });
+  }
+
   bool send(const std::string& node, wire::Type t, const void* body,
-            std::span<const transport::Span> payload, std::span<const transport::Hold>) override {
+            std::span<const transport::Span> payload, std::span<const transport::Hold>,
+            uint64_t flow) override {
     EXPECT_EQ(node, to());
     if (!up) return false;
     Sent s;
+    s.flow = flow;
     uint64_t n = 0;
     for (const auto& sp : payload) {
       s.payload.insert(s.payload.end(), sp.p, sp.p + sp.n);

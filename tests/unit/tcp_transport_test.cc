@@ -6,6 +6,7 @@
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <infiniband/verbs.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -50,8 +51,10 @@ struct Recorder final : Receiver {
   };
   std::vector<Got> offers;
   std::vector<std::string> up;
+  std::vector<uint32_t> requests;  ///< src_qpn of each request (payload discarded)
   void on_frame(const std::string& node, const wire::Frame& f, RxSink&) override {
     if (f.type() == wire::Type::kDirectOffer) offers.push_back({node, f.offer});
+    if (f.type() == wire::Type::kRequest) requests.push_back(f.req.src_qpn);
   }
   void on_frame_done(const std::string&, const wire::Frame&, RxSink&) override {}
   void on_peer_up(const std::string& node) override { up.push_back(node); }
@@ -123,7 +126,7 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   o.src_qpn = 0x12;
   o.dst_qpn = 0x11;
   o.token[0] = 0x5a;
-  ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}));
+  ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}, 0));
   ASSERT_TRUE(run_until(both, [&] { return !ra.offers.empty(); }));
   ASSERT_EQ(ra.offers.size(), 1u);
   EXPECT_EQ(ra.offers[0].node, "node-b");
@@ -157,12 +160,79 @@ TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
     wire::DirectOffer o{};
     o.port = static_cast<uint16_t>(i + 1);
     o.src_qpn = i;
-    ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}));
+    ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}, 0));
   }
   ASSERT_TRUE(run_until(both, [&] { return ra.offers.size() == 20000; })) << ra.offers.size();
   for (uint32_t i = 0; i < 20000; ++i) ASSERT_EQ(ra.offers[i].offer.src_qpn, i);
   EXPECT_EQ((*a)->refused().handshake, 0u);
 }
+
+/// A connected pair, plain or TLS (b dials a).
+struct Pair {
+  Recorder ra, rb;
+  std::unique_ptr<Cluster> cl;
+  std::unique_ptr<TcpTransport> a, b;
+  explicit Pair(bool tls) {
+    if (tls) cl = std::make_unique<Cluster>(std::initializer_list<const char*>{"node-a", "node-b"});
+    const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
+    auto ta =
+        TcpTransport::create({"node-a", addr_a, {}, false, tls ? cl->ctx("node-a") : nullptr}, ra);
+    auto tb = TcpTransport::create(
+        {"node-b", "127.0.0.1:0", {addr_a}, false, tls ? cl->ctx("node-b") : nullptr}, rb);
+    EXPECT_TRUE(ta.is_ok() && tb.is_ok());
+    if (!ta.is_ok() || !tb.is_ok()) return;
+    a = std::move(ta).value();
+    b = std::move(tb).value();
+    EXPECT_TRUE(run_until({a.get(), b.get()},
+                          [&] { return connected(*a, "node-b") && connected(*b, "node-a"); }));
+  }
+};
+
+class TcpTransportFlows : public ::testing::TestWithParam<bool> {};
+
+// A QP that fails takes back its frames not yet on the socket: the peer never sees them, what
+// other flows queued behind them still arrives, and their marks still say when the peer's TCP
+// has them (the skipped bytes do not shift the stream's accounting).
+TEST_P(TcpTransportFlows, ADroppedFlowNeverReachesThePeerAndMarksStayTrue) {
+  Pair p(GetParam());
+  ASSERT_TRUE(p.a && p.b);
+  std::vector<uint8_t> data(64 * 1024, 0x5a);  // above the copy limit: sent from "guest memory"
+  const Span payload{data.data(), data.size()};
+  auto request = [&](uint32_t qpn, uint64_t flow) {
+    wire::Request rq{};
+    rq.qp_type = IBV_QPT_RC;
+    rq.opcode = IBV_WR_RDMA_WRITE;
+    rq.src_qpn = qpn;
+    rq.length = static_cast<uint32_t>(data.size());
+    EXPECT_TRUE(p.b->send("node-a", wire::Type::kRequest, &rq, {&payload, 1}, {}, flow));
+    return p.b->tx_mark("node-a");
+  };
+  std::vector<TxMark> kept;
+  for (uint32_t i = 0; i < 8; ++i) {
+    request(0x100 + i, 7);                  // the flow that fails
+    kept.push_back(request(0x200 + i, 9));  // another QP's
+  }
+  EXPECT_GT(p.b->tx_unwritten("node-a", kept.back()), 16 * data.size());
+  p.b->drop_flow("node-a", 7);
+  EXPECT_LE(p.b->tx_unwritten("node-a", kept.back()), 8 * (data.size() + 200));
+  ASSERT_TRUE(run_until({p.a.get(), p.b.get()}, [&] {
+    return p.ra.requests.size() == 8 && p.b->tx_delivered("node-a", kept.back());
+  })) << p.ra.requests.size();
+  for (uint32_t i = 0; i < 8; ++i) EXPECT_EQ(p.ra.requests[i], 0x200 + i);
+  for (const TxMark& m : kept) EXPECT_TRUE(p.b->tx_delivered("node-a", m));
+  EXPECT_EQ(p.b->tx_unwritten("node-a", kept.back()), 0u);
+  const auto peers = p.b->peers();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_GE(peers[0].dropped_bytes, 8 * data.size());
+  // The stream goes on: a frame after the drop arrives too, and is known delivered.
+  const TxMark after = request(0x300, 9);
+  ASSERT_TRUE(run_until({p.a.get(), p.b.get()}, [&] {
+    return p.ra.requests.size() == 9 && p.b->tx_delivered("node-a", after);
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(PlainAndTls, TcpTransportFlows, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Tls" : "Plain"; });
 
 TEST(TcpTransport, APeerWithoutTheCredentialIsRefused) {
   Cluster cl({"node-a", "node-b"});

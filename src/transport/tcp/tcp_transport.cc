@@ -269,15 +269,19 @@ void TcpTransport::dial(Dial& d, uint64_t now_ns) {
 }
 
 void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span> payload,
-                         std::span<const Hold> holds) {
+                         std::span<const Hold> holds, uint64_t flow) {
   uint64_t plen = 0;
   for (const Span& s : payload) plen += s.n;
   const bool copy = plen <= kCopyPayloadMax;
   // Batch: append to the last item unless it carries a large payload or is big already (an
   // item partly written keeps growing at its end, which is safe: `sent` counts from its start).
-  if (c.txq.empty() || !c.txq.back().spans.empty() || c.txq.back().bytes.size() > kBatchMax)
+  if (c.txq.empty() || !c.txq.back().spans.empty() || c.txq.back().dropped ||
+      c.txq.back().bytes.size() > kBatchMax) {
     c.txq.emplace_back();
+    c.txq.back().flow = flow;
+  }
   TxItem* it = &c.txq.back();
+  if (it->flow != flow) it->flow = 0;  // mixed: no longer one flow's to take back
   const size_t before = it->bytes.size();
   encode(t, body, static_cast<uint32_t>(plen), it->bytes);
   c.queued_end += it->bytes.size() - before + plen;
@@ -292,11 +296,55 @@ void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span
 }
 
 bool TcpTransport::send(const std::string& node, Type t, const void* body,
-                        std::span<const Span> payload, std::span<const Hold> holds) {
+                        std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) {
   auto it = by_node_.find(node);
   if (it == by_node_.end()) return false;
-  queue(*it->second, t, body, payload, holds);
+  queue(*it->second, t, body, payload, holds, flow);
   return true;
+}
+
+void TcpTransport::drop_flow(const std::string& node, uint64_t flow) {
+  auto found = by_node_.find(node);
+  if (flow == 0 || found == by_node_.end()) return;
+  Conn& c = *found->second;
+  for (size_t i = 0; i < c.txq.size(); ++i) {
+    TxItem& it = c.txq[i];
+    if (it.flow != flow || it.dropped || (i == 0 && c.sent > 0)) continue;  // begun: it goes
+    it.dropped = true;
+    // Guest memory is let go now; only the size stays, for the stream's offsets.
+    it.bytes = {};
+    it.spans = {};
+    it.holds = {};
+    c.dropped_bytes += it.total;
+    c.dropped_queued += it.total;
+  }
+  skip_dropped(c);
+}
+
+void TcpTransport::skip_dropped(Conn& c) {
+  while (!c.txq.empty() && c.txq.front().dropped) {
+    const uint64_t total = c.txq.front().total;
+    c.txq.pop_front();
+    c.written += total;
+    c.dropped_queued -= total;
+    if (c.tls) {
+      // Acknowledged once the record before it is: nothing of it goes to the socket.
+      c.marks.emplace_back(c.tls->produced(), c.written);
+    } else {
+      c.skipped += total;
+      c.skips.emplace_back(c.written - c.skipped, c.skipped);
+    }
+  }
+}
+
+uint64_t TcpTransport::tx_unwritten(const std::string& node, const TxMark& m) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end() || it->second->id != m.conn) return 0;
+  // Dropped items still queued do not count (they are passed over, not written): a mark
+  // before them is then seen a little shallower than it is.
+  const Conn& c = *it->second;
+  const uint64_t behind = m.end > c.written ? m.end - c.written : 0;
+  return behind - std::min(behind, c.dropped_queued);
 }
 
 TxMark TcpTransport::tx_mark(const std::string& node) const {
@@ -309,7 +357,13 @@ uint64_t TcpTransport::acked_of(Conn& c) {
   int outq = 0;
   if (::ioctl(c.fd.get(), SIOCOUTQ, &outq) != 0) return c.plain_acked;
   if (!c.tls) {
-    c.plain_acked = std::max(c.plain_acked, c.written - std::min<uint64_t>(c.written, outq));
+    const uint64_t wire = c.written - c.skipped;
+    const uint64_t wire_acked = wire - std::min<uint64_t>(wire, outq);
+    while (!c.skips.empty() && c.skips.front().first <= wire_acked) {
+      c.skipped_acked = c.skips.front().second;
+      c.skips.pop_front();
+    }
+    c.plain_acked = std::max(c.plain_acked, wire_acked + c.skipped_acked);
     return c.plain_acked;
   }
   // Ciphertext the peer acknowledged, mapped back to the plaintext its records carried.
@@ -367,11 +421,12 @@ uint32_t TcpTransport::local_ipv4(const std::string& node) const {
 
 bool TcpTransport::flush(Conn& c) {
   if (c.tls) return flush_tls(c);
-  while (!c.txq.empty()) {
+  for (skip_dropped(c); !c.txq.empty(); skip_dropped(c)) {
     iovec iov[kMaxIov];
     int n = 0;
     uint64_t skip = c.sent;
     for (const TxItem& it : c.txq) {
+      if (it.dropped) break;
       auto add = [&](const uint8_t* p, uint64_t len) {
         if (skip >= len) {
           skip -= len;
@@ -753,7 +808,7 @@ std::vector<TcpTransport::PeerInfo> TcpTransport::peers() {
     const uint64_t acked = acked_of(*c);
     out.push_back({node, c->addr, c->tls ? c->tls->peer_name() : "",
                    c->tls ? c->tls->cipher() : "none", c->since_unix, c->queued_end - c->written,
-                   c->written - std::min(c->written, acked), c->rx_bytes});
+                   c->written - std::min(c->written, acked), c->rx_bytes, c->dropped_bytes});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.node < b.node; });
   return out;
@@ -844,7 +899,9 @@ ssize_t TcpTransport::read_into(Conn& c, void* p, size_t n) {
 bool TcpTransport::flush_tls(Conn& c) {
   TlsStream& t = *c.tls;
   bool blocked = false;
-  while (t.established() && !c.txq.empty() && !blocked) {
+  while (t.established() && !blocked) {
+    skip_dropped(c);
+    if (c.txq.empty()) break;
     TxItem& it = c.txq.front();
     const uint8_t* p = nullptr;
     uint64_t n = 0;

@@ -67,6 +67,7 @@ class TcpTransport final : public Transport {
     uint64_t queued_bytes = 0;   ///< frames queued here, not yet written to the socket/TLS
     uint64_t unacked_bytes = 0;  ///< written, not yet acknowledged by the peer's TCP
     uint64_t rx_bytes = 0;       ///< received on this connection
+    uint64_t dropped_bytes = 0;  ///< queued frames taken back (their QP failed or went away)
   };
   /// Connections that have not finished the handshake and Hello: more are closed at accept.
   static constexpr size_t kMaxUnauthenticated = 64;
@@ -108,7 +109,9 @@ class TcpTransport final : public Transport {
   std::string locate_lid(uint16_t lid) const override;
   std::string locate_gid(const uint8_t gid[16]) const override;
   bool send(const std::string& node, proto::wire::Type t, const void* body,
-            std::span<const Span> payload, std::span<const Hold> holds) override;
+            std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) override;
+  void drop_flow(const std::string& node, uint64_t flow) override;
+  uint64_t tx_unwritten(const std::string& node, const TxMark& m) const override;
   void announce(const GuestInfo& g, bool up) override;
   uint32_t peer_ipv4(const std::string& node) const override;
   uint32_t local_ipv4(const std::string& node) const override;
@@ -124,6 +127,8 @@ class TcpTransport final : public Transport {
     std::vector<Span> spans;     ///< a large payload, gathered from guest memory at write time
     std::vector<Hold> holds;
     uint64_t total = 0;
+    uint64_t flow = 0;     ///< the flow of every frame in it, or 0 (mixed, or none)
+    bool dropped = false;  ///< taken back: skipped (its `total` still counts in the stream)
   };
   enum class Rx : uint8_t { kHead, kPayload };
   struct Conn {
@@ -163,6 +168,14 @@ class TcpTransport final : public Transport {
     /// TLS: (ciphertext produced, plaintext written) after each record; popped once acked.
     std::deque<std::pair<uint64_t, uint64_t>> marks;
     uint64_t plain_acked = 0;  ///< stream bytes the peer's TCP acknowledged (last computed)
+    /// Dropped items are counted in `written` without reaching the socket. Plain TCP: the
+    /// socket bytes written before each skip, and the bytes skipped up to it (TLS maps through
+    /// `marks`).
+    uint64_t skipped = 0;
+    std::deque<std::pair<uint64_t, uint64_t>> skips;
+    uint64_t skipped_acked = 0;  ///< of `skipped`, those behind what the peer acknowledged
+    uint64_t dropped_bytes = 0;
+    uint64_t dropped_queued = 0;  ///< of them, still in txq (not passed over yet)
   };
   struct Dial {
     std::string addr;
@@ -223,7 +236,9 @@ class TcpTransport final : public Transport {
   void on_hello(Conn& c);
   void on_guest(Conn& c, bool up);
   void queue(Conn& c, proto::wire::Type t, const void* body, std::span<const Span> payload,
-             std::span<const Hold> holds);
+             std::span<const Hold> holds, uint64_t flow = 0);
+  /// Passes over dropped items at the head of c's queue (they count as written).
+  void skip_dropped(Conn& c);
   void send_directory(Conn& c);
 
   Options opt_;
