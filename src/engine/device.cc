@@ -685,7 +685,10 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
     }
     // Leaving RTS (to ERR, RESET, SQD) or entering it ends any retry wait: in ERR the head WQE
     // is flushed, and a pending deadline must not keep the backend from sleeping.
-    if (next != prev) qp->wait = Wait::kNone;
+    if (next != prev) {
+      qp->wait = Wait::kNone;
+      qp->probe = false;
+    }
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
                qp_state_name(next));
   }

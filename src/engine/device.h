@@ -195,6 +195,9 @@ struct Qp {
   /// taken back when it fails or goes; unique in this backend's life.
   uint64_t flow = 0;
   transport::TxMark tx_last;  ///< where its last frame ends in the connection's stream
+  /// After an RNR wait only the head message went again; its ACK sends the rest, and nothing
+  /// new goes before it.
+  bool probe = false;
   bool held = false;          ///< new work waits for its queued frames (counted once a wait)
   /// The responder QP was not ready (RESET/INIT) for the head message since then: that waits
   /// at most the transport retry budget, and spends no RNR retry.

@@ -171,6 +171,7 @@ bool Device::resend(Qp& qp, Qp::Outstanding& o) {
 }
 
 void Device::resend_all(Qp& qp) {
+  qp.probe = false;
   for (Qp::Outstanding& o : qp.unacked) {
     if (!resend(qp, o)) break;
   }
@@ -236,6 +237,7 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       break;
     if (!resend(qp, o)) break;
     did = true;
+    if (qp.probe) break;  // the head alone: its ACK sends the rest
   }
   return did;
 }
@@ -255,6 +257,9 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   if (!progress) return;
   qp.ack_looked = false;
   qp.not_ready_since_ns = 0;
+  // The message probing after an RNR wait got through: the rest of the window follows it (the
+  // responder dropped them as a gap, or as not ready).
+  if (qp.probe) resend_all(qp);
   qp.retry_left = qp.attr.retry_cnt;
   qp.rnr_left = qp.attr.rnr_retry;
   if (qp.wait == Wait::kAck) {
@@ -279,7 +284,9 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
       if (now_ns < qp.wait_until_ns) return false;
       qp.wait = Wait::kAck;
       qp.wait_until_ns = now_ns + ack_ns(qp);
-      resend_all(qp);
+      // The head message goes alone; the rest follow its ACK (acked()): an RNR round costs one
+      // message, not the whole window again (on a long path many rounds fit in one RTT).
+      if (!qp.unacked.empty() && resend(qp, qp.unacked.front())) qp.probe = true;
       did = true;
     } else if (qp.wait == Wait::kAck && now_ns >= qp.wait_until_ns) {
       if (qp.unacked.empty()) {
@@ -297,7 +304,8 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
     return true;
   }
   // Many messages in flight (bounded by the SQ); a batch per visit, as on one host.
-  for (int budget = 64; qp.sq_sent != prod && budget && qp.wait != Wait::kRnr; --budget) {
+  for (int budget = 64; qp.sq_sent != prod && budget && qp.wait != Wait::kRnr && !qp.probe;
+       --budget) {
     // Back-pressure: while its last frame is deep in the connection's queue, new WQEs stay in
     // the send queue (their ACK clocks not started); the transport's progress brings it back.
     if (transport_->tx_unwritten(qp.peer_node, qp.tx_last) > kQpQueuedMax) {
@@ -448,7 +456,10 @@ void Device::on_reply(const std::string& node, const wire::Frame& f, transport::
       // answered, so no retry is spent; it says so once per gap.
       acked(*qp, before, now);
       qp->cnt.seq_naks++;
-      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
+      // (While a probe is out, its ACK sends the rest.)
+      if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr ||
+          qp->probe)
+        break;
       qp->wait_until_ns = now + ack_ns(*qp);
       resend_all(*qp);
       break;

@@ -248,6 +248,32 @@ TEST_F(DeviceRemoteTest, AGapIsNakedOnceAndTheRequesterGoesBackAtOnce) {
   EXPECT_EQ(b["naks_sent"], 1);
 }
 
+TEST_F(DeviceRemoteTest, AfterAnRnrWaitTheHeadGoesAloneAndTheRestFollowItsAck) {
+  connect_both();  // b's min_rnr_timer: 0.01 ms; a's rnr_retry 7 (for ever)
+  for (int i = 0; i < 4; ++i) post_send(qa_, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 4u);
+  settle();  // no receive at b: RNR NAK for the head, the rest dropped as a gap
+  for (int round = 0; round < 3; ++round) {
+    now_ += 1'000'000;
+    dev_.poll(now_);
+    EXPECT_EQ(loop_.q.size(), 1u) << round;  // the head alone, not the whole window
+    settle();                                // RNR again
+  }
+  for (int i = 0; i < 4; ++i) post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
+  now_ += 1'000'000;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 4u);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(tx[i].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(rx[i].wr_id, 100u + i);  // in order, each once
+  }
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["replays"], 4 + 3);  // 4 probes, then the 3 after it
+}
+
 TEST_F(DeviceRemoteTest, APeerQpNotYetAtRtrIsWaitedForNotFailed) {
   connect(a_, qa_, b_, qb_);  // b is still in RESET: its side connects later
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
