@@ -51,6 +51,14 @@ void set_options(int fd) {
   // redialed rather than left hanging in kernel retransmits.
   const unsigned user_timeout_ms = 2000;
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+  // An idle connection is probed too (a peer host that vanished while nothing was in flight):
+  // 10 s of silence, then probes whose loss the user timeout above turns into a redial.
+  // (QPs do not wait for this: their ACK clock spends their own budget while nothing moves.)
+  const int idle_s = 10, interval_s = 2, probes = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof(interval_s));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
   // A lost segment is sent again after 50 ms (or the path's RTO if longer), not TCP's 200 ms
   // floor, and an outage's backoff stops at 1 s, so the connection resumes soon after the link
   // does (RC's budget, `timeout` 14, is 67 ms a try). Not lower: at 5 ms a path whose RTT
