@@ -19,6 +19,10 @@ fail() {
   exit 1
 }
 
+# True when the binaries under test are built with AddressSanitizer (the asan-ubsan preset): a
+# test may then do less of what only adds volume.
+under_asan() { ldd "$(dirname "$VRDMA")/vrdmad" 2>/dev/null | grep -q libasan; }
+
 e2e_init() {
   local bin_dir="${1:?usage: $0 BIN_DIR (the directory holding vrdma)}"
   bin_dir="$(cd "$bin_dir" && pwd)"

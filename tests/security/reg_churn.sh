@@ -14,19 +14,22 @@ source "$(dirname "${BASH_SOURCE[0]}")/attacker_lib.sh"
 ulimit -n 1024
 sec_init "${1:-}"
 
-hold_start "$VICTIM" churn '^warm' 60 "$SEC_BIN/vrdma_reg_churn" 5000
+# Under ASan each registration costs ~10 ms: 1,500 still cross the 1,024 descriptors.
+n=5000
+under_asan && n=1500
+hold_start "$VICTIM" churn '^warm' 60 "$SEC_BIN/vrdma_reg_churn" "$n"
 churn=$HELD_PID
 warm=$(fds_of "$BACKEND_PID")
 hold_release churn
 hold_wait churn '^done' 90
 done_fds=$(fds_of "$BACKEND_PID")
-log "backend descriptors after 10 registrations: $warm, after 5000: $done_fds;" \
+log "backend descriptors after 10 registrations: $warm, after $n: $done_fds;" \
   "the application's: $(awk '/^warm/ {print $2}' "$E2E_TMP/out/churn.out") -> $(awk '/^done/ {print $2}' "$E2E_TMP/out/churn.out")"
 ((done_fds <= warm + 2)) || fail "the backend's descriptors grew from $warm to $done_fds"
 hold_release churn
 wait_pid "$churn" 30
 [[ $WAIT_RC == 0 ]] || fail "the application failed ($WAIT_RC): $(cat "$E2E_TMP/out/churn.out")"
-grep -q '^ok 5000 registrations' "$E2E_TMP/out/churn.out" || fail "$(cat "$E2E_TMP/out/churn.out")"
+grep -q "^ok $n registrations" "$E2E_TMP/out/churn.out" || fail "$(cat "$E2E_TMP/out/churn.out")"
 wait_status '$j->{totals}{segment}' 0 10 || fail "segments left after the application ended"
 pp_as root
 backend_serves churn
