@@ -6,6 +6,7 @@
 
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "common/log.h"
 
@@ -328,6 +329,22 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
     e.family("vrdma_transport_peers", "gauge", "connected peer backends, by how they are secured");
     e.sample("vrdma_transport_peers", {{"security", str(tr.at("security"))}},
              tr.at("peers").size());
+    // Per peer backend: what waits here, what its TCP has not acknowledged, what was taken back.
+    static const std::tuple<const char*, const char*, const char*, const char*> kPeer[] = {
+        {"vrdma_transport_peer_queued_bytes", "gauge", "queued_bytes",
+         "bytes queued for the peer here, not yet written to its connection"},
+        {"vrdma_transport_peer_unacked_bytes", "gauge", "unacked_bytes",
+         "bytes written to the peer's connection that its TCP has not acknowledged"},
+        {"vrdma_transport_peer_received_bytes_total", "counter", "rx_bytes",
+         "bytes received from the peer on its current connection"},
+        {"vrdma_transport_peer_dropped_bytes_total", "counter", "dropped_bytes",
+         "queued bytes taken back because their QP failed or went away (current connection)"},
+    };
+    for (const auto& [name, type, key, help] : kPeer) {
+      e.family(name, type, help);
+      for (const auto& p : tr.at("peers"))
+        e.sample(name, {{"node", str(p.at("node"))}}, p.value(key, nlohmann::json(0)));
+    }
   }
   e.family("vrdma_quota", "gauge",
            "per-guest limit of each resource (mapped_bytes: all guests' segment bytes together)");

@@ -195,7 +195,11 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
                              {"address", "10.0.0.2:7471"},
                              {"identity", "h2"},
                              {"cipher", "TLS_AES_128_GCM_SHA256"},
-                             {"since_unix", 1}}}},
+                             {"since_unix", 1},
+                             {"queued_bytes", 4096},
+                             {"unacked_bytes", 8192},
+                             {"rx_bytes", 100},
+                             {"dropped_bytes", 65536}}}},
                           {"refused", {{"handshake", 2}, {"name", 0}, {"frames", 5}}}};
   });
   const std::string h = cli::status_header(status());
@@ -206,6 +210,11 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   const std::string m = backend::prometheus_text(status(), false);
   EXPECT_NE(m.find("vrdma_transport_refused_total{reason=\"frames\"} 5\n"), std::string::npos) << m;
   EXPECT_NE(m.find("vrdma_transport_peers{security=\"tls\"} 1\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_transport_peer_queued_bytes{node=\"h2\"} 4096\n"), std::string::npos)
+      << m;
+  EXPECT_NE(m.find("vrdma_transport_peer_unacked_bytes{node=\"h2\"} 8192\n"), std::string::npos);
+  EXPECT_NE(m.find("vrdma_transport_peer_dropped_bytes_total{node=\"h2\"} 65536\n"),
+            std::string::npos);
   EXPECT_TRUE(std::regex_search(h, std::regex("^backend: .*\\(vrdmad [0-9.]+, pid [0-9]+, node .*, "
                                               "up [0-9]+s\\)\n")))
       << h;
