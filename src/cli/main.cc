@@ -40,6 +40,15 @@ constexpr int kStatusWaitMs = 3000;
 /// How long an operator command waits: a migration waits up to 10 s for its target.
 constexpr int kAdminWaitMs = 20000;
 
+/// VRDMA_TIMEOUT_MS when set (as for the library; 0: for ever), else `fallback`.
+int wait_ms(int fallback) {
+  const char* e = std::getenv("VRDMA_TIMEOUT_MS");
+  if (!e || !*e) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  return *end == '\0' && v >= 0 && v <= 86400000 ? static_cast<int>(v) : fallback;
+}
+
 /// Directory holding this executable (from /proc/self/exe), e.g. <prefix>/bin.
 fs::path exe_dir() {
   std::error_code ec;
@@ -173,7 +182,7 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
 
 /// Asks the backend at `socket` for its status JSON. Exits the process with a message on error.
 std::string query_status(const std::string& socket) {
-  auto st = backend_status(socket, kStatusWaitMs);
+  auto st = backend_status(socket, wait_ms(kStatusWaitMs));
   if (st) return std::move(st->json);
   const int err = st.err();
   if (err == EACCES || err == EPERM) {
@@ -192,7 +201,8 @@ std::string query_status(const std::string& socket) {
 template <typename Resp, typename Req>
 Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& req,
                            std::span<const int> fds = {}) {
-  auto sock = connect_backend_socket(socket, kAdminWaitMs);
+  const int timeout_ms = wait_ms(kAdminWaitMs);
+  auto sock = connect_backend_socket(socket, timeout_ms);
   if (!sock) {
     const int err = sock.status().err();
     if (err == EACCES || err == EPERM) return error(err, backend_unreachable_hint(socket, err));
@@ -202,12 +212,12 @@ Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& r
   std::vector<uint8_t> buf;
   std::vector<UniqueFd> got;
   Status st = call_msg(sock->get(), proto::encode(op, 1, 0, req), fds, buf, proto::kMaxRequest, got,
-                       kAdminWaitMs);
+                       timeout_ms);
   if (st.err() == ETIMEDOUT) {
     auto cred = peer_cred(sock->get());
-    return error(ETIMEDOUT, fmt::format("backend pid {} at {} did not answer within {} s: it is "
+    return error(ETIMEDOUT, fmt::format("backend pid {} at {} does not answer within {} ms: it is "
                                         "stopped (SIGSTOP, a debugger) or hung",
-                                        cred ? cred->pid : 0, socket, kAdminWaitMs / 1000));
+                                        cred ? cred->pid : 0, socket, timeout_ms));
   }
   if (!st) return error(st.err(), fmt::format("talking to {}: {}", socket, st.message()));
   auto hdr = proto::decode_header(buf);
