@@ -213,12 +213,8 @@ Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& r
   std::vector<UniqueFd> got;
   Status st = call_msg(sock->get(), proto::encode(op, 1, 0, req), fds, buf, proto::kMaxRequest, got,
                        timeout_ms);
-  if (st.err() == ETIMEDOUT) {
-    auto cred = peer_cred(sock->get());
-    return error(ETIMEDOUT, fmt::format("backend pid {} at {} does not answer within {} ms: it is "
-                                        "stopped (SIGSTOP, a debugger) or hung",
-                                        cred ? cred->pid : 0, socket, timeout_ms));
-  }
+  if (st.err() == ETIMEDOUT)
+    return error(ETIMEDOUT, not_answering(sock->get(), socket, timeout_ms));
   if (!st) return error(st.err(), fmt::format("talking to {}: {}", socket, st.message()));
   auto hdr = proto::decode_header(buf);
   if (!hdr || hdr->op != static_cast<uint16_t>(op))

@@ -312,6 +312,14 @@ Result<UniqueFd> await_backend(const std::string& sock, const StartedBackend& st
   }
 }
 
+std::string not_answering(int fd, const std::string& sock, int timeout_ms) {
+  const pid_t pid = serving_pid(fd, sock);
+  return fmt::format(
+      "backend pid {} does not answer on {} within {} ms: it is stopped (SIGSTOP, "
+      "a debugger) or hung; `kill -CONT {}`, or stop it and start another",
+      pid, sock, timeout_ms, pid);
+}
+
 Result<BackendStatus> backend_status(const std::string& sock, int timeout_ms) {
   ASSIGN_OR_RETURN(UniqueFd fd, connect_backend_socket(sock, timeout_ms));
   BackendStatus out;
@@ -321,12 +329,7 @@ Result<BackendStatus> backend_status(const std::string& sock, int timeout_ms) {
   std::vector<UniqueFd> got;
   Status st = call_msg(fd.get(), proto::encode(proto::Op::kStatus, kSeq, 0, proto::StatusReq{}), {},
                        buf, proto::kMaxResponse, got, timeout_ms);
-  if (st.err() == ETIMEDOUT)
-    return error(ETIMEDOUT,
-                 fmt::format("backend pid {} does not answer on {} within {} ms: it is stopped "
-                             "(SIGSTOP, a debugger) or hung; `kill -CONT {}`, or stop it and start "
-                             "another",
-                             out.pid, sock, timeout_ms, out.pid));
+  if (st.err() == ETIMEDOUT) return error(ETIMEDOUT, not_answering(fd.get(), sock, timeout_ms));
   if (!st.is_ok())
     return error(st.err(), fmt::format("asking {} for its status: {}", sock, st.message()));
   auto hdr = proto::decode_header(buf);

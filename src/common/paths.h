@@ -75,6 +75,10 @@ Result<StartedBackend> start_backend(const std::string& bin, const std::string& 
 Result<UniqueFd> await_backend(const std::string& sock, const StartedBackend& started,
                                int timeout_ms, int send_timeout_ms = 0);
 
+/// "backend pid N does not answer on SOCK within MS ms: ...", for a call on `fd` (connected to
+/// the backend's socket `sock`) that timed out; N is who serves it (SO_PEERCRED, or the pid file
+/// beside the socket when that is systemd's).
+std::string not_answering(int fd, const std::string& sock, int timeout_ms);
 /// What a backend's status says, asked with a deadline.
 struct BackendStatus {
   pid_t pid = 0;     ///< the process serving the socket (SO_PEERCRED of the listener)
