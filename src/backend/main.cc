@@ -82,6 +82,10 @@ int main(int argc, char** argv) {
                "ending their connections ([backend] keep_state)");
   app.add_option("--metrics-listen", metrics_listen,
                  "serve Prometheus metrics on ADDR:PORT or unix:PATH (enables [metrics])");
+  // Internal: set by `vrdma run` and the library when they start a backend (paths.h,
+  // start_backend). Without it, a socket another backend serves is an error.
+  bool on_demand = false;
+  app.add_flag("--on-demand", on_demand)->group("");
   CLI11_PARSE(app, argc, argv);
 
   if (!config_file.empty()) {
@@ -159,6 +163,7 @@ int main(int argc, char** argv) {
   ::sigaction(SIGTERM, &sa, nullptr);
 
   vrdma::backend::Server server(cfg);
+  server.set_on_demand(on_demand);
   g_server = &server;
   vrdma::Status st = server.run();
   if (!st.is_ok()) {

@@ -6,6 +6,7 @@
 // process sees nothing but a pause: the same connection, rings and memory, now served by the
 // target. Peers follow the guest through the directory (GuestUp from the target).
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -13,12 +14,12 @@
 #include <unistd.h>
 
 #include <cstring>
-
-#include <fmt/format.h>
+#include <set>
 
 #include "backend/keeper.h"
 #include "backend/server.h"
 #include "common/log.h"
+#include "common/paths.h"
 #include "common/socket.h"
 
 namespace vrdma::backend {
@@ -49,7 +50,11 @@ Result<std::vector<uint8_t>> read_answer(int sock) {
   std::vector<UniqueFd> fds;
   RETURN_IF_ERROR(recv_msg(sock, buf, kMaxRequest, fds));
   ASSIGN_OR_RETURN(MsgHeader h, decode_header(buf));
-  if (h.status != 0) return error(-h.status, "the target backend refused the import");
+  if (h.status != 0) {
+    const std::string why = reason_of(buf);
+    return error(-h.status, "the target backend refused the import: " +
+                                (why.empty() ? std::string(std::strerror(-h.status)) : why));
+  }
   return buf;
 }
 
@@ -60,8 +65,8 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
   const Op op = static_cast<Op>(h.op);
   std::vector<uint8_t> out;
   auto fail = [&](const Status& st) {
-    VLOG_WARN("op {} from connection {}: {}", h.op, c.sock.get(), st.message());
-    out = encode(op, h.seq, -st.err(), Empty{});
+    VLOG_WARN("{} from connection {}: {}", op_name(h.op), c.sock.get(), st.message());
+    out = encode_error(op, h.seq, st.err(), st.message());
   };
   if (Status st = check_admin(c.sock.get()); !st.is_ok()) {
     fail(st);
@@ -70,6 +75,10 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
   switch (op) {
     case Op::kMigrate: {
       const auto req = body_of<MigrateReq>(msg).value();
+      if (Status st = check_guest_name(name_of(req.guest, sizeof(req.guest))); !st.is_ok()) {
+        fail(st);
+        break;
+      }
       auto r = migrate_out(name_of(req.guest, sizeof(req.guest)),
                            name_of(req.target, sizeof(req.target)));
       if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
@@ -90,8 +99,16 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
     case Op::kSnapshot: {
       const auto req = body_of<SnapshotReq>(msg).value();
       const std::string guest = name_of(req.guest, sizeof(req.guest));
+      if (Status st = check_guest_name(guest); !st.is_ok()) {
+        fail(st);
+        break;
+      }
       if (fds.empty()) {
         fail(error(EBADF, "snapshot without a file descriptor"));
+        break;
+      }
+      if (!dev_.has_guest(guest)) {
+        fail(error(ENOENT, no_such_guest(guest)));
         break;
       }
       const uint64_t t0 = mono_us();
@@ -133,6 +150,16 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
       return error(EPROTO, "not an operator command");
   }
   return send_msg(c.sock.get(), out);
+}
+
+std::string Server::no_such_guest(const std::string& guest) const {
+  std::set<std::string> names;
+  for (const auto& [fd, conn] : conns_)
+    if (conn.session) names.insert(conn.session->guest->name);
+  std::string list;
+  for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+  return fmt::format("no guest {} here ({})", guest,
+                     names.empty() ? std::string("no guests") : "guests: " + list);
 }
 
 Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest) {
@@ -227,7 +254,7 @@ Status Server::import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector
 
 Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::string& target) {
   const uint64_t t0 = mono_us();
-  if (!dev_.has_guest(guest)) return error(ENOENT, fmt::format("no guest {} here", guest));
+  if (!dev_.has_guest(guest)) return error(ENOENT, no_such_guest(guest));
   if (target == opt_.socket_path) return error(EINVAL, "the target is this backend");
   ASSIGN_OR_RETURN(UniqueFd sock, connect_unix(target));
   timeval tv{10, 0};

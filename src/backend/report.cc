@@ -65,6 +65,8 @@ nlohmann::json Reporter::backend_info() {
       {"socket", cfg_.socket_path},
       {"started_unix", start_wall_s_},
       {"uptime_s", (mono - start_mono_ns_) / 1000000000ull},
+      {"on_demand", on_demand_},  // started by `vrdma run` or the library, not by an operator
+      {"idle_exit_s", cfg_.idle_exit_s},
       {"quotas",
        {{"pd", q.max_pds},
         {"qp", q.max_qps},

@@ -64,6 +64,8 @@ class Reporter {
   void set_connected_peers(std::function<std::vector<std::string>()> f) {
     connected_peers_ = std::move(f);
   }
+  /// Whether the backend was started on demand (`vrdma run`, or the library on first use).
+  void set_on_demand(bool on) { on_demand_ = on; }
   /// ... and what it says of itself: security, peers (identity, cipher, since), refusals.
   void set_transport_details(std::function<nlohmann::json()> f) {
     transport_details_ = std::move(f);
@@ -79,6 +81,7 @@ class Reporter {
   uint64_t last_cpu_ns_;
   std::function<std::vector<std::string>()> connected_peers_;
   std::function<nlohmann::json()> transport_details_;
+  bool on_demand_ = false;
   nlohmann::json metrics_snapshot_;  ///< the last document metrics() built
   std::string metrics_text_;         ///< ... rendered whole (admins, TCP)
   /// ... as each non-admin uid sees it (cleared with each new snapshot; uids from SO_PEERCRED).

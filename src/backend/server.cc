@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 
 #include "backend/activation.h"
 #include "common/log.h"
@@ -35,6 +36,40 @@ uint64_t now_ns() {
   timespec ts;
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+/// Why a backend may not serve `sock`: which one does (its pid, who started it, when it exits,
+/// as its status says within a second) and how to replace it.
+std::string another_backend(const std::string& sock) {
+  constexpr int kAskMs = 1000;
+  auto st = backend_status(sock, kAskMs);
+  std::string pid = "PID", who;
+  if (st.is_ok()) {
+    pid = std::to_string(st.value().pid);
+    const auto j = nlohmann::json::parse(st.value().json, nullptr, false);
+    const auto& b = j.is_object() && j.contains("backend") ? j["backend"] : nlohmann::json();
+    const bool on_demand = b.is_object() && b.value("on_demand", false);
+    const int idle = b.is_object() ? b.value("idle_exit_s", 0) : 0;
+    who = fmt::format("pid {}, {}; {}", pid,
+                      on_demand ? "started on demand by `vrdma run` or a program's first use"
+                                : "started by an operator or a service",
+                      idle > 0 ? fmt::format("it exits after {} s without guests", idle)
+                               : std::string("it runs until stopped"));
+  } else if (st.err() == ETIMEDOUT) {
+    who = st.status().message();
+  } else {
+    std::ifstream f(sock + ".pid");
+    if (!(f >> pid)) pid = "PID";
+    who = fmt::format("pid {} holds its lock but does not accept yet: {}", pid,
+                      st.status().message());
+  }
+  return fmt::format(
+      "another backend already serves {} ({}). This one does not start, and its "
+      "options are not applied. To replace it, stop that one (kill {}, or "
+      "`systemctl stop vrdmad.socket vrdmad` for the service) and start this "
+      "again; or serve another socket (--socket PATH, and VRDMA_SOCKET=PATH for "
+      "the programs)",
+      sock, who, pid);
 }
 
 }  // namespace
@@ -129,7 +164,11 @@ Status Server::setup() {
   ASSIGN_OR_RETURN(dir_, open_socket_dir(opt_.socket_path, true));
   ASSIGN_OR_RETURN(lock_, open_beside(dir_, opt_.socket_path + ".lock", O_RDWR | O_CREAT));
   if (::flock(lock_.get(), LOCK_EX | LOCK_NB) < 0) {
-    if (errno == EWOULDBLOCK) return error(EALREADY, "another backend owns " + opt_.socket_path);
+    if (errno == EWOULDBLOCK) {
+      // A backend started on demand that lost the race leaves quietly: no need to ask.
+      if (on_demand_) return error(EALREADY, "another backend owns " + opt_.socket_path);
+      return error(EALREADY, another_backend(opt_.socket_path));
+    }
     return error(errno, "flock");
   }
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
@@ -368,7 +407,14 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         reply_err(error(EPERM, cred.status().message()));
         break;
       }
-      auto r = dev_.open_session(body_of<HelloReq>(msg).value(), cred.value(), resp, fl);
+      const HelloReq req = body_of<HelloReq>(msg).value();
+      if (Status st = check_guest_name({req.guest, strnlen(req.guest, sizeof(req.guest))});
+          !st.is_ok()) {
+        VLOG_WARN("{}: hello refused: {}", who(c, c.sock.get()), st.message());
+        reply_err(st);
+        break;
+      }
+      auto r = dev_.open_session(req, cred.value(), resp, fl);
       if (!r.is_ok()) {
         reply_err(r.status());
         break;
@@ -467,7 +513,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
 Status Server::run() {
   Status st = setup();
   if (!st.is_ok()) {
-    if (st.err() == EALREADY) {
+    // Started on demand, it lost a race it was meant to lose: what was wanted runs.
+    if (st.err() == EALREADY && on_demand_) {
       VLOG_INFO("{}", st.message());
       return Status::ok();
     }

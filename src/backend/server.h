@@ -29,9 +29,16 @@ namespace vrdma::backend {
 class Server {
  public:
   explicit Server(Config cfg);
-  /// Binds the socket (serialised by a lock file) and runs until a signal or idle exit.
-  /// Returns ok without running when another backend holds the lock.
+  /// Binds the socket (serialised by a lock file) and runs until a signal or idle exit. When
+  /// another backend holds the lock: EALREADY saying which one and how to replace it, or, for a
+  /// backend started on demand (set_on_demand), ok without running.
   Status run();
+  /// Started by `vrdma run` or the library (vrdmad --on-demand), not by an operator: losing
+  /// the socket to another backend is no failure, and the status says so.
+  void set_on_demand(bool on) {
+    on_demand_ = on;
+    reporter_.set_on_demand(on);
+  }
   /// Any thread, and async-signal-safe: asks run() to return and wakes it.
   void stop();
 
@@ -78,6 +85,8 @@ class Server {
   Status import_begin(Conn& c, const std::vector<uint8_t>& msg);
   Status import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
   Result<proto::ImportResp> import_commit(Conn& c);
+  /// "no guest NAME here (guests: ...)": the guests this backend serves, for a refusal.
+  std::string no_such_guest(const std::string& guest) const;
   /// The guest's state, its connections included (the layout a snapshot and the keeper use).
   Result<engine::GuestExport> export_with_sockets(const std::string& guest);
   /// vrdma restore: the snapshot read from `file` becomes the state of the guest's device.
@@ -124,6 +133,7 @@ class Server {
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
   bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
   UniqueFd keeper_;                       ///< keep_state: connection to the keeper
+  bool on_demand_ = false;                ///< set_on_demand
 };
 
 }  // namespace vrdma::backend

@@ -6,11 +6,9 @@
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <sys/types.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -18,9 +16,9 @@
 #include <exception>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "cli/cluster.h"
@@ -34,8 +32,22 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int kIdleExitOnDemand = 60;  ///< seconds an auto-started backend lingers unused
-constexpr auto kBackendStartWait = std::chrono::seconds(5);
+constexpr int kIdleExitOnDemand = 60;      ///< seconds an auto-started backend lingers unused
+constexpr int kBackendStartWaitMs = 5000;  ///< how long it may take to listen
+/// How long `status`, `res` and `stat` wait for the backend's answer: it builds the document
+/// at once, so a backend that takes longer is stopped or hung.
+constexpr int kStatusWaitMs = 3000;
+/// How long an operator command waits: a migration waits up to 10 s for its target.
+constexpr int kAdminWaitMs = 20000;
+
+/// VRDMA_TIMEOUT_MS when set (as for the library; 0: for ever), else `fallback`.
+int wait_ms(int fallback) {
+  const char* e = std::getenv("VRDMA_TIMEOUT_MS");
+  if (!e || !*e) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  return *end == '\0' && v >= 0 && v <= 86400000 ? static_cast<int>(v) : fallback;
+}
 
 /// Directory holding this executable (from /proc/self/exe), e.g. <prefix>/bin.
 fs::path exe_dir() {
@@ -59,97 +71,29 @@ fs::path library_dir() {
   return (exe_dir() / ".." / "lib").lexically_normal();
 }
 
-std::string parent_dir(const std::string& path) {
-  auto slash = path.rfind('/');
-  if (slash == std::string::npos) {
-    return ".";
-  }
-  if (slash == 0) {
-    return "/";
-  }
-  return path.substr(0, slash);
-}
-
-bool backend_answers(const std::string& socket) { return connect_backend_socket(socket).is_ok(); }
-
-/// Starts `vrdmad --socket PATH --idle-exit 60` detached from us (double fork + setsid), its
-/// output appended to <dir of PATH>/vrdmad.log. Returns once the daemon's parent has exited.
-bool spawn_backend(const std::string& socket) {
-  const std::string bin = backend_binary().string();
-  if (::access(bin.c_str(), X_OK) != 0) {
-    fmt::print(stderr, "vrdma: backend binary {} is not executable: {}\n", bin,
-               std::strerror(errno));
+/// Makes sure a backend accepts on `socket`, starting one if none does (and saying so).
+bool ensure_backend(const std::string& socket) {
+  auto r = connect_backend_socket(socket);
+  if (r) return true;
+  if (!no_backend_there(r.err())) {
+    // Permission denied, a bad directory: starting another backend would not help.
+    fmt::print(stderr, "vrdma run: {}\n", backend_unreachable_hint(socket, r.err()));
     return false;
   }
-  auto dir = open_socket_dir(socket, true);
-  if (!dir) {
-    fmt::print(stderr, "vrdma: cannot start a backend: {}\n", dir.status().message());
+  auto started = start_backend(backend_binary().string(), socket, kIdleExitOnDemand);
+  if (!started) {
+    fmt::print(stderr, "vrdma run: cannot start a backend: {}\n", started.status().message());
     return false;
   }
-  const std::string log_path = parent_dir(socket) + "/vrdmad.log";
-  auto log = open_beside(dir.value(), log_path, O_WRONLY | O_CREAT | O_APPEND);
-  const std::string idle = std::to_string(kIdleExitOnDemand);
-
-  pid_t child = ::fork();
-  if (child < 0) {
-    fmt::print(stderr, "vrdma: fork: {}\n", std::strerror(errno));
-    return false;
-  }
-  if (child == 0) {
-    // Intermediate child: new session, then fork again so the daemon is not a session leader
-    // and is reparented to init when we exit.
-    ::setsid();
-    pid_t daemon = ::fork();
-    if (daemon != 0) {
-      ::_exit(daemon < 0 ? 1 : 0);
-    }
-    int in = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (in >= 0) {
-      ::dup2(in, STDIN_FILENO);
-    }
-    if (log) {
-      ::dup2(log->get(), STDOUT_FILENO);
-      ::dup2(log->get(), STDERR_FILENO);
-    }
-    // Nothing else of ours (a test harness's pipe, say) may stay open for the daemon's lifetime.
-    ::close_range(3, ~0U, 0);
-    if (::chdir("/") != 0) {
-      // Not fatal: the daemon uses absolute paths only.
-    }
-    const char* argv[] = {bin.c_str(),   "--socket",   socket.c_str(),
-                          "--idle-exit", idle.c_str(), nullptr};
-    ::execv(bin.c_str(), const_cast<char* const*>(argv));
-    std::fprintf(stderr, "vrdma: exec %s: %s\n", bin.c_str(), std::strerror(errno));
-    ::_exit(127);
-  }
-  int wstatus = 0;
-  while (::waitpid(child, &wstatus, 0) < 0 && errno == EINTR) {
-  }
-  if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
-    fmt::print(stderr, "vrdma: could not detach the backend (fork failed)\n");
+  fmt::print(stderr,
+             "vrdma run: started a backend (pid {}) on {}; its log is {}; it exits after {} s "
+             "without guests\n",
+             started->pid, socket, started->log, kIdleExitOnDemand);
+  if (auto a = await_backend(socket, *started, kBackendStartWaitMs); !a) {
+    fmt::print(stderr, "vrdma run: {}\n", a.status().message());
     return false;
   }
   return true;
-}
-
-/// Makes sure a backend accepts on `socket`, starting one if none does.
-bool ensure_backend(const std::string& socket) {
-  if (backend_answers(socket)) {
-    return true;
-  }
-  if (!spawn_backend(socket)) {
-    return false;
-  }
-  const auto deadline = std::chrono::steady_clock::now() + kBackendStartWait;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (backend_answers(socket)) {
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  fmt::print(stderr, "vrdma: started {} but nothing accepts on {} after {} s; see {}/vrdmad.log\n",
-             backend_binary().string(), socket, kBackendStartWait.count(), parent_dir(socket));
-  return false;
 }
 
 void set_env(const char* name, const std::string& value) {
@@ -159,7 +103,7 @@ void set_env(const char* name, const std::string& value) {
   }
 }
 
-int cmd_run(const std::string& guest, const std::string& socket_opt,
+int cmd_run(const std::optional<std::string>& guest, const std::string& socket_opt,
             const std::vector<std::string>& command) {
   if (command.empty()) {
     fmt::print(stderr, "vrdma run: no command given (usage: vrdma run [options] -- CMD ARGS...)\n");
@@ -178,8 +122,12 @@ int cmd_run(const std::string& guest, const std::string& socket_opt,
   }
   set_env("LD_LIBRARY_PATH", lib_dir);
   set_env("VRDMA_BACKEND", (dir / "vrdmad").string());
-  if (!guest.empty()) {
-    set_env("VRDMA_GUEST", guest);
+  if (guest) {
+    if (Status st = check_guest_name(*guest); !st) {
+      fmt::print(stderr, "vrdma run: --guest: {}\n", st.message());
+      return 2;
+    }
+    set_env("VRDMA_GUEST", *guest);
   }
   if (!socket_opt.empty()) {
     set_env("VRDMA_SOCKET", socket_opt);
@@ -234,125 +182,104 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
 
 /// Asks the backend at `socket` for its status JSON. Exits the process with a message on error.
 std::string query_status(const std::string& socket) {
-  auto sock = connect_backend_socket(socket);
-  if (!sock) {
-    const int err = sock.status().err();
-    if (err == EACCES || err == EPERM) {
-      fmt::print(stderr, "vrdma: {}\n", backend_unreachable_hint(socket, err));
-    } else {
-      fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
-                 sock.status().message(), backend_unreachable_hint(socket, err));
-    }
-    std::exit(1);
+  auto st = backend_status(socket, wait_ms(kStatusWaitMs));
+  if (st) return std::move(st->json);
+  const int err = st.err();
+  if (err == EACCES || err == EPERM) {
+    fmt::print(stderr, "vrdma: {}\n", backend_unreachable_hint(socket, err));
+  } else if (no_backend_there(err)) {
+    fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
+               st.status().message(), backend_unreachable_hint(socket, err));
+  } else {
+    fmt::print(stderr, "vrdma: {}\n", st.status().message());
   }
-  constexpr uint32_t kSeq = 1;
-  auto req = proto::encode(proto::Op::kStatus, kSeq, 0, proto::StatusReq{});
-  if (Status st = send_msg(sock->get(), req); !st) {
-    fmt::print(stderr, "vrdma: sending the status request to {}: {}\n", socket, st.message());
-    std::exit(1);
-  }
-  std::vector<uint8_t> buf;
-  std::vector<UniqueFd> fds;
-  if (Status st = recv_msg(sock->get(), buf, proto::kMaxResponse, fds); !st) {
-    fmt::print(stderr, "vrdma: reading the status response from {}: {}\n", socket, st.message());
-    std::exit(1);
-  }
-  auto hdr = proto::decode_header(buf);
-  if (!hdr) {
-    fmt::print(stderr, "vrdma: bad status response: {}\n", hdr.status().message());
-    std::exit(1);
-  }
-  if (hdr->op != static_cast<uint16_t>(proto::Op::kStatus) || hdr->seq != kSeq) {
-    fmt::print(stderr, "vrdma: status response does not match the request (op {}, seq {})\n",
-               hdr->op, hdr->seq);
-    std::exit(1);
-  }
-  if (hdr->status != 0) {
-    fmt::print(stderr, "vrdma: the backend refused the status request: {}\n",
-               std::strerror(-hdr->status));
-    std::exit(1);
-  }
-  const size_t off = sizeof(proto::MsgHeader);
-  uint32_t len = 0;
-  if (buf.size() < off + sizeof(len)) {
-    fmt::print(stderr, "vrdma: status response too short ({} bytes)\n", buf.size());
-    std::exit(1);
-  }
-  std::memcpy(&len, buf.data() + off, sizeof(len));
-  if (buf.size() - off - sizeof(len) < len) {
-    fmt::print(stderr, "vrdma: status response truncated ({} of {} JSON bytes)\n",
-               buf.size() - off - sizeof(len), len);
-    std::exit(1);
-  }
-  return std::string(reinterpret_cast<const char*>(buf.data() + off + sizeof(len)), len);
+  std::exit(1);
 }
 
 /// Sends one operator request (with descriptors) to the backend at `socket` and returns the
-/// response body. Exits the process with a message on error.
+/// response body, or why not: the backend's own reason when it refused.
 template <typename Resp, typename Req>
-Resp admin_request(const std::string& socket, proto::Op op, const Req& req, const char* what,
-                   std::span<const int> fds = {}) {
-  auto sock = connect_backend_socket(socket);
+Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& req,
+                           std::span<const int> fds = {}) {
+  const int timeout_ms = wait_ms(kAdminWaitMs);
+  auto sock = connect_backend_socket(socket, timeout_ms);
   if (!sock) {
-    fmt::print(stderr, "vrdma: no backend is running at {} ({}); {}\n", socket,
-               sock.status().message(), backend_unreachable_hint(socket, sock.status().err()));
-    std::exit(1);
+    const int err = sock.status().err();
+    if (err == EACCES || err == EPERM) return error(err, backend_unreachable_hint(socket, err));
+    return error(err, fmt::format("no backend is running at {} ({}); {}", socket,
+                                  sock.status().message(), backend_unreachable_hint(socket, err)));
   }
   std::vector<uint8_t> buf;
   std::vector<UniqueFd> got;
-  Status st = send_msg(sock->get(), proto::encode(op, 1, 0, req), fds);
-  if (st) st = recv_msg(sock->get(), buf, proto::kMaxRequest, got);
-  if (!st) {
-    fmt::print(stderr, "vrdma {}: talking to {}: {}\n", what, socket, st.message());
-    std::exit(1);
-  }
+  Status st = call_msg(sock->get(), proto::encode(op, 1, 0, req), fds, buf, proto::kMaxRequest, got,
+                       timeout_ms);
+  if (st.err() == ETIMEDOUT)
+    return error(ETIMEDOUT, not_answering(sock->get(), socket, timeout_ms));
+  if (!st) return error(st.err(), fmt::format("talking to {}: {}", socket, st.message()));
   auto hdr = proto::decode_header(buf);
-  if (!hdr || hdr->op != static_cast<uint16_t>(op)) {
-    fmt::print(stderr, "vrdma {}: bad response from {}\n", what, socket);
-    std::exit(1);
-  }
+  if (!hdr || hdr->op != static_cast<uint16_t>(op))
+    return error(EPROTO, fmt::format("bad response from {}", socket));
   if (hdr->status != 0) {
-    fmt::print(stderr, "vrdma {}: the backend at {} refused: {} (its log says why)\n", what,
-               socket, std::strerror(-hdr->status));
-    std::exit(1);
+    const std::string why = proto::reason_of(buf);
+    return error(-hdr->status, fmt::format("the backend at {} refused: {}", socket,
+                                           why.empty() ? fmt::format("{} (its log says why)",
+                                                                     std::strerror(-hdr->status))
+                                                       : why));
   }
   auto body = proto::body_of<Resp>(buf);
-  if (!body) {
-    fmt::print(stderr, "vrdma {}: malformed response from {}\n", what, socket);
-    std::exit(1);
-  }
+  if (!body) return error(EPROTO, fmt::format("malformed response from {}", socket));
   return body.value();
 }
 
+/// Copies the guest name `v` into the request's field, or says what is wrong with it.
 template <size_t N>
-bool put_field(char (&dst)[N], const std::string& v, const char* what) {
-  if (v.empty() || v.size() >= N) {
-    fmt::print(stderr, "vrdma: {} must be 1..{} bytes\n", what, N - 1);
+bool put_guest(char (&dst)[N], const std::string& v, const char* cmd) {
+  static_assert(N == proto::kGuestNameMax);
+  if (Status st = check_guest_name(v); !st) {
+    fmt::print(stderr, "vrdma {}: {}\n", cmd, st.message());
     return false;
   }
   std::memcpy(dst, v.data(), v.size());
   return true;
 }
 
+/// Prints why an operator command failed; its exit code.
+int admin_failed(const char* cmd, const Status& st) {
+  fmt::print(stderr, "vrdma {}: {}\n", cmd, st.message());
+  return 1;
+}
+
 int cmd_migrate(const std::string& guest, const std::string& to, const std::string& socket_opt,
                 bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   proto::MigrateReq req{};
-  if (!put_field(req.guest, guest, "the guest name") ||
-      !put_field(req.target, to, "the target socket path"))
+  if (!put_guest(req.guest, guest, "migrate")) return 2;
+  if (to.empty() || to.size() >= sizeof(req.target)) {
+    fmt::print(stderr, "vrdma migrate: the target socket path must be 1..{} bytes\n",
+               sizeof(req.target) - 1);
     return 2;
-  const auto r = admin_request<proto::MigrateResp>(socket, proto::Op::kMigrate, req, "migrate");
+  }
+  std::memcpy(req.target, to.data(), to.size());
+  auto r = admin_request<proto::MigrateResp>(socket, proto::Op::kMigrate, req);
+  if (!r) return admin_failed("migrate", r.status());
   if (json) {
-    fmt::print("{}\n", nlohmann::json{{"guest", guest}, {"from", socket}, {"to", to},
-                                      {"downtime_us", r.downtime_us}, {"export_us", r.export_us},
-                                      {"transfer_us", r.transfer_us}, {"import_us", r.import_us},
-                                      {"bytes", r.bytes}, {"qps", r.qps}, {"fds", r.fds}}
+    fmt::print("{}\n", nlohmann::json{{"guest", guest},
+                                      {"from", socket},
+                                      {"to", to},
+                                      {"downtime_us", r->downtime_us},
+                                      {"export_us", r->export_us},
+                                      {"transfer_us", r->transfer_us},
+                                      {"import_us", r->import_us},
+                                      {"bytes", r->bytes},
+                                      {"qps", r->qps},
+                                      {"fds", r->fds}}
                            .dump());
   } else {
-    fmt::print("guest {} moved to {}: downtime {} us (export {} us, transfer {} us, import {} "
-               "us); {} QPs, {} bytes of state, {} descriptors\n",
-               guest, to, r.downtime_us, r.export_us, r.transfer_us, r.import_us, r.qps, r.bytes,
-               r.fds);
+    fmt::print(
+        "guest {} moved to {}: downtime {} us (export {} us, transfer {} us, import {} "
+        "us); {} QPs, {} bytes of state, {} descriptors\n",
+        guest, to, r->downtime_us, r->export_us, r->transfer_us, r->import_us, r->qps, r->bytes,
+        r->fds);
   }
   return 0;
 }
@@ -360,18 +287,26 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
 int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   proto::SnapshotReq req{};
-  if (!put_field(req.guest, guest, "the guest name")) return 2;
-  UniqueFd f(::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (!put_guest(req.guest, guest, "snapshot")) return 2;
+  // Written beside FILE and renamed over it once whole: a failed snapshot leaves nothing.
+  std::string tmp = file + ".partXXXXXX";
+  UniqueFd f(::mkostemp(tmp.data(), O_CLOEXEC));
   if (!f.valid()) {
-    fmt::print(stderr, "vrdma snapshot: {}: {}\n", file, std::strerror(errno));
+    fmt::print(stderr, "vrdma snapshot: cannot create {} beside {}: {}\n", tmp, file,
+               std::strerror(errno));
     return 1;
   }
   const int fd = f.get();
-  const auto r = admin_request<proto::SnapshotResp>(socket, proto::Op::kSnapshot, req, "snapshot",
-                                                   {&fd, 1});
-  fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
-             guest, r.bytes, r.qps, file, r.pause_us);
-  return 0;
+  auto r = admin_request<proto::SnapshotResp>(socket, proto::Op::kSnapshot, req, {&fd, 1});
+  if (r && ::fsync(fd) == 0 && ::rename(tmp.c_str(), file.c_str()) == 0) {
+    fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
+               guest, r->bytes, r->qps, file, r->pause_us);
+    return 0;
+  }
+  const Status st =
+      r ? error(errno, fmt::format("{}: {}", file, std::strerror(errno))) : r.status();
+  ::unlink(tmp.c_str());
+  return admin_failed("snapshot", st);
 }
 
 int cmd_restore(const std::string& file, const std::string& socket_opt) {
@@ -382,10 +317,11 @@ int cmd_restore(const std::string& file, const std::string& socket_opt) {
     return 1;
   }
   const int fd = f.get();
-  const auto r = admin_request<proto::ImportResp>(socket, proto::Op::kRestore, proto::RestoreReq{},
-                                                  "restore", {&fd, 1});
+  auto r =
+      admin_request<proto::ImportResp>(socket, proto::Op::kRestore, proto::RestoreReq{}, {&fd, 1});
+  if (!r) return admin_failed("restore", r.status());
   fmt::print("restored {}: {} session(s), {} QPs; the guest's QPs were held {} us\n", file,
-             r.sessions, r.qps, r.import_us);
+             r->sessions, r->qps, r->import_us);
   return 0;
 }
 
@@ -682,7 +618,8 @@ int main_impl(int argc, char** argv) {
   }
 
   if (*run) {
-    return cmd_run(guest, run_socket, command);
+    return cmd_run(run->count("--guest") ? std::optional(guest) : std::nullopt, run_socket,
+                   command);
   }
   if (*backend) {
     return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen,

@@ -1,8 +1,13 @@
 // Where things live: the backend's socket (VRDMA_SOCKET, else /run/vrdma/vrdmad.sock for root,
-// else $XDG_RUNTIME_DIR/vrdma or /tmp/vrdma-UID), and the guest name of this process.
+// else $XDG_RUNTIME_DIR/vrdma or /tmp/vrdma-UID), and the guest name of this process; how the
+// CLI and the library reach the backend there, start one on demand, and say why they cannot.
 #pragma once
 
+#include <sys/types.h>
+
+#include <cerrno>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -20,8 +25,13 @@ std::string default_socket_path();
 /// listens there is trusted with our memory: EPERM and why when it fails. `send_timeout_ms`: as
 /// connect_unix().
 Result<UniqueFd> connect_backend_socket(const std::string& path, int send_timeout_ms = 0);
-/// VRDMA_GUEST if set, else "pgrp-<process group id>" (one guest per process group).
-std::string guest_name();
+/// The rule for a guest name, checked by the library, the backend and the CLI alike: 1 to 63
+/// bytes of letters, digits and `. _ - : @ +`, not starting with `-` (it would read as an
+/// option on a command line). EINVAL saying what is wrong with `name`, and the rule.
+Status check_guest_name(std::string_view name);
+/// VRDMA_GUEST if set (even to ""), checked against the rule; else "pgrp-<process group id>"
+/// (one guest per process group).
+Result<std::string> guest_name();
 /// The directory holding the backend's socket `socket_path` and the files beside it (lock, pid
 /// file, log), checked before anything in it is trusted: with `create`, made (0700, and any
 /// missing parents) when missing. It must be a directory, not a symlink, owned by the effective
@@ -41,5 +51,42 @@ void unlink_beside(const UniqueFd& dir, const std::string& path);
 /// What to do when connecting to the backend's socket `path` failed with `err`: one sentence
 /// for the user's first mistakes (no backend, permission denied, wrong socket).
 std::string backend_unreachable_hint(const std::string& path, int err);
+/// Whether a failed connect to the backend's socket (`err`) means that no backend serves it, so
+/// that one may be started there; any other error (permission denied, a bad directory) must be
+/// reported as it is.
+inline bool no_backend_there(int err) { return err == ENOENT || err == ECONNREFUSED; }
+
+/// A backend started on demand (start_backend).
+struct StartedBackend {
+  pid_t pid = -1;
+  std::string log;  ///< where its output goes
+};
+/// Starts `bin --socket SOCK --idle-exit IDLE_EXIT_S --on-demand` detached from us (double fork,
+/// new session, stdin /dev/null, output appended to vrdmad.log beside the socket, none of our
+/// descriptors, no LD_PRELOAD): what `vrdma run` and the library do when no backend answers.
+/// `--on-demand` tells it to leave quietly when it loses the race to another backend. Safe in a
+/// multi-threaded process (the child only calls async-signal-safe functions before exec).
+Result<StartedBackend> start_backend(const std::string& bin, const std::string& sock,
+                                     int idle_exit_s);
+/// Connects to the backend that `started` is, waiting up to `timeout_ms` for it to listen; stops
+/// waiting as soon as that process has exited (after one last try: another backend may have won
+/// the race) and then says so, with the last line of its log. `send_timeout_ms`: as
+/// connect_unix().
+Result<UniqueFd> await_backend(const std::string& sock, const StartedBackend& started,
+                               int timeout_ms, int send_timeout_ms = 0);
+
+/// "backend pid N does not answer on SOCK within MS ms: ...", for a call on `fd` (connected to
+/// the backend's socket `sock`) that timed out; N is who serves it (SO_PEERCRED, or the pid file
+/// beside the socket when that is systemd's).
+std::string not_answering(int fd, const std::string& sock, int timeout_ms);
+/// What a backend's status says, asked with a deadline.
+struct BackendStatus {
+  pid_t pid = 0;     ///< the process serving the socket (SO_PEERCRED of the listener)
+  std::string json;  ///< the status document
+};
+/// Asks the backend at `sock` for its status (proto::Op::kStatus), waiting at most `timeout_ms`
+/// for the answer: ETIMEDOUT "backend pid N does not answer ..." when it is stopped or hung;
+/// connect errors as connect_backend_socket().
+Result<BackendStatus> backend_status(const std::string& sock, int timeout_ms);
 
 }  // namespace vrdma

@@ -1,5 +1,6 @@
 #include "common/socket.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -64,6 +65,28 @@ Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<Uni
                  "descriptors attached to the message were dropped (no room in the "
                  "descriptor table, or more than the receiver takes)");
   return Status::ok();
+}
+
+Status call_msg(int sock, std::span<const uint8_t> request, std::span<const int> fds,
+                std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& got, int timeout_ms) {
+  if (timeout_ms > 0) {
+    // The send waits on SO_SNDTIMEO: a peer that does not read fills the buffer.
+    timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
+    (void)::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
+  Status st = send_msg(sock, request, fds);
+  if (st.err() == EAGAIN) return error(ETIMEDOUT, "the request was not taken");
+  RETURN_IF_ERROR(st);
+  if (timeout_ms > 0) {
+    pollfd p{sock, POLLIN, 0};
+    int n;
+    do {
+      n = ::poll(&p, 1, timeout_ms);  // a signal restarts the wait: the CLI has none
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) return error(errno, std::string("poll: ") + std::strerror(errno));
+    if (n == 0) return error(ETIMEDOUT, "no answer");
+  }
+  return recv_msg(sock, buf, cap, got);
 }
 
 namespace {

@@ -23,6 +23,12 @@ Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> f
 /// process's descriptor table is full, or the sender attached more than kMaxFdsPerMessage).
 Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds);
 
+/// Sends `request` (with `fds`) and receives the one answer into `buf`, waiting at most
+/// `timeout_ms` for it (0: for ever): ETIMEDOUT when none came, so a peer that is stopped or
+/// hung does not hang the caller. For the one-shot calls of the CLI and of a starting backend.
+Status call_msg(int sock, std::span<const uint8_t> request, std::span<const int> fds,
+                std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& got, int timeout_ms);
+
 /// Connects to a SOCK_SEQPACKET listener. `send_timeout_ms` > 0 bounds the connect (a
 /// listener whose backlog is full would block it) and every later send (SO_SNDTIMEO): they
 /// fail with EAGAIN instead of waiting for a peer that does not read.

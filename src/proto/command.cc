@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <iterator>
 
 namespace vrdma::proto {
@@ -74,6 +76,26 @@ Result<MsgHeader> decode_header(std::span<const uint8_t> msg) {
   if (h.length != msg.size())
     return error(EPROTO, fmt::format("declared length {} but received {}", h.length, msg.size()));
   return h;
+}
+
+std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason) {
+  reason = reason.substr(0, kMaxReason);
+  std::vector<uint8_t> out(sizeof(MsgHeader) + reason.size());
+  const MsgHeader h{
+      kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(out.size()), seq, -err, 0};
+  std::memcpy(out.data(), &h, sizeof(h));
+  if (!reason.empty()) std::memcpy(out.data() + sizeof(h), reason.data(), reason.size());
+  return out;
+}
+
+std::string reason_of(std::span<const uint8_t> msg) {
+  if (msg.size() <= sizeof(MsgHeader)) return "";
+  const auto body =
+      msg.subspan(sizeof(MsgHeader), std::min(msg.size() - sizeof(MsgHeader), kMaxReason));
+  std::string out;
+  out.reserve(body.size());
+  for (uint8_t c : body) out += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+  return out;
 }
 
 Result<MsgHeader> decode_request(std::span<const uint8_t> msg) {

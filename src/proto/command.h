@@ -9,6 +9,7 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -447,6 +448,18 @@ struct RestoreReq {
   uint32_t reserved;
 };
 static_assert(sizeof(RestoreReq) == 8);
+
+// ---- The reason of a refused operator command (kMigrate, kSnapshot, kRestore, kImportCommit):
+// an error answer (status < 0) may carry it as its body, up to kMaxReason bytes of text, no
+// NUL. No version change: an error answer had no body before and every client read none, so an
+// older client ignores the text and a newer one, answered by an older backend, finds none and
+// falls back to strerror(-status).
+inline constexpr size_t kMaxReason = 1024;
+/// An error answer to `op` with `reason` as its body (cut to kMaxReason bytes).
+std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason);
+/// The reason an error answer carries (its header validated), with anything but printable
+/// ASCII replaced by '?'; "" when it has none.
+std::string reason_of(std::span<const uint8_t> msg);
 
 // ---- kStatus: response body is a u32 length followed by that many bytes of JSON.
 struct StatusReq {

@@ -14,6 +14,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "common/identity.h"
@@ -46,6 +47,9 @@ ibv_device g_device = [] {
 
 std::atomic<bool> g_fork_init{false};
 
+constexpr int kIdleExitOnDemand = 60;      ///< seconds a backend we start lingers unused
+constexpr int kBackendStartWaitMs = 5000;  ///< how long it may take to listen
+
 /// Directory of this library, to find ../bin/vrdmad next to it.
 std::string library_dir() {
   Dl_info info{};
@@ -65,50 +69,31 @@ std::string backend_binary() {
                                                                                       : build;
 }
 
-/// Starts a detached backend (double fork, new session, log next to the socket). Two guests
-/// that race here both start one; the backend's lock lets only the first one serve.
-void spawn_backend(const std::string& sock) {
+/// Starts a detached backend (start_backend) and returns what it started, or nothing after
+/// saying why it cannot. Two guests that race here both start one; the backend's lock lets only
+/// the first one serve, and the other leaves quietly (--on-demand).
+std::optional<StartedBackend> spawn_backend(const std::string& sock) {
   // A setuid (AT_SECURE) program never starts one: the backend would run with its privileges.
   if (::getauxval(AT_SECURE)) {
     VLOG_ERROR(
         "no vrdma backend answers on {}, and a setuid program does not start one; start "
         "one yourself (`vrdma backend`, `systemctl start vrdmad.socket`)",
         sock);
-    return;
+    return std::nullopt;
   }
-  std::string bin = backend_binary();
-  if (::access(bin.c_str(), X_OK) != 0) {
-    VLOG_ERROR("cannot start the vrdma backend: {} is not executable; set VRDMA_BACKEND to "
-               "vrdmad's path, or start one yourself (`vrdma backend`)", bin);
-    return;
+  auto started = start_backend(backend_binary(), sock, kIdleExitOnDemand);
+  if (!started.is_ok()) {
+    VLOG_ERROR("cannot start the vrdma backend: {}{}", started.status().message(),
+               started.err() == ENOENT ? "; set VRDMA_BACKEND to vrdmad's path, or start one "
+                                         "yourself (`vrdma backend`)"
+                                       : "");
+    return std::nullopt;
   }
-  auto dir = open_socket_dir(sock, true);
-  if (!dir.is_ok()) {
-    VLOG_ERROR("cannot start the vrdma backend: {}", dir.status().message());
-    return;
-  }
-  auto log = open_beside(dir.value(), sock.substr(0, sock.rfind('/') + 1) + "vrdmad.log",
-                         O_WRONLY | O_CREAT | O_APPEND);
-  pid_t pid = ::fork();
-  if (pid < 0) return;
-  if (pid == 0) {
-    if (::fork() != 0) ::_exit(0);
-    ::setsid();
-    int null = ::open("/dev/null", O_RDONLY);
-    ::dup2(null, 0);
-    if (log.is_ok()) {
-      ::dup2(log.value().get(), 1);
-      ::dup2(log.value().get(), 2);
-    }
-    // Keep none of the application's descriptors alive in the daemon.
-    ::close_range(3, ~0u, 0);
-    ::unsetenv("LD_PRELOAD");
-    ::execl(bin.c_str(), bin.c_str(), "--socket", sock.c_str(), "--idle-exit", "60",
-            static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  int st;
-  ::waitpid(pid, &st, 0);
+  VLOG_INFO(
+      "started a vrdma backend (pid {}) on {}, its log {}; it exits after {} s without "
+      "guests",
+      started.value().pid, sock, started.value().log, kIdleExitOnDemand);
+  return std::move(started).value();
 }
 
 /// How long a control call waits for the backend (VRDMA_TIMEOUT_MS; 0: for ever).
@@ -137,15 +122,13 @@ Result<UniqueFd> connect_backend() {
   const std::string path = socket_path();
   auto r = connect_backend_socket(path, control_timeout_ms());
   if (r.is_ok()) return r;
-  if (r.err() != ENOENT && r.err() != ECONNREFUSED) return r;
-  spawn_backend(path);
-  for (int i = 0; i < 500; ++i) {  // up to ~5 s
-    r = connect_backend_socket(path, control_timeout_ms());
-    if (r.is_ok()) return r;
-    timespec ts{0, 10 * 1000 * 1000};
-    ::nanosleep(&ts, nullptr);
-  }
-  return r;
+  if (!no_backend_there(r.err())) return r;
+  // Nothing to wait for when none could be started: the reason was said.
+  auto started = spawn_backend(path);
+  if (!started) return r;
+  auto a = await_backend(path, *started, kBackendStartWaitMs, control_timeout_ms());
+  if (!a.is_ok()) VLOG_ERROR("{}", a.status().message());
+  return a;
 }
 
 }  // namespace
@@ -355,12 +338,20 @@ VERBS_EXPORT const char* ibv_get_device_name(ibv_device* d) { return d ? d->name
 VERBS_EXPORT int ibv_get_device_index(ibv_device* d) { return d == &g_device ? 0 : -1; }
 
 VERBS_EXPORT __be64 ibv_get_device_guid(ibv_device*) {
-  return htobe64(port_guid_of(guest_name()));
+  // A bad VRDMA_GUEST is reported when the device is opened.
+  auto name = guest_name();
+  return htobe64(port_guid_of(name.is_ok() ? name.value() : std::string()));
 }
 
 VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   if (dev != &g_device) {
     errno = ENODEV;
+    return nullptr;
+  }
+  auto guest = guest_name();
+  if (!guest.is_ok()) {
+    VLOG_ERROR("{}", guest.status().message());
+    errno = EINVAL;
     return nullptr;
   }
   auto sock = connect_backend();
@@ -373,7 +364,7 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   }
   auto* ctx = new VContext();
   ctx->sock = std::move(sock.value());
-  ctx->guest = guest_name();
+  ctx->guest = std::move(guest).value();
   HelloReq req{};
   std::snprintf(req.guest, sizeof(req.guest), "%s", ctx->guest.c_str());
   req.pid = static_cast<uint32_t>(::getpid());

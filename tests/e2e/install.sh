@@ -61,7 +61,7 @@ grep -q vrdma0 "$E2E_TMP/devinfo.out" || fail "no vrdma0: $(cat "$E2E_TMP/devinf
 [[ "$(backend_exe)" == "$P/bin/vrdmad" ]] || fail "backend is '$(backend_exe)', not $P/bin/vrdmad"
 # (No sanitizer runtime preloaded here: `sh` loads no libibverbs, and TSan preloaded into an
 # uninstrumented shell has crashed it.)
-"$P/bin/vrdma" run -- sh -c 'echo "$LD_LIBRARY_PATH"' >"$E2E_TMP/ld.out" 2>&1
+"$P/bin/vrdma" run -- sh -c 'echo "$LD_LIBRARY_PATH"' >"$E2E_TMP/ld.out" 2>"$E2E_TMP/ld.err"
 [[ "$(cut -d: -f1 "$E2E_TMP/ld.out")" == "$P/lib/vrdma" ]] || fail "LD_LIBRARY_PATH: $(cat "$E2E_TMP/ld.out")"
 kill -TERM "$(backend_pid)"
 for ((i = 0; i < 50; i++)); do

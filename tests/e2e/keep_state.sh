@@ -69,7 +69,7 @@ finish_stream snap "$cli" "$srv" 60
 log "snapshot, 2 restores: $STREAM_RESULT on both ends; $(tr '\n' ' ' <"$E2E_TMP/snap.out")"
 # The guest is gone now: its snapshot has nothing to go back into.
 "$VRDMA" restore "$E2E_TMP/sc.snap" >"$E2E_TMP/gone.out" 2>&1 && fail "restored a guest that is gone"
-grep -q "No such file" "$E2E_TMP/gone.out" || fail "restore of a gone guest: $(cat "$E2E_TMP/gone.out")"
+grep -q "refused: guest snap-c is not served here" "$E2E_TMP/gone.out" || fail "restore of a gone guest: $(cat "$E2E_TMP/gone.out")"
 
 # A clean stop ends the guests' devices and the keeper with them.
 kpid="$(cat "$VRDMA_SOCKET.keeper.pid")"

@@ -206,7 +206,8 @@ free_port() {
 PP_TOOL="${PP_TOOL:-ibv_rc_pingpong}"
 
 # Starts a $PP_TOOL server through vrdma in the background and waits until it listens.
-# Usage: start_server NAME GUEST [pingpong args...]. Sets SERVER_PID and PORT.
+# Usage: start_server NAME GUEST [pingpong args...] (GUEST "": the default guest). Sets
+# SERVER_PID and PORT.
 # Output goes to $E2E_TMP/NAME.server.out.
 start_server() {
   local name=$1 guest=$2 i rc
@@ -214,7 +215,7 @@ start_server() {
   local out="$E2E_TMP/$name.server.out"
   for _ in 1 2 3; do
     PORT="$(free_port)"
-    "${VRUN[@]}" --guest "$guest" -- "$PP_TOOL" -p "$PORT" "$@" >"$out" 2>&1 &
+    "${VRUN[@]}" ${guest:+--guest "$guest"} -- "$PP_TOOL" -p "$PORT" "$@" >"$out" 2>&1 &
     SERVER_PID=$!
     for ((i = 0; i < 200; i++)); do  # 20 s
       port_in_use "$PORT" && return 0
@@ -239,7 +240,7 @@ start_server() {
 start_client() {
   local name=$1 guest=$2 port=$3
   shift 3
-  "${VRUN[@]}" --guest "$guest" -- "$PP_TOOL" -p "$port" "$@" localhost \
+  "${VRUN[@]}" ${guest:+--guest "$guest"} -- "$PP_TOOL" -p "$port" "$@" localhost \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   CLIENT_PID=$!
 }

@@ -94,7 +94,7 @@ fi
 
 # 3. Use it as a new user would: the installed vrdma, its library and its backend.
 VRUN=(/usr/bin/vrdma run)
-vrun -- sh -c 'echo "$LD_LIBRARY_PATH"' >"$E2E_TMP/ld.out" 2>&1
+vrun -- sh -c 'echo "$LD_LIBRARY_PATH"' >"$E2E_TMP/ld.out" 2>"$E2E_TMP/ld.err"
 [[ "$(cut -d: -f1 "$E2E_TMP/ld.out")" == "/usr/lib/$MA/vrdma" ]] ||
   fail "vrdma run puts '$(cat "$E2E_TMP/ld.out")' first in LD_LIBRARY_PATH"
 vrun -- ibv_devinfo >"$E2E_TMP/devinfo.out" 2>&1 || fail "ibv_devinfo: $(cat "$E2E_TMP/devinfo.out")"

@@ -29,7 +29,7 @@ rc=0
 # run: a sanitizer runtime preloaded into sh would crash it.)
 rc=0
 "$VRDMA" run --guest g-env -- sh -c 'echo "$VRDMA_GUEST|$VRDMA_SOCKET|$LD_LIBRARY_PATH|$VRDMA_BACKEND"; exit 7' \
-  >"$E2E_TMP/env.out" 2>&1 || rc=$?
+  >"$E2E_TMP/env.out" 2>"$E2E_TMP/env.err" || rc=$?
 [[ $rc -eq 7 ]] || fail "vrdma run did not pass the exit code through (got $rc)"
 IFS='|' read -r g s l b <"$E2E_TMP/env.out"
 [[ $g == g-env ]] || fail "VRDMA_GUEST is '$g'"

@@ -262,5 +262,22 @@ TEST(CommandCodec, MutatedValidMessagesNeverCrash) {
   EXPECT_GT(bad, 1000);
 }
 
+// A refused operator command carries its reason; an older backend's answer (no body) has none,
+// and an older client, which reads only the header of an error answer, still sees the errno.
+TEST(CommandCodec, ErrorAnswerCarriesTheReason) {
+  const Bytes m = encode_error(Op::kMigrate, 7, ENOENT, "no guest g3 here (guests: g1, g2)");
+  auto h = decode_header(m);
+  ASSERT_TRUE(h.is_ok()) << h.status().message();
+  EXPECT_EQ(h.value().status, -ENOENT);
+  EXPECT_EQ(h.value().seq, 7u);
+  EXPECT_EQ(reason_of(m), "no guest g3 here (guests: g1, g2)");
+  EXPECT_EQ(reason_of(encode(Op::kMigrate, 7, -ENOENT, Empty{})), "");
+  // Cut to kMaxReason; anything but printable ASCII shown as '?'.
+  const Bytes big = encode_error(Op::kSnapshot, 1, EIO, std::string(5000, 'x'));
+  ASSERT_TRUE(decode_header(big).is_ok());
+  EXPECT_EQ(reason_of(big).size(), kMaxReason);
+  EXPECT_EQ(reason_of(encode_error(Op::kRestore, 1, EIO, std::string("a\nb\0c\x80", 6))), "a?b?c?");
+}
+
 }  // namespace
 }  // namespace vrdma::proto
