@@ -179,21 +179,39 @@ hstream_start() {
 
 # rc_stream's RNR test (a SEND with no receive must not hold up the ACK behind it): server on
 # host SH, client on CH, both must say "rnr: ok". Outputs $E2E_TMP/NAME.{server,client}.out; the
-# server's library logs at debug level. Usage: hrnr NAME SH CH
+# server's library logs at debug level. With PATTERN, the client sends its test SENDs only once
+# both outputs have a line matching it (the path under test is up: on a busy machine the warm-up
+# may end before). Usage: hrnr NAME SH CH [PATTERN]
 hrnr() {
-  local name=$1 sh=$2 ch=$3 port=$((17000 + RANDOM % 1000)) srv cli
+  local name=$1 sh=$2 ch=$3 port=$((17000 + RANDOM % 1000)) srv cli gate="" opener=""
+  local sout="$E2E_TMP/$name.server.out" cout="$E2E_TMP/$name.client.out"
+  [[ -n ${4:-} ]] && gate="$E2E_TMP/$name.gate"
   hrun "$sh" --guest "$name-s" -- env VRDMA_LOG=debug "$HOSTS_BIN/rc_stream" rnr-server "$port" \
-    >"$E2E_TMP/$name.server.out" 2>&1 &
+    >"$sout" 2>&1 &
   srv=$!
   hwait_port "$sh" "$port" "$srv" "$name"
-  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" rnr-client "$(host_ip "$sh")" "$port" \
-    >"$E2E_TMP/$name.client.out" 2>&1 &
+  hrun "$ch" --guest "$name-c" -- env ${gate:+RC_STREAM_GATE="$gate"} "$HOSTS_BIN/rc_stream" \
+    rnr-client "$(host_ip "$sh")" "$port" >"$cout" 2>&1 &
   cli=$!
+  if [[ -n $gate ]]; then
+    (
+      until grep -q -- "$4" "$sout" 2>/dev/null && grep -q -- "$4" "$cout" 2>/dev/null; do
+        kill -0 "$cli" 2>/dev/null || exit 0
+        nap 0.02
+      done
+      : >"$gate"
+    ) &
+    opener=$!
+  fi
   wait_pid "$cli" 30
-  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.client.out")"
+  if [[ -n $opener ]]; then
+    kill "$opener" 2>/dev/null || true
+    wait "$opener" 2>/dev/null || true
+  fi
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC: $(tail -n 5 "$cout")"
   wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.server.out")"
-  grep -q "^rnr: ok" "$E2E_TMP/$name.server.out" && grep -q "^rnr: ok" "$E2E_TMP/$name.client.out" ||
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$sout")"
+  grep -q "^rnr: ok" "$sout" && grep -q "^rnr: ok" "$cout" ||
     fail "$name: no \"rnr: ok\" from both ends"
   log "$name: a SEND without a receive waited; the ACK behind it did not"
 }

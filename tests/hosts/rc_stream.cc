@@ -17,7 +17,8 @@
 // receive posted; the server then SENDs B and waits for B's completion before it posts its
 // receives. B's ACK travels behind A and A2: a responder that stopped reading at A would never
 // let B complete (real RC: A is RNR-NAKed and retried, B completes). Then A and A2 must arrive,
-// in order, with the bytes they had when posted. Prints "rnr: ok".
+// in order, with the bytes they had when posted. Prints "rnr: ok". With RC_STREAM_GATE=FILE
+// the client sends A only once FILE exists (the test opens it when the path it tests is up).
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 #include <netdb.h>
@@ -334,6 +335,12 @@ int rnr(bool server, const char* host, int port) {
     if (server || recvd < kWarmup) l.post_send(2, out, kSize, 0);
   }
   if (!server) {
+    // A test that needs a path in force (the direct one) opens this gate once it is.
+    if (const char* gate = std::getenv("RC_STREAM_GATE")) {
+      int waited_ms = 0;
+      for (; ::access(gate, F_OK) != 0 && waited_ms < 30000; waited_ms += 10) ::usleep(10000);
+      if (waited_ms >= 30000) die("the gate never opened");
+    }
     std::memcpy(out, &kA, 8);
     l.post_send(10, out, 8, IBV_SEND_INLINE);
     std::memset(out, 0xee, 8);  // inline: the WR took the bytes at its post
