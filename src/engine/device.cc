@@ -98,6 +98,28 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
                                    entries, limit));
 }
 
+Status Device::refused(Session& s, const char* call, Status st) {
+  if (st.is_ok()) return st;
+  timespec t{};
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  const uint64_t now = uint64_t(t.tv_sec) * 1'000'000'000ull + uint64_t(t.tv_nsec);
+  uint64_t held = 0;
+  if (s.guest->refusals.ready(now, held)) {
+    const char* name = ::strerrorname_np(st.err());
+    VLOG_WARN("guest {} (pid {}): {} refused with {}: {}{}", s.guest->name, s.pid, call,
+              name ? name : std::to_string(st.err()), st.message(), log::held_note(held));
+  }
+  return st;
+}
+
+Status Device::check_caps(std::initializer_list<Cap> caps) {
+  for (const Cap& c : caps) {
+    if (c.value > c.max)
+      return error(EINVAL, fmt::format("{} = {} exceeds the device's {}", c.field, c.value, c.max));
+  }
+  return Status::ok();
+}
+
 Device::Device(Quotas quotas)
     : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {
   // Copies to and from guest memory fail their WQE on a fault instead of killing the process.
@@ -374,19 +396,26 @@ Status Device::dereg_segment(Session& s, uint32_t handle) {
 }
 
 Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
+  return refused(s, "reg_mr", reg_mr_checked(s, req));
+}
+
+Result<RegMrResp> Device::reg_mr_checked(Session& s, const RegMrReq& req) {
   auto pd = s.pds.find(req.pd);
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
-  constexpr uint32_t kKnown = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                              IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
-                              IBV_ACCESS_RELAXED_ORDERING;
-  if (req.access & ~kKnown) return error(EINVAL, fmt::format("access flags {:#x}", req.access));
+  if (req.access & kMrAccessUnsupported)
+    return error(EOPNOTSUPP, fmt::format("access {:#x}: ZERO_BASED and ON_DEMAND are not supported",
+                                         req.access));
+  if (req.access & ~kMrAccessAccepted)
+    return error(EINVAL, fmt::format("access {:#x}: unknown bits {:#x}", req.access,
+                                     req.access & ~kMrAccessAccepted));
   // o10-?: remote write or atomic access requires local write.
   if ((req.access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
       !(req.access & IBV_ACCESS_LOCAL_WRITE))
-    return error(EINVAL, "remote write/atomic access without local write");
-  if (req.length == 0 || req.length > kMaxMrSize) return error(EINVAL, "bad MR length");
+    return error(EINVAL, "access: remote write/atomic access without local write");
+  if (req.length == 0 || req.length > kMaxMrSize)
+    return error(EINVAL, fmt::format("length {} outside 1..{}", req.length, kMaxMrSize));
   if (req.num_extents == 0 || req.num_extents > kMaxMrExtents)
-    return error(EINVAL, "bad extent count");
+    return error(EINVAL, fmt::format("{} extents, outside 1..{}", req.num_extents, kMaxMrExtents));
   if (s.guest->mrs.size() >= kMaxMr) return error(ENOMEM, "MR limit reached");
   auto mr = std::make_unique<Mr>();
   uint64_t expect = 0;
@@ -464,6 +493,10 @@ Status Device::destroy_channel(Session& s, uint32_t handle) {
 }
 
 Result<CreateCqResp> Device::create_cq(Session& s, const CreateCqReq& req, UniqueFd& ring) {
+  return refused(s, "create_cq", create_cq_checked(s, req, ring));
+}
+
+Result<CreateCqResp> Device::create_cq_checked(Session& s, const CreateCqReq& req, UniqueFd& ring) {
   if (req.cqe == 0 || req.cqe > kMaxCqe)
     return error(EINVAL, fmt::format("cqe {} outside 1..{}", req.cqe, kMaxCqe));
   if (s.cqs.size() >= kMaxCq) return error(ENOMEM, "CQ limit reached");
@@ -508,6 +541,10 @@ Status Device::destroy_cq(Session& s, uint32_t handle) {
 }
 
 Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, UniqueFd& ring) {
+  return refused(s, "create_qp", create_qp_checked(s, req, ring));
+}
+
+Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& req, UniqueFd& ring) {
   auto pd = s.pds.find(req.pd);
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
@@ -522,13 +559,16 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
     return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
   QpCaps c = req.caps;
   if (srq) {  // receives come from the SRQ: the QP's own receive queue is unused (ignored caps)
-    c.max_recv_wr = 1;
+    c.max_recv_wr = 0;
     c.max_recv_sge = 0;
   }
-  if (c.max_send_wr == 0 || c.max_send_wr > kMaxQpWr || c.max_recv_wr == 0 ||
-      c.max_recv_wr > kMaxQpWr || c.max_send_sge > kMaxSge || c.max_recv_sge > kMaxSge ||
-      c.max_inline_data > kMaxInline)
-    return error(EINVAL, "QP capabilities exceed the device's");
+  // 0 work requests is valid: a QP that only sends or only receives (qperf's one-way tests).
+  // Its ring keeps one slot, which the library never posts to (ENOMEM, as on hardware).
+  RETURN_IF_ERROR(check_caps({{"max_send_wr", c.max_send_wr, kMaxQpWr},
+                              {"max_recv_wr", c.max_recv_wr, kMaxQpWr},
+                              {"max_send_sge", c.max_send_sge, kMaxSge},
+                              {"max_recv_sge", c.max_recv_sge, kMaxSge},
+                              {"max_inline_data", c.max_inline_data, kMaxInline}}));
   RETURN_IF_ERROR(check_depth(*s.guest, "send queue", c.max_send_wr));
   RETURN_IF_ERROR(check_depth(*s.guest, "receive queue", c.max_recv_wr));
   RETURN_IF_ERROR(check_quota(*s.guest, Res::kQp));
@@ -543,8 +583,8 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   } while (qpn < 0x11 || g.qps.count(qpn));
 
   auto qp = std::make_unique<Qp>();
-  qp->sq_size = std::bit_ceil(c.max_send_wr);
-  qp->rq_size = std::bit_ceil(c.max_recv_wr);
+  qp->sq_size = std::bit_ceil(std::max<uint32_t>(c.max_send_wr, 1));
+  qp->rq_size = std::bit_ceil(std::max<uint32_t>(c.max_recv_wr, 1));
   size_t sq_bytes = page_round(ring_bytes(qp->sq_size, sizeof(SendWqe)));
   size_t rq_bytes = page_round(ring_bytes(qp->rq_size, sizeof(RecvWqe)));
   ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-qp", sq_bytes + rq_bytes));
@@ -570,9 +610,9 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
   if (srq) srq->users++;
   qp->sq_sig_all = req.sq_sig_all != 0;
   qp->caps = c;
-  // Report what the rings really hold.
-  qp->caps.max_send_wr = qp->sq_size;
-  qp->caps.max_recv_wr = qp->rq_size;
+  // Report what the rings really hold (none for a queue of 0: its slot is never posted to).
+  qp->caps.max_send_wr = c.max_send_wr ? qp->sq_size : 0;
+  qp->caps.max_recv_wr = c.max_recv_wr ? qp->rq_size : 0;
   qp->caps.max_send_sge = std::max<uint32_t>(c.max_send_sge, 1);
   qp->caps.max_recv_sge = std::max<uint32_t>(c.max_recv_sge, 1);
   qp->attr.qp_state = IBV_QPS_RESET;
@@ -597,6 +637,10 @@ Qp* Device::find_qp(Session& s, uint32_t handle) {
 }
 
 Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
+  return refused(s, "modify_qp", modify_qp_checked(s, req));
+}
+
+Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
   Qp* qp = find_qp(s, req.handle);
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
   bump_epoch(*s.guest);
@@ -615,10 +659,9 @@ Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
   if ((m & IBV_QP_PATH_MTU) && (a.path_mtu < IBV_MTU_256 || a.path_mtu > kPortMaxMtu))
     return error(EINVAL, "path_mtu out of range");
   if ((m & IBV_QP_AV) && a.ah_port_num > 1) return error(EINVAL, "AV port_num must be 1");
-  if ((m & IBV_QP_ACCESS_FLAGS) &&
-      (a.qp_access_flags & ~uint32_t{IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-                                     IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_LOCAL_WRITE}))
-    return error(EINVAL, "qp_access_flags");
+  if ((m & IBV_QP_ACCESS_FLAGS) && (a.qp_access_flags & ~kQpAccessAccepted))
+    return error(EINVAL, fmt::format("qp_access_flags {:#x}: unknown bits {:#x}", a.qp_access_flags,
+                                     a.qp_access_flags & ~kQpAccessAccepted));
   if ((m & IBV_QP_MAX_QP_RD_ATOMIC) && a.max_rd_atomic > kMaxRdAtomic) return error(EINVAL, "max_rd_atomic");
   if ((m & IBV_QP_MAX_DEST_RD_ATOMIC) && a.max_dest_rd_atomic > kMaxRdAtomic)
     return error(EINVAL, "max_dest_rd_atomic");
@@ -750,12 +793,19 @@ Status Device::destroy_qp(Session& s, uint32_t handle) {
 }
 
 Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, UniqueFd& ring) {
+  return refused(s, "create_srq", create_srq_checked(s, req, ring));
+}
+
+Result<CreateSrqResp> Device::create_srq_checked(Session& s, const CreateSrqReq& req,
+                                                 UniqueFd& ring) {
   auto pd = s.pds.find(req.pd);
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   const SrqAttr& a = req.attr;
-  if (a.max_wr == 0 || a.max_wr > kMaxQpWr || a.max_sge == 0 || a.max_sge > kMaxSge)
-    return error(EINVAL, "SRQ capabilities exceed the device's");
-  if (a.srq_limit > a.max_wr) return error(EINVAL, "srq_limit above max_wr");
+  // An SRQ of 0 receives could never be used (rxe refuses it too); 0 SGEs means 1, as for QPs.
+  if (a.max_wr == 0) return error(EINVAL, "max_wr = 0: an SRQ holds at least one receive");
+  RETURN_IF_ERROR(check_caps({{"max_wr", a.max_wr, kMaxQpWr}, {"max_sge", a.max_sge, kMaxSge}}));
+  if (a.srq_limit > a.max_wr)
+    return error(EINVAL, fmt::format("srq_limit {} above max_wr {}", a.srq_limit, a.max_wr));
   if (s.srqs.size() >= kMaxSrq) return error(ENOMEM, "SRQ limit reached");
   RETURN_IF_ERROR(check_depth(*s.guest, "SRQ", a.max_wr));
   RETURN_IF_ERROR(check_quota(*s.guest, Res::kSrq));
@@ -773,7 +823,7 @@ Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, Un
   srq->handle = new_handle(s, s.srqs);
   srq->owner = &s;
   srq->pd = req.pd;
-  srq->max_sge = a.max_sge;
+  srq->max_sge = std::max<uint32_t>(a.max_sge, 1);
   srq->limit = a.srq_limit;
   pd->second.users++;
   CreateSrqResp resp{srq->handle, 0, SrqAttr{srq->size, srq->max_sge, srq->limit, 0}, bytes};
@@ -782,6 +832,10 @@ Result<CreateSrqResp> Device::create_srq(Session& s, const CreateSrqReq& req, Un
 }
 
 Status Device::modify_srq(Session& s, const ModifySrqReq& req) {
+  return refused(s, "modify_srq", modify_srq_checked(s, req));
+}
+
+Status Device::modify_srq_checked(Session& s, const ModifySrqReq& req) {
   auto it = s.srqs.find(req.handle);
   if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", req.handle));
   if (req.mask & ~uint32_t{IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT}) return error(EINVAL, "SRQ attr mask");

@@ -270,6 +270,8 @@ struct Guest {
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
   bool refused_fs_logged = false;  ///< a segment on another filesystem (hugetlbfs) was logged
+  /// Refused verbs (Device::refused): a burst of lines, then one a second.
+  log::Burst refusals{1'000'000'000, 20};
   std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
   size_t turn = 0;            ///< the QP of `active` poll() visits first next time
   /// proto::EpochPage, made at its first direct grant (device_direct.cc).
@@ -494,6 +496,32 @@ class Device : public transport::Receiver {
   void release_segment(Guest& g, uint64_t bytes);
   /// ENOMEM when one queue of `entries` is deeper than the guest's quota allows.
   Status check_depth(Guest& g, const char* what, uint32_t entries);
+  /// The verb `call` of session `s` failed with `st`: one warning naming the guest, the call and
+  /// the reason (rate-limited per guest). Returns `st`.
+  static Status refused(Session& s, const char* call, Status st);
+  template <typename T>
+  static Result<T> refused(Session& s, const char* call, Result<T> r) {
+    if (!r.is_ok()) (void)refused(s, call, r.status());
+    return r;
+  }
+  /// A capability a guest asked for, against the device's limit (create_qp, create_srq).
+  struct Cap {
+    const char* field;
+    uint32_t value, max;
+  };
+  /// EINVAL naming the first field of `caps` above its limit.
+  static Status check_caps(std::initializer_list<Cap> caps);
+  // The verbs behind create_qp, modify_qp, create_srq, modify_srq, reg_mr and create_cq, whose
+  // refusals those log.
+  Result<proto::RegMrResp> reg_mr_checked(Session& s, const proto::RegMrReq& req);
+  Result<proto::CreateCqResp> create_cq_checked(Session& s, const proto::CreateCqReq& req,
+                                                UniqueFd& ring);
+  Result<proto::CreateQpResp> create_qp_checked(Session& s, const proto::CreateQpReq& req,
+                                                UniqueFd& ring);
+  Status modify_qp_checked(Session& s, const proto::ModifyQpReq& req);
+  Result<proto::CreateSrqResp> create_srq_checked(Session& s, const proto::CreateSrqReq& req,
+                                                  UniqueFd& ring);
+  Status modify_srq_checked(Session& s, const proto::ModifySrqReq& req);
   /// RC/UC QPs of other sessions connected to a QP of `s` go to ERR, with QP_FATAL to their owner.
   void fail_peers(const Session& s);
   /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
@@ -600,7 +628,8 @@ class Device : public transport::Receiver {
   /// local_check, completing the WQE with the error (QP to ERR) when it fails.
   bool local_side(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
   static Inbound inbound_of(const Qp& qp, const proto::SendWqe& w, uint64_t len);
-  /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error).
+  /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error);
+  /// for len 0 (proto::names_remote_memory), an MR with no memory whatever the rkey.
   const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                            uint32_t need_access) const;
   static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);

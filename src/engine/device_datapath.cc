@@ -20,6 +20,9 @@ using namespace vrdma::proto;
 
 namespace {
 
+/// What a zero-length WRITE or READ reaches: no chunk, no segment.
+const Mr kNoMemory{};
+
 /// Whether [off, off + len) of the MR lies in one chunk, i.e. in one mapping.
 bool in_one_chunk(const Mr& mr, uint64_t off, uint64_t len) {
   for (const MrChunk& c : mr.chunks) {
@@ -216,12 +219,14 @@ Qp* Device::local_responder(const Qp& from) {
 
 const Mr* Device::find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
                                  uint32_t need_access) const {
+  if ((to.attr.qp_access_flags & need_access) != need_access) return nullptr;
+  // A zero-length WRITE or READ: any rkey and address. No memory, so nothing is copied or held.
+  if (!names_remote_memory(len)) return &kNoMemory;
   auto it = to.guest->mrs.find(rkey);
   if (it == to.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
   if (mr->pd != to.pd || mr->owner != to.owner) return nullptr;
   if ((mr->access & need_access) != need_access) return nullptr;
-  if ((to.attr.qp_access_flags & need_access) != need_access) return nullptr;
   // Remote addresses are in the MR's iova space.
   if (addr < mr->iova || len > mr->length || addr - mr->iova > mr->length - len) return nullptr;
   return mr;

@@ -2,6 +2,8 @@
 // ibv_query_device reports is what the device really accepts.
 #pragma once
 
+#include <infiniband/verbs.h>
+
 #include <cstdint>
 
 #include "proto/ring.h"
@@ -24,5 +26,24 @@ inline constexpr uint32_t kPortMaxMtu = 5;  ///< IBV_MTU_4096
 inline constexpr uint32_t kMaxChannels = 1024;
 inline constexpr uint32_t kMaxSrq = 4096;
 inline constexpr uint32_t kMaxSegments = 65536;
+
+/// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND is harmless while the device has no memory
+/// windows; HUGETLB is a promise about the memory, not a request; RELAXED_ORDERING and the rest
+/// of the optional range are bits the verbs API lets a device ignore. Any other bit is EINVAL.
+inline constexpr uint32_t kMrAccessAccepted =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
+    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB | IBV_ACCESS_OPTIONAL_RANGE;
+/// Bits ibv_reg_mr refuses with EOPNOTSUPP: known, but not what this device does
+/// (zero-based addressing, on-demand paging; IBV_DEVICE_ON_DEMAND_PAGING is not advertised).
+inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED | IBV_ACCESS_ON_DEMAND;
+/// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones are enforced, MW_BIND and
+/// the MR-only bits are ignored (as hardware does), anything else is EINVAL.
+inline constexpr uint32_t kQpAccessAccepted = kMrAccessAccepted | kMrAccessUnsupported;
+
+/// Whether the responder looks up the rkey and checks [remote_addr, remote_addr + len) in it.
+/// A zero-length RDMA WRITE or READ names no memory: the IB spec lets it carry any rkey and
+/// address (UCX flushes with a 0-byte WRITE, rkey 0, address 0; rxe accepts it). The responder
+/// QP's access flags are still checked. Every executor of a request applies this rule.
+inline constexpr bool names_remote_memory(uint64_t len) { return len != 0; }
 
 }  // namespace vrdma::proto

@@ -40,6 +40,12 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     *bad = wr;
     return EINVAL;
   }
+  // A send queue of 0 (ibv_create_qp's max_send_wr = 0) takes nothing: full, as on hardware.
+  // The direct paths below would otherwise execute the WR without a slot.
+  if (qp->sq_size == 0 && wr) {
+    *bad = wr;
+    return ENOMEM;
+  }
   int rc = 0;
   qp->sq_lock.lock();
   // Peer on another backend, reached through its library (remote.cc).

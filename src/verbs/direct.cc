@@ -212,13 +212,18 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     }
     if (cap < len) return false;
     copy(local, remote, len);
-  } else if (len) {
+  } else {
+    // WRITE (with immediate) or READ. At length 0, any rkey and address (names_remote_memory).
     const uint32_t need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
     if ((g.peer_access & need) != need) return false;
-    if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))
-      return false;
-    if (op == IBV_WR_RDMA_READ) copy(remote, local, len);
-    else copy(local, remote, len);
+    if (names_remote_memory(len)) {
+      if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))
+        return false;
+      if (op == IBV_WR_RDMA_READ)
+        copy(remote, local, len);
+      else
+        copy(local, remote, len);
+    }
   }
   if (consumes) {
     g.peer_rq_hdr->consumer.store(rcons + 1, std::memory_order_release);

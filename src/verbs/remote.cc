@@ -733,14 +733,19 @@ bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
   return true;
 }
 
-/// [iova, iova + len) of the MR under `rkey`, in this process's memory, with `need` allowed by
-/// the MR and the QP.
-uint8_t* rkey_memory(VQp& qp, uint32_t rkey, uint64_t iova, uint64_t len, uint32_t need) {
+/// Whether the QP and the MR under `rkey` allow `need` on [iova, iova + len); `p` is then where
+/// that lies in this process's memory. A zero-length access names no memory
+/// (names_remote_memory): only the QP's access counts, and `p` stays null.
+bool rkey_memory(VQp& qp, uint32_t rkey, uint64_t iova, uint64_t len, uint32_t need, uint8_t*& p) {
+  p = nullptr;
+  if ((qp.access & need) != need) return false;
+  if (!names_remote_memory(len)) return true;
   LocalMr mr;
-  if ((qp.access & need) != need || !find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr) ||
-      (mr.access & need) != need || !in_range(mr.iova, mr.length, iova, len))
-    return nullptr;
-  return reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+  if (!find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr) || (mr.access & need) != need ||
+      !in_range(mr.iova, mr.length, iova, len))
+    return false;
+  p = reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+  return true;
 }
 
 // ---- receiving ----
@@ -963,23 +968,20 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     }
     case kWrite:
     case kWriteImm: {
-      if (f.len) {
-        uint8_t* p = rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_WRITE);
-        if (!p) {
-          send_nak(c, IBV_WC_REM_ACCESS_ERR);
-          c.discard = true;
-          c.left = f.len;
-          return Start::kGo;
-        }
-        c.dst[c.nd++] = MemSpan{p, f.len};
+      uint8_t* p;
+      if (!rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_WRITE, p)) {
+        send_nak(c, IBV_WC_REM_ACCESS_ERR);
+        c.discard = true;
+        c.left = f.len;
+        return Start::kGo;
       }
+      if (p) c.dst[c.nd++] = MemSpan{p, f.len};
       c.left = f.len;
       return Start::kGo;
     }
     case kRead: {
-      uint8_t* p =
-          f.len ? rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_READ) : nullptr;
-      if (f.len && !p) {
+      uint8_t* p;
+      if (!rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_READ, p)) {
         send_nak(c, IBV_WC_REM_ACCESS_ERR);
         return Start::kGo;
       }
@@ -995,9 +997,10 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     }
     case kCas:
     case kFaa: {
-      uint8_t* p = rkey_memory(qp, f.rkey, f.raddr, 8, IBV_ACCESS_REMOTE_ATOMIC);
+      uint8_t* p;
+      const bool ok = rkey_memory(qp, f.rkey, f.raddr, 8, IBV_ACCESS_REMOTE_ATOMIC, p);
       // Aligned in iova and in this process (split locks, as the backend's responder checks).
-      if (!p || (f.raddr & 7) || (reinterpret_cast<uintptr_t>(p) & 7)) {
+      if (!ok || (f.raddr & 7) || (reinterpret_cast<uintptr_t>(p) & 7)) {
         send_nak(c, p ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_REM_ACCESS_ERR);
         return Start::kGo;
       }

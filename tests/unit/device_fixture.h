@@ -43,6 +43,7 @@ struct MemV {
   MappedRegion map;
   RegMrResp mr{};
   uint64_t addr = 0;  ///< guest address of byte 0 (our mapping's address)
+  uint32_t seg = 0;   ///< the segment it lies in
   uint8_t* p() const { return map.data(); }
 };
 
@@ -147,6 +148,7 @@ class DeviceTest : public ::testing::Test {
     auto seg = g.dev->reg_segment(*g.s, RegSegmentReq{kMemBytes}, std::move(fd));
     EXPECT_TRUE(seg.is_ok()) << seg.status().message();
     m.addr = reinterpret_cast<uint64_t>(m.map.data());
+    m.seg = seg.value();
     auto mr = g.dev->reg_mr(*g.s, mr_req(g.pd, access, m.addr, kMemBytes, seg.value()));
     EXPECT_TRUE(mr.is_ok()) << mr.status().message();
     m.mr = mr.value();

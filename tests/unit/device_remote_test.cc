@@ -131,6 +131,25 @@ TEST_F(DeviceRemoteTest, BadRkeyIsARemoteAccessErrorAsOnOneHost) {
   EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
 }
 
+// A zero-length WRITE and READ with rkey 0 and address 0 through the transport: the responder
+// holds no memory for them and both complete with success, as on one host.
+TEST_F(DeviceRemoteTest, ZeroLengthWriteAndReadNeedNoKeyAcrossTheTransport) {
+  connect_both();
+  QpAttr a{};
+  a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_READ;
+  ASSERT_TRUE(modify(b_, qb_, IBV_QP_ACCESS_FLAGS, a));
+  post_rdma(qa_, 1, IBV_WR_RDMA_WRITE, 0, 0, 0, 0, 0);
+  post_rdma(qa_, 2, IBV_WR_RDMA_READ, 0, 0, 0, 0, 0);
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 2u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(tx[0].opcode, IBV_WC_RDMA_WRITE);
+  EXPECT_EQ(tx[1].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(tx[1].opcode, IBV_WC_RDMA_READ);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RTS);
+}
+
 TEST_F(DeviceRemoteTest, PeerGoneEndsInRetryExceededAfterTheBudget) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7
   loop_.up = false;

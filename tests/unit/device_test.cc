@@ -303,6 +303,109 @@ TEST_F(DeviceTest, OutOfRangeStateIsRejected) {
   EXPECT_EQ(state(a_, qa_), IBV_QPS_RESET);
 }
 
+// A zero-length RDMA WRITE, WRITE_WITH_IMM or READ names no memory: rkey 0, address 0 and a
+// 0-byte SGE with lkey 0 are fine (the IB spec; UCX flushes with such a WRITE). Both sides
+// complete with success and stay in RTS.
+TEST_F(DeviceTest, ZeroLengthRdmaNeedsNoKeyOrAddress) {
+  connect_both();
+  QpAttr a{};
+  a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_READ;
+  ASSERT_TRUE(modify(b_, qb_, IBV_QP_ACCESS_FLAGS, a));
+  post_recv(qb_, 0xb, mb_.addr, 64, mb_.mr.lkey);  // WRITE_WITH_IMM consumes one
+  post_rdma(qa_, 1, IBV_WR_RDMA_WRITE, 0, 0, 0, 0, 0);
+  post_rdma(qa_, 2, IBV_WR_RDMA_WRITE_WITH_IMM, 0, 0, 0, 0, 0);
+  post_rdma(qa_, 3, IBV_WR_RDMA_READ, 0, 0, 0, 0, 0);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 3u);
+  const uint32_t opcodes[] = {IBV_WC_RDMA_WRITE, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ};
+  for (size_t i = 0; i < tx.size(); ++i) {
+    EXPECT_EQ(tx[i].wr_id, i + 1);
+    EXPECT_EQ(tx[i].status, IBV_WC_SUCCESS) << "wr " << i + 1;
+    EXPECT_EQ(tx[i].opcode, opcodes[i]);
+    EXPECT_EQ(tx[i].byte_len, 0u);
+  }
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].opcode, IBV_WC_RECV_RDMA_WITH_IMM);
+  EXPECT_EQ(rx[0].byte_len, 0u);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_RTS);
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_RTS);
+}
+
+// ... but the responder QP's access flags still count (as rxe checks them): b's QP allows no
+// remote read.
+TEST_F(DeviceTest, ZeroLengthReadStillNeedsTheQpsRemoteReadAccess) {
+  connect_both();
+  post_rdma(qa_, 1, IBV_WR_RDMA_READ, 0, 0, 0, 0, 0);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
+}
+
+// A queue of 0 work requests is valid (a QP that only sends or only receives: qperf's one-way
+// tests); ibv_create_qp reports 0. Over the device's limit, the refusal names the field.
+TEST_F(DeviceTest, QueuesOfZeroAreValidAndRefusalsNameTheField) {
+  CqV c = cq(a_);
+  CreateQpReq req = qp_req(a_, c, c);
+  req.caps.max_send_wr = 0;
+  UniqueFd fd;
+  auto r = dev_.create_qp(*a_.s, req, fd);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->caps.max_send_wr, 0u);
+  EXPECT_EQ(r->caps.max_recv_wr, 8u);
+  req.caps.max_send_wr = 8;
+  req.caps.max_recv_wr = 0;
+  r = dev_.create_qp(*a_.s, req, fd);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(r->caps.max_send_wr, 8u);
+  EXPECT_EQ(r->caps.max_recv_wr, 0u);
+  req.caps.max_recv_wr = 70000;
+  ::testing::internal::CaptureStderr();
+  r = dev_.create_qp(*a_.s, req, fd);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(r.err(), EINVAL);
+  EXPECT_NE(log.find("warn: guest a (pid 4242): create_qp refused with EINVAL: max_recv_wr = "
+                     "70000 exceeds the device's 16384"),
+            std::string::npos)
+      << log;
+}
+
+// Every IBV_ACCESS_* bit a consumer may pass: MW_BIND (harmless without memory windows),
+// HUGETLB and the optional bits (RELAXED_ORDERING) are accepted on MRs and QPs; ZERO_BASED and
+// ON_DEMAND are not supported on MRs (EOPNOTSUPP); bits the API does not define are EINVAL.
+TEST_F(DeviceTest, AccessBitsAConsumerMayPassAreAccepted) {
+  EXPECT_TRUE(dev_.reg_mr(*a_.s, mr_req(a_.pd,
+                                        kAccess | IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB |
+                                            IBV_ACCESS_RELAXED_ORDERING,
+                                        ma_.addr, 4096, ma_.seg))
+                  .is_ok());
+  EXPECT_EQ(
+      dev_.reg_mr(*a_.s, mr_req(a_.pd, kAccess | IBV_ACCESS_ZERO_BASED, ma_.addr, 4096, ma_.seg))
+          .err(),
+      EOPNOTSUPP);
+  EXPECT_EQ(
+      dev_.reg_mr(*a_.s, mr_req(a_.pd, kAccess | IBV_ACCESS_ON_DEMAND, ma_.addr, 4096, ma_.seg))
+          .err(),
+      EOPNOTSUPP);
+  EXPECT_EQ(dev_.reg_mr(*a_.s, mr_req(a_.pd, kAccess | (1u << 12), ma_.addr, 4096, ma_.seg)).err(),
+            EINVAL);
+  QpAttr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
+                      IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING;
+  ASSERT_TRUE(
+      modify(a_, qa_, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, a));
+  EXPECT_EQ(dev_.query_qp(*a_.s, qa_.handle)->attr.qp_access_flags, a.qp_access_flags);
+  a = {};
+  a.qp_access_flags = kAccess | (1u << 12);
+  EXPECT_EQ(modify(a_, qa_, IBV_QP_ACCESS_FLAGS, a).err(), EINVAL);
+}
+
 TEST_F(DeviceTest, CloseSessionReclaimsEverything) {
   connect_both();
   auto t = totals();

@@ -19,14 +19,15 @@ class VerbsApi : public vrdma::test::VerbsFixture {
     return cq;
   }
 
-  ibv_qp* make_qp(ibv_cq* cq, uint32_t depth = 64, int sig_all = 0) {
+  /// An RC QP on `cq`, `depth` deep both ways unless `recv_depth` (>= 0) says otherwise.
+  ibv_qp* make_qp(ibv_cq* cq, uint32_t depth = 64, int sig_all = 0, int64_t recv_depth = -1) {
     ibv_qp_init_attr a{};
     a.send_cq = cq;
     a.recv_cq = cq;
     a.qp_type = IBV_QPT_RC;
     a.sq_sig_all = sig_all;
     a.cap.max_send_wr = depth;
-    a.cap.max_recv_wr = depth;
+    a.cap.max_recv_wr = recv_depth < 0 ? depth : static_cast<uint32_t>(recv_depth);
     a.cap.max_send_sge = 2;
     a.cap.max_recv_sge = 2;
     ibv_qp* qp = ibv_create_qp(pd_, &a);
@@ -80,6 +81,19 @@ class VerbsApi : public vrdma::test::VerbsFixture {
     wr.imm_data = htonl(imm);
     ibv_send_wr* bad = nullptr;
     return ibv_post_send(qp, &wr, &bad);
+  }
+
+  ibv_qp_state qp_state(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr qi{};
+    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_STATE, &qi), 0);
+    return a.qp_state;
+  }
+  ibv_qp_cap qp_caps(ibv_qp* qp) {
+    ibv_qp_attr a{};
+    ibv_qp_init_attr qi{};
+    EXPECT_EQ(ibv_query_qp(qp, &a, IBV_QP_CAP, &qi), 0);
+    return a.cap;
   }
 
   std::vector<uint8_t> rbuf_;  ///< backs rmr_
@@ -374,6 +388,90 @@ TEST_F(VerbsApi, RemoteAccessErrors) {
     EXPECT_EQ(q.qp_state, IBV_QPS_ERR) << c.what;
   }
   EXPECT_EQ(std::count(rbuf_.begin(), rbuf_.end(), 0), static_cast<long>(rbuf_.size()));
+}
+
+// A zero-length RDMA WRITE, WRITE_WITH_IMM or READ names no memory: rkey 0, address 0, and no
+// SGE or a 0-byte one with lkey 0, as UCX's flush posts it. Everything completes with success
+// and both QPs stay in RTS (on the direct path too: the suite runs again with it).
+TEST_F(VerbsApi, ZeroLengthRdmaNeedsNoKeyOrAddress) {
+  ibv_cq* cq = make_cq();
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
+  ASSERT_EQ(post_recv(b, 77, 0, 16), 0);
+  ibv_sge empty{0, 0, 0};
+  const ibv_wr_opcode ops[] = {IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_RDMA_READ,
+                               IBV_WR_RDMA_WRITE};
+  for (size_t i = 0; i < std::size(ops); ++i) {
+    ibv_send_wr wr{};
+    wr.wr_id = i + 1;
+    wr.opcode = ops[i];
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.sg_list = i % 2 ? &empty : nullptr;
+    wr.num_sge = i % 2 ? 1 : 0;
+    ibv_send_wr* bad = nullptr;
+    ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0) << "wr " << i + 1;
+  }
+  auto wcs = poll(cq, std::size(ops) + 1);
+  ASSERT_EQ(wcs.size(), std::size(ops) + 1);
+  for (const ibv_wc& wc : wcs) {
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "wr " << wc.wr_id;
+    EXPECT_EQ(wc.byte_len, 0u) << "wr " << wc.wr_id;
+    if (wc.wr_id == 77) {
+      EXPECT_EQ(wc.opcode, IBV_WC_RECV_RDMA_WITH_IMM);
+    }
+  }
+  EXPECT_EQ(qp_state(a), IBV_QPS_RTS);
+  EXPECT_EQ(qp_state(b), IBV_QPS_RTS);
+}
+
+// max_send_wr or max_recv_wr 0 makes a QP that only receives or only sends (qperf's one-way
+// tests): it is created, reports 0, a post to the empty queue fails with ENOMEM, and the
+// other direction works.
+TEST_F(VerbsApi, AQueueOfZeroIsValidAndAlwaysFull) {
+  ibv_cq* cq = make_cq();
+  ibv_qp* sender = make_qp(cq, 16, 0, 0);
+  ibv_qp* receiver = make_qp(cq, 0, 0, 16);
+  ASSERT_TRUE(sender && receiver);
+  EXPECT_EQ(qp_caps(sender).max_recv_wr, 0u);
+  EXPECT_GE(qp_caps(sender).max_send_wr, 16u);
+  EXPECT_EQ(qp_caps(receiver).max_send_wr, 0u);
+  EXPECT_GE(qp_caps(receiver).max_recv_wr, 16u);
+  connect(sender, receiver->qp_num);
+  connect(receiver, sender->qp_num);
+  EXPECT_EQ(post_recv(sender, 1, 0, 64), ENOMEM);
+  EXPECT_EQ(post_send(receiver, 2, 0, 8, IBV_SEND_SIGNALED), ENOMEM);
+  ASSERT_EQ(post_recv(receiver, 3, 0, 64), 0);
+  ASSERT_EQ(post_send(sender, 4, 64, 8, IBV_SEND_SIGNALED), 0);
+  auto wcs = poll(cq, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  for (const ibv_wc& wc : wcs) EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "wr " << wc.wr_id;
+}
+
+// Access bits a consumer may pass: MW_BIND (no memory windows yet, harmless), HUGETLB and
+// RELAXED_ORDERING on an MR, MW_BIND in a QP's access flags. ZERO_BASED is not supported.
+TEST_F(VerbsApi, AccessBitsAConsumerMayPassAreAccepted) {
+  std::vector<uint8_t> mem(4096);
+  ibv_mr* mr = ibv_reg_mr(pd_, mem.data(), mem.size(),
+                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_MW_BIND |
+                              IBV_ACCESS_HUGETLB | IBV_ACCESS_RELAXED_ORDERING);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  errno = 0;
+  EXPECT_EQ(ibv_reg_mr(pd_, mem.data(), mem.size(), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_ZERO_BASED),
+            nullptr);
+  EXPECT_EQ(errno, EOPNOTSUPP);
+  ibv_cq* cq = make_cq();
+  ibv_qp* qp = make_qp(cq);
+  ibv_qp_attr a{};
+  a.qp_state = IBV_QPS_INIT;
+  a.port_num = 1;
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | kRemote | IBV_ACCESS_MW_BIND;
+  ASSERT_EQ(
+      ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS),
+      0);
+  ibv_qp_attr q{};
+  ibv_qp_init_attr qi{};
+  ASSERT_EQ(ibv_query_qp(qp, &q, IBV_QP_ACCESS_FLAGS, &qi), 0);
+  EXPECT_EQ(q.qp_access_flags, a.qp_access_flags);
 }
 
 TEST_F(VerbsApi, DeregisteredMrIsNoLongerReachable) {
