@@ -1,5 +1,5 @@
 // A guest's device state as a blob, and back: what live migration and snapshots move.
-// The blob is CBOR (nlohmann::json), versioned by kStateVersion; fixed-layout structs the wire
+// The blob is CBOR (nlohmann::json), versioned by kStateVersion (proto/device_state.h); fixed-layout structs the wire
 // format already pins (QpAttr, QpCaps, SendWqe, QpCounters) travel as byte strings of their exact
 // size. Descriptors (memfds of segments, rings and control pages, the doorbell, pipe ends, the
 // guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
@@ -18,6 +18,7 @@
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
+#include "proto/device_state.h"
 
 namespace vrdma::engine {
 
@@ -26,14 +27,8 @@ using json = nlohmann::json;
 
 namespace {
 
-// History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob
-// imports with the owner unknown: backend/migrate.cc takes it from the guest's connection);
-// 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix).
-constexpr uint32_t kStateVersion = 3;
-/// sizeof(QpCounters) in a version 2 blob.
+/// sizeof(QpCounters) in a version 2 blob (proto/device_state.h: version 3 grew it at its end).
 constexpr size_t kCountersV2 = offsetof(QpCounters, replays);
-constexpr uint32_t kStateVersionOldest = 1;
-constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
 
 template <typename T>
 json bytes_of(const T& v) {

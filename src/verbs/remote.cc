@@ -72,8 +72,9 @@ namespace vrdma::verbs {
 
 using namespace vrdma::proto;
 
-// The library-to-library protocol (named, not anonymous: Conn and Hub hold these).
-namespace rwire {
+// The direct path's tuning and TLS types (named, not anonymous: Conn and Hub hold these). The
+// wire format itself is proto/direct_wire.h.
+namespace dlink {
 
 constexpr size_t kRxBuf = 64 * 1024;
 constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
@@ -97,23 +98,6 @@ constexpr int kClaimMs = 10;
 /// ~60 us on a 2-vCPU VM whose CPUs the spinning programs hold.
 constexpr uint64_t kHubSpinUs = 200;
 
-enum FType : uint8_t {
-  kSend = 1,
-  kSendImm = 2,
-  kWrite = 3,
-  kWriteImm = 4,
-  kRead = 5,
-  kCas = 6,
-  kFaa = 7,
-  kRewind = 8,  ///< requester, after kResume: its requests from the dropped one on follow
-  kAck = 16,
-  kNak = 17,
-  kReadResp = 18,
-  kAtomicResp = 19,
-  kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped
-  kResume = 21,  ///< a receive is posted: send them again
-};
-
 struct SslFree {
   void operator()(SSL* s) const noexcept { SSL_free(s); }
   void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
@@ -123,9 +107,10 @@ struct SslFree {
 using SslPtr = std::unique_ptr<SSL, SslFree>;
 using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
 
-}  // namespace rwire
+}  // namespace dlink
 
-using namespace rwire;
+using namespace dlink;
+using namespace proto::dwire;
 
 namespace {
 
@@ -151,14 +136,6 @@ uint64_t hub_spin_ns() {
   }
   return us * 1000;
 }
-
-/// Frames that travel with requests (to the responder), and those that answer them.
-bool request_dir(uint8_t t) { return t >= kSend && t <= kRewind; }
-bool response_dir(uint8_t t) { return t >= kAck && t <= kResume; }
-bool carries_data(uint8_t t) {
-  return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm;
-}
-bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || t == kWriteImm; }
 
 uint8_t frame_type(ibv_wr_opcode op) {
   switch (op) {
@@ -436,7 +413,7 @@ int psk_find(SSL* s, const unsigned char* idp, size_t idlen, SSL_SESSION** sess)
     return 1;
   }
   std::memcpy(&id, idp, sizeof(id));
-  if (id.magic != kMagic || id.version != kVersion) {
+  if (id.magic != kDirectMagic || id.version != kDirectVersion) {
     p->why = "a library of another version";
     return 1;
   }
@@ -1165,6 +1142,11 @@ bool drain(Conn& c, bool defer_ack) {
       c.beg += sizeof(Frame);
       c.rx = Conn::Rx::kStart;
       did = true;
+      if (const Status st = check_frame(c.f); !st.is_ok()) {  // a broken peer: a lost connection
+        ::shutdown(c.fd.get(), SHUT_RDWR);
+        broken(c, qp, st.message().c_str());
+        return true;
+      }
     }
     const bool req = request_dir(c.f.type);
     if (c.rx == Conn::Rx::kStart) {
@@ -1292,15 +1274,15 @@ bool answer_hello(Conn& c, const HelloAck& ack) {
 /// key came from, nothing else is done: the connection is refused and closed, unanswered.
 void accept_hello(Hub& h, Hub::Pending& p) {
   VContext& ctx = *h.ctx;
-  if (p.h.magic != kMagic || p.h.version != kVersion) {
-    refuse(h, p, "not a hello of this version");
+  if (const Status st = check_hello(p.h); !st.is_ok()) {
+    refuse(h, p, st.message().c_str());
     return;
   }
   if (!p.known || p.h.from_qpn != p.id.from_qpn || p.h.to_qpn != p.id.to_qpn) {
     refuse(h, p, "a hello for another QP pair than its key's");
     return;
   }
-  HelloAck ack{kMagic, EPERM, 0, 0};
+  HelloAck ack{kDirectMagic, EPERM, 0, 0};
   auto c = std::make_shared<Conn>();
   // Taken before the connection is published: the answer goes out before anything of ours.
   std::unique_lock<std::mutex> tx(c->tx_mu);
@@ -1727,7 +1709,7 @@ UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const ui
     return {};
   }
   SSL_set_connect_state(ssl.get());
-  const DialPsk psk{PskIdentity{kMagic, kVersion, hello.from_qpn, hello.to_qpn}, token};
+  const DialPsk psk{PskIdentity{kDirectMagic, kDirectVersion, hello.from_qpn, hello.to_qpn}, token};
   SSL_set_app_data(ssl.get(), const_cast<DialPsk*>(&psk));
   // Each step until it is done, waiting for what it asks; no read ahead until the hello's
   // answer is in (what follows it is the hub's to read, and epoll does not see the session).
@@ -1764,8 +1746,8 @@ UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const ui
     if (r <= 0) return {};  // refused: a hello the peer's hub does not know is not answered
     got += static_cast<size_t>(r);
   }
-  if (ack.magic != kMagic || ack.err != 0) {
-    errno = ack.err ? ack.err : EPROTO;
+  if (!check_hello_ack(ack).is_ok() || ack.err != 0) {
+    errno = ack.err > 0 && ack.err < 4096 ? ack.err : EPROTO;
     return {};
   }
   SSL_set_read_ahead(ssl.get(), 1);
@@ -1815,8 +1797,8 @@ bool connect_out(VQp& qp) {
   };
   std::shared_ptr<Conn> c = adoptable();
   if (!c) {
-    const Hello hello{kMagic,        kVersion,    qp.qp.qp_num,
-                      resp.peer_qpn, resp.my_lid, r.offered ? kTakesRequests : 0};
+    const Hello hello{kDirectMagic,  kDirectVersion, qp.qp.qp_num,
+                      resp.peer_qpn, resp.my_lid,    r.offered ? kTakesRequests : 0};
     uint32_t peer_lid = 0;
     SslPtr ssl;
     const char* why = nullptr;

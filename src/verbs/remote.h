@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "proto/command.h"
+#include "proto/direct_wire.h"
 #include "proto/ring.h"
 #include "verbs/direct.h"
 
@@ -30,66 +31,7 @@ struct VContext;
 struct Conn;
 struct Hub;
 
-// The library-to-library protocol (named, not anonymous: the structs below hold its frames).
-// Everything after the TCP connect travels inside TLS 1.3, authenticated by a key both libraries
-// derive from the offer's token (an external PSK, remote.cc): the token never travels.
-namespace rwire {
-
-constexpr uint32_t kMagic = 0x44524456;  // "VDRD"
-/// 3: 64-byte frames; 4: inside TLS 1.3 (external PSK), the hello without the token.
-constexpr uint32_t kVersion = 4;
-
-/// The PSK identity the dialer names in its TLS ClientHello: which QP pair, of which version.
-/// The key is HKDF-SHA256 of the offer's token, salted with kPskSalt, with these bytes as info.
-struct PskIdentity {
-  uint32_t magic, version;
-  uint32_t from_qpn, to_qpn;  ///< the dialer's QP, the acceptor's
-};
-static_assert(sizeof(PskIdentity) == 16);
-inline constexpr char kPskSalt[] = "vrdma direct path";
-/// The only cipher suite offered or taken: TLS_AES_128_GCM_SHA256 (its two code bytes).
-inline constexpr unsigned char kTlsCipher[2] = {0x13, 0x01};
-inline constexpr size_t kPskBytes = 32;  ///< the key: the suite's hash length
-
-constexpr uint32_t kTakesRequests = 1;  ///< Hello::flags: the dialer executes requests too
-
-/// The dialer's first message inside TLS; the acceptor answers with a HelloAck.
-struct Hello {
-  uint32_t magic, version;
-  uint32_t from_qpn, to_qpn;  ///< as in its PSK identity
-  uint32_t from_lid, flags;
-};
-static_assert(sizeof(Hello) == 24);
-struct HelloAck {
-  uint32_t magic;
-  int32_t err;
-  uint32_t lid;  ///< the acceptor's (the slid of receive completions on the dialer's side)
-  uint32_t reserved;
-};
-static_assert(sizeof(HelloAck) == 16);
-
-/// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
-/// 48 its fields take: behind a header of 1..63 bytes, the kernel's copy of a page-aligned
-/// payload into the socket runs ~3x slower (likely 4K aliasing in its rep movsb): +14 µs a
-/// 64 KiB round trip (BENCHMARKS.md, "64-byte frames").
-struct Frame {
-  uint8_t type;
-  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
-  uint16_t flags;  ///< requests: IBV_SEND_SOLICITED
-  uint32_t imm;    ///< as the WR gave it (network order)
-  uint32_t len;    ///< requests: message bytes (READ: asked for); kReadResp: its data
-  uint32_t rkey;
-  uint64_t raddr;
-  uint64_t arg0;  ///< atomics: compare/add; responses: requests executed so far
-  uint64_t arg1;  ///< kCas: swap; kAtomicResp: the value before
-  /// Requests: how many of the receiver's requests the sender has executed (an ACK riding on
-  /// the other direction's traffic, cumulative).
-  uint64_t ack;
-  uint8_t pad[16];  ///< zero
-};
-static_assert(sizeof(Frame) == 64);
-
-}  // namespace rwire
+// The library-to-library protocol is proto/direct_wire.h (proto::dwire).
 
 /// A WR of the requester, from its post to its completion, oldest first. It keeps what it
 /// takes to send its request again: a responder that found no receive drops it and what
@@ -105,7 +47,7 @@ struct Inflight {
   int status = IBV_WC_SUCCESS;
   uint8_t nl = 0;  ///< spans in `local`: its data (SEND, WRITE), or where the answer goes
   MemSpan local[proto::kMaxSge];
-  rwire::Frame f{};  ///< its request, but for the riding ACK
+  proto::dwire::Frame f{};  ///< its request, but for the riding ACK
   uint8_t inl_data[proto::kMaxInline];
 };
 

@@ -112,7 +112,7 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
-WIRE_VERSION = 2  # kWireVersion
+WIRE_VERSION = 3  # kWireVersion
 
 
 def frame(t, body, payload=b""):
@@ -144,12 +144,32 @@ wire = {
     "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
     "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
         request(READ, 64) + request(FADD, 8) + request(SEND, 4, b"abcd", qp_type=4),
-    "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4),
+    "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4) +
+        reply(5),
     "seed-direct-offers": hello_f + direct_offer(0x12, 0x11, 40000) +
         direct_offer(0xffffff, 0x11, 1, is_global=1),
 }
 
-for name, files in (("command", command), ("ring", ring), ("wire", wire)):
+# ---- direct_wire fuzzer: what a peer library sends (src/proto/direct_wire.h): a Hello, then
+# 64-byte frames, data after those that carry some.
+DIRECT_MAGIC, DIRECT_VERSION = 0x44524456, 4  # kDirectMagic, kDirectVersion
+
+
+def dframe(t, length=0, status=0, flags=0, data=b""):
+    return struct.pack("<BBHIIIQQQQ", t, status, flags, 0, length, 0x1234, 0x1000, 1, 0, 0) + \
+        bytes(16) + data
+
+
+dhello = struct.pack("<IIIIII", DIRECT_MAGIC, DIRECT_VERSION, 0x11, 0x12, 3, 1)
+direct_wire = {
+    "seed-requests": dhello + dframe(1, 8, data=b"s" * 8) + dframe(3, 4, data=b"wwww") +
+        dframe(5, 64) + dframe(6, 8) + dframe(7, 8) + dframe(8) + dframe(2, 1, flags=1, data=b"i"),
+    "seed-responses": dhello + dframe(16) + dframe(17, status=10) + dframe(18, 4) + dframe(19) +
+        dframe(20) + dframe(21),
+}
+
+for name, files in (("command", command), ("ring", ring), ("wire", wire),
+                    ("direct_wire", direct_wire)):
     d = os.path.join(HERE, "corpus", name)
     os.makedirs(d, exist_ok=True)
     for f, data in files.items():

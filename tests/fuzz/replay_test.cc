@@ -13,6 +13,7 @@ namespace vrdma::fuzz {
 int fuzz_command(const uint8_t* data, size_t size);
 int fuzz_ring(const uint8_t* data, size_t size);
 int fuzz_wire(const uint8_t* data, size_t size);
+int fuzz_direct_wire(const uint8_t* data, size_t size);
 
 namespace {
 
@@ -32,6 +33,7 @@ void replay(const char* name, int (*target)(const uint8_t*, size_t)) {
 TEST(FuzzReplay, CommandCorpus) { replay("command", fuzz_command); }
 TEST(FuzzReplay, RingCorpus) { replay("ring", fuzz_ring); }
 TEST(FuzzReplay, WireCorpus) { replay("wire", fuzz_wire); }
+TEST(FuzzReplay, DirectWireCorpus) { replay("direct_wire", fuzz_direct_wire); }
 
 }  // namespace
 }  // namespace vrdma::fuzz

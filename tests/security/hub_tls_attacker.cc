@@ -28,7 +28,7 @@
 
 namespace {
 
-using namespace vrdma::verbs::rwire;
+using namespace vrdma::proto::dwire;
 
 [[noreturn]] void die(int rc, const std::string& what) {
   std::fprintf(stderr, "hub_tls_attacker: %s\n", what.c_str());
@@ -53,7 +53,7 @@ int plain(int fd, uint32_t to_qpn, uint32_t from_qpn) {
   struct {
     uint32_t magic, version, from_qpn, to_qpn, from_lid, flags;
     uint8_t token[16];
-  } h{kMagic, 3, from_qpn, to_qpn, 0, kTakesRequests, {}};
+  } h{kDirectMagic, 3, from_qpn, to_qpn, 0, kTakesRequests, {}};
   RAND_bytes(h.token, sizeof(h.token));
   if (::send(fd, &h, sizeof(h), MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(h)))
     die(2, std::string("send: ") + std::strerror(errno));
@@ -80,7 +80,7 @@ int use_psk(SSL* s, const EVP_MD*, const unsigned char** id, size_t* idlen, SSL_
 }
 
 int psk(int fd, uint32_t to_qpn, uint32_t from_qpn) {
-  g_id = PskIdentity{kMagic, kVersion, from_qpn, to_qpn};
+  g_id = PskIdentity{kDirectMagic, kDirectVersion, from_qpn, to_qpn};
   RAND_bytes(g_key, sizeof(g_key));  // not derived from the offer's token: the attacker lacks it
   SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
   if (!ctx || SSL_CTX_set_min_proto_version(ctx, TLS1_3_VERSION) != 1 ||

@@ -1,0 +1,19 @@
+// The device-state blob (a guest's device, as live migration, snapshots and keep_state move it):
+// its magic and version. The blob itself is CBOR built and checked by engine/device_state.cc;
+// fixed-layout structs pinned elsewhere in proto/ (QpAttr, QpCaps, SendWqe) and the engine's
+// QpCounters travel in it as byte strings of their exact size.
+// History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob
+// imports with the owner unknown: backend/migrate.cc takes it from the guest's connection);
+// 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix).
+// An importer takes every version from kStateVersionOldest to kStateVersion.
+#pragma once
+
+#include <cstdint>
+
+namespace vrdma::proto {
+
+inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
+inline constexpr uint32_t kStateVersion = 3;
+inline constexpr uint32_t kStateVersionOldest = 1;
+
+}  // namespace vrdma::proto
