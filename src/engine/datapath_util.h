@@ -2,9 +2,8 @@
 // set-up. Internal to the engine.
 #pragma once
 
-#include <infiniband/verbs.h>
-
 #include <fcntl.h>
+#include <infiniband/verbs.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -14,6 +13,7 @@
 #include "common/guest_fault.h"
 #include "common/rdma_atomic.h"
 #include "engine/device.h"
+#include "proto/responder_rules.h"
 
 namespace vrdma::engine {
 
@@ -115,12 +115,8 @@ inline bool in_spans(std::span<const Span> spans, uintptr_t addr) {
 }
 
 inline bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
-inline bool is_write(uint32_t op) {
-  return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM;
-}
-inline bool is_atomic(uint32_t op) {
-  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
-}
+inline bool is_write(uint32_t op) { return proto::is_rdma_write(op); }
+inline bool is_atomic(uint32_t op) { return proto::is_rdma_atomic(op); }
 inline bool has_imm(uint32_t op) {
   return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM;
 }

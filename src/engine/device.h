@@ -191,6 +191,7 @@ struct Qp {
   uint64_t ack_progress = 0;
   uint64_t ack_moved_ns = 0;  ///< when the ACK timer last saw the connection move
   bool ack_looked = false;    ///< ack_progress and ack_moved_ns are set (this wait)
+  bool ack_deferred = false;  ///< this timeout waited once for input not yet read
   /// Names its frames in the transport's queue (Transport::send's flow), so that they can be
   /// taken back when it fails or goes; unique in this backend's life.
   uint64_t flow = 0;
@@ -628,10 +629,9 @@ class Device : public transport::Receiver {
   /// local_check, completing the WQE with the error (QP to ERR) when it fails.
   bool local_side(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
   static Inbound inbound_of(const Qp& qp, const proto::SendWqe& w, uint64_t len);
-  /// The responder's MR for an rkey access of [addr, addr+len), or null (remote access error);
-  /// for len 0 (proto::names_remote_memory), an MR with no memory whatever the rkey.
-  const Mr* find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
-                           uint32_t need_access) const;
+  /// The MR under an rkey of the responder QP's guest, PD and session, or null. What it allows
+  /// is proto::check_remote_request's to say.
+  const Mr* rkey_mr(const Qp& to, uint32_t rkey) const;
   static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);
   /// Executes up to `budget` WQEs of the SQ (decremented per WQE).
   bool process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget);

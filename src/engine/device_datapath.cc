@@ -217,19 +217,11 @@ Qp* Device::local_responder(const Qp& from) {
   return to->remote || to->route_pending ? nullptr : to;
 }
 
-const Mr* Device::find_remote_mr(const Qp& to, uint32_t rkey, uint64_t addr, uint64_t len,
-                                 uint32_t need_access) const {
-  if ((to.attr.qp_access_flags & need_access) != need_access) return nullptr;
-  // A zero-length WRITE or READ: any rkey and address. No memory, so nothing is copied or held.
-  if (!names_remote_memory(len)) return &kNoMemory;
+const Mr* Device::rkey_mr(const Qp& to, uint32_t rkey) const {
   auto it = to.guest->mrs.find(rkey);
   if (it == to.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
-  if (mr->pd != to.pd || mr->owner != to.owner) return nullptr;
-  if ((mr->access & need_access) != need_access) return nullptr;
-  // Remote addresses are in the MR's iova space.
-  if (addr < mr->iova || len > mr->length || addr - mr->iova > mr->length - len) return nullptr;
-  return mr;
+  return mr->pd == to.pd && mr->owner == to.owner ? mr : nullptr;
 }
 
 void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out) {
@@ -494,17 +486,18 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
       return out;
     }
   }
-  // Remote memory for WRITE, READ and atomics: rkey in the responder's namespace and PD, the
-  // MR's and the responder QP's access flags, bounds in iova space.
+  // Remote memory for WRITE, READ and atomics: the rkey in the responder's namespace, PD and
+  // session, then the rules every executor applies (proto/responder_rules.h). A zero-length
+  // WRITE or READ reaches no memory (kNoMemory) whatever its rkey.
   if (!is_send(op)) {
-    const uint32_t need = is_write(op)              ? IBV_ACCESS_REMOTE_WRITE
-                          : op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ
-                                                   : IBV_ACCESS_REMOTE_ATOMIC;
-    out.mr = find_remote_mr(to, in.rkey, in.remote_addr, in.len, need);
-    if (!out.mr)
-      return nak(IBV_WC_REM_ACCESS_ERR, "remote access error (rkey, bounds or access)");
-    if (is_atomic(op) && (in.remote_addr & 7))
-      return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned address");
+    const Mr* mr = rkey_mr(to, in.rkey);
+    const RemoteMrView view =
+        mr ? RemoteMrView{true, mr->access, mr->iova, mr->length} : RemoteMrView{};
+    const char* why = nullptr;
+    const ibv_wc_status st =
+        check_remote_request(op, to.attr.qp_access_flags, in.remote_addr, in.len, view, &why);
+    if (st != IBV_WC_SUCCESS) return nak(st, why);
+    out.mr = is_atomic(op) || names_remote_memory(in.len) ? mr : &kNoMemory;
     // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
     // mappings, and one CPU atomic on the first would run past its end.
     if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))

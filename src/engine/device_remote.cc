@@ -187,6 +187,15 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   // bytes, TCP's own recovery and the RTT: while the connection moves (the peer acknowledges
   // our bytes or sends its own), that is not the peer failing to answer, and a replay would
   // only queue duplicates behind the same bytes.
+  // Input from the peer that is not read yet may hold the answer (a backend that was not
+  // scheduled sees its timers first): read it, then judge, 1 ms later. Once per timeout, so
+  // traffic that never answers this QP cannot keep it waiting.
+  if (!qp.ack_deferred && transport_->rx_pending(qp.peer_node)) {
+    qp.ack_deferred = true;
+    qp.wait_until_ns = now_ns + 1000000;
+    return false;
+  }
+  qp.ack_deferred = false;
   const Qp::Outstanding& front = qp.unacked.front();
   const bool in_pipe = front.mark.conn != 0 &&
                        !transport_->tx_delivered(qp.peer_node, front.mark) &&
@@ -256,6 +265,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   }
   if (!progress) return;
   qp.ack_looked = false;
+  qp.ack_deferred = false;
   qp.not_ready_since_ns = 0;
   // The message probing after an RNR wait got through: the rest of the window follows it (the
   // responder dropped them as a gap, or as not ready).

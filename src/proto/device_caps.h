@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "proto/responder_rules.h"  // (names_remote_memory, which callers took from here)
 #include "proto/ring.h"
 
 namespace vrdma::proto {
@@ -39,11 +40,5 @@ inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED | IBV_ACC
 /// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones are enforced, MW_BIND and
 /// the MR-only bits are ignored (as hardware does), anything else is EINVAL.
 inline constexpr uint32_t kQpAccessAccepted = kMrAccessAccepted | kMrAccessUnsupported;
-
-/// Whether the responder looks up the rkey and checks [remote_addr, remote_addr + len) in it.
-/// A zero-length RDMA WRITE or READ names no memory: the IB spec lets it carry any rkey and
-/// address (UCX flushes with a 0-byte WRITE, rkey 0, address 0; rxe accepts it). The responder
-/// QP's access flags are still checked. Every executor of a request applies this rule.
-inline constexpr bool names_remote_memory(uint64_t len) { return len != 0; }
 
 }  // namespace vrdma::proto

@@ -105,6 +105,10 @@ class Transport {
   /// answering: the path's round trip and its variation as TCP measures them (TCP's own
   /// retransmission timeout without its floor), in ns; 0 without a connection.
   virtual uint64_t tx_patience_ns(const std::string& node) = 0;
+  /// True when bytes from `node` have arrived that this backend has not read yet (in the
+  /// socket, or buffered here): an answer may be among them. (A backend that was not scheduled
+  /// for a while sees its timers before it reads what came meanwhile.)
+  virtual bool rx_pending(const std::string& node) = 0;
   /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
   virtual void announce(const GuestInfo& g, bool up) = 0;
   /// The IPv4 address (network order) of the connection to `node`, as its socket's peer: where

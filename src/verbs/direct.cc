@@ -213,8 +213,10 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     if (cap < len) return false;
     copy(local, remote, len);
   } else {
-    // WRITE (with immediate) or READ. At length 0, any rkey and address (names_remote_memory).
-    const uint32_t need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
+    // WRITE (with immediate) or READ, by the responder's rules (proto/responder_rules.h): the
+    // peer QP's access, and at length 0 nothing more. Whatever fails is left to the backend,
+    // which applies the same rules and reports the status.
+    const uint32_t need = remote_access_needed(op);
     if ((g.peer_access & need) != need) return false;
     if (names_remote_memory(len)) {
       if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))

@@ -710,19 +710,20 @@ bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
   return true;
 }
 
-/// Whether the QP and the MR under `rkey` allow `need` on [iova, iova + len); `p` is then where
-/// that lies in this process's memory. A zero-length access names no memory
-/// (names_remote_memory): only the QP's access counts, and `p` stays null.
-bool rkey_memory(VQp& qp, uint32_t rkey, uint64_t iova, uint64_t len, uint32_t need, uint8_t*& p) {
+/// The responder's rules (proto/responder_rules.h) for a WRITE, READ or atomic (`op`) of `len`
+/// bytes at `iova` under `rkey`, against this process's MRs: IBV_WC_SUCCESS and in `p` where
+/// that lies here (null when it names no memory), or the status the requester gets.
+ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, uint64_t len,
+                          uint8_t*& p) {
   p = nullptr;
-  if ((qp.access & need) != need) return false;
-  if (!names_remote_memory(len)) return true;
   LocalMr mr;
-  if (!find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr) || (mr.access & need) != need ||
-      !in_range(mr.iova, mr.length, iova, len))
-    return false;
-  p = reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
-  return true;
+  RemoteMrView view;
+  if (find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr))
+    view = RemoteMrView{true, mr.access, mr.iova, mr.length};
+  const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
+  if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op)))
+    p = reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+  return st;
 }
 
 // ---- receiving ----
@@ -946,8 +947,9 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     case kWrite:
     case kWriteImm: {
       uint8_t* p;
-      if (!rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_WRITE, p)) {
-        send_nak(c, IBV_WC_REM_ACCESS_ERR);
+      if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_WRITE, f.rkey, f.raddr, f.len, p);
+          st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
         c.discard = true;
         c.left = f.len;
         return Start::kGo;
@@ -958,8 +960,9 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     }
     case kRead: {
       uint8_t* p;
-      if (!rkey_memory(qp, f.rkey, f.raddr, f.len, IBV_ACCESS_REMOTE_READ, p)) {
-        send_nak(c, IBV_WC_REM_ACCESS_ERR);
+      if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_READ, f.rkey, f.raddr, f.len, p);
+          st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
         return Start::kGo;
       }
       Frame a{};
@@ -975,10 +978,12 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     case kCas:
     case kFaa: {
       uint8_t* p;
-      const bool ok = rkey_memory(qp, f.rkey, f.raddr, 8, IBV_ACCESS_REMOTE_ATOMIC, p);
-      // Aligned in iova and in this process (split locks, as the backend's responder checks).
-      if (!ok || (f.raddr & 7) || (reinterpret_cast<uintptr_t>(p) & 7)) {
-        send_nak(c, p ? IBV_WC_REM_INV_REQ_ERR : IBV_WC_REM_ACCESS_ERR);
+      const uint32_t op = f.type == kFaa ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+      ibv_wc_status st = rkey_memory(qp, op, f.rkey, f.raddr, 8, p);
+      // Aligned where it lies in this process too (split locks, as the backend checks).
+      if (st == IBV_WC_SUCCESS && (reinterpret_cast<uintptr_t>(p) & 7)) st = IBV_WC_REM_INV_REQ_ERR;
+      if (st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
         return Start::kGo;
       }
       const uint64_t old =

@@ -42,6 +42,9 @@ impaired_hosts_init() {
   ip netns exec "$(host_ns 0)" "$impair" --a p1 --b p2 --control "$IMPAIR_CTL" "$@" \
     >"$E2E_TMP/impair.out" 2>&1 &
   IMPAIR_PID=$!
+  # The impairer is the network: a link does not wait for a CPU. Real-time (it sleeps in
+  # epoll between frames), so a loaded machine delays the programs under test, not the wire.
+  chrt -f -p 10 "$IMPAIR_PID" 2>/dev/null || log "impair runs at normal priority (chrt failed)"
   local k
   for ((k = 0; k < 100; k++)); do
     grep -qs "forwarding p1 <-> p2" "$E2E_TMP/impair.out" && break

@@ -326,6 +326,20 @@ TEST_F(DeviceRemoteTest, APeerQpThatNeverGetsReadyFailsAfterTheTransportBudget) 
   EXPECT_LT(waited, 700'000'000u);
 }
 
+TEST_F(DeviceRemoteTest, UnreadInputIsReadBeforeATimeoutIsJudged) {
+  connect_both();  // timeout 14 (~67 ms)
+  loop_.conn = 1;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  loop_.pending = true;  // the backend slept: bytes from the peer wait in the socket
+  now_ += 70'000'000;
+  dev_.poll(now_);
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);  // read first
+  now_ += 1'000'000;
+  dev_.poll(now_);  // still nothing for it: judged now (once per timeout, not for ever)
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+}
+
 TEST_F(DeviceRemoteTest, ALongPathIsNotAPeerThatDoesNotAnswer) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s of budget
   loop_.conn = 1;

@@ -417,6 +417,15 @@ uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
   return (uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar}) * 1000;
 }
 
+bool TcpTransport::rx_pending(const std::string& node) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return false;
+  const Conn& c = *it->second;
+  if (c.rpos != c.rend || (c.tls && c.tls->has_buffered())) return true;
+  int inq = 0;
+  return ::ioctl(c.fd.get(), SIOCINQ, &inq) == 0 && inq > 0;
+}
+
 uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
   auto it = by_node_.find(node);
   return it == by_node_.end() ? 0 : ipv4_of(it->second->fd.get(), ::getpeername);
