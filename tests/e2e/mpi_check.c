@@ -1,10 +1,12 @@
 /* An Open MPI job of 2 ranks that checks what it moved: a ping-pong of growing messages (rank
  * 1 returns each one with every byte incremented) and an MPI_Allreduce of per-rank vectors.
- * Prints "mpi_check: ok" on rank 0 and exits 0 when both are right; built by mpi_ucx.sh. */
+ * Prints "mpi_check: ok" on rank 0 and exits 0 when both are right, then each rank the time its
+ * MPI_Finalize took; built by mpi_ucx.sh. */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int ping_pong(int rank) {
   enum { kMax = 1 << 20, kRounds = 20 };
@@ -45,8 +47,8 @@ static int allreduce(int rank, int size) {
   const long factor = (long)size * (size + 1) / 2; /* sum of rank + 1 */
   for (int i = 0; i < kCount; ++i) {
     if (out[i] != (long)i * factor) {
-      fprintf(stderr, "mpi_check: rank %d: allreduce element %d is %ld, not %ld\n", rank, i,
-              out[i], (long)i * factor);
+      fprintf(stderr, "mpi_check: rank %d: allreduce element %d is %ld, not %ld\n", rank, i, out[i],
+              (long)i * factor);
       bad = 1;
       break;
     }
@@ -71,6 +73,13 @@ int main(int argc, char** argv) {
   int any_bad = 0;
   MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   if (rank == 0 && !any_bad) printf("mpi_check: ok\n");
+  fflush(stdout);
+  /* How long MPI_Finalize takes: a transport that waits for retries shows here (seconds). */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
   MPI_Finalize();
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  printf("mpi_check: rank %d finalize %.3f s\n", rank,
+         (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
   return any_bad;
 }
