@@ -27,35 +27,36 @@ declare -A UCX_ENV=(
   [sysv]="UCX_TLS=sysv,self"
   [tcp]="UCX_TLS=tcp,self UCX_NET_DEVICES=lo"
 )
-# test, its arguments, the column of ucx_perftest's "Final:" row to report, the unit.
+# test, its arguments, the column of ucx_perftest's "Final:" row to report (typical latency,
+# average bandwidth, average message rate), its divisor, the unit.
 TESTS=(
-  "tag_lat|-s 8 -n 20000|3|µs one-way (typical)"
-  "tag_lat|-s 65536 -n 5000|3|µs one-way (typical)"
-  "tag_bw|-s 8 -n 200000|8|messages/s"
-  "tag_bw|-s 65536 -n 20000|6|MB/s"
+  "tag_lat|-s 8 -n 20000|3|1|µs one-way (typical)"
+  "tag_lat|-s 65536 -n 5000|3|1|µs one-way (typical)"
+  "tag_bw|-s 8 -n 200000|8|1000000|million messages/s"
+  "tag_bw|-s 65536 -n 20000|6|1|MB/s"
 )
 
-# Runs one ucx_perftest pair on transport $1 with ARGS...; prints the value in column $2.
+# Runs one ucx_perftest pair on transport $1 with ARGS...; prints the value in column $2 / $3.
 measure() {
-  local tl=$1 col=$2
-  shift 2
+  local tl=$1 col=$2 div=$3
+  shift 3
   (
     # shellcheck disable=SC2086,SC2163  # UCX_ENV holds NAME=VALUE words on purpose
     export ${UCX_ENV[$tl]}
     run_perftest ucx_perftest "$@"
   ) || return 0
-  grep -E '^Final:' "$E2E_TMP/ucx_perftest.client.out" | awk -v c="$col" '{print $c}'
+  grep -E '^Final:' "$E2E_TMP/ucx_perftest.client.out" | awk -v c="$col" -v d="$div" '{printf "%.2f\n", $c / d}'
 }
 
 echo "| date | machine | test | runs | vrdma rc_verbs | UCX posix | UCX sysv | UCX tcp (lo) | best UCX-own / vrdma |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for t in "${TESTS[@]}"; do
-  IFS='|' read -r test args col unit <<<"$t"
+  IFS='|' read -r test args col div unit <<<"$t"
   read -ra argv <<<"$args"
   declare -A vals=()
   for ((r = 1; r <= RUNS; r++)); do
     for tl in "${TRANSPORTS[@]}"; do
-      v="$(measure "$tl" "$col" -t "$test" "${argv[@]}")"
+      v="$(measure "$tl" "$col" "$div" -t "$test" "${argv[@]}")"
       [[ -n $v ]] || fail "$tl $test $args: no Final row"
       vals[$tl]+="$v "
     done
