@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cli/cluster.h"
+#include "cli/device_view.h"
 #include "cli/show.h"
 #include "common/paths.h"
 #include "common/socket.h"
@@ -103,7 +104,13 @@ void set_env(const char* name, const std::string& value) {
   }
 }
 
-int cmd_run(const std::optional<std::string>& guest, const std::string& socket_opt,
+/// False when `--no-view` or VRDMA_VIEW=0 asks `vrdma run` to leave the program's mounts alone.
+bool view_wanted(bool no_view) {
+  const char* e = std::getenv("VRDMA_VIEW");
+  return !no_view && !(e && std::string_view(e) == "0");
+}
+
+int cmd_run(const std::optional<std::string>& guest, const std::string& socket_opt, bool no_view,
             const std::vector<std::string>& command) {
   if (command.empty()) {
     fmt::print(stderr, "vrdma run: no command given (usage: vrdma run [options] -- CMD ARGS...)\n");
@@ -135,6 +142,15 @@ int cmd_run(const std::optional<std::string>& guest, const std::string& socket_o
 
   if (!ensure_backend(socket_path())) {
     return 1;
+  }
+  if (auto name = guest_name(); name.is_ok() && view_wanted(no_view)) {
+    if (const std::string missing = provide_device_view(name.value()); !missing.empty()) {
+      fmt::print(stderr,
+                 "vrdma run: no /dev/infiniband/uverbs0 or /sys/class/infiniband for the program "
+                 "({}): UCX and Open MPI will not find vrdma0, libibverbs-based tools still do "
+                 "(they read sysfs under SYSFS_PATH); --no-view or VRDMA_VIEW=0 skips this\n",
+                 missing);
+    }
   }
 
   std::vector<char*> argv;
@@ -524,6 +540,9 @@ int main_impl(int argc, char** argv) {
   run->add_option("--guest", guest,
                   "guest name (sets VRDMA_GUEST; default: one per process group)");
   run->add_option("--socket", run_socket, "backend socket (sets VRDMA_SOCKET)");
+  bool no_view = false;
+  run->add_flag("--no-view", no_view,
+                "no /dev/infiniband/uverbs0 and sysfs view for the program (as VRDMA_VIEW=0)");
   run->footer("Everything after -- (or from the first non-option argument) is the command.");
 
   std::string backend_socket;
@@ -618,7 +637,7 @@ int main_impl(int argc, char** argv) {
   }
 
   if (*run) {
-    return cmd_run(run->count("--guest") ? std::optional(guest) : std::nullopt, run_socket,
+    return cmd_run(run->count("--guest") ? std::optional(guest) : std::nullopt, run_socket, no_view,
                    command);
   }
   if (*backend) {
