@@ -248,7 +248,16 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
   ControlPage* cp = s->control_page();
   cp->magic = kRingMagic;
   cp->version = kRingVersion;
-  cp->features = (direct_ ? kFeatureDirect : 0) | (direct_remote_ ? kFeatureDirectRemote : 0);
+  cp->features =
+      (direct_ ? kFeatureDirect : 0) | (direct_remote_ ? kFeatureDirectRemote : 0) | kFeatureLimits;
+  cp->limits = GuestLimits{quotas_.max_queue_depth,
+                           quotas_.max_qps,
+                           quotas_.max_cqs,
+                           quotas_.max_srqs,
+                           quotas_.max_mrs,
+                           quotas_.max_pds,
+                           static_cast<uint32_t>(quotas_.max_mr_bytes),
+                           static_cast<uint32_t>(quotas_.max_mr_bytes >> 32)};
   cp->backend_sleeping.store(0);
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");

@@ -150,17 +150,30 @@ static_assert(sizeof(Cqe) == 48);
 inline constexpr uint32_t kFeatureDirect = 1;  ///< the backend grants the direct path (kDirectGrant)
 /// ... and across backends (kDirectOffer, kDirectRemote)
 inline constexpr uint32_t kFeatureDirectRemote = 2;
+/// ControlPage::limits holds the guest's quotas (a backend without it leaves them zero).
+inline constexpr uint32_t kFeatureLimits = 4;
+
+/// The guest's quotas (the backend's [quotas]), so that ibv_query_device reports what the
+/// device really accepts from this guest: 0 means no limit beyond the device's caps.
+struct GuestLimits {
+  uint32_t max_queue_depth;
+  uint32_t max_qps, max_cqs, max_srqs, max_mrs, max_pds;
+  uint32_t max_mr_bytes_lo, max_mr_bytes_hi;  ///< registered bytes, over all its MRs
+};
+static_assert(sizeof(GuestLimits) == 32);
 
 struct alignas(64) ControlPage {
   uint32_t magic;
   uint16_t version;
   uint16_t reserved;
-  uint32_t features;  ///< kFeature* bits the backend offers this session
-  uint8_t pad0[52];
+  uint32_t features;   ///< kFeature* bits the backend offers this session
+  GuestLimits limits;  ///< kFeatureLimits (added in the former padding: same version)
+  uint8_t pad0[20];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
   uint8_t pad1[60];
 };
 static_assert(sizeof(ControlPage) == 128);
+static_assert(offsetof(ControlPage, backend_sleeping) == 64);
 
 /// A guest's epoch (direct path): the backend bumps it whenever something of the guest that a
 /// direct grant relies on changes (a QP is modified or destroyed or fails, an MR goes, a session

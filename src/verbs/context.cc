@@ -265,6 +265,24 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   a.max_pkeys = 1;
   a.local_ca_ack_delay = 0;
   a.phys_port_cnt = 1;
+  // What this guest may really create: the device's caps, or its quotas where lower (a CQ of
+  // the advertised max_cqe must be created, not refused with ENOMEM).
+  const ControlPage* cp = ctx.control_page();
+  if (!cp || !(cp->features & kFeatureLimits)) return;
+  const GuestLimits& l = cp->limits;
+  auto cap = [](auto& field, uint64_t quota) {
+    if (quota != 0 && quota < static_cast<uint64_t>(field))
+      field = static_cast<std::remove_reference_t<decltype(field)>>(quota);
+  };
+  cap(a.max_qp_wr, l.max_queue_depth);
+  cap(a.max_cqe, l.max_queue_depth);
+  cap(a.max_srq_wr, l.max_queue_depth);
+  cap(a.max_qp, l.max_qps);
+  cap(a.max_cq, l.max_cqs);
+  cap(a.max_srq, l.max_srqs);
+  cap(a.max_mr, l.max_mrs);
+  cap(a.max_pd, l.max_pds);
+  cap(a.max_mr_size, uint64_t{l.max_mr_bytes_hi} << 32 | l.max_mr_bytes_lo);
 }
 
 }  // namespace vrdma::verbs
@@ -304,6 +322,8 @@ int vrdma_query_device_ex(ibv_context* c, const ibv_query_device_ex_input* input
   if (attr_size < sizeof(ibv_device_attr)) return EINVAL;
   std::memset(attr, 0, attr_size);
   fill_device_attr(*to_vctx(c), attr->orig_attr);
+  if (attr_size >= offsetof(ibv_device_attr_ex, phys_port_cnt_ex) + sizeof(uint32_t))
+    attr->phys_port_cnt_ex = attr->orig_attr.phys_port_cnt;
   return 0;
 }
 

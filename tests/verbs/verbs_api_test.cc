@@ -126,6 +126,38 @@ TEST_F(VerbsApi, DeviceAndPortAreWhatTheyClaim) {
   EXPECT_EQ(errno, EOPNOTSUPP);
 }
 
+// What ibv_query_device says this guest may create, it can: every queue at the advertised
+// maximum depth (the backend's per-guest quota when lower than the device's caps).
+TEST_F(VerbsApi, EveryQueueAtTheAdvertisedMaximumIsCreated) {
+  ibv_device_attr_ex dx{};
+  ASSERT_EQ(ibv_query_device_ex(ctx_, nullptr, &dx), 0);
+  EXPECT_EQ(dx.phys_port_cnt_ex, 1u);
+  const ibv_device_attr& d = dx.orig_attr;
+  EXPECT_EQ(d.max_cqe, 8192) << "the default quota max_queue_depth";
+  ibv_cq* cq = ibv_create_cq(ctx_, d.max_cqe, nullptr, nullptr, 0);
+  ASSERT_NE(cq, nullptr) << std::strerror(errno);
+  EXPECT_GE(cq->cqe, d.max_cqe);
+  ibv_qp_init_attr qa{};
+  qa.send_cq = qa.recv_cq = cq;
+  qa.qp_type = IBV_QPT_RC;
+  qa.cap.max_send_wr = qa.cap.max_recv_wr = static_cast<uint32_t>(d.max_qp_wr);
+  qa.cap.max_send_sge = qa.cap.max_recv_sge = static_cast<uint32_t>(d.max_sge);
+  ibv_qp* qp = ibv_create_qp(pd_, &qa);
+  ASSERT_NE(qp, nullptr) << std::strerror(errno);
+  ibv_srq_init_attr sa{};
+  sa.attr.max_wr = static_cast<uint32_t>(d.max_srq_wr);
+  sa.attr.max_sge = static_cast<uint32_t>(d.max_srq_sge);
+  ibv_srq* srq = ibv_create_srq(pd_, &sa);
+  ASSERT_NE(srq, nullptr) << std::strerror(errno);
+  // One past it is refused.
+  errno = 0;
+  EXPECT_EQ(ibv_create_cq(ctx_, d.max_cqe + 1, nullptr, nullptr, 0), nullptr);
+  EXPECT_NE(errno, 0);
+  EXPECT_EQ(ibv_destroy_srq(srq), 0);
+  EXPECT_EQ(ibv_destroy_qp(qp), 0);
+  EXPECT_EQ(ibv_destroy_cq(cq), 0);
+}
+
 TEST_F(VerbsApi, SendWithImmediateAndUnsignaledCompletions) {
   ibv_cq* cq = make_cq();
   auto [a, b] = connected_pair([&] { return make_qp(cq); });
