@@ -51,6 +51,11 @@ int main(int argc, char** argv) {
   std::string socket;
   int idle_exit = -1, spin_us = -1;
   CLI::App app{"vrdmad: the vrdma backend (the software RDMA device)"};
+  app.set_version_flag("--version", std::string("vrdmad ") + VRDMA_VERSION);
+  std::string log_level;
+  app.add_option("--log-level", log_level,
+                 "error, warn, info or debug (over VRDMA_LOG and [backend] log_level)")
+      ->check(CLI::IsMember({"error", "warn", "info", "debug"}));
   app.add_option("--config", config_file, "TOML config file (see packaging/vrdmad.toml)");
   app.add_flag("--check-config", check_only, "validate the config file and exit");
   app.add_option("--socket", socket, "unix socket guests connect to");
@@ -141,6 +146,10 @@ int main(int argc, char** argv) {
   if (check_only) {
     fmt::print("{}: ok\n", config_file);
     return 0;
+  }
+  if (!log_level.empty()) {
+    cfg.log_level = log_level;
+    ::setenv("VRDMA_LOG", log_level.c_str(), 1);  // the flag wins over the environment
   }
   if (::secure_getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
 

@@ -167,7 +167,7 @@ int cmd_run(const std::optional<std::string>& guest, const std::string& socket_o
 
 int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
                 const std::string& check_config, const std::string& metrics_listen,
-                bool direct_path, bool direct_remote) {
+                bool direct_path, bool direct_remote, const std::vector<std::string>& more) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
@@ -184,6 +184,8 @@ int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string&
   if (idle_exit >= 0) {
     args.insert(args.end(), {"--idle-exit", std::to_string(idle_exit)});
   }
+  // Every other vrdmad option (--listen, --peer, --log-level, ...) as given: vrdmad checks them.
+  args.insert(args.end(), more.begin(), more.end());
   std::vector<char*> argv;
   argv.reserve(args.size() + 1);
   for (auto& a : args) {
@@ -532,6 +534,7 @@ int split_run_command(int argc, char** argv, std::vector<std::string>& command) 
 int main_impl(int argc, char** argv) {
   CLI::App app{"vrdma: a user-space paravirtual RDMA device"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("vrdma ") + VRDMA_VERSION);
 
   std::string guest, run_socket;
   auto* run = app.add_subcommand(
@@ -548,7 +551,9 @@ int main_impl(int argc, char** argv) {
   std::string backend_socket;
   int idle_exit = -1;  ///< -1: not given, vrdmad's default
   std::string config, check_config, metrics_listen;
-  auto* backend = app.add_subcommand("backend", "Run the backend (vrdmad) in the foreground");
+  auto* backend = app.add_subcommand(
+      "backend", "Run the backend (vrdmad) in the foreground; every vrdmad option is taken");
+  backend->allow_extras();
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--config", config, "TOML config file (flags given here override it)");
   backend->add_option("--check-config", check_config,
@@ -630,6 +635,20 @@ int main_impl(int argc, char** argv) {
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
   argc = split_run_command(argc, argv, command);
+  // A word that names no command is said so (CLI11 would only ask for a subcommand).
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known |= sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      fmt::print(stderr, "vrdma: unknown command '{}' (commands: {}; vrdma --help)\n", argv[1],
+                 names);
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -641,8 +660,8 @@ int main_impl(int argc, char** argv) {
                    command);
   }
   if (*backend) {
-    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen,
-                       direct_path, direct_remote);
+    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen, direct_path,
+                       direct_remote, backend->remaining());
   }
   if (*status) {
     return cmd_status(json, status_socket);

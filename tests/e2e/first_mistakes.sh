@@ -30,6 +30,16 @@ lib_run() { env ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} LD_LIBRARY_PATH="$LIB" "
 
 # No backend: the CLI says how to get one.
 expect_fail none 1 "no backend is running at $VRDMA_SOCKET" "$VRDMA" res show qp
+
+# One set of names: a word that is no command is named, both programs say their version, and
+# `vrdma backend` takes vrdmad's options (here one it checks: a bad --log-level).
+expect_fail unknown-command 1 "vrdma: unknown command 'bogus' (commands: run, backend," "$VRDMA" bogus
+for prog in vrdma vrdmad; do
+  v="$("$(dirname "$VRDMA")/$prog" --version)" || fail "$prog --version failed"
+  [[ $v =~ ^$prog\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "$prog --version said: $v"
+done
+expect_fail backend-log-level 1 "--log-level: bogus not in {error,warn,info,debug}" \
+  "$VRDMA" backend --socket "$E2E_TMP/unused.sock" --log-level bogus
 grep -qF 'start a backend (`vrdma backend`' "$E2E_TMP/none.out" || fail "$(cat "$E2E_TMP/none.out")"
 
 # The library cannot start a backend: it names the binary and the variable to set, and does not
