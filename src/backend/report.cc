@@ -203,8 +203,11 @@ nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
   }
   json counters = json::array();
   for (const json& g : arr(j, "guest_counters")) {
-    if (own(g)) counters.push_back(g);
+    const bool left_own = g.is_object() && g.contains("left_unix") && v.uid != engine::kNoUid &&
+                          g.value("uid", engine::kNoUid) == v.uid;
+    if (g.contains("left_unix") ? left_own : own(g)) counters.push_back(g);
   }
+  j.erase("backend_counters");  // all guests' together: the admin's
   j["guests"] = std::move(guests);
   j["totals"] = std::move(totals);
   j["res"] = std::move(res);
@@ -367,8 +370,13 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   }
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
-  for (const auto& g : j.at("guest_counters"))
+  for (const auto& g : j.at("guest_counters")) {
+    if (g.contains("left_unix")) continue;  // counted in the backend's totals below
     guests.emplace_back(Labels{{"guest", guest(g.at("guest"))}}, g.at("counters"));
+  }
+  // Every guest's, those that left included: they never go down while the backend runs.
+  if (j.contains("backend_counters"))
+    counter_families(e, "vrdma_backend_", {{Labels{}, j.at("backend_counters")}});
   for (const auto& q : j.at("res").at("qp")) {
     qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
                             {"lqpn", str(q.at("lqpn"))},

@@ -162,6 +162,7 @@ Result<json> stat_rows(const json& status, const std::string& what, const Filter
   } else {
     for (const auto& g : member(status, "guest_counters")) {
       json r = {{"guest", member(g, "guest")}, {"qps", member(g, "qps")}};
+      if (g.contains("left_unix")) r["left_unix"] = g["left_unix"];  // a guest that left
       r.update(member(g, "counters"));
       rows.push_back(std::move(r));
     }
@@ -177,7 +178,9 @@ std::string stat_text(const std::string& what, const json& rows) {
                                 qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
                                 "RETRIES", "REPLAYS", "RNR_NAKS", "UD_DROP", "ERRORS");
   for (const auto& r : rows) {
-    out += fmt::format(kRow, text_of(member(r, "guest")), text_of(member(r, qp ? "lqpn" : "qps")),
+    const std::string who =
+        text_of(member(r, "guest")) + (r.contains("left_unix") ? " (left)" : "");
+    out += fmt::format(kRow, who, text_of(member(r, qp ? "lqpn" : "qps")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
                        text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),

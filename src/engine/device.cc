@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -328,7 +329,13 @@ void Device::close_session_impl(Session* s, bool moved) {
     guests_by_lid_.erase(g->lid);
     // A guest that moved away keeps its LID reserved here, to come back to; one that left frees
     // it (else every name ever seen would hold a LID until 0xbfff names locked everyone out).
-    if (!moved) lid_of_name_.erase(g->name);
+    if (!moved) {
+      lid_of_name_.erase(g->name);
+      departed_.push_front(
+          {g->name, g->lid, g->owner_uid, static_cast<uint64_t>(::time(nullptr)), g->retired});
+      if (departed_.size() > kDepartedMax) departed_.pop_back();
+      departed_all_ += g->retired;
+    }
     guests_.erase(g->name);
   }
 }

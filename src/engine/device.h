@@ -646,6 +646,18 @@ class Device : public transport::Receiver {
   bool resolve_recv(const Qp& to, const proto::RecvWqe& r, uint64_t& cap);
 
   std::map<std::string, std::unique_ptr<Guest>> guests_;
+  /// Guests that left (not moved), newest first, at most kDepartedMax: their counters stay in
+  /// the report, so a failed run can be examined afterwards.
+  struct Departed {
+    std::string name;
+    uint16_t lid = 0;
+    uint32_t owner_uid = 0;
+    uint64_t left_unix = 0;
+    QpCounters counters;
+  };
+  static constexpr size_t kDepartedMax = 64;
+  std::deque<Departed> departed_;
+  QpCounters departed_all_;  ///< every guest that ever left, summed (not bounded)
   /// LIDs by name, for live guests and those that moved away (to come back to the same LID).
   std::map<std::string, uint16_t> lid_of_name_;
   std::unordered_map<uint16_t, Guest*> guests_by_lid_;

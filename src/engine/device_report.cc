@@ -235,15 +235,28 @@ nlohmann::json Device::report() const {
     }
   }
   nlohmann::json guests = nlohmann::json::array();
+  QpCounters all = departed_all_;
   for (const auto& [g, c] : per_guest) {
     guests.push_back({{"guest", g->name},
                       {"lid", g->lid},
                       {"qps", g->qps.size()},
                       {"counters", counters_json(c)}});
+    all += c;
+  }
+  // Guests that left: their totals as they went (newest first), with their owner, so that
+  // each user sees their own.
+  for (const Departed& d : departed_) {
+    guests.push_back({{"guest", d.name},
+                      {"lid", d.lid},
+                      {"qps", 0},
+                      {"uid", d.owner_uid},
+                      {"left_unix", d.left_unix},
+                      {"counters", counters_json(d.counters)}});
   }
   return nlohmann::json{
       {"res", {{"pd", pds}, {"mr", mrs}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
-      {"guest_counters", guests}};
+      {"guest_counters", guests},
+      {"backend_counters", counters_json(all)}};
 }
 
 }  // namespace vrdma::engine

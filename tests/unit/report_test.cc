@@ -100,6 +100,31 @@ TEST_F(OpsTest, ReportCountsMessagesAndErrorsPerQpAndGuest) {
   EXPECT_EQ(ga["counters"]["wc_errors"]["LOC_PROT_ERR"], 1);
 }
 
+TEST_F(OpsTest, CountersOutliveTheGuest) {
+  one_message();
+  dev_.close_session(a_.s);  // guest a leaves (its process ended)
+  a_.s = nullptr;
+  json st = status();
+  json ga;
+  for (const auto& g : st["guest_counters"])
+    if (g["guest"] == "a") ga = g;
+  ASSERT_TRUE(ga.is_object()) << st["guest_counters"].dump();
+  EXPECT_TRUE(ga.contains("left_unix"));
+  EXPECT_EQ(ga["counters"]["msgs_sent"], 1);
+  EXPECT_EQ(ga["counters"]["bytes_sent"], 100);
+  // The backend's totals hold every guest, those that left too.
+  EXPECT_EQ(st["backend_counters"]["msgs_sent"], 1);
+  EXPECT_EQ(st["backend_counters"]["msgs_received"], 1);
+  auto rows = cli::stat_rows(st, "guest", {});
+  ASSERT_TRUE(rows.is_ok());
+  const std::string text = cli::stat_text("guest", *rows);
+  EXPECT_NE(text.find("a (left)"), std::string::npos) << text;
+  // In metrics: the backend's totals, and no series for a guest that is gone.
+  const std::string m = backend::prometheus_text(st, false);
+  EXPECT_NE(m.find("vrdma_backend_msgs_sent_total 1\n"), std::string::npos) << m;
+  EXPECT_EQ(m.find("vrdma_guest_msgs_sent_total{guest=\"-\"}"), std::string::npos) << m;
+}
+
 TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   connect_both();
   json st = status();
@@ -367,6 +392,15 @@ class VisibilityTest : public OpsTest {
     return out;
   }
 };
+
+TEST_F(VisibilityTest, AGuestThatLeftIsSeenByItsOwnerOnly) {
+  dev_.close_session(a_.s);
+  a_.s = nullptr;
+  EXPECT_EQ(guests_in(as(kOwner)), (std::set<std::string>{"a"}));  // its counters stay
+  EXPECT_EQ(guests_in(as(kOther)), (std::set<std::string>{"b"}));
+  EXPECT_FALSE(as(kOther).contains("backend_counters"));  // all users' together: admins'
+  EXPECT_EQ(guests_in(as(0)), (std::set<std::string>{"a", "b"}));
+}
 
 TEST_F(VisibilityTest, AdminsSeeEveryGuestWithKeys) {
   for (uint32_t uid : {0u, kBackendUid}) {
