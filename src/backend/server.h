@@ -10,6 +10,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "backend/cm.h"
 #include "backend/config.h"
 #include "backend/metrics_http.h"
 #include "backend/report.h"
@@ -124,6 +125,7 @@ class Server {
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
   bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
   UniqueFd keeper_;                       ///< keep_state: connection to the keeper
+  CmService cm_;                          ///< the RDMA connection service (librdmacm)
 };
 
 }  // namespace vrdma::backend
