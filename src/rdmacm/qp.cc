@@ -134,6 +134,9 @@ CM_EXPORT int rdma_create_qp(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* attr)
   if (!pd) return -1;
   ibv_qp_init_attr a = *attr;
   if (!a.srq) a.srq = id->srq;
+  // The id's type unless the caller names one (rdma_server and rdma_client leave it 0).
+  if (!a.qp_type) a.qp_type = id->qp_type;
+  id->qp_type = a.qp_type;
   // No CQs given: one per direction, each with its own completion channel, which the
   // rdma_get_send_comp/rdma_get_recv_comp inlines of rdma_verbs.h wait on.
   const bool make_cqs = !a.send_cq || !a.recv_cq;
@@ -175,6 +178,7 @@ CM_EXPORT int rdma_create_qp(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* attr)
   attr->send_cq = a.send_cq;
   attr->recv_cq = a.recv_cq;
   attr->srq = a.srq;
+  attr->qp_type = a.qp_type;
   return 0;
 }
 
