@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "engine/device.h"
@@ -233,6 +234,12 @@ Status CmService::bind(uint32_t handle, Id& id, const CmAddr& a) {
 
 Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
   if (!valid_family(r.dst)) return error(EAFNOSUPPORT, "not an IP address");
+  if (is_wildcard(r.dst) || !is_local(r.dst)) {
+    // No backend serves that address (across hosts is a later step): no neighbour to find.
+    id.dst = r.dst;
+    emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
+    return Status::ok();
+  }
   if (id.state == State::kIdle) {
     CmAddr src = r.src;
     if (!src.family) {
@@ -245,11 +252,6 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     return error(EINVAL, "resolve_addr on an id in use");
   }
   id.dst = r.dst;
-  if (is_wildcard(r.dst) || !is_local(r.dst)) {
-    // No backend serves that address (across hosts is a later step): no neighbour to find.
-    emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
-    return Status::ok();
-  }
   if (is_wildcard(id.src)) {
     const uint16_t port = id.src.port;
     id.src = r.dst;
@@ -403,6 +405,7 @@ void CmService::session_closed(const engine::Session* s) {
   for (const auto& [h, id] : ids_) {
     if (id.owner == s) gone.push_back(h);
   }
+  std::sort(gone.begin(), gone.end());  // peers hear of them in the order they were made
   for (uint32_t h : gone) {
     auto it = ids_.find(h);
     abandon(it->second);

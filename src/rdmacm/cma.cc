@@ -22,6 +22,18 @@ using namespace vrdma::proto;
 namespace {
 
 constexpr int kCallTimeoutMs = 30000;
+/// How long a connect that finds no listener is tried again (every kListenerRetryMs) before
+/// REJECTED reaches the application. A real fabric spends about that resolving the address and
+/// route, which programs count on: perftest -R's client connects as soon as the server said it
+/// would listen, and vrdma resolves a local address at once.
+constexpr uint64_t kListenerGraceMs = 200;
+constexpr int kListenerRetryMs = 10;
+
+uint64_t mono_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
 
 CmAddr to_cm_addr(const sockaddr* sa) {
   CmAddr a{};
@@ -189,6 +201,17 @@ void fill_param(VEvent* ve, const CmEvent& e, bool ud) {
   p.qp_num = e.peer.qpn;
 }
 
+/// REQ, REP or REJ with the id's QP and the caller's private data.
+int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata, size_t len) {
+  if (len > private_data_limit(v, op) || (len && !pdata)) return fail(EINVAL);
+  vrdma::proto::CmConnReq req{};
+  req.id = v->handle;
+  req.qp = qp;
+  req.private_len = static_cast<uint32_t>(len);
+  if (len) std::memcpy(req.private_data, pdata, len);
+  return call(op, req);
+}
+
 /// Turns one message of the channel's socket into an event; null when it is for an id that is
 /// gone (or malformed), to be skipped.
 VEvent* make_event(std::span<const uint8_t> msg) {
@@ -204,6 +227,7 @@ VEvent* make_event(std::span<const uint8_t> msg) {
   const uint32_t plen = std::min<uint32_t>(e.private_len, kCmPrivateMax);
   std::memcpy(ve->pdata, e.private_data, plen);
   VId* v;
+  VId* retry = nullptr;
   {
     std::lock_guard<std::mutex> g(c.mu);
     if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest)) {
@@ -218,10 +242,26 @@ VEvent* make_event(std::span<const uint8_t> msg) {
     } else {
       v = lookup(e.id);
     }
+    if (v && e.event == static_cast<uint32_t>(CmEventType::kRejected) &&
+        e.status == kCmRejInvalidService && v->connect_ms &&
+        mono_ms() - v->connect_ms < kListenerGraceMs) {
+      retry = v;
+      v = nullptr;
+    }
     if (v) {
       ++v->reported;
       c.live.insert(ve);
     }
+  }
+  if (retry) {
+    delete ve;
+    ::usleep(kListenerRetryMs * 1000);
+    if (send_conn(retry, Op::kCmConnect, retry->mine, retry->connect_pdata.data(),
+                  retry->connect_pdata.size()) != 0) {
+      std::lock_guard<std::mutex> g(c.mu);
+      retry->connect_ms = 0;
+    }
+    return nullptr;
   }
   if (!v) {
     // The listener went: its request is refused (the requester hears REJECTED).
@@ -506,21 +546,6 @@ CM_EXPORT int rdma_listen(rdma_cm_id* id, int backlog) {
   return call(Op::kCmListen, req);
 }
 
-namespace {
-
-/// REQ, REP or REJ with the id's QP and the caller's private data.
-int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata, size_t len) {
-  if (len > private_data_limit(v, op) || (len && !pdata)) return fail(EINVAL);
-  vrdma::proto::CmConnReq req{};
-  req.id = v->handle;
-  req.qp = qp;
-  req.private_len = static_cast<uint32_t>(len);
-  if (len) std::memcpy(req.private_data, pdata, len);
-  return call(op, req);
-}
-
-}  // namespace
-
 CM_EXPORT int rdma_connect(rdma_cm_id* id, rdma_conn_param* conn_param) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
@@ -531,9 +556,19 @@ CM_EXPORT int rdma_connect(rdma_cm_id* id, rdma_conn_param* conn_param) {
   v->param.private_data = nullptr;
   v->active = true;
   v->mine = local_qp_info(v, &v->param);
-  if (send_conn(v, Op::kCmConnect, v->mine, conn_param ? conn_param->private_data : nullptr,
-                conn_param ? conn_param->private_data_len : 0))
+  const auto* pd = static_cast<const uint8_t*>(conn_param ? conn_param->private_data : nullptr);
+  const size_t len = conn_param ? conn_param->private_data_len : 0;
+  {
+    // Before the REQ: its REJECTED may be read on another thread before send_conn returns.
+    std::lock_guard<std::mutex> g(cm().mu);
+    v->connect_pdata.assign(pd, pd + (pd ? len : 0));
+    v->connect_ms = mono_ms();
+  }
+  if (send_conn(v, Op::kCmConnect, v->mine, pd, len)) {
+    std::lock_guard<std::mutex> g(cm().mu);
+    v->connect_ms = 0;
     return -1;
+  }
   return v->own ? complete(v, RDMA_CM_EVENT_ESTABLISHED) : 0;
 }
 

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "proto/command.h"
 
@@ -31,7 +32,11 @@ struct VId {
   proto::CmQpInfo mine{};            ///< what this end said of its QP (REQ or REP)
   proto::CmQpInfo peer{};            ///< what the other end said of its QP
   bool have_peer = false;
-  bool active = false;      ///< this end connected (rdma_connect), the other accepted
+  bool active = false;  ///< this end connected (rdma_connect), the other accepted
+  /// rdma_connect's private data and when it was first sent: a connect that finds no listener
+  /// is sent again for a while (kListenerGraceMs, cma.cc) before the application hears.
+  std::vector<uint8_t> connect_pdata;
+  uint64_t connect_ms = 0;
   rdma_conn_param param{};  ///< what this end asked for (private data not kept)
   /// rdma_create_ep on a passive id: the QP each of its requests gets (rdma_get_request).
   ibv_qp_init_attr ep_qp{};
