@@ -21,6 +21,9 @@ namespace {
 
 constexpr uint16_t kEphemeralFirst = 32768, kEphemeralCount = 28232;  // Linux's 32768..60999
 constexpr int kEventSocketBuffer = 1 << 20;  ///< capped by net.core.wmem_max
+/// What one session may hold: each channel is a descriptor in the backend, each id a record.
+constexpr uint32_t kMaxChannelsPerSession = 1024;
+constexpr uint32_t kMaxIdsPerSession = 16384;
 
 uint64_t cm_clock_ns() {
   timespec ts;
@@ -102,13 +105,15 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       // Not closed yet: a thread of the guest may still be blocked reading its end, which must
       // stay blocked (as on a kernel's rdma_cm fd), not see the end of the stream.
       closing_.emplace_back(&s, std::move(it->second.sock));
-      channels_.erase(it);
+      channels_.erase(it);  // still counted in usage_ until sweep_closing closes it
       return done(Status::ok());
     }
     case Op::kCmCreateId: {
       const auto r = body_of<CmCreateIdReq>(msg).value();
       auto ch = channels_.find(r.channel);
       if (ch == channels_.end() || ch->second.owner != &s) return fail(ENOENT);
+      if (usage_[&s].ids >= kMaxIdsPerSession) return fail(ENOMEM);
+      ++usage_[&s].ids;
       const uint32_t id = next_handle_++;
       Id& n = ids_[id];
       n.owner = &s;
@@ -134,6 +139,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
     case Op::kCmDestroyId:
       abandon(*id);
       ids_.erase(handle);
+      --usage_[&s].ids;
       return done(Status::ok());
     case Op::kCmBind: {
       Status st = bind(handle, *id, body_of<CmAddrReq>(msg).value().addr);
@@ -179,6 +185,8 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
 
 std::vector<uint8_t> CmService::create_channel(const engine::Session& s, const MsgHeader& h,
                                                UniqueFd& give) {
+  if (usage_[&s].channels >= kMaxChannelsPerSession)
+    return encode(Op::kCmCreateChannel, h.seq, -EMFILE, Empty{});
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
     return encode(Op::kCmCreateChannel, h.seq, -errno, Empty{});
@@ -189,6 +197,7 @@ std::vector<uint8_t> CmService::create_channel(const engine::Session& s, const M
   ::fcntl(mine.get(), F_SETFL, fl | O_NONBLOCK);
   ::setsockopt(mine.get(), SOL_SOCKET, SO_SNDBUF, &kEventSocketBuffer, sizeof(kEventSocketBuffer));
   ::shutdown(give.get(), SHUT_WR);  // the library only reads it
+  ++usage_[&s].channels;
   const uint32_t handle = next_handle_++;
   Channel& ch = channels_[handle];
   ch.owner = &s;
@@ -282,6 +291,11 @@ Status CmService::connect(uint32_t handle, Id& id, const CmConnReq& r) {
     return Status::ok();
   }
   const Id& l = ids_.at(lh);
+  if (usage_[l.owner].ids >= kMaxIdsPerSession) {  // as a full backlog: refused
+    emit(handle, CmEventType::kRejected, kCmRejInvalidService);
+    return Status::ok();
+  }
+  ++usage_[l.owner].ids;
   const uint32_t nh = next_handle_++;
   Id& n = ids_[nh];  // may rehash: `id` and `l` are looked up again below
   n.owner = l.owner;
@@ -413,12 +427,15 @@ void CmService::session_closed(const engine::Session* s) {
   }
   std::erase_if(channels_, [s](const auto& kv) { return kv.second.owner == s; });
   std::erase_if(closing_, [s](const auto& c) { return c.first == s; });
+  usage_.erase(s);
 }
 
 void CmService::sweep_closing() {
-  std::erase_if(closing_, [](const auto& c) {
+  std::erase_if(closing_, [this](const auto& c) {
     pollfd p{c.second.get(), 0, 0};
-    return ::poll(&p, 1, 0) != 0;  // POLLHUP: the guest's end is closed
+    if (::poll(&p, 1, 0) == 0) return false;  // POLLHUP: the guest's end is closed
+    --usage_[c.first].channels;
+    return true;
   });
 }
 

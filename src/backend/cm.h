@@ -98,6 +98,11 @@ class CmService {
   std::unordered_map<uint32_t, Id> ids_;
   /// (port space, port) -> the id that holds it (bound, listening or connecting).
   std::map<std::pair<uint16_t, uint16_t>, uint32_t> ports_;
+  /// Channels (open or closing) and ids per session, against the caps in cm.cc.
+  struct Usage {
+    uint32_t channels = 0, ids = 0;
+  };
+  std::unordered_map<const engine::Session*, Usage> usage_;
   uint32_t next_handle_ = 1;  ///< channels and ids share it; never reused within 2^32
   uint16_t next_ephemeral_ = 0;
   log::Every backlog_log_{1'000'000'000};

@@ -268,5 +268,22 @@ TEST_F(CmServiceTest, ARequesterThatDiesAfterTheReplyMakesItUnreachable) {
   EXPECT_EQ(e.status, -ETIMEDOUT);
 }
 
+TEST_F(CmServiceTest, ASessionsIdsAreCapped) {
+  uint32_t n = 0;
+  for (; n < 20000; ++n) {
+    auto [st, out] = cli.cmd(Op::kCmCreateId, CmCreateIdReq{cli.channel, 0x0106, 2, 0});
+    if (st) {
+      EXPECT_EQ(st, -ENOMEM);
+      break;
+    }
+  }
+  EXPECT_EQ(n, 16384u);
+  // Its connects are its own business; other sessions' are not affected.
+  End other{cm};
+  EXPECT_EQ(other.cmd(Op::kCmCreateId, CmCreateIdReq{other.channel, 0x0106, 2, 0}).first, 0);
+  cm.session_closed(&cli.s);
+  EXPECT_EQ(cm.ids(), 2u);  // the listener and other's
+}
+
 }  // namespace
 }  // namespace vrdma::backend

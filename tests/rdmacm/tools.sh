@@ -2,7 +2,9 @@
 # Debian's unmodified rdma_cm programs (rdmacm-utils, perftest -R) through vrdma's
 # librdmacm.so.1, server and client on one backend. Usage: tools.sh BIN_DIR CASE, CASE one of
 #   rping      rping -s / rping -c -C 100 -v (data verified), ping data checked on both sides
-#   ucmatose   default, then -c 4 (four connections at once)
+#   ucmatose   default, then -c 4 (four connections at once), then -c 64 (64 concurrent
+#              connects to one listener)
+#   udaddy     UD QPs: the SIDR-style exchange, address handles from the events
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
 #              (ADDR_ERROR at once), a listener killed and its port taken again
@@ -64,7 +66,14 @@ case $CASE in
   ucmatose)
     cm_pair ucmatose "ucmatose -p 7175" "ucmatose -s 127.0.0.1 -p 7175"
     cm_pair ucmatose_c4 "ucmatose -p 7176 -c 4 -C 50" "ucmatose -s 127.0.0.1 -p 7176 -c 4 -C 50"
-    for f in ucmatose.cli ucmatose.srv ucmatose_c4.cli ucmatose_c4.srv; do
+    cm_pair ucmatose_c64 "ucmatose -p 7180 -c 64 -C 10" "ucmatose -s 127.0.0.1 -p 7180 -c 64 -C 10"
+    for f in ucmatose{,_c4,_c64}.{cli,srv}; do
+      grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
+    done
+    ;;
+  udaddy)
+    cm_pair udaddy "udaddy -p 7181" "udaddy -s 127.0.0.1 -p 7181"
+    for f in udaddy.cli udaddy.srv; do
       grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
     done
     ;;
