@@ -5,6 +5,7 @@
 #   ucmatose   default, then -c 4 (four connections at once), then -c 64 (64 concurrent
 #              connects to one listener)
 #   udaddy     UD QPs: the SIDR-style exchange, address handles from the events
+#   sync_ep    cm_sync_ep (sync_ep.c): the synchronous API, rdma_create_ep, rdma_verbs.h
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
 #              (ADDR_ERROR at once), a listener killed and its port taken again
@@ -76,6 +77,11 @@ case $CASE in
     for f in udaddy.cli udaddy.srv; do
       grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
     done
+    ;;
+  sync_ep)
+    bin=$(dirname "$VRDMA")
+    cm_pair sync_ep "$bin/cm_sync_ep server 7182" "$bin/cm_sync_ep client 127.0.0.1 7182"
+    grep -q '^client: ok' "$E2E_TMP/sync_ep.cli" || fail "no echo"
     ;;
   perftest)
     command -v ib_send_lat >/dev/null || {
