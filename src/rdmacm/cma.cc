@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <vector>
 
 #include "common/log.h"
@@ -126,10 +127,32 @@ int open_channel(VChannel** out) {
   return 0;
 }
 
+/// Destroyed channels, kept (not freed) so that a thread still inside rdma_get_cm_event on
+/// one, or entering it late, reads valid memory; the oldest are freed past kBuried.
+constexpr size_t kBuried = 1024;
+struct Graveyard {
+  std::mutex mu;
+  std::deque<VChannel*> channels;
+};
+Graveyard& graveyard() {
+  static auto* g = new Graveyard();  // never destroyed: it is still reachable at exit
+  return *g;
+}
+
 void close_channel(VChannel* ch) {
   (void)call(Op::kCmDestroyChannel, HandleReq{ch->handle, 0});
-  ::close(ch->ch.fd);
-  delete ch;
+  // A reader blocked on the fd keeps it (the backend keeps its end until ours closes, so the
+  // reader stays blocked, as on a kernel rdma_cm fd); the last reader out closes it.
+  ch->closed.store(true);
+  if (ch->readers.load() == 0 && !ch->fd_closed.exchange(true)) ::close(ch->ch.fd);
+  Graveyard& y = graveyard();
+  std::lock_guard<std::mutex> g(y.mu);
+  y.channels.push_back(ch);
+  if (y.channels.size() > kBuried) {
+    VChannel* old = y.channels.front();
+    y.channels.pop_front();
+    if (old->readers.load() == 0) delete old;  // else a blocked reader: left for ever
+  }
 }
 
 /// Waits for the next event of a synchronous id and keeps it in id->event (acked by the next
@@ -481,7 +504,13 @@ CM_EXPORT void rdma_destroy_event_channel(rdma_event_channel* channel) {
 
 CM_EXPORT int rdma_create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context,
                              rdma_port_space ps) {
-  const ibv_qp_type t = ps == RDMA_PS_UDP || ps == RDMA_PS_IPOIB ? IBV_QPT_UD : IBV_QPT_RC;
+  // Read as a number: a value outside the enum (udaddy's -p takes any) is the caller's error.
+  int n;
+  static_assert(sizeof(n) == sizeof(ps));
+  std::memcpy(&n, &ps, sizeof(n));
+  if (n != RDMA_PS_TCP && n != RDMA_PS_UDP && n != RDMA_PS_IB && n != RDMA_PS_IPOIB)
+    return fail(EINVAL);
+  const ibv_qp_type t = n == RDMA_PS_UDP || n == RDMA_PS_IPOIB ? IBV_QPT_UD : IBV_QPT_RC;
   return create_id(channel, id, context, ps, t);
 }
 
@@ -675,17 +704,37 @@ CM_EXPORT int rdma_migrate_id(rdma_cm_id* id, rdma_event_channel* channel) {
 
 CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** event) {
   if (!channel || !event) return fail(EINVAL);
+  auto* ch = reinterpret_cast<VChannel*>(channel);
+  ch->readers.fetch_add(1);
+  if (ch->closed.load()) {
+    // Destroyed before this thread came to read it (rping's event thread, when the main thread
+    // tears down first): it waits for ever, as one that was already blocked on it does, rather
+    // than failing (which such threads answer by exiting the process).
+    for (;;) ::pause();
+  }
   std::vector<uint8_t> buf(sizeof(vrdma::proto::MsgHeader) + sizeof(vrdma::proto::CmEvent) + 64);
+  int rc = 0;
   for (;;) {
     const ssize_t n = ::recv(channel->fd, buf.data(), buf.size(), 0);
-    if (n < 0) return -1;             // EAGAIN with O_NONBLOCK, EINTR
-    if (n == 0) return fail(ENODEV);  // the backend went away
+    if (n < 0) {  // EAGAIN with O_NONBLOCK, EINTR
+      rc = -1;
+      break;
+    }
+    if (n == 0) {  // the backend went away
+      rc = fail(ENODEV);
+      break;
+    }
     VEvent* ve = make_event({buf.data(), static_cast<size_t>(n)});
     if (ve) {
       *event = &ve->ev;
-      return 0;
+      break;
     }
   }
+  const int err = errno;
+  if (ch->readers.fetch_sub(1) == 1 && ch->closed.load() && !ch->fd_closed.exchange(true))
+    ::close(ch->ch.fd);
+  errno = err;
+  return rc;
 }
 
 CM_EXPORT int rdma_ack_cm_event(rdma_cm_event* event) {

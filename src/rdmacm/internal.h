@@ -6,6 +6,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -22,6 +23,9 @@ namespace vrdma::rdmacm {
 struct VChannel {
   rdma_event_channel ch;  ///< first: the public object
   uint32_t handle = 0;
+  std::atomic<uint32_t> readers{0};  ///< threads inside rdma_get_cm_event on it
+  std::atomic<bool> closed{false};   ///< rdma_destroy_event_channel was called
+  std::atomic<bool> fd_closed{false};
 };
 
 struct VId {

@@ -73,7 +73,8 @@ case $CASE in
     done
     ;;
   udaddy)
-    cm_pair udaddy "udaddy -p 7181" "udaddy -s 127.0.0.1 -p 7181"
+    # udaddy has no port option (its -p is the port space): the default, 7174.
+    cm_pair udaddy "udaddy" "udaddy -s 127.0.0.1"
     for f in udaddy.cli udaddy.srv; do
       grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
     done
