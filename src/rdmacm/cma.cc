@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -523,9 +524,15 @@ CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
   }
   Cm& c = cm();
   {
-    // As rdma-core: every event handed out for the id must be acked first.
+    // As rdma-core: every event handed out for the id must be acked first (said once, after a
+    // second, so that a program that forgot one knows why it stopped).
     std::unique_lock<std::mutex> g(c.mu);
-    c.acked.wait(g, [v] { return v->acked == v->reported; });
+    auto all_acked = [v] { return v->acked == v->reported; };
+    if (!c.acked.wait_for(g, std::chrono::seconds(1), all_acked)) {
+      VLOG_WARN("rdma_destroy_id waits for {} unacked event(s) of the id (rdma_ack_cm_event)",
+                v->reported - v->acked);
+      c.acked.wait(g, all_acked);
+    }
     c.ids.erase(v->handle);
   }
   (void)call(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});

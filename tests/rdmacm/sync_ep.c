@@ -1,8 +1,10 @@
 /* The synchronous rdma_cm API (ids without a channel): rdma_getaddrinfo, rdma_create_ep,
  * rdma_get_request, rdma_accept/rdma_connect with private data, the rdma_verbs.h inlines
  * (rdma_reg_msgs, rdma_post_send/recv, rdma_get_send/recv_comp), rdma_disconnect and
- * rdma_destroy_ep. Buffers are on the heap (Debian's rdma_server/rdma_client use static ones).
+ * rdma_destroy_ep; bad input: private data over the limit, an event acked twice. Buffers are on
+ * the heap (Debian's rdma_server/rdma_client use static ones, which vrdma cannot register).
  * Usage: cm_sync_ep server PORT | cm_sync_ep client HOST PORT. Exit 0 when the echo came back. */
+#include <errno.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
 #include <stdio.h>
@@ -60,7 +62,14 @@ int main(int argc, char** argv) {
   } else {
     struct rdma_conn_param cp;
     memset(&cp, 0, sizeof(cp));
-    cp.private_data = "knock";
+    /* Over the REQ's 56 bytes of an IP port space: refused, nothing sent. */
+    char big[57] = "knock";
+    cp.private_data = big;
+    cp.private_data_len = sizeof(big);
+    if (rdma_connect(id, &cp) == 0 || errno != EINVAL) {
+      fprintf(stderr, "57 bytes of private data were not refused with EINVAL\n");
+      return 1;
+    }
     cp.private_data_len = 5;
     cp.retry_count = 7;
     cp.rnr_retry_count = 7;
@@ -68,6 +77,14 @@ int main(int argc, char** argv) {
       perror("rdma_connect");
       if (id->event && id->event->event == RDMA_CM_EVENT_REJECTED)
         fprintf(stderr, "%s\n", rdma_event_str(id->event->event));
+      return 1;
+    }
+    /* The ESTABLISHED event kept in id->event, acked twice: the second ack is EINVAL. */
+    struct rdma_cm_event* e = id->event;
+    id->event = NULL;
+    if (!e || e->event != RDMA_CM_EVENT_ESTABLISHED || rdma_ack_cm_event(e) != 0 ||
+        rdma_ack_cm_event(e) == 0 || errno != EINVAL) {
+      fprintf(stderr, "the event was not ESTABLISHED, or a second ack was not EINVAL\n");
       return 1;
     }
     char* out = calloc(1, 64);
