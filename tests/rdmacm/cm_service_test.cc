@@ -233,7 +233,8 @@ TEST_F(CmServiceTest, APortInUseIsRefusedAndFreedWithItsSession) {
 
 TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrError) {
   const uint32_t c = cli.create_id();
-  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("192.0.2.1", 7000)}).first, 0);
+  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("198.51.100.1", 7000)}).first,
+            0);
   CmEvent e = cli.next();
   EXPECT_EQ(e.event, ev(CmEventType::kAddrError));
   EXPECT_EQ(e.status, -EHOSTUNREACH);

@@ -103,7 +103,7 @@ case $CASE in
       cat "$E2E_TMP/nolisten" >&2
       fail "no REJECTED (reason 8: no listener)"
     }
-    if "${VRUN[@]}" --guest cm-cli -- rping -c -a 192.0.2.1 -p 7178 -C 1 >"$E2E_TMP/noaddr" 2>&1; then
+    if "${VRUN[@]}" --guest cm-cli -- rping -c -a 198.51.100.1 -p 7178 -C 1 >"$E2E_TMP/noaddr" 2>&1; then
       fail "a connect to an address no backend serves succeeded"
     fi
     grep -q 'RDMA_CM_EVENT_ADDR_ERROR' "$E2E_TMP/noaddr" || {
