@@ -90,6 +90,22 @@ void attach_device(VId* v) {
   v->id.route.addr.addr.ibaddr.pkey = htobe16(0xffff);
 }
 
+/// Sets the id's addresses (those given with a family) and, with `attach`, its device. Under
+/// Cm::mu: the application's thread (bind, resolve) and its event thread both write them.
+void set_addrs(VId* v, const CmAddr* src, const CmAddr* dst, bool attach) {
+  std::lock_guard<std::mutex> g(cm().mu);
+  sockaddr_storage ss;
+  if (src && src->family) {
+    from_cm_addr(*src, &ss);
+    std::memcpy(&v->id.route.addr.src_storage, &ss, sizeof(ss));
+  }
+  if (dst && dst->family) {
+    from_cm_addr(*dst, &ss);
+    std::memcpy(&v->id.route.addr.dst_storage, &ss, sizeof(ss));
+  }
+  if (attach) attach_device(v);
+}
+
 /// The path record of a route: this end's GID and LID, the peer's once it is known.
 void set_path(VId* v) {
   ibv_sa_path_rec& p = v->path;
@@ -296,19 +312,10 @@ VEvent* make_event(std::span<const uint8_t> msg) {
   }
   ve->owner = v;
   ve->ev.id = &v->id;
-  sockaddr_storage ss;
-  if (e.src.family) {
-    from_cm_addr(e.src, &ss);
-    std::memcpy(&v->id.route.addr.src_storage, &ss, sizeof(ss));
-  }
-  if (e.dst.family) {
-    from_cm_addr(e.dst, &ss);
-    std::memcpy(&v->id.route.addr.dst_storage, &ss, sizeof(ss));
-  }
+  set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
   const bool ud = v->id.qp_type == IBV_QPT_UD;
   switch (static_cast<CmEventType>(e.event)) {
     case CmEventType::kAddrResolved:
-      attach_device(v);
       break;
     case CmEventType::kRouteResolved:
       set_path(v);
@@ -547,11 +554,8 @@ CM_EXPORT int rdma_bind_addr(rdma_cm_id* id, sockaddr* addr) {
   vrdma::proto::CmAddrReq req{v->handle, 0, to_cm_addr(addr)};
   vrdma::proto::CmAddrResp r{};
   if (call(Op::kCmBind, &req, sizeof(req), &r, sizeof(r))) return -1;
-  sockaddr_storage ss;
-  from_cm_addr(r.addr, &ss);
-  std::memcpy(&id->route.addr.src_storage, &ss, sizeof(ss));
   // A wildcard address names no device yet (as with rdma-core): requests bring it.
-  if (!wildcard(addr)) attach_device(v);
+  set_addrs(v, &r.addr, nullptr, !wildcard(addr));
   return 0;
 }
 
@@ -561,9 +565,7 @@ CM_EXPORT int rdma_resolve_addr(rdma_cm_id* id, sockaddr* src_addr, sockaddr* ds
   VId* v = to_vid(id);
   vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)),
                                  to_cm_addr(src_addr), to_cm_addr(dst_addr)};
-  sockaddr_storage ss;
-  from_cm_addr(req.dst, &ss);
-  std::memcpy(&id->route.addr.dst_storage, &ss, sizeof(ss));
+  set_addrs(v, nullptr, &req.dst, false);
   if (call(Op::kCmResolveAddr, req)) return -1;
   return v->own ? complete(v, RDMA_CM_EVENT_ADDR_RESOLVED) : 0;
 }
@@ -585,22 +587,23 @@ CM_EXPORT int rdma_listen(rdma_cm_id* id, int backlog) {
 CM_EXPORT int rdma_connect(rdma_cm_id* id, rdma_conn_param* conn_param) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
-  if (conn_param)
-    v->param = *conn_param;
-  else
-    v->param = rdma_conn_param{nullptr, 0, 0, 0, 0, 7, 7, 0, 0};
-  v->param.private_data = nullptr;
-  v->active = true;
-  v->mine = local_qp_info(v, &v->param);
+  rdma_conn_param param =
+      conn_param ? *conn_param : rdma_conn_param{nullptr, 0, 0, 0, 0, 7, 7, 0, 0};
+  param.private_data = nullptr;
+  const CmQpInfo mine = local_qp_info(v, &param);
   const auto* pd = static_cast<const uint8_t*>(conn_param ? conn_param->private_data : nullptr);
   const size_t len = conn_param ? conn_param->private_data_len : 0;
   {
-    // Before the REQ: its REJECTED may be read on another thread before send_conn returns.
+    // Before the REQ, under the lock the event thread takes: its answer (CONNECT_RESPONSE, or
+    // a REJECTED to send again) may be read there before send_conn returns.
     std::lock_guard<std::mutex> g(cm().mu);
+    v->param = param;
+    v->active = true;
+    v->mine = mine;
     v->connect_pdata.assign(pd, pd + (pd ? len : 0));
     v->connect_ms = mono_ms();
   }
-  if (send_conn(v, Op::kCmConnect, v->mine, pd, len)) {
+  if (send_conn(v, Op::kCmConnect, mine, pd, len)) {
     std::lock_guard<std::mutex> g(cm().mu);
     v->connect_ms = 0;
     return -1;
