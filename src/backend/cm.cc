@@ -89,8 +89,13 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
     return encode(op, h.seq, -st.err(), Empty{});
   };
   // Events that found no room before: the library that sends a command reads too.
-  for (auto& [ch_handle, ch] : channels_) {
-    if (ch.owner == &s && !ch.backlog.empty()) flush(ch);
+  for (auto it = backlogged_.begin(); it != backlogged_.end();) {
+    auto ch = channels_.find(*it);
+    if (ch != channels_.end() && ch->second.owner == &s) flush(ch->second);
+    if (ch == channels_.end() || ch->second.backlog.empty())
+      it = backlogged_.erase(it);
+    else
+      ++it;
   }
   sweep_closing();
   // Every body starts with the id (or channel) handle it is about.
@@ -457,6 +462,7 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   if (e.private_len) std::memcpy(e.private_data, pdata.data(), e.private_len);
   ch->second.backlog.push_back(encode(Op::kCmEvent, 0, 0, e));
   flush(ch->second);
+  if (!ch->second.backlog.empty()) backlogged_.insert(ch->first);
 }
 
 void CmService::flush(Channel& ch) {

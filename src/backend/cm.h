@@ -8,6 +8,7 @@
 #include <map>
 #include <span>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -93,6 +94,7 @@ class CmService {
   void sweep_closing();
 
   std::unordered_map<uint32_t, Channel> channels_;
+  std::unordered_set<uint32_t> backlogged_;  ///< channels with events waiting for room
   /// Destroyed channels' sockets, kept until the guest's end is closed or its session ends.
   std::vector<std::pair<const engine::Session*, UniqueFd>> closing_;
   std::unordered_map<uint32_t, Id> ids_;

@@ -269,6 +269,25 @@ TEST_F(CmServiceTest, ARequesterThatDiesAfterTheReplyMakesItUnreachable) {
   EXPECT_EQ(e.status, -ETIMEDOUT);
 }
 
+TEST_F(CmServiceTest, EventsThatFindTheChannelFullWaitForTheSessionsNextCommand) {
+  const uint32_t c = cli.resolved(v4("127.0.0.1", 7001));  // nobody listens there
+  constexpr int kEvents = 3000;                            // more than a socket's queue holds
+  for (int i = 0; i < kEvents; ++i) ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12), 0);
+  auto drain = [&] {
+    int n = 0;
+    std::vector<uint8_t> buf(4096);
+    while (::recv(cli.events.get(), buf.data(), buf.size(), MSG_DONTWAIT) > 0) ++n;
+    return n;
+  };
+  int got = drain();
+  EXPECT_LT(got, kEvents);
+  for (int round = 0; round < 100 && got < kEvents; ++round) {
+    EXPECT_EQ(cli.handle_cmd(Op::kCmDisconnect, 0xfffffff0u), -ENOENT);  // any command
+    got += drain();
+  }
+  EXPECT_EQ(got, kEvents);
+}
+
 TEST_F(CmServiceTest, ASessionsIdsAreCapped) {
   uint32_t n = 0;
   for (; n < 20000; ++n) {
