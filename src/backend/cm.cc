@@ -77,7 +77,7 @@ bool valid_family(const CmAddr& a) { return a.family == AF_INET || a.family == A
 
 CmService::Id* CmService::find(const engine::Session& s, uint32_t id) {
   auto it = ids_.find(id);
-  return it == ids_.end() || it->second.owner != &s ? nullptr : &it->second;
+  return it == ids_.end() || it->second.owner != s.id ? nullptr : &it->second;
 }
 
 std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader& h,
@@ -91,7 +91,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
   // Events that found no room before: the library that sends a command reads too.
   for (auto it = backlogged_.begin(); it != backlogged_.end();) {
     auto ch = channels_.find(*it);
-    if (ch != channels_.end() && ch->second.owner == &s) flush(ch->second);
+    if (ch != channels_.end() && ch->second.owner == s.id) flush(ch->second);
     if (ch == channels_.end() || ch->second.backlog.empty())
       it = backlogged_.erase(it);
     else
@@ -106,22 +106,22 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       return create_channel(s, h, give);
     case Op::kCmDestroyChannel: {
       auto it = channels_.find(handle);
-      if (it == channels_.end() || it->second.owner != &s) return fail(ENOENT);
+      if (it == channels_.end() || it->second.owner != s.id) return fail(ENOENT);
       // Not closed yet: a thread of the guest may still be blocked reading its end, which must
       // stay blocked (as on a kernel's rdma_cm fd), not see the end of the stream.
-      closing_.emplace_back(&s, std::move(it->second.sock));
+      closing_.emplace_back(s.id, std::move(it->second.sock));
       channels_.erase(it);  // still counted in usage_ until sweep_closing closes it
       return done(Status::ok());
     }
     case Op::kCmCreateId: {
       const auto r = body_of<CmCreateIdReq>(msg).value();
       auto ch = channels_.find(r.channel);
-      if (ch == channels_.end() || ch->second.owner != &s) return fail(ENOENT);
-      if (usage_[&s].ids >= kMaxIdsPerSession) return fail(ENOMEM);
-      ++usage_[&s].ids;
+      if (ch == channels_.end() || ch->second.owner != s.id) return fail(ENOENT);
+      if (usage_[s.id].ids >= kMaxIdsPerSession) return fail(ENOMEM);
+      ++usage_[s.id].ids;
       const uint32_t id = next_handle_++;
       Id& n = ids_[id];
-      n.owner = &s;
+      n.owner = s.id;
       n.channel = r.channel;
       n.ps = r.port_space;
       n.qp_type = r.qp_type;
@@ -131,7 +131,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       const auto r = body_of<CmMigrateReq>(msg).value();
       Id* id = find(s, r.id);
       auto ch = channels_.find(r.channel);
-      if (!id || ch == channels_.end() || ch->second.owner != &s) return fail(ENOENT);
+      if (!id || ch == channels_.end() || ch->second.owner != s.id) return fail(ENOENT);
       id->channel = r.channel;
       return done(Status::ok());
     }
@@ -144,7 +144,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
     case Op::kCmDestroyId:
       abandon(*id);
       ids_.erase(handle);
-      --usage_[&s].ids;
+      --usage_[s.id].ids;
       return done(Status::ok());
     case Op::kCmBind: {
       Status st = bind(handle, *id, body_of<CmAddrReq>(msg).value().addr);
@@ -190,7 +190,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
 
 std::vector<uint8_t> CmService::create_channel(const engine::Session& s, const MsgHeader& h,
                                                UniqueFd& give) {
-  if (usage_[&s].channels >= kMaxChannelsPerSession)
+  if (usage_[s.id].channels >= kMaxChannelsPerSession)
     return encode(Op::kCmCreateChannel, h.seq, -EMFILE, Empty{});
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
@@ -202,10 +202,10 @@ std::vector<uint8_t> CmService::create_channel(const engine::Session& s, const M
   ::fcntl(mine.get(), F_SETFL, fl | O_NONBLOCK);
   ::setsockopt(mine.get(), SOL_SOCKET, SO_SNDBUF, &kEventSocketBuffer, sizeof(kEventSocketBuffer));
   ::shutdown(give.get(), SHUT_WR);  // the library only reads it
-  ++usage_[&s].channels;
+  ++usage_[s.id].channels;
   const uint32_t handle = next_handle_++;
   Channel& ch = channels_[handle];
-  ch.owner = &s;
+  ch.owner = s.id;
   ch.sock = std::move(mine);
   return encode(Op::kCmCreateChannel, h.seq, 0, HandleResp{handle, 0});
 }
@@ -419,7 +419,8 @@ void CmService::abandon(Id& id) {
   }
 }
 
-void CmService::session_closed(const engine::Session* s) {
+void CmService::session_closed(const engine::Session* session) {
+  const uint32_t s = session->id;
   std::vector<uint32_t> gone;
   for (const auto& [h, id] : ids_) {
     if (id.owner == s) gone.push_back(h);

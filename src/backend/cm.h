@@ -52,12 +52,12 @@ class CmService {
     kDisconnected,  ///< sent or received DREQ
   };
   struct Channel {
-    const engine::Session* owner = nullptr;
+    uint32_t owner = 0;  ///< engine::Session::id (unique for the backend's life)
     UniqueFd sock;                             ///< non-blocking; the library reads the other end
     std::deque<std::vector<uint8_t>> backlog;  ///< events the socket had no room for yet
   };
   struct Id {
-    const engine::Session* owner = nullptr;
+    uint32_t owner = 0;  ///< engine::Session::id (unique for the backend's life)
     uint32_t channel = 0;
     uint16_t ps = 0;
     uint8_t qp_type = 0;
@@ -96,7 +96,7 @@ class CmService {
   std::unordered_map<uint32_t, Channel> channels_;
   std::unordered_set<uint32_t> backlogged_;  ///< channels with events waiting for room
   /// Destroyed channels' sockets, kept until the guest's end is closed or its session ends.
-  std::vector<std::pair<const engine::Session*, UniqueFd>> closing_;
+  std::vector<std::pair<uint32_t, UniqueFd>> closing_;
   std::unordered_map<uint32_t, Id> ids_;
   /// (port space, port) -> the id that holds it (bound, listening or connecting).
   std::map<std::pair<uint16_t, uint16_t>, uint32_t> ports_;
@@ -104,7 +104,7 @@ class CmService {
   struct Usage {
     uint32_t channels = 0, ids = 0;
   };
-  std::unordered_map<const engine::Session*, Usage> usage_;
+  std::unordered_map<uint32_t, Usage> usage_;  ///< by session id
   uint32_t next_handle_ = 1;  ///< channels and ids share it; never reused within 2^32
   uint16_t next_ephemeral_ = 0;
   log::Every backlog_log_{1'000'000'000};

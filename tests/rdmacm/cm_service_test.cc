@@ -82,6 +82,8 @@ struct End {
   uint32_t seq = 0;
 
   explicit End(CmService& c) : cm(c) {
+    static uint32_t next_session = 1;
+    s.id = next_session++;
     UniqueFd give;
     auto [st, out] = cmd(Op::kCmCreateChannel, Empty{}, &give);
     EXPECT_EQ(st, 0);
