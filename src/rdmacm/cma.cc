@@ -252,6 +252,25 @@ int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata
   return call(op, req);
 }
 
+/// The backend went away (the channel's socket reads end-of-stream): DEVICE_REMOVAL once for
+/// each id of the channel, as a device that disappears gives; then null (ENODEV).
+VEvent* removal_event(VChannel* ch) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.mu);
+  for (auto& [handle, v] : c.ids) {
+    if (v->id.channel != &ch->ch || v->removed) continue;
+    v->removed = true;
+    auto* ve = new VEvent();
+    ve->ev.event = RDMA_CM_EVENT_DEVICE_REMOVAL;
+    ve->ev.id = &v->id;
+    ve->owner = v;
+    ++v->reported;
+    c.live.insert(ve);
+    return ve;
+  }
+  return nullptr;
+}
+
 /// Turns one message of the channel's socket into an event; null when it is for an id that is
 /// gone (or malformed), to be skipped.
 VEvent* make_event(std::span<const uint8_t> msg) {
@@ -730,8 +749,12 @@ CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** eve
       rc = -1;
       break;
     }
-    if (n == 0) {  // the backend went away
-      rc = fail(ENODEV);
+    if (n == 0) {  // the backend went away: the device is gone
+      VEvent* ve = removal_event(ch);
+      if (ve)
+        *event = &ve->ev;
+      else
+        rc = fail(ENODEV);
       break;
     }
     VEvent* ve = make_event({buf.data(), static_cast<size_t>(n)});

@@ -46,6 +46,7 @@ struct VId {
   ibv_qp_init_attr ep_qp{};
   bool ep_has_qp = false;
   bool own_cqs = false;  ///< rdma_create_qp made the CQs and completion channels
+  bool removed = false;  ///< DEVICE_REMOVAL handed out (the backend went away; Cm::mu)
   ibv_sa_path_rec path{};
 };
 

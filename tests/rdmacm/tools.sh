@@ -8,7 +8,8 @@
 #   sync_ep    cm_sync_ep (sync_ep.c): the synchronous API, rdma_create_ep, rdma_verbs.h
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
-#              (ADDR_ERROR at once), a listener killed and its port taken again
+#              (ADDR_ERROR at once), a listener killed and its port taken again, the backend
+#              killed under a connected pair (DEVICE_REMOVAL on both ends, no hang)
 # shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
 e2e_init "${1:-}"
@@ -120,6 +121,23 @@ case $CASE in
     kill -KILL "$pid"
     wait "$pid" 2>/dev/null || true
     cm_pair reuse "rping -s -a 127.0.0.1 -p 7179 -C 10 -v" "rping -c -a 127.0.0.1 -p 7179 -C 10 -v"
+    # The backend killed under a connected pair: both ends hear DEVICE_REMOVAL and exit.
+    "${VRUN[@]}" --guest cm-srv -- rping -s -a 127.0.0.1 -p 7183 -C 100000000 >"$E2E_TMP/rm.srv" 2>&1 &
+    srv=$!
+    for ((try = 0; try < 50; try++)); do
+      "${VRUN[@]}" --guest cm-cli -- rping -c -a 127.0.0.1 -p 7183 -C 100000000 >"$E2E_TMP/rm.cli" 2>&1 &
+      cli=$!
+      nap 0.5
+      kill -0 "$cli" 2>/dev/null && break  # connected and pinging (not refused)
+    done
+    log "killing the backend under a connected rping pair"
+    kill -KILL "$(backend_pid)"
+    wait_pid "$srv" 10
+    [[ $WAIT_RC != 124 ]] || fail "the server hung when the backend died"
+    wait_pid "$cli" 10
+    [[ $WAIT_RC != 124 ]] || fail "the client hung when the backend died"
+    grep -q 'device removal' "$E2E_TMP/rm.srv" || fail "server: no DEVICE_REMOVAL: $(cat "$E2E_TMP/rm.srv")"
+    grep -q 'device removal' "$E2E_TMP/rm.cli" || fail "client: no DEVICE_REMOVAL: $(cat "$E2E_TMP/rm.cli")"
     ;;
   *) fail "unknown case $CASE" ;;
 esac
