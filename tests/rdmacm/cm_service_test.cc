@@ -1,6 +1,6 @@
 // The connection service (backend/cm.h) driven in-process: the CM commands' wire bodies, and the
 // IB CM exchange between two stand-in sessions, each event read as one message from its
-// channel's socket. Sessions are only compared by the service, never used.
+// channel's socket. The service knows a session by its id only (End gives each its own).
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
