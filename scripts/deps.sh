@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libibverbs-dev ibverbs-utils perftest qperf ucx-utils openmpi-bin libopenmpi-dev
+  librdmacm-dev rdmacm-utils
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libtomlplusplus-dev
   iproute2 procps curl systemd iperf3

@@ -307,6 +307,7 @@ void Server::drop(int fd) {
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, db, nullptr);
     doorbell_to_sock_.erase(db);
     guest = it->second.session->guest->name;
+    cm_.session_closed(it->second.session);
     dev_.close_session(it->second.session);
   }
   conns_.erase(it);
@@ -498,12 +499,15 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       std::memcpy(out.data() + offsetof(MsgHeader, length), &total, 4);
       break;
     }
-    default: break;  // sessionless ones went to handle_admin
+    default:  // sessionless ones went to handle_admin
+      if (is_cm(op)) out = cm_.handle(*s, h, msg, give);
+      break;
   }
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
   if (give.valid() && status == 0) out_fds = {give.get()};
   // keep_state: the keeper has every change before the guest hears of it.
-  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus) {
+  if (status == 0 && c.session && op != Op::kQueryQp && op != Op::kQuerySrq && op != Op::kStatus &&
+      !is_cm(op)) {
     reporter_.note_change(c.uid);  // its next status shows this change
     keep(c.session->guest->name);
   }

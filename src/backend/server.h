@@ -10,6 +10,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "backend/cm.h"
 #include "backend/config.h"
 #include "backend/metrics_http.h"
 #include "backend/report.h"
@@ -134,6 +135,7 @@ class Server {
   bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)
   UniqueFd keeper_;                       ///< keep_state: connection to the keeper
   bool on_demand_ = false;                ///< set_on_demand
+  CmService cm_;                          ///< the RDMA connection service (librdmacm)
 };
 
 }  // namespace vrdma::backend

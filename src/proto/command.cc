@@ -24,7 +24,22 @@ size_t request_body_size(Op op) {
     case Op::kDestroySrq:
     case Op::kDirectGrant:
     case Op::kDirectRings:
-    case Op::kDirectRemote: return sizeof(HandleReq);
+    case Op::kDirectRemote:
+    case Op::kCmDestroyChannel:
+    case Op::kCmDestroyId:
+    case Op::kCmEstablish:
+    case Op::kCmDisconnect: return sizeof(HandleReq);
+    case Op::kCmCreateChannel: return 0;
+    case Op::kCmCreateId: return sizeof(CmCreateIdReq);
+    case Op::kCmBind: return sizeof(CmAddrReq);
+    case Op::kCmListen: return sizeof(CmListenReq);
+    case Op::kCmResolveAddr:
+    case Op::kCmResolveRoute: return sizeof(CmResolveReq);
+    case Op::kCmConnect:
+    case Op::kCmAccept:
+    case Op::kCmReject: return sizeof(CmConnReq);
+    case Op::kCmMigrateId: return sizeof(CmMigrateReq);
+    case Op::kCmEvent: break;  // never a request
     case Op::kDirectOffer: return sizeof(DirectOfferReq);
     case Op::kCreateSrq: return sizeof(CreateSrqReq);
     case Op::kModifySrq: return sizeof(ModifySrqReq);
@@ -57,7 +72,10 @@ std::string op_name(uint16_t op) {
       "status",       "create_srq",   "modify_srq",     "query_srq",       "destroy_srq",
       "migrate",      "import_begin", "import_data",    "import_commit",   "snapshot",
       "keep_drop",    "keep_bye",     "keep_restore",   "keep_end",        "restore",
-      "direct_grant", "direct_rings", "direct_offer",   "direct_remote",   "dereg_segment"};
+      "direct_grant", "direct_rings", "direct_offer",   "direct_remote",   "dereg_segment",
+      "cm_create_channel", "cm_destroy_channel", "cm_create_id", "cm_destroy_id", "cm_bind",
+      "cm_listen", "cm_resolve_addr", "cm_resolve_route", "cm_connect", "cm_accept",
+      "cm_reject", "cm_establish", "cm_disconnect", "cm_migrate_id", "cm_event"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
   return kNames[op];

@@ -14,7 +14,10 @@ NONE = 0xFFFFFFFF
 OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=6,
            create_channel=7, destroy_channel=8, create_cq=9, destroy_cq=10, create_qp=11,
            modify_qp=12, query_qp=13, destroy_qp=14, status=15, create_srq=16, modify_srq=17,
-           query_srq=18, destroy_srq=19)
+           query_srq=18, destroy_srq=19, cm_create_channel=35, cm_destroy_channel=36,
+           cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
+           cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
+           cm_disconnect=47, cm_migrate_id=48)
 
 
 def msg(op, body=b"", flags=3):
@@ -31,6 +34,42 @@ def qp_attr(state, port=1, access=7, dlid=0, dqpn=0, **kw):
 
 
 hello = msg("hello", b"seed-guest".ljust(64, b"\0") + struct.pack("<II", 1234, 0))
+
+
+def cm_addr(port, ip=b"\x7f\0\0\x01"):  # AF_INET
+    return struct.pack("<HHI", 2, port, 0) + ip.ljust(16, b"\0")
+
+
+def cm_conn(id_, qpn):  # CmConnReq: id, private_len, CmQpInfo, private data
+    qp = struct.pack("<II16sHBBBBBBBBHI", qpn, 5, b"\xfe\x80".ljust(16, b"\0"), 7, 2, 1, 1, 0,
+                     7, 7, 0, 3, 0, 0)
+    return struct.pack("<II", id_, 2) + qp + b"hi".ljust(224, b"\0")
+
+
+def h(x):
+    return struct.pack("<II", x, 0)
+
+
+# Channel 1; listener id 2 on 127.0.0.1:7000; requester id 3; the request's id 4.
+cm = b"".join([
+    hello,
+    msg("cm_create_channel"),
+    msg("cm_create_id", struct.pack("<IHBB", 1, 0x106, 2, 0)),
+    msg("cm_bind", h(2) + cm_addr(7000)),
+    msg("cm_listen", h(2)),
+    msg("cm_create_id", struct.pack("<IHBB", 1, 0x106, 2, 0)),
+    msg("cm_resolve_addr", h(3) + cm_addr(0, b"") + cm_addr(7000)),
+    msg("cm_resolve_route", h(3) + cm_addr(0, b"") + cm_addr(0, b"")),
+    msg("cm_connect", cm_conn(3, 0x12)),
+    msg("cm_accept", cm_conn(4, 0x13)),
+    msg("cm_establish", h(3)),
+    msg("cm_disconnect", h(3)),
+    msg("cm_disconnect", h(4)),
+    msg("cm_destroy_id", h(4)),
+    msg("cm_migrate_id", struct.pack("<II", 3, 1)),
+    msg("cm_destroy_id", h(3)),
+    msg("cm_destroy_channel", h(1)),
+])
 lifecycle = b"".join([
     hello,
     msg("alloc_pd"),                                                     # pd 1
@@ -55,6 +94,7 @@ lifecycle = b"".join([
 ])
 command = {
     "seed-lifecycle": lifecycle,
+    "seed-cm": cm,
     "seed-before-hello": msg("alloc_pd") + hello + hello,
     "seed-raw-garbage": struct.pack("<BH", 0, 8) + b"VRDM\x01\x00\x02\x00",
     "seed-quota": hello + msg("alloc_pd") + msg("create_cq", struct.pack("<IIII", 4, NONE, 0, 0)) * 6,

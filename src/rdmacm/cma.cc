@@ -1,0 +1,882 @@
+// rdma_cma.h over the backend's connection service (backend/cm.h): the control connection,
+// event channels (a socket per channel whose messages are events), ids and the connection
+// exchange. QPs are ordinary vrdma QPs, made and moved through the public verbs API (qp.cc).
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <vector>
+
+#include "common/log.h"
+#include "common/paths.h"
+#include "common/socket.h"
+#include "rdmacm/internal.h"
+
+namespace vrdma::rdmacm {
+
+using namespace vrdma::proto;
+
+namespace {
+
+constexpr int kCallTimeoutMs = 30000;
+/// How long a connect that finds no listener is tried again (every kListenerRetryMs) before
+/// REJECTED reaches the application. A real fabric spends about that resolving the address and
+/// route, which programs count on: perftest -R's client connects as soon as the server said it
+/// would listen, and vrdma resolves a local address at once.
+constexpr uint64_t kListenerGraceMs = 200;
+constexpr int kListenerRetryMs = 10;
+
+uint64_t mono_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
+
+CmAddr to_cm_addr(const sockaddr* sa) {
+  CmAddr a{};
+  if (!sa) return a;
+  if (sa->sa_family == AF_INET) {
+    const auto* sin = reinterpret_cast<const sockaddr_in*>(sa);
+    a.family = AF_INET;
+    a.port = ntohs(sin->sin_port);
+    std::memcpy(a.addr, &sin->sin_addr, 4);
+  } else if (sa->sa_family == AF_INET6) {
+    const auto* sin6 = reinterpret_cast<const sockaddr_in6*>(sa);
+    a.family = AF_INET6;
+    a.port = ntohs(sin6->sin6_port);
+    a.scope_id = sin6->sin6_scope_id;
+    std::memcpy(a.addr, &sin6->sin6_addr, 16);
+  } else {
+    a.family = sa->sa_family;  // refused by the backend (EAFNOSUPPORT)
+  }
+  return a;
+}
+
+void from_cm_addr(const CmAddr& a, sockaddr_storage* out) {
+  std::memset(out, 0, sizeof(*out));
+  if (a.family == AF_INET) {
+    auto* sin = reinterpret_cast<sockaddr_in*>(out);
+    sin->sin_family = AF_INET;
+    sin->sin_port = htons(a.port);
+    std::memcpy(&sin->sin_addr, a.addr, 4);
+  } else if (a.family == AF_INET6) {
+    auto* sin6 = reinterpret_cast<sockaddr_in6*>(out);
+    sin6->sin6_family = AF_INET6;
+    sin6->sin6_port = htons(a.port);
+    sin6->sin6_scope_id = a.scope_id;
+    std::memcpy(&sin6->sin6_addr, a.addr, 16);
+  }
+}
+
+bool wildcard(const sockaddr* sa) {
+  if (sa->sa_family == AF_INET)
+    return reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr == INADDR_ANY;
+  if (sa->sa_family == AF_INET6)
+    return IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+  return false;
+}
+
+/// The id is on vrdma0 port 1 (an address of this host was bound or resolved).
+void attach_device(VId* v) {
+  Cm& c = cm();
+  v->id.verbs = c.ctx;
+  v->id.port_num = 1;
+  std::memcpy(&v->id.route.addr.addr.ibaddr.sgid, &c.gid, sizeof(c.gid));
+  v->id.route.addr.addr.ibaddr.pkey = htobe16(0xffff);
+}
+
+/// Sets the id's addresses (those given with a family) and, with `attach`, its device. Under
+/// Cm::mu: the application's thread (bind, resolve) and its event thread both write them.
+void set_addrs(VId* v, const CmAddr* src, const CmAddr* dst, bool attach) {
+  std::lock_guard<std::mutex> g(cm().mu);
+  sockaddr_storage ss;
+  if (src && src->family) {
+    from_cm_addr(*src, &ss);
+    std::memcpy(&v->id.route.addr.src_storage, &ss, sizeof(ss));
+  }
+  if (dst && dst->family) {
+    from_cm_addr(*dst, &ss);
+    std::memcpy(&v->id.route.addr.dst_storage, &ss, sizeof(ss));
+  }
+  if (attach) attach_device(v);
+}
+
+/// The path record of a route: this end's GID and LID, the peer's once it is known.
+void set_path(VId* v) {
+  ibv_sa_path_rec& p = v->path;
+  std::memcpy(&p.sgid, &cm().gid, sizeof(p.sgid));
+  p.slid = htobe16(cm().port.lid);
+  if (v->have_peer) {
+    std::memcpy(&p.dgid, v->peer.gid, 16);
+    p.dlid = htobe16(v->peer.lid);
+    std::memcpy(&v->id.route.addr.addr.ibaddr.dgid, v->peer.gid, 16);
+  }
+  p.pkey = htobe16(0xffff);
+  p.hop_limit = 1;
+  p.reversible = 1;
+  p.numb_path = 1;
+  p.mtu = cm().port.active_mtu;
+  p.mtu_selector = 2;  // exactly
+  p.rate = 3;          // 10 Gb/s, as ibv_query_port says
+  p.packet_life_time = 14;
+  v->id.route.path_rec = &v->path;
+  v->id.route.num_paths = 1;
+}
+
+int open_channel(VChannel** out) {
+  if (ensure_open()) return -1;
+  auto* ch = new VChannel();
+  HandleResp r{};
+  int fd = -1;
+  if (call(Op::kCmCreateChannel, nullptr, 0, &r, sizeof(r), &fd) || fd < 0) {
+    const int err = errno ? errno : EIO;
+    delete ch;
+    return fail(err);
+  }
+  ch->ch.fd = fd;
+  ch->handle = r.handle;
+  *out = ch;
+  return 0;
+}
+
+/// Destroyed channels, kept (not freed) so that a thread still inside rdma_get_cm_event on
+/// one, or entering it late, reads valid memory; the oldest are freed past kBuried.
+constexpr size_t kBuried = 1024;
+struct Graveyard {
+  std::mutex mu;
+  std::deque<VChannel*> channels;
+};
+Graveyard& graveyard() {
+  static auto* g = new Graveyard();  // never destroyed: it is still reachable at exit
+  return *g;
+}
+
+void close_channel(VChannel* ch) {
+  (void)call(Op::kCmDestroyChannel, HandleReq{ch->handle, 0});
+  // A reader blocked on the fd keeps it (the backend keeps its end until ours closes, so the
+  // reader stays blocked, as on a kernel rdma_cm fd); the last reader out closes it.
+  ch->closed.store(true);
+  if (ch->readers.load() == 0 && !ch->fd_closed.exchange(true)) ::close(ch->ch.fd);
+  Graveyard& y = graveyard();
+  std::lock_guard<std::mutex> g(y.mu);
+  y.channels.push_back(ch);
+  if (y.channels.size() > kBuried) {
+    VChannel* old = y.channels.front();
+    y.channels.pop_front();
+    if (old->readers.load() == 0) delete old;  // else a blocked reader: left for ever
+  }
+}
+
+/// Waits for the next event of a synchronous id and keeps it in id->event (acked by the next
+/// wait or by rdma_destroy_id): 0 when it is `want` with status 0, else -1 with errno.
+int complete(VId* v, rdma_cm_event_type want) {
+  if (v->id.event) {
+    rdma_ack_cm_event(v->id.event);
+    v->id.event = nullptr;
+  }
+  rdma_cm_event* e;
+  if (rdma_get_cm_event(v->id.channel, &e)) return -1;
+  v->id.event = e;
+  if (e->event == want && e->status == 0) return 0;
+  if (e->event == RDMA_CM_EVENT_REJECTED) return fail(ECONNREFUSED);
+  if (e->status < 0) return fail(-e->status);
+  return fail(EINVAL);
+}
+
+VId* lookup(uint32_t handle) {
+  auto it = cm().ids.find(handle);
+  return it == cm().ids.end() ? nullptr : it->second;
+}
+
+/// A CONNECT_REQUEST's new id: the listener's context, channel and port space.
+VId* new_request_id(const CmEvent& e, VId* l) {
+  auto* n = new VId();
+  n->handle = e.id;
+  n->id.context = l->id.context;
+  n->id.channel = l->id.channel;
+  n->id.ps = l->id.ps;
+  n->id.qp_type = l->id.qp_type;
+  n->peer = e.peer;
+  n->have_peer = true;
+  n->ep_qp = l->ep_qp;
+  n->ep_has_qp = l->ep_has_qp;
+  n->id.pd = l->id.pd;
+  attach_device(n);
+  return n;
+}
+
+/// The connection parameters the other end's REQ or REP gives this one, as rdma_cm reports
+/// them: its initiator depth is our responder resources and the reverse.
+void fill_param(VEvent* ve, const CmEvent& e, bool ud) {
+  rdma_cm_event& ev = ve->ev;
+  const void* pd = e.private_len ? ve->pdata : nullptr;
+  const auto len = static_cast<uint8_t>(std::min<uint32_t>(e.private_len, 255));
+  if (ud) {
+    rdma_ud_param& u = ev.param.ud;
+    u.private_data = pd;
+    u.private_data_len = len;
+    u.qp_num = e.peer.qpn;
+    u.qkey = e.peer.qkey;
+    u.ah_attr.dlid = e.peer.lid;
+    u.ah_attr.port_num = 1;
+    u.ah_attr.is_global = 1;
+    std::memcpy(&u.ah_attr.grh.dgid, e.peer.gid, 16);
+    u.ah_attr.grh.hop_limit = 1;
+    return;
+  }
+  rdma_conn_param& p = ev.param.conn;
+  p.private_data = pd;
+  p.private_data_len = len;
+  p.responder_resources = e.peer.initiator_depth;
+  p.initiator_depth = e.peer.responder_resources;
+  p.flow_control = e.peer.flow_control;
+  p.retry_count = e.peer.retry_count;
+  p.rnr_retry_count = e.peer.rnr_retry_count;
+  p.srq = e.peer.srq;
+  p.qp_num = e.peer.qpn;
+}
+
+/// REQ, REP or REJ with the id's QP and the caller's private data.
+int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata, size_t len) {
+  if (len > private_data_limit(v, op) || (len && !pdata)) return fail(EINVAL);
+  vrdma::proto::CmConnReq req{};
+  req.id = v->handle;
+  req.qp = qp;
+  req.private_len = static_cast<uint32_t>(len);
+  if (len) std::memcpy(req.private_data, pdata, len);
+  return call(op, req);
+}
+
+/// The backend went away (the channel's socket reads end-of-stream): DEVICE_REMOVAL once for
+/// each id of the channel, as a device that disappears gives; then null (ENODEV).
+VEvent* removal_event(VChannel* ch) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.mu);
+  for (auto& [handle, v] : c.ids) {
+    if (v->id.channel != &ch->ch || v->removed) continue;
+    v->removed = true;
+    auto* ve = new VEvent();
+    ve->ev.event = RDMA_CM_EVENT_DEVICE_REMOVAL;
+    ve->ev.id = &v->id;
+    ve->owner = v;
+    ++v->reported;
+    c.live.insert(ve);
+    return ve;
+  }
+  return nullptr;
+}
+
+/// Turns one message of the channel's socket into an event; null when it is for an id that is
+/// gone (or malformed), to be skipped.
+VEvent* make_event(std::span<const uint8_t> msg) {
+  auto h = decode_header(msg);
+  if (!h.is_ok() || h->op != static_cast<uint16_t>(Op::kCmEvent)) return nullptr;
+  auto body = body_of<CmEvent>(msg);
+  if (!body.is_ok()) return nullptr;
+  const CmEvent& e = body.value();
+  Cm& c = cm();
+  auto* ve = new VEvent();
+  ve->ev.event = static_cast<rdma_cm_event_type>(e.event);
+  ve->ev.status = e.status;
+  const uint32_t plen = std::min<uint32_t>(e.private_len, kCmPrivateMax);
+  std::memcpy(ve->pdata, e.private_data, plen);
+  VId* v;
+  VId* retry = nullptr;
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest)) {
+      VId* l = lookup(e.listen_id);
+      if (!l)
+        v = nullptr;
+      else {
+        v = new_request_id(e, l);
+        c.ids[e.id] = v;
+        ve->ev.listen_id = &l->id;
+      }
+    } else {
+      v = lookup(e.id);
+    }
+    if (v && e.event == static_cast<uint32_t>(CmEventType::kRejected) &&
+        e.status == kCmRejInvalidService && v->connect_ms &&
+        mono_ms() - v->connect_ms < kListenerGraceMs) {
+      retry = v;
+      v = nullptr;
+    }
+    if (v) {
+      ++v->reported;
+      c.live.insert(ve);
+    }
+  }
+  if (retry) {
+    delete ve;
+    ::usleep(kListenerRetryMs * 1000);
+    if (send_conn(retry, Op::kCmConnect, retry->mine, retry->connect_pdata.data(),
+                  retry->connect_pdata.size()) != 0) {
+      std::lock_guard<std::mutex> g(c.mu);
+      retry->connect_ms = 0;
+    }
+    return nullptr;
+  }
+  if (!v) {
+    // The listener went: its request is refused (the requester hears REJECTED).
+    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest))
+      (void)call(Op::kCmDestroyId, HandleReq{e.id, 0});
+    delete ve;
+    return nullptr;
+  }
+  ve->owner = v;
+  ve->ev.id = &v->id;
+  set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
+  const bool ud = v->id.qp_type == IBV_QPT_UD;
+  switch (static_cast<CmEventType>(e.event)) {
+    case CmEventType::kAddrResolved:
+      break;
+    case CmEventType::kRouteResolved:
+      set_path(v);
+      break;
+    case CmEventType::kConnectRequest:
+      set_path(v);
+      fill_param(ve, e, ud);
+      break;
+    case CmEventType::kEstablished:
+      if (ud) {  // SIDR: the peer's QP, for its address handle
+        v->peer = e.peer;
+        v->have_peer = true;
+        fill_param(ve, e, true);
+      }
+      break;
+    case CmEventType::kConnectResponse:
+      v->peer = e.peer;
+      v->have_peer = true;
+      set_path(v);
+      fill_param(ve, e, false);
+      // With a QP on the id, the library finishes the exchange (RTR, RTS, RTU) and the
+      // application sees ESTABLISHED, as with rdma-core; without one it calls rdma_establish.
+      if (v->id.qp) {
+        if (move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS}) == 0 &&
+            call(Op::kCmEstablish, HandleReq{v->handle, 0}) == 0) {
+          ve->ev.event = RDMA_CM_EVENT_ESTABLISHED;
+        } else {
+          ve->ev.event = RDMA_CM_EVENT_CONNECT_ERROR;
+          ve->ev.status = -(errno ? errno : EIO);
+        }
+      }
+      break;
+    case CmEventType::kRejected:
+      fill_param(ve, e, ud);
+      break;
+    default:
+      break;
+  }
+  return ve;
+}
+
+}  // namespace
+
+Cm& cm() {
+  static Cm* c = new Cm();  // never destroyed: ids may outlive static destructors
+  return *c;
+}
+
+int ensure_open() {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  if (c.sock >= 0) return 0;
+  if (!c.ctx) {
+    int n = 0;
+    ibv_device** list = ibv_get_device_list(&n);
+    if (!list || n == 0) {
+      if (list) ibv_free_device_list(list);
+      return fail(ENODEV);
+    }
+    c.ctx = ibv_open_device(list[0]);
+    ibv_free_device_list(list);
+    if (!c.ctx) return -1;
+    if (ibv_query_port(c.ctx, 1, &c.port) || ibv_query_device(c.ctx, &c.dev) ||
+        ibv_query_gid(c.ctx, 1, 0, &c.gid)) {
+      const int err = errno ? errno : EIO;
+      ibv_close_device(c.ctx);
+      c.ctx = nullptr;
+      return fail(err);
+    }
+  }
+  // Our own session in the guest: the connection service's commands never wait behind (or
+  // race with) the verbs library's on the device's socket.
+  auto sock = connect_backend_socket(socket_path(), kCallTimeoutMs);
+  if (!sock.is_ok()) {
+    VLOG_ERROR("rdmacm: cannot reach the vrdma backend: {}",
+               backend_unreachable_hint(socket_path(), sock.status().err()));
+    return fail(ENODEV);
+  }
+  HelloReq req{};
+  std::snprintf(req.guest, sizeof(req.guest), "%s", guest_name().c_str());
+  req.pid = static_cast<uint32_t>(::getpid());
+  std::vector<uint8_t> msg = encode(Op::kHello, ++c.seq, 0, req);
+  std::vector<UniqueFd> fds;  // the session's control page, doorbell, events: not used here
+  Status st = send_msg(sock.value().get(), msg);
+  if (st.is_ok()) st = recv_msg(sock.value().get(), msg, kMaxResponse, fds);
+  if (!st.is_ok()) return fail(st.err());
+  auto h = decode_header(msg);
+  if (!h.is_ok()) return fail(EPROTO);
+  if (h->status) {
+    VLOG_ERROR("rdmacm: the backend refused guest '{}': {}", guest_name(),
+               std::strerror(-h->status));
+    return fail(-h->status);
+  }
+  c.sock = sock.value().release();
+  return 0;
+}
+
+int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, int* fd_out) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  if (c.sock < 0) return fail(ENODEV);
+  std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
+  const MsgHeader h{
+      kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()), ++c.seq,
+      0,      0};
+  std::memcpy(msg.data(), &h, sizeof(h));
+  if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
+  Status st = send_msg(c.sock, msg);
+  std::vector<UniqueFd> fds;
+  for (;;) {
+    if (!st.is_ok()) return fail(st.err() == EAGAIN ? ETIMEDOUT : st.err());
+    pollfd p{c.sock, POLLIN, 0};
+    int n;
+    do {
+      n = ::poll(&p, 1, kCallTimeoutMs);
+    } while (n < 0 && errno == EINTR);
+    if (n == 0) {
+      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(h.op),
+                 kCallTimeoutMs);
+      return fail(ETIMEDOUT);
+    }
+    st = recv_msg(c.sock, msg, kMaxResponse, fds);
+    if (!st.is_ok()) continue;
+    auto rh = decode_header(msg);
+    if (!rh.is_ok()) return fail(EPROTO);
+    if (rh->seq != h.seq) continue;  // the answer to a call that timed out
+    if (rh->status) return fail(-rh->status);
+    if (resp_len && msg.size() == sizeof(MsgHeader) + resp_len)
+      std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
+    else if (resp_len)
+      return fail(EPROTO);
+    if (fd_out && !fds.empty()) *fd_out = fds[0].release();
+    return 0;
+  }
+}
+
+int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_port_space ps,
+              ibv_qp_type qp_type) {
+  if (!id) return fail(EINVAL);
+  if (ensure_open()) return -1;
+  auto* v = new VId();
+  if (!channel) {
+    if (open_channel(&v->own)) {
+      delete v;
+      return -1;
+    }
+    channel = &v->own->ch;
+  }
+  CmCreateIdReq req{reinterpret_cast<VChannel*>(channel)->handle, static_cast<uint16_t>(ps),
+                    static_cast<uint8_t>(qp_type), 0};
+  HandleResp r{};
+  if (call(Op::kCmCreateId, &req, sizeof(req), &r, sizeof(r))) {
+    const int err = errno;
+    if (v->own) close_channel(v->own);
+    delete v;
+    return fail(err);
+  }
+  v->handle = r.handle;
+  v->id.channel = channel;
+  v->id.context = context;
+  v->id.ps = ps;
+  v->id.qp_type = qp_type;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    cm().ids[v->handle] = v;
+  }
+  *id = &v->id;
+  return 0;
+}
+
+size_t private_data_limit(const VId* v, Op op) {
+  // The IB CM's private data sizes; an IP port space's REQ gives 36 bytes to rdma_cm's header.
+  const bool ip = v->id.ps != RDMA_PS_IB;
+  if (v->id.qp_type == IBV_QPT_UD) return op == Op::kCmConnect ? (ip ? 180 : 216) : 136;
+  if (op == Op::kCmConnect) return ip ? 56 : 92;
+  if (op == Op::kCmAccept) return 196;
+  return 148;  // REJ
+}
+
+}  // namespace vrdma::rdmacm
+
+using namespace vrdma::rdmacm;
+using vrdma::proto::Op;
+
+CM_EXPORT rdma_event_channel* rdma_create_event_channel() {
+  VChannel* ch;
+  if (open_channel(&ch)) return nullptr;
+  return &ch->ch;
+}
+
+CM_EXPORT void rdma_destroy_event_channel(rdma_event_channel* channel) {
+  if (channel) close_channel(reinterpret_cast<VChannel*>(channel));
+}
+
+CM_EXPORT int rdma_create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context,
+                             rdma_port_space ps) {
+  // Read as a number: a value outside the enum (udaddy's -p takes any) is the caller's error.
+  int n;
+  static_assert(sizeof(n) == sizeof(ps));
+  std::memcpy(&n, &ps, sizeof(n));
+  if (n != RDMA_PS_TCP && n != RDMA_PS_UDP && n != RDMA_PS_IB && n != RDMA_PS_IPOIB)
+    return fail(EINVAL);
+  const ibv_qp_type t = n == RDMA_PS_UDP || n == RDMA_PS_IPOIB ? IBV_QPT_UD : IBV_QPT_RC;
+  return create_id(channel, id, context, ps, t);
+}
+
+CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  if (id->event) {
+    rdma_ack_cm_event(id->event);
+    id->event = nullptr;
+  }
+  Cm& c = cm();
+  {
+    // As rdma-core: every event handed out for the id must be acked first (said once, after a
+    // second, so that a program that forgot one knows why it stopped).
+    std::unique_lock<std::mutex> g(c.mu);
+    auto all_acked = [v] { return v->acked == v->reported; };
+    if (!c.acked.wait_for(g, std::chrono::seconds(1), all_acked)) {
+      VLOG_WARN("rdma_destroy_id waits for {} unacked event(s) of the id (rdma_ack_cm_event)",
+                v->reported - v->acked);
+      c.acked.wait(g, all_acked);
+    }
+    c.ids.erase(v->handle);
+  }
+  (void)call(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});
+  if (v->own) close_channel(v->own);
+  delete v;
+  return 0;
+}
+
+CM_EXPORT int rdma_bind_addr(rdma_cm_id* id, sockaddr* addr) {
+  if (!id || !addr) return fail(EINVAL);
+  VId* v = to_vid(id);
+  vrdma::proto::CmAddrReq req{v->handle, 0, to_cm_addr(addr)};
+  vrdma::proto::CmAddrResp r{};
+  if (call(Op::kCmBind, &req, sizeof(req), &r, sizeof(r))) return -1;
+  // A wildcard address names no device yet (as with rdma-core): requests bring it.
+  set_addrs(v, &r.addr, nullptr, !wildcard(addr));
+  return 0;
+}
+
+CM_EXPORT int rdma_resolve_addr(rdma_cm_id* id, sockaddr* src_addr, sockaddr* dst_addr,
+                                int timeout_ms) {
+  if (!id || !dst_addr) return fail(EINVAL);
+  VId* v = to_vid(id);
+  vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)),
+                                 to_cm_addr(src_addr), to_cm_addr(dst_addr)};
+  set_addrs(v, nullptr, &req.dst, false);
+  if (call(Op::kCmResolveAddr, req)) return -1;
+  return v->own ? complete(v, RDMA_CM_EVENT_ADDR_RESOLVED) : 0;
+}
+
+CM_EXPORT int rdma_resolve_route(rdma_cm_id* id, int timeout_ms) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)), {}, {}};
+  if (call(Op::kCmResolveRoute, req)) return -1;
+  return v->own ? complete(v, RDMA_CM_EVENT_ROUTE_RESOLVED) : 0;
+}
+
+CM_EXPORT int rdma_listen(rdma_cm_id* id, int backlog) {
+  if (!id) return fail(EINVAL);
+  vrdma::proto::CmListenReq req{to_vid(id)->handle, static_cast<uint32_t>(std::max(backlog, 0))};
+  return call(Op::kCmListen, req);
+}
+
+CM_EXPORT int rdma_connect(rdma_cm_id* id, rdma_conn_param* conn_param) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  rdma_conn_param param =
+      conn_param ? *conn_param : rdma_conn_param{nullptr, 0, 0, 0, 0, 7, 7, 0, 0};
+  param.private_data = nullptr;
+  const CmQpInfo mine = local_qp_info(v, &param);
+  const auto* pd = static_cast<const uint8_t*>(conn_param ? conn_param->private_data : nullptr);
+  const size_t len = conn_param ? conn_param->private_data_len : 0;
+  {
+    // Before the REQ, under the lock the event thread takes: its answer (CONNECT_RESPONSE, or
+    // a REJECTED to send again) may be read there before send_conn returns.
+    std::lock_guard<std::mutex> g(cm().mu);
+    v->param = param;
+    v->active = true;
+    v->mine = mine;
+    v->connect_pdata.assign(pd, pd + (pd ? len : 0));
+    v->connect_ms = mono_ms();
+  }
+  if (send_conn(v, Op::kCmConnect, mine, pd, len)) {
+    std::lock_guard<std::mutex> g(cm().mu);
+    v->connect_ms = 0;
+    return -1;
+  }
+  return v->own ? complete(v, RDMA_CM_EVENT_ESTABLISHED) : 0;
+}
+
+CM_EXPORT int rdma_accept(rdma_cm_id* id, rdma_conn_param* conn_param) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  if (!v->have_peer) return fail(EINVAL);
+  if (conn_param) {
+    v->param = *conn_param;
+  } else {  // what the requester offered
+    v->param = rdma_conn_param{};
+    v->param.responder_resources = v->peer.initiator_depth;
+    v->param.initiator_depth = v->peer.responder_resources;
+    v->param.rnr_retry_count = 7;
+  }
+  v->param.private_data = nullptr;
+  v->mine = local_qp_info(v, &v->param);
+  if (id->qp && id->qp_type != IBV_QPT_UD && move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS})) return -1;
+  if (send_conn(v, Op::kCmAccept, v->mine, conn_param ? conn_param->private_data : nullptr,
+                conn_param ? conn_param->private_data_len : 0))
+    return -1;
+  if (!v->own || id->qp_type == IBV_QPT_UD) return 0;
+  return complete(v, RDMA_CM_EVENT_ESTABLISHED);
+}
+
+CM_EXPORT int rdma_establish(rdma_cm_id* id) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  if (id->qp && move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS})) return -1;
+  return call(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+}
+
+CM_EXPORT int rdma_reject(rdma_cm_id* id, const void* private_data, uint8_t private_data_len) {
+  if (!id) return fail(EINVAL);
+  return send_conn(to_vid(id), Op::kCmReject, {}, private_data, private_data_len);
+}
+
+CM_EXPORT int rdma_reject_ece(rdma_cm_id* id, const void* private_data, uint8_t private_data_len) {
+  return rdma_reject(id, private_data, private_data_len);
+}
+
+CM_EXPORT int rdma_disconnect(rdma_cm_id* id) {
+  if (!id) return fail(EINVAL);
+  // The QP stops first (its outstanding work flushes), as rdma-core does on IB.
+  if (id->qp && id->qp_type != IBV_QPT_UD) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_ERR;
+    (void)ibv_modify_qp(id->qp, &a, IBV_QP_STATE);
+  }
+  return call(Op::kCmDisconnect, vrdma::proto::HandleReq{to_vid(id)->handle, 0});
+}
+
+CM_EXPORT int rdma_get_request(rdma_cm_id* listen, rdma_cm_id** id) {
+  if (!listen || !id) return fail(EINVAL);
+  VId* l = to_vid(listen);
+  if (!l->own) return fail(EINVAL);  // only a synchronous listener
+  rdma_cm_event* e;
+  for (;;) {
+    if (rdma_get_cm_event(listen->channel, &e)) return -1;
+    if (e->event == RDMA_CM_EVENT_CONNECT_REQUEST) break;
+    const int status = e->status;
+    rdma_ack_cm_event(e);
+    if (status) return fail(status < 0 ? -status : EIO);
+  }
+  VId* n = to_vid(e->id);
+  // The new id is synchronous too: a channel of its own.
+  if (rdma_migrate_id(&n->id, nullptr)) {
+    const int err = errno;
+    rdma_ack_cm_event(e);
+    return fail(err);
+  }
+  n->id.event = e;
+  if (n->ep_has_qp) {
+    ibv_qp_init_attr a = n->ep_qp;
+    if (rdma_create_qp(&n->id, n->id.pd, &a)) {
+      const int err = errno;
+      rdma_destroy_id(&n->id);
+      return fail(err);
+    }
+  }
+  *id = &n->id;
+  return 0;
+}
+
+CM_EXPORT int rdma_migrate_id(rdma_cm_id* id, rdma_event_channel* channel) {
+  if (!id) return fail(EINVAL);
+  VId* v = to_vid(id);
+  VChannel* own = nullptr;
+  if (!channel) {
+    if (open_channel(&own)) return -1;
+    channel = &own->ch;
+  }
+  vrdma::proto::CmMigrateReq req{v->handle, reinterpret_cast<VChannel*>(channel)->handle};
+  if (call(Op::kCmMigrateId, req)) {
+    const int err = errno;
+    if (own) close_channel(own);
+    return fail(err);
+  }
+  if (v->own) close_channel(v->own);
+  v->own = own;
+  id->channel = channel;
+  return 0;
+}
+
+CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** event) {
+  if (!channel || !event) return fail(EINVAL);
+  auto* ch = reinterpret_cast<VChannel*>(channel);
+  ch->readers.fetch_add(1);
+  if (ch->closed.load()) {
+    // Destroyed before this thread came to read it (rping's event thread, when the main thread
+    // tears down first): it waits for ever, as one that was already blocked on it does, rather
+    // than failing (which such threads answer by exiting the process).
+    for (;;) ::pause();
+  }
+  std::vector<uint8_t> buf(sizeof(vrdma::proto::MsgHeader) + sizeof(vrdma::proto::CmEvent) + 64);
+  int rc = 0;
+  for (;;) {
+    const ssize_t n = ::recv(channel->fd, buf.data(), buf.size(), 0);
+    if (n < 0) {  // EAGAIN with O_NONBLOCK, EINTR
+      rc = -1;
+      break;
+    }
+    if (n == 0) {  // the backend went away: the device is gone
+      VEvent* ve = removal_event(ch);
+      if (ve)
+        *event = &ve->ev;
+      else
+        rc = fail(ENODEV);
+      break;
+    }
+    VEvent* ve = make_event({buf.data(), static_cast<size_t>(n)});
+    if (ve) {
+      *event = &ve->ev;
+      break;
+    }
+  }
+  const int err = errno;
+  if (ch->readers.fetch_sub(1) == 1 && ch->closed.load() && !ch->fd_closed.exchange(true))
+    ::close(ch->ch.fd);
+  errno = err;
+  return rc;
+}
+
+CM_EXPORT int rdma_ack_cm_event(rdma_cm_event* event) {
+  if (!event) return fail(EINVAL);
+  auto* ve = reinterpret_cast<VEvent*>(event);
+  Cm& c = cm();
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    if (!c.live.erase(ve)) return fail(EINVAL);  // acked already
+    ++ve->owner->acked;
+  }
+  c.acked.notify_all();
+  delete ve;
+  return 0;
+}
+
+CM_EXPORT const char* rdma_event_str(rdma_cm_event_type event) {
+  switch (event) {
+    case RDMA_CM_EVENT_ADDR_RESOLVED:
+      return "RDMA_CM_EVENT_ADDR_RESOLVED";
+    case RDMA_CM_EVENT_ADDR_ERROR:
+      return "RDMA_CM_EVENT_ADDR_ERROR";
+    case RDMA_CM_EVENT_ROUTE_RESOLVED:
+      return "RDMA_CM_EVENT_ROUTE_RESOLVED";
+    case RDMA_CM_EVENT_ROUTE_ERROR:
+      return "RDMA_CM_EVENT_ROUTE_ERROR";
+    case RDMA_CM_EVENT_CONNECT_REQUEST:
+      return "RDMA_CM_EVENT_CONNECT_REQUEST";
+    case RDMA_CM_EVENT_CONNECT_RESPONSE:
+      return "RDMA_CM_EVENT_CONNECT_RESPONSE";
+    case RDMA_CM_EVENT_CONNECT_ERROR:
+      return "RDMA_CM_EVENT_CONNECT_ERROR";
+    case RDMA_CM_EVENT_UNREACHABLE:
+      return "RDMA_CM_EVENT_UNREACHABLE";
+    case RDMA_CM_EVENT_REJECTED:
+      return "RDMA_CM_EVENT_REJECTED";
+    case RDMA_CM_EVENT_ESTABLISHED:
+      return "RDMA_CM_EVENT_ESTABLISHED";
+    case RDMA_CM_EVENT_DISCONNECTED:
+      return "RDMA_CM_EVENT_DISCONNECTED";
+    case RDMA_CM_EVENT_DEVICE_REMOVAL:
+      return "RDMA_CM_EVENT_DEVICE_REMOVAL";
+    case RDMA_CM_EVENT_MULTICAST_JOIN:
+      return "RDMA_CM_EVENT_MULTICAST_JOIN";
+    case RDMA_CM_EVENT_MULTICAST_ERROR:
+      return "RDMA_CM_EVENT_MULTICAST_ERROR";
+    case RDMA_CM_EVENT_ADDR_CHANGE:
+      return "RDMA_CM_EVENT_ADDR_CHANGE";
+    case RDMA_CM_EVENT_TIMEWAIT_EXIT:
+      return "RDMA_CM_EVENT_TIMEWAIT_EXIT";
+  }
+  return "UNKNOWN EVENT";
+}
+
+CM_EXPORT ibv_context** rdma_get_devices(int* num_devices) {
+  if (ensure_open()) {
+    if (num_devices) *num_devices = 0;
+    return static_cast<ibv_context**>(std::calloc(1, sizeof(ibv_context*)));
+  }
+  auto** list = static_cast<ibv_context**>(std::calloc(2, sizeof(ibv_context*)));
+  if (!list) return nullptr;
+  list[0] = cm().ctx;
+  if (num_devices) *num_devices = 1;
+  return list;
+}
+
+CM_EXPORT void rdma_free_devices(ibv_context** list) { std::free(list); }
+
+CM_EXPORT __be16 rdma_get_src_port(rdma_cm_id* id) {
+  const sockaddr* sa = &id->route.addr.src_addr;
+  if (sa->sa_family == AF_INET) return reinterpret_cast<const sockaddr_in*>(sa)->sin_port;
+  if (sa->sa_family == AF_INET6) return reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port;
+  return 0;
+}
+
+CM_EXPORT __be16 rdma_get_dst_port(rdma_cm_id* id) {
+  const sockaddr* sa = &id->route.addr.dst_addr;
+  if (sa->sa_family == AF_INET) return reinterpret_cast<const sockaddr_in*>(sa)->sin_port;
+  if (sa->sa_family == AF_INET6) return reinterpret_cast<const sockaddr_in6*>(sa)->sin6_port;
+  return 0;
+}
+
+CM_EXPORT int rdma_set_option(rdma_cm_id* id, int level, int optname, void* optval, size_t optlen) {
+  if (!id || (optlen && !optval)) return fail(EINVAL);
+  // Accepted and of no effect on one backend: type of service, address reuse, v6-only, the
+  // ACK timeout (the QP's own timeout still applies), explicit IB paths.
+  if (level == RDMA_OPTION_ID &&
+      (optname == RDMA_OPTION_ID_TOS || optname == RDMA_OPTION_ID_REUSEADDR ||
+       optname == RDMA_OPTION_ID_AFONLY || optname == RDMA_OPTION_ID_ACK_TIMEOUT))
+    return 0;
+  if (level == RDMA_OPTION_IB && optname == RDMA_OPTION_IB_PATH) return 0;
+  return fail(ENOSYS);
+}
+
+CM_EXPORT int rdma_notify(rdma_cm_id* id, ibv_event_type) { return id ? 0 : fail(EINVAL); }
+
+// Multicast needs UD multicast delivery in the device (ibv_attach_mcast), which vrdma lacks.
+CM_EXPORT int rdma_join_multicast(rdma_cm_id*, sockaddr*, void*) { return fail(ENOSYS); }
+CM_EXPORT int rdma_join_multicast_ex(rdma_cm_id*, rdma_cm_join_mc_attr_ex*, void*) {
+  return fail(ENOSYS);
+}
+CM_EXPORT int rdma_leave_multicast(rdma_cm_id*, sockaddr*) { return fail(ENOSYS); }
+
+// Enhanced connection establishment: vrdma has no options to negotiate; an ECE of zeroes.
+CM_EXPORT int rdma_set_local_ece(rdma_cm_id* id, ibv_ece* ece) {
+  return id && ece ? 0 : fail(EINVAL);
+}
+CM_EXPORT int rdma_get_remote_ece(rdma_cm_id* id, ibv_ece* ece) {
+  if (!id || !ece) return fail(EINVAL);
+  *ece = ibv_ece{};
+  return 0;
+}

@@ -1,0 +1,311 @@
+// The connection service (backend/cm.h) driven in-process: the CM commands' wire bodies, and the
+// IB CM exchange between two stand-in sessions, each event read as one message from its
+// channel's socket. The service knows a session by its id only (End gives each its own).
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <string>
+
+#include "backend/cm.h"
+#include "engine/device.h"
+
+namespace vrdma::backend {
+namespace {
+
+using namespace vrdma::proto;
+
+TEST(CmWire, EveryCmOpcodeHasItsFixedBody) {
+  const std::pair<Op, size_t> sizes[] = {
+      {Op::kCmCreateChannel, 0},
+      {Op::kCmDestroyChannel, sizeof(HandleReq)},
+      {Op::kCmCreateId, sizeof(CmCreateIdReq)},
+      {Op::kCmDestroyId, sizeof(HandleReq)},
+      {Op::kCmBind, sizeof(CmAddrReq)},
+      {Op::kCmListen, sizeof(CmListenReq)},
+      {Op::kCmResolveAddr, sizeof(CmResolveReq)},
+      {Op::kCmResolveRoute, sizeof(CmResolveReq)},
+      {Op::kCmConnect, sizeof(CmConnReq)},
+      {Op::kCmAccept, sizeof(CmConnReq)},
+      {Op::kCmReject, sizeof(CmConnReq)},
+      {Op::kCmEstablish, sizeof(HandleReq)},
+      {Op::kCmDisconnect, sizeof(HandleReq)},
+      {Op::kCmMigrateId, sizeof(CmMigrateReq)},
+  };
+  for (auto [op, size] : sizes) {
+    SCOPED_TRACE(op_name(static_cast<uint16_t>(op)));
+    EXPECT_TRUE(is_cm(op));
+    EXPECT_EQ(request_body_size(op), size);
+    std::vector<uint8_t> m(sizeof(MsgHeader) + size, 0x5a);
+    const MsgHeader h{
+        kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(m.size()), 9, 0, 0};
+    std::memcpy(m.data(), &h, sizeof(h));
+    EXPECT_TRUE(decode_request(m).is_ok());
+    m.push_back(0);
+    std::memcpy(m.data() + offsetof(MsgHeader, length), &h.length, 4);
+    EXPECT_FALSE(decode_request(m).is_ok());
+  }
+  EXPECT_FALSE(is_cm(Op::kDeregSegment));
+  // Events go one way only: never a request.
+  CmEvent e{};
+  e.event = static_cast<uint32_t>(CmEventType::kRejected);
+  e.status = kCmRejConsumer;
+  e.private_len = 3;
+  std::memcpy(e.private_data, "abc", 3);
+  auto m = encode(Op::kCmEvent, 0, 0, e);
+  EXPECT_EQ(decode_request(m).err(), EPROTO);
+  ASSERT_TRUE(decode_header(m).is_ok());
+  auto back = body_of<CmEvent>(m);
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(std::memcmp(&back.value(), &e, sizeof(e)), 0);
+  EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kCmEvent)), "cm_event");
+}
+
+CmAddr v4(const char* a, uint16_t port) {
+  CmAddr r{};
+  r.family = AF_INET;
+  r.port = port;
+  in_addr in;
+  inet_pton(AF_INET, a, &in);
+  std::memcpy(r.addr, &in, 4);
+  return r;
+}
+
+/// One guest process's view: its session, an event channel, commands, events.
+struct End {
+  CmService& cm;
+  engine::Session s;
+  UniqueFd events;
+  uint32_t channel = 0;
+  uint32_t seq = 0;
+
+  explicit End(CmService& c) : cm(c) {
+    static uint32_t next_session = 1;
+    s.id = next_session++;
+    UniqueFd give;
+    auto [st, out] = cmd(Op::kCmCreateChannel, Empty{}, &give);
+    EXPECT_EQ(st, 0);
+    channel = body_of<HandleResp>(out).value().handle;
+    events = std::move(give);
+  }
+  /// The command's status (0 or -errno) and response bytes.
+  template <typename B>
+  std::pair<int32_t, std::vector<uint8_t>> cmd(Op op, const B& b, UniqueFd* give = nullptr) {
+    UniqueFd fd;
+    auto m = encode(op, ++seq, 0, b);
+    auto h = decode_request(m);
+    EXPECT_TRUE(h.is_ok());
+    auto out = cm.handle(s, h.value(), m, give ? *give : fd);
+    return {decode_header(out).value().status, out};
+  }
+  uint32_t create_id(uint16_t ps = 0x0106) {
+    auto [st, out] = cmd(Op::kCmCreateId, CmCreateIdReq{channel, ps, 2, 0});
+    EXPECT_EQ(st, 0);
+    return body_of<HandleResp>(out).value().handle;
+  }
+  int32_t bind(uint32_t id, CmAddr a) { return cmd(Op::kCmBind, CmAddrReq{id, 0, a}).first; }
+  int32_t listen(uint32_t id) { return cmd(Op::kCmListen, CmListenReq{id, 8}).first; }
+  int32_t conn(Op op, uint32_t id, uint32_t qpn, const std::string& pdata = {}) {
+    CmConnReq r{};
+    r.id = id;
+    r.qp.qpn = qpn;
+    r.qp.psn = qpn * 7;
+    r.private_len = static_cast<uint32_t>(pdata.size());
+    std::memcpy(r.private_data, pdata.data(), pdata.size());
+    return cmd(op, r).first;
+  }
+  int32_t handle_cmd(Op op, uint32_t id) { return cmd(op, HandleReq{id, 0}).first; }
+  /// The next event, which must be there already.
+  CmEvent next() {
+    std::vector<uint8_t> buf(4096);
+    ssize_t n = ::recv(events.get(), buf.data(), buf.size(), MSG_DONTWAIT);
+    EXPECT_GT(n, 0) << "no event";
+    if (n <= 0) {
+      CmEvent none{};
+      none.event = 0xdead;
+      return none;
+    }
+    buf.resize(static_cast<size_t>(n));
+    return body_of<CmEvent>(buf).value();
+  }
+  bool quiet() {
+    char b;
+    return ::recv(events.get(), &b, 1, MSG_DONTWAIT | MSG_PEEK) < 0 && errno == EAGAIN;
+  }
+  /// An id with its route resolved to `dst`.
+  uint32_t resolved(CmAddr dst) {
+    const uint32_t id = create_id();
+    EXPECT_EQ(cmd(Op::kCmResolveAddr, CmResolveReq{id, 1000, {}, dst}).first, 0);
+    EXPECT_EQ(next().event, uint32_t(CmEventType::kAddrResolved));
+    EXPECT_EQ(cmd(Op::kCmResolveRoute, CmResolveReq{id, 1000, {}, {}}).first, 0);
+    EXPECT_EQ(next().event, uint32_t(CmEventType::kRouteResolved));
+    return id;
+  }
+};
+
+uint32_t ev(CmEventType t) { return static_cast<uint32_t>(t); }
+
+struct CmServiceTest : ::testing::Test {
+  CmService cm;
+  End srv{cm}, cli{cm};
+  uint32_t listener = 0;
+  void SetUp() override {
+    listener = srv.create_id();
+    ASSERT_EQ(srv.bind(listener, v4("127.0.0.1", 7000)), 0);
+    ASSERT_EQ(srv.listen(listener), 0);
+  }
+  /// cli connects to the listener: the CONNECT_REQUEST's new id on srv's side.
+  uint32_t request(uint32_t* cli_id, const std::string& pdata = "hi") {
+    *cli_id = cli.resolved(v4("127.0.0.1", 7000));
+    EXPECT_EQ(cli.conn(Op::kCmConnect, *cli_id, 0x12, pdata), 0);
+    CmEvent e = srv.next();
+    EXPECT_EQ(e.event, ev(CmEventType::kConnectRequest));
+    EXPECT_EQ(e.listen_id, listener);
+    EXPECT_EQ(e.peer.qpn, 0x12u);
+    EXPECT_EQ(e.peer.psn, 0x12u * 7);
+    EXPECT_EQ(std::string(reinterpret_cast<char*>(e.private_data), e.private_len), pdata);
+    EXPECT_EQ(e.src.port, 7000);
+    return e.id;
+  }
+};
+
+TEST_F(CmServiceTest, ConnectAcceptEstablishDisconnect) {
+  uint32_t c;
+  const uint32_t s = request(&c);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kConnectResponse));
+  EXPECT_EQ(e.peer.qpn, 0x34u);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(e.private_data), e.private_len), "rep");
+  EXPECT_TRUE(srv.quiet());
+  ASSERT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+  // The one who disconnects hears DISCONNECTED too (its DREP); the other answers, hearing nothing.
+  ASSERT_EQ(cli.handle_cmd(Op::kCmDisconnect, c), 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kDisconnected));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
+  ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);
+  EXPECT_TRUE(srv.quiet());
+  EXPECT_TRUE(cli.quiet());
+  EXPECT_EQ(cli.handle_cmd(Op::kCmDestroyId, c), 0);
+  EXPECT_EQ(srv.handle_cmd(Op::kCmDestroyId, s), 0);
+  EXPECT_EQ(cm.ids(), 1u);  // the listener
+}
+
+TEST_F(CmServiceTest, NobodyListeningIsRejectedAtOnce) {
+  const uint32_t c = cli.resolved(v4("127.0.0.1", 7001));
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12), 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kRejected));
+  EXPECT_EQ(e.status, kCmRejInvalidService);
+  EXPECT_TRUE(srv.quiet());
+}
+
+TEST_F(CmServiceTest, RejectCarriesTheConsumersPrivateData) {
+  uint32_t c;
+  const uint32_t s = request(&c);
+  ASSERT_EQ(srv.conn(Op::kCmReject, s, 0, "go away"), 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kRejected));
+  EXPECT_EQ(e.status, kCmRejConsumer);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(e.private_data), e.private_len), "go away");
+  // Nothing to accept any more.
+  EXPECT_EQ(srv.conn(Op::kCmAccept, s, 0x34), -EINVAL);
+}
+
+TEST_F(CmServiceTest, APortInUseIsRefusedAndFreedWithItsSession) {
+  const uint32_t other = cli.create_id();
+  EXPECT_EQ(cli.bind(other, v4("127.0.0.1", 7000)), -EADDRINUSE);
+  {
+    End third{cm};
+    const uint32_t id = third.create_id();
+    EXPECT_EQ(third.bind(id, v4("127.0.0.1", 7002)), 0);
+    EXPECT_EQ(cli.bind(other, v4("127.0.0.1", 7002)), -EADDRINUSE);
+    cm.session_closed(&third.s);
+  }
+  EXPECT_EQ(cli.bind(other, v4("127.0.0.1", 7002)), 0);
+  // Another session's id is not there for it.
+  EXPECT_EQ(srv.handle_cmd(Op::kCmDestroyId, other), -ENOENT);
+  // A port space is a namespace of its own.
+  const uint32_t udp = cli.create_id(0x0111);
+  EXPECT_EQ(cli.bind(udp, v4("127.0.0.1", 7000)), 0);
+}
+
+TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrError) {
+  const uint32_t c = cli.create_id();
+  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("198.51.100.1", 7000)}).first,
+            0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kAddrError));
+  EXPECT_EQ(e.status, -EHOSTUNREACH);
+  EXPECT_EQ(cli.conn(Op::kCmConnect, c, 0x12), -EINVAL);  // never resolved
+}
+
+TEST_F(CmServiceTest, AListenerThatDiesMidHandshakeLeavesNoOneWaiting) {
+  uint32_t c1, c2;
+  request(&c1);  // not answered yet
+  const uint32_t s2 = request(&c2);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s2, 0x34), 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
+  cm.session_closed(&srv.s);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.id, c1);
+  EXPECT_EQ(e.event, ev(CmEventType::kRejected));
+  EXPECT_EQ(e.status, kCmRejTimeout);
+  e = cli.next();
+  EXPECT_EQ(e.id, c2);
+  EXPECT_EQ(e.event, ev(CmEventType::kDisconnected));
+  EXPECT_EQ(cm.ports(), 2u);  // the two requesters' own ports; the listener's is free
+}
+
+TEST_F(CmServiceTest, ARequesterThatDiesAfterTheReplyMakesItUnreachable) {
+  uint32_t c;
+  const uint32_t s = request(&c);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
+  cm.session_closed(&cli.s);
+  CmEvent e = srv.next();
+  EXPECT_EQ(e.id, s);
+  EXPECT_EQ(e.event, ev(CmEventType::kUnreachable));
+  EXPECT_EQ(e.status, -ETIMEDOUT);
+}
+
+TEST_F(CmServiceTest, EventsThatFindTheChannelFullWaitForTheSessionsNextCommand) {
+  const uint32_t c = cli.resolved(v4("127.0.0.1", 7001));  // nobody listens there
+  constexpr int kEvents = 3000;                            // more than a socket's queue holds
+  for (int i = 0; i < kEvents; ++i) ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12), 0);
+  auto drain = [&] {
+    int n = 0;
+    std::vector<uint8_t> buf(4096);
+    while (::recv(cli.events.get(), buf.data(), buf.size(), MSG_DONTWAIT) > 0) ++n;
+    return n;
+  };
+  int got = drain();
+  EXPECT_LT(got, kEvents);
+  for (int round = 0; round < 100 && got < kEvents; ++round) {
+    EXPECT_EQ(cli.handle_cmd(Op::kCmDisconnect, 0xfffffff0u), -ENOENT);  // any command
+    got += drain();
+  }
+  EXPECT_EQ(got, kEvents);
+}
+
+TEST_F(CmServiceTest, ASessionsIdsAreCapped) {
+  uint32_t n = 0;
+  for (; n < 20000; ++n) {
+    auto [st, out] = cli.cmd(Op::kCmCreateId, CmCreateIdReq{cli.channel, 0x0106, 2, 0});
+    if (st) {
+      EXPECT_EQ(st, -ENOMEM);
+      break;
+    }
+  }
+  EXPECT_EQ(n, 16384u);
+  // Its connects are its own business; other sessions' are not affected.
+  End other{cm};
+  EXPECT_EQ(other.cmd(Op::kCmCreateId, CmCreateIdReq{other.channel, 0x0106, 2, 0}).first, 0);
+  cm.session_closed(&cli.s);
+  EXPECT_EQ(cm.ids(), 2u);  // the listener and other's
+}
+
+}  // namespace
+}  // namespace vrdma::backend
