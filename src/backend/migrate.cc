@@ -335,6 +335,8 @@ void Server::release_guest(const std::string& guest) {
     // Out of our epoll first: the target holds the same open files, so closing ours would not
     // remove them from it.
     const int db = conns_[fd].session->doorbell.get();
+    // Its RDMA CM ids and listeners stay here (they do not move yet): they end, their ports freed.
+    cm_.session_closed(conns_[fd].session);
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, db, nullptr);
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
     doorbell_to_sock_.erase(db);

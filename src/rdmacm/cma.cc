@@ -413,8 +413,13 @@ int ensure_open() {
                backend_unreachable_hint(socket_path(), sock.status().err()));
     return fail(ENODEV);
   }
+  Result<std::string> guest = guest_name();
+  if (!guest.is_ok()) {
+    VLOG_ERROR("rdmacm: {}", guest.status().message());
+    return fail(EINVAL);
+  }
   HelloReq req{};
-  std::snprintf(req.guest, sizeof(req.guest), "%s", guest_name().c_str());
+  std::snprintf(req.guest, sizeof(req.guest), "%s", guest->c_str());
   req.pid = static_cast<uint32_t>(::getpid());
   std::vector<uint8_t> msg = encode(Op::kHello, ++c.seq, 0, req);
   std::vector<UniqueFd> fds;  // the session's control page, doorbell, events: not used here
@@ -424,8 +429,7 @@ int ensure_open() {
   auto h = decode_header(msg);
   if (!h.is_ok()) return fail(EPROTO);
   if (h->status) {
-    VLOG_ERROR("rdmacm: the backend refused guest '{}': {}", guest_name(),
-               std::strerror(-h->status));
+    VLOG_ERROR("rdmacm: the backend refused guest '{}': {}", *guest, std::strerror(-h->status));
     return fail(-h->status);
   }
   c.sock = sock.value().release();
