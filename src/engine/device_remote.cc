@@ -230,14 +230,23 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   --qp.retry_left;
   qp.cnt.retries++;
   qp.wait_until_ns = now_ns + ack_ns(qp);
+  // The peer's TCP has it on this very connection: TCP loses nothing, and every request a
+  // responder drops is NAKed (a gap, a QP not ready, RNR), so its answer is on its way (TCP
+  // retransmitting it) or the peer QP is gone or in error: sending it again would only repeat
+  // bytes. Spent as a retry, replayed only as the last try. Sent on a connection that broke
+  // (or a transport that cannot tell): replayed.
+  const bool live =
+      front.mark.conn != 0 && transport_->tx_mark(qp.peer_node).conn == front.mark.conn;
+  const bool replay = !in_pipe && (!live || qp.retry_left == 0);
   uint64_t held = 0;
   if (ack_log_.ready(now_ns, held))
     VLOG_INFO("qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: {}; {} retries left{}", qp.qpn,
               qp.guest->name, front.psn, qp.peer_node,
-              in_pipe ? "the connection moved nothing, not replaying (still queued)"
-                      : "the peer has it, replaying what reached it",
+              in_pipe  ? "the connection moved nothing, not replaying (still queued)"
+              : replay ? "the peer has it, replaying what reached it"
+                       : "the peer has it and has not answered yet, not replaying",
               qp.retry_left, log::held_note(held));
-  if (in_pipe) return false;
+  if (!replay) return false;
   // Replayed: what the peer's TCP acknowledged (the rest is still on its way).
   bool did = false;
   const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;

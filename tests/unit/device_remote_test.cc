@@ -360,18 +360,26 @@ TEST_F(DeviceRemoteTest, ALongPathIsNotAPeerThatDoesNotAnswer) {
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
 }
 
-TEST_F(DeviceRemoteTest, ARequestThePeerHasButDoesNotAnswerIsReplayed) {
-  connect_both();
+TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7
   loop_.conn = 1;
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
   dev_.poll(now_);
   ASSERT_EQ(loop_.q.size(), 1u);
-  loop_.q.clear();                 // lost at the peer (a QP not ready there yet)
-  loop_.delivered = loop_.queued;  // ... after its TCP acknowledged it
+  loop_.q.clear();                 // the peer took it and says nothing (silence, not a NAK)
+  loop_.delivered = loop_.queued;  // ... its TCP acknowledged it, on this very connection
   post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  // TCP loses nothing and a responder NAKs what it drops: an answer is on its way, or the peer
+  // QP is gone. Each timeout is a retry; nothing is sent again but as the last try.
+  for (int i = 0; i < 6; ++i) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+    EXPECT_TRUE(loop_.q.empty()) << i;
+  }
   now_ += 70'000'000;
   dev_.poll(now_);
-  EXPECT_EQ(loop_.q.size(), 1u);  // replayed
+  EXPECT_EQ(loop_.q.size(), 1u);  // the last try
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["replays"], 1);
   loop_.delivered = loop_.queued;
   settle();
   auto tx = drain(acq_);
