@@ -102,7 +102,7 @@ struct SslFree {
   void operator()(SSL* s) const noexcept { SSL_free(s); }
   void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
 };
-/// A TLS session. It never closes its descriptor (SSL_set_fd): declared after the UniqueFd, it
+/// A TLS session. It never closes its descriptor (set_socket): declared after the UniqueFd, it
 /// is freed before the descriptor closes.
 using SslPtr = std::unique_ptr<SSL, SslFree>;
 using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
@@ -111,6 +111,49 @@ using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
 
 using namespace dlink;
 using namespace proto::dwire;
+
+namespace {
+
+/// OpenSSL's socket BIO writes with write(2): to a connection whose peer is gone (its process
+/// killed: an RST) that raises SIGPIPE, which kills the application unless it ignores it. A
+/// library must not: this BIO is the socket BIO but for its writes, which use MSG_NOSIGNAL.
+int nosignal_write(BIO* b, const char* in, int n) {
+  int fd = -1;
+  BIO_get_fd(b, &fd);
+  BIO_clear_retry_flags(b);
+  const ssize_t w = ::send(fd, in, static_cast<size_t>(n), MSG_NOSIGNAL);
+  if (w <= 0 && BIO_sock_should_retry(static_cast<int>(w))) BIO_set_retry_write(b);
+  return static_cast<int>(w);
+}
+
+const BIO_METHOD* nosignal_socket_method() {
+  static BIO_METHOD* m = [] {
+    const BIO_METHOD* sock = BIO_s_socket();
+    BIO_METHOD* own = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK | BIO_TYPE_DESCRIPTOR,
+                                   "vrdma socket (no SIGPIPE)");
+    if (!own) return own;
+    BIO_meth_set_write(own, nosignal_write);
+    BIO_meth_set_read(own, BIO_meth_get_read(sock));
+    BIO_meth_set_puts(own, BIO_meth_get_puts(sock));
+    BIO_meth_set_ctrl(own, BIO_meth_get_ctrl(sock));
+    BIO_meth_set_create(own, BIO_meth_get_create(sock));
+    BIO_meth_set_destroy(own, BIO_meth_get_destroy(sock));
+    return own;
+  }();
+  return m;
+}
+
+/// SSL_set_fd, with nosignal_socket_method's BIO. False when out of memory.
+bool set_socket(SSL* ssl, int fd) {
+  const BIO_METHOD* m = nosignal_socket_method();
+  BIO* b = m ? BIO_new(m) : nullptr;
+  if (!b) return false;
+  BIO_set_fd(b, fd, BIO_NOCLOSE);
+  SSL_set_bio(ssl, b, b);
+  return true;
+}
+
+}  // namespace
 
 namespace {
 
@@ -1362,7 +1405,7 @@ int hello_step(Hub& h, Hub::Pending& p, std::string& why) {
       return -1;
     }
     p.ssl.reset(SSL_new(h.tls.get()));
-    if (!p.ssl || SSL_set_fd(p.ssl.get(), p.fd.get()) != 1) {
+    if (!p.ssl || !set_socket(p.ssl.get(), p.fd.get())) {
       why = "no TLS session for it";
       return -1;
     }
@@ -1709,7 +1752,7 @@ UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const ui
     }
   }
   ssl.reset(SSL_new(h.tls.get()));
-  if (!ssl || SSL_set_fd(ssl.get(), fd.get()) != 1) {
+  if (!ssl || !set_socket(ssl.get(), fd.get())) {
     errno = ENOMEM;
     return {};
   }

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue 30: a 30 s outage between two hosts under a verified rc_stream with timeout 14 and
+# Issue 30: an outage (IMPAIR_OUTAGE_S, 12 s in the suite: longer than the 2 s TCP user
+# timeout, so the connection is torn down and redialed as in the issue's 30 s; set 30 for its
+# figure) between two hosts under a verified rc_stream with timeout 14 and
 # retry_cnt 7 (0.54 s of budget): the client's send fails with IBV_WC_RETRY_EXC_ERR ("transport
 # retry counter exceeded") about 0.54 s into the outage (the test allows 3 s on a noisy machine
 # and logs the time); after link-up a new ibv_rc_pingpong -c works at once (logged: the time
@@ -25,7 +27,8 @@ awk -v t="$took" 'BEGIN {exit !(t > 0 && t < 3)}' || IMPAIR_FAILED+=(out.on_time
 kill -KILL "$(child_named "$srv" rc_stream)" 2>/dev/null || true
 wait "$srv" 2>/dev/null || true
 
-nap "$(awk -v d="$t_down" -v now="$EPOCHREALTIME" 'BEGIN {r = d + 30 - now; print (r > 0 ? r : 0)}')"
+nap "$(awk -v d="$t_down" -v s="${IMPAIR_OUTAGE_S:-12}" -v now="$EPOCHREALTIME" \
+  'BEGIN {r = d + s - now; print (r > 0 ? r : 0)}')"
 impair_up
 t_up=$IMPAIR_T
 log "link down for $(secs_between "$t_down" "$t_up") s"
