@@ -197,9 +197,10 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   }
   qp.ack_deferred = false;
   const Qp::Outstanding& front = qp.unacked.front();
-  const bool in_pipe = front.mark.conn != 0 &&
-                       !transport_->tx_delivered(qp.peer_node, front.mark) &&
-                       transport_->tx_mark(qp.peer_node).conn == front.mark.conn;
+  // The connection frames to the peer go on now; `live`: the head was sent on it.
+  const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
+  const bool live = front.mark.conn != 0 && front.mark.conn == conn;
+  const bool in_pipe = live && !transport_->tx_delivered(qp.peer_node, front.mark);
   if (in_pipe) {
     // Progress is judged from the second timeout of a wait on: the first one only notes where
     // the connection stands, and counts as a retry, as on a fabric. Later,
@@ -235,8 +236,6 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   // retransmitting it) or the peer QP is gone or in error: sending it again would only repeat
   // bytes. Spent as a retry, replayed only as the last try. Sent on a connection that broke
   // (or a transport that cannot tell): replayed.
-  const bool live =
-      front.mark.conn != 0 && transport_->tx_mark(qp.peer_node).conn == front.mark.conn;
   const bool replay = !in_pipe && (!live || qp.retry_left == 0);
   uint64_t held = 0;
   if (ack_log_.ready(now_ns, held))
@@ -249,7 +248,6 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   if (!replay) return false;
   // Replayed: what the peer's TCP acknowledged (the rest is still on its way).
   bool did = false;
-  const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
   for (Qp::Outstanding& o : qp.unacked) {
     if (o.mark.conn != 0 && o.mark.conn == conn && !transport_->tx_delivered(qp.peer_node, o.mark))
       break;
