@@ -88,7 +88,10 @@ nlohmann::json Reporter::backend_info() {
         {"spin_us", cfg_.spin_us},
         {"cpu_s", static_cast<double>(cpu) / 1e9},
         {"busy_pct", pct(cpu, mono - start_mono_ns_)},
-        {"busy_pct_recent", busy_recent}}},
+        {"busy_pct_recent", busy_recent},
+        // Times the loop went over 100 ms without looking at its work (not scheduled).
+        {"stalls", stalls_},
+        {"stall_max_ms", stall_max_ns_ / 1000000}}},
   };
 }
 
@@ -322,6 +325,9 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
   e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
+  e.family("vrdma_datapath_stalls_total", "counter",
+           "times the data path went over 100 ms without looking at its work (not scheduled)");
+  e.sample("vrdma_datapath_stalls_total", {{"thread", "0"}}, b.at("datapath").at("stalls"));
   for (const auto& tr : b.value("transports", nlohmann::json::array())) {
     if (!tr.contains("refused")) continue;
     e.family("vrdma_transport_refused_total", "counter",

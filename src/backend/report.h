@@ -4,6 +4,7 @@
 // endpoint, rendered at most once per [metrics] min_interval_ms. Owned by the engine thread.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -66,6 +67,11 @@ class Reporter {
   }
   /// Whether the backend was started on demand (`vrdma run`, or the library on first use).
   void set_on_demand(bool on) { on_demand_ = on; }
+  /// The data-path loop went `ns` without looking at its work (Server::note_stall).
+  void note_stall(uint64_t ns) {
+    ++stalls_;
+    stall_max_ns_ = std::max(stall_max_ns_, ns);
+  }
   /// ... and what it says of itself: security, peers (identity, cipher, since), refusals.
   void set_transport_details(std::function<nlohmann::json()> f) {
     transport_details_ = std::move(f);
@@ -88,6 +94,7 @@ class Reporter {
   std::map<uint32_t, std::string> metrics_views_;
   uint64_t metrics_at_ns_ = 0;
   uint64_t metrics_renders_ = 0;
+  uint64_t stalls_ = 0, stall_max_ns_ = 0;
   nlohmann::json status_snapshot_;  ///< the last whole document status_for() rendered
   uint64_t status_at_ns_ = 0;
   uint64_t status_renders_ = 0;

@@ -5,6 +5,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -514,6 +515,30 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   return send_msg(c.sock.get(), out, out_fds);
 }
 
+void Server::note_stall(uint64_t awake_ns, uint64_t now_ns) {
+  if (awake_ns < kStallNs) {
+    // A baseline for the next stall's account, now and then (a system call: not every turn).
+    if ((++stall_turns_ & 1023) == 0) ::getrusage(RUSAGE_THREAD, &stall_ru_);
+    return;
+  }
+  reporter_.note_stall(awake_ns);
+  rusage ru{};
+  ::getrusage(RUSAGE_THREAD, &ru);
+  auto us = [](const timeval& t) { return uint64_t(t.tv_sec) * 1000000 + uint64_t(t.tv_usec); };
+  const uint64_t cpu_ms =
+      (us(ru.ru_utime) + us(ru.ru_stime) - us(stall_ru_.ru_utime) - us(stall_ru_.ru_stime)) / 1000;
+  const long preempted = ru.ru_nivcsw - stall_ru_.ru_nivcsw,
+             blocked = ru.ru_nvcsw - stall_ru_.ru_nvcsw;
+  stall_ru_ = ru;
+  uint64_t held = 0;
+  if (stall_log_.ready(now_ns, held))
+    VLOG_WARN(
+        "the data path did not look at its work for {} ms (since its last account it ran {} "
+        "ms of CPU, was preempted {} times and blocked {}: preempted means not scheduled, the "
+        "host's CPUs are oversubscribed); every QP's timers ran on meanwhile{}",
+        awake_ns / 1000000, cpu_ms, preempted, blocked, log::held_note(held));
+}
+
 Status Server::run() {
   Status st = setup();
   if (!st.is_ok()) {
@@ -530,8 +555,11 @@ Status Server::run() {
   uint64_t last_work = now_ns();
   epoll_event evs[64];
   uint32_t iter = 0;
+  uint64_t awake_since = now_ns();  // the loop's last start or wake-up: its time not asleep
   while (!stop_) {
     uint64_t now = now_ns();
+    note_stall(now - awake_since, now);
+    awake_since = now;
     if (!pending_.empty() && pending_.front().first <= now) expire_pending(now);
     listen_rest_.poll(now);
     if (metrics_) metrics_->poll(now);
@@ -583,7 +611,10 @@ Status Server::run() {
       }
     }
     int n = ::epoll_wait(epoll_.get(), evs, 64, timeout);
-    if (timeout != 0) dev_.set_sleeping(false);
+    if (timeout != 0) {
+      dev_.set_sleeping(false);
+      awake_since = now_ns();
+    }
     for (int i = 0; i < n; ++i) {
       uint64_t tag = evs[i].data.u64;
       int fd = static_cast<int>(tag & 0xffffffff);

@@ -3,6 +3,8 @@
 // rings are busy and sleeps on epoll (sockets + per-session doorbells) when they are not.
 #pragma once
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -129,6 +131,13 @@ class Server {
   std::deque<std::pair<uint64_t, int>> pending_;
   ListenerRest listen_rest_;  ///< the listener's rest when descriptors run out (pause_listener)
   log::Every pending_cap_log_{1'000'000'000}, hello_log_{1'000'000'000}, fds_log_{1'000'000'000};
+  /// The main loop's time awake between two looks at its work, when longer than kStallNs: the
+  /// backend was not scheduled (or a step was slow), and every QP's timers counted it.
+  void note_stall(uint64_t awake_ns, uint64_t now_ns);
+  static constexpr uint64_t kStallNs = 100'000'000;
+  log::Every stall_log_{1'000'000'000};
+  uint32_t stall_turns_ = 0;
+  rusage stall_ru_{};  ///< the thread's usage at the last account
   std::atomic<bool> stop_{false};
   Reporter reporter_{opt_};
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
