@@ -1117,7 +1117,10 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
       why = "an atomic result for another WR";
       return Start::kFail;
     }
-    std::memcpy(e->local[0].p, &f.arg1, 8);
+    // The 8 bytes of the result, into the WR's SGEs (check_send_length: 8 in all).
+    const auto* v = reinterpret_cast<const uint8_t*>(&f.arg1);
+    for (uint8_t i = 0; i < e->nl; v += e->local[i].n, ++i)
+      std::memcpy(e->local[i].p, v, e->local[i].n);
     complete(qp, r, *e, IBV_WC_SUCCESS);
     pop_head(r);
     acked_upto(qp, r, f.arg0, fail);
@@ -1906,9 +1909,6 @@ int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, Mem
   const uint32_t need = answered_by_data(wr.opcode) ? IBV_ACCESS_LOCAL_WRITE : 0;
   uint64_t len = 0;
   if (const int st = local_sges(ctx, qp, wr, need, out, n, len); st != IBV_WC_SUCCESS) return st;
-  if (wr.opcode == IBV_WR_ATOMIC_CMP_AND_SWP || wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD) {
-    if (len != 8 || n != 1) return IBV_WC_LOC_LEN_ERR;
-  }
   e.len = static_cast<uint32_t>(len);
   return IBV_WC_SUCCESS;
 }
@@ -1952,18 +1952,6 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
   bool fail = false;
   for (; wr; wr = wr->next) {
     const uint8_t type = frame_type(wr->opcode);
-    if (!type || wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp.caps.max_send_sge) {
-      rc = EINVAL;
-      break;
-    }
-    if ((wr->send_flags & IBV_SEND_INLINE) && carries_data(type)) {
-      uint64_t total = 0;
-      for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
-      if (total > std::min(qp.caps.max_inline_data, kMaxInline)) {
-        rc = EINVAL;
-        break;
-      }
-    }
     Inflight e;
     e.wr_id = wr->wr_id;
     e.opcode = wr->opcode;
@@ -1972,10 +1960,12 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     size_t nd = 0;
     const int st = local_memory(ctx, qp, *wr, e, data, nd);
     std::lock_guard<std::mutex> fl(r->fl_mu);
+    // A full queue first, then the WR's rules (proto/post_rules.h), as the mediated ring.
     if (r->inflight.size() >= qp.sq_size) {
       rc = ENOMEM;
       break;
     }
+    if ((rc = check_post_send(qp.qp.qp_type, *wr, send_caps(qp)))) break;
     if (r->failing || st != IBV_WC_SUCCESS || !r->out || r->out->broken.load()) {
       // It completes in order, with its error (or flushed, after one).
       e.status = r->failing             ? IBV_WC_WR_FLUSH_ERR
@@ -2006,7 +1996,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       f.raddr = wr->wr.rdma.remote_addr;
     }
     Inflight& q = r->inflight.emplace_back(e);
-    if ((wr->send_flags & IBV_SEND_INLINE) && carries_data(type)) {
+    if (is_inline(wr->opcode, wr->send_flags)) {
       // The application may reuse inline data at once: a resend takes it from here.
       q.inl = true;
       uint8_t* at = q.inl_data;
