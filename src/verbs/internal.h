@@ -73,7 +73,7 @@ struct VContext {
   std::atomic<bool> fatal_reported{false};  ///< IBV_EVENT_DEVICE_FATAL was handed out
   /// ring_doorbell() woke the backend and no poll has seen it awake since (should_yield).
   mutable std::atomic<bool> woke_backend{false};
-  /// The direct path across backends (remote.cc): this process's hub, made on first use.
+  /// The direct path across backends (remote_conn.cc): this process's hub, made on first use.
   std::mutex hub_make;
   std::shared_ptr<Hub> hub;
   std::atomic<Hub*> hub_raw{nullptr};
