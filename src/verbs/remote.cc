@@ -111,7 +111,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       r->failing = true;
       r->inflight.push_back(e);
       if (r->inflight.size() == 1) {
-        flush_inflight(qp, *r, -1);
+        flush_inflight(qp, *r, -1, "a WR failed on the direct path");
         fail = true;
       }
       continue;
@@ -145,7 +145,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     r->awaiting.fetch_add(1, std::memory_order_relaxed);
     // After a kRnr it waits in line for the peer's kResume (resend()).
     if (!r->rnr && !write_request(*r, *r->out, q)) {
-      flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR);
+      flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR, "a WR failed on the direct path");
       fail = true;
     }
   }
@@ -163,7 +163,7 @@ void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   qp.sq_lock.lock();
   if (to == IBV_QPS_ERR || to == IBV_QPS_SQE || to == IBV_QPS_SQD) {
     std::lock_guard<std::mutex> g(qp.remote->fl_mu);
-    if (!qp.remote->inflight.empty()) flush_inflight(qp, *qp.remote, IBV_WC_WR_FLUSH_ERR);
+    if (!qp.remote->inflight.empty()) flush_inflight(qp, *qp.remote, IBV_WC_WR_FLUSH_ERR, nullptr);
   }
   teardown(qp);
   qp.remote->failed.store(true);

@@ -162,7 +162,9 @@ void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
   push(r.send, c);
 }
 
-void flush_inflight(VQp& qp, RemoteQp& r, int head_status) {
+void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why) {
+  // As on a device, a poller that sees the error completion finds the QP in ERR already.
+  if (why) to_error(qp, why);
   bool head = true;
   while (!r.inflight.empty()) {
     const Inflight& e = r.inflight.front();
@@ -210,7 +212,7 @@ bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
     pop_head(r);
   }
   if (!r.inflight.empty() && !r.inflight.front().sent) {
-    flush_inflight(qp, r, -1);
+    flush_inflight(qp, r, -1, "a WR failed on the direct path");
     fail = true;
   }
   return true;
@@ -598,7 +600,7 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
     return Start::kFail;
   }
   if (f.type == kNak) {
-    flush_inflight(qp, r, f.status);
+    flush_inflight(qp, r, f.status, "the peer refused a request");
     fail = true;
     why = "the peer refused a request";
     return Start::kFail;
@@ -651,7 +653,7 @@ void broken(Conn& c, VQp& qp, const char* why) {
   {
     std::lock_guard<std::mutex> g(r.fl_mu);
     any = !r.inflight.empty();
-    if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR);
+    if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR, why);
   }
   if (any) to_error(qp, why);
 }

@@ -266,9 +266,12 @@ ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip);
 /// Writes what it can of the backlog (tx_mu held). False when the connection broke.
 bool flush_locked(Conn& c);
 /// Completes the head with `head_status` (or its own local error) and flushes the rest (fl_mu).
-void flush_inflight(VQp& qp, RemoteQp& r, int head_status);
+/// `why`: the QP goes to ERR (to_error, first: the backend hears of it before the completions
+/// can be polled); null when the application moves it itself (ibv_modify_qp).
+void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why);
 /// The QP to ERR on the direct path: its connections end (the peer sees them close) and the
-/// backend moves it (flushing its receive queue). Once.
+/// backend moves it (flushing its receive queue). Once. Called with fl_mu (and rx_mu) held from
+/// flush_inflight: the Hub::mu and the context's rpc_mu it takes are taken under no other lock.
 void to_error(VQp& qp, const char* why);
 /// Writes a WR's request (fl_mu held: requests go out in the order of their numbers), with the
 /// ACK for the peer's requests riding on it. False: the connection is broken.
