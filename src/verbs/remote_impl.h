@@ -60,8 +60,9 @@
 
 namespace vrdma::verbs {
 
-// The direct path's tuning and TLS types (named, not anonymous: Conn and Hub hold these). The
-// wire format itself is proto/direct_wire.h.
+// The direct path's tuning, its TLS types and (below) the functions its files share: a named
+// namespace, hidden like every symbol of the library but the verbs. The wire format itself is
+// proto/direct_wire.h.
 namespace dlink {
 
 constexpr size_t kRxBuf = 64 * 1024;
