@@ -13,6 +13,7 @@
 #include "common/guest_fault.h"
 #include "common/rdma_atomic.h"
 #include "engine/device.h"
+#include "proto/post_rules.h"
 #include "proto/responder_rules.h"
 
 namespace vrdma::engine {
@@ -119,13 +120,6 @@ inline bool is_write(uint32_t op) { return proto::is_rdma_write(op); }
 inline bool is_atomic(uint32_t op) { return proto::is_rdma_atomic(op); }
 inline bool has_imm(uint32_t op) {
   return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM;
-}
-
-/// Which opcodes a QP type may post (IB spec table 150ff: UC has no READ and no atomics).
-inline bool opcode_valid(ibv_qp_type t, uint32_t op) {
-  if (is_send(op) || is_write(op)) return t == IBV_QPT_RC || t == IBV_QPT_UC;
-  if (op == IBV_WR_RDMA_READ || is_atomic(op)) return t == IBV_QPT_RC;
-  return false;
 }
 
 }  // namespace vrdma::engine

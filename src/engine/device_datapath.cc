@@ -657,7 +657,9 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
 ibv_wc_status Device::local_check(const Qp& qp, const SendWqe& w, uint8_t* inline_copy,
                                   uint64_t& len, const char*& why) {
   const uint32_t op = w.opcode;
-  if (!opcode_valid(qp.type, op)) {
+  // The library checked the post rules (proto/post_rules.h); a guest that writes the ring
+  // itself gets them here, as a completion.
+  if (!proto::opcode_allowed(qp.type, op)) {
     why = "opcode not valid here";
     return IBV_WC_LOC_QP_OP_ERR;
   }
@@ -674,11 +676,7 @@ ibv_wc_status Device::local_check(const Qp& qp, const SendWqe& w, uint8_t* inlin
       return IBV_WC_LOC_PROT_ERR;
     }
   }
-  why = "message longer than 2 GiB";
-  if (len > kMaxMsgSize) return IBV_WC_LOC_LEN_ERR;
-  why = "atomic needs one 8-byte SGE";
-  if (is_atomic(op) && len != 8) return IBV_WC_LOC_LEN_ERR;
-  return IBV_WC_SUCCESS;
+  return proto::check_send_length(op, len, &why);
 }
 
 bool Device::local_side(Qp& qp, const SendWqe& w, uint8_t* inline_copy, uint64_t& len) {

@@ -106,6 +106,398 @@ struct Reader {
   }
 };
 
+/// One import's state while it reads a blob: the reader of its fields, and the descriptors sent
+/// beside it, each taken at most once.
+struct Importer {
+  Reader rd;
+  std::vector<UniqueFd>& fds;
+  std::vector<bool> taken;
+  size_t counters_size = sizeof(QpCounters);  ///< as the blob's version wrote QpCounters
+
+  explicit Importer(std::vector<UniqueFd>& given) : fds(given), taken(given.size(), false) {}
+
+  /// Takes descriptor `key` of `j` (each index at most once); -1 allowed when `optional`.
+  UniqueFd take(const json& j, const char* key, bool optional = false) {
+    const int64_t i = rd.num<int64_t>(j, key);
+    if (!rd.st.is_ok()) return {};
+    if (i < 0 && optional) return {};
+    if (i < 0 || static_cast<size_t>(i) >= fds.size() || taken[i] || !fds[i].valid()) {
+      rd.fail(fmt::format("descriptor '{}' = {} not given (or given twice)", key, i));
+      return {};
+    }
+    taken[i] = true;
+    return std::move(fds[i]);
+  }
+
+  MappedRegion map_memfd(UniqueFd& f, size_t bytes, const char* what) {
+    if (!rd.st.is_ok()) return {};
+    if (Status st = check_sealed_memfd(f.get(), bytes); !st.is_ok()) {
+      rd.fail(fmt::format("{}: {}", what, st.message()));
+      return {};
+    }
+    MappedRegion m = MappedRegion::map_shared(f.get(), bytes);
+    if (!m.valid()) rd.fail(fmt::format("mapping {}: {}", what, std::strerror(errno)));
+    return m;
+  }
+
+  /// A handle of session `s`: from 1 up to (not including) its next_handle.
+  void handle_ok(const Session& s, uint32_t h, const char* what) {
+    if (h == 0 || h >= s.next_handle) rd.fail(fmt::format("{} handle {} out of range", what, h));
+  }
+};
+
+// ---- import: one function per kind of resource (read and check, map, build, link) ----
+// Each reads its list of session `s` and adds what it built to `s` (and to the guest's tables of
+// keys and QPNs). After the first fault nothing more is added, and the import fails as a whole.
+
+void import_pds(Importer& im, const json& js, Session& s) {
+  Reader& rd = im.rd;
+  for (const json& h : rd.arr(js, "pds")) {
+    if (!h.is_number_unsigned()) rd.fail("PD handle");
+    if (!rd.st.is_ok()) break;
+    const uint32_t ph = h.get<uint32_t>();
+    im.handle_ok(s, ph, "PD");
+    if (!s.pds.emplace(ph, Pd{ph, 0}).second) rd.fail("PD handle twice");
+  }
+}
+
+void import_segments(Importer& im, const json& js, Session& s) {
+  Reader& rd = im.rd;
+  for (const json& e : rd.arr(js, "segs")) {
+    if (!e.is_array() || e.size() != 3 || !e[0].is_number_unsigned() || !e[2].is_number_unsigned())
+      rd.fail("segment entry");
+    if (!rd.st.is_ok()) break;
+    const uint32_t h = e[0].get<uint32_t>();
+    const uint64_t size = e[2].get<uint64_t>();
+    im.handle_ok(s, h, "segment");
+    if (size == 0 || size % kPage || size > kMaxMrSize) rd.fail("segment size");
+    auto seg = std::make_shared<Segment>();
+    const json holder = {{"fd", e[1]}};
+    seg->fd = im.take(holder, "fd");
+    seg->map = im.map_memfd(seg->fd, size, "segment");
+    if (rd.st.is_ok() && !s.segments.emplace(h, std::move(seg)).second)
+      rd.fail("segment handle twice");
+  }
+}
+
+void import_mrs(Importer& im, const json& js, Session& s, Guest& g) {
+  Reader& rd = im.rd;
+  for (const json& jm : rd.arr(js, "mrs")) {
+    if (!rd.st.is_ok()) break;
+    auto mr = std::make_unique<Mr>();
+    mr->handle = rd.num<uint32_t>(jm, "h");
+    mr->key = rd.num<uint32_t>(jm, "key");
+    mr->pd = rd.num<uint32_t>(jm, "pd");
+    mr->access = rd.num<uint32_t>(jm, "access");
+    mr->addr = rd.num<uint64_t>(jm, "addr");
+    mr->iova = rd.num<uint64_t>(jm, "iova");
+    mr->length = rd.num<uint64_t>(jm, "length");
+    mr->owner = &s;
+    im.handle_ok(s, mr->handle, "MR");
+    auto pd = s.pds.find(mr->pd);
+    if (pd == s.pds.end()) rd.fail("MR in an unknown PD");
+    if (mr->key == 0 || g.mrs.count(mr->key)) rd.fail("MR key zero or twice");
+    if (mr->length == 0 || mr->length > kMaxMrSize) rd.fail("MR length");
+    uint64_t expect = 0;
+    for (const json& x : rd.arr(jm, "ext")) {
+      if (!x.is_array() || x.size() != 4) rd.fail("MR extent");
+      for (const json& v : x) {
+        if (!v.is_number_unsigned()) rd.fail("MR extent field");
+      }
+      if (!rd.st.is_ok()) break;
+      auto seg = s.segments.find(x[0].get<uint32_t>());
+      const uint64_t seg_off = x[1].get<uint64_t>(), mr_off = x[2].get<uint64_t>(),
+                     len = x[3].get<uint64_t>();
+      if (seg == s.segments.end() || mr_off != expect || len == 0 ||
+          seg_off > seg->second->map.size() || len > seg->second->map.size() - seg_off) {
+        rd.fail("MR extent does not fit its segment");
+        break;
+      }
+      mr->chunks.push_back({mr_off, len, seg->second->map.data() + seg_off});
+      mr->segments.push_back(seg->second);
+      expect += len;
+    }
+    if (rd.st.is_ok() && expect != mr->length) rd.fail("MR extents do not cover the MR");
+    if (!rd.st.is_ok()) break;
+    pd->second.users++;
+    g.mrs[mr->key] = mr.get();
+    if (!s.mrs.emplace(mr->handle, std::move(mr)).second) rd.fail("MR handle twice");
+  }
+}
+
+void import_channels(Importer& im, const json& js, Session& s) {
+  Reader& rd = im.rd;
+  for (const json& e : rd.arr(js, "chans")) {
+    if (!e.is_array() || e.size() != 2 || !e[0].is_number_unsigned()) rd.fail("channel entry");
+    if (!rd.st.is_ok()) break;
+    const uint32_t h = e[0].get<uint32_t>();
+    im.handle_ok(s, h, "channel");
+    Channel c;
+    c.handle = h;
+    const json holder = {{"fd", e[1]}};
+    c.write_end = im.take(holder, "fd");
+    if (rd.st.is_ok() && !s.channels.emplace(h, std::move(c)).second) rd.fail("channel twice");
+  }
+}
+
+void import_cqs(Importer& im, const json& js, Session& s, bool recover) {
+  Reader& rd = im.rd;
+  for (const json& jc : rd.arr(js, "cqs")) {
+    if (!rd.st.is_ok()) break;
+    auto cq = std::make_unique<Cq>();
+    cq->handle = rd.num<uint32_t>(jc, "h");
+    cq->size = rd.num<uint32_t>(jc, "size");
+    cq->prod = rd.num<uint32_t>(jc, "prod");
+    cq->channel = rd.num<uint32_t>(jc, "channel");
+    cq->overrun = jc.value("overrun", false);
+    cq->owner = &s;
+    im.handle_ok(s, cq->handle, "CQ");
+    if (!std::has_single_bit(cq->size) || cq->size < 2 || cq->size > 2 * kMaxCqe)
+      rd.fail("CQ size");
+    cq->ring_fd = im.take(jc, "fd");
+    const size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
+    cq->ring = im.map_memfd(cq->ring_fd, bytes, "CQ ring");
+    if (cq->channel != kNone) {
+      auto ch = s.channels.find(cq->channel);
+      if (ch == s.channels.end())
+        rd.fail("CQ on an unknown channel");
+      else
+        ch->second.users++;
+    }
+    if (!rd.st.is_ok()) break;
+    cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
+    cq->entries = ring_entries<Cqe>(cq->hdr);
+    if (recover) {
+      const uint32_t p = cq->hdr->producer.load(std::memory_order_acquire);
+      const uint32_t c = cq->hdr->consumer.load(std::memory_order_acquire);
+      if (p - c <= cq->size) cq->prod = p;
+    }
+    if (!s.cqs.emplace(cq->handle, std::move(cq)).second) rd.fail("CQ handle twice");
+  }
+}
+
+void import_srqs(Importer& im, const json& js, Session& s, bool recover) {
+  Reader& rd = im.rd;
+  for (const json& jq : rd.arr(js, "srqs")) {
+    if (!rd.st.is_ok()) break;
+    auto q = std::make_unique<Srq>();
+    q->handle = rd.num<uint32_t>(jq, "h");
+    q->pd = rd.num<uint32_t>(jq, "pd");
+    q->size = rd.num<uint32_t>(jq, "size");
+    q->cons = rd.num<uint32_t>(jq, "cons");
+    q->max_sge = rd.num<uint32_t>(jq, "max_sge");
+    q->limit = rd.num<uint32_t>(jq, "limit");
+    q->owner = &s;
+    im.handle_ok(s, q->handle, "SRQ");
+    auto pd = s.pds.find(q->pd);
+    if (pd == s.pds.end()) rd.fail("SRQ in an unknown PD");
+    if (!std::has_single_bit(q->size) || q->size > kMaxQpWr * 2 || q->max_sge == 0 ||
+        q->max_sge > kMaxSge || q->limit > q->size)
+      rd.fail("SRQ geometry");
+    q->ring_fd = im.take(jq, "fd");
+    q->ring =
+        im.map_memfd(q->ring_fd, page_round(ring_bytes(q->size, sizeof(RecvWqe))), "SRQ ring");
+    if (!rd.st.is_ok()) break;
+    pd->second.users++;
+    q->hdr = reinterpret_cast<RingHeader*>(q->ring.data());
+    q->entries = ring_entries<RecvWqe>(q->hdr);
+    if (recover) {
+      const uint32_t p = q->hdr->producer.load(std::memory_order_acquire);
+      const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
+      if (p - c <= q->size) q->cons = c;
+    }
+    if (!s.srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
+  }
+}
+
+/// What a QP's entry says besides the QP's own fields: read with them, checked, then linked.
+struct QpRefs {
+  uint32_t type = 0, state = 0, wait = 0;
+  uint32_t scq = 0, rcq = 0, srq = kNone;
+};
+
+/// A QP's fields as the blob has them, and what it names (`refs`).
+std::unique_ptr<Qp> read_qp(Importer& im, const json& jq, QpRefs& refs) {
+  Reader& rd = im.rd;
+  auto qp = std::make_unique<Qp>();
+  qp->handle = rd.num<uint32_t>(jq, "h");
+  qp->qpn = rd.num<uint32_t>(jq, "qpn");
+  refs.type = rd.num<uint32_t>(jq, "type");
+  refs.state = rd.num<uint32_t>(jq, "state");
+  qp->pd = rd.num<uint32_t>(jq, "pd");
+  refs.scq = rd.num<uint32_t>(jq, "scq");
+  refs.rcq = rd.num<uint32_t>(jq, "rcq");
+  refs.srq = rd.num<uint32_t>(jq, "srq");
+  qp->sq_sig_all = jq.value("sig_all", false);
+  qp->caps = rd.pod<QpCaps>(jq, "caps");
+  qp->attr = rd.pod<QpAttr>(jq, "attr");
+  qp->sq_size = rd.num<uint32_t>(jq, "sq_size");
+  qp->rq_size = rd.num<uint32_t>(jq, "rq_size");
+  qp->sq_cons = rd.num<uint32_t>(jq, "sq_cons");
+  qp->rq_cons = rd.num<uint32_t>(jq, "rq_cons");
+  refs.wait = rd.num<uint32_t>(jq, "wait");
+  qp->rnr_left = rd.num<uint32_t>(jq, "rnr_left");
+  qp->retry_left = rd.num<uint32_t>(jq, "retry_left");
+  qp->wait_until_ns = rd.num<uint64_t>(jq, "wait_until");
+  qp->cnt = rd.pod<QpCounters>(jq, "cnt", im.counters_size);
+  qp->sq_sent = rd.num<uint32_t>(jq, "sq_sent");
+  qp->next_psn = rd.num<uint32_t>(jq, "next_psn") & 0xffffff;
+  qp->expected_psn = rd.num<uint32_t>(jq, "expected_psn") & 0xffffff;
+  const json& ac = rd.arr(jq, "acache");
+  if (rd.st.is_ok() && ac.size() != qp->atomic_cache.size()) rd.fail("atomic cache size");
+  for (size_t i = 0; rd.st.is_ok() && i < ac.size(); ++i) {
+    if (!ac[i].is_array() || ac[i].size() != 2 || !ac[i][0].is_number_unsigned() ||
+        !ac[i][1].is_number_unsigned()) {
+      rd.fail("atomic cache entry");
+      break;
+    }
+    qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
+  }
+  qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
+  // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
+  // messages are replayed (or settled against a responder that is here now); from shm
+  // nothing is in flight.
+  if (auto r = jq.find("remote"); r != jq.end() && r->is_boolean() && r->get<bool>()) {
+    auto pn = jq.find("peer_node");
+    if (pn == jq.end() || !pn->is_string() || pn->get_ref<const std::string&>().size() > 255)
+      rd.fail("QP peer node");
+    else {
+      qp->remote = true;
+      qp->transport = "tcp";
+      qp->peer_node = pn->get<std::string>();
+    }
+  }
+  // sq_sent runs ahead of sq_cons only on tcp (what is in flight); shm leaves it behind.
+  if (!qp->remote) qp->sq_sent = qp->sq_cons;
+  if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
+  return qp;
+}
+
+/// A QP's fields against the device's limits, and what it names against its session.
+void check_qp(Importer& im, const Qp& q, const QpRefs& refs, const Session& s, const Guest& g) {
+  Reader& rd = im.rd;
+  const Qp* qp = &q;
+  const uint32_t type = refs.type, state = refs.state, wait = refs.wait;
+  const uint32_t scq = refs.scq, rcq = refs.rcq, srq = refs.srq;
+  im.handle_ok(s, qp->handle, "QP");
+  if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g.qps.count(qp->qpn)) rd.fail("QPN");
+  if (type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD) rd.fail("QP type");
+  if (state > IBV_QPS_ERR) rd.fail("QP state");
+  if (wait > static_cast<uint32_t>(Wait::kAck)) rd.fail("QP wait");
+  if (!std::has_single_bit(qp->sq_size) || qp->sq_size > 2 * kMaxQpWr ||
+      !std::has_single_bit(qp->rq_size) || qp->rq_size > 2 * kMaxQpWr ||
+      qp->caps.max_send_sge > kMaxSge || qp->caps.max_recv_sge > kMaxSge ||
+      qp->caps.max_inline_data > kMaxInline)
+    rd.fail("QP geometry");
+
+  if (!s.pds.count(qp->pd) || !s.cqs.count(scq) || !s.cqs.count(rcq))
+    rd.fail("QP names an unknown PD or CQ");
+  if (srq != kNone && !s.srqs.count(srq)) rd.fail("QP names an unknown SRQ");
+}
+
+/// The WQEs a QP had sent over tcp and not seen acknowledged, to send again.
+void read_unacked(Importer& im, const json& jq, Qp& q) {
+  Reader& rd = im.rd;
+  Qp* qp = &q;
+  for (const json& u : rd.arr(jq, "unacked")) {
+    if (!u.is_array() || u.size() != 4 || !u[0].is_binary() ||
+        u[0].get_binary().size() != sizeof(SendWqe) || !u[1].is_number_unsigned() ||
+        !u[2].is_number_unsigned() || !u[3].is_boolean()) {
+      rd.fail("unacknowledged WQE");
+      break;
+    }
+    Qp::Outstanding o{};
+    std::memcpy(&o.w, u[0].get_binary().data(), sizeof(SendWqe));
+    o.psn = u[1].get<uint32_t>() & 0xffffff;
+    o.len = u[2].get<uint32_t>();
+    o.has_result = u[3].get<bool>();
+    if (o.w.num_sge > kMaxSge) rd.fail("unacknowledged WQE's SGE count");
+    qp->unacked.push_back(o);
+  }
+  if (qp->unacked.size() > qp->sq_size) rd.fail("more unacknowledged WQEs than the SQ holds");
+}
+
+/// A QP's rings, mapped; false when they cannot be.
+bool map_qp(Importer& im, const json& jq, Qp& q) {
+  Reader& rd = im.rd;
+  Qp* qp = &q;
+  const size_t sq_bytes = page_round(ring_bytes(qp->sq_size, sizeof(SendWqe)));
+  const size_t rq_bytes = page_round(ring_bytes(qp->rq_size, sizeof(RecvWqe)));
+  qp->ring_fd = im.take(jq, "fd");
+  qp->ring = im.map_memfd(qp->ring_fd, sq_bytes + rq_bytes, "QP rings");
+  if (!rd.st.is_ok()) return false;
+  qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
+  qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
+  qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
+  qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
+  return true;
+}
+
+/// A QP into its session and guest, holding a use of what it names.
+void link_qp(Importer& im, std::unique_ptr<Qp> qp, const QpRefs& refs, Session& s, Guest& g) {
+  Reader& rd = im.rd;
+  const uint32_t srq = refs.srq;
+  qp->owner = &s;
+  qp->guest = &g;
+  qp->send_cq = s.cqs[refs.scq].get();
+  qp->recv_cq = s.cqs[refs.rcq].get();
+  qp->srq = srq == kNone ? nullptr : s.srqs[srq].get();
+  s.pds.find(qp->pd)->second.users++;
+  qp->send_cq->users++;
+  qp->recv_cq->users++;
+  if (qp->srq) qp->srq->users++;
+  g.qps[qp->qpn] = qp.get();
+  if (!s.qps.emplace(qp->handle, std::move(qp)).second) rd.fail("QP handle twice");
+}
+
+/// `recover`: the device's recover_from_rings, when the QPs resume from their rings.
+void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recover)(Qp&)) {
+  Reader& rd = im.rd;
+  for (const json& jq : rd.arr(js, "qps")) {
+    if (!rd.st.is_ok()) break;
+    QpRefs refs;
+    std::unique_ptr<Qp> qp = read_qp(im, jq, refs);
+    if (!rd.st.is_ok()) break;
+    check_qp(im, *qp, refs, s, g);
+    if (!rd.st.is_ok()) break;
+    qp->type = static_cast<ibv_qp_type>(refs.type);
+    qp->state = static_cast<ibv_qp_state>(refs.state);
+    qp->attr.qp_state = refs.state;
+    qp->wait = static_cast<Wait>(refs.wait);
+    read_unacked(im, jq, *qp);
+    if (!map_qp(im, jq, *qp)) break;
+    if (recover) recover(*qp);
+    link_qp(im, std::move(qp), refs, s, g);
+  }
+}
+
+/// One session of guest `g`: its own fields and descriptors (its socket into `socks`), then
+/// each kind of resource, in the order they name each other.
+std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, uint32_t version,
+                                        std::vector<UniqueFd>& socks, void (*recover_qp)(Qp&)) {
+  Reader& rd = im.rd;
+  auto s = std::make_unique<Session>();
+  s->guest = &g;
+  s->pid = rd.num<uint32_t>(js, "pid");
+  if (version >= 2) s->uid = rd.num<uint32_t>(js, "uid");
+  s->comm = rd.str(js, "comm");
+  s->next_handle = rd.num<uint32_t>(js, "next_handle");
+  s->control_fd = im.take(js, "control");
+  s->control = im.map_memfd(s->control_fd, kPage, "control page");
+  s->doorbell = im.take(js, "doorbell");
+  s->async_read = im.take(js, "async_r");
+  s->async_write = im.take(js, "async_w");
+  socks.push_back(im.take(js, "sock", true));
+  import_pds(im, js, *s);
+  import_segments(im, js, *s);
+  import_mrs(im, js, *s, g);
+  import_channels(im, js, *s);
+  import_cqs(im, js, *s, recover_qp != nullptr);
+  import_srqs(im, js, *s, recover_qp != nullptr);
+  import_qps(im, js, *s, g, recover_qp);
+  return s;
+}
+
 }  // namespace
 
 // ---- export ----
@@ -272,7 +664,8 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
                                                                bool recover) {
   json doc = json::from_cbor(blob.begin(), blob.end(), true, false);
   if (doc.is_discarded() || !doc.is_object()) return error(EINVAL, "state: not a CBOR document");
-  Reader rd;
+  Importer im(fds);
+  Reader& rd = im.rd;
   if (rd.num<uint32_t>(doc, "magic") != kStateMagic) rd.fail("bad magic");
   const uint32_t version = rd.num<uint32_t>(doc, "version");
   RETURN_IF_ERROR(rd.st);
@@ -298,30 +691,6 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
                                            name, n));
   }
 
-  std::vector<bool> taken(fds.size(), false);
-  // Takes descriptor `key` of `j` (each index at most once); -1 allowed when `optional`.
-  auto take = [&](const json& j, const char* key, bool optional = false) -> UniqueFd {
-    const int64_t i = rd.num<int64_t>(j, key);
-    if (!rd.st.is_ok()) return {};
-    if (i < 0 && optional) return {};
-    if (i < 0 || static_cast<size_t>(i) >= fds.size() || taken[i] || !fds[i].valid()) {
-      rd.fail(fmt::format("descriptor '{}' = {} not given (or given twice)", key, i));
-      return {};
-    }
-    taken[i] = true;
-    return std::move(fds[i]);
-  };
-  auto map_memfd = [&](UniqueFd& f, size_t bytes, const char* what) -> MappedRegion {
-    if (!rd.st.is_ok()) return {};
-    if (Status st = check_sealed_memfd(f.get(), bytes); !st.is_ok()) {
-      rd.fail(fmt::format("{}: {}", what, st.message()));
-      return {};
-    }
-    MappedRegion m = MappedRegion::map_shared(f.get(), bytes);
-    if (!m.valid()) rd.fail(fmt::format("mapping {}: {}", what, std::strerror(errno)));
-    return m;
-  };
-
   auto g = std::make_unique<Guest>();
   g->name = name;
   g->id = fnv1a64(name);
@@ -332,8 +701,8 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   if (version >= 2) g->owner_uid = rd.num<uint32_t>(doc, "owner_uid");
   g->next_qpn = rd.num<uint32_t>(doc, "next_qpn");
   g->next_key_index = rd.num<uint32_t>(doc, "next_key_index");
-  const size_t counters_size = version >= 3 ? sizeof(QpCounters) : kCountersV2;
-  g->retired = rd.pod<QpCounters>(doc, "retired", counters_size);
+  im.counters_size = version >= 3 ? sizeof(QpCounters) : kCountersV2;
+  g->retired = rd.pod<QpCounters>(doc, "retired", im.counters_size);
 
   std::vector<std::unique_ptr<Session>> made;
   std::vector<UniqueFd> socks;
@@ -341,267 +710,8 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   if (rd.st.is_ok() && jsessions.empty()) rd.fail("a guest without sessions");
   for (const json& js : jsessions) {
     if (!rd.st.is_ok()) break;
-    auto s = std::make_unique<Session>();
-    s->guest = g.get();
-    s->pid = rd.num<uint32_t>(js, "pid");
-    if (version >= 2) s->uid = rd.num<uint32_t>(js, "uid");
-    s->comm = rd.str(js, "comm");
-    s->next_handle = rd.num<uint32_t>(js, "next_handle");
-    s->control_fd = take(js, "control");
-    s->control = map_memfd(s->control_fd, kPage, "control page");
-    s->doorbell = take(js, "doorbell");
-    s->async_read = take(js, "async_r");
-    s->async_write = take(js, "async_w");
-    socks.push_back(take(js, "sock", true));
-    auto handle_ok = [&](uint32_t h, const char* what) {
-      if (h == 0 || h >= s->next_handle) rd.fail(fmt::format("{} handle {} out of range", what, h));
-    };
-    for (const json& h : rd.arr(js, "pds")) {
-      if (!h.is_number_unsigned()) rd.fail("PD handle");
-      if (!rd.st.is_ok()) break;
-      const uint32_t ph = h.get<uint32_t>();
-      handle_ok(ph, "PD");
-      if (!s->pds.emplace(ph, Pd{ph, 0}).second) rd.fail("PD handle twice");
-    }
-    for (const json& e : rd.arr(js, "segs")) {
-      if (!e.is_array() || e.size() != 3 || !e[0].is_number_unsigned() || !e[2].is_number_unsigned())
-        rd.fail("segment entry");
-      if (!rd.st.is_ok()) break;
-      const uint32_t h = e[0].get<uint32_t>();
-      const uint64_t size = e[2].get<uint64_t>();
-      handle_ok(h, "segment");
-      if (size == 0 || size % kPage || size > kMaxMrSize) rd.fail("segment size");
-      auto seg = std::make_shared<Segment>();
-      const json holder = {{"fd", e[1]}};
-      seg->fd = take(holder, "fd");
-      seg->map = map_memfd(seg->fd, size, "segment");
-      if (rd.st.is_ok() && !s->segments.emplace(h, std::move(seg)).second)
-        rd.fail("segment handle twice");
-    }
-    for (const json& jm : rd.arr(js, "mrs")) {
-      if (!rd.st.is_ok()) break;
-      auto mr = std::make_unique<Mr>();
-      mr->handle = rd.num<uint32_t>(jm, "h");
-      mr->key = rd.num<uint32_t>(jm, "key");
-      mr->pd = rd.num<uint32_t>(jm, "pd");
-      mr->access = rd.num<uint32_t>(jm, "access");
-      mr->addr = rd.num<uint64_t>(jm, "addr");
-      mr->iova = rd.num<uint64_t>(jm, "iova");
-      mr->length = rd.num<uint64_t>(jm, "length");
-      mr->owner = s.get();
-      handle_ok(mr->handle, "MR");
-      auto pd = s->pds.find(mr->pd);
-      if (pd == s->pds.end()) rd.fail("MR in an unknown PD");
-      if (mr->key == 0 || g->mrs.count(mr->key)) rd.fail("MR key zero or twice");
-      if (mr->length == 0 || mr->length > kMaxMrSize) rd.fail("MR length");
-      uint64_t expect = 0;
-      for (const json& x : rd.arr(jm, "ext")) {
-        if (!x.is_array() || x.size() != 4) rd.fail("MR extent");
-        for (const json& v : x) {
-          if (!v.is_number_unsigned()) rd.fail("MR extent field");
-        }
-        if (!rd.st.is_ok()) break;
-        auto seg = s->segments.find(x[0].get<uint32_t>());
-        const uint64_t seg_off = x[1].get<uint64_t>(), mr_off = x[2].get<uint64_t>(),
-                       len = x[3].get<uint64_t>();
-        if (seg == s->segments.end() || mr_off != expect || len == 0 ||
-            seg_off > seg->second->map.size() || len > seg->second->map.size() - seg_off) {
-          rd.fail("MR extent does not fit its segment");
-          break;
-        }
-        mr->chunks.push_back({mr_off, len, seg->second->map.data() + seg_off});
-        mr->segments.push_back(seg->second);
-        expect += len;
-      }
-      if (rd.st.is_ok() && expect != mr->length) rd.fail("MR extents do not cover the MR");
-      if (!rd.st.is_ok()) break;
-      pd->second.users++;
-      g->mrs[mr->key] = mr.get();
-      if (!s->mrs.emplace(mr->handle, std::move(mr)).second) rd.fail("MR handle twice");
-    }
-    for (const json& e : rd.arr(js, "chans")) {
-      if (!e.is_array() || e.size() != 2 || !e[0].is_number_unsigned()) rd.fail("channel entry");
-      if (!rd.st.is_ok()) break;
-      const uint32_t h = e[0].get<uint32_t>();
-      handle_ok(h, "channel");
-      Channel c;
-      c.handle = h;
-      const json holder = {{"fd", e[1]}};
-      c.write_end = take(holder, "fd");
-      if (rd.st.is_ok() && !s->channels.emplace(h, std::move(c)).second) rd.fail("channel twice");
-    }
-    for (const json& jc : rd.arr(js, "cqs")) {
-      if (!rd.st.is_ok()) break;
-      auto cq = std::make_unique<Cq>();
-      cq->handle = rd.num<uint32_t>(jc, "h");
-      cq->size = rd.num<uint32_t>(jc, "size");
-      cq->prod = rd.num<uint32_t>(jc, "prod");
-      cq->channel = rd.num<uint32_t>(jc, "channel");
-      cq->overrun = jc.value("overrun", false);
-      cq->owner = s.get();
-      handle_ok(cq->handle, "CQ");
-      if (!std::has_single_bit(cq->size) || cq->size < 2 || cq->size > 2 * kMaxCqe)
-        rd.fail("CQ size");
-      cq->ring_fd = take(jc, "fd");
-      const size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
-      cq->ring = map_memfd(cq->ring_fd, bytes, "CQ ring");
-      if (cq->channel != kNone) {
-        auto ch = s->channels.find(cq->channel);
-        if (ch == s->channels.end()) rd.fail("CQ on an unknown channel");
-        else ch->second.users++;
-      }
-      if (!rd.st.is_ok()) break;
-      cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
-      cq->entries = ring_entries<Cqe>(cq->hdr);
-      if (recover) {
-        const uint32_t p = cq->hdr->producer.load(std::memory_order_acquire);
-        const uint32_t c = cq->hdr->consumer.load(std::memory_order_acquire);
-        if (p - c <= cq->size) cq->prod = p;
-      }
-      if (!s->cqs.emplace(cq->handle, std::move(cq)).second) rd.fail("CQ handle twice");
-    }
-    for (const json& jq : rd.arr(js, "srqs")) {
-      if (!rd.st.is_ok()) break;
-      auto q = std::make_unique<Srq>();
-      q->handle = rd.num<uint32_t>(jq, "h");
-      q->pd = rd.num<uint32_t>(jq, "pd");
-      q->size = rd.num<uint32_t>(jq, "size");
-      q->cons = rd.num<uint32_t>(jq, "cons");
-      q->max_sge = rd.num<uint32_t>(jq, "max_sge");
-      q->limit = rd.num<uint32_t>(jq, "limit");
-      q->owner = s.get();
-      handle_ok(q->handle, "SRQ");
-      auto pd = s->pds.find(q->pd);
-      if (pd == s->pds.end()) rd.fail("SRQ in an unknown PD");
-      if (!std::has_single_bit(q->size) || q->size > kMaxQpWr * 2 || q->max_sge == 0 ||
-          q->max_sge > kMaxSge || q->limit > q->size)
-        rd.fail("SRQ geometry");
-      q->ring_fd = take(jq, "fd");
-      q->ring = map_memfd(q->ring_fd, page_round(ring_bytes(q->size, sizeof(RecvWqe))), "SRQ ring");
-      if (!rd.st.is_ok()) break;
-      pd->second.users++;
-      q->hdr = reinterpret_cast<RingHeader*>(q->ring.data());
-      q->entries = ring_entries<RecvWqe>(q->hdr);
-      if (recover) {
-        const uint32_t p = q->hdr->producer.load(std::memory_order_acquire);
-        const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
-        if (p - c <= q->size) q->cons = c;
-      }
-      if (!s->srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
-    }
-    for (const json& jq : rd.arr(js, "qps")) {
-      if (!rd.st.is_ok()) break;
-      auto qp = std::make_unique<Qp>();
-      qp->handle = rd.num<uint32_t>(jq, "h");
-      qp->qpn = rd.num<uint32_t>(jq, "qpn");
-      const uint32_t type = rd.num<uint32_t>(jq, "type");
-      const uint32_t state = rd.num<uint32_t>(jq, "state");
-      qp->pd = rd.num<uint32_t>(jq, "pd");
-      const uint32_t scq = rd.num<uint32_t>(jq, "scq"), rcq = rd.num<uint32_t>(jq, "rcq"),
-                     srq = rd.num<uint32_t>(jq, "srq");
-      qp->sq_sig_all = jq.value("sig_all", false);
-      qp->caps = rd.pod<QpCaps>(jq, "caps");
-      qp->attr = rd.pod<QpAttr>(jq, "attr");
-      qp->sq_size = rd.num<uint32_t>(jq, "sq_size");
-      qp->rq_size = rd.num<uint32_t>(jq, "rq_size");
-      qp->sq_cons = rd.num<uint32_t>(jq, "sq_cons");
-      qp->rq_cons = rd.num<uint32_t>(jq, "rq_cons");
-      const uint32_t wait = rd.num<uint32_t>(jq, "wait");
-      qp->rnr_left = rd.num<uint32_t>(jq, "rnr_left");
-      qp->retry_left = rd.num<uint32_t>(jq, "retry_left");
-      qp->wait_until_ns = rd.num<uint64_t>(jq, "wait_until");
-      qp->cnt = rd.pod<QpCounters>(jq, "cnt", counters_size);
-      qp->sq_sent = rd.num<uint32_t>(jq, "sq_sent");
-      qp->next_psn = rd.num<uint32_t>(jq, "next_psn") & 0xffffff;
-      qp->expected_psn = rd.num<uint32_t>(jq, "expected_psn") & 0xffffff;
-      const json& ac = rd.arr(jq, "acache");
-      if (rd.st.is_ok() && ac.size() != qp->atomic_cache.size()) rd.fail("atomic cache size");
-      for (size_t i = 0; rd.st.is_ok() && i < ac.size(); ++i) {
-        if (!ac[i].is_array() || ac[i].size() != 2 || !ac[i][0].is_number_unsigned() ||
-            !ac[i][1].is_number_unsigned()) {
-          rd.fail("atomic cache entry");
-          break;
-        }
-        qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
-      }
-      qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
-      // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
-      // messages are replayed (or settled against a responder that is here now); from shm
-      // nothing is in flight.
-      if (auto r = jq.find("remote"); r != jq.end() && r->is_boolean() && r->get<bool>()) {
-        auto pn = jq.find("peer_node");
-        if (pn == jq.end() || !pn->is_string() || pn->get_ref<const std::string&>().size() > 255)
-          rd.fail("QP peer node");
-        else {
-          qp->remote = true;
-          qp->transport = "tcp";
-          qp->peer_node = pn->get<std::string>();
-        }
-      }
-      // sq_sent runs ahead of sq_cons only on tcp (what is in flight); shm leaves it behind.
-      if (!qp->remote) qp->sq_sent = qp->sq_cons;
-      if (qp->sq_sent - qp->sq_cons > qp->sq_size) rd.fail("QP send cursors");
-      if (!rd.st.is_ok()) break;
-      handle_ok(qp->handle, "QP");
-      if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g->qps.count(qp->qpn)) rd.fail("QPN");
-      if (type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD) rd.fail("QP type");
-      if (state > IBV_QPS_ERR) rd.fail("QP state");
-      if (wait > static_cast<uint32_t>(Wait::kAck)) rd.fail("QP wait");
-      if (!std::has_single_bit(qp->sq_size) || qp->sq_size > 2 * kMaxQpWr ||
-          !std::has_single_bit(qp->rq_size) || qp->rq_size > 2 * kMaxQpWr ||
-          qp->caps.max_send_sge > kMaxSge || qp->caps.max_recv_sge > kMaxSge ||
-          qp->caps.max_inline_data > kMaxInline)
-        rd.fail("QP geometry");
-
-      auto pd = s->pds.find(qp->pd);
-      auto sc = s->cqs.find(scq), rc = s->cqs.find(rcq);
-      if (pd == s->pds.end() || sc == s->cqs.end() || rc == s->cqs.end())
-        rd.fail("QP names an unknown PD or CQ");
-      if (srq != kNone && !s->srqs.count(srq)) rd.fail("QP names an unknown SRQ");
-      if (!rd.st.is_ok()) break;
-      qp->type = static_cast<ibv_qp_type>(type);
-      qp->state = static_cast<ibv_qp_state>(state);
-      qp->attr.qp_state = state;
-      qp->wait = static_cast<Wait>(wait);
-      for (const json& u : rd.arr(jq, "unacked")) {
-        if (!u.is_array() || u.size() != 4 || !u[0].is_binary() ||
-            u[0].get_binary().size() != sizeof(SendWqe) || !u[1].is_number_unsigned() ||
-            !u[2].is_number_unsigned() || !u[3].is_boolean()) {
-          rd.fail("unacknowledged WQE");
-          break;
-        }
-        Qp::Outstanding o{};
-        std::memcpy(&o.w, u[0].get_binary().data(), sizeof(SendWqe));
-        o.psn = u[1].get<uint32_t>() & 0xffffff;
-        o.len = u[2].get<uint32_t>();
-        o.has_result = u[3].get<bool>();
-        if (o.w.num_sge > kMaxSge) rd.fail("unacknowledged WQE's SGE count");
-        qp->unacked.push_back(o);
-      }
-      if (qp->unacked.size() > qp->sq_size) rd.fail("more unacknowledged WQEs than the SQ holds");
-      const size_t sq_bytes = page_round(ring_bytes(qp->sq_size, sizeof(SendWqe)));
-      const size_t rq_bytes = page_round(ring_bytes(qp->rq_size, sizeof(RecvWqe)));
-      qp->ring_fd = take(jq, "fd");
-      qp->ring = map_memfd(qp->ring_fd, sq_bytes + rq_bytes, "QP rings");
-      if (!rd.st.is_ok()) break;
-      qp->sq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data());
-      qp->rq_hdr = reinterpret_cast<RingHeader*>(qp->ring.data() + sq_bytes);
-      qp->sq = ring_entries<SendWqe>(qp->sq_hdr);
-      qp->rq = ring_entries<RecvWqe>(qp->rq_hdr);
-      if (recover) recover_from_rings(*qp);
-      qp->owner = s.get();
-      qp->guest = g.get();
-      qp->send_cq = sc->second.get();
-      qp->recv_cq = rc->second.get();
-      qp->srq = srq == kNone ? nullptr : s->srqs[srq].get();
-      pd->second.users++;
-      qp->send_cq->users++;
-      qp->recv_cq->users++;
-      if (qp->srq) qp->srq->users++;
-      g->qps[qp->qpn] = qp.get();
-      if (!s->qps.emplace(qp->handle, std::move(qp)).second) rd.fail("QP handle twice");
-    }
-    made.push_back(std::move(s));
+    made.push_back(
+        import_session(im, js, *g, version, socks, recover ? &recover_from_rings : nullptr));
   }
   RETURN_IF_ERROR(rd.st);
 

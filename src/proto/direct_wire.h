@@ -1,4 +1,4 @@
-// The library-to-library wire format: the direct path across backends (src/verbs/remote.cc,
+// The library-to-library wire format: the direct path across backends (src/verbs/remote*.cc,
 // docs/ARCHITECTURE.md "Across hosts"). The requester's library dials the responder's, both
 // run TLS 1.3 with an external PSK derived from the offer's token (the token never travels),
 // then a Hello/HelloAck, then a stream of fixed 64-byte frames, each followed by the data of the

@@ -3,8 +3,9 @@
 // rdma-core's ibv_post_send(3)). Written once, applied by every executor of a request: the
 // backend's responder (engine respond_begin, same host and across hosts), the direct path on one
 // host (verbs/direct.cc: what fails there is left to the backend, so the status is this one),
-// and the library-to-library path across hosts (verbs/remote.cc start_request). What is left to
-// each executor is where the bytes lie in its own memory (segments and chunks, or this process).
+// and the library-to-library path across hosts (verbs/remote_datapath.cc start_request). What is
+// left to each executor is where the bytes lie in its own memory (segments and chunks, or this
+// process).
 #pragma once
 
 #include <infiniband/verbs.h>

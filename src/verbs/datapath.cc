@@ -12,31 +12,14 @@ namespace vrdma::verbs {
 
 using namespace vrdma::proto;
 
-bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op) {
-  switch (op) {
-    case IBV_WR_SEND:
-    case IBV_WR_SEND_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC || t == IBV_QPT_UD;
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return t == IBV_QPT_RC || t == IBV_QPT_UC;
-    case IBV_WR_RDMA_READ:
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return t == IBV_QPT_RC;
-    default:
-      return false;
-  }
-}
-
 int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   VQp* qp = to_vqp(q);
   if (to_vctx(q->context)->dead.load(std::memory_order_relaxed)) {
     *bad = wr;
     return EIO;
   }
-  // Posting to a QP that cannot send is an immediate error (IB spec o10-?, 11.4.1.1).
-  if (q->state == IBV_QPS_RESET || q->state == IBV_QPS_INIT || q->state == IBV_QPS_RTR) {
+  // Posting to a QP that cannot send is an immediate error (proto/post_rules.h).
+  if (!can_post_send(q->state)) {
     *bad = wr;
     return EINVAL;
   }
@@ -65,22 +48,16 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
       rc = ENOMEM;
       break;
     }
-    if (!opcode_allowed(q->qp_type, wr->opcode) || wr->num_sge < 0 ||
-        static_cast<uint32_t>(wr->num_sge) > qp->caps.max_send_sge) {
-      rc = EINVAL;
-      break;
-    }
+    if ((rc = check_post_send(q->qp_type, *wr, send_caps(*qp)))) break;
     SendWqe& w = qp->sq[qp->sq_prod & (qp->sq_size - 1)];
     w.wr_id = wr->wr_id;
     w.opcode = wr->opcode;
-    w.send_flags = wr->send_flags;
+    // The backend reads IBV_SEND_INLINE as "the bytes are in the WQE": only where it counts.
+    w.send_flags =
+        is_inline(wr->opcode, wr->send_flags) ? wr->send_flags : wr->send_flags & ~IBV_SEND_INLINE;
     w.imm_data = wr->imm_data;
     w.num_sge = static_cast<uint32_t>(wr->num_sge);
     if (q->qp_type == IBV_QPT_UD) {
-      if (!wr->wr.ud.ah) {
-        rc = EINVAL;
-        break;
-      }
       pack_ud_dest(w, to_vah(wr->wr.ud.ah)->dest);
       w.ud_remote_qpn = wr->wr.ud.remote_qpn;
       w.ud_remote_qkey = wr->wr.ud.remote_qkey;
@@ -95,13 +72,7 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
       w.rkey = wr->wr.rdma.rkey;
     }
     w.inline_len = 0;
-    if (wr->send_flags & IBV_SEND_INLINE) {
-      uint64_t total = 0;
-      for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
-      if (total > qp->caps.max_inline_data) {
-        rc = EINVAL;
-        break;
-      }
+    if (w.send_flags & IBV_SEND_INLINE) {
       uint32_t off = 0;
       for (int i = 0; i < wr->num_sge; ++i) {
         std::memcpy(w.inline_data + off, reinterpret_cast<const void*>(wr->sg_list[i].addr),
@@ -130,7 +101,7 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     *bad = wr;
     return EIO;
   }
-  if (q->state == IBV_QPS_RESET) {
+  if (!can_post_recv(q->state)) {
     *bad = wr;
     return EINVAL;
   }
@@ -142,10 +113,7 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
       rc = ENOMEM;
       break;
     }
-    if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > qp->caps.max_recv_sge) {
-      rc = EINVAL;
-      break;
-    }
+    if ((rc = check_post_recv(*wr, qp->caps.max_recv_sge))) break;
     RecvWqe& r = qp->rq[qp->rq_prod & (qp->rq_size - 1)];
     r.wr_id = wr->wr_id;
     r.num_sge = static_cast<uint32_t>(wr->num_sge);

@@ -184,7 +184,8 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   size_t nl = 0, nr = 0;
   uint64_t len = 0;
   const uint32_t local_need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_LOCAL_WRITE : 0;
-  // Any local error: the backend executes it and reports it.
+  // Any local error: the backend executes it and reports it; a WR the post rules refuse
+  // (local_sges checks them) goes on to the ring's loop, which says EINVAL.
   if (local_sges(ctx, qp, wr, local_need, local, nl, len) != IBV_WC_SUCCESS) return false;
 
   RecvWqe rwqe;
@@ -284,14 +285,13 @@ const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key) {
 int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, MemSpan* out,
                size_t& n, uint64_t& len) {
   len = 0;
-  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > qp.caps.max_send_sge)
-    return IBV_WC_LOC_LEN_ERR;
-  const bool inl = (wr.send_flags & IBV_SEND_INLINE) &&
-                   (wr.opcode == IBV_WR_SEND || wr.opcode == IBV_WR_SEND_WITH_IMM ||
-                    wr.opcode == IBV_WR_RDMA_WRITE || wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM);
+  // check_post_send refused a WR with more SGEs or inline bytes than the QP takes; a caller
+  // that runs before it (the remote path, to stay out of its lock) gets the same EINVAL then.
+  if (check_post_send(qp.qp.qp_type, wr, send_caps(qp))) return IBV_WC_LOC_LEN_ERR;
+  const bool inl = is_inline(wr.opcode, wr.send_flags);
   for (int i = 0; i < wr.num_sge; ++i) {
     const ibv_sge& s = wr.sg_list[i];
-    if (s.length == 0) continue;
+    if (!sge_names_memory(s.length)) continue;
     if (!inl) {
       const LocalMr* mr = local_mr(ctx, qp, s.lkey);
       if (!mr || (mr->access & need) != need || !in_range(mr->addr, mr->length, s.addr, s.length))
@@ -300,8 +300,7 @@ int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, Mem
     out[n++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
     len += s.length;
   }
-  if (inl && len > qp.caps.max_inline_data) return IBV_WC_LOC_LEN_ERR;
-  return len <= kMaxMsgSize ? IBV_WC_SUCCESS : IBV_WC_LOC_LEN_ERR;
+  return check_send_length(wr.opcode, len);
 }
 
 bool map_ring(OwnRing& r, int fd, uint32_t entries) {

@@ -76,8 +76,8 @@ struct Grant {
 /// This process's MR for `key` in the QP's PD, or null (cached per QP; under the SQ lock).
 const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key);
 /// Edges ThreadSanitizer cannot see, given to it through one address (nothing in other builds):
-/// - a producer in this process (the hub's thread, remote.cc) and the CQ's poller reach an own
-///   ring through two mappings of one memfd; its producer index orders them (release, then
+/// - a producer in this process (the hub's thread, remote_datapath.cc) and the CQ's poller reach
+///   an own ring through two mappings of one memfd; its producer index orders them (release, then
 ///   acquire), but ThreadSanitizer sees two addresses, and would report the data a completion
 ///   stands for as a race;
 /// - bytes that arrive on one connection to a peer's library may answer bytes sent on another

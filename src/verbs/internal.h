@@ -11,13 +11,14 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "proto/command.h"
+#include "proto/post_rules.h"
 #include "proto/ring.h"
 #include "verbs/direct.h"
 #include "verbs/path_lock.h"
@@ -72,7 +73,7 @@ struct VContext {
   std::atomic<bool> fatal_reported{false};  ///< IBV_EVENT_DEVICE_FATAL was handed out
   /// ring_doorbell() woke the backend and no poll has seen it awake since (should_yield).
   mutable std::atomic<bool> woke_backend{false};
-  /// The direct path across backends (remote.cc): this process's hub, made on first use.
+  /// The direct path across backends (remote_conn.cc): this process's hub, made on first use.
   std::mutex hub_make;
   std::shared_ptr<Hub> hub;
   std::atomic<Hub*> hub_raw{nullptr};
@@ -165,6 +166,11 @@ struct VQp {
   std::unique_ptr<RemoteQp> remote;
 };
 
+/// The limits every post path checks a send WR against (proto/post_rules.h).
+inline proto::SendQueueCaps send_caps(const VQp& qp) {
+  return {qp.caps.max_send_sge, qp.caps.max_inline_data};
+}
+
 /// Whether a ring we produce into (`prod`, `size`) has no free slot. The consumer's cursor is a
 /// cache line the other side writes on every entry it takes: it is read only when the copy in
 /// `seen` says full, not once per post.
@@ -187,8 +193,6 @@ inline VQp* to_vqp(ibv_qp* q) { return reinterpret_cast<VQp*>(q); }
 // Data path (datapath.cc).
 inline constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
 inline constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
-/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
-bool opcode_allowed(ibv_qp_type t, ibv_wr_opcode op);
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);

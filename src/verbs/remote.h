@@ -64,7 +64,7 @@ struct RemoteQp {
   std::atomic<bool> resume_owed{false};
   OwnRing recv;  ///< the QP's own receive-completion ring (we produce into it)
   /// The connection the peer's requests come on: the one its library dialed, or the one ours
-  /// dialed (one connection then carries both directions; see remote.cc).
+  /// dialed (one connection then carries both directions; see remote_impl.h).
   std::shared_ptr<Conn> in;
   std::atomic<Conn*> in_raw{nullptr};  ///< `in`, for the post path (set once, cleared at teardown)
   // Requester: our connection (often `in` itself), our own send-completion ring, the WRs not

@@ -48,10 +48,7 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
       rc = ENOMEM;
       break;
     }
-    if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > srq->max_sge) {
-      rc = EINVAL;
-      break;
-    }
+    if ((rc = check_post_recv(*wr, srq->max_sge))) break;
     RecvWqe& r = srq->entries[srq->prod & (srq->size - 1)];
     r.wr_id = wr->wr_id;
     r.num_sge = static_cast<uint32_t>(wr->num_sge);

@@ -313,8 +313,13 @@ bool Peer::start(const std::string& guest) {
   std::vector<std::string> env_s{"VRDMA_TEST_PEER=" + std::to_string(down[0]) + "," +
                                      std::to_string(up[1]),
                                  "VRDMA_GUEST=" + guest};
+  // VRDMA_TEST_PEER_SOCKET: the peer's guest lives on another backend (one of another host, as
+  // far as the libraries know).
+  const char* other = std::getenv("VRDMA_TEST_PEER_SOCKET");
+  if (other) env_s.push_back(std::string("VRDMA_SOCKET=") + other);
   for (char** e = environ; *e; ++e) {
-    if (std::strncmp(*e, "VRDMA_GUEST=", 12) && std::strncmp(*e, "VRDMA_TEST_PEER=", 16))
+    if (std::strncmp(*e, "VRDMA_GUEST=", 12) && std::strncmp(*e, "VRDMA_TEST_PEER=", 16) &&
+        (!other || std::strncmp(*e, "VRDMA_SOCKET=", 13)))
       env_s.emplace_back(*e);
   }
   std::vector<char*> envp;

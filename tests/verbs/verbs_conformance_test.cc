@@ -410,6 +410,76 @@ TEST_F(Conformance, InlineDataUpToMaxInlineData) {
   EXPECT_EQ(ibv_create_qp(pd_, &big), nullptr);
 }
 
+// One table of work requests, each with the answer of the post rules (src/proto/post_rules.h,
+// whose unit test covers each rule): the suite runs again with the direct path on, and the
+// same bad WR must get the same answer there.
+TEST_F(Conformance, EachPostRuleGivesTheSameAnswerOnEveryPath) {
+  Pair p = pair(IBV_QPT_RC, {}, {}, 16, 2, 64);
+  ASSERT_NE(p.qp, nullptr);
+  const uint32_t max_inline = caps(p.qp).max_inline_data;
+  const uint64_t remote = peer_.mem().addr;
+  const uint32_t rkey = peer_.mem().rkey;
+  fill(buf_.data(), 4096, 9);
+  const std::vector<uint8_t> peer_before = peer_.read(0, 64);
+  struct Case {
+    const char* what;
+    Wr w;
+    int post;                           ///< ibv_post_send's answer
+    ibv_wc_status wc = IBV_WC_SUCCESS;  ///< the completion's, when the post is taken
+  };
+  const Case cases[] = {
+      {"three SGEs on a QP of two", {.sges = {sge(0, 1), sge(8, 1), sge(16, 1)}}, EINVAL},
+      {"one byte more inline than max_inline_data",
+       {.op = IBV_WR_RDMA_WRITE,
+        .sges = {sge(0, max_inline + 1)},
+        .flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE,
+        .raddr = remote + 4096,
+        .rkey = rkey},
+       EINVAL},
+      {"a READ ignores IBV_SEND_INLINE",
+       {.op = IBV_WR_RDMA_READ,
+        .sges = {sge(8192, 64)},
+        .flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE,
+        .raddr = remote,
+        .rkey = rkey},
+       0},
+      {"a zero-length WRITE names no memory", {.op = IBV_WR_RDMA_WRITE, .sges = {}}, 0},
+      {"an atomic's 8 bytes in two SGEs",
+       {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+        .sges = {sge(16384, 4), sge(20480, 4)},
+        .raddr = remote + 8,
+        .rkey = rkey,
+        .compare_add = 1},
+       0},
+      {"an atomic of 4 bytes",
+       {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+        .sges = {sge(16384, 4)},
+        .raddr = remote + 8,
+        .rkey = rkey,
+        .compare_add = 1},
+       0,
+       IBV_WC_LOC_LEN_ERR},  // last: the QP is in ERR after it
+  };
+  for (const Case& c : cases) {
+    bool bad_is_wr = false;
+    ASSERT_EQ(post(p.qp, c.w, &bad_is_wr), c.post) << c.what;
+    if (c.post) {
+      EXPECT_TRUE(bad_is_wr) << c.what;
+      EXPECT_TRUE(drain_for(10).empty()) << c.what << ": a refused WR never completes";
+      continue;
+    }
+    auto wcs = poll(cq_, 1);
+    ASSERT_EQ(wcs.size(), 1u) << c.what;
+    EXPECT_EQ(wcs[0].status, c.wc) << c.what << ": " << ibv_wc_status_str(wcs[0].status);
+  }
+  EXPECT_EQ(std::vector<uint8_t>(buf_.begin() + 8192, buf_.begin() + 8192 + 64), peer_before)
+      << "the READ read the peer's memory";
+  uint64_t old = 0;
+  std::memcpy(&old, buf_.data() + 16384, 4);
+  std::memcpy(reinterpret_cast<uint8_t*>(&old) + 4, buf_.data() + 20480, 4);
+  EXPECT_EQ(old, peer_word(8) - 1) << "the atomic's result, in its two SGEs";
+}
+
 // ---- Error completions ----------------------------------------------------------------------
 
 TEST_F(Conformance, BadLkeyOrSgeOutsideTheMrIsLocalProtectionError) {

@@ -29,12 +29,16 @@ class VerbsFixture : public ::testing::Test {
       IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 
   static void SetUpTestSuite() {
+    // Backends a script started (tests/e2e/conformance_remote.sh: ours, and the peer's at
+    // VRDMA_TEST_PEER_SOCKET) are used as they are, and left to it.
+    if (std::getenv("VRDMA_TEST_PEER_SOCKET")) return;
     // ctest may run test processes in parallel: each gets its own socket, so its own backend.
     std::string base = std::getenv("VRDMA_SOCKET") ? std::getenv("VRDMA_SOCKET") : "/tmp/vrdma-t";
     ::setenv("VRDMA_SOCKET", (base + "." + std::to_string(::getpid())).c_str(), 1);
   }
 
   static void TearDownTestSuite() {
+    if (std::getenv("VRDMA_TEST_PEER_SOCKET")) return;
     std::ifstream pidf(std::string(std::getenv("VRDMA_SOCKET")) + ".pid");
     pid_t pid = 0;
     if (pidf >> pid && pid > 0) ::kill(pid, SIGTERM);

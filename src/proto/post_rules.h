@@ -1,0 +1,101 @@
+// The requester's rules: what a posted work request may be, and the answer to each fault — an
+// errno from ibv_post_send/ibv_post_recv with the WR not taken (rdma-core's ibv_post_send(3):
+// EINVAL for a bad WR, ENOMEM for a full queue), or, for what only executing the WR finds, the
+// status of its completion. Written once, applied by every post path: the mediated ring
+// (verbs/datapath.cc, and the engine's local_check for what it executes), the direct path on
+// one host (verbs/direct.cc) and the path between libraries (verbs/remote.cc), so the same bad
+// WR gets the same answer on each. The responder's side is proto/responder_rules.h.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cerrno>
+#include <cstdint>
+
+#include "proto/device_caps.h"
+#include "proto/responder_rules.h"
+
+namespace vrdma::proto {
+
+constexpr bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+
+/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends). No
+/// memory windows and no invalidation: the device does not offer them (device_cap_flags).
+constexpr bool opcode_allowed(uint32_t qp_type, uint32_t op) {
+  if (is_send(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC || qp_type == IBV_QPT_UD;
+  if (is_rdma_write(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC;
+  if (op == IBV_WR_RDMA_READ || is_rdma_atomic(op)) return qp_type == IBV_QPT_RC;
+  return false;
+}
+
+/// A send queue takes WRs from RTS on (in SQD, SQE and ERR too: they complete, or are
+/// flushed); before RTS, posting is EINVAL (IB spec 10.8.2, and ibv_post_send(3)).
+constexpr bool can_post_send(uint32_t qp_state) {
+  return qp_state != IBV_QPS_RESET && qp_state != IBV_QPS_INIT && qp_state != IBV_QPS_RTR;
+}
+/// A receive queue takes WRs in every state but RESET.
+constexpr bool can_post_recv(uint32_t qp_state) { return qp_state != IBV_QPS_RESET; }
+
+/// IBV_SEND_INLINE counts for SEND and RDMA WRITE only ("valid only for Send and RDMA Write",
+/// ibv_post_send(3)); a READ or an atomic with the flag uses its SGEs, as without it.
+constexpr bool is_inline(uint32_t op, uint32_t send_flags) {
+  return (send_flags & IBV_SEND_INLINE) && (is_send(op) || is_rdma_write(op));
+}
+
+/// A zero-length SGE names no memory: its lkey and address are not looked at (rxe and mlx5
+/// skip it too), as a zero-length WRITE or READ names no remote memory (names_remote_memory).
+constexpr bool sge_names_memory(uint32_t length) { return length != 0; }
+
+/// The send queue's limits a post is checked against (the QP's caps as created).
+struct SendQueueCaps {
+  uint32_t max_send_sge = 0;
+  uint32_t max_inline_data = 0;
+};
+
+/// The post-time rules of one send WR on a QP of type `qp_type`, in order; each fault is
+/// EINVAL and the post stops at that WR (*bad_wr), the ones before it taken:
+/// - the opcode is one the QP type allows;
+/// - 0 <= num_sge <= max_send_sge;
+/// - a UD WR names an address handle;
+/// - inline data (is_inline) is at most max_inline_data bytes in all.
+/// 0 when they hold; `why` (when given) names the rule that did not. A full send queue is
+/// ENOMEM, checked by each path against its own queue, first.
+constexpr int check_post_send(uint32_t qp_type, const ibv_send_wr& wr, const SendQueueCaps& caps,
+                              const char** why = nullptr) {
+  auto no = [&](const char* w) {
+    if (why) *why = w;
+    return EINVAL;
+  };
+  if (!opcode_allowed(qp_type, wr.opcode)) return no("the QP type does not allow that opcode");
+  if (wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > caps.max_send_sge)
+    return no("more SGEs than the QP's max_send_sge");
+  if (qp_type == IBV_QPT_UD && !wr.wr.ud.ah) return no("a UD send without an address handle");
+  if (is_inline(wr.opcode, wr.send_flags)) {
+    uint64_t total = 0;
+    for (int i = 0; i < wr.num_sge; ++i) total += wr.sg_list[i].length;
+    if (total > caps.max_inline_data) return no("more inline data than the QP's max_inline_data");
+  }
+  return 0;
+}
+
+/// The rules of a WR's length, found when its SGEs are resolved (the sum of their lengths):
+/// at most max_msg_sz, and an atomic's exactly 8 bytes (its result). LOC_LEN_ERR otherwise,
+/// as the completion of that WR. (The responder adds its own: an atomic's remote address
+/// 8-aligned, REM_INV_REQ_ERR; responder_rules.h.)
+constexpr ibv_wc_status check_send_length(uint32_t op, uint64_t len, const char** why = nullptr) {
+  auto no = [&](const char* w) {
+    if (why) *why = w;
+    return IBV_WC_LOC_LEN_ERR;
+  };
+  if (len > kMaxMsgSize) return no("message longer than max_msg_sz");
+  if (is_rdma_atomic(op) && len != 8) return no("an atomic needs 8 bytes of local memory");
+  return IBV_WC_SUCCESS;
+}
+
+/// The post-time rule of a receive WR: 0 <= num_sge <= max_recv_sge (the QP's, or the SRQ's
+/// max_sge), else EINVAL.
+constexpr int check_post_recv(const ibv_recv_wr& wr, uint32_t max_recv_sge) {
+  return wr.num_sge < 0 || static_cast<uint32_t>(wr.num_sge) > max_recv_sge ? EINVAL : 0;
+}
+
+}  // namespace vrdma::proto

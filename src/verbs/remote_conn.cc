@@ -1,0 +1,761 @@
+// The direct path across backends: the hub (its thread, epoll, listeners), the hellos of
+// connections that come in, dialing a peer's library, and the end of a QP's connections.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/core_names.h>
+#include <openssl/err.h>
+#include <openssl/kdf.h>
+#include <openssl/ssl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/listener_rest.h"
+#include "common/log.h"
+#include "common/rdma_atomic.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+#include "verbs/remote_impl.h"
+#include "verbs/stop_world.h"
+
+namespace vrdma::verbs::dlink {
+
+constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
+constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
+
+uint64_t now_ns() {
+  timespec t;
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1000000000 + uint64_t(t.tv_nsec);
+}
+uint64_t now_ms() { return now_ns() / 1000000; }
+
+uint64_t hub_spin_ns() {
+  const char* e = ::secure_getenv("VRDMA_SPIN_US");
+  if (!e || !*e) return kHubSpinUs * 1000;
+  char* end = nullptr;
+  const unsigned long long us = std::strtoull(e, &end, 10);
+  if (*end != '\0' || us > 10000000) {
+    VLOG_WARN("VRDMA_SPIN_US={}: not a number of microseconds up to 10000000; using {}", e,
+              kHubSpinUs);
+    return kHubSpinUs * 1000;
+  }
+  return us * 1000;
+}
+
+void epoll_set(Hub& h, int op, int fd, uint32_t events, Watch* w) {
+  epoll_event e{};
+  e.events = events;
+  e.data.ptr = w;
+  ::epoll_ctl(h.ep.get(), op, fd, &e);
+}
+
+void rearm(Conn& c) {
+  std::lock_guard<std::mutex> g(c.arm_mu);
+  if (c.broken.load()) {
+    if (c.watched) epoll_set(*c.hub, EPOLL_CTL_DEL, c.fd.get(), 0, nullptr);
+    c.watched = false;
+    return;
+  }
+  uint32_t ev = EPOLLRDHUP;
+  if (!c.claimed.load()) ev |= EPOLLIN;
+  if (c.want_out.load()) ev |= EPOLLOUT;
+  epoll_set(*c.hub, c.watched ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, c.fd.get(), ev, &c);
+  c.watched = true;
+}
+
+void set_sock_opts(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  unsigned int ms = 5000;  // a peer that vanished (data unacknowledged) ends the connection
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+}
+
+// ---- the hub ----
+
+void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    h.conns.push_back(c);
+    h.gen.fetch_add(1, std::memory_order_release);
+  }
+  rearm(*c);
+  const uint64_t one = 1;
+  if (::write(h.wake.get(), &one, sizeof(one)) < 0) {
+    VLOG_WARN("direct path: cannot wake the hub thread: {}", std::strerror(errno));
+  }
+}
+
+/// Ends a connection for good: nothing reads it or writes it again.
+void retire(Hub& h, const std::shared_ptr<Conn>& c) {
+  {
+    std::lock_guard<std::mutex> g(c->rx_mu);
+    c->qp = nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> g(c->tx_mu);
+    c->backlog.clear();
+    c->broken.store(true);
+  }
+  rearm(*c);
+  ::shutdown(c->fd.get(), SHUT_RDWR);
+  std::lock_guard<std::mutex> g(h.mu);
+  std::erase(h.conns, c);
+  h.gen.fetch_add(1, std::memory_order_release);
+}
+
+std::shared_ptr<Conn> find_conn(Hub& h, const Watch* p) {
+  std::lock_guard<std::mutex> g(h.mu);
+  for (const auto& c : h.conns) {
+    if (static_cast<const Watch*>(c.get()) == p) return c;
+  }
+  return nullptr;
+}
+
+/// "ADDR:PORT" of a peer, for log lines.
+std::string addr_of(const sockaddr_in& a) {
+  char ip[INET_ADDRSTRLEN] = "?";
+  ::inet_ntop(AF_INET, &a.sin_addr, ip, sizeof(ip));
+  return fmt::format("{}:{}", ip, ntohs(a.sin_port));
+}
+
+/// Compares tokens in a time that does not depend on where they differ.
+bool same_token(const uint8_t* a, const uint8_t* b) {
+  uint8_t d = 0;
+  for (size_t i = 0; i < kDirectTokenBytes; ++i) d |= a[i] ^ b[i];
+  return d == 0;
+}
+
+/// Counts a stranger's connection and logs it (a line a second at most, with the count): it is
+/// closed by the caller, unanswered.
+void refuse(Hub& h, const Hub::Pending& p, const char* why) {
+  const uint64_t n = h.refused.fetch_add(1, std::memory_order_relaxed) + 1;
+  uint64_t held = 0;
+  if (h.refused_log.ready(now_ns(), held))
+    VLOG_WARN("direct path: refused a connection from {}: {} ({} refused so far){}",
+              addr_of(p.from), why, n, log::held_note(held));
+}
+
+/// Writes a hello's answer: false unless all of it went (tx_mu held, for a published one).
+bool answer_hello(Conn& c, const HelloAck& ack) {
+  const iovec v{const_cast<HelloAck*>(&ack), sizeof(ack)};
+  return tls_write(c, &v, 1, 0) == static_cast<ssize_t>(sizeof(ack));
+}
+
+/// A dialer's hello is complete, inside a TLS session whose key was that of the offer its
+/// identity named. Unless the hello names the same QP pair and the offer is still the one the
+/// key came from, nothing else is done: the connection is refused and closed, unanswered.
+void accept_hello(Hub& h, Hub::Pending& p) {
+  VContext& ctx = *h.ctx;
+  if (const Status st = check_hello(p.h); !st.is_ok()) {
+    refuse(h, p, st.message().c_str());
+    return;
+  }
+  if (!p.known || p.h.from_qpn != p.id.from_qpn || p.h.to_qpn != p.id.to_qpn) {
+    refuse(h, p, "a hello for another QP pair than its key's");
+    return;
+  }
+  HelloAck ack{kDirectMagic, EPERM, 0, 0};
+  auto c = std::make_shared<Conn>();
+  // Taken before the connection is published: the answer goes out before anything of ours.
+  std::unique_lock<std::mutex> tx(c->tx_mu);
+  {
+    std::lock_guard<std::mutex> go(ctx.objs_mu);
+    std::lock_guard<std::mutex> g(h.mu);
+    VQp* qp = offer_of(ctx, p.h.to_qpn, p.h.from_qpn);
+    RemoteQp* r = qp ? qp->remote.get() : nullptr;
+    // One per QP's life in RTR/RTS (a reset ends it and the offer); and none when our own
+    // dial got there first: the peer's library then adopts that one (EBUSY tells it).
+    if (r && same_token(r->token, p.token) && r->in) {
+      ack.err = EBUSY;
+    } else if (r && same_token(r->token, p.token)) {
+      c->req_in.store(true);
+      c->peer_takes_requests = (p.h.flags & kTakesRequests) != 0;
+      c->fd = std::move(p.fd);
+      c->ssl = std::move(p.ssl);
+      c->hub = &h;
+      c->qp = qp;
+      c->send_cq = qp->qp.send_cq;
+      c->recv_cq = qp->qp.recv_cq;
+      c->rq_hdr = qp->rq_hdr;
+      r->peer_lid = p.h.from_lid;
+      ack.lid = r->my_lid;
+      r->in = c;
+      r->in_raw.store(c.get(), std::memory_order_release);
+      h.conns.push_back(c);
+      h.gen.fetch_add(1, std::memory_order_release);
+      ack.err = 0;
+    }
+  }
+  if (ack.err == EPERM) {
+    refuse(h, p,
+           fmt::format("no offer of QP {:#x} to QP {:#x} with that key", p.h.to_qpn, p.h.from_qpn)
+               .c_str());
+    return;
+  }
+  if (ack.err == 0) {
+    // From now on the session reads ahead (fewer syscalls): nothing was read past the hello.
+    SSL_set_read_ahead(c->ssl.get(), 1);
+    if (!answer_hello(*c, ack)) c->broken.store(true);
+    tx.unlock();
+    rearm(*c);
+    VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library at {} ({}, {})",
+              p.h.to_qpn, p.h.from_qpn, addr_of(p.from), SSL_get_version(c->ssl.get()),
+              SSL_get_cipher_name(c->ssl.get()));
+    return;
+  }
+  tx.unlock();
+  c->fd = std::move(p.fd);
+  c->ssl = std::move(p.ssl);
+  answer_hello(*c, ack);
+  VLOG_INFO("direct path: QP {:#x} has a connection from QP {:#x}'s library already", p.h.to_qpn,
+            p.h.from_qpn);
+}
+
+/// A handshake's next step, then the hello: 1 it is all there, 0 more to come, -1 refused
+/// (`why`). A connection that does not open with a TLS handshake record is refused before a
+/// byte of it is read: nothing of a stranger's plaintext is parsed, nor answered.
+int hello_step(Hub& h, Hub::Pending& p, std::string& why) {
+  if (!p.ssl) {
+    uint8_t first = 0;
+    const ssize_t r = ::recv(p.fd.get(), &first, 1, MSG_PEEK);
+    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+    if (r <= 0) {
+      why = r == 0 ? "closed before its hello" : "failed before its hello";
+      return -1;
+    }
+    constexpr uint8_t kTlsHandshake = 22;  // a TLS record's content type
+    if (first != kTlsHandshake) {
+      why = "not TLS (a stranger, or a library of an older version)";
+      return -1;
+    }
+    p.ssl.reset(SSL_new(h.tls.get()));
+    if (!p.ssl || !set_socket(p.ssl.get(), p.fd.get())) {
+      why = "no TLS session for it";
+      return -1;
+    }
+    SSL_set_app_data(p.ssl.get(), &p);
+    SSL_set_accept_state(p.ssl.get());
+  }
+  SSL* s = p.ssl.get();
+  ERR_clear_error();
+  const int r = p.shook ? SSL_read(s, reinterpret_cast<uint8_t*>(&p.h) + p.got,
+                                   static_cast<int>(sizeof(Hello) - p.got))
+                        : SSL_accept(s);
+  if (r > 0 && !p.shook) {
+    p.shook = true;
+    SSL_set_app_data(s, nullptr);
+    return hello_step(h, p, why);  // the hello may have come with the handshake's end
+  }
+  if (r > 0) {
+    p.got += static_cast<size_t>(r);
+    return p.got == sizeof(Hello) ? 1 : 0;
+  }
+  const int e = SSL_get_error(s, r);
+  p.want_out = e == SSL_ERROR_WANT_WRITE;
+  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+  if (p.shook) {
+    ERR_clear_error();
+    why = "closed before its hello";
+  } else {
+    why = fmt::format("its TLS handshake failed: {}{}", tls_reason(),
+                      p.why.empty() ? "" : " (" + p.why + ")");
+  }
+  return -1;
+}
+
+/// Reads what came of a handshake and hello. True when the connection is done with (checked, or
+/// refused: it is closed with `p`). A watched one (`deadline` set) is no longer watched then.
+bool read_hello(Hub& h, Hub::Pending& p) {
+  std::string why;
+  const int step = hello_step(h, p, why);
+  if (step == 0) {
+    if (p.deadline)
+      epoll_set(h, EPOLL_CTL_MOD, p.fd.get(), EPOLLIN | (p.want_out ? uint32_t{EPOLLOUT} : 0u), &p);
+    return false;
+  }
+  // Unwatched before the descriptor may move to a connection, which the hub watches anew.
+  if (p.deadline) epoll_set(h, EPOLL_CTL_DEL, p.fd.get(), 0, nullptr);
+  if (step > 0)
+    accept_hello(h, p);
+  else
+    refuse(h, p, why.c_str());
+  return true;
+}
+
+void on_pending(Hub& h, Hub::Pending* p) {
+  auto it =
+      std::find_if(h.pending.begin(), h.pending.end(), [&](const auto& x) { return x.get() == p; });
+  if (it == h.pending.end()) return;  // (checked by the caller too)
+  if (read_hello(h, *p)) h.pending.erase(it);
+}
+
+/// Takes the connections waiting at listener `l`. A hello that is there in full at once is
+/// checked at once; others wait in `pending`, at most kMaxPending of them: more are closed.
+void accept_all(Hub& h, Hub::Listener& l) {
+  for (;;) {
+    auto p = std::make_unique<Hub::Pending>();
+    socklen_t len = sizeof(p->from);
+    p->fd = UniqueFd(::accept4(l.fd.get(), reinterpret_cast<sockaddr*>(&p->from), &len,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!p->fd.valid()) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      uint64_t held = 0;
+      if (ListenerRest::out_of_descriptors(errno) && l.rest.start(now_ns(), held))
+        VLOG_WARN(
+            "direct path: cannot accept peers' libraries on port {}: {}; not listening for "
+            "{} ms{}",
+            l.port, std::strerror(errno), ListenerRest::kRestNs / 1000000, log::held_note(held));
+      return;  // EAGAIN: all taken
+    }
+    set_sock_opts(p->fd.get());
+    if (read_hello(h, *p)) continue;
+    if (h.pending.size() >= kMaxPending) {
+      const uint64_t n = h.over_cap.fetch_add(1, std::memory_order_relaxed) + 1;
+      uint64_t held = 0;
+      if (h.over_cap_log.ready(now_ns(), held))
+        VLOG_WARN(
+            "direct path: closed a connection from {}: {} others have not said hello yet ({} "
+            "closed so far){}",
+            addr_of(p->from), kMaxPending, n, log::held_note(held));
+      continue;
+    }
+    p->deadline = now_ms() + kHelloMs;
+    epoll_set(h, EPOLL_CTL_ADD, p->fd.get(), EPOLLIN | (p->want_out ? uint32_t{EPOLLOUT} : 0u),
+              p.get());
+    h.pending.push_back(std::move(p));
+  }
+}
+
+/// Closes the connections whose hello is late.
+void expire_pending(Hub& h, uint64_t now) {
+  std::erase_if(h.pending, [&](const auto& p) {
+    if (p->deadline > now) return false;
+    epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
+    const uint64_t n = h.timed_out.fetch_add(1, std::memory_order_relaxed) + 1;
+    uint64_t held = 0;
+    if (h.timed_out_log.ready(now_ns(), held))
+      VLOG_WARN("direct path: closed a connection from {}: no hello within {} ms ({} so far){}",
+                addr_of(p->from), kHelloMs, n, log::held_note(held));
+    return true;
+  });
+}
+
+/// How long the hub may wait for an event. While it has connections, kClaimMs: the application
+/// may claim one at any time (it says nothing to the hub), and the hub must see when its polls
+/// stop, to take the connection back and send the ACK it owes. While hellos are awaited, their
+/// deadlines; while a listener rests, its end.
+int hub_timeout(Hub& h, uint64_t now) {
+  int ms = -1;
+  auto at_most = [&](int m) { ms = ms < 0 ? m : std::min(ms, m); };
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    if (!h.conns.empty()) at_most(kClaimMs);
+  }
+  if (!h.pending.empty()) at_most(200);
+  for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i) {
+    if (const uint64_t until = h.listeners[i].rest.until_ns())
+      at_most(until > now ? static_cast<int>((until - now + 999999) / 1000000) : 0);
+  }
+  return ms;
+}
+
+/// Claims whose polls stopped without a completion: the hub watches those connections again.
+void release_idle_claims(Hub& h) {
+  std::vector<std::shared_ptr<Conn>> idle;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    for (const auto& c : h.conns) {
+      if (!c->claimed.load(std::memory_order_relaxed)) continue;
+      const uint32_t p = c->polls.load(std::memory_order_relaxed);
+      if (p == c->polls_seen) idle.push_back(c);
+      c->polls_seen = p;
+    }
+  }
+  for (const auto& c : idle) {
+    c->claimed.store(false);
+    if (c->req_in.load()) send_ack(*c);
+    rearm(*c);
+  }
+}
+
+/// kResumes owed for receives posted since (post_recv sends them itself; this catches a
+/// completion ring that had no room, and a post that raced with the kRnr).
+void resume_waiting(Hub& h) {
+  std::vector<std::shared_ptr<Conn>> owe;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    for (const auto& c : h.conns) {
+      if (c->req_in.load(std::memory_order_relaxed)) owe.push_back(c);
+    }
+  }
+  for (const auto& c : owe) {
+    std::lock_guard<std::mutex> g(c->rx_mu);
+    if (c->qp && c->qp->remote) try_resume(*c, *c->qp, *c->qp->remote);
+  }
+}
+
+void run(Hub& h) {
+  sigset_t all;
+  ::sigfillset(&all);
+  // Except the signal that stops it while memory is registered (stop_world.h): it allocates.
+  ::sigdelset(&all, stop_signal());
+  ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
+  epoll_event ev[32];
+  uint64_t resumed_at = now_ms();
+  const uint64_t spin_ns = hub_spin_ns();
+  uint64_t busy_at = 0;  ///< when the hub last read a connection
+  ::pthread_setname_np(::pthread_self(), "vrdma-hub");
+  for (;;) {
+    const uint64_t now = now_ns();
+    const bool spin = now - busy_at < spin_ns;
+    const int n = ::epoll_wait(h.ep.get(), ev, 32, spin ? 0 : hub_timeout(h, now));
+    if (n == 0 && spin) {
+      // Polling: the CPU goes to whoever else wants it between polls (a spinning target has
+      // to run to see its memory).
+      ::sched_yield();
+      continue;
+    }
+    for (int i = 0; i < n; ++i) {
+      // A connection may have gone since epoll_wait returned: the pointer is only compared
+      // with what still exists (find_conn, pending) before anything reads through it.
+      // Listeners stay as long as the hub.
+      auto* w = static_cast<Watch*>(ev[i].data.ptr);
+      const size_t nl = h.nlisteners.load(std::memory_order_acquire);
+      const bool listener = std::any_of(h.listeners.begin(), h.listeners.begin() + nl,
+                                        [&](const Watch& l) { return &l == w; });
+      const Watch::Kind kind = w == &h.stop_w   ? Watch::kStop
+                               : w == &h.wake_w ? Watch::kWake
+                               : listener       ? Watch::kListen
+                               : std::any_of(h.pending.begin(), h.pending.end(),
+                                             [&](const auto& p) { return p.get() == w; })
+                                   ? Watch::kPending
+                                   : Watch::kConn;
+      switch (kind) {
+        case Watch::kStop:
+          return;
+        case Watch::kWake: {  // only empties the eventfd: the tick is set up below
+          uint64_t n;
+          [[maybe_unused]] const ssize_t got = ::read(h.wake.get(), &n, sizeof(n));
+          break;
+        }
+        case Watch::kListen:
+          accept_all(h, *static_cast<Hub::Listener*>(w));
+          break;
+        case Watch::kPending:
+          on_pending(h, static_cast<Hub::Pending*>(w));
+          break;
+        case Watch::kConn: {
+          std::shared_ptr<Conn> c = find_conn(h, w);
+          if (!c) break;
+          if (ev[i].events & EPOLLOUT) {
+            std::lock_guard<std::mutex> g(c->tx_mu);
+            flush_locked(*c);
+          }
+          if (ev[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+            std::lock_guard<std::mutex> g(c->rx_mu);
+            if (!c->qp) break;
+            if (drain(*c, false)) busy_at = now;
+          }
+          break;
+        }
+      }
+    }
+    release_idle_claims(h);
+    const uint64_t t = now_ms();
+    if (t - resumed_at >= kClaimMs) {
+      resume_waiting(h);
+      resumed_at = t;
+    }
+    expire_pending(h, t);
+    const uint64_t tn = now_ns();
+    for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i)
+      h.listeners[i].rest.poll(tn);
+  }
+}
+
+Hub* hub_of(VContext& ctx) {
+  if (Hub* h = ctx.hub_raw.load(std::memory_order_acquire)) return h;
+  std::lock_guard<std::mutex> g(ctx.hub_make);
+  if (ctx.hub) return ctx.hub.get();
+  auto h = std::make_shared<Hub>();
+  h->ctx = &ctx;
+  h->ep = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  h->stop = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  h->wake = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid()) {
+    VLOG_WARN("direct path: cannot start the hub: {}", std::strerror(errno));
+    return nullptr;
+  }
+  h->tls = make_tls(*h);
+  if (!h->tls) {
+    VLOG_WARN("direct path: cannot start the hub: no TLS context: {}", tls_reason());
+    return nullptr;
+  }
+  epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
+  epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
+  Hub* raw = h.get();
+  h->thr = std::thread([raw] { run(*raw); });
+  ctx.hub = std::move(h);
+  ctx.hub_raw.store(raw, std::memory_order_release);
+  return raw;
+}
+
+uint16_t listen_on(Hub& h, uint32_t ipv4) {
+  std::lock_guard<std::mutex> g(h.listen_mu);
+  const size_t n = h.nlisteners.load(std::memory_order_relaxed);
+  for (size_t i = 0; i < n; ++i) {
+    if (h.listeners[i].ipv4 == ipv4) return h.listeners[i].port;
+  }
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = ipv4;
+  const std::string at = addr_of(a);
+  if (n == kMaxListeners) {
+    VLOG_WARN("direct path: not listening on {} too: {} addresses already", at, kMaxListeners);
+    return 0;
+  }
+  Hub::Listener& l = h.listeners[n];
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  socklen_t alen = sizeof(a);
+  if (!fd.valid() || ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::listen(fd.get(), 64) != 0 ||
+      ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &alen) != 0) {
+    VLOG_WARN("direct path: cannot listen for peers' libraries on {}: {}", at,
+              std::strerror(errno));
+    return 0;
+  }
+  l.fd = std::move(fd);
+  l.ipv4 = ipv4;
+  l.port = ntohs(a.sin_port);
+  l.rest.bind(h.ep.get(), l.fd.get(), reinterpret_cast<uintptr_t>(static_cast<Watch*>(&l)));
+  // Published before it is watched: the thread tells a listener's events by this count.
+  h.nlisteners.store(n + 1, std::memory_order_release);
+  epoll_set(h, EPOLL_CTL_ADD, l.fd.get(), EPOLLIN, &l);
+  VLOG_DEBUG("direct path: listening for peers' libraries on {}", addr_of(a));
+  return l.port;
+}
+
+RemoteQp& remote_of(Hub& h, VQp& qp) {
+  std::lock_guard<std::mutex> g(h.mu);
+  if (!qp.remote) qp.remote = std::make_unique<RemoteQp>();
+  return *qp.remote;
+}
+
+/// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
+/// with the key derived from `token`, the hello and its answer. The connection (its session in
+/// `ssl`) and the peer's LID, or invalid with errno and `why` (EBUSY: the peer's library has
+/// dialed us).
+UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const uint8_t* token,
+              SslPtr& ssl, uint32_t& peer_lid, const char*& why) {
+  why = nullptr;
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return {};
+  set_sock_opts(fd.get());
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = ipv4;
+  a.sin_port = htons(port);
+  const uint64_t deadline = now_ms() + kDialMs;
+  auto wait_for = [&](short ev) {
+    const uint64_t now = now_ms();
+    pollfd p{fd.get(), ev, 0};
+    return now < deadline && ::poll(&p, 1, static_cast<int>(deadline - now)) == 1 &&
+           (p.revents & ev);
+  };
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (errno != EINPROGRESS || !wait_for(POLLOUT) ||
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      if (err) errno = err;
+      return {};
+    }
+  }
+  ssl.reset(SSL_new(h.tls.get()));
+  if (!ssl || !set_socket(ssl.get(), fd.get())) {
+    errno = ENOMEM;
+    return {};
+  }
+  SSL_set_connect_state(ssl.get());
+  const DialPsk psk{PskIdentity{kDirectMagic, kDirectVersion, hello.from_qpn, hello.to_qpn}, token};
+  SSL_set_app_data(ssl.get(), const_cast<DialPsk*>(&psk));
+  // Each step until it is done, waiting for what it asks; no read ahead until the hello's
+  // answer is in (what follows it is the hub's to read, and epoll does not see the session).
+  auto step = [&](auto&& call) {
+    for (;;) {
+      ERR_clear_error();
+      const int r = call();
+      if (r > 0) return r;
+      const int e = SSL_get_error(ssl.get(), r);
+      if ((e == SSL_ERROR_WANT_READ && wait_for(POLLIN)) ||
+          (e == SSL_ERROR_WANT_WRITE && wait_for(POLLOUT)))
+        continue;
+      if (e == SSL_ERROR_SSL) why = tls_reason();
+      ERR_clear_error();
+      errno = e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE ? ETIMEDOUT : ECONNRESET;
+      return r;
+    }
+  };
+  const int shook = step([&] { return SSL_connect(ssl.get()); });
+  SSL_set_app_data(ssl.get(), nullptr);
+  if (shook <= 0) return {};
+  if (!SSL_session_reused(ssl.get())) {  // the PSK made the session, nothing else could
+    errno = EPROTO;
+    return {};
+  }
+  if (step([&] { return SSL_write(ssl.get(), &hello, sizeof(hello)); }) <= 0) return {};
+  HelloAck ack{};
+  size_t got = 0;
+  while (got < sizeof(ack)) {
+    const int r = step([&] {
+      return SSL_read(ssl.get(), reinterpret_cast<uint8_t*>(&ack) + got,
+                      static_cast<int>(sizeof(ack) - got));
+    });
+    if (r <= 0) return {};  // refused: a hello the peer's hub does not know is not answered
+    got += static_cast<size_t>(r);
+  }
+  if (!check_hello_ack(ack).is_ok() || ack.err != 0) {
+    errno = ack.err > 0 && ack.err < 4096 ? ack.err : EPROTO;
+    return {};
+  }
+  SSL_set_read_ahead(ssl.get(), 1);
+  peer_lid = ack.lid;
+  return fd;
+}
+
+void back_off(RemoteQp& r, uint32_t base) {
+  r.backoff = std::min(std::max(r.backoff * 2, base), kAskMax);
+  r.ask_wait = r.backoff;
+}
+
+bool connect_out(VQp& qp) {
+  VContext& ctx = *to_vctx(qp.qp.context);
+  // Only when everything the backend took from this SQ is completed: nothing can pass it.
+  if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
+  if (qp.remote && qp.remote->ask_wait) {
+    --qp.remote->ask_wait;
+    return false;
+  }
+  Hub* h = hub_of(ctx);
+  if (!h) return false;
+  RemoteQp& r = remote_of(*h, qp);
+  DirectRemoteResp resp{};
+  std::vector<UniqueFd> fds;
+  HandleReq req{qp.handle, 0};
+  if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
+    if (rc == EAGAIN)
+      back_off(r, kAskFirst);
+    else
+      r.never = true;
+    return false;
+  }
+  if (fds.size() != 1 || !resp.send_ring_entries ||
+      (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
+      !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {
+    VLOG_WARN("direct path: unusable answer for QP {:#x}; staying on the backend", qp.qp.qp_num);
+    r.never = true;
+    return false;
+  }
+  r.send.seen = r.send.hdr->consumer.load(std::memory_order_acquire);
+  // The peer's library has dialed us: its connection takes our requests too.
+  auto adoptable = [&] {
+    std::lock_guard<std::mutex> g(h->mu);
+    return r.in && !r.in->broken.load() && r.in->peer_takes_requests ? r.in : nullptr;
+  };
+  std::shared_ptr<Conn> c = adoptable();
+  if (!c) {
+    const Hello hello{kDirectMagic,  kDirectVersion, qp.qp.qp_num,
+                      resp.peer_qpn, resp.my_lid,    r.offered ? kTakesRequests : 0};
+    uint32_t peer_lid = 0;
+    SslPtr ssl;
+    const char* why = nullptr;
+    UniqueFd fd = dial(*h, resp.peer_ipv4, resp.peer_port, hello, resp.token, ssl, peer_lid, why);
+    if (fd.valid()) {
+      c = std::make_shared<Conn>();
+      c->fd = std::move(fd);
+      c->ssl = std::move(ssl);
+      c->hub = h;
+      c->qp = &qp;
+      c->send_cq = qp.qp.send_cq;
+      c->recv_cq = qp.qp.recv_cq;
+      c->rq_hdr = qp.rq_hdr;
+      c->resp_in.store(true);
+      {
+        std::lock_guard<std::mutex> g(h->mu);
+        r.out = c;
+        // The peer's requests come on it too, unless its own dial got here first (then each
+        // direction keeps its own connection).
+        if (!r.in && r.offered) {
+          c->req_in.store(true);
+          r.peer_lid = peer_lid;
+          r.in = c;
+          r.in_raw.store(c.get(), std::memory_order_release);
+        }
+      }
+      register_conn(*h, c);
+    } else if (errno == EBUSY) {
+      c = adoptable();  // both dialed at once, and the peer's got there first
+    }
+    if (!c) {
+      char ip[INET_ADDRSTRLEN] = "?";
+      ::inet_ntop(AF_INET, &resp.peer_ipv4, ip, sizeof(ip));
+      VLOG_WARN(
+          "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
+          "the backend",
+          qp.qp.qp_num, ip, resp.peer_port, why ? why : std::strerror(errno));
+      back_off(r, kAskMax / 4);
+      return false;
+    }
+  }
+  if (!c->resp_in.load()) {  // adopted
+    std::lock_guard<std::mutex> g(h->mu);
+    c->resp_in.store(true);
+    r.out = c;
+  }
+  r.active.store(true, std::memory_order_release);
+  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library ({}, {}){}", qp.qp.qp_num,
+            resp.peer_qpn, SSL_get_version(c->ssl.get()), SSL_get_cipher_name(c->ssl.get()),
+            c == r.in ? " (one connection both ways)" : "");
+  return true;
+}
+
+void teardown(VQp& qp) {
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
+  if (!h || !qp.remote) return;
+  std::shared_ptr<Conn> in, out;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    qp.remote->dead = true;
+    qp.remote->in_raw.store(nullptr);
+    in = std::move(qp.remote->in);
+    out = std::move(qp.remote->out);
+  }
+  qp.remote->active.store(false);
+  // What we executed and have not acknowledged yet (an ACK that was to ride on a request of
+  // ours) goes before the connection closes: the peer's WRs complete.
+  if (in) {
+    send_ack(*in);
+    retire(*h, in);
+  }
+  if (out && out != in) retire(*h, out);
+}
+
+}  // namespace vrdma::verbs::dlink

@@ -1,0 +1,742 @@
+// The direct path across backends: requests, their responses and completions, as the
+// application's thread and the hub read and write them (see remote_impl.h for the locks).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/core_names.h>
+#include <openssl/err.h>
+#include <openssl/kdf.h>
+#include <openssl/ssl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "common/listener_rest.h"
+#include "common/log.h"
+#include "common/rdma_atomic.h"
+#include "proto/device_caps.h"
+#include "verbs/internal.h"
+#include "verbs/remote_impl.h"
+#include "verbs/stop_world.h"
+
+namespace vrdma::verbs::dlink {
+
+ibv_wc_opcode wc_opcode(uint32_t op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    default:
+      return IBV_WC_SEND;
+  }
+}
+
+// ---- sending ----
+
+/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
+/// when `copy`; else referenced: a requester's payload, which the application leaves alone until
+/// the WR completes). False when the connection is broken.
+bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy) {
+  std::lock_guard<std::mutex> g(c.tx_mu);
+  if (c.broken.load(std::memory_order_relaxed)) return false;
+  iovec iov[kMaxSge + 1];
+  size_t n = 0, total = sizeof(f);
+  iov[n++] = iovec{const_cast<Frame*>(&f), sizeof(f)};
+  for (size_t i = 0; i < nd; ++i) {
+    if (!data[i].n) continue;
+    iov[n++] = iovec{data[i].p, data[i].n};
+    total += data[i].n;
+  }
+  size_t done = 0;
+  if (c.backlog.empty()) {
+    for (;;) {
+      const ssize_t w = tls_write(c, iov, n, done);
+      tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
+      if (w < 0) {
+        c.broken.store(true);
+        return false;
+      }
+      done += static_cast<size_t>(w);
+      if (done == total) return true;
+      if (w == 0) break;
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
+    size_t len = iov[i].iov_len;
+    if (done >= len) {
+      done -= len;
+      continue;
+    }
+    p += done;
+    len -= done;
+    done = 0;
+    Conn::Piece pc;
+    if (i == 0 || copy) {
+      pc.own.assign(p, p + len);
+      pc.p = pc.own.data();
+    } else {
+      pc.p = p;
+    }
+    pc.n = len;
+    c.backlog.push_back(std::move(pc));
+  }
+  if (!c.want_out.exchange(true)) rearm(c);
+  return true;
+}
+
+bool flush_locked(Conn& c) {
+  while (!c.backlog.empty()) {
+    iovec iov[64];
+    size_t n = 0;
+    for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
+      iov[n++] = iovec{const_cast<uint8_t*>(it->p), it->n};
+    const ssize_t w = tls_write(c, iov, n, 0);
+    tsan_ring_release();
+    if (w < 0) {
+      c.broken.store(true);
+      return false;
+    }
+    if (w == 0) return true;
+    size_t done = static_cast<size_t>(w);
+    while (done && !c.backlog.empty()) {
+      Conn::Piece& pc = c.backlog.front();
+      if (done >= pc.n) {
+        done -= pc.n;
+        c.backlog.pop_front();
+      } else {
+        pc.p += done;
+        pc.n -= done;
+        done = 0;
+      }
+    }
+  }
+  if (c.want_out.exchange(false)) rearm(c);
+  return true;
+}
+
+// ---- completions and errors ----
+
+/// Drops the oldest WR in flight (fl_mu held).
+void pop_head(RemoteQp& r) {
+  if (r.inflight.front().sent) r.awaiting.fetch_sub(1, std::memory_order_relaxed);
+  r.inflight.pop_front();
+}
+
+/// Writes the completion of a requester's WR (tx: fl_mu held).
+void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
+  if (status == IBV_WC_SUCCESS) count(r.send, e.len);
+  if (!e.signaled && status == IBV_WC_SUCCESS) return;
+  if (!has_room(r.send)) {
+    VLOG_ERROR("direct path: send CQ of QP {:#x} overrun; a completion is lost", qp.qp.qp_num);
+    return;
+  }
+  Cqe c{};
+  c.wr_id = e.wr_id;
+  c.status = static_cast<uint32_t>(status);
+  c.opcode = wc_opcode(e.opcode);
+  c.byte_len = status == IBV_WC_SUCCESS ? e.len : 0;
+  c.qp_num = qp.qp.qp_num;
+  push(r.send, c);
+}
+
+void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why) {
+  // As on a device, a poller that sees the error completion finds the QP in ERR already.
+  if (why) to_error(qp, why);
+  bool head = true;
+  while (!r.inflight.empty()) {
+    const Inflight& e = r.inflight.front();
+    int st = IBV_WC_WR_FLUSH_ERR;
+    if (head) st = head_status >= 0 ? head_status : (!e.sent ? e.status : IBV_WC_WR_FLUSH_ERR);
+    complete(qp, r, e, st);
+    pop_head(r);
+    head = false;
+  }
+  r.failing = true;
+}
+
+void to_error(VQp& qp, const char* why) {
+  RemoteQp& r = *qp.remote;
+  if (r.failed.exchange(true)) return;
+  r.active.store(false);
+  VLOG_WARN("direct path: QP {:#x} to the error state: {}", qp.qp.qp_num, why);
+  std::shared_ptr<Conn> conns[2];
+  if (Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(h->mu);  // teardown may be taking them away
+    conns[0] = r.out;
+    conns[1] = r.in;
+  }
+  for (const auto& c : conns) {
+    if (c) ::shutdown(c->fd.get(), SHUT_RDWR);
+  }
+  ModifyQpReq req{};
+  req.handle = qp.handle;
+  req.mask = IBV_QP_STATE;
+  req.attr.qp_state = IBV_QPS_ERR;
+  Empty resp;
+  to_vctx(qp.qp.context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0);
+}
+
+/// The peer has executed `n` of our requests (fl_mu held): those answered by an ACK complete,
+/// up to the first that waits for its data (READ, atomic); then a WR that failed locally, if it
+/// is now the head, completes with its error (`fail`: the QP goes to ERR). False: the peer
+/// claims more than was sent (a broken peer).
+bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+  if (n > r.sent) return false;
+  r.peer_executed = std::max(r.peer_executed, n);
+  while (!r.inflight.empty() && r.inflight.front().sent &&
+         r.inflight.front().seq < r.peer_executed && !answered_by_data(r.inflight.front().opcode)) {
+    complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
+    pop_head(r);
+  }
+  if (!r.inflight.empty() && !r.inflight.front().sent) {
+    flush_inflight(qp, r, -1, "a WR failed on the direct path");
+    fail = true;
+  }
+  return true;
+}
+
+bool write_request(RemoteQp& r, Conn& out, Inflight& e) {
+  Conn* in = r.in_raw.load(std::memory_order_acquire);
+  e.f.ack = in ? in->executed.load() : 0;
+  if (in && e.f.ack) in->acked.store(e.f.ack);
+  if (!carries_data(e.f.type)) return send_frame(out, e.f, nullptr, 0, true);
+  const MemSpan inl{e.inl_data, e.len};
+  return e.inl ? send_frame(out, e.f, &inl, 1, true) : send_frame(out, e.f, e.local, e.nl, false);
+}
+
+/// The peer's kResume: kRewind, then every request from the one it dropped on, in order (fl_mu
+/// held). A write that fails leaves it to the reader, which finds the connection broken.
+void resend(RemoteQp& r, Conn& out) {
+  r.rnr = false;
+  Frame w{};
+  w.type = kRewind;
+  if (!send_frame(out, w, nullptr, 0, true)) return;
+  for (Inflight& e : r.inflight) {
+    if (!e.sent) break;  // failed locally: completes in its turn, and the QP goes to ERR
+    if (e.seq >= r.resend_from && !write_request(r, out, e)) return;
+  }
+}
+
+/// This process's MR for a key in `pd` (thread-safe; no cache).
+bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
+  std::lock_guard<std::mutex> g(ctx.mr_mu);
+  auto it = ctx.local_mrs.find(key);
+  if (it == ctx.local_mrs.end() || it->second.pd != pd) return false;
+  out = it->second;
+  return true;
+}
+
+/// The responder's rules (proto/responder_rules.h) for a WRITE, READ or atomic (`op`) of `len`
+/// bytes at `iova` under `rkey`, against this process's MRs: IBV_WC_SUCCESS and in `p` where
+/// that lies here (null when it names no memory), or the status the requester gets.
+ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, uint64_t len,
+                          uint8_t*& p) {
+  p = nullptr;
+  LocalMr mr;
+  RemoteMrView view;
+  if (find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr))
+    view = RemoteMrView{true, mr.access, mr.iova, mr.length};
+  const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
+  if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op)))
+    p = reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+  return st;
+}
+
+// ---- receiving ----
+
+/// Reads into the buffer: 1 got bytes, 0 none now, -1 closed or failed.
+int fill(Conn& c) {
+  if (c.beg == c.end) {
+    c.beg = c.end = 0;
+  } else if (c.buf.size() - c.end < sizeof(Frame)) {
+    std::memmove(c.buf.data(), c.buf.data() + c.beg, c.end - c.beg);
+    c.end -= c.beg;
+    c.beg = 0;
+  }
+  size_t want = c.buf.size() - c.end;
+  if (c.large && c.rx == Conn::Rx::kHeader) want = std::min(want, kHeaderReadAfterLarge);
+  bool more = false;
+  const ssize_t r = tls_read(c, c.buf.data() + c.end, want, more);
+  if (r > 0) {
+    tsan_ring_acquire();
+    c.end += static_cast<size_t>(r);
+    c.emptied = !more;
+    return 1;
+  }
+  c.emptied = true;
+  return r == 0 ? 0 : -1;
+}
+
+void advance(Conn& c, uint64_t n) {
+  while (n) {
+    const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
+    c.doff += k;
+    n -= k;
+    if (c.doff == c.dst[c.di].n) ++c.di, c.doff = 0;
+  }
+}
+
+/// Moves payload into its destination: 1 all of it is there, 0 more to come, -1 broken.
+int rx_payload(Conn& c) {
+  while (c.left) {
+    if (c.beg < c.end) {
+      uint64_t n = std::min<uint64_t>(c.left, c.end - c.beg);
+      c.left -= n;
+      if (!c.discard) {
+        const uint8_t* p = c.buf.data() + c.beg;
+        while (n) {
+          const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
+          std::memcpy(c.dst[c.di].p + c.doff, p, k);
+          p += k;
+          n -= k;
+          c.beg += k;
+          advance(c, k);
+        }
+      } else {
+        c.beg += n;
+      }
+      continue;
+    }
+    if (c.discard || c.left < kDirectReadMin) {
+      const int r = fill(c);
+      if (r <= 0) return r;
+      continue;
+    }
+    // Large: straight into the destination, a record at a time.
+    bool more = false;
+    const ssize_t r =
+        tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    c.emptied = r <= 0 || !more;
+    if (r > 0) {
+      tsan_ring_acquire();
+      advance(c, static_cast<uint64_t>(r));
+      c.left -= static_cast<uint64_t>(r);
+    } else {
+      return static_cast<int>(r);
+    }
+  }
+  return 1;
+}
+
+enum class Start { kGo, kFail };
+
+void send_ack(Conn& c) {
+  const uint64_t e = c.executed.load();
+  if (e == c.acked.load() || c.nak_sent) return;
+  Frame a{};
+  a.type = kAck;
+  a.arg0 = e;
+  send_frame(c, a, nullptr, 0, true);
+  c.acked.store(e);
+}
+
+void send_nak(Conn& c, ibv_wc_status st) {
+  Frame f{};
+  f.type = kNak;
+  f.status = static_cast<uint8_t>(st);
+  f.arg0 = c.executed.load();
+  send_frame(c, f, nullptr, 0, true);
+  c.acked.store(f.arg0);
+  c.nak_sent = true;
+}
+
+/// Whether a request that needs a receive can be executed now: one is posted, and its
+/// completion has room (rx_mu held: this library is the ring's producer).
+bool receivable(VQp& qp, RemoteQp& r) {
+  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
+  const uint32_t prod = qp.rq_hdr->producer.load(std::memory_order_seq_cst);
+  return prod != cons && prod - cons <= qp.rq_size && has_room(r.recv);
+}
+
+/// The responder's receive WQE for the frame, copied out (not consumed). False: none posted
+/// yet, or no room for its completion.
+bool peek_recv(Conn& c, VQp& qp, RemoteQp& r) {
+  if (!receivable(qp, r)) return false;
+  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_relaxed);
+  const RecvWqe& w = qp.rq[cons & (qp.rq_size - 1)];
+  c.rwqe.wr_id = w.wr_id;
+  c.rwqe.num_sge = std::min<uint32_t>(w.num_sge, kMaxSge);
+  std::memcpy(c.rwqe.sge, w.sge, c.rwqe.num_sge * sizeof(Sge));
+  c.rcons = cons;
+  return true;
+}
+
+void try_resume(Conn& c, VQp& qp, RemoteQp& r) {
+  if (!r.resume_owed.load(std::memory_order_seq_cst) || !receivable(qp, r) ||
+      !r.resume_owed.exchange(false))
+    return;
+  Frame f{};
+  f.type = kResume;
+  f.arg0 = c.executed.load();
+  send_frame(c, f, nullptr, 0, true);
+  c.acked.store(f.arg0);
+}
+
+/// The request being read found no receive: the peer is told (kRnr, with how many of its
+/// requests were executed: the number of this one), and this one and those after it are dropped
+/// until its kRewind (rx_mu held).
+void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
+  Frame f{};
+  f.type = kRnr;
+  f.arg0 = c.executed.load();
+  send_frame(c, f, nullptr, 0, true);
+  c.acked.store(f.arg0);
+  c.rnr = true;
+  VLOG_DEBUG("direct path: QP {:#x} has no receive for request {} of its peer: kRnr", qp.qp.qp_num,
+             f.arg0);
+  // Owed before looking again: a receive posted in between either is seen here or sees the flag.
+  r.resume_owed.store(true, std::memory_order_seq_cst);
+  try_resume(c, qp, r);
+}
+
+/// The receive completion of a consumed WQE (status success unless given).
+void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status) {
+  qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+  Cqe e{};
+  e.wr_id = c.rwqe.wr_id;
+  e.status = static_cast<uint32_t>(status);
+  e.opcode = c.f.type == kWriteImm ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV;
+  if (status == IBV_WC_SUCCESS) {
+    e.byte_len = c.f.len;
+    if (c.f.type != kSend) {
+      e.wc_flags = IBV_WC_WITH_IMM;
+      e.imm_data = c.f.imm;
+    }
+  }
+  e.qp_num = qp.qp.qp_num;
+  e.src_qp = r.peer_qpn;
+  e.slid = static_cast<uint16_t>(r.peer_lid);
+  push(r.recv, e);
+}
+
+/// A request's header has arrived: check it against our memory and say where its data goes.
+Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
+  const Frame& f = c.f;
+  c.nd = c.di = 0;
+  c.doff = 0;
+  c.discard = false;
+  c.left = 0;
+  // Dropped: after a NAK; after a kRnr until the peer's resend begins (kRewind, which is
+  // dropped too: it only ends that; a stray one is ignored); one that finds no receive.
+  bool drop = c.nak_sent || c.rnr || f.type == kRewind;
+  if (!drop && consumes_recv(f.type) && !peek_recv(c, qp, r)) {
+    send_rnr(c, qp, r);
+    drop = true;
+  }
+  if (drop) {
+    if (f.type == kRewind) c.rnr = false;
+    c.discard = true;
+    c.left = carries_data(f.type) ? f.len : 0;
+    return Start::kGo;
+  }
+  VContext& ctx = *to_vctx(qp.qp.context);
+  switch (f.type) {
+    case kSend:
+    case kSendImm: {
+      uint64_t cap = 0;
+      for (uint32_t i = 0; i < c.rwqe.num_sge; ++i) {
+        const Sge& s = c.rwqe.sge[i];
+        if (!s.length) continue;
+        LocalMr mr;
+        if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
+            !in_range(mr.addr, mr.length, s.addr, s.length)) {
+          push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR);
+          send_nak(c, IBV_WC_REM_OP_ERR);
+          fail = true;
+          return Start::kFail;
+        }
+        c.dst[c.nd++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+        cap += s.length;
+      }
+      if (cap < f.len) {
+        push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR);
+        send_nak(c, IBV_WC_REM_INV_REQ_ERR);
+        fail = true;
+        return Start::kFail;
+      }
+      c.left = f.len;
+      return Start::kGo;
+    }
+    case kWrite:
+    case kWriteImm: {
+      uint8_t* p;
+      if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_WRITE, f.rkey, f.raddr, f.len, p);
+          st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
+        c.discard = true;
+        c.left = f.len;
+        return Start::kGo;
+      }
+      if (p) c.dst[c.nd++] = MemSpan{p, f.len};
+      c.left = f.len;
+      return Start::kGo;
+    }
+    case kRead: {
+      uint8_t* p;
+      if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_READ, f.rkey, f.raddr, f.len, p);
+          st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
+        return Start::kGo;
+      }
+      Frame a{};
+      a.type = kReadResp;
+      a.len = f.len;
+      a.arg0 = c.executed.fetch_add(1) + 1;
+      const MemSpan d{p, f.len};
+      send_frame(c, a, &d, 1, true);
+      c.acked.store(a.arg0);
+      count(r.recv, f.len);
+      return Start::kGo;
+    }
+    case kCas:
+    case kFaa: {
+      uint8_t* p;
+      const uint32_t op = f.type == kFaa ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+      ibv_wc_status st = rkey_memory(qp, op, f.rkey, f.raddr, 8, p);
+      // Aligned where it lies in this process too (split locks, as the backend checks).
+      if (st == IBV_WC_SUCCESS && (reinterpret_cast<uintptr_t>(p) & 7)) st = IBV_WC_REM_INV_REQ_ERR;
+      if (st != IBV_WC_SUCCESS) {
+        send_nak(c, st);
+        return Start::kGo;
+      }
+      const uint64_t old =
+          rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+      Frame a{};
+      a.type = kAtomicResp;
+      a.len = 8;
+      a.arg0 = c.executed.fetch_add(1) + 1;
+      a.arg1 = old;
+      send_frame(c, a, nullptr, 0, true);
+      c.acked.store(a.arg0);
+      count(r.recv, 8);
+      return Start::kGo;
+    }
+    default:
+      return Start::kFail;  // not a request: checked by the caller
+  }
+}
+
+void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.nak_sent || c.discard) return;
+  const uint8_t t = c.f.type;
+  if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start
+  if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS);
+  count(r.recv, c.f.len);
+  c.executed.fetch_add(1);
+}
+
+/// An ACK riding on the peer's request: it executed `n` of ours (fl_mu taken here).
+bool ack_riding(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  return r.failing || acked_upto(qp, r, n, fail);
+}
+
+/// A response's header has arrived (requester).
+Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why) {
+  const Frame& f = c.f;
+  c.nd = c.di = 0;
+  c.doff = 0;
+  c.discard = false;
+  c.left = 0;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (r.failing) {  // already in error: take the bytes, do nothing
+    c.discard = true;
+    c.left = f.type == kReadResp ? f.len : 0;
+    return Start::kGo;
+  }
+  const bool data = f.type == kReadResp || f.type == kAtomicResp;
+  const uint64_t before = data ? f.arg0 - 1 : f.arg0;
+  if ((data && f.arg0 == 0) || !acked_upto(qp, r, before, fail)) {
+    why = "the peer answered out of order";
+    return Start::kFail;
+  }
+  if (fail) return Start::kFail;
+  if (f.type == kAck) return Start::kGo;
+  if (f.type == kRnr) {
+    if (r.rnr || f.arg0 != r.peer_executed || f.arg0 >= r.sent) {
+      why = "the peer refused a request that was not sent for want of a receive";
+      return Start::kFail;
+    }
+    r.rnr = true;  // nothing more is written until its kResume
+    r.resend_from = f.arg0;
+    return Start::kGo;
+  }
+  if (f.type == kResume) {
+    if (!r.rnr) {
+      why = "the peer asked to resend what it had not refused";
+      return Start::kFail;
+    }
+    VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again", qp.qp.qp_num,
+               r.resend_from);
+    resend(r, c);
+    return Start::kGo;
+  }
+  Inflight* e = r.inflight.empty() ? nullptr : &r.inflight.front();
+  if (!e || !e->sent || e->seq != before) {
+    why = "the peer answered a request that was not sent";
+    return Start::kFail;
+  }
+  if (f.type == kNak) {
+    flush_inflight(qp, r, f.status, "the peer refused a request");
+    fail = true;
+    why = "the peer refused a request";
+    return Start::kFail;
+  }
+  if (f.type == kAtomicResp) {
+    if (!answered_by_data(e->opcode) || e->opcode == IBV_WR_RDMA_READ) {
+      why = "an atomic result for another WR";
+      return Start::kFail;
+    }
+    // The 8 bytes of the result, into the WR's SGEs (check_send_length: 8 in all).
+    const auto* v = reinterpret_cast<const uint8_t*>(&f.arg1);
+    for (uint8_t i = 0; i < e->nl; v += e->local[i].n, ++i)
+      std::memcpy(e->local[i].p, v, e->local[i].n);
+    complete(qp, r, *e, IBV_WC_SUCCESS);
+    pop_head(r);
+    acked_upto(qp, r, f.arg0, fail);
+    return fail ? Start::kFail : Start::kGo;
+  }
+  // kReadResp
+  if (e->opcode != IBV_WR_RDMA_READ || f.len != e->len) {
+    why = "READ data for another WR";
+    return Start::kFail;
+  }
+  for (uint8_t i = 0; i < e->nl; ++i) c.dst[c.nd++] = e->local[i];
+  c.left = f.len;
+  return Start::kGo;
+}
+
+/// False: the QP goes to ERR (a WR after it failed locally).
+bool finish_response(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.f.type != kReadResp || c.discard) return true;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (r.inflight.empty()) return true;
+  complete(qp, r, r.inflight.front(), IBV_WC_SUCCESS);
+  pop_head(r);
+  bool fail = false;
+  acked_upto(qp, r, c.f.arg0, fail);
+  return !fail;
+}
+
+/// The connection closed or failed. A requester with WRs in flight puts its QP in ERR (they
+/// complete with RETRY_EXC_ERR, as a peer that stopped answering does); otherwise the peer is
+/// just gone, and the next post finds out.
+void broken(Conn& c, VQp& qp, const char* why) {
+  c.broken.store(true);
+  rearm(c);
+  if (!c.resp_in.load()) return;
+  RemoteQp& r = *qp.remote;
+  bool any;
+  {
+    std::lock_guard<std::mutex> g(r.fl_mu);
+    any = !r.inflight.empty();
+    if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR, why);
+  }
+  if (any) to_error(qp, why);
+}
+
+bool drain(Conn& c, bool defer_ack) {
+  VQp& qp = *c.qp;
+  RemoteQp& r = *qp.remote;
+  if (c.broken.load()) return false;
+  bool did = false;
+  for (;;) {
+    if (c.rx == Conn::Rx::kHeader) {
+      if (c.end - c.beg < sizeof(Frame)) {
+        // A read that left nothing in the TLS session most likely left the socket empty too:
+        // another read now would find nothing, and cost a syscall between every request and its
+        // answer (the next poll, or the hub's next EPOLLIN, reads what comes later; what the
+        // session holds, epoll does not see: it is read now).
+        if (did && c.beg == c.end && c.emptied) break;
+        const int got = fill(c);
+        if (got < 0) {
+          broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
+          return true;
+        }
+        if (got == 0) break;
+        continue;
+      }
+      std::memcpy(&c.f, c.buf.data() + c.beg, sizeof(Frame));
+      c.beg += sizeof(Frame);
+      c.rx = Conn::Rx::kStart;
+      did = true;
+      if (const Status st = check_frame(c.f); !st.is_ok()) {  // a broken peer: a lost connection
+        ::shutdown(c.fd.get(), SHUT_RDWR);
+        broken(c, qp, st.message().c_str());
+        return true;
+      }
+    }
+    const bool req = request_dir(c.f.type);
+    if (c.rx == Conn::Rx::kStart) {
+      bool fail = false;
+      const char* why = "the peer sent a malformed frame";
+      Start s;
+      if (req ? !c.req_in.load(std::memory_order_acquire) || c.f.len > kMaxMsgSize
+              : !response_dir(c.f.type) || !c.resp_in.load(std::memory_order_acquire)) {
+        s = Start::kFail;
+      } else if (req && c.f.ack && !ack_riding(qp, r, c.f.ack, fail)) {
+        why = "the peer acknowledged requests that were not sent";
+        s = Start::kFail;
+      } else if (fail) {
+        why = "a WR failed on the direct path";
+        s = Start::kFail;
+      } else {
+        s = req ? start_request(c, qp, r, fail) : start_response(c, qp, r, fail, why);
+      }
+      if (s == Start::kFail) {
+        if (!fail) {  // a broken peer: end it as a lost connection
+          ::shutdown(c.fd.get(), SHUT_RDWR);
+          broken(c, qp, why);
+        } else {
+          to_error(qp, req ? "a request failed at this responder" : why);
+          c.broken.store(true);
+          rearm(c);
+        }
+        return true;
+      }
+      c.rx = Conn::Rx::kPayload;
+      c.large = !c.discard && c.left >= kDirectReadMin;
+    }
+    const int got = rx_payload(c);
+    if (got < 0) {
+      broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
+      return true;
+    }
+    if (got == 0) break;
+    if (req) {
+      finish_request(c, qp, r);
+    } else if (!finish_response(c, qp, r)) {
+      to_error(qp, "a WR failed on the direct path");
+      return true;
+    }
+    c.rx = Conn::Rx::kHeader;
+  }
+  // One cumulative ACK for what this batch executed.
+  if (c.req_in.load(std::memory_order_relaxed) && !defer_ack) send_ack(c);
+  return did;
+}
+
+}  // namespace vrdma::verbs::dlink

@@ -1,0 +1,308 @@
+// The direct path across backends, inside the library: what its files share (remote.cc the
+// API, remote_conn.cc the hub and connections, remote_datapath.cc requests and responses,
+// remote_tls.cc the TLS sessions). Private to those files; remote.h is the rest of the
+// library's view.
+//
+// Connections. A QP pair shares one TCP connection, dialed by the first of the two libraries to
+// send; the other adopts it when it sends too (a requester whose peer's library has dialed it
+// uses that connection instead of dialing). Both directions then ride on one stream: the kernel
+// acknowledges each side's data on the other side's, where two one-way connections cost a pure
+// TCP ACK per message, inside the receiver's recv() (a ping-pong 14 -> 20 us per round trip
+// across the namespace hosts). Only when both dial at once do two connections stay, one per
+// direction, each carrying requests one way and their responses back.
+//
+// No receive. A request that finds no receive (or no room for its completion) is not waited
+// for on the stream: that would stop the responses behind it, which the application may be
+// waiting for before it posts one. The responder answers kRnr and drops it and every request
+// after it until the requester's kRewind; it sends kResume once a receive is posted, and the
+// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK with
+// an infinite retry count, as rnr_retry 7 asks). So every WR keeps what it takes to be sent again.
+//
+// Threads. The application's thread posts (writes requests) and, while it polls an empty CQ,
+// reads the connections of that CQ's QPs itself; the hub's thread waits in epoll for the rest:
+// a target that only spins on its memory, a backlog to flush. Per connection: rx_mu (reading and
+// executing), tx_mu (writing and the backlog); per QP: fl_mu (WRs in flight, the send ring, and
+// the order requests are written in). Order: rx_mu, fl_mu, tx_mu; nothing takes an rx_mu while
+// it holds fl_mu or tx_mu, nor fl_mu while it holds tx_mu. Innermost, ssl_mu: held only around
+// each call into the connection's TLS session, which a read and a write must not enter at once.
+//
+// TLS. Every connection is TLS 1.3 with an external PSK (no certificates): the dialer names the
+// QP pair (PskIdentity), both derive the key from the offer's token with HKDF, and the acceptor
+// finds the offer by that identity. A stranger without the token fails the handshake; one that
+// does not even start with a TLS record is closed unread and unanswered. Reads: a TLS record is
+// decrypted whole, so what the socket held may now sit in the session (SSL_has_pending), where
+// epoll does not see it: a read stops only once the session holds nothing. Writes: one record at
+// a time (a frame header and a small payload in one); a record the socket did not take is the
+// session's to finish, and the next write must offer the same bytes first (SSL_write's rule): the
+// backlog keeps them first in line.
+#pragma once
+
+#include <netinet/in.h>
+#include <openssl/ssl.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <array>
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/listener_rest.h"
+#include "common/log.h"
+#include "common/unique_fd.h"
+#include "proto/direct_wire.h"
+#include "verbs/internal.h"
+#include "verbs/remote.h"
+
+namespace vrdma::verbs {
+
+// The direct path's tuning, its TLS types and (below) the functions its files share: a named
+// namespace, hidden like every symbol of the library but the verbs. The wire format itself is
+// proto/direct_wire.h.
+namespace dlink {
+
+constexpr size_t kRxBuf = 64 * 1024;
+constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are read in place
+/// After a frame with such a payload, the next header is read with at most this much behind it:
+/// a large payload that follows then goes in place, not through the buffer (one copy less).
+constexpr size_t kHeaderReadAfterLarge = 1024;
+constexpr int kDialMs = 1000;         ///< connect, TLS handshake and hello, in all
+constexpr size_t kTlsRecord = 16384;  ///< the most plaintext a TLS record carries
+/// A connection whose TLS handshake and hello have not come by then is closed; at most kMaxPending
+/// wait at a time (more are closed as they come): strangers can hold neither descriptors nor the
+/// hub's thread.
+constexpr uint64_t kHelloMs = 2000;
+constexpr size_t kMaxPending = 16;
+constexpr size_t kMaxListeners = 8;                ///< addresses a hub listens on
+constexpr uint64_t kStrangerLogNs = 1000000000;    ///< a line per kind of refusal per second
+constexpr uint64_t kAcceptLogNs = 10000000000ull;  ///< accept out of descriptors: every 10 s
+constexpr int kClaimMs = 10;
+/// After the hub took a request off a connection it polls for this long before it sleeps again
+/// (VRDMA_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target that
+/// spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
+/// ~60 us on a 2-vCPU VM whose CPUs the spinning programs hold.
+constexpr uint64_t kHubSpinUs = 200;
+
+struct SslFree {
+  void operator()(SSL* s) const noexcept { SSL_free(s); }
+  void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
+};
+/// A TLS session. It never closes its descriptor (set_socket): declared after the UniqueFd, it
+/// is freed before the descriptor closes.
+using SslPtr = std::unique_ptr<SSL, SslFree>;
+using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
+
+}  // namespace dlink
+
+// The files of the direct path across backends read the protocol's names and their own
+// unqualified; this header is theirs only.
+using namespace vrdma::proto;
+using namespace proto::dwire;
+using namespace dlink;
+
+/// What the hub's epoll reports: the stop event, the listener, a connection in its hello, or a
+/// connection. The kind is told by the object's address (run()), never read through it: a
+/// connection may be gone by the time its event is looked at.
+struct Watch {
+  enum Kind { kStop, kWake, kListen, kPending, kConn };
+};
+
+/// A connection to a peer's library. Its fields go by what guards them, group by group (the
+/// lock order is in this file's opening comment); the atomics are read by any thread.
+struct Conn : Watch {
+  // Set before the connection is published (RemoteQp::in/out under Hub::mu, register_conn)
+  // and read-only from then on.
+  UniqueFd fd;
+  SslPtr ssl;         ///< the TLS session on `fd`: every byte goes through it
+  std::mutex ssl_mu;  ///< innermost: one call into `ssl` at a time
+  Hub* hub = nullptr;
+  bool peer_takes_requests = true;  ///< ours may go on it (the dialer said so in its hello)
+  const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
+  const ibv_cq* recv_cq = nullptr;
+  const RingHeader* rq_hdr = nullptr;  ///< the QP's receive queue
+  /// Which frames it may bring: the peer's requests (it is our QP's `in`), answers to ours (it
+  /// is our `out`); both once one connection carries both directions. Set before any such
+  /// frame can come.
+  std::atomic<bool> req_in{false}, resp_in{false};
+
+  // Reading and executing: under rx_mu.
+  std::mutex rx_mu;
+  VQp* qp = nullptr;  ///< null once the QP is gone
+  /// Why a read failed, when TLS said (say, a record that failed its integrity check).
+  const char* tls_err = nullptr;
+  // A buffer, and the frame being taken in.
+  std::vector<uint8_t> buf = std::vector<uint8_t>(kRxBuf);
+  size_t beg = 0, end = 0;
+  enum class Rx { kHeader, kStart, kPayload } rx = Rx::kHeader;
+  Frame f{};
+  uint64_t left = 0;     ///< payload bytes still to come
+  bool large = false;    ///< the last frame's payload was kDirectReadMin or more (see fill())
+  bool emptied = false;  ///< the last read of the socket left nothing in it (see drain())
+  MemSpan dst[kMaxSge];
+  size_t nd = 0, di = 0;
+  uint64_t doff = 0;
+  bool discard = false;  ///< the payload goes nowhere
+  RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
+  uint32_t rcons = 0;
+  bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
+  /// Responder: requests executed (written under rx_mu), and how many of them the peer has been
+  /// told of (by an ACK here, or riding on a request of ours on the other connection).
+  std::atomic<uint64_t> executed{0}, acked{0};
+  bool rnr = false;  ///< responder: sent kRnr; requests are dropped until the peer's kRewind
+
+  // Who reads it: atomics, and the hub's own count.
+  /// The application polls a CQ of this connection's QP, and reads it itself: the hub does not
+  /// watch it for data (its wake-ups would only take the CPU from the poller). Ends when a poll
+  /// finds a completion, or when the polls stop (`polls` still, checked every kClaimMs).
+  std::atomic<bool> claimed{false};
+  std::atomic<uint32_t> polls{0};
+  uint32_t polls_seen = 0;  ///< the hub's thread's only
+
+  // Writing: under tx_mu, what the socket did not take yet.
+  std::mutex tx_mu;
+  struct Piece {
+    std::vector<uint8_t> own;  ///< a copy, or empty when `p` is the application's memory
+    const uint8_t* p;
+    size_t n;
+  };
+  std::deque<Piece> backlog;
+  std::vector<uint8_t> rec = std::vector<uint8_t>(kTlsRecord);  ///< a record's bytes gathered
+  std::atomic<bool> want_out{false};
+  std::atomic<bool> broken{false};
+
+  // The hub's epoll registration: under arm_mu, one epoll_ctl at a time, from the current flags.
+  std::mutex arm_mu;
+  bool watched = false;
+};
+
+struct Hub {
+  VContext* ctx = nullptr;
+  SslCtxPtr tls;  ///< both sides' TLS settings (make_tls)
+  std::mutex mu;  ///< conns, and the control fields of every RemoteQp
+  std::vector<std::shared_ptr<Conn>> conns;
+  std::atomic<uint32_t> gen{1};  ///< moves when conns does
+  UniqueFd ep, stop;
+  UniqueFd wake;  ///< a connection the thread did not make: its wait gets the tick (hub_timeout)
+  Watch stop_w, wake_w;
+  /// A listener on one address of this host: the one our backend says the peer's library
+  /// dials (several only when QPs face backends reached through different addresses). Made by
+  /// the application's thread under listen_mu, published by `nlisteners`; from then on only
+  /// the thread touches `rest`. Never closed before the hub goes.
+  struct Listener : Watch {
+    UniqueFd fd;
+    uint32_t ipv4 = 0;  ///< network order
+    uint16_t port = 0;  ///< host order
+    /// accept found no descriptor: the listener is not watched for a while (not to spin).
+    ListenerRest rest{kAcceptLogNs};
+  };
+  std::mutex listen_mu;
+  std::array<Listener, kMaxListeners> listeners;
+  std::atomic<size_t> nlisteners{0};
+  /// A connection until its hello is checked: at most kMaxPending, each for kHelloMs.
+  struct Pending : Watch {
+    UniqueFd fd;
+    SslPtr ssl;             ///< once its first byte is a TLS handshake's
+    bool shook = false;     ///< the handshake is done: the hello comes through `ssl`
+    bool want_out = false;  ///< the handshake waits for room to write
+    /// From psk_find(): the identity it found an offer for, and that offer's token; or why none.
+    bool known = false;
+    PskIdentity id{};
+    uint8_t token[kDirectTokenBytes] = {};
+    std::string why;
+    Hello h{};
+    size_t got = 0;
+    uint64_t deadline = 0;
+    sockaddr_in from{};
+  };
+  std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
+  /// Strangers, counted by the thread (read by anyone): hellos refused (not TLS, a failed
+  /// handshake: no offer for its identity, a wrong key; a wrong QPN pair, magic or version, or
+  /// no hello), connections closed because kMaxPending were waiting, and hellos
+  /// that did not come within kHelloMs.
+  std::atomic<uint64_t> refused{0}, over_cap{0}, timed_out{0};
+  log::Every refused_log{kStrangerLogNs}, over_cap_log{kStrangerLogNs},
+      timed_out_log{kStrangerLogNs};  ///< the thread's own
+  std::thread thr;
+};
+
+namespace dlink {
+
+/// The dialer's PSK, for the handshake of dial() (its SSL's app data while it runs).
+struct DialPsk {
+  PskIdentity id;
+  const uint8_t* token;
+};
+
+inline bool answered_by_data(uint32_t op) {
+  return op == IBV_WR_RDMA_READ || op == IBV_WR_ATOMIC_CMP_AND_SWP ||
+         op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+}
+
+// remote_tls.cc: the TLS sessions.
+
+/// SSL_set_fd, with nosignal_socket_method's BIO. False when out of memory.
+bool set_socket(SSL* ssl, int fd);
+/// The QP that offered to take `from_qpn`'s connection (ctx.objs_mu and Hub::mu held).
+VQp* offer_of(VContext& ctx, uint32_t to_qpn, uint32_t from_qpn);
+/// Both sides' settings: TLS 1.3 and one suite only; the PSK or nothing (no certificate is
+/// trusted, so a peer cannot fall back to one); no tickets, no session cache.
+SslCtxPtr make_tls(Hub& h);
+/// The reason of the oldest TLS error of this thread (the queue is emptied).
+const char* tls_reason();
+/// One read from the session: bytes, 0 none now, -1 closed or failed (`tls_err` says why, if
+/// TLS knows). `more`: the session still holds bytes (the socket may not wake anyone for them).
+ssize_t tls_read(Conn& c, void* p, size_t n, bool& more);
+/// Writes the first bytes of `iov` past `skip`, one record's worth (gathered into Conn::rec when
+/// they are in pieces): how many, 0 none now, -1 broken (tx_mu held). Always min(kTlsRecord,
+/// what is there) bytes, so a record the socket did not take is offered again, the same bytes
+/// first and at least as many, by the next write from the same place in line.
+ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip);
+
+// remote_datapath.cc: requests, responses, completions.
+
+/// Writes what it can of the backlog (tx_mu held). False when the connection broke.
+bool flush_locked(Conn& c);
+/// Completes the head with `head_status` (or its own local error) and flushes the rest (fl_mu).
+/// `why`: the QP goes to ERR (to_error, first: the backend hears of it before the completions
+/// can be polled); null when the application moves it itself (ibv_modify_qp).
+void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why);
+/// The QP to ERR on the direct path: its connections end (the peer sees them close) and the
+/// backend moves it (flushing its receive queue). Once. Called with fl_mu (and rx_mu) held from
+/// flush_inflight: the Hub::mu and the context's rpc_mu it takes are taken under no other lock.
+void to_error(VQp& qp, const char* why);
+/// Writes a WR's request (fl_mu held: requests go out in the order of their numbers), with the
+/// ACK for the peer's requests riding on it. False: the connection is broken.
+bool write_request(RemoteQp& r, Conn& out, Inflight& e);
+/// An ACK for what this responder executed and has not told the peer of yet.
+void send_ack(Conn& c);
+/// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
+/// held). Called after a post_recv, from empty polls and from the hub's tick.
+void try_resume(Conn& c, VQp& qp, RemoteQp& r);
+/// Reads and executes what has arrived (rx_mu held, c.qp set). True when it took anything.
+/// `defer_ack`: the application's thread reads; the responder's ACK waits to ride on its next
+/// request (remote_post), or goes at its next empty poll (remote_progress).
+bool drain(Conn& c, bool defer_ack);
+
+// remote_conn.cc: the hub, hellos, dialing.
+
+/// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
+/// to write (while there is a backlog).
+void rearm(Conn& c);
+/// The process's hub, started on first use (an epoll set, a thread; listeners come with the
+/// first offer on each address, listen_on()). Null when it cannot be made.
+Hub* hub_of(VContext& ctx);
+/// The port the hub listens on at `ipv4` (network order; the address our backend says the peer's
+/// library dials), listening there first if it does not yet; 0 when it cannot.
+uint16_t listen_on(Hub& h, uint32_t ipv4);
+RemoteQp& remote_of(Hub& h, VQp& qp);
+/// Asks the backend for the peer's offer and connects (under the SQ lock). True: `out` is up.
+bool connect_out(VQp& qp);
+/// Ends a QP's connections (it leaves RTS, or goes).
+void teardown(VQp& qp);
+
+}  // namespace dlink
+}  // namespace vrdma::verbs
