@@ -327,7 +327,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
   e.family("vrdma_datapath_stalls_total", "counter",
            "times the data path went over 100 ms without looking at its work (not scheduled)");
-  e.sample("vrdma_datapath_stalls_total", {{"thread", "0"}}, b.at("datapath").at("stalls"));
+  e.sample("vrdma_datapath_stalls_total", {{"thread", "0"}},
+           b.at("datapath").value("stalls", uint64_t{0}));
   for (const auto& tr : b.value("transports", nlohmann::json::array())) {
     if (!tr.contains("refused")) continue;
     e.family("vrdma_transport_refused_total", "counter",
