@@ -506,6 +506,32 @@ int cmd_cluster(const std::string& sub, const std::string& dir, const std::strin
   return all_ok ? 0 : 1;
 }
 
+/// `vrdma setup [--guest NAME] [--remove] [-j]`: the device view host-wide (device_view.h).
+int cmd_setup(const std::string& guest, bool remove, bool json) {
+  const char* const cmd = remove ? "vrdma setup --remove" : "vrdma setup";
+  auto r = remove ? remove_host_view() : setup_host_view(guest);
+  if (!r) {
+    fmt::print(stderr, "{}: {}\n", cmd, r.status().message());
+    return r.err() == EINVAL ? 2 : 1;
+  }
+  const nlohmann::json& j = *r;
+  if (json) {
+    fmt::print("{}\n", j.dump());
+  } else if (remove && !j.value("removed", false)) {
+    fmt::print("{}: nothing to remove (no {})\n", cmd, kHostViewState);
+  } else if (remove) {
+    for (const auto& line : j["undone"]) fmt::print("{}: {}\n", cmd, line.get<std::string>());
+  } else {
+    fmt::print(
+        "{}: {}{} ({}) and {} for guest {} (LID {}, GID {}), for every program in this "
+        "mount namespace until `vrdma setup --remove` or the next boot; recorded in {}\n",
+        cmd, j.value("already", false) ? "already there: " : "", j.value("node", ""),
+        j.value("node_kind", ""), j.value("sysfs", ""), j.value("guest", ""), j.value("lid", 0),
+        j.value("gid", ""), kHostViewState);
+  }
+  return 0;
+}
+
 /// For `vrdma run [opts] [--] CMD ARGS...`: moves CMD ARGS... into `command` and returns the
 /// number of leading arguments left for the option parser.
 int split_run_command(int argc, char** argv, std::vector<std::string>& command) {
@@ -632,6 +658,20 @@ int main_impl(int argc, char** argv) {
       ->capture_default_str();
   cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
 
+  std::string setup_guest = "host";
+  bool setup_remove = false, setup_json = false;
+  auto* setup = app.add_subcommand(
+      "setup",
+      "As root: /dev/infiniband/uverbs0 and /sys/class/infiniband/vrdma0 for every "
+      "program of this host, also those not started through `vrdma run`");
+  setup
+      ->add_option("--guest", setup_guest,
+                   "whose GUID, LID and GID the sysfs view shows (programs of that guest: "
+                   "VRDMA_GUEST=NAME)")
+      ->capture_default_str();
+  setup->add_flag("--remove", setup_remove, "undo what `vrdma setup` did, exactly");
+  setup->add_flag("-j,--json", setup_json, "JSON output");
+
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
   argc = split_run_command(argc, argv, command);
@@ -680,6 +720,9 @@ int main_impl(int argc, char** argv) {
   }
   if (*restore) {
     return cmd_restore(restore_file, restore_socket);
+  }
+  if (*setup) {
+    return cmd_setup(setup_guest, setup_remove, setup_json);
   }
   if (*cluster) {
     return cmd_cluster(cluster->get_subcommands().front()->get_name(), cl_dir, cl_name, cl_days,
