@@ -92,9 +92,39 @@ nlohmann::json Reporter::backend_info() {
   };
 }
 
+void use_operator_names(nlohmann::json& doc) {
+  // (engine name, operator name) for the rows of each part of the document.
+  using Renames = std::vector<std::pair<const char*, const char*>>;
+  auto rename = [](nlohmann::json& rows, const Renames& names) {
+    if (!rows.is_array()) return;
+    for (auto& r : rows) {
+      if (!r.is_object()) continue;
+      for (const auto& [from, to] : names) {
+        auto it = r.find(from);
+        if (it == r.end()) continue;
+        nlohmann::json v = std::move(*it);
+        r.erase(from);
+        r[to] = std::move(v);
+      }
+    }
+  };
+  if (auto g = doc.find("guests"); g != doc.end()) rename(*g, {{"name", "guest"}});
+  if (auto g = doc.find("guest_counters"); g != doc.end()) rename(*g, {{"qps", "qp_count"}});
+  if (auto res = doc.find("res"); res != doc.end() && res->is_object()) {
+    if (auto qp = res->find("qp"); qp != res->end())
+      rename(*qp, {{"lqpn", "qpn"},
+                   {"rqpn", "dest_qpn"},
+                   {"sq-psn", "sq_psn"},
+                   {"rq-psn", "rq_psn"},
+                   {"sq-cqn", "sq_cqn"},
+                   {"rq-cqn", "rq_cqn"}});
+  }
+}
+
 nlohmann::json Reporter::status(const engine::Device& dev) {
   nlohmann::json j = nlohmann::json::parse(dev.status_json());
   j.update(dev.report());
+  use_operator_names(j);
   j["backend"] = backend_info();
   return j;
 }
@@ -174,7 +204,7 @@ nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
   for (const json& g : arr(j, "guests")) {
     if (!g.is_object() || v.uid == engine::kNoUid || g.value("uid", engine::kNoUid) != v.uid)
       continue;
-    mine.insert(g.value("name", std::string()));
+    mine.insert(g.value("guest", std::string()));
     totals["guests"] = totals["guests"].get<uint64_t>() + 1;
     totals["sessions"] = totals["sessions"].get<uint64_t>() + arr(g, "sessions").size();
     for (const auto& [kind, n] : obj(g, "resources").items()) {
@@ -307,7 +337,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   // user chose, and says who runs what); else its LID, unique on this backend.
   std::map<std::string, std::string> lid_label;
   for (const auto& g : j.at("guests")) {
-    if (g.contains("lid")) lid_label[str(g.at("name"))] = "lid-" + str(g.at("lid"));
+    if (g.contains("lid")) lid_label[str(g.at("guest"))] = "lid-" + str(g.at("lid"));
   }
   auto guest = [&](const nlohmann::json& name) {
     if (guest_names) return str(name);
@@ -366,7 +396,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())
-      e.sample("vrdma_resources", {{"guest", guest(g.at("name"))}, {"kind", kind}}, n);
+      e.sample("vrdma_resources", {{"guest", guest(g.at("guest"))}, {"kind", kind}}, n);
   }
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
@@ -379,7 +409,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
     counter_families(e, "vrdma_backend_", {{Labels{}, j.at("backend_counters")}});
   for (const auto& q : j.at("res").at("qp")) {
     qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
-                            {"lqpn", str(q.at("lqpn"))},
+                            {"qpn", str(q.at("qpn"))},
                             {"type", str(q.at("type"))},
                             {"transport", str(q.at("transport"))}},
                      q.at("counters"));

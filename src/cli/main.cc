@@ -302,7 +302,8 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
   return 0;
 }
 
-int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt) {
+int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt,
+                 bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   proto::SnapshotReq req{};
   if (!put_guest(req.guest, guest, "snapshot")) return 2;
@@ -317,6 +318,15 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
   const int fd = f.get();
   auto r = admin_request<proto::SnapshotResp>(socket, proto::Op::kSnapshot, req, {&fd, 1});
   if (r && ::fsync(fd) == 0 && ::rename(tmp.c_str(), file.c_str()) == 0) {
+    if (json) {
+      fmt::print("{}\n", nlohmann::json{{"guest", guest},
+                                        {"file", file},
+                                        {"bytes", r->bytes},
+                                        {"qps", r->qps},
+                                        {"pause_us", r->pause_us}}
+                             .dump());
+      return 0;
+    }
     fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
                guest, r->bytes, r->qps, file, r->pause_us);
     return 0;
@@ -327,7 +337,7 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
   return admin_failed("snapshot", st);
 }
 
-int cmd_restore(const std::string& file, const std::string& socket_opt) {
+int cmd_restore(const std::string& file, const std::string& socket_opt, bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   UniqueFd f(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!f.valid()) {
@@ -338,6 +348,14 @@ int cmd_restore(const std::string& file, const std::string& socket_opt) {
   auto r =
       admin_request<proto::ImportResp>(socket, proto::Op::kRestore, proto::RestoreReq{}, {&fd, 1});
   if (!r) return admin_failed("restore", r.status());
+  if (json) {
+    fmt::print(
+        "{}\n",
+        nlohmann::json{
+            {"file", file}, {"sessions", r->sessions}, {"qps", r->qps}, {"pause_us", r->import_us}}
+            .dump());
+    return 0;
+  }
   fmt::print("restored {}: {} session(s), {} QPs; the guest's QPs were held {} us\n", file,
              r->sessions, r->qps, r->import_us);
   return 0;
@@ -391,7 +409,7 @@ void print_table(const nlohmann::json& j) {
     if (pids.empty()) {
       pids = "-";
     }
-    fmt::print(kRow, string_of(g, "name"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
+    fmt::print(kRow, string_of(g, "guest"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
                pids, count_of(res, "pd"), count_of(res, "mr"), count_of(res, "cq"),
                count_of(res, "qp"));
   }
@@ -464,8 +482,11 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
     return 0;
   }
   if (stat && type.empty()) {
-    // Both views: the sums per guest, then each QP.
-    auto g = stat_rows(j, "guest", *filters);
+    // Both views: the sums per guest (by the filters a guest row has), then each QP.
+    Filters by_guest;
+    for (const auto& f : *filters)
+      if (f.first == "guest") by_guest.push_back(f);
+    auto g = stat_rows(j, "guest", by_guest);
     auto q = stat_rows(j, "qp", *filters);
     if (json) {
       fmt::print("{}\n", nlohmann::json{{"guest", *g}, {"qp", *q}}.dump());
@@ -475,7 +496,10 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
     return 0;
   }
   auto rows = stat ? stat_rows(j, type, *filters) : res_rows(j, type, *filters);
-  if (json) {
+  if (json && stat) {
+    // One shape for `stat -j` and `stat TYPE -j`: an object with a member per counter set.
+    fmt::print("{}\n", nlohmann::json{{type, *rows}}.dump());
+  } else if (json) {
     fmt::print("{}\n", rows->dump());
   } else {
     fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows));
@@ -599,7 +623,7 @@ int main_impl(int argc, char** argv) {
   bool json = false;
   std::string status_socket;
   auto* status = app.add_subcommand("status", "Show the guests and resources of the backend");
-  status->add_flag("--json", json, "print the backend's raw JSON");
+  status->add_flag("-j,--json", json, "print the backend's status document as JSON");
   status->add_option("--socket", status_socket,
                      "backend socket (default: VRDMA_SOCKET or the system one)");
 
@@ -627,13 +651,15 @@ int main_impl(int argc, char** argv) {
   migrate->add_option("guest", mig_guest, "guest name")->required();
   migrate->add_option("--to", mig_to, "socket of the backend that takes it")->required();
   migrate->add_option("--socket", mig_socket, "socket of the backend that serves it now");
-  migrate->add_flag("--json", mig_json, "print the result as JSON");
+  migrate->add_flag("-j,--json", mig_json, "print the result as JSON");
 
   std::string snap_guest, snap_file, snap_socket;
   auto* snapshot = app.add_subcommand("snapshot", "Write a guest's device state to a file");
   snapshot->add_option("guest", snap_guest, "guest name")->required();
   snapshot->add_option("file", snap_file, "file to write")->required();
   snapshot->add_option("--socket", snap_socket, "backend socket");
+  bool snap_json = false;
+  snapshot->add_flag("-j,--json", snap_json, "print the result as JSON");
 
   std::string restore_file, restore_socket;
   auto* restore = app.add_subcommand(
@@ -641,6 +667,8 @@ int main_impl(int argc, char** argv) {
                  "must serve the guest, with the same resources)");
   restore->add_option("file", restore_file, "snapshot file")->required();
   restore->add_option("--socket", restore_socket, "backend socket");
+  bool restore_json = false;
+  restore->add_flag("-j,--json", restore_json, "print the result as JSON");
 
   std::string cl_dir = kDefaultClusterDir, cl_name;
   int cl_days = kDefaultNodeDays;
@@ -716,10 +744,10 @@ int main_impl(int argc, char** argv) {
     return cmd_migrate(mig_guest, mig_to, mig_socket, mig_json);
   }
   if (*snapshot) {
-    return cmd_snapshot(snap_guest, snap_file, snap_socket);
+    return cmd_snapshot(snap_guest, snap_file, snap_socket, snap_json);
   }
   if (*restore) {
-    return cmd_restore(restore_file, restore_socket);
+    return cmd_restore(restore_file, restore_socket, restore_json);
   }
   if (*setup) {
     return cmd_setup(setup_guest, setup_remove, setup_json);

@@ -31,18 +31,27 @@ std::string text_of(const json& v) {
 const std::vector<std::string>& fields_of(const std::string& type) {
   static const std::map<std::string, std::vector<std::string>> kFields = {
       {"qp",
-       {"guest", "lqpn", "rqpn", "type", "state", "sq-psn", "rq-psn", "pdn", "sq-cqn", "rq-cqn",
+       {"guest", "qpn", "dest_qpn", "type", "state", "sq_psn", "rq_psn", "pdn", "sq_cqn", "rq_cqn",
         "srqn", "transport", "peer_node", "pid", "comm"}},
       {"cq", {"guest", "cqn", "cqe", "users", "channel", "overrun", "pid", "comm"}},
       {"mr", {"guest", "mrn", "pdn", "lkey", "rkey", "mrlen", "iova", "access", "pid", "comm"}},
       {"pd", {"guest", "pdn", "users", "pid", "comm"}},
       {"srq", {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "pid", "comm"}},
-      {"stat-qp", {"guest", "lqpn", "type", "transport", "pid", "comm"}},
+      {"stat-qp", {"guest", "qpn", "type", "transport", "pid", "comm"}},
       {"stat-guest", {"guest"}},
   };
   static const std::vector<std::string> none;
   auto it = kFields.find(type);
   return it == kFields.end() ? none : it->second;
+}
+
+/// iproute2's `rdma res show` names, still taken as filter keys: the JSON and the text say the
+/// names of backend/report.h (use_operator_names).
+const std::map<std::string, std::string>& filter_aliases() {
+  static const std::map<std::string, std::string> kAliases = {
+      {"lqpn", "qpn"},      {"rqpn", "dest_qpn"}, {"sq-psn", "sq_psn"}, {"rq-psn", "rq_psn"},
+      {"sq-cqn", "sq_cqn"}, {"rq-cqn", "rq_cqn"}, {"qps", "qp_count"}};
+  return kAliases;
 }
 
 bool matches(const json& row, const Filters& filters) {
@@ -102,7 +111,10 @@ Result<Filters> parse_filters(const std::vector<std::string>& words) {
                                      "e.g. guest NAME lqpn N)",
                                      words.back()));
   Filters f;
-  for (size_t i = 0; i < words.size(); i += 2) f.emplace_back(words[i], words[i + 1]);
+  for (size_t i = 0; i < words.size(); i += 2) {
+    auto alias = filter_aliases().find(words[i]);
+    f.emplace_back(alias == filter_aliases().end() ? words[i] : alias->second, words[i + 1]);
+  }
   return f;
 }
 
@@ -140,7 +152,7 @@ std::string res_summary(const json& status) {
   for (const auto& g : member(status, "guests")) {
     const json& res = member(g, "resources");
     out += fmt::format(
-        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "name")),
+        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "guest")),
         text_of(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
         text_of(member(res, "cq")), text_of(member(res, "srq")), text_of(member(res, "qp")));
   }
@@ -161,7 +173,7 @@ Result<json> stat_rows(const json& status, const std::string& what, const Filter
     }
   } else {
     for (const auto& g : member(status, "guest_counters")) {
-      json r = {{"guest", member(g, "guest")}, {"qps", member(g, "qps")}};
+      json r = {{"guest", member(g, "guest")}, {"qp_count", member(g, "qp_count")}};
       if (g.contains("left_unix")) r["left_unix"] = g["left_unix"];  // a guest that left
       r.update(member(g, "counters"));
       rows.push_back(std::move(r));
@@ -174,13 +186,13 @@ std::string stat_text(const std::string& what, const json& rows) {
   const bool qp = what == "qp";
   constexpr const char* kRow =
       "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>7} {:>8} {:>7}  {}\n";
-  std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "",
+  std::string out = fmt::format(kRow, "GUEST", qp ? "QPN" : "QPS", qp ? "TYPE" : "",
                                 qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
                                 "RETRIES", "REPLAYS", "RNR_NAKS", "UD_DROP", "ERRORS");
   for (const auto& r : rows) {
     const std::string who =
         text_of(member(r, "guest")) + (r.contains("left_unix") ? " (left)" : "");
-    out += fmt::format(kRow, who, text_of(member(r, qp ? "lqpn" : "qps")),
+    out += fmt::format(kRow, who, text_of(member(r, qp ? "qpn" : "qp_count")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
                        text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),

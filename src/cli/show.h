@@ -12,10 +12,11 @@
 
 namespace vrdma::cli {
 
-/// "KEY VALUE" pairs from the command line (`guest NAME`, `lqpn N`, ...).
+/// "KEY VALUE" pairs from the command line (`guest NAME`, `qpn N`, ...).
 using Filters = std::vector<std::pair<std::string, std::string>>;
 
-/// Splits `guest g1 lqpn 17` into pairs; an odd count is an error.
+/// Splits `guest g1 qpn 17` into pairs; an odd count is an error. iproute2's names (`lqpn`,
+/// `rqpn`, `sq-psn`, ...) are taken for the names the rows carry (`qpn`, `dest_qpn`, `sq_psn`).
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
 /// The rows of `res.<type>` (type: qp, cq, mr, pd, srq) that pass every filter. Numbers match
@@ -23,7 +24,7 @@ Result<Filters> parse_filters(const std::vector<std::string>& words);
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
                                 const Filters& filters);
 
-/// One `rdma res show`-style line per row: "vrdma0 guest g lqpn 17 type RC state RTS ...".
+/// One `rdma res show`-style line per row: "vrdma0 guest g qpn 17 type RC state RTS ...".
 std::string res_text(const std::string& type, const nlohmann::json& rows);
 
 /// `vrdma res show` with no type: the counts per guest.
