@@ -210,6 +210,24 @@ std::string status_header(const json& status) {
       text_of(member(b, "version")), text_of(member(b, "pid")), text_of(member(b, "node")),
       duration(member(b, "uptime_s").is_number_unsigned() ? member(b, "uptime_s").get<uint64_t>()
                                                           : 0));
+  const json& idle = member(b, "idle_exit_s");
+  out += fmt::format(
+      "config: {}; log {} (level {}); idle exit {}{}\n",
+      member(b, "config_file").is_string() ? text_of(member(b, "config_file"))
+                                           : std::string("no file (defaults and flags)"),
+      text_of(member(b, "log")), text_of(member(b, "log_level")),
+      idle.is_number() && idle != 0 ? text_of(idle) + " s without guests" : std::string("never"),
+      member(b, "on_demand") == true ? "; started on demand" : "");
+  if (const json& k = member(b, "keep_state"); member(k, "enabled") == true) {
+    out += fmt::format("keep_state: on, keeper pid {}, {} restart(s) so far, grace {} s\n",
+                       text_of(member(k, "keeper_pid")), text_of(member(k, "restarts")),
+                       text_of(member(k, "grace_s")));
+  } else {
+    out += "keep_state: off\n";
+  }
+  out += fmt::format("direct paths: same host {}, across backends {}\n",
+                     member(b, "direct_path") == true ? "on" : "off",
+                     member(b, "direct_remote") == true ? "on" : "off");
   std::string transports;
   for (const auto& t : member(b, "transports")) {
     std::string why = text_of(member(t, "why"));
@@ -226,9 +244,16 @@ std::string status_header(const json& status) {
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;
-  for (const auto& p : member(b, "peers")) {
+  const uint64_t now_s = static_cast<uint64_t>(::time(nullptr));
+  for (const auto& p : member(b, "peer_states")) {
     if (!peers.empty()) peers += ", ";
-    peers += text_of(p);
+    const json& since = member(p, "since_unix");
+    const uint64_t at = since.is_number_unsigned() ? since.get<uint64_t>() : now_s;
+    peers += member(p, "state") == "connected"
+                 ? fmt::format("{} (connected to {} for {})", text_of(member(p, "peer")),
+                               text_of(member(p, "node")), duration(now_s > at ? now_s - at : 0))
+                 : fmt::format("{} ({}: the log says why)", text_of(member(p, "peer")),
+                               text_of(member(p, "state")));
   }
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
   for (const auto& t : member(b, "transports")) {
