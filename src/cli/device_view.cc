@@ -265,7 +265,7 @@ Status write_state(nlohmann::json& state) {
   const std::string dir = std::filesystem::path(kHostViewState).parent_path().string();
   const bool made = ::mkdir(dir.c_str(), 0755) == 0;
   if (!made && errno != EEXIST) return sys_error("mkdir " + dir);
-  state["made_state_dir"] = made;
+  state["made_state_dir"] = made || state.value("made_state_dir", false);
   const std::string tmp = std::string(kHostViewState) + ".tmp";
   const std::string text = state.dump(2) + "\n";
   const UniqueFd fd(
@@ -366,13 +366,23 @@ Result<nlohmann::json> setup_host_view(const std::string& guest) {
                  "needs root (it mounts on the host's /sys/class and /dev/infiniband); as any "
                  "user, `vrdma run` shows the view to the program it starts");
   RETURN_IF_ERROR(check_guest_name(guest));
+  // A record whose mounts are gone (unmounted by hand) is set up again, keeping what it says
+  // setup made, so that --remove still takes that away.
+  bool made_before = false, made_state_before = false, recorded = false;
   if (auto prev = read_state(); prev) {
-    (*prev)["already"] = true;
-    return prev;
+    recorded = true;
+    if (view_mounted_at(kClassDir) && view_mounted_at(kDevDir)) {
+      (*prev)["already"] = true;
+      return prev;
+    }
+    for (const char* dir : {kClassDir, kDevDir})  // half of it: start over
+      if (view_mounted_at(dir)) ::umount2(dir, MNT_DETACH);
+    made_before = prev->value("made_dev_dir", false);
+    made_state_before = prev->value("made_state_dir", false);
   } else if (prev.err() != ENOENT) {
     return prev.status();
   }
-  if (view_mounted_at(kClassDir) || view_mounted_at(kDevDir))
+  if (!recorded && (view_mounted_at(kClassDir) || view_mounted_at(kDevDir)))
     return error(EEXIST, fmt::format("a vrdma view is mounted on {} or {} but {} is missing "
                                      "(is this the mount namespace of a `vrdma run`?)",
                                      kClassDir, kDevDir, kHostViewState));
@@ -386,6 +396,7 @@ Result<nlohmann::json> setup_host_view(const std::string& guest) {
                                      kDevDir, nodes));
   const bool made_dir = ::mkdir(kDevDir, 0755) == 0;
   if (!made_dir && errno != EEXIST) return sys_error(fmt::format("mkdir {}", kDevDir));
+  const bool made_any_dir = made_dir || made_before;
   nlohmann::json state = {
       {"guest", guest},
       {"lid", lid_of_name(guest)},
@@ -393,12 +404,13 @@ Result<nlohmann::json> setup_host_view(const std::string& guest) {
       {"node", kNode},
       {"sysfs", fmt::format("{}/infiniband/vrdma0", kClassDir)},
       {"mounts", {kDevDir, kClassDir}},
-      {"made_dev_dir", made_dir},
+      {"made_dev_dir", made_any_dir},
       {"since_s", static_cast<int64_t>(::time(nullptr))},
   };
   Status st = mount_view(guest);
   if (st) {
     state["node_kind"] = node_kind();
+    state["made_state_dir"] = made_state_before;
     st = write_state(state);
     if (!st) {
       ::umount2(kClassDir, MNT_DETACH);

@@ -5,7 +5,8 @@
 # machine's mounts are never touched. In it: setup puts uverbs0 and the sysfs view in place;
 # programs started without `vrdma run` (ibv_devinfo -v through LD_LIBRARY_PATH, and ucx_info -d
 # where installed) find the node and sysfs with the values of the guest setup named; a second
-# setup says it is already there; --remove leaves the mounts, /dev/infiniband and /run exactly
+# setup says it is already there, one whose mounts were taken away by hand sets them up again;
+# --remove leaves the mounts, /dev/infiniband and /run exactly
 # as before; a second --remove has nothing to do. A user other than root is refused.
 # Usage: setup.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -42,6 +43,9 @@ unshare -m --propagation private bash -c '
   mounts >"$o/mounts_before"; ls -A /dev/infiniband /run >"$o/files_before"
   step setup "$VRDMA" setup --guest su-host
   step again "$VRDMA" setup --guest su-host -j
+  # Unmounted by hand, the recorded view is set up again.
+  umount -n -l /sys/class  # -n: no /run/mount/utab
+  step redo "$VRDMA" setup --guest su-host -j
   step node stat -c "%F %a %t:%T" /dev/infiniband/uverbs0
   step sysfs bash -c "cd /sys/class/infiniband/vrdma0 && for f in node_guid ports/1/lid ports/1/gids/0; do echo \$f=\$(cat \$f); done; cat /sys/class/infiniband_verbs/uverbs0/ibdev; ls /sys/class/net"
   step devinfo env VRDMA_GUEST=su-host LD_LIBRARY_PATH="$lib" ${SAN_PRELOAD:+LD_PRELOAD=$SAN_PRELOAD} ibv_devinfo -v
@@ -60,6 +64,8 @@ grep -q '^vrdma setup: /dev/infiniband/uverbs0 (character device 231:192) and /s
   "$o/setup.out" || fail "vrdma setup said: $(cat "$o/setup.out")"
 [[ $(rc again) == 0 ]] && grep -q '"already":true' "$o/again.out" ||
   fail "a second setup: $(cat "$o/again.out")"
+[[ $(rc redo) == 0 ]] && grep -q '"already":false' "$o/redo.out" ||
+  fail "setup after the view was unmounted by hand: $(cat "$o/redo.out")"
 [[ $(cat "$o/node.out") == "character special file 666 e7:c0" ]] ||
   fail "uverbs0 outside vrdma run: $(cat "$o/node.out")"
 [[ $(rc sysfs) == 0 ]] && grep -qx vrdma0 "$o/sysfs.out" && grep -qx lo "$o/sysfs.out" ||
