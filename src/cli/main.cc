@@ -507,9 +507,9 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
   return 0;
 }
 
-/// `vrdma cluster init|add-node|show`: exit 2 for a bad argument, 1 for any other failure.
+/// `vrdma cluster init|add-node|show [-j]`: exit 2 for a bad argument, 1 for any other failure.
 int cmd_cluster(const std::string& sub, const std::string& dir, const std::string& name, int days,
-                bool force) {
+                bool force, bool json) {
   Result<std::string> out = std::string();
   bool all_ok = true;  // of `show`: every certificate verified
   if (sub == "init") {
@@ -517,7 +517,10 @@ int cmd_cluster(const std::string& sub, const std::string& dir, const std::strin
   } else if (sub == "add-node") {
     out = cluster_add_node(dir, name, days, force);
   } else if (auto report = cluster_show(dir); report) {
-    out = report->text;
+    out = json ? nlohmann::json{{"dir", dir}, {"all_ok", report->all_ok}, {"certs", report->certs}}
+                         .dump() +
+                     "\n"
+               : report->text;
     all_ok = report->all_ok;
   } else {
     out = report.status();
@@ -685,6 +688,8 @@ int main_impl(int argc, char** argv) {
       ->check(CLI::Range(1, 36500))
       ->capture_default_str();
   cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
+  bool cl_json = false;
+  cl_show->add_flag("-j,--json", cl_json, "JSON output");
 
   std::string setup_guest = "host";
   bool setup_remove = false, setup_json = false;
@@ -754,7 +759,7 @@ int main_impl(int argc, char** argv) {
   }
   if (*cluster) {
     return cmd_cluster(cluster->get_subcommands().front()->get_name(), cl_dir, cl_name, cl_days,
-                       cl_force);
+                       cl_force, cl_json);
   }
   return 2;
 }
