@@ -443,7 +443,8 @@ int cmd_status(bool json, const std::string& socket_opt) {
 }
 
 /// `vrdma res show [TYPE] [KEY VALUE]... [-j]` and `vrdma stat [qp|guest] [KEY VALUE]... [-j]`.
-int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::string& socket_opt) {
+int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
+             const std::string& socket_opt) {
   const char* const cmd = stat ? "vrdma stat" : "vrdma res show";
   // The first word is the type when it names one (`guest` of `stat` is also a filter key, so
   // there it is the type only when a filter pair follows it).
@@ -502,7 +503,7 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
   } else if (json) {
     fmt::print("{}\n", rows->dump());
   } else {
-    fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows));
+    fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows, details));
   }
   return 0;
 }
@@ -639,6 +640,8 @@ int main_impl(int argc, char** argv) {
       "show", "vrdma res show [qp|cq|mr|pd|srq] [guest NAME] [lqpn N] [KEY VALUE]... [-j]");
   res_show->add_option("args", res_words, "resource type, then KEY VALUE filters");
   res_show->add_flag("-j,--json", res_json, "JSON output (an array of objects)");
+  bool res_details = false;
+  res_show->add_flag("-d,--details", res_details, "also why each QP's transport was chosen");
   res_show->add_option("--socket", res_socket, "backend socket");
   auto* stat = app.add_subcommand(
       "stat", "Counters per QP and per guest: vrdma stat [qp|guest] [KEY VALUE]... [-j]");
@@ -740,10 +743,10 @@ int main_impl(int argc, char** argv) {
     return cmd_status(json, status_socket);
   }
   if (*res_show) {
-    return cmd_show(false, res_words, res_json, res_socket);
+    return cmd_show(false, res_words, res_json, res_details, res_socket);
   }
   if (*stat) {
-    return cmd_show(true, stat_words, stat_json, stat_socket);
+    return cmd_show(true, stat_words, stat_json, false, stat_socket);
   }
   if (*migrate) {
     return cmd_migrate(mig_guest, mig_to, mig_socket, mig_json);

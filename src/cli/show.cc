@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <ctime>
 #include <map>
@@ -63,8 +64,11 @@ bool matches(const json& row, const Filters& filters) {
       if (want.empty() || *end != '\0' || v.get<int64_t>() < 0 ||
           static_cast<unsigned long long>(v.get<int64_t>()) != n)
         return false;
-    } else if (text_of(v) != want) {
-      return false;
+    } else if (!std::ranges::equal(text_of(v), want, [](char a, char b) {
+                 return std::tolower(static_cast<unsigned char>(a)) ==
+                        std::tolower(static_cast<unsigned char>(b));
+               })) {
+      return false;  // words match in any case: `state rts`, `type rc`
     }
   }
   return true;
@@ -87,6 +91,24 @@ json filtered(const json& rows, const Filters& filters) {
   for (const auto& r : rows)
     if (matches(r, filters)) out.push_back(r);
   return out;
+}
+
+/// An MR's access bits as ibv_access_flags names without the prefix, comma-separated (no spaces:
+/// a text line stays KEY VALUE pairs); bits without a name in hex.
+std::string access_text(uint64_t bits) {
+  static constexpr std::pair<uint64_t, const char*> kNames[] = {
+      {1u << 0, "LOCAL_WRITE"},   {1u << 1, "REMOTE_WRITE"}, {1u << 2, "REMOTE_READ"},
+      {1u << 3, "REMOTE_ATOMIC"}, {1u << 4, "MW_BIND"},      {1u << 5, "ZERO_BASED"},
+      {1u << 6, "ON_DEMAND"},     {1u << 7, "HUGETLB"},      {1u << 20, "RELAXED_ORDERING"},
+  };
+  std::string out;
+  for (auto [bit, name] : kNames) {
+    if ((bits & bit) == 0) continue;
+    out += fmt::format("{}{}", out.empty() ? "" : ",", name);
+    bits &= ~bit;
+  }
+  if (bits != 0) out += fmt::format("{}0x{:x}", out.empty() ? "" : ",", bits);
+  return out.empty() ? "LOCAL_READ" : out;  // every MR may be read locally
 }
 
 std::string errors_text(const json& counters) {
@@ -125,7 +147,7 @@ Result<json> res_rows(const json& status, const std::string& type, const Filters
   return filtered(member(member(status, "res"), type.c_str()), filters);
 }
 
-std::string res_text(const std::string& type, const json& rows) {
+std::string res_text(const std::string& type, const json& rows, bool details) {
   std::string out;
   for (const auto& r : rows) {
     std::string line = "vrdma0";
@@ -134,10 +156,12 @@ std::string res_text(const std::string& type, const json& rows) {
       if (v.is_null() || (v.is_string() && v.get<std::string>().empty())) continue;
       if ((k == "lkey" || k == "rkey" || k == "iova") && v.is_number_integer()) {
         line += fmt::format(" {} 0x{:x}", k, v.get<uint64_t>());
+      } else if (k == "access" && v.is_number_unsigned()) {
+        line += fmt::format(" {} {}", k, access_text(v.get<uint64_t>()));
       } else {
         line += fmt::format(" {} {}", k, text_of(v));
       }
-      if (k == "transport") {
+      if (k == "transport" && details) {
         if (auto why = text_of(member(r, "transport_why")); why != "-" && !why.empty())
           line += fmt::format(" ({})", why);
       }

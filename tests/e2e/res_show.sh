@@ -69,8 +69,8 @@ done
 [[ "$(jq_of '$j->[0]{mrlen} >= 4096 ? "ok" : "small"' res show mr guest rs-cli -j)" == ok ]] ||
   fail "MR length"
 
-# Text forms, as iproute2 prints them.
-"$VRDMA" res show qp >"$E2E_TMP/qp.txt"
+# Text forms, as iproute2 prints them (-d: with the transport's reason).
+"$VRDMA" res show qp -d >"$E2E_TMP/qp.txt"
 [[ "$(grep -c 'state RTS' "$E2E_TMP/qp.txt")" == 2 ]] || fail "text: $(cat "$E2E_TMP/qp.txt")"
 grep -q 'qpn [0-9]* dest_qpn [0-9]* type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong' \
   "$E2E_TMP/qp.txt" || fail "text line: $(cat "$E2E_TMP/qp.txt")"

@@ -136,12 +136,17 @@ TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   ASSERT_EQ(rows->size(), 1u);
   EXPECT_EQ((*rows)[0]["qpn"], qa_.qpn);
   const std::string line = cli::res_text("qp", *rows);
-  EXPECT_EQ(
-      line,
-      fmt::format(
-          "vrdma0 guest a qpn {} dest_qpn {} type RC state RTS sq_psn 0 rq_psn 0 "
-          "pdn {} sq_cqn {} rq_cqn {} transport shm (destination guest on this backend) pid 4242\n",
-          qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
+  EXPECT_EQ(line, fmt::format("vrdma0 guest a qpn {} dest_qpn {} type RC state RTS sq_psn 0 "
+                              "rq_psn 0 pdn {} sq_cqn {} rq_cqn {} transport shm pid 4242\n",
+                              qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
+  // -d adds why the transport was chosen (the one value with spaces).
+  EXPECT_NE(cli::res_text("qp", *rows, true)
+                .find(" transport shm (destination guest on this backend) pid 4242\n"),
+            std::string::npos);
+  // Words match in any case; MR access bits are named.
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"state", "rts"}, {"type", "rc"}})->size(), 2u);
+  const std::string mr = cli::res_text("mr", *cli::res_rows(st, "mr", {{"guest", "a"}}));
+  EXPECT_NE(mr.find(" access LOCAL_WRITE,REMOTE_WRITE "), std::string::npos) << mr;
   // Decimal matches too (QPNs are per guest: both guests' first QP has the same number); a
   // value that is not a number matches nothing.
   EXPECT_EQ(cli::res_rows(st, "qp", {{"qpn", std::to_string(qb_.qpn)}})->size(),
