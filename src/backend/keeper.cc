@@ -35,10 +35,12 @@ uint64_t now_ms() {
 
 /// Starts the backend again in its own session; it stays our child, so we see it die before it
 /// has even connected (a backend killed while it starts would otherwise leave us waiting).
-pid_t start_backend(const std::vector<std::string>& argv) {
+/// `restarts`: how many times it has been started again so far, for its `vrdma status`.
+pid_t start_backend(const std::vector<std::string>& argv, uint64_t restarts) {
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
   ::setsid();
+  ::setenv("VRDMA_KEEPER_RESTARTS", std::to_string(restarts).c_str(), 1);
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -105,6 +107,7 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
   UniqueFd backend;
   uint64_t deadline = now_ms() + uint64_t(grace_s) * 1000;  // for the first backend to connect
   std::deque<uint64_t> restarts;
+  uint64_t restarted = 0;  ///< backends started again, in all
   pid_t started = -1;  ///< the backend we started last, until it connects
   // Starts the backend again unless it keeps dying; true when one was started.
   auto restart = [&](const char* why) {
@@ -117,7 +120,7 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
     }
     restarts.push_back(now);
     VLOG_WARN("keeper: {}; starting it again for {} guest(s)", why, kept.size());
-    started = start_backend(backend_argv);
+    started = start_backend(backend_argv, ++restarted);
     return true;
   };
   auto finish = [&](int rc) {

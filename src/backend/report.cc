@@ -4,6 +4,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <map>
 #include <set>
 #include <tuple>
@@ -26,6 +28,30 @@ uint64_t clock_ns(clockid_t id) {
 
 double pct(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
+}
+
+/// The value of `--config FILE` (or `--config=FILE`) on the backend's command line; "" for none.
+std::string config_file_of(const std::vector<std::string>& argv) {
+  for (size_t i = 1; i < argv.size(); ++i) {
+    if (argv[i] == "--config" && i + 1 < argv.size()) return argv[i + 1];
+    if (argv[i].starts_with("--config=")) return argv[i].substr(9);
+  }
+  return "";
+}
+
+/// Where this process's stderr, and so its log, goes: a file's path, or what /proc says of a
+/// pipe or socket (journald's stream under systemd).
+std::string log_target() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/fd/2", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("-");
+}
+
+/// The first line of `path`, as a number; 0 when missing or not one.
+uint64_t number_in(const std::string& path) {
+  std::ifstream in(path);
+  uint64_t v = 0;
+  return in >> v ? v : 0;
 }
 
 }  // namespace
@@ -58,6 +84,34 @@ nlohmann::json Reporter::backend_info() {
     tcp["why"] = "no [transport] listen";
   }
   transports.push_back(tcp);
+  // Each configured peer, connected (as which node, since when) or not: why not is in the log,
+  // where the transport says it once per attempt.
+  nlohmann::json peer_states = nlohmann::json::array();
+  const nlohmann::json live = tcp.value("peers", nlohmann::json::array());
+  for (const std::string& p : cfg_.peers) {
+    const size_t at = p.find('@');
+    const std::string node = at == std::string::npos ? "" : p.substr(0, at);
+    const std::string addr = at == std::string::npos ? p : p.substr(at + 1);
+    nlohmann::json ps = {{"peer", p}, {"state", "not connected"}};
+    for (const auto& l : live) {
+      if (!l.is_object()) continue;
+      if (node.empty() ? l.value("address", "") != addr : l.value("node", "") != node) continue;
+      ps["state"] = "connected";
+      ps["node"] = l.value("node", "");
+      ps["since_unix"] = l.value("since_unix", uint64_t{0});
+    }
+    peer_states.push_back(std::move(ps));
+  }
+  // keep_state: the keeper writes its pid beside its socket (backend/keeper.h); it passes how
+  // many times it started a backend again to the one it starts.
+  nlohmann::json keep = {{"enabled", cfg_.keep_state}};
+  if (cfg_.keep_state) {
+    const char* restarts = std::getenv("VRDMA_KEEPER_RESTARTS");
+    keep["grace_s"] = cfg_.keep_state_grace_s;
+    keep["keeper_pid"] = number_in(cfg_.socket_path + ".keeper.pid");
+    keep["restarts"] = restarts ? std::strtoull(restarts, nullptr, 10) : 0;
+  }
+  const std::string config_file = config_file_of(cfg_.self_argv);
   return {
       {"version", VRDMA_VERSION},
       {"pid", ::getpid()},
@@ -67,6 +121,15 @@ nlohmann::json Reporter::backend_info() {
       {"uptime_s", (mono - start_mono_ns_) / 1000000000ull},
       {"on_demand", on_demand_},  // started by `vrdma run` or the library, not by an operator
       {"idle_exit_s", cfg_.idle_exit_s},
+      // The effective configuration: built-in defaults < the file < flags.
+      {"config_file", config_file.empty() ? nlohmann::json(nullptr) : nlohmann::json(config_file)},
+      {"log", log_target()},
+      {"log_level", cfg_.log_level},
+      {"keep_state", keep},
+      // A keeper cannot hold the state of direct QPs yet, so keep_state turns both off.
+      {"direct_path", cfg_.direct_path && !cfg_.keep_state},
+      {"direct_remote", cfg_.direct_remote && !cfg_.keep_state},
+      {"peer_states", peer_states},
       {"quotas",
        {{"pd", q.max_pds},
         {"qp", q.max_qps},
@@ -95,9 +158,39 @@ nlohmann::json Reporter::backend_info() {
   };
 }
 
+void use_operator_names(nlohmann::json& doc) {
+  // (engine name, operator name) for the rows of each part of the document.
+  using Renames = std::vector<std::pair<const char*, const char*>>;
+  auto rename = [](nlohmann::json& rows, const Renames& names) {
+    if (!rows.is_array()) return;
+    for (auto& r : rows) {
+      if (!r.is_object()) continue;
+      for (const auto& [from, to] : names) {
+        auto it = r.find(from);
+        if (it == r.end()) continue;
+        nlohmann::json v = std::move(*it);
+        r.erase(from);
+        r[to] = std::move(v);
+      }
+    }
+  };
+  if (auto g = doc.find("guests"); g != doc.end()) rename(*g, {{"name", "guest"}});
+  if (auto g = doc.find("guest_counters"); g != doc.end()) rename(*g, {{"qps", "qp_count"}});
+  if (auto res = doc.find("res"); res != doc.end() && res->is_object()) {
+    if (auto qp = res->find("qp"); qp != res->end())
+      rename(*qp, {{"lqpn", "qpn"},
+                   {"rqpn", "dest_qpn"},
+                   {"sq-psn", "sq_psn"},
+                   {"rq-psn", "rq_psn"},
+                   {"sq-cqn", "sq_cqn"},
+                   {"rq-cqn", "rq_cqn"}});
+  }
+}
+
 nlohmann::json Reporter::status(const engine::Device& dev) {
   nlohmann::json j = nlohmann::json::parse(dev.status_json());
   j.update(dev.report());
+  use_operator_names(j);
   j["backend"] = backend_info();
   return j;
 }
@@ -177,7 +270,7 @@ nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
   for (const json& g : arr(j, "guests")) {
     if (!g.is_object() || v.uid == engine::kNoUid || g.value("uid", engine::kNoUid) != v.uid)
       continue;
-    mine.insert(g.value("name", std::string()));
+    mine.insert(g.value("guest", std::string()));
     totals["guests"] = totals["guests"].get<uint64_t>() + 1;
     totals["sessions"] = totals["sessions"].get<uint64_t>() + arr(g, "sessions").size();
     for (const auto& [kind, n] : obj(g, "resources").items()) {
@@ -310,7 +403,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   // user chose, and says who runs what); else its LID, unique on this backend.
   std::map<std::string, std::string> lid_label;
   for (const auto& g : j.at("guests")) {
-    if (g.contains("lid")) lid_label[str(g.at("name"))] = "lid-" + str(g.at("lid"));
+    if (g.contains("lid")) lid_label[str(g.at("guest"))] = "lid-" + str(g.at("lid"));
   }
   auto guest = [&](const nlohmann::json& name) {
     if (guest_names) return str(name);
@@ -373,7 +466,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
   for (const auto& g : j.at("guests")) {
     for (const auto& [kind, n] : g.at("resources").items())
-      e.sample("vrdma_resources", {{"guest", guest(g.at("name"))}, {"kind", kind}}, n);
+      e.sample("vrdma_resources", {{"guest", guest(g.at("guest"))}, {"kind", kind}}, n);
   }
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
@@ -386,7 +479,7 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
     counter_families(e, "vrdma_backend_", {{Labels{}, j.at("backend_counters")}});
   for (const auto& q : j.at("res").at("qp")) {
     qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
-                            {"lqpn", str(q.at("lqpn"))},
+                            {"qpn", str(q.at("qpn"))},
                             {"type", str(q.at("type"))},
                             {"transport", str(q.at("transport"))}},
                      q.at("counters"));

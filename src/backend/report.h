@@ -24,6 +24,13 @@ struct Viewer {
   bool admin = false;  ///< root or the backend's user (is_admin_uid): sees everything
 };
 
+/// Gives the engine's report (Device::status_json, Device::report) the names operators see in
+/// every JSON document, the CLI's text and the metrics: snake_case, and one name for one thing
+/// wherever it appears: `guest` (a guest's name), `qpn` (a QP's own number), `dest_qpn`, `dlid`,
+/// `sq_psn`, `rq_psn`, `sq_cqn`, `rq_cqn`, `qp_count` (a guest's open QPs, where `qps` would be
+/// its list). Reporter::status applies it; tests/e2e/json_schema.sh checks the result.
+void use_operator_names(nlohmann::json& doc);
+
 /// The part of a status document (Reporter::status) that `v` may see. Admins: all of it. Anyone
 /// else: only the guests it owns (`guests[].uid`) and their rows in `res` and `guest_counters`,
 /// without MR keys and addresses (`lkey`, `rkey`, `iova`), and `totals` summed over those guests

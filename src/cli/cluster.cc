@@ -460,14 +460,22 @@ Result<ShowReport> cluster_show(const std::string& dir) {
     if (!parsed) {
       report.all_ok = false;
       report.text += fmt::format("{}: unreadable: {}\n", f, parsed.status().message());
+      report.certs.push_back({{"file", f}, {"error", parsed.status().message()}});
       continue;
     }
     X509* c = parsed->get();
     const std::string verdict = verify_against(c, ca.get());
     report.all_ok = report.all_ok && verdict == "ok";
-    report.text += fmt::format("{}: subject \"{}\", issuer \"{}\", not after {}: {}\n", f,
-                               name_cn(X509_get_subject_name(c)), name_cn(X509_get_issuer_name(c)),
-                               not_after_text(c), verdict);
+    const std::string subject = name_cn(X509_get_subject_name(c));
+    const std::string issuer = name_cn(X509_get_issuer_name(c));
+    const std::string not_after = not_after_text(c);
+    report.text += fmt::format("{}: subject \"{}\", issuer \"{}\", not after {}: {}\n", f, subject,
+                               issuer, not_after, verdict);
+    report.certs.push_back({{"file", f},
+                            {"subject", subject},
+                            {"issuer", issuer},
+                            {"not_after", not_after},
+                            {"verdict", verdict}});
   }
   return report;
 }

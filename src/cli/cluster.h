@@ -9,6 +9,7 @@
 #include <openssl/x509.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 
@@ -55,6 +56,9 @@ Result<std::string> cluster_add_node(const std::string& dir, const std::string& 
 struct ShowReport {
   std::string text;
   bool all_ok = true;  ///< every certificate verified
+  /// The same, one object a file: file, subject, issuer, not_after, verdict ("ok" or why not);
+  /// an unreadable one has file and error only.
+  nlohmann::json certs = nlohmann::json::array();
 };
 Result<ShowReport> cluster_show(const std::string& dir);
 

@@ -17,7 +17,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "common/identity.h"
 #include "common/paths.h"
@@ -152,12 +155,8 @@ Status mount_class(const std::string& guest) {
   return st;
 }
 
-/// Both mounts, in the mount namespace this process already has of its own. On failure neither
-/// is left.
-Status build_view(const std::string& guest) {
-  // Slave, not private: the host's later mounts still show, ours never reach it.
-  if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) != 0)
-    return sys_error("make the mounts slave to the host's");
+/// Both mounts, in the caller's mount namespace. On failure neither is left.
+Status mount_view(const std::string& guest) {
   // The view's modes are the kernel's, whatever the caller's umask; restored before the exec.
   const mode_t old_umask = ::umask(0);
   Status st = mount_dev();
@@ -167,6 +166,14 @@ Status build_view(const std::string& guest) {
   }
   ::umask(old_umask);
   return st;
+}
+
+/// Both mounts, in the mount namespace this process already has of its own.
+Status build_view(const std::string& guest) {
+  // Slave, not private: the host's later mounts still show, ours never reach it.
+  if (::mount(nullptr, "/", nullptr, MS_REC | MS_SLAVE, nullptr) != 0)
+    return sys_error("make the mounts slave to the host's");
+  return mount_view(guest);
 }
 
 /// A user namespace (with a mount namespace) in which this process keeps its uid and gid.
@@ -211,6 +218,76 @@ Status try_user_namespace(const std::string& guest) {
   }
   if (WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) return Status::ok();
   return error(EPERM, why.empty() ? "a user namespace failed" : why);
+}
+
+/// Whether the topmost mount on `dir` in this mount namespace is a view of ours (a tmpfs named
+/// "vrdma"), from /proc/self/mountinfo: "ID PARENT MAJ:MIN ROOT MOUNTPOINT ... - FSTYPE SOURCE".
+bool view_mounted_at(const std::string& dir) {
+  std::ifstream in("/proc/self/mountinfo");
+  bool ours = false;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream f(line);
+    std::string id, parent, dev, root, point, word;
+    f >> id >> parent >> dev >> root >> point;
+    if (point != dir) continue;
+    while (f >> word && word != "-") {
+    }
+    std::string fstype, source;
+    f >> fstype >> source;
+    ours = fstype == "tmpfs" && source == "vrdma";  // a later line is a mount on top
+  }
+  return ours;
+}
+
+/// The names in `dir` (none when it is missing), comma-separated.
+std::string entries_of(const std::string& dir) {
+  std::string names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec))
+    names += (names.empty() ? "" : ", ") + e.path().filename().string();
+  return names;
+}
+
+/// The state kHostViewState holds; ENOENT when there is none.
+Result<nlohmann::json> read_state() {
+  std::ifstream in(kHostViewState);
+  if (!in) return error(ENOENT, fmt::format("no {}", kHostViewState));
+  nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("guest"))
+    return error(EINVAL, fmt::format("{} is not what `vrdma setup` writes: look at it, then "
+                                     "remove it and what it names by hand",
+                                     kHostViewState));
+  return j;
+}
+
+/// Writes `state` to kHostViewState (whole or not at all), making its directory if missing.
+Status write_state(nlohmann::json& state) {
+  const std::string dir = std::filesystem::path(kHostViewState).parent_path().string();
+  const bool made = ::mkdir(dir.c_str(), 0755) == 0;
+  if (!made && errno != EEXIST) return sys_error("mkdir " + dir);
+  state["made_state_dir"] = made || state.value("made_state_dir", false);
+  const std::string tmp = std::string(kHostViewState) + ".tmp";
+  const std::string text = state.dump(2) + "\n";
+  const UniqueFd fd(
+      ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644));
+  if (!fd.valid() ||
+      ::write(fd.get(), text.data(), text.size()) != static_cast<ssize_t>(text.size()) ||
+      ::fsync(fd.get()) != 0 || ::rename(tmp.c_str(), kHostViewState) != 0) {
+    Status st = sys_error("write " + std::string(kHostViewState));
+    ::unlink(tmp.c_str());
+    if (made) ::rmdir(dir.c_str());
+    return st;
+  }
+  return Status::ok();
+}
+
+/// What stands on the uverbs0 name: the kernel's numbers, or /dev/null bound on it.
+std::string node_kind() {
+  struct stat st {};
+  if (::stat(kNode, &st) == 0 && S_ISCHR(st.st_mode) && major(st.st_rdev) == kUverbsMajor &&
+      minor(st.st_rdev) == kUverbsMinor)
+    return fmt::format("character device {}:{}", kUverbsMajor, kUverbsMinor);
+  return "/dev/null bound on it";
 }
 
 }  // namespace
@@ -277,6 +354,109 @@ std::string provide_device_view(const std::string& guest) {
   Status s = enter_user_namespace();
   if (s) s = build_view(guest);
   return s ? std::string() : s.message();
+}
+
+}  // namespace vrdma::cli
+
+namespace vrdma::cli {
+
+Result<nlohmann::json> setup_host_view(const std::string& guest) {
+  if (::geteuid() != 0)
+    return error(EPERM,
+                 "needs root (it mounts on the host's /sys/class and /dev/infiniband); as any "
+                 "user, `vrdma run` shows the view to the program it starts");
+  RETURN_IF_ERROR(check_guest_name(guest));
+  // A record whose mounts are gone (unmounted by hand) is set up again, keeping what it says
+  // setup made, so that --remove still takes that away.
+  bool made_before = false, made_state_before = false, recorded = false;
+  if (auto prev = read_state(); prev) {
+    recorded = true;
+    if (view_mounted_at(kClassDir) && view_mounted_at(kDevDir)) {
+      (*prev)["already"] = true;
+      return prev;
+    }
+    for (const char* dir : {kClassDir, kDevDir})  // half of it: start over
+      if (view_mounted_at(dir)) ::umount2(dir, MNT_DETACH);
+    made_before = prev->value("made_dev_dir", false);
+    made_state_before = prev->value("made_state_dir", false);
+  } else if (prev.err() != ENOENT) {
+    return prev.status();
+  }
+  if (!recorded && (view_mounted_at(kClassDir) || view_mounted_at(kDevDir)))
+    return error(EEXIST, fmt::format("a vrdma view is mounted on {} or {} but {} is missing "
+                                     "(is this the mount namespace of a `vrdma run`?)",
+                                     kClassDir, kDevDir, kHostViewState));
+  if (const std::string devs = entries_of("/sys/class/infiniband"); !devs.empty())
+    return error(EEXIST, fmt::format("a kernel RDMA driver is loaded (/sys/class/infiniband: {}): "
+                                     "setup is for hosts without one, whose devices it would hide",
+                                     devs));
+  if (const std::string nodes = entries_of(kDevDir); !nodes.empty())
+    return error(EEXIST, fmt::format("{} is not empty ({}): a kernel RDMA driver's nodes, which "
+                                     "setup would hide",
+                                     kDevDir, nodes));
+  const bool made_dir = ::mkdir(kDevDir, 0755) == 0;
+  if (!made_dir && errno != EEXIST) return sys_error(fmt::format("mkdir {}", kDevDir));
+  const bool made_any_dir = made_dir || made_before;
+  nlohmann::json state = {
+      {"guest", guest},
+      {"lid", lid_of_name(guest)},
+      {"gid", gid_text(gid_of(guest))},
+      {"node", kNode},
+      {"sysfs", fmt::format("{}/infiniband/vrdma0", kClassDir)},
+      {"mounts", {kDevDir, kClassDir}},
+      {"made_dev_dir", made_any_dir},
+      {"since_s", static_cast<int64_t>(::time(nullptr))},
+  };
+  Status st = mount_view(guest);
+  if (st) {
+    state["node_kind"] = node_kind();
+    state["made_state_dir"] = made_state_before;
+    st = write_state(state);
+    if (!st) {
+      ::umount2(kClassDir, MNT_DETACH);
+      ::umount2(kDevDir, MNT_DETACH);
+    }
+  }
+  if (!st) {
+    if (made_dir) ::rmdir(kDevDir);
+    return st;
+  }
+  state["already"] = false;
+  return state;
+}
+
+Result<nlohmann::json> remove_host_view() {
+  if (::geteuid() != 0) return error(EPERM, "needs root (it unmounts what `vrdma setup` mounted)");
+  auto state = read_state();
+  if (!state) {
+    if (state.err() != ENOENT) return state.status();
+    return nlohmann::json{{"removed", false}, {"undone", nlohmann::json::array()}};
+  }
+  nlohmann::json undone = nlohmann::json::array();
+  // The sysfs view first (its bind mounts go with it), then the node's tmpfs; only a view of
+  // ours on top is unmounted, never what someone mounted over it since.
+  for (const char* dir : {kClassDir, kDevDir}) {
+    if (!view_mounted_at(dir)) continue;
+    if (::umount2(dir, MNT_DETACH) != 0) return sys_error(fmt::format("umount {}", dir));
+    undone.push_back(fmt::format("unmounted the view on {}", dir));
+  }
+  if (state->value("made_dev_dir", false)) {
+    if (::rmdir(kDevDir) == 0)
+      undone.push_back(fmt::format("removed {}", kDevDir));
+    else
+      undone.push_back(fmt::format("left {}: {}", kDevDir, std::strerror(errno)));
+  }
+  if (::unlink(kHostViewState) != 0 && errno != ENOENT)
+    return sys_error(fmt::format("remove {}", kHostViewState));
+  undone.push_back(fmt::format("removed {}", kHostViewState));
+  // The directory only when setup made it and nothing (a backend's socket) came since.
+  if (state->value("made_state_dir", false) &&
+      ::rmdir(std::filesystem::path(kHostViewState).parent_path().c_str()) == 0)
+    undone.push_back(
+        fmt::format("removed {}", std::filesystem::path(kHostViewState).parent_path().string()));
+  (*state)["removed"] = true;
+  (*state)["undone"] = undone;
+  return state;
 }
 
 }  // namespace vrdma::cli

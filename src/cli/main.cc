@@ -302,7 +302,8 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
   return 0;
 }
 
-int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt) {
+int cmd_snapshot(const std::string& guest, const std::string& file, const std::string& socket_opt,
+                 bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   proto::SnapshotReq req{};
   if (!put_guest(req.guest, guest, "snapshot")) return 2;
@@ -317,6 +318,15 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
   const int fd = f.get();
   auto r = admin_request<proto::SnapshotResp>(socket, proto::Op::kSnapshot, req, {&fd, 1});
   if (r && ::fsync(fd) == 0 && ::rename(tmp.c_str(), file.c_str()) == 0) {
+    if (json) {
+      fmt::print("{}\n", nlohmann::json{{"guest", guest},
+                                        {"file", file},
+                                        {"bytes", r->bytes},
+                                        {"qps", r->qps},
+                                        {"pause_us", r->pause_us}}
+                             .dump());
+      return 0;
+    }
     fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
                guest, r->bytes, r->qps, file, r->pause_us);
     return 0;
@@ -327,7 +337,7 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
   return admin_failed("snapshot", st);
 }
 
-int cmd_restore(const std::string& file, const std::string& socket_opt) {
+int cmd_restore(const std::string& file, const std::string& socket_opt, bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   UniqueFd f(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
   if (!f.valid()) {
@@ -338,6 +348,14 @@ int cmd_restore(const std::string& file, const std::string& socket_opt) {
   auto r =
       admin_request<proto::ImportResp>(socket, proto::Op::kRestore, proto::RestoreReq{}, {&fd, 1});
   if (!r) return admin_failed("restore", r.status());
+  if (json) {
+    fmt::print(
+        "{}\n",
+        nlohmann::json{
+            {"file", file}, {"sessions", r->sessions}, {"qps", r->qps}, {"pause_us", r->import_us}}
+            .dump());
+    return 0;
+  }
   fmt::print("restored {}: {} session(s), {} QPs; the guest's QPs were held {} us\n", file,
              r->sessions, r->qps, r->import_us);
   return 0;
@@ -391,7 +409,7 @@ void print_table(const nlohmann::json& j) {
     if (pids.empty()) {
       pids = "-";
     }
-    fmt::print(kRow, string_of(g, "name"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
+    fmt::print(kRow, string_of(g, "guest"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
                pids, count_of(res, "pd"), count_of(res, "mr"), count_of(res, "cq"),
                count_of(res, "qp"));
   }
@@ -425,7 +443,8 @@ int cmd_status(bool json, const std::string& socket_opt) {
 }
 
 /// `vrdma res show [TYPE] [KEY VALUE]... [-j]` and `vrdma stat [qp|guest] [KEY VALUE]... [-j]`.
-int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::string& socket_opt) {
+int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
+             const std::string& socket_opt) {
   const char* const cmd = stat ? "vrdma stat" : "vrdma res show";
   // The first word is the type when it names one (`guest` of `stat` is also a filter key, so
   // there it is the type only when a filter pair follows it).
@@ -464,8 +483,11 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
     return 0;
   }
   if (stat && type.empty()) {
-    // Both views: the sums per guest, then each QP.
-    auto g = stat_rows(j, "guest", *filters);
+    // Both views: the sums per guest (by the filters a guest row has), then each QP.
+    Filters by_guest;
+    for (const auto& f : *filters)
+      if (f.first == "guest") by_guest.push_back(f);
+    auto g = stat_rows(j, "guest", by_guest);
     auto q = stat_rows(j, "qp", *filters);
     if (json) {
       fmt::print("{}\n", nlohmann::json{{"guest", *g}, {"qp", *q}}.dump());
@@ -475,17 +497,20 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, const std::st
     return 0;
   }
   auto rows = stat ? stat_rows(j, type, *filters) : res_rows(j, type, *filters);
-  if (json) {
+  if (json && stat) {
+    // One shape for `stat -j` and `stat TYPE -j`: an object with a member per counter set.
+    fmt::print("{}\n", nlohmann::json{{type, *rows}}.dump());
+  } else if (json) {
     fmt::print("{}\n", rows->dump());
   } else {
-    fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows));
+    fmt::print("{}", stat ? stat_text(type, *rows) : res_text(type, *rows, details));
   }
   return 0;
 }
 
-/// `vrdma cluster init|add-node|show`: exit 2 for a bad argument, 1 for any other failure.
+/// `vrdma cluster init|add-node|show [-j]`: exit 2 for a bad argument, 1 for any other failure.
 int cmd_cluster(const std::string& sub, const std::string& dir, const std::string& name, int days,
-                bool force) {
+                bool force, bool json) {
   Result<std::string> out = std::string();
   bool all_ok = true;  // of `show`: every certificate verified
   if (sub == "init") {
@@ -493,7 +518,10 @@ int cmd_cluster(const std::string& sub, const std::string& dir, const std::strin
   } else if (sub == "add-node") {
     out = cluster_add_node(dir, name, days, force);
   } else if (auto report = cluster_show(dir); report) {
-    out = report->text;
+    out = json ? nlohmann::json{{"dir", dir}, {"all_ok", report->all_ok}, {"certs", report->certs}}
+                         .dump() +
+                     "\n"
+               : report->text;
     all_ok = report->all_ok;
   } else {
     out = report.status();
@@ -504,6 +532,32 @@ int cmd_cluster(const std::string& sub, const std::string& dir, const std::strin
   }
   fmt::print("{}", *out);
   return all_ok ? 0 : 1;
+}
+
+/// `vrdma setup [--guest NAME] [--remove] [-j]`: the device view host-wide (device_view.h).
+int cmd_setup(const std::string& guest, bool remove, bool json) {
+  const char* const cmd = remove ? "vrdma setup --remove" : "vrdma setup";
+  auto r = remove ? remove_host_view() : setup_host_view(guest);
+  if (!r) {
+    fmt::print(stderr, "{}: {}\n", cmd, r.status().message());
+    return r.err() == EINVAL ? 2 : 1;
+  }
+  const nlohmann::json& j = *r;
+  if (json) {
+    fmt::print("{}\n", j.dump());
+  } else if (remove && !j.value("removed", false)) {
+    fmt::print("{}: nothing to remove (no {})\n", cmd, kHostViewState);
+  } else if (remove) {
+    for (const auto& line : j["undone"]) fmt::print("{}: {}\n", cmd, line.get<std::string>());
+  } else {
+    fmt::print(
+        "{}: {}{} ({}) and {} for guest {} (LID {}, GID {}), for every program in this "
+        "mount namespace until `vrdma setup --remove` or the next boot; recorded in {}\n",
+        cmd, j.value("already", false) ? "already there: " : "", j.value("node", ""),
+        j.value("node_kind", ""), j.value("sysfs", ""), j.value("guest", ""), j.value("lid", 0),
+        j.value("gid", ""), kHostViewState);
+  }
+  return 0;
 }
 
 /// For `vrdma run [opts] [--] CMD ARGS...`: moves CMD ARGS... into `command` and returns the
@@ -573,7 +627,7 @@ int main_impl(int argc, char** argv) {
   bool json = false;
   std::string status_socket;
   auto* status = app.add_subcommand("status", "Show the guests and resources of the backend");
-  status->add_flag("--json", json, "print the backend's raw JSON");
+  status->add_flag("-j,--json", json, "print the backend's status document as JSON");
   status->add_option("--socket", status_socket,
                      "backend socket (default: VRDMA_SOCKET or the system one)");
 
@@ -586,6 +640,8 @@ int main_impl(int argc, char** argv) {
       "show", "vrdma res show [qp|cq|mr|pd|srq] [guest NAME] [lqpn N] [KEY VALUE]... [-j]");
   res_show->add_option("args", res_words, "resource type, then KEY VALUE filters");
   res_show->add_flag("-j,--json", res_json, "JSON output (an array of objects)");
+  bool res_details = false;
+  res_show->add_flag("-d,--details", res_details, "also why each QP's transport was chosen");
   res_show->add_option("--socket", res_socket, "backend socket");
   auto* stat = app.add_subcommand(
       "stat", "Counters per QP and per guest: vrdma stat [qp|guest] [KEY VALUE]... [-j]");
@@ -601,13 +657,15 @@ int main_impl(int argc, char** argv) {
   migrate->add_option("guest", mig_guest, "guest name")->required();
   migrate->add_option("--to", mig_to, "socket of the backend that takes it")->required();
   migrate->add_option("--socket", mig_socket, "socket of the backend that serves it now");
-  migrate->add_flag("--json", mig_json, "print the result as JSON");
+  migrate->add_flag("-j,--json", mig_json, "print the result as JSON");
 
   std::string snap_guest, snap_file, snap_socket;
   auto* snapshot = app.add_subcommand("snapshot", "Write a guest's device state to a file");
   snapshot->add_option("guest", snap_guest, "guest name")->required();
   snapshot->add_option("file", snap_file, "file to write")->required();
   snapshot->add_option("--socket", snap_socket, "backend socket");
+  bool snap_json = false;
+  snapshot->add_flag("-j,--json", snap_json, "print the result as JSON");
 
   std::string restore_file, restore_socket;
   auto* restore = app.add_subcommand(
@@ -615,6 +673,8 @@ int main_impl(int argc, char** argv) {
                  "must serve the guest, with the same resources)");
   restore->add_option("file", restore_file, "snapshot file")->required();
   restore->add_option("--socket", restore_socket, "backend socket");
+  bool restore_json = false;
+  restore->add_flag("-j,--json", restore_json, "print the result as JSON");
 
   std::string cl_dir = kDefaultClusterDir, cl_name;
   int cl_days = kDefaultNodeDays;
@@ -631,6 +691,22 @@ int main_impl(int argc, char** argv) {
       ->check(CLI::Range(1, 36500))
       ->capture_default_str();
   cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
+  bool cl_json = false;
+  cl_show->add_flag("-j,--json", cl_json, "JSON output");
+
+  std::string setup_guest = "host";
+  bool setup_remove = false, setup_json = false;
+  auto* setup = app.add_subcommand(
+      "setup",
+      "As root: /dev/infiniband/uverbs0 and /sys/class/infiniband/vrdma0 for every "
+      "program of this host, also those not started through `vrdma run`");
+  setup
+      ->add_option("--guest", setup_guest,
+                   "whose GUID, LID and GID the sysfs view shows (programs of that guest: "
+                   "VRDMA_GUEST=NAME)")
+      ->capture_default_str();
+  setup->add_flag("--remove", setup_remove, "undo what `vrdma setup` did, exactly");
+  setup->add_flag("-j,--json", setup_json, "JSON output");
 
   // CLI11 never sees the command of `run`: its own options (say `-v`) must stay the program's.
   std::vector<std::string> command;
@@ -667,23 +743,26 @@ int main_impl(int argc, char** argv) {
     return cmd_status(json, status_socket);
   }
   if (*res_show) {
-    return cmd_show(false, res_words, res_json, res_socket);
+    return cmd_show(false, res_words, res_json, res_details, res_socket);
   }
   if (*stat) {
-    return cmd_show(true, stat_words, stat_json, stat_socket);
+    return cmd_show(true, stat_words, stat_json, false, stat_socket);
   }
   if (*migrate) {
     return cmd_migrate(mig_guest, mig_to, mig_socket, mig_json);
   }
   if (*snapshot) {
-    return cmd_snapshot(snap_guest, snap_file, snap_socket);
+    return cmd_snapshot(snap_guest, snap_file, snap_socket, snap_json);
   }
   if (*restore) {
-    return cmd_restore(restore_file, restore_socket);
+    return cmd_restore(restore_file, restore_socket, restore_json);
+  }
+  if (*setup) {
+    return cmd_setup(setup_guest, setup_remove, setup_json);
   }
   if (*cluster) {
     return cmd_cluster(cluster->get_subcommands().front()->get_name(), cl_dir, cl_name, cl_days,
-                       cl_force);
+                       cl_force, cl_json);
   }
   return 2;
 }

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <ctime>
 #include <map>
@@ -31,18 +32,27 @@ std::string text_of(const json& v) {
 const std::vector<std::string>& fields_of(const std::string& type) {
   static const std::map<std::string, std::vector<std::string>> kFields = {
       {"qp",
-       {"guest", "lqpn", "rqpn", "type", "state", "sq-psn", "rq-psn", "pdn", "sq-cqn", "rq-cqn",
+       {"guest", "qpn", "dest_qpn", "type", "state", "sq_psn", "rq_psn", "pdn", "sq_cqn", "rq_cqn",
         "srqn", "transport", "peer_node", "pid", "comm"}},
       {"cq", {"guest", "cqn", "cqe", "users", "channel", "overrun", "pid", "comm"}},
       {"mr", {"guest", "mrn", "pdn", "lkey", "rkey", "mrlen", "iova", "access", "pid", "comm"}},
       {"pd", {"guest", "pdn", "users", "pid", "comm"}},
       {"srq", {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "pid", "comm"}},
-      {"stat-qp", {"guest", "lqpn", "type", "transport", "pid", "comm"}},
+      {"stat-qp", {"guest", "qpn", "type", "transport", "pid", "comm"}},
       {"stat-guest", {"guest"}},
   };
   static const std::vector<std::string> none;
   auto it = kFields.find(type);
   return it == kFields.end() ? none : it->second;
+}
+
+/// iproute2's `rdma res show` names, still taken as filter keys: the JSON and the text say the
+/// names of backend/report.h (use_operator_names).
+const std::map<std::string, std::string>& filter_aliases() {
+  static const std::map<std::string, std::string> kAliases = {
+      {"lqpn", "qpn"},      {"rqpn", "dest_qpn"}, {"sq-psn", "sq_psn"}, {"rq-psn", "rq_psn"},
+      {"sq-cqn", "sq_cqn"}, {"rq-cqn", "rq_cqn"}, {"qps", "qp_count"}};
+  return kAliases;
 }
 
 bool matches(const json& row, const Filters& filters) {
@@ -54,8 +64,11 @@ bool matches(const json& row, const Filters& filters) {
       if (want.empty() || *end != '\0' || v.get<int64_t>() < 0 ||
           static_cast<unsigned long long>(v.get<int64_t>()) != n)
         return false;
-    } else if (text_of(v) != want) {
-      return false;
+    } else if (!std::ranges::equal(text_of(v), want, [](char a, char b) {
+                 return std::tolower(static_cast<unsigned char>(a)) ==
+                        std::tolower(static_cast<unsigned char>(b));
+               })) {
+      return false;  // words match in any case: `state rts`, `type rc`
     }
   }
   return true;
@@ -80,6 +93,24 @@ json filtered(const json& rows, const Filters& filters) {
   return out;
 }
 
+/// An MR's access bits as ibv_access_flags names without the prefix, comma-separated (no spaces:
+/// a text line stays KEY VALUE pairs); bits without a name in hex.
+std::string access_text(uint64_t bits) {
+  static constexpr std::pair<uint64_t, const char*> kNames[] = {
+      {1u << 0, "LOCAL_WRITE"},   {1u << 1, "REMOTE_WRITE"}, {1u << 2, "REMOTE_READ"},
+      {1u << 3, "REMOTE_ATOMIC"}, {1u << 4, "MW_BIND"},      {1u << 5, "ZERO_BASED"},
+      {1u << 6, "ON_DEMAND"},     {1u << 7, "HUGETLB"},      {1u << 20, "RELAXED_ORDERING"},
+  };
+  std::string out;
+  for (auto [bit, name] : kNames) {
+    if ((bits & bit) == 0) continue;
+    out += fmt::format("{}{}", out.empty() ? "" : ",", name);
+    bits &= ~bit;
+  }
+  if (bits != 0) out += fmt::format("{}0x{:x}", out.empty() ? "" : ",", bits);
+  return out.empty() ? "LOCAL_READ" : out;  // every MR may be read locally
+}
+
 std::string errors_text(const json& counters) {
   std::string s;
   for (const auto& [status, n] : member(counters, "wc_errors").items())
@@ -102,7 +133,10 @@ Result<Filters> parse_filters(const std::vector<std::string>& words) {
                                      "e.g. guest NAME lqpn N)",
                                      words.back()));
   Filters f;
-  for (size_t i = 0; i < words.size(); i += 2) f.emplace_back(words[i], words[i + 1]);
+  for (size_t i = 0; i < words.size(); i += 2) {
+    auto alias = filter_aliases().find(words[i]);
+    f.emplace_back(alias == filter_aliases().end() ? words[i] : alias->second, words[i + 1]);
+  }
   return f;
 }
 
@@ -113,7 +147,7 @@ Result<json> res_rows(const json& status, const std::string& type, const Filters
   return filtered(member(member(status, "res"), type.c_str()), filters);
 }
 
-std::string res_text(const std::string& type, const json& rows) {
+std::string res_text(const std::string& type, const json& rows, bool details) {
   std::string out;
   for (const auto& r : rows) {
     std::string line = "vrdma0";
@@ -122,10 +156,12 @@ std::string res_text(const std::string& type, const json& rows) {
       if (v.is_null() || (v.is_string() && v.get<std::string>().empty())) continue;
       if ((k == "lkey" || k == "rkey" || k == "iova") && v.is_number_integer()) {
         line += fmt::format(" {} 0x{:x}", k, v.get<uint64_t>());
+      } else if (k == "access" && v.is_number_unsigned()) {
+        line += fmt::format(" {} {}", k, access_text(v.get<uint64_t>()));
       } else {
         line += fmt::format(" {} {}", k, text_of(v));
       }
-      if (k == "transport") {
+      if (k == "transport" && details) {
         if (auto why = text_of(member(r, "transport_why")); why != "-" && !why.empty())
           line += fmt::format(" ({})", why);
       }
@@ -140,7 +176,7 @@ std::string res_summary(const json& status) {
   for (const auto& g : member(status, "guests")) {
     const json& res = member(g, "resources");
     out += fmt::format(
-        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "name")),
+        "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "guest")),
         text_of(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
         text_of(member(res, "cq")), text_of(member(res, "srq")), text_of(member(res, "qp")));
   }
@@ -161,7 +197,7 @@ Result<json> stat_rows(const json& status, const std::string& what, const Filter
     }
   } else {
     for (const auto& g : member(status, "guest_counters")) {
-      json r = {{"guest", member(g, "guest")}, {"qps", member(g, "qps")}};
+      json r = {{"guest", member(g, "guest")}, {"qp_count", member(g, "qp_count")}};
       if (g.contains("left_unix")) r["left_unix"] = g["left_unix"];  // a guest that left
       r.update(member(g, "counters"));
       rows.push_back(std::move(r));
@@ -174,13 +210,13 @@ std::string stat_text(const std::string& what, const json& rows) {
   const bool qp = what == "qp";
   constexpr const char* kRow =
       "{:<16} {:>6} {:<4} {:<9} {:>10} {:>14} {:>10} {:>14} {:>7} {:>7} {:>8} {:>7}  {}\n";
-  std::string out = fmt::format(kRow, "GUEST", qp ? "LQPN" : "QPS", qp ? "TYPE" : "",
+  std::string out = fmt::format(kRow, "GUEST", qp ? "QPN" : "QPS", qp ? "TYPE" : "",
                                 qp ? "TRANSPORT" : "", "MSGS_TX", "BYTES_TX", "MSGS_RX", "BYTES_RX",
                                 "RETRIES", "REPLAYS", "RNR_NAKS", "UD_DROP", "ERRORS");
   for (const auto& r : rows) {
     const std::string who =
         text_of(member(r, "guest")) + (r.contains("left_unix") ? " (left)" : "");
-    out += fmt::format(kRow, who, text_of(member(r, qp ? "lqpn" : "qps")),
+    out += fmt::format(kRow, who, text_of(member(r, qp ? "qpn" : "qp_count")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
                        text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
@@ -198,6 +234,24 @@ std::string status_header(const json& status) {
       text_of(member(b, "version")), text_of(member(b, "pid")), text_of(member(b, "node")),
       duration(member(b, "uptime_s").is_number_unsigned() ? member(b, "uptime_s").get<uint64_t>()
                                                           : 0));
+  const json& idle = member(b, "idle_exit_s");
+  out += fmt::format(
+      "config: {}; log {} (level {}); idle exit {}{}\n",
+      member(b, "config_file").is_string() ? text_of(member(b, "config_file"))
+                                           : std::string("no file (defaults and flags)"),
+      text_of(member(b, "log")), text_of(member(b, "log_level")),
+      idle.is_number() && idle != 0 ? text_of(idle) + " s without guests" : std::string("never"),
+      member(b, "on_demand") == true ? "; started on demand" : "");
+  if (const json& k = member(b, "keep_state"); member(k, "enabled") == true) {
+    out += fmt::format("keep_state: on, keeper pid {}, {} restart(s) so far, grace {} s\n",
+                       text_of(member(k, "keeper_pid")), text_of(member(k, "restarts")),
+                       text_of(member(k, "grace_s")));
+  } else {
+    out += "keep_state: off\n";
+  }
+  out += fmt::format("direct paths: same host {}, across backends {}\n",
+                     member(b, "direct_path") == true ? "on" : "off",
+                     member(b, "direct_remote") == true ? "on" : "off");
   std::string transports;
   for (const auto& t : member(b, "transports")) {
     std::string why = text_of(member(t, "why"));
@@ -214,9 +268,16 @@ std::string status_header(const json& status) {
   }
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;
-  for (const auto& p : member(b, "peers")) {
+  const uint64_t now_s = static_cast<uint64_t>(::time(nullptr));
+  for (const auto& p : member(b, "peer_states")) {
     if (!peers.empty()) peers += ", ";
-    peers += text_of(p);
+    const json& since = member(p, "since_unix");
+    const uint64_t at = since.is_number_unsigned() ? since.get<uint64_t>() : now_s;
+    peers += member(p, "state") == "connected"
+                 ? fmt::format("{} (connected to {} for {})", text_of(member(p, "peer")),
+                               text_of(member(p, "node")), duration(now_s > at ? now_s - at : 0))
+                 : fmt::format("{} ({}: the log says why)", text_of(member(p, "peer")),
+                               text_of(member(p, "state")));
   }
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
   for (const auto& t : member(b, "transports")) {

@@ -12,19 +12,23 @@
 
 namespace vrdma::cli {
 
-/// "KEY VALUE" pairs from the command line (`guest NAME`, `lqpn N`, ...).
+/// "KEY VALUE" pairs from the command line (`guest NAME`, `qpn N`, ...).
 using Filters = std::vector<std::pair<std::string, std::string>>;
 
-/// Splits `guest g1 lqpn 17` into pairs; an odd count is an error.
+/// Splits `guest g1 qpn 17` into pairs; an odd count is an error. iproute2's names (`lqpn`,
+/// `rqpn`, `sq-psn`, ...) are taken for the names the rows carry (`qpn`, `dest_qpn`, `sq_psn`).
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
 /// The rows of `res.<type>` (type: qp, cq, mr, pd, srq) that pass every filter. Numbers match
-/// a decimal or 0x value; a key that the type does not have is an error naming the valid ones.
+/// a decimal or 0x value, words in any case; a key that the type does not have is an error
+/// naming the valid ones.
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
                                 const Filters& filters);
 
-/// One `rdma res show`-style line per row: "vrdma0 guest g lqpn 17 type RC state RTS ...".
-std::string res_text(const std::string& type, const nlohmann::json& rows);
+/// One `rdma res show`-style line per row: "vrdma0 guest g qpn 17 type RC state RTS ...", every
+/// value one word (MR access bits as LOCAL_WRITE,REMOTE_READ). With `details` (`-d`, as
+/// iproute2's), a QP's transport is followed by why it was chosen, in parentheses.
+std::string res_text(const std::string& type, const nlohmann::json& rows, bool details = false);
 
 /// `vrdma res show` with no type: the counts per guest.
 std::string res_summary(const nlohmann::json& status);

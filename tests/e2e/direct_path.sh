@@ -24,7 +24,7 @@ wait_transport() {
 # Counter C (msgs_sent, ...) of guest G, summed over its QPs. Usage: direct_count G C
 direct_count() {
   "$VRDMA" stat qp guest "$1" -j | C="$2" perl -MJSON::PP -0777 -ne \
-    'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)}; print $s'
+    'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
 }
 
 # 1. ibv_rc_pingpong -c validates every buffer it receives; both sides' QPs are granted.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `cmake --install`: into a DESTDIR with prefix /usr, the layout is bin/, lib/vrdma/ (nothing
 # that would shadow the system's libibverbs), /etc/vrdma and the systemd units. Installed under a
-# temporary prefix: the units pass `systemd-analyze verify`; `vrdma run -- ibv_devinfo` uses the
+# temporary prefix: the units pass `systemd-analyze verify` and the service's sandbox rates at
+# most 3.0 in `systemd-analyze security`; `vrdma run -- ibv_devinfo` uses the
 # installed library and starts the installed vrdmad; the installed library alone
 # (LD_LIBRARY_PATH) starts it too; and vrdmad started by socket activation
 # (systemd-socket-activate, as vrdmad.socket does it) serves ibv_devinfo on the inherited socket.
@@ -41,6 +42,11 @@ if command -v systemd-analyze >/dev/null; then
   (cd "$P/lib/systemd/system" && systemd-analyze verify ./vrdmad.socket ./vrdmad.service) \
     >"$E2E_TMP/verify.out" 2>&1 || fail "systemd-analyze verify: $(cat "$E2E_TMP/verify.out")"
   [[ ! -s $E2E_TMP/verify.out ]] || fail "systemd-analyze verify warns: $(cat "$E2E_TMP/verify.out")"
+  # The service's sandbox (issue 29: 9.0 UNSAFE before): at most 3.0 ("OK").
+  systemd-analyze security --offline=true --threshold=30 "$P/lib/systemd/system/vrdmad.service" \
+    >"$E2E_TMP/security.out" 2>&1 ||
+    fail "vrdmad.service is exposed: $(grep 'Overall exposure' "$E2E_TMP/security.out")"
+  log "vrdmad.service: $(grep -o 'Overall exposure level.*' "$E2E_TMP/security.out")"
 else
   log "no systemd-analyze; units not verified"
 fi

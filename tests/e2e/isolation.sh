@@ -14,9 +14,9 @@ start_server b guest-b -n "$iters"
 b_srv=$SERVER_PID b_port=$PORT
 
 # Both servers have their QPs before they listen: the two guests exist now.
-wait_status 'scalar grep { $_->{name} =~ /^guest-[ab]$/ && $_->{resources}{qp} >= 1 } @{$j->{guests}}' 2 ||
+wait_status 'scalar grep { $_->{guest} =~ /^guest-[ab]$/ && $_->{resources}{qp} >= 1 } @{$j->{guests}}' 2 ||
   fail "status does not show guest-a and guest-b with a QP each: $(status_json)"
-lids="$(status_query 'join " ", map { $_->{lid} } grep { $_->{name} =~ /^guest-[ab]$/ } @{$j->{guests}}')"
+lids="$(status_query 'join " ", map { $_->{lid} } grep { $_->{guest} =~ /^guest-[ab]$/ } @{$j->{guests}}')"
 read -r lid_a lid_b <<<"$lids"
 [[ -n $lid_a && -n $lid_b ]] || fail "no lids in status: $(status_json)"
 [[ $lid_a != "$lid_b" ]] || fail "guest-a and guest-b share lid $lid_a"
@@ -29,7 +29,7 @@ start_client b guest-b "$b_port" -n "$iters"
 b_cli=$CLIENT_PID
 
 # While they run (if they still do), status still shows both guests with their own QPs.
-guests_now="$(status_query 'scalar grep { $_->{name} =~ /^guest-[ab]$/ } @{$j->{guests}}')" || true
+guests_now="$(status_query 'scalar grep { $_->{guest} =~ /^guest-[ab]$/ } @{$j->{guests}}')" || true
 log "guests while the clients run: ${guests_now:-?}"
 
 finish_pair a "$a_srv" "$a_cli" 90

@@ -2,7 +2,7 @@
 # keep_state: a backend killed with SIGKILL while traffic runs is started again by its keeper,
 # takes its guests back, and their RC connections continue: a verifying stream (rc_stream, every
 # message once and in order, equal checksums) survives three kills; snapshot/restore under one.
-# A clean stop lets the keeper go too.
+# A clean stop lets the keeper go too. `vrdma status` names the keeper and its restarts.
 # (ibv_rc_pingpong is not used here: see the stall noted in docs/ARCHITECTURE.md.)
 # Usage: keep_state.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -56,6 +56,10 @@ finish_stream stream "$cli" "$srv" 60
 restored="$(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log" || true)"
 [[ $restored -ge 6 ]] || fail "expected both guests restored three times, log says $restored"
 log "rc_stream across 3 SIGKILLs: $STREAM_RESULT on both ends"
+# `vrdma status` names the keeper and counts its restarts.
+"$VRDMA" status >"$E2E_TMP/status.txt" 2>&1 || fail "status: $(cat "$E2E_TMP/status.txt")"
+grep -qx "keep_state: on, keeper pid $(cat "$VRDMA_SOCKET.keeper.pid"), 3 restart(s) so far, grace 10 s" \
+  "$E2E_TMP/status.txt" || fail "status after 3 kills: $(grep keep_state "$E2E_TMP/status.txt")"
 
 # Snapshot and restore under a running stream: the file's device state is put back under it.
 start_stream snap

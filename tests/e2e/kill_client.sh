@@ -27,7 +27,7 @@ kill -0 "$bpid" 2>/dev/null || fail "the backend ($bpid) died with the client"
 wait_status "scalar grep { \$_->{pid} == $cli } map { @{\$_->{sessions}} } @{\$j->{guests}}" 0 10 ||
   fail "the killed client's session is still there: $(status_json)"
 # The client's guest: gone, or left with no sessions and no resources.
-wait_status 'my ($g) = grep { $_->{name} eq "victim-cli" } @{$j->{guests}};
+wait_status 'my ($g) = grep { $_->{guest} eq "victim-cli" } @{$j->{guests}};
              !$g ? "released"
                  : (@{$g->{sessions}} || grep { ($g->{resources}{$_} // 0) != 0 } qw(pd mr cq qp))
                  ? "left" : "released"' released 10 ||

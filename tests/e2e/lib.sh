@@ -324,7 +324,7 @@ start_held_pair() {
   start_server "$1" "$2" -n "$PP_UNTIL_STOPPED"
   start_client "$1" "$3" "$PORT" -n "$PP_UNTIL_STOPPED"
   for ((i = 0; i < 300; i++)); do
-    [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"lqpn"' | wc -l)" == 2 ]] && return 0
+    [[ "$("$VRDMA" res show qp state RTS -j | grep -o '"qpn"' | wc -l)" == 2 ]] && return 0
     kill -0 "$CLIENT_PID" 2>/dev/null || fail "client exited: $(cat "$E2E_TMP/$1.client.out")"
     nap 0.1
   done

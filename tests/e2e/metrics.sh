@@ -73,7 +73,7 @@ scrape "$E2E_TMP/b.prom" || fail "scrape failed"
 for f in a b; do
   perl "$HERE/prom_check.pl" <"$E2E_TMP/$f.prom" || fail "exposition $f rejected"
 done
-msgs() { sed -n "s/^vrdma_qp_msgs_sent_total{guest=\"$2\",lqpn=\"[0-9]*\",type=\"RC\",transport=\"shm\"} //p" "$1"; }
+msgs() { sed -n "s/^vrdma_qp_msgs_sent_total{guest=\"$2\",qpn=\"[0-9]*\",type=\"RC\",transport=\"shm\"} //p" "$1"; }
 for g in m-srv m-cli; do
   a="$(msgs "$E2E_TMP/a.prom" "$g")"
   b="$(msgs "$E2E_TMP/b.prom" "$g")"

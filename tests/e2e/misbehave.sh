@@ -27,7 +27,7 @@ for mode in no-poll doorbells post-forever; do
   vrun --guest "bad-$mode" -- "$MISBEHAVE" "$mode" "$secs" >"$E2E_TMP/$mode.out" 2>&1 &
   pids+=($!)
 done
-wait_status 'scalar grep { $_->{name} =~ /^bad-/ } @{$j->{guests}}' 3 20 ||
+wait_status 'scalar grep { $_->{guest} =~ /^bad-/ } @{$j->{guests}}' 3 20 ||
   fail "the misbehaving guests did not start: $(status_json)"
 sleep 2
 rss0="$(rss_kib "$bpid")"

@@ -35,10 +35,10 @@ done
 [[ "$(jq_of "$rts" res show qp -j)" == 2 ]] || fail "not two QPs in RTS: $(cat "$E2E_TMP/qp.json")"
 
 # Each QP: its guest, the pid and comm of the process that owns it, RC, a transport and why,
-# and its rqpn is the other one's lqpn.
+# and its dest_qpn is the other one's qpn.
 for g in rs-srv rs-cli; do
   row="$(jq_of 'my ($q) = @$j; join "|", $q->{guest}, $q->{type}, $q->{state}, $q->{transport},
-                $q->{transport_why}, $q->{comm}, $q->{pid}, $q->{lqpn}, $q->{rqpn}' \
+                $q->{transport_why}, $q->{comm}, $q->{pid}, $q->{qpn}, $q->{dest_qpn}' \
     res show qp guest "$g" -j)"
   IFS='|' read -r guest type state transport why comm pid lqpn rqpn <<<"$row"
   [[ $guest == "$g" && $type == RC && $state == RTS ]] || fail "$g: $row"
@@ -53,8 +53,9 @@ done
 {
   [[ $rqpn_srv == "$lqpn_cli" && $rqpn_cli == "$lqpn_srv" ]] ||
     fail "QPs not connected to each other: srv $lqpn_srv->$rqpn_srv, cli $lqpn_cli->$rqpn_cli"
-  # Filters: by lqpn (decimal and hex) within a guest; a guest that does not exist lists none.
-  [[ "$(jq_of 'scalar @$j' res show qp guest rs-srv lqpn "$lqpn_srv" -j)" == 1 ]] || fail "lqpn filter"
+  # Filters: by qpn (decimal and hex, and by iproute2's name lqpn) within a guest; a guest that
+  # does not exist lists none.
+  [[ "$(jq_of 'scalar @$j' res show qp guest rs-srv qpn "$lqpn_srv" -j)" == 1 ]] || fail "qpn filter"
   [[ "$(jq_of 'scalar @$j' res show qp lqpn "$(printf '0x%x' "$lqpn_srv")" guest rs-srv -j)" == 1 ]] ||
     fail "hex lqpn filter"
 }
@@ -68,10 +69,10 @@ done
 [[ "$(jq_of '$j->[0]{mrlen} >= 4096 ? "ok" : "small"' res show mr guest rs-cli -j)" == ok ]] ||
   fail "MR length"
 
-# Text forms, as iproute2 prints them.
-"$VRDMA" res show qp >"$E2E_TMP/qp.txt"
+# Text forms, as iproute2 prints them (-d: with the transport's reason).
+"$VRDMA" res show qp -d >"$E2E_TMP/qp.txt"
 [[ "$(grep -c 'state RTS' "$E2E_TMP/qp.txt")" == 2 ]] || fail "text: $(cat "$E2E_TMP/qp.txt")"
-grep -q 'lqpn [0-9]* rqpn [0-9]* type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong' \
+grep -q 'qpn [0-9]* dest_qpn [0-9]* type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong' \
   "$E2E_TMP/qp.txt" || fail "text line: $(cat "$E2E_TMP/qp.txt")"
 "$VRDMA" res show >"$E2E_TMP/res.txt"
 grep -q '^vrdma0 guest rs-srv lid [0-9]*: pd 1 mr 1 cq 1 srq 0 qp 1$' "$E2E_TMP/res.txt" ||
@@ -80,7 +81,7 @@ grep -q '^vrdma0 guest rs-srv lid [0-9]*: pd 1 mr 1 cq 1 srq 0 qp 1$' "$E2E_TMP/
 # Bad arguments are usage errors, with the valid choices.
 rc=0
 "$VRDMA" res show qp lqpm 17 2>"$E2E_TMP/bad.err" || rc=$?
-[[ $rc == 2 ]] && grep -q 'unknown filter "lqpm"; valid: guest, lqpn' "$E2E_TMP/bad.err" ||
+[[ $rc == 2 ]] && grep -q 'unknown filter "lqpm"; valid: guest, qpn, dest_qpn' "$E2E_TMP/bad.err" ||
   fail "typo in a filter: rc $rc, $(cat "$E2E_TMP/bad.err")"
 rc=0
 "$VRDMA" res show qp guest 2>"$E2E_TMP/bad.err" || rc=$?
@@ -88,7 +89,7 @@ rc=0
   fail "filter without a value: rc $rc, $(cat "$E2E_TMP/bad.err")"
 
 # Counters grow between two reads, per QP and per guest.
-sent='join " ", map { "$_->{guest}=$_->{msgs_sent}/$_->{bytes_sent}" } sort { $a->{guest} cmp $b->{guest} } @$j'
+sent='join " ", map { "$_->{guest}=$_->{msgs_sent}/$_->{bytes_sent}" } sort { $a->{guest} cmp $b->{guest} } @{$j->{qp}}'
 first="$(jq_of "$sent" stat qp -j)"
 sleep 1
 second="$(jq_of "$sent" stat qp -j)"

@@ -16,7 +16,7 @@ wait_mesh
 # Counter C (direct_msgs_sent, msgs_sent, ...) of guest G on host H, summed over its QPs.
 hcount() {
   VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" stat qp guest "$2" -j | C="$3" perl -MJSON::PP \
-    -0777 -ne 'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)}; print $s'
+    -0777 -ne 'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
 }
 # Lines of host H's backend log that say a library of guest G took the direct path.
 granted() { grep -c "direct path: guest $2 QP .* of backend" "$E2E_TMP/vrdmad.h$1.log" || true; }

@@ -131,7 +131,7 @@ bw_under_moves() {
   HOSTS_WATCH=("$srv $E2E_TMP/$g.server.out" "$cli $E2E_TMP/$g.client.out")
   hwait_flowing 1 "$g" msgs_sent "$cli"
   t0=$SECONDS
-  [[ $(hqps 1 "$g" lqpn | wc -l) == "$nq" ]] || fail "$g: $(hqps 1 "$g" lqpn | wc -l) QPs, wanted $nq"
+  [[ $(hqps 1 "$g" qpn | wc -l) == "$nq" ]] || fail "$g: $(hqps 1 "$g" qpn | wc -l) QPs, wanted $nq"
   log "$g: ib_write_bw -D $secs $* running h1 -> h2 on $nq QPs; moving its client h1 <-> h3"
   for ((m = 0; m < moves; m++)); do
     ((m == 0 || SECONDS - t0 < secs - 3)) || break

@@ -36,7 +36,7 @@ kill -STOP "$cli_proc"
 prev="" k=0
 for ((k = 0; k < 50; k++)); do
   nap 0.2
-  cur="$(hqps 2 ts-s rq-psn msgs_received)"
+  cur="$(hqps 2 ts-s rq_psn msgs_received)"
   [[ $cur == "$prev" ]] && break
   prev=$cur
 done

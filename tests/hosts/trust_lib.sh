@@ -78,10 +78,10 @@ expect_no_frames() {
 # "guest/qpn=transport/peer_node" for every QP of host I, sorted: what an attack must not move.
 qp_routes() {
   hstatus_query "$1" 'join " ", sort map { my $g = $_; map {
-    "$g->{name}/$_->{qpn}=$_->{transport}/$_->{peer_node}" } @{$g->{qps}} } @{$j->{guests}}'
+    "$g->{guest}/$_->{qpn}=$_->{transport}/$_->{peer_node}" } @{$g->{qps}} } @{$j->{guests}}'
 }
 # "LID GID QPN" of guest G on host I (its first QP), from the status. Usage: guest_ids I G
 guest_ids() {
-  hstatus_query "$1" "my (\$g) = grep { \$_->{name} eq '$2' } @{\$j->{guests}};
+  hstatus_query "$1" "my (\$g) = grep { \$_->{guest} eq '$2' } @{\$j->{guests}};
     \$g ? \"\$g->{lid} \$g->{gid} \$g->{qps}[0]{qpn}\" : ''"
 }

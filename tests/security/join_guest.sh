@@ -15,9 +15,9 @@ vuid="$(id -u "$VICTIM")" auid="$(id -u "$ATTACKER")"
 sec_stream_start "$VICTIM" vj
 wait_sent_above vj-c 0
 # What the victim's guests hold: sessions and resources, as root sees them.
-holds='join " ", map { my $g = $_; "$g->{name}:" . scalar(@{$g->{sessions}}) . ":" .
+holds='join " ", map { my $g = $_; "$g->{guest}:" . scalar(@{$g->{sessions}}) . ":" .
   join(",", map { "$_=$g->{resources}{$_}" } sort keys %{$g->{resources}}) }
-  sort { $a->{name} cmp $b->{name} } grep { $_->{name} =~ /^vj-/ } @{$j->{guests}}'
+  sort { $a->{guest} cmp $b->{guest} } grep { $_->{guest} =~ /^vj-/ } @{$j->{guests}}'
 before="$(status_query "$holds")"
 log "victim's guests: $before"
 [[ $before == "vj-c:1:"*" vj-s:1:"* ]] || fail "victim's guests: $before"

@@ -39,10 +39,10 @@ hrun_as 2 "$VICTIM" --guest lc-c -- "$SEC_BIN/rc_stream" client "$(host_ip 1)" "
 cli=$!
 cli_proc=$(child_named "$cli" rc_stream)
 hwait_flowing 1 lc-s msgs_received "$srv"
-lid="$(hqps 2 lc-c lqpn | wc -l)"
+lid="$(hqps 2 lc-c qpn | wc -l)"
 [[ $lid == 1 ]] || fail "lc-c has $lid QPs"
 victim_lid="$(hstatus 2 | perl -MJSON::PP -0777 -ne \
-  'for (@{decode_json($_)->{guests}}) { print $_->{lid} if $_->{name} eq "lc-c" }')"
+  'for (@{decode_json($_)->{guests}}) { print $_->{lid} if $_->{guest} eq "lc-c" }')"
 [[ -n $victim_lid ]] || fail "no LID for lc-c in h2's status"
 
 # (a) The victim's peer's name on h1.

@@ -15,8 +15,8 @@ HERE="$(dirname "${BASH_SOURCE[0]}")"
 
 sec_stream_start "$VICTIM" vmx
 wait_sent_above vmx-c 0
-lids="$(status_query 'join " ", map { "lid-$_->{lid}" } sort { $a->{name} cmp $b->{name} }
-  grep { $_->{name} =~ /^vmx-/ } @{$j->{guests}}')"
+lids="$(status_query 'join " ", map { "lid-$_->{lid}" } sort { $a->{guest} cmp $b->{guest} }
+  grep { $_->{guest} =~ /^vmx-/ } @{$j->{guests}}')"
 log "victim's guests are $lids"
 # (become, not as_user: curl loads no vrdma library, and a sanitizer's runtime preloaded into it
 # made it hang)

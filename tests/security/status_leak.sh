@@ -58,17 +58,17 @@ for f in status.json raw-before-hello.json raw-session.json; do
   v="$(js "$f" '"$j->{view}{uid}:" . ($j->{view}{admin} ? "admin" : "user")')"
   [[ $v == "$auid:user" ]] || fail "$f: view is $v"
 done
-[[ "$(js status.json 'join ",", sort map { $_->{name} } @{$j->{guests}}')" == al-own ]] ||
-  fail "the attacker's status lists: $(js status.json 'join ",", map { $_->{name} } @{$j->{guests}}')"
-[[ "$(js raw-session.json 'join ",", sort map { $_->{name} } @{$j->{guests}}')" == al-own,al-raw ]] ||
-  fail "the attacker's session sees: $(js raw-session.json 'join ",", map { $_->{name} } @{$j->{guests}}')"
+[[ "$(js status.json 'join ",", sort map { $_->{guest} } @{$j->{guests}}')" == al-own ]] ||
+  fail "the attacker's status lists: $(js status.json 'join ",", map { $_->{guest} } @{$j->{guests}}')"
+[[ "$(js raw-session.json 'join ",", sort map { $_->{guest} } @{$j->{guests}}')" == al-own,al-raw ]] ||
+  fail "the attacker's session sees: $(js raw-session.json 'join ",", map { $_->{guest} } @{$j->{guests}}')"
 [[ "$(js status.json '$j->{totals}{guests}')" == 1 ]] || fail "attacker's totals count others' guests"
 [[ "$(js res-mr.json 'scalar(@$j) . ":" . $j->[0]{guest} . ":" . ($j->[0]{mrlen} > 0)')" == 1:al-own:1 ]] ||
   fail "the attacker's own MR: $(cat "$E2E_TMP/out/res-mr.json")"
 grep -q "^view: uid $auid: its own guests only" "$E2E_TMP/out/status.txt" ||
   fail "vrdma status does not say the view is cut down: $(cat "$E2E_TMP/out/status.txt")"
 # The session's pid is the kernel's, not the one the hello claimed.
-gone="$(status_query 'my ($g) = grep { $_->{name} eq "al-raw" } @{$j->{guests}}; $g ? 0 : 1')"
+gone="$(status_query 'my ($g) = grep { $_->{guest} eq "al-raw" } @{$j->{guests}}; $g ? 0 : 1')"
 [[ $gone == 1 ]] || fail "the raw client's guest outlived its connection"
 logged "connection [0-9]+ \(before hello\): status for uid $auid: its own 1 guest\(s\), keys and addresses hidden" \
   "the attacker's status before hello"
@@ -82,8 +82,8 @@ logged "session [0-9]+ opened: guest al-raw pid [0-9]+ uid $auid" "the raw clien
 # The victim: its own guests, no keys.
 view "$VICTIM" v-status.json "${V[@]}" status --json
 view "$VICTIM" v-res-mr.json "${V[@]}" res show mr -j
-[[ "$(js v-status.json 'join ",", sort map { $_->{name} } @{$j->{guests}}')" == vl-c,vl-s ]] ||
-  fail "the victim's status lists: $(js v-status.json 'join ",", map { $_->{name} } @{$j->{guests}}')"
+[[ "$(js v-status.json 'join ",", sort map { $_->{guest} } @{$j->{guests}}')" == vl-c,vl-s ]] ||
+  fail "the victim's status lists: $(js v-status.json 'join ",", map { $_->{guest} } @{$j->{guests}}')"
 [[ "$(js v-res-mr.json 'scalar(@$j) . ":" . (grep { exists $_->{rkey} || exists $_->{lkey} || exists $_->{iova} } @$j)')" == 2:0 ]] ||
   fail "the victim's MRs: $(cat "$E2E_TMP/out/v-res-mr.json")"
 # Root: everything, keys included.

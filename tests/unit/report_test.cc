@@ -128,29 +128,38 @@ TEST_F(OpsTest, CountersOutliveTheGuest) {
 TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   connect_both();
   json st = status();
+  // iproute2's key names select too (lqpn: qpn).
   auto f = cli::parse_filters({"guest", "a", "lqpn", fmt::format("{:#x}", qa_.qpn)});
   ASSERT_TRUE(f.is_ok());
   auto rows = cli::res_rows(st, "qp", *f);
   ASSERT_TRUE(rows.is_ok()) << rows.status().message();
   ASSERT_EQ(rows->size(), 1u);
-  EXPECT_EQ((*rows)[0]["lqpn"], qa_.qpn);
+  EXPECT_EQ((*rows)[0]["qpn"], qa_.qpn);
   const std::string line = cli::res_text("qp", *rows);
-  EXPECT_EQ(line, fmt::format("vrdma0 guest a lqpn {} rqpn {} type RC state RTS sq-psn 0 rq-psn 0 "
-                              "pdn {} sq-cqn {} rq-cqn {} transport shm (destination guest on this backend) pid 4242\n",
+  EXPECT_EQ(line, fmt::format("vrdma0 guest a qpn {} dest_qpn {} type RC state RTS sq_psn 0 "
+                              "rq_psn 0 pdn {} sq_cqn {} rq_cqn {} transport shm pid 4242\n",
                               qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
+  // -d adds why the transport was chosen (the one value with spaces).
+  EXPECT_NE(cli::res_text("qp", *rows, true)
+                .find(" transport shm (destination guest on this backend) pid 4242\n"),
+            std::string::npos);
+  // Words match in any case; MR access bits are named.
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"state", "rts"}, {"type", "rc"}})->size(), 2u);
+  const std::string mr = cli::res_text("mr", *cli::res_rows(st, "mr", {{"guest", "a"}}));
+  EXPECT_NE(mr.find(" access LOCAL_WRITE,REMOTE_WRITE "), std::string::npos) << mr;
   // Decimal matches too (QPNs are per guest: both guests' first QP has the same number); a
   // value that is not a number matches nothing.
-  EXPECT_EQ(cli::res_rows(st, "qp", {{"lqpn", std::to_string(qb_.qpn)}})->size(),
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"qpn", std::to_string(qb_.qpn)}})->size(),
             qa_.qpn == qb_.qpn ? 2u : 1u);
-  EXPECT_EQ(cli::res_rows(st, "qp", {{"guest", "b"}, {"lqpn", std::to_string(qb_.qpn)}})->size(),
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"guest", "b"}, {"qpn", std::to_string(qb_.qpn)}})->size(),
             1u);
-  EXPECT_EQ(cli::res_rows(st, "qp", {{"lqpn", "17x"}})->size(), 0u);
+  EXPECT_EQ(cli::res_rows(st, "qp", {{"qpn", "17x"}})->size(), 0u);
   EXPECT_EQ(cli::res_rows(st, "qp", {{"state", "RTS"}})->size(), 2u);
   EXPECT_EQ(cli::res_rows(st, "cq", {{"guest", "a"}})->size(), 2u);  // send and receive CQ
   // Mistakes are errors that say what is valid.
   auto bad = cli::res_rows(st, "qp", {{"lqnp", "1"}});
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("valid: guest, lqpn"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("valid: guest, qpn, dest_qpn"), std::string::npos);
   EXPECT_FALSE(cli::res_rows(st, "qps", {}).is_ok());
   EXPECT_FALSE(cli::parse_filters({"guest"}).is_ok());
 }
@@ -199,7 +208,7 @@ TEST_F(OpsTest, PrometheusTextIsWellFormed) {
     ASSERT_TRUE(std::regex_match(line, m, sample)) << line;
     EXPECT_EQ(m[1].str(), family) << line;
   }
-  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"a\",lqpn=\"{}\",type=\"RC\","
+  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"a\",qpn=\"{}\",type=\"RC\","
                                   "transport=\"shm\"}} 1\n",
                                   qa_.qpn)),
             std::string::npos)
@@ -247,7 +256,10 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
                    "h2)\n"),
             std::string::npos)
       << h;
-  EXPECT_NE(h.find("peers: 10.0.0.2:7471\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("peers: 10.0.0.2:7471 (connected to h2 for "), std::string::npos) << h;
+  EXPECT_NE(h.find("\nconfig: no file (defaults and flags); log "), std::string::npos) << h;
+  EXPECT_NE(h.find("\nkeep_state: off\n"), std::string::npos) << h;
+  EXPECT_NE(h.find("\ndirect paths: same host off, across backends off\n"), std::string::npos) << h;
   EXPECT_NE(h.find("datapath: 1 thread, busy "), std::string::npos) << h;
   EXPECT_NE(h.find("metrics: off\n"), std::string::npos) << h;
   EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
@@ -309,7 +321,7 @@ TEST(PrometheusText, EscapesLabelValues) {
                {"datapath", {{"cpu_s", 0.5}}},
                {"quotas", json::object()}}},
              {"totals", {{"guests", 1}, {"sessions", 1}}},
-             {"guests", json::array({{{"name", "a\"b\\c\nd"}, {"resources", {{"qp", 1}}}}})},
+             {"guests", json::array({{{"guest", "a\"b\\c\nd"}, {"resources", {{"qp", 1}}}}})},
              {"guest_counters", json::array()},
              {"res", {{"qp", json::array()}}}};
   const std::string text = backend::prometheus_text(st, true);
@@ -328,7 +340,7 @@ TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
                                   b_.hello.lid)),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"lid-{}\",lqpn=\"{}\",",
+  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"lid-{}\",qpn=\"{}\",",
                                   a_.hello.lid, qa_.qpn)),
             std::string::npos)
       << text;
@@ -385,7 +397,7 @@ class VisibilityTest : public OpsTest {
   /// Every guest name anywhere in the document (guests, res rows, counters).
   static std::set<std::string> guests_in(const json& st) {
     std::set<std::string> out;
-    for (const auto& g : st["guests"]) out.insert(g["name"].get<std::string>());
+    for (const auto& g : st["guests"]) out.insert(g["guest"].get<std::string>());
     for (const auto& [type, rows] : st["res"].items())
       for (const auto& r : rows) out.insert(r["guest"].get<std::string>());
     for (const auto& g : st["guest_counters"]) out.insert(g["guest"].get<std::string>());
@@ -425,7 +437,7 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   for (const char* k : {"lkey", "rkey", "iova"}) EXPECT_EQ(keys.count(k), 0u) << k;
   // Its own resources are all there, and the totals are its own.
   EXPECT_EQ(st["res"]["qp"].size(), 1u);
-  EXPECT_EQ(st["res"]["qp"][0]["lqpn"], qa_.qpn);
+  EXPECT_EQ(st["res"]["qp"][0]["qpn"], qa_.qpn);
   EXPECT_EQ(st["res"]["mr"].size(), 1u);
   EXPECT_EQ(st["res"]["mr"][0]["mrlen"], kMemBytes);
   EXPECT_EQ(st["res"]["cq"].size(), 2u);
