@@ -356,6 +356,10 @@ class Device : public transport::Receiver {
 
   /// Cross-backend traffic goes through `t` (may be null: single host). Set before sessions.
   void set_transport(transport::Transport* t) { transport_ = t; }
+  /// Where the RDMA CM messages of peer backends (wire kCm) go: the backend's connection
+  /// service, which checks them. Unset: they are dropped.
+  using CmReceiver = std::function<void(const std::string& node, const proto::wire::Cm& m)>;
+  void set_cm_receiver(CmReceiver r) { cm_rx_ = std::move(r); }
 
   /// The user the backend runs as (its euid, by default): like root, an admin, who may join
   /// any guest. Tests set another.
@@ -672,6 +676,7 @@ class Device : public transport::Receiver {
   bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
+  CmReceiver cm_rx_;
   uint64_t next_flow_ = 1;
   log::Every ack_log_{1'000'000'000};  ///< ACK timeouts: one line a second, the rest counted
   /// The time of the last poll(): frames that arrive between polls use it for their timers.

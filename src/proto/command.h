@@ -514,6 +514,20 @@ enum class CmEventType : uint32_t {
 inline constexpr int32_t kCmRejTimeout = 1;         ///< the peer went away mid-handshake
 inline constexpr int32_t kCmRejInvalidService = 8;  ///< nobody listens on that port
 inline constexpr int32_t kCmRejConsumer = 28;       ///< rdma_reject
+/// RDMA_PS_* (rdma_cma.h's enum, which is ABI).
+inline constexpr uint16_t kCmPsIpoib = 0x0002, kCmPsTcp = 0x0106, kCmPsUdp = 0x0111,
+                          kCmPsIb = 0x013F;
+/// The IB CM's private data sizes: what a REQ (`op` kCmConnect), REP (kCmAccept) or REJ
+/// (kCmReject) of port space `ps` and QP type `qp_type` may carry. An IP port space's REQ gives
+/// 36 bytes to rdma_cm's header; UD takes the SIDR shapes. The library's check and the one on
+/// what a peer backend forwards.
+inline size_t cm_private_limit(uint16_t ps, uint8_t qp_type, Op op) {
+  const bool ip = ps != kCmPsIb;
+  if (qp_type == 4 /* IBV_QPT_UD */) return op == Op::kCmConnect ? (ip ? 180 : 216) : 136;
+  if (op == Op::kCmConnect) return ip ? 56 : 92;
+  if (op == Op::kCmAccept) return 196;
+  return 148;  // REJ
+}
 /// An IP address and port (sockaddr_in or sockaddr_in6, fixed width).
 struct CmAddr {
   uint16_t family;  ///< AF_INET or AF_INET6; 0: none

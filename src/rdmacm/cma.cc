@@ -510,12 +510,7 @@ int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_
 }
 
 size_t private_data_limit(const VId* v, Op op) {
-  // The IB CM's private data sizes; an IP port space's REQ gives 36 bytes to rdma_cm's header.
-  const bool ip = v->id.ps != RDMA_PS_IB;
-  if (v->id.qp_type == IBV_QPT_UD) return op == Op::kCmConnect ? (ip ? 180 : 216) : 136;
-  if (op == Op::kCmConnect) return ip ? 56 : 92;
-  if (op == Op::kCmAccept) return 196;
-  return 148;  // REJ
+  return cm_private_limit(static_cast<uint16_t>(v->id.ps), static_cast<uint8_t>(v->id.qp_type), op);
 }
 
 }  // namespace vrdma::rdmacm
