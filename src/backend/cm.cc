@@ -208,6 +208,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
   switch (op) {
     case Op::kCmDestroyId:
       abandon(handle, *id);
+      disarm(*id);
       ids_.erase(handle);
       --usage_[s.id].ids;
       return done(Status::ok());
@@ -354,7 +355,7 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     id.src.port = port;
   }
   id.state = State::kAddrResolved;
-  id.timer_gen++;  // an earlier resolution's timeout is stale
+  disarm(id);  // an earlier resolution's timeout
   emit(handle, CmEventType::kAddrResolved, 0);
   return Status::ok();
 }
@@ -571,27 +572,27 @@ void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t sta
       if (id.state != State::kReqSent) return;
       id.peer = from;
       set_state(id, State::kRepRcvd);
-      id.timer_gen++;
+      disarm(id);
       emit(h, CmEventType::kConnectResponse, 0, qp, pdata);
       break;
     case CmKind::kSidrRep:
       if (id.state != State::kReqSent) return;
       id.peer = 0;
       set_state(id, State::kRouteResolved);
-      id.timer_gen++;
+      disarm(id);
       emit(h, CmEventType::kEstablished, 0, qp, pdata);
       break;
     case CmKind::kRej:
       if (id.state != State::kReqSent && id.state != State::kRepSent) return;
       set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
       id.peer = 0;
-      id.timer_gen++;
+      disarm(id);
       emit(h, CmEventType::kRejected, status, nullptr, pdata);
       break;
     case CmKind::kRtu:
       if (id.state != State::kRepSent) return;
       set_state(id, State::kEstablished);
-      id.timer_gen++;
+      disarm(id);
       emit(h, CmEventType::kEstablished, 0);
       break;
     case CmKind::kDreq:
@@ -600,12 +601,12 @@ void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t sta
         return;
       set_state(id, State::kDisconnected);
       id.peer = 0;
-      id.timer_gen++;
+      disarm(id);
       emit(h, CmEventType::kDisconnected, 0);
       break;
     case CmKind::kGone:  // by where the handshake was
       id.peer = 0;
-      id.timer_gen++;
+      disarm(id);
       switch (id.state) {
         case State::kReqSent:  // its listener side went away before accepting
           set_state(id, State::kRouteResolved);
@@ -683,9 +684,17 @@ void CmService::on_wire(const std::string& node, const wire::Cm& m) {
 }
 
 void CmService::arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k) {
+  disarm(id);
   if (k == TimerKind::kTimewait) id.timewait = true;
-  timers_.emplace(cm_clock_ns() + after_ms * 1000000, Timer{h, ++id.timer_gen, k});
+  id.timer = timers_.emplace(cm_clock_ns() + after_ms * 1000000, Timer{h, k});
+  id.timer_armed = true;
   rearm_timerfd();
+}
+
+void CmService::disarm(Id& id) {
+  if (!id.timer_armed) return;
+  timers_.erase(id.timer);
+  id.timer_armed = false;
 }
 
 void CmService::rearm_timerfd() {
@@ -706,10 +715,10 @@ void CmService::on_timer() {
   while (!timers_.empty() && timers_.begin()->first <= now) {
     const Timer t = timers_.begin()->second;
     timers_.erase(timers_.begin());
-    auto it = ids_.find(t.id);
-    // A TIMEWAIT_EXIT is not stale: nothing after a disconnect makes a new timer.
-    if (it == ids_.end() || it->second.timer_gen != t.gen) continue;
+    auto it = ids_.find(t.id);  // always there: an id takes its timer with it
+    if (it == ids_.end()) continue;
     Id& id = it->second;
+    id.timer_armed = false;
     switch (t.kind) {
       case TimerKind::kAddr:
         emit(t.id, CmEventType::kAddrError, -ETIMEDOUT);
@@ -721,7 +730,7 @@ void CmService::on_timer() {
         if (id.state != State::kReqSent && id.state != State::kRepSent) break;
         const auto up = peers_ ? peers_() : std::vector<std::string>{};
         if (std::find(up.begin(), up.end(), id.node) != up.end() && ++id.tries < kHandshakeTries) {
-          timers_.emplace(now + kHandshakeStepMs * 1000000, Timer{t.id, t.gen, t.kind});
+          arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
           break;
         }
         VLOG_INFO("cm: id {}: no answer from {}; UNREACHABLE", t.id, id.node);
@@ -746,6 +755,7 @@ void CmService::session_closed(const engine::Session* session) {
   for (uint32_t h : gone) {
     auto it = ids_.find(h);
     abandon(h, it->second);
+    disarm(it->second);
     ids_.erase(it);
   }
   std::erase_if(channels_, [s](const auto& kv) { return kv.second.owner == s; });

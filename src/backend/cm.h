@@ -71,6 +71,11 @@ class CmService {
     kEstablished,
     kDisconnected,  ///< sent or received DREQ
   };
+  enum class TimerKind : uint8_t { kAddr, kTimewait, kHandshake };
+  struct Timer {
+    uint32_t id;
+    TimerKind kind;
+  };
   struct Channel {
     uint32_t owner = 0;  ///< engine::Session::id (unique for the backend's life)
     UniqueFd sock;                             ///< non-blocking; the library reads the other end
@@ -91,14 +96,11 @@ class CmService {
     uint32_t listener = 0;  ///< kReqRcvd: the listener it came to (its backlog counts it)
     uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
-    uint32_t timer_gen = 0;  ///< timers of an older generation are stale
     uint32_t tries = 0;      ///< handshake timer: checks of the peer backend so far
-  };
-  enum class TimerKind : uint8_t { kAddr, kTimewait, kHandshake };
-  struct Timer {
-    uint32_t id;
-    uint32_t gen;
-    TimerKind kind;
+    /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
+    /// the id, so what a guest can make wait is bounded by its ids.
+    bool timer_armed = false;
+    std::multimap<uint64_t, Timer>::iterator timer;
   };
   using Reply = std::vector<uint8_t>;
 
@@ -138,6 +140,7 @@ class CmService {
   /// The peer node whose host has IPv4 address `a` (its transport connection's), or "".
   std::string node_for(const proto::CmAddr& a) const;
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
+  void disarm(Id& id);
   void rearm_timerfd();
   /// Closes the destroyed channels' sockets whose guest end is closed.
   void sweep_closing();

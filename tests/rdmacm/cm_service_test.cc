@@ -250,11 +250,16 @@ TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrErrorAfterTheTimeout) {
   }
   ASSERT_EQ(st, 0);
   EXPECT_TRUE(cli.quiet());  // a neighbour that may still answer
+  // Asked again: one timer per id (the last one), however often.
+  for (int i = 0; i < 3; ++i)
+    ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 100, {}, v4("198.51.100.1", 7000)}).first,
+              0);
   std::this_thread::sleep_for(std::chrono::milliseconds(120));
   cm.on_timer();
   CmEvent e = cli.next();
   EXPECT_EQ(e.event, ev(CmEventType::kAddrError));
   EXPECT_EQ(e.status, -ETIMEDOUT);
+  EXPECT_TRUE(cli.quiet());
   EXPECT_EQ(cli.conn(Op::kCmConnect, c, 0x12), -EINVAL);  // never resolved
 }
 
