@@ -116,14 +116,19 @@ TEST(WireCodec, RoundTrips) {
   EXPECT_EQ(std::memcmp(f.offer.token, o.token, sizeof(o.token)), 0);
 }
 
-TEST(WireCodec, RefusesMalformedDirectOffer) {
+/// decode's error for body `b` of type `t` changed by `mutate`, with `payload` bytes announced.
+template <typename Body, typename Mutate>
+int mutated_err(Type t, Body b, Mutate mutate, uint32_t payload) {
+  mutate(b);
+  Bytes m;
+  encode(t, &b, payload, m);
   Frame f;
-  auto err = [&](auto mutate, uint32_t payload = 0) {
-    DirectOffer o = offer();
-    mutate(o);
-    Bytes m;
-    encode(Type::kDirectOffer, &o, payload, m);
-    return decode_bytes(m, f).err();
+  return decode_bytes(m, f).err();
+}
+
+TEST(WireCodec, RefusesMalformedDirectOffer) {
+  auto err = [](auto mutate, uint32_t payload = 0) {
+    return mutated_err(Type::kDirectOffer, offer(), mutate, payload);
   };
   EXPECT_EQ(err([](DirectOffer&) {}), 0);
   EXPECT_EQ(err([](DirectOffer& o) { o.is_global = 2; }), EPROTO);
@@ -146,13 +151,8 @@ TEST(WireCodec, CmRoundTrips) {
 
 // What a hostile peer backend may forward: every field a guest's command could not set.
 TEST(WireCodec, RefusesMalformedCm) {
-  Frame f;
-  auto err = [&](auto mutate, uint32_t payload = 0) {
-    Cm m = cm_req();
-    mutate(m);
-    Bytes b;
-    encode(Type::kCm, &m, payload, b);
-    return decode_bytes(b, f).err();
+  auto err = [](auto mutate, uint32_t payload = 0) {
+    return mutated_err(Type::kCm, cm_req(), mutate, payload);
   };
   auto as = [](CmKind k) { return static_cast<uint8_t>(k); };
   EXPECT_EQ(err([](Cm&) {}), 0);
