@@ -86,6 +86,15 @@ bool is_local(const CmAddr& a) {
 
 bool valid_family(const CmAddr& a) { return a.family == AF_INET || a.family == AF_INET6; }
 
+}  // namespace
+
+bool is_multicast(const CmAddr& a) {
+  return (a.family == AF_INET && (a.addr[0] & 0xf0) == 0xe0) ||
+         (a.family == AF_INET6 && a.addr[0] == 0xff);
+}
+
+namespace {
+
 /// Where this host sends to `dst` from (the kernel's route, as a connected UDP socket shows),
 /// or the errno of a destination no route reaches (ENETUNREACH).
 Result<CmAddr> route_source(const CmAddr& dst) {
@@ -255,6 +264,12 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       return done(establish(handle, *id));
     case Op::kCmDisconnect:
       return done(disconnect(handle, *id));
+    case Op::kCmJoinMcast:
+      return done(join_mcast(handle, *id, body_of<CmAddrReq>(msg).value().addr));
+    case Op::kCmLeaveMcast:  // the library detaches its QP; the group has no state here
+      return done(is_multicast(body_of<CmAddrReq>(msg).value().addr)
+                      ? Status::ok()
+                      : error(EINVAL, "not a multicast address"));
     default:
       return fail(EOPNOTSUPP);
   }
@@ -330,7 +345,7 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
     return Status::ok();
   }
-  if (!is_local(r.dst)) {
+  if (!is_multicast(r.dst) && !is_local(r.dst)) {
     // Another host: as the kernel, an address no route reaches fails now; one on a network
     // whose host has no backend is a neighbour that never answers: ADDR_ERROR after the
     // timeout (-ETIMEDOUT, as an ARP request that got no reply).
@@ -342,6 +357,17 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
       return Status::ok();
     }
     if (!src.family) src = via;
+  } else if (!src.family && is_multicast(r.dst)) {
+    // A group: joined from the host's address toward it (loopback when no route says).
+    auto via = route_source(r.dst);
+    src = via.is_ok() ? via.value() : CmAddr{};
+    if (!via.is_ok()) {
+      src.family = r.dst.family;
+      if (src.family == AF_INET)
+        src.addr[0] = 127, src.addr[3] = 1;
+      else
+        src.addr[15] = 1;
+    }
   } else if (!src.family) {
     src = r.dst;  // a local destination is reached from itself
     src.port = 0;
@@ -351,7 +377,7 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
   id.node = node;
   if (is_wildcard(id.src)) {
     const uint16_t port = id.src.port;
-    id.src = node.empty() ? r.dst : src;
+    id.src = src.family ? src : r.dst;
     id.src.port = port;
   }
   id.state = State::kAddrResolved;
@@ -535,6 +561,32 @@ void CmService::abandon(uint32_t handle, Id& id) {
   if (id.peer || (!id.node.empty() && id.state == State::kReqSent)) tell(handle, id, CmKind::kGone);
   if (id.state == State::kReqRcvd) set_state(id, State::kIdle);  // leaves the backlog
   id.peer = 0;
+}
+
+Status CmService::join_mcast(uint32_t handle, Id& id, const CmAddr& group) {
+  if (!is_multicast(group)) return error(EINVAL, "not a multicast address");
+  if (id.state != State::kBound && id.state != State::kAddrResolved &&
+      id.state != State::kRouteResolved)
+    return error(EINVAL, "join before the id has an address");
+  // The group's GID: an IPv6 group is its own; an IPv4 one maps as IPoIB maps it
+  // (ff12:401b:<pkey>::<address>). Its LID: a multicast LID from the GID.
+  CmQpInfo g{};
+  if (group.family == AF_INET6) {
+    std::memcpy(g.gid, group.addr, 16);
+  } else {
+    static constexpr uint8_t kPrefix[6] = {0xff, 0x12, 0x40, 0x1b, 0xff, 0xff};
+    std::memcpy(g.gid, kPrefix, sizeof(kPrefix));
+    std::memcpy(g.gid + 12, group.addr, 4);
+  }
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (uint8_t b : g.gid) h = (h ^ b) * 16777619u;
+  g.lid = static_cast<uint16_t>(0xc000 + h % 0x3fff);
+  g.qpn = 0xffffff;
+  g.qp_type = 4;        // IBV_QPT_UD
+  g.qkey = 0x01234567;  // RDMA_UDP_QKEY, what rdma_cm gives UDP and IPoIB groups
+  g.mtu = 5;            // IBV_MTU_4096
+  emit(handle, CmEventType::kMulticastJoin, 0, &g, {}, kNone, &group);
+  return Status::ok();
 }
 
 void CmService::tell(uint32_t from, Id& id, CmKind k, int32_t status, const CmQpInfo* qp,
@@ -773,7 +825,7 @@ void CmService::sweep_closing() {
 }
 
 void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQpInfo* peer,
-                     std::span<const uint8_t> pdata, uint32_t listen_id) {
+                     std::span<const uint8_t> pdata, uint32_t listen_id, const CmAddr* dst) {
   auto it = ids_.find(handle);
   if (it == ids_.end()) return;
   auto ch = channels_.find(it->second.channel);
@@ -784,7 +836,7 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   e.id = handle;
   e.listen_id = listen_id;
   e.src = it->second.src;
-  e.dst = it->second.dst;
+  e.dst = dst ? *dst : it->second.dst;
   if (peer) e.peer = *peer;
   e.private_len = static_cast<uint32_t>(std::min(pdata.size(), kCmPrivateMax));
   if (e.private_len) std::memcpy(e.private_data, pdata.data(), e.private_len);

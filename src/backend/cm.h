@@ -29,6 +29,9 @@ class Transport;
 
 namespace vrdma::backend {
 
+/// An IPv4 (224/4) or IPv6 (ff00::/8) multicast address.
+bool is_multicast(const proto::CmAddr& a);
+
 class CmService {
  public:
   CmService();
@@ -116,6 +119,8 @@ class CmService {
   Status reject(uint32_t handle, Id& id, const proto::CmConnReq& r);
   Status establish(uint32_t handle, Id& id);
   Status disconnect(uint32_t handle, Id& id);
+  /// MULTICAST_JOIN with the group's GID, LID and qkey (its address in the event's dst).
+  Status join_mcast(uint32_t handle, Id& id, const proto::CmAddr& group);
   /// What the peer of an id that goes away hears, by where the handshake was.
   void abandon(uint32_t handle, Id& id);
   /// The listener for (ps, port) that takes connections to `dst`; 0 when none.
@@ -123,7 +128,7 @@ class CmService {
   /// Queues one event on the id's channel (dropped when the id or channel is gone).
   void emit(uint32_t handle, proto::CmEventType ev, int32_t status,
             const proto::CmQpInfo* peer = nullptr, std::span<const uint8_t> pdata = {},
-            uint32_t listen_id = proto::kNone);
+            uint32_t listen_id = proto::kNone, const proto::CmAddr* dst = nullptr);
   void flush(Channel& ch);
   /// Moves an id to `st`, leaving its listener's backlog when it was a pending request.
   void set_state(Id& id, State st);

@@ -454,6 +454,12 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kModifySrq: reply_status(dev_.modify_srq(*s, body_of<ModifySrqReq>(msg).value())); break;
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
+    case Op::kAttachMcast:
+      reply_status(dev_.attach_mcast(*s, body_of<McastReq>(msg).value()));
+      break;
+    case Op::kDetachMcast:
+      reply_status(dev_.detach_mcast(*s, body_of<McastReq>(msg).value()));
+      break;
     case Op::kDirectGrant:
     case Op::kDirectRings:
     case Op::kDirectOffer:

@@ -465,6 +465,10 @@ class Device : public transport::Receiver {
   void set_sleeping(bool sleeping);
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
 
+  // ---- UD multicast within this backend (device_mcast.cc) ----
+  Status attach_mcast(Session& s, const proto::McastReq& r);
+  Status detach_mcast(Session& s, const proto::McastReq& r);
+
   // ---- frames from other backends (device_remote.cc) ----
   void on_frame(const std::string& node, const proto::wire::Frame& f,
                 transport::RxSink& sink) override;
@@ -617,6 +621,17 @@ class Device : public transport::Receiver {
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
   /// Executes one UD send: a datagram to the QP its address names, or lost.
   void execute_ud(Qp& qp, const proto::SendWqe& w);
+  /// A datagram to a multicast GID or LID (device_mcast.cc): every attached QP here.
+  static bool is_mcast(const proto::UdDest& d);
+  void send_mcast(Qp& qp, const proto::SendWqe& w, const proto::UdDest& dest, uint64_t len);
+  /// A QP that goes leaves its groups.
+  void mcast_forget(Qp& qp);
+  using McastKey = std::array<uint8_t, 16>;
+  struct McastGroup {
+    uint16_t lid = 0;
+    std::vector<Qp*> qps;
+  };
+  std::map<McastKey, McastGroup> mcast_;  ///< by multicast GID
   /// The receive WQE a message to `to` lands in (its SRQ's or its own RQ's head), copied out of
   /// shared memory. False when none is posted; sets `corrupt` when the ring's indices are.
   bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);

@@ -83,11 +83,21 @@ enum class Op : uint16_t {
   kCmDisconnect = 47,      ///< HandleReq: DREQ (or DREP, after the peer's)
   kCmMigrateId = 48,       ///< CmMigrateReq: the id's events go to another channel
   kCmEvent = 49,           ///< backend to library only, on an event socket: CmEvent
-  kMax = 50,               ///< one past the last opcode; never sent
+  // UD multicast (ibv_attach_mcast/detach): McastReq, no response body.
+  kAttachMcast = 50,
+  kDetachMcast = 51,
+  // rdma_join_multicast/leave: CmAddrReq (the group's address); join's event MULTICAST_JOIN.
+  kCmJoinMcast = 52,
+  kCmLeaveMcast = 53,
+  kMax = 54,  ///< one past the last opcode; never sent
 };
 
-/// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent).
-inline bool is_cm(Op op) { return op >= Op::kCmCreateChannel && op <= Op::kCmEvent; }
+/// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
+/// kCmJoinMcast, kCmLeaveMcast).
+inline bool is_cm(Op op) {
+  return (op >= Op::kCmCreateChannel && op <= Op::kCmEvent) || op == Op::kCmJoinMcast ||
+         op == Op::kCmLeaveMcast;
+}
 
 /// The opcode's name for log lines ("kRegMr" -> "reg_mr"); "op N" for an unknown one.
 std::string op_name(uint16_t op);
@@ -508,6 +518,8 @@ enum class CmEventType : uint32_t {
   kEstablished = 9,
   kDisconnected = 10,
   kDeviceRemoval = 11,
+  kMulticastJoin = 12,
+  kMulticastError = 13,
   kTimewaitExit = 15,
 };
 /// REJECTED's status: the IB CM reject reasons rdma_cm reports.
@@ -554,6 +566,15 @@ struct CmQpInfo {
   uint32_t qkey;  ///< UD
 };
 static_assert(sizeof(CmQpInfo) == 40);
+/// kAttachMcast / kDetachMcast: QP `qp` joins or leaves the group of `gid` (a multicast GID,
+/// ff00::/8) and `lid`.
+struct McastReq {
+  uint32_t qp;
+  uint16_t lid;
+  uint16_t reserved;
+  uint8_t gid[16];
+};
+static_assert(sizeof(McastReq) == 24);
 struct CmCreateIdReq {
   uint32_t channel;
   uint16_t port_space;  ///< RDMA_PS_*
