@@ -2,7 +2,7 @@
 # Debian's unmodified rdma_cm programs across two namespace hosts (server on h1, client on h2):
 # rdma_resolve_addr of h1's address finds h1's backend, and the CM exchange travels between the
 # backends over their transport connection (wire kCm). rping -C 20 -v with the data checked on
-# both ends, ucmatose -c 4, ib_send_bw -R; then an address on the network with no host (ADDR_ERROR
+# both ends, ucmatose -c 4, udaddy (UD), ib_send_bw -R; then an address on the network with no host (ADDR_ERROR
 # after rping's 2 s timeout) and one no route reaches (refused at once). A few seconds.
 # Usage: rdmacm.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -51,6 +51,12 @@ diff <(sed -n 's/^ping data: //p' "$E2E_TMP/rping.cli") \
 
 cm_pair ucmatose "ucmatose -p 7175 -c 4 -C 20" "ucmatose -s $SRV_IP -p 7175 -c 4 -C 20"
 for f in ucmatose.cli ucmatose.srv; do
+  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
+done
+
+# UD: the SIDR-shaped exchange, then datagrams to the address handle from the event.
+cm_pair udaddy "udaddy" "udaddy -s $SRV_IP"
+for f in udaddy.cli udaddy.srv; do
   grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
 done
 

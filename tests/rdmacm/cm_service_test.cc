@@ -38,6 +38,8 @@ TEST(CmWire, EveryCmOpcodeHasItsFixedBody) {
       {Op::kCmEstablish, sizeof(HandleReq)},
       {Op::kCmDisconnect, sizeof(HandleReq)},
       {Op::kCmMigrateId, sizeof(CmMigrateReq)},
+      {Op::kCmJoinMcast, sizeof(CmAddrReq)},
+      {Op::kCmLeaveMcast, sizeof(CmAddrReq)},
   };
   for (auto [op, size] : sizes) {
     SCOPED_TRACE(op_name(static_cast<uint16_t>(op)));
@@ -366,6 +368,26 @@ TEST_F(CmServiceTest, ASessionsIdsAreCapped) {
   EXPECT_EQ(other.cmd(Op::kCmCreateId, CmCreateIdReq{other.channel, 0x0106, 2, 0}).first, 0);
   cm.session_closed(&cli.s);
   EXPECT_EQ(cm.ids(), 2u);  // the listener and other's
+}
+
+TEST_F(CmServiceTest, AJoinGivesTheGroupsGidLidAndQkey) {
+  const uint32_t id = cli.create_id(kCmPsUdp);
+  const CmAddr group = v4("239.1.2.3", 0);
+  EXPECT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, group}).first, -EINVAL);  // no address
+  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{id, 1000, {}, group}).first, 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  EXPECT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, v4("10.1.2.3", 0)}).first, -EINVAL);
+  ASSERT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, group}).first, 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kMulticastJoin));
+  EXPECT_EQ(std::memcmp(e.dst.addr, group.addr, 4), 0);  // which join it answers
+  const uint8_t mgid[16] = {0xff, 0x12, 0x40, 0x1b, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 239, 1, 2, 3};
+  EXPECT_EQ(std::memcmp(e.peer.gid, mgid, 16), 0);
+  EXPECT_GE(e.peer.lid, 0xc000);
+  EXPECT_LT(e.peer.lid, 0xffff);
+  EXPECT_EQ(e.peer.qpn, 0xffffffu);
+  EXPECT_EQ(e.peer.qkey, 0x01234567u);
+  EXPECT_EQ(cli.cmd(Op::kCmLeaveMcast, CmAddrReq{id, 0, group}).first, 0);
 }
 
 /// A stand-in for the backend-to-backend transport: what is sent to peer "b" (whose host is
