@@ -99,7 +99,7 @@ class CmService {
     uint32_t listener = 0;  ///< kReqRcvd: the listener it came to (its backlog counts it)
     uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
-    uint32_t tries = 0;      ///< handshake timer: checks of the peer backend so far
+    uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
     /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
     /// the id, so what a guest can make wait is bounded by its ids.
     bool timer_armed = false;

@@ -34,8 +34,7 @@ Status Device::attach_mcast(Session& s, const McastReq& r) {
       std::find(it->second.qps.begin(), it->second.qps.end(), qp) != it->second.qps.end())
     return Status::ok();  // attached already
   size_t joined = 0;
-  for (const auto& [k, grp] : mcast_)
-    joined += std::count(grp.qps.begin(), grp.qps.end(), qp);
+  for (const auto& [k, grp] : mcast_) joined += std::count(grp.qps.begin(), grp.qps.end(), qp);
   if (joined >= kMaxQpMcastGroups) return error(ENOMEM, "QP in too many multicast groups");
   if (it == mcast_.end()) {
     if (mcast_.size() >= kMaxMcastGroups) return error(ENOMEM, "multicast group limit");
