@@ -53,17 +53,17 @@ bool same_addr(const CmAddr& a, const CmAddr& b) {
   return a.family == b.family && std::memcmp(a.addr, b.addr, a.family == AF_INET ? 4 : 16) == 0;
 }
 
+bool is_loopback(const CmAddr& a) {
+  static constexpr uint8_t kLoop6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  return (a.family == AF_INET && a.addr[0] == 127) ||
+         (a.family == AF_INET6 && std::memcmp(a.addr, kLoop6, 16) == 0);
+}
+
 /// Whether `a` names this host (in the backend's network namespace): loopback, or an address
 /// a socket can bind to. Every such address is vrdma0 port 1 here.
 bool is_local(const CmAddr& a) {
-  if (a.family == AF_INET) {
-    if (a.addr[0] == 127) return true;
-  } else if (a.family == AF_INET6) {
-    static constexpr uint8_t kLoop6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
-    if (std::memcmp(a.addr, kLoop6, 16) == 0) return true;
-  } else {
-    return false;
-  }
+  if (a.family != AF_INET && a.family != AF_INET6) return false;
+  if (is_loopback(a)) return true;
   if (is_wildcard(a)) return true;
   UniqueFd s(::socket(a.family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   if (!s.valid()) return false;
@@ -415,8 +415,9 @@ void CmService::set_state(Id& id, State st) {
 
 uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int32_t& reason) {
   reason = kCmRejInvalidService;
-  // From a peer: the address it connects to must be this host's (ours are, by resolve_addr).
-  if (!node.empty() && (is_wildcard(m.dst) || !is_local(m.dst))) return 0;
+  // From a peer: the address it connects to must be this host's (ours are, by resolve_addr),
+  // and not loopback: a listener there is for this host only, as a TCP one on 127.0.0.1.
+  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !is_local(m.dst))) return 0;
   const uint32_t lh = listener_for(m.ps, m.dst);
   if (!lh) return 0;
   Id& l = ids_.at(lh);

@@ -5,6 +5,8 @@
 // tests play that peer (a well-behaved one, then a hostile one).
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -436,25 +438,48 @@ struct FakeTransport : transport::Transport {
   }
 };
 
-wire::Cm peer_msg(wire::CmKind k, uint32_t src_id, uint32_t dst_id) {
-  wire::Cm m{};
-  m.kind = static_cast<uint8_t>(k);
-  m.qp_type = 2;
-  m.ps = kCmPsTcp;
-  m.src_id = src_id;
-  m.dst_id = dst_id;
-  m.src = v4("10.77.0.2", 40000);
-  m.dst = v4("127.0.0.1", 7000);
-  m.qp.qpn = 0x77;
-  return m;
+/// An IPv4 address of this host other than loopback (what a peer's guests reach it by), or
+/// family 0 when it has none.
+CmAddr non_loopback_address(uint16_t port) {
+  CmAddr a{};
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return a;
+  for (ifaddrs* i = ifs; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK))
+      continue;
+    a.family = AF_INET;
+    a.port = port;
+    std::memcpy(a.addr, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, 4);
+    break;
+  }
+  ::freeifaddrs(ifs);
+  return a;
 }
 
 struct CmAcrossHostsTest : CmServiceTest {
   FakeTransport t;
+  CmAddr here{};  ///< where srv's second listener is: an address of this host, not loopback
   void SetUp() override {
     CmServiceTest::SetUp();
+    here = non_loopback_address(7100);
+    if (!here.family) GTEST_SKIP() << "no address here but loopback";
+    const uint32_t l = srv.create_id();
+    ASSERT_EQ(srv.bind(l, here), 0);
+    ASSERT_EQ(srv.listen(l), 0);
     cm.set_transport(
         &t, [this] { return t.up ? std::vector<std::string>{"b"} : std::vector<std::string>{}; });
+  }
+  wire::Cm peer_msg(wire::CmKind k, uint32_t src_id, uint32_t dst_id) {
+    wire::Cm m{};
+    m.kind = static_cast<uint8_t>(k);
+    m.qp_type = 2;
+    m.ps = kCmPsTcp;
+    m.src_id = src_id;
+    m.dst_id = dst_id;
+    m.src = v4("10.77.0.2", 40000);
+    m.dst = here;
+    m.qp.qpn = 0x77;
+    return m;
   }
   /// Peer "b"'s id `from` connects to srv's listener: the new id here.
   uint32_t remote_request(uint32_t from, const std::string& pdata = "req") {
@@ -552,7 +577,8 @@ TEST_F(CmAcrossHostsTest, GarbageFromAPeerReachesNoId) {
   EXPECT_EQ(gone.kind, uint8_t(wire::CmKind::kGone));
   EXPECT_EQ(gone.src_id, 0x7fffffffu);
   EXPECT_EQ(gone.dst_id, 901u);
-  // A request for an address of another host, or a port nobody listens on: REJ, no id.
+  // A request for an address of another host, a port nobody listens on, or loopback (a
+  // listener there is this host's own, as a TCP one on 127.0.0.1): REJ, no id.
   const size_t ids = cm.ids();
   wire::Cm m = peer_msg(wire::CmKind::kReq, 903, 0);
   m.dst = v4("192.0.2.1", 7000);
@@ -560,7 +586,10 @@ TEST_F(CmAcrossHostsTest, GarbageFromAPeerReachesNoId) {
   m = peer_msg(wire::CmKind::kReq, 904, 0);
   m.dst.port = 7999;
   cm.on_wire("b", m);
-  for (uint32_t who : {903u, 904u}) {
+  m = peer_msg(wire::CmKind::kReq, 905, 0);
+  m.dst = v4("127.0.0.1", 7000);
+  cm.on_wire("b", m);
+  for (uint32_t who : {903u, 904u, 905u}) {
     wire::Cm rej = t.take();
     EXPECT_EQ(rej.kind, uint8_t(wire::CmKind::kRej));
     EXPECT_EQ(rej.dst_id, who);
