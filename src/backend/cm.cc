@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -12,10 +13,12 @@
 #include <cstring>
 
 #include "engine/device.h"
+#include "transport/transport.h"
 
 namespace vrdma::backend {
 
 using namespace vrdma::proto;
+using wire::CmKind;
 
 namespace {
 
@@ -24,6 +27,16 @@ constexpr int kEventSocketBuffer = 1 << 20;  ///< capped by net.core.wmem_max
 /// What one session may hold: each channel is a descriptor in the backend, each id a record.
 constexpr uint32_t kMaxChannelsPerSession = 1024;
 constexpr uint32_t kMaxIdsPerSession = 16384;
+/// rdma_listen's backlog: 1..1024, as the kernel's ucma clamps it (its max_backlog default).
+constexpr uint32_t kMaxBacklog = 1024;
+/// TIMEWAIT_EXIT follows an end's DREQ or DREP by this much: the IB CM's timewait keeps a QPN
+/// from being reused while late packets may arrive; over the transport none arrive late.
+constexpr uint64_t kTimewaitMs = 50;
+/// A handshake with a peer backend (REQ or REP out) is checked this often: it fails with
+/// UNREACHABLE (-ETIMEDOUT) once the connection to that backend is down, or after
+/// kHandshakeTries checks (rdma_cm's REQ: 15 retries of about 4 s).
+constexpr uint64_t kHandshakeStepMs = 1000;
+constexpr uint32_t kHandshakeTries = 60;
 
 uint64_t cm_clock_ns() {
   timespec ts;
@@ -40,17 +53,17 @@ bool same_addr(const CmAddr& a, const CmAddr& b) {
   return a.family == b.family && std::memcmp(a.addr, b.addr, a.family == AF_INET ? 4 : 16) == 0;
 }
 
+bool is_loopback(const CmAddr& a) {
+  static constexpr uint8_t kLoop6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+  return (a.family == AF_INET && a.addr[0] == 127) ||
+         (a.family == AF_INET6 && std::memcmp(a.addr, kLoop6, 16) == 0);
+}
+
 /// Whether `a` names this host (in the backend's network namespace): loopback, or an address
 /// a socket can bind to. Every such address is vrdma0 port 1 here.
 bool is_local(const CmAddr& a) {
-  if (a.family == AF_INET) {
-    if (a.addr[0] == 127) return true;
-  } else if (a.family == AF_INET6) {
-    static constexpr uint8_t kLoop6[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
-    if (std::memcmp(a.addr, kLoop6, 16) == 0) return true;
-  } else {
-    return false;
-  }
+  if (a.family != AF_INET && a.family != AF_INET6) return false;
+  if (is_loopback(a)) return true;
   if (is_wildcard(a)) return true;
   UniqueFd s(::socket(a.family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   if (!s.valid()) return false;
@@ -74,6 +87,67 @@ bool is_local(const CmAddr& a) {
 bool valid_family(const CmAddr& a) { return a.family == AF_INET || a.family == AF_INET6; }
 
 }  // namespace
+
+bool is_multicast(const CmAddr& a) {
+  return (a.family == AF_INET && (a.addr[0] & 0xf0) == 0xe0) ||
+         (a.family == AF_INET6 && a.addr[0] == 0xff);
+}
+
+namespace {
+
+/// Where this host sends to `dst` from (the kernel's route, as a connected UDP socket shows),
+/// or the errno of a destination no route reaches (ENETUNREACH).
+Result<CmAddr> route_source(const CmAddr& dst) {
+  UniqueFd s(::socket(dst.family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!s.valid()) return error(errno, "socket");
+  sockaddr_storage ss{};
+  socklen_t len;
+  if (dst.family == AF_INET) {
+    auto* sin = reinterpret_cast<sockaddr_in*>(&ss);
+    sin->sin_family = AF_INET;
+    sin->sin_port = htons(dst.port ? dst.port : 9);
+    std::memcpy(&sin->sin_addr, dst.addr, 4);
+    len = sizeof(*sin);
+  } else {
+    auto* sin6 = reinterpret_cast<sockaddr_in6*>(&ss);
+    sin6->sin6_family = AF_INET6;
+    sin6->sin6_port = htons(dst.port ? dst.port : 9);
+    sin6->sin6_scope_id = dst.scope_id;
+    std::memcpy(&sin6->sin6_addr, dst.addr, 16);
+    len = sizeof(*sin6);
+  }
+  if (::connect(s.get(), reinterpret_cast<sockaddr*>(&ss), len) < 0)
+    return error(errno, "no route to the address");
+  len = sizeof(ss);
+  if (::getsockname(s.get(), reinterpret_cast<sockaddr*>(&ss), &len) < 0)
+    return error(errno, "getsockname");
+  CmAddr src{};
+  src.family = dst.family;
+  if (dst.family == AF_INET) {
+    std::memcpy(src.addr, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, 4);
+  } else {
+    std::memcpy(src.addr, &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr, 16);
+    src.scope_id = reinterpret_cast<sockaddr_in6*>(&ss)->sin6_scope_id;
+  }
+  return src;
+}
+
+std::string_view kind_name(CmKind k) {
+  static constexpr std::string_view kNames[] = {"?",   "REQ", "REP",  "SIDR REP",
+                                                "REJ", "RTU", "DREQ", "GONE"};
+  const auto i = static_cast<size_t>(k);
+  return i < std::size(kNames) ? kNames[i] : "?";
+}
+
+}  // namespace
+
+CmService::CmService() : timer_(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)) {}
+
+void CmService::set_transport(transport::Transport* t,
+                              std::function<std::vector<std::string>()> peers) {
+  transport_ = t;
+  peers_ = std::move(peers);
+}
 
 CmService::Id* CmService::find(const engine::Session& s, uint32_t id) {
   auto it = ids_.find(id);
@@ -142,7 +216,8 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
   if (!id) return fail(ENOENT);
   switch (op) {
     case Op::kCmDestroyId:
-      abandon(*id);
+      abandon(handle, *id);
+      disarm(*id);
       ids_.erase(handle);
       --usage_[s.id].ids;
       return done(Status::ok());
@@ -152,7 +227,12 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       return encode(op, h.seq, 0, CmAddrResp{id->src});
     }
     case Op::kCmListen: {
-      if (id->state == State::kListen) return done(Status::ok());  // a new backlog
+      const int32_t want = static_cast<int32_t>(body_of<CmListenReq>(msg).value().backlog);
+      const uint32_t backlog = want > 0 && uint32_t(want) < kMaxBacklog ? want : kMaxBacklog;
+      if (id->state == State::kListen) {  // a new backlog
+        id->backlog = backlog;
+        return done(Status::ok());
+      }
       if (id->state == State::kIdle) {
         // Unbound: the wildcard address, an ephemeral port (as rdma_listen does).
         CmAddr any{};
@@ -162,6 +242,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       }
       if (id->state != State::kBound) return fail(EINVAL);
       id->state = State::kListen;
+      id->backlog = backlog;
       return done(Status::ok());
     }
     case Op::kCmResolveAddr:
@@ -176,13 +257,19 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
     case Op::kCmConnect:
       return done(connect(handle, *id, body_of<CmConnReq>(msg).value()));
     case Op::kCmAccept:
-      return done(accept(*id, body_of<CmConnReq>(msg).value()));
+      return done(accept(handle, *id, body_of<CmConnReq>(msg).value()));
     case Op::kCmReject:
-      return done(reject(*id, body_of<CmConnReq>(msg).value()));
+      return done(reject(handle, *id, body_of<CmConnReq>(msg).value()));
     case Op::kCmEstablish:
-      return done(establish(*id));
+      return done(establish(handle, *id));
     case Op::kCmDisconnect:
       return done(disconnect(handle, *id));
+    case Op::kCmJoinMcast:
+      return done(join_mcast(handle, *id, body_of<CmAddrReq>(msg).value().addr));
+    case Op::kCmLeaveMcast:  // the library detaches its QP; the group has no state here
+      return done(is_multicast(body_of<CmAddrReq>(msg).value().addr)
+                      ? Status::ok()
+                      : error(EINVAL, "not a multicast address"));
     default:
       return fail(EOPNOTSUPP);
   }
@@ -248,32 +335,65 @@ Status CmService::bind(uint32_t handle, Id& id, const CmAddr& a) {
 
 Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
   if (!valid_family(r.dst)) return error(EAFNOSUPPORT, "not an IP address");
-  if (is_wildcard(r.dst) || !is_local(r.dst)) {
-    // No backend serves that address (across hosts is a later step): no neighbour to find.
+  if (id.state != State::kIdle && id.state != State::kBound && id.state != State::kAddrResolved &&
+      id.state != State::kRouteResolved)
+    return error(EINVAL, "resolve_addr on an id in use");
+  CmAddr src = r.src;
+  std::string node;
+  if (is_wildcard(r.dst)) {
     id.dst = r.dst;
     emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
     return Status::ok();
   }
-  if (id.state == State::kIdle) {
-    CmAddr src = r.src;
-    if (!src.family) {
-      src = r.dst;  // a local destination is reached from itself
-      src.port = 0;
+  if (!is_multicast(r.dst) && !is_local(r.dst)) {
+    // Another host: as the kernel, an address no route reaches fails now; one on a network
+    // whose host has no backend is a neighbour that never answers: ADDR_ERROR after the
+    // timeout (-ETIMEDOUT, as an ARP request that got no reply).
+    ASSIGN_OR_RETURN(CmAddr via, route_source(r.dst));
+    node = node_for(r.dst);
+    if (node.empty()) {
+      id.dst = r.dst;
+      arm(handle, id, r.timeout_ms ? r.timeout_ms : 2000, TimerKind::kAddr);
+      return Status::ok();
     }
-    RETURN_IF_ERROR(bind(handle, id, src));
-  } else if (id.state != State::kBound && id.state != State::kAddrResolved &&
-             id.state != State::kRouteResolved) {
-    return error(EINVAL, "resolve_addr on an id in use");
+    if (!src.family) src = via;
+  } else if (!src.family && is_multicast(r.dst)) {
+    // A group: joined from the host's address toward it (loopback when no route says).
+    auto via = route_source(r.dst);
+    src = via.is_ok() ? via.value() : CmAddr{};
+    if (!via.is_ok()) {
+      src.family = r.dst.family;
+      if (src.family == AF_INET)
+        src.addr[0] = 127, src.addr[3] = 1;
+      else
+        src.addr[15] = 1;
+    }
+  } else if (!src.family) {
+    src = r.dst;  // a local destination is reached from itself
+    src.port = 0;
   }
+  if (id.state == State::kIdle) RETURN_IF_ERROR(bind(handle, id, src));
   id.dst = r.dst;
+  id.node = node;
   if (is_wildcard(id.src)) {
     const uint16_t port = id.src.port;
-    id.src = r.dst;
+    id.src = src.family ? src : r.dst;
     id.src.port = port;
   }
   id.state = State::kAddrResolved;
+  disarm(id);  // an earlier resolution's timeout
   emit(handle, CmEventType::kAddrResolved, 0);
   return Status::ok();
+}
+
+std::string CmService::node_for(const CmAddr& a) const {
+  if (!transport_ || !peers_ || a.family != AF_INET) return {};
+  uint32_t want;
+  std::memcpy(&want, a.addr, 4);
+  for (const std::string& n : peers_()) {
+    if (transport_->peer_ipv4(n) == want) return n;
+  }
+  return {};
 }
 
 uint32_t CmService::listener_for(uint16_t ps, const CmAddr& dst) const {
@@ -285,91 +405,140 @@ uint32_t CmService::listener_for(uint16_t ps, const CmAddr& dst) const {
   return it->second;
 }
 
+void CmService::set_state(Id& id, State st) {
+  if (id.state == State::kReqRcvd && st != State::kReqRcvd && id.listener) {
+    if (auto l = ids_.find(id.listener); l != ids_.end() && l->second.pending) --l->second.pending;
+    id.listener = 0;
+  }
+  id.state = st;
+}
+
+uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int32_t& reason) {
+  reason = kCmRejInvalidService;
+  // From a peer: the address it connects to must be this host's (ours are, by resolve_addr),
+  // and not loopback: a listener there is for this host only, as a TCP one on 127.0.0.1.
+  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !is_local(m.dst))) return 0;
+  const uint32_t lh = listener_for(m.ps, m.dst);
+  if (!lh) return 0;
+  Id& l = ids_.at(lh);
+  if (usage_[l.owner].ids >= kMaxIdsPerSession) return 0;  // refused as if nobody listened
+  if (l.pending >= l.backlog) {
+    // As the kernel's ucma with its backlog used up: the IB CM rejects (consumer defined).
+    reason = kCmRejConsumer;
+    return 0;
+  }
+  ++l.pending;
+  ++usage_[l.owner].ids;
+  const uint32_t nh = next_handle_++;
+  Id& n = ids_[nh];  // may rehash: `l` is not used below
+  const Id& lst = ids_.at(lh);
+  n.owner = lst.owner;
+  n.channel = lst.channel;
+  n.ps = lst.ps;
+  n.qp_type = m.qp_type;
+  n.state = State::kReqRcvd;
+  n.src = m.dst;
+  n.dst = m.src;
+  n.peer = m.src_id;
+  n.node = node;
+  n.listener = lh;
+  emit(nh, CmEventType::kConnectRequest, 0, &m.qp, {m.private_data, m.private_len}, lh);
+  return nh;
+}
+
 Status CmService::connect(uint32_t handle, Id& id, const CmConnReq& r) {
   if (id.state != State::kAddrResolved && id.state != State::kRouteResolved)
     return error(EINVAL, "connect before the address is resolved");
-  if (r.private_len > kCmPrivateMax) return error(EINVAL, "private data too long");
+  if (r.private_len > cm_private_limit(id.ps, r.qp.qp_type, Op::kCmConnect))
+    return error(EINVAL, "private data too long");
   id.qp = r.qp;
-  const uint32_t lh = listener_for(id.ps, id.dst);
-  if (!lh) {
-    emit(handle, CmEventType::kRejected, kCmRejInvalidService);
+  wire::Cm m{};
+  m.kind = static_cast<uint8_t>(CmKind::kReq);
+  m.qp_type = r.qp.qp_type;
+  m.ps = id.ps;
+  m.src_id = handle;
+  m.src = id.src;
+  m.dst = id.dst;
+  m.qp = r.qp;
+  m.private_len = r.private_len;
+  std::memcpy(m.private_data, r.private_data, r.private_len);
+  // What a peer's codec would refuse (and close the connection for) is the guest's error.
+  if (Status st = wire::check_cm(m); !st.is_ok()) return error(EINVAL, st.message());
+  if (!id.node.empty()) {  // to the backend of that host
+    set_state(id, State::kReqSent);
+    id.peer = 0;  // its id there is known from its answer
+    if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m)) {
+      set_state(id, State::kRouteResolved);
+      emit(handle, CmEventType::kUnreachable, -ETIMEDOUT);
+      return Status::ok();
+    }
+    id.tries = 0;
+    arm(handle, id, kHandshakeStepMs, TimerKind::kHandshake);
     return Status::ok();
   }
-  const Id& l = ids_.at(lh);
-  if (usage_[l.owner].ids >= kMaxIdsPerSession) {  // as a full backlog: refused
-    emit(handle, CmEventType::kRejected, kCmRejInvalidService);
+  int32_t reason;
+  const uint32_t nh = take_request("", m, reason);  // may rehash: `id` is looked up again
+  if (!nh) {
+    emit(handle, CmEventType::kRejected, reason);
     return Status::ok();
   }
-  ++usage_[l.owner].ids;
-  const uint32_t nh = next_handle_++;
-  Id& n = ids_[nh];  // may rehash: `id` and `l` are looked up again below
-  n.owner = l.owner;
-  n.channel = l.channel;
-  n.ps = l.ps;
-  n.qp_type = r.qp.qp_type;
-  n.state = State::kReqRcvd;
   Id& a = ids_.at(handle);
-  n.src = a.dst;
-  n.dst = a.src;
-  n.peer = handle;
   a.peer = nh;
-  a.state = State::kReqSent;
-  emit(nh, CmEventType::kConnectRequest, 0, &r.qp, {r.private_data, r.private_len}, lh);
+  set_state(a, State::kReqSent);
   return Status::ok();
 }
 
-Status CmService::accept(Id& id, const CmConnReq& r) {
+Status CmService::accept(uint32_t handle, Id& id, const CmConnReq& r) {
   if (id.state != State::kReqRcvd) return error(EINVAL, "accept of no connect request");
-  if (r.private_len > kCmPrivateMax) return error(EINVAL, "private data too long");
-  auto p = ids_.find(id.peer);
-  if (!id.peer || p == ids_.end()) return error(ECONNRESET, "the requester is gone");
+  if (r.private_len > cm_private_limit(id.ps, id.qp_type, Op::kCmAccept))
+    return error(EINVAL, "private data too long");
+  if (id.node.empty() && !ids_.count(id.peer)) return error(ECONNRESET, "the requester is gone");
   id.qp = r.qp;
   const std::span<const uint8_t> pdata{r.private_data, r.private_len};
   if (id.qp_type == 4 /* IBV_QPT_UD: SIDR, no connection */) {
-    id.state = State::kIdle;
-    id.peer = p->second.peer = 0;
-    p->second.state = State::kRouteResolved;
-    emit(p->first, CmEventType::kEstablished, 0, &r.qp, pdata);
+    set_state(id, State::kIdle);
+    tell(handle, id, CmKind::kSidrRep, 0, &r.qp, pdata);
+    id.peer = 0;
     return Status::ok();
   }
-  id.state = State::kRepSent;
-  p->second.state = State::kRepRcvd;
-  emit(p->first, CmEventType::kConnectResponse, 0, &r.qp, pdata);
+  set_state(id, State::kRepSent);
+  tell(handle, id, CmKind::kRep, 0, &r.qp, pdata);
+  if (!id.node.empty()) {
+    id.tries = 0;
+    arm(handle, id, kHandshakeStepMs, TimerKind::kHandshake);
+  }
   return Status::ok();
 }
 
-Status CmService::reject(Id& id, const CmConnReq& r) {
+Status CmService::reject(uint32_t handle, Id& id, const CmConnReq& r) {
   if (id.state != State::kReqRcvd && id.state != State::kRepRcvd)
     return error(EINVAL, "nothing to reject");
-  if (r.private_len > kCmPrivateMax) return error(EINVAL, "private data too long");
-  if (auto p = ids_.find(id.peer); id.peer && p != ids_.end()) {
-    p->second.state = id.state == State::kReqRcvd ? State::kRouteResolved : State::kIdle;
-    p->second.peer = 0;
-    emit(p->first, CmEventType::kRejected, kCmRejConsumer, nullptr,
-         {r.private_data, r.private_len});
-  }
-  id.state = id.state == State::kReqRcvd ? State::kIdle : State::kRouteResolved;
+  if (r.private_len > cm_private_limit(id.ps, id.qp_type, Op::kCmReject))
+    return error(EINVAL, "private data too long");
+  tell(handle, id, CmKind::kRej, kCmRejConsumer, nullptr, {r.private_data, r.private_len});
+  set_state(id, id.state == State::kReqRcvd ? State::kIdle : State::kRouteResolved);
   id.peer = 0;
   return Status::ok();
 }
 
-Status CmService::establish(Id& id) {
+Status CmService::establish(uint32_t handle, Id& id) {
   if (id.state != State::kRepRcvd) return error(EINVAL, "no connect response to confirm");
-  auto p = ids_.find(id.peer);
-  if (!id.peer || p == ids_.end()) return error(ECONNRESET, "the acceptor is gone");
-  id.state = p->second.state = State::kEstablished;
-  emit(p->first, CmEventType::kEstablished, 0);
+  if (id.node.empty() && !ids_.count(id.peer)) return error(ECONNRESET, "the acceptor is gone");
+  set_state(id, State::kEstablished);
+  tell(handle, id, CmKind::kRtu);
   return Status::ok();
 }
 
 Status CmService::disconnect(uint32_t handle, Id& id) {
   switch (id.state) {
     case State::kDisconnected:
-      return Status::ok();  // the answer to the peer's DREQ
+      // The answer (DREP) to the peer's DREQ: this end's timewait starts.
+      if (!id.timewait) arm(handle, id, kTimewaitMs, TimerKind::kTimewait);
+      return Status::ok();
     case State::kReqSent:
     case State::kReqRcvd:
-      abandon(id);
-      id.state = State::kIdle;
+      abandon(handle, id);
+      set_state(id, State::kIdle);
       return Status::ok();
     case State::kRepSent:
     case State::kRepRcvd:
@@ -378,45 +547,255 @@ Status CmService::disconnect(uint32_t handle, Id& id) {
     default:
       return error(EINVAL, "not connected");
   }
-  if (auto p = ids_.find(id.peer); id.peer && p != ids_.end()) {
-    p->second.state = State::kDisconnected;
-    p->second.peer = 0;
-    emit(p->first, CmEventType::kDisconnected, 0);
-  }
-  id.state = State::kDisconnected;
+  tell(handle, id, CmKind::kDreq);
+  set_state(id, State::kDisconnected);
   id.peer = 0;
   emit(handle, CmEventType::kDisconnected, 0);  // as the DREP comes back
+  arm(handle, id, kTimewaitMs, TimerKind::kTimewait);
   return Status::ok();
 }
 
-void CmService::abandon(Id& id) {
+void CmService::abandon(uint32_t handle, Id& id) {
   release_port(id);
-  auto p = ids_.find(id.peer);
+  // A requester whose REQ is not answered yet does not know its peer's id: the peer backend
+  // finds the request by ours (dst_id 0).
+  if (id.peer || (!id.node.empty() && id.state == State::kReqSent)) tell(handle, id, CmKind::kGone);
+  if (id.state == State::kReqRcvd) set_state(id, State::kIdle);  // leaves the backlog
   id.peer = 0;
-  if (p == ids_.end()) return;
-  Id& peer = p->second;
-  peer.peer = 0;
-  switch (peer.state) {
-    case State::kReqSent:  // its listener side went away before accepting
-      peer.state = State::kRouteResolved;
-      emit(p->first, CmEventType::kRejected, kCmRejTimeout);
+}
+
+Status CmService::join_mcast(uint32_t handle, Id& id, const CmAddr& group) {
+  if (!is_multicast(group)) return error(EINVAL, "not a multicast address");
+  if (id.state != State::kBound && id.state != State::kAddrResolved &&
+      id.state != State::kRouteResolved)
+    return error(EINVAL, "join before the id has an address");
+  // The group's GID: an IPv6 group is its own; an IPv4 one maps as IPoIB maps it
+  // (ff12:401b:<pkey>::<address>). Its LID: a multicast LID from the GID.
+  CmQpInfo g{};
+  if (group.family == AF_INET6) {
+    std::memcpy(g.gid, group.addr, 16);
+  } else {
+    static constexpr uint8_t kPrefix[6] = {0xff, 0x12, 0x40, 0x1b, 0xff, 0xff};
+    std::memcpy(g.gid, kPrefix, sizeof(kPrefix));
+    std::memcpy(g.gid + 12, group.addr, 4);
+  }
+  uint32_t h = 2166136261u;  // FNV-1a
+  for (uint8_t b : g.gid) h = (h ^ b) * 16777619u;
+  g.lid = static_cast<uint16_t>(0xc000 + h % 0x3fff);
+  g.qpn = 0xffffff;
+  g.qp_type = 4;        // IBV_QPT_UD
+  g.qkey = 0x01234567;  // RDMA_UDP_QKEY, what rdma_cm gives UDP and IPoIB groups
+  g.mtu = 5;            // IBV_MTU_4096
+  emit(handle, CmEventType::kMulticastJoin, 0, &g, {}, kNone, &group);
+  return Status::ok();
+}
+
+void CmService::tell(uint32_t from, Id& id, CmKind k, int32_t status, const CmQpInfo* qp,
+                     std::span<const uint8_t> pdata) {
+  if (id.node.empty()) {
+    auto p = ids_.find(id.peer);
+    if (id.peer && p != ids_.end()) receive(p->first, p->second, from, k, status, qp, pdata);
+    return;
+  }
+  wire::Cm m{};
+  m.kind = static_cast<uint8_t>(k);
+  m.qp_type = id.qp_type;
+  m.ps = id.ps;
+  m.src_id = from;
+  m.dst_id = id.peer;
+  m.status = status;
+  if (qp) m.qp = *qp;
+  m.private_len = static_cast<uint32_t>(std::min(pdata.size(), kCmPrivateMax));
+  if (m.private_len) std::memcpy(m.private_data, pdata.data(), m.private_len);
+  if (Status st = wire::check_cm(m); !st.is_ok()) {  // the guest's QP description: not sent
+    VLOG_WARN("cm: {} for {} not sent: {}", kind_name(k), id.node, st.message());
+    return;
+  }
+  // Lost with the connection: the other end's handshake timer, or its QP's, settles it.
+  if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m))
+    VLOG_INFO("cm: {} for {} not sent: no connection", kind_name(k), id.node);
+}
+
+void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t status,
+                        const CmQpInfo* qp, std::span<const uint8_t> pdata) {
+  switch (k) {
+    case CmKind::kReq:
+      break;  // take_request's
+    case CmKind::kRep:
+      if (id.state != State::kReqSent) return;
+      id.peer = from;
+      set_state(id, State::kRepRcvd);
+      disarm(id);
+      emit(h, CmEventType::kConnectResponse, 0, qp, pdata);
       break;
-    case State::kReqRcvd:  // its requester went away
-      peer.state = State::kIdle;
-      emit(p->first, CmEventType::kRejected, kCmRejTimeout);
+    case CmKind::kSidrRep:
+      if (id.state != State::kReqSent) return;
+      id.peer = 0;
+      set_state(id, State::kRouteResolved);
+      disarm(id);
+      emit(h, CmEventType::kEstablished, 0, qp, pdata);
       break;
-    case State::kRepSent:  // no RTU will come: the REP times out
-      peer.state = State::kIdle;
-      emit(p->first, CmEventType::kUnreachable, -ETIMEDOUT);
+    case CmKind::kRej:
+      if (id.state != State::kReqSent && id.state != State::kRepSent) return;
+      set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
+      id.peer = 0;
+      disarm(id);
+      emit(h, CmEventType::kRejected, status, nullptr, pdata);
       break;
-    case State::kRepRcvd:
-    case State::kEstablished:
-      peer.state = State::kDisconnected;
-      emit(p->first, CmEventType::kDisconnected, 0);
+    case CmKind::kRtu:
+      if (id.state != State::kRepSent) return;
+      set_state(id, State::kEstablished);
+      disarm(id);
+      emit(h, CmEventType::kEstablished, 0);
       break;
-    default:
+    case CmKind::kDreq:
+      if (id.state != State::kRepSent && id.state != State::kRepRcvd &&
+          id.state != State::kEstablished)
+        return;
+      set_state(id, State::kDisconnected);
+      id.peer = 0;
+      disarm(id);
+      emit(h, CmEventType::kDisconnected, 0);
+      break;
+    case CmKind::kGone:  // by where the handshake was
+      id.peer = 0;
+      disarm(id);
+      switch (id.state) {
+        case State::kReqSent:  // its listener side went away before accepting
+          set_state(id, State::kRouteResolved);
+          emit(h, CmEventType::kRejected, kCmRejTimeout);
+          break;
+        case State::kReqRcvd:  // its requester went away
+          set_state(id, State::kIdle);
+          emit(h, CmEventType::kRejected, kCmRejTimeout);
+          break;
+        case State::kRepSent:  // no RTU will come: the REP times out
+          set_state(id, State::kIdle);
+          emit(h, CmEventType::kUnreachable, -ETIMEDOUT);
+          break;
+        case State::kRepRcvd:
+        case State::kEstablished:
+          set_state(id, State::kDisconnected);
+          emit(h, CmEventType::kDisconnected, 0);
+          break;
+        default:
+          break;
+      }
+      break;
+    case CmKind::kMax:
       break;
   }
+}
+
+void CmService::on_wire(const std::string& node, const wire::Cm& m) {
+  const auto k = static_cast<CmKind>(m.kind);  // in range: the codec checked it
+  auto refuse = [&](const std::string& why) {
+    if (transport_) transport_->refused_frame(node, fmt::format("cm {}: {}", kind_name(k), why));
+  };
+  const std::span<const uint8_t> pdata{m.private_data, m.private_len};
+  if (k == CmKind::kReq) {
+    int32_t reason;
+    if (take_request(node, m, reason)) return;
+    wire::Cm rej{};
+    rej.kind = static_cast<uint8_t>(CmKind::kRej);
+    rej.src_id = kNone;  // no id here: the requester knows its REQ by its own id
+    rej.dst_id = m.src_id;
+    rej.status = reason;
+    if (transport_) transport_->send(node, wire::Type::kCm, &rej);
+    return;
+  }
+  if (m.dst_id == 0) {  // a requester's GONE before it heard from us: its request ids here
+    if (k != CmKind::kGone) return refuse("no id named");
+    std::vector<uint32_t> hs;
+    for (const auto& [h, id] : ids_) {
+      if (id.node == node && id.peer == m.src_id && id.state == State::kReqRcvd) hs.push_back(h);
+    }
+    for (uint32_t h : hs) receive(h, ids_.at(h), m.src_id, k, 0, nullptr, {});
+    return;
+  }
+  auto it = ids_.find(m.dst_id);
+  if (it == ids_.end()) {
+    // Gone here meanwhile: an acceptor waiting for our RTU, or a requester for our REP's
+    // answer, hears it now rather than by its timer.
+    if (k == CmKind::kRep || k == CmKind::kRtu) {
+      wire::Cm gone{};
+      gone.kind = static_cast<uint8_t>(CmKind::kGone);
+      gone.src_id = m.dst_id;
+      gone.dst_id = m.src_id;
+      if (transport_) transport_->send(node, wire::Type::kCm, &gone);
+    }
+    return;  // an id that went away: not the peer's fault
+  }
+  Id& id = it->second;
+  const bool answer_to_req = id.peer == 0 && id.state == State::kReqSent &&
+                             (k == CmKind::kRep || k == CmKind::kSidrRep || k == CmKind::kRej);
+  if (id.node != node || (id.peer != m.src_id && !answer_to_req))
+    return refuse(fmt::format("id {} is not the peer of its id {}", m.dst_id, m.src_id));
+  if (k == CmKind::kSidrRep && id.qp_type != 4 /* IBV_QPT_UD */)
+    return refuse("a SIDR REP to a connected id");
+  receive(it->first, id, m.src_id, k, m.status, &m.qp, pdata);
+}
+
+void CmService::arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k) {
+  disarm(id);
+  if (k == TimerKind::kTimewait) id.timewait = true;
+  id.timer = timers_.emplace(cm_clock_ns() + after_ms * 1000000, Timer{h, k});
+  id.timer_armed = true;
+  rearm_timerfd();
+}
+
+void CmService::disarm(Id& id) {
+  if (!id.timer_armed) return;
+  timers_.erase(id.timer);
+  id.timer_armed = false;
+}
+
+void CmService::rearm_timerfd() {
+  itimerspec its{};
+  if (!timers_.empty()) {
+    const uint64_t at = std::max<uint64_t>(timers_.begin()->first, 1);
+    its.it_value.tv_sec = static_cast<time_t>(at / 1000000000);
+    its.it_value.tv_nsec = static_cast<long>(at % 1000000000);
+  }
+  ::timerfd_settime(timer_.get(), TFD_TIMER_ABSTIME, &its, nullptr);
+}
+
+void CmService::on_timer() {
+  uint64_t expirations;
+  while (::read(timer_.get(), &expirations, sizeof(expirations)) > 0) {
+  }
+  const uint64_t now = cm_clock_ns();
+  while (!timers_.empty() && timers_.begin()->first <= now) {
+    const Timer t = timers_.begin()->second;
+    timers_.erase(timers_.begin());
+    auto it = ids_.find(t.id);  // always there: an id takes its timer with it
+    if (it == ids_.end()) continue;
+    Id& id = it->second;
+    id.timer_armed = false;
+    switch (t.kind) {
+      case TimerKind::kAddr:
+        emit(t.id, CmEventType::kAddrError, -ETIMEDOUT);
+        break;
+      case TimerKind::kTimewait:
+        emit(t.id, CmEventType::kTimewaitExit, 0);
+        break;
+      case TimerKind::kHandshake: {
+        if (id.state != State::kReqSent && id.state != State::kRepSent) break;
+        const auto up = peers_ ? peers_() : std::vector<std::string>{};
+        if (std::find(up.begin(), up.end(), id.node) != up.end() && ++id.tries < kHandshakeTries) {
+          arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
+          break;
+        }
+        VLOG_INFO("cm: id {}: no answer from {}; UNREACHABLE", t.id, id.node);
+        tell(t.id, id, CmKind::kGone);
+        set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
+        id.peer = 0;
+        emit(t.id, CmEventType::kUnreachable, -ETIMEDOUT);
+        break;
+      }
+    }
+  }
+  rearm_timerfd();
 }
 
 void CmService::session_closed(const engine::Session* session) {
@@ -428,7 +807,8 @@ void CmService::session_closed(const engine::Session* session) {
   std::sort(gone.begin(), gone.end());  // peers hear of them in the order they were made
   for (uint32_t h : gone) {
     auto it = ids_.find(h);
-    abandon(it->second);
+    abandon(h, it->second);
+    disarm(it->second);
     ids_.erase(it);
   }
   std::erase_if(channels_, [s](const auto& kv) { return kv.second.owner == s; });
@@ -446,7 +826,7 @@ void CmService::sweep_closing() {
 }
 
 void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQpInfo* peer,
-                     std::span<const uint8_t> pdata, uint32_t listen_id) {
+                     std::span<const uint8_t> pdata, uint32_t listen_id, const CmAddr* dst) {
   auto it = ids_.find(handle);
   if (it == ids_.end()) return;
   auto ch = channels_.find(it->second.channel);
@@ -457,7 +837,7 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   e.id = handle;
   e.listen_id = listen_id;
   e.src = it->second.src;
-  e.dst = it->second.dst;
+  e.dst = dst ? *dst : it->second.dst;
   if (peer) e.peer = *peer;
   e.private_len = static_cast<uint32_t>(std::min(pdata.size(), kCmPrivateMax));
   if (e.private_len) std::memcpy(e.private_data, pdata.data(), e.private_len);

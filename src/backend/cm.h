@@ -1,12 +1,15 @@
 // The backend's RDMA connection service (librdmacm's other half; docs/ARCHITECTURE.md, "RDMA
 // CM"): event channels, ids, listeners by (port space, port), and the IB CM's exchange
-// (REQ/REP/RTU/REJ/DREQ) between the ids of this backend's guests. Owned by the server thread.
+// (REQ/REP/RTU/REJ/DREQ) between ids of this backend's guests, or with a peer backend's ids over
+// the transport (wire kCm). Owned by the server thread.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -15,15 +18,23 @@
 #include "common/log.h"
 #include "common/unique_fd.h"
 #include "proto/command.h"
+#include "proto/wire.h"
 
 namespace vrdma::engine {
 struct Session;
 }
+namespace vrdma::transport {
+class Transport;
+}
 
 namespace vrdma::backend {
 
+/// An IPv4 (224/4) or IPv6 (ff00::/8) multicast address.
+bool is_multicast(const proto::CmAddr& a);
+
 class CmService {
  public:
+  CmService();
   /// The response to CM command `h` of session `s` (an encoded proto message); `give`: a
   /// descriptor the response hands over (kCmCreateChannel).
   std::vector<uint8_t> handle(const engine::Session& s, const proto::MsgHeader& h,
@@ -31,6 +42,18 @@ class CmService {
   /// The session ended (its process exited or crashed): its ids go as rdma_destroy_id would
   /// take them (peers hear REJECTED, UNREACHABLE or DISCONNECTED), its ports and channels too.
   void session_closed(const engine::Session* s);
+
+  /// Connections to an address of another backend's host go through `t` (see resolve_addr);
+  /// `peers` lists the nodes connected now. Unset: this backend's addresses only.
+  void set_transport(transport::Transport* t, std::function<std::vector<std::string>()> peers);
+  /// A kCm message from peer backend `node`, its fields checked by the wire codec: applied when
+  /// it is a REQ or names one of our ids whose peer is the sender's id there; refused (counted,
+  /// logged) otherwise. A peer may be hostile: it reaches nothing a guest's command could not.
+  void on_wire(const std::string& node, const proto::wire::Cm& m);
+  /// Readable (a timerfd) when a timer is due: address resolution's timeout, TIMEWAIT_EXIT, a
+  /// handshake with a peer backend that stopped answering. Then on_timer().
+  int timer_fd() const { return timer_.get(); }
+  void on_timer();
 
   /// Ids and listening ports, for tests.
   size_t ids() const { return ids_.size(); }
@@ -51,6 +74,11 @@ class CmService {
     kEstablished,
     kDisconnected,  ///< sent or received DREQ
   };
+  enum class TimerKind : uint8_t { kAddr, kTimewait, kHandshake };
+  struct Timer {
+    uint32_t id;
+    TimerKind kind;
+  };
   struct Channel {
     uint32_t owner = 0;  ///< engine::Session::id (unique for the backend's life)
     UniqueFd sock;                             ///< non-blocking; the library reads the other end
@@ -65,7 +93,17 @@ class CmService {
     proto::CmAddr src{}, dst{};
     uint32_t peer = 0;  ///< the other end's id while a connection is being made or held
     bool holds_port = false;
-    proto::CmQpInfo qp{};  ///< what this end said of its QP (REQ or REP)
+    bool timewait = false;  ///< TIMEWAIT_EXIT is on its way (after this end's DREQ or DREP)
+    proto::CmQpInfo qp{};   ///< what this end said of its QP (REQ or REP)
+    std::string node;       ///< the backend of the other end (resolved or requesting); "": this one
+    uint32_t listener = 0;  ///< kReqRcvd: the listener it came to (its backlog counts it)
+    uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
+    uint32_t backlog = 0;   ///< a listener's limit on `pending`
+    uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
+    /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
+    /// the id, so what a guest can make wait is bounded by its ids.
+    bool timer_armed = false;
+    std::multimap<uint64_t, Timer>::iterator timer;
   };
   using Reply = std::vector<uint8_t>;
 
@@ -77,19 +115,38 @@ class CmService {
   Status bind(uint32_t handle, Id& id, const proto::CmAddr& a);
   Status resolve_addr(uint32_t handle, Id& id, const proto::CmResolveReq& r);
   Status connect(uint32_t handle, Id& id, const proto::CmConnReq& r);
-  Status accept(Id& id, const proto::CmConnReq& r);
-  Status reject(Id& id, const proto::CmConnReq& r);
-  Status establish(Id& id);
+  Status accept(uint32_t handle, Id& id, const proto::CmConnReq& r);
+  Status reject(uint32_t handle, Id& id, const proto::CmConnReq& r);
+  Status establish(uint32_t handle, Id& id);
   Status disconnect(uint32_t handle, Id& id);
+  /// MULTICAST_JOIN with the group's GID, LID and qkey (its address in the event's dst).
+  Status join_mcast(uint32_t handle, Id& id, const proto::CmAddr& group);
   /// What the peer of an id that goes away hears, by where the handshake was.
-  void abandon(Id& id);
+  void abandon(uint32_t handle, Id& id);
   /// The listener for (ps, port) that takes connections to `dst`; 0 when none.
   uint32_t listener_for(uint16_t ps, const proto::CmAddr& dst) const;
   /// Queues one event on the id's channel (dropped when the id or channel is gone).
   void emit(uint32_t handle, proto::CmEventType ev, int32_t status,
             const proto::CmQpInfo* peer = nullptr, std::span<const uint8_t> pdata = {},
-            uint32_t listen_id = proto::kNone);
+            uint32_t listen_id = proto::kNone, const proto::CmAddr* dst = nullptr);
   void flush(Channel& ch);
+  /// Moves an id to `st`, leaving its listener's backlog when it was a pending request.
+  void set_state(Id& id, State st);
+  /// The request `m` (from `node`; "" for one of ours) to a listener here: the new id's handle,
+  /// or 0 with the reject reason in `reason`.
+  uint32_t take_request(const std::string& node, const proto::wire::Cm& m, int32_t& reason);
+  /// Tells the other end of `id` (handle `from`) message `k`: directly when it is here, as a
+  /// kCm frame to its backend otherwise.
+  void tell(uint32_t from, Id& id, proto::wire::CmKind k, int32_t status = 0,
+            const proto::CmQpInfo* qp = nullptr, std::span<const uint8_t> pdata = {});
+  /// What id `h` does on message `k` from its peer `from` (here, or checked by on_wire).
+  void receive(uint32_t h, Id& id, uint32_t from, proto::wire::CmKind k, int32_t status,
+               const proto::CmQpInfo* qp, std::span<const uint8_t> pdata);
+  /// The peer node whose host has IPv4 address `a` (its transport connection's), or "".
+  std::string node_for(const proto::CmAddr& a) const;
+  void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
+  void disarm(Id& id);
+  void rearm_timerfd();
   /// Closes the destroyed channels' sockets whose guest end is closed.
   void sweep_closing();
 
@@ -108,6 +165,10 @@ class CmService {
   uint32_t next_handle_ = 1;  ///< channels and ids share it; never reused within 2^32
   uint16_t next_ephemeral_ = 0;
   log::Every backlog_log_{1'000'000'000};
+  transport::Transport* transport_ = nullptr;
+  std::function<std::vector<std::string>()> peers_;
+  std::multimap<uint64_t, Timer> timers_;  ///< by deadline (CLOCK_MONOTONIC ns)
+  UniqueFd timer_;
 };
 
 }  // namespace vrdma::backend

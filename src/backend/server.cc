@@ -206,6 +206,7 @@ Status Server::setup() {
   listen_rest_.bind(epoll_.get(), listen_.get(), kTagListen | static_cast<uint32_t>(listen_.get()));
   if (!wake_.valid()) return error(EMFILE, "eventfd");
   watch(wake_.get(), kTagWake);
+  watch(cm_.timer_fd(), kTagCm);
   // Backends talk over TCP when a listen address is given, or for every pair when forced.
   if (!opt_.listen.empty() || opt_.force == "tcp") {
     transport::tcp::TcpTransport::Options to{opt_.node,
@@ -214,6 +215,9 @@ Status Server::setup() {
     ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
+    cm_.set_transport(tcp_.get(), [this] { return tcp_->connected(); });
+    dev_.set_cm_receiver(
+        [this](const std::string& node, const proto::wire::Cm& m) { cm_.on_wire(node, m); });
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
     reporter_.set_transport_details([this] { return transport_json(*tcp_); });
@@ -451,6 +455,12 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kModifySrq: reply_status(dev_.modify_srq(*s, body_of<ModifySrqReq>(msg).value())); break;
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
+    case Op::kAttachMcast:
+      reply_status(dev_.attach_mcast(*s, body_of<McastReq>(msg).value()));
+      break;
+    case Op::kDetachMcast:
+      reply_status(dev_.detach_mcast(*s, body_of<McastReq>(msg).value()));
+      break;
     case Op::kDirectGrant:
     case Op::kDirectRings:
     case Op::kDirectOffer:
@@ -621,6 +631,10 @@ Status Server::run() {
       if (tag & kTagWake) continue;
       if (tag & kTagMetrics) {
         metrics_->on_event(fd, evs[i].events, now_ns());
+        continue;
+      }
+      if (tag & kTagCm) {
+        cm_.on_timer();
         continue;
       }
       if (tag & kTagTransport) {  // tcp_->poll() at the top of the loop reads it

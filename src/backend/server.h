@@ -111,6 +111,7 @@ class Server {
   static constexpr uint64_t kTagWake = 1ull << 60;
   static constexpr uint64_t kTagMetrics = 1ull << 59;
   static constexpr uint64_t kTagTransport = 1ull << 58;
+  static constexpr uint64_t kTagCm = 1ull << 57;  ///< the connection service's timers
 
   /// The TLS context of [transport]'s credential; null for plain TCP (loopback, or insecure).
   Result<std::shared_ptr<const transport::tcp::TlsContext>> transport_credential() const;

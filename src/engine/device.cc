@@ -784,6 +784,7 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
   Guest& g = *qp.guest;
   bump_epoch(g);
   take_back(qp);
+  mcast_forget(qp);
   g.retired += counters_of(qp);
   g.qps.erase(qp.qpn);
   g.direct_offers.erase(qp.qpn);

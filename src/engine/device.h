@@ -356,6 +356,10 @@ class Device : public transport::Receiver {
 
   /// Cross-backend traffic goes through `t` (may be null: single host). Set before sessions.
   void set_transport(transport::Transport* t) { transport_ = t; }
+  /// Where the RDMA CM messages of peer backends (wire kCm) go: the backend's connection
+  /// service, which checks them. Unset: they are dropped.
+  using CmReceiver = std::function<void(const std::string& node, const proto::wire::Cm& m)>;
+  void set_cm_receiver(CmReceiver r) { cm_rx_ = std::move(r); }
 
   /// The user the backend runs as (its euid, by default): like root, an admin, who may join
   /// any guest. Tests set another.
@@ -460,6 +464,10 @@ class Device : public transport::Receiver {
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
+
+  // ---- UD multicast within this backend (device_mcast.cc) ----
+  Status attach_mcast(Session& s, const proto::McastReq& r);
+  Status detach_mcast(Session& s, const proto::McastReq& r);
 
   // ---- frames from other backends (device_remote.cc) ----
   void on_frame(const std::string& node, const proto::wire::Frame& f,
@@ -613,6 +621,17 @@ class Device : public transport::Receiver {
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
   /// Executes one UD send: a datagram to the QP its address names, or lost.
   void execute_ud(Qp& qp, const proto::SendWqe& w);
+  /// A datagram to a multicast GID or LID (device_mcast.cc): every attached QP here.
+  static bool is_mcast(const proto::UdDest& d);
+  void send_mcast(Qp& qp, const proto::SendWqe& w, const proto::UdDest& dest, uint64_t len);
+  /// A QP that goes leaves its groups.
+  void mcast_forget(Qp& qp);
+  using McastKey = std::array<uint8_t, 16>;
+  struct McastGroup {
+    uint16_t lid = 0;
+    std::vector<Qp*> qps;
+  };
+  std::map<McastKey, McastGroup> mcast_;  ///< by multicast GID
   /// The receive WQE a message to `to` lands in (its SRQ's or its own RQ's head), copied out of
   /// shared memory. False when none is posted; sets `corrupt` when the ring's indices are.
   bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);
@@ -672,6 +691,7 @@ class Device : public transport::Receiver {
   bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)
   std::vector<Span> src_, dst_;  ///< reused span lists (no allocation on the data path)
   transport::Transport* transport_ = nullptr;
+  CmReceiver cm_rx_;
   uint64_t next_flow_ = 1;
   log::Every ack_log_{1'000'000'000};  ///< ACK timeouts: one line a second, the rest counted
   /// The time of the last poll(): frames that arrive between polls use it for their timers.

@@ -321,6 +321,10 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     return;
   }
   const UdDest dest = unpack_ud_dest(w);
+  if (is_mcast(dest)) {
+    send_mcast(qp, w, dest, len);
+    return;
+  }
   Guest* g = nullptr;
   if (dest.is_global) {
     g = guest_by_gid(dest.dgid);

@@ -745,6 +745,8 @@ void Device::on_frame(const std::string& node, const wire::Frame& f, transport::
     on_reply(node, f, sink);
   } else if (f.type() == Type::kDirectOffer) {
     on_direct_offer(node, f.offer);  // no payload: nothing for on_frame_done
+  } else if (f.type() == Type::kCm && cm_rx_) {
+    cm_rx_(node, f.cm);  // no payload either
   }
 }
 

@@ -31,7 +31,13 @@ size_t request_body_size(Op op) {
     case Op::kCmDisconnect: return sizeof(HandleReq);
     case Op::kCmCreateChannel: return 0;
     case Op::kCmCreateId: return sizeof(CmCreateIdReq);
-    case Op::kCmBind: return sizeof(CmAddrReq);
+    case Op::kCmBind:
+    case Op::kCmJoinMcast:
+    case Op::kCmLeaveMcast:
+      return sizeof(CmAddrReq);
+    case Op::kAttachMcast:
+    case Op::kDetachMcast:
+      return sizeof(McastReq);
     case Op::kCmListen: return sizeof(CmListenReq);
     case Op::kCmResolveAddr:
     case Op::kCmResolveRoute: return sizeof(CmResolveReq);
@@ -65,17 +71,60 @@ size_t request_body_size(Op op) {
 }
 
 std::string op_name(uint16_t op) {
-  static constexpr const char* kNames[] = {
-      nullptr,        "hello",        "alloc_pd",       "dealloc_pd",      "reg_segment",
-      "reg_mr",       "dereg_mr",     "create_channel", "destroy_channel", "create_cq",
-      "destroy_cq",   "create_qp",    "modify_qp",      "query_qp",        "destroy_qp",
-      "status",       "create_srq",   "modify_srq",     "query_srq",       "destroy_srq",
-      "migrate",      "import_begin", "import_data",    "import_commit",   "snapshot",
-      "keep_drop",    "keep_bye",     "keep_restore",   "keep_end",        "restore",
-      "direct_grant", "direct_rings", "direct_offer",   "direct_remote",   "dereg_segment",
-      "cm_create_channel", "cm_destroy_channel", "cm_create_id", "cm_destroy_id", "cm_bind",
-      "cm_listen", "cm_resolve_addr", "cm_resolve_route", "cm_connect", "cm_accept",
-      "cm_reject", "cm_establish", "cm_disconnect", "cm_migrate_id", "cm_event"};
+  static constexpr const char* kNames[] = {nullptr,
+                                           "hello",
+                                           "alloc_pd",
+                                           "dealloc_pd",
+                                           "reg_segment",
+                                           "reg_mr",
+                                           "dereg_mr",
+                                           "create_channel",
+                                           "destroy_channel",
+                                           "create_cq",
+                                           "destroy_cq",
+                                           "create_qp",
+                                           "modify_qp",
+                                           "query_qp",
+                                           "destroy_qp",
+                                           "status",
+                                           "create_srq",
+                                           "modify_srq",
+                                           "query_srq",
+                                           "destroy_srq",
+                                           "migrate",
+                                           "import_begin",
+                                           "import_data",
+                                           "import_commit",
+                                           "snapshot",
+                                           "keep_drop",
+                                           "keep_bye",
+                                           "keep_restore",
+                                           "keep_end",
+                                           "restore",
+                                           "direct_grant",
+                                           "direct_rings",
+                                           "direct_offer",
+                                           "direct_remote",
+                                           "dereg_segment",
+                                           "cm_create_channel",
+                                           "cm_destroy_channel",
+                                           "cm_create_id",
+                                           "cm_destroy_id",
+                                           "cm_bind",
+                                           "cm_listen",
+                                           "cm_resolve_addr",
+                                           "cm_resolve_route",
+                                           "cm_connect",
+                                           "cm_accept",
+                                           "cm_reject",
+                                           "cm_establish",
+                                           "cm_disconnect",
+                                           "cm_migrate_id",
+                                           "cm_event",
+                                           "attach_mcast",
+                                           "detach_mcast",
+                                           "cm_join_mcast",
+                                           "cm_leave_mcast"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
   return kNames[op];

@@ -83,11 +83,21 @@ enum class Op : uint16_t {
   kCmDisconnect = 47,      ///< HandleReq: DREQ (or DREP, after the peer's)
   kCmMigrateId = 48,       ///< CmMigrateReq: the id's events go to another channel
   kCmEvent = 49,           ///< backend to library only, on an event socket: CmEvent
-  kMax = 50,               ///< one past the last opcode; never sent
+  // UD multicast (ibv_attach_mcast/detach): McastReq, no response body.
+  kAttachMcast = 50,
+  kDetachMcast = 51,
+  // rdma_join_multicast/leave: CmAddrReq (the group's address); join's event MULTICAST_JOIN.
+  kCmJoinMcast = 52,
+  kCmLeaveMcast = 53,
+  kMax = 54,  ///< one past the last opcode; never sent
 };
 
-/// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent).
-inline bool is_cm(Op op) { return op >= Op::kCmCreateChannel && op <= Op::kCmEvent; }
+/// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
+/// kCmJoinMcast, kCmLeaveMcast).
+inline bool is_cm(Op op) {
+  return (op >= Op::kCmCreateChannel && op <= Op::kCmEvent) || op == Op::kCmJoinMcast ||
+         op == Op::kCmLeaveMcast;
+}
 
 /// The opcode's name for log lines ("kRegMr" -> "reg_mr"); "op N" for an unknown one.
 std::string op_name(uint16_t op);
@@ -508,12 +518,28 @@ enum class CmEventType : uint32_t {
   kEstablished = 9,
   kDisconnected = 10,
   kDeviceRemoval = 11,
+  kMulticastJoin = 12,
+  kMulticastError = 13,
   kTimewaitExit = 15,
 };
 /// REJECTED's status: the IB CM reject reasons rdma_cm reports.
 inline constexpr int32_t kCmRejTimeout = 1;         ///< the peer went away mid-handshake
 inline constexpr int32_t kCmRejInvalidService = 8;  ///< nobody listens on that port
 inline constexpr int32_t kCmRejConsumer = 28;       ///< rdma_reject
+/// RDMA_PS_* (rdma_cma.h's enum, which is ABI).
+inline constexpr uint16_t kCmPsIpoib = 0x0002, kCmPsTcp = 0x0106, kCmPsUdp = 0x0111,
+                          kCmPsIb = 0x013F;
+/// The IB CM's private data sizes: what a REQ (`op` kCmConnect), REP (kCmAccept) or REJ
+/// (kCmReject) of port space `ps` and QP type `qp_type` may carry. An IP port space's REQ gives
+/// 36 bytes to rdma_cm's header; UD takes the SIDR shapes. The library's check and the one on
+/// what a peer backend forwards.
+inline size_t cm_private_limit(uint16_t ps, uint8_t qp_type, Op op) {
+  const bool ip = ps != kCmPsIb;
+  if (qp_type == 4 /* IBV_QPT_UD */) return op == Op::kCmConnect ? (ip ? 180 : 216) : 136;
+  if (op == Op::kCmConnect) return ip ? 56 : 92;
+  if (op == Op::kCmAccept) return 196;
+  return 148;  // REJ
+}
 /// An IP address and port (sockaddr_in or sockaddr_in6, fixed width).
 struct CmAddr {
   uint16_t family;  ///< AF_INET or AF_INET6; 0: none
@@ -540,6 +566,15 @@ struct CmQpInfo {
   uint32_t qkey;  ///< UD
 };
 static_assert(sizeof(CmQpInfo) == 40);
+/// kAttachMcast / kDetachMcast: QP `qp` joins or leaves the group of `gid` (a multicast GID,
+/// ff00::/8) and `lid`.
+struct McastReq {
+  uint32_t qp;
+  uint16_t lid;
+  uint16_t reserved;
+  uint8_t gid[16];
+};
+static_assert(sizeof(McastReq) == 24);
 struct CmCreateIdReq {
   uint32_t channel;
   uint16_t port_space;  ///< RDMA_PS_*

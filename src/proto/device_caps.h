@@ -27,6 +27,10 @@ inline constexpr uint32_t kPortMaxMtu = 5;  ///< IBV_MTU_4096
 inline constexpr uint32_t kMaxChannels = 1024;
 inline constexpr uint32_t kMaxSrq = 4096;
 inline constexpr uint32_t kMaxSegments = 65536;
+/// UD multicast (engine/device_mcast.cc): groups per backend, QPs per group, groups per QP.
+inline constexpr uint32_t kMaxMcastGroups = 4096;
+inline constexpr uint32_t kMaxMcastQpAttach = 1024;
+inline constexpr uint32_t kMaxQpMcastGroups = 16;
 
 /// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND is harmless while the device has no memory
 /// windows; HUGETLB is a promise about the memory, not a request; RELAXED_ORDERING and the rest

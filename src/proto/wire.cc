@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <infiniband/verbs.h>
+#include <sys/socket.h>
 
 namespace vrdma::proto::wire {
 
@@ -18,6 +19,8 @@ size_t body_size(Type t) {
       return sizeof(Reply);
     case Type::kDirectOffer:
       return sizeof(DirectOffer);
+    case Type::kCm:
+      return sizeof(Cm);
     case Type::kMax:
       break;
   }
@@ -109,7 +112,52 @@ Status check_reply(const FrameHeader& h, const Reply& r) {
   return Status::ok();
 }
 
+bool ip_family(const CmAddr& a) { return a.family == AF_INET || a.family == AF_INET6; }
+
 }  // namespace
+
+Status check_cm(const Cm& m) {
+  if (m.kind == 0 || m.kind >= static_cast<uint8_t>(CmKind::kMax))
+    return error(EPROTO, fmt::format("cm: kind {}", m.kind));
+  const auto k = static_cast<CmKind>(m.kind);
+  // A REQ names no id of the receiver; a GONE may not know it yet (the requester's own id then
+  // names its request); every other message answers one.
+  if (m.src_id == 0 || (k == CmKind::kReq && m.dst_id != 0) ||
+      (k != CmKind::kReq && k != CmKind::kGone && m.dst_id == 0))
+    return error(EPROTO, "cm: id 0, or a REQ naming an id");
+  if (m.qp.qpn > 0xffffff || m.qp.psn > 0xffffff)
+    return error(EPROTO, "cm: QPN or PSN wider than 24 bits");
+  size_t limit = 0;
+  switch (k) {
+    case CmKind::kReq:
+      if (m.ps != kCmPsTcp && m.ps != kCmPsUdp && m.ps != kCmPsIb && m.ps != kCmPsIpoib)
+        return error(EPROTO, fmt::format("cm: port space {:#x}", m.ps));
+      if (m.qp_type != IBV_QPT_RC && m.qp_type != IBV_QPT_UC && m.qp_type != IBV_QPT_UD)
+        return error(EPROTO, fmt::format("cm: QP type {}", m.qp_type));
+      if (!ip_family(m.src) || !ip_family(m.dst) || m.dst.port == 0)
+        return error(EPROTO, "cm: REQ without IP addresses");
+      limit = cm_private_limit(m.ps, m.qp_type, Op::kCmConnect);
+      break;
+    case CmKind::kRep:
+    case CmKind::kSidrRep:
+      limit = cm_private_limit(kCmPsTcp, k == CmKind::kSidrRep ? IBV_QPT_UD : IBV_QPT_RC,
+                               Op::kCmAccept);
+      break;
+    case CmKind::kRej:
+      if (m.status != kCmRejTimeout && m.status != kCmRejInvalidService &&
+          m.status != kCmRejConsumer)
+        return error(EPROTO, fmt::format("cm: reject reason {}", m.status));
+      limit = cm_private_limit(kCmPsTcp, IBV_QPT_RC, Op::kCmReject);
+      break;
+    default:  // RTU, DREQ, GONE: nothing to say
+      break;
+  }
+  if (k != CmKind::kRej && m.status != 0) return error(EPROTO, "cm: status outside a REJ");
+  if (m.private_len > limit)
+    return error(EPROTO,
+                 fmt::format("cm: {} bytes of private data (limit {})", m.private_len, limit));
+  return Status::ok();
+}
 
 Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
   RETURN_IF_ERROR(check_header(h));
@@ -143,6 +191,9 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
         return error(EPROTO, "direct offer: QPN wider than 24 bits");
       if (out.offer.port == 0) return error(EPROTO, "direct offer: port 0");
       return Status::ok();
+    case Type::kCm:
+      std::memcpy(&out.cm, body.data(), sizeof(Cm));
+      return check_cm(out.cm);
     case Type::kMax:
       break;
   }

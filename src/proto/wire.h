@@ -2,7 +2,8 @@
 // header, a fixed-size body per frame type, then `payload` bytes (message data) for the types
 // that carry data. Fixed-width little-endian fields, no pointers, sizes static_asserted.
 // Versioned: kWireVersion changes when any body or value set changes; type values are never
-// reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady.
+// reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady;
+// 4 kCm (the RDMA connection service's messages between backends).
 // decode() validates every length and field before anything is used: it faces the network.
 #pragma once
 
@@ -15,25 +16,27 @@
 #include <vector>
 
 #include "common/status.h"
+#include "proto/command.h"
 
 namespace vrdma::proto::wire {
 
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 3;
+inline constexpr uint16_t kWireVersion = 4;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
 
 enum class Type : uint16_t {
-  kHello = 1,      ///< first frame each way: wire version and node name
-  kGuestUp = 2,    ///< a guest of the sender's backend exists (directory)
-  kGuestDown = 3,  ///< a guest of the sender's backend left
-  kRequest = 4,    ///< a requester's message (RC/UC/UD); SEND/WRITE/UD carry the payload
-  kReply = 5,      ///< the responder's answer: ACK, NAK, READ data, atomic result
+  kHello = 1,        ///< first frame each way: wire version and node name
+  kGuestUp = 2,      ///< a guest of the sender's backend exists (directory)
+  kGuestDown = 3,    ///< a guest of the sender's backend left
+  kRequest = 4,      ///< a requester's message (RC/UC/UD); SEND/WRITE/UD carry the payload
+  kReply = 5,        ///< the responder's answer: ACK, NAK, READ data, atomic result
   kDirectOffer = 6,  ///< a library takes a direct connection (kDirectOffer command); version 2
-  kMax = 7,          ///< one past the last type; never sent
+  kCm = 7,           ///< an RDMA CM message between two backends' ids (backend/cm.h); version 4
+  kMax = 8,          ///< one past the last type; never sent
 };
 
 struct FrameHeader {
@@ -135,6 +138,37 @@ struct DirectOffer {
 };
 static_assert(sizeof(DirectOffer) == 64);
 
+/// kCm: what one backend's connection service tells another's about a connection between
+/// their ids (the IB CM's REQ, REP, REJ, RTU, DREQ, SIDR), forwarded from the guests' commands.
+enum class CmKind : uint8_t {
+  kReq = 1,      ///< a connect to `dst`: src/qp/private data of the requester; dst_id 0
+  kRep = 2,      ///< accepted: the acceptor's QP and private data
+  kSidrRep = 3,  ///< a UD (SIDR) request accepted: the acceptor's QPN and qkey
+  kRej = 4,      ///< rejected: `status` the reject reason, private data the consumer's
+  kRtu = 5,      ///< the requester confirms the REP
+  kDreq = 6,     ///< the sender disconnects
+  kGone = 7,     ///< the sender's id went away (destroyed, its process ended) or timed out
+  kMax = 8,
+};
+
+/// No payload: every field is in the body. The receiver checks `dst_id` names one of its ids
+/// whose peer is the sender's `src_id` on the sending node (a REQ names a listener by `dst`).
+struct Cm {
+  uint8_t kind;  ///< CmKind
+  uint8_t qp_type;
+  uint16_t ps;  ///< RDMA_PS_* of the requester (kReq)
+  uint32_t src_id;
+  uint32_t dst_id;
+  int32_t status;  ///< kRej: the reject reason (kCmRej*)
+  uint32_t private_len;
+  uint32_t reserved0;
+  CmAddr src;  ///< kReq: the requester's address and the one it connects to
+  CmAddr dst;
+  CmQpInfo qp;  ///< kReq/kRep/kSidrRep: the sender's QP
+  uint8_t private_data[kCmPrivateMax];
+};
+static_assert(sizeof(Cm) == 24 + 48 + 40 + kCmPrivateMax);
+
 /// A decoded frame: the header and a copy of its body (payload still unread).
 struct Frame {
   FrameHeader h{};
@@ -144,6 +178,7 @@ struct Frame {
     Request req;
     Reply reply;
     DirectOffer offer;
+    Cm cm;
   };
   Frame() : req{} {}
   Type type() const { return static_cast<Type>(h.type); }
@@ -156,6 +191,8 @@ size_t body_size(Type t);
 Status check_header(const FrameHeader& h);
 /// Validates a header and its body bytes (exactly h.body of them) and fills `out`.
 Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out);
+/// Validates a kCm body (decode's check; also a sender's, before it forwards a guest's message).
+Status check_cm(const Cm& m);
 /// Appends header + body of `f` (with f.h.payload set by the caller) to `out`.
 void encode(Type t, const void* body, uint32_t payload, std::vector<uint8_t>& out);
 

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -370,6 +371,29 @@ VEvent* make_event(std::span<const uint8_t> msg) {
     case CmEventType::kRejected:
       fill_param(ve, e, ud);
       break;
+    case CmEventType::kMulticastJoin: {
+      // The group's address handle, QPN and qkey; the context given to the join; the id's QP
+      // joins the group here, as rdma-core's library attaches it on this event.
+      fill_param(ve, e, true);
+      ibv_gid mgid;
+      std::memcpy(&mgid, e.peer.gid, sizeof(mgid));
+      {
+        std::lock_guard<std::mutex> g(c.mu);
+        for (VMc& mc : v->mcs) {
+          if (mc.addr.family != e.dst.family || std::memcmp(mc.addr.addr, e.dst.addr, 16)) continue;
+          mc.mgid = mgid;
+          mc.mlid = e.peer.lid;
+          ve->ev.param.ud.private_data = mc.context;
+        }
+      }
+      if (v->id.qp) {
+        if (int rc = ibv_attach_mcast(v->id.qp, &mgid, e.peer.lid)) {
+          ve->ev.event = RDMA_CM_EVENT_MULTICAST_ERROR;
+          ve->ev.status = -rc;
+        }
+      }
+      break;
+    }
     default:
       break;
   }
@@ -510,12 +534,7 @@ int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_
 }
 
 size_t private_data_limit(const VId* v, Op op) {
-  // The IB CM's private data sizes; an IP port space's REQ gives 36 bytes to rdma_cm's header.
-  const bool ip = v->id.ps != RDMA_PS_IB;
-  if (v->id.qp_type == IBV_QPT_UD) return op == Op::kCmConnect ? (ip ? 180 : 216) : 136;
-  if (op == Op::kCmConnect) return ip ? 56 : 92;
-  if (op == Op::kCmAccept) return 196;
-  return 148;  // REJ
+  return cm_private_limit(static_cast<uint16_t>(v->id.ps), static_cast<uint8_t>(v->id.qp_type), op);
 }
 
 }  // namespace vrdma::rdmacm
@@ -868,12 +887,49 @@ CM_EXPORT int rdma_set_option(rdma_cm_id* id, int level, int optname, void* optv
 
 CM_EXPORT int rdma_notify(rdma_cm_id* id, ibv_event_type) { return id ? 0 : fail(EINVAL); }
 
-// Multicast needs UD multicast delivery in the device (ibv_attach_mcast), which vrdma lacks.
-CM_EXPORT int rdma_join_multicast(rdma_cm_id*, sockaddr*, void*) { return fail(ENOSYS); }
-CM_EXPORT int rdma_join_multicast_ex(rdma_cm_id*, rdma_cm_join_mc_attr_ex*, void*) {
-  return fail(ENOSYS);
+// Multicast: groups of the backend's guests (engine/device_mcast.cc). The backend answers a
+// join with MULTICAST_JOIN (the group's GID, LID, qkey), on which the id's QP is attached.
+CM_EXPORT int rdma_join_multicast(rdma_cm_id* id, sockaddr* addr, void* context) {
+  if (!id || !addr) return fail(EINVAL);
+  VId* v = to_vid(id);
+  const CmAddr a = to_cm_addr(addr);
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    for (const VMc& mc : v->mcs) {
+      if (mc.addr.family == a.family && !std::memcmp(mc.addr.addr, a.addr, 16))
+        return fail(EADDRINUSE);  // joined already
+    }
+    v->mcs.push_back(VMc{a, context, {}, 0});
+  }
+  if (call(Op::kCmJoinMcast, vrdma::proto::CmAddrReq{v->handle, 0, a}) == 0) return 0;
+  const int err = errno;
+  std::lock_guard<std::mutex> g(cm().mu);
+  v->mcs.pop_back();
+  return fail(err);
 }
-CM_EXPORT int rdma_leave_multicast(rdma_cm_id*, sockaddr*) { return fail(ENOSYS); }
+
+CM_EXPORT int rdma_join_multicast_ex(rdma_cm_id* id, rdma_cm_join_mc_attr_ex* attr, void* context) {
+  if (!attr || !(attr->comp_mask & RDMA_CM_JOIN_MC_ATTR_ADDRESS)) return fail(EINVAL);
+  return rdma_join_multicast(id, attr->addr, context);
+}
+
+CM_EXPORT int rdma_leave_multicast(rdma_cm_id* id, sockaddr* addr) {
+  if (!id || !addr) return fail(EINVAL);
+  VId* v = to_vid(id);
+  const CmAddr a = to_cm_addr(addr);
+  VMc left;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    auto it = std::find_if(v->mcs.begin(), v->mcs.end(), [&a](const VMc& mc) {
+      return mc.addr.family == a.family && !std::memcmp(mc.addr.addr, a.addr, 16);
+    });
+    if (it == v->mcs.end()) return fail(EADDRNOTAVAIL);
+    left = *it;
+    v->mcs.erase(it);
+  }
+  if (id->qp && left.mlid) (void)ibv_detach_mcast(id->qp, &left.mgid, left.mlid);
+  return call(Op::kCmLeaveMcast, vrdma::proto::CmAddrReq{v->handle, 0, a});
+}
 
 // Enhanced connection establishment: vrdma has no options to negotiate; an ECE of zeroes.
 CM_EXPORT int rdma_set_local_ece(rdma_cm_id* id, ibv_ece* ece) {

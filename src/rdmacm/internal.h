@@ -28,6 +28,14 @@ struct VChannel {
   std::atomic<bool> fd_closed{false};
 };
 
+/// A group the id joined (rdma_join_multicast): the JOIN event gives its GID and LID.
+struct VMc {
+  proto::CmAddr addr{};
+  void* context = nullptr;
+  ibv_gid mgid{};
+  uint16_t mlid = 0;
+};
+
 struct VId {
   rdma_cm_id id;  ///< first: the public object
   uint32_t handle = 0;
@@ -48,6 +56,7 @@ struct VId {
   bool own_cqs = false;  ///< rdma_create_qp made the CQs and completion channels
   bool removed = false;  ///< DEVICE_REMOVAL handed out (the backend went away; Cm::mu)
   ibv_sa_path_rec path{};
+  std::vector<VMc> mcs;  ///< groups joined (Cm::mu)
 };
 
 struct VEvent {

@@ -262,6 +262,9 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   a.max_srq_wr = kMaxQpWr;
   a.max_srq_sge = kMaxSge;
   a.max_ah = 1 << 20;  // address handles live in the guest
+  a.max_mcast_grp = kMaxMcastGroups;
+  a.max_mcast_qp_attach = kMaxMcastQpAttach;
+  a.max_total_mcast_qp_attach = kMaxMcastGroups * kMaxMcastQpAttach;
   a.max_pkeys = 1;
   a.local_ca_ack_delay = 0;
   a.phys_port_cnt = 1;

@@ -410,7 +410,23 @@ VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
   return 0;
 }
 
-// ---- not implemented yet: multicast ----
+// ---- UD multicast within the backend (engine/device_mcast.cc) ----
 
-VERBS_EXPORT int ibv_attach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
-VERBS_EXPORT int ibv_detach_mcast(ibv_qp*, const union ibv_gid*, uint16_t) { return EOPNOTSUPP; }
+namespace {
+
+int mcast_command(ibv_qp* qp, Op op, const union ibv_gid* gid, uint16_t lid) {
+  if (!qp || !gid) return EINVAL;
+  McastReq req{to_vqp(qp)->handle, lid, 0, {}};
+  std::memcpy(req.gid, gid->raw, sizeof(req.gid));
+  Empty resp;
+  return to_vctx(qp->context)->call(op, &req, sizeof(req), &resp, 0);
+}
+
+}  // namespace
+
+VERBS_EXPORT int ibv_attach_mcast(ibv_qp* qp, const union ibv_gid* gid, uint16_t lid) {
+  return mcast_command(qp, Op::kAttachMcast, gid, lid);
+}
+VERBS_EXPORT int ibv_detach_mcast(ibv_qp* qp, const union ibv_gid* gid, uint16_t lid) {
+  return mcast_command(qp, Op::kDetachMcast, gid, lid);
+}

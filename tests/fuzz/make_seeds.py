@@ -152,7 +152,7 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
-WIRE_VERSION = 3  # kWireVersion
+WIRE_VERSION = 4  # kWireVersion
 
 
 def frame(t, body, payload=b""):
@@ -180,6 +180,18 @@ def direct_offer(src_qpn, dst_qpn, port, is_global=0):
     return frame(6, body + bytes(range(16)))
 
 
+def cm_addr(port, last):
+    return struct.pack("<HHI", 2, port, 0) + bytes([10, 77, 0, last]) + bytes(12)
+
+
+def cm(kind, src_id, dst_id, status=0, pdata=b"", ps=0x0106, qp_type=2):
+    body = struct.pack("<BBHIIiII", kind, qp_type, ps, src_id, dst_id, status, len(pdata), 0)
+    body += cm_addr(40000, 2) + cm_addr(7174, 1)
+    body += struct.pack("<II", 0x12, 7) + bytes(16) + struct.pack("<HBBBBBBBBHI", 3, qp_type,
+                                                                   1, 1, 1, 7, 7, 0, 5, 0, 0)
+    return frame(7, body + pdata.ljust(224, b"\0"))
+
+
 wire = {
     "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
     "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
@@ -188,6 +200,9 @@ wire = {
         reply(5),
     "seed-direct-offers": hello_f + direct_offer(0x12, 0x11, 40000) +
         direct_offer(0xffffff, 0x11, 1, is_global=1),
+    "seed-cm": hello_f + cm(1, 5, 0, pdata=b"req") + cm(2, 9, 5, pdata=b"rep") + cm(5, 5, 9) +
+        cm(6, 9, 5) + cm(4, 5, 9, status=28, pdata=b"rej") + cm(7, 5, 9) +
+        cm(3, 9, 5, qp_type=4),
 }
 
 # ---- direct_wire fuzzer: what a peer library sends (src/proto/direct_wire.h): a Hello, then

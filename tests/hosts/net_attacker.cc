@@ -143,6 +143,8 @@ struct Tally {
         return "reply";
       case Type::kDirectOffer:
         return "direct_offer";
+      case Type::kCm:
+        return "cm";
       case Type::kMax:
         break;
     }

@@ -1,16 +1,23 @@
 // The connection service (backend/cm.h) driven in-process: the CM commands' wire bodies, and the
 // IB CM exchange between two stand-in sessions, each event read as one message from its
 // channel's socket. The service knows a session by its id only (End gives each its own).
+// Across hosts: a stand-in transport records what the service sends a peer backend, and the
+// tests play that peer (a well-behaved one, then a hostile one).
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "backend/cm.h"
 #include "engine/device.h"
+#include "transport/transport.h"
 
 namespace vrdma::backend {
 namespace {
@@ -33,6 +40,8 @@ TEST(CmWire, EveryCmOpcodeHasItsFixedBody) {
       {Op::kCmEstablish, sizeof(HandleReq)},
       {Op::kCmDisconnect, sizeof(HandleReq)},
       {Op::kCmMigrateId, sizeof(CmMigrateReq)},
+      {Op::kCmJoinMcast, sizeof(CmAddrReq)},
+      {Op::kCmLeaveMcast, sizeof(CmAddrReq)},
   };
   for (auto [op, size] : sizes) {
     SCOPED_TRACE(op_name(static_cast<uint16_t>(op)));
@@ -106,12 +115,15 @@ struct End {
     return body_of<HandleResp>(out).value().handle;
   }
   int32_t bind(uint32_t id, CmAddr a) { return cmd(Op::kCmBind, CmAddrReq{id, 0, a}).first; }
-  int32_t listen(uint32_t id) { return cmd(Op::kCmListen, CmListenReq{id, 8}).first; }
+  int32_t listen(uint32_t id, uint32_t backlog = 8) {
+    return cmd(Op::kCmListen, CmListenReq{id, backlog}).first;
+  }
   int32_t conn(Op op, uint32_t id, uint32_t qpn, const std::string& pdata = {}) {
     CmConnReq r{};
     r.id = id;
     r.qp.qpn = qpn;
     r.qp.psn = qpn * 7;
+    r.qp.qp_type = 2;  // IBV_QPT_RC
     r.private_len = static_cast<uint32_t>(pdata.size());
     std::memcpy(r.private_data, pdata.data(), pdata.size());
     return cmd(op, r).first;
@@ -233,14 +245,67 @@ TEST_F(CmServiceTest, APortInUseIsRefusedAndFreedWithItsSession) {
   EXPECT_EQ(cli.bind(udp, v4("127.0.0.1", 7000)), 0);
 }
 
-TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrError) {
+TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrErrorAfterTheTimeout) {
   const uint32_t c = cli.create_id();
-  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("198.51.100.1", 7000)}).first,
-            0);
+  const int32_t st =
+      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 100, {}, v4("198.51.100.1", 7000)}).first;
+  if (st == -ENETUNREACH) {
+    GTEST_SKIP() << "no route to 198.51.100.1 here: refused at once, as the kernel does";
+  }
+  ASSERT_EQ(st, 0);
+  EXPECT_TRUE(cli.quiet());  // a neighbour that may still answer
+  // Asked again: one timer per id (the last one), however often.
+  for (int i = 0; i < 3; ++i)
+    ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 100, {}, v4("198.51.100.1", 7000)}).first,
+              0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));
+  cm.on_timer();
   CmEvent e = cli.next();
   EXPECT_EQ(e.event, ev(CmEventType::kAddrError));
-  EXPECT_EQ(e.status, -EHOSTUNREACH);
+  EXPECT_EQ(e.status, -ETIMEDOUT);
+  EXPECT_TRUE(cli.quiet());
   EXPECT_EQ(cli.conn(Op::kCmConnect, c, 0x12), -EINVAL);  // never resolved
+}
+
+TEST_F(CmServiceTest, TimewaitExitFollowsEachEndsDisconnect) {
+  uint32_t c;
+  const uint32_t s = request(&c);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
+  ASSERT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+  ASSERT_EQ(cli.handle_cmd(Op::kCmDisconnect, c), 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kDisconnected));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  cm.on_timer();
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kTimewaitExit));
+  EXPECT_TRUE(srv.quiet());  // its timewait starts with its DREP
+  ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);
+  ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);  // once only
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  cm.on_timer();
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kTimewaitExit));
+  EXPECT_TRUE(srv.quiet());
+  EXPECT_TRUE(cli.quiet());
+}
+
+TEST_F(CmServiceTest, RequestsBeyondTheBacklogAreRejected) {
+  ASSERT_EQ(srv.listen(listener, 2), 0);  // a new backlog
+  uint32_t c1, c2;
+  const uint32_t s1 = request(&c1);
+  request(&c2);
+  const uint32_t c3 = cli.resolved(v4("127.0.0.1", 7000));
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c3, 0x12), 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kRejected));
+  EXPECT_EQ(e.status, kCmRejConsumer);
+  EXPECT_TRUE(srv.quiet());
+  // One accepted: room for the next.
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s1, 0x34), 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c3, 0x12), 0);
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kConnectRequest));
 }
 
 TEST_F(CmServiceTest, AListenerThatDiesMidHandshakeLeavesNoOneWaiting) {
@@ -305,6 +370,241 @@ TEST_F(CmServiceTest, ASessionsIdsAreCapped) {
   EXPECT_EQ(other.cmd(Op::kCmCreateId, CmCreateIdReq{other.channel, 0x0106, 2, 0}).first, 0);
   cm.session_closed(&cli.s);
   EXPECT_EQ(cm.ids(), 2u);  // the listener and other's
+}
+
+TEST_F(CmServiceTest, AJoinGivesTheGroupsGidLidAndQkey) {
+  const uint32_t id = cli.create_id(kCmPsUdp);
+  const CmAddr group = v4("239.1.2.3", 0);
+  EXPECT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, group}).first, -EINVAL);  // no address
+  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{id, 1000, {}, group}).first, 0);
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  EXPECT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, v4("10.1.2.3", 0)}).first, -EINVAL);
+  ASSERT_EQ(cli.cmd(Op::kCmJoinMcast, CmAddrReq{id, 0, group}).first, 0);
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kMulticastJoin));
+  EXPECT_EQ(std::memcmp(e.dst.addr, group.addr, 4), 0);  // which join it answers
+  const uint8_t mgid[16] = {0xff, 0x12, 0x40, 0x1b, 0xff, 0xff, 0, 0, 0, 0, 0, 0, 239, 1, 2, 3};
+  EXPECT_EQ(std::memcmp(e.peer.gid, mgid, 16), 0);
+  EXPECT_GE(e.peer.lid, 0xc000);
+  EXPECT_LT(e.peer.lid, 0xffff);
+  EXPECT_EQ(e.peer.qpn, 0xffffffu);
+  EXPECT_EQ(e.peer.qkey, 0x01234567u);
+  EXPECT_EQ(cli.cmd(Op::kCmLeaveMcast, CmAddrReq{id, 0, group}).first, 0);
+}
+
+/// A stand-in for the backend-to-backend transport: what is sent to peer "b" (whose host is
+/// 10.77.0.2) is kept for the test, which plays that backend.
+struct FakeTransport : transport::Transport {
+  std::string self_ = "a";
+  std::vector<std::pair<std::string, wire::Cm>> sent;
+  std::vector<std::string> refused;
+  bool up = true;
+  const std::string& self() const override { return self_; }
+  bool forced() const override { return false; }
+  std::string locate_lid(uint16_t) const override { return {}; }
+  std::string locate_gid(const uint8_t*) const override { return {}; }
+  bool send(const std::string& node, wire::Type t, const void* body,
+            std::span<const transport::Span>, std::span<const transport::Hold>, uint64_t) override {
+    if (!up) return false;
+    EXPECT_EQ(t, wire::Type::kCm);
+    wire::Cm m;
+    std::memcpy(&m, body, sizeof(m));
+    EXPECT_TRUE(wire::check_cm(m).is_ok());  // never anything a peer would refuse
+    sent.emplace_back(node, m);
+    return true;
+  }
+  void drop_flow(const std::string&, uint64_t) override {}
+  uint64_t tx_unwritten(const std::string&, const transport::TxMark&) const override { return 0; }
+  transport::TxMark tx_mark(const std::string&) const override { return {}; }
+  bool tx_delivered(const std::string&, const transport::TxMark&) override { return true; }
+  uint64_t tx_progress(const std::string&) override { return 0; }
+  uint64_t tx_patience_ns(const std::string&) override { return 0; }
+  bool rx_pending(const std::string&) override { return false; }
+  void announce(const transport::GuestInfo&, bool) override {}
+  uint32_t peer_ipv4(const std::string& node) const override {
+    return node == "b" ? htonl(0x0a4d0002) : 0;
+  }
+  uint32_t local_ipv4(const std::string&) const override { return htonl(0x7f000001); }
+  void refused_frame(const std::string& node, const std::string& why) override {
+    refused.push_back(node + ": " + why);
+  }
+  wire::Cm take() {
+    EXPECT_FALSE(sent.empty());
+    if (sent.empty()) return {};
+    wire::Cm m = sent.front().second;
+    EXPECT_EQ(sent.front().first, "b");
+    sent.erase(sent.begin());
+    return m;
+  }
+};
+
+/// An IPv4 address of this host other than loopback (what a peer's guests reach it by), or
+/// family 0 when it has none.
+CmAddr non_loopback_address(uint16_t port) {
+  CmAddr a{};
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return a;
+  for (ifaddrs* i = ifs; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK))
+      continue;
+    a.family = AF_INET;
+    a.port = port;
+    std::memcpy(a.addr, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, 4);
+    break;
+  }
+  ::freeifaddrs(ifs);
+  return a;
+}
+
+struct CmAcrossHostsTest : CmServiceTest {
+  FakeTransport t;
+  CmAddr here{};  ///< where srv's second listener is: an address of this host, not loopback
+  void SetUp() override {
+    CmServiceTest::SetUp();
+    here = non_loopback_address(7100);
+    if (!here.family) GTEST_SKIP() << "no address here but loopback";
+    const uint32_t l = srv.create_id();
+    ASSERT_EQ(srv.bind(l, here), 0);
+    ASSERT_EQ(srv.listen(l), 0);
+    cm.set_transport(
+        &t, [this] { return t.up ? std::vector<std::string>{"b"} : std::vector<std::string>{}; });
+  }
+  wire::Cm peer_msg(wire::CmKind k, uint32_t src_id, uint32_t dst_id) {
+    wire::Cm m{};
+    m.kind = static_cast<uint8_t>(k);
+    m.qp_type = 2;
+    m.ps = kCmPsTcp;
+    m.src_id = src_id;
+    m.dst_id = dst_id;
+    m.src = v4("10.77.0.2", 40000);
+    m.dst = here;
+    m.qp.qpn = 0x77;
+    return m;
+  }
+  /// Peer "b"'s id `from` connects to srv's listener: the new id here.
+  uint32_t remote_request(uint32_t from, const std::string& pdata = "req") {
+    wire::Cm m = peer_msg(wire::CmKind::kReq, from, 0);
+    m.private_len = static_cast<uint32_t>(pdata.size());
+    std::memcpy(m.private_data, pdata.data(), pdata.size());
+    cm.on_wire("b", m);
+    CmEvent e = srv.next();
+    EXPECT_EQ(e.event, ev(CmEventType::kConnectRequest));
+    EXPECT_EQ(e.peer.qpn, 0x77u);
+    EXPECT_EQ(std::string(reinterpret_cast<char*>(e.private_data), e.private_len), pdata);
+    EXPECT_EQ(e.dst.port, 40000);  // the requester's address, as it said
+    return e.id;
+  }
+};
+
+TEST_F(CmAcrossHostsTest, APeersRequestIsAcceptedEstablishedAndDisconnected) {
+  const uint32_t s = remote_request(901);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
+  wire::Cm rep = t.take();
+  EXPECT_EQ(rep.kind, uint8_t(wire::CmKind::kRep));
+  EXPECT_EQ(rep.src_id, s);
+  EXPECT_EQ(rep.dst_id, 901u);
+  EXPECT_EQ(rep.qp.qpn, 0x34u);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(rep.private_data), rep.private_len), "rep");
+  cm.on_wire("b", peer_msg(wire::CmKind::kRtu, 901, s));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+  cm.on_wire("b", peer_msg(wire::CmKind::kDreq, 901, s));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
+  EXPECT_TRUE(t.refused.empty());
+}
+
+TEST_F(CmAcrossHostsTest, ARequestToAPeerIsAnsweredFromThere) {
+  // cli connects to "b"'s host: the REQ goes there; its REP comes back.
+  const uint32_t c = cli.create_id();
+  const int32_t st =
+      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("10.77.0.2", 7174)}).first;
+  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.2 here";
+  ASSERT_EQ(st, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12, "hello"), 0);
+  wire::Cm req = t.take();
+  EXPECT_EQ(req.kind, uint8_t(wire::CmKind::kReq));
+  EXPECT_EQ(req.src_id, c);
+  EXPECT_EQ(req.dst.port, 7174);
+  EXPECT_EQ(req.private_len, 5u);
+  // Only "b" may answer, and only as a REP to that id.
+  cm.on_wire("c", peer_msg(wire::CmKind::kRep, 55, c));
+  EXPECT_TRUE(cli.quiet());
+  cm.on_wire("b", peer_msg(wire::CmKind::kRep, 55, c));
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kConnectResponse));
+  EXPECT_EQ(e.peer.qpn, 0x77u);
+  ASSERT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
+  EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kRtu));
+  // A second REP, or one from another of b's ids, changes nothing.
+  cm.on_wire("b", peer_msg(wire::CmKind::kRep, 56, c));
+  cm.on_wire("b", peer_msg(wire::CmKind::kRep, 55, c));
+  EXPECT_TRUE(cli.quiet());
+  // The process ends: b hears its id is gone.
+  cm.session_closed(&cli.s);
+  wire::Cm gone = t.take();
+  EXPECT_EQ(gone.kind, uint8_t(wire::CmKind::kGone));
+  EXPECT_EQ(gone.dst_id, 55u);
+}
+
+TEST_F(CmAcrossHostsTest, AHandshakeWithABackendThatWentIsUnreachable) {
+  const uint32_t s = remote_request(901);
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
+  t.take();
+  t.up = false;  // no RTU will come
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  cm.on_timer();
+  CmEvent e = srv.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kUnreachable));
+  EXPECT_EQ(e.status, -ETIMEDOUT);
+}
+
+TEST_F(CmAcrossHostsTest, GarbageFromAPeerReachesNoId) {
+  const uint32_t s = remote_request(901);
+  // Ids that are not b's peers, or not there; kinds that do not fit the state.
+  cm.on_wire("b", peer_msg(wire::CmKind::kRtu, 902, s));           // another of b's ids
+  cm.on_wire("c", peer_msg(wire::CmKind::kRtu, 901, s));           // another backend
+  cm.on_wire("b", peer_msg(wire::CmKind::kDreq, 901, listener));   // the listener itself
+  cm.on_wire("b", peer_msg(wire::CmKind::kRtu, 901, s));           // RTU before any REP
+  cm.on_wire("b", peer_msg(wire::CmKind::kSidrRep, 901, s));       // SIDR to a connected id
+  cm.on_wire("b", peer_msg(wire::CmKind::kRep, 901, 0x7fffffff));  // no such id
+  EXPECT_TRUE(srv.quiet());
+  EXPECT_TRUE(cli.quiet());
+  EXPECT_EQ(t.refused.size(), 4u);
+  // The REP to an id not here is answered: that id is gone (b checks it is its peer's).
+  wire::Cm gone = t.take();
+  EXPECT_EQ(gone.kind, uint8_t(wire::CmKind::kGone));
+  EXPECT_EQ(gone.src_id, 0x7fffffffu);
+  EXPECT_EQ(gone.dst_id, 901u);
+  // A request for an address of another host, a port nobody listens on, or loopback (a
+  // listener there is this host's own, as a TCP one on 127.0.0.1): REJ, no id.
+  const size_t ids = cm.ids();
+  wire::Cm m = peer_msg(wire::CmKind::kReq, 903, 0);
+  m.dst = v4("192.0.2.1", 7000);
+  cm.on_wire("b", m);
+  m = peer_msg(wire::CmKind::kReq, 904, 0);
+  m.dst.port = 7999;
+  cm.on_wire("b", m);
+  m = peer_msg(wire::CmKind::kReq, 905, 0);
+  m.dst = v4("127.0.0.1", 7000);
+  cm.on_wire("b", m);
+  for (uint32_t who : {903u, 904u, 905u}) {
+    wire::Cm rej = t.take();
+    EXPECT_EQ(rej.kind, uint8_t(wire::CmKind::kRej));
+    EXPECT_EQ(rej.dst_id, who);
+    EXPECT_EQ(rej.status, kCmRejInvalidService);
+  }
+  // A flood of requests fills the backlog (8), no more; the rest are rejected.
+  for (uint32_t i = 0; i < 20; ++i) cm.on_wire("b", peer_msg(wire::CmKind::kReq, 1000 + i, 0));
+  EXPECT_EQ(cm.ids(), ids + 7);  // with s, 8 pending
+  for (int i = 0; i < 7; ++i) EXPECT_EQ(srv.next().event, ev(CmEventType::kConnectRequest));
+  EXPECT_TRUE(srv.quiet());
+  ASSERT_EQ(t.sent.size(), 13u);
+  for (int i = 0; i < 13; ++i) EXPECT_EQ(t.take().status, kCmRejConsumer);
+  // The first request is still b's and still works.
+  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
+  EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kRep));
 }
 
 }  // namespace

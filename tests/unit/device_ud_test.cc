@@ -1,6 +1,7 @@
 // UD in the device model: datagrams reach the QP their address names (by LID or GID), carry the
 // 40-byte GRH room, check the qkey, and are lost (never duplicated or misdelivered) when there
-// is no receive, a wrong qkey, or no such QP.
+// is no receive, a wrong qkey, or no such QP. Multicast: a datagram to a group reaches every
+// attached QP of the backend (device_mcast.cc).
 #include <arpa/inet.h>
 
 #include "device_fixture.h"
@@ -120,6 +121,45 @@ TEST_F(DeviceUdTest, UdCannotRdmaWrite) {
   auto tx = drain(acq_);
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_LOC_QP_OP_ERR);
+}
+
+TEST_F(DeviceUdTest, MulticastReachesEveryAttachedQpAndNoOther) {
+  QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9), ub2 = ud_qp(b_, bcq_, 9);
+  McastReq m{ub.handle, 0xc001, 0, {0xff, 0x12, 0x40, 0x1b}};
+  m.gid[15] = 3;
+  ASSERT_TRUE(dev_.attach_mcast(*b_.s, m).is_ok());
+  ASSERT_TRUE(dev_.attach_mcast(*b_.s, m).is_ok());  // again: no second delivery
+  // Not UD, not a multicast GID, no QP of the session: refused.
+  QpV rc = create_qp(b_, qp_req(b_, bcq_, bcq_, IBV_QPT_RC));
+  EXPECT_EQ(dev_.attach_mcast(*b_.s, McastReq{rc.handle, 0xc001, 0, {0xff}}).err(), EINVAL);
+  EXPECT_EQ(dev_.attach_mcast(*b_.s, McastReq{ub2.handle, 0xc001, 0, {0xfe}}).err(), EINVAL);
+  EXPECT_EQ(dev_.attach_mcast(*a_.s, McastReq{0x7777, 0xc001, 0, {0xff}}).err(), EINVAL);
+  post_recv(ub, 1, mb_.addr, 1024, mb_.mr.lkey);
+  post_recv(ub2, 2, mb_.addr + 1024, 1024, mb_.mr.lkey);
+  UdDest d{};
+  d.is_global = 1;
+  std::memcpy(d.dgid, m.gid, 16);
+  post_ud(ua, 3, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 9);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 1u);
+  EXPECT_TRUE(rx[0].wc_flags & IBV_WC_GRH);
+  EXPECT_EQ(drain(acq_).size(), 1u);
+  // By its LID too; after a detach, nobody.
+  d = {};
+  d.dlid = 0xc001;
+  post_recv(ub, 4, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 5, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 9);
+  dev_.poll(now_);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+  ASSERT_TRUE(dev_.detach_mcast(*b_.s, m).is_ok());
+  EXPECT_EQ(dev_.detach_mcast(*b_.s, m).err(), EINVAL);
+  post_recv(ub, 7, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 6, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 9);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(bcq_).empty());
+  EXPECT_EQ(drain(acq_).size(), 2u);  // sent, whatever happens
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // never decodes into something that breaks the codec's promises (it faces the network).
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
+#include <sys/socket.h>
 
 #include <cstring>
 #include <random>
@@ -45,6 +46,21 @@ DirectOffer offer() {
   return o;
 }
 
+Cm cm_req() {
+  Cm m{};
+  m.kind = static_cast<uint8_t>(CmKind::kReq);
+  m.qp_type = IBV_QPT_RC;
+  m.ps = kCmPsTcp;
+  m.src_id = 5;
+  m.src.family = AF_INET;
+  m.dst.family = AF_INET;
+  m.dst.port = 7174;
+  m.qp.qpn = 0x12;
+  m.qp.psn = 0xabcdef;
+  m.private_len = 56;
+  return m;
+}
+
 TEST(WireCodec, SizesArePinned) {
   EXPECT_EQ(sizeof(FrameHeader), 16u);
   EXPECT_EQ(body_size(Type::kHello), 72u);
@@ -52,6 +68,7 @@ TEST(WireCodec, SizesArePinned) {
   EXPECT_EQ(body_size(Type::kRequest), 104u);
   EXPECT_EQ(body_size(Type::kReply), 48u);
   EXPECT_EQ(body_size(Type::kDirectOffer), 64u);
+  EXPECT_EQ(body_size(Type::kCm), 336u);
   EXPECT_EQ(body_size(Type::kMax), 0u);
 }
 
@@ -99,14 +116,19 @@ TEST(WireCodec, RoundTrips) {
   EXPECT_EQ(std::memcmp(f.offer.token, o.token, sizeof(o.token)), 0);
 }
 
-TEST(WireCodec, RefusesMalformedDirectOffer) {
+/// decode's error for body `b` of type `t` changed by `mutate`, with `payload` bytes announced.
+template <typename Body, typename Mutate>
+int mutated_err(Type t, Body b, Mutate mutate, uint32_t payload) {
+  mutate(b);
+  Bytes m;
+  encode(t, &b, payload, m);
   Frame f;
-  auto err = [&](auto mutate, uint32_t payload = 0) {
-    DirectOffer o = offer();
-    mutate(o);
-    Bytes m;
-    encode(Type::kDirectOffer, &o, payload, m);
-    return decode_bytes(m, f).err();
+  return decode_bytes(m, f).err();
+}
+
+TEST(WireCodec, RefusesMalformedDirectOffer) {
+  auto err = [](auto mutate, uint32_t payload = 0) {
+    return mutated_err(Type::kDirectOffer, offer(), mutate, payload);
   };
   EXPECT_EQ(err([](DirectOffer&) {}), 0);
   EXPECT_EQ(err([](DirectOffer& o) { o.is_global = 2; }), EPROTO);
@@ -114,6 +136,66 @@ TEST(WireCodec, RefusesMalformedDirectOffer) {
   EXPECT_EQ(err([](DirectOffer& o) { o.dst_qpn = 1u << 24; }), EPROTO);
   EXPECT_EQ(err([](DirectOffer& o) { o.port = 0; }), EPROTO);
   EXPECT_EQ(err([](DirectOffer&) {}, 8), EPROTO);  // no payload on an offer
+}
+
+TEST(WireCodec, CmRoundTrips) {
+  Cm m = cm_req();
+  std::memset(m.private_data, 0x5a, m.private_len);
+  Bytes b;
+  encode(Type::kCm, &m, 0, b);
+  Frame f;
+  ASSERT_TRUE(decode_bytes(b, f).is_ok());
+  EXPECT_EQ(f.type(), Type::kCm);
+  EXPECT_EQ(std::memcmp(&f.cm, &m, sizeof(m)), 0);
+}
+
+// What a hostile peer backend may forward: every field a guest's command could not set.
+TEST(WireCodec, RefusesMalformedCm) {
+  auto err = [](auto mutate, uint32_t payload = 0) {
+    return mutated_err(Type::kCm, cm_req(), mutate, payload);
+  };
+  auto as = [](CmKind k) { return static_cast<uint8_t>(k); };
+  EXPECT_EQ(err([](Cm&) {}), 0);
+  EXPECT_EQ(err([](Cm&) {}, 4), EPROTO);  // everything is in the body
+  EXPECT_EQ(err([](Cm& m) { m.kind = 0; }), EPROTO);
+  EXPECT_EQ(err([&](Cm& m) { m.kind = as(CmKind::kMax); }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.src_id = 0; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.dst_id = 3; }), EPROTO);  // a REQ names no id of the receiver
+  EXPECT_EQ(err([&](Cm& m) { m.kind = as(CmKind::kRep); }), EPROTO);  // ... every other does
+  EXPECT_EQ(err([](Cm& m) { m.private_len = 57; }), EPROTO);          // an IP port space's REQ: 56
+  EXPECT_EQ(err([](Cm& m) { m.ps = kCmPsIb, m.private_len = 92; }), 0);
+  EXPECT_EQ(err([](Cm& m) { m.private_len = 0xffffffff; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.ps = 0x4242; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.qp_type = 9; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.dst.family = 1; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.dst.port = 0; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.qp.qpn = 1u << 24; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.qp.psn = 1u << 24; }), EPROTO);
+  EXPECT_EQ(err([](Cm& m) { m.status = 28; }), EPROTO);  // a status outside a REJ
+  auto rej = [&](int32_t reason, uint32_t len) {
+    return err([&](Cm& m) {
+      m.kind = as(CmKind::kRej);
+      m.dst_id = 9;
+      m.status = reason;
+      m.private_len = len;
+    });
+  };
+  EXPECT_EQ(rej(kCmRejConsumer, 148), 0);
+  EXPECT_EQ(rej(kCmRejConsumer, 149), EPROTO);
+  EXPECT_EQ(rej(12345, 0), EPROTO);
+  auto other = [&](CmKind k, uint32_t len) {
+    return err([&](Cm& m) {
+      m.kind = as(k);
+      m.dst_id = 9;
+      m.private_len = len;
+    });
+  };
+  EXPECT_EQ(other(CmKind::kRep, 196), 0);
+  EXPECT_EQ(other(CmKind::kRep, 197), EPROTO);
+  EXPECT_EQ(other(CmKind::kSidrRep, 137), EPROTO);
+  EXPECT_EQ(other(CmKind::kRtu, 0), 0);
+  EXPECT_EQ(other(CmKind::kDreq, 1), EPROTO);
+  EXPECT_EQ(other(CmKind::kGone, 1), EPROTO);
 }
 
 TEST(WireCodec, RefusesMalformed) {
@@ -218,11 +300,16 @@ void expect_valid(const Frame& f) {
     EXPECT_LE(f.offer.dst_qpn, 0xffffffu);
     EXPECT_NE(f.offer.port, 0);
   }
+  if (f.type() == Type::kCm) {
+    EXPECT_EQ(f.h.payload, 0u);
+    EXPECT_LE(f.cm.private_len, kCmPrivateMax);
+    EXPECT_NE(f.cm.src_id, 0u);
+  }
 }
 
 TEST(WireCodec, MutatedFramesNeverCrash) {
   std::mt19937_64 rng(7);
-  std::vector<Bytes> seeds(5);
+  std::vector<Bytes> seeds(6);
   Hello h{};
   put_name(h.node, "node");
   h.wire_version = kWireVersion;
@@ -237,6 +324,8 @@ TEST(WireCodec, MutatedFramesNeverCrash) {
   encode(Type::kReply, &rp, 0, seeds[3]);
   const DirectOffer o = offer();
   encode(Type::kDirectOffer, &o, 0, seeds[4]);
+  const Cm c = cm_req();
+  encode(Type::kCm, &c, 0, seeds[5]);
   int ok = 0, bad = 0;
   for (int i = 0; i < 200000; ++i) {
     Bytes m = seeds[rng() % seeds.size()];
