@@ -28,7 +28,17 @@ size_t request_body_size(Op op) {
     case Op::kCmDestroyChannel:
     case Op::kCmDestroyId:
     case Op::kCmEstablish:
-    case Op::kCmDisconnect: return sizeof(HandleReq);
+    case Op::kCmDisconnect:
+    case Op::kFreeDm:
+      return sizeof(HandleReq);
+    case Op::kReregMr:
+      return sizeof(ReregMrReq);
+    case Op::kResizeCq:
+      return sizeof(ResizeCqReq);
+    case Op::kAllocDm:
+      return sizeof(AllocDmReq);
+    case Op::kRegDmMr:
+      return sizeof(RegDmMrReq);
     case Op::kCmCreateChannel: return 0;
     case Op::kCmCreateId: return sizeof(CmCreateIdReq);
     case Op::kCmBind: return sizeof(CmAddrReq);
@@ -65,17 +75,61 @@ size_t request_body_size(Op op) {
 }
 
 std::string op_name(uint16_t op) {
-  static constexpr const char* kNames[] = {
-      nullptr,        "hello",        "alloc_pd",       "dealloc_pd",      "reg_segment",
-      "reg_mr",       "dereg_mr",     "create_channel", "destroy_channel", "create_cq",
-      "destroy_cq",   "create_qp",    "modify_qp",      "query_qp",        "destroy_qp",
-      "status",       "create_srq",   "modify_srq",     "query_srq",       "destroy_srq",
-      "migrate",      "import_begin", "import_data",    "import_commit",   "snapshot",
-      "keep_drop",    "keep_bye",     "keep_restore",   "keep_end",        "restore",
-      "direct_grant", "direct_rings", "direct_offer",   "direct_remote",   "dereg_segment",
-      "cm_create_channel", "cm_destroy_channel", "cm_create_id", "cm_destroy_id", "cm_bind",
-      "cm_listen", "cm_resolve_addr", "cm_resolve_route", "cm_connect", "cm_accept",
-      "cm_reject", "cm_establish", "cm_disconnect", "cm_migrate_id", "cm_event"};
+  static constexpr const char* kNames[] = {nullptr,
+                                           "hello",
+                                           "alloc_pd",
+                                           "dealloc_pd",
+                                           "reg_segment",
+                                           "reg_mr",
+                                           "dereg_mr",
+                                           "create_channel",
+                                           "destroy_channel",
+                                           "create_cq",
+                                           "destroy_cq",
+                                           "create_qp",
+                                           "modify_qp",
+                                           "query_qp",
+                                           "destroy_qp",
+                                           "status",
+                                           "create_srq",
+                                           "modify_srq",
+                                           "query_srq",
+                                           "destroy_srq",
+                                           "migrate",
+                                           "import_begin",
+                                           "import_data",
+                                           "import_commit",
+                                           "snapshot",
+                                           "keep_drop",
+                                           "keep_bye",
+                                           "keep_restore",
+                                           "keep_end",
+                                           "restore",
+                                           "direct_grant",
+                                           "direct_rings",
+                                           "direct_offer",
+                                           "direct_remote",
+                                           "dereg_segment",
+                                           "cm_create_channel",
+                                           "cm_destroy_channel",
+                                           "cm_create_id",
+                                           "cm_destroy_id",
+                                           "cm_bind",
+                                           "cm_listen",
+                                           "cm_resolve_addr",
+                                           "cm_resolve_route",
+                                           "cm_connect",
+                                           "cm_accept",
+                                           "cm_reject",
+                                           "cm_establish",
+                                           "cm_disconnect",
+                                           "cm_migrate_id",
+                                           "cm_event",
+                                           "rereg_mr",
+                                           "resize_cq",
+                                           "alloc_dm",
+                                           "free_dm",
+                                           "reg_dm_mr"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
   return kNames[op];

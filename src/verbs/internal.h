@@ -92,6 +92,7 @@ struct VMr {
   ibv_mr mr;
   uint32_t handle;
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
+  bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based; not in local_mrs)
 };
 
 struct VChannel {
@@ -208,6 +209,13 @@ bool fork_safe();
 /// Gives back one use per entry of `segments`; a segment of the context's session that no MR
 /// uses any more is released there (kDeregSegment).
 void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);
+
+// Device memory (device_memory.cc): the verbs_context ops, and the largest allocation the
+// guest may make (the device's cap, or its max_dm_bytes quota where lower).
+ibv_dm* alloc_dm(ibv_context* c, ibv_alloc_dm_attr* attr);
+int free_dm(ibv_dm* dm);
+ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access);
+uint64_t max_dm_size(const VContext& ctx);
 
 // Device attributes (context.cc).
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a);
