@@ -100,8 +100,14 @@ ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsign
                  length};
   RegMrResp resp{};
   if (int rc = to_vctx(pd->context)->call(Op::kRegDmMr, req, resp)) return fail_ptr<ibv_mr>(rc);
-  // Not in local_mrs: the direct path addresses local memory by pointer, and a zero-based
-  // address is none. A WQE naming this lkey goes through the backend (docs/ARCHITECTURE.md).
+  // Checked by the backend: [offset, offset + length) lies in the allocation.
+  // The direct paths find it in local_mrs, with where its byte 0 is here (LocalMr::host).
+  VContext* ctx = to_vctx(pd->context);
+  {
+    std::lock_guard<std::mutex> g(ctx->mr_mu);
+    ctx->local_mrs[resp.lkey] = LocalMr{
+        0, length, 0, req.access & ~IBV_ACCESS_ZERO_BASED, req.pd, to_vdm(dm)->map.data() + offset};
+  }
   auto* mr = new VMr{};
   mr->on_dm = true;
   mr->mr.context = pd->context;

@@ -92,7 +92,7 @@ struct VMr {
   ibv_mr mr;
   uint32_t handle;
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
-  bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based; not in local_mrs)
+  bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based: LocalMr::host)
 };
 
 struct VChannel {
