@@ -102,22 +102,10 @@ ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsign
   if (int rc = to_vctx(pd->context)->call(Op::kRegDmMr, req, resp)) return fail_ptr<ibv_mr>(rc);
   // Checked by the backend: [offset, offset + length) lies in the allocation.
   // The direct paths find it in local_mrs, with where its byte 0 is here (LocalMr::host).
-  VContext* ctx = to_vctx(pd->context);
-  {
-    std::lock_guard<std::mutex> g(ctx->mr_mu);
-    ctx->local_mrs[resp.lkey] = LocalMr{
-        0, length, 0, req.access & ~IBV_ACCESS_ZERO_BASED, req.pd, to_vdm(dm)->map.data() + offset};
-  }
-  auto* mr = new VMr{};
+  VMr* mr = new_vmr(pd, nullptr, length, resp,
+                    LocalMr{0, length, 0, req.access & ~IBV_ACCESS_ZERO_BASED, req.pd,
+                            to_vdm(dm)->map.data() + offset});
   mr->on_dm = true;
-  mr->mr.context = pd->context;
-  mr->mr.pd = pd;
-  mr->mr.addr = nullptr;
-  mr->mr.length = length;
-  mr->mr.handle = resp.handle;
-  mr->mr.lkey = resp.lkey;
-  mr->mr.rkey = resp.rkey;
-  mr->handle = resp.handle;
   return &mr->mr;
 }
 

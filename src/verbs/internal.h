@@ -175,6 +175,11 @@ inline bool ring_full(const proto::RingHeader* h, uint32_t prod, uint32_t size, 
   return prod - seen >= size;
 }
 
+/// The library's side of a registered MR (resources.cc): its ibv_mr, and its entry in the
+/// context's local_mrs (what the direct paths check SGEs and rkeys against).
+VMr* new_vmr(ibv_pd* pd, void* addr, size_t length, const proto::RegMrResp& resp,
+             const LocalMr& local);
+
 /// A verb that returns a pointer fails with NULL and errno.
 template <typename T>
 T* fail_ptr(int err) {

@@ -136,8 +136,17 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
     release_segments(*ctx, segments);
     return fail_ptr<ibv_mr>(rc);
   }
-  auto* mr = new VMr{};
+  VMr* mr =
+      new_vmr(pd, addr, length, resp,
+              LocalMr{reinterpret_cast<uintptr_t>(addr), length, req->iova, req->access, req->pd});
   mr->segments = std::move(segments);
+  return &mr->mr;
+}
+}  // namespace
+
+namespace vrdma::verbs {
+VMr* new_vmr(ibv_pd* pd, void* addr, size_t length, const RegMrResp& resp, const LocalMr& local) {
+  auto* mr = new VMr{};
   mr->mr.context = pd->context;
   mr->mr.pd = pd;
   mr->mr.addr = addr;
@@ -146,14 +155,12 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
   mr->mr.lkey = resp.lkey;
   mr->mr.rkey = resp.rkey;
   mr->handle = resp.handle;
-  {
-    std::lock_guard<std::mutex> g(ctx->mr_mu);
-    ctx->local_mrs[resp.lkey] = LocalMr{reinterpret_cast<uintptr_t>(addr), length, req->iova,
-                                        req->access, req->pd};
-  }
-  return &mr->mr;
+  VContext* ctx = to_vctx(pd->context);
+  std::lock_guard<std::mutex> g(ctx->mr_mu);
+  ctx->local_mrs[resp.lkey] = local;
+  return mr;
 }
-}  // namespace
+}  // namespace vrdma::verbs
 
 #undef ibv_reg_mr
 VERBS_EXPORT ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {

@@ -71,6 +71,17 @@ class Conformance : public vrdma::test::VerbsFixture {
     return p;
   }
 
+  /// `n` RC pairs of depth `depth`; the peer's QPs (ours are in qps_).
+  std::vector<PeerQp> rc_pairs(int n, uint32_t depth) {
+    std::vector<PeerQp> theirs;
+    for (int i = 0; i < n; ++i) {
+      Pair p = pair(IBV_QPT_RC, {}, {}, depth);
+      if (!p.qp) break;
+      theirs.push_back(p.peer);
+    }
+    return theirs;
+  }
+
   ibv_ah* peer_ah() {
     ibv_ah_attr aa{};
     aa.dlid = peer_.lid();
@@ -650,12 +661,8 @@ TEST_F(Conformance, PostingBeyondTheQueueDepthIsEnomem) {
 TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   constexpr int kQps = 4;
   constexpr uint32_t kOps = 100000;
-  std::vector<PeerQp> theirs;
-  for (int i = 0; i < kQps; ++i) {
-    Pair p = pair(IBV_QPT_RC, {}, {}, 128);
-    ASSERT_NE(p.qp, nullptr);
-    theirs.push_back(p.peer);
-  }
+  const std::vector<PeerQp> theirs = rc_pairs(kQps, 128);
+  ASSERT_EQ(theirs.size(), size_t{kQps});
   std::memset(buf_.data() + 4096, 0, 8);
   EXPECT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, kOps), uint64_t{kQps} * kOps);
   uint64_t sum;
@@ -787,12 +794,8 @@ struct Pages {
 TEST_F(Conformance, ReregMrTranslationKeepsTheKeysAndThePeerWritesTheNewPages) {
   constexpr int kQps = 2;
   constexpr uint32_t kOps = 2000;
-  std::vector<PeerQp> theirs;
-  for (int i = 0; i < kQps; ++i) {
-    Pair p = pair(IBV_QPT_RC, {}, {}, 128);
-    ASSERT_NE(p.qp, nullptr);
-    theirs.push_back(p.peer);
-  }
+  const std::vector<PeerQp> theirs = rc_pairs(kQps, 128);
+  ASSERT_EQ(theirs.size(), size_t{kQps});
   // Before: the peer adds into the old pages.
   std::memset(buf_.data() + 4096, 0, 8);
   ASSERT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, 100), uint64_t{kQps} * 100);
