@@ -18,7 +18,7 @@ using Filters = std::vector<std::pair<std::string, std::string>>;
 /// Splits `guest g1 lqpn 17` into pairs; an odd count is an error.
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
-/// The rows of `res.<type>` (type: qp, cq, mr, pd, srq) that pass every filter. Numbers match
+/// The rows of `res.<type>` (type: qp, cq, mr, pd, srq, dm) that pass every filter. Numbers match
 /// a decimal or 0x value; a key that the type does not have is an error naming the valid ones.
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
                                 const Filters& filters);
