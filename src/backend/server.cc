@@ -447,6 +447,21 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kDestroyChannel: reply_status(dev_.destroy_channel(*s, handle_of())); break;
     case Op::kCreateCq: reply(dev_.create_cq(*s, body_of<CreateCqReq>(msg).value(), give)); break;
     case Op::kDestroyCq: reply_status(dev_.destroy_cq(*s, handle_of())); break;
+    case Op::kResizeCq:
+      reply(dev_.resize_cq(*s, body_of<ResizeCqReq>(msg).value(), give));
+      break;
+    case Op::kReregMr:
+      reply_status(dev_.rereg_mr(*s, body_of<ReregMrReq>(msg).value()));
+      break;
+    case Op::kAllocDm:
+      reply(dev_.alloc_dm(*s, body_of<AllocDmReq>(msg).value(), give));
+      break;
+    case Op::kFreeDm:
+      reply_status(dev_.free_dm(*s, handle_of()));
+      break;
+    case Op::kRegDmMr:
+      reply(dev_.reg_dm_mr(*s, body_of<RegDmMrReq>(msg).value()));
+      break;
     case Op::kCreateQp: reply(dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), give)); break;
     case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
     case Op::kQueryQp: reply(dev_.query_qp(*s, handle_of())); break;

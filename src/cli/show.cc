@@ -38,6 +38,7 @@ const std::vector<std::string>& fields_of(const std::string& type) {
       {"mr", {"guest", "mrn", "pdn", "lkey", "rkey", "mrlen", "iova", "access", "pid", "comm"}},
       {"pd", {"guest", "pdn", "users", "pid", "comm"}},
       {"srq", {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "pid", "comm"}},
+      {"dm", {"guest", "dmn", "length", "segment", "pid", "comm"}},
       {"stat-qp", {"guest", "qpn", "type", "transport", "pid", "comm"}},
       {"stat-guest", {"guest"}},
   };
@@ -142,7 +143,8 @@ Result<Filters> parse_filters(const std::vector<std::string>& words) {
 
 Result<json> res_rows(const json& status, const std::string& type, const Filters& filters) {
   if (fields_of(type).empty() || type.starts_with("stat"))
-    return error(EINVAL, fmt::format("unknown resource \"{}\"; one of: qp, cq, mr, pd, srq", type));
+    return error(EINVAL,
+                 fmt::format("unknown resource \"{}\"; one of: qp, cq, mr, pd, srq, dm", type));
   RETURN_IF_ERROR(check_keys(type, filters));
   return filtered(member(member(status, "res"), type.c_str()), filters);
 }

@@ -19,7 +19,7 @@ using Filters = std::vector<std::pair<std::string, std::string>>;
 /// `rqpn`, `sq-psn`, ...) are taken for the names the rows carry (`qpn`, `dest_qpn`, `sq_psn`).
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
-/// The rows of `res.<type>` (type: qp, cq, mr, pd, srq) that pass every filter. Numbers match
+/// The rows of `res.<type>` (type: qp, cq, mr, pd, srq, dm) that pass every filter. Numbers match
 /// a decimal or 0x value, words in any case; a key that the type does not have is an error
 /// naming the valid ones.
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,

@@ -35,9 +35,9 @@ uint32_t new_handle(Session& s, const Map&) {
 }
 
 const char* res_name(Res r) {
-  static constexpr const char* kNames[] = {"max_pds",      "max_qps",          "max_cqs",
-                                           "max_srqs",     "max_mrs",          "max_mr_bytes",
-                                           "max_segments", "max_segment_bytes"};
+  static constexpr const char* kNames[] = {"max_pds",      "max_qps",           "max_cqs",
+                                           "max_srqs",     "max_mrs",           "max_mr_bytes",
+                                           "max_segments", "max_segment_bytes", "max_dm_bytes"};
   static_assert(std::size(kNames) == static_cast<size_t>(Res::kCount));
   return kNames[static_cast<size_t>(r)];
 }
@@ -47,9 +47,9 @@ const char* res_name(Res r) {
 // Quotas fail with ENOMEM: the errno the verbs man pages give for "not enough resources" on
 // every create/alloc/reg call. EDQUOT would say it better, but no verbs program expects it.
 Status Device::check_quota(Guest& g, Res r, uint64_t n) {
-  const uint64_t limits[] = {quotas_.max_pds,      quotas_.max_qps,          quotas_.max_cqs,
-                             quotas_.max_srqs,     quotas_.max_mrs,          quotas_.max_mr_bytes,
-                             quotas_.max_segments, quotas_.max_segment_bytes};
+  const uint64_t limits[] = {quotas_.max_pds,      quotas_.max_qps,           quotas_.max_cqs,
+                             quotas_.max_srqs,     quotas_.max_mrs,           quotas_.max_mr_bytes,
+                             quotas_.max_segments, quotas_.max_segment_bytes, quotas_.max_dm_bytes};
   static_assert(std::size(limits) == static_cast<size_t>(Res::kCount));
   const uint64_t limit = limits[static_cast<size_t>(r)];
   const uint64_t used = g.used[static_cast<size_t>(r)];
@@ -259,6 +259,8 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
                            quotas_.max_pds,
                            static_cast<uint32_t>(quotas_.max_mr_bytes),
                            static_cast<uint32_t>(quotas_.max_mr_bytes >> 32)};
+  cp->max_dm_bytes_lo = static_cast<uint32_t>(quotas_.max_dm_bytes);
+  cp->max_dm_bytes_hi = static_cast<uint32_t>(quotas_.max_dm_bytes >> 32);
   cp->backend_sleeping.store(0);
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");
@@ -309,6 +311,8 @@ void Device::close_session_impl(Session* s, bool moved) {
   s->mrs.clear();
   for (const auto& [h, seg] : s->segments) release_segment(*g, seg->map.size());
   s->segments.clear();
+  for (const auto& [h, dm] : s->dms) release(*g, Res::kDmBytes, dm.length);
+  s->dms.clear();
   release(*g, Res::kPd, s->pds.size());
   s->pds.clear();
   if (moved) {
@@ -399,6 +403,8 @@ Result<uint32_t> Device::reg_segment(Session& s, const RegSegmentReq& req, Uniqu
 Status Device::dereg_segment(Session& s, uint32_t handle) {
   auto it = s.segments.find(handle);
   if (it == s.segments.end()) return error(EINVAL, fmt::format("no segment {}", handle));
+  if (dm_of_segment(s, handle))
+    return error(EBUSY, fmt::format("segment {} is device memory", handle));
   for (const auto& [h, mr] : s.mrs) {
     for (const auto& seg : mr->segments) {
       if (seg == it->second) return error(EBUSY, fmt::format("segment {} has MR {}", handle, h));
@@ -415,43 +421,64 @@ Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
   return refused(s, "reg_mr", reg_mr_checked(s, req));
 }
 
-Result<RegMrResp> Device::reg_mr_checked(Session& s, const RegMrReq& req) {
-  auto pd = s.pds.find(req.pd);
-  if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
-  if (req.access & kMrAccessUnsupported)
-    return error(EOPNOTSUPP, fmt::format("access {:#x}: ZERO_BASED and ON_DEMAND are not supported",
-                                         req.access));
-  if (req.access & ~kMrAccessAccepted)
-    return error(EINVAL, fmt::format("access {:#x}: unknown bits {:#x}", req.access,
-                                     req.access & ~kMrAccessAccepted));
+Status Device::check_mr_access(uint32_t access, uint32_t accepted) {
+  if (access & kMrAccessUnsupported & ~accepted)
+    return error(EOPNOTSUPP,
+                 fmt::format("access {:#x}: ZERO_BASED and ON_DEMAND are not supported", access));
+  if (access & ~(accepted | kMrAccessUnsupported))
+    return error(EINVAL, fmt::format("access {:#x}: unknown bits {:#x}", access,
+                                     access & ~(accepted | kMrAccessUnsupported)));
   // o10-?: remote write or atomic access requires local write.
-  if ((req.access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
-      !(req.access & IBV_ACCESS_LOCAL_WRITE))
+  if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+      !(access & IBV_ACCESS_LOCAL_WRITE))
     return error(EINVAL, "access: remote write/atomic access without local write");
+  return Status::ok();
+}
+
+Status Device::mr_translation(Session& s, const RegMrReq& req, Mr& mr) {
   if (req.length == 0 || req.length > kMaxMrSize)
     return error(EINVAL, fmt::format("length {} outside 1..{}", req.length, kMaxMrSize));
   if (req.num_extents == 0 || req.num_extents > kMaxMrExtents)
     return error(EINVAL, fmt::format("{} extents, outside 1..{}", req.num_extents, kMaxMrExtents));
-  if (s.guest->mrs.size() >= kMaxMr) return error(ENOMEM, "MR limit reached");
-  auto mr = std::make_unique<Mr>();
   uint64_t expect = 0;
   for (uint32_t i = 0; i < req.num_extents; ++i) {
     const MrExtent& e = req.extents[i];
     auto seg = s.segments.find(e.segment);
     if (seg == s.segments.end()) return error(EINVAL, fmt::format("no segment {}", e.segment));
+    if (dm_of_segment(s, e.segment))
+      return error(EINVAL, fmt::format("segment {} is device memory", e.segment));
     const size_t seg_size = seg->second->map.size();
     if (e.mr_offset != expect || e.length == 0 || e.seg_offset > seg_size ||
         e.length > seg_size - e.seg_offset)
       return error(EINVAL, fmt::format("extent {} does not fit", i));
-    mr->chunks.push_back({e.mr_offset, e.length, seg->second->map.data() + e.seg_offset});
-    mr->segments.push_back(seg->second);
+    mr.chunks.push_back({e.mr_offset, e.length, seg->second->map.data() + e.seg_offset});
+    mr.segments.push_back(seg->second);
     expect += e.length;
   }
   if (expect != req.length) return error(EINVAL, "extents do not cover the MR");
+  mr.addr = req.addr;
+  mr.iova = req.iova;
+  mr.length = req.length;
+  return Status::ok();
+}
+
+Result<RegMrResp> Device::reg_mr_checked(Session& s, const RegMrReq& req) {
+  auto pd = s.pds.find(req.pd);
+  if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
+  RETURN_IF_ERROR(check_mr_access(req.access, kMrAccessAccepted));
+  auto mr = std::make_unique<Mr>();
+  RETURN_IF_ERROR(mr_translation(s, req, *mr));
+  mr->pd = req.pd;
+  mr->access = req.access;
+  return add_mr(s, std::move(mr));
+}
+
+Result<RegMrResp> Device::add_mr(Session& s, std::unique_ptr<Mr> mr) {
+  if (s.guest->mrs.size() >= kMaxMr) return error(ENOMEM, "MR limit reached");
   RETURN_IF_ERROR(check_quota(*s.guest, Res::kMr));
-  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, req.length));
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, mr->length));
   charge(*s.guest, Res::kMr);
-  charge(*s.guest, Res::kMrBytes, req.length);
+  charge(*s.guest, Res::kMrBytes, mr->length);
   // Key: 20-bit index in the guest's key space plus 12 random bits.
   uint32_t key;
   do {
@@ -460,13 +487,8 @@ Result<RegMrResp> Device::reg_mr_checked(Session& s, const RegMrReq& req) {
   } while (key == 0 || s.guest->mrs.count(key));
   mr->handle = new_handle(s, s.mrs);
   mr->key = key;
-  mr->pd = req.pd;
   mr->owner = &s;
-  mr->access = req.access;
-  mr->addr = req.addr;
-  mr->iova = req.iova;
-  mr->length = req.length;
-  pd->second.users++;
+  s.pds[mr->pd].users++;
   RegMrResp resp{mr->handle, key, key, 0};
   s.guest->mrs[key] = mr.get();
   s.mrs[mr->handle] = std::move(mr);
@@ -483,6 +505,156 @@ Status Device::dereg_mr(Session& s, uint32_t handle) {
   release(*s.guest, Res::kMrBytes, it->second->length);
   s.mrs.erase(it);
   return Status::ok();
+}
+
+Status Device::rereg_mr(Session& s, const ReregMrReq& req) {
+  return refused(s, "rereg_mr", rereg_mr_checked(s, req));
+}
+
+Status Device::rereg_mr_checked(Session& s, const ReregMrReq& req) {
+  auto it = s.mrs.find(req.handle);
+  if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", req.handle));
+  Mr& mr = *it->second;
+  // The kernel's rule (ib_uverbs_rereg_mr): no flag, or one it does not know, is EINVAL.
+  constexpr uint32_t kKnown =
+      IBV_REREG_MR_CHANGE_TRANSLATION | IBV_REREG_MR_CHANGE_PD | IBV_REREG_MR_CHANGE_ACCESS;
+  if (req.flags == 0 || (req.flags & ~kKnown))
+    return error(EINVAL, fmt::format("flags {:#x}", req.flags));
+  if (on_dm(s, mr)) return error(EINVAL, "a device-memory MR");
+  // Everything is checked on a copy; only then does the MR change, all at once.
+  Mr next;
+  next.pd = mr.pd;
+  next.access = mr.access;
+  if (req.flags & IBV_REREG_MR_CHANGE_PD) {
+    if (!s.pds.count(req.mr.pd)) return error(EINVAL, fmt::format("no PD {}", req.mr.pd));
+    next.pd = req.mr.pd;
+  }
+  if (req.flags & IBV_REREG_MR_CHANGE_ACCESS) {
+    RETURN_IF_ERROR(check_mr_access(req.mr.access, kMrAccessAccepted));
+    next.access = req.mr.access;
+  }
+  if (req.flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+    RETURN_IF_ERROR(mr_translation(s, req.mr, next));
+    if (next.length > mr.length)
+      RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, next.length - mr.length));
+  }
+  // Grants carry the peer's view of this MR (its PD, access and pages): they stop.
+  bump_epoch(*s.guest);
+  if (next.pd != mr.pd) {
+    s.pds[mr.pd].users--;
+    s.pds[next.pd].users++;
+    mr.pd = next.pd;
+  }
+  mr.access = next.access;
+  if (req.flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+    release(*s.guest, Res::kMrBytes, mr.length);
+    charge(*s.guest, Res::kMrBytes, next.length);
+    // Old segments stay mapped while a frame in flight holds them (transport::Hold).
+    mr.chunks = std::move(next.chunks);
+    mr.segments = std::move(next.segments);
+    mr.addr = next.addr;
+    mr.iova = next.iova;
+    mr.length = next.length;
+  }
+  return Status::ok();
+}
+
+bool Device::on_dm(const Session& s, const Mr& mr) {
+  for (const auto& [h, dm] : s.dms) {
+    auto seg = s.segments.find(dm.segment);
+    if (seg == s.segments.end()) continue;
+    for (const auto& used : mr.segments) {
+      if (used == seg->second) return true;
+    }
+  }
+  return false;
+}
+
+uint32_t Device::dm_of_segment(const Session& s, uint32_t segment) {
+  for (const auto& [h, dm] : s.dms) {
+    if (dm.segment == segment) return h;
+  }
+  return 0;
+}
+
+Result<AllocDmResp> Device::alloc_dm(Session& s, const AllocDmReq& req, UniqueFd& mem) {
+  return refused(s, "alloc_dm", alloc_dm_checked(s, req, mem));
+}
+
+Result<AllocDmResp> Device::alloc_dm_checked(Session& s, const AllocDmReq& req, UniqueFd& mem) {
+  Guest& g = *s.guest;
+  if (req.length == 0 || req.length > kMaxDmSize)
+    return error(EINVAL, fmt::format("length {} outside 1..{}", req.length, kMaxDmSize));
+  // A page-aligned mapping satisfies any alignment up to a page; more is not offered.
+  if (req.log_align_req > 12)
+    return error(EINVAL, fmt::format("log_align_req {} above a page (12)", req.log_align_req));
+  if (s.dms.size() >= kMaxDm) return error(ENOMEM, "device memory limit reached");
+  const uint64_t bytes = page_round(req.length);
+  RETURN_IF_ERROR(check_quota(g, Res::kDmBytes, req.length));
+  RETURN_IF_ERROR(check_quota(g, Res::kSegment));
+  RETURN_IF_ERROR(check_quota(g, Res::kSegmentBytes, bytes));
+  if (bytes > quotas_.max_mapped_bytes - std::min(mapped_bytes_, quotas_.max_mapped_bytes))
+    return error(ENOMEM,
+                 fmt::format("backend max_mapped_bytes = {} reached", quotas_.max_mapped_bytes));
+  ASSIGN_OR_RETURN(mem, make_sealed_memfd("vrdma-dm", bytes));
+  auto seg = std::make_shared<Segment>();
+  seg->map = MappedRegion::map_shared(mem.get(), bytes);
+  if (!seg->map.valid())
+    return error(errno, fmt::format("mapping device memory: {}", strerror(errno)));
+  seg->fd = dup_fd(mem.get());
+  if (!seg->fd.valid()) return error(errno, "dup of the device memory's memfd");
+  // The memory is a segment of the session (so MRs, grants and device_state name it as any
+  // other), which only free_dm releases.
+  charge_segment(g, bytes);
+  charge(g, Res::kDmBytes, req.length);
+  const uint32_t seg_h = new_handle(s, s.segments);
+  s.segments[seg_h] = std::move(seg);
+  const uint32_t h = new_handle(s, s.dms);
+  s.dms[h] = Dm{h, seg_h, req.length};
+  return AllocDmResp{h, 0, bytes};
+}
+
+Status Device::free_dm(Session& s, uint32_t handle) {
+  auto it = s.dms.find(handle);
+  if (it == s.dms.end()) return error(EINVAL, fmt::format("no device memory {}", handle));
+  const std::shared_ptr<Segment> seg = s.segments.at(it->second.segment);
+  for (const auto& [h, mr] : s.mrs) {
+    for (const auto& used : mr->segments) {
+      if (used == seg) return error(EBUSY, fmt::format("device memory {} has MR {}", handle, h));
+    }
+  }
+  release_segment(*s.guest, seg->map.size());
+  release(*s.guest, Res::kDmBytes, it->second.length);
+  s.segments.erase(it->second.segment);
+  s.dms.erase(it);
+  return Status::ok();
+}
+
+Result<RegMrResp> Device::reg_dm_mr(Session& s, const RegDmMrReq& req) {
+  return refused(s, "reg_dm_mr", reg_dm_mr_checked(s, req));
+}
+
+Result<RegMrResp> Device::reg_dm_mr_checked(Session& s, const RegDmMrReq& req) {
+  if (!s.pds.count(req.pd)) return error(EINVAL, fmt::format("no PD {}", req.pd));
+  auto dm = s.dms.find(req.dm);
+  if (dm == s.dms.end()) return error(EINVAL, fmt::format("no device memory {}", req.dm));
+  if (!(req.access & IBV_ACCESS_ZERO_BASED))
+    return error(EINVAL, "a device-memory MR needs IBV_ACCESS_ZERO_BASED");
+  RETURN_IF_ERROR(check_mr_access(req.access, kDmMrAccessAccepted));
+  const uint64_t size = dm->second.length;
+  if (req.length == 0 || req.offset > size || req.length > size - req.offset)
+    return error(EINVAL, fmt::format("[{}, +{}) outside the device memory's {} bytes", req.offset,
+                                     req.length, size));
+  const std::shared_ptr<Segment>& seg = s.segments.at(dm->second.segment);
+  auto mr = std::make_unique<Mr>();
+  mr->chunks.push_back({0, req.length, seg->map.data() + req.offset});
+  mr->segments.push_back(seg);
+  mr->pd = req.pd;
+  mr->access = req.access & ~IBV_ACCESS_ZERO_BASED;  // addr and iova 0 say it
+  mr->addr = 0;
+  mr->iova = 0;
+  mr->length = req.length;
+  return add_mr(s, std::move(mr));
 }
 
 Result<uint32_t> Device::create_channel(Session& s, UniqueFd& read_end) {
@@ -554,6 +726,64 @@ Status Device::destroy_cq(Session& s, uint32_t handle) {
   s.cqs.erase(it);
   release(*s.guest, Res::kCq);
   return Status::ok();
+}
+
+Result<CreateCqResp> Device::resize_cq(Session& s, const ResizeCqReq& req, UniqueFd& ring) {
+  return refused(s, "resize_cq", resize_cq_checked(s, req, ring));
+}
+
+Result<CreateCqResp> Device::resize_cq_checked(Session& s, const ResizeCqReq& req, UniqueFd& ring) {
+  auto it = s.cqs.find(req.handle);
+  if (it == s.cqs.end()) return error(EINVAL, fmt::format("no CQ {}", req.handle));
+  Cq& cq = *it->second;
+  if (req.cqe == 0 || req.cqe > kMaxCqe)
+    return error(EINVAL, fmt::format("cqe {} outside 1..{}", req.cqe, kMaxCqe));
+  // The library published its consumer cursor before asking, and polls nothing meanwhile.
+  const uint32_t cons = cq.hdr->consumer.load(std::memory_order_acquire);
+  const uint32_t held = cq.prod - cons;
+  if (held > cq.size) return error(EINVAL, "the CQ's consumer index is corrupt");
+  // Completions of this CQ waiting in its QPs' own rings (direct path) are outstanding too;
+  // a resize leaves those rings alone. Their cursors are the guest's: each is capped.
+  uint64_t outstanding = held;
+  for (const auto& [h, qp] : s.qps) {
+    for (const Cq* own : {qp->send_cq == &cq ? qp->own_send.get() : nullptr,
+                          qp->recv_cq == &cq ? qp->own_recv.get() : nullptr}) {
+      if (own)
+        outstanding += std::min(own->hdr->producer.load(std::memory_order_acquire) -
+                                    own->hdr->consumer.load(std::memory_order_acquire),
+                                own->size);
+    }
+  }
+  if (req.cqe < outstanding)
+    return error(EINVAL,
+                 fmt::format("cqe {} below the {} completions it holds", req.cqe, outstanding));
+  RETURN_IF_ERROR(check_depth(*s.guest, "CQ", req.cqe));
+  const uint32_t size = std::bit_ceil(req.cqe + 1);
+  const size_t bytes = page_round(ring_bytes(size, sizeof(Cqe)));
+  UniqueFd fd;
+  ASSIGN_OR_RETURN(fd, make_sealed_memfd("vrdma-cq", bytes));
+  MappedRegion map = MappedRegion::map_shared(fd.get(), bytes);
+  if (!map.valid()) return error(errno, "mapping CQ ring");
+  auto* hdr = reinterpret_cast<RingHeader*>(map.data());
+  init_ring(hdr, RingKind::kCq, sizeof(Cqe), size);
+  Cqe* entries = ring_entries<Cqe>(hdr);
+  // Same free-running cursors, so the library's own consumer cursor stays valid; completions
+  // keep their order.
+  for (uint32_t i = cons; i != cq.prod; ++i)
+    entries[i & (size - 1)] = cq.entries[i & (cq.size - 1)];
+  hdr->direct_gen.store(cq.hdr->direct_gen.load(std::memory_order_relaxed));
+  hdr->armed.store(cq.hdr->armed.load(std::memory_order_acquire));
+  hdr->consumer.store(cons, std::memory_order_relaxed);
+  hdr->producer.store(cq.prod, std::memory_order_release);
+  ring = dup_fd(fd.get());
+  if (!ring.valid()) return error(errno, "dup of the CQ ring's memfd");
+  cq.ring = std::move(map);
+  cq.ring_fd = std::move(fd);
+  cq.hdr = hdr;
+  cq.entries = entries;
+  cq.size = size;
+  cq.overrun = false;
+  return CreateCqResp{cq.handle, size - 1, bytes};
 }
 
 Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, UniqueFd& ring) {

@@ -64,6 +64,14 @@ struct Mr {
   std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive
 };
 
+/// Device memory (ibv_alloc_dm): a segment of the session that the backend made (a memfd both
+/// sides map), which only free_dm releases; MRs over it are zero-based (reg_dm_mr).
+struct Dm {
+  uint32_t handle = 0;
+  uint32_t segment = 0;  ///< its handle in Session::segments
+  uint64_t length = 0;   ///< what the guest asked for (the segment is whole pages)
+};
+
 struct Channel {
   uint32_t handle = 0;
   UniqueFd write_end;  ///< non-blocking; receives 4-byte CQ handles
@@ -249,7 +257,18 @@ inline constexpr uint32_t kNoUid = UINT32_MAX;
 inline constexpr size_t kMaxRefusalsLogged = 16;
 
 /// What a guest holds, counted against its Quotas (one counter per quota).
-enum class Res : uint8_t { kPd, kQp, kCq, kSrq, kMr, kMrBytes, kSegment, kSegmentBytes, kCount };
+enum class Res : uint8_t {
+  kPd,
+  kQp,
+  kCq,
+  kSrq,
+  kMr,
+  kMrBytes,
+  kSegment,
+  kSegmentBytes,
+  kDmBytes,
+  kCount
+};
 
 struct Guest {
   std::string name;
@@ -298,6 +317,7 @@ struct Session {
   std::map<uint32_t, std::unique_ptr<Cq>> cqs;
   std::map<uint32_t, std::unique_ptr<Qp>> qps;
   std::map<uint32_t, std::unique_ptr<Srq>> srqs;
+  std::map<uint32_t, Dm> dms;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -387,10 +407,24 @@ class Device : public transport::Receiver {
   Status dereg_segment(Session& s, uint32_t handle);
   Result<proto::RegMrResp> reg_mr(Session& s, const proto::RegMrReq& req);
   Status dereg_mr(Session& s, uint32_t handle);
+  /// ibv_rereg_mr: changes the MR's translation, PD and/or access (IBV_REREG_MR_CHANGE_*) in
+  /// place, keeping its handle and keys; requests executed after it see the new MR. All or
+  /// nothing. Not for an MR over device memory (EINVAL).
+  Status rereg_mr(Session& s, const proto::ReregMrReq& req);
+  /// ibv_alloc_dm: a sealed memfd of whole pages (`mem`, which the guest maps), within the
+  /// guest's max_dm_bytes and segment quotas.
+  Result<proto::AllocDmResp> alloc_dm(Session& s, const proto::AllocDmReq& req, UniqueFd& mem);
+  /// EBUSY while an MR is registered over it.
+  Status free_dm(Session& s, uint32_t handle);
+  /// ibv_reg_dm_mr: a zero-based MR (addr and iova 0) over part of a device memory.
+  Result<proto::RegMrResp> reg_dm_mr(Session& s, const proto::RegDmMrReq& req);
   Result<uint32_t> create_channel(Session& s, UniqueFd& read_end);
   Status destroy_channel(Session& s, uint32_t handle);
   Result<proto::CreateCqResp> create_cq(Session& s, const proto::CreateCqReq& req, UniqueFd& ring);
   Status destroy_cq(Session& s, uint32_t handle);
+  /// ibv_resize_cq: a new ring of at least `req.cqe` entries (`ring`), not fewer than the
+  /// completions the CQ holds (EINVAL), which move over in order.
+  Result<proto::CreateCqResp> resize_cq(Session& s, const proto::ResizeCqReq& req, UniqueFd& ring);
   Result<proto::CreateQpResp> create_qp(Session& s, const proto::CreateQpReq& req, UniqueFd& ring);
   Status modify_qp(Session& s, const proto::ModifyQpReq& req);
   Result<proto::QueryQpResp> query_qp(Session& s, uint32_t handle);
@@ -523,6 +557,21 @@ class Device : public transport::Receiver {
   // The verbs behind create_qp, modify_qp, create_srq, modify_srq, reg_mr and create_cq, whose
   // refusals those log.
   Result<proto::RegMrResp> reg_mr_checked(Session& s, const proto::RegMrReq& req);
+  Status rereg_mr_checked(Session& s, const proto::ReregMrReq& req);
+  Result<proto::AllocDmResp> alloc_dm_checked(Session& s, const proto::AllocDmReq& req,
+                                              UniqueFd& mem);
+  Result<proto::RegMrResp> reg_dm_mr_checked(Session& s, const proto::RegDmMrReq& req);
+  Result<proto::CreateCqResp> resize_cq_checked(Session& s, const proto::ResizeCqReq& req,
+                                                UniqueFd& ring);
+  /// EOPNOTSUPP/EINVAL for MR access bits outside `accepted`, or remote write without local.
+  static Status check_mr_access(uint32_t access, uint32_t accepted);
+  /// Fills the MR's chunks, segments, addr, iova and length from a request's extents.
+  static Status mr_translation(Session& s, const proto::RegMrReq& req, Mr& mr);
+  /// Gives a new MR (pd, access and translation set) its handle and key, within the quotas.
+  Result<proto::RegMrResp> add_mr(Session& s, std::unique_ptr<Mr> mr);
+  /// The device memory whose segment `segment` is (0: none), and whether an MR lies on one.
+  static uint32_t dm_of_segment(const Session& s, uint32_t segment);
+  static bool on_dm(const Session& s, const Mr& mr);
   Result<proto::CreateCqResp> create_cq_checked(Session& s, const proto::CreateCqReq& req,
                                                 UniqueFd& ring);
   Result<proto::CreateQpResp> create_qp_checked(Session& s, const proto::CreateQpReq& req,

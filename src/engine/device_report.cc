@@ -154,7 +154,7 @@ nlohmann::json counters_json(const QpCounters& c) {
 nlohmann::json Device::report() const {
   nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
                  cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
-                 qps = nlohmann::json::array();
+                 qps = nlohmann::json::array(), dms = nlohmann::json::array();
   std::map<const Guest*, QpCounters> per_guest;
   for (const auto& [name, g] : guests_) per_guest[g.get()] = g->retired;
   for (const auto& [id, s] : sessions_) {
@@ -173,6 +173,9 @@ nlohmann::json Device::report() const {
                          {"mrlen", mr->length},
                          {"iova", mr->iova},
                          {"access", mr->access}}));
+    }
+    for (const auto& [h, dm] : s->dms) {
+      dms.push_back(row({{"dmn", h}, {"length", dm.length}, {"segment", dm.segment}}));
     }
     for (const auto& [h, cq] : s->cqs) {
       nlohmann::json ch =
@@ -254,7 +257,7 @@ nlohmann::json Device::report() const {
                       {"counters", counters_json(d.counters)}});
   }
   return nlohmann::json{
-      {"res", {{"pd", pds}, {"mr", mrs}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
+      {"res", {{"pd", pds}, {"mr", mrs}, {"dm", dms}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
       {"guest_counters", guests},
       {"backend_counters", counters_json(all)}};
 }

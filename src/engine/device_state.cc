@@ -5,12 +5,14 @@
 // guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
 // Import trusts nothing: every index, size, handle and reference is checked, use counts are
 // recounted from the references, and nothing is created unless all of it is valid.
-#include <fcntl.h>
+#include "proto/device_state.h"
 
+#include <fcntl.h>
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <bit>
 #include <cstring>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "common/identity.h"
@@ -18,7 +20,6 @@
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
-#include "proto/device_state.h"
 
 namespace vrdma::engine {
 
@@ -471,6 +472,28 @@ void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recov
   }
 }
 
+/// Version 4: a session's device memory, each a segment of the session that no other device
+/// memory names. Nothing is read from an older blob (it has none).
+void import_dms(Reader& rd, const json& js, Session& s, uint32_t version) {
+  if (version < 4) return;
+  for (const json& e : rd.arr(js, "dms")) {
+    if (!rd.st.is_ok()) return;
+    Dm dm{rd.num<uint32_t>(e, "h"), rd.num<uint32_t>(e, "seg"), rd.num<uint64_t>(e, "length")};
+    if (!rd.st.is_ok()) return;
+    auto seg = s.segments.find(dm.segment);
+    if (dm.handle == 0 || dm.handle >= s.next_handle)
+      rd.fail("device memory handle out of range");
+    else if (seg == s.segments.end() || dm.length == 0 || dm.length > kMaxDmSize ||
+             dm.length > seg->second->map.size())
+      rd.fail("device memory does not fit its segment");
+    else if (std::any_of(s.dms.begin(), s.dms.end(),
+                         [&](const auto& d) { return d.second.segment == dm.segment; }))
+      rd.fail("device memory segment twice");
+    else if (!s.dms.emplace(dm.handle, dm).second)
+      rd.fail("device memory handle twice");
+  }
+}
+
 /// One session of guest `g`: its own fields and descriptors (its socket into `socks`), then
 /// each kind of resource, in the order they name each other.
 std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, uint32_t version,
@@ -491,6 +514,7 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   import_pds(im, js, *s);
   import_segments(im, js, *s);
   import_mrs(im, js, *s, g);
+  import_dms(im.rd, js, *s, version);
   import_channels(im, js, *s);
   import_cqs(im, js, *s, recover_qp != nullptr);
   import_srqs(im, js, *s, recover_qp != nullptr);
@@ -557,6 +581,10 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                      {"ext", std::move(ext)}});
     }
     js["mrs"] = std::move(mrs);
+    json dms = json::array();
+    for (const auto& [h, dm] : s.dms)
+      dms.push_back({{"h", h}, {"seg", dm.segment}, {"length", dm.length}});
+    js["dms"] = std::move(dms);
     json chans = json::array();
     for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get(), "chan", h)});
     js["chans"] = std::move(chans);
@@ -728,6 +756,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     charge(*gp, Res::kMr, s.mrs.size());
     for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
     for (const auto& [h, seg] : s.segments) charge_segment(*gp, seg->map.size());
+    for (const auto& [h, dm] : s.dms) charge(*gp, Res::kDmBytes, dm.length);
     for (const auto& [h, qp] : s.qps) {
       qp->flow = next_flow_++;
       active_.push_back(qp.get());

@@ -20,6 +20,9 @@ struct Quotas {
   /// pages, and one stays while any MR uses part of it, so the bytes can exceed max_mr_bytes.
   uint32_t max_segments = 4096;
   uint64_t max_segment_bytes = 128ull << 30;
+  /// Device memory (ibv_alloc_dm), bytes summed over the guest's allocations. Each is also a
+  /// segment (whole pages) and counts against the two quotas above.
+  uint64_t max_dm_bytes = 256ull << 20;
   /// Not per guest: the segment bytes the backend maps for all guests together (x86-64 user
   /// space is 128 TiB; guests' names are free, so per-guest quotas alone do not bound it).
   uint64_t max_mapped_bytes = 32ull << 40;

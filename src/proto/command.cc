@@ -28,7 +28,17 @@ size_t request_body_size(Op op) {
     case Op::kCmDestroyChannel:
     case Op::kCmDestroyId:
     case Op::kCmEstablish:
-    case Op::kCmDisconnect: return sizeof(HandleReq);
+    case Op::kCmDisconnect:
+    case Op::kFreeDm:
+      return sizeof(HandleReq);
+    case Op::kReregMr:
+      return sizeof(ReregMrReq);
+    case Op::kResizeCq:
+      return sizeof(ResizeCqReq);
+    case Op::kAllocDm:
+      return sizeof(AllocDmReq);
+    case Op::kRegDmMr:
+      return sizeof(RegDmMrReq);
     case Op::kCmCreateChannel: return 0;
     case Op::kCmCreateId: return sizeof(CmCreateIdReq);
     case Op::kCmBind:
@@ -124,7 +134,12 @@ std::string op_name(uint16_t op) {
                                            "attach_mcast",
                                            "detach_mcast",
                                            "cm_join_mcast",
-                                           "cm_leave_mcast"};
+                                           "cm_leave_mcast",
+                                           "rereg_mr",
+                                           "resize_cq",
+                                           "alloc_dm",
+                                           "free_dm",
+                                           "reg_dm_mr"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
   return kNames[op];

@@ -89,7 +89,13 @@ enum class Op : uint16_t {
   // rdma_join_multicast/leave: CmAddrReq (the group's address); join's event MULTICAST_JOIN.
   kCmJoinMcast = 52,
   kCmLeaveMcast = 53,
-  kMax = 54,  ///< one past the last opcode; never sent
+  // More of the verbs surface (issue 24).
+  kReregMr = 54,   ///< ReregMrReq; Empty (the MR keeps its handle and keys)
+  kResizeCq = 55,  ///< ResizeCqReq; CreateCqResp; response fd: the new ring memfd
+  kAllocDm = 56,   ///< AllocDmReq; AllocDmResp; response fd: the device memory's memfd
+  kFreeDm = 57,    ///< HandleReq
+  kRegDmMr = 58,   ///< RegDmMrReq; RegMrResp
+  kMax = 59,       ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -182,6 +188,41 @@ struct RegMrResp {
 };
 static_assert(sizeof(RegMrResp) == 16);
 
+// ---- kReregMr: ibv_rereg_mr. `flags` are IBV_REREG_MR_CHANGE_*; `mr` carries what they
+// change: its pd (CHANGE_PD), access (CHANGE_ACCESS), and addr, length, iova and extents
+// (CHANGE_TRANSLATION); the other fields are ignored. All or nothing: a refusal changes nothing.
+struct ReregMrReq {
+  uint32_t handle;
+  uint32_t flags;
+  RegMrReq mr;
+};
+static_assert(sizeof(ReregMrReq) == 8 + sizeof(RegMrReq));
+
+// ---- Device memory (ibv_alloc_dm): a memfd the backend makes and both sides map. kAllocDm's
+// response carries it; `bytes` is its mapped size (whole pages, >= length).
+struct AllocDmReq {
+  uint64_t length;
+  uint32_t log_align_req;
+  uint32_t reserved;
+};
+static_assert(sizeof(AllocDmReq) == 16);
+struct AllocDmResp {
+  uint32_t handle;
+  uint32_t reserved;
+  uint64_t bytes;
+};
+static_assert(sizeof(AllocDmResp) == 16);
+/// kRegDmMr: a zero-based MR over [offset, offset + length) of device memory `dm`.
+struct RegDmMrReq {
+  uint32_t pd;
+  uint32_t dm;
+  uint32_t access;  ///< IBV_ACCESS_*; IBV_ACCESS_ZERO_BASED is required
+  uint32_t reserved;
+  uint64_t offset;
+  uint64_t length;
+};
+static_assert(sizeof(RegDmMrReq) == 32);
+
 // ---- kCreateChannel: response carries the read end of the event pipe (4-byte CQ handles).
 
 // ---- kCreateCq: response carries the ring memfd.
@@ -198,6 +239,13 @@ struct CreateCqResp {
   uint64_t ring_bytes;
 };
 static_assert(sizeof(CreateCqResp) == 16);
+/// kResizeCq: the CQ gets a new ring of at least `cqe` entries (its completions copied over, in
+/// order); the response is CreateCqResp's, with the new ring's memfd.
+struct ResizeCqReq {
+  uint32_t handle;
+  uint32_t cqe;
+};
+static_assert(sizeof(ResizeCqReq) == 8);
 
 // ---- kDirectGrant: may this RC QP's library execute its WQEs itself, straight into the peer's
 // memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring, the

@@ -31,6 +31,10 @@ inline constexpr uint32_t kMaxSegments = 65536;
 inline constexpr uint32_t kMaxMcastGroups = 4096;
 inline constexpr uint32_t kMaxMcastQpAttach = 1024;
 inline constexpr uint32_t kMaxQpMcastGroups = 16;
+/// Device memory (ibv_alloc_dm): the largest one allocation, and allocations per session. The
+/// guest's quota (max_dm_bytes) may make max_dm_size smaller.
+inline constexpr uint64_t kMaxDmSize = 1ull << 30;
+inline constexpr uint32_t kMaxDm = 1024;
 
 /// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND is harmless while the device has no memory
 /// windows; HUGETLB is a promise about the memory, not a request; RELAXED_ORDERING and the rest
@@ -44,5 +48,8 @@ inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED | IBV_ACC
 /// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones are enforced, MW_BIND and
 /// the MR-only bits are ignored (as hardware does), anything else is EINVAL.
 inline constexpr uint32_t kQpAccessAccepted = kMrAccessAccepted | kMrAccessUnsupported;
+/// ibv_reg_dm_mr: the MR is zero-based (IBV_ACCESS_ZERO_BASED required, as rdma-core's man page
+/// says); the other bits as for ibv_reg_mr.
+inline constexpr uint32_t kDmMrAccessAccepted = kMrAccessAccepted | IBV_ACCESS_ZERO_BASED;
 
 }  // namespace vrdma::proto

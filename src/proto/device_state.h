@@ -4,7 +4,9 @@
 // QpCounters travel in it as byte strings of their exact size.
 // History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob
 // imports with the owner unknown: backend/migrate.cc takes it from the guest's connection);
-// 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix).
+// 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix);
+// 4 = each session's device memory ("dms": handle, segment, length; a version 3 blob has none,
+// and its MRs and CQ rings, resized or re-registered or not, read as before).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -13,7 +15,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 3;
+inline constexpr uint32_t kStateVersion = 4;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

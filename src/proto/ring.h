@@ -168,7 +168,10 @@ struct alignas(64) ControlPage {
   uint16_t reserved;
   uint32_t features;   ///< kFeature* bits the backend offers this session
   GuestLimits limits;  ///< kFeatureLimits (added in the former padding: same version)
-  uint8_t pad0[20];
+  /// kFeatureLimits: the guest's device-memory quota (max_dm_bytes; 0: none beyond the device's
+  /// cap). Also in the former padding: a backend without it leaves it zero.
+  uint32_t max_dm_bytes_lo, max_dm_bytes_hi;
+  uint8_t pad0[12];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
   uint8_t pad1[60];
 };

@@ -327,6 +327,8 @@ int vrdma_query_device_ex(ibv_context* c, const ibv_query_device_ex_input* input
   fill_device_attr(*to_vctx(c), attr->orig_attr);
   if (attr_size >= offsetof(ibv_device_attr_ex, phys_port_cnt_ex) + sizeof(uint32_t))
     attr->phys_port_cnt_ex = attr->orig_attr.phys_port_cnt;
+  if (attr_size >= offsetof(ibv_device_attr_ex, max_dm_size) + sizeof(uint64_t))
+    attr->max_dm_size = max_dm_size(*to_vctx(c));
   return 0;
 }
 
@@ -435,6 +437,9 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   v.query_device_ex = vrdma_query_device_ex;
   v.create_cq_ex = create_cq_ex;
   v.create_qp_ex = create_qp_ex;
+  v.alloc_dm = alloc_dm;
+  v.free_dm = free_dm;
+  v.reg_dm_mr = reg_dm_mr;
   return &c;
 }
 

@@ -292,12 +292,14 @@ int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, Mem
   for (int i = 0; i < wr.num_sge; ++i) {
     const ibv_sge& s = wr.sg_list[i];
     if (!sge_names_memory(s.length)) continue;
+    uint8_t* p = reinterpret_cast<uint8_t*>(s.addr);
     if (!inl) {
       const LocalMr* mr = local_mr(ctx, qp, s.lkey);
       if (!mr || (mr->access & need) != need || !in_range(mr->addr, mr->length, s.addr, s.length))
         return IBV_WC_LOC_PROT_ERR;
+      p = local_ptr(*mr, s.addr);
     }
-    out[n++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+    out[n++] = MemSpan{p, s.length};
     len += s.length;
   }
   return check_send_length(wr.opcode, len);

@@ -40,7 +40,15 @@ struct LocalMr {
   uint64_t addr = 0, length = 0;
   uint64_t iova = 0;  ///< where rkeys address it
   uint32_t access = 0, pd = 0;
+  /// A zero-based MR (device memory, ibv_reg_dm_mr): where byte 0 is in this process (its
+  /// addresses are offsets, not pointers). Null: its addresses are this process's pointers.
+  uint8_t* host = nullptr;
 };
+
+/// Where lkey address `addr` of `mr` (checked to lie in it) is in this process.
+inline uint8_t* local_ptr(const LocalMr& mr, uint64_t addr) {
+  return mr.host ? mr.host + (addr - mr.addr) : reinterpret_cast<uint8_t*>(addr);
+}
 
 /// A QP's own completion ring as this process maps it (producer or consumer side).
 struct OwnRing {

@@ -93,6 +93,7 @@ struct VMr {
   ibv_mr mr;
   uint32_t handle;
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
+  bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based: LocalMr::host)
 };
 
 struct VChannel {
@@ -180,6 +181,11 @@ inline bool ring_full(const proto::RingHeader* h, uint32_t prod, uint32_t size, 
   return prod - seen >= size;
 }
 
+/// The library's side of a registered MR (resources.cc): its ibv_mr, and its entry in the
+/// context's local_mrs (what the direct paths check SGEs and rkeys against).
+VMr* new_vmr(ibv_pd* pd, void* addr, size_t length, const proto::RegMrResp& resp,
+             const LocalMr& local);
+
 /// A verb that returns a pointer fails with NULL and errno.
 template <typename T>
 T* fail_ptr(int err) {
@@ -212,6 +218,13 @@ bool fork_safe();
 /// Gives back one use per entry of `segments`; a segment of the context's session that no MR
 /// uses any more is released there (kDeregSegment).
 void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);
+
+// Device memory (device_memory.cc): the verbs_context ops, and the largest allocation the
+// guest may make (the device's cap, or its max_dm_bytes quota where lower).
+ibv_dm* alloc_dm(ibv_context* c, ibv_alloc_dm_attr* attr);
+int free_dm(ibv_dm* dm);
+ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access);
+uint64_t max_dm_size(const VContext& ctx);
 
 // Device attributes (context.cc).
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a);

@@ -1,5 +1,6 @@
 // Registered memory: makes the pages of an MR reachable by the backend. Anonymous private
-// pages are moved into a sealed memfd ("segment") mapped at the same address, so the guest
+// pages, and those of private file mappings that are not code (registrable), are moved into a
+// sealed memfd ("segment") mapped at the same address, so the guest
 // keeps using the same pointers and the backend maps the same pages: the data path is a plain
 // memcpy, with no syscall per message (process_vm_writev costs ~3.5 µs per call). Pages that
 // are already in a segment are reused. When no MR names a segment any more, what the
@@ -8,6 +9,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -233,6 +235,30 @@ Recheck recheck_maps(std::vector<char>& buf, const Pieces& pieces, std::span<con
 /// process's other threads stopped (stop_world.h), so that no write to these pages (the MR's
 /// or its neighbours') is lost between the copy and the remap. A piece in a mapping that holds
 /// a thread's stack pointer is refused (EFAULT): the thread writes there all the time.
+/// Whether a mapping's pages may move into a segment: anonymous private memory (heap, mmap),
+/// and private file mappings that are not code (a program's .data and .bss, MAP_PRIVATE of a
+/// file): the process only ever sees its own copy of those pages, which the segment keeps (a
+/// change to the file no longer shows in pages not yet written, which POSIX leaves unspecified
+/// for MAP_PRIVATE anyway). Not shared mappings (their pages are someone else's too), stacks
+/// and the kernel's [vdso]/[vvar], huge pages (a segment has 4 KiB pages), nor executable text.
+bool registrable(const Vma& v) {
+  if (v.perms[3] != 'p') return false;
+  if (v.path.empty() || v.path == "[heap]") return true;
+  if (v.path[0] == '[' || v.path.starts_with("/anon_hugepage")) return false;
+  return v.perms[2] != 'x';
+}
+
+/// For a private file mapping: whether every page up to `b` has file behind it. A page past
+/// the end of the file faults with SIGBUS when read, and make_segments reads every page with
+/// the other threads stopped. A file that cannot be looked at (deleted, renamed) is refused.
+bool file_covers(const Vma& v, uintptr_t b) {
+  if (v.path.empty() || v.path[0] == '[') return true;  // anonymous
+  struct stat st {};
+  if (::stat(v.path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  const uint64_t file_pages_end = (static_cast<uint64_t>(st.st_size) + kPage - 1) & ~(kPage - 1);
+  return file_pages_end >= v.offset + (b - v.start);
+}
+
 int make_segments(std::vector<Piece>& pieces) {
   struct Fresh {
     Piece* piece;
@@ -642,11 +668,16 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
     } else if (v.path == "[stack]") {
       VLOG_ERROR("reg_mr: {:#x} is on the main thread's stack; stacks cannot be registered", p.a);
       return EFAULT;
-    } else if (v.perms[3] != 'p' || !(v.path.empty() || v.path == "[heap]")) {
+    } else if (!registrable(v)) {
       VLOG_ERROR(
-          "reg_mr: memory at {:#x} ({} {}) is not anonymous private memory; vrdma cannot "
-          "register it yet",
+          "reg_mr: memory at {:#x} ({} {}) is neither anonymous nor a private file mapping; "
+          "vrdma cannot register it yet",
           p.a, v.perms, v.path);
+      return EFAULT;
+    }
+    if (p.id == 0 && !file_covers(v, p.b)) {
+      VLOG_ERROR("reg_mr: memory at {:#x} maps {} beyond its end (or it cannot be read)", p.a,
+                 v.path);
       return EFAULT;
     }
     if (pieces.size() == proto::kMaxMrExtents) {

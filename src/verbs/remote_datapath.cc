@@ -261,7 +261,7 @@ ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, ui
     view = RemoteMrView{true, mr.access, mr.iova, mr.length};
   const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
   if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op)))
-    p = reinterpret_cast<uint8_t*>(mr.addr + (iova - mr.iova));
+    p = local_ptr(mr, mr.addr + (iova - mr.iova));
   return st;
 }
 
@@ -468,7 +468,7 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
           fail = true;
           return Start::kFail;
         }
-        c.dst[c.nd++] = MemSpan{reinterpret_cast<uint8_t*>(s.addr), s.length};
+        c.dst[c.nd++] = MemSpan{local_ptr(mr, s.addr), s.length};
         cap += s.length;
       }
       if (cap < f.len) {

@@ -136,8 +136,17 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
     release_segments(*ctx, segments);
     return fail_ptr<ibv_mr>(rc);
   }
-  auto* mr = new VMr{};
+  VMr* mr =
+      new_vmr(pd, addr, length, resp,
+              LocalMr{reinterpret_cast<uintptr_t>(addr), length, req->iova, req->access, req->pd});
   mr->segments = std::move(segments);
+  return &mr->mr;
+}
+}  // namespace
+
+namespace vrdma::verbs {
+VMr* new_vmr(ibv_pd* pd, void* addr, size_t length, const RegMrResp& resp, const LocalMr& local) {
+  auto* mr = new VMr{};
   mr->mr.context = pd->context;
   mr->mr.pd = pd;
   mr->mr.addr = addr;
@@ -146,14 +155,12 @@ ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsi
   mr->mr.lkey = resp.lkey;
   mr->mr.rkey = resp.rkey;
   mr->handle = resp.handle;
-  {
-    std::lock_guard<std::mutex> g(ctx->mr_mu);
-    ctx->local_mrs[resp.lkey] = LocalMr{reinterpret_cast<uintptr_t>(addr), length, req->iova,
-                                        req->access, req->pd};
-  }
-  return &mr->mr;
+  VContext* ctx = to_vctx(pd->context);
+  std::lock_guard<std::mutex> g(ctx->mr_mu);
+  ctx->local_mrs[resp.lkey] = local;
+  return mr;
 }
-}  // namespace
+}  // namespace vrdma::verbs
 
 #undef ibv_reg_mr
 VERBS_EXPORT ibv_mr* ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
@@ -183,6 +190,65 @@ VERBS_EXPORT int ibv_dereg_mr(ibv_mr* mr) {
   }
   release_segments(*ctx, v->segments);
   delete v;
+  return 0;
+}
+
+// ibv_rereg_mr(3): the checks rdma-core's libibverbs makes before the command answer
+// IBV_REREG_MR_ERR_INPUT; a refused command IBV_REREG_MR_ERR_CMD (the backend changes nothing,
+// so on vrdma the old MR stays valid then too; the caller deregisters it either way). The
+// lkey and rkey stay. Pages of a new translation become reachable as for ibv_reg_mr; those the
+// MR no longer names are given back once the backend has switched.
+VERBS_EXPORT int ibv_rereg_mr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, size_t length,
+                              int access) {
+  auto input_error = [] {
+    errno = EINVAL;
+    return static_cast<int>(IBV_REREG_MR_ERR_INPUT);
+  };
+  if (!mr) return input_error();
+  auto* v = reinterpret_cast<VMr*>(mr);
+  if (v->on_dm || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
+  if ((flags & IBV_REREG_MR_CHANGE_TRANSLATION) && (!addr || !length)) return input_error();
+  if (access && !(flags & IBV_REREG_MR_CHANGE_ACCESS)) return input_error();
+  if ((flags & IBV_REREG_MR_CHANGE_PD) && (!pd || pd->context != mr->context)) return input_error();
+  VContext* ctx = to_vctx(mr->context);
+  auto req = std::make_unique<ReregMrReq>();
+  req->handle = v->handle;
+  req->flags = static_cast<uint32_t>(flags);
+  if (flags & IBV_REREG_MR_CHANGE_PD) req->mr.pd = reinterpret_cast<VPd*>(pd)->handle;
+  if (flags & IBV_REREG_MR_CHANGE_ACCESS)
+    req->mr.access = static_cast<uint32_t>(access) & ~IBV_ACCESS_OPTIONAL_RANGE;
+  std::vector<uint32_t> segments;
+  auto cmd_error = [&](int rc) {
+    release_segments(*ctx, segments);
+    errno = rc;
+    return static_cast<int>(IBV_REREG_MR_ERR_CMD);
+  };
+  if (flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+    req->mr.addr = reinterpret_cast<uintptr_t>(addr);
+    req->mr.length = length;
+    req->mr.iova = reinterpret_cast<uintptr_t>(addr);
+    if (int rc = describe_memory(*ctx, addr, length, req->mr, segments)) return cmd_error(rc);
+  }
+  Empty resp;
+  if (int rc = ctx->call(Op::kReregMr, req.get(), sizeof(*req), &resp, 0)) return cmd_error(rc);
+  {
+    std::lock_guard<std::mutex> g(ctx->mr_mu);
+    LocalMr& local = ctx->local_mrs[mr->lkey];
+    if (flags & IBV_REREG_MR_CHANGE_PD) local.pd = req->mr.pd;
+    if (flags & IBV_REREG_MR_CHANGE_ACCESS) local.access = req->mr.access;
+    if (flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+      local.addr = local.iova = req->mr.addr;
+      local.length = length;
+    }
+    ctx->mr_gen.fetch_add(1, std::memory_order_release);
+  }
+  if (flags & IBV_REREG_MR_CHANGE_PD) mr->pd = pd;
+  if (flags & IBV_REREG_MR_CHANGE_TRANSLATION) {
+    mr->addr = addr;
+    mr->length = length;
+    std::swap(v->segments, segments);
+    release_segments(*ctx, segments);  // the old translation's
+  }
   return 0;
 }
 
@@ -266,7 +332,37 @@ VERBS_EXPORT int ibv_destroy_cq(ibv_cq* cq) {
   return 0;
 }
 
-VERBS_EXPORT int ibv_resize_cq(ibv_cq*, int) { return EOPNOTSUPP; }
+// ibv_resize_cq(3): the backend gives the CQ a new ring with its completions in the same order
+// at the same (free-running) indices, so the consumer cursor stays; cqe is what it really holds.
+// Under the CQ's lock: no poll reads the ring while it changes.
+VERBS_EXPORT int ibv_resize_cq(ibv_cq* cq, int cqe) {
+  if (!cq || cqe <= 0) return EINVAL;
+  VCq* v = to_vcq(cq);
+  VContext* ctx = to_vctx(cq->context);
+  v->lock.lock();
+  publish_consumed(*v);  // the backend counts what it holds from the published cursors
+  ResizeCqReq req{v->handle, static_cast<uint32_t>(cqe)};
+  CreateCqResp resp{};
+  std::vector<UniqueFd> fds;
+  int rc = ctx->call(Op::kResizeCq, req, resp, {}, &fds);
+  if (rc == 0) {
+    MappedRegion ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
+    if (ring.valid()) {
+      v->ring = std::move(ring);
+      v->hdr = reinterpret_cast<RingHeader*>(v->ring.data());
+      v->entries = ring_entries<Cqe>(v->hdr);
+      v->size = resp.cqe + 1;
+      v->ex_cur = nullptr;
+      cq->cqe = static_cast<int>(resp.cqe);
+    } else {
+      // The backend moved on to the new ring: nothing more can be polled here.
+      rc = errno ? errno : ENOMEM;
+      VLOG_ERROR("resize_cq: mapping CQ {}'s new ring failed; its completions are lost", v->handle);
+    }
+  }
+  v->lock.unlock();
+  return rc;
+}
 
 VERBS_EXPORT int ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
   uint32_t handle;

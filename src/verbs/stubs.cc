@@ -407,11 +407,6 @@ struct ibv_mr* ibv_reg_dmabuf_mr(struct ibv_pd*, uint64_t, size_t, uint64_t, int
   return fail<ibv_mr*>(EOPNOTSUPP, nullptr);
 }
 
-// IBV_REREG_MR_ERR_INPUT: "old MR is valid", so the caller may keep using or deregister it.
-int ibv_rereg_mr(struct ibv_mr*, int, struct ibv_pd*, void*, size_t, int) {
-  return fail(EOPNOTSUPP, static_cast<int>(IBV_REREG_MR_ERR_INPUT));
-}
-
 // 0 means "in-order placement not guaranteed", which is always a true answer.
 int ibv_query_qp_data_in_order(struct ibv_qp*, enum ibv_wr_opcode, uint32_t) { return 0; }
 

@@ -17,7 +17,8 @@ OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=
            query_srq=18, destroy_srq=19, cm_create_channel=35, cm_destroy_channel=36,
            cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
            cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
-           cm_disconnect=47, cm_migrate_id=48)
+           cm_disconnect=47, cm_migrate_id=48, rereg_mr=54, resize_cq=55, alloc_dm=56, free_dm=57,
+           reg_dm_mr=58, dereg_segment=34)
 
 
 def msg(op, body=b"", flags=3):
@@ -92,7 +93,30 @@ lifecycle = b"".join([
     msg("destroy_cq", struct.pack("<II", 2, 0)),
     msg("dealloc_pd", struct.pack("<II", 1, 0)),
 ])
+# Issue 24: rereg_mr (every flag), resize_cq around held completions, device memory.
+more_verbs = b"".join([
+    hello,
+    msg("alloc_pd"),                                                     # pd 1
+    msg("alloc_pd"),                                                     # pd 2
+    msg("create_cq", struct.pack("<IIII", 16, NONE, 0, 0)),              # cq 3
+    msg("resize_cq", struct.pack("<II", 3, 100)),
+    msg("resize_cq", struct.pack("<II", 3, 4)),
+    msg("reg_segment", struct.pack("<Q", 8192), flags=7),                # segment 4
+    msg("reg_mr", struct.pack("<IIQQQII", 1, 7, 0x10000, 4096, 0x10000, 1, 0) +
+        struct.pack("<QQQII", 0, 4096, 0, 4, 0)),                         # mr 5
+    msg("rereg_mr", struct.pack("<II", 5, 7) +
+        struct.pack("<IIQQQII", 2, 1, 0x20000, 8192, 0x20000, 1, 0) + struct.pack("<QQQII", 0, 8192, 0, 4, 0)),
+    msg("alloc_dm", struct.pack("<QII", 5000, 3, 0), flags=3),           # dm 7 (segment 6)
+    msg("reg_dm_mr", struct.pack("<IIIIQQ", 1, 7, 0x20 | 7, 0, 0, 4096)),  # mr 8
+    msg("free_dm", struct.pack("<II", 7, 0)),
+    msg("dereg_segment", struct.pack("<II", 6, 0)),
+    msg("dereg_mr", struct.pack("<II", 8, 0)),
+    msg("free_dm", struct.pack("<II", 7, 0)),
+    msg("dereg_mr", struct.pack("<II", 5, 0)),
+    msg("destroy_cq", struct.pack("<II", 3, 0)),
+])
 command = {
+    "seed-more-verbs": more_verbs,
     "seed-lifecycle": lifecycle,
     "seed-cm": cm,
     "seed-before-hello": msg("alloc_pd") + hello + hello,

@@ -2,7 +2,7 @@
  * rdma_get_request, rdma_accept/rdma_connect with private data, the rdma_verbs.h inlines
  * (rdma_reg_msgs, rdma_post_send/recv, rdma_get_send/recv_comp), rdma_disconnect and
  * rdma_destroy_ep; bad input: private data over the limit, an event acked twice. Buffers are on
- * the heap (Debian's rdma_server/rdma_client use static ones, which vrdma cannot register).
+ * the heap (Debian's rdma_server/rdma_client, case sync_tools, use static ones).
  * Usage: cm_sync_ep server PORT | cm_sync_ep client HOST PORT. Exit 0 when the echo came back. */
 #include <errno.h>
 #include <rdma/rdma_cma.h>

@@ -6,6 +6,8 @@
 #              connects to one listener)
 #   udaddy     UD QPs: the SIDR-style exchange, address handles from the events
 #   sync_ep    cm_sync_ep (sync_ep.c): the synchronous API, rdma_create_ep, rdma_verbs.h
+#   sync_tools Debian's rdma_server/rdma_client: the same API on static buffers (a private file
+#              mapping of the executable, registered since issue 24)
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
 #              (ADDR_ERROR after rping's 2 s timeout; refused at once where no route reaches
@@ -110,6 +112,11 @@ case $CASE in
     bin=$(dirname "$VRDMA")
     cm_pair sync_ep "$bin/cm_sync_ep server 7182" "$bin/cm_sync_ep client 127.0.0.1 7182"
     grep -q '^client: ok' "$E2E_TMP/sync_ep.cli" || fail "no echo"
+    ;;
+  sync_tools)
+    cm_pair sync_tools "rdma_server -s 127.0.0.1 -p 7183" "rdma_client -s 127.0.0.1 -p 7183"
+    grep -q '^rdma_client: end 0' "$E2E_TMP/sync_tools.cli" || fail "client did not end with 0"
+    grep -q '^rdma_server: end 0' "$E2E_TMP/sync_tools.srv" || fail "server did not end with 0"
     ;;
   perftest)
     command -v ib_send_lat >/dev/null || {

@@ -91,6 +91,11 @@ TEST(CommandCodec, EveryOpcodeRoundTrips) {
   round_trip<HandleReq>(Op::kQueryQp, rng);
   round_trip<HandleReq>(Op::kDestroyQp, rng);
   round_trip<StatusReq>(Op::kStatus, rng);
+  round_trip<ReregMrReq>(Op::kReregMr, rng);
+  round_trip<ResizeCqReq>(Op::kResizeCq, rng);
+  round_trip<AllocDmReq>(Op::kAllocDm, rng);
+  round_trip<HandleReq>(Op::kFreeDm, rng);
+  round_trip<RegDmMrReq>(Op::kRegDmMr, rng);
   EXPECT_EQ(request_body_size(Op::kMax), SIZE_MAX);
 }
 
@@ -114,6 +119,8 @@ TEST(CommandCodec, ResponsesRoundTripThroughDecodeHeader) {
   check(Op::kCreateCq, CreateCqResp{});
   check(Op::kCreateQp, CreateQpResp{});
   check(Op::kQueryQp, QueryQpResp{});
+  check(Op::kResizeCq, CreateCqResp{});
+  check(Op::kAllocDm, AllocDmResp{});
   Bytes empty_resp = encode(Op::kDestroyQp, 1, 0, Empty{});
   EXPECT_EQ(empty_resp.size(), sizeof(MsgHeader));
   EXPECT_TRUE(decode_header(empty_resp).is_ok());

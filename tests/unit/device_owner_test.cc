@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "device_fixture.h"
+#include "proto/device_state.h"
 
 namespace vrdma::engine::devtest {
 namespace {
@@ -173,7 +174,7 @@ TEST_F(OwnerTest, AVersionOneBlobImportsWithNoOwnerWhichOnlyAdminsMayJoin) {
   EXPECT_EQ(hello("old", kOwner, &other).err(), EPERM);
   EXPECT_TRUE(hello("old", 0, &other).is_ok());
   // A version this backend does not know is refused, whole.
-  doc["version"] = 4;
+  doc["version"] = proto::kStateVersion + 1;
   std::vector<UniqueFd> more = dup_all(ex.value().fds);
   Device third;
   EXPECT_EQ(third.import_guest(nlohmann::json::to_cbor(doc), more).err(), EPROTONOSUPPORT);

@@ -67,6 +67,65 @@ TEST_F(DeviceTest, ExportedGuestComesBackWithItsIdentityAndItsConnectionWorks) {
   EXPECT_EQ(qa_.sq->consumer.load(), 2u);
 }
 
+TEST_F(DeviceTest, DeviceMemoryAndAResizedCqMoveWithTheGuest) {
+  connect_both();
+  UniqueFd mem_fd;
+  auto dm = dev_.alloc_dm(*a_.s, AllocDmReq{5000, 0, 0}, mem_fd);
+  ASSERT_TRUE(dm.is_ok()) << dm.status().message();
+  MappedRegion mem = MappedRegion::map_shared(mem_fd.get(), dm->bytes);
+  ASSERT_TRUE(mem.valid());
+  auto dmr = dev_.reg_dm_mr(
+      *a_.s, RegDmMrReq{a_.pd, dm->handle, IBV_ACCESS_ZERO_BASED | kAccess, 0, 1000, 4000});
+  ASSERT_TRUE(dmr.is_ok()) << dmr.status().message();
+  UniqueFd ring;
+  auto resized = dev_.resize_cq(*a_.s, ResizeCqReq{arcq_.handle, 500}, ring);
+  ASSERT_TRUE(resized.is_ok()) << resized.status().message();
+  arcq_.map = MappedRegion::map_shared(ring.get(), resized->ring_bytes);
+  arcq_.hdr = reinterpret_cast<RingHeader*>(arcq_.map.data());
+  arcq_.e = ring_entries<Cqe>(arcq_.hdr);
+  arcq_.size = resized->cqe + 1;
+
+  GuestExport ex = export_a(dev_);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  dev_.detach_guest("a");
+  auto r = dev_.import_guest(ex.blob, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  a_.s = r.value()[0].session;
+  ASSERT_EQ(a_.s->dms.size(), 1u);
+  EXPECT_EQ(a_.s->dms.begin()->second.length, 5000u);
+
+  // b writes through the DM MR's rkey at zero-based address 8, then sends into a's resized CQ.
+  for (int i = 0; i < 16; ++i) mb_.p()[i] = static_cast<uint8_t>(0x60 + i);
+  post_rdma(qb_, 1, IBV_WR_RDMA_WRITE, mb_.addr, 16, mb_.mr.lkey, 8, dmr->rkey);
+  post_recv(qa_, 2, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qb_, 3, mb_.addr, 16, mb_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  for (const Cqe& e : drain(bcq_)) EXPECT_EQ(e.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(std::memcmp(mem.data() + 1000 + 8, mb_.p(), 16), 0);
+  auto ra = drain(arcq_);
+  ASSERT_EQ(ra.size(), 1u);
+  EXPECT_EQ(ra[0].wr_id, 2u);
+  // Freed only once its MR is gone; the quota comes back.
+  EXPECT_EQ(dev_.free_dm(*a_.s, dm->handle).err(), EBUSY);
+  ASSERT_TRUE(dev_.dereg_mr(*a_.s, dmr->handle).is_ok());
+  EXPECT_TRUE(dev_.free_dm(*a_.s, dm->handle).is_ok());
+  EXPECT_EQ(a_.s->guest->used[static_cast<size_t>(Res::kDmBytes)], 0u);
+}
+
+TEST_F(DeviceTest, AVersionThreeBlobWithoutDeviceMemoryImports) {
+  connect_both();
+  GuestExport ex = export_a(dev_);
+  auto doc = nlohmann::json::from_cbor(ex.blob);
+  doc["version"] = 3;
+  for (auto& js : doc["sessions"]) js.erase("dms");
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  Device other;
+  auto r = other.import_guest(nlohmann::json::to_cbor(doc), fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_TRUE(r.value()[0].session->dms.empty());
+}
+
 TEST_F(DeviceTest, ImportRefusesAGuestAlreadyHereAndMissingDescriptors) {
   connect_both();
   GuestExport ex = export_a(dev_);

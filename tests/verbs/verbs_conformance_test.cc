@@ -3,7 +3,8 @@
 // type that allows it with the data and completion fields checked, scatter/gather lists up to
 // max_sge, inline data up to max_inline_data, each error of the spec's completion semantics
 // (local protection, remote access, RNR retry, receive too small, flush, queue depth, opcode
-// vs QP type), fetch-and-adds from four QPs of another process, and the async events.
+// vs QP type), fetch-and-adds from four QPs of another process, and the async events; and
+// (issue 24) ibv_rereg_mr, ibv_resize_cq and device memory.
 #include <fcntl.h>
 #include <poll.h>
 
@@ -68,6 +69,17 @@ class Conformance : public vrdma::test::VerbsFixture {
     EXPECT_EQ(bring_to_rts(p.qp, ours), 0);
     EXPECT_EQ(peer_.connect(p.peer, theirs), 0);
     return p;
+  }
+
+  /// `n` RC pairs of depth `depth`; the peer's QPs (ours are in qps_).
+  std::vector<PeerQp> rc_pairs(int n, uint32_t depth) {
+    std::vector<PeerQp> theirs;
+    for (int i = 0; i < n; ++i) {
+      Pair p = pair(IBV_QPT_RC, {}, {}, depth);
+      if (!p.qp) break;
+      theirs.push_back(p.peer);
+    }
+    return theirs;
   }
 
   ibv_ah* peer_ah() {
@@ -719,12 +731,8 @@ TEST_F(Conformance, PostingBeyondTheQueueDepthIsEnomem) {
 TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   constexpr int kQps = 4;
   constexpr uint32_t kOps = 100000;
-  std::vector<PeerQp> theirs;
-  for (int i = 0; i < kQps; ++i) {
-    Pair p = pair(IBV_QPT_RC, {}, {}, 128);
-    ASSERT_NE(p.qp, nullptr);
-    theirs.push_back(p.peer);
-  }
+  const std::vector<PeerQp> theirs = rc_pairs(kQps, 128);
+  ASSERT_EQ(theirs.size(), size_t{kQps});
   std::memset(buf_.data() + 4096, 0, 8);
   EXPECT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, kOps), uint64_t{kQps} * kOps);
   uint64_t sum;
@@ -835,6 +843,263 @@ TEST_F(Conformance, SrqLimitReachedFiresOnceWhenArmed) {
   EXPECT_EQ(now.srq_limit, 0u) << "the event disarms the limit";
   EXPECT_EQ(ibv_destroy_qp(rq), 0);
   EXPECT_EQ(ibv_destroy_srq(srq), 0);
+}
+
+// ---- ibv_rereg_mr (issue 24) -------------------------------------------------------------------
+
+/// Anonymous private pages, as a program's heap would give them.
+struct Pages {
+  explicit Pages(size_t n) : size(n) {
+    void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    p = m == MAP_FAILED ? nullptr : static_cast<uint8_t*>(m);
+  }
+  ~Pages() {
+    if (p) ::munmap(p, size);
+  }
+  uint64_t at(size_t off) const { return reinterpret_cast<uintptr_t>(p + off); }
+  uint8_t* p;
+  size_t size;
+};
+
+TEST_F(Conformance, ReregMrTranslationKeepsTheKeysAndThePeerWritesTheNewPages) {
+  constexpr int kQps = 2;
+  constexpr uint32_t kOps = 2000;
+  const std::vector<PeerQp> theirs = rc_pairs(kQps, 128);
+  ASSERT_EQ(theirs.size(), size_t{kQps});
+  // Before: the peer adds into the old pages.
+  std::memset(buf_.data() + 4096, 0, 8);
+  ASSERT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, 100), uint64_t{kQps} * 100);
+  const uint32_t lkey = mr_->lkey, rkey = mr_->rkey;
+  Pages fresh(64 << 10);
+  ASSERT_NE(fresh.p, nullptr);
+  std::memset(fresh.p, 0, fresh.size);
+  ASSERT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_TRANSLATION, nullptr, fresh.p, fresh.size, 0), 0)
+      << std::strerror(errno);
+  EXPECT_EQ(mr_->lkey, lkey);
+  EXPECT_EQ(mr_->rkey, rkey);
+  EXPECT_EQ(mr_->addr, fresh.p);
+  EXPECT_EQ(mr_->length, fresh.size);
+  EXPECT_EQ(mr_->pd, pd_);
+  // After: the same rkey reaches the new pages, and only them.
+  EXPECT_EQ(peer_.fetch_add_storm(theirs, fresh.at(512), rkey, kOps), uint64_t{kQps} * kOps);
+  uint64_t sum = 0;
+  std::memcpy(&sum, fresh.p + 512, 8);
+  EXPECT_EQ(sum, uint64_t{kQps} * kOps);
+  uint64_t old = 0;
+  std::memcpy(&old, buf_.data() + 4096, 8);
+  EXPECT_EQ(old, uint64_t{kQps} * 100) << "the old pages are no longer the MR's";
+  // The lkey addresses the new pages too: send from them to the peer.
+  Pair p = pair(IBV_QPT_RC);
+  ASSERT_NE(p.qp, nullptr);
+  fill(fresh.p + 8192, 256, 9);
+  ASSERT_EQ(peer_.post_recv(p.peer, 1, 0, 4096), 0);
+  EXPECT_EQ(run(p.qp, {.op = IBV_WR_SEND, .sges = {ibv_sge{fresh.at(8192), 256, lkey}}, .wr_id = 3})
+                .status,
+            IBV_WC_SUCCESS);
+  ASSERT_EQ(peer_.poll(1).size(), 1u);
+  EXPECT_EQ(peer_.read(0, 256), std::vector<uint8_t>(fresh.p + 8192, fresh.p + 8448));
+  // An SGE in the old range is outside the MR now.
+  EXPECT_EQ(run(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 4}).status,
+            IBV_WC_LOC_PROT_ERR);
+  EXPECT_EQ(ibv_dereg_mr(mr_), 0);  // before its pages go
+  mr_ = nullptr;
+}
+
+TEST_F(Conformance, ReregMrAccessAndPdChangesAndTheErrorsOfItsManPage) {
+  auto [a, b] = connected_pair([&] { return make_qp(IBV_QPT_RC); });
+  ASSERT_NE(a, nullptr);
+  auto fetch_add = [&](ibv_qp* qp, uint64_t id) {
+    return run(qp, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                    .sges = {sge(0, 8)},
+                    .wr_id = id,
+                    .raddr = addr(4096),
+                    .rkey = mr_->rkey,
+                    .compare_add = 1})
+        .status;
+  };
+  ASSERT_EQ(fetch_add(a, 1), IBV_WC_SUCCESS);
+  // Input errors: the old MR is valid, errno EINVAL.
+  errno = 0;
+  EXPECT_EQ(ibv_rereg_mr(mr_, 1 << 3, nullptr, nullptr, 0, 0), IBV_REREG_MR_ERR_INPUT);
+  EXPECT_EQ(errno, EINVAL);
+  EXPECT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_TRANSLATION, nullptr, nullptr, 4096, 0),
+            IBV_REREG_MR_ERR_INPUT);
+  EXPECT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_TRANSLATION, nullptr, buf_.data(), 0, 0),
+            IBV_REREG_MR_ERR_INPUT);
+  EXPECT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_PD, nullptr, nullptr, 0, IBV_ACCESS_LOCAL_WRITE),
+            IBV_REREG_MR_ERR_INPUT)
+      << "access without IBV_REREG_MR_CHANGE_ACCESS";
+  EXPECT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_PD, nullptr, nullptr, 0, 0),
+            IBV_REREG_MR_ERR_INPUT);
+  // The device refuses: no flag, remote write without local write.
+  errno = 0;
+  EXPECT_EQ(ibv_rereg_mr(mr_, 0, nullptr, nullptr, 0, 0), IBV_REREG_MR_ERR_CMD);
+  EXPECT_EQ(errno, EINVAL);
+  errno = 0;
+  EXPECT_EQ(
+      ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0, IBV_ACCESS_REMOTE_WRITE),
+      IBV_REREG_MR_ERR_CMD);
+  EXPECT_EQ(errno, EINVAL);
+  ASSERT_EQ(fetch_add(a, 2), IBV_WC_SUCCESS) << "a refused rereg changes nothing";
+  // Access: without REMOTE_ATOMIC the responder refuses the same rkey.
+  ASSERT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0,
+                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ),
+            0);
+  EXPECT_EQ(fetch_add(a, 3), IBV_WC_REM_ACCESS_ERR);
+  // PD: the MR back with every access but in another PD than the QPs: no longer theirs.
+  ibv_pd* other = ibv_alloc_pd(ctx_);
+  ASSERT_NE(other, nullptr);
+  auto [c, d] = connected_pair([&] { return make_qp(IBV_QPT_RC); });
+  ASSERT_NE(c, nullptr);
+  ASSERT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_PD | IBV_REREG_MR_CHANGE_ACCESS, other, nullptr,
+                         0, IBV_ACCESS_LOCAL_WRITE | kRemote),
+            0);
+  EXPECT_EQ(mr_->pd, other);
+  EXPECT_EQ(ibv_dealloc_pd(other), EBUSY) << "the MR is in it now";
+  EXPECT_EQ(run(c, {.op = IBV_WR_SEND, .sges = {sge(0, 8)}, .wr_id = 5}).status,
+            IBV_WC_LOC_PROT_ERR);
+  ASSERT_EQ(ibv_rereg_mr(mr_, IBV_REREG_MR_CHANGE_PD, pd_, nullptr, 0, 0), 0);
+  EXPECT_EQ(ibv_dealloc_pd(other), 0);
+  auto [e, f] = connected_pair([&] { return make_qp(IBV_QPT_RC); });
+  ASSERT_NE(e, nullptr);
+  uint64_t before = 0;
+  std::memcpy(&before, buf_.data() + 4096, 8);
+  EXPECT_EQ(fetch_add(e, 6), IBV_WC_SUCCESS);
+  uint64_t after = 0;
+  std::memcpy(&after, buf_.data() + 4096, 8);
+  EXPECT_EQ(after, before + 1);
+  (void)b;
+  (void)d;
+  (void)f;
+}
+
+// ---- ibv_resize_cq (issue 24) ------------------------------------------------------------------
+
+TEST_F(Conformance, ResizeCqKeepsItsCompletionsInOrderAndRefusesToDropAny) {
+  ibv_cq* cq = ibv_create_cq(ctx_, 16, nullptr, nullptr, 0);
+  ASSERT_NE(cq, nullptr);
+  cqs_.push_back(cq);
+  ibv_qp* qp = make_qp(IBV_QPT_RC, 16, 1, 0, cq);
+  ASSERT_NE(qp, nullptr);
+  const PeerQp theirs = peer_.create_qp(IBV_QPT_RC, 32);
+  QpPath ours, path;
+  ours.dlid = peer_.lid();
+  ours.dest_qpn = theirs.qpn;
+  path.dlid = lid_;
+  path.dest_qpn = qp->qp_num;
+  ASSERT_EQ(bring_to_rts(qp, ours), 0);
+  ASSERT_EQ(peer_.connect(theirs, path), 0);
+  constexpr uint32_t kHeld = 10;
+  for (uint32_t i = 0; i < kHeld; ++i) ASSERT_EQ(peer_.post_recv(theirs, i, 64 * i, 64), 0);
+  for (uint32_t i = 0; i < kHeld; ++i)
+    ASSERT_EQ(post(qp, {.op = IBV_WR_SEND, .sges = {sge(64 * i, 64)}, .wr_id = i}), 0);
+  ASSERT_EQ(peer_.poll(kHeld).size(), kHeld);
+  // RC: the peer's receives complete once ours were acknowledged; give the last one time.
+  ::usleep(20000);
+  EXPECT_EQ(ibv_resize_cq(cq, kHeld - 1), EINVAL) << "below the completions it holds";
+  EXPECT_EQ(ibv_resize_cq(cq, 0), EINVAL);
+  ASSERT_EQ(ibv_resize_cq(cq, 200), 0);
+  EXPECT_GE(cq->cqe, 200);
+  // Half now, then shrink with the rest held, then the rest: all in order.
+  std::vector<ibv_wc> first(kHeld / 2);
+  for (size_t got = 0, spins = 0; got < first.size() && spins < 5'000'000; ++spins) {
+    const int n = ibv_poll_cq(cq, static_cast<int>(first.size() - got), first.data() + got);
+    ASSERT_GE(n, 0);
+    got += static_cast<size_t>(n);
+    if (spins == 4'999'999) FAIL() << "only " << got << " completions";
+  }
+  ASSERT_EQ(ibv_resize_cq(cq, kHeld / 2), 0);
+  EXPECT_GE(cq->cqe, static_cast<int>(kHeld / 2));
+  EXPECT_LT(cq->cqe, 200);
+  auto rest = poll(cq, kHeld / 2);
+  ASSERT_EQ(rest.size(), kHeld / 2);
+  first.insert(first.end(), rest.begin(), rest.end());
+  for (uint32_t i = 0; i < kHeld; ++i) {
+    EXPECT_EQ(first[i].wr_id, i);
+    EXPECT_EQ(first[i].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(first[i].opcode, IBV_WC_SEND);
+  }
+  // And it keeps working at its new size.
+  ASSERT_EQ(peer_.post_recv(theirs, 99, 0, 64), 0);
+  ASSERT_EQ(post(qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 99}), 0);
+  auto last = poll(cq, 1);
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(last[0].wr_id, 99u);
+  EXPECT_EQ(peer_.poll(1).size(), 1u);
+}
+
+// ---- Device memory (issue 24) ------------------------------------------------------------------
+
+TEST_F(Conformance, DeviceMemoryCopiesRegistersZeroBasedAndIsReachedBothWays) {
+  ibv_device_attr_ex dx{};
+  ASSERT_EQ(ibv_query_device_ex(ctx_, nullptr, &dx), 0);
+  ASSERT_GE(dx.max_dm_size, 65536u);
+  ibv_alloc_dm_attr big{dx.max_dm_size + 1, 0, 0};
+  EXPECT_EQ(ibv_alloc_dm(ctx_, &big), nullptr);
+  ibv_alloc_dm_attr attr{8192, 3, 0};
+  ibv_dm* dm = ibv_alloc_dm(ctx_, &attr);
+  ASSERT_NE(dm, nullptr) << std::strerror(errno);
+  std::vector<uint8_t> pattern(1024);
+  fill(pattern.data(), pattern.size(), 5);
+  ASSERT_EQ(ibv_memcpy_to_dm(dm, 0, pattern.data(), pattern.size()), 0);
+  EXPECT_EQ(ibv_memcpy_to_dm(dm, 8000, pattern.data(), 200), EINVAL);
+  std::vector<uint8_t> back(1024);
+  ASSERT_EQ(ibv_memcpy_from_dm(back.data(), dm, 0, back.size()), 0);
+  EXPECT_EQ(back, pattern);
+  EXPECT_EQ(ibv_reg_dm_mr(pd_, dm, 0, 8192, IBV_ACCESS_LOCAL_WRITE), nullptr);
+  EXPECT_EQ(errno, EINVAL) << "IBV_ACCESS_ZERO_BASED is required";
+  EXPECT_EQ(ibv_reg_dm_mr(pd_, dm, 4096, 8192, IBV_ACCESS_ZERO_BASED), nullptr);
+  ibv_mr* dmr =
+      ibv_reg_dm_mr(pd_, dm, 0, 8192, IBV_ACCESS_ZERO_BASED | IBV_ACCESS_LOCAL_WRITE | kRemote);
+  ASSERT_NE(dmr, nullptr) << std::strerror(errno);
+  EXPECT_EQ(dmr->addr, nullptr);
+  EXPECT_EQ(ibv_free_dm(dm), EBUSY) << "an MR lies on it";
+  EXPECT_EQ(
+      ibv_rereg_mr(dmr, IBV_REREG_MR_CHANGE_ACCESS, nullptr, nullptr, 0, IBV_ACCESS_LOCAL_WRITE),
+      IBV_REREG_MR_ERR_INPUT);
+
+  Pair p = pair(IBV_QPT_RC, {}, {}, 128);
+  ASSERT_NE(p.qp, nullptr);
+  // WRITE from device memory (zero-based lkey addresses) into the peer's buffer.
+  EXPECT_EQ(run(p.qp, {.op = IBV_WR_RDMA_WRITE,
+                       .sges = {ibv_sge{0, 1024, dmr->lkey}},
+                       .wr_id = 1,
+                       .raddr = peer_.mem().addr + 8192,
+                       .rkey = peer_.mem().rkey})
+                .status,
+            IBV_WC_SUCCESS);
+  EXPECT_EQ(peer_.read(8192, 1024), pattern);
+  // READ from the peer into device memory.
+  std::vector<uint8_t> theirs(512);
+  fill(theirs.data(), theirs.size(), 6);
+  peer_.write(16384, theirs.data(), 512);
+  EXPECT_EQ(run(p.qp, {.op = IBV_WR_RDMA_READ,
+                       .sges = {ibv_sge{2048, 512, dmr->lkey}},
+                       .wr_id = 2,
+                       .raddr = peer_.mem().addr + 16384,
+                       .rkey = peer_.mem().rkey})
+                .status,
+            IBV_WC_SUCCESS);
+  std::vector<uint8_t> got(512);
+  ASSERT_EQ(ibv_memcpy_from_dm(got.data(), dm, 2048, 512), 0);
+  EXPECT_EQ(got, theirs);
+  // The peer adds into device memory through the rkey, at zero-based addresses.
+  uint64_t zero = 0;
+  ASSERT_EQ(ibv_memcpy_to_dm(dm, 4096, &zero, 8), 0);
+  EXPECT_EQ(peer_.fetch_add_storm({p.peer}, 4096, dmr->rkey, 1000), 1000u);
+  uint64_t sum = 0;
+  ASSERT_EQ(ibv_memcpy_from_dm(&sum, dm, 4096, 8), 0);
+  EXPECT_EQ(sum, 1000u);
+  // Beyond the MR: a local protection error.
+  EXPECT_EQ(run(p.qp, {.op = IBV_WR_RDMA_WRITE,
+                       .sges = {ibv_sge{8000, 1024, dmr->lkey}},
+                       .wr_id = 3,
+                       .raddr = peer_.mem().addr,
+                       .rkey = peer_.mem().rkey})
+                .status,
+            IBV_WC_LOC_PROT_ERR);
+  EXPECT_EQ(ibv_dereg_mr(dmr), 0);
+  EXPECT_EQ(ibv_free_dm(dm), 0);
 }
 
 }  // namespace

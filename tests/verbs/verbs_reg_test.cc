@@ -2,6 +2,9 @@
 // and no write by another thread to those pages may be lost meanwhile, inside the MR or beside
 // it; buffers on a thread's stack are refused with EFAULT. After the last deregistration the
 // pages are anonymous private memory again (issue 21), and no write is lost then either.
+// Private file mappings (a program's .data, MAP_PRIVATE of a file) register too (issue 24), as
+// librdmacm's rdma_server/rdma_client need; shared ones and pages past a file's end do not.
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -14,6 +17,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "verbs_fixture.h"
@@ -374,6 +378,132 @@ TEST_F(VerbsRegTest, ForkInitLeavesRegisteredPagesOutOfTheChild) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
   EXPECT_EQ(static_cast<unsigned char*>(m)[0], 0x5a);
   ::munmap(m, kLen);
+}
+
+/// A program's initialised static data: in the mapping of the test binary's own file.
+alignas(4096) uint8_t g_static_data[3 * kPage] = {1, 2, 3};
+
+/// An RC QP pair on our own LID with a CQ, for RDMA WRITEs into memory under test.
+class FileMappingTest : public VerbsRegTest {
+ protected:
+  void SetUp() override {
+    VerbsRegTest::SetUp();
+    if (HasFatalFailure()) return;
+    cq_ = ibv_create_cq(ctx_, 16, nullptr, nullptr, 0);
+    ASSERT_NE(cq_, nullptr);
+    cqs_.push_back(cq_);
+    auto make = [&] {
+      ibv_qp_init_attr a{};
+      a.send_cq = a.recv_cq = cq_;
+      a.qp_type = IBV_QPT_RC;
+      a.cap = {8, 8, 1, 1, 0};
+      ibv_qp* qp = ibv_create_qp(pd_, &a);
+      EXPECT_NE(qp, nullptr);
+      if (qp) qps_.push_back(qp);
+      return qp;
+    };
+    std::tie(a_, b_) = connected_pair(make);
+  }
+
+  /// RDMA WRITEs `len` bytes of buf_ (filled with `seed`) to `to` under `rkey`; the status.
+  ibv_wc_status write_into(uint64_t to, uint32_t rkey, uint32_t len, uint8_t seed) {
+    std::memset(buf_.data(), seed, len);
+    Wr w{.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, len)}, .wr_id = seed, .raddr = to, .rkey = rkey};
+    EXPECT_EQ(post(a_, w), 0);
+    auto wcs = poll(cq_, 1);
+    return wcs.empty() ? IBV_WC_GENERAL_ERR : wcs[0].status;
+  }
+
+  void TearDown() override {
+    for (const std::string& f : files_) ::unlink(f.c_str());
+    VerbsRegTest::TearDown();
+  }
+
+  /// A temporary file of `pages` pages, each filled with its index + 1 (removed at TearDown:
+  /// the library looks at a mapped file by its name).
+  int temp_file(size_t pages) {
+    char path[] = "/tmp/vrdma-filemap-XXXXXX";
+    const int fd = ::mkstemp(path);
+    EXPECT_GE(fd, 0);
+    files_.push_back(path);
+    std::vector<uint8_t> page(kPage);
+    for (size_t i = 0; i < pages; ++i) {
+      std::memset(page.data(), static_cast<int>(i + 1), kPage);
+      EXPECT_EQ(::pwrite(fd, page.data(), kPage, static_cast<off_t>(i * kPage)),
+                static_cast<ssize_t>(kPage));
+    }
+    return fd;
+  }
+
+  ibv_cq* cq_ = nullptr;
+  ibv_qp *a_ = nullptr, *b_ = nullptr;
+  std::vector<std::string> files_;
+};
+
+TEST_F(FileMappingTest, StaticDataRegistersAndTakesRdmaWrites) {
+  uint8_t* p = g_static_data;
+  ibv_mr* mr = ibv_reg_mr(pd_, p + 100, 2 * kPage, IBV_ACCESS_LOCAL_WRITE | kRemote);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_EQ(p[0], 1);
+  EXPECT_EQ(p[2], 3);
+  EXPECT_EQ(write_into(reinterpret_cast<uintptr_t>(p) + 200, mr->rkey, 1000, 0x42), IBV_WC_SUCCESS);
+  EXPECT_EQ(p[200], 0x42);
+  EXPECT_EQ(p[1199], 0x42);
+  EXPECT_EQ(p[1200], 0);
+  EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  p[3] = 9;  // still ordinary writable memory
+  EXPECT_EQ(p[200], 0x42);
+}
+
+TEST_F(FileMappingTest, PrivateFileMappingRegistersAndTheFileStaysAsItWas) {
+  constexpr size_t kPages = 4;
+  const int fd = temp_file(kPages);
+  ASSERT_GE(fd, 0);
+  auto* m = static_cast<uint8_t*>(
+      ::mmap(nullptr, kPages * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0));
+  ASSERT_NE(m, MAP_FAILED);
+  m[0] = 0x77;  // a page the process wrote before
+  ibv_mr* mr = ibv_reg_mr(pd_, m + kPage, 2 * kPage, IBV_ACCESS_LOCAL_WRITE | kRemote);
+  ASSERT_NE(mr, nullptr) << std::strerror(errno);
+  EXPECT_EQ(write_into(reinterpret_cast<uintptr_t>(m) + kPage + 16, mr->rkey, 64, 0x5c),
+            IBV_WC_SUCCESS);
+  EXPECT_EQ(m[kPage + 16], 0x5c);
+  EXPECT_EQ(m[kPage + 80], 2) << "the rest of the page keeps the file's bytes";
+  EXPECT_EQ(m[2 * kPage], 3);
+  EXPECT_EQ(m[0], 0x77);
+  EXPECT_EQ(m[3 * kPage], 4);
+  uint8_t on_disk = 0;
+  ASSERT_EQ(::pread(fd, &on_disk, 1, kPage + 16), 1);
+  EXPECT_EQ(on_disk, 2) << "MAP_PRIVATE: the file never sees the write";
+  EXPECT_EQ(ibv_dereg_mr(mr), 0);
+  EXPECT_EQ(m[kPage + 16], 0x5c);
+  ::munmap(m, kPages * kPage);
+  ::close(fd);
+}
+
+TEST_F(FileMappingTest, SharedFileMappingsAndPagesPastTheEndAreRefused) {
+  const int fd = temp_file(2);
+  ASSERT_GE(fd, 0);
+  void* shared = ::mmap(nullptr, 2 * kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(shared, MAP_FAILED);
+  errno = 0;
+  EXPECT_EQ(ibv_reg_mr(pd_, shared, kPage, IBV_ACCESS_LOCAL_WRITE), nullptr);
+  EXPECT_EQ(errno, EFAULT);
+  ::munmap(shared, 2 * kPage);
+  // Four pages of a two-page file: the last two would fault (SIGBUS) when read.
+  auto* past =
+      static_cast<uint8_t*>(::mmap(nullptr, 4 * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0));
+  ASSERT_NE(past, MAP_FAILED);
+  errno = 0;
+  EXPECT_EQ(ibv_reg_mr(pd_, past, 4 * kPage, IBV_ACCESS_LOCAL_WRITE), nullptr);
+  EXPECT_EQ(errno, EFAULT);
+  ibv_mr* inside = ibv_reg_mr(pd_, past, 2 * kPage, IBV_ACCESS_LOCAL_WRITE);
+  EXPECT_NE(inside, nullptr) << "the pages the file has";
+  if (inside) {
+    EXPECT_EQ(ibv_dereg_mr(inside), 0);
+  }
+  ::munmap(past, 4 * kPage);
+  ::close(fd);
 }
 
 }  // namespace
