@@ -200,6 +200,10 @@ struct Qp {
   uint64_t ack_moved_ns = 0;  ///< when the ACK timer last saw the connection move
   bool ack_looked = false;    ///< ack_progress and ack_moved_ns are set (this wait)
   bool ack_deferred = false;  ///< this timeout waited once for input not yet read
+  /// When the ACK timer first found the head delivered to the peer's TCP on the live connection
+  /// and unanswered (0: not so this wait): from then a slow peer backend is waited for
+  /// kSlowPeerNs before the timeouts spend retries.
+  uint64_t peer_has_since_ns = 0;
   /// Names its frames in the transport's queue (Transport::send's flow), so that they can be
   /// taken back when it fails or goes; unique in this backend's life.
   uint64_t flow = 0;
@@ -495,6 +499,9 @@ class Device : public transport::Receiver {
   /// A QP's frames this deep in the connection's queue hold its next WQEs in the send queue:
   /// one bulk QP cannot bury the others' messages (or its own ACK timer) under megabytes.
   static constexpr uint64_t kQpQueuedMax = 1 << 20;
+  /// How long a request that the peer's TCP holds on the live connection waits for the peer
+  /// backend to answer before its ACK timeouts spend retries (ack_timeout).
+  static constexpr uint64_t kSlowPeerNs = 1'500'000'000;
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }

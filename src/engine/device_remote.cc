@@ -217,6 +217,26 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       return false;
     }
   }
+  if (!in_pipe && live) {
+    // The peer's TCP holds the request on this very connection and its backend has not answered:
+    // every request a responder drops is answered (a NAK), so its backend did not run, or its
+    // answer is in TCP's recovery. On a loaded host a backend preempted once waited 638 ms for
+    // a CPU, more than `timeout` 14's whole budget. The connection delivers, so that is waited
+    // for, kSlowPeerNs at most; then the timeouts spend retries as on a fabric (a peer QP that
+    // is gone answers nothing, as on a fabric: it costs this much longer to notice).
+    if (qp.peer_has_since_ns == 0) qp.peer_has_since_ns = now_ns;
+    if (now_ns - qp.peer_has_since_ns < kSlowPeerNs) {
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      uint64_t held = 0;
+      if (ack_log_.ready(now_ns, held))
+        VLOG_INFO(
+            "qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: the peer has it and its "
+            "backend has not answered for {} ms; waiting for it, {} retries left{}",
+            qp.qpn, qp.guest->name, front.psn, qp.peer_node,
+            (now_ns - qp.peer_has_since_ns) / 1000000, qp.retry_left, log::held_note(held));
+      return false;
+    }
+  }
   if (qp.retry_left == 0) {
     const SendWqe w = front.w;
     qp.unacked.pop_front();
@@ -273,6 +293,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   if (!progress) return;
   qp.ack_looked = false;
   qp.ack_deferred = false;
+  qp.peer_has_since_ns = 0;
   qp.not_ready_since_ns = 0;
   // The message probing after an RNR wait got through: the rest of the window follows it (the
   // responder dropped them as a gap, or as not ready).

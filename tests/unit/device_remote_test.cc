@@ -369,8 +369,16 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   loop_.q.clear();                 // the peer took it and says nothing (silence, not a NAK)
   loop_.delivered = loop_.queued;  // ... its TCP acknowledged it, on this very connection
   post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
-  // TCP loses nothing and a responder NAKs what it drops: an answer is on its way, or the peer
-  // QP is gone. Each timeout is a retry; nothing is sent again but as the last try.
+  // TCP loses nothing and a responder NAKs what it drops: an answer is on its way (its backend
+  // is slow, or TCP recovers it), or the peer QP is gone. First a slow peer backend is waited
+  // for (Device::kSlowPeerNs): nothing sent, no retry spent.
+  for (uint64_t waited = 0; waited < Device::kSlowPeerNs; waited += 70'000'000) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+    ASSERT_TRUE(loop_.q.empty());
+    ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);
+  }
+  // Then each timeout is a retry; nothing is sent again but as the last try.
   for (int i = 0; i < 6; ++i) {
     now_ += 70'000'000;
     dev_.poll(now_);
@@ -385,6 +393,33 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   auto tx = drain(acq_);
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+}
+
+// A peer QP that is gone answers nothing, as on a fabric: after the wait for a slow peer
+// backend, the retries run out and the requester gets RETRY_EXC; nothing waits for ever.
+TEST_F(DeviceRemoteTest, APeerThatHasTheRequestButNeverAnswersEndsInRetryExceeded) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7
+  loop_.conn = 1;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  loop_.q.clear();
+  loop_.delivered = loop_.queued;
+  const uint64_t start = now_;
+  std::vector<Cqe> tx;
+  while (tx.empty() && now_ - start < 10'000'000'000ull) {
+    now_ += 10'000'000;
+    dev_.poll(now_);
+    loop_.q.clear();  // the last try's replay vanishes too
+    loop_.delivered = loop_.queued;
+    tx = drain(acq_);
+  }
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+  // The slow-peer wait, then timeout x (retry_cnt + 1).
+  const uint64_t took = now_ - start;
+  EXPECT_GE(took, Device::kSlowPeerNs);
+  EXPECT_LT(took, Device::kSlowPeerNs + 1'000'000'000);
 }
 
 }  // namespace
