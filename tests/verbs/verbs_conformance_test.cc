@@ -9,6 +9,7 @@
 #include <poll.h>
 
 #include <chrono>
+#include <thread>
 
 #include "peer.h"
 #include "verbs/internal.h"
@@ -236,9 +237,15 @@ TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
                                                                    buf_.data() + local + len))
           << what;
     } else if (c.op == IBV_WR_RDMA_WRITE || c.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
-      EXPECT_EQ(peer_.read(poff, len),
-                std::vector<uint8_t>(buf_.data() + local, buf_.data() + local + len))
-          << what;
+      const std::vector<uint8_t> want(buf_.data() + local, buf_.data() + local + len);
+      // UC has no ACK: its send completion says the message left, not that it landed (across
+      // backends it is still on its way); an RC completion or a receive says it landed.
+      if (c.type == IBV_QPT_UC && !imm) {
+        const auto until = Clock::now() + std::chrono::seconds(10);
+        while (peer_.read(poff, len) != want && Clock::now() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      EXPECT_EQ(peer_.read(poff, len), want) << what;
     } else if (c.op == IBV_WR_RDMA_READ) {
       EXPECT_EQ(std::memcmp(buf_.data() + local, theirs.data(), len), 0) << what;
     } else {
