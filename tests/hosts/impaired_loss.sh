@@ -11,6 +11,6 @@ wait_mesh
 
 for loss in 1 10; do
   impair_set --delay 1 --loss "$loss"
-  check_all "loss$loss" 500 3
+  check_all "loss$loss" 300 3
 done
 impair_verdict
