@@ -12,6 +12,14 @@
 
 namespace vrdma::cli {
 
+/// A LID or QPN as every text output prints it: 0x hex, as the backend's log lines and
+/// ibv_rc_pingpong do (JSON keeps numbers; filters take decimal or 0x). "-" for no number.
+std::string id_text(const nlohmann::json& v);
+
+/// A size in bytes as text, in binary units without a space: "512B", "4KiB", "1.5MiB" (one
+/// decimal where it is not whole). JSON keeps bytes. "-" for no number.
+std::string size_text(const nlohmann::json& v);
+
 /// "KEY VALUE" pairs from the command line (`guest NAME`, `qpn N`, ...).
 using Filters = std::vector<std::pair<std::string, std::string>>;
 
