@@ -28,6 +28,17 @@ std::string text_of(const json& v) {
   return v.dump();
 }
 
+/// Fields printed as LIDs or QPNs (id_text) and as sizes (size_text).
+bool is_id(const std::string& k) {
+  return k == "qpn" || k == "dest_qpn" || k == "lid" || k == "dlid";
+}
+bool is_size(const std::string& k) { return k == "mrlen" || k == "length"; }
+
+/// JSON keeps a number that came in as text unsigned, one built in code perhaps signed.
+bool is_count(const json& v) {
+  return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0);
+}
+
 /// The keys each resource type may be filtered on (and prints, in this order).
 const std::vector<std::string>& fields_of(const std::string& type) {
   static const std::map<std::string, std::vector<std::string>> kFields = {
@@ -59,16 +70,19 @@ const std::map<std::string, std::string>& filter_aliases() {
 bool matches(const json& row, const Filters& filters) {
   for (const auto& [k, want] : filters) {
     const json& v = member(row, k.c_str());
+    auto same_word = [](const std::string& a, const std::string& b) {
+      return std::ranges::equal(a, b, [](char x, char y) {
+        return std::tolower(static_cast<unsigned char>(x)) ==
+               std::tolower(static_cast<unsigned char>(y));
+      });
+    };
     if (v.is_number_integer()) {
       char* end = nullptr;
       const unsigned long long n = std::strtoull(want.c_str(), &end, 0);
-      if (want.empty() || *end != '\0' || v.get<int64_t>() < 0 ||
-          static_cast<unsigned long long>(v.get<int64_t>()) != n)
-        return false;
-    } else if (!std::ranges::equal(text_of(v), want, [](char a, char b) {
-                 return std::tolower(static_cast<unsigned char>(a)) ==
-                        std::tolower(static_cast<unsigned char>(b));
-               })) {
+      const bool number = !want.empty() && *end == '\0' && is_count(v) && v.get<uint64_t>() == n;
+      // A size as the text prints it selects too: `mrlen 8KiB` (any case).
+      if (!number && !(is_size(k) && same_word(size_text(v), want))) return false;
+    } else if (!same_word(text_of(v), want)) {
       return false;  // words match in any case: `state rts`, `type rc`
     }
   }
@@ -124,17 +138,6 @@ std::string duration(uint64_t s) {
   if (s >= 3600) return fmt::format("{}h{}m{}s", s / 3600, s / 60 % 60, s % 60);
   if (s >= 60) return fmt::format("{}m{}s", s / 60, s % 60);
   return fmt::format("{}s", s);
-}
-
-/// Fields printed as LIDs or QPNs (id_text) and as sizes (size_text).
-bool is_id(const std::string& k) {
-  return k == "qpn" || k == "dest_qpn" || k == "lid" || k == "dlid";
-}
-bool is_size(const std::string& k) { return k == "mrlen" || k == "length"; }
-
-/// JSON keeps a number that came in as text unsigned, one built in code perhaps signed.
-bool is_count(const json& v) {
-  return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0);
 }
 
 }  // namespace

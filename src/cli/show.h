@@ -28,8 +28,8 @@ using Filters = std::vector<std::pair<std::string, std::string>>;
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
 /// The rows of `res.<type>` (type: qp, cq, mr, pd, srq, dm) that pass every filter. Numbers match
-/// a decimal or 0x value, words in any case; a key that the type does not have is an error
-/// naming the valid ones.
+/// a decimal or 0x value (sizes also as size_text prints them), words in any case; a key that
+/// the type does not have is an error naming the valid ones.
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
                                 const Filters& filters);
 

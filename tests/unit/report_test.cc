@@ -492,6 +492,10 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   EXPECT_EQ(line.find("key"), std::string::npos) << line;
   EXPECT_EQ(line.find("iova"), std::string::npos) << line;
   EXPECT_NE(line.find("mrlen 8KiB"), std::string::npos) << line;
+  // The size as printed selects, in any case, as the bytes do.
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8kib"}})->size(), 1u);
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8192"}})->size(), 1u);
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8MiB"}})->size(), 0u);
   EXPECT_NE(cli::status_header(other).find("view: uid 60002: its own guests only"),
             std::string::npos);
   EXPECT_EQ(cli::status_header(as(0)).find("view:"), std::string::npos);
