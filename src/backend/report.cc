@@ -496,6 +496,7 @@ std::string process_metrics() {
 }
 
 std::string prometheus_text(const nlohmann::json& j, bool guest_names, bool per_qp) {
+  static const nlohmann::json kNoRows = nlohmann::json::array();
   // A guest's label: its name only when the operator asked for names (a name is whatever its
   // user chose, and says who runs what); else its LID, unique on this backend.
   std::map<std::string, std::string> lid_label;
@@ -575,8 +576,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names, bool per_
   // Every guest's, those that left included: they never go down while the backend runs.
   if (j.contains("backend_counters"))
     counter_families(e, "vrdma_backend_", {{Labels{}, j.at("backend_counters")}});
-  for (const auto& q : j.at("res").at("qp")) {
-    if (!per_qp) break;
+  // Series per QP: as many as QPs, and each QP's go when it does ([metrics] per_qp = false).
+  for (const auto& q : per_qp ? j.at("res").at("qp") : kNoRows) {
     qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
                             {"qpn", id(q.at("qpn"))},
                             {"type", str(q.at("type"))},
