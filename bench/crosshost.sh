@@ -7,7 +7,7 @@
 #  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw;
 #  - with the direct path, perftest's ib_{send,write,read}_lat with the library's hub thread
-#    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_SPIN_US=0).
+#    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_POLL_SPIN_US=0).
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
 # HOSTS_VRDMAD_ARGS=--direct-remote: vrdma's rows take the direct path across backends (the
@@ -122,12 +122,12 @@ for size in 4096 65536 1048576; do
 done
 
 # The direct path's hub thread: polling for 200 µs after a request (the default) against sleeping
-# at once (VRDMA_SPIN_US=0), runs interleaved; perftest's one-way latency, typical and average.
+# at once (VRDMA_POLL_SPIN_US=0), runs interleaved; perftest's one-way latency, typical and average.
 # t_typical and t_avg of the last hperftest TOOL.
 lat_of() { result_rows "$E2E_TMP/$1.client.out" | awk '{print $5, $6}' | tail -n 1; }
 if [[ -n $mode_label ]]; then
   echo
-  echo "| date | machine | command (h2 -> h1) | runs | hub polls 200 µs: t_typical µs | t_avg µs | VRDMA_SPIN_US=0: t_typical µs | t_avg µs | t_avg 200 µs / 0 |"
+  echo "| date | machine | command (h2 -> h1) | runs | hub polls 200 µs: t_typical µs | t_avg µs | VRDMA_POLL_SPIN_US=0: t_typical µs | t_avg µs | t_avg 200 µs / 0 |"
   echo "|---|---|---|---|---|---|---|---|---|"
   for tool in ib_send_lat ib_write_lat ib_read_lat; do
     typ=() avg=() typ0=() avg0=()
@@ -135,7 +135,7 @@ if [[ -n $mode_label ]]; then
       hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
       read -r t a < <(lat_of "$tool")
       typ+=("$t") avg+=("$a")
-      VRDMA_SPIN_US=0 hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
+      VRDMA_POLL_SPIN_US=0 hperftest 1 2 "$tool" -s 8 -n 5000 >/dev/null
       read -r t a < <(lat_of "$tool")
       typ0+=("$t") avg0+=("$a")
     done

@@ -205,7 +205,8 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"listen", metrics_endpoint(c.metrics_listen)},
         {"socket_mode", socket_mode(c.metrics_socket_mode)},
         {"min_interval_ms", integer(c.metrics_min_interval_ms, 0, 3600 * 1000)},
-        {"guest_names", boolean(c.metrics_guest_names)}}},
+        {"guest_names", boolean(c.metrics_guest_names)},
+        {"per_qp", boolean(c.metrics_per_qp)}}},
   };
   for (const auto& [section, node] : root) {
     const std::string at = where(origin, node);

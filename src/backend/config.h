@@ -63,6 +63,8 @@ struct Config {
   int metrics_min_interval_ms = 1000;
   /// Label guests by name (chosen by their users: who runs what) instead of by LID.
   bool metrics_guest_names = false;
+  /// Series per QP (`vrdma_qp_*`); off: per guest and backend-wide only.
+  bool metrics_per_qp = true;
   /// How this backend was started (absolute program path first): the keeper starts it again.
   std::vector<std::string> self_argv;
 

@@ -1,13 +1,16 @@
 #include "backend/report.h"
 
 #include <fmt/format.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 #include <tuple>
 
 #include "common/log.h"
@@ -226,7 +229,10 @@ std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns, const 
   const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
   if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
     metrics_snapshot_ = status(dev);
-    metrics_text_ = prometheus_text(metrics_snapshot_, cfg_.metrics_guest_names);
+    process_text_ = process_metrics();
+    metrics_text_ =
+        prometheus_text(metrics_snapshot_, cfg_.metrics_guest_names, cfg_.metrics_per_qp) +
+        process_text_;
     metrics_views_.clear();
     metrics_at_ns_ = now_ns;
     ++metrics_renders_;
@@ -237,7 +243,8 @@ std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns, const 
   if (it == metrics_views_.end()) {
     it = metrics_views_
              .emplace(v.uid, prometheus_text(visible_status(metrics_snapshot_, v),
-                                             cfg_.metrics_guest_names))
+                                             cfg_.metrics_guest_names, cfg_.metrics_per_qp) +
+                                 process_text_)
              .first;
     VLOG_DEBUG("metrics: uid {} sees its own guests only ({} bytes)", v.uid, it->second.size());
   }
@@ -333,6 +340,12 @@ std::string escape(const std::string& v) {
 
 std::string str(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
+/// A LID or QPN in 0x hex, as the CLI's text and the log lines print them.
+std::string id(const nlohmann::json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= 0 ? fmt::format("{:#x}", v.get<uint64_t>())
+                                                        : str(v);
+}
+
 /// Collects samples per metric family, so each family's HELP/TYPE comes once, before its samples.
 class Exposition {
  public:
@@ -365,22 +378,26 @@ using Labels = std::vector<std::pair<std::string, std::string>>;
 /// The counters of counters_json(), one family each, for a list of (labels, counters) rows.
 void counter_families(Exposition& e, const std::string& prefix,
                       const std::vector<std::pair<Labels, nlohmann::json>>& rows) {
-  static const std::pair<const char*, const char*> kCounters[] = {
-      {"msgs_sent", "messages sent"},
-      {"bytes_sent", "payload bytes sent"},
-      {"msgs_received", "messages received"},
-      {"bytes_received", "payload bytes received"},
-      {"retries", "transport retries after an ACK timeout"},
-      {"rnr_naks", "RNR NAKs received"},
-      {"ud_dropped", "UD datagrams dropped (no receive, wrong qkey or no QP)"},
-      {"replays", "messages sent again across backends (reconnect, ACK timeout, NAK)"},
-      {"replayed_bytes", "payload bytes sent again across backends"},
-      {"seq_naks", "sequence-error NAKs received across backends"},
-      {"naks_sent", "NAKs sent across backends as responder (RNR, sequence, fault)"},
-      {"held", "times new work waited for the QP's queued frames to go out"},
+  // (key in counters_json(), metric name after the prefix and before _total, help): what is
+  // counted, then its unit (Prometheus' naming), so each metric has one unit.
+  static const std::tuple<const char*, const char*, const char*> kCounters[] = {
+      {"msgs_sent", "sent_messages", "messages sent"},
+      {"bytes_sent", "sent_bytes", "payload bytes sent"},
+      {"msgs_received", "received_messages", "messages received"},
+      {"bytes_received", "received_bytes", "payload bytes received"},
+      {"retries", "retries", "transport retries after an ACK timeout"},
+      {"rnr_naks", "received_rnr_naks", "RNR NAKs received"},
+      {"ud_dropped", "dropped_ud_datagrams",
+       "UD datagrams dropped (no receive, wrong qkey or no QP)"},
+      {"replays", "replayed_messages",
+       "messages sent again across backends (reconnect, ACK timeout, NAK)"},
+      {"replayed_bytes", "replayed_bytes", "payload bytes sent again across backends"},
+      {"seq_naks", "received_seq_naks", "sequence-error NAKs received across backends"},
+      {"naks_sent", "sent_naks", "NAKs sent across backends as responder (RNR, sequence, fault)"},
+      {"held", "held_waits", "times new work waited for the QP's queued frames to go out"},
   };
-  for (auto [key, help] : kCounters) {
-    const std::string name = prefix + key + "_total";
+  for (auto [key, metric, help] : kCounters) {
+    const std::string name = prefix + metric + "_total";
     e.family(name, "counter", help);
     for (const auto& [labels, c] : rows) e.sample(name, labels, c.value(key, nlohmann::json(0)));
   }
@@ -396,14 +413,95 @@ void counter_families(Exposition& e, const std::string& prefix,
   }
 }
 
+/// Splits a row of counts and byte sizes (`{"mr": 2, "mr_bytes": 8192}`) into the two metrics
+/// (`NAME{...,LABEL="mr"} 2`, `BYTES_NAME{...,LABEL="mr"} 8192`): one unit per metric.
+void counts_and_bytes(Exposition& e, const std::string& name, const char* help,
+                      const std::string& bytes_name, const char* bytes_help,
+                      const std::string& label,
+                      const std::vector<std::pair<Labels, nlohmann::json>>& rows) {
+  e.family(name, "gauge", help);
+  for (const auto& [labels, row] : rows) {
+    for (const auto& [k, v] : row.items()) {
+      if (k.ends_with("_bytes")) continue;
+      Labels l = labels;
+      l.emplace_back(label, k);
+      e.sample(name, l, v);
+    }
+  }
+  e.family(bytes_name, "gauge", bytes_help);
+  for (const auto& [labels, row] : rows) {
+    for (const auto& [k, v] : row.items()) {
+      if (!k.ends_with("_bytes")) continue;
+      Labels l = labels;
+      l.emplace_back(label, k.substr(0, k.size() - 6));
+      e.sample(bytes_name, l, v);
+    }
+  }
+}
+
 }  // namespace
 
-std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
+std::string process_metrics() {
+  Exposition e;
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  const double cpu = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+                     static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+  e.family("process_cpu_seconds_total", "counter", "user and system CPU time of the backend");
+  e.sample("process_cpu_seconds_total", {}, cpu);
+  // statm: size, then resident, in pages.
+  std::ifstream statm("/proc/self/statm");
+  uint64_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  e.family("process_resident_memory_bytes", "gauge", "resident memory of the backend");
+  e.sample("process_resident_memory_bytes", {},
+           resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  std::error_code ec;
+  uint64_t fds = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end;
+       it.increment(ec))
+    ++fds;
+  e.family("process_open_fds", "gauge", "open file descriptors of the backend");
+  e.sample("process_open_fds", {}, fds);
+  e.family("process_max_fds", "gauge", "the backend's limit of open file descriptors");
+  rlimit rl{};
+  ::getrlimit(RLIMIT_NOFILE, &rl);
+  e.sample("process_max_fds", {}, static_cast<uint64_t>(rl.rlim_cur));
+  // /proc/self/stat field 22: start time in clock ticks after boot (btime in /proc/stat). The
+  // command (field 2) is in parentheses and may hold spaces: count from its closing one.
+  std::ifstream stat_in("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(stat_in)), std::istreambuf_iterator<char>());
+  std::istringstream fields(stat.substr(stat.rfind(')') + 1));
+  std::string f;
+  uint64_t start_ticks = 0;
+  for (int i = 3; fields >> f; ++i) {
+    if (i == 22) {
+      start_ticks = std::strtoull(f.c_str(), nullptr, 10);
+      break;
+    }
+  }
+  std::ifstream proc_stat("/proc/stat");
+  uint64_t btime = 0;
+  for (std::string key; proc_stat >> key;) {
+    if (key == "btime") {
+      proc_stat >> btime;
+      break;
+    }
+  }
+  e.family("process_start_time_seconds", "gauge", "when the backend started, in Unix time");
+  e.sample("process_start_time_seconds", {},
+           static_cast<double>(btime) +
+               static_cast<double>(start_ticks) / static_cast<double>(::sysconf(_SC_CLK_TCK)));
+  return e.take();
+}
+
+std::string prometheus_text(const nlohmann::json& j, bool guest_names, bool per_qp) {
+  static const nlohmann::json kNoRows = nlohmann::json::array();
   // A guest's label: its name only when the operator asked for names (a name is whatever its
   // user chose, and says who runs what); else its LID, unique on this backend.
   std::map<std::string, std::string> lid_label;
   for (const auto& g : j.at("guests")) {
-    if (g.contains("lid")) lid_label[str(g.at("guest"))] = "lid-" + str(g.at("lid"));
+    if (g.contains("lid")) lid_label[str(g.at("guest"))] = "lid-" + id(g.at("lid"));
   }
   auto guest = [&](const nlohmann::json& name) {
     if (guest_names) return str(name);
@@ -414,8 +512,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   const nlohmann::json& b = j.at("backend");
   e.family("vrdma_build_info", "gauge", "backend version and node (value is always 1)");
   e.sample("vrdma_build_info", {{"version", str(b.at("version"))}, {"node", str(b.at("node"))}}, 1);
-  e.family("vrdma_uptime_seconds", "gauge", "seconds since the backend started");
-  e.sample("vrdma_uptime_seconds", {}, b.at("uptime_s"));
+  e.family("vrdma_start_time_seconds", "gauge", "when the backend started, in Unix time");
+  e.sample("vrdma_start_time_seconds", {}, b.at("started_unix"));
   e.family("vrdma_datapath_cpu_seconds_total", "counter", "CPU time of the data-path thread");
   e.sample("vrdma_datapath_cpu_seconds_total", {{"thread", "0"}}, b.at("datapath").at("cpu_s"));
   e.family("vrdma_datapath_stalls_total", "counter",
@@ -451,9 +549,10 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
         e.sample(name, {{"node", str(p.at("node"))}}, p.value(key, nlohmann::json(0)));
     }
   }
-  e.family("vrdma_quota", "gauge",
-           "per-guest limit of each resource (mapped_bytes: all guests' segment bytes together)");
-  for (const auto& [k, v] : b.at("quotas").items()) e.sample("vrdma_quota", {{"resource", k}}, v);
+  counts_and_bytes(e, "vrdma_quota", "per-guest limit of each kind of resource",
+                   "vrdma_quota_bytes",
+                   "per-guest limit of each kind of memory (mapped: all guests' segments together)",
+                   "resource", {{Labels{}, b.at("quotas")}});
 
   const nlohmann::json& t = j.at("totals");
   e.family("vrdma_guests", "gauge", "guests with at least one session");
@@ -463,11 +562,11 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   e.family("vrdma_mapped_bytes", "gauge",
            "segment bytes the backend maps for all guests (limit: vrdma_quota mapped_bytes)");
   e.sample("vrdma_mapped_bytes", {}, t.value("segment_bytes", nlohmann::json(0)));
-  e.family("vrdma_resources", "gauge", "resources held, per guest and kind");
-  for (const auto& g : j.at("guests")) {
-    for (const auto& [kind, n] : g.at("resources").items())
-      e.sample("vrdma_resources", {{"guest", guest(g.at("guest"))}, {"kind", kind}}, n);
-  }
+  std::vector<std::pair<Labels, nlohmann::json>> held;
+  for (const auto& g : j.at("guests"))
+    held.emplace_back(Labels{{"guest", guest(g.at("guest"))}}, g.at("resources"));
+  counts_and_bytes(e, "vrdma_resources", "resources held, per guest and kind",
+                   "vrdma_resource_bytes", "memory held, per guest and kind", "kind", held);
 
   std::vector<std::pair<Labels, nlohmann::json>> guests, qps;
   for (const auto& g : j.at("guest_counters")) {
@@ -477,15 +576,16 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names) {
   // Every guest's, those that left included: they never go down while the backend runs.
   if (j.contains("backend_counters"))
     counter_families(e, "vrdma_backend_", {{Labels{}, j.at("backend_counters")}});
-  for (const auto& q : j.at("res").at("qp")) {
+  // Series per QP: as many as QPs, and each QP's go when it does ([metrics] per_qp = false).
+  for (const auto& q : per_qp ? j.at("res").at("qp") : kNoRows) {
     qps.emplace_back(Labels{{"guest", guest(q.at("guest"))},
-                            {"qpn", str(q.at("qpn"))},
+                            {"qpn", id(q.at("qpn"))},
                             {"type", str(q.at("type"))},
                             {"transport", str(q.at("transport"))}},
                      q.at("counters"));
   }
   counter_families(e, "vrdma_guest_", guests);
-  counter_families(e, "vrdma_qp_", qps);
+  if (per_qp) counter_families(e, "vrdma_qp_", qps);
   return e.take();
 }
 

@@ -99,6 +99,7 @@ class Reporter {
   std::string metrics_text_;         ///< ... rendered whole (admins, TCP)
   /// ... as each non-admin uid sees it (cleared with each new snapshot; uids from SO_PEERCRED).
   std::map<uint32_t, std::string> metrics_views_;
+  std::string process_text_;  ///< process_metrics() of the last snapshot
   uint64_t metrics_at_ns_ = 0;
   uint64_t metrics_renders_ = 0;
   uint64_t stalls_ = 0, stall_max_ns_ = 0;
@@ -114,8 +115,13 @@ class Reporter {
 };
 
 /// Renders a status document (as Reporter::status builds it) as Prometheus text. Guests are
-/// labelled `guest="NAME"` with `guest_names`, else `guest="lid-N"` (their LID, decimal, as
+/// labelled `guest="NAME"` with `guest_names`, else `guest="lid-0xN"` (their LID, in hex as
 /// `vrdma status` prints it: stable for the guest's life, and no name another user chose).
-std::string prometheus_text(const nlohmann::json& status, bool guest_names);
+/// Without `per_qp`, no `vrdma_qp_*` series (one set per QP: many QPs, many series).
+std::string prometheus_text(const nlohmann::json& status, bool guest_names, bool per_qp = true);
+
+/// This process's `process_*` metrics, as Prometheus' client libraries name them: CPU seconds,
+/// resident memory, open and maximum fds, start time.
+std::string process_metrics();
 
 }  // namespace vrdma::backend

@@ -409,9 +409,9 @@ void print_table(const nlohmann::json& j) {
     if (pids.empty()) {
       pids = "-";
     }
-    fmt::print(kRow, string_of(g, "guest"), string_of(g, "lid"), string_of(g, "gid"), nsessions,
-               pids, count_of(res, "pd"), count_of(res, "mr"), count_of(res, "cq"),
-               count_of(res, "qp"));
+    fmt::print(kRow, string_of(g, "guest"), cli::id_text(g.value("lid", nlohmann::json())),
+               string_of(g, "gid"), nsessions, pids, count_of(res, "pd"), count_of(res, "mr"),
+               count_of(res, "cq"), count_of(res, "qp"));
   }
   const auto& t = j.contains("totals") ? j["totals"] : empty;
   fmt::print("totals: {} guests, {} sessions, {} pd, {} mr, {} cq, {} qp, {} channel, {} segment\n",
@@ -555,8 +555,8 @@ int cmd_setup(const std::string& guest, bool remove, bool json) {
         "{}: {}{} ({}) and {} for guest {} (LID {}, GID {}), for every program in this "
         "mount namespace until `vrdma setup --remove` or the next boot; recorded in {}\n",
         cmd, j.value("already", false) ? "already there: " : "", j.value("node", ""),
-        j.value("node_kind", ""), j.value("sysfs", ""), j.value("guest", ""), j.value("lid", 0),
-        j.value("gid", ""), kHostViewState);
+        j.value("node_kind", ""), j.value("sysfs", ""), j.value("guest", ""),
+        cli::id_text(j.value("lid", nlohmann::json())), j.value("gid", ""), kHostViewState);
   }
   return 0;
 }

@@ -28,6 +28,17 @@ std::string text_of(const json& v) {
   return v.dump();
 }
 
+/// Fields printed as LIDs or QPNs (id_text) and as sizes (size_text).
+bool is_id(const std::string& k) {
+  return k == "qpn" || k == "dest_qpn" || k == "lid" || k == "dlid";
+}
+bool is_size(const std::string& k) { return k == "mrlen" || k == "length"; }
+
+/// JSON keeps a number that came in as text unsigned, one built in code perhaps signed.
+bool is_count(const json& v) {
+  return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0);
+}
+
 /// The keys each resource type may be filtered on (and prints, in this order).
 const std::vector<std::string>& fields_of(const std::string& type) {
   static const std::map<std::string, std::vector<std::string>> kFields = {
@@ -59,16 +70,19 @@ const std::map<std::string, std::string>& filter_aliases() {
 bool matches(const json& row, const Filters& filters) {
   for (const auto& [k, want] : filters) {
     const json& v = member(row, k.c_str());
+    auto same_word = [](const std::string& a, const std::string& b) {
+      return std::ranges::equal(a, b, [](char x, char y) {
+        return std::tolower(static_cast<unsigned char>(x)) ==
+               std::tolower(static_cast<unsigned char>(y));
+      });
+    };
     if (v.is_number_integer()) {
       char* end = nullptr;
       const unsigned long long n = std::strtoull(want.c_str(), &end, 0);
-      if (want.empty() || *end != '\0' || v.get<int64_t>() < 0 ||
-          static_cast<unsigned long long>(v.get<int64_t>()) != n)
-        return false;
-    } else if (!std::ranges::equal(text_of(v), want, [](char a, char b) {
-                 return std::tolower(static_cast<unsigned char>(a)) ==
-                        std::tolower(static_cast<unsigned char>(b));
-               })) {
+      const bool number = !want.empty() && *end == '\0' && is_count(v) && v.get<uint64_t>() == n;
+      // A size as the text prints it selects too: `mrlen 8KiB` (any case).
+      if (!number && !(is_size(k) && same_word(size_text(v), want))) return false;
+    } else if (!same_word(text_of(v), want)) {
       return false;  // words match in any case: `state rts`, `type rc`
     }
   }
@@ -128,6 +142,22 @@ std::string duration(uint64_t s) {
 
 }  // namespace
 
+std::string id_text(const json& v) {
+  return is_count(v) ? fmt::format("{:#x}", v.get<uint64_t>()) : text_of(v);
+}
+
+std::string size_text(const json& v) {
+  if (!is_count(v)) return text_of(v);
+  const uint64_t n = v.get<uint64_t>();
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  size_t u = 0;
+  while (u + 1 < std::size(kUnits) && n >= (uint64_t{1} << (10 * (u + 1)))) ++u;
+  if (u == 0) return fmt::format("{}B", n);
+  const uint64_t unit = uint64_t{1} << (10 * u);
+  if (n % unit == 0) return fmt::format("{}{}", n / unit, kUnits[u]);
+  return fmt::format("{:.1f}{}", static_cast<double>(n) / static_cast<double>(unit), kUnits[u]);
+}
+
 Result<Filters> parse_filters(const std::vector<std::string>& words) {
   if (words.size() % 2 != 0)
     return error(EINVAL, fmt::format("filter \"{}\" has no value (filters are KEY VALUE pairs, "
@@ -158,6 +188,10 @@ std::string res_text(const std::string& type, const json& rows, bool details) {
       if (v.is_null() || (v.is_string() && v.get<std::string>().empty())) continue;
       if ((k == "lkey" || k == "rkey" || k == "iova") && v.is_number_integer()) {
         line += fmt::format(" {} 0x{:x}", k, v.get<uint64_t>());
+      } else if (is_id(k)) {
+        line += fmt::format(" {} {}", k, id_text(v));
+      } else if (is_size(k)) {
+        line += fmt::format(" {} {}", k, size_text(v));
       } else if (k == "access" && v.is_number_unsigned()) {
         line += fmt::format(" {} {}", k, access_text(v.get<uint64_t>()));
       } else {
@@ -179,7 +213,7 @@ std::string res_summary(const json& status) {
     const json& res = member(g, "resources");
     out += fmt::format(
         "vrdma0 guest {} lid {}: pd {} mr {} cq {} srq {} qp {}\n", text_of(member(g, "guest")),
-        text_of(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
+        id_text(member(g, "lid")), text_of(member(res, "pd")), text_of(member(res, "mr")),
         text_of(member(res, "cq")), text_of(member(res, "srq")), text_of(member(res, "qp")));
   }
   return out;
@@ -218,7 +252,7 @@ std::string stat_text(const std::string& what, const json& rows) {
   for (const auto& r : rows) {
     const std::string who =
         text_of(member(r, "guest")) + (r.contains("left_unix") ? " (left)" : "");
-    out += fmt::format(kRow, who, text_of(member(r, qp ? "qpn" : "qp_count")),
+    out += fmt::format(kRow, who, qp ? id_text(member(r, "qpn")) : text_of(member(r, "qp_count")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
                        text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
@@ -328,17 +362,19 @@ std::string status_header(const json& status) {
     quotas +=
         fmt::format("{}{} {}/{}", quotas.empty() ? "" : ", ", k, most[k], text_of(member(q, k)));
   }
-  for (const char* k : {"mr_bytes", "segment", "segment_bytes"}) {
+  for (const std::string k : {"mr_bytes", "segment", "segment_bytes"}) {
     std::string name = k;
     std::replace(name.begin(), name.end(), '_', ' ');
-    quotas += fmt::format(", {} {}/{}", name, most[k], text_of(member(q, k)));
+    const bool bytes = k.ends_with("_bytes");
+    quotas += fmt::format(", {} {}/{}", name, bytes ? size_text(most[k]) : std::to_string(most[k]),
+                          bytes ? size_text(member(q, k.c_str())) : text_of(member(q, k.c_str())));
   }
   out += fmt::format("quotas per guest (most used/limit): {}; queue depth {}\n", quotas,
                      text_of(member(q, "queue_depth")));
   // Not per guest: the segment bytes of the guests shown, against the cap for all guests.
   out += fmt::format("mapped bytes (guests shown/limit for all guests): {}/{}\n",
-                     text_of(member(member(status, "totals"), "segment_bytes")),
-                     text_of(member(q, "mapped_bytes")));
+                     size_text(member(member(status, "totals"), "segment_bytes")),
+                     size_text(member(q, "mapped_bytes")));
   // A caller that is not an admin gets a cut-down document (backend/report.h, visible_status).
   if (const json& v = member(status, "view"); member(v, "admin") == false) {
     out += fmt::format("view: uid {}: its own guests only, without {}\n", text_of(member(v, "uid")),

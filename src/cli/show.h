@@ -12,6 +12,14 @@
 
 namespace vrdma::cli {
 
+/// A LID or QPN as every text output prints it: 0x hex, as the backend's log lines and
+/// ibv_rc_pingpong do (JSON keeps numbers; filters take decimal or 0x). "-" for no number.
+std::string id_text(const nlohmann::json& v);
+
+/// A size in bytes as text, in binary units without a space: "512B", "4KiB", "1.5MiB" (one
+/// decimal where it is not whole). JSON keeps bytes. "-" for no number.
+std::string size_text(const nlohmann::json& v);
+
 /// "KEY VALUE" pairs from the command line (`guest NAME`, `qpn N`, ...).
 using Filters = std::vector<std::pair<std::string, std::string>>;
 
@@ -20,8 +28,8 @@ using Filters = std::vector<std::pair<std::string, std::string>>;
 Result<Filters> parse_filters(const std::vector<std::string>& words);
 
 /// The rows of `res.<type>` (type: qp, cq, mr, pd, srq, dm) that pass every filter. Numbers match
-/// a decimal or 0x value, words in any case; a key that the type does not have is an error
-/// naming the valid ones.
+/// a decimal or 0x value (sizes also as size_text prints them), words in any case; a key that
+/// the type does not have is an error naming the valid ones.
 Result<nlohmann::json> res_rows(const nlohmann::json& status, const std::string& type,
                                 const Filters& filters);
 

@@ -1,5 +1,8 @@
 // Logging: one line per event to stderr, with a level and the component. The backend's stderr
 // is its log (a file when it was started on first use). VRDMA_LOG=debug|info|warn|error.
+// When stderr is journald's stream (systemd's JOURNAL_STREAM names its dev:ino), each line
+// carries its syslog priority (<3> error, <4> warn, <6> info, <7> debug) and no time of its
+// own: the journal stamps it.
 #pragma once
 
 #include <fmt/format.h>
@@ -13,7 +16,20 @@ namespace vrdma::log {
 enum class Level { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 
 Level threshold();
+/// Writes one line to stderr, as line() formats it for where stderr goes now (any thread).
 void write(Level level, std::string_view text);
+
+/// The line write() puts out: `HH:MM:SS.UUUUUU vrdma[PID] LEVEL: TEXT\n`, or for the journal
+/// `<PRIORITY>vrdma[PID] LEVEL: TEXT\n`.
+std::string line(Level level, std::string_view text, bool journal);
+
+/// Whether `fd` is the stream that JOURNAL_STREAM (`journal_stream`, "DEV:INO" in decimal, as
+/// systemd sets it) names; false when it is unset, malformed or names another file (a program
+/// that inherited the variable but whose stderr was redirected).
+bool is_journal_stream(const char* journal_stream, int fd);
+
+/// Looks again at where stderr goes (write() looks once): after fd 2 was replaced, and in tests.
+void recheck_stderr();
 
 template <typename... Args>
 void emit(Level level, fmt::format_string<Args...> f, Args&&... args) {

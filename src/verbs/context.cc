@@ -564,6 +564,19 @@ VERBS_EXPORT int ibv_get_async_event(ibv_context* c, ibv_async_event* ev) {
 
 VERBS_EXPORT void ibv_ack_async_event(ibv_async_event*) {}
 
+namespace vrdma::verbs {
+bool raise_async_event(ibv_context* c, ibv_event_type type, uint32_t handle) {
+  // The async fd is the read end of the session's pipe; the backend holds the only write end.
+  // Another one, opened through /proc for this one write and closed at once (one held would keep
+  // the pipe from reading EOF when the backend dies: the device-fatal event above). 8 bytes, as
+  // the backend writes them: below PIPE_BUF, so never mixed with one of its events.
+  UniqueFd w(::open(fmt::format("/proc/self/fd/{}", c->async_fd).c_str(),
+                    O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+  const uint32_t ev[2] = {static_cast<uint32_t>(type), handle};
+  return w.valid() && ::write(w.get(), ev, sizeof(ev)) == sizeof(ev);
+}
+}  // namespace vrdma::verbs
+
 VERBS_EXPORT int ibv_fork_init(void) {
   // From now on registered pages are MADV_DONTFORK (memory.cc), as with rdma-core: a child
   // does not get them, and fork() no longer copies them.

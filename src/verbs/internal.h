@@ -212,6 +212,10 @@ int req_notify_cq(ibv_cq* cq, int solicited_only);
 // caller gives them back with release_segments when the registration fails or the MR goes.
 int describe_memory(VContext& ctx, void* addr, size_t len, proto::RegMrReq& req,
                     std::vector<uint32_t>& segments);
+/// Queues an async event that this library, not the backend, raises (a CQ overrun on the direct
+/// path across backends), behind the backend's on the context's async fd (context.cc). Any
+/// thread; false when it could not be queued.
+bool raise_async_event(ibv_context* c, ibv_event_type type, uint32_t handle);
 /// Whether ibv_fork_init() was called or RDMAV_FORK_SAFE/IBV_FORK_SAFE is set (context.cc):
 /// new segments are then MADV_DONTFORK and fork() does not copy them.
 bool fork_safe();

@@ -24,6 +24,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -48,13 +49,27 @@ uint64_t now_ns() {
 uint64_t now_ms() { return now_ns() / 1000000; }
 
 uint64_t hub_spin_ns() {
-  const char* e = ::secure_getenv("VRDMA_SPIN_US");
+  // VRDMA_SPIN_US was its first name, too near the backend's `spin_us` (its own rings' polling):
+  // still read, with a line once per process saying the new one.
+  const char* name = "VRDMA_POLL_SPIN_US";
+  const char* e = ::secure_getenv(name);
+  if (!e) {
+    e = ::secure_getenv("VRDMA_SPIN_US");
+    if (e) {
+      name = "VRDMA_SPIN_US";
+      static std::once_flag once;
+      std::call_once(once, [] {
+        VLOG_WARN(
+            "VRDMA_SPIN_US is deprecated: the library's poll spin is VRDMA_POLL_SPIN_US "
+            "(the backend's is [datapath] spin_us)");
+      });
+    }
+  }
   if (!e || !*e) return kHubSpinUs * 1000;
   char* end = nullptr;
   const unsigned long long us = std::strtoull(e, &end, 10);
   if (*end != '\0' || us > 10000000) {
-    VLOG_WARN("VRDMA_SPIN_US={}: not a number of microseconds up to 10000000; using {}", e,
-              kHubSpinUs);
+    VLOG_WARN("{}={}: not a number of microseconds up to 10000000; using {}", name, e, kHubSpinUs);
     return kHubSpinUs * 1000;
   }
   return us * 1000;

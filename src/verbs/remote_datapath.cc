@@ -150,7 +150,16 @@ void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
   if (status == IBV_WC_SUCCESS) count(r.send, e.len);
   if (!e.signaled && status == IBV_WC_SUCCESS) return;
   if (!has_room(r.send)) {
-    VLOG_ERROR("direct path: send CQ of QP {:#x} overrun; a completion is lost", qp.qp.qp_num);
+    // As the backend does for a CQ it fills (Device::push_cqe): one line, and the CQ's async
+    // error (a write to the async pipe: once per ring, on a path that already lost data).
+    if (!r.send_overrun) {
+      r.send_overrun = true;
+      VLOG_ERROR("direct path: send CQ of QP {:#x} overrun; completions are being lost",
+                 qp.qp.qp_num);
+      if (!raise_async_event(qp.qp.context, IBV_EVENT_CQ_ERR, to_vcq(qp.qp.send_cq)->handle))
+        VLOG_ERROR("direct path: could not queue the CQ error event of QP {:#x}: {}", qp.qp.qp_num,
+                   std::strerror(errno));
+    }
     return;
   }
   Cqe c{};

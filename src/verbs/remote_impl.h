@@ -82,8 +82,8 @@ constexpr uint64_t kStrangerLogNs = 1000000000;    ///< a line per kind of refus
 constexpr uint64_t kAcceptLogNs = 10000000000ull;  ///< accept out of descriptors: every 10 s
 constexpr int kClaimMs = 10;
 /// After the hub took a request off a connection it polls for this long before it sleeps again
-/// (VRDMA_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target that
-/// spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
+/// (VRDMA_POLL_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target
+/// that spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
 /// ~60 us on a 2-vCPU VM whose CPUs the spinning programs hold.
 constexpr uint64_t kHubSpinUs = 200;
 

@@ -18,6 +18,10 @@ bad=(
   $'a 1\na 2\n'                                     # duplicate sample
   $'a one\n'
   $'a 1'                                              # no final newline
+  $'# TYPE a_msgs_sent_total counter\na_msgs_sent_total 1\n'   # abbreviation
+  $'# TYPE a_bytes_sent_total counter\na_bytes_sent_total 1\n' # unit not at the end
+  $'# TYPE a_latency_ms gauge\na_latency_ms 1\n'              # not a base unit
+  $'# TYPE a_total gauge\na_total 1\n'                        # a gauge named *_total
 )
 for t in "${bad[@]}"; do
   if printf '%s' "$t" | perl "$HERE/prom_check.pl" 2>/dev/null; then
@@ -58,6 +62,14 @@ grep -qi '^content-type: text/plain; version=0.0.4' "$E2E_TMP/idle.prom.headers"
   fail "content type: $(cat "$E2E_TMP/idle.prom.headers")"
 perl "$HERE/prom_check.pl" <"$E2E_TMP/idle.prom" || fail "idle exposition rejected"
 grep -q '^vrdma_guests 0$' "$E2E_TMP/idle.prom" || fail "vrdma_guests is not 0"
+# The process metrics every Prometheus client library exports, and the start time (not an uptime).
+for m in process_cpu_seconds_total process_resident_memory_bytes process_open_fds \
+  process_start_time_seconds vrdma_start_time_seconds; do
+  grep -Eq "^$m [0-9.e+]+$" "$E2E_TMP/idle.prom" || fail "no $m"
+done
+start="$(sed -n 's/^vrdma_start_time_seconds //p' "$E2E_TMP/idle.prom")"
+((start <= $(date +%s) && start > $(date +%s) - 60)) || fail "vrdma_start_time_seconds $start"
+grep -Eq '^process_open_fds ([1-9][0-9]*)$' "$E2E_TMP/idle.prom" || fail "process_open_fds"
 
 # Slow and garbage clients, held open during the rest of the test: one that sends nothing, one
 # that sends half a request.
@@ -73,13 +85,13 @@ scrape "$E2E_TMP/b.prom" || fail "scrape failed"
 for f in a b; do
   perl "$HERE/prom_check.pl" <"$E2E_TMP/$f.prom" || fail "exposition $f rejected"
 done
-msgs() { sed -n "s/^vrdma_qp_msgs_sent_total{guest=\"$2\",qpn=\"[0-9]*\",type=\"RC\",transport=\"shm\"} //p" "$1"; }
+msgs() { sed -n "s/^vrdma_qp_sent_messages_total{guest=\"$2\",qpn=\"0x[0-9a-f]*\",type=\"RC\",transport=\"shm\"} //p" "$1"; }
 for g in m-srv m-cli; do
   a="$(msgs "$E2E_TMP/a.prom" "$g")"
   b="$(msgs "$E2E_TMP/b.prom" "$g")"
-  log "$g: vrdma_qp_msgs_sent_total $a -> $b"
+  log "$g: vrdma_qp_sent_messages_total $a -> $b"
   [[ -n $a && -n $b ]] && ((b > a && a > 0)) || fail "$g: QP counter '$a' -> '$b'"
-  grep -Eq "^vrdma_guest_bytes_received_total\{guest=\"$g\"\} [1-9]" "$E2E_TMP/b.prom" ||
+  grep -Eq "^vrdma_guest_received_bytes_total\{guest=\"$g\"\} [1-9]" "$E2E_TMP/b.prom" ||
     fail "$g: no per-guest bytes"
   grep -q "^vrdma_resources{guest=\"$g\",kind=\"qp\"} 1$" "$E2E_TMP/b.prom" || fail "$g: resources"
 done

@@ -6,6 +6,9 @@
 # too) with an optional integer timestamp; TYPE is one of the five types, at most once per
 # family and before its samples; HELP at most once; a family's samples are contiguous; no
 # sample (name + labels) repeats; counters are named *_total and are never negative.
+# And Prometheus' naming conventions (what `promtool check metrics` lints): gauges are not named
+# *_total; base units only (seconds, bytes; no ms, msgs, kb, pct); one unit per metric, at the end
+# of its name (before _total): `sent_bytes_total`, not `bytes_sent_total`.
 use strict;
 use warnings;
 
@@ -94,6 +97,20 @@ for my $line (split /\n/, $text) {
   if ($t eq 'counter') {
     push @err, "line $ln: counter $n is not named *_total" unless $n =~ /_total$/;
     push @err, "line $ln: counter $n is negative ($value)" if $value =~ /^-/;
+  }
+}
+my %unit = map { $_ => 1 } qw(seconds bytes);
+my %not_base = map { $_ => 1 }
+  qw(msg msgs ms us ns sec secs millis milliseconds microseconds nanoseconds minutes hours
+     kb kib mb mib gb gib pct percent);
+for my $n (sort keys %type) {
+  push @err, "$n: a $type{$n} named *_total" if $type{$n} ne 'counter' && $n =~ /_total$/;
+  (my $base = $n) =~ s/_total$//;
+  my @parts = split /_/, $base;
+  for my $i (0 .. $#parts) {
+    push @err, "$n: '$parts[$i]' is not a base unit or is abbreviated" if $not_base{$parts[$i]};
+    push @err, "$n: the unit '$parts[$i]' is not at the end of the name"
+      if $unit{$parts[$i]} && $i != $#parts;
   }
 }
 push @err, "no samples" if $samples == 0;

@@ -2,7 +2,8 @@
 # `vrdma res show` and `vrdma stat` while an unmodified ibv_rc_pingpong pair runs: both QPs are
 # listed in RTS with their transport, connected to each other, owned by the right guest, pid and
 # comm; the JSON parses (JSON::PP, a strict parser); filters select; counters grow between two
-# reads; after the pair is killed the backend lists nothing.
+# reads; text output gives LIDs and QPNs in 0x hex (as the log lines) and sizes in KiB/MiB/GiB
+# where JSON keeps numbers and bytes; after the pair is killed the backend lists nothing.
 # Usage: res_show.sh BIN_DIR
 # shellcheck disable=SC2016  # Perl expressions in single quotes
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -72,11 +73,23 @@ done
 # Text forms, as iproute2 prints them (-d: with the transport's reason).
 "$VRDMA" res show qp -d >"$E2E_TMP/qp.txt"
 [[ "$(grep -c 'state RTS' "$E2E_TMP/qp.txt")" == 2 ]] || fail "text: $(cat "$E2E_TMP/qp.txt")"
-grep -q 'qpn [0-9]* dest_qpn [0-9]* type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong' \
+# shellcheck disable=SC2154  # set by declare above
+grep -q "guest rs-srv qpn $(printf '0x%x' "$lqpn_srv") dest_qpn $(printf '0x%x' "$rqpn_srv") type RC state RTS .*transport shm (.*) pid [0-9]* comm ibv_rc_pingpong" \
   "$E2E_TMP/qp.txt" || fail "text line: $(cat "$E2E_TMP/qp.txt")"
 "$VRDMA" res show >"$E2E_TMP/res.txt"
-grep -q '^vrdma0 guest rs-srv lid [0-9]*: pd 1 mr 1 cq 1 srq 0 qp 1$' "$E2E_TMP/res.txt" ||
-  fail "summary: $(cat "$E2E_TMP/res.txt")"
+lid_srv="$(jq_of 'my ($g) = grep { $_->{guest} eq "rs-srv" } @{$j->{guests}}; $g->{lid}' status -j)"
+grep -q "^vrdma0 guest rs-srv lid $(printf '0x%x' "$lid_srv"): pd 1 mr 1 cq 1 srq 0 qp 1\$" \
+  "$E2E_TMP/res.txt" || fail "summary (lid $lid_srv): $(cat "$E2E_TMP/res.txt")"
+# The MR's length: bytes in JSON, a human size in text (ibv_rc_pingpong -s 4096 ... registers a
+# page-rounded buffer).
+mrlen="$(jq_of '$j->[0]{mrlen}' res show mr guest rs-cli -j)"
+"$VRDMA" res show mr guest rs-cli >"$E2E_TMP/mr.txt"
+human="$(perl -e 'my ($n, $u) = (shift, 0); my @u = qw(B KiB MiB GiB TiB);
+  while ($u < $#u && $n >= 1024 ** ($u + 1)) { $u++ }
+  print $u == 0 ? "${n}B" : $n % 1024 ** $u ? sprintf("%.1f%s", $n / 1024 ** $u, $u[$u])
+                                        : ($n / 1024 ** $u) . $u[$u]' "$mrlen")"
+grep -q " mrlen $human " "$E2E_TMP/mr.txt" || fail "mrlen $mrlen is not '$human': $(cat "$E2E_TMP/mr.txt")"
+[[ $human == *iB ]] || fail "MR of $mrlen bytes shown as $human"
 
 # Bad arguments are usage errors, with the valid choices.
 rc=0
@@ -102,12 +115,15 @@ done
 gsum="$(jq_of 'my ($g) = grep { $_->{guest} eq "rs-cli" } @{$j->{guest}}; $g->{msgs_received}' stat -j)"
 ((gsum > 0)) || fail "per-guest sum of rs-cli is '$gsum'"
 "$VRDMA" stat >"$E2E_TMP/stat.txt"
-grep -Eq '^rs-cli +[0-9]+ RC +shm +[1-9][0-9]* ' "$E2E_TMP/stat.txt" || fail "stat: $(cat "$E2E_TMP/stat.txt")"
+grep -Eq "^rs-cli +$(printf '0x%x' "$lqpn_cli") RC +shm +[1-9][0-9]* " "$E2E_TMP/stat.txt" ||
+  fail "stat: $(cat "$E2E_TMP/stat.txt")"
 
 # `vrdma status` shows the backend, transports, the data-path thread and quotas.
 "$VRDMA" status >"$E2E_TMP/status.txt"
 for re in '^backend: .*\(vrdmad [0-9.]+, pid [0-9]+, node .*, up [0-9]' '^transports: shm up' \
-  '^datapath: 1 thread, busy [0-9.]+%' '^quotas per guest .*qp 1/[0-9]+' '^rs-srv '; do
+  '^datapath: 1 thread, busy [0-9.]+%' '^quotas per guest .*qp 1/[0-9]+' \
+  '^quotas per guest .*, mr bytes [0-9.]+[KMGT]?i?B/[0-9.]+[KMGT]iB, segment [0-9]+/[0-9]+, segment bytes [0-9.]+[KMGT]?i?B/[0-9.]+[KMGT]iB;' \
+  '^mapped bytes .*: [0-9.]+[KMGT]?i?B/[0-9.]+[KMGT]iB$' "^rs-srv +$(printf '0x%x' "$lid_srv") "; do
   grep -Eq "$re" "$E2E_TMP/status.txt" || fail "status has no /$re/: $(cat "$E2E_TMP/status.txt")"
 done
 

@@ -71,7 +71,7 @@ log "rc_stream: $STREAM_RESULT"
 hperftest 1 2 ib_send_lat -n 1000
 hperftest 1 2 ib_write_lat -n 1000
 # The same with a hub that sleeps at once after each request (it polls for 200 µs by default).
-VRDMA_SPIN_US=0 hperftest 1 2 ib_write_lat -n 300
+VRDMA_POLL_SPIN_US=0 hperftest 1 2 ib_write_lat -n 300
 hperftest 1 2 ib_read_lat -n 1000
 hperftest 1 2 ib_atomic_lat -n 1000
 hperftest 1 2 ib_write_bw -s 1048576 -n 100

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The metrics endpoint of a shared backend (any local uid can scrape loopback): by default it
 # names no guest. While the victim's guests hold a verifying stream, the attacker's scrape is
-# valid Prometheus text that counts the victim's traffic under its guests' LIDs (`lid-N`, as root's
+# valid Prometheus text that counts the victim's traffic under its guests' LIDs (`lid-0xN`, as root's
 # `vrdma status` shows them) and never under their names, and carries no key; the backend logged
 # the snapshot it rendered. The victim's stream ends with the same bytes at both ends, and the
 # backend serves a new pingpong. Usage: metrics_names.sh BIN_DIR
@@ -15,7 +15,7 @@ HERE="$(dirname "${BASH_SOURCE[0]}")"
 
 sec_stream_start "$VICTIM" vmx
 wait_sent_above vmx-c 0
-lids="$(status_query 'join " ", map { "lid-$_->{lid}" } sort { $a->{guest} cmp $b->{guest} }
+lids="$(status_query 'join " ", map { sprintf "lid-0x%x", $_->{lid} } sort { $a->{guest} cmp $b->{guest} }
   grep { $_->{guest} =~ /^vmx-/ } @{$j->{guests}}')"
 log "victim's guests are $lids"
 # (become, not as_user: curl loads no vrdma library, and a sanitizer's runtime preloaded into it
@@ -27,8 +27,8 @@ perl "$HERE/../e2e/prom_check.pl" <"$E2E_TMP/attacker.prom" || fail "the exposit
   fail "the metrics name the victim's guests: $(grep 'vmx-' "$E2E_TMP/attacker.prom" | head -n 3)"
 ! grep -Eq 'lkey|rkey|iova' "$E2E_TMP/attacker.prom" || fail "the metrics carry keys"
 for l in $lids; do
-  grep -Eq "^vrdma_guest_msgs_sent_total\{guest=\"$l\"\} [0-9]+$" "$E2E_TMP/attacker.prom" ||
-    fail "no counters under $l: $(grep '^vrdma_guest_msgs_sent_total' "$E2E_TMP/attacker.prom")"
+  grep -Eq "^vrdma_guest_sent_messages_total\{guest=\"$l\"\} [0-9]+$" "$E2E_TMP/attacker.prom" ||
+    fail "no counters under $l: $(grep '^vrdma_guest_sent_messages_total' "$E2E_TMP/attacker.prom")"
 done
 logged "metrics: new snapshot of [0-9]+ bytes" "the rendered snapshot"
 

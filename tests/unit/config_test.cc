@@ -132,10 +132,13 @@ TEST(ConfigTest, MetricsSnapshotIntervalAndGuestNames) {
   Config c;
   EXPECT_EQ(c.metrics_min_interval_ms, 1000);
   EXPECT_FALSE(c.metrics_guest_names);
-  Status st = c.load_string("[metrics]\nmin_interval_ms = 250\nguest_names = true\n", "t.toml");
+  EXPECT_TRUE(c.metrics_per_qp);
+  Status st = c.load_string(
+      "[metrics]\nmin_interval_ms = 250\nguest_names = true\nper_qp = false\n", "t.toml");
   ASSERT_TRUE(st.is_ok()) << st.message();
   EXPECT_EQ(c.metrics_min_interval_ms, 250);
   EXPECT_TRUE(c.metrics_guest_names);
+  EXPECT_FALSE(c.metrics_per_qp);
   const Bad cases[] = {
       {"[metrics]\nmin_interval_ms = -1\n",
        "t.toml:2: metrics.min_interval_ms: -1 is out of range"},

@@ -121,8 +121,8 @@ TEST_F(OpsTest, CountersOutliveTheGuest) {
   EXPECT_NE(text.find("a (left)"), std::string::npos) << text;
   // In metrics: the backend's totals, and no series for a guest that is gone.
   const std::string m = backend::prometheus_text(st, false);
-  EXPECT_NE(m.find("vrdma_backend_msgs_sent_total 1\n"), std::string::npos) << m;
-  EXPECT_EQ(m.find("vrdma_guest_msgs_sent_total{guest=\"-\"}"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_backend_sent_messages_total 1\n"), std::string::npos) << m;
+  EXPECT_EQ(m.find("vrdma_guest_sent_messages_total{guest=\"-\"}"), std::string::npos) << m;
 }
 
 TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
@@ -136,7 +136,8 @@ TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   ASSERT_EQ(rows->size(), 1u);
   EXPECT_EQ((*rows)[0]["qpn"], qa_.qpn);
   const std::string line = cli::res_text("qp", *rows);
-  EXPECT_EQ(line, fmt::format("vrdma0 guest a qpn {} dest_qpn {} type RC state RTS sq_psn 0 "
+  // LIDs and QPNs in 0x hex in every text output; the JSON keeps numbers.
+  EXPECT_EQ(line, fmt::format("vrdma0 guest a qpn {:#x} dest_qpn {:#x} type RC state RTS sq_psn 0 "
                               "rq_psn 0 pdn {} sq_cqn {} rq_cqn {} transport shm pid 4242\n",
                               qa_.qpn, qb_.qpn, a_.pd, acq_.handle, arcq_.handle));
   // -d adds why the transport was chosen (the one value with spaces).
@@ -176,7 +177,8 @@ TEST_F(OpsTest, StatRowsCarryTheCounters) {
   EXPECT_EQ(guests->size(), 2u);
   const std::string text = cli::stat_text("qp", *qps);
   EXPECT_NE(text.find("MSGS_RX"), std::string::npos);
-  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +[0-9]+ RC +shm +0 +0 +1 +100 "))) << text;
+  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +0x[0-9a-f]+ RC +shm +0 +0 +1 +100 ")))
+      << text;
 }
 
 TEST_F(OpsTest, PrometheusTextIsWellFormed) {
@@ -208,12 +210,26 @@ TEST_F(OpsTest, PrometheusTextIsWellFormed) {
     ASSERT_TRUE(std::regex_match(line, m, sample)) << line;
     EXPECT_EQ(m[1].str(), family) << line;
   }
-  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"a\",qpn=\"{}\",type=\"RC\","
-                                  "transport=\"shm\"}} 1\n",
-                                  qa_.qpn)),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(fmt::format("vrdma_qp_sent_messages_total{{guest=\"a\",qpn=\"{:#x}\",type=\"RC\","
+                            "transport=\"shm\"}} 1\n",
+                            qa_.qpn)),
+      std::string::npos)
       << text;
-  EXPECT_NE(text.find("vrdma_guest_bytes_received_total{guest=\"b\"} 100\n"), std::string::npos);
+  EXPECT_NE(text.find("vrdma_guest_received_bytes_total{guest=\"b\"} 100\n"), std::string::npos);
+}
+
+TEST(CliText, SizesInBinaryUnitsIdsInHex) {
+  EXPECT_EQ(cli::size_text(json(0)), "0B");
+  EXPECT_EQ(cli::size_text(json(1023)), "1023B");
+  EXPECT_EQ(cli::size_text(json(1024)), "1KiB");
+  EXPECT_EQ(cli::size_text(json(1536)), "1.5KiB");
+  EXPECT_EQ(cli::size_text(json(uint64_t{64} << 30)), "64GiB");
+  EXPECT_EQ(cli::size_text(json(uint64_t{32} << 40)), "32TiB");
+  EXPECT_EQ(cli::size_text(json("x")), "x");
+  EXPECT_EQ(cli::size_text(json()), "-");
+  EXPECT_EQ(cli::id_text(json(17)), "0x11");
+  EXPECT_EQ(cli::id_text(json()), "-");
 }
 
 TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
@@ -285,22 +301,23 @@ TEST_F(OpsTest, SegmentQuotasAndUseAreShown) {
   }
   EXPECT_EQ(st["totals"]["segment_bytes"], 2 * kMemBytes);
   const std::string h = cli::status_header(st);
-  EXPECT_NE(h.find(fmt::format("mr bytes {}/{}", kMemBytes, cfg_.quotas.max_mr_bytes)),
+  // Sizes in binary units in the text (kMemBytes: 8 KiB), bytes in the JSON.
+  static_assert(kMemBytes == 8192);
+  EXPECT_NE(h.find(fmt::format("mr bytes 8KiB/{}GiB", cfg_.quotas.max_mr_bytes >> 30)),
             std::string::npos)
       << h;
   EXPECT_NE(h.find("segment 1/9"), std::string::npos) << h;
-  EXPECT_NE(h.find(fmt::format("segment bytes {}/1048576", kMemBytes)), std::string::npos) << h;
-  EXPECT_NE(h.find(fmt::format("mapped bytes (guests shown/limit for all guests): {}/3145728\n",
-                               2 * kMemBytes)),
+  EXPECT_NE(h.find("segment bytes 8KiB/1MiB"), std::string::npos) << h;
+  EXPECT_NE(h.find("mapped bytes (guests shown/limit for all guests): 16KiB/3MiB\n"),
             std::string::npos)
       << h;
   const std::string m = backend::prometheus_text(st, true);
   for (const std::string& want : std::vector<std::string>{
            "vrdma_quota{resource=\"segment\"} 9\n",
-           "vrdma_quota{resource=\"segment_bytes\"} 1048576\n",
-           "vrdma_quota{resource=\"mapped_bytes\"} 3145728\n",
+           "vrdma_quota_bytes{resource=\"segment\"} 1048576\n",
+           "vrdma_quota_bytes{resource=\"mapped\"} 3145728\n",
            fmt::format("vrdma_mapped_bytes {}\n", 2 * kMemBytes),
-           fmt::format("vrdma_resources{{guest=\"a\",kind=\"segment_bytes\"}} {}\n", kMemBytes),
+           fmt::format("vrdma_resource_bytes{{guest=\"a\",kind=\"segment\"}} {}\n", kMemBytes),
            "vrdma_resources{guest=\"b\",kind=\"segment\"} 1\n"})
     EXPECT_NE(m.find(want), std::string::npos) << want << " not in:\n" << m;
   // A segment released gives its bytes back, in the status as in the quota.
@@ -317,7 +334,7 @@ TEST(PrometheusText, EscapesLabelValues) {
   json st = {{"backend",
               {{"version", "1"},
                {"node", "n"},
-               {"uptime_s", 1},
+               {"started_unix", 1700000000},
                {"datapath", {{"cpu_s", 0.5}}},
                {"quotas", json::object()}}},
              {"totals", {{"guests", 1}, {"sessions", 1}}},
@@ -336,18 +353,34 @@ TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
   const std::string text = rep_.metrics(dev_, now_);
   EXPECT_EQ(text.find("guest=\"a\""), std::string::npos) << text;
   EXPECT_EQ(text.find("guest=\"b\""), std::string::npos) << text;
-  EXPECT_NE(text.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+  EXPECT_NE(text.find(fmt::format("vrdma_guest_received_bytes_total{{guest=\"lid-{:#x}\"}} 100\n",
                                   b_.hello.lid)),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find(fmt::format("vrdma_qp_msgs_sent_total{{guest=\"lid-{}\",qpn=\"{}\",",
-                                  a_.hello.lid, qa_.qpn)),
-            std::string::npos)
-      << text;
   EXPECT_NE(
-      text.find(fmt::format("vrdma_resources{{guest=\"lid-{}\",kind=\"qp\"}} 1\n", a_.hello.lid)),
+      text.find(fmt::format("vrdma_qp_sent_messages_total{{guest=\"lid-{:#x}\",qpn=\"{:#x}\",",
+                            a_.hello.lid, qa_.qpn)),
       std::string::npos)
       << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_resources{{guest=\"lid-{:#x}\",kind=\"qp\"}} 1\n",
+                                  a_.hello.lid)),
+            std::string::npos)
+      << text;
+}
+
+// [metrics] per_qp = false: no series per QP (their number grows with the QPs), the per-guest
+// and backend-wide ones stay.
+TEST_F(OpsTest, MetricsPerQpSeriesCanBeTurnedOff) {
+  one_message();
+  cfg_.metrics_per_qp = false;
+  const std::string text = rep_.metrics(dev_, now_);
+  EXPECT_EQ(text.find("vrdma_qp_"), std::string::npos) << text;
+  EXPECT_EQ(text.find("qpn="), std::string::npos) << text;
+  EXPECT_NE(text.find(fmt::format("vrdma_guest_received_bytes_total{{guest=\"lid-{:#x}\"}} 100\n",
+                                  b_.hello.lid)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\nprocess_resident_memory_bytes "), std::string::npos) << text;
 }
 
 TEST_F(OpsTest, MetricsRenderAtMostOncePerInterval) {
@@ -361,7 +394,7 @@ TEST_F(OpsTest, MetricsRenderAtMostOncePerInterval) {
   // After it: a new rendering with the new counters.
   const std::string later = rep_.metrics(dev_, now_ + 1'000'000'000);
   EXPECT_EQ(rep_.metrics_renders(), 2u);
-  EXPECT_NE(later.find(fmt::format("vrdma_guest_bytes_received_total{{guest=\"lid-{}\"}} 100\n",
+  EXPECT_NE(later.find(fmt::format("vrdma_guest_received_bytes_total{{guest=\"lid-{:#x}\"}} 100\n",
                                    b_.hello.lid)),
             std::string::npos)
       << later;
@@ -458,7 +491,11 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
   const std::string line = cli::res_text("mr", *mrs);
   EXPECT_EQ(line.find("key"), std::string::npos) << line;
   EXPECT_EQ(line.find("iova"), std::string::npos) << line;
-  EXPECT_NE(line.find("mrlen 8192"), std::string::npos) << line;
+  EXPECT_NE(line.find("mrlen 8KiB"), std::string::npos) << line;
+  // The size as printed selects, in any case, as the bytes do.
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8kib"}})->size(), 1u);
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8192"}})->size(), 1u);
+  EXPECT_EQ(cli::res_rows(other, "mr", {{"mrlen", "8MiB"}})->size(), 0u);
   EXPECT_NE(cli::status_header(other).find("view: uid 60002: its own guests only"),
             std::string::npos);
   EXPECT_EQ(cli::status_header(as(0)).find("view:"), std::string::npos);
@@ -470,8 +507,8 @@ TEST_F(VisibilityTest, AUserSeesOnlyItsOwnGuestsAndNoKeys) {
 // admin gets its own guests only, cut from the same snapshot (one rendering of the device for
 // everyone within min_interval_ms); admins and TCP scrapes get every guest.
 TEST_F(VisibilityTest, MetricsOverAUnixSocketShowAUserItsOwnGuestsOnly) {
-  const std::string a_rows = fmt::format("{{guest=\"lid-{}\"", a_.hello.lid),
-                    b_rows = fmt::format("{{guest=\"lid-{}\"", b_.hello.lid);
+  const std::string a_rows = fmt::format("{{guest=\"lid-{:#x}\"", a_.hello.lid),
+                    b_rows = fmt::format("{{guest=\"lid-{:#x}\"", b_.hello.lid);
   const backend::Viewer owner{kOwner, false}, other{kOther, false};
   const std::string all = rep_.metrics(dev_, now_);
   EXPECT_NE(all.find(a_rows), std::string::npos) << all;
@@ -490,7 +527,8 @@ TEST_F(VisibilityTest, MetricsOverAUnixSocketShowAUserItsOwnGuestsOnly) {
   // A uid with no guest: the backend's own numbers, no guest at all.
   const std::string none = rep_.metrics(dev_, now_ + 2, backend::Viewer{60003, false});
   EXPECT_EQ(none.find("{guest="), std::string::npos) << none;
-  EXPECT_NE(none.find("vrdma_uptime_seconds"), std::string::npos) << none;
+  EXPECT_NE(none.find("vrdma_start_time_seconds"), std::string::npos) << none;
+  EXPECT_NE(none.find("\nprocess_open_fds "), std::string::npos) << none;
   EXPECT_EQ(rep_.metrics_renders(), 1u);
   EXPECT_EQ(rep_.metrics(dev_, now_ + 3, owner), mine);
 }
