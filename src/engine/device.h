@@ -204,6 +204,7 @@ struct Qp {
   /// and unanswered (0: not so this wait): from then a slow peer backend is waited for
   /// kSlowPeerNs before the timeouts spend retries.
   uint64_t peer_has_since_ns = 0;
+  transport::TxMark path_probe;  ///< where that wait's kPing ends in the stream (conn 0: none)
   /// Names its frames in the transport's queue (Transport::send's flow), so that they can be
   /// taken back when it fails or goes; unique in this backend's life.
   uint64_t flow = 0;
@@ -749,7 +750,9 @@ class Device : public transport::Receiver {
   transport::Transport* transport_ = nullptr;
   CmReceiver cm_rx_;
   uint64_t next_flow_ = 1;
-  log::Every ack_log_{1'000'000'000};  ///< ACK timeouts: one line a second, the rest counted
+  log::Every ack_log_{1'000'000'000};
+  uint64_t pings_sent_ = 0;  ///< kPing probes of a path (ack_timeout)  ///< ACK timeouts: one line
+                             ///< a second, the rest counted
   /// The time of the last poll(): frames that arrive between polls use it for their timers.
   uint64_t now_ns_ = 0;
   bool direct_ = false;

@@ -220,18 +220,29 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   if (!in_pipe && live) {
     // The peer's TCP holds the request on this very connection and its backend has not answered:
     // every request a responder drops is answered (a NAK), so its backend did not run, or its
-    // answer is in TCP's recovery. On a loaded host a backend preempted once waited 638 ms for
-    // a CPU, more than `timeout` 14's whole budget. The connection delivers, so that is waited
-    // for, kSlowPeerNs at most; then the timeouts spend retries as on a fabric (a peer QP that
-    // is gone answers nothing, as on a fabric: it costs this much longer to notice).
-    if (qp.peer_has_since_ns == 0) qp.peer_has_since_ns = now_ns;
-    if (now_ns - qp.peer_has_since_ns < kSlowPeerNs) {
+    // answer is in TCP's recovery, or the path went down after the request crossed it. On a
+    // loaded host a backend preempted once waited 638 ms for a CPU, more than `timeout` 14's
+    // whole budget. So the path is probed with a frame of our own (kPing): once the peer's TCP
+    // has taken it, the path delivers and the peer backend is waited for, kSlowPeerNs at most;
+    // while it has not, this is an outage, and the timeouts spend retries as on a fabric (as
+    // after the wait: a peer QP that is gone answers nothing).
+    if (qp.peer_has_since_ns == 0 || qp.path_probe.conn != conn) {  // this wait, this connection
+      qp.peer_has_since_ns = now_ns;
+      const wire::Ping ping{++pings_sent_};
+      qp.path_probe = transport_->send(qp.peer_node, Type::kPing, &ping)
+                          ? transport_->tx_mark(qp.peer_node)
+                          : transport::TxMark{};
+    }
+    const bool path_delivers = qp.path_probe.conn != 0 && qp.path_probe.conn == conn &&
+                               transport_->tx_delivered(qp.peer_node, qp.path_probe);
+    if (path_delivers && now_ns - qp.peer_has_since_ns < kSlowPeerNs) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       uint64_t held = 0;
       if (ack_log_.ready(now_ns, held))
         VLOG_INFO(
-            "qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: the peer has it and its "
-            "backend has not answered for {} ms; waiting for it, {} retries left{}",
+            "qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: the peer has it, the "
+            "path delivers, and its backend has not answered for {} ms; waiting for it, "
+            "{} retries left{}",
             qp.qpn, qp.guest->name, front.psn, qp.peer_node,
             (now_ns - qp.peer_has_since_ns) / 1000000, qp.retry_left, log::held_note(held));
       return false;
@@ -294,6 +305,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   qp.ack_looked = false;
   qp.ack_deferred = false;
   qp.peer_has_since_ns = 0;
+  qp.path_probe = {};
   qp.not_ready_since_ns = 0;
   // The message probing after an RNR wait got through: the rest of the window follows it (the
   // responder dropped them as a gap, or as not ready).

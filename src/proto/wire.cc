@@ -21,6 +21,8 @@ size_t body_size(Type t) {
       return sizeof(DirectOffer);
     case Type::kCm:
       return sizeof(Cm);
+    case Type::kPing:
+      return sizeof(Ping);
     case Type::kMax:
       break;
   }
@@ -194,6 +196,9 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
     case Type::kCm:
       std::memcpy(&out.cm, body.data(), sizeof(Cm));
       return check_cm(out.cm);
+    case Type::kPing:
+      std::memcpy(&out.ping, body.data(), sizeof(Ping));
+      return Status::ok();
     case Type::kMax:
       break;
   }

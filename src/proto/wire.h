@@ -36,7 +36,10 @@ enum class Type : uint16_t {
   kReply = 5,        ///< the responder's answer: ACK, NAK, READ data, atomic result
   kDirectOffer = 6,  ///< a library takes a direct connection (kDirectOffer command); version 2
   kCm = 7,           ///< an RDMA CM message between two backends' ids (backend/cm.h); version 4
-  kMax = 8,          ///< one past the last type; never sent
+  /// Nothing for the receiver: the sender learns from its own TCP that the path delivers (the
+  /// ACK timer's probe of a peer that has a request and does not answer); version 4
+  kPing = 8,
+  kMax = 9,  ///< one past the last type; never sent
 };
 
 struct FrameHeader {
@@ -169,6 +172,12 @@ struct Cm {
 };
 static_assert(sizeof(Cm) == 24 + 48 + 40 + kCmPrivateMax);
 
+/// kPing: a sequence number, for the sender's logs; the receiver reads and drops it.
+struct Ping {
+  uint64_t seq;
+};
+static_assert(sizeof(Ping) == 8);
+
 /// A decoded frame: the header and a copy of its body (payload still unread).
 struct Frame {
   FrameHeader h{};
@@ -179,6 +188,7 @@ struct Frame {
     Reply reply;
     DirectOffer offer;
     Cm cm;
+    Ping ping;
   };
   Frame() : req{} {}
   Type type() const { return static_cast<Type>(h.type); }

@@ -145,6 +145,8 @@ struct Tally {
         return "direct_offer";
       case Type::kCm:
         return "cm";
+      case Type::kPing:
+        return "ping";
       case Type::kMax:
         break;
     }

@@ -370,16 +370,25 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   loop_.delivered = loop_.queued;  // ... its TCP acknowledged it, on this very connection
   post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
   // TCP loses nothing and a responder NAKs what it drops: an answer is on its way (its backend
-  // is slow, or TCP recovers it), or the peer QP is gone. First a slow peer backend is waited
-  // for (Device::kSlowPeerNs): nothing sent, no retry spent.
-  for (uint64_t waited = 0; waited < Device::kSlowPeerNs; waited += 70'000'000) {
+  // is slow, or TCP recovers it), the path went down after the request crossed it, or the peer
+  // QP is gone. The first timeout probes the path (a kPing) and counts, as on a fabric.
+  now_ += 70'000'000;
+  dev_.poll(now_);
+  EXPECT_TRUE(loop_.q.empty());
+  EXPECT_EQ(loop_.pings, 1u);
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+  // The peer's TCP takes the probe: the path delivers, so a slow peer backend is waited for
+  // (Device::kSlowPeerNs from the first timeout): nothing sent, no retry spent.
+  loop_.delivered = loop_.queued;
+  for (uint64_t waited = 70'000'000; waited < Device::kSlowPeerNs; waited += 70'000'000) {
     now_ += 70'000'000;
     dev_.poll(now_);
     ASSERT_TRUE(loop_.q.empty());
-    ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);
+    ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
   }
+  EXPECT_EQ(loop_.pings, 1u);
   // Then each timeout is a retry; nothing is sent again but as the last try.
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 5; ++i) {
     now_ += 70'000'000;
     dev_.poll(now_);
     EXPECT_TRUE(loop_.q.empty()) << i;
@@ -393,6 +402,30 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   auto tx = drain(acq_);
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+}
+
+// The path goes down after the request crossed it: the probe is never taken, and the QP fails
+// within its budget, timeout x (retry_cnt + 1), as in any outage (no wait for a slow peer).
+TEST_F(DeviceRemoteTest, AnOutageAfterTheRequestCrossedFailsWithinTheBudget) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7
+  loop_.conn = 1;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  loop_.q.clear();
+  loop_.delivered = loop_.queued;  // the request crossed; nothing after it will
+  const uint64_t start = now_;
+  std::vector<Cqe> tx;
+  while (tx.empty() && now_ - start < 10'000'000'000ull) {
+    now_ += 10'000'000;
+    dev_.poll(now_);
+    loop_.q.clear();
+    tx = drain(acq_);
+  }
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+  EXPECT_GE(loop_.pings, 1u);
+  EXPECT_LT(now_ - start, 700'000'000u);  // 8 x 67 ms, and the 10 ms steps
 }
 
 // A peer QP that is gone answers nothing, as on a fabric: after the wait for a slow peer

@@ -586,6 +586,8 @@ bool TcpTransport::consume(Conn& c) {
       case Type::kGuestDown:
         on_guest(c, false);
         break;
+      case Type::kPing:  // its sender's TCP has what it wanted to know
+        break;
       default: {
         c.sink.spans.clear();
         c.sink.holds.clear();
