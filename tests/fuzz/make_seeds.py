@@ -18,7 +18,7 @@ OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=
            cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
            cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
            cm_disconnect=47, cm_migrate_id=48, rereg_mr=54, resize_cq=55, alloc_dm=56, free_dm=57,
-           reg_dm_mr=58, dereg_segment=34)
+           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, dereg_segment=34)
 
 
 def msg(op, body=b"", flags=3):

@@ -168,7 +168,7 @@ class DeviceTest : public ::testing::Test {
     QpAttr a{};
     a.qp_state = IBV_QPS_INIT;
     a.port_num = 1;
-    a.qp_access_flags = kAccess;
+    a.qp_access_flags = qp_access_;
     ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, a));
     a = {};
     a.qp_state = IBV_QPS_RTR;
@@ -279,6 +279,7 @@ class DeviceTest : public ::testing::Test {
   QpV qa_, qb_;
   MemV ma_, mb_;
   uint64_t now_ = 1'000'000'000;
+  uint32_t qp_access_ = kAccess;  ///< qp_access_flags connect_rtr gives
 };
 
 }  // namespace vrdma::engine::devtest

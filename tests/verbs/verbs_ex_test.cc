@@ -474,9 +474,9 @@ TEST_F(VerbsEx, QpExRefusesWhatTheDeviceCannotDo) {
     if (qp) qps_.push_back(qp);
     EXPECT_EQ(errno, err) << what;
   };
-  refused(qp_attr(cq, 4, IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_LOCAL_INV), EOPNOTSUPP,
-          "local invalidate");
-  refused(qp_attr(cq, 4, IBV_QP_EX_WITH_BIND_MW), EOPNOTSUPP, "memory windows");
+  ibv_qp_init_attr_ex uc_inv = qp_attr(cq, 4, IBV_QP_EX_WITH_SEND_WITH_INV);
+  uc_inv.qp_type = IBV_QPT_UC;
+  refused(uc_inv, EOPNOTSUPP, "UC has no SEND_WITH_INV");
   refused(qp_attr(cq, 4, IBV_QP_EX_WITH_TSO), EOPNOTSUPP, "TSO");
   ibv_qp_init_attr_ex uc = qp_attr(cq, 4, IBV_QP_EX_WITH_RDMA_READ);
   uc.qp_type = IBV_QPT_UC;
