@@ -443,22 +443,6 @@ TEST_F(DeviceTest, GuestsThatLeftGiveTheirLidsBack) {
 
 // ---- Memory windows: b binds a window over its MR through its QP, a reaches it by rkey ----
 
-/// A bind WQE (proto/ring.h's layout) of window `mw` to [addr, addr + len) of the MR `lkey`.
-void post_bind(QpV& q, uint64_t wr_id, uint32_t mw, uint32_t rkey, uint32_t lkey, uint64_t addr,
-               uint64_t len, uint32_t access) {
-  SendWqe w{};
-  w.wr_id = wr_id;
-  w.opcode = IBV_WR_BIND_MW;
-  w.send_flags = IBV_SEND_SIGNALED;
-  w.rkey = rkey;
-  w.ud_remote_qpn = mw;
-  w.remote_addr = addr;
-  w.compare_add = len;
-  w.swap = pack_bind(lkey, access);
-  q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
-  q.sq->producer.store(++q.sq_prod, std::memory_order_release);
-}
-
 TEST_F(DeviceTest, AType2WindowIsReachedWhileBoundAndItsMrStays) {
   qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
   connect_both();
