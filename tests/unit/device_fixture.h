@@ -252,6 +252,29 @@ class DeviceTest : public ::testing::Test {
     c.hdr->consumer.store(c.cons, std::memory_order_release);
     return out;
   }
+  /// A type 2 window of `g` over [off, off + len) of `m`, bound (with the next key) through
+  /// `q`, whose completions go to `cq`: the allocation and the bound rkey (0, with a failure,
+  /// when the allocation failed). The bind's completion is left on `cq`.
+  std::pair<AllocMwResp, uint32_t> type2_window(G& g, QpV& q, const MemV& m, uint64_t off,
+                                                uint64_t len, uint32_t access) {
+    auto mw = g.dev->alloc_mw(*g.s, AllocMwReq{g.pd, IBV_MW_TYPE_2});
+    EXPECT_TRUE(mw.is_ok()) << mw.status().message();
+    if (!mw.is_ok()) return {};
+    const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    post_bind(q, 1, mw->handle, rkey, m.mr.lkey, m.addr + off, len, access);
+    return {mw.value(), rkey};
+  }
+  /// One poll of the device, then the one completion `c` should hold (GENERAL_ERR, and a
+  /// failure, when it holds another number).
+  Cqe poll_one(CqV& c) {
+    dev_.poll(now_);
+    auto got = drain(c);
+    EXPECT_EQ(got.size(), 1u);
+    if (got.size() == 1) return got[0];
+    Cqe none{};
+    none.status = IBV_WC_GENERAL_ERR;
+    return none;
+  }
   static std::vector<std::pair<uint32_t, uint32_t>> async_events(const G& g) {
     std::vector<std::pair<uint32_t, uint32_t>> out;
     uint32_t ev[2];

@@ -123,16 +123,12 @@ TEST_F(DeviceRemoteTest, AWindowIsReachedAndInvalidatedOverTheTransportAsOnOneHo
   qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
   connect_both();
   MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
-  auto mw = dev_.alloc_mw(*b_.s, AllocMwReq{b_.pd, IBV_MW_TYPE_2});
-  ASSERT_TRUE(mw.is_ok());
-  const uint32_t rkey = ibv_inc_rkey(mw->rkey);
   // b binds (a local operation: no frame), then a writes through the window over the wire.
-  post_bind(qb_, 1, mw->handle, rkey, m.mr.lkey, m.addr, 4096, IBV_ACCESS_REMOTE_WRITE);
-  dev_.poll(now_);
-  auto b = drain(bcq_);
-  ASSERT_EQ(b.size(), 1u);
-  EXPECT_EQ(b[0].status, IBV_WC_SUCCESS);
-  EXPECT_EQ(b[0].opcode, IBV_WC_BIND_MW);
+  const uint32_t rkey = type2_window(b_, qb_, m, 0, 4096, IBV_ACCESS_REMOTE_WRITE).second;
+  ASSERT_NE(rkey, 0u);
+  const Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
   std::memset(ma_.p(), 0x2b, 64);
   post_rdma(qa_, 2, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 128, rkey);
   settle();

@@ -22,6 +22,18 @@ GuestExport export_a(Device& dev) {
   return std::move(ex.value());
 }
 
+/// Guest a leaves this device and comes back from its exported state; a_.s is its new session
+/// (null, with a failure, if the import failed).
+Session* move_a(Device& dev, G& a) {
+  GuestExport ex = export_a(dev);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  dev.detach_guest("a");
+  auto r = dev.import_guest(ex.blob, fds);
+  EXPECT_TRUE(r.is_ok()) << r.status().message();
+  a.s = r.is_ok() ? r.value()[0].session : nullptr;
+  return a.s;
+}
+
 TEST_F(DeviceTest, ExportedGuestComesBackWithItsIdentityAndItsConnectionWorks) {
   connect_both();
   post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
@@ -85,12 +97,7 @@ TEST_F(DeviceTest, DeviceMemoryAndAResizedCqMoveWithTheGuest) {
   arcq_.e = ring_entries<Cqe>(arcq_.hdr);
   arcq_.size = resized->cqe + 1;
 
-  GuestExport ex = export_a(dev_);
-  std::vector<UniqueFd> fds = dup_all(ex.fds);
-  dev_.detach_guest("a");
-  auto r = dev_.import_guest(ex.blob, fds);
-  ASSERT_TRUE(r.is_ok()) << r.status().message();
-  a_.s = r.value()[0].session;
+  ASSERT_NE(move_a(dev_, a_), nullptr);
   ASSERT_EQ(a_.s->dms.size(), 1u);
   EXPECT_EQ(a_.s->dms.begin()->second.length, 5000u);
 
@@ -130,36 +137,25 @@ TEST_F(DeviceTest, MemoryWindowsMoveWithTheGuestBoundOrNot) {
   qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
   connect_both();
   MemV m = mem(a_, kAccess | IBV_ACCESS_MW_BIND);
-  auto bound = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_2});
   auto idle = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
-  ASSERT_TRUE(bound.is_ok());
   ASSERT_TRUE(idle.is_ok());
-  const uint32_t rkey = ibv_inc_rkey(bound->rkey);
-  post_bind(qa_, 1, bound->handle, rkey, m.mr.lkey, m.addr + 512, 1024, IBV_ACCESS_REMOTE_WRITE);
-  dev_.poll(now_);
-  auto b = drain(acq_);
-  ASSERT_EQ(b.size(), 1u);
-  ASSERT_EQ(b[0].status, IBV_WC_SUCCESS);
+  const auto [bound, rkey] = type2_window(a_, qa_, m, 512, 1024, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_NE(rkey, 0u);
+  Cqe b = poll_one(acq_);
+  ASSERT_EQ(b.status, IBV_WC_SUCCESS);
 
-  GuestExport ex = export_a(dev_);
-  std::vector<UniqueFd> fds = dup_all(ex.fds);
-  dev_.detach_guest("a");
-  auto r = dev_.import_guest(ex.blob, fds);
-  ASSERT_TRUE(r.is_ok()) << r.status().message();
-  a_.s = r.value()[0].session;
+  ASSERT_NE(move_a(dev_, a_), nullptr);
   ASSERT_EQ(a_.s->mws.size(), 2u);
   EXPECT_EQ(a_.s->guest->used[static_cast<size_t>(Res::kMw)], 2u);
 
   // b writes through the window's rkey (bound through qa_, b's peer): it still reaches.
   std::memset(mb_.p(), 0x3c, 32);
   post_rdma(qb_, 2, IBV_WR_RDMA_WRITE, mb_.addr, 32, mb_.mr.lkey, m.addr + 512, rkey);
-  dev_.poll(now_);
-  auto w = drain(bcq_);
-  ASSERT_EQ(w.size(), 1u);
-  EXPECT_EQ(w[0].status, IBV_WC_SUCCESS);
+  Cqe w = poll_one(bcq_);
+  EXPECT_EQ(w.status, IBV_WC_SUCCESS);
   EXPECT_EQ(m.p()[512], 0x3c);
   EXPECT_EQ(dev_.dereg_mr(*a_.s, m.mr.handle).err(), EBUSY) << "still bound";
-  EXPECT_TRUE(dev_.dealloc_mw(*a_.s, bound->handle).is_ok());
+  EXPECT_TRUE(dev_.dealloc_mw(*a_.s, bound.handle).is_ok());
   EXPECT_TRUE(dev_.dealloc_mw(*a_.s, idle->handle).is_ok());
 }
 

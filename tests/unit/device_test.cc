@@ -447,32 +447,23 @@ TEST_F(DeviceTest, AType2WindowIsReachedWhileBoundAndItsMrStays) {
   qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
   connect_both();
   MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
-  auto mw = dev_.alloc_mw(*b_.s, AllocMwReq{b_.pd, IBV_MW_TYPE_2});
-  ASSERT_TRUE(mw.is_ok()) << mw.status().message();
-  const uint32_t rkey = ibv_inc_rkey(mw.value().rkey);
-  post_bind(qb_, 1, mw.value().handle, rkey, m.mr.lkey, m.addr + 1024, 2048,
-            IBV_ACCESS_REMOTE_WRITE);
-  dev_.poll(now_);
-  auto b = drain(bcq_);
-  ASSERT_EQ(b.size(), 1u);
-  EXPECT_EQ(b[0].status, IBV_WC_SUCCESS);
-  EXPECT_EQ(b[0].opcode, IBV_WC_BIND_MW);
+  const auto [mw, rkey] = type2_window(b_, qb_, m, 1024, 2048, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_NE(rkey, 0u);
+  Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
   // ibv_alloc_mw(3): the MR cannot go while a window is bound to it.
   EXPECT_EQ(dev_.dereg_mr(*b_.s, m.mr.handle).err(), EBUSY);
   std::memset(ma_.p(), 0x5a, 64);
   post_rdma(qa_, 2, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 1024, rkey);
-  dev_.poll(now_);
-  auto w = drain(acq_);
-  ASSERT_EQ(w.size(), 1u);
-  EXPECT_EQ(w[0].status, IBV_WC_SUCCESS);
+  Cqe w = poll_one(acq_);
+  EXPECT_EQ(w.status, IBV_WC_SUCCESS);
   EXPECT_EQ(m.p()[1024], 0x5a);
   // The allocation's rkey (the previous key) reaches nothing.
-  post_rdma(qa_, 3, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 1024, mw.value().rkey);
-  dev_.poll(now_);
-  w = drain(acq_);
-  ASSERT_EQ(w.size(), 1u);
-  EXPECT_EQ(w[0].status, IBV_WC_REM_ACCESS_ERR);
-  ASSERT_TRUE(dev_.dealloc_mw(*b_.s, mw.value().handle));
+  post_rdma(qa_, 3, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 1024, mw.rkey);
+  w = poll_one(acq_);
+  EXPECT_EQ(w.status, IBV_WC_REM_ACCESS_ERR);
+  ASSERT_TRUE(dev_.dealloc_mw(*b_.s, mw.handle));
   EXPECT_TRUE(dev_.dereg_mr(*b_.s, m.mr.handle));
 }
 
@@ -484,11 +475,9 @@ TEST_F(DeviceTest, ABindOutsideTheMrIsMwBindErrorAndAnInvalidationOfNothingLocQp
   ASSERT_TRUE(mw.is_ok());
   post_bind(qb_, 1, mw.value().handle, ibv_inc_rkey(mw.value().rkey), m.mr.lkey, m.addr + 4096,
             kMemBytes, IBV_ACCESS_REMOTE_READ);
-  dev_.poll(now_);
-  auto b = drain(bcq_);
-  ASSERT_EQ(b.size(), 1u);
-  EXPECT_EQ(b[0].status, IBV_WC_MW_BIND_ERR);
-  EXPECT_EQ(b[0].opcode, IBV_WC_BIND_MW);
+  Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_MW_BIND_ERR);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
   EXPECT_EQ(state(b_, qb_), IBV_QPS_ERR);
   // On a's QP: a LOCAL_INV of an rkey that names no window.
   qp_access_ = kAccess;
@@ -499,11 +488,9 @@ TEST_F(DeviceTest, ABindOutsideTheMrIsMwBindErrorAndAnInvalidationOfNothingLocQp
   inv.rkey = 0x1234;
   qa_.sqe[qa_.sq_prod & (qa_.sq_size - 1)] = inv;
   qa_.sq->producer.store(++qa_.sq_prod, std::memory_order_release);
-  dev_.poll(now_);
-  auto a = drain(acq_);
-  ASSERT_EQ(a.size(), 1u);
-  EXPECT_EQ(a[0].status, IBV_WC_LOC_QP_OP_ERR);
-  EXPECT_EQ(a[0].opcode, IBV_WC_LOCAL_INV);
+  Cqe a = poll_one(acq_);
+  EXPECT_EQ(a.status, IBV_WC_LOC_QP_OP_ERR);
+  EXPECT_EQ(a.opcode, IBV_WC_LOCAL_INV);
 }
 
 TEST_F(DeviceTest, AllocMwChecksItsPdAndTypeAndGivesTheQuotaBackWhenFreed) {
