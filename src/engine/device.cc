@@ -1086,6 +1086,10 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
     active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
                          active_guests_.end());
   }
+  // Type 2 windows bound through it are reachable through nothing now: they are invalidated,
+  // or they would hold their MR (dereg_mr is EBUSY while bound) until deallocated.
+  for (auto& [h, mw] : s.mws)
+    if (mw->type == IBV_MW_TYPE_2 && mw->bound && mw->qpn == qp.qpn) mw->bound = false;
   release(g, Res::kQp);
   s.pds[qp.pd].users--;
   qp.send_cq->users--;
