@@ -258,7 +258,12 @@ const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) c
   view = window_view(wv);
   if (!view.found) return nullptr;
   // A bound window's MR stays (dereg_mr and rereg_mr are EBUSY while it is bound).
-  return to.owner->mrs.at(mw->mr).get();
+  auto it = to.owner->mrs.find(mw->mr);
+  if (it == to.owner->mrs.end()) {
+    view = RemoteMrView{};
+    return nullptr;
+  }
+  return it->second.get();
 }
 
 ibv_wc_status Device::execute_mw_op(Qp& qp, const SendWqe& w, const char*& why) {
