@@ -565,8 +565,8 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     return out;
   };
   const uint32_t op = in.op;
-  // SEND and WRITE_WITH_IMM consume a receive WQE.
-  const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;  // (and _INV)
+  // SENDs (with immediate or invalidate too) and WRITE_WITH_IMM consume a receive WQE.
+  const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
   if (consumes_recv) {
     bool corrupt = false;
     if (!peek_recv(to, out.recv, corrupt)) {
