@@ -380,7 +380,7 @@ Result<AllocMwResp> Device::alloc_mw(Session& s, const AllocMwReq& req) {
     mw->handle = new_handle(s, s.mws);
     mw->pd = req.pd;
     mw->type = req.type;
-    mw->rkey = new_key(*s.guest);
+    mw->rkey = new_key(*s.guest, true);
     mw->owner = &s;
     pd->second.users++;
     const AllocMwResp resp{mw->handle, mw->rkey};
@@ -533,14 +533,20 @@ Result<RegMrResp> Device::add_mr(Session& s, std::unique_ptr<Mr> mr) {
   return resp;
 }
 
-uint32_t Device::new_key(Guest& g) {
+uint32_t Device::new_key(Guest& g, bool window) {
   // An MR's key and a window's rkey share the space: a window is found by its upper 24 bits
-  // (the lower 8 change per bind), so no MR key and no window may share those.
+  // (the lower 8 change per bind), so no MR key and no window may share those. (The 20-bit
+  // index alone keeps them apart until it wraps.)
+  auto mr_under = [&](uint32_t index) {
+    for (uint32_t k = 0; k < 256; ++k)
+      if (g.mrs.count(index << 8 | k)) return true;
+    return false;
+  };
   uint32_t key;
   do {
     uint32_t idx = g.next_key_index++ & 0xfffff;
     key = (idx << 12) | static_cast<uint32_t>(rng_() & 0xfff);
-  } while (key == 0 || g.mrs.count(key) || g.mws.count(key >> 8));
+  } while (key == 0 || g.mrs.count(key) || g.mws.count(key >> 8) || (window && mr_under(key >> 8)));
   return key;
 }
 

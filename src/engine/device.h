@@ -734,8 +734,8 @@ class Device : public transport::Receiver {
   /// its completion.
   ibv_wc_status execute_mw_op(Qp& qp, const proto::SendWqe& w, const char*& why);
   /// A new key of the guest's key space: a 20-bit index and 12 random bits, unused by its MRs
-  /// and windows.
-  uint32_t new_key(Guest& g);
+  /// and windows (`window`: a window's rkey, whose upper 24 bits no MR key may have either).
+  uint32_t new_key(Guest& g, bool window = false);
   static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);
   /// Executes up to `budget` WQEs of the SQ (decremented per WQE).
   bool process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget);
