@@ -36,7 +36,7 @@ constexpr bool needs_backend(uint32_t op) {
 
 /// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
 /// Memory windows: binds and local invalidation on RC and UC (the QPs that reach windows
-/// through an rkey); SEND_WITH_INV on RC only (IB spec 9.4.? lists it for RC and XRC).
+/// through an rkey); SEND_WITH_INV on RC only (the IB spec has it for RC and XRC, not UC).
 constexpr bool opcode_allowed(uint32_t qp_type, uint32_t op) {
   if (op == IBV_WR_SEND_WITH_INV) return qp_type == IBV_QPT_RC;
   if (is_send(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC || qp_type == IBV_QPT_UD;
@@ -127,8 +127,9 @@ struct MwBindView {
   uint32_t access = 0;  ///< the window's access: IBV_ACCESS_REMOTE_* (and ZERO_BASED: refused)
 };
 
-/// The rules of a bind (IB spec 10.6.7; rdma-core's ibv_bind_mw(3) and ibv_post_send(3)), in
-/// order, each fault the bind's completion IBV_WC_MW_BIND_ERR (the QP then goes to ERR):
+/// The rules of a bind (the IB spec's memory windows; rdma-core's ibv_bind_mw(3),
+/// ibv_post_send(3)), in order, each fault the bind's completion IBV_WC_MW_BIND_ERR (the QP then
+/// goes to ERR):
 /// - the window exists, and the QP allows binds (IBV_ACCESS_MW_BIND in its qp_access_flags);
 /// - a type 2 window is in the QP's PD, is not bound, and keeps its 24-bit index in the new rkey;
 /// - a type 1 bind of length 0 unbinds and needs nothing more;

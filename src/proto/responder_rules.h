@@ -59,8 +59,8 @@ struct RemoteMwView {
 
 /// A window reaches memory only while bound under that very key, and only through a QP of its
 /// PD; a type 2 window only through the QP it was bound on. That is type 2B (IBV_DEVICE_MEM_
-/// WINDOW_TYPE_2B, "associated with PD and QPN": the kernel's IB/core commit 7083e42ee2ff that
-/// brought type 2 windows; IB spec 1.2.1 vol. 1, 10.6.7.2). Through the window the MR's
+/// WINDOW_TYPE_2B, "associated with PD and QPN", as the kernel's IB/core commit 7083e42ee2ff
+/// that brought type 2 windows describes the flavours). Through the window the MR's
 /// checks apply with the window's access and range: check_remote_request on the view this
 /// returns (not found: REM_ACCESS_ERR, as for an rkey of no MR).
 constexpr RemoteMrView window_view(const RemoteMwView& w) {
