@@ -462,6 +462,12 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kRegDmMr:
       reply(dev_.reg_dm_mr(*s, body_of<RegDmMrReq>(msg).value()));
       break;
+    case Op::kAllocMw:
+      reply(dev_.alloc_mw(*s, body_of<AllocMwReq>(msg).value()));
+      break;
+    case Op::kDeallocMw:
+      reply_status(dev_.dealloc_mw(*s, handle_of()));
+      break;
     case Op::kCreateQp: reply(dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), give)); break;
     case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
     case Op::kQueryQp: reply(dev_.query_qp(*s, handle_of())); break;

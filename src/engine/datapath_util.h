@@ -115,7 +115,7 @@ inline bool in_spans(std::span<const Span> spans, uintptr_t addr) {
   return false;
 }
 
-inline bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+using proto::is_send;
 inline bool is_write(uint32_t op) { return proto::is_rdma_write(op); }
 inline bool is_atomic(uint32_t op) { return proto::is_rdma_atomic(op); }
 inline bool has_imm(uint32_t op) {

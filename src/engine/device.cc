@@ -35,9 +35,9 @@ uint32_t new_handle(Session& s, const Map&) {
 }
 
 const char* res_name(Res r) {
-  static constexpr const char* kNames[] = {"max_pds",      "max_qps",           "max_cqs",
-                                           "max_srqs",     "max_mrs",           "max_mr_bytes",
-                                           "max_segments", "max_segment_bytes", "max_dm_bytes"};
+  static constexpr const char* kNames[] = {
+      "max_pds",      "max_qps",      "max_cqs",           "max_srqs",     "max_mrs",
+      "max_mr_bytes", "max_segments", "max_segment_bytes", "max_dm_bytes", "max_mws"};
   static_assert(std::size(kNames) == static_cast<size_t>(Res::kCount));
   return kNames[static_cast<size_t>(r)];
 }
@@ -49,7 +49,8 @@ const char* res_name(Res r) {
 Status Device::check_quota(Guest& g, Res r, uint64_t n) {
   const uint64_t limits[] = {quotas_.max_pds,      quotas_.max_qps,           quotas_.max_cqs,
                              quotas_.max_srqs,     quotas_.max_mrs,           quotas_.max_mr_bytes,
-                             quotas_.max_segments, quotas_.max_segment_bytes, quotas_.max_dm_bytes};
+                             quotas_.max_segments, quotas_.max_segment_bytes, quotas_.max_dm_bytes,
+                             quotas_.max_mws};
   static_assert(std::size(limits) == static_cast<size_t>(Res::kCount));
   const uint64_t limit = limits[static_cast<size_t>(r)];
   const uint64_t used = g.used[static_cast<size_t>(r)];
@@ -261,6 +262,7 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
                            static_cast<uint32_t>(quotas_.max_mr_bytes >> 32)};
   cp->max_dm_bytes_lo = static_cast<uint32_t>(quotas_.max_dm_bytes);
   cp->max_dm_bytes_hi = static_cast<uint32_t>(quotas_.max_dm_bytes >> 32);
+  cp->max_mws = quotas_.max_mws;
   cp->backend_sleeping.store(0);
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");
@@ -313,6 +315,9 @@ void Device::close_session_impl(Session* s, bool moved) {
   s->segments.clear();
   for (const auto& [h, dm] : s->dms) release(*g, Res::kDmBytes, dm.length);
   s->dms.clear();
+  for (const auto& [h, mw] : s->mws) g->mws.erase(mw->rkey >> 8);
+  release(*g, Res::kMw, s->mws.size());
+  s->mws.clear();
   release(*g, Res::kPd, s->pds.size());
   s->pds.clear();
   if (moved) {
@@ -359,6 +364,44 @@ Status Device::dealloc_pd(Session& s, uint32_t pd) {
   if (it->second.users) return error(EBUSY, "PD still has MRs or QPs");
   s.pds.erase(it);
   release(*s.guest, Res::kPd);
+  return Status::ok();
+}
+
+Result<AllocMwResp> Device::alloc_mw(Session& s, const AllocMwReq& req) {
+  auto checked = [&]() -> Result<AllocMwResp> {
+    auto pd = s.pds.find(req.pd);
+    if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
+    if (req.type != IBV_MW_TYPE_1 && req.type != IBV_MW_TYPE_2)
+      return error(EINVAL, fmt::format("window type {}", req.type));
+    if (s.guest->mws.size() >= kMaxMw) return error(ENOMEM, "MW limit reached");
+    RETURN_IF_ERROR(check_quota(*s.guest, Res::kMw));
+    charge(*s.guest, Res::kMw);
+    auto mw = std::make_unique<Mw>();
+    mw->handle = new_handle(s, s.mws);
+    mw->pd = req.pd;
+    mw->type = req.type;
+    mw->rkey = new_key(*s.guest, true);
+    mw->owner = &s;
+    pd->second.users++;
+    const AllocMwResp resp{mw->handle, mw->rkey};
+    s.guest->mws[mw->rkey >> 8] = mw.get();
+    s.mws[mw->handle] = std::move(mw);
+    return resp;
+  };
+  return refused(s, "alloc_mw", checked());
+}
+
+Status Device::dealloc_mw(Session& s, uint32_t handle) {
+  auto it = s.mws.find(handle);
+  if (it == s.mws.end())
+    return refused(s, "dealloc_mw", error(EINVAL, fmt::format("no MW {}", handle)));
+  // Grants never carry windows (they are the backend's alone), but the peer's library may hold
+  // a bound rkey's bytes in flight: the epoch moves as for an MR that goes.
+  bump_epoch(*s.guest);
+  s.guest->mws.erase(it->second->rkey >> 8);
+  s.pds[it->second->pd].users--;
+  release(*s.guest, Res::kMw);
+  s.mws.erase(it);
   return Status::ok();
 }
 
@@ -479,12 +522,7 @@ Result<RegMrResp> Device::add_mr(Session& s, std::unique_ptr<Mr> mr) {
   RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, mr->length));
   charge(*s.guest, Res::kMr);
   charge(*s.guest, Res::kMrBytes, mr->length);
-  // Key: 20-bit index in the guest's key space plus 12 random bits.
-  uint32_t key;
-  do {
-    uint32_t idx = s.guest->next_key_index++ & 0xfffff;
-    key = (idx << 12) | static_cast<uint32_t>(rng_() & 0xfff);
-  } while (key == 0 || s.guest->mrs.count(key));
+  const uint32_t key = new_key(*s.guest);
   mr->handle = new_handle(s, s.mrs);
   mr->key = key;
   mr->owner = &s;
@@ -495,9 +533,36 @@ Result<RegMrResp> Device::add_mr(Session& s, std::unique_ptr<Mr> mr) {
   return resp;
 }
 
+uint32_t Device::new_key(Guest& g, bool window) {
+  // An MR's key and a window's rkey share the space: a window is found by its upper 24 bits
+  // (the lower 8 change per bind), so no MR key and no window may share those. (The 20-bit
+  // index alone keeps them apart until it wraps.)
+  auto mr_under = [&](uint32_t index) {
+    for (uint32_t k = 0; k < 256; ++k)
+      if (g.mrs.count(index << 8 | k)) return true;
+    return false;
+  };
+  uint32_t key;
+  do {
+    uint32_t idx = g.next_key_index++ & 0xfffff;
+    key = (idx << 12) | static_cast<uint32_t>(rng_() & 0xfff);
+  } while (key == 0 || g.mrs.count(key) || g.mws.count(key >> 8) || (window && mr_under(key >> 8)));
+  return key;
+}
+
+/// A window bound to MR `handle` of the session, or null.
+static const Mw* window_on(const Session& s, uint32_t handle) {
+  for (const auto& [h, mw] : s.mws)
+    if (mw->bound && mw->mr == handle) return mw.get();
+  return nullptr;
+}
+
 Status Device::dereg_mr(Session& s, uint32_t handle) {
   auto it = s.mrs.find(handle);
   if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", handle));
+  // ibv_alloc_mw(3): "ibv_dereg_mr() fails if any memory window is still bound to this MR."
+  if (const Mw* mw = window_on(s, handle))
+    return error(EBUSY, fmt::format("window {} is bound to MR {}", mw->handle, handle));
   bump_epoch(*s.guest);
   s.guest->mrs.erase(it->second->key);
   s.pds[it->second->pd].users--;
@@ -521,6 +586,9 @@ Status Device::rereg_mr_checked(Session& s, const ReregMrReq& req) {
   if (req.flags == 0 || (req.flags & ~kKnown))
     return error(EINVAL, fmt::format("flags {:#x}", req.flags));
   if (on_dm(s, mr)) return error(EINVAL, "a device-memory MR");
+  // A bound window holds a range, PD and access of the MR that a change would pull away.
+  if (const Mw* mw = window_on(s, req.handle))
+    return error(EBUSY, fmt::format("window {} is bound to MR {}", mw->handle, req.handle));
   // Everything is checked on a copy; only then does the MR change, all at once.
   Mr next;
   next.pd = mr.pd;
@@ -1024,6 +1092,10 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
     active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
                          active_guests_.end());
   }
+  // Type 2 windows bound through it are reachable through nothing now: they are invalidated,
+  // or they would hold their MR (dereg_mr is EBUSY while bound) until deallocated.
+  for (auto& [h, mw] : s.mws)
+    if (mw->type == IBV_MW_TYPE_2 && mw->bound && mw->qpn == qp.qpn) mw->bound = false;
   release(g, Res::kQp);
   s.pds[qp.pd].users--;
   qp.send_cq->users--;

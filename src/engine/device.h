@@ -26,6 +26,7 @@
 #include "common/unique_fd.h"
 #include "engine/quotas.h"
 #include "proto/command.h"
+#include "proto/responder_rules.h"
 #include "proto/ring.h"
 #include "transport/transport.h"
 
@@ -62,6 +63,22 @@ struct Mr {
   uint64_t length = 0;
   std::vector<MrChunk> chunks;
   std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive
+};
+
+/// A memory window (ibv_alloc_mw): an rkey that reaches part of an MR while bound. Binds and
+/// invalidations come through a QP's send queue (execute_mw_op); the responder finds windows by
+/// the index in an rkey's upper 24 bits (Guest::mws) and checks them with proto::window_view.
+struct Mw {
+  uint32_t handle = 0;
+  uint32_t pd = 0;
+  uint32_t type = IBV_MW_TYPE_1;
+  uint32_t rkey = 0;  ///< index << 8 | the key of the latest bind
+  const Session* owner = nullptr;
+  bool bound = false;
+  uint32_t mr = 0;                ///< the MR's handle, while bound (dereg_mr is EBUSY meanwhile)
+  uint32_t qpn = 0;               ///< type 2: the QP it was bound through
+  uint32_t access = 0;            ///< IBV_ACCESS_REMOTE_* of the bind
+  uint64_t addr = 0, length = 0;  ///< in the MR's iova space
 };
 
 /// Device memory (ibv_alloc_dm): a segment of the session that the backend made (a memfd both
@@ -272,6 +289,7 @@ enum class Res : uint8_t {
   kSegment,
   kSegmentBytes,
   kDmBytes,
+  kMw,
   kCount
 };
 
@@ -291,6 +309,7 @@ struct Guest {
   uint32_t next_key_index = 1;
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
+  std::unordered_map<uint32_t, Mw*> mws;  ///< by index (rkey >> 8)
   QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
@@ -323,6 +342,7 @@ struct Session {
   std::map<uint32_t, std::unique_ptr<Qp>> qps;
   std::map<uint32_t, std::unique_ptr<Srq>> srqs;
   std::map<uint32_t, Dm> dms;
+  std::map<uint32_t, std::unique_ptr<Mw>> mws;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -369,7 +389,7 @@ struct Response {
   } kind = kOk;
   ibv_wc_status status = IBV_WC_SUCCESS;
   const char* why = "";
-  const Mr* mr = nullptr;   ///< WRITE/READ/atomic: the responder's MR
+  const Mr* mr = nullptr;   ///< WRITE/READ/atomic: the responder's MR (a window's MR)
   proto::RecvWqe recv{};    ///< the receive WQE it lands in (SEND, WRITE_WITH_IMM)
   uint64_t atomic_old = 0;  ///< atomics: the value before
 };
@@ -423,6 +443,10 @@ class Device : public transport::Receiver {
   Status free_dm(Session& s, uint32_t handle);
   /// ibv_reg_dm_mr: a zero-based MR (addr and iova 0) over part of a device memory.
   Result<proto::RegMrResp> reg_dm_mr(Session& s, const proto::RegDmMrReq& req);
+  /// ibv_alloc_mw: an unbound window of PD `req.pd`, within the guest's max_mws.
+  Result<proto::AllocMwResp> alloc_mw(Session& s, const proto::AllocMwReq& req);
+  /// ibv_dealloc_mw: unbinds (if bound) and frees the window.
+  Status dealloc_mw(Session& s, uint32_t handle);
   Result<uint32_t> create_channel(Session& s, UniqueFd& read_end);
   Status destroy_channel(Session& s, uint32_t handle);
   Result<proto::CreateCqResp> create_cq(Session& s, const proto::CreateCqReq& req, UniqueFd& ring);
@@ -708,6 +732,18 @@ class Device : public transport::Receiver {
   /// The MR under an rkey of the responder QP's guest, PD and session, or null. What it allows
   /// is proto::check_remote_request's to say.
   const Mr* rkey_mr(const Qp& to, uint32_t rkey) const;
+  /// The window under an rkey of QP `to`'s guest (null when none has its index), and what the
+  /// rules see of it (`view`).
+  Mw* rkey_mw(const Qp& to, uint32_t rkey, proto::RemoteMwView& view) const;
+  /// What an rkey reaches for responder `to`: an MR, or a window through its MR (`mr` set to the
+  /// MR the bytes are in); `view` is what check_remote_request is given.
+  const Mr* rkey_target(const Qp& to, uint32_t rkey, proto::RemoteMrView& view) const;
+  /// Executes a bind or a local invalidation (proto::is_local_mw_op) of QP `qp`; the status of
+  /// its completion.
+  ibv_wc_status execute_mw_op(Qp& qp, const proto::SendWqe& w, const char*& why);
+  /// A new key of the guest's key space: a 20-bit index and 12 random bits, unused by its MRs
+  /// and windows (`window`: a window's rkey, whose upper 24 bits no MR key may have either).
+  uint32_t new_key(Guest& g, bool window = false);
   static void append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out);
   /// Executes up to `budget` WQEs of the SQ (decremented per WQE).
   bool process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget);

@@ -159,6 +159,12 @@ void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t 
     case IBV_WR_RDMA_READ: e.opcode = IBV_WC_RDMA_READ; break;
     case IBV_WR_ATOMIC_CMP_AND_SWP: e.opcode = IBV_WC_COMP_SWAP; break;
     case IBV_WR_ATOMIC_FETCH_AND_ADD: e.opcode = IBV_WC_FETCH_ADD; break;
+    case IBV_WR_BIND_MW:
+      e.opcode = IBV_WC_BIND_MW;
+      break;
+    case IBV_WR_LOCAL_INV:
+      e.opcode = IBV_WC_LOCAL_INV;
+      break;
     default: e.opcode = IBV_WC_SEND; break;
   }
   e.byte_len = len;
@@ -222,6 +228,90 @@ const Mr* Device::rkey_mr(const Qp& to, uint32_t rkey) const {
   if (it == to.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
   return mr->pd == to.pd && mr->owner == to.owner ? mr : nullptr;
+}
+
+Mw* Device::rkey_mw(const Qp& to, uint32_t rkey, RemoteMwView& v) const {
+  v = {};
+  auto it = to.guest->mws.find(rkey >> 8);
+  // Windows, as MRs, are the session's: another session's is not there for this QP.
+  if (it == to.guest->mws.end() || it->second->owner != to.owner) return nullptr;
+  Mw* mw = it->second;
+  v.found = true;
+  v.type = mw->type;
+  v.bound = mw->bound;
+  v.same_key = mw->rkey == rkey;
+  v.same_pd = mw->pd == to.pd;
+  v.same_qp = mw->qpn == to.qpn;
+  v.access = mw->access;
+  v.addr = mw->addr;
+  v.length = mw->length;
+  return mw;
+}
+
+const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) const {
+  if (const Mr* mr = rkey_mr(to, rkey)) {
+    view = RemoteMrView{true, mr->access, mr->iova, mr->length};
+    return mr;
+  }
+  RemoteMwView wv;
+  const Mw* mw = rkey_mw(to, rkey, wv);
+  view = window_view(wv);
+  if (!view.found) return nullptr;
+  // A bound window's MR stays (dereg_mr and rereg_mr are EBUSY while it is bound).
+  auto it = to.owner->mrs.find(mw->mr);
+  if (it == to.owner->mrs.end()) {
+    view = RemoteMrView{};
+    return nullptr;
+  }
+  return it->second.get();
+}
+
+ibv_wc_status Device::execute_mw_op(Qp& qp, const SendWqe& w, const char*& why) {
+  Session& s = *qp.owner;
+  if (w.opcode == IBV_WR_LOCAL_INV) {
+    RemoteMwView v;
+    Mw* mw = rkey_mw(qp, w.rkey, v);
+    const ibv_wc_status st = check_invalidate(v, IBV_WC_LOC_QP_OP_ERR, &why);
+    if (st == IBV_WC_SUCCESS) mw->bound = false;
+    return st;
+  }
+  MwBindView b;
+  auto it = s.mws.find(w.ud_remote_qpn);
+  Mw* mw = it == s.mws.end() ? nullptr : it->second.get();
+  if (mw) {
+    b.mw_found = true;
+    b.mw_type = mw->type;
+    b.mw_bound = mw->bound;
+    b.mw_same_pd = mw->pd == qp.pd;
+    b.old_rkey = mw->rkey;
+  }
+  b.new_rkey = w.rkey;
+  b.addr = w.remote_addr;
+  b.length = w.compare_add;
+  b.access = bind_access(w);
+  const Mr* mr = nullptr;
+  if (auto m = qp.guest->mrs.find(bind_lkey(w));
+      m != qp.guest->mrs.end() && m->second->owner == &s) {
+    mr = m->second;
+    b.mr_found = true;
+    b.mr_same_pd = mw && mr->pd == mw->pd;
+    b.mr_access = mr->access;
+    b.mr_iova = mr->iova;
+    b.mr_length = mr->length;
+  }
+  if (const ibv_wc_status st = check_bind_mw(qp.attr.qp_access_flags, b, &why);
+      st != IBV_WC_SUCCESS)
+    return st;
+  // The index stays; the key is the bind's (ibv_inc_rkey of the last one, from the library
+  // for type 1, from the consumer for type 2).
+  mw->rkey = (mw->rkey & ~0xffu) | (w.rkey & 0xffu);
+  mw->bound = b.length != 0 || mw->type == IBV_MW_TYPE_2;
+  mw->mr = mw->bound ? mr->handle : 0;
+  mw->qpn = qp.qpn;
+  mw->access = b.access;
+  mw->addr = b.addr;
+  mw->length = b.length;
+  return IBV_WC_SUCCESS;
 }
 
 void Device::append_spans(const Mr& mr, uint64_t off, uint64_t len, std::vector<Span>& out) {
@@ -475,7 +565,7 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     return out;
   };
   const uint32_t op = in.op;
-  // SEND and WRITE_WITH_IMM consume a receive WQE.
+  // SENDs (with immediate or invalidate too) and WRITE_WITH_IMM consume a receive WQE.
   const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
   if (consumes_recv) {
     bool corrupt = false;
@@ -494,9 +584,8 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
   // session, then the rules every executor applies (proto/responder_rules.h). A zero-length
   // WRITE or READ reaches no memory (kNoMemory) whatever its rkey.
   if (!is_send(op)) {
-    const Mr* mr = rkey_mr(to, in.rkey);
-    const RemoteMrView view =
-        mr ? RemoteMrView{true, mr->access, mr->iova, mr->length} : RemoteMrView{};
+    RemoteMrView view;
+    const Mr* mr = rkey_target(to, in.rkey, view);
     const char* why = nullptr;
     const ibv_wc_status st =
         check_remote_request(op, to.attr.qp_access_flags, in.remote_addr, in.len, view, &why);
@@ -530,6 +619,17 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     if (cap < in.len) {
       recv_error(IBV_WC_LOC_LEN_ERR, "receive buffer too small");
       return nak(IBV_WC_REM_INV_REQ_ERR, "message longer than the receive buffer");
+    }
+    // SEND_WITH_INV: the window it names must be one to invalidate (respond_finish does).
+    if (op == IBV_WR_SEND_WITH_INV) {
+      RemoteMwView v;
+      (void)rkey_mw(to, in.imm_data, v);
+      const char* why = "";
+      if (const ibv_wc_status st = check_invalidate(v, IBV_WC_REM_INV_REQ_ERR, &why);
+          st != IBV_WC_SUCCESS) {
+        recv_error(IBV_WC_LOC_PROT_ERR, why);
+        return nak(st, why);
+      }
     }
   } else if (is_write(op)) {
     append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, dst_);
@@ -567,6 +667,15 @@ void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
       rc.wc_flags = IBV_WC_WITH_IMM;
       rc.imm_data = in.imm_data;
     }
+    if (in.op == IBV_WR_SEND_WITH_INV) {
+      // Checked in respond_begin; looked at again, as the data may have come in pieces (TCP)
+      // while a command ran. ibv_wc's invalidated_rkey shares imm_data's place.
+      RemoteMwView v;
+      Mw* mw = rkey_mw(to, in.imm_data, v);
+      if (check_invalidate(v, IBV_WC_REM_INV_REQ_ERR) == IBV_WC_SUCCESS) mw->bound = false;
+      rc.wc_flags = IBV_WC_WITH_INV;
+      rc.imm_data = in.imm_data;
+    }
     push_cqe(recv_ring(to), rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
   }
   to.cnt.msgs_received++;
@@ -581,6 +690,15 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   };
   if (qp.type == IBV_QPT_UD) {
     execute_ud(qp, w);
+    return Step::kDone;
+  }
+  // Binds and local invalidations touch no peer (a QP type that may not post them fails
+  // in local_side, as any other opcode).
+  if (proto::is_local_mw_op(w.opcode) && proto::opcode_allowed(qp.type, w.opcode)) {
+    const char* why = "";
+    if (const ibv_wc_status st = execute_mw_op(qp, w, why); st != IBV_WC_SUCCESS)
+      return fail(st, why);
+    complete_send(qp, w, IBV_WC_SUCCESS, 0);
     return Step::kDone;
   }
   src_.clear();

@@ -365,6 +365,20 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
     }
     qp.held = false;
     const SendWqe w = qp.sq[qp.sq_sent & (qp.sq_size - 1)];
+    // A bind or local invalidation sends nothing; its completion follows those in flight.
+    if (proto::is_local_mw_op(w.opcode) && proto::opcode_allowed(qp.type, w.opcode)) {
+      if (!qp.unacked.empty()) break;
+      const char* why = "";
+      const ibv_wc_status st = execute_mw_op(qp, w, why);
+      qp.sq_sent++;
+      complete_send(qp, w, st, 0);
+      did = true;
+      if (st != IBV_WC_SUCCESS) {
+        enter_error(qp, why);
+        return true;
+      }
+      continue;
+    }
     src_.clear();
     dst_.clear();
     uint64_t len = 0;

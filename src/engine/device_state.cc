@@ -494,6 +494,48 @@ void import_dms(Reader& rd, const json& js, Session& s, uint32_t version) {
   }
 }
 
+/// Version 5: a session's memory windows, in its PDs, with rkeys no MR or other window of the
+/// guest has the index of; a bound one names an MR of the session and lies in it (bind rules,
+/// proto/post_rules.h). Nothing is read from an older blob (it has none).
+void import_mws(Importer& im, const json& js, Session& s, Guest& g, uint32_t version) {
+  Reader& rd = im.rd;
+  if (version < 5) return;
+  for (const json& e : rd.arr(js, "mws")) {
+    if (!rd.st.is_ok()) return;
+    auto mw = std::make_unique<Mw>();
+    mw->handle = rd.num<uint32_t>(e, "h");
+    mw->pd = rd.num<uint32_t>(e, "pd");
+    mw->type = rd.num<uint32_t>(e, "type");
+    mw->rkey = rd.num<uint32_t>(e, "rkey");
+    mw->bound = rd.num<uint32_t>(e, "bound") != 0;
+    mw->mr = rd.num<uint32_t>(e, "mr");
+    mw->qpn = rd.num<uint32_t>(e, "qpn");
+    mw->access = rd.num<uint32_t>(e, "access");
+    mw->addr = rd.num<uint64_t>(e, "addr");
+    mw->length = rd.num<uint64_t>(e, "length");
+    mw->owner = &s;
+    if (!rd.st.is_ok()) return;
+    im.handle_ok(s, mw->handle, "MW");
+    auto pd = s.pds.find(mw->pd);
+    if (pd == s.pds.end()) return rd.fail("MW in an unknown PD");
+    if (mw->type != IBV_MW_TYPE_1 && mw->type != IBV_MW_TYPE_2) return rd.fail("MW type");
+    if (mw->rkey == 0 || g.mws.count(mw->rkey >> 8) ||
+        std::any_of(g.mrs.begin(), g.mrs.end(),
+                    [&](const auto& m) { return m.first >> 8 == mw->rkey >> 8; }))
+      return rd.fail("MW rkey zero or its index twice");
+    if (mw->bound) {
+      auto mr = s.mrs.find(mw->mr);
+      if (mr == s.mrs.end() || mr->second->pd != mw->pd) return rd.fail("MW bound to no MR");
+      const Mr& m = *mr->second;
+      if (mw->addr < m.iova || mw->length > m.length || mw->addr - m.iova > m.length - mw->length)
+        return rd.fail("MW outside its MR");
+    }
+    pd->second.users++;
+    g.mws[mw->rkey >> 8] = mw.get();
+    if (!s.mws.emplace(mw->handle, std::move(mw)).second) return rd.fail("MW handle twice");
+  }
+}
+
 /// One session of guest `g`: its own fields and descriptors (its socket into `socks`), then
 /// each kind of resource, in the order they name each other.
 std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, uint32_t version,
@@ -515,6 +557,7 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   import_segments(im, js, *s);
   import_mrs(im, js, *s, g);
   import_dms(im.rd, js, *s, version);
+  import_mws(im, js, *s, g, version);
   import_channels(im, js, *s);
   import_cqs(im, js, *s, recover_qp != nullptr);
   import_srqs(im, js, *s, recover_qp != nullptr);
@@ -585,6 +628,19 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     for (const auto& [h, dm] : s.dms)
       dms.push_back({{"h", h}, {"seg", dm.segment}, {"length", dm.length}});
     js["dms"] = std::move(dms);
+    json mws = json::array();
+    for (const auto& [h, mw] : s.mws)
+      mws.push_back({{"h", h},
+                     {"pd", mw->pd},
+                     {"type", mw->type},
+                     {"rkey", mw->rkey},
+                     {"bound", mw->bound ? 1 : 0},
+                     {"mr", mw->mr},
+                     {"qpn", mw->qpn},
+                     {"access", mw->access},
+                     {"addr", mw->addr},
+                     {"length", mw->length}});
+    js["mws"] = std::move(mws);
     json chans = json::array();
     for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get(), "chan", h)});
     js["chans"] = std::move(chans);
@@ -757,6 +813,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     for (const auto& [h, mr] : s.mrs) charge(*gp, Res::kMrBytes, mr->length);
     for (const auto& [h, seg] : s.segments) charge_segment(*gp, seg->map.size());
     for (const auto& [h, dm] : s.dms) charge(*gp, Res::kDmBytes, dm.length);
+    charge(*gp, Res::kMw, s.mws.size());
     for (const auto& [h, qp] : s.qps) {
       qp->flow = next_flow_++;
       active_.push_back(qp.get());

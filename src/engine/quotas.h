@@ -23,6 +23,8 @@ struct Quotas {
   /// Device memory (ibv_alloc_dm), bytes summed over the guest's allocations. Each is also a
   /// segment (whole pages) and counts against the two quotas above.
   uint64_t max_dm_bytes = 256ull << 20;
+  /// Memory windows (ibv_alloc_mw) of the guest.
+  uint32_t max_mws = 4096;
   /// Not per guest: the segment bytes the backend maps for all guests together (x86-64 user
   /// space is 128 TiB; guests' names are free, so per-guest quotas alone do not bound it).
   uint64_t max_mapped_bytes = 32ull << 40;

@@ -30,7 +30,10 @@ size_t request_body_size(Op op) {
     case Op::kCmEstablish:
     case Op::kCmDisconnect:
     case Op::kFreeDm:
+    case Op::kDeallocMw:
       return sizeof(HandleReq);
+    case Op::kAllocMw:
+      return sizeof(AllocMwReq);
     case Op::kReregMr:
       return sizeof(ReregMrReq);
     case Op::kResizeCq:
@@ -139,7 +142,9 @@ std::string op_name(uint16_t op) {
                                            "resize_cq",
                                            "alloc_dm",
                                            "free_dm",
-                                           "reg_dm_mr"};
+                                           "reg_dm_mr",
+                                           "alloc_mw",
+                                           "dealloc_mw"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
   return kNames[op];

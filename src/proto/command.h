@@ -90,12 +90,14 @@ enum class Op : uint16_t {
   kCmJoinMcast = 52,
   kCmLeaveMcast = 53,
   // More of the verbs surface (issue 24).
-  kReregMr = 54,   ///< ReregMrReq; Empty (the MR keeps its handle and keys)
-  kResizeCq = 55,  ///< ResizeCqReq; CreateCqResp; response fd: the new ring memfd
-  kAllocDm = 56,   ///< AllocDmReq; AllocDmResp; response fd: the device memory's memfd
-  kFreeDm = 57,    ///< HandleReq
-  kRegDmMr = 58,   ///< RegDmMrReq; RegMrResp
-  kMax = 59,       ///< one past the last opcode; never sent
+  kReregMr = 54,    ///< ReregMrReq; Empty (the MR keeps its handle and keys)
+  kResizeCq = 55,   ///< ResizeCqReq; CreateCqResp; response fd: the new ring memfd
+  kAllocDm = 56,    ///< AllocDmReq; AllocDmResp; response fd: the device memory's memfd
+  kFreeDm = 57,     ///< HandleReq
+  kRegDmMr = 58,    ///< RegDmMrReq; RegMrResp
+  kAllocMw = 59,    ///< AllocMwReq; AllocMwResp (binds go through the send queue: SendWqe)
+  kDeallocMw = 60,  ///< HandleReq
+  kMax = 61,        ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -222,6 +224,19 @@ struct RegDmMrReq {
   uint64_t length;
 };
 static_assert(sizeof(RegDmMrReq) == 32);
+
+// ---- Memory windows (ibv_alloc_mw): a window of PD `pd`, type IBV_MW_TYPE_1 or _2; its rkey
+// is the initial one (index in the upper 24 bits, the 8-bit key that each bind changes below).
+struct AllocMwReq {
+  uint32_t pd;
+  uint32_t type;
+};
+static_assert(sizeof(AllocMwReq) == 8);
+struct AllocMwResp {
+  uint32_t handle;
+  uint32_t rkey;
+};
+static_assert(sizeof(AllocMwResp) == 8);
 
 // ---- kCreateChannel: response carries the read end of the event pipe (4-byte CQ handles).
 

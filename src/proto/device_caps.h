@@ -31,22 +31,25 @@ inline constexpr uint32_t kMaxSegments = 65536;
 inline constexpr uint32_t kMaxMcastGroups = 4096;
 inline constexpr uint32_t kMaxMcastQpAttach = 1024;
 inline constexpr uint32_t kMaxQpMcastGroups = 16;
+/// Memory windows (ibv_alloc_mw) per guest; the guest's quota (max_mws) may make it smaller.
+inline constexpr uint32_t kMaxMw = 1u << 20;
 /// Device memory (ibv_alloc_dm): the largest one allocation, and allocations per session. The
 /// guest's quota (max_dm_bytes) may make max_dm_size smaller.
 inline constexpr uint64_t kMaxDmSize = 1ull << 30;
 inline constexpr uint32_t kMaxDm = 1024;
 
-/// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND is harmless while the device has no memory
-/// windows; HUGETLB is a promise about the memory, not a request; RELAXED_ORDERING and the rest
-/// of the optional range are bits the verbs API lets a device ignore. Any other bit is EINVAL.
+/// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND lets windows be bound to the MR; HUGETLB is a
+/// promise about the memory, not a request; RELAXED_ORDERING and the rest of the optional range are
+/// bits the verbs API lets a device ignore. Any other bit is EINVAL.
 inline constexpr uint32_t kMrAccessAccepted =
     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
     IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB | IBV_ACCESS_OPTIONAL_RANGE;
 /// Bits ibv_reg_mr refuses with EOPNOTSUPP: known, but not what this device does
 /// (zero-based addressing, on-demand paging; IBV_DEVICE_ON_DEMAND_PAGING is not advertised).
 inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED | IBV_ACCESS_ON_DEMAND;
-/// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones are enforced, MW_BIND and
-/// the MR-only bits are ignored (as hardware does), anything else is EINVAL.
+/// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones and MW_BIND (binds through
+/// the QP, post_rules.h check_bind_mw) are enforced, the MR-only bits are ignored (as hardware
+/// does), anything else is EINVAL.
 inline constexpr uint32_t kQpAccessAccepted = kMrAccessAccepted | kMrAccessUnsupported;
 /// ibv_reg_dm_mr: the MR is zero-based (IBV_ACCESS_ZERO_BASED required, as rdma-core's man page
 /// says); the other bits as for ibv_reg_mr.

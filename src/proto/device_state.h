@@ -6,7 +6,9 @@
 // imports with the owner unknown: backend/migrate.cc takes it from the guest's connection);
 // 3 = QpCounters grew the transport's counters at its end (a version 2 blob's are its prefix);
 // 4 = each session's device memory ("dms": handle, segment, length; a version 3 blob has none,
-// and its MRs and CQ rings, resized or re-registered or not, read as before).
+// and its MRs and CQ rings, resized or re-registered or not, read as before);
+// 5 = each session's memory windows ("mws": handle, PD, type, rkey, and while bound the MR's
+// handle, range, access and type 2's QPN; a version 4 blob has none).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -15,7 +17,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 4;
+inline constexpr uint32_t kStateVersion = 5;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

@@ -17,13 +17,31 @@
 
 namespace vrdma::proto {
 
-constexpr bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
+/// A SEND of any kind: it consumes a receive WQE at the responder. SEND_WITH_INV also
+/// invalidates the responder's memory window under its invalidate_rkey (responder_rules.h).
+constexpr bool is_send(uint32_t op) {
+  return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_SEND_WITH_INV;
+}
 
-/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends). No
-/// memory windows and no invalidation: the device does not offer them (device_cap_flags).
+/// Memory-window operations the requester's device executes itself, with nothing sent: a bind
+/// (IBV_WR_BIND_MW, and ibv_bind_mw of a type 1 window, which posts one) and IBV_WR_LOCAL_INV.
+/// Only the backend knows windows, so the library's own paths (direct.cc, remote.cc) leave
+/// these, and SEND_WITH_INV, to it.
+constexpr bool is_local_mw_op(uint32_t op) {
+  return op == IBV_WR_BIND_MW || op == IBV_WR_LOCAL_INV;
+}
+constexpr bool needs_backend(uint32_t op) {
+  return is_local_mw_op(op) || op == IBV_WR_SEND_WITH_INV;
+}
+
+/// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
+/// Memory windows: binds and local invalidation on RC and UC (the QPs that reach windows
+/// through an rkey); SEND_WITH_INV on RC only (the IB spec has it for RC and XRC, not UC).
 constexpr bool opcode_allowed(uint32_t qp_type, uint32_t op) {
+  if (op == IBV_WR_SEND_WITH_INV) return qp_type == IBV_QPT_RC;
   if (is_send(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC || qp_type == IBV_QPT_UD;
-  if (is_rdma_write(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC;
+  if (is_rdma_write(op) || is_local_mw_op(op))
+    return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC;
   if (op == IBV_WR_RDMA_READ || is_rdma_atomic(op)) return qp_type == IBV_QPT_RC;
   return false;
 }
@@ -89,6 +107,62 @@ constexpr ibv_wc_status check_send_length(uint32_t op, uint64_t len, const char*
   };
   if (len > kMaxMsgSize) return no("message longer than max_msg_sz");
   if (is_rdma_atomic(op) && len != 8) return no("an atomic needs 8 bytes of local memory");
+  return IBV_WC_SUCCESS;
+}
+
+/// A bind of a memory window, as its executor finds it: the window (by the handle the WQE
+/// names), the MR the bind names (by its lkey; absent for a type 1 unbind, length 0), and the
+/// bind's range and access.
+struct MwBindView {
+  bool mw_found = false;
+  uint32_t mw_type = 0;     ///< IBV_MW_TYPE_*
+  bool mw_bound = false;    ///< type 2: a bound window takes no other bind until invalidated
+  bool mw_same_pd = false;  ///< the window's PD is the QP's (type 2) ...
+  bool mr_found = false;
+  bool mr_same_pd = false;  ///< ... and the MR's (both types; ibv_bind_mw(3) says EPERM)
+  uint32_t mr_access = 0;
+  uint64_t mr_iova = 0, mr_length = 0;
+  uint32_t new_rkey = 0, old_rkey = 0;  ///< type 2: only the 8-bit key may change
+  uint64_t addr = 0, length = 0;
+  uint32_t access = 0;  ///< the window's access: IBV_ACCESS_REMOTE_* (and ZERO_BASED: refused)
+};
+
+/// The rules of a bind (the IB spec's memory windows; rdma-core's ibv_bind_mw(3),
+/// ibv_post_send(3)), in order, each fault the bind's completion IBV_WC_MW_BIND_ERR (the QP then
+/// goes to ERR):
+/// - the window exists, and the QP allows binds (IBV_ACCESS_MW_BIND in its qp_access_flags);
+/// - a type 2 window is in the QP's PD, is not bound, and keeps its 24-bit index in the new rkey;
+/// - a type 1 bind of length 0 unbinds and needs nothing more;
+/// - the MR exists in the window's PD and allows binds (IBV_ACCESS_MW_BIND);
+/// - the access is remote bits only (no zero-based windows), and remote write or atomic
+///   access needs local write on the MR;
+/// - [addr, addr + length) lies in the MR (its iova range: windows are addressed as rkeys are).
+/// IBV_WC_SUCCESS when they hold; `why` (when given) names the rule that did not.
+constexpr ibv_wc_status check_bind_mw(uint32_t qp_access, const MwBindView& b,
+                                      const char** why = nullptr) {
+  auto no = [&](const char* w) {
+    if (why) *why = w;
+    return IBV_WC_MW_BIND_ERR;
+  };
+  if (!b.mw_found) return no("no memory window of the session under that handle");
+  if (!(qp_access & IBV_ACCESS_MW_BIND)) return no("the QP does not allow binds (MW_BIND)");
+  if (b.mw_type == IBV_MW_TYPE_2) {
+    if (!b.mw_same_pd) return no("a type 2 window of another PD than the QP's");
+    if (b.mw_bound) return no("a type 2 window that is bound already");
+    if ((b.new_rkey ^ b.old_rkey) & ~0xffu) return no("the new rkey changes the window's index");
+  } else if (b.length == 0) {
+    return IBV_WC_SUCCESS;
+  }
+  if (!b.mr_found || !b.mr_same_pd) return no("no MR of the window's PD under that lkey");
+  if (!(b.mr_access & IBV_ACCESS_MW_BIND)) return no("the MR does not allow binds (MW_BIND)");
+  constexpr uint32_t kRemote =
+      IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+  if (b.access & ~kRemote) return no("window access other than remote read, write and atomic");
+  if ((b.access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+      !(b.mr_access & IBV_ACCESS_LOCAL_WRITE))
+    return no("remote write or atomic access on an MR without local write");
+  if (b.addr < b.mr_iova || b.length > b.mr_length || b.addr - b.mr_iova > b.mr_length - b.length)
+    return no("the window is outside the MR");
   return IBV_WC_SUCCESS;
 }
 

@@ -43,6 +43,51 @@ struct RemoteMrView {
   uint64_t iova = 0, length = 0;  ///< rkeys address [iova, iova + length)
 };
 
+/// What the responder found under a request's rkey when it names a memory window (windows live
+/// in the backend only: proto/post_rules.h needs_backend). An rkey of a window is its index
+/// (upper 24 bits) and the key of its latest bind (low 8 bits, ibv_inc_rkey(3)).
+struct RemoteMwView {
+  bool found = false;     ///< a window of the responder's guest has that index
+  uint32_t type = 0;      ///< IBV_MW_TYPE_*
+  bool bound = false;     ///< bound, and not invalidated or unbound since
+  bool same_key = false;  ///< the rkey's 8-bit key is the latest bind's
+  bool same_pd = false;   ///< the window's PD is the responder QP's
+  bool same_qp = false;   ///< type 2: it was bound through the responder QP
+  uint32_t access = 0;    ///< the bind's IBV_ACCESS_REMOTE_* bits
+  uint64_t addr = 0, length = 0;
+};
+
+/// A window reaches memory only while bound under that very key, and only through a QP of its
+/// PD; a type 2 window only through the QP it was bound on. That is type 2B (IBV_DEVICE_MEM_
+/// WINDOW_TYPE_2B, "associated with PD and QPN", as the kernel's IB/core commit 7083e42ee2ff
+/// that brought type 2 windows describes the flavours). Through the window the MR's
+/// checks apply with the window's access and range: check_remote_request on the view this
+/// returns (not found: REM_ACCESS_ERR, as for an rkey of no MR).
+constexpr RemoteMrView window_view(const RemoteMwView& w) {
+  const bool usable =
+      w.found && w.bound && w.same_key && w.same_pd && (w.type != IBV_MW_TYPE_2 || w.same_qp);
+  return usable ? RemoteMrView{true, w.access, w.addr, w.length} : RemoteMrView{};
+}
+
+/// Invalidation of a window's rkey: by the responder for a SEND_WITH_INV (`fault`
+/// REM_INV_REQ_ERR for the requester; the receive completes with LOC_PROT_ERR) or by the QP's
+/// own IBV_WR_LOCAL_INV (`fault` LOC_QP_OP_ERR). Only a bound type 2 window, under its current
+/// key, bound through this QP (ibv_alloc_mw(3): a type 1 window is unbound by a bind of length
+/// 0, not invalidated). This device has no fast-registration MRs, so an MR's rkey is never
+/// invalidated.
+constexpr ibv_wc_status check_invalidate(const RemoteMwView& w, ibv_wc_status fault,
+                                         const char** why = nullptr) {
+  auto no = [&](const char* m) {
+    if (why) *why = m;
+    return fault;
+  };
+  if (!w.found || !w.same_key) return no("no window under that rkey to invalidate");
+  if (w.type != IBV_MW_TYPE_2) return no("a type 1 window is not invalidated, but unbound");
+  if (!w.bound) return no("the window is not bound");
+  if (!w.same_qp) return no("the window was bound through another QP");
+  return IBV_WC_SUCCESS;
+}
+
 /// The rules of a WRITE, READ or atomic of length `len` at `raddr`, in order:
 /// - the responder QP allows the access (qp_access_flags), else REM_ACCESS_ERR;
 /// - a zero-length WRITE or READ needs nothing more;

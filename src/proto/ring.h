@@ -81,6 +81,11 @@ struct UdDest {
 };
 
 /// One send work request. For IBV_SEND_INLINE the payload sits in `inline_data` instead of SGEs.
+/// Memory windows (same layout, new opcodes: a backend without them completes these with
+/// LOC_QP_OP_ERR): IBV_WR_BIND_MW carries the new rkey in `rkey`, the window's handle in
+/// `ud_remote_qpn`, the range in `remote_addr` and `compare_add` (its length), the MR's lkey
+/// and the window's access in `swap` (pack_bind); IBV_WR_LOCAL_INV its rkey in `rkey`;
+/// IBV_WR_SEND_WITH_INV its invalidate_rkey in `imm_data` (as ibv_send_wr's union has it).
 struct SendWqe {
   uint64_t wr_id;
   uint32_t opcode;      ///< IBV_WR_*
@@ -116,6 +121,13 @@ inline UdDest unpack_ud_dest(const SendWqe& w) {
   std::memcpy(d.dgid + 8, &w.swap, 8);
   return d;
 }
+
+/// A bind's MR lkey and window access, in SendWqe::swap.
+inline uint64_t pack_bind(uint32_t lkey, uint32_t access) {
+  return uint64_t{lkey} | uint64_t{access} << 32;
+}
+inline uint32_t bind_lkey(const SendWqe& w) { return static_cast<uint32_t>(w.swap); }
+inline uint32_t bind_access(const SendWqe& w) { return static_cast<uint32_t>(w.swap >> 32); }
 
 inline constexpr uint32_t kGrhBytes = 40;  ///< a UD receive buffer starts with room for a GRH
 
@@ -171,7 +183,8 @@ struct alignas(64) ControlPage {
   /// kFeatureLimits: the guest's device-memory quota (max_dm_bytes; 0: none beyond the device's
   /// cap). Also in the former padding: a backend without it leaves it zero.
   uint32_t max_dm_bytes_lo, max_dm_bytes_hi;
-  uint8_t pad0[12];
+  uint32_t max_mws;  ///< kFeatureLimits: the guest's window quota (likewise; 0 from an older one)
+  uint8_t pad0[8];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
   uint8_t pad1[60];
 };

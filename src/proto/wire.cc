@@ -4,6 +4,8 @@
 #include <infiniband/verbs.h>
 #include <sys/socket.h>
 
+#include "proto/post_rules.h"
+
 namespace vrdma::proto::wire {
 
 size_t body_size(Type t) {
@@ -64,38 +66,25 @@ Status check_header(const FrameHeader& h) {
 
 namespace {
 
-bool is_send(uint32_t op) { return op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM; }
-bool is_write(uint32_t op) { return op == IBV_WR_RDMA_WRITE || op == IBV_WR_RDMA_WRITE_WITH_IMM; }
-bool is_atomic(uint32_t op) {
-  return op == IBV_WR_ATOMIC_CMP_AND_SWP || op == IBV_WR_ATOMIC_FETCH_AND_ADD;
-}
-
 Status check_request(const FrameHeader& h, const Request& r) {
   if (r.is_global > 1) return error(EPROTO, "request: is_global not 0/1");
   if (r.src_qpn > 0xffffff || r.dst_qpn > 0xffffff || r.psn > 0xffffff)
     return error(EPROTO, "request: QPN or PSN wider than 24 bits");
   const uint32_t op = r.opcode;
-  const bool known = is_send(op) || is_write(op) || op == IBV_WR_RDMA_READ || is_atomic(op);
-  if (!known) return error(EPROTO, fmt::format("request: opcode {}", op));
-  switch (r.qp_type) {
-    case IBV_QPT_RC:
-      break;
-    case IBV_QPT_UC:
-      if (!is_send(op) && !is_write(op)) return error(EPROTO, "request: UC allows SEND and WRITE");
-      break;
-    case IBV_QPT_UD:
-      if (!is_send(op)) return error(EPROTO, "request: UD allows SEND only");
-      if (r.length > kMaxUdPayload) return error(EPROTO, "request: UD datagram above the MTU");
-      break;
-    default:
-      return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
-  }
+  if (r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UC && r.qp_type != IBV_QPT_UD)
+    return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
+  // What the QP type may post (post_rules.h), less what never leaves the requester (binds,
+  // local invalidation). SEND_WITH_INV came with memory windows: an older peer refuses it here.
+  if (!opcode_allowed(r.qp_type, op) || is_local_mw_op(op))
+    return error(EPROTO, fmt::format("request: opcode {} on QP type {}", op, r.qp_type));
+  if (r.qp_type == IBV_QPT_UD && r.length > kMaxUdPayload)
+    return error(EPROTO, "request: UD datagram above the MTU");
   // SEND and WRITE carry their data; READ and atomics carry none.
-  const uint32_t want = is_send(op) || is_write(op) ? r.length : 0;
+  const uint32_t want = is_send(op) || is_rdma_write(op) ? r.length : 0;
   if (h.payload != want)
     return error(EPROTO,
                  fmt::format("request: payload {} for a length of {}", h.payload, r.length));
-  if (is_atomic(op) && r.length != 8) return error(EPROTO, "request: atomic of length != 8");
+  if (is_rdma_atomic(op) && r.length != 8) return error(EPROTO, "request: atomic of length != 8");
   return Status::ok();
 }
 

@@ -244,12 +244,17 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   a.hw_ver = kHwVer;
   a.max_qp = kMaxQp;
   a.max_qp_wr = kMaxQpWr;
-  a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT;
+  // Memory windows, type 1 and 2B (bound to a PD and a QP: proto/responder_rules.h), with
+  // local and remote invalidation: the memory management extensions.
+  a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT |
+                       IBV_DEVICE_MEM_WINDOW | IBV_DEVICE_MEM_WINDOW_TYPE_2B |
+                       IBV_DEVICE_MEM_MGT_EXTENSIONS;
   a.max_sge = kMaxSge;
   a.max_sge_rd = kMaxSge;
   a.max_cq = kMaxCq;
   a.max_cqe = kMaxCqe;
   a.max_mr = kMaxMr;
+  a.max_mw = kMaxMw;
   a.max_pd = kMaxPd;
   a.max_qp_rd_atom = kMaxRdAtomic;
   a.max_ee_rd_atom = 0;
@@ -284,6 +289,7 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   cap(a.max_cq, l.max_cqs);
   cap(a.max_srq, l.max_srqs);
   cap(a.max_mr, l.max_mrs);
+  cap(a.max_mw, cp->max_mws);
   cap(a.max_pd, l.max_pds);
   cap(a.max_mr_size, uint64_t{l.max_mr_bytes_hi} << 32 | l.max_mr_bytes_lo);
 }
@@ -336,12 +342,6 @@ template <typename... A>
 int unsupported_int(A...) {
   return EOPNOTSUPP;
 }
-ibv_mw* unsupported_alloc_mw(ibv_pd*, ibv_mw_type) {
-  errno = EOPNOTSUPP;
-  return nullptr;
-}
-int unsupported_bind_mw(ibv_qp*, ibv_mw*, ibv_mw_bind*) { return EOPNOTSUPP; }
-int unsupported_dealloc_mw(ibv_mw*) { return EOPNOTSUPP; }
 
 }  // namespace
 
@@ -429,9 +429,9 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   c.ops.poll_cq = poll_cq;
   c.ops.req_notify_cq = req_notify_cq;
   c.ops.post_srq_recv = post_srq_recv;
-  c.ops.alloc_mw = unsupported_alloc_mw;
-  c.ops.bind_mw = unsupported_bind_mw;
-  c.ops.dealloc_mw = unsupported_dealloc_mw;
+  c.ops.alloc_mw = alloc_mw;
+  c.ops.bind_mw = bind_mw;
+  c.ops.dealloc_mw = dealloc_mw;
   v.sz = sizeof(verbs_context);
   v.query_port = vrdma_query_port;
   v.query_device_ex = vrdma_query_device_ex;

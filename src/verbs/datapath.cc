@@ -67,9 +67,19 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
       w.rkey = wr->wr.atomic.rkey;
       w.compare_add = wr->wr.atomic.compare_add;
       w.swap = wr->wr.atomic.swap;
+    } else if (wr->opcode == IBV_WR_BIND_MW) {
+      fill_bind(w, wr->bind_mw.mw, wr->bind_mw.rkey, wr->bind_mw.bind_info);
+    } else if (wr->opcode == IBV_WR_LOCAL_INV) {
+      w.rkey = wr->invalidate_rkey;
     } else {
       w.remote_addr = wr->wr.rdma.remote_addr;
       w.rkey = wr->wr.rdma.rkey;
+    }
+    if (is_local_mw_op(wr->opcode)) {  // no data: its fields are all set
+      w.num_sge = 0;
+      w.inline_len = 0;
+      qp->sq_prod++;
+      continue;
     }
     w.inline_len = 0;
     if (w.send_flags & IBV_SEND_INLINE) {

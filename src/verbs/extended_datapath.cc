@@ -166,6 +166,18 @@ void wr_send_imm(ibv_qp_ex* q, __be32 imm) {
   if (SendWqe* w = open_wqe(q, IBV_WR_SEND_WITH_IMM)) w->imm_data = imm;
 }
 
+void wr_send_inv(ibv_qp_ex* q, uint32_t invalidate_rkey) {
+  if (SendWqe* w = open_wqe(q, IBV_WR_SEND_WITH_INV)) w->imm_data = invalidate_rkey;
+}
+
+void wr_bind_mw(ibv_qp_ex* q, ibv_mw* mw, uint32_t rkey, const ibv_mw_bind_info* info) {
+  if (SendWqe* w = open_wqe(q, IBV_WR_BIND_MW)) fill_bind(*w, mw, rkey, *info);
+}
+
+void wr_local_inv(ibv_qp_ex* q, uint32_t invalidate_rkey) {
+  if (SendWqe* w = open_wqe(q, IBV_WR_LOCAL_INV)) w->rkey = invalidate_rkey;
+}
+
 void set_remote(SendWqe* w, uint32_t rkey, uint64_t remote_addr) {
   w->rkey = rkey;
   w->remote_addr = remote_addr;
@@ -294,7 +306,10 @@ void install_qp_ex_ops(ibv_qp_ex& q) {
   q.wr_set_sge_list = wr_set_sge_list;
   q.wr_set_inline_data = wr_set_inline_data;
   q.wr_set_inline_data_list = wr_set_inline_data_list;
-  // bind_mw, local_inv, send_inv, send_tso, set_xrc_srqn, atomic_write stay null:
+  q.wr_bind_mw = wr_bind_mw;
+  q.wr_local_inv = wr_local_inv;
+  q.wr_send_inv = wr_send_inv;
+  // send_tso, set_xrc_srqn, atomic_write stay null:
   // create_qp_ex refuses the send_ops_flags that would need them.
 }
 

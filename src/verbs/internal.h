@@ -226,6 +226,12 @@ void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);
 // Device memory (device_memory.cc): the verbs_context ops, and the largest allocation the
 // guest may make (the device's cap, or its max_dm_bytes quota where lower).
 ibv_dm* alloc_dm(ibv_context* c, ibv_alloc_dm_attr* attr);
+// Memory windows (memory_window.cc).
+ibv_mw* alloc_mw(ibv_pd* pd, ibv_mw_type type);
+int dealloc_mw(ibv_mw* mw);
+int bind_mw(ibv_qp* qp, ibv_mw* mw, ibv_mw_bind* mb);
+/// A bind WQE's fields (proto/ring.h) from a bind WR's window, new rkey and bind_info.
+void fill_bind(proto::SendWqe& w, const ibv_mw* mw, uint32_t rkey, const ibv_mw_bind_info& info);
 int free_dm(ibv_dm* dm);
 ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access);
 uint64_t max_dm_size(const VContext& ctx);

@@ -103,6 +103,13 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       break;
     }
     if ((rc = check_post_send(qp.qp.qp_type, *wr, send_caps(qp)))) break;
+    // Windows live in the backend, which executes nothing of this QP's send queue once its
+    // library is connected: binds, invalidations and SEND_WITH_INV are not for this path
+    // (docs/ARCHITECTURE.md, "Memory windows").
+    if (needs_backend(wr->opcode)) {
+      rc = EOPNOTSUPP;
+      break;
+    }
     if (r->failing || st != IBV_WC_SUCCESS || !r->out || r->out->broken.load()) {
       // It completes in order, with its error (or flushed, after one).
       e.status = r->failing             ? IBV_WC_WR_FLUSH_ERR

@@ -260,7 +260,9 @@ bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
 
 /// The responder's rules (proto/responder_rules.h) for a WRITE, READ or atomic (`op`) of `len`
 /// bytes at `iova` under `rkey`, against this process's MRs: IBV_WC_SUCCESS and in `p` where
-/// that lies here (null when it names no memory), or the status the requester gets.
+/// that lies here (null when it names no memory), or the status the requester gets. A memory
+/// window's rkey finds no MR here (windows live in the backend): REM_ACCESS_ERR, the status of
+/// an rkey the responder cannot use (docs/ARCHITECTURE.md, "Memory windows").
 ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, uint64_t len,
                           uint8_t*& p) {
   p = nullptr;

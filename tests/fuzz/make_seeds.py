@@ -18,7 +18,7 @@ OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=
            cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
            cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
            cm_disconnect=47, cm_migrate_id=48, rereg_mr=54, resize_cq=55, alloc_dm=56, free_dm=57,
-           reg_dm_mr=58, dereg_segment=34)
+           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, dereg_segment=34)
 
 
 def msg(op, body=b"", flags=3):
@@ -115,7 +115,21 @@ more_verbs = b"".join([
     msg("dereg_mr", struct.pack("<II", 5, 0)),
     msg("destroy_cq", struct.pack("<II", 3, 0)),
 ])
+# Memory windows: allocated in a PD (which then cannot go), a bad PD and type, freed twice.
+windows = b"".join([
+    hello,
+    msg("alloc_pd"),                                                     # pd 1
+    msg("alloc_mw", struct.pack("<II", 1, 1)),                           # mw 2 (type 1)
+    msg("alloc_mw", struct.pack("<II", 1, 2)),                           # mw 3 (type 2)
+    msg("alloc_mw", struct.pack("<II", 9, 1)),
+    msg("alloc_mw", struct.pack("<II", 1, 3)),
+    msg("dealloc_pd", struct.pack("<II", 1, 0)),
+    msg("dealloc_mw", struct.pack("<II", 2, 0)),
+    msg("dealloc_mw", struct.pack("<II", 3, 0)),
+    msg("dealloc_mw", struct.pack("<II", 3, 0)),
+])
 command = {
+    "seed-windows": windows,
     "seed-more-verbs": more_verbs,
     "seed-lifecycle": lifecycle,
     "seed-cm": cm,
@@ -126,6 +140,7 @@ command = {
 
 # ---- ring fuzzer: see fuzz_ring.cc (World::run) for the operations.
 SEND, WRITE, WRITE_IMM, SEND_IMM, READ, CAS, FADD = 2, 0, 1, 3, 4, 5, 6
+LOCAL_INV, BIND_MW, SEND_INV = 7, 8, 9
 
 
 def send_wqe(opcode, num_sge=1, flags=2, wr_id=1, inline_len=0):
@@ -171,6 +186,9 @@ ring = {
     "seed-ud": op_recv(3, 0) + prod(3, 3) + op_send(2, 0, send_wqe(SEND), how=0xB0) + prod(2, 2) + poll(),
     "seed-srq-uc": op_recv(5, 0x80) + struct.pack("<BBBI", 4, 5, 1, 1) +
         op_send(4, 0, send_wqe(SEND)) + prod(2, 4) + poll(),
+    "seed-mw-ops": op_send(0, 0, send_wqe(BIND_MW, num_sge=0), how=0) +
+        op_send(0, 1, send_wqe(LOCAL_INV, num_sge=0), how=0) + op_send(0, 2, send_wqe(SEND_INV)) +
+        prod(2, 0, 3) + poll(),
     "seed-corrupt-and-die": struct.pack("<BBBI", 2, 0, 1, 0xFFFFFFFF) + poll() +
         op_send(1, 0, send_wqe(SEND)) + prod(2, 1) + struct.pack("<BBB", 8, 0, 0) + poll(),
 }

@@ -168,7 +168,7 @@ class DeviceTest : public ::testing::Test {
     QpAttr a{};
     a.qp_state = IBV_QPS_INIT;
     a.port_num = 1;
-    a.qp_access_flags = kAccess;
+    a.qp_access_flags = qp_access_;
     ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, a));
     a = {};
     a.qp_state = IBV_QPS_RTR;
@@ -217,6 +217,21 @@ class DeviceTest : public ::testing::Test {
     q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
     q.sq->producer.store(++q.sq_prod, std::memory_order_release);
   }
+  /// A bind WQE (proto/ring.h's layout) of window `mw` to [addr, addr + len) of the MR `lkey`.
+  static void post_bind(QpV& q, uint64_t wr_id, uint32_t mw, uint32_t rkey, uint32_t lkey,
+                        uint64_t addr, uint64_t len, uint32_t access) {
+    SendWqe w{};
+    w.wr_id = wr_id;
+    w.opcode = IBV_WR_BIND_MW;
+    w.send_flags = IBV_SEND_SIGNALED;
+    w.rkey = rkey;
+    w.ud_remote_qpn = mw;
+    w.remote_addr = addr;
+    w.compare_add = len;
+    w.swap = pack_bind(lkey, access);
+    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
+    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
+  }
   void post_send(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
                  uint32_t flags = IBV_SEND_SIGNALED, uint32_t opcode = IBV_WR_SEND,
                  uint32_t imm = 0) {
@@ -236,6 +251,29 @@ class DeviceTest : public ::testing::Test {
     for (; c.cons != p; ++c.cons) out.push_back(c.e[c.cons & (c.size - 1)]);
     c.hdr->consumer.store(c.cons, std::memory_order_release);
     return out;
+  }
+  /// A type 2 window of `g` over [off, off + len) of `m`, bound (with the next key) through
+  /// `q`, whose completions go to `cq`: the allocation and the bound rkey (0, with a failure,
+  /// when the allocation failed). The bind's completion is left on `cq`.
+  std::pair<AllocMwResp, uint32_t> type2_window(G& g, QpV& q, const MemV& m, uint64_t off,
+                                                uint64_t len, uint32_t access) {
+    auto mw = g.dev->alloc_mw(*g.s, AllocMwReq{g.pd, IBV_MW_TYPE_2});
+    EXPECT_TRUE(mw.is_ok()) << mw.status().message();
+    if (!mw.is_ok()) return {};
+    const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    post_bind(q, 1, mw->handle, rkey, m.mr.lkey, m.addr + off, len, access);
+    return {mw.value(), rkey};
+  }
+  /// One poll of the device, then the one completion `c` should hold (GENERAL_ERR, and a
+  /// failure, when it holds another number).
+  Cqe poll_one(CqV& c) {
+    dev_.poll(now_);
+    auto got = drain(c);
+    EXPECT_EQ(got.size(), 1u);
+    if (got.size() == 1) return got[0];
+    Cqe none{};
+    none.status = IBV_WC_GENERAL_ERR;
+    return none;
   }
   static std::vector<std::pair<uint32_t, uint32_t>> async_events(const G& g) {
     std::vector<std::pair<uint32_t, uint32_t>> out;
@@ -279,6 +317,7 @@ class DeviceTest : public ::testing::Test {
   QpV qa_, qb_;
   MemV ma_, mb_;
   uint64_t now_ = 1'000'000'000;
+  uint32_t qp_access_ = kAccess;  ///< qp_access_flags connect_rtr gives
 };
 
 }  // namespace vrdma::engine::devtest

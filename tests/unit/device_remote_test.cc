@@ -119,6 +119,40 @@ TEST_F(DeviceRemoteTest, RnrNakWaitsAndRetries) {
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
 }
 
+TEST_F(DeviceRemoteTest, AWindowIsReachedAndInvalidatedOverTheTransportAsOnOneHost) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
+  // b binds (a local operation: no frame), then a writes through the window over the wire.
+  const uint32_t rkey = type2_window(b_, qb_, m, 0, 4096, IBV_ACCESS_REMOTE_WRITE).second;
+  ASSERT_NE(rkey, 0u);
+  const Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
+  std::memset(ma_.p(), 0x2b, 64);
+  post_rdma(qa_, 2, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 128, rkey);
+  settle();
+  auto w = drain(acq_);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(m.p()[128], 0x2b);
+  // SEND_WITH_INV over the wire: the receive says which rkey went, and the window is dead.
+  post_recv(qb_, 3, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 4, ma_.addr, 16, ma_.mr.lkey, IBV_SEND_SIGNALED, IBV_WR_SEND_WITH_INV, rkey);
+  settle();
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_NE(rx[0].wc_flags & IBV_WC_WITH_INV, 0u);
+  EXPECT_EQ(rx[0].imm_data, rkey);
+  ASSERT_EQ(drain(acq_).size(), 1u);
+  post_rdma(qa_, 5, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 128, rkey);
+  settle();
+  w = drain(acq_);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_EQ(w[0].status, IBV_WC_REM_ACCESS_ERR);
+}
+
 TEST_F(DeviceRemoteTest, BadRkeyIsARemoteAccessErrorAsOnOneHost) {
   connect_both();
   post_send(qa_, 9, ma_.addr, 8, ma_.mr.lkey, IBV_SEND_SIGNALED, IBV_WR_RDMA_WRITE);

@@ -22,6 +22,18 @@ GuestExport export_a(Device& dev) {
   return std::move(ex.value());
 }
 
+/// Guest a leaves this device and comes back from its exported state; a_.s is its new session
+/// (null, with a failure, if the import failed).
+Session* move_a(Device& dev, G& a) {
+  GuestExport ex = export_a(dev);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  dev.detach_guest("a");
+  auto r = dev.import_guest(ex.blob, fds);
+  EXPECT_TRUE(r.is_ok()) << r.status().message();
+  a.s = r.is_ok() ? r.value()[0].session : nullptr;
+  return a.s;
+}
+
 TEST_F(DeviceTest, ExportedGuestComesBackWithItsIdentityAndItsConnectionWorks) {
   connect_both();
   post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
@@ -85,12 +97,7 @@ TEST_F(DeviceTest, DeviceMemoryAndAResizedCqMoveWithTheGuest) {
   arcq_.e = ring_entries<Cqe>(arcq_.hdr);
   arcq_.size = resized->cqe + 1;
 
-  GuestExport ex = export_a(dev_);
-  std::vector<UniqueFd> fds = dup_all(ex.fds);
-  dev_.detach_guest("a");
-  auto r = dev_.import_guest(ex.blob, fds);
-  ASSERT_TRUE(r.is_ok()) << r.status().message();
-  a_.s = r.value()[0].session;
+  ASSERT_NE(move_a(dev_, a_), nullptr);
   ASSERT_EQ(a_.s->dms.size(), 1u);
   EXPECT_EQ(a_.s->dms.begin()->second.length, 5000u);
 
@@ -124,6 +131,59 @@ TEST_F(DeviceTest, AVersionThreeBlobWithoutDeviceMemoryImports) {
   auto r = other.import_guest(nlohmann::json::to_cbor(doc), fds);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   EXPECT_TRUE(r.value()[0].session->dms.empty());
+}
+
+TEST_F(DeviceTest, MemoryWindowsMoveWithTheGuestBoundOrNot) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(a_, kAccess | IBV_ACCESS_MW_BIND);
+  auto idle = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
+  ASSERT_TRUE(idle.is_ok());
+  const auto [bound, rkey] = type2_window(a_, qa_, m, 512, 1024, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_NE(rkey, 0u);
+  Cqe b = poll_one(acq_);
+  ASSERT_EQ(b.status, IBV_WC_SUCCESS);
+
+  ASSERT_NE(move_a(dev_, a_), nullptr);
+  ASSERT_EQ(a_.s->mws.size(), 2u);
+  EXPECT_EQ(a_.s->guest->used[static_cast<size_t>(Res::kMw)], 2u);
+
+  // b writes through the window's rkey (bound through qa_, b's peer): it still reaches.
+  std::memset(mb_.p(), 0x3c, 32);
+  post_rdma(qb_, 2, IBV_WR_RDMA_WRITE, mb_.addr, 32, mb_.mr.lkey, m.addr + 512, rkey);
+  Cqe w = poll_one(bcq_);
+  EXPECT_EQ(w.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(m.p()[512], 0x3c);
+  EXPECT_EQ(dev_.dereg_mr(*a_.s, m.mr.handle).err(), EBUSY) << "still bound";
+  EXPECT_TRUE(dev_.dealloc_mw(*a_.s, bound.handle).is_ok());
+  EXPECT_TRUE(dev_.dealloc_mw(*a_.s, idle->handle).is_ok());
+}
+
+TEST_F(DeviceTest, AVersionFourBlobWithoutWindowsImportsAndABadWindowIsRefused) {
+  connect_both();
+  auto mw = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
+  ASSERT_TRUE(mw.is_ok());
+  GuestExport ex = export_a(dev_);
+  auto doc = nlohmann::json::from_cbor(ex.blob);
+  {
+    auto old = doc;
+    old["version"] = 4;
+    for (auto& js : old["sessions"]) js.erase("mws");
+    std::vector<UniqueFd> fds = dup_all(ex.fds);
+    Device other;
+    auto r = other.import_guest(nlohmann::json::to_cbor(old), fds);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    EXPECT_TRUE(r.value()[0].session->mws.empty());
+  }
+  // A window bound to an MR the session does not have: nothing is imported.
+  auto bad = doc;
+  bad["sessions"][0]["mws"][0]["bound"] = 1;
+  bad["sessions"][0]["mws"][0]["mr"] = 999;
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  Device other;
+  auto r = other.import_guest(nlohmann::json::to_cbor(bad), fds);
+  EXPECT_EQ(r.err(), EINVAL);
+  EXPECT_FALSE(other.has_guest("a"));
 }
 
 TEST_F(DeviceTest, ImportRefusesAGuestAlreadyHereAndMissingDescriptors) {

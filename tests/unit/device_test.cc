@@ -441,5 +441,86 @@ TEST_F(DeviceTest, GuestsThatLeftGiveTheirLidsBack) {
   }
 }
 
+// ---- Memory windows: b binds a window over its MR through its QP, a reaches it by rkey ----
+
+TEST_F(DeviceTest, AType2WindowIsReachedWhileBoundAndItsMrStays) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
+  const auto [mw, rkey] = type2_window(b_, qb_, m, 1024, 2048, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_NE(rkey, 0u);
+  Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
+  // ibv_alloc_mw(3): the MR cannot go while a window is bound to it.
+  EXPECT_EQ(dev_.dereg_mr(*b_.s, m.mr.handle).err(), EBUSY);
+  std::memset(ma_.p(), 0x5a, 64);
+  post_rdma(qa_, 2, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 1024, rkey);
+  Cqe w = poll_one(acq_);
+  EXPECT_EQ(w.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(m.p()[1024], 0x5a);
+  // The allocation's rkey (the previous key) reaches nothing.
+  post_rdma(qa_, 3, IBV_WR_RDMA_WRITE, ma_.addr, 64, ma_.mr.lkey, m.addr + 1024, mw.rkey);
+  w = poll_one(acq_);
+  EXPECT_EQ(w.status, IBV_WC_REM_ACCESS_ERR);
+  // Its QP goes: the window is invalidated with it, and the MR may go.
+  ASSERT_TRUE(dev_.destroy_qp(*b_.s, qb_.handle));
+  EXPECT_TRUE(dev_.dereg_mr(*b_.s, m.mr.handle));
+  EXPECT_TRUE(dev_.dealloc_mw(*b_.s, mw.handle));
+}
+
+TEST_F(DeviceTest, ABindOutsideTheMrIsMwBindErrorAndAnInvalidationOfNothingLocQpOpError) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
+  auto mw = dev_.alloc_mw(*b_.s, AllocMwReq{b_.pd, IBV_MW_TYPE_1});
+  ASSERT_TRUE(mw.is_ok());
+  post_bind(qb_, 1, mw.value().handle, ibv_inc_rkey(mw.value().rkey), m.mr.lkey, m.addr + 4096,
+            kMemBytes, IBV_ACCESS_REMOTE_READ);
+  Cqe b = poll_one(bcq_);
+  EXPECT_EQ(b.status, IBV_WC_MW_BIND_ERR);
+  EXPECT_EQ(b.opcode, IBV_WC_BIND_MW);
+  EXPECT_EQ(state(b_, qb_), IBV_QPS_ERR);
+  // On a's QP: a LOCAL_INV of an rkey that names no window.
+  qp_access_ = kAccess;
+  SendWqe inv{};
+  inv.wr_id = 9;
+  inv.opcode = IBV_WR_LOCAL_INV;
+  inv.send_flags = IBV_SEND_SIGNALED;
+  inv.rkey = 0x1234;
+  qa_.sqe[qa_.sq_prod & (qa_.sq_size - 1)] = inv;
+  qa_.sq->producer.store(++qa_.sq_prod, std::memory_order_release);
+  Cqe a = poll_one(acq_);
+  EXPECT_EQ(a.status, IBV_WC_LOC_QP_OP_ERR);
+  EXPECT_EQ(a.opcode, IBV_WC_LOCAL_INV);
+}
+
+TEST_F(DeviceTest, AllocMwChecksItsPdAndTypeAndGivesTheQuotaBackWhenFreed) {
+  EXPECT_EQ(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd + 100, IBV_MW_TYPE_1}).err(), EINVAL);
+  EXPECT_EQ(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, 3}).err(), EINVAL);
+  auto mw = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
+  ASSERT_TRUE(mw.is_ok());
+  EXPECT_EQ(dev_.dealloc_pd(*a_.s, a_.pd).err(), EBUSY) << "the window uses the PD";
+  EXPECT_TRUE(dev_.dealloc_mw(*a_.s, mw.value().handle));
+  EXPECT_EQ(dev_.dealloc_mw(*a_.s, mw.value().handle).err(), EINVAL);
+}
+
+class MwQuotaTest : public DeviceTest {
+ protected:
+  static void SetUpTestSuite() { next_quotas_.max_mws = 2; }
+  static void TearDownTestSuite() { next_quotas_ = {}; }
+};
+
+TEST_F(MwQuotaTest, MaxMwsIsEnforcedPerGuest) {
+  auto one = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
+  auto two = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_2});
+  ASSERT_TRUE(one.is_ok());
+  ASSERT_TRUE(two.is_ok());
+  EXPECT_EQ(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1}).err(), ENOMEM);
+  EXPECT_TRUE(dev_.alloc_mw(*b_.s, AllocMwReq{b_.pd, IBV_MW_TYPE_1}).is_ok()) << "per guest";
+  ASSERT_TRUE(dev_.dealloc_mw(*a_.s, one.value().handle));
+  EXPECT_TRUE(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1}).is_ok());
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest

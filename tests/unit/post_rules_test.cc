@@ -37,9 +37,13 @@ const Case kCases[] = {
     {"UD SEND_WITH_IMM", IBV_QPT_UD, IBV_WR_SEND_WITH_IMM, {16}},
     {"UD WRITE", IBV_QPT_UD, IBV_WR_RDMA_WRITE, {16}, 0, true, EINVAL},
     {"UD READ", IBV_QPT_UD, IBV_WR_RDMA_READ, {16}, 0, true, EINVAL},
-    {"RC BIND_MW (no windows)", IBV_QPT_RC, IBV_WR_BIND_MW, {}, 0, true, EINVAL},
-    {"RC LOCAL_INV", IBV_QPT_RC, IBV_WR_LOCAL_INV, {}, 0, true, EINVAL},
-    {"RC SEND_WITH_INV", IBV_QPT_RC, IBV_WR_SEND_WITH_INV, {16}, 0, true, EINVAL},
+    {"RC BIND_MW", IBV_QPT_RC, IBV_WR_BIND_MW, {}},
+    {"UC BIND_MW", IBV_QPT_UC, IBV_WR_BIND_MW, {}},
+    {"UD BIND_MW", IBV_QPT_UD, IBV_WR_BIND_MW, {}, 0, true, EINVAL},
+    {"RC LOCAL_INV", IBV_QPT_RC, IBV_WR_LOCAL_INV, {}},
+    {"UD LOCAL_INV", IBV_QPT_UD, IBV_WR_LOCAL_INV, {}, 0, true, EINVAL},
+    {"RC SEND_WITH_INV", IBV_QPT_RC, IBV_WR_SEND_WITH_INV, {16}},
+    {"UC SEND_WITH_INV", IBV_QPT_UC, IBV_WR_SEND_WITH_INV, {16}, 0, true, EINVAL},
     {"RC TSO", IBV_QPT_RC, IBV_WR_TSO, {16}, 0, true, EINVAL},
     // num_sge against the QP's max_send_sge.
     {"no SGE", IBV_QPT_RC, IBV_WR_SEND, {}},
@@ -147,6 +151,89 @@ TEST(PostRules, QueueStatesAndReceives) {
   EXPECT_EQ(check_post_recv(r, 2), EINVAL);
   EXPECT_FALSE(sge_names_memory(0));
   EXPECT_TRUE(sge_names_memory(1));
+}
+
+TEST(PostRules, BindMwFaultsAreMwBindErrors) {
+  MwBindView ok;
+  ok.mw_found = ok.mw_same_pd = ok.mr_found = ok.mr_same_pd = true;
+  ok.mw_type = IBV_MW_TYPE_2;
+  ok.mr_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND;
+  ok.mr_iova = 0x1000;
+  ok.mr_length = 0x2000;
+  ok.old_rkey = 0x12345600;
+  ok.new_rkey = 0x12345601;
+  ok.addr = 0x1000;
+  ok.length = 0x2000;
+  ok.access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
+  const uint32_t qp = IBV_ACCESS_MW_BIND;
+  EXPECT_EQ(check_bind_mw(qp, ok), IBV_WC_SUCCESS);
+  struct Case {
+    const char* name;
+    void (*spoil)(MwBindView&, uint32_t&);
+  };
+  const Case cases[] = {
+      {"no window", [](MwBindView& b, uint32_t&) { b.mw_found = false; }},
+      {"QP without MW_BIND", [](MwBindView&, uint32_t& q) { q = 0; }},
+      {"type 2 of another PD", [](MwBindView& b, uint32_t&) { b.mw_same_pd = false; }},
+      {"type 2 bound", [](MwBindView& b, uint32_t&) { b.mw_bound = true; }},
+      {"index changed", [](MwBindView& b, uint32_t&) { b.new_rkey = 0x22345601; }},
+      {"no MR", [](MwBindView& b, uint32_t&) { b.mr_found = false; }},
+      {"MR of another PD", [](MwBindView& b, uint32_t&) { b.mr_same_pd = false; }},
+      {"MR without MW_BIND",
+       [](MwBindView& b, uint32_t&) { b.mr_access = IBV_ACCESS_LOCAL_WRITE; }},
+      {"zero-based", [](MwBindView& b, uint32_t&) { b.access |= IBV_ACCESS_ZERO_BASED; }},
+      {"write without local write",
+       [](MwBindView& b, uint32_t&) { b.mr_access = IBV_ACCESS_MW_BIND; }},
+      {"before the MR", [](MwBindView& b, uint32_t&) { b.addr = 0xfff; }},
+      {"past the MR", [](MwBindView& b, uint32_t&) { b.length = 0x2001; }},
+  };
+  for (const Case& c : cases) {
+    MwBindView b = ok;
+    uint32_t q = qp;
+    c.spoil(b, q);
+    const char* why = nullptr;
+    EXPECT_EQ(check_bind_mw(q, b, &why), IBV_WC_MW_BIND_ERR) << c.name;
+    EXPECT_NE(why, nullptr) << c.name;
+  }
+  // A type 1 bind of length 0 unbinds: no MR needed.
+  MwBindView unbind;
+  unbind.mw_found = true;
+  unbind.mw_type = IBV_MW_TYPE_1;
+  EXPECT_EQ(check_bind_mw(qp, unbind), IBV_WC_SUCCESS);
+}
+
+TEST(ResponderRules, AWindowReachesOnlyWhileBoundUnderItsKeyThroughItsQp) {
+  RemoteMwView w;
+  w.found = w.bound = w.same_key = w.same_pd = w.same_qp = true;
+  w.type = IBV_MW_TYPE_2;
+  w.access = IBV_ACCESS_REMOTE_READ;
+  w.addr = 0x1000;
+  w.length = 0x100;
+  EXPECT_TRUE(window_view(w).found);
+  EXPECT_EQ(
+      check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0x1000, 0x100, window_view(w)),
+      IBV_WC_SUCCESS);
+  EXPECT_EQ(
+      check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0x1001, 0x100, window_view(w)),
+      IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(
+      check_remote_request(IBV_WR_RDMA_WRITE, IBV_ACCESS_REMOTE_WRITE, 0x1000, 8, window_view(w)),
+      IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(check_invalidate(w, IBV_WC_LOC_QP_OP_ERR), IBV_WC_SUCCESS);
+  for (bool RemoteMwView::*f : {&RemoteMwView::bound, &RemoteMwView::same_key,
+                                &RemoteMwView::same_pd, &RemoteMwView::same_qp}) {
+    RemoteMwView v = w;
+    v.*f = false;
+    EXPECT_FALSE(window_view(v).found);
+  }
+  RemoteMwView t1 = w;
+  t1.type = IBV_MW_TYPE_1;
+  t1.same_qp = false;
+  EXPECT_TRUE(window_view(t1).found) << "type 1: any QP of its PD";
+  EXPECT_EQ(check_invalidate(t1, IBV_WC_REM_INV_REQ_ERR), IBV_WC_REM_INV_REQ_ERR);
+  RemoteMwView other = w;
+  other.same_qp = false;
+  EXPECT_EQ(check_invalidate(other, IBV_WC_LOC_QP_OP_ERR), IBV_WC_LOC_QP_OP_ERR);
 }
 
 }  // namespace

@@ -27,8 +27,12 @@ enum Op : uint32_t {
   kWrite,         ///< a: off; payload: bytes
   kRegMr,         ///< a: access -> PeerMem
   kDeregMr,
-  kQpState,  ///< -> uint32_t state
-  kStorm,    ///< a: raddr, rkey, per_qp; payload: QP indices -> uint64_t successes
+  kQpState,    ///< -> uint32_t state
+  kStorm,      ///< a: raddr, rkey, per_qp; payload: QP indices -> uint64_t successes
+  kAllocMw,    ///< a: type -> uint32_t index, uint32_t rkey
+  kBindMw,     ///< a: mw, off | main << 63, len, access | wr_id << 32 -> uint32_t new rkey
+  kLocalInv,   ///< a: rkey, wr_id
+  kDeallocMw,  ///< a: mw
   kQuit,
 };
 
@@ -197,7 +201,7 @@ class Agent {
       case kDeregMr: {
         if (!mr2_) return EINVAL;
         const int rc = ibv_dereg_mr(mr2_);
-        mr2_ = nullptr;
+        if (rc == 0) mr2_ = nullptr;  // EBUSY (a window bound to it): it stays
         return rc;
       }
       case kQpState: {
@@ -210,9 +214,73 @@ class Agent {
       }
       case kStorm:
         return storm(o, payload, reply);
+      case kAllocMw: {
+        ibv_mw* mw = ibv_alloc_mw(pd_, static_cast<ibv_mw_type>(o.a[0]));
+        if (!mw) return errno;
+        mws_.push_back(mw);
+        put(reply, static_cast<uint32_t>(mws_.size() - 1));
+        put(reply, mw->rkey);
+        return 0;
+      }
+      case kBindMw:
+        return bind_mw(o, reply);
+      case kLocalInv: {
+        if (!qp(o.qp)) return EINVAL;
+        ibv_send_wr wr{};
+        wr.wr_id = o.a[1];
+        wr.opcode = IBV_WR_LOCAL_INV;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.invalidate_rkey = static_cast<uint32_t>(o.a[0]);
+        ibv_send_wr* bad = nullptr;
+        return ibv_post_send(qp(o.qp), &wr, &bad);
+      }
+      case kDeallocMw: {
+        if (o.a[0] >= mws_.size() || !mws_[o.a[0]]) return EINVAL;
+        const int rc = ibv_dealloc_mw(mws_[o.a[0]]);
+        if (rc == 0) mws_[o.a[0]] = nullptr;
+        return rc;
+      }
       default:
         return ENOSYS;
     }
+  }
+
+  /// Binds window a[0] over [off, off + len) of the second MR (or the main one: top bit of
+  /// a[1]): type 1 through ibv_bind_mw, type 2 with an IBV_WR_BIND_MW of the next key.
+  int bind_mw(const Order& o, std::vector<uint8_t>& reply) {
+    if (!qp(o.qp) || o.a[0] >= mws_.size() || !mws_[o.a[0]]) return EINVAL;
+    ibv_mw* mw = mws_[o.a[0]];
+    const bool main = o.a[1] >> 63;
+    ibv_mr* mr = main ? mr_ : mr2_;
+    if (!mr) return EINVAL;
+    ibv_mw_bind_info info{};
+    info.mr = o.a[2] || mw->type == IBV_MW_TYPE_2 ? mr : nullptr;
+    info.addr = o.a[2] || mw->type == IBV_MW_TYPE_2
+                    ? reinterpret_cast<uintptr_t>(mr->addr) + (o.a[1] & ~(1ull << 63))
+                    : 0;
+    info.length = o.a[2];
+    info.mw_access_flags = static_cast<unsigned>(o.a[3] & 0xffffffff);
+    const uint64_t wr_id = o.a[3] >> 32;
+    if (mw->type == IBV_MW_TYPE_1) {
+      ibv_mw_bind b{};
+      b.wr_id = wr_id;
+      b.send_flags = IBV_SEND_SIGNALED;
+      b.bind_info = info;
+      if (int rc = ibv_bind_mw(qp(o.qp), mw, &b)) return rc;
+    } else {
+      ibv_send_wr wr{};
+      wr.wr_id = wr_id;
+      wr.opcode = IBV_WR_BIND_MW;
+      wr.send_flags = IBV_SEND_SIGNALED;
+      wr.bind_mw.mw = mw;
+      wr.bind_mw.rkey = ibv_inc_rkey(mw->rkey);
+      wr.bind_mw.bind_info = info;
+      ibv_send_wr* bad = nullptr;
+      if (int rc = ibv_post_send(qp(o.qp), &wr, &bad)) return rc;
+      mw->rkey = wr.bind_mw.rkey;  // a type 2 window's key is the consumer's to track
+    }
+    put(reply, mw->rkey);
+    return 0;
   }
 
   /// Fetch-and-adds from several QPs at once: each round posts 64 on every QP (the last one
@@ -265,6 +333,8 @@ class Agent {
   int close() {
     int bad = 0;
     for (ibv_qp* q : qps_) bad |= ibv_destroy_qp(q);
+    for (ibv_mw* mw : mws_)
+      if (mw) bad |= ibv_dealloc_mw(mw);
     if (mr2_) bad |= ibv_dereg_mr(mr2_);
     bad |= ibv_dereg_mr(mr_);
     bad |= ibv_destroy_cq(cq_);
@@ -283,6 +353,7 @@ class Agent {
   uint16_t lid_ = 0;
   std::vector<uint8_t> buf_, buf2_;  // malloc'ed after the fork: must not corrupt the parent
   std::vector<ibv_qp*> qps_;
+  std::vector<ibv_mw*> mws_;  ///< null where deallocated
 };
 
 /// In the peer copy of the binary, the agent runs before gtest starts and never returns.
@@ -438,6 +509,30 @@ PeerMem Peer::reg_mr(unsigned access) {
   EXPECT_EQ(call(kRegMr, 0, {access}, nullptr, 0, &r), 0);
   return first_as<PeerMem>(r);
 }
+
+Peer::Window Peer::alloc_mw(ibv_mw_type type) {
+  std::vector<uint8_t> r;
+  Window w{~0u, 0};
+  if (call(kAllocMw, 0, {static_cast<uint64_t>(type)}, nullptr, 0, &r) == 0 && r.size() == 8)
+    std::memcpy(&w, r.data(), 8);
+  return w;
+}
+
+int Peer::bind_mw(const PeerQp& qp, const Window& w, uint64_t off, uint64_t len, unsigned access,
+                  uint64_t wr_id, uint32_t* rkey, bool main_mr) {
+  std::vector<uint8_t> r;
+  const int rc =
+      call(kBindMw, qp.index,
+           {w.index, off | (main_mr ? 1ull << 63 : 0), len, access | wr_id << 32}, nullptr, 0, &r);
+  if (rc == 0 && rkey) *rkey = first_as<uint32_t>(r);
+  return rc;
+}
+
+int Peer::local_inv(const PeerQp& qp, uint32_t rkey, uint64_t wr_id) {
+  return call(kLocalInv, qp.index, {rkey, wr_id}, nullptr, 0);
+}
+
+int Peer::dealloc_mw(const Window& w) { return call(kDeallocMw, 0, {w.index}, nullptr, 0); }
 
 int Peer::dereg_mr() { return call(kDeregMr, 0, {}, nullptr, 0); }
 

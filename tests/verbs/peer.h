@@ -71,6 +71,20 @@ class Peer {
   PeerMem reg_mr(unsigned access);
   int dereg_mr();
   ibv_qp_state qp_state(const PeerQp& qp);
+  /// A memory window of the peer's PD: `index` names it in later orders.
+  struct Window {
+    uint32_t index;
+    uint32_t rkey;  ///< as allocated
+  };
+  Window alloc_mw(ibv_mw_type type);
+  /// Binds `w` through QP `qp` over [off, off + len) of the second MR (reg_mr; or of the main
+  /// buffer's MR, `main_mr`) with `access`, signaled with `wr_id` (type 1: ibv_bind_mw; type 2:
+  /// IBV_WR_BIND_MW with the next key). Returns the post's errno; `rkey`: the window's new one.
+  int bind_mw(const PeerQp& qp, const Window& w, uint64_t off, uint64_t len, unsigned access,
+              uint64_t wr_id, uint32_t* rkey, bool main_mr = false);
+  /// Posts a signaled IBV_WR_LOCAL_INV of `rkey` on `qp`.
+  int local_inv(const PeerQp& qp, uint32_t rkey, uint64_t wr_id);
+  int dealloc_mw(const Window& w);
   /// Each of `qps` posts `per_qp` FETCH_AND_ADDs of 1 on (raddr, rkey); returns how many
   /// completed successfully (all or the count before the first error).
   uint64_t fetch_add_storm(const std::vector<PeerQp>& qps, uint64_t raddr, uint32_t rkey,

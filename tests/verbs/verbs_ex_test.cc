@@ -388,6 +388,66 @@ TEST_F(VerbsEx, WrAbortPostsNothing) {
   for (const ibv_wc& wc : wcs) EXPECT_TRUE(wc.wr_id == 7 || wc.wr_id == 1) << wc.wr_id;
 }
 
+TEST_F(VerbsEx, QpExBindsALocalInvalidatesAndSendsWithInvalidate) {
+  constexpr uint64_t kOps = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_BIND_MW |
+                            IBV_QP_EX_WITH_LOCAL_INV | IBV_QP_EX_WITH_SEND_WITH_INV;
+  ibv_cq* cq = ibv_cq_ex_to_cq(make_cq_ex());
+  ibv_qp* a = make_qp(cq, 16, kOps);
+  ibv_qp* b = make_qp(cq, 16, kOps);
+  vrdma::test::QpPath p;
+  p.dlid = lid_;
+  p.access = vrdma::test::kAllAccess | IBV_ACCESS_MW_BIND;
+  p.dest_qpn = b->qp_num;
+  ASSERT_EQ(vrdma::test::bring_to_rts(a, p), 0);
+  p.dest_qpn = a->qp_num;
+  ASSERT_EQ(vrdma::test::bring_to_rts(b, p), 0);
+  rmr_ = ibv_reg_mr(pd_, buf_.data() + 65536, 65536,
+                    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_MW_BIND);
+  ASSERT_NE(rmr_, nullptr) << std::strerror(errno);
+  ibv_mw* mw = ibv_alloc_mw(pd_, IBV_MW_TYPE_2);
+  ASSERT_NE(mw, nullptr) << std::strerror(errno);
+  ibv_qp_ex* qb = ibv_qp_to_qp_ex(b);
+  ibv_qp_ex* qa = ibv_qp_to_qp_ex(a);
+  // b binds the window (on b: its peer a may use it), then a invalidates it with a SEND.
+  const ibv_mw_bind_info info{rmr_, addr(65536), 4096, IBV_ACCESS_REMOTE_WRITE};
+  const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+  ibv_wr_start(qb);
+  qb->wr_id = 1;
+  qb->wr_flags = IBV_SEND_SIGNALED;
+  ibv_wr_bind_mw(qb, mw, rkey, &info);
+  ASSERT_EQ(ibv_wr_complete(qb), 0);
+  auto wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS) << ibv_wc_status_str(wcs[0].status);
+  EXPECT_EQ(wcs[0].opcode, IBV_WC_BIND_MW);
+  ASSERT_EQ(post_recv(b, 2, 0, 64), 0);
+  ibv_wr_start(qa);
+  qa->wr_id = 3;
+  qa->wr_flags = IBV_SEND_SIGNALED;
+  ibv_wr_send_inv(qa, rkey);
+  ibv_wr_set_sge(qa, mr_->lkey, addr(128), 8);
+  ASSERT_EQ(ibv_wr_complete(qa), 0);
+  wcs = poll(cq, 2);
+  ASSERT_EQ(wcs.size(), 2u);
+  for (const ibv_wc& wc : wcs) {
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << wc.wr_id << ": " << ibv_wc_status_str(wc.status);
+    if (wc.wr_id != 2) continue;
+    EXPECT_NE(wc.wc_flags & IBV_WC_WITH_INV, 0u);
+    EXPECT_EQ(wc.invalidated_rkey, rkey);
+  }
+  // Invalidated already: b's LOCAL_INV of it fails (LOC_QP_OP_ERR).
+  ibv_wr_start(qb);
+  qb->wr_id = 4;
+  qb->wr_flags = IBV_SEND_SIGNALED;
+  ibv_wr_local_inv(qb, rkey);
+  ASSERT_EQ(ibv_wr_complete(qb), 0);
+  wcs = poll(cq, 1);
+  ASSERT_EQ(wcs.size(), 1u);
+  EXPECT_EQ(wcs[0].status, IBV_WC_LOC_QP_OP_ERR);
+  EXPECT_EQ(wcs[0].opcode, IBV_WC_LOCAL_INV);
+  EXPECT_EQ(ibv_dealloc_mw(mw), 0);
+}
+
 TEST_F(VerbsEx, BatchLargerThanTheQueueIsEnomemAndPostsNothing) {
   ibv_cq* cq = ibv_cq_ex_to_cq(make_cq_ex());
   ibv_qp* a = make_qp(cq, 8, IBV_QP_EX_WITH_SEND);
@@ -474,9 +534,9 @@ TEST_F(VerbsEx, QpExRefusesWhatTheDeviceCannotDo) {
     if (qp) qps_.push_back(qp);
     EXPECT_EQ(errno, err) << what;
   };
-  refused(qp_attr(cq, 4, IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_LOCAL_INV), EOPNOTSUPP,
-          "local invalidate");
-  refused(qp_attr(cq, 4, IBV_QP_EX_WITH_BIND_MW), EOPNOTSUPP, "memory windows");
+  ibv_qp_init_attr_ex uc_inv = qp_attr(cq, 4, IBV_QP_EX_WITH_SEND_WITH_INV);
+  uc_inv.qp_type = IBV_QPT_UC;
+  refused(uc_inv, EOPNOTSUPP, "UC has no SEND_WITH_INV");
   refused(qp_attr(cq, 4, IBV_QP_EX_WITH_TSO), EOPNOTSUPP, "TSO");
   ibv_qp_init_attr_ex uc = qp_attr(cq, 4, IBV_QP_EX_WITH_RDMA_READ);
   uc.qp_type = IBV_QPT_UC;
