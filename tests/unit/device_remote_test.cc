@@ -396,12 +396,8 @@ TEST_F(DeviceRemoteTest, ALongPathIsNotAPeerThatDoesNotAnswer) {
 
 TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7
-  loop_.conn = 1;
-  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
-  dev_.poll(now_);
-  ASSERT_EQ(loop_.q.size(), 1u);
-  loop_.q.clear();                 // the peer took it and says nothing (silence, not a NAK)
-  loop_.delivered = loop_.queued;  // ... its TCP acknowledged it, on this very connection
+  // The peer's TCP acknowledged it, on this very connection, and says nothing.
+  ASSERT_NO_FATAL_FAILURE(send_one_the_peer_holds());
   post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
   // TCP loses nothing and a responder NAKs what it drops: an answer is on its way (its backend
   // is slow, or TCP recovers it), the path went down after the request crossed it, or the peer
@@ -442,49 +438,25 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
 // within its budget, timeout x (retry_cnt + 1), as in any outage (no wait for a slow peer).
 TEST_F(DeviceRemoteTest, AnOutageAfterTheRequestCrossedFailsWithinTheBudget) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7
-  loop_.conn = 1;
-  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
-  dev_.poll(now_);
-  ASSERT_EQ(loop_.q.size(), 1u);
-  loop_.q.clear();
-  loop_.delivered = loop_.queued;  // the request crossed; nothing after it will
-  const uint64_t start = now_;
+  ASSERT_NO_FATAL_FAILURE(send_one_the_peer_holds());  // the request crossed; nothing after it will
   std::vector<Cqe> tx;
-  while (tx.empty() && now_ - start < 10'000'000'000ull) {
-    now_ += 10'000'000;
-    dev_.poll(now_);
-    loop_.q.clear();
-    tx = drain(acq_);
-  }
+  const uint64_t took = until_unanswered_send_completes(false, tx);
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
   EXPECT_GE(loop_.pings, 1u);
-  EXPECT_LT(now_ - start, 700'000'000u);  // 8 x 67 ms, and the 10 ms steps
+  EXPECT_LT(took, 700'000'000u);  // 8 x 67 ms, and the 10 ms steps
 }
 
 // A peer QP that is gone answers nothing, as on a fabric: after the wait for a slow peer
 // backend, the retries run out and the requester gets RETRY_EXC; nothing waits for ever.
 TEST_F(DeviceRemoteTest, APeerThatHasTheRequestButNeverAnswersEndsInRetryExceeded) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7
-  loop_.conn = 1;
-  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
-  dev_.poll(now_);
-  ASSERT_EQ(loop_.q.size(), 1u);
-  loop_.q.clear();
-  loop_.delivered = loop_.queued;
-  const uint64_t start = now_;
+  ASSERT_NO_FATAL_FAILURE(send_one_the_peer_holds());
   std::vector<Cqe> tx;
-  while (tx.empty() && now_ - start < 10'000'000'000ull) {
-    now_ += 10'000'000;
-    dev_.poll(now_);
-    loop_.q.clear();  // the last try's replay vanishes too
-    loop_.delivered = loop_.queued;
-    tx = drain(acq_);
-  }
+  const uint64_t took = until_unanswered_send_completes(true, tx);  // last try's replay lost too
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
   // The slow-peer wait, then timeout x (retry_cnt + 1).
-  const uint64_t took = now_ - start;
   EXPECT_GE(took, Device::kSlowPeerNs);
   EXPECT_LT(took, Device::kSlowPeerNs + 1'000'000'000);
 }

@@ -160,6 +160,30 @@ class DeviceRemoteTest : public DeviceTest {
     }
     return steps;
   }
+  /// Posts one 8-byte SEND a -> b on connection 1 that the peer's TCP takes and its backend
+  /// never answers (silence, not a NAK).
+  void send_one_the_peer_holds() {
+    loop_.conn = 1;
+    post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+    dev_.poll(now_);
+    ASSERT_EQ(loop_.q.size(), 1u);
+    loop_.q.clear();
+    loop_.delivered = loop_.queued;
+  }
+  /// Moves the clock 10 ms at a time (10 s at most) until a send of a's completes, losing
+  /// whatever a sends meanwhile; the peer's TCP takes it (a kPing too) when `path_delivers`.
+  /// Returns the time it took, the completions in `tx`.
+  uint64_t until_unanswered_send_completes(bool path_delivers, std::vector<Cqe>& tx) {
+    const uint64_t start = now_;
+    while (tx.empty() && now_ - start < 10'000'000'000ull) {
+      now_ += 10'000'000;
+      dev_.poll(now_);
+      loop_.q.clear();
+      if (path_delivers) loop_.delivered = loop_.queued;
+      tx = drain(acq_);
+    }
+    return now_ - start;
+  }
   /// Runs the device and the transport until nothing moves.
   void settle() {
     for (int i = 0; i < 100; ++i) {
