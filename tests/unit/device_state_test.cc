@@ -16,6 +16,17 @@ std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
   return out;
 }
 
+/// The export `ex` as an older version wrote it (its `key` in no session), imported into
+/// `into`.
+Result<std::vector<ImportedSession>> import_as_version(Device& into, const GuestExport& ex,
+                                                       int version, const char* key) {
+  auto doc = nlohmann::json::from_cbor(ex.blob);
+  doc["version"] = version;
+  for (auto& js : doc["sessions"]) js.erase(key);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  return into.import_guest(nlohmann::json::to_cbor(doc), fds);
+}
+
 GuestExport export_a(Device& dev) {
   auto ex = dev.export_guest("a", [](const Session&) { return -1; });
   EXPECT_TRUE(ex.is_ok()) << ex.status().message();
@@ -123,12 +134,8 @@ TEST_F(DeviceTest, DeviceMemoryAndAResizedCqMoveWithTheGuest) {
 TEST_F(DeviceTest, AVersionThreeBlobWithoutDeviceMemoryImports) {
   connect_both();
   GuestExport ex = export_a(dev_);
-  auto doc = nlohmann::json::from_cbor(ex.blob);
-  doc["version"] = 3;
-  for (auto& js : doc["sessions"]) js.erase("dms");
-  std::vector<UniqueFd> fds = dup_all(ex.fds);
   Device other;
-  auto r = other.import_guest(nlohmann::json::to_cbor(doc), fds);
+  auto r = import_as_version(other, ex, 3, "dms");
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   EXPECT_TRUE(r.value()[0].session->dms.empty());
 }
@@ -166,12 +173,8 @@ TEST_F(DeviceTest, AVersionFourBlobWithoutWindowsImportsAndABadWindowIsRefused) 
   GuestExport ex = export_a(dev_);
   auto doc = nlohmann::json::from_cbor(ex.blob);
   {
-    auto old = doc;
-    old["version"] = 4;
-    for (auto& js : old["sessions"]) js.erase("mws");
-    std::vector<UniqueFd> fds = dup_all(ex.fds);
     Device other;
-    auto r = other.import_guest(nlohmann::json::to_cbor(old), fds);
+    auto r = import_as_version(other, ex, 4, "mws");
     ASSERT_TRUE(r.is_ok()) << r.status().message();
     EXPECT_TRUE(r.value()[0].session->mws.empty());
   }
