@@ -106,13 +106,15 @@ nlohmann::json Reporter::backend_info() {
     peer_states.push_back(std::move(ps));
   }
   // keep_state: the keeper writes its pid beside its socket (backend/keeper.h); it passes how
-  // many times it started a backend again to the one it starts.
+  // many times it started a backend again to the one it starts. Under systemd, systemd
+  // restarts the backend and counts (NRestarts), so there is no count here.
   nlohmann::json keep = {{"enabled", cfg_.keep_state}};
   if (cfg_.keep_state) {
     const char* restarts = std::getenv("VRDMA_KEEPER_RESTARTS");
     keep["grace_s"] = cfg_.keep_state_grace_s;
     keep["keeper_pid"] = number_in(cfg_.socket_path + ".keeper.pid");
-    keep["restarts"] = restarts ? std::strtoull(restarts, nullptr, 10) : 0;
+    keep["restarted_by"] = activated_ ? "systemd" : "keeper";
+    if (!activated_) keep["restarts"] = restarts ? std::strtoull(restarts, nullptr, 10) : 0;
   }
   const std::string config_file = config_file_of(cfg_.self_argv);
   return {

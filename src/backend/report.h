@@ -74,6 +74,9 @@ class Reporter {
   }
   /// Whether the backend was started on demand (`vrdma run`, or the library on first use).
   void set_on_demand(bool on) { on_demand_ = on; }
+  /// Whether systemd started the backend (socket activation): it then restarts the backend,
+  /// and keep_state's keeper is vrdmad-keeper.service, which only holds the state.
+  void set_activated(bool on) { activated_ = on; }
   /// The data-path loop went `ns` without looking at its work (Server::note_stall).
   void note_stall(uint64_t ns) {
     ++stalls_;
@@ -95,6 +98,7 @@ class Reporter {
   std::function<std::vector<std::string>()> connected_peers_;
   std::function<nlohmann::json()> transport_details_;
   bool on_demand_ = false;
+  bool activated_ = false;
   nlohmann::json metrics_snapshot_;  ///< the last document metrics() built
   std::string metrics_text_;         ///< ... rendered whole (admins, TCP)
   /// ... as each non-admin uid sees it (cleared with each new snapshot; uids from SO_PEERCRED).

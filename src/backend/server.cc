@@ -162,6 +162,7 @@ Status Server::setup() {
   // systemd's socket, when it started us: its path is the one to lock.
   ASSIGN_OR_RETURN(UniqueFd inherited, inherited_listener(opt_.socket_path));
   activated_ = inherited.valid();
+  reporter_.set_activated(activated_);
   ASSIGN_OR_RETURN(dir_, open_socket_dir(opt_.socket_path, true));
   ASSIGN_OR_RETURN(lock_, open_beside(dir_, opt_.socket_path + ".lock", O_RDWR | O_CREAT));
   if (::flock(lock_.get(), LOCK_EX | LOCK_NB) < 0) {

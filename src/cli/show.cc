@@ -279,8 +279,13 @@ std::string status_header(const json& status) {
       idle.is_number() && idle != 0 ? text_of(idle) + " s without guests" : std::string("never"),
       member(b, "on_demand") == true ? "; started on demand" : "");
   if (const json& k = member(b, "keep_state"); member(k, "enabled") == true) {
-    out += fmt::format("keep_state: on, keeper pid {}, {} restart(s) so far, grace {} s\n",
-                       text_of(member(k, "keeper_pid")), text_of(member(k, "restarts")),
+    // Under systemd, systemd restarts the backend and counts the restarts itself.
+    out += fmt::format("keep_state: on, keeper pid {}, {}, grace {} s\n",
+                       text_of(member(k, "keeper_pid")),
+                       member(k, "restarted_by") == "systemd"
+                           ? std::string("restarted by systemd (systemctl show -p NRestarts "
+                                         "vrdmad)")
+                           : text_of(member(k, "restarts")) + " restart(s) so far",
                        text_of(member(k, "grace_s")));
   } else {
     out += "keep_state: off\n";
