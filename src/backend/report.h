@@ -82,6 +82,9 @@ class Reporter {
     ++stalls_;
     stall_max_ns_ = std::max(stall_max_ns_, ns);
   }
+  /// ... and each configured peer as it dials it: an array of {address, node, state,
+  /// last_error, last_error_unix, failures} (TcpTransport::DialInfo).
+  void set_peer_dials(std::function<nlohmann::json()> f) { peer_dials_ = std::move(f); }
   /// ... and what it says of itself: security, peers (identity, cipher, since), refusals.
   void set_transport_details(std::function<nlohmann::json()> f) {
     transport_details_ = std::move(f);
@@ -97,6 +100,7 @@ class Reporter {
   uint64_t last_cpu_ns_;
   std::function<std::vector<std::string>()> connected_peers_;
   std::function<nlohmann::json()> transport_details_;
+  std::function<nlohmann::json()> peer_dials_;
   bool on_demand_ = false;
   bool activated_ = false;
   nlohmann::json metrics_snapshot_;  ///< the last document metrics() built
