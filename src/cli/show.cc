@@ -255,8 +255,8 @@ std::string stat_text(const std::string& what, const json& rows) {
     out += fmt::format(kRow, who, qp ? id_text(member(r, "qpn")) : text_of(member(r, "qp_count")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
-                       text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
-                       text_of(member(r, "bytes_received")), text_of(member(r, "retries")),
+                       size_text(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
+                       size_text(member(r, "bytes_received")), text_of(member(r, "retries")),
                        text_of(member(r, "replays")), text_of(member(r, "rnr_naks")),
                        text_of(member(r, "ud_dropped")), errors_text(r));
   }

@@ -177,7 +177,8 @@ TEST_F(OpsTest, StatRowsCarryTheCounters) {
   EXPECT_EQ(guests->size(), 2u);
   const std::string text = cli::stat_text("qp", *qps);
   EXPECT_NE(text.find("MSGS_RX"), std::string::npos);
-  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +0x[0-9a-f]+ RC +shm +0 +0 +1 +100 ")))
+  // Sizes in binary units, as everywhere in the text (cli::size_text).
+  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +0x[0-9a-f]+ RC +shm +0 +0B +1 +100B ")))
       << text;
 }
 
