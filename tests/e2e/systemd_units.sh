@@ -7,8 +7,9 @@
 # to vrdmad-keeper.socket starts vrdmad-keeper.service, whose pid `vrdma status` names; an
 # rc_stream pair keeps running, every message once and in order, across a SIGKILL of the
 # backend that systemd alone restarts (Restart=on-failure; the keeper restarts nothing, and is
-# still the same process); `systemctl stop` ends backend and keeper cleanly; vrdma-setup.service
-# mounts the device view and its stop removes it.
+# still the same process); `systemctl stop` ends backend and keeper cleanly; without the keeper's
+# socket the backend does not start and says why; vrdma-setup.service mounts the device view and
+# its stop removes it.
 # Skips (77) where systemd cannot run here: not root, no systemd binary, no unshare.
 # Usage: systemd_units.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -187,6 +188,21 @@ done
 [[ $(sd is-active vrdmad-keeper.service) != active ]] || fail "the keeper outlived a clean stop"
 [[ $(sd show -p Result --value vrdmad-keeper.service) == success ]] ||
   fail "keeper result $(sd show -p Result --value vrdmad-keeper.service)"
+
+# keep_state without the keeper's socket (units copied by hand): the backend refuses to start and
+# its log names the units, instead of forking a keeper into its own cgroup.
+rm "$U/vrdmad-keeper.socket"
+sd daemon-reload
+sd start vrdmad.socket || fail "start vrdmad.socket again"
+in_ns env "VRDMA_SOCKET=$VRDMA_SOCKET" VRDMA_TIMEOUT_MS=2000 "$VRDMA" status >/dev/null 2>&1 &&
+  fail "a backend with keep_state ran without its keeper"
+for ((i = 0; i < 100; i++)); do
+  grep -q 'no keeper answers at /run/vrdma/vrdmad.sock.keeper' "$P/vrdmad.log" && break
+  nap 0.1
+done
+grep -q 'vrdmad-keeper.service, started by vrdmad-keeper.socket' "$P/vrdmad.log" ||
+  fail "no keeper: $(tail -n 3 "$P/vrdmad.log")"
+sd stop vrdmad.socket vrdmad.service
 
 # The boot unit: `vrdma setup` before the socket, `--remove` on stop.
 if [[ -n "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
