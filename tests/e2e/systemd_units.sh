@@ -7,8 +7,8 @@
 # to vrdmad-keeper.socket starts vrdmad-keeper.service, whose pid `vrdma status` names; an
 # rc_stream pair keeps running, every message once and in order, across a SIGKILL of the
 # backend that systemd alone restarts (Restart=on-failure; the keeper restarts nothing, and is
-# still the same process); `systemctl stop` ends backend and keeper cleanly; without the keeper's
-# socket the backend does not start and says why; vrdma-setup.service mounts the device view and
+# still the same process); `systemctl stop` ends backend and keeper cleanly; the keeper refuses
+# another uid; without the keeper's socket the backend does not start and says why; vrdma-setup.service mounts the device view and
 # its stop removes it.
 # Skips (77) where systemd cannot run here: not root, no systemd binary, no unshare.
 # Usage: systemd_units.sh BIN_DIR
@@ -24,8 +24,9 @@ skip() {
 [[ $(id -u) == 0 ]] || skip "needs root (systemd as PID 1 of its own namespaces)"
 SYSTEMD=/lib/systemd/systemd
 [[ -x $SYSTEMD ]] || skip "no $SYSTEMD (apt-get install systemd)"
-if ! command -v unshare >/dev/null || ! command -v nsenter >/dev/null; then
-  skip "no unshare/nsenter"
+if ! command -v unshare >/dev/null || ! command -v nsenter >/dev/null ||
+  ! command -v setpriv >/dev/null || [[ ! -x /usr/bin/python3 ]]; then
+  skip "no unshare, nsenter, setpriv or /usr/bin/python3"
 fi
 [[ -n $SAN_PRELOAD ]] && skip "sanitized build: the units' sandbox (MemoryDenyWriteExecute) is for release binaries"
 
@@ -188,6 +189,26 @@ done
 [[ $(sd is-active vrdmad-keeper.service) != active ]] || fail "the keeper outlived a clean stop"
 [[ $(sd show -p Result --value vrdmad-keeper.service) == success ]] ||
   fail "keeper result $(sd show -p Result --value vrdmad-keeper.service)"
+
+# Only the keeper's own uid may hand over or take back state, even through a socket whose mode
+# lets others in (a drop-in's SocketMode=0666).
+mkdir -p "$S/vrdmad-keeper.socket.d"
+printf '[Socket]\nSocketMode=0666\n' >"$S/vrdmad-keeper.socket.d/mode.conf"
+sd daemon-reload
+sd restart vrdmad-keeper.socket || fail "restart vrdmad-keeper.socket"
+# Debian's python3 (a python3 first in root's PATH may be under /root, closed to nobody).
+# shellcheck disable=SC2016  # python, not shell
+in_ns setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 -c '
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect("/run/vrdma/vrdmad.sock.keeper")
+s.settimeout(10)
+print("closed" if s.recv(64) == b"" else "answered")' >"$E2E_TMP/nobody.out" 2>&1 ||
+  fail "nobody's connection: $(cat "$E2E_TMP/nobody.out")"
+[[ $(cat "$E2E_TMP/nobody.out") == closed ]] || fail "the keeper answered uid 65534"
+grep -q 'keeper: a connection from uid 65534 refused' "$P/vrdmad-keeper.log" ||
+  fail "no refusal in the keeper's log: $(tail -n 3 "$P/vrdmad-keeper.log")"
+sd stop vrdmad-keeper.service vrdmad-keeper.socket
 
 # keep_state without the keeper's socket (units copied by hand): the backend refuses to start and
 # its log names the units, instead of forking a keeper into its own cgroup.
