@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <string_view>
 
 #include "backend/activation.h"
 #include "common/log.h"
@@ -47,6 +48,22 @@ pid_t start_backend(const std::vector<std::string>& argv, uint64_t restarts) {
   args.push_back(nullptr);
   ::execv(args[0], args.data());
   ::_exit(127);
+}
+
+/// A backend killed a moment ago may still hold its lock (`<socket>.lock`: its descriptors
+/// close while it exits), and one started then would find its socket taken and exit at once.
+/// Waits up to 1 s for the lock to be free. The keeper's socket is `<socket>.keeper`
+/// (Server::start_keeper).
+void wait_for_backend_lock(const UniqueFd& dir, const std::string& keeper_path) {
+  constexpr std::string_view kSuffix = ".keeper";
+  if (!keeper_path.ends_with(kSuffix)) return;
+  auto lock = open_beside(dir, keeper_path.substr(0, keeper_path.size() - kSuffix.size()) + ".lock",
+                          O_RDWR);
+  if (!lock.is_ok()) return;
+  for (int i = 0; i < 500; ++i) {
+    if (::flock(lock.value().get(), LOCK_EX | LOCK_NB) == 0) return;  // closing it unlocks
+    ::usleep(2000);
+  }
 }
 
 struct Record {
@@ -135,6 +152,7 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
     }
     restarts.push_back(now);
     VLOG_WARN("keeper: {}; starting it again for {} guest(s)", why, kept.size());
+    wait_for_backend_lock(dir.value(), path);
     started = start_backend(backend_argv, ++restarted);
     return true;
   };
