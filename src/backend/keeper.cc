@@ -13,7 +13,9 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <string_view>
 
+#include "backend/activation.h"
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
@@ -48,6 +50,22 @@ pid_t start_backend(const std::vector<std::string>& argv, uint64_t restarts) {
   ::_exit(127);
 }
 
+/// A backend killed a moment ago may still hold its lock (`<socket>.lock`: its descriptors
+/// close while it exits), and one started then would find its socket taken and exit at once.
+/// Waits up to 1 s for the lock to be free. The keeper's socket is `<socket>.keeper`
+/// (Server::start_keeper).
+void wait_for_backend_lock(const UniqueFd& dir, const std::string& keeper_path) {
+  constexpr std::string_view kSuffix = ".keeper";
+  if (!keeper_path.ends_with(kSuffix)) return;
+  auto lock = open_beside(dir, keeper_path.substr(0, keeper_path.size() - kSuffix.size()) + ".lock",
+                          O_RDWR);
+  if (!lock.is_ok()) return;
+  for (int i = 0; i < 500; ++i) {
+    if (::flock(lock.value().get(), LOCK_EX | LOCK_NB) == 0) return;  // closing it unlocks
+    ::usleep(2000);
+  }
+}
+
 struct Record {
   std::vector<uint8_t> blob;
   std::vector<UniqueFd> fds;
@@ -79,23 +97,37 @@ Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>
   return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
 }
 
-int run_keeper(const std::string& path, int grace_s, std::vector<std::string> backend_argv) {
+int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_argv) {
+  // Under systemd (vrdmad-keeper.socket) the listener is systemd's: one keeper at a time, and
+  // the socket file is not ours to remove.
+  auto inherited = inherited_listener(path);
+  if (!inherited.is_ok()) {
+    VLOG_ERROR("keeper: {}", inherited.status().message());
+    return 1;
+  }
+  const bool activated = inherited.value().valid();
   auto dir = open_socket_dir(path, true);
   if (!dir.is_ok()) {
     VLOG_ERROR("keeper: {}", dir.status().message());
     return 1;
   }
-  auto lock = open_beside(dir.value(), path + ".lock", O_RDWR | O_CREAT);
-  if (!lock.is_ok()) {
-    VLOG_ERROR("keeper: {}", lock.status().message());
-    return 1;
-  }
-  if (::flock(lock.value().get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
-  unlink_beside(dir.value(), path);
-  auto listener = listen_unix(path);
-  if (!listener.is_ok()) {
-    VLOG_ERROR("keeper: {}", listener.status().message());
-    return 1;
+  UniqueFd listener = std::move(inherited.value());
+  UniqueFd lock;
+  if (!activated) {
+    auto l = open_beside(dir.value(), path + ".lock", O_RDWR | O_CREAT);
+    if (!l.is_ok()) {
+      VLOG_ERROR("keeper: {}", l.status().message());
+      return 1;
+    }
+    lock = std::move(l.value());
+    if (::flock(lock.get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
+    unlink_beside(dir.value(), path);
+    auto l2 = listen_unix(path);
+    if (!l2.is_ok()) {
+      VLOG_ERROR("keeper: {}", l2.status().message());
+      return 1;
+    }
+    listener = std::move(l2.value());
   }
   write_pid_beside(dir.value(), path + ".pid");
   ::signal(SIGPIPE, SIG_IGN);
@@ -120,17 +152,19 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
     }
     restarts.push_back(now);
     VLOG_WARN("keeper: {}; starting it again for {} guest(s)", why, kept.size());
+    wait_for_backend_lock(dir.value(), path);
     started = start_backend(backend_argv, ++restarted);
     return true;
   };
   auto finish = [&](int rc) {
-    unlink_beside(dir.value(), path);
+    if (!activated) unlink_beside(dir.value(), path);
     unlink_beside(dir.value(), path + ".pid");
     return rc;
   };
-  VLOG_INFO("keeper: holding guests' state for the backend at {}", path);
+  VLOG_INFO("keeper: holding guests' state for the backend at {}{}", path,
+            activated ? " (socket activation: systemd restarts the backend)" : "");
   for (;;) {
-    pollfd p[2] = {{listener.value().get(), POLLIN, 0}, {backend.get(), POLLIN, 0}};
+    pollfd p[2] = {{listener.get(), POLLIN, 0}, {backend.get(), POLLIN, 0}};
     int timeout = -1;
     // Reap what we started; one that died before it connected is started again.
     for (pid_t p; (p = ::waitpid(-1, nullptr, WNOHANG)) > 0;) {
@@ -153,9 +187,15 @@ int run_keeper(const std::string& path, int grace_s, std::vector<std::string> ba
     }
     if (::poll(p, backend.valid() ? 2 : 1, timeout) < 0 && errno != EINTR) return finish(1);
     if (p[0].revents & POLLIN) {
-      int fd = ::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        backend = UniqueFd(fd);  // a new backend takes over
+      UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      // The state is the guests' connections and memory: only our own user may hand it over or
+      // take it back (the socket's mode says the same; this holds whoever made the socket).
+      auto uid = fd.valid() ? peer_uid(fd.get()) : Result<uint32_t>(error(errno, "accept"));
+      if (uid.is_ok() && uid.value() != ::geteuid()) {
+        VLOG_WARN("keeper: a connection from uid {} refused (only uid {} hands over state)",
+                  uid.value(), ::geteuid());
+      } else if (uid.is_ok()) {
+        backend = std::move(fd);  // a new backend takes over
         partial = {};
         started = -1;  // whichever it is, one connected: its death shows as EOF from now on
       }

@@ -6,6 +6,10 @@
 // their state from the keeper. When its backend's connection ends without a goodbye the keeper
 // starts the backend again (at most 10 times a minute); if no backend comes back within
 // the grace time it lets everything go, and the guests then see their device gone.
+// Under systemd (socket activation, packaging/vrdmad-keeper.{socket,service}) the keeper is a
+// unit of its own and restarts nothing: systemd restarts vrdmad.service, the one owner of
+// restarts, and the keeper only holds the state across it (ARCHITECTURE.md, keep_state).
+// Only the keeper's own uid may connect (SO_PEERCRED).
 // Protocol (SOCK_SEQPACKET, proto/command.h): the backend sends kImportBegin/Data/Commit per guest
 // (no answer), kKeepDrop when a guest leaves, kKeepBye on a clean exit, and kKeepRestore once
 // after it starts: the keeper answers with every record (Begin/Data/Commit) and kKeepEnd.
@@ -21,9 +25,10 @@
 
 namespace vrdma::backend {
 
-/// Runs the keeper on `path` until its backend says goodbye or the grace time passes.
-/// `backend_argv`: how to start the backend again.
-int run_keeper(const std::string& path, int grace_s, std::vector<std::string> backend_argv);
+/// Runs the keeper on `path` (or on the listener systemd passed, whose path it takes) until its
+/// backend says goodbye or the grace time passes. `backend_argv`: how to start the backend
+/// again; empty: someone else does (systemd), the keeper only waits for it.
+int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_argv);
 
 /// One guest's kept state, as the keeper hands it back.
 struct KeptGuest {

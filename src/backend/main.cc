@@ -21,9 +21,21 @@ void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Internal: `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state
-  // (backend/keeper.h); how to start the backend again comes in VRDMA_KEEPER_RESTART.
+  // `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state (backend/keeper.h);
+  // how to start the backend again comes in VRDMA_KEEPER_RESTART. `vrdmad --keeper PATH
+  // --config FILE`: vrdmad-keeper.service, the grace from the file's keep_state_grace_s.
   if (argc >= 4 && std::string(argv[1]) == "--keeper") {
+    int grace_s = std::atoi(argv[3]);
+    if (std::string(argv[3]) == "--config") {
+      vrdma::backend::Config file;
+      vrdma::Status st =
+          argc >= 5 ? file.load_file(argv[4]) : vrdma::error(EINVAL, "--config needs a FILE");
+      if (!st.is_ok()) {
+        fmt::print(stderr, "vrdmad --keeper: {}\n", st.message());
+        return 2;
+      }
+      grace_s = file.keep_state_grace_s;
+    }
     std::vector<std::string> restart;
     if (const char* r = ::secure_getenv("VRDMA_KEEPER_RESTART")) {
       std::string cur;
@@ -37,7 +49,7 @@ int main(int argc, char** argv) {
       }
       ::unsetenv("VRDMA_KEEPER_RESTART");
     }
-    return vrdma::backend::run_keeper(argv[2], std::atoi(argv[3]), std::move(restart));
+    return vrdma::backend::run_keeper(argv[2], grace_s, std::move(restart));
   }
   vrdma::backend::Config cfg;
   {

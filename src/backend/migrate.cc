@@ -352,6 +352,15 @@ namespace vrdma::backend {
 Status Server::start_keeper() {
   const std::string path = opt_.socket_path + ".keeper";
   auto sock = connect_unix(path);
+  if (!sock.is_ok() && activated_) {
+    // Under systemd, systemd restarts us and the keeper is a unit of its own: a keeper we
+    // forked would be killed with our cgroup and would restart us behind systemd's back.
+    return error(sock.status().err(),
+                 fmt::format("keep_state: no keeper answers at {} ({}): under systemd it is "
+                             "vrdmad-keeper.service, started by vrdmad-keeper.socket, which "
+                             "vrdmad.service wants (is vrdmad-keeper.socket installed?)",
+                             path, sock.status().message()));
+  }
   if (!sock.is_ok()) {
     // None: start one, detached (it must outlive us), and wait for it to listen.
     const pid_t pid = ::fork();

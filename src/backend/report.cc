@@ -87,10 +87,11 @@ nlohmann::json Reporter::backend_info() {
     tcp["why"] = "no [transport] listen";
   }
   transports.push_back(tcp);
-  // Each configured peer, connected (as which node, since when) or not: why not is in the log,
-  // where the transport says it once per attempt.
+  // Each configured peer: connected (as which node, since when), connecting or not, and why its
+  // last attempt failed or its last connection ended (the transport's dial, TcpTransport::dials).
   nlohmann::json peer_states = nlohmann::json::array();
   const nlohmann::json live = tcp.value("peers", nlohmann::json::array());
+  const nlohmann::json dials = peer_dials_ ? peer_dials_() : nlohmann::json::array();
   for (const std::string& p : cfg_.peers) {
     const size_t at = p.find('@');
     const std::string node = at == std::string::npos ? "" : p.substr(0, at);
@@ -103,16 +104,28 @@ nlohmann::json Reporter::backend_info() {
       ps["node"] = l.value("node", "");
       ps["since_unix"] = l.value("since_unix", uint64_t{0});
     }
+    for (const auto& d : dials) {
+      if (d.value("address", "") != addr || d.value("node", "") != node) continue;
+      if (ps["state"] != "connected") ps["state"] = d.value("state", "not connected");
+      ps["failures"] = d.value("failures", uint64_t{0});
+      if (!d.value("last_error", "").empty()) {
+        ps["last_error"] = d["last_error"];
+        ps["last_error_unix"] = d.value("last_error_unix", uint64_t{0});
+      }
+    }
+    if (!connected_peers_) ps["last_error"] = "the TCP transport is off (no [transport] listen)";
     peer_states.push_back(std::move(ps));
   }
   // keep_state: the keeper writes its pid beside its socket (backend/keeper.h); it passes how
-  // many times it started a backend again to the one it starts.
+  // many times it started a backend again to the one it starts. Under systemd, systemd
+  // restarts the backend and counts (NRestarts), so there is no count here.
   nlohmann::json keep = {{"enabled", cfg_.keep_state}};
   if (cfg_.keep_state) {
     const char* restarts = std::getenv("VRDMA_KEEPER_RESTARTS");
     keep["grace_s"] = cfg_.keep_state_grace_s;
     keep["keeper_pid"] = number_in(cfg_.socket_path + ".keeper.pid");
-    keep["restarts"] = restarts ? std::strtoull(restarts, nullptr, 10) : 0;
+    keep["restarted_by"] = activated_ ? "systemd" : "keeper";
+    if (!activated_) keep["restarts"] = restarts ? std::strtoull(restarts, nullptr, 10) : 0;
   }
   const std::string config_file = config_file_of(cfg_.self_argv);
   return {

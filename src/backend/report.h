@@ -74,11 +74,17 @@ class Reporter {
   }
   /// Whether the backend was started on demand (`vrdma run`, or the library on first use).
   void set_on_demand(bool on) { on_demand_ = on; }
+  /// Whether systemd started the backend (socket activation): it then restarts the backend,
+  /// and keep_state's keeper is vrdmad-keeper.service, which only holds the state.
+  void set_activated(bool on) { activated_ = on; }
   /// The data-path loop went `ns` without looking at its work (Server::note_stall).
   void note_stall(uint64_t ns) {
     ++stalls_;
     stall_max_ns_ = std::max(stall_max_ns_, ns);
   }
+  /// ... and each configured peer as it dials it: an array of {address, node, state,
+  /// last_error, last_error_unix, failures} (TcpTransport::DialInfo).
+  void set_peer_dials(std::function<nlohmann::json()> f) { peer_dials_ = std::move(f); }
   /// ... and what it says of itself: security, peers (identity, cipher, since), refusals.
   void set_transport_details(std::function<nlohmann::json()> f) {
     transport_details_ = std::move(f);
@@ -94,7 +100,9 @@ class Reporter {
   uint64_t last_cpu_ns_;
   std::function<std::vector<std::string>()> connected_peers_;
   std::function<nlohmann::json()> transport_details_;
+  std::function<nlohmann::json()> peer_dials_;
   bool on_demand_ = false;
+  bool activated_ = false;
   nlohmann::json metrics_snapshot_;  ///< the last document metrics() built
   std::string metrics_text_;         ///< ... rendered whole (admins, TCP)
   /// ... as each non-admin uid sees it (cleared with each new snapshot; uids from SO_PEERCRED).

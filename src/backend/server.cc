@@ -122,6 +122,19 @@ nlohmann::json transport_json(transport::tcp::TcpTransport& t) {
             {"frames", r.frames}}}};
 }
 
+nlohmann::json dials_json(const transport::tcp::TcpTransport& t) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& d : t.dials()) {
+    out.push_back({{"address", d.address},
+                   {"node", d.node},
+                   {"state", d.state},
+                   {"last_error", d.last_error},
+                   {"last_error_unix", d.last_error_unix},
+                   {"failures", d.failures}});
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<const transport::tcp::TlsContext>> Server::transport_credential() const {
@@ -162,6 +175,7 @@ Status Server::setup() {
   // systemd's socket, when it started us: its path is the one to lock.
   ASSIGN_OR_RETURN(UniqueFd inherited, inherited_listener(opt_.socket_path));
   activated_ = inherited.valid();
+  reporter_.set_activated(activated_);
   ASSIGN_OR_RETURN(dir_, open_socket_dir(opt_.socket_path, true));
   ASSIGN_OR_RETURN(lock_, open_beside(dir_, opt_.socket_path + ".lock", O_RDWR | O_CREAT));
   if (::flock(lock_.get(), LOCK_EX | LOCK_NB) < 0) {
@@ -221,6 +235,7 @@ Status Server::setup() {
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
     reporter_.set_transport_details([this] { return transport_json(*tcp_); });
+    reporter_.set_peer_dials([this] { return dials_json(*tcp_); });
   }
   if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
   if (opt_.direct_path && opt_.keep_state)

@@ -295,9 +295,9 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
   } else {
     fmt::print(
         "guest {} moved to {}: downtime {} us (export {} us, transfer {} us, import {} "
-        "us); {} QPs, {} bytes of state, {} descriptors\n",
-        guest, to, r->downtime_us, r->export_us, r->transfer_us, r->import_us, r->qps, r->bytes,
-        r->fds);
+        "us); {} QPs, {} of state, {} descriptors\n",
+        guest, to, r->downtime_us, r->export_us, r->transfer_us, r->import_us, r->qps,
+        cli::size_text(r->bytes), r->fds);
   }
   return 0;
 }
@@ -327,8 +327,8 @@ int cmd_snapshot(const std::string& guest, const std::string& file, const std::s
                              .dump());
       return 0;
     }
-    fmt::print("guest {}: {} bytes of device state ({} QPs) in {}; its QPs were held {} us\n",
-               guest, r->bytes, r->qps, file, r->pause_us);
+    fmt::print("guest {}: {} of device state ({} QPs) in {}; its QPs were held {} us\n", guest,
+               cli::size_text(r->bytes), r->qps, file, r->pause_us);
     return 0;
   }
   const Status st =

@@ -255,8 +255,8 @@ std::string stat_text(const std::string& what, const json& rows) {
     out += fmt::format(kRow, who, qp ? id_text(member(r, "qpn")) : text_of(member(r, "qp_count")),
                        qp ? text_of(member(r, "type")) : "",
                        qp ? text_of(member(r, "transport")) : "", text_of(member(r, "msgs_sent")),
-                       text_of(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
-                       text_of(member(r, "bytes_received")), text_of(member(r, "retries")),
+                       size_text(member(r, "bytes_sent")), text_of(member(r, "msgs_received")),
+                       size_text(member(r, "bytes_received")), text_of(member(r, "retries")),
                        text_of(member(r, "replays")), text_of(member(r, "rnr_naks")),
                        text_of(member(r, "ud_dropped")), errors_text(r));
   }
@@ -279,8 +279,13 @@ std::string status_header(const json& status) {
       idle.is_number() && idle != 0 ? text_of(idle) + " s without guests" : std::string("never"),
       member(b, "on_demand") == true ? "; started on demand" : "");
   if (const json& k = member(b, "keep_state"); member(k, "enabled") == true) {
-    out += fmt::format("keep_state: on, keeper pid {}, {} restart(s) so far, grace {} s\n",
-                       text_of(member(k, "keeper_pid")), text_of(member(k, "restarts")),
+    // Under systemd, systemd restarts the backend and counts the restarts itself.
+    out += fmt::format("keep_state: on, keeper pid {}, {}, grace {} s\n",
+                       text_of(member(k, "keeper_pid")),
+                       member(k, "restarted_by") == "systemd"
+                           ? std::string("restarted by systemd (systemctl show -p NRestarts "
+                                         "vrdmad)")
+                           : text_of(member(k, "restarts")) + " restart(s) so far",
                        text_of(member(k, "grace_s")));
   } else {
     out += "keep_state: off\n";
@@ -305,15 +310,31 @@ std::string status_header(const json& status) {
   out += fmt::format("transports: {}\n", transports.empty() ? "-" : transports);
   std::string peers;
   const uint64_t now_s = static_cast<uint64_t>(::time(nullptr));
+  auto ago = [&](const json& t) {
+    const uint64_t at = t.is_number_unsigned() ? t.get<uint64_t>() : now_s;
+    return duration(now_s > at ? now_s - at : 0);
+  };
   for (const auto& p : member(b, "peer_states")) {
     if (!peers.empty()) peers += ", ";
-    const json& since = member(p, "since_unix");
-    const uint64_t at = since.is_number_unsigned() ? since.get<uint64_t>() : now_s;
-    peers += member(p, "state") == "connected"
-                 ? fmt::format("{} (connected to {} for {})", text_of(member(p, "peer")),
-                               text_of(member(p, "node")), duration(now_s > at ? now_s - at : 0))
-                 : fmt::format("{} ({}: the log says why)", text_of(member(p, "peer")),
-                               text_of(member(p, "state")));
+    // Why it failed last (a refused or timed-out dial, a TLS handshake, a connection that ended).
+    const json& err = member(p, "last_error");
+    const json& failures = member(p, "failures");
+    std::string last;
+    if (err.is_string() && member(p, "last_error_unix").is_number())
+      last = fmt::format("last error {} ago: {}", ago(member(p, "last_error_unix")), text_of(err));
+    else if (err.is_string())
+      last = text_of(err);
+    if (member(p, "state") == "connected") {
+      peers += fmt::format("{} (connected to {} for {}{})", text_of(member(p, "peer")),
+                           text_of(member(p, "node")), ago(member(p, "since_unix")),
+                           last.empty() ? "" : "; " + last);
+    } else {
+      peers += fmt::format("{} ({}{}{})", text_of(member(p, "peer")), text_of(member(p, "state")),
+                           is_count(failures) && failures != 0
+                               ? fmt::format(", {} failed attempt(s)", text_of(failures))
+                               : std::string(),
+                           last.empty() ? "" : "; " + last);
+    }
   }
   out += fmt::format("peers: {}\n", peers.empty() ? "none" : peers);
   for (const auto& t : member(b, "transports")) {

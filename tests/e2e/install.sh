@@ -18,6 +18,8 @@ DESTDIR="$D" cmake --install "$BUILD" --prefix /usr >"$E2E_TMP/install.out" 2>&1
   fail "cmake --install: $(cat "$E2E_TMP/install.out")"
 for f in usr/bin/vrdma usr/bin/vrdmad usr/lib/vrdma/libibverbs.so.1 etc/vrdma/vrdmad.toml \
   usr/lib/systemd/system/vrdmad.service usr/lib/systemd/system/vrdmad.socket \
+  usr/lib/systemd/system/vrdmad-keeper.service usr/lib/systemd/system/vrdmad-keeper.socket \
+  usr/lib/systemd/system/vrdma-setup.service \
   usr/share/doc/vrdma/vrdmad.toml; do
   [[ -e $D/$f ]] || fail "not installed: /$f ($(find "$D" -type f | sed "s|^$D||" | tr '\n' ' '))"
 done
@@ -39,7 +41,8 @@ cmake --install "$BUILD" --prefix "$P" >"$E2E_TMP/install.out" 2>&1 ||
 "$P/bin/vrdmad" --config "$P/etc/vrdma/vrdmad.toml" --check-config >/dev/null ||
   fail "the installed config does not validate"
 if command -v systemd-analyze >/dev/null; then
-  (cd "$P/lib/systemd/system" && systemd-analyze verify ./vrdmad.socket ./vrdmad.service) \
+  (cd "$P/lib/systemd/system" && systemd-analyze verify ./vrdmad.socket ./vrdmad.service \
+    ./vrdmad-keeper.socket ./vrdmad-keeper.service ./vrdma-setup.service) \
     >"$E2E_TMP/verify.out" 2>&1 || fail "systemd-analyze verify: $(cat "$E2E_TMP/verify.out")"
   [[ ! -s $E2E_TMP/verify.out ]] || fail "systemd-analyze verify warns: $(cat "$E2E_TMP/verify.out")"
   # The service's sandbox (issue 29: 9.0 UNSAFE before): at most 3.0 ("OK").
@@ -47,6 +50,10 @@ if command -v systemd-analyze >/dev/null; then
     >"$E2E_TMP/security.out" 2>&1 ||
     fail "vrdmad.service is exposed: $(grep 'Overall exposure' "$E2E_TMP/security.out")"
   log "vrdmad.service: $(grep -o 'Overall exposure level.*' "$E2E_TMP/security.out")"
+  systemd-analyze security --offline=true --threshold=30 "$P/lib/systemd/system/vrdmad-keeper.service" \
+    >"$E2E_TMP/security.out" 2>&1 ||
+    fail "vrdmad-keeper.service is exposed: $(grep 'Overall exposure' "$E2E_TMP/security.out")"
+  log "vrdmad-keeper.service: $(grep -o 'Overall exposure level.*' "$E2E_TMP/security.out")"
 else
   log "no systemd-analyze; units not verified"
 fi

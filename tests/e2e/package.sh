@@ -63,7 +63,9 @@ deb="$(ls "$E2E_TMP"/pkg/vrdma_*_"$(dpkg --print-architecture)".deb)"
 MA="$(dpkg-architecture -qDEB_HOST_MULTIARCH)"
 contents="$(dpkg-deb -c "$deb" | awk '{print $6}' | sed 's|^\./|/|')"
 for f in /usr/bin/vrdma /usr/bin/vrdmad "/usr/lib/$MA/vrdma/libibverbs.so.1" /etc/vrdma/vrdmad.toml \
-  /lib/systemd/system/vrdmad.socket /lib/systemd/system/vrdmad.service; do
+  /lib/systemd/system/vrdmad.socket /lib/systemd/system/vrdmad.service \
+  /lib/systemd/system/vrdmad-keeper.socket /lib/systemd/system/vrdmad-keeper.service \
+  /lib/systemd/system/vrdma-setup.service; do
   grep -qx "$f" <<<"$contents" || fail "the package has no $f: $contents"
 done
 shadow="$(grep 'libibverbs' <<<"$contents" | grep -v "^/usr/lib/$MA/vrdma/" || true)"
@@ -89,8 +91,13 @@ DEBIAN_FRONTEND=noninteractive apt-get install -y "$deb" >"$E2E_TMP/install.out"
 dpkg-query -W -f='${Conffiles}\n' vrdma | grep -q '/etc/vrdma/vrdmad.toml' ||
   fail "/etc/vrdma/vrdmad.toml is not a conffile"
 [[ -L /etc/systemd/system/sockets.target.wants/vrdmad.socket ]] || fail "vrdmad.socket is not enabled"
+# The keeper's socket comes with the service (Wants=); the boot-time setup is the operator's choice.
+enabled="$(find /etc/systemd/system -name 'vrdmad-keeper*' -o -name 'vrdma-setup*' | tr '\n' ' ')"
+[[ -z $enabled ]] || fail "enabled by the package: $enabled"
 if command -v systemd-analyze >/dev/null; then
   systemd-analyze verify /lib/systemd/system/vrdmad.socket /lib/systemd/system/vrdmad.service \
+    /lib/systemd/system/vrdmad-keeper.socket /lib/systemd/system/vrdmad-keeper.service \
+    /lib/systemd/system/vrdma-setup.service \
     >"$E2E_TMP/analyze.out" 2>&1 || fail "systemd-analyze verify: $(cat "$E2E_TMP/analyze.out")"
 fi
 /usr/bin/vrdmad --config /etc/vrdma/vrdmad.toml --check-config >/dev/null ||
@@ -117,7 +124,8 @@ DEBIAN_FRONTEND=noninteractive apt-get purge -y vrdma >"$E2E_TMP/purge.out" 2>&1
   fail "apt-get purge: $(tail -n 10 "$E2E_TMP/purge.out")"
 INSTALLED=0
 for f in /usr/bin/vrdma /usr/bin/vrdmad "/usr/lib/$MA/vrdma" /etc/vrdma /lib/systemd/system/vrdmad.socket \
-  /etc/systemd/system/sockets.target.wants/vrdmad.socket; do
+  /etc/systemd/system/sockets.target.wants/vrdmad.socket /lib/systemd/system/vrdmad-keeper.socket \
+  /lib/systemd/system/vrdma-setup.service; do
   [[ ! -e $f && ! -L $f ]] || fail "$f is left after the purge"
 done
 [[ "$(dpkg-query -W -f='${Status} ${Version}' libibverbs1)" == "install ok installed $ibv_before" ]] ||

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The `vrdma` command itself: `status` without a backend fails with a clear message; `run`
-# reports a missing program like a shell does; `status` with a backend prints a table and JSON.
+# reports a missing program like a shell does; `status` with a backend prints a table and JSON;
+# a configured peer that cannot be reached shows its state and last error.
 # Usage: status_cli.sh BIN_DIR
 # shellcheck disable=SC2016  # Perl expressions in single quotes
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -49,6 +50,30 @@ grep -q '^GUEST' "$E2E_TMP/status.out" || fail "no table header"
 grep -q '^totals:' "$E2E_TMP/status.out" || fail "no totals line"
 [[ "$(status_query 'ref $j->{guests}')" == ARRAY ]] || fail "status --json has no guests array"
 [[ "$(status_query 'ref $j->{totals}')" == HASH ]] || fail "status --json has no totals object"
+
+# A configured peer that cannot be reached: status says its state and why (the transport's last
+# error for it), in text and JSON (against the schema).
+psock="$E2E_TMP/peer.sock"
+dead="127.0.0.1:$(free_port)"
+"$VRDMA" backend --socket "$psock" --idle-exit 0 --listen "127.0.0.1:$(free_port)" --peer "$dead" \
+  >"$E2E_TMP/peer-backend.out" 2>&1 &
+pb=$!
+for ((i = 0; i < 100; i++)); do
+  "$VRDMA" status --socket "$psock" >"$E2E_TMP/peer-status.out" 2>&1 &&
+    grep -q "^peers: $dead (.*failed attempt" "$E2E_TMP/peer-status.out" && break
+  nap 0.05
+done
+grep -Eq "^peers: $dead \((not connected|connecting), [0-9]+ failed attempt\(s\); last error [0-9]+s ago: Connection refused\)\$" \
+  "$E2E_TMP/peer-status.out" || fail "peer state: $(grep peers "$E2E_TMP/peer-status.out")"
+"$VRDMA" status --socket "$psock" -j >"$E2E_TMP/peer-status.json" || fail "status -j"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+python3 "$here/json_check.py" "$here/schema/vrdma.json" status <"$E2E_TMP/peer-status.json" ||
+  fail "status -j with a peer does not match its schema"
+[[ $(perl -MJSON::PP -0777 -ne 'print decode_json($_)->{backend}{peer_states}[0]{last_error}' \
+  "$E2E_TMP/peer-status.json") == "Connection refused" ]] || fail "peer_states: $(cat "$E2E_TMP/peer-status.json")"
+log "$(grep '^peers:' "$E2E_TMP/peer-status.out")"
+kill "$pb"
+wait "$pb" || true
 
 # A second `vrdma run` reuses the running backend.
 pid="$(backend_pid)"

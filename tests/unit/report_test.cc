@@ -177,7 +177,8 @@ TEST_F(OpsTest, StatRowsCarryTheCounters) {
   EXPECT_EQ(guests->size(), 2u);
   const std::string text = cli::stat_text("qp", *qps);
   EXPECT_NE(text.find("MSGS_RX"), std::string::npos);
-  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +0x[0-9a-f]+ RC +shm +0 +0 +1 +100 ")))
+  // Sizes in binary units, as everywhere in the text (cli::size_text).
+  EXPECT_TRUE(std::regex_search(text, std::regex("\nb +0x[0-9a-f]+ RC +shm +0 +0B +1 +100B ")))
       << text;
 }
 
@@ -279,6 +280,50 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   EXPECT_NE(h.find("datapath: 1 thread, busy "), std::string::npos) << h;
   EXPECT_NE(h.find("metrics: off\n"), std::string::npos) << h;
   EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
+}
+
+// Each configured peer's state and why it last failed, from the transport's dials, in the JSON
+// and the text; a peer with the transport off says that.
+TEST_F(OpsTest, StatusShowsEachPeersStateAndLastError) {
+  cfg_.listen = "0.0.0.0:7471";
+  cfg_.peers = {"10.0.0.2:7471", "h3@10.0.0.3:7471"};
+  const uint64_t now = static_cast<uint64_t>(::time(nullptr));
+  rep_.set_connected_peers([] { return std::vector<std::string>{}; });
+  rep_.set_peer_dials([now] {
+    return json::array({{{"address", "10.0.0.2:7471"},
+                         {"node", ""},
+                         {"state", "connecting"},
+                         {"last_error", "connect timed out"},
+                         {"last_error_unix", now - 5},
+                         {"failures", 3}},
+                        {{"address", "10.0.0.3:7471"},
+                         {"node", "h3"},
+                         {"state", "not connected"},
+                         {"last_error", "TLS handshake failed: certificate verify failed"},
+                         {"last_error_unix", now - 65},
+                         {"failures", 1}}});
+  });
+  const json st = status();
+  const json& ps = st["backend"]["peer_states"];
+  ASSERT_EQ(ps.size(), 2u) << ps.dump();
+  EXPECT_EQ(ps[0]["state"], "connecting");
+  EXPECT_EQ(ps[0]["last_error"], "connect timed out");
+  EXPECT_EQ(ps[0]["failures"], 3);
+  EXPECT_EQ(ps[1]["peer"], "h3@10.0.0.3:7471");
+  EXPECT_EQ(ps[1]["last_error_unix"], now - 65);
+  const std::string h = cli::status_header(st);
+  EXPECT_NE(h.find("peers: 10.0.0.2:7471 (connecting, 3 failed attempt(s); last error 5s ago: "
+                   "connect timed out), h3@10.0.0.3:7471 (not connected, 1 failed attempt(s); "
+                   "last error 1m5s ago: TLS handshake failed: certificate verify failed)\n"),
+            std::string::npos)
+      << h;
+  // Peers configured without a listen address: no transport dials them, and status says so.
+  backend::Config off;
+  off.peers = {"10.0.0.2:7471"};
+  backend::Reporter plain(off);
+  const json p = plain.status(dev_)["backend"]["peer_states"];
+  EXPECT_EQ(p[0]["state"], "not connected");
+  EXPECT_EQ(p[0]["last_error"], "the TCP transport is off (no [transport] listen)");
 }
 
 // The segment quotas (count and bytes per guest, mapped bytes for all guests) are in the status

@@ -254,6 +254,34 @@ TEST(TcpTransport, APeerWithoutTheCredentialIsRefused) {
   EXPECT_TRUE(rc.up.empty());
 }
 
+// `vrdma status` says why a configured peer is not connected: each dial keeps its last error and
+// the attempts that failed since the last Hello.
+TEST(TcpTransport, AnUnreachablePeerSaysWhyInItsDial) {
+  const uint16_t port = free_port();  // nobody listens there yet
+  ASSERT_NE(port, 0);
+  const std::string addr = "127.0.0.1:" + std::to_string(port);
+  Recorder ra, rb;
+  auto b = TcpTransport::create({"node-b", "127.0.0.1:0", {addr}, false, nullptr}, rb);
+  ASSERT_TRUE(b.is_ok()) << b.status().message();
+  ASSERT_TRUE(run_until({b->get()}, [&] { return (*b)->dials().at(0).failures >= 2; }));
+  auto d = (*b)->dials().at(0);
+  EXPECT_EQ(d.address, addr);
+  EXPECT_NE(d.state, "connected");
+  EXPECT_EQ(d.last_error, "Connection refused");
+  EXPECT_GT(d.last_error_unix, 0u);
+  auto a = TcpTransport::create({"node-a", addr, {}, false, nullptr}, ra);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  ASSERT_TRUE(run_until({a->get(), b->get()}, [&] { return connected(**b, "node-a"); }));
+  d = (*b)->dials().at(0);
+  EXPECT_EQ(d.state, "connected");
+  EXPECT_EQ(d.failures, 0u);
+  EXPECT_EQ(d.last_error, "Connection refused");  // still there: what went wrong before
+  a->reset();  // node-a goes away: the connection's end is the error now
+  ASSERT_TRUE(run_until({b->get()}, [&] { return (*b)->dials().at(0).state != "connected"; }));
+  const std::string end = (*b)->dials().at(0).last_error;
+  EXPECT_TRUE(end == "closed by the peer" || end == "Connection reset by peer") << end;
+}
+
 TEST(TcpTransport, ANodeCannotTakeOverWhatAnotherNodeHolds) {
   Cluster cl({"node-a", "node-b", "node-c"});
   const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());

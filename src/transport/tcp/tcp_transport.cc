@@ -151,7 +151,7 @@ Status TcpTransport::start() {
   for (const std::string& p : to_dial) {
     ASSIGN_OR_RETURN(PeerSpec spec, parse_peer(p));
     if (!spec.node.empty()) allow_.push_back(spec.node);
-    dials_.push_back(Dial{spec.addr, spec.node, spec.sa, nullptr, 0, kRedialMs, ""});
+    dials_.push_back(Dial{spec.addr, spec.node, spec.sa, nullptr, 0, kRedialMs, "", "", 0, 0});
   }
   VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}; {}", opt_.node, opt_.listen,
             opt_.peers.size(), opt_.force ? ", forced for every pair" : "",
@@ -208,7 +208,9 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   }
   std::erase(rx_again_, c);
   for (Dial& d : dials_) {
-    if (d.conn == c) d.conn = nullptr;  // redialed by the next poll after kRedialMs
+    if (d.conn != c) continue;
+    d.conn = nullptr;  // redialed by the next poll after kRedialMs
+    note_failure(d, why);
   }
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c->fd.get(), nullptr);
   auto it = conns_.find(c->fd.get());
@@ -262,13 +264,21 @@ bool TcpTransport::accept_all(uint64_t now_ns) {
   }
 }
 
+void TcpTransport::note_failure(Dial& d, const std::string& why) {
+  d.last_error = why;
+  d.last_error_unix = static_cast<uint64_t>(::time(nullptr));
+  ++d.failures;
+}
+
 void TcpTransport::dial(Dial& d, uint64_t now_ns) {
   d.next_ns = now_ns + d.backoff_ms * 1000000;
   d.backoff_ms = std::min(d.backoff_ms * 2, kRedialMaxMs);  // reset when a Hello arrives
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return;
+  if (!fd.valid()) return note_failure(d, std::strerror(errno));
   int r = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&d.sa), sizeof(d.sa));
-  if (r < 0 && errno != EINPROGRESS) return;  // refused at once: try again later
+  if (r < 0 && errno != EINPROGRESS) {
+    return note_failure(d, std::strerror(errno));  // refused at once: try again later
+  }
   Conn* c = add_conn(std::move(fd), d.addr, now_ns);
   c->expect = d.expect;
   c->connecting = r < 0;
@@ -640,6 +650,7 @@ void TcpTransport::on_hello(Conn& c) {
     if (d.conn != &c) continue;
     d.node = c.node;
     d.backoff_ms = kRedialMs;
+    d.failures = 0;
   }
   if (c.node == opt_.node) {
     // Our own listener (forced TCP): frames go out on the connection we dialed.
@@ -835,6 +846,19 @@ std::vector<TcpTransport::PeerInfo> TcpTransport::peers() {
                    c->written - std::min(c->written, acked), c->rx_bytes, c->dropped_bytes});
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.node < b.node; });
+  return out;
+}
+
+std::vector<TcpTransport::DialInfo> TcpTransport::dials() const {
+  std::vector<DialInfo> out;
+  for (const Dial& d : dials_) {
+    const bool up = !d.node.empty() && by_node_.count(d.node);
+    out.push_back({d.addr, d.expect,
+                   up       ? "connected"
+                   : d.conn ? "connecting"
+                            : "not connected",
+                   d.last_error, d.last_error_unix, d.failures});
+  }
   return out;
 }
 

@@ -101,6 +101,15 @@ class TcpTransport final : public Transport {
   /// Node names with a live connection (for status and tests).
   std::vector<std::string> connected() const;
   std::vector<PeerInfo> peers();
+  /// A configured peer as we dial it (status: each peer's state and why it last failed).
+  struct DialInfo {
+    std::string address, node;  ///< as configured ("" node: any may answer)
+    std::string state;          ///< "connected", "connecting" or "not connected"
+    std::string last_error;     ///< why the last attempt failed or the last connection ended
+    uint64_t last_error_unix = 0;
+    uint64_t failures = 0;  ///< attempts that failed since the last Hello
+  };
+  std::vector<DialInfo> dials() const;
   const Refused& refused() const { return refused_; }
   bool secure() const { return opt_.tls != nullptr; }
 
@@ -186,7 +195,12 @@ class TcpTransport final : public Transport {
     uint64_t next_ns = 0;
     uint64_t backoff_ms = kRedialMs;  ///< doubles while dials fail; back to kRedialMs on Hello
     std::string node;  ///< who answered there last; no redial while we have a connection to it
+    std::string last_error;  ///< DialInfo
+    uint64_t last_error_unix = 0;
+    uint64_t failures = 0;
   };
+  /// An attempt on `d` failed, or its connection ended: `why` is kept for status.
+  static void note_failure(Dial& d, const std::string& why);
   struct Remote {
     std::string node, name;
     bool stale = false;  ///< from before the node's last Hello, not announced again yet
