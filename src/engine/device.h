@@ -24,6 +24,7 @@
 #include "common/socket.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "engine/direct_trust.h"
 #include "engine/quotas.h"
 #include "proto/command.h"
 #include "proto/responder_rules.h"
@@ -348,6 +349,12 @@ struct Session {
   uint64_t cookie_addr = 0;
   std::array<uint8_t, proto::kDirectCookieBytes> cookie{};
   std::vector<uint32_t> may_write;
+  struct Proving {    ///< a proof still being read
+    uint32_t peer;    ///< the session it is about
+    std::string who;  ///< "pid P (guest G)", for the log
+    MemProof proof;
+  };
+  std::vector<Proving> proving;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());

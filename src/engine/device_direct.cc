@@ -53,8 +53,33 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
-/// How long the engine thread waits for a proof's read of the peer's memory.
-constexpr int kProofWaitMs = 20;
+/// How long the engine thread waits for a proof's read of the peer's memory; a read that takes
+/// longer is settled at a later grant (Session::proving).
+constexpr int kProofWaitMs = 5;
+
+/// Takes in the proofs of `s` whose reads are done; true if one for session `peer` is still
+/// being read.
+bool settle_proofs(Session& s, uint32_t peer) {
+  bool pending = false;
+  std::erase_if(s.proving, [&](const Session::Proving& p) {
+    if (!p.proof.wait(0)) {
+      pending = pending || p.peer == peer;
+      return false;
+    }
+    if (p.proof.good()) {
+      s.may_write.push_back(p.peer);
+      VLOG_INFO("direct path: pid {} (guest {}) may write {} by the kernel's rules", s.pid,
+                s.guest->name, p.who);
+    } else {
+      VLOG_INFO(
+          "direct path: pid {} (guest {}) offered no proof that it may write {}: the "
+          "proof's process does not hold the cookie; the pair stays mediated",
+          s.pid, s.guest->name, p.who);
+    }
+    return true;
+  });
+  return pending;
+}
 
 }  // namespace
 
@@ -100,15 +125,25 @@ Status Device::direct_prove(Session& s, uint32_t handle, UniqueFd proof) {
   ASSIGN_OR_RETURN(Session * peer, direct_peer_session(s, handle));
   if (!proof.valid()) return error(EINVAL, "direct path: no proof attached");
   if (peer->cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
-  if (Status st = check_mem_proof(proof.get(), peer->cookie_addr, peer->cookie, kProofWaitMs);
-      !st.is_ok()) {
+  if (settle_proofs(s, peer->id)) return error(EAGAIN, "direct path: an earlier proof is read");
+  if (trusts(s, *peer)) return Status::ok();
+  auto p = start_mem_proof(proof.get(), peer->cookie_addr, peer->cookie);
+  const bool done = p.is_ok() && p.value().wait(kProofWaitMs);
+  if (!p.is_ok() || (done && !p.value().good())) {
+    const Status st =
+        p.is_ok() ? error(EPERM, "the proof's process does not hold the cookie") : p.status();
     VLOG_INFO(
         "direct path: pid {} (guest {}) offered no proof that it may write pid {} (guest "
         "{}): {}; the pair stays mediated",
         s.pid, s.guest->name, peer->pid, peer->guest->name, st.message());
     return st;
   }
-  if (!trusts(s, *peer)) s.may_write.push_back(peer->id);
+  if (!done) {  // a busy machine, or a peer whose memory stalls: the next grant looks again
+    s.proving.push_back({peer->id, fmt::format("pid {} (guest {})", peer->pid, peer->guest->name),
+                         std::move(p).value()});
+    return error(EAGAIN, "direct path: the proof is being read");
+  }
+  s.may_write.push_back(peer->id);
   VLOG_INFO("direct path: pid {} (guest {}) may write pid {} (guest {}) by the kernel's rules",
             s.pid, s.guest->name, peer->pid, peer->guest->name);
   return Status::ok();
@@ -157,10 +192,13 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
   if (b->owner->uid != s.uid || s.uid == kNoUid)
     return error(EPERM, "direct path: peer runs as another user");
-  if (!trusts(s, *b->owner))
-    return error(EACCES,
-                 "direct path: no proof yet that this process may write the peer's "
-                 "memory (kDirectPeer, kDirectProve)");
+  if (!trusts(s, *b->owner)) {
+    if (settle_proofs(s, b->owner->id)) return error(EAGAIN, "direct path: the proof is read");
+    if (!trusts(s, *b->owner))
+      return error(EACCES,
+                   "direct path: no proof yet that this process may write the peer's "
+                   "memory (kDirectPeer, kDirectProve)");
+  }
   if (a->send_cq->channel != kNone || b->recv_cq->channel != kNone)
     return error(EOPNOTSUPP, "direct path: a CQ with a completion channel");
   // Nothing of ours in flight: the library starts where the backend stopped.

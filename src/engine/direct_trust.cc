@@ -12,11 +12,13 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
-#include <future>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -65,8 +67,25 @@ Result<uint32_t> pid_as_seen_by(pid_t viewer, pid_t target) {
   return t[v.size() - 1];
 }
 
-Status check_mem_proof(int proof, uint64_t addr, std::span<const uint8_t> cookie, int wait_ms) {
-  if (cookie.size() > 16) return error(EINVAL, "a cookie of more than 16 bytes");
+struct MemProof::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false, good = false;
+};
+
+bool MemProof::wait(int ms) const {
+  std::unique_lock lock(st_->mu);
+  return st_->cv.wait_for(lock, std::chrono::milliseconds(ms), [&] { return st_->done; });
+}
+
+bool MemProof::good() const {
+  std::lock_guard lock(st_->mu);
+  return st_->done && st_->good;
+}
+
+Result<MemProof> start_mem_proof(int proof, uint64_t addr, std::span<const uint8_t> cookie) {
+  using Cookie = std::array<uint8_t, 16>;
+  if (cookie.size() != sizeof(Cookie)) return error(EINVAL, "a cookie is 16 bytes");
   const int fl = ::fcntl(proof, F_GETFL);
   if (fl < 0 || (fl & O_ACCMODE) != O_RDWR) return error(EPERM, "the proof is not open O_RDWR");
   struct statfs fs {};
@@ -86,27 +105,29 @@ Status check_mem_proof(int proof, uint64_t addr, std::span<const uint8_t> cookie
     g_proof_readers.fetch_sub(1);
     return error(EMFILE, "duplicating the proof");
   }
-  using Read = std::array<uint8_t, 17>;  // the bytes, then 1 if all of them were read
-  std::promise<Read> done;
-  std::future<Read> got = done.get_future();
+  MemProof p;
+  p.st_ = std::make_shared<MemProof::State>();
+  Cookie want;
+  std::memcpy(want.data(), cookie.data(), want.size());
   try {
-    std::thread([fd = std::move(fd), addr, len = cookie.size(), done = std::move(done)]() mutable {
-      Read r{};
-      r[16] =
-          ::pread(fd.get(), r.data(), len, static_cast<off_t>(addr)) == static_cast<ssize_t>(len);
-      done.set_value(r);
+    std::thread([fd = std::move(fd), addr, want, st = p.st_] {
+      Cookie got{};
+      const bool ok = ::pread(fd.get(), got.data(), got.size(), static_cast<off_t>(addr)) ==
+                          static_cast<ssize_t>(got.size()) &&
+                      got == want;
+      {
+        std::lock_guard lock(st->mu);
+        st->done = true;
+        st->good = ok;
+      }
+      st->cv.notify_all();
       g_proof_readers.fetch_sub(1);
     }).detach();
   } catch (const std::system_error&) {
     g_proof_readers.fetch_sub(1);
     return error(EAGAIN, "no thread to read the proof");
   }
-  if (got.wait_for(std::chrono::milliseconds(wait_ms)) != std::future_status::ready)
-    return error(EAGAIN, "the peer's memory did not answer in time");
-  const Read r = got.get();
-  if (!r[16] || std::memcmp(r.data(), cookie.data(), cookie.size()) != 0)
-    return error(EPERM, "the proof's process does not hold the peer's cookie");
-  return Status::ok();
+  return p;
 }
 
 }  // namespace vrdma::engine

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "common/status.h"
@@ -18,12 +19,26 @@ namespace vrdma::engine {
 /// (its pid namespace is not `target`'s or an ancestor of it).
 Result<uint32_t> pid_as_seen_by(pid_t viewer, pid_t target);
 
-/// Whether `proof` is a /proc/PID/mem descriptor opened O_RDWR whose process holds `cookie` at
-/// `addr`: only a process the kernel let open that file for writing (PTRACE_MODE_ATTACH: uid
-/// or CAP_SYS_PTRACE, Yama, LSMs), or one that such a process handed it to, can have it. The
-/// read goes through the peer's page tables, which the peer controls (a userfaultfd or FUSE
-/// mapping could stall it), so it runs on a thread of its own and is waited for at most
-/// `wait_ms`; EAGAIN if it did not finish (at most a few such threads at a time: EBUSY beyond).
-Status check_mem_proof(int proof, uint64_t addr, std::span<const uint8_t> cookie, int wait_ms);
+/// A proof being read (start_mem_proof): its thread reads the peer's memory through it.
+class MemProof {
+ public:
+  /// Waits up to `ms` for the read; whether it is done.
+  bool wait(int ms) const;
+  /// Done, and the cookie was there: the proof holds.
+  bool good() const;
+
+ private:
+  friend Result<MemProof> start_mem_proof(int, uint64_t, std::span<const uint8_t>);
+  struct State;
+  std::shared_ptr<State> st_;
+};
+
+/// Starts checking that `proof` is a /proc/PID/mem descriptor opened O_RDWR whose process holds
+/// `cookie` at `addr`: only a process the kernel let open that file for writing
+/// (PTRACE_MODE_ATTACH: uid or CAP_SYS_PTRACE, Yama, LSMs), or one that such a process handed
+/// it to, can have it. What the descriptor is is checked at once (EPERM). The read goes through
+/// the peer's page tables, which the peer controls (a userfaultfd or FUSE mapping could stall
+/// it), so it runs on a thread of its own; at most a few such threads at a time (EBUSY).
+Result<MemProof> start_mem_proof(int proof, uint64_t addr, std::span<const uint8_t> cookie);
 
 }  // namespace vrdma::engine

@@ -104,13 +104,13 @@ bool grant_still_good(const Grant& g) {
 /// Shows the backend that this process may write the memory of the QP's peer: the kernel lets
 /// a process open another's /proc/PID/mem for writing only if it may ptrace-attach to it (uid
 /// or CAP_SYS_PTRACE, Yama's ptrace_scope, LSMs), and the pid is one our pid namespace shows.
-bool prove_access(VContext& ctx, VQp& qp) {
+int prove_access(VContext& ctx, VQp& qp) {
   HandleReq req{qp.handle, 0};
   DirectPeerResp peer{};
-  if (ctx.call(Op::kDirectPeer, req, peer) != 0) {
+  if (int rc = ctx.call(Op::kDirectPeer, req, peer)) {
     VLOG_DEBUG("direct path: QP {:#x}: the backend names no peer process we can see: {}",
-               qp.qp.qp_num, std::strerror(errno));
-    return false;
+               qp.qp.qp_num, std::strerror(rc));
+    return rc;
   }
   char path[32];
   std::snprintf(path, sizeof(path), "/proc/%u/mem", peer.pid);
@@ -118,11 +118,11 @@ bool prove_access(VContext& ctx, VQp& qp) {
   if (!mem.valid()) {
     VLOG_DEBUG("direct path: QP {:#x} stays on the backend: {}: {}", qp.qp.qp_num, path,
                std::strerror(errno));
-    return false;
+    return EPERM;
   }
   const int fd = mem.get();
   Empty none;
-  return ctx.call(Op::kDirectProve, req, none, std::span<const int>(&fd, 1)) == 0;
+  return ctx.call(Op::kDirectProve, &req, sizeof(req), &none, 0, std::span<const int>(&fd, 1));
 }
 
 /// Asks the backend for a grant; backs off after a refusal.
@@ -132,10 +132,13 @@ void ask_grant(VQp& qp) {
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
   int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
-  // No proof yet that we may write the peer's memory: give one, once, and ask again.
+  // No proof yet that we may write the peer's memory: give one and ask again. A refused proof
+  // is not given again; one not settled yet (EAGAIN: the peer not ready, a busy backend) is.
   if (rc == EACCES && !qp.proof_failed) {
-    qp.proof_failed = !prove_access(ctx, qp);
-    if (!qp.proof_failed) rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+    rc = prove_access(ctx, qp);
+    qp.proof_failed = rc != 0 && rc != EAGAIN && rc != EBUSY;
+    if (rc == 0) rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+    if (rc == EBUSY) rc = EAGAIN;
   }
   if (rc) {
     // Not now (peer not connected yet, work in flight): soon. Not for this QP: rarely.
@@ -389,7 +392,7 @@ void send_direct_cookie(VContext& ctx) {
     return;  // no cookie: no peer can prove it may write us, and the pair stays mediated
   std::memcpy(req.cookie, ctx.direct_cookie, sizeof(req.cookie));
   Empty none;
-  if (ctx.call(Op::kDirectCookie, req, none) != 0)
+  if (ctx.call(Op::kDirectCookie, &req, sizeof(req), &none, 0) != 0)
     VLOG_DEBUG("direct path: the backend took no cookie: {}", std::strerror(errno));
 }
 

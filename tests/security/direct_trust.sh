@@ -14,8 +14,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 SEC_VRDMAD_ARGS="--direct-path"
 sec_init "${1:-}"
-N=2000
-if under_asan; then N=300; fi
+N=500
+if under_asan; then N=200; fi
 YAMA=/proc/sys/kernel/yama/ptrace_scope
 
 # Grant lines for guest G in the log of the backend. Usage: grants G
@@ -42,7 +42,7 @@ if [[ -n $yama_was && $yama_was != 0 ]]; then
   echo 0 >"$YAMA" || fail "cannot set $YAMA"
 fi
 restore_yama() { [[ -z $yama_was ]] || echo "$yama_was" >"$YAMA"; }
-trap 'rc=$?; restore_yama; (exit $rc); sec_cleanup' EXIT
+trap 'rc=$?; set +e; restore_yama; (exit $rc); sec_cleanup' EXIT
 pp_as "$VICTIM"
 pair same yes
 logged "pid [0-9]+ \(guest same-c\) may write pid [0-9]+ \(guest same-s\) by the kernel's rules" \
@@ -61,6 +61,7 @@ fi
 # 3. Two containers of uid 0: neither sees the other's process, so neither can prove anything.
 if ! unshare --pid --mount --fork --mount-proc true 2>/dev/null; then
   log "containers: skipped: no pid and mount namespaces here"
+  e2e_pass
   exit 0
 fi
 VRUN=(unshare --pid --mount --fork --mount-proc "$SEC_BIN/vrdma" run)
@@ -84,4 +85,4 @@ for ((k = 0; k < 100; k++)); do
 done
 [[ -S $VRDMA_SOCKET ]] || fail "the backend did not start: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
 pair tenant yes
-log "ok: one user granted, Yama ${yama_was:+and }containers not, a declared tenant granted"
+e2e_pass
