@@ -68,6 +68,21 @@ Setter string_list(std::vector<std::string>& out) {
   };
 }
 
+/// An array of arrays of strings (`[["a", "b"], ["c", "d"]]`).
+Setter string_groups(std::vector<std::vector<std::string>>& out) {
+  return [&out](const toml::node& n, const std::string& at) -> Status {
+    const toml::array* a = n.as_array();
+    std::vector<std::vector<std::string>> v;
+    for (size_t i = 0; a && i < a->size(); ++i) {
+      v.emplace_back();
+      if (!string_list(v.back())((*a)[i], at).is_ok()) a = nullptr;
+    }
+    if (!a) return error(EINVAL, at + ": expected an array of arrays of strings");
+    out = std::move(v);
+    return Status::ok();
+  };
+}
+
 /// "ADDR:PORT" with a port in 1..65535 (IPv6 addresses in brackets).
 Setter endpoint(std::string& out, bool empty_ok) {
   return [&out, empty_ok](const toml::node& n, const std::string& at) -> Status {
@@ -178,6 +193,8 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
       {"datapath",
        {{"spin_us", integer(c.spin_us, 0, 10000000)},
         {"direct_path", boolean(c.direct_path)},
+        {"direct_trust", string(c.direct_trust, {"kernel", "uid"})},
+        {"direct_tenants", string_groups(c.direct_tenants)},
         {"direct_remote", boolean(c.direct_remote)}}},
       {"quotas",
        {{"max_pds", integer(q.max_pds, 1, 1 << 20)},

@@ -37,6 +37,14 @@ struct Config {
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
   /// "Direct path"); not with keep_state yet.
   bool direct_path = false;
+  /// Who may get a direct grant into whose memory (always: one uid). "kernel": a process that
+  /// shows it could already write the peer's memory (/proc/PID/mem, by the kernel's ptrace
+  /// rules: Yama, LSMs, namespaces). "uid": every two guests of one uid (the operator declares
+  /// each uid one tenant).
+  std::string direct_trust = "kernel";
+  /// Guests the operator declares one tenant, by name: those named in one list trust each other
+  /// without a proof (one uid still).
+  std::vector<std::vector<std::string>> direct_tenants;
   /// The same across backends: the libraries of an RC QP pair on two backends talk TCP to each
   /// other, the backends only introduce them; not with keep_state yet.
   bool direct_remote = false;

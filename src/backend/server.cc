@@ -241,6 +241,7 @@ Status Server::setup() {
   if (opt_.direct_path && opt_.keep_state)
     VLOG_WARN("direct_path is off: a keeper cannot hold the state of direct QPs yet");
   dev_.set_direct(opt_.direct_path && !opt_.keep_state);
+  dev_.set_direct_trust(opt_.direct_trust == "uid", opt_.direct_tenants);
   if (opt_.direct_remote && opt_.keep_state)
     VLOG_WARN("direct_remote is off: a keeper cannot hold the state of direct QPs yet");
   dev_.set_direct_remote(opt_.direct_remote && !opt_.keep_state);
@@ -496,6 +497,16 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     case Op::kDetachMcast:
       reply_status(dev_.detach_mcast(*s, body_of<McastReq>(msg).value()));
+      break;
+    case Op::kDirectCookie:
+      reply_status(dev_.direct_cookie(*s, body_of<DirectCookieReq>(msg).value()));
+      break;
+    case Op::kDirectPeer:
+      reply(dev_.direct_peer(*s, handle_of()));
+      break;
+    case Op::kDirectProve:
+      reply_status(
+          dev_.direct_prove(*s, handle_of(), fds.empty() ? UniqueFd() : std::move(fds[0])));
       break;
     case Op::kDirectGrant:
     case Op::kDirectRings:

@@ -24,6 +24,7 @@
 #include "common/socket.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "engine/direct_trust.h"
 #include "engine/quotas.h"
 #include "proto/command.h"
 #include "proto/responder_rules.h"
@@ -343,6 +344,17 @@ struct Session {
   std::map<uint32_t, std::unique_ptr<Srq>> srqs;
   std::map<uint32_t, Dm> dms;
   std::map<uint32_t, std::unique_ptr<Mw>> mws;
+  /// The direct path's trust (device_direct.cc): where this process keeps its proof cookie
+  /// (kDirectCookie), and the sessions whose memory it proved it may write (kDirectProve).
+  uint64_t cookie_addr = 0;
+  std::array<uint8_t, proto::kDirectCookieBytes> cookie{};
+  std::vector<uint32_t> may_write;
+  struct Proving {    ///< a proof still being read
+    uint32_t peer;    ///< the session it is about
+    std::string who;  ///< "pid P (guest G)", for the log
+    MemProof proof;
+  };
+  std::vector<Proving> proving;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -474,6 +486,19 @@ class Device : public transport::Receiver {
   /// fills `fds` (kDirectGrant's order). EAGAIN: not now (peer not ready, work in flight).
   Result<proto::DirectGrantResp> direct_grant(Session& s, uint32_t handle,
                                               std::vector<UniqueFd>& fds);
+  /// Who trusts whom ([datapath] direct_trust): with `uid_enough`, any two guests of one uid;
+  /// else guests named together in one of `tenants`, or a session that proved it may write the
+  /// peer's memory (kDirectProve). A grant needs one of them, and one uid, always.
+  void set_direct_trust(bool uid_enough, std::vector<std::vector<std::string>> tenants) {
+    direct_uid_enough_ = uid_enough;
+    direct_tenants_ = std::move(tenants);
+  }
+  /// kDirectCookie: where session `s` keeps its proof cookie.
+  Status direct_cookie(Session& s, const proto::DirectCookieReq& req);
+  /// kDirectPeer: the pid of QP `handle`'s peer process in the caller's pid namespace.
+  Result<proto::DirectPeerResp> direct_peer(Session& s, uint32_t handle);
+  /// kDirectProve: `proof` shows that `s` may write the memory of QP `handle`'s peer session.
+  Status direct_prove(Session& s, uint32_t handle, UniqueFd proof);
   /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds.
   Result<proto::DirectRingsResp> direct_rings(Session& s, uint32_t handle,
                                               std::vector<UniqueFd>& fds);
@@ -620,6 +645,10 @@ class Device : public transport::Receiver {
   /// lookup_remote() for a requester on this backend: null unless the responder's route is
   /// local too (a QP connected to a peer on another node hears only that node).
   Qp* local_responder(const Qp& from);
+  /// The direct path's trust rule (device_direct.cc): may `s` write `peer`'s memory?
+  bool trusts(const Session& s, const Session& peer) const;
+  /// The session of QP `handle`'s peer QP on this backend, of the same uid.
+  Result<Session*> direct_peer_session(Session& s, uint32_t handle);
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                            const uint8_t sgid[16]);
@@ -793,6 +822,8 @@ class Device : public transport::Receiver {
   uint64_t now_ns_ = 0;
   bool direct_ = false;
   bool direct_remote_ = false;
+  bool direct_uid_enough_ = false;                        ///< see set_direct_trust
+  std::vector<std::vector<std::string>> direct_tenants_;  ///< ... by guest name
   uint32_t backend_uid_;                ///< see set_backend_uid
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };

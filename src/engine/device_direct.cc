@@ -1,6 +1,8 @@
 // The direct path's control side: grants that let the library of an RC QP execute its WQEs
 // itself, straight into its peer QP's memory, when both guests run as one uid on this backend
-// (such processes could already read each other's memory). The backend stays in the control
+// and the requester could already write the peer's memory by the kernel's rules (it proved so
+// with a /proc/PID/mem descriptor), or the operator declared them one tenant ([datapath]
+// direct_trust, direct_tenants). The backend stays in the control
 // path: it checks every condition at grant time, hands out only the peer's rings, MR table and
 // segments, and ends grants by bumping the guests' epochs. docs/ARCHITECTURE.md, "Direct path".
 // Across backends it only introduces two libraries (offer, then remote): they talk TCP.
@@ -11,6 +13,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <map>
@@ -20,6 +23,7 @@
 #include "common/socket.h"
 #include "engine/datapath_util.h"
 #include "engine/device.h"
+#include "engine/direct_trust.h"
 
 namespace vrdma::engine {
 
@@ -49,7 +53,101 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
+/// How long the engine thread waits for a proof's read of the peer's memory; a read that takes
+/// longer is settled at a later grant (Session::proving).
+constexpr int kProofWaitMs = 5;
+
+/// Takes in the proofs of `s` whose reads are done; true if one for session `peer` is still
+/// being read.
+bool settle_proofs(Session& s, uint32_t peer) {
+  bool pending = false;
+  std::erase_if(s.proving, [&](const Session::Proving& p) {
+    if (!p.proof.wait(0)) {
+      pending = pending || p.peer == peer;
+      return false;
+    }
+    if (p.proof.good()) {
+      s.may_write.push_back(p.peer);
+      VLOG_INFO("direct path: pid {} (guest {}) may write {} by the kernel's rules", s.pid,
+                s.guest->name, p.who);
+    } else {
+      VLOG_INFO(
+          "direct path: pid {} (guest {}) offered no proof that it may write {}: the "
+          "proof's process does not hold the cookie; the pair stays mediated",
+          s.pid, s.guest->name, p.who);
+    }
+    return true;
+  });
+  return pending;
+}
+
 }  // namespace
+
+bool Device::trusts(const Session& s, const Session& peer) const {
+  if (direct_uid_enough_ || &s == &peer) return true;
+  for (const auto& t : direct_tenants_) {
+    if (std::find(t.begin(), t.end(), s.guest->name) != t.end() &&
+        std::find(t.begin(), t.end(), peer.guest->name) != t.end())
+      return true;
+  }
+  return std::find(s.may_write.begin(), s.may_write.end(), peer.id) != s.may_write.end();
+}
+
+Result<Session*> Device::direct_peer_session(Session& s, uint32_t handle) {
+  if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
+  Qp* a = find_qp(s, handle);
+  if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
+  Qp* b = a->remote ? nullptr : local_responder(*a);
+  if (!b) return error(EAGAIN, "direct path: peer QP not on this backend or not connected yet");
+  if (b->owner->uid != s.uid || s.uid == kNoUid)
+    return error(EPERM, "direct path: peer runs as another user");
+  return b->owner;
+}
+
+Status Device::direct_cookie(Session& s, const DirectCookieReq& req) {
+  if (req.addr == 0) return error(EINVAL, "direct cookie at address 0");
+  s.cookie_addr = req.addr;
+  std::memcpy(s.cookie.data(), req.cookie, kDirectCookieBytes);
+  return Status::ok();
+}
+
+Result<DirectPeerResp> Device::direct_peer(Session& s, uint32_t handle) {
+  ASSIGN_OR_RETURN(Session * peer, direct_peer_session(s, handle));
+  if (peer->cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
+  // Only a number the caller could find in its own /proc: a peer in another pid namespace
+  // (another container) stays unnamed, and the caller cannot prove anything.
+  ASSIGN_OR_RETURN(uint32_t pid,
+                   pid_as_seen_by(static_cast<pid_t>(s.pid), static_cast<pid_t>(peer->pid)));
+  return DirectPeerResp{pid, 0};
+}
+
+Status Device::direct_prove(Session& s, uint32_t handle, UniqueFd proof) {
+  ASSIGN_OR_RETURN(Session * peer, direct_peer_session(s, handle));
+  if (!proof.valid()) return error(EINVAL, "direct path: no proof attached");
+  if (peer->cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
+  if (settle_proofs(s, peer->id)) return error(EAGAIN, "direct path: an earlier proof is read");
+  if (trusts(s, *peer)) return Status::ok();
+  auto p = start_mem_proof(proof.get(), peer->cookie_addr, peer->cookie);
+  const bool done = p.is_ok() && p.value().wait(kProofWaitMs);
+  if (!p.is_ok() || (done && !p.value().good())) {
+    const Status st =
+        p.is_ok() ? error(EPERM, "the proof's process does not hold the cookie") : p.status();
+    VLOG_INFO(
+        "direct path: pid {} (guest {}) offered no proof that it may write pid {} (guest "
+        "{}): {}; the pair stays mediated",
+        s.pid, s.guest->name, peer->pid, peer->guest->name, st.message());
+    return st;
+  }
+  if (!done) {  // a busy machine, or a peer whose memory stalls: the next grant looks again
+    s.proving.push_back({peer->id, fmt::format("pid {} (guest {})", peer->pid, peer->guest->name),
+                         std::move(p).value()});
+    return error(EAGAIN, "direct path: the proof is being read");
+  }
+  s.may_write.push_back(peer->id);
+  VLOG_INFO("direct path: pid {} (guest {}) may write pid {} (guest {}) by the kernel's rules",
+            s.pid, s.guest->name, peer->pid, peer->guest->name);
+  return Status::ok();
+}
 
 void Device::bump_epoch(Guest& g) {
   if (!g.epoch.valid()) return;  // never granted: nobody looks
@@ -92,8 +190,15 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   Qp* b = local_responder(*a);
   if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
   if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
-  if (b->owner->uid != s.uid || s.uid == UINT32_MAX)
+  if (b->owner->uid != s.uid || s.uid == kNoUid)
     return error(EPERM, "direct path: peer runs as another user");
+  if (!trusts(s, *b->owner)) {
+    if (settle_proofs(s, b->owner->id)) return error(EAGAIN, "direct path: the proof is read");
+    if (!trusts(s, *b->owner))
+      return error(EACCES,
+                   "direct path: no proof yet that this process may write the peer's "
+                   "memory (kDirectPeer, kDirectProve)");
+  }
   if (a->send_cq->channel != kNone || b->recv_cq->channel != kNone)
     return error(EOPNOTSUPP, "direct path: a CQ with a completion channel");
   // Nothing of ours in flight: the library starts where the backend stopped.

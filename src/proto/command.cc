@@ -25,6 +25,8 @@ size_t request_body_size(Op op) {
     case Op::kDirectGrant:
     case Op::kDirectRings:
     case Op::kDirectRemote:
+    case Op::kDirectPeer:
+    case Op::kDirectProve:
     case Op::kCmDestroyChannel:
     case Op::kCmDestroyId:
     case Op::kCmEstablish:
@@ -60,6 +62,8 @@ size_t request_body_size(Op op) {
     case Op::kCmMigrateId: return sizeof(CmMigrateReq);
     case Op::kCmEvent: break;  // never a request
     case Op::kDirectOffer: return sizeof(DirectOfferReq);
+    case Op::kDirectCookie:
+      return sizeof(DirectCookieReq);
     case Op::kCreateSrq: return sizeof(CreateSrqReq);
     case Op::kModifySrq: return sizeof(ModifySrqReq);
     case Op::kRegSegment: return sizeof(RegSegmentReq);
@@ -144,9 +148,16 @@ std::string op_name(uint16_t op) {
                                            "free_dm",
                                            "reg_dm_mr",
                                            "alloc_mw",
-                                           "dealloc_mw"};
+                                           "dealloc_mw",
+                                           nullptr,  // 61-64: other work in progress
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,
+                                           "direct_cookie",
+                                           "direct_peer",
+                                           "direct_prove"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
-  if (op == 0 || op >= std::size(kNames)) return fmt::format("op {}", op);
+  if (op == 0 || op >= std::size(kNames) || !kNames[op]) return fmt::format("op {}", op);
   return kNames[op];
 }
 

@@ -97,7 +97,12 @@ enum class Op : uint16_t {
   kRegDmMr = 58,    ///< RegDmMrReq; RegMrResp
   kAllocMw = 59,    ///< AllocMwReq; AllocMwResp (binds go through the send queue: SendWqe)
   kDeallocMw = 60,  ///< HandleReq
-  kMax = 61,        ///< one past the last opcode; never sent
+  // 61-64: other work in progress (kept free here).
+  // The direct path's trust rule (docs/ARCHITECTURE.md, "Direct path": trust).
+  kDirectCookie = 65,  ///< DirectCookieReq; Empty
+  kDirectPeer = 66,    ///< HandleReq (the QP); DirectPeerResp
+  kDirectProve = 67,   ///< HandleReq (the QP), one fd attached: the proof; Empty
+  kMax = 68,           ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -366,6 +371,29 @@ struct DirectRemoteResp {
   uint8_t token[kDirectTokenBytes];
 };
 static_assert(sizeof(DirectRemoteResp) == 40);
+
+// ---- The direct path's trust rule: a grant needs proof that the requesting process could
+// already write the peer's memory by the kernel's own rules (ptrace access mode, Yama, LSMs,
+// namespaces), unless the operator declared the two guests one tenant ([datapath] direct_trust).
+// kDirectCookie: where this process keeps its session's proof cookie (16 random bytes the
+// library chose and wrote there before asking): a proof for this session must read it there.
+inline constexpr size_t kDirectCookieBytes = 16;
+struct DirectCookieReq {
+  uint64_t addr;  ///< in this process's address space
+  uint8_t cookie[kDirectCookieBytes];
+};
+static_assert(sizeof(DirectCookieReq) == 24);
+// kDirectPeer (HandleReq: the QP; a kDirectGrant answered EACCES): the pid of the peer QP's
+// process as the caller's pid namespace numbers it (same uid only; EPERM when the caller cannot
+// see it, EAGAIN when the peer's library has not sent its cookie).
+struct DirectPeerResp {
+  uint32_t pid;
+  uint32_t reserved;
+};
+static_assert(sizeof(DirectPeerResp) == 8);
+// kDirectProve (HandleReq: the QP): the attached descriptor is that pid's /proc/PID/mem, opened
+// O_RDWR by the caller. The backend reads the peer's cookie through it; from then on this
+// session may get grants into that session's memory. EPERM: not a proof.
 
 struct QpCaps {
   uint32_t max_send_wr;

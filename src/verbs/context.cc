@@ -416,6 +416,7 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
     errno = ENOMEM;
     return nullptr;
   }
+  send_direct_cookie(*ctx);
   verbs_context& v = ctx->vctx;
   ibv_context& c = v.context;
   c.device = dev;

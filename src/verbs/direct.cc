@@ -2,10 +2,14 @@
 // lookups; the hot path is checks against the grant, memcpy, and two release stores.
 #include "verbs/direct.h"
 
+#include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "common/log.h"
@@ -97,13 +101,45 @@ bool grant_still_good(const Grant& g) {
          g.peer_epoch->epoch.load(std::memory_order_acquire) == g.peer_epoch_v;
 }
 
+/// Shows the backend that this process may write the memory of the QP's peer: the kernel lets
+/// a process open another's /proc/PID/mem for writing only if it may ptrace-attach to it (uid
+/// or CAP_SYS_PTRACE, Yama's ptrace_scope, LSMs), and the pid is one our pid namespace shows.
+int prove_access(VContext& ctx, VQp& qp) {
+  HandleReq req{qp.handle, 0};
+  DirectPeerResp peer{};
+  if (int rc = ctx.call(Op::kDirectPeer, req, peer)) {
+    VLOG_DEBUG("direct path: QP {:#x}: the backend names no peer process we can see: {}",
+               qp.qp.qp_num, std::strerror(rc));
+    return rc;
+  }
+  char path[32];
+  std::snprintf(path, sizeof(path), "/proc/%u/mem", peer.pid);
+  UniqueFd mem(::open(path, O_RDWR | O_CLOEXEC));
+  if (!mem.valid()) {
+    VLOG_DEBUG("direct path: QP {:#x} stays on the backend: {}: {}", qp.qp.qp_num, path,
+               std::strerror(errno));
+    return EPERM;
+  }
+  const int fd = mem.get();
+  Empty none;
+  return ctx.call(Op::kDirectProve, &req, sizeof(req), &none, 0, std::span<const int>(&fd, 1));
+}
+
 /// Asks the backend for a grant; backs off after a refusal.
 void ask_grant(VQp& qp) {
   VContext& ctx = *to_vctx(qp.qp.context);
   auto resp = std::make_unique<DirectGrantResp>();
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
-  const int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+  int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+  // No proof yet that we may write the peer's memory: give one and ask again. A refused proof
+  // is not given again; one not settled yet (EAGAIN: the peer not ready, a busy backend) is.
+  if (rc == EACCES && !qp.proof_failed) {
+    rc = prove_access(ctx, qp);
+    qp.proof_failed = rc != 0 && rc != EAGAIN && rc != EBUSY;
+    if (rc == 0) rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+    if (rc == EBUSY) rc = EAGAIN;
+  }
   if (rc) {
     // Not now (peer not connected yet, work in flight): soon. Not for this QP: rarely.
     const uint32_t base = rc == EAGAIN ? kFirstBackoff : kMaxBackoff / 4;
@@ -346,6 +382,18 @@ void drop_grant(VQp& qp) {
   qp.sq_lock.lock();
   reset_grant(qp);
   qp.sq_lock.unlock();
+}
+
+void send_direct_cookie(VContext& ctx) {
+  if (!(ctx.control_page()->features & kFeatureDirect)) return;
+  DirectCookieReq req{reinterpret_cast<uint64_t>(ctx.direct_cookie), {}};
+  if (::getrandom(ctx.direct_cookie, sizeof(ctx.direct_cookie), 0) !=
+      static_cast<ssize_t>(sizeof(ctx.direct_cookie)))
+    return;  // no cookie: no peer can prove it may write us, and the pair stays mediated
+  std::memcpy(req.cookie, ctx.direct_cookie, sizeof(req.cookie));
+  Empty none;
+  if (ctx.call(Op::kDirectCookie, &req, sizeof(req), &none, 0) != 0)
+    VLOG_DEBUG("direct path: the backend took no cookie: {}", std::strerror(errno));
 }
 
 void direct_post(VQp& qp, ibv_send_wr*& wr) {

@@ -1,5 +1,6 @@
 // The library's side of the direct path (docs/ARCHITECTURE.md, "Direct path"): an RC QP whose
-// peer QP is a guest of the same uid on the same backend may, once the backend grants it,
+// peer QP is a guest of the same uid on the same backend, in a process whose memory ours may
+// write by the kernel's rules (we prove it: /proc/PID/mem), may, once the backend grants it,
 // execute its WQEs itself: copy straight into the peer's memory (mapped from the segments the
 // grant names), take the peer's receive WQEs, and write both completions into the QPs' own
 // completion rings. Anything it cannot do at once (no receive posted, a key it does not know,
@@ -117,6 +118,10 @@ void count(OwnRing& r, uint64_t bytes);
 
 /// The cursors of another process are read only when the copy we have says "full" or "empty":
 /// each such read moves a cache line between the cores.
+/// Tells the backend where this process keeps its proof cookie (kDirectCookie), when the
+/// backend offers the direct path: a peer's library proves it may write our memory by reading
+/// it through our /proc/PID/mem. Once, at ibv_open_device.
+void send_direct_cookie(VContext& ctx);
 /// Executes WRs of `wr`'s chain directly while it can; leaves `wr` at the first one it did not
 /// execute (null: all done). Asks for a grant when the QP has none. Called under the SQ lock.
 void direct_post(VQp& qp, ibv_send_wr*& wr);

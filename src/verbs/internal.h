@@ -35,6 +35,9 @@ struct VContext {
   MappedRegion control;
   UniqueFd doorbell;
   std::string guest;
+  /// The direct path's proof cookie (kDirectCookie): random, told only to the backend; a process
+  /// that shows the backend these bytes through our /proc/PID/mem may write our memory.
+  alignas(16) uint8_t direct_cookie[proto::kDirectCookieBytes] = {};
   std::mutex objs_mu;  ///< guards the handle maps below
   std::map<uint32_t, struct VCq*> cqs;
   std::map<uint32_t, struct VQp*> qps;
@@ -157,6 +160,7 @@ struct VQp {
   std::atomic<bool> granted{false};
   uint32_t grant_wait = 0;     ///< posts to let pass before asking again
   uint32_t grant_backoff = 0;  ///< the wait after the next refusal
+  bool proof_failed = false;   ///< the kernel would not let us write the peer: do not ask again
   uint32_t pd = 0;             ///< the PD handle (local SGE checks)
   bool sig_all = false;
   uint32_t mr_gen = ~0u;  ///< one-entry cache of VContext::local_mrs

@@ -17,12 +17,20 @@ ATTACKER=""
 BACKEND_PID=""
 
 sec_init() {
-  local bin=$1 k
+  local bin=$1
   e2e_init "$bin"
   sec_users "$bin"
-  # SEC_VRDMAD_LOG=debug: the backend logs at that level (what a test greps may be a debug line).
+  sec_backend
+  share_socket "$VRDMA_SOCKET"  # the README's recipe
+}
+
+# Starts the root backend on $VRDMA_SOCKET (SEC_VRDMAD_ARGS, then ARGS) and waits for its
+# socket; sets BACKEND_PID. SEC_VRDMAD_LOG=debug: it logs at that level (what a test greps may be
+# a debug line). Usage: sec_backend [ARGS...]
+sec_backend() {
+  local k
   ${SEC_VRDMAD_LOG:+env VRDMA_LOG=$SEC_VRDMAD_LOG} \
-    "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} \
+    "$SEC_BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 ${SEC_VRDMAD_ARGS:-} "$@" \
     >>"$E2E_TMP/vrdmad.log" 2>&1 &
   BACKEND_PID=$!
   for ((k = 0; k < 100; k++)); do
@@ -30,7 +38,6 @@ sec_init() {
     nap 0.1
   done
   [[ -S $VRDMA_SOCKET ]] || fail "the backend did not start: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
-  share_socket "$VRDMA_SOCKET"  # the README's recipe
 }
 
 # Creates the users and their group (after e2e_init or hosts_init: their clean-up runs after

@@ -96,7 +96,12 @@ TEST(CommandCodec, EveryOpcodeRoundTrips) {
   round_trip<AllocDmReq>(Op::kAllocDm, rng);
   round_trip<HandleReq>(Op::kFreeDm, rng);
   round_trip<RegDmMrReq>(Op::kRegDmMr, rng);
+  round_trip<DirectCookieReq>(Op::kDirectCookie, rng);
+  round_trip<HandleReq>(Op::kDirectPeer, rng);
+  round_trip<HandleReq>(Op::kDirectProve, rng);
   EXPECT_EQ(request_body_size(Op::kMax), SIZE_MAX);
+  EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kDirectProve)), "direct_prove");
+  EXPECT_EQ(op_name(61), "op 61");  // a number kept free: no name, no body
 }
 
 TEST(CommandCodec, ResponsesRoundTripThroughDecodeHeader) {
@@ -121,6 +126,7 @@ TEST(CommandCodec, ResponsesRoundTripThroughDecodeHeader) {
   check(Op::kQueryQp, QueryQpResp{});
   check(Op::kResizeCq, CreateCqResp{});
   check(Op::kAllocDm, AllocDmResp{});
+  check(Op::kDirectPeer, DirectPeerResp{});
   Bytes empty_resp = encode(Op::kDestroyQp, 1, 0, Empty{});
   EXPECT_EQ(empty_resp.size(), sizeof(MsgHeader));
   EXPECT_TRUE(decode_header(empty_resp).is_ok());

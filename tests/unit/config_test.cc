@@ -15,6 +15,20 @@ TEST(ConfigTest, EmptyFileKeepsDefaults) {
   EXPECT_EQ(c.metrics_listen, "127.0.0.1:9464");
   EXPECT_FALSE(c.direct_path);
   EXPECT_FALSE(c.direct_remote);
+  EXPECT_EQ(c.direct_trust, "kernel");
+  EXPECT_TRUE(c.direct_tenants.empty());
+}
+
+// The direct path's trust rule: the kernel's by default; the operator may declare each uid, or
+// named guests, one tenant.
+TEST(ConfigTest, DirectTrust) {
+  Config c;
+  ASSERT_TRUE(c.load_string("[datapath]\ndirect_trust = \"uid\"\n"
+                            "direct_tenants = [[\"a\", \"b\"], [\"c\"]]\n",
+                            "t.toml")
+                  .is_ok());
+  EXPECT_EQ(c.direct_trust, "uid");
+  EXPECT_EQ(c.direct_tenants, (std::vector<std::vector<std::string>>{{"a", "b"}, {"c"}}));
 }
 
 TEST(ConfigTest, ReadsTheExhaustionLimits) {
@@ -103,15 +117,22 @@ TEST(ConfigTest, RejectsWithTheLineAndChangesNothing) {
   const Bad cases[] = {
       {"[backend]\nspin_us = 5\n",
        "t.toml:2: unknown key \"spin_us\" in [backend] (it belongs in [datapath])"},
-      {"[backend]\n\n[datapth]\n", "t.toml:3: unknown section [datapth] (did you mean [datapath]?)"},
-      {"[quotas]\nmax_qp = 5\n", "t.toml:2: unknown key \"max_qp\" in [quotas] (did you mean max_qps?)"},
+      {"[backend]\n\n[datapth]\n",
+       "t.toml:3: unknown section [datapth] (did you mean [datapath]?)"},
+      {"[quotas]\nmax_qp = 5\n",
+       "t.toml:2: unknown key \"max_qp\" in [quotas] (did you mean max_qps?)"},
       {"[datapath]\nspin_us = \"fast\"\n", "t.toml:2: datapath.spin_us: expected an integer"},
       {"[quotas]\nmax_qps = 0\n", "t.toml:2: quotas.max_qps: 0 is out of range"},
       {"[backend]\nlog_level = \"loud\"\n", "is not one of: debug, info, warn, error"},
-      {"[transport]\nlisten = \"10.0.0.1\"\n", "t.toml:2: transport.listen: \"10.0.0.1\" is not ADDR:PORT"},
+      {"[transport]\nlisten = \"10.0.0.1\"\n",
+       "t.toml:2: transport.listen: \"10.0.0.1\" is not ADDR:PORT"},
       {"[transport]\npeers = [\"a:0\"]\n", "transport.peers: \"a:0\" is not ADDR:PORT"},
       {"[metrics]\nenabled = 1\n", "t.toml:2: metrics.enabled: expected true or false"},
       {"[quotas]\nmax_qps = 3\nmax_cqs = \n", "t.toml:3:"},
+      {"[datapath]\ndirect_trust = \"anyone\"\n", "is not one of: kernel, uid"},
+      {"[datapath]\ndirect_tenants = [\"a\", \"b\"]\n",
+       "t.toml:2: datapath.direct_tenants: expected an array of arrays of strings"},
+      {"[datapath]\ndirect_tenants = [[\"a\", 1]]\n", "expected an array of arrays of strings"},
   };
   for (const Bad& b : cases) {
     Config c;

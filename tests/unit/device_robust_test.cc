@@ -452,6 +452,7 @@ TEST_F(DeviceTest, AtomicOnAMisalignedHostAddressIsRefusedLikeAMisalignedIova) {
 // a guest cannot move its epoch back and keep a revoked grant alive.
 TEST_F(DeviceTest, EpochDescriptorsStayReadOnlyWhenReopenedReadWrite) {
   dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});  // one uid is enough (direct_trust = "uid")
   a_.s->uid = b_.s->uid = ::getuid();
   connect_both();
   std::vector<UniqueFd> fds;
