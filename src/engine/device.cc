@@ -38,6 +38,26 @@ const char* res_name(Res r) {
   return kNames[static_cast<size_t>(r)];
 }
 
+/// A session's control page as the library first reads it: this protocol's magic and version,
+/// the features the backend offers and the guest's quotas.
+void init_control_page(ControlPage* cp, const Quotas& q, uint32_t features) {
+  cp->magic = kRingMagic;
+  cp->version = kRingVersion;
+  cp->features = features | kFeatureLimits;
+  cp->limits = GuestLimits{q.max_queue_depth,
+                           q.max_qps,
+                           q.max_cqs,
+                           q.max_srqs,
+                           q.max_mrs,
+                           q.max_pds,
+                           static_cast<uint32_t>(q.max_mr_bytes),
+                           static_cast<uint32_t>(q.max_mr_bytes >> 32)};
+  cp->max_dm_bytes_lo = static_cast<uint32_t>(q.max_dm_bytes);
+  cp->max_dm_bytes_hi = static_cast<uint32_t>(q.max_dm_bytes >> 32);
+  cp->max_mws = q.max_mws;
+  cp->backend_sleeping.store(0);
+}
+
 }  // namespace
 
 // Quotas fail with ENOMEM: the errno the verbs man pages give for "not enough resources" on
@@ -243,23 +263,8 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
   ASSIGN_OR_RETURN(s->control_fd, make_sealed_memfd("vrdma-control", kPage));
   s->control = MappedRegion::map_shared(s->control_fd.get(), kPage);
   if (!s->control.valid()) return error(errno, "mapping control page");
-  ControlPage* cp = s->control_page();
-  cp->magic = kRingMagic;
-  cp->version = kRingVersion;
-  cp->features =
-      (direct_ ? kFeatureDirect : 0) | (direct_remote_ ? kFeatureDirectRemote : 0) | kFeatureLimits;
-  cp->limits = GuestLimits{quotas_.max_queue_depth,
-                           quotas_.max_qps,
-                           quotas_.max_cqs,
-                           quotas_.max_srqs,
-                           quotas_.max_mrs,
-                           quotas_.max_pds,
-                           static_cast<uint32_t>(quotas_.max_mr_bytes),
-                           static_cast<uint32_t>(quotas_.max_mr_bytes >> 32)};
-  cp->max_dm_bytes_lo = static_cast<uint32_t>(quotas_.max_dm_bytes);
-  cp->max_dm_bytes_hi = static_cast<uint32_t>(quotas_.max_dm_bytes >> 32);
-  cp->max_mws = quotas_.max_mws;
-  cp->backend_sleeping.store(0);
+  init_control_page(s->control_page(), quotas_,
+                    (direct_ ? kFeatureDirect : 0) | (direct_remote_ ? kFeatureDirectRemote : 0));
   s->doorbell = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!s->doorbell.valid()) return error(errno, "eventfd");
   int p[2];
