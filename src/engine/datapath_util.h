@@ -40,14 +40,7 @@ inline void init_ring(proto::RingHeader* h, proto::RingKind kind, uint32_t entry
 /// The device keeps its own descriptor of every ring it hands out, so its state can move.
 inline UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
 
-/// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
-inline uint64_t rnr_delay_ns(uint8_t t) {
-  static constexpr uint32_t kUs[32] = {
-      655360, 10,    20,    30,    40,    60,     80,     120,    160,    240,   320,
-      480,    640,   960,   1280,  1920,  2560,   3840,   5120,   7680,   10240, 15360,
-      20480,  30720, 40960, 61440, 81920, 122880, 163840, 245760, 327680, 491520};
-  return uint64_t{kUs[t & 31]} * 1000;
-}
+/// The local ACK timeout's encoding, 4.096 µs * 2^t (min_rnr_timer's is proto::rnr_delay_ns).
 inline uint64_t ack_timeout_ns(uint8_t t) {
   if (t == 0) return 4096ull * 1000 * 1000;  // 0 means "infinite"; wait long, retry forever
   return (4096ull << std::min<uint8_t>(t, 31));

@@ -488,7 +488,7 @@ class Device : public transport::Receiver {
   Result<proto::DirectOfferResp> direct_offer(Session& s, const proto::DirectOfferReq& req,
                                               std::vector<UniqueFd>& fds);
   /// May the library of QP `handle` send straight to its peer's library? Needs the peer's
-  /// offer, RTS, rnr_retry 7, nothing in flight, no channel on the send CQ. Gives the QP its
+  /// offer, RTS, nothing in flight, no channel on the send CQ. Gives the QP its
   /// own send-completion ring (fds[0]); from then on the backend executes nothing of its SQ.
   /// EAGAIN: not yet; EOPNOTSUPP: never for this QP.
   Result<proto::DirectRemoteResp> direct_remote(Session& s, uint32_t handle,

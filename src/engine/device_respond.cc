@@ -228,14 +228,10 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
 }
 
 bool Device::rnr_wait(Qp& qp, uint8_t rnr_timer, uint64_t now_ns, bool fresh) {
-  // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times; 7 means forever.
-  if (fresh) qp.rnr_left = qp.attr.rnr_retry;
+  // RNR NAK: retry after the responder's min_rnr_timer, rnr_retry times (proto/responder_rules.h).
   qp.wait = Wait::kRnr;
   qp.cnt.rnr_naks++;
-  if (qp.rnr_left != 7) {
-    if (qp.rnr_left == 0) return false;
-    --qp.rnr_left;
-  }
+  if (!rnr_may_retry(qp.attr.rnr_retry, fresh, qp.rnr_left)) return false;
   qp.wait_until_ns = now_ns + rnr_delay_ns(rnr_timer);
   return true;
 }

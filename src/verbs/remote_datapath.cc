@@ -236,10 +236,12 @@ bool write_request(RemoteQp& r, Conn& out, Inflight& e) {
   return e.inl ? send_frame(out, e.f, &inl, 1, true) : send_frame(out, e.f, e.local, e.nl, false);
 }
 
-/// The peer's kResume: kRewind, then every request from the one it dropped on, in order (fl_mu
-/// held). A write that fails leaves it to the reader, which finds the connection broken.
+/// The peer's kResume, or a counted RNR retry's timer: kRewind, then every request from the one
+/// it dropped on, in order (fl_mu held). A write that fails leaves it to the reader, which finds
+/// the connection broken.
 void resend(RemoteQp& r, Conn& out) {
   r.rnr = false;
+  r.rnr_until.store(0, std::memory_order_relaxed);
   Frame w{};
   w.type = kRewind;
   if (!send_frame(out, w, nullptr, 0, true)) return;
@@ -412,6 +414,7 @@ void try_resume(Conn& c, VQp& qp, RemoteQp& r) {
 void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
   Frame f{};
   f.type = kRnr;
+  f.status = qp.min_rnr_timer;  // how long the requester waits before it sends them again
   f.arg0 = c.executed.load();
   send_frame(c, f, nullptr, 0, true);
   c.acked.store(f.arg0);
@@ -421,6 +424,17 @@ void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
   // Owed before looking again: a receive posted in between either is seen here or sees the flag.
   r.resume_owed.store(true, std::memory_order_seq_cst);
   try_resume(c, qp, r);
+}
+
+void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
+  const uint64_t until = r.rnr_until.load(std::memory_order_relaxed);
+  if (!until || now_ns() < until) return;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (!r.rnr || r.failing || !r.rnr_until.load(std::memory_order_relaxed)) return;
+  VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again (RNR retries left: {})",
+             qp.qp.qp_num, r.resend_from, r.rnr_left);
+  r.resume_may_cross = true;
+  resend(r, c);
 }
 
 /// The receive completion of a consumed WQE (status success unless given).
@@ -458,7 +472,11 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     drop = true;
   }
   if (drop) {
-    if (f.type == kRewind) c.rnr = false;
+    if (f.type == kRewind) {
+      // It resends without waiting for a kResume (a counted retry): none is owed any more.
+      c.rnr = false;
+      r.resume_owed.store(false, std::memory_order_seq_cst);
+    }
     c.discard = true;
     c.left = carries_data(f.type) ? f.len : 0;
     return Start::kGo;
@@ -591,11 +609,26 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
       why = "the peer refused a request that was not sent for want of a receive";
       return Start::kFail;
     }
-    r.rnr = true;  // nothing more is written until its kResume
+    r.rnr = true;  // nothing more is written until its kResume or the RNR timer
     r.resend_from = f.arg0;
+    r.resume_may_cross = false;  // its kResume for an earlier kRnr came before this one
+    // An RNR NAK, counted as the backend counts it; rnr_retry 7 waits for the kResume alone.
+    if (!rnr_may_retry(qp.rnr_retry, f.arg0 != r.rnr_seq, r.rnr_left)) {
+      flush_inflight(qp, r, IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+      fail = true;
+      why = "RNR retries exhausted";
+      return Start::kFail;
+    }
+    r.rnr_seq = f.arg0;
+    if (qp.rnr_retry != kRnrRetryForever)
+      r.rnr_until.store(now_ns() + rnr_delay_ns(f.status), std::memory_order_relaxed);
     return Start::kGo;
   }
   if (f.type == kResume) {
+    if (!r.rnr && r.resume_may_cross) {  // sent before the peer saw our timer's kRewind
+      r.resume_may_cross = false;
+      return Start::kGo;
+    }
     if (!r.rnr) {
       why = "the peer asked to resend what it had not refused";
       return Start::kFail;

@@ -282,12 +282,17 @@ void send_ack(Conn& c);
 /// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
 /// held). Called after a post_recv, from empty polls and from the hub's tick.
 void try_resume(Conn& c, VQp& qp, RemoteQp& r);
+/// A counted RNR retry whose wait is over: the requests the peer dropped go again (rx_mu held,
+/// `c` the connection our requests go on). From empty polls and the hub's tick.
+void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r);
 /// Reads and executes what has arrived (rx_mu held, c.qp set). True when it took anything.
 /// `defer_ack`: the application's thread reads; the responder's ACK waits to ride on its next
 /// request (remote_post), or goes at its next empty poll (remote_progress).
 bool drain(Conn& c, bool defer_ack);
 
 // remote_conn.cc: the hub, hellos, dialing.
+
+uint64_t now_ns();  ///< CLOCK_MONOTONIC
 
 /// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
 /// to write (while there is a backlog).
