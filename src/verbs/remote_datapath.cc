@@ -320,6 +320,7 @@ int rx_payload(Conn& c) {
       c.left -= n;
       if (!c.discard) {
         const uint8_t* p = c.buf.data() + c.beg;
+        const DmaUnseen dma;
         while (n) {
           const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
           std::memcpy(c.dst[c.di].p + c.doff, p, k);
@@ -340,8 +341,11 @@ int rx_payload(Conn& c) {
     }
     // Large: straight into the destination, a record at a time.
     bool more = false;
-    const ssize_t r =
-        tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    ssize_t r;
+    {
+      const DmaUnseen dma;
+      r = tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    }
     c.emptied = r <= 0 || !more;
     if (r > 0) {
       tsan_ring_acquire();
@@ -543,7 +547,10 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
       a.len = f.len;
       a.arg0 = c.executed.fetch_add(1) + 1;
       const MemSpan d{p, f.len};
-      send_frame(c, a, &d, 1, true);
+      {
+        const DmaUnseen dma;
+        send_frame(c, a, &d, 1, true);
+      }
       c.acked.store(a.arg0);
       count(r.recv, f.len);
       return kGo;
@@ -559,8 +566,11 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
         send_nak(c, st);
         return kGo;
       }
-      const uint64_t old =
-          rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+      uint64_t old;
+      {
+        const DmaUnseen dma(true);
+        old = rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+      }
       Frame a{};
       a.type = kAtomicResp;
       a.len = 8;
