@@ -15,8 +15,10 @@
 // for on the stream: that would stop the responses behind it, which the application may be
 // waiting for before it posts one. The responder answers kRnr and drops it and every request
 // after it until the requester's kRewind; it sends kResume once a receive is posted, and the
-// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK with
-// an infinite retry count, as rnr_retry 7 asks). So every WR keeps what it takes to be sent again.
+// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK, retried
+// at once). A QP whose rnr_retry is below 7 does not wait that long: it resends after the
+// responder's min_rnr_timer (which kRnr carries), rnr_retry times, then completes the WR with
+// RNR_RETRY_EXC_ERR (proto/responder_rules.h). So every WR keeps what it takes to be sent again.
 //
 // Threads. The application's thread posts (writes requests) and, while it polls an empty CQ,
 // reads the connections of that CQ's QPs itself; the hub's thread waits in epoll for the rest:
