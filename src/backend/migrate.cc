@@ -1,7 +1,7 @@
 // Moving a guest's device between backends on one machine (live migration), and snapshots.
 // The source freezes the guest simply by being busy: the engine thread exports the guest's state
-// (engine/device_state.cc), hands the blob and every descriptor it names (memfds, doorbell, pipe
-// ends and the guest's own connection) to the target backend over its socket (SCM_RIGHTS), waits
+// (engine/device_state_export.cc), hands the blob and every descriptor it names (memfds,
+// doorbell, pipe ends and the guest's own connection) to the target backend over its socket (SCM_RIGHTS), waits
 // for the target to import it, then forgets the guest without ending anything. The guest's
 // process sees nothing but a pause: the same connection, rings and memory, now served by the
 // target. Peers follow the guest through the directory (GuestUp from the target).

@@ -1,5 +1,5 @@
 // Small helpers the engine's files share: opcode classes, IB timer encodings, span copies, ring
-// set-up. Internal to the engine.
+// set-up, handles. Internal to the engine.
 #pragma once
 
 #include <fcntl.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <vector>
 
 #include "common/guest_fault.h"
 #include "common/rdma_atomic.h"
@@ -39,17 +40,39 @@ inline void init_ring(proto::RingHeader* h, proto::RingKind kind, uint32_t entry
 /// The device keeps its own descriptor of every ring it hands out, so its state can move.
 inline UniqueFd dup_fd(int fd) { return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0)); }
 
-/// IB timer encodings: min_rnr_timer (table 45, µs) and the local ACK timeout 4.096 µs * 2^t.
-inline uint64_t rnr_delay_ns(uint8_t t) {
-  static constexpr uint32_t kUs[32] = {
-      655360, 10,    20,    30,    40,    60,     80,     120,    160,    240,   320,
-      480,    640,   960,   1280,  1920,  2560,   3840,   5120,   7680,   10240, 15360,
-      20480,  30720, 40960, 61440, 81920, 122880, 163840, 245760, 327680, 491520};
-  return uint64_t{kUs[t & 31]} * 1000;
-}
+/// The local ACK timeout's encoding, 4.096 µs * 2^t (min_rnr_timer's is proto::rnr_delay_ns).
 inline uint64_t ack_timeout_ns(uint8_t t) {
   if (t == 0) return 4096ull * 1000 * 1000;  // 0 means "infinite"; wait long, retry forever
   return (4096ull << std::min<uint8_t>(t, 31));
+}
+
+/// A fresh handle in the session's one handle space (every kind of object draws from it).
+template <typename Map>
+uint32_t new_handle(Session& s, const Map&) {
+  return s.next_handle++;
+}
+
+/// Calls f on every connected QP whose destination is guest g (its LID or GID): the QPs to
+/// reroute when g moves (device_moved.cc, device_state_import.cc).
+template <typename F>
+void Device::for_qps_facing(const Guest& g, F&& f) {
+  for (Qp* qp : std::vector<Qp*>(active_)) {
+    if (qp->type == IBV_QPT_UD) continue;
+    const bool facing = qp->attr.is_global ? std::memcmp(qp->attr.dgid, g.gid, 16) == 0
+                                           : qp->attr.dlid == g.lid;
+    if (facing) f(*qp);
+  }
+}
+
+/// Cuts a span list down to exactly `len` bytes (a receive buffer may be larger).
+inline void trim(std::vector<Span>& v, uint64_t len) {
+  uint64_t seen = 0;
+  size_t i = 0;
+  for (; i < v.size() && seen < len; ++i) {
+    if (seen + v[i].n > len) v[i].n = len - seen;
+    seen += v[i].n;
+  }
+  v.resize(i);
 }
 
 inline bool sq_open(ibv_qp_state s) { return s == IBV_QPS_RTS || s == IBV_QPS_SQD; }

@@ -39,7 +39,7 @@ struct Guest;
 /// A guest memfd mapped into the backend.
 struct Segment {
   MappedRegion map;
-  UniqueFd fd;  ///< kept so the device's state can move to another backend (device_state.cc)
+  UniqueFd fd;  ///< kept so the device's state can move to another backend (device_state_*.cc)
 };
 
 struct Pd {
@@ -364,7 +364,7 @@ struct Session {
 /// Fds a command's response carries back to the guest (the backend keeps its own copies).
 using FdList = std::vector<int>;
 
-/// A guest's whole device state as a versioned blob (device_state.cc) and the descriptors it
+/// A guest's whole device state as a versioned blob (device_state_export.cc) and the descriptors it
 /// names by index (borrowed from the device: valid until the device changes).
 struct GuestExport {
   std::vector<uint8_t> blob;
@@ -513,13 +513,13 @@ class Device : public transport::Receiver {
   Result<proto::DirectOfferResp> direct_offer(Session& s, const proto::DirectOfferReq& req,
                                               std::vector<UniqueFd>& fds);
   /// May the library of QP `handle` send straight to its peer's library? Needs the peer's
-  /// offer, RTS, rnr_retry 7, nothing in flight, no channel on the send CQ. Gives the QP its
+  /// offer, RTS, nothing in flight, no channel on the send CQ. Gives the QP its
   /// own send-completion ring (fds[0]); from then on the backend executes nothing of its SQ.
   /// EAGAIN: not yet; EOPNOTSUPP: never for this QP.
   Result<proto::DirectRemoteResp> direct_remote(Session& s, uint32_t handle,
                                                 std::vector<UniqueFd>& fds);
 
-  // ---- moving a guest's device between backends (device_state.cc) ----
+  // ---- moving a guest's device between backends (device_state_*.cc, device_moved.cc) ----
   /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
   /// counters, into a blob; `sock_of` gives each session's connection (-1: none, a snapshot).
   Result<GuestExport> export_guest(const std::string& name,
@@ -560,7 +560,7 @@ class Device : public transport::Receiver {
   Status attach_mcast(Session& s, const proto::McastReq& r);
   Status detach_mcast(Session& s, const proto::McastReq& r);
 
-  // ---- frames from other backends (device_remote.cc) ----
+  // ---- frames from other backends (device_remote*.cc) ----
   void on_frame(const std::string& node, const proto::wire::Frame& f,
                 transport::RxSink& sink) override;
   void on_frame_done(const std::string& node, const proto::wire::Frame& f,

@@ -395,9 +395,6 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct remote: QP not in RTS");
   if (a->route_pending) return error(EAGAIN, "direct remote: destination not located yet");
   if (!a->remote) return error(EOPNOTSUPP, "direct remote: peer on this backend");
-  // The libraries have no RNR retry budget to share: a receiver without a receive posted makes
-  // the sender wait, as rnr_retry 7 (infinite) does.
-  if (a->attr.rnr_retry != 7) return error(EOPNOTSUPP, "direct remote: needs rnr_retry 7");
   if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
       a->wait != Wait::kNone)
     return error(EAGAIN, "direct remote: work in flight");

@@ -356,10 +356,10 @@ struct DirectOfferResp {
 static_assert(sizeof(DirectOfferResp) == 16);
 // kDirectRemote (HandleReq: the QP): may this QP's library send straight to its peer's library?
 // Needs the peer's offer (matching this QP's destination), RTS, nothing in flight, no completion
-// channel on the send CQ, rnr_retry 7. Response fd 0: the QP's own send-completion ring. Once
-// its library has connected it puts nothing on the send queue (until the QP is in ERR); if it
-// could not connect, it goes on through the queue, which the backend still executes. EAGAIN:
-// not yet (no offer, work in flight); EOPNOTSUPP: never for this QP.
+// channel on the send CQ (any rnr_retry: the library counts it). Response fd 0: the QP's own
+// send-completion ring. Once its library has connected it puts nothing on the send queue (until
+// the QP is in ERR); if it could not connect, it goes on through the queue, which the backend
+// still executes. EAGAIN: not yet (no offer, work in flight); EOPNOTSUPP: never for this QP.
 struct DirectRemoteResp {
   uint32_t send_ring_entries;
   uint32_t peer_qpn;

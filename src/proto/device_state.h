@@ -1,5 +1,5 @@
 // The device-state blob (a guest's device, as live migration, snapshots and keep_state move it):
-// its magic and version. The blob itself is CBOR built and checked by engine/device_state.cc;
+// its magic and version. The blob itself is CBOR built and checked by engine/device_state_*.cc;
 // fixed-layout structs pinned elsewhere in proto/ (QpAttr, QpCaps, SendWqe) and the engine's
 // QpCounters travel in it as byte strings of their exact size.
 // History: 1 = the first; 2 = the guest's owner_uid and each session's uid (a version 1 blob

@@ -19,6 +19,8 @@ Status check_frame(const Frame& f) {
   if (f.type == kNak && f.status != IBV_WC_REM_ACCESS_ERR && f.status != IBV_WC_REM_INV_REQ_ERR &&
       f.status != IBV_WC_REM_OP_ERR)
     return error(EPROTO, fmt::format("direct frame: NAK status {}", f.status));
+  if (f.type == kRnr && f.status > 31)
+    return error(EPROTO, fmt::format("direct frame: RNR timer {}", f.status));
   return Status::ok();
 }
 

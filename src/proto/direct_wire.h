@@ -5,7 +5,8 @@
 // types that carry some. Fixed-width little-endian fields, sizes static_asserted.
 // Versioned: kVersion changes when any struct or value set changes; frame type values are never
 // reused. History: 3 = 64-byte frames (48 before); 4 = inside TLS 1.3 (external PSK), the Hello
-// without the token.
+// without the token. Within 4: kRnr's `status` carries the responder's min_rnr_timer (it was 0,
+// which a requester reads as the longest wait, 655 ms), so a requester can count rnr_retry.
 // check_*() validate every field before anything is used: the other end is another tenant's
 // process (what it may touch of ours is then checked against our MRs by the responder).
 #pragma once
@@ -61,12 +62,14 @@ enum FType : uint8_t {
   kRead = 5,
   kCas = 6,
   kFaa = 7,
-  kRewind = 8,  ///< requester, after kResume: its requests from the dropped one on follow
+  kRewind =
+      8,  ///< requester, after kResume or its RNR wait: its requests from the dropped one on follow
   kAck = 16,
   kNak = 17,
   kReadResp = 18,
   kAtomicResp = 19,
-  kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped
+  kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped (status:
+                 ///< min_rnr_timer)
   kResume = 21,  ///< a receive is posted: send them again
 };
 
@@ -76,7 +79,7 @@ enum FType : uint8_t {
 /// 64 KiB round trip (BENCHMARKS.md, "64-byte frames").
 struct Frame {
   uint8_t type;    ///< FType
-  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with
+  uint8_t status;  ///< kNak: the ibv_wc_status the requester completes with; kRnr: min_rnr_timer
   uint16_t flags;  ///< requests: IBV_SEND_SOLICITED
   uint32_t imm;    ///< as the WR gave it (network order)
   uint32_t len;    ///< requests: message bytes (READ: asked for); kReadResp: its data
@@ -102,7 +105,7 @@ constexpr bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || 
 
 /// A frame as it arrived: a known type, fields its type does not use zero where the format
 /// says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a responder
-/// gives. EPROTO, with what was wrong, otherwise.
+/// gives, an RNR NAK's timer one of the 32 encodings. EPROTO, with what was wrong, otherwise.
 Status check_frame(const Frame& f);
 /// The dialer's Hello as the acceptor reads it: magic, version, 24-bit QPNs, known flags.
 Status check_hello(const Hello& h);

@@ -119,4 +119,31 @@ constexpr ibv_wc_status check_remote_request(uint32_t op, uint32_t qp_access, ui
   return IBV_WC_SUCCESS;
 }
 
+/// RNR (IB spec 9.7.5.2.8): a request that finds no receive is NAKed; the requester waits the
+/// responder's min_rnr_timer (rnr_delay_ns) and sends it again, rnr_retry times, 7 meaning for
+/// ever; then its WR completes with IBV_WC_RNR_RETRY_EXC_ERR and the QP goes to ERR. Every
+/// requester counts with rnr_may_retry: the backend's (same host and across backends) and the
+/// library's on the direct path across backends.
+inline constexpr uint32_t kRnrRetryForever = 7;
+
+/// min_rnr_timer's encoding (IB spec table 45, in microseconds) as nanoseconds.
+constexpr uint64_t rnr_delay_ns(uint8_t t) {
+  constexpr uint32_t kUs[32] = {655360, 10,    20,    30,     40,     60,     80,     120,
+                                160,    240,   320,   480,    640,    960,    1280,   1920,
+                                2560,   3840,  5120,  7680,   10240,  15360,  20480,  30720,
+                                40960,  61440, 81920, 122880, 163840, 245760, 327680, 491520};
+  return uint64_t{kUs[t & 31]} * 1000;
+}
+
+/// An RNR NAK at the requester: true when it may try again (counting `left` down), false when
+/// its retries are spent (RNR_RETRY_EXC_ERR). `fresh`: the first NAK of this message, which
+/// loads `left` from the QP's rnr_retry.
+constexpr bool rnr_may_retry(uint32_t rnr_retry, bool fresh, uint32_t& left) {
+  if (fresh) left = rnr_retry;
+  if (left == kRnrRetryForever) return true;
+  if (left == 0) return false;
+  --left;
+  return true;
+}
+
 }  // namespace vrdma::proto

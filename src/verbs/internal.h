@@ -167,6 +167,9 @@ struct VQp {
   uint32_t mr_key = 0;
   LocalMr mr{};
   uint32_t access = 0;  ///< qp_access_flags, as last set
+  /// rnr_retry and min_rnr_timer, as last set: the direct path across backends counts the one
+  /// and asks its peer to wait the other (remote_datapath.cc).
+  uint8_t rnr_retry = 0, min_rnr_timer = 0;
   /// The direct path across backends (remote.cc); made at the first offer or connection.
   std::unique_ptr<RemoteQp> remote;
 };

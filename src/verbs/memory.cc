@@ -395,6 +395,59 @@ size_t find_segment_mappings(const char* maps, size_t n, const std::vector<uint3
   return count;
 }
 
+/// The pages of the copy `base` (the mappings `before`, laid out in that order) where the
+/// memfds hold data, faulted in while the threads still run (make_anonymous).
+/// MADV_POPULATE_WRITE needs Linux 5.14; without it the faults happen during the copy.
+void prefault_copy(const std::vector<Vma>& before, uint8_t* base) {
+  size_t at = 0;
+  for (const Vma& v : before) {
+    const size_t len = v.end - v.start;
+    const auto ps = g_segments.find(segment_id(v));
+    const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
+    for (size_t off = 0; fd >= 0 && off < len;) {
+      const off_t data = ::lseek(fd, static_cast<off_t>(v.offset + off), SEEK_DATA);
+      if (data < 0) break;
+      const off_t hole = ::lseek(fd, data, SEEK_HOLE);
+      off = (static_cast<uint64_t>(data) - v.offset) & ~(kPage - 1);
+      if (off >= len) break;
+      const size_t end =
+          hole > data ? std::min<size_t>(len, static_cast<uint64_t>(hole) - v.offset) : len;
+      const size_t n = (end - off + kPage - 1) & ~(kPage - 1);
+      ::madvise(base + at + off, std::min(n, len - off), MADV_POPULATE_WRITE);
+      off += n;
+    }
+    at += len;
+  }
+}
+
+/// Copies the mapping `m` (readable) into `copy`, the memfd's data only: reading a hole through
+/// the mapping would allocate a page there (tmpfs has no shared zero page). Pages of zeros stay
+/// unpopulated in the copy, as in any anonymous memory. Runs with the other threads stopped:
+/// system calls only, no allocation (make_anonymous).
+void copy_segment_data(const SegMapping& m, uint8_t* copy) {
+  const size_t len = m.end - m.start;
+  auto* at = reinterpret_cast<uint8_t*>(m.start);
+  const auto ps = g_segments.find(m.id);
+  const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
+  for (size_t off = 0; off < len;) {
+    size_t data_end = len;
+    if (fd >= 0) {
+      const off_t data = ::lseek(fd, static_cast<off_t>(m.offset + off), SEEK_DATA);
+      if (data >= 0) {
+        const off_t hole = ::lseek(fd, data, SEEK_HOLE);
+        off = (static_cast<uint64_t>(data) - m.offset) & ~(kPage - 1);
+        if (off >= len) break;
+        if (hole > data) data_end = std::min<size_t>(len, static_cast<uint64_t>(hole) - m.offset);
+      } else if (errno == ENXIO) {
+        break;  // no data from there on (otherwise no answer: every page from here is read)
+      }
+    }
+    for (; off < data_end; off += kPage) {
+      if (!page_is_zero(at + off)) copy_page(copy + off, at + off);
+    }
+  }
+}
+
 /// Turns what the application still maps of the segments `ids` (no MR names them any more) back
 /// into private anonymous memory with the same contents and protection, and forgets those
 /// segments (their memfds go with the backend's descriptors). With the other threads stopped, as
@@ -438,28 +491,7 @@ void make_anonymous(const std::vector<uint32_t>& ids) {
     // The copy's pages where the memfds hold data are faulted in now, while the threads run,
     // not while they are stopped (the mappings are laid out in the copy in the order
     // /proc/self/maps lists them; if that changes meanwhile, the faults just happen later).
-    // MADV_POPULATE_WRITE needs Linux 5.14; without it the faults happen during the copy.
-    if (attempt == 0) {
-      size_t at = 0;
-      for (const Vma& v : before) {
-        const size_t len = v.end - v.start;
-        const auto ps = g_segments.find(segment_id(v));
-        const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
-        for (size_t off = 0; fd >= 0 && off < len;) {
-          const off_t data = ::lseek(fd, static_cast<off_t>(v.offset + off), SEEK_DATA);
-          if (data < 0) break;
-          const off_t hole = ::lseek(fd, data, SEEK_HOLE);
-          off = (static_cast<uint64_t>(data) - v.offset) & ~(kPage - 1);
-          if (off >= len) break;
-          const size_t end =
-              hole > data ? std::min<size_t>(len, static_cast<uint64_t>(hole) - v.offset) : len;
-          const size_t n = (end - off + kPage - 1) & ~(kPage - 1);
-          ::madvise(base + at + off, std::min(n, len - off), MADV_POPULATE_WRITE);
-          off += n;
-        }
-        at += len;
-      }
-    }
+    if (attempt == 0) prefault_copy(before, base);
     const int64_t stop_start = now_ns();
     WorldStop world;
     if (world.stop("dereg_mr") != 0) {
@@ -493,29 +525,7 @@ void make_anonymous(const std::vector<uint32_t>& ids) {
       uint8_t* copy = base + used;
       used += len;
       if (!(m.prot & PROT_READ) && ::mprotect(at, len, m.prot | PROT_READ) != 0) continue;
-      // Only the memfd's data: reading a hole through the mapping would allocate a page there
-      // (tmpfs has no shared zero page). Pages of zeros stay unpopulated in the copy, as in any
-      // anonymous memory.
-      const auto ps = g_segments.find(m.id);
-      const int fd = ps != g_segments.end() ? ps->second.fd.get() : -1;
-      for (size_t off = 0; off < len;) {
-        size_t data_end = len;
-        if (fd >= 0) {
-          const off_t data = ::lseek(fd, static_cast<off_t>(m.offset + off), SEEK_DATA);
-          if (data >= 0) {
-            const off_t hole = ::lseek(fd, data, SEEK_HOLE);
-            off = (static_cast<uint64_t>(data) - m.offset) & ~(kPage - 1);
-            if (off >= len) break;
-            if (hole > data)
-              data_end = std::min<size_t>(len, static_cast<uint64_t>(hole) - m.offset);
-          } else if (errno == ENXIO) {
-            break;  // no data from there on (otherwise no answer: every page from here is read)
-          }
-        }
-        for (; off < data_end; off += kPage) {
-          if (!page_is_zero(at + off)) copy_page(copy + off, at + off);
-        }
-      }
+      copy_segment_data(m, copy);
       if ((m.prot != (PROT_READ | PROT_WRITE) && ::mprotect(copy, len, m.prot) != 0) ||
           ::mremap(copy, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, at) == MAP_FAILED) {
         ::mprotect(at, len, m.prot);

@@ -180,6 +180,8 @@ void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
 
 void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   if (mask & IBV_QP_ACCESS_FLAGS) qp.access = attr.qp_access_flags;
+  if (mask & IBV_QP_RNR_RETRY) qp.rnr_retry = attr.rnr_retry;
+  if (mask & IBV_QP_MIN_RNR_TIMER) qp.min_rnr_timer = attr.min_rnr_timer;
   if (!(mask & IBV_QP_STATE) || (attr.qp_state != IBV_QPS_RTR && attr.qp_state != IBV_QPS_RTS))
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
@@ -263,6 +265,7 @@ bool remote_progress(VCq& cq) {
     std::unique_lock<std::mutex> l(c->rx_mu, std::try_to_lock);
     if (!l || !c->qp) continue;
     RemoteQp& r = *c->qp->remote;
+    if (c->resp_in.load(std::memory_order_relaxed)) rnr_retry_due(*c, *c->qp, r);
     // Nothing of ours waits for an answer: a connection of responses only has nothing we need,
     // and reading it costs a syscall a poll.
     if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0) continue;

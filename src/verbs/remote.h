@@ -81,6 +81,14 @@ struct RemoteQp {
   bool send_overrun = false;          ///< `send` overran: IBV_EVENT_CQ_ERR raised (once)
   bool rnr = false;                   ///< the peer dropped requests from `resend_from` on (kRnr)
   uint64_t resend_from = 0;           ///< ... and they go again, in order, at its kResume
+  // RNR NAKs counted as the backend counts them (proto/responder_rules.h rnr_may_retry).
+  uint32_t rnr_left = 0;
+  uint64_t rnr_seq = ~0ull;  ///< the request the last kRnr named (another one reloads rnr_left)
+  /// rnr_retry below 7: when the dropped requests go again without a kResume (0: none due).
+  /// Atomic: an empty poll looks at it without fl_mu (rnr_retry_due).
+  std::atomic<uint64_t> rnr_until{0};
+  /// Resent at that time: a kResume the peer sent before it saw our kRewind may still come.
+  bool resume_may_cross = false;
   uint32_t ask_wait = 0, backoff = 0;
   bool never = false;               ///< the backend said never for this QP
   std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring

@@ -411,19 +411,20 @@ void release_idle_claims(Hub& h) {
   }
 }
 
-/// kResumes owed for receives posted since (post_recv sends them itself; this catches a
-/// completion ring that had no room, and a post that raced with the kRnr).
-void resume_waiting(Hub& h) {
+/// RNR waits: kResumes owed for receives posted since (post_recv sends them itself; this
+/// catches a completion ring that had no room, and a post that raced with the kRnr), and
+/// counted retries whose timer is over while the application does not poll.
+void rnr_tick(Hub& h) {
   std::vector<std::shared_ptr<Conn>> owe;
   {
     std::lock_guard<std::mutex> g(h.mu);
-    for (const auto& c : h.conns) {
-      if (c->req_in.load(std::memory_order_relaxed)) owe.push_back(c);
-    }
+    owe = h.conns;
   }
   for (const auto& c : owe) {
     std::lock_guard<std::mutex> g(c->rx_mu);
-    if (c->qp && c->qp->remote) try_resume(*c, *c->qp, *c->qp->remote);
+    if (!c->qp || !c->qp->remote) continue;
+    if (c->req_in.load(std::memory_order_relaxed)) try_resume(*c, *c->qp, *c->qp->remote);
+    if (c->resp_in.load(std::memory_order_relaxed)) rnr_retry_due(*c, *c->qp, *c->qp->remote);
   }
 }
 
@@ -496,7 +497,7 @@ void run(Hub& h) {
     release_idle_claims(h);
     const uint64_t t = now_ms();
     if (t - resumed_at >= kClaimMs) {
-      resume_waiting(h);
+      rnr_tick(h);
       resumed_at = t;
     }
     expire_pending(h, t);

@@ -236,10 +236,12 @@ bool write_request(RemoteQp& r, Conn& out, Inflight& e) {
   return e.inl ? send_frame(out, e.f, &inl, 1, true) : send_frame(out, e.f, e.local, e.nl, false);
 }
 
-/// The peer's kResume: kRewind, then every request from the one it dropped on, in order (fl_mu
-/// held). A write that fails leaves it to the reader, which finds the connection broken.
+/// The peer's kResume, or a counted RNR retry's timer: kRewind, then every request from the one
+/// it dropped on, in order (fl_mu held). A write that fails leaves it to the reader, which finds
+/// the connection broken.
 void resend(RemoteQp& r, Conn& out) {
   r.rnr = false;
+  r.rnr_until.store(0, std::memory_order_relaxed);
   Frame w{};
   w.type = kRewind;
   if (!send_frame(out, w, nullptr, 0, true)) return;
@@ -318,6 +320,7 @@ int rx_payload(Conn& c) {
       c.left -= n;
       if (!c.discard) {
         const uint8_t* p = c.buf.data() + c.beg;
+        const DmaUnseen dma;
         while (n) {
           const uint64_t k = std::min(n, c.dst[c.di].n - c.doff);
           std::memcpy(c.dst[c.di].p + c.doff, p, k);
@@ -338,8 +341,11 @@ int rx_payload(Conn& c) {
     }
     // Large: straight into the destination, a record at a time.
     bool more = false;
-    const ssize_t r =
-        tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    ssize_t r;
+    {
+      const DmaUnseen dma;
+      r = tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+    }
     c.emptied = r <= 0 || !more;
     if (r > 0) {
       tsan_ring_acquire();
@@ -352,7 +358,17 @@ int rx_payload(Conn& c) {
   return 1;
 }
 
-enum class Start { kGo, kFail };
+/// What taking a frame in came to, one value for every reader of it (drain). kGo: go on with
+/// it. kBroken: the peer broke the protocol; the connection ends as a lost one (broken()).
+/// kFailed: a WR or a request failed; the QP goes to ERR, its completions already written.
+struct Outcome {
+  enum Kind : uint8_t { kGo, kBroken, kFailed } kind = kGo;
+  const char* why = nullptr;
+};
+constexpr Outcome kGo{};
+constexpr Outcome broken_peer(const char* why) { return {Outcome::kBroken, why}; }
+constexpr Outcome failed(const char* why) { return {Outcome::kFailed, why}; }
+constexpr const char* kWrFailed = "a WR failed on the direct path";
 
 void send_ack(Conn& c) {
   const uint64_t e = c.executed.load();
@@ -412,6 +428,7 @@ void try_resume(Conn& c, VQp& qp, RemoteQp& r) {
 void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
   Frame f{};
   f.type = kRnr;
+  f.status = qp.min_rnr_timer;  // how long the requester waits before it sends them again
   f.arg0 = c.executed.load();
   send_frame(c, f, nullptr, 0, true);
   c.acked.store(f.arg0);
@@ -421,6 +438,17 @@ void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
   // Owed before looking again: a receive posted in between either is seen here or sees the flag.
   r.resume_owed.store(true, std::memory_order_seq_cst);
   try_resume(c, qp, r);
+}
+
+void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
+  const uint64_t until = r.rnr_until.load(std::memory_order_relaxed);
+  if (!until || now_ns() < until) return;
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (!r.rnr || r.failing || !r.rnr_until.load(std::memory_order_relaxed)) return;
+  VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again (RNR retries left: {})",
+             qp.qp.qp_num, r.resend_from, r.rnr_left);
+  r.resume_may_cross = true;
+  resend(r, c);
 }
 
 /// The receive completion of a consumed WQE (status success unless given).
@@ -444,7 +472,7 @@ void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status) {
 }
 
 /// A request's header has arrived: check it against our memory and say where its data goes.
-Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
+Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
   const Frame& f = c.f;
   c.nd = c.di = 0;
   c.doff = 0;
@@ -458,10 +486,14 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
     drop = true;
   }
   if (drop) {
-    if (f.type == kRewind) c.rnr = false;
+    if (f.type == kRewind) {
+      // It resends without waiting for a kResume (a counted retry): none is owed any more.
+      c.rnr = false;
+      r.resume_owed.store(false, std::memory_order_seq_cst);
+    }
     c.discard = true;
     c.left = carries_data(f.type) ? f.len : 0;
-    return Start::kGo;
+    return kGo;
   }
   VContext& ctx = *to_vctx(qp.qp.context);
   switch (f.type) {
@@ -476,8 +508,7 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
             !in_range(mr.addr, mr.length, s.addr, s.length)) {
           push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR);
           send_nak(c, IBV_WC_REM_OP_ERR);
-          fail = true;
-          return Start::kFail;
+          return failed("a request failed at this responder");
         }
         c.dst[c.nd++] = MemSpan{local_ptr(mr, s.addr), s.length};
         cap += s.length;
@@ -485,11 +516,10 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
       if (cap < f.len) {
         push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR);
         send_nak(c, IBV_WC_REM_INV_REQ_ERR);
-        fail = true;
-        return Start::kFail;
+        return failed("a request failed at this responder");
       }
       c.left = f.len;
-      return Start::kGo;
+      return kGo;
     }
     case kWrite:
     case kWriteImm: {
@@ -499,28 +529,31 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
         send_nak(c, st);
         c.discard = true;
         c.left = f.len;
-        return Start::kGo;
+        return kGo;
       }
       if (p) c.dst[c.nd++] = MemSpan{p, f.len};
       c.left = f.len;
-      return Start::kGo;
+      return kGo;
     }
     case kRead: {
       uint8_t* p;
       if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_READ, f.rkey, f.raddr, f.len, p);
           st != IBV_WC_SUCCESS) {
         send_nak(c, st);
-        return Start::kGo;
+        return kGo;
       }
       Frame a{};
       a.type = kReadResp;
       a.len = f.len;
       a.arg0 = c.executed.fetch_add(1) + 1;
       const MemSpan d{p, f.len};
-      send_frame(c, a, &d, 1, true);
+      {
+        const DmaUnseen dma;
+        send_frame(c, a, &d, 1, true);
+      }
       c.acked.store(a.arg0);
       count(r.recv, f.len);
-      return Start::kGo;
+      return kGo;
     }
     case kCas:
     case kFaa: {
@@ -531,10 +564,13 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
       if (st == IBV_WC_SUCCESS && (reinterpret_cast<uintptr_t>(p) & 7)) st = IBV_WC_REM_INV_REQ_ERR;
       if (st != IBV_WC_SUCCESS) {
         send_nak(c, st);
-        return Start::kGo;
+        return kGo;
       }
-      const uint64_t old =
-          rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+      uint64_t old;
+      {
+        const DmaUnseen dma(true);
+        old = rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+      }
       Frame a{};
       a.type = kAtomicResp;
       a.len = 8;
@@ -543,10 +579,10 @@ Start start_request(Conn& c, VQp& qp, RemoteQp& r, bool& fail) {
       send_frame(c, a, nullptr, 0, true);
       c.acked.store(a.arg0);
       count(r.recv, 8);
-      return Start::kGo;
+      return kGo;
     }
-    default:
-      return Start::kFail;  // not a request: checked by the caller
+    default:  // not a request: checked by the caller
+      return broken_peer("the peer sent a malformed frame");
   }
 }
 
@@ -560,67 +596,71 @@ void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
 }
 
 /// An ACK riding on the peer's request: it executed `n` of ours (fl_mu taken here).
-bool ack_riding(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
+Outcome ack_riding(VQp& qp, RemoteQp& r, uint64_t n) {
   std::lock_guard<std::mutex> g(r.fl_mu);
-  return r.failing || acked_upto(qp, r, n, fail);
+  bool fail = false;
+  if (!r.failing && !acked_upto(qp, r, n, fail))
+    return broken_peer("the peer acknowledged requests that were not sent");
+  return fail ? failed(kWrFailed) : kGo;
 }
 
 /// A response's header has arrived (requester).
-Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why) {
+Outcome start_response(Conn& c, VQp& qp, RemoteQp& r) {
   const Frame& f = c.f;
   c.nd = c.di = 0;
   c.doff = 0;
   c.discard = false;
   c.left = 0;
   std::lock_guard<std::mutex> g(r.fl_mu);
+  bool fail = false;  // acked_upto completed a WR that failed locally: the QP goes to ERR
   if (r.failing) {  // already in error: take the bytes, do nothing
     c.discard = true;
     c.left = f.type == kReadResp ? f.len : 0;
-    return Start::kGo;
+    return kGo;
   }
   const bool data = f.type == kReadResp || f.type == kAtomicResp;
   const uint64_t before = data ? f.arg0 - 1 : f.arg0;
-  if ((data && f.arg0 == 0) || !acked_upto(qp, r, before, fail)) {
-    why = "the peer answered out of order";
-    return Start::kFail;
-  }
-  if (fail) return Start::kFail;
-  if (f.type == kAck) return Start::kGo;
+  if ((data && f.arg0 == 0) || !acked_upto(qp, r, before, fail))
+    return broken_peer("the peer answered out of order");
+  if (fail) return failed(kWrFailed);
+  if (f.type == kAck) return kGo;
   if (f.type == kRnr) {
-    if (r.rnr || f.arg0 != r.peer_executed || f.arg0 >= r.sent) {
-      why = "the peer refused a request that was not sent for want of a receive";
-      return Start::kFail;
-    }
-    r.rnr = true;  // nothing more is written until its kResume
+    if (r.rnr || f.arg0 != r.peer_executed || f.arg0 >= r.sent)
+      return broken_peer("the peer refused a request that was not sent for want of a receive");
+    r.rnr = true;  // nothing more is written until its kResume or the RNR timer
     r.resend_from = f.arg0;
-    return Start::kGo;
+    r.resume_may_cross = false;  // its kResume for an earlier kRnr came before this one
+    // An RNR NAK, counted as the backend counts it; rnr_retry 7 waits for the kResume alone.
+    if (!rnr_may_retry(qp.rnr_retry, f.arg0 != r.rnr_seq, r.rnr_left)) {
+      flush_inflight(qp, r, IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
+      return failed("RNR retries exhausted");
+    }
+    r.rnr_seq = f.arg0;
+    if (qp.rnr_retry != kRnrRetryForever)
+      r.rnr_until.store(now_ns() + rnr_delay_ns(f.status), std::memory_order_relaxed);
+    return kGo;
   }
   if (f.type == kResume) {
-    if (!r.rnr) {
-      why = "the peer asked to resend what it had not refused";
-      return Start::kFail;
+    if (!r.rnr && r.resume_may_cross) {  // sent before the peer saw our timer's kRewind
+      r.resume_may_cross = false;
+      return kGo;
     }
+    if (!r.rnr) return broken_peer("the peer asked to resend what it had not refused");
     VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again", qp.qp.qp_num,
                r.resend_from);
     resend(r, c);
-    return Start::kGo;
+    return kGo;
   }
   Inflight* e = r.inflight.empty() ? nullptr : &r.inflight.front();
-  if (!e || !e->sent || e->seq != before) {
-    why = "the peer answered a request that was not sent";
-    return Start::kFail;
-  }
+  if (!e || !e->sent || e->seq != before)
+    return broken_peer("the peer answered a request that was not sent");
   if (f.type == kNak) {
     flush_inflight(qp, r, f.status, "the peer refused a request");
-    fail = true;
-    why = "the peer refused a request";
-    return Start::kFail;
+    return failed("the peer refused a request");
   }
   if (f.type == kAtomicResp) {
-    if (!answered_by_data(e->opcode) || e->opcode == IBV_WR_RDMA_READ) {
-      why = "an atomic result for another WR";
-      return Start::kFail;
-    }
+    if (!answered_by_data(e->opcode) || e->opcode == IBV_WR_RDMA_READ)
+      return broken_peer("an atomic result for another WR");
     // The 8 bytes of the result, into the WR's SGEs (check_send_length: 8 in all).
     const auto* v = reinterpret_cast<const uint8_t*>(&f.arg1);
     for (uint8_t i = 0; i < e->nl; v += e->local[i].n, ++i)
@@ -628,16 +668,14 @@ Start start_response(Conn& c, VQp& qp, RemoteQp& r, bool& fail, const char*& why
     complete(qp, r, *e, IBV_WC_SUCCESS);
     pop_head(r);
     acked_upto(qp, r, f.arg0, fail);
-    return fail ? Start::kFail : Start::kGo;
+    return fail ? failed(kWrFailed) : kGo;
   }
   // kReadResp
-  if (e->opcode != IBV_WR_RDMA_READ || f.len != e->len) {
-    why = "READ data for another WR";
-    return Start::kFail;
-  }
+  if (e->opcode != IBV_WR_RDMA_READ || f.len != e->len)
+    return broken_peer("READ data for another WR");
   for (uint8_t i = 0; i < e->nl; ++i) c.dst[c.nd++] = e->local[i];
   c.left = f.len;
-  return Start::kGo;
+  return kGo;
 }
 
 /// False: the QP goes to ERR (a WR after it failed locally).
@@ -702,30 +740,22 @@ bool drain(Conn& c, bool defer_ack) {
     }
     const bool req = request_dir(c.f.type);
     if (c.rx == Conn::Rx::kStart) {
-      bool fail = false;
-      const char* why = "the peer sent a malformed frame";
-      Start s;
+      Outcome o;
       if (req ? !c.req_in.load(std::memory_order_acquire) || c.f.len > kMaxMsgSize
-              : !response_dir(c.f.type) || !c.resp_in.load(std::memory_order_acquire)) {
-        s = Start::kFail;
-      } else if (req && c.f.ack && !ack_riding(qp, r, c.f.ack, fail)) {
-        why = "the peer acknowledged requests that were not sent";
-        s = Start::kFail;
-      } else if (fail) {
-        why = "a WR failed on the direct path";
-        s = Start::kFail;
-      } else {
-        s = req ? start_request(c, qp, r, fail) : start_response(c, qp, r, fail, why);
+              : !response_dir(c.f.type) || !c.resp_in.load(std::memory_order_acquire))
+        o = broken_peer("the peer sent a malformed frame");
+      else if (req && c.f.ack)
+        o = ack_riding(qp, r, c.f.ack);
+      if (o.kind == Outcome::kGo) o = req ? start_request(c, qp, r) : start_response(c, qp, r);
+      if (o.kind == Outcome::kBroken) {  // end it as a lost connection
+        ::shutdown(c.fd.get(), SHUT_RDWR);
+        broken(c, qp, o.why);
+        return true;
       }
-      if (s == Start::kFail) {
-        if (!fail) {  // a broken peer: end it as a lost connection
-          ::shutdown(c.fd.get(), SHUT_RDWR);
-          broken(c, qp, why);
-        } else {
-          to_error(qp, req ? "a request failed at this responder" : why);
-          c.broken.store(true);
-          rearm(c);
-        }
+      if (o.kind == Outcome::kFailed) {
+        to_error(qp, o.why);
+        c.broken.store(true);
+        rearm(c);
         return true;
       }
       c.rx = Conn::Rx::kPayload;

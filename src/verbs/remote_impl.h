@@ -15,8 +15,10 @@
 // for on the stream: that would stop the responses behind it, which the application may be
 // waiting for before it posts one. The responder answers kRnr and drops it and every request
 // after it until the requester's kRewind; it sends kResume once a receive is posted, and the
-// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK with
-// an infinite retry count, as rnr_retry 7 asks). So every WR keeps what it takes to be sent again.
+// requester then writes kRewind and its requests from the dropped one on again (an RNR NAK, retried
+// at once). A QP whose rnr_retry is below 7 does not wait that long: it resends after the
+// responder's min_rnr_timer (which kRnr carries), rnr_retry times, then completes the WR with
+// RNR_RETRY_EXC_ERR (proto/responder_rules.h). So every WR keeps what it takes to be sent again.
 //
 // Threads. The application's thread posts (writes requests) and, while it polls an empty CQ,
 // reads the connections of that CQ's QPs itself; the hub's thread waits in epoll for the rest:
@@ -237,6 +239,43 @@ struct DialPsk {
   const uint8_t* token;
 };
 
+#if defined(__SANITIZE_THREAD__)
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreSyncBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreSyncEnd(const char* file, int line);
+/// While it lives, ThreadSanitizer does not see this thread touch memory (nor, with `sync`,
+/// the atomic it does). For the library's copies of a direct peer's data into or out of
+/// registered memory, and its atomics there: a NIC's DMA, ordered with the application's own
+/// accesses through the peer's process (its messages, its completions), which ThreadSanitizer
+/// cannot see, as it cannot see the backend's copies on the mediated paths. The library's own
+/// state around them stays checked.
+class DmaUnseen {
+ public:
+  explicit DmaUnseen(bool sync = false) : sync_(sync) {
+    AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+    AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+    if (sync_) AnnotateIgnoreSyncBegin(__FILE__, __LINE__);
+  }
+  ~DmaUnseen() {
+    if (sync_) AnnotateIgnoreSyncEnd(__FILE__, __LINE__);
+    AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+  }
+  DmaUnseen(const DmaUnseen&) = delete;
+  DmaUnseen& operator=(const DmaUnseen&) = delete;
+
+ private:
+  bool sync_;
+};
+#else
+struct DmaUnseen {
+  explicit DmaUnseen(bool = false) {}
+};
+#endif
+
 inline bool answered_by_data(uint32_t op) {
   return op == IBV_WR_RDMA_READ || op == IBV_WR_ATOMIC_CMP_AND_SWP ||
          op == IBV_WR_ATOMIC_FETCH_AND_ADD;
@@ -282,12 +321,17 @@ void send_ack(Conn& c);
 /// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
 /// held). Called after a post_recv, from empty polls and from the hub's tick.
 void try_resume(Conn& c, VQp& qp, RemoteQp& r);
+/// A counted RNR retry whose wait is over: the requests the peer dropped go again (rx_mu held,
+/// `c` the connection our requests go on). From empty polls and the hub's tick.
+void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r);
 /// Reads and executes what has arrived (rx_mu held, c.qp set). True when it took anything.
 /// `defer_ack`: the application's thread reads; the responder's ACK waits to ride on its next
 /// request (remote_post), or goes at its next empty poll (remote_progress).
 bool drain(Conn& c, bool defer_ack);
 
 // remote_conn.cc: the hub, hellos, dialing.
+
+uint64_t now_ns();  ///< CLOCK_MONOTONIC
 
 /// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
 /// to write (while there is a backlog).

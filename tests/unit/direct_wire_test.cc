@@ -26,6 +26,9 @@ TEST(DirectWire, EveryKnownFrameOfAPeerPasses) {
     nak.status = static_cast<uint8_t>(st);
     EXPECT_TRUE(check_frame(nak).is_ok()) << st;
   }
+  Frame rnr = request(kRnr, 0);
+  rnr.status = 31;  // the longest min_rnr_timer but 0
+  EXPECT_TRUE(check_frame(rnr).is_ok());
   Frame solicited = request(kSend, 1);
   solicited.flags = IBV_SEND_SOLICITED;
   EXPECT_TRUE(check_frame(solicited).is_ok());
@@ -44,6 +47,9 @@ TEST(DirectWire, EachMalformedFieldIsRefused) {
   f.status = IBV_WC_SUCCESS;  // a NAK that would complete the WR as if it worked
   EXPECT_EQ(check_frame(f).err(), EPROTO);
   f.status = IBV_WC_WR_FLUSH_ERR;
+  EXPECT_EQ(check_frame(f).err(), EPROTO);
+  f = request(kRnr, 0);
+  f.status = 32;  // min_rnr_timer has 5 bits
   EXPECT_EQ(check_frame(f).err(), EPROTO);
 }
 

@@ -50,5 +50,20 @@ TEST(ResponderRules, EachFaultGivesItsStatus) {
             IBV_WC_REM_ACCESS_ERR);
 }
 
+TEST(ResponderRules, RnrRetryCountsThenGivesUpAndSevenIsForever) {
+  uint32_t left = 0;
+  // rnr_retry 2: two waits, and the third NAK of the message gives up.
+  EXPECT_TRUE(rnr_may_retry(2, true, left));
+  EXPECT_TRUE(rnr_may_retry(2, false, left));
+  EXPECT_FALSE(rnr_may_retry(2, false, left));
+  // A new message starts again from rnr_retry.
+  EXPECT_TRUE(rnr_may_retry(2, true, left));
+  EXPECT_FALSE(rnr_may_retry(0, true, left));
+  for (int i = 0; i < 100; ++i) EXPECT_TRUE(rnr_may_retry(kRnrRetryForever, i == 0, left));
+  EXPECT_EQ(rnr_delay_ns(18), 5120000u);  // the timers of IB spec table 45
+  EXPECT_EQ(rnr_delay_ns(1), 10000u);
+  EXPECT_EQ(rnr_delay_ns(0), 655360000u);
+}
+
 }  // namespace
 }  // namespace vrdma::proto

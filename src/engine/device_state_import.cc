@@ -1,7 +1,7 @@
-// A guest's device state as a blob, and back: what live migration and snapshots move.
-// The blob is CBOR (nlohmann::json), versioned by kStateVersion (proto/device_state.h); fixed-layout structs the wire
-// format already pins (QpAttr, QpCaps, SendWqe, QpCounters) travel as byte strings of their exact
-// size. Descriptors (memfds of segments, rings and control pages, the doorbell, pipe ends, the
+// A guest's device state from a blob: the importer (live migration and snapshots; the exporter
+// is device_state_export.cc). The blob is CBOR (nlohmann::json), versioned by kStateVersion
+// (proto/device_state.h); fixed-layout structs the wire format already pins (QpAttr, QpCaps,
+// SendWqe, QpCounters) travel as byte strings of their exact size. Descriptors (memfds of segments, rings and control pages, the doorbell, pipe ends, the
 // guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
 // Import trusts nothing: every index, size, handle and reference is checked, use counts are
 // recounted from the references, and nothing is created unless all of it is valid.
@@ -20,7 +20,6 @@
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
-
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
@@ -30,13 +29,6 @@ namespace {
 
 /// sizeof(QpCounters) in a version 2 blob (proto/device_state.h: version 3 grew it at its end).
 constexpr size_t kCountersV2 = offsetof(QpCounters, replays);
-
-template <typename T>
-json bytes_of(const T& v) {
-  static_assert(std::is_trivially_copyable_v<T>);
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  return json::binary(std::vector<uint8_t>(p, p + sizeof(T)));
-}
 
 /// A field of the blob, or EINVAL naming it.
 struct Reader {
@@ -567,151 +559,6 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
 
 }  // namespace
 
-// ---- export ----
-
-Result<GuestExport> Device::export_guest(const std::string& name,
-                                         const std::function<int(const Session&)>& sock_of) const {
-  auto git = guests_.find(name);
-  if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
-  const Guest& g = *git->second;
-  for (const Qp* qp : g.active) {
-    if (qp->own_send || qp->own_recv)
-      return error(EBUSY, fmt::format("guest {}: QP {:#x} has used the direct path, whose state "
-                                      "cannot move yet", name, qp->qpn));
-  }
-  GuestExport out;
-  json fdkeys = json::array();  // what each descriptor is, so a restore can check it is the same
-  size_t si = 0;
-  auto fd = [&](int f, std::string_view what, uint32_t h = 0) -> int64_t {
-    if (f < 0) return -1;
-    out.fds.push_back(f);
-    fdkeys.push_back(fmt::format("s{}.{}.{}", si, what, h));
-    return static_cast<int64_t>(out.fds.size() - 1);
-  };
-  json sessions = json::array();
-  for (const auto& [sid, sp] : sessions_) {
-    const Session& s = *sp;
-    if (s.guest != &g) continue;
-    json js = {{"pid", s.pid},
-               {"uid", s.uid},
-               {"comm", s.comm},
-               {"next_handle", s.next_handle},
-               {"control", fd(s.control_fd.get(), "control")},
-               {"doorbell", fd(s.doorbell.get(), "doorbell")},
-               {"async_r", fd(s.async_read.get(), "async_r")},
-               {"async_w", fd(s.async_write.get(), "async_w")},
-               {"sock", fd(sock_of(s), "sock")}};
-    json pds = json::array();
-    for (const auto& [h, pd] : s.pds) pds.push_back(h);
-    js["pds"] = std::move(pds);
-    json segs = json::array();
-    for (const auto& [h, seg] : s.segments)
-      segs.push_back({h, fd(seg->fd.get(), "seg", h), seg->map.size()});
-    js["segs"] = std::move(segs);
-    json mrs = json::array();
-    for (const auto& [h, mr] : s.mrs) {
-      json ext = json::array();
-      for (size_t i = 0; i < mr->chunks.size(); ++i) {
-        const MrChunk& c = mr->chunks[i];
-        uint32_t seg_h = kNone;
-        for (const auto& [sh, seg] : s.segments) {
-          if (seg == mr->segments[i]) seg_h = sh;
-        }
-        ext.push_back({seg_h, c.base - mr->segments[i]->map.data(), c.mr_offset, c.length});
-      }
-      mrs.push_back({{"h", h}, {"key", mr->key}, {"pd", mr->pd}, {"access", mr->access},
-                     {"addr", mr->addr}, {"iova", mr->iova}, {"length", mr->length},
-                     {"ext", std::move(ext)}});
-    }
-    js["mrs"] = std::move(mrs);
-    json dms = json::array();
-    for (const auto& [h, dm] : s.dms)
-      dms.push_back({{"h", h}, {"seg", dm.segment}, {"length", dm.length}});
-    js["dms"] = std::move(dms);
-    json mws = json::array();
-    for (const auto& [h, mw] : s.mws)
-      mws.push_back({{"h", h},
-                     {"pd", mw->pd},
-                     {"type", mw->type},
-                     {"rkey", mw->rkey},
-                     {"bound", mw->bound ? 1 : 0},
-                     {"mr", mw->mr},
-                     {"qpn", mw->qpn},
-                     {"access", mw->access},
-                     {"addr", mw->addr},
-                     {"length", mw->length}});
-    js["mws"] = std::move(mws);
-    json chans = json::array();
-    for (const auto& [h, ch] : s.channels) chans.push_back({h, fd(ch.write_end.get(), "chan", h)});
-    js["chans"] = std::move(chans);
-    json cqs = json::array();
-    for (const auto& [h, cq] : s.cqs) {
-      cqs.push_back({{"h", h}, {"fd", fd(cq->ring_fd.get(), "cq", h)}, {"size", cq->size},
-                     {"prod", cq->prod}, {"channel", cq->channel}, {"overrun", cq->overrun}});
-    }
-    js["cqs"] = std::move(cqs);
-    json srqs = json::array();
-    for (const auto& [h, q] : s.srqs) {
-      srqs.push_back({{"h", h}, {"fd", fd(q->ring_fd.get(), "srq", h)}, {"pd", q->pd}, {"size", q->size},
-                      {"cons", q->cons}, {"max_sge", q->max_sge}, {"limit", q->limit}});
-    }
-    js["srqs"] = std::move(srqs);
-    json qps = json::array();
-    for (const auto& [h, qp] : s.qps) {
-      json unacked = json::array();
-      for (const Qp::Outstanding& o : qp->unacked)
-        unacked.push_back({bytes_of(o.w), o.psn, o.len, o.has_result});
-      qps.push_back({{"h", h},
-                     {"qpn", qp->qpn},
-                     {"type", static_cast<uint32_t>(qp->type)},
-                     {"state", static_cast<uint32_t>(qp->state)},
-                     {"pd", qp->pd},
-                     {"scq", qp->send_cq->handle},
-                     {"rcq", qp->recv_cq->handle},
-                     {"srq", qp->srq ? qp->srq->handle : kNone},
-                     {"sig_all", qp->sq_sig_all},
-                     {"caps", bytes_of(qp->caps)},
-                     {"attr", bytes_of(qp->attr)},
-                     {"fd", fd(qp->ring_fd.get(), "qp", h)},
-                     {"sq_size", qp->sq_size},
-                     {"rq_size", qp->rq_size},
-                     {"sq_cons", qp->sq_cons},
-                     {"rq_cons", qp->rq_cons},
-                     {"wait", static_cast<uint32_t>(qp->wait)},
-                     {"rnr_left", qp->rnr_left},
-                     {"retry_left", qp->retry_left},
-                     {"wait_until", qp->wait_until_ns},
-                     {"cnt", bytes_of(qp->cnt)},
-                     {"unacked", std::move(unacked)},
-                     // The shm path never advances sq_sent (nothing is in flight there).
-                     {"sq_sent", qp->remote ? qp->sq_sent : qp->sq_cons},
-                     {"next_psn", qp->next_psn},
-                     {"expected_psn", qp->expected_psn},
-                     {"acache", qp->atomic_cache},
-                     {"acache_next", qp->atomic_cache_next},
-                     // The route it had: reroute() on the target settles from it.
-                     {"remote", qp->remote},
-                     {"peer_node", qp->peer_node}});
-      out.qps++;
-    }
-    js["qps"] = std::move(qps);
-    sessions.push_back(std::move(js));
-    ++si;
-  }
-  json doc = {{"magic", kStateMagic},
-              {"version", kStateVersion},
-              {"name", g.name},
-              {"owner_uid", g.owner_uid},
-              {"lid", g.lid},
-              {"next_qpn", g.next_qpn},
-              {"next_key_index", g.next_key_index},
-              {"retired", bytes_of(g.retired)},
-              {"sessions", std::move(sessions)},
-              {"fdkeys", std::move(fdkeys)}};
-  out.blob = json::to_cbor(doc);
-  return out;
-}
-
 // ---- import ----
 
 void Device::recover_from_rings(Qp& qp) {
@@ -849,126 +696,4 @@ Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {
     return error(EINVAL, "not a vrdma device state");
   return doc["name"].get<std::string>() + "\n" + doc["fdkeys"].dump();
 }
-
-void Device::detach_guest(const std::string& name) {
-  auto it = guests_.find(name);
-  if (it == guests_.end()) return;
-  Guest* g = it->second.get();
-  bump_epoch(*g);
-  std::vector<Session*> ss;
-  for (auto& [id, s] : sessions_) {
-    if (s->guest == g) ss.push_back(s.get());
-  }
-  for (Session* s : ss) close_session_impl(s, true);
-}
-
-// ---- following a guest that moved ----
-
-template <typename F>
-void Device::for_qps_facing(const Guest& g, F&& f) {
-  for (Qp* qp : std::vector<Qp*>(active_)) {
-    if (qp->type == IBV_QPT_UD) continue;
-    const bool facing = qp->attr.is_global ? std::memcmp(qp->attr.dgid, g.gid, 16) == 0
-                                           : qp->attr.dlid == g.lid;
-    if (facing) f(*qp);
-  }
-}
-
-void Device::on_guest_located(const transport::GuestInfo& gi, const std::string& node) {
-  Guest g;  // only its identity: what for_qps_facing compares
-  g.lid = gi.lid;
-  std::memcpy(g.gid, gi.gid, 16);
-  for_qps_facing(g, [&](Qp& qp) {
-    if (!qp.remote || qp.peer_node != node) reroute(qp);
-  });
-}
-
-void Device::reroute(Qp& qp) {
-  if (qp.type == IBV_QPT_UD) return;
-  if (qp.state != IBV_QPS_RTR && qp.state != IBV_QPS_RTS && qp.state != IBV_QPS_SQD) return;
-  const bool was_remote = qp.remote;
-  const std::string was_node = qp.peer_node;
-  const std::string was_transport = qp.transport;
-  choose_route(qp);
-  if (qp.route_pending && was_remote) {
-    // Not known here (yet): keep going to where it was; the directory will say where it is.
-    qp.remote = true;
-    qp.route_pending = false;
-    qp.transport = was_transport;
-    qp.peer_node = was_node;
-    qp.transport_why = "destination not known here yet; following it when it is announced";
-    return;
-  }
-  if (was_remote && !qp.remote) {
-    settle_locally(qp);
-  } else if (!was_remote && qp.remote) {
-    // Nothing is in flight on shm: every WQE before sq_cons completed.
-    qp.unacked.clear();
-    qp.sq_sent = qp.sq_cons;
-    if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
-  } else if (qp.remote && qp.type == IBV_QPT_RC && !qp.unacked.empty() && qp.wait != Wait::kRnr) {
-    qp.retry_left = qp.attr.retry_cnt;
-    qp.wait = Wait::kAck;
-    qp.wait_until_ns = now_ns_ + ack_ns(qp);
-    qp.replay_now = true;
-  } else if (!qp.remote && qp.wait == Wait::kAck) {
-    qp.wait = Wait::kNone;  // waiting for a peer that was away: try again now
-  }
-  VLOG_INFO("qp {:#x} (guest {}): now {}{}{} ({})", qp.qpn, qp.guest->name, qp.transport,
-            qp.remote ? " to " : "", qp.peer_node, qp.transport_why);
-}
-
-void Device::settle_locally(Qp& qp) {
-  Qp* to = lookup_remote(qp);
-  if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
-  if (!to || qp.type != IBV_QPT_RC) {
-    // No responder state to settle against: what was in flight runs again from the SQ.
-    if (!qp.unacked.empty()) qp.next_psn = qp.unacked.front().psn;
-    qp.unacked.clear();
-    qp.sq_sent = qp.sq_cons;
-    return;
-  }
-  // The peer executed exactly the PSNs before its expected one: those complete now (a READ or
-  // atomic whose answer was lost gets it here), the rest go back to the send queue.
-  while (!qp.unacked.empty() && wire::psn_diff(qp.unacked.front().psn, to->expected_psn) < 0) {
-    const Qp::Outstanding o = qp.unacked.front();
-    qp.unacked.pop_front();
-    ibv_wc_status st = IBV_WC_SUCCESS;
-    if (!o.has_result && (o.w.opcode == IBV_WR_RDMA_READ || is_atomic(o.w.opcode))) {
-      dst_.clear();
-      src_.clear();
-      uint64_t len = 0;
-      if (!resolve_sges(qp, o.w.sge, o.w.num_sge, IBV_ACCESS_LOCAL_WRITE, dst_, len) ||
-          len < o.len) {
-        st = IBV_WC_LOC_PROT_ERR;
-      } else if (o.w.opcode == IBV_WR_RDMA_READ) {
-        const Response r = respond_begin(*to, inbound_of(qp, o.w, o.len));
-        uintptr_t fault = 0;
-        if (r.kind != Response::kOk)
-          st = r.status ? r.status : IBV_WC_REM_INV_REQ_ERR;
-        else if (!guarded_copy(src_, dst_, o.len, fault))
-          st = in_spans(src_, fault) ? IBV_WC_REM_ACCESS_ERR : IBV_WC_LOC_PROT_ERR;
-      } else {
-        st = IBV_WC_REM_INV_REQ_ERR;  // its result is no longer known
-        for (const auto& [psn, value] : to->atomic_cache) {
-          if (psn == (o.psn | Qp::kAtomicCacheValid)) {
-            const Span result{reinterpret_cast<uint8_t*>(const_cast<uint64_t*>(&value)), 8};
-            uintptr_t fault = 0;
-            st = guarded_copy({&result, 1}, dst_, 8, fault) ? IBV_WC_SUCCESS : IBV_WC_LOC_PROT_ERR;
-          }
-        }
-      }
-    }
-    complete_send(qp, o.w, st, st == IBV_WC_SUCCESS ? o.len : 0);
-    if (st != IBV_WC_SUCCESS) {
-      enter_error(qp, "in-flight request could not be settled after the peer moved here");
-      return;
-    }
-  }
-  qp.next_psn = to->expected_psn;
-  qp.unacked.clear();
-  qp.sq_sent = qp.sq_cons;
-  publish_psns(qp);
-}
-
 }  // namespace vrdma::engine
