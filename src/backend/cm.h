@@ -29,6 +29,8 @@ class Transport;
 
 namespace vrdma::backend {
 
+/// CLOCK_MONOTONIC in ns: the clock of the service's timers.
+uint64_t cm_clock_ns();
 /// An IPv4 (224/4) or IPv6 (ff00::/8) multicast address.
 bool is_multicast(const proto::CmAddr& a);
 
@@ -75,6 +77,11 @@ class CmService {
     kDisconnected,  ///< sent or received DREQ
   };
   enum class TimerKind : uint8_t { kAddr, kTimewait, kHandshake };
+  /// A handshake with a peer backend (REQ or REP out) is checked this often: it fails with
+  /// UNREACHABLE (-ETIMEDOUT) once the connection to that backend is down, or after
+  /// kHandshakeTries checks (rdma_cm's REQ: 15 retries of about 4 s).
+  static constexpr uint64_t kHandshakeStepMs = 1000;
+  static constexpr uint32_t kHandshakeTries = 60;
   struct Timer {
     uint32_t id;
     TimerKind kind;

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <ctime>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -98,6 +99,21 @@ inline int fail(int err) {
   return -1;
 }
 inline VId* to_vid(rdma_cm_id* id) { return reinterpret_cast<VId*>(id); }
+inline uint64_t mono_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
+
+/// The id is on vrdma0 port 1 (an address of this host was bound or resolved).
+void attach_device(VId* v);
+/// Sets the id's addresses (those given with a family) and, with `attach`, its device. Under
+/// Cm::mu: the application's thread (bind, resolve) and its event thread both write them.
+void set_addrs(VId* v, const proto::CmAddr* src, const proto::CmAddr* dst, bool attach);
+/// The path record of a route: this end's GID and LID, the peer's once it is known.
+void set_path(VId* v);
+/// REQ, REP or REJ with the id's QP and the caller's private data.
+int send_conn(VId* v, proto::Op op, const proto::CmQpInfo& qp, const void* pdata, size_t len);
 
 /// The attributes that take the id's QP to `state` (INIT, RTR or RTS) by what the two ends
 /// said; 0, or -1 with errno (EINVAL: no peer yet for RTR/RTS).
