@@ -25,6 +25,13 @@ using namespace vrdma::proto;
 namespace {
 
 constexpr int kCallTimeoutMs = 30000;
+/// The largest answer of the connection service (a header and a fixed body; no status text):
+/// recv_msg sizes (and zero-fills) its buffer to the cap, and kMaxResponse's 1 MiB, filled on
+/// every call, was most of a connection's setup time (see BENCHMARKS.md, "RDMA CM").
+constexpr size_t kCmMaxResponse = 4096;
+/// Commands posted (post()) whose answers are not read yet, at most: their answers wait in the
+/// socket's receive buffer, which must not fill up (the backend would stop answering).
+constexpr uint32_t kMaxUnanswered = 64;
 
 CmAddr to_cm_addr(const sockaddr* sa) {
   CmAddr a{};
@@ -247,10 +254,11 @@ int ensure_open() {
   return 0;
 }
 
-int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, int* fd_out) {
-  Cm& c = cm();
-  std::lock_guard<std::mutex> g(c.rpc_mu);
-  if (c.sock < 0) return fail(ENODEV);
+namespace {
+
+/// Sends one command on the service's connection (under Cm::rpc_mu); its sequence number.
+Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len) {
+  if (c.sock < 0) return error(ENODEV, "no connection to the backend");
   std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
   const MsgHeader h{
       kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()), ++c.seq,
@@ -258,32 +266,78 @@ int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, 
   std::memcpy(msg.data(), &h, sizeof(h));
   if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
   Status st = send_msg(c.sock, msg);
-  std::vector<UniqueFd> fds;
+  if (!st.is_ok()) return error(st.err() == EAGAIN ? ETIMEDOUT : st.err(), st.message());
+  return h.seq;
+}
+
+/// Reads answers until the one to command `seq` (under Cm::rpc_mu), into `msg` and `fds`;
+/// those before it (posted commands', a timed-out call's) are dropped: answers come in order,
+/// so none is left unanswered before `seq`. 0, or -1 with errno.
+int await_answer(Cm& c, uint16_t op, uint32_t seq, std::vector<uint8_t>& msg,
+                 std::vector<UniqueFd>& fds) {
   for (;;) {
-    if (!st.is_ok()) return fail(st.err() == EAGAIN ? ETIMEDOUT : st.err());
     pollfd p{c.sock, POLLIN, 0};
     int n;
     do {
       n = ::poll(&p, 1, kCallTimeoutMs);
     } while (n < 0 && errno == EINTR);
     if (n == 0) {
-      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(h.op),
+      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
                  kCallTimeoutMs);
       return fail(ETIMEDOUT);
     }
-    st = recv_msg(c.sock, msg, kMaxResponse, fds);
-    if (!st.is_ok()) continue;
+    Status st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
+    if (!st.is_ok()) return fail(st.err());
     auto rh = decode_header(msg);
     if (!rh.is_ok()) return fail(EPROTO);
-    if (rh->seq != h.seq) continue;  // the answer to a call that timed out
-    if (rh->status) return fail(-rh->status);
-    if (resp_len && msg.size() == sizeof(MsgHeader) + resp_len)
-      std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
-    else if (resp_len)
-      return fail(EPROTO);
-    if (fd_out && !fds.empty()) *fd_out = fds[0].release();
+    if (rh->seq != seq) continue;
+    c.unanswered = 0;
     return 0;
   }
+}
+
+}  // namespace
+
+int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, int* fd_out) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  auto seq = send_command(c, op, body, body_len);
+  if (!seq.is_ok()) return fail(seq.status().err());
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  if (await_answer(c, static_cast<uint16_t>(op), seq.value(), msg, fds)) return -1;
+  const MsgHeader* rh = reinterpret_cast<const MsgHeader*>(msg.data());
+  if (rh->status) return fail(-rh->status);
+  if (resp_len && msg.size() == sizeof(MsgHeader) + resp_len)
+    std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
+  else if (resp_len)
+    return fail(EPROTO);
+  if (fd_out && !fds.empty()) *fd_out = fds[0].release();
+  return 0;
+}
+
+int establish(VId* v) {
+  bool answered;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    answered = v->active && v->have_peer;
+  }
+  // The RTU after a CONNECT_RESPONSE: not waited for. Were the acceptor gone meanwhile, its
+  // DISCONNECTED follows, as on a fabric where the RTU met nobody.
+  if (!answered) return call(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  post(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  return 0;
+}
+
+void post(Op op, const void* body, size_t body_len) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  if (c.unanswered >= kMaxUnanswered) {  // their answers wait in our socket's buffer: read them
+    std::vector<uint8_t> msg;
+    std::vector<UniqueFd> fds;
+    (void)await_answer(c, static_cast<uint16_t>(op), c.seq, msg, fds);
+  }
+  if (send_command(c, op, body, body_len).is_ok()) ++c.unanswered;
 }
 
 int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_port_space ps,
@@ -371,7 +425,9 @@ CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
     }
     c.ids.erase(v->handle);
   }
-  (void)call(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});
+  // Nothing to wait for: the backend takes it before this process's next command, and the
+  // answer, whatever it is, would change nothing here.
+  post(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});
   if (v->own) close_channel(v->own);
   delete v;
   return 0;
@@ -403,7 +459,16 @@ CM_EXPORT int rdma_resolve_route(rdma_cm_id* id, int timeout_ms) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
   vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)), {}, {}};
-  if (call(Op::kCmResolveRoute, req)) return -1;
+  // With its address resolved the backend takes it (ROUTE_RESOLVED follows): not waited for.
+  bool resolved;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    resolved = v->addr_resolved;
+  }
+  if (resolved)
+    post(Op::kCmResolveRoute, req);
+  else if (call(Op::kCmResolveRoute, req))
+    return -1;
   return v->own ? complete(v, RDMA_CM_EVENT_ROUTE_RESOLVED) : 0;
 }
 
@@ -466,7 +531,7 @@ CM_EXPORT int rdma_establish(rdma_cm_id* id) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
   if (id->qp && move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS})) return -1;
-  return call(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  return establish(v);
 }
 
 CM_EXPORT int rdma_reject(rdma_cm_id* id, const void* private_data, uint8_t private_data_len) {

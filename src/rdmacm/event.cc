@@ -159,8 +159,11 @@ VEvent* make_event(std::span<const uint8_t> msg) {
   set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
   const bool ud = v->id.qp_type == IBV_QPT_UD;
   switch (static_cast<CmEventType>(e.event)) {
-    case CmEventType::kAddrResolved:
+    case CmEventType::kAddrResolved: {
+      std::lock_guard<std::mutex> g(c.mu);
+      v->addr_resolved = true;
       break;
+    }
     case CmEventType::kRouteResolved:
       set_path(v);
       break;
@@ -183,8 +186,7 @@ VEvent* make_event(std::span<const uint8_t> msg) {
       // With a QP on the id, the library finishes the exchange (RTR, RTS, RTU) and the
       // application sees ESTABLISHED, as with rdma-core; without one it calls rdma_establish.
       if (v->id.qp) {
-        if (move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS}) == 0 &&
-            call(Op::kCmEstablish, HandleReq{v->handle, 0}) == 0) {
+        if (move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS}) == 0 && establish(v) == 0) {
           ve->ev.event = RDMA_CM_EVENT_ESTABLISHED;
         } else {
           ve->ev.event = RDMA_CM_EVENT_CONNECT_ERROR;
