@@ -342,13 +342,18 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     // whose host has no backend is a neighbour that never answers: ADDR_ERROR after the
     // timeout (-ETIMEDOUT, as an ARP request that got no reply).
     ASSIGN_OR_RETURN(CmAddr via, route_source(r.dst));
+    if (!src.family) src = via;
     node = node_for(r.dst);
     if (node.empty()) {
+      // Not a peer's transport address: the peers are asked whose host it is (an IPv6
+      // address, a peer's second address), as a neighbour solicitation; the first answer
+      // resolves it (on_wire), none by the timeout is ADDR_ERROR.
       id.dst = r.dst;
+      id.resolve_src = src;
       arm(handle, id, r.timeout_ms ? r.timeout_ms : 2000, TimerKind::kAddr);
+      ask_peers(handle, r.dst);
       return Status::ok();
     }
-    if (!src.family) src = via;
   } else if (!src.family && is_multicast(r.dst)) {
     // A group: joined from the host's address toward it (loopback when no route says).
     auto via = route_source(r.dst);
@@ -364,18 +369,60 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     src = r.dst;  // a local destination is reached from itself
     src.port = 0;
   }
+  return resolved(handle, id, src, r.dst, node);
+}
+
+Status CmService::resolved(uint32_t handle, Id& id, const CmAddr& src, const CmAddr& dst,
+                           const std::string& node) {
   if (id.state == State::kIdle) RETURN_IF_ERROR(bind(handle, id, src));
-  id.dst = r.dst;
+  id.dst = dst;
   id.node = node;
   if (is_wildcard(id.src)) {
     const uint16_t port = id.src.port;
-    id.src = src.family ? src : r.dst;
+    id.src = src.family ? src : dst;
     id.src.port = port;
   }
   id.state = State::kAddrResolved;
   disarm(id);  // an earlier resolution's timeout
   emit(handle, CmEventType::kAddrResolved, 0);
   return Status::ok();
+}
+
+void CmService::ask_peers(uint32_t handle, const CmAddr& dst) {
+  if (!transport_ || !peers_) return;
+  wire::Cm q{};
+  q.kind = static_cast<uint8_t>(CmKind::kAddrQuery);
+  q.src_id = handle;
+  q.dst = dst;
+  for (const std::string& n : peers_()) transport_->send(n, wire::Type::kCm, &q);
+}
+
+void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
+  if (m.kind == static_cast<uint8_t>(CmKind::kAddrQuery)) {
+    // Ours when a connection to it would reach a listener here (take_request's rule).
+    if (is_wildcard(m.dst) || is_loopback(m.dst) || is_multicast(m.dst) || !is_local(m.dst))
+      return;  // not ours: silence, as a host that is not the neighbour asked for
+    wire::Cm a{};
+    a.kind = static_cast<uint8_t>(CmKind::kAddrReply);
+    a.src_id = kNone;
+    a.dst_id = m.src_id;
+    a.dst = m.dst;
+    if (transport_) transport_->send(node, wire::Type::kCm, &a);
+    return;
+  }
+  // A reply: only to an id that asked (its kAddr timer runs) for that address.
+  auto it = ids_.find(m.dst_id);
+  if (it == ids_.end()) return;  // gone meanwhile
+  Id& id = it->second;
+  if (!id.timer_armed || id.timer->second.kind != TimerKind::kAddr || !same_addr(id.dst, m.dst)) {
+    if (transport_) transport_->refused_frame(node, "cm address reply nobody asked for");
+    return;
+  }
+  const CmAddr dst = id.dst;
+  if (Status st = resolved(it->first, id, id.resolve_src, dst, node); !st.is_ok()) {
+    disarm(id);
+    emit(it->first, CmEventType::kAddrError, -st.err());
+  }
 }
 
 std::string CmService::node_for(const CmAddr& a) const {

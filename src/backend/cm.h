@@ -107,6 +107,7 @@ class CmService {
     uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
     uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
+    proto::CmAddr resolve_src{};  ///< kAddr timer: the source the resolution will give
     /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
     /// the id, so what a guest can make wait is bounded by its ids.
     bool timer_armed = false;
@@ -149,6 +150,14 @@ class CmService {
   /// What id `h` does on message `k` from its peer `from` (here, or checked by on_wire).
   void receive(uint32_t h, Id& id, uint32_t from, proto::wire::CmKind k, int32_t status,
                const proto::CmQpInfo* qp, std::span<const uint8_t> pdata);
+  /// The address resolution of `id` found `dst` on `node` ("": this host), from `src`:
+  /// binds it if unbound, ADDR_RESOLVED.
+  Status resolved(uint32_t handle, Id& id, const proto::CmAddr& src, const proto::CmAddr& dst,
+                  const std::string& node);
+  /// Asks every connected peer backend whether `dst` is its host's (kAddrQuery from id `handle`).
+  void ask_peers(uint32_t handle, const proto::CmAddr& dst);
+  /// A peer's kAddrQuery or kAddrReply (on_wire).
+  void on_addr_wire(const std::string& node, const proto::wire::Cm& m);
   /// The peer node whose host has IPv4 address `a` (its transport connection's), or "".
   std::string node_for(const proto::CmAddr& a) const;
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
