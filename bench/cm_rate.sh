@@ -4,7 +4,9 @@
 # the same run on the same hosts: on one host (client and server on h1's backend, to h1's
 # address) and across two namespace hosts (h2 -> h1, the exchange over the backends' transport).
 # Rows without and with an RC QP per connection (-q: rdma_create_qp on both ends, so also the
-# QP's creation, RTR/RTS and destruction). Prints markdown table rows. Needs root (ip netns).
+# QP's creation, RTR/RTS and destruction; N/5 connections, being slower). Prints markdown table
+# rows. Needs root (ip netns). HOSTS_VRDMAD_ARGS: more vrdmad flags (e.g. --spin-us 0), named in
+# the rows.
 # Usage: bench/cm_rate.sh [BIN_DIR (default build/release/bin)] [RUNS (default 3)] [N (10000)]
 set -euo pipefail
 
@@ -12,6 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"
 RUNS="${2:-3}"
 N="${3:-10000}"
+N_QP=$((N / 5))
 WINDOW="${WINDOW:-32}"
 export E2E_DEADLINE="${E2E_DEADLINE:-3600}"  # lib.sh's watchdog; a benchmark may take long
 # shellcheck source-path=SCRIPTDIR/.. source=tests/hosts/lib.sh
@@ -36,10 +39,10 @@ wait_listening() {
   fail "server not listening: $(tail -n 5 "$1")"
 }
 
-# One run; prints conn/s. Usage: one KIND(cm|tcp) CLIENT_HOST [-q]
+# One run; prints conn/s. Usage: one KIND(cm|tcp) CLIENT_HOST N [-q]
 one() {
-  local kind=$1 cli=$2 port=$((20000 + RANDOM % 10000)) srv
-  shift 2
+  local kind=$1 cli=$2 N=$3 port=$((20000 + RANDOM % 10000)) srv
+  shift 3
   if [[ $kind == cm ]]; then
     hrun 1 --guest cm-srv -- "$RATE" --server "$SRV_IP" "$port" -n "$N" "$@" >"$E2E_TMP/srv" 2>&1 &
   else
@@ -59,21 +62,22 @@ one() {
   awk '/conn\/s/ {print $(NF-1)}' "$E2E_TMP/cli"
 }
 
-echo "| date | machine | where | connections x window | runs | rdma_cm conn/s median (min–max) | rdma_cm + RC QP conn/s median (min–max) | TCP connect/accept conn/s median (min–max) |"
-echo "|---|---|---|---|---|---|---|---|"
+backend="vrdmad ${HOSTS_VRDMAD_ARGS:-(defaults)}"
+echo "| date | machine | backend | where | connections (with QP) x window | runs | rdma_cm conn/s median (min–max) | rdma_cm + RC QP conn/s median (min–max) | TCP connect/accept conn/s median (min–max) |"
+echo "|---|---|---|---|---|---|---|---|---|"
 for cli in 1 2; do
   cm=() qp=() tcp=()
   for ((r = 1; r <= RUNS; r++)); do
-    cm+=("$(one cm "$cli")")
-    qp+=("$(one cm "$cli" -q)")
-    tcp+=("$(one tcp "$cli")")
+    cm+=("$(one cm "$cli" "$N")")
+    qp+=("$(one cm "$cli" "$N_QP" -q)")
+    tcp+=("$(one tcp "$cli" "$N")")
   done
   read -r cmed cmin cmax < <(printf '%s\n' "${cm[@]}" | stats)
   read -r qmed qmin qmax < <(printf '%s\n' "${qp[@]}" | stats)
   read -r tmed tmin tmax < <(printf '%s\n' "${tcp[@]}" | stats)
   where="one host (h1 -> h1)"
   [[ $cli == 2 ]] && where="two namespace hosts (h2 -> h1)"
-  echo "| $today | $machine | $where | $N x $WINDOW | $RUNS | $cmed ($cmin–$cmax) |" \
+  echo "| $today | $machine | $backend | $where | $N ($N_QP) x $WINDOW | $RUNS | $cmed ($cmin–$cmax) |" \
     "$qmed ($qmin–$qmax) | $tmed ($tmin–$tmax) |"
 done
 e2e_pass

@@ -60,7 +60,7 @@ bool is_loopback(const CmAddr& a) {
 
 /// Whether `a` names this host (in the backend's network namespace): loopback, or an address
 /// a socket can bind to. Every such address is vrdma0 port 1 here.
-bool is_local(const CmAddr& a) {
+bool bindable_here(const CmAddr& a) {
   if (a.family != AF_INET && a.family != AF_INET6) return false;
   if (is_loopback(a)) return true;
   if (is_wildcard(a)) return true;
@@ -318,7 +318,7 @@ void CmService::release_port(Id& id) {
 Status CmService::bind(uint32_t handle, Id& id, const CmAddr& a) {
   if (id.state != State::kIdle) return error(EINVAL, "already bound");
   if (!valid_family(a)) return error(EAFNOSUPPORT, "not an IP address");
-  if (!is_local(a)) return error(EADDRNOTAVAIL, "not an address of this host");
+  if (!local(a)) return error(EADDRNOTAVAIL, "not an address of this host");
   id.src = a;
   RETURN_IF_ERROR(take_port(handle, id, a.port));
   id.state = State::kBound;
@@ -337,7 +337,7 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
     return Status::ok();
   }
-  if (!is_multicast(r.dst) && !is_local(r.dst)) {
+  if (!is_multicast(r.dst) && !local(r.dst)) {
     // Another host: as the kernel, an address no route reaches fails now; one on a network
     // whose host has no backend is a neighbour that never answers: ADDR_ERROR after the
     // timeout (-ETIMEDOUT, as an ARP request that got no reply).
@@ -400,7 +400,7 @@ void CmService::ask_peers(uint32_t handle, const CmAddr& dst) {
 void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
   if (m.kind == static_cast<uint8_t>(CmKind::kAddrQuery)) {
     // Ours when a connection to it would reach a listener here (take_request's rule).
-    if (is_wildcard(m.dst) || is_loopback(m.dst) || is_multicast(m.dst) || !is_local(m.dst))
+    if (is_wildcard(m.dst) || is_loopback(m.dst) || is_multicast(m.dst) || !local(m.dst))
       return;  // not ours: silence, as a host that is not the neighbour asked for
     wire::Cm a{};
     a.kind = static_cast<uint8_t>(CmKind::kAddrReply);
@@ -423,6 +423,19 @@ void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
     disarm(id);
     emit(it->first, CmEventType::kAddrError, -st.err());
   }
+}
+
+bool CmService::local(const CmAddr& a) {
+  // A connection's setup asks about the same address two or three times (resolve, bind, a
+  // peer's REQ); each answer of the kernel is a socket, a bind and a close.
+  const uint64_t now = cm_clock_ns();
+  for (const auto& [addr, at] : local_cache_) {
+    if (now - at < kLocalCacheNs && same_addr(addr, a) && addr.scope_id == a.scope_id) return true;
+  }
+  if (!bindable_here(a)) return false;
+  std::erase_if(local_cache_, [now](const auto& e) { return now - e.second >= kLocalCacheNs; });
+  if (local_cache_.size() < kLocalCacheSize) local_cache_.emplace_back(a, now);
+  return true;
 }
 
 std::string CmService::node_for(const CmAddr& a) const {
@@ -456,7 +469,7 @@ uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int
   reason = kCmRejInvalidService;
   // From a peer: the address it connects to must be this host's (ours are, by resolve_addr),
   // and not loopback: a listener there is for this host only, as a TCP one on 127.0.0.1.
-  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !is_local(m.dst))) return 0;
+  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !local(m.dst))) return 0;
   const uint32_t lh = listener_for(m.ps, m.dst);
   if (!lh) return 0;
   Id& l = ids_.at(lh);

@@ -158,6 +158,11 @@ class CmService {
   void ask_peers(uint32_t handle, const proto::CmAddr& dst);
   /// A peer's kAddrQuery or kAddrReply (on_wire).
   void on_addr_wire(const std::string& node, const proto::wire::Cm& m);
+  /// Whether `a` is an address of this host (see bindable_here, cm.cc): the answers that were
+  /// yes are kept for kLocalCacheNs (an address removed from the host meanwhile still counts).
+  bool local(const proto::CmAddr& a);
+  static constexpr uint64_t kLocalCacheNs = 1'000'000'000;
+  static constexpr size_t kLocalCacheSize = 16;
   /// The peer node whose host has IPv4 address `a` (its transport connection's), or "".
   std::string node_for(const proto::CmAddr& a) const;
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
@@ -171,6 +176,7 @@ class CmService {
   /// Destroyed channels' sockets, kept until the guest's end is closed or its session ends.
   std::vector<std::pair<uint32_t, UniqueFd>> closing_;
   std::unordered_map<uint32_t, Id> ids_;
+  std::vector<std::pair<proto::CmAddr, uint64_t>> local_cache_;  ///< (address, when found local)
   /// (port space, port) -> the id that holds it (bound, listening or connecting).
   std::map<std::pair<uint16_t, uint16_t>, uint32_t> ports_;
   /// Channels (open or closing) and ids per session, against the caps in cm.cc.

@@ -43,23 +43,31 @@ cm_pair() {
   [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.srv")"
 }
 
+# rping -v's output of cm_pair NAME: COUNT pings, and what the server read (RDMA READ from the
+# client's buffer) is what the client sent. Usage: check_rping NAME COUNT
+check_rping() {
+  [[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/$1.cli") == "$2" ]] || fail "$1: not $2 pings"
+  diff <(sed -n 's/^ping data: //p' "$E2E_TMP/$1.cli") \
+    <(sed -n 's/^server ping data: //p' "$E2E_TMP/$1.srv") >/dev/null ||
+    fail "$1: the server read other data than the client sent"
+}
+# Both ends of cm_pair NAME said 'test complete' (ucmatose, udaddy). Usage: check_complete NAME
+check_complete() {
+  local f
+  for f in "$1.cli" "$1.srv"; do
+    grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
+  done
+}
+
 cm_pair rping "rping -s -a $SRV_IP -p 7174 -C 20 -v" "rping -c -a $SRV_IP -p 7174 -C 20 -v"
-[[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/rping.cli") == 20 ]] || fail "rping: not 20 pings"
-# What the server read (RDMA READ from the client's buffer) is what the client sent.
-diff <(sed -n 's/^ping data: //p' "$E2E_TMP/rping.cli") \
-  <(sed -n 's/^server ping data: //p' "$E2E_TMP/rping.srv") >/dev/null ||
-  fail "rping: the server read other data than the client sent"
+check_rping rping 20
 
 cm_pair ucmatose "ucmatose -p 7175 -c 4 -C 20" "ucmatose -s $SRV_IP -p 7175 -c 4 -C 20"
-for f in ucmatose.cli ucmatose.srv; do
-  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
-done
+check_complete ucmatose
 
 # UD: the SIDR-shaped exchange, then datagrams to the address handle from the event.
 cm_pair udaddy "udaddy" "udaddy -s $SRV_IP"
-for f in udaddy.cli udaddy.srv; do
-  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
-done
+check_complete udaddy
 
 if command -v ib_send_bw >/dev/null; then
   cm_pair ib_send_bw "ib_send_bw -R -n 1000 -p 7177" "ib_send_bw -R -n 1000 -p 7177 $SRV_IP"
@@ -73,16 +81,11 @@ fi
 # eth0), which h2's backend learns is h1's by asking its peers (wire kCm kAddrQuery).
 for i in 1 2; do ip -n "$(host_ns "$i")" addr add "fd77::$i/64" dev eth0 nodad; done
 cm_pair rping6_lo "rping -s -a ::1 -p 7180 -C 5 -v" "rping -c -a ::1 -p 7180 -C 5 -v" 1
-[[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/rping6_lo.cli") == 5 ]] || fail "rping ::1: not 5 pings"
+check_rping rping6_lo 5
 cm_pair rping6 "rping -s -a fd77::1 -p 7181 -C 10 -v" "rping -c -a fd77::1 -p 7181 -C 10 -v"
-[[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/rping6.cli") == 10 ]] || fail "rping fd77::1: not 10 pings"
-diff <(sed -n 's/^ping data: //p' "$E2E_TMP/rping6.cli") \
-  <(sed -n 's/^server ping data: //p' "$E2E_TMP/rping6.srv") >/dev/null ||
-  fail "rping fd77::1: the server read other data than the client sent"
+check_rping rping6 10
 cm_pair ucmatose6 "ucmatose -b fd77::1 -p 7182 -c 2 -C 10" "ucmatose -s fd77::1 -p 7182 -c 2 -C 10"
-for f in ucmatose6.cli ucmatose6.srv; do
-  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
-done
+check_complete ucmatose6
 
 # An address on h2's network that nobody answers: ADDR_ERROR once rping's timeout (2 s) passed.
 start=$(date +%s%N)
