@@ -25,10 +25,12 @@ using namespace vrdma::proto;
 namespace {
 
 constexpr int kCallTimeoutMs = 30000;
-/// The largest answer of the connection service (a header and a fixed body; no status text):
-/// recv_msg sizes (and zero-fills) its buffer to the cap, and kMaxResponse's 1 MiB, filled on
-/// every call, was most of a connection's setup time (see BENCHMARKS.md, "RDMA CM").
-constexpr size_t kCmMaxResponse = 4096;
+/// Room for the largest answer of the connection service (a header and a fixed body; no status
+/// text): recv_msg sizes (and zero-fills) its buffer to the cap on every call, and kMaxResponse's
+/// 1 MiB was most of a connection's setup time (see BENCHMARKS.md, "RDMA CM connection rate").
+constexpr size_t kCmMaxResponse = 256;
+static_assert(kCmMaxResponse >= sizeof(MsgHeader) + sizeof(CmAddrResp) &&
+              kCmMaxResponse >= sizeof(MsgHeader) + sizeof(HandleResp));
 /// Commands posted (post()) whose answers are not read yet, at most: their answers wait in the
 /// socket's receive buffer, which must not fill up (the backend would stop answering).
 constexpr uint32_t kMaxUnanswered = 64;
