@@ -43,6 +43,7 @@ wait_listening() {
 one() {
   local kind=$1 cli=$2 N=$3 port=$((20000 + RANDOM % 10000)) srv
   shift 3
+  : >"$E2E_TMP/srv"  # now: the server's own redirection may come after wait_listening reads it
   if [[ $kind == cm ]]; then
     hrun 1 --guest cm-srv -- "$RATE" --server "$SRV_IP" "$port" -n "$N" "$@" >"$E2E_TMP/srv" 2>&1 &
   else

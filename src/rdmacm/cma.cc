@@ -342,6 +342,29 @@ void post(Op op, const void* body, size_t body_len) {
   if (send_command(c, op, body, body_len).is_ok()) ++c.unanswered;
 }
 
+namespace {
+
+/// At exit, the answers to posted commands are read: a process that ends right after
+/// rdma_destroy_id would otherwise close its connection under them, which the backend logs as
+/// a session reset.
+__attribute__((destructor)) void read_posted_answers() {
+  Cm& c = cm();
+  // Not when another thread is inside a call (it reads them): exit must not wait for it.
+  std::unique_lock<std::mutex> g(c.rpc_mu, std::try_to_lock);
+  if (!g.owns_lock() || c.sock < 0 || c.unanswered == 0) return;
+  pollfd p{c.sock, POLLIN, 0};
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  // Briefly: the backend answers at once, or is gone.
+  while (::poll(&p, 1, 1000) > 0 && recv_msg(c.sock, msg, kCmMaxResponse, fds).is_ok()) {
+    auto rh = decode_header(msg);
+    if (!rh.is_ok() || rh->seq == c.seq) break;
+  }
+  c.unanswered = 0;
+}
+
+}  // namespace
+
 int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_port_space ps,
               ibv_qp_type qp_type) {
   if (!id) return fail(EINVAL);
