@@ -484,11 +484,12 @@ CM_EXPORT int rdma_resolve_route(rdma_cm_id* id, int timeout_ms) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
   vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)), {}, {}};
-  // With its address resolved the backend takes it (ROUTE_RESOLVED follows): not waited for.
+  // With its address resolved and no connect yet the backend takes it (ROUTE_RESOLVED
+  // follows): not waited for. Otherwise its answer is the caller's (EINVAL).
   bool resolved;
   {
     std::lock_guard<std::mutex> g(cm().mu);
-    resolved = v->addr_resolved;
+    resolved = v->addr_resolved && !v->active;
   }
   if (resolved)
     post(Op::kCmResolveRoute, req);
