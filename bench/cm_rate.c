@@ -53,6 +53,7 @@ static void parse_addr(const char* addr, const char* port, struct sockaddr_stora
 
 static void report(const char* what, int n, double secs) {
   printf("%s: %d connections in %.3f s: %.0f conn/s\n", what, n, secs, n / secs);
+  fflush(stdout);
 }
 
 static void make_qp(struct rdma_cm_id* id) {
@@ -82,6 +83,7 @@ static void cm_server(struct sockaddr* sa) {
     if (rdma_get_cm_event(ch, &e)) die("rdma_get_cm_event");
     struct rdma_cm_id* id = e->id;
     enum rdma_cm_event_type type = e->event;
+    int status = e->status;
     rdma_ack_cm_event(e);
     switch (type) {
       case RDMA_CM_EVENT_CONNECT_REQUEST: {
@@ -99,10 +101,12 @@ static void cm_server(struct sockaddr* sa) {
         ++gone;
         break;
       default:
-        fprintf(stderr, "cm_rate: server: unexpected %s (%d)\n", rdma_event_str(type), e->status);
+        fprintf(stderr, "cm_rate: server: unexpected %s (%d)\n", rdma_event_str(type), status);
         exit(1);
     }
   }
+  rdma_destroy_id(listen);
+  rdma_destroy_event_channel(ch);
 }
 
 static void cm_client(struct sockaddr* sa) {
@@ -148,6 +152,7 @@ static void cm_client(struct sockaddr* sa) {
     }
   }
   report(with_qp ? "rdma_cm+qp" : "rdma_cm", n_conns, now_s() - start);
+  rdma_destroy_event_channel(ch);
 }
 
 static void tcp_server(struct sockaddr* sa, socklen_t len) {
@@ -162,6 +167,7 @@ static void tcp_server(struct sockaddr* sa, socklen_t len) {
     if (c < 0) die("accept");
     close(c);
   }
+  close(l);
 }
 
 // Closed with a reset (SO_LINGER 0): no TIME_WAIT, so runs of many connections do not run out
@@ -197,6 +203,7 @@ static void tcp_client(struct sockaddr* sa, socklen_t len) {
     }
   }
   report("tcp", n_conns, now_s() - start);
+  close(ep);
 }
 
 int main(int argc, char** argv) {
