@@ -39,7 +39,8 @@ wait_listening() {
   fail "server not listening: $(tail -n 5 "$1")"
 }
 
-# One run; prints conn/s. Usage: one KIND(cm|tcp) CLIENT_HOST N [-q]
+# One run; its conn/s in RATE_OF_RUN (not printed: a `fail` in a command substitution would end
+# only that subshell, leaving the run's server behind). Usage: one KIND(cm|tcp) CLIENT_HOST N [-q]
 one() {
   local kind=$1 cli=$2 N=$3 port=$((20000 + RANDOM % 10000)) srv
   shift 3
@@ -60,7 +61,8 @@ one() {
   fi
   wait_pid "$srv" 30
   [[ $WAIT_RC == 0 ]] || fail "server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/srv")"
-  awk '/conn\/s/ {print $(NF-1)}' "$E2E_TMP/cli"
+  RATE_OF_RUN=$(awk '/conn\/s/ {print $(NF-1)}' "$E2E_TMP/cli")
+  [[ -n $RATE_OF_RUN ]] || fail "no rate: $(tail -n 5 "$E2E_TMP/cli")"
 }
 
 backend="vrdmad ${HOSTS_VRDMAD_ARGS:-(defaults)}"
@@ -69,9 +71,12 @@ echo "|---|---|---|---|---|---|---|---|---|"
 for cli in 1 2; do
   cm=() qp=() tcp=()
   for ((r = 1; r <= RUNS; r++)); do
-    cm+=("$(one cm "$cli" "$N")")
-    qp+=("$(one cm "$cli" "$N_QP" -q)")
-    tcp+=("$(one tcp "$cli" "$N")")
+    one cm "$cli" "$N"
+    cm+=("$RATE_OF_RUN")
+    one cm "$cli" "$N_QP" -q
+    qp+=("$RATE_OF_RUN")
+    one tcp "$cli" "$N"
+    tcp+=("$RATE_OF_RUN")
   done
   read -r cmed cmin cmax < <(printf '%s\n' "${cm[@]}" | stats)
   read -r qmed qmin qmax < <(printf '%s\n' "${qp[@]}" | stats)
