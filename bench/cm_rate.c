@@ -63,6 +63,20 @@ static void make_qp(struct rdma_cm_id* id) {
   if (rdma_create_qp(id, NULL, &a)) die("rdma_create_qp");
 }
 
+// The next event of `ch`, its fields copied and the event acked (a destroy must not wait for it).
+struct event {
+  struct rdma_cm_id* id;
+  enum rdma_cm_event_type type;
+  int status;
+};
+static struct event next_event(struct rdma_event_channel* ch) {
+  struct rdma_cm_event* e;
+  if (rdma_get_cm_event(ch, &e)) die("rdma_get_cm_event");
+  struct event out = {e->id, e->event, e->status};
+  rdma_ack_cm_event(e);
+  return out;
+}
+
 static void drop(struct rdma_cm_id* id) {
   if (id->qp) rdma_destroy_qp(id);
   if (rdma_destroy_id(id)) die("rdma_destroy_id");
@@ -79,13 +93,9 @@ static void cm_server(struct sockaddr* sa) {
   fflush(stdout);
   int gone = 0;
   while (!n_conns || gone < n_conns) {
-    struct rdma_cm_event* e;
-    if (rdma_get_cm_event(ch, &e)) die("rdma_get_cm_event");
-    struct rdma_cm_id* id = e->id;
-    enum rdma_cm_event_type type = e->event;
-    int status = e->status;
-    rdma_ack_cm_event(e);
-    switch (type) {
+    const struct event ev = next_event(ch);
+    struct rdma_cm_id* id = ev.id;
+    switch (ev.type) {
       case RDMA_CM_EVENT_CONNECT_REQUEST: {
         if (with_qp) make_qp(id);
         struct rdma_conn_param p = {.responder_resources = 1, .initiator_depth = 1};
@@ -101,7 +111,8 @@ static void cm_server(struct sockaddr* sa) {
         ++gone;
         break;
       default:
-        fprintf(stderr, "cm_rate: server: unexpected %s (%d)\n", rdma_event_str(type), status);
+        fprintf(stderr, "cm_rate: server: unexpected %s (%d)\n", rdma_event_str(ev.type),
+                ev.status);
         exit(1);
     }
   }
@@ -121,13 +132,9 @@ static void cm_client(struct sockaddr* sa) {
       if (rdma_resolve_addr(id, NULL, sa, 2000)) die("rdma_resolve_addr");
       ++launched;
     }
-    struct rdma_cm_event* e;
-    if (rdma_get_cm_event(ch, &e)) die("rdma_get_cm_event");
-    struct rdma_cm_id* id = e->id;
-    enum rdma_cm_event_type type = e->event;
-    int status = e->status;
-    rdma_ack_cm_event(e);
-    switch (type) {
+    const struct event ev = next_event(ch);
+    struct rdma_cm_id* id = ev.id;
+    switch (ev.type) {
       case RDMA_CM_EVENT_ADDR_RESOLVED:
         if (rdma_resolve_route(id, 2000)) die("rdma_resolve_route");
         break;
@@ -147,7 +154,7 @@ static void cm_client(struct sockaddr* sa) {
         break;
       default:
         fprintf(stderr, "cm_rate: client: %s (status %d) after %d connections\n",
-                rdma_event_str(type), status, done);
+                rdma_event_str(ev.type), ev.status, done);
         exit(1);
     }
   }
