@@ -32,17 +32,16 @@ constexpr uint32_t kMaxBacklog = 1024;
 /// TIMEWAIT_EXIT follows an end's DREQ or DREP by this much: the IB CM's timewait keeps a QPN
 /// from being reused while late packets may arrive; over the transport none arrive late.
 constexpr uint64_t kTimewaitMs = 50;
-/// A handshake with a peer backend (REQ or REP out) is checked this often: it fails with
-/// UNREACHABLE (-ETIMEDOUT) once the connection to that backend is down, or after
-/// kHandshakeTries checks (rdma_cm's REQ: 15 retries of about 4 s).
-constexpr uint64_t kHandshakeStepMs = 1000;
-constexpr uint32_t kHandshakeTries = 60;
+
+}  // namespace
 
 uint64_t cm_clock_ns() {
   timespec ts;
   ::clock_gettime(CLOCK_MONOTONIC, &ts);
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
+
+namespace {
 
 bool is_wildcard(const CmAddr& a) {
   static constexpr uint8_t kZero[16] = {};
@@ -61,7 +60,7 @@ bool is_loopback(const CmAddr& a) {
 
 /// Whether `a` names this host (in the backend's network namespace): loopback, or an address
 /// a socket can bind to. Every such address is vrdma0 port 1 here.
-bool is_local(const CmAddr& a) {
+bool bindable_here(const CmAddr& a) {
   if (a.family != AF_INET && a.family != AF_INET6) return false;
   if (is_loopback(a)) return true;
   if (is_wildcard(a)) return true;
@@ -130,13 +129,6 @@ Result<CmAddr> route_source(const CmAddr& dst) {
     src.scope_id = reinterpret_cast<sockaddr_in6*>(&ss)->sin6_scope_id;
   }
   return src;
-}
-
-std::string_view kind_name(CmKind k) {
-  static constexpr std::string_view kNames[] = {"?",   "REQ", "REP",  "SIDR REP",
-                                                "REJ", "RTU", "DREQ", "GONE"};
-  const auto i = static_cast<size_t>(k);
-  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 }  // namespace
@@ -326,7 +318,7 @@ void CmService::release_port(Id& id) {
 Status CmService::bind(uint32_t handle, Id& id, const CmAddr& a) {
   if (id.state != State::kIdle) return error(EINVAL, "already bound");
   if (!valid_family(a)) return error(EAFNOSUPPORT, "not an IP address");
-  if (!is_local(a)) return error(EADDRNOTAVAIL, "not an address of this host");
+  if (!local(a)) return error(EADDRNOTAVAIL, "not an address of this host");
   id.src = a;
   RETURN_IF_ERROR(take_port(handle, id, a.port));
   id.state = State::kBound;
@@ -345,18 +337,23 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     emit(handle, CmEventType::kAddrError, -EHOSTUNREACH);
     return Status::ok();
   }
-  if (!is_multicast(r.dst) && !is_local(r.dst)) {
+  if (!is_multicast(r.dst) && !local(r.dst)) {
     // Another host: as the kernel, an address no route reaches fails now; one on a network
     // whose host has no backend is a neighbour that never answers: ADDR_ERROR after the
     // timeout (-ETIMEDOUT, as an ARP request that got no reply).
     ASSIGN_OR_RETURN(CmAddr via, route_source(r.dst));
+    if (!src.family) src = via;
     node = node_for(r.dst);
     if (node.empty()) {
+      // Not a peer's transport address: the peers are asked whose host it is (an IPv6
+      // address, a peer's second address), as a neighbour solicitation; the first answer
+      // resolves it (on_wire), none by the timeout is ADDR_ERROR.
       id.dst = r.dst;
+      id.resolve_src = src;
       arm(handle, id, r.timeout_ms ? r.timeout_ms : 2000, TimerKind::kAddr);
+      ask_peers(handle, r.dst);
       return Status::ok();
     }
-    if (!src.family) src = via;
   } else if (!src.family && is_multicast(r.dst)) {
     // A group: joined from the host's address toward it (loopback when no route says).
     auto via = route_source(r.dst);
@@ -372,18 +369,73 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     src = r.dst;  // a local destination is reached from itself
     src.port = 0;
   }
+  return resolved(handle, id, src, r.dst, node);
+}
+
+Status CmService::resolved(uint32_t handle, Id& id, const CmAddr& src, const CmAddr& dst,
+                           const std::string& node) {
   if (id.state == State::kIdle) RETURN_IF_ERROR(bind(handle, id, src));
-  id.dst = r.dst;
+  id.dst = dst;
   id.node = node;
   if (is_wildcard(id.src)) {
     const uint16_t port = id.src.port;
-    id.src = src.family ? src : r.dst;
+    id.src = src.family ? src : dst;
     id.src.port = port;
   }
   id.state = State::kAddrResolved;
   disarm(id);  // an earlier resolution's timeout
   emit(handle, CmEventType::kAddrResolved, 0);
   return Status::ok();
+}
+
+void CmService::ask_peers(uint32_t handle, const CmAddr& dst) {
+  if (!transport_ || !peers_) return;
+  wire::Cm q{};
+  q.kind = static_cast<uint8_t>(CmKind::kAddrQuery);
+  q.src_id = handle;
+  q.dst = dst;
+  for (const std::string& n : peers_()) transport_->send(n, wire::Type::kCm, &q);
+}
+
+void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
+  if (m.kind == static_cast<uint8_t>(CmKind::kAddrQuery)) {
+    // Ours when a connection to it would reach a listener here (take_request's rule).
+    if (is_wildcard(m.dst) || is_loopback(m.dst) || is_multicast(m.dst) || !local(m.dst))
+      return;  // not ours: silence, as a host that is not the neighbour asked for
+    wire::Cm a{};
+    a.kind = static_cast<uint8_t>(CmKind::kAddrReply);
+    a.src_id = kNone;
+    a.dst_id = m.src_id;
+    a.dst = m.dst;
+    if (transport_) transport_->send(node, wire::Type::kCm, &a);
+    return;
+  }
+  // A reply: only to an id that asked (its kAddr timer runs) for that address.
+  auto it = ids_.find(m.dst_id);
+  if (it == ids_.end()) return;  // gone meanwhile
+  Id& id = it->second;
+  if (!id.timer_armed || id.timer->second.kind != TimerKind::kAddr || !same_addr(id.dst, m.dst)) {
+    if (transport_) transport_->refused_frame(node, "cm address reply nobody asked for");
+    return;
+  }
+  const CmAddr dst = id.dst;
+  if (Status st = resolved(it->first, id, id.resolve_src, dst, node); !st.is_ok()) {
+    disarm(id);
+    emit(it->first, CmEventType::kAddrError, -st.err());
+  }
+}
+
+bool CmService::local(const CmAddr& a) {
+  // A connection's setup asks about the same address two or three times (resolve, bind, a
+  // peer's REQ); each answer of the kernel is a socket, a bind and a close.
+  const uint64_t now = cm_clock_ns();
+  for (const auto& [addr, at] : local_cache_) {
+    if (now - at < kLocalCacheNs && same_addr(addr, a) && addr.scope_id == a.scope_id) return true;
+  }
+  if (!bindable_here(a)) return false;
+  std::erase_if(local_cache_, [now](const auto& e) { return now - e.second >= kLocalCacheNs; });
+  if (local_cache_.size() < kLocalCacheSize) local_cache_.emplace_back(a, now);
+  return true;
 }
 
 std::string CmService::node_for(const CmAddr& a) const {
@@ -417,7 +469,7 @@ uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int
   reason = kCmRejInvalidService;
   // From a peer: the address it connects to must be this host's (ours are, by resolve_addr),
   // and not loopback: a listener there is for this host only, as a TCP one on 127.0.0.1.
-  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !is_local(m.dst))) return 0;
+  if (!node.empty() && (is_wildcard(m.dst) || is_loopback(m.dst) || !local(m.dst))) return 0;
   const uint32_t lh = listener_for(m.ps, m.dst);
   if (!lh) return 0;
   Id& l = ids_.at(lh);
@@ -588,214 +640,6 @@ Status CmService::join_mcast(uint32_t handle, Id& id, const CmAddr& group) {
   g.mtu = 5;            // IBV_MTU_4096
   emit(handle, CmEventType::kMulticastJoin, 0, &g, {}, kNone, &group);
   return Status::ok();
-}
-
-void CmService::tell(uint32_t from, Id& id, CmKind k, int32_t status, const CmQpInfo* qp,
-                     std::span<const uint8_t> pdata) {
-  if (id.node.empty()) {
-    auto p = ids_.find(id.peer);
-    if (id.peer && p != ids_.end()) receive(p->first, p->second, from, k, status, qp, pdata);
-    return;
-  }
-  wire::Cm m{};
-  m.kind = static_cast<uint8_t>(k);
-  m.qp_type = id.qp_type;
-  m.ps = id.ps;
-  m.src_id = from;
-  m.dst_id = id.peer;
-  m.status = status;
-  if (qp) m.qp = *qp;
-  m.private_len = static_cast<uint32_t>(std::min(pdata.size(), kCmPrivateMax));
-  if (m.private_len) std::memcpy(m.private_data, pdata.data(), m.private_len);
-  if (Status st = wire::check_cm(m); !st.is_ok()) {  // the guest's QP description: not sent
-    VLOG_WARN("cm: {} for {} not sent: {}", kind_name(k), id.node, st.message());
-    return;
-  }
-  // Lost with the connection: the other end's handshake timer, or its QP's, settles it.
-  if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m))
-    VLOG_INFO("cm: {} for {} not sent: no connection", kind_name(k), id.node);
-}
-
-void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t status,
-                        const CmQpInfo* qp, std::span<const uint8_t> pdata) {
-  switch (k) {
-    case CmKind::kReq:
-      break;  // take_request's
-    case CmKind::kRep:
-      if (id.state != State::kReqSent) return;
-      id.peer = from;
-      set_state(id, State::kRepRcvd);
-      disarm(id);
-      emit(h, CmEventType::kConnectResponse, 0, qp, pdata);
-      break;
-    case CmKind::kSidrRep:
-      if (id.state != State::kReqSent) return;
-      id.peer = 0;
-      set_state(id, State::kRouteResolved);
-      disarm(id);
-      emit(h, CmEventType::kEstablished, 0, qp, pdata);
-      break;
-    case CmKind::kRej:
-      if (id.state != State::kReqSent && id.state != State::kRepSent) return;
-      set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
-      id.peer = 0;
-      disarm(id);
-      emit(h, CmEventType::kRejected, status, nullptr, pdata);
-      break;
-    case CmKind::kRtu:
-      if (id.state != State::kRepSent) return;
-      set_state(id, State::kEstablished);
-      disarm(id);
-      emit(h, CmEventType::kEstablished, 0);
-      break;
-    case CmKind::kDreq:
-      if (id.state != State::kRepSent && id.state != State::kRepRcvd &&
-          id.state != State::kEstablished)
-        return;
-      set_state(id, State::kDisconnected);
-      id.peer = 0;
-      disarm(id);
-      emit(h, CmEventType::kDisconnected, 0);
-      break;
-    case CmKind::kGone:  // by where the handshake was
-      id.peer = 0;
-      disarm(id);
-      switch (id.state) {
-        case State::kReqSent:  // its listener side went away before accepting
-          set_state(id, State::kRouteResolved);
-          emit(h, CmEventType::kRejected, kCmRejTimeout);
-          break;
-        case State::kReqRcvd:  // its requester went away
-          set_state(id, State::kIdle);
-          emit(h, CmEventType::kRejected, kCmRejTimeout);
-          break;
-        case State::kRepSent:  // no RTU will come: the REP times out
-          set_state(id, State::kIdle);
-          emit(h, CmEventType::kUnreachable, -ETIMEDOUT);
-          break;
-        case State::kRepRcvd:
-        case State::kEstablished:
-          set_state(id, State::kDisconnected);
-          emit(h, CmEventType::kDisconnected, 0);
-          break;
-        default:
-          break;
-      }
-      break;
-    case CmKind::kMax:
-      break;
-  }
-}
-
-void CmService::on_wire(const std::string& node, const wire::Cm& m) {
-  const auto k = static_cast<CmKind>(m.kind);  // in range: the codec checked it
-  auto refuse = [&](const std::string& why) {
-    if (transport_) transport_->refused_frame(node, fmt::format("cm {}: {}", kind_name(k), why));
-  };
-  const std::span<const uint8_t> pdata{m.private_data, m.private_len};
-  if (k == CmKind::kReq) {
-    int32_t reason;
-    if (take_request(node, m, reason)) return;
-    wire::Cm rej{};
-    rej.kind = static_cast<uint8_t>(CmKind::kRej);
-    rej.src_id = kNone;  // no id here: the requester knows its REQ by its own id
-    rej.dst_id = m.src_id;
-    rej.status = reason;
-    if (transport_) transport_->send(node, wire::Type::kCm, &rej);
-    return;
-  }
-  if (m.dst_id == 0) {  // a requester's GONE before it heard from us: its request ids here
-    if (k != CmKind::kGone) return refuse("no id named");
-    std::vector<uint32_t> hs;
-    for (const auto& [h, id] : ids_) {
-      if (id.node == node && id.peer == m.src_id && id.state == State::kReqRcvd) hs.push_back(h);
-    }
-    for (uint32_t h : hs) receive(h, ids_.at(h), m.src_id, k, 0, nullptr, {});
-    return;
-  }
-  auto it = ids_.find(m.dst_id);
-  if (it == ids_.end()) {
-    // Gone here meanwhile: an acceptor waiting for our RTU, or a requester for our REP's
-    // answer, hears it now rather than by its timer.
-    if (k == CmKind::kRep || k == CmKind::kRtu) {
-      wire::Cm gone{};
-      gone.kind = static_cast<uint8_t>(CmKind::kGone);
-      gone.src_id = m.dst_id;
-      gone.dst_id = m.src_id;
-      if (transport_) transport_->send(node, wire::Type::kCm, &gone);
-    }
-    return;  // an id that went away: not the peer's fault
-  }
-  Id& id = it->second;
-  const bool answer_to_req = id.peer == 0 && id.state == State::kReqSent &&
-                             (k == CmKind::kRep || k == CmKind::kSidrRep || k == CmKind::kRej);
-  if (id.node != node || (id.peer != m.src_id && !answer_to_req))
-    return refuse(fmt::format("id {} is not the peer of its id {}", m.dst_id, m.src_id));
-  if (k == CmKind::kSidrRep && id.qp_type != 4 /* IBV_QPT_UD */)
-    return refuse("a SIDR REP to a connected id");
-  receive(it->first, id, m.src_id, k, m.status, &m.qp, pdata);
-}
-
-void CmService::arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k) {
-  disarm(id);
-  if (k == TimerKind::kTimewait) id.timewait = true;
-  id.timer = timers_.emplace(cm_clock_ns() + after_ms * 1000000, Timer{h, k});
-  id.timer_armed = true;
-  rearm_timerfd();
-}
-
-void CmService::disarm(Id& id) {
-  if (!id.timer_armed) return;
-  timers_.erase(id.timer);
-  id.timer_armed = false;
-}
-
-void CmService::rearm_timerfd() {
-  itimerspec its{};
-  if (!timers_.empty()) {
-    const uint64_t at = std::max<uint64_t>(timers_.begin()->first, 1);
-    its.it_value.tv_sec = static_cast<time_t>(at / 1000000000);
-    its.it_value.tv_nsec = static_cast<long>(at % 1000000000);
-  }
-  ::timerfd_settime(timer_.get(), TFD_TIMER_ABSTIME, &its, nullptr);
-}
-
-void CmService::on_timer() {
-  uint64_t expirations;
-  while (::read(timer_.get(), &expirations, sizeof(expirations)) > 0) {
-  }
-  const uint64_t now = cm_clock_ns();
-  while (!timers_.empty() && timers_.begin()->first <= now) {
-    const Timer t = timers_.begin()->second;
-    timers_.erase(timers_.begin());
-    auto it = ids_.find(t.id);  // always there: an id takes its timer with it
-    if (it == ids_.end()) continue;
-    Id& id = it->second;
-    id.timer_armed = false;
-    switch (t.kind) {
-      case TimerKind::kAddr:
-        emit(t.id, CmEventType::kAddrError, -ETIMEDOUT);
-        break;
-      case TimerKind::kTimewait:
-        emit(t.id, CmEventType::kTimewaitExit, 0);
-        break;
-      case TimerKind::kHandshake: {
-        if (id.state != State::kReqSent && id.state != State::kRepSent) break;
-        const auto up = peers_ ? peers_() : std::vector<std::string>{};
-        if (std::find(up.begin(), up.end(), id.node) != up.end() && ++id.tries < kHandshakeTries) {
-          arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
-          break;
-        }
-        VLOG_INFO("cm: id {}: no answer from {}; UNREACHABLE", t.id, id.node);
-        tell(t.id, id, CmKind::kGone);
-        set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
-        id.peer = 0;
-        emit(t.id, CmEventType::kUnreachable, -ETIMEDOUT);
-        break;
-      }
-    }
-  }
-  rearm_timerfd();
 }
 
 void CmService::session_closed(const engine::Session* session) {

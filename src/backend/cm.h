@@ -29,6 +29,8 @@ class Transport;
 
 namespace vrdma::backend {
 
+/// CLOCK_MONOTONIC in ns: the clock of the service's timers.
+uint64_t cm_clock_ns();
 /// An IPv4 (224/4) or IPv6 (ff00::/8) multicast address.
 bool is_multicast(const proto::CmAddr& a);
 
@@ -75,6 +77,11 @@ class CmService {
     kDisconnected,  ///< sent or received DREQ
   };
   enum class TimerKind : uint8_t { kAddr, kTimewait, kHandshake };
+  /// A handshake with a peer backend (REQ or REP out) is checked this often: it fails with
+  /// UNREACHABLE (-ETIMEDOUT) once the connection to that backend is down, or after
+  /// kHandshakeTries checks (rdma_cm's REQ: 15 retries of about 4 s).
+  static constexpr uint64_t kHandshakeStepMs = 1000;
+  static constexpr uint32_t kHandshakeTries = 60;
   struct Timer {
     uint32_t id;
     TimerKind kind;
@@ -100,6 +107,7 @@ class CmService {
     uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
     uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
+    proto::CmAddr resolve_src{};  ///< kAddr timer: the source the resolution will give
     /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
     /// the id, so what a guest can make wait is bounded by its ids.
     bool timer_armed = false;
@@ -142,6 +150,19 @@ class CmService {
   /// What id `h` does on message `k` from its peer `from` (here, or checked by on_wire).
   void receive(uint32_t h, Id& id, uint32_t from, proto::wire::CmKind k, int32_t status,
                const proto::CmQpInfo* qp, std::span<const uint8_t> pdata);
+  /// The address resolution of `id` found `dst` on `node` ("": this host), from `src`:
+  /// binds it if unbound, ADDR_RESOLVED.
+  Status resolved(uint32_t handle, Id& id, const proto::CmAddr& src, const proto::CmAddr& dst,
+                  const std::string& node);
+  /// Asks every connected peer backend whether `dst` is its host's (kAddrQuery from id `handle`).
+  void ask_peers(uint32_t handle, const proto::CmAddr& dst);
+  /// A peer's kAddrQuery or kAddrReply (on_wire).
+  void on_addr_wire(const std::string& node, const proto::wire::Cm& m);
+  /// Whether `a` is an address of this host (see bindable_here, cm.cc): the answers that were
+  /// yes are kept for kLocalCacheNs (an address removed from the host meanwhile still counts).
+  bool local(const proto::CmAddr& a);
+  static constexpr uint64_t kLocalCacheNs = 1'000'000'000;
+  static constexpr size_t kLocalCacheSize = 16;
   /// The peer node whose host has IPv4 address `a` (its transport connection's), or "".
   std::string node_for(const proto::CmAddr& a) const;
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
@@ -155,6 +176,7 @@ class CmService {
   /// Destroyed channels' sockets, kept until the guest's end is closed or its session ends.
   std::vector<std::pair<uint32_t, UniqueFd>> closing_;
   std::unordered_map<uint32_t, Id> ids_;
+  std::vector<std::pair<proto::CmAddr, uint64_t>> local_cache_;  ///< (address, when found local)
   /// (port space, port) -> the id that holds it (bound, listening or connecting).
   std::map<std::pair<uint16_t, uint16_t>, uint32_t> ports_;
   /// Channels (open or closing) and ids per session, against the caps in cm.cc.

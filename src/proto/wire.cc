@@ -113,8 +113,9 @@ Status check_cm(const Cm& m) {
   const auto k = static_cast<CmKind>(m.kind);
   // A REQ names no id of the receiver; a GONE may not know it yet (the requester's own id then
   // names its request); every other message answers one.
-  if (m.src_id == 0 || (k == CmKind::kReq && m.dst_id != 0) ||
-      (k != CmKind::kReq && k != CmKind::kGone && m.dst_id == 0))
+  const bool names_none = k == CmKind::kReq || k == CmKind::kAddrQuery;
+  if (m.src_id == 0 || (names_none && m.dst_id != 0) ||
+      (!names_none && k != CmKind::kGone && m.dst_id == 0))
     return error(EPROTO, "cm: id 0, or a REQ naming an id");
   if (m.qp.qpn > 0xffffff || m.qp.psn > 0xffffff)
     return error(EPROTO, "cm: QPN or PSN wider than 24 bits");
@@ -139,6 +140,10 @@ Status check_cm(const Cm& m) {
           m.status != kCmRejConsumer)
         return error(EPROTO, fmt::format("cm: reject reason {}", m.status));
       limit = cm_private_limit(kCmPsTcp, IBV_QPT_RC, Op::kCmReject);
+      break;
+    case CmKind::kAddrQuery:
+    case CmKind::kAddrReply:
+      if (!ip_family(m.dst)) return error(EPROTO, "cm: address query without an IP address");
       break;
     default:  // RTU, DREQ, GONE: nothing to say
       break;

@@ -25,18 +25,15 @@ using namespace vrdma::proto;
 namespace {
 
 constexpr int kCallTimeoutMs = 30000;
-/// How long a connect that finds no listener is tried again (every kListenerRetryMs) before
-/// REJECTED reaches the application. A real fabric spends about that resolving the address and
-/// route, which programs count on: perftest -R's client connects as soon as the server said it
-/// would listen, and vrdma resolves a local address at once.
-constexpr uint64_t kListenerGraceMs = 200;
-constexpr int kListenerRetryMs = 10;
-
-uint64_t mono_ms() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
-}
+/// Room for the largest answer of the connection service (a header and a fixed body; no status
+/// text): recv_msg sizes (and zero-fills) its buffer to the cap on every call, and kMaxResponse's
+/// 1 MiB was most of a connection's setup time (see BENCHMARKS.md, "RDMA CM connection rate").
+constexpr size_t kCmMaxResponse = 256;
+static_assert(kCmMaxResponse >= sizeof(MsgHeader) + sizeof(CmAddrResp) &&
+              kCmMaxResponse >= sizeof(MsgHeader) + sizeof(HandleResp));
+/// Commands posted (post()) whose answers are not read yet, at most: their answers wait in the
+/// socket's receive buffer, which must not fill up (the backend would stop answering).
+constexpr uint32_t kMaxUnanswered = 64;
 
 CmAddr to_cm_addr(const sockaddr* sa) {
   CmAddr a{};
@@ -82,7 +79,8 @@ bool wildcard(const sockaddr* sa) {
   return false;
 }
 
-/// The id is on vrdma0 port 1 (an address of this host was bound or resolved).
+}  // namespace
+
 void attach_device(VId* v) {
   Cm& c = cm();
   v->id.verbs = c.ctx;
@@ -91,8 +89,6 @@ void attach_device(VId* v) {
   v->id.route.addr.addr.ibaddr.pkey = htobe16(0xffff);
 }
 
-/// Sets the id's addresses (those given with a family) and, with `attach`, its device. Under
-/// Cm::mu: the application's thread (bind, resolve) and its event thread both write them.
 void set_addrs(VId* v, const CmAddr* src, const CmAddr* dst, bool attach) {
   std::lock_guard<std::mutex> g(cm().mu);
   sockaddr_storage ss;
@@ -107,7 +103,6 @@ void set_addrs(VId* v, const CmAddr* src, const CmAddr* dst, bool attach) {
   if (attach) attach_device(v);
 }
 
-/// The path record of a route: this end's GID and LID, the peer's once it is known.
 void set_path(VId* v) {
   ibv_sa_path_rec& p = v->path;
   std::memcpy(&p.sgid, &cm().gid, sizeof(p.sgid));
@@ -128,6 +123,8 @@ void set_path(VId* v) {
   v->id.route.path_rec = &v->path;
   v->id.route.num_paths = 1;
 }
+
+namespace {
 
 int open_channel(VChannel** out) {
   if (ensure_open()) return -1;
@@ -189,60 +186,8 @@ int complete(VId* v, rdma_cm_event_type want) {
   return fail(EINVAL);
 }
 
-VId* lookup(uint32_t handle) {
-  auto it = cm().ids.find(handle);
-  return it == cm().ids.end() ? nullptr : it->second;
-}
+}  // namespace
 
-/// A CONNECT_REQUEST's new id: the listener's context, channel and port space.
-VId* new_request_id(const CmEvent& e, VId* l) {
-  auto* n = new VId();
-  n->handle = e.id;
-  n->id.context = l->id.context;
-  n->id.channel = l->id.channel;
-  n->id.ps = l->id.ps;
-  n->id.qp_type = l->id.qp_type;
-  n->peer = e.peer;
-  n->have_peer = true;
-  n->ep_qp = l->ep_qp;
-  n->ep_has_qp = l->ep_has_qp;
-  n->id.pd = l->id.pd;
-  attach_device(n);
-  return n;
-}
-
-/// The connection parameters the other end's REQ or REP gives this one, as rdma_cm reports
-/// them: its initiator depth is our responder resources and the reverse.
-void fill_param(VEvent* ve, const CmEvent& e, bool ud) {
-  rdma_cm_event& ev = ve->ev;
-  const void* pd = e.private_len ? ve->pdata : nullptr;
-  const auto len = static_cast<uint8_t>(std::min<uint32_t>(e.private_len, 255));
-  if (ud) {
-    rdma_ud_param& u = ev.param.ud;
-    u.private_data = pd;
-    u.private_data_len = len;
-    u.qp_num = e.peer.qpn;
-    u.qkey = e.peer.qkey;
-    u.ah_attr.dlid = e.peer.lid;
-    u.ah_attr.port_num = 1;
-    u.ah_attr.is_global = 1;
-    std::memcpy(&u.ah_attr.grh.dgid, e.peer.gid, 16);
-    u.ah_attr.grh.hop_limit = 1;
-    return;
-  }
-  rdma_conn_param& p = ev.param.conn;
-  p.private_data = pd;
-  p.private_data_len = len;
-  p.responder_resources = e.peer.initiator_depth;
-  p.initiator_depth = e.peer.responder_resources;
-  p.flow_control = e.peer.flow_control;
-  p.retry_count = e.peer.retry_count;
-  p.rnr_retry_count = e.peer.rnr_retry_count;
-  p.srq = e.peer.srq;
-  p.qp_num = e.peer.qpn;
-}
-
-/// REQ, REP or REJ with the id's QP and the caller's private data.
 int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata, size_t len) {
   if (len > private_data_limit(v, op) || (len && !pdata)) return fail(EINVAL);
   vrdma::proto::CmConnReq req{};
@@ -252,155 +197,6 @@ int send_conn(VId* v, Op op, const vrdma::proto::CmQpInfo& qp, const void* pdata
   if (len) std::memcpy(req.private_data, pdata, len);
   return call(op, req);
 }
-
-/// The backend went away (the channel's socket reads end-of-stream): DEVICE_REMOVAL once for
-/// each id of the channel, as a device that disappears gives; then null (ENODEV).
-VEvent* removal_event(VChannel* ch) {
-  Cm& c = cm();
-  std::lock_guard<std::mutex> g(c.mu);
-  for (auto& [handle, v] : c.ids) {
-    if (v->id.channel != &ch->ch || v->removed) continue;
-    v->removed = true;
-    auto* ve = new VEvent();
-    ve->ev.event = RDMA_CM_EVENT_DEVICE_REMOVAL;
-    ve->ev.id = &v->id;
-    ve->owner = v;
-    ++v->reported;
-    c.live.insert(ve);
-    return ve;
-  }
-  return nullptr;
-}
-
-/// Turns one message of the channel's socket into an event; null when it is for an id that is
-/// gone (or malformed), to be skipped.
-VEvent* make_event(std::span<const uint8_t> msg) {
-  auto h = decode_header(msg);
-  if (!h.is_ok() || h->op != static_cast<uint16_t>(Op::kCmEvent)) return nullptr;
-  auto body = body_of<CmEvent>(msg);
-  if (!body.is_ok()) return nullptr;
-  const CmEvent& e = body.value();
-  Cm& c = cm();
-  auto* ve = new VEvent();
-  ve->ev.event = static_cast<rdma_cm_event_type>(e.event);
-  ve->ev.status = e.status;
-  const uint32_t plen = std::min<uint32_t>(e.private_len, kCmPrivateMax);
-  std::memcpy(ve->pdata, e.private_data, plen);
-  VId* v;
-  VId* retry = nullptr;
-  {
-    std::lock_guard<std::mutex> g(c.mu);
-    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest)) {
-      VId* l = lookup(e.listen_id);
-      if (!l)
-        v = nullptr;
-      else {
-        v = new_request_id(e, l);
-        c.ids[e.id] = v;
-        ve->ev.listen_id = &l->id;
-      }
-    } else {
-      v = lookup(e.id);
-    }
-    if (v && e.event == static_cast<uint32_t>(CmEventType::kRejected) &&
-        e.status == kCmRejInvalidService && v->connect_ms &&
-        mono_ms() - v->connect_ms < kListenerGraceMs) {
-      retry = v;
-      v = nullptr;
-    }
-    if (v) {
-      ++v->reported;
-      c.live.insert(ve);
-    }
-  }
-  if (retry) {
-    delete ve;
-    ::usleep(kListenerRetryMs * 1000);
-    if (send_conn(retry, Op::kCmConnect, retry->mine, retry->connect_pdata.data(),
-                  retry->connect_pdata.size()) != 0) {
-      std::lock_guard<std::mutex> g(c.mu);
-      retry->connect_ms = 0;
-    }
-    return nullptr;
-  }
-  if (!v) {
-    // The listener went: its request is refused (the requester hears REJECTED).
-    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest))
-      (void)call(Op::kCmDestroyId, HandleReq{e.id, 0});
-    delete ve;
-    return nullptr;
-  }
-  ve->owner = v;
-  ve->ev.id = &v->id;
-  set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
-  const bool ud = v->id.qp_type == IBV_QPT_UD;
-  switch (static_cast<CmEventType>(e.event)) {
-    case CmEventType::kAddrResolved:
-      break;
-    case CmEventType::kRouteResolved:
-      set_path(v);
-      break;
-    case CmEventType::kConnectRequest:
-      set_path(v);
-      fill_param(ve, e, ud);
-      break;
-    case CmEventType::kEstablished:
-      if (ud) {  // SIDR: the peer's QP, for its address handle
-        v->peer = e.peer;
-        v->have_peer = true;
-        fill_param(ve, e, true);
-      }
-      break;
-    case CmEventType::kConnectResponse:
-      v->peer = e.peer;
-      v->have_peer = true;
-      set_path(v);
-      fill_param(ve, e, false);
-      // With a QP on the id, the library finishes the exchange (RTR, RTS, RTU) and the
-      // application sees ESTABLISHED, as with rdma-core; without one it calls rdma_establish.
-      if (v->id.qp) {
-        if (move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS}) == 0 &&
-            call(Op::kCmEstablish, HandleReq{v->handle, 0}) == 0) {
-          ve->ev.event = RDMA_CM_EVENT_ESTABLISHED;
-        } else {
-          ve->ev.event = RDMA_CM_EVENT_CONNECT_ERROR;
-          ve->ev.status = -(errno ? errno : EIO);
-        }
-      }
-      break;
-    case CmEventType::kRejected:
-      fill_param(ve, e, ud);
-      break;
-    case CmEventType::kMulticastJoin: {
-      // The group's address handle, QPN and qkey; the context given to the join; the id's QP
-      // joins the group here, as rdma-core's library attaches it on this event.
-      fill_param(ve, e, true);
-      ibv_gid mgid;
-      std::memcpy(&mgid, e.peer.gid, sizeof(mgid));
-      {
-        std::lock_guard<std::mutex> g(c.mu);
-        for (VMc& mc : v->mcs) {
-          if (mc.addr.family != e.dst.family || std::memcmp(mc.addr.addr, e.dst.addr, 16)) continue;
-          mc.mgid = mgid;
-          mc.mlid = e.peer.lid;
-          ve->ev.param.ud.private_data = mc.context;
-        }
-      }
-      if (v->id.qp) {
-        if (int rc = ibv_attach_mcast(v->id.qp, &mgid, e.peer.lid)) {
-          ve->ev.event = RDMA_CM_EVENT_MULTICAST_ERROR;
-          ve->ev.status = -rc;
-        }
-      }
-      break;
-    }
-    default:
-      break;
-  }
-  return ve;
-}
-
-}  // namespace
 
 Cm& cm() {
   static Cm* c = new Cm();  // never destroyed: ids may outlive static destructors
@@ -460,10 +256,11 @@ int ensure_open() {
   return 0;
 }
 
-int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, int* fd_out) {
-  Cm& c = cm();
-  std::lock_guard<std::mutex> g(c.rpc_mu);
-  if (c.sock < 0) return fail(ENODEV);
+namespace {
+
+/// Sends one command on the service's connection (under Cm::rpc_mu); its sequence number.
+Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len) {
+  if (c.sock < 0) return error(ENODEV, "no connection to the backend");
   std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
   const MsgHeader h{
       kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()), ++c.seq,
@@ -471,33 +268,102 @@ int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, 
   std::memcpy(msg.data(), &h, sizeof(h));
   if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
   Status st = send_msg(c.sock, msg);
-  std::vector<UniqueFd> fds;
+  if (!st.is_ok()) return error(st.err() == EAGAIN ? ETIMEDOUT : st.err(), st.message());
+  return h.seq;
+}
+
+/// Reads answers until the one to command `seq` (under Cm::rpc_mu), into `msg` and `fds`;
+/// those before it (posted commands', a timed-out call's) are dropped: answers come in order,
+/// so none is left unanswered before `seq`. 0, or -1 with errno.
+int await_answer(Cm& c, uint16_t op, uint32_t seq, std::vector<uint8_t>& msg,
+                 std::vector<UniqueFd>& fds) {
   for (;;) {
-    if (!st.is_ok()) return fail(st.err() == EAGAIN ? ETIMEDOUT : st.err());
     pollfd p{c.sock, POLLIN, 0};
     int n;
     do {
       n = ::poll(&p, 1, kCallTimeoutMs);
     } while (n < 0 && errno == EINTR);
     if (n == 0) {
-      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(h.op),
+      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
                  kCallTimeoutMs);
       return fail(ETIMEDOUT);
     }
-    st = recv_msg(c.sock, msg, kMaxResponse, fds);
-    if (!st.is_ok()) continue;
+    Status st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
+    if (!st.is_ok()) return fail(st.err());
     auto rh = decode_header(msg);
     if (!rh.is_ok()) return fail(EPROTO);
-    if (rh->seq != h.seq) continue;  // the answer to a call that timed out
-    if (rh->status) return fail(-rh->status);
-    if (resp_len && msg.size() == sizeof(MsgHeader) + resp_len)
-      std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
-    else if (resp_len)
-      return fail(EPROTO);
-    if (fd_out && !fds.empty()) *fd_out = fds[0].release();
+    if (rh->seq != seq) continue;
+    c.unanswered = 0;
     return 0;
   }
 }
+
+}  // namespace
+
+int call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len, int* fd_out) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  auto seq = send_command(c, op, body, body_len);
+  if (!seq.is_ok()) return fail(seq.status().err());
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  if (await_answer(c, static_cast<uint16_t>(op), seq.value(), msg, fds)) return -1;
+  const MsgHeader* rh = reinterpret_cast<const MsgHeader*>(msg.data());
+  if (rh->status) return fail(-rh->status);
+  if (resp_len && msg.size() == sizeof(MsgHeader) + resp_len)
+    std::memcpy(resp, msg.data() + sizeof(MsgHeader), resp_len);
+  else if (resp_len)
+    return fail(EPROTO);
+  if (fd_out && !fds.empty()) *fd_out = fds[0].release();
+  return 0;
+}
+
+int establish(VId* v) {
+  bool answered;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    answered = v->active && v->have_peer;
+  }
+  // The RTU after a CONNECT_RESPONSE: not waited for. Were the acceptor gone meanwhile, its
+  // DISCONNECTED follows, as on a fabric where the RTU met nobody.
+  if (!answered) return call(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  post(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  return 0;
+}
+
+void post(Op op, const void* body, size_t body_len) {
+  Cm& c = cm();
+  std::lock_guard<std::mutex> g(c.rpc_mu);
+  if (c.unanswered >= kMaxUnanswered) {  // their answers wait in our socket's buffer: read them
+    std::vector<uint8_t> msg;
+    std::vector<UniqueFd> fds;
+    (void)await_answer(c, static_cast<uint16_t>(op), c.seq, msg, fds);
+  }
+  if (send_command(c, op, body, body_len).is_ok()) ++c.unanswered;
+}
+
+namespace {
+
+/// At exit, the answers to posted commands are read: a process that ends right after
+/// rdma_destroy_id would otherwise close its connection under them, which the backend logs as
+/// a session reset.
+__attribute__((destructor)) void read_posted_answers() {
+  Cm& c = cm();
+  // Not when another thread is inside a call (it reads them): exit must not wait for it.
+  std::unique_lock<std::mutex> g(c.rpc_mu, std::try_to_lock);
+  if (!g.owns_lock() || c.sock < 0 || c.unanswered == 0) return;
+  pollfd p{c.sock, POLLIN, 0};
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  // Briefly: the backend answers at once, or is gone.
+  while (::poll(&p, 1, 1000) > 0 && recv_msg(c.sock, msg, kCmMaxResponse, fds).is_ok()) {
+    auto rh = decode_header(msg);
+    if (!rh.is_ok() || rh->seq == c.seq) break;
+  }
+  c.unanswered = 0;
+}
+
+}  // namespace
 
 int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_port_space ps,
               ibv_qp_type qp_type) {
@@ -584,7 +450,9 @@ CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
     }
     c.ids.erase(v->handle);
   }
-  (void)call(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});
+  // Nothing to wait for: the backend takes it before this process's next command, and the
+  // answer, whatever it is, would change nothing here.
+  post(Op::kCmDestroyId, vrdma::proto::HandleReq{v->handle, 0});
   if (v->own) close_channel(v->own);
   delete v;
   return 0;
@@ -616,7 +484,17 @@ CM_EXPORT int rdma_resolve_route(rdma_cm_id* id, int timeout_ms) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
   vrdma::proto::CmResolveReq req{v->handle, static_cast<uint32_t>(std::max(timeout_ms, 0)), {}, {}};
-  if (call(Op::kCmResolveRoute, req)) return -1;
+  // With its address resolved and no connect yet the backend takes it (ROUTE_RESOLVED
+  // follows): not waited for. Otherwise its answer is the caller's (EINVAL).
+  bool resolved;
+  {
+    std::lock_guard<std::mutex> g(cm().mu);
+    resolved = v->addr_resolved && !v->active;
+  }
+  if (resolved)
+    post(Op::kCmResolveRoute, req);
+  else if (call(Op::kCmResolveRoute, req))
+    return -1;
   return v->own ? complete(v, RDMA_CM_EVENT_ROUTE_RESOLVED) : 0;
 }
 
@@ -679,7 +557,7 @@ CM_EXPORT int rdma_establish(rdma_cm_id* id) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
   if (id->qp && move_qp(v, {IBV_QPS_RTR, IBV_QPS_RTS})) return -1;
-  return call(Op::kCmEstablish, vrdma::proto::HandleReq{v->handle, 0});
+  return establish(v);
 }
 
 CM_EXPORT int rdma_reject(rdma_cm_id* id, const void* private_data, uint8_t private_data_len) {
@@ -752,97 +630,6 @@ CM_EXPORT int rdma_migrate_id(rdma_cm_id* id, rdma_event_channel* channel) {
   v->own = own;
   id->channel = channel;
   return 0;
-}
-
-CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** event) {
-  if (!channel || !event) return fail(EINVAL);
-  auto* ch = reinterpret_cast<VChannel*>(channel);
-  ch->readers.fetch_add(1);
-  if (ch->closed.load()) {
-    // Destroyed before this thread came to read it (rping's event thread, when the main thread
-    // tears down first): it waits for ever, as one that was already blocked on it does, rather
-    // than failing (which such threads answer by exiting the process).
-    for (;;) ::pause();
-  }
-  std::vector<uint8_t> buf(sizeof(vrdma::proto::MsgHeader) + sizeof(vrdma::proto::CmEvent) + 64);
-  int rc = 0;
-  for (;;) {
-    const ssize_t n = ::recv(channel->fd, buf.data(), buf.size(), 0);
-    if (n < 0) {  // EAGAIN with O_NONBLOCK, EINTR
-      rc = -1;
-      break;
-    }
-    if (n == 0) {  // the backend went away: the device is gone
-      VEvent* ve = removal_event(ch);
-      if (ve)
-        *event = &ve->ev;
-      else
-        rc = fail(ENODEV);
-      break;
-    }
-    VEvent* ve = make_event({buf.data(), static_cast<size_t>(n)});
-    if (ve) {
-      *event = &ve->ev;
-      break;
-    }
-  }
-  const int err = errno;
-  if (ch->readers.fetch_sub(1) == 1 && ch->closed.load() && !ch->fd_closed.exchange(true))
-    ::close(ch->ch.fd);
-  errno = err;
-  return rc;
-}
-
-CM_EXPORT int rdma_ack_cm_event(rdma_cm_event* event) {
-  if (!event) return fail(EINVAL);
-  auto* ve = reinterpret_cast<VEvent*>(event);
-  Cm& c = cm();
-  {
-    std::lock_guard<std::mutex> g(c.mu);
-    if (!c.live.erase(ve)) return fail(EINVAL);  // acked already
-    ++ve->owner->acked;
-  }
-  c.acked.notify_all();
-  delete ve;
-  return 0;
-}
-
-CM_EXPORT const char* rdma_event_str(rdma_cm_event_type event) {
-  switch (event) {
-    case RDMA_CM_EVENT_ADDR_RESOLVED:
-      return "RDMA_CM_EVENT_ADDR_RESOLVED";
-    case RDMA_CM_EVENT_ADDR_ERROR:
-      return "RDMA_CM_EVENT_ADDR_ERROR";
-    case RDMA_CM_EVENT_ROUTE_RESOLVED:
-      return "RDMA_CM_EVENT_ROUTE_RESOLVED";
-    case RDMA_CM_EVENT_ROUTE_ERROR:
-      return "RDMA_CM_EVENT_ROUTE_ERROR";
-    case RDMA_CM_EVENT_CONNECT_REQUEST:
-      return "RDMA_CM_EVENT_CONNECT_REQUEST";
-    case RDMA_CM_EVENT_CONNECT_RESPONSE:
-      return "RDMA_CM_EVENT_CONNECT_RESPONSE";
-    case RDMA_CM_EVENT_CONNECT_ERROR:
-      return "RDMA_CM_EVENT_CONNECT_ERROR";
-    case RDMA_CM_EVENT_UNREACHABLE:
-      return "RDMA_CM_EVENT_UNREACHABLE";
-    case RDMA_CM_EVENT_REJECTED:
-      return "RDMA_CM_EVENT_REJECTED";
-    case RDMA_CM_EVENT_ESTABLISHED:
-      return "RDMA_CM_EVENT_ESTABLISHED";
-    case RDMA_CM_EVENT_DISCONNECTED:
-      return "RDMA_CM_EVENT_DISCONNECTED";
-    case RDMA_CM_EVENT_DEVICE_REMOVAL:
-      return "RDMA_CM_EVENT_DEVICE_REMOVAL";
-    case RDMA_CM_EVENT_MULTICAST_JOIN:
-      return "RDMA_CM_EVENT_MULTICAST_JOIN";
-    case RDMA_CM_EVENT_MULTICAST_ERROR:
-      return "RDMA_CM_EVENT_MULTICAST_ERROR";
-    case RDMA_CM_EVENT_ADDR_CHANGE:
-      return "RDMA_CM_EVENT_ADDR_CHANGE";
-    case RDMA_CM_EVENT_TIMEWAIT_EXIT:
-      return "RDMA_CM_EVENT_TIMEWAIT_EXIT";
-  }
-  return "UNKNOWN EVENT";
 }
 
 CM_EXPORT ibv_context** rdma_get_devices(int* num_devices) {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <ctime>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -44,6 +45,7 @@ struct VId {
   proto::CmQpInfo mine{};            ///< what this end said of its QP (REQ or REP)
   proto::CmQpInfo peer{};            ///< what the other end said of its QP
   bool have_peer = false;
+  bool addr_resolved = false;  ///< ADDR_RESOLVED seen (Cm::mu): resolve_route is posted
   bool active = false;  ///< this end connected (rdma_connect), the other accepted
   /// rdma_connect's private data and when it was first sent: a connect that finds no listener
   /// is sent again for a while (kListenerGraceMs, cma.cc) before the application hears.
@@ -75,6 +77,7 @@ struct Cm {
   std::mutex rpc_mu;
   int sock = -1;
   uint32_t seq = 0;
+  uint32_t unanswered = 0;     ///< posted commands whose answers are not read yet (rpc_mu)
   ibv_context* ctx = nullptr;  ///< vrdma0, opened on first use and kept
   ibv_pd* pd = nullptr;        ///< the PD of rdma_create_qp(id, NULL, ...)
   ibv_port_attr port{};
@@ -92,12 +95,37 @@ template <typename Req>
 int call(proto::Op op, const Req& req) {
   return call(op, &req, sizeof(req));
 }
+/// Sends a command whose answer nobody waits for (read and dropped by a later call): one whose
+/// failure the caller could not act on (kCmDestroyId). The backend takes the process's commands
+/// in order, so the next call sees its effect.
+void post(proto::Op op, const void* body, size_t body_len);
+template <typename Req>
+void post(proto::Op op, const Req& req) {
+  post(op, &req, sizeof(req));
+}
+/// The RTU (kCmEstablish): posted once the id has its CONNECT_RESPONSE, else a call.
+int establish(VId* v);
 /// Sets errno to `err` and returns -1: the failure of an rdma_cma.h call.
 inline int fail(int err) {
   errno = err;
   return -1;
 }
 inline VId* to_vid(rdma_cm_id* id) { return reinterpret_cast<VId*>(id); }
+inline uint64_t mono_ms() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000 + uint64_t(ts.tv_nsec) / 1000000;
+}
+
+/// The id is on vrdma0 port 1 (an address of this host was bound or resolved).
+void attach_device(VId* v);
+/// Sets the id's addresses (those given with a family) and, with `attach`, its device. Under
+/// Cm::mu: the application's thread (bind, resolve) and its event thread both write them.
+void set_addrs(VId* v, const proto::CmAddr* src, const proto::CmAddr* dst, bool attach);
+/// The path record of a route: this end's GID and LID, the peer's once it is known.
+void set_path(VId* v);
+/// REQ, REP or REJ with the id's QP and the caller's private data.
+int send_conn(VId* v, proto::Op op, const proto::CmQpInfo& qp, const void* pdata, size_t len);
 
 /// The attributes that take the id's QP to `state` (INIT, RTR or RTS) by what the two ends
 /// said; 0, or -1 with errno (EINVAL: no peer yet for RTR/RTS).

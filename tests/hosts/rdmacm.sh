@@ -2,7 +2,8 @@
 # Debian's unmodified rdma_cm programs across two namespace hosts (server on h1, client on h2):
 # rdma_resolve_addr of h1's address finds h1's backend, and the CM exchange travels between the
 # backends over their transport connection (wire kCm). rping -C 20 -v with the data checked on
-# both ends, ucmatose -c 4, udaddy (UD), ib_send_bw -R; then an address on the network with no host (ADDR_ERROR
+# both ends, ucmatose -c 4, udaddy (UD), ib_send_bw -R; IPv6: rping on ::1 (one host) and rping and
+# ucmatose by the hosts' IPv6 addresses; then an address on the network with no host (ADDR_ERROR
 # after rping's 2 s timeout) and one no route reaches (refused at once). A few seconds.
 # Usage: rdmacm.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -16,17 +17,17 @@ wait_mesh
 SRV_IP=$(host_ip 1)
 
 # A CM listener shows in no socket table: the client is retried while it is refused (REJECTED,
-# reason 8) until the server listens. Usage: cm_pair NAME 'SERVER ARGS' 'CLIENT ARGS';
-# outputs $E2E_TMP/NAME.{srv,cli}.
+# reason 8) until the server listens. Usage: cm_pair NAME 'SERVER ARGS' 'CLIENT ARGS'
+# [CLIENT HOST (2)]; outputs $E2E_TMP/NAME.{srv,cli}.
 cm_pair() {
-  local name=$1 srv_args=$2 cli_args=$3 srv try
-  log "$name: h1: $srv_args | h2: $cli_args"
+  local name=$1 srv_args=$2 cli_args=$3 cli_host=${4:-2} srv try
+  log "$name: h1: $srv_args | h$cli_host: $cli_args"
   # shellcheck disable=SC2086  # the arguments are word lists
   hrun 1 --guest cm-srv -- $srv_args >"$E2E_TMP/$name.srv" 2>&1 &
   srv=$!
   for ((try = 0; try < 100; try++)); do
     # shellcheck disable=SC2086
-    if timeout 30 ip netns exec "$(host_ns 2)" env VRDMA_SOCKET="$(host_sock 2)" \
+    if timeout 30 ip netns exec "$(host_ns "$cli_host")" env VRDMA_SOCKET="$(host_sock "$cli_host")" \
       VRDMA_BACKEND=/nonexistent-vrdmad "${VRUN[@]}" --guest cm-cli -- $cli_args \
       >"$E2E_TMP/$name.cli" 2>&1; then
       WAIT_RC=0
@@ -42,23 +43,31 @@ cm_pair() {
   [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$name.srv")"
 }
 
+# rping -v's output of cm_pair NAME: COUNT pings, and what the server read (RDMA READ from the
+# client's buffer) is what the client sent. Usage: check_rping NAME COUNT
+check_rping() {
+  [[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/$1.cli") == "$2" ]] || fail "$1: not $2 pings"
+  diff <(sed -n 's/^ping data: //p' "$E2E_TMP/$1.cli") \
+    <(sed -n 's/^server ping data: //p' "$E2E_TMP/$1.srv") >/dev/null ||
+    fail "$1: the server read other data than the client sent"
+}
+# Both ends of cm_pair NAME said 'test complete' (ucmatose, udaddy). Usage: check_complete NAME
+check_complete() {
+  local f
+  for f in "$1.cli" "$1.srv"; do
+    grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
+  done
+}
+
 cm_pair rping "rping -s -a $SRV_IP -p 7174 -C 20 -v" "rping -c -a $SRV_IP -p 7174 -C 20 -v"
-[[ $(grep -c '^ping data: rdma-ping-' "$E2E_TMP/rping.cli") == 20 ]] || fail "rping: not 20 pings"
-# What the server read (RDMA READ from the client's buffer) is what the client sent.
-diff <(sed -n 's/^ping data: //p' "$E2E_TMP/rping.cli") \
-  <(sed -n 's/^server ping data: //p' "$E2E_TMP/rping.srv") >/dev/null ||
-  fail "rping: the server read other data than the client sent"
+check_rping rping 20
 
 cm_pair ucmatose "ucmatose -p 7175 -c 4 -C 20" "ucmatose -s $SRV_IP -p 7175 -c 4 -C 20"
-for f in ucmatose.cli ucmatose.srv; do
-  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
-done
+check_complete ucmatose
 
 # UD: the SIDR-shaped exchange, then datagrams to the address handle from the event.
 cm_pair udaddy "udaddy" "udaddy -s $SRV_IP"
-for f in udaddy.cli udaddy.srv; do
-  grep -q '^test complete' "$E2E_TMP/$f" || fail "$f: no 'test complete'"
-done
+check_complete udaddy
 
 if command -v ib_send_bw >/dev/null; then
   cm_pair ib_send_bw "ib_send_bw -R -n 1000 -p 7177" "ib_send_bw -R -n 1000 -p 7177 $SRV_IP"
@@ -67,6 +76,16 @@ if command -v ib_send_bw >/dev/null; then
 else
   log "perftest not installed: ib_send_bw -R skipped"
 fi
+
+# IPv6: loopback (::1) on one host, and across the two hosts by their IPv6 addresses (fd77::I on
+# eth0), which h2's backend learns is h1's by asking its peers (wire kCm kAddrQuery).
+for i in 1 2; do ip -n "$(host_ns "$i")" addr add "fd77::$i/64" dev eth0 nodad; done
+cm_pair rping6_lo "rping -s -a ::1 -p 7180 -C 5 -v" "rping -c -a ::1 -p 7180 -C 5 -v" 1
+check_rping rping6_lo 5
+cm_pair rping6 "rping -s -a fd77::1 -p 7181 -C 10 -v" "rping -c -a fd77::1 -p 7181 -C 10 -v"
+check_rping rping6 10
+cm_pair ucmatose6 "ucmatose -b fd77::1 -p 7182 -c 2 -C 10" "ucmatose -s fd77::1 -p 7182 -c 2 -C 10"
+check_complete ucmatose6
 
 # An address on h2's network that nobody answers: ADDR_ERROR once rping's timeout (2 s) passed.
 start=$(date +%s%N)

@@ -548,6 +548,62 @@ TEST_F(CmAcrossHostsTest, ARequestToAPeerIsAnsweredFromThere) {
   EXPECT_EQ(gone.dst_id, 55u);
 }
 
+TEST_F(CmAcrossHostsTest, AnAddressOnlyAPeerKnowsIsAskedForAndResolvedThere) {
+  // Not b's transport address (an IPv6 one, a second address of its host): the peers are
+  // asked; b's answer resolves it to b, and the REQ goes there.
+  const uint32_t c = cli.create_id();
+  const CmAddr far = v4("10.77.0.9", 7174);
+  const int32_t st = cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, far}).first;
+  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.9 here";
+  ASSERT_EQ(st, 0);
+  EXPECT_TRUE(cli.quiet());
+  wire::Cm q = t.take();
+  EXPECT_EQ(q.kind, uint8_t(wire::CmKind::kAddrQuery));
+  EXPECT_EQ(q.src_id, c);
+  wire::Cm a = peer_msg(wire::CmKind::kAddrReply, 1, 0x7fffffff);  // nobody asked that
+  a.dst = far;
+  cm.on_wire("b", a);
+  a.dst_id = c;
+  a.dst = v4("10.77.0.8", 7174);  // another address than asked
+  cm.on_wire("b", a);
+  EXPECT_TRUE(cli.quiet());
+  EXPECT_EQ(t.refused.size(), 1u);
+  a.dst = far;
+  cm.on_wire("b", a);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  cm.on_wire("c", a);  // a second answer: the resolution is over
+  EXPECT_EQ(t.refused.size(), 2u);
+  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12), 0);
+  EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kReq));  // to b
+  // b asks whose an address is: this host answers for its own (not loopback), else silence.
+  wire::Cm bq = peer_msg(wire::CmKind::kAddrQuery, 77, 0);
+  cm.on_wire("b", bq);
+  wire::Cm ans = t.take();
+  EXPECT_EQ(ans.kind, uint8_t(wire::CmKind::kAddrReply));
+  EXPECT_EQ(ans.dst_id, 77u);
+  for (const char* other : {"192.0.2.1", "127.0.0.1"}) {
+    bq.dst = v4(other, 7000);
+    cm.on_wire("b", bq);
+  }
+  EXPECT_TRUE(t.sent.empty());
+}
+
+TEST_F(CmAcrossHostsTest, AnAddressNoPeerAnswersForIsAnAddrError) {
+  const uint32_t c = cli.create_id();
+  const int32_t st =
+      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 50, {}, v4("10.77.0.9", 7174)}).first;
+  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.9 here";
+  ASSERT_EQ(st, 0);
+  EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kAddrQuery));
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  cm.on_timer();
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kAddrError));
+  EXPECT_EQ(e.status, -ETIMEDOUT);
+}
+
 TEST_F(CmAcrossHostsTest, AHandshakeWithABackendThatWentIsUnreachable) {
   const uint32_t s = remote_request(901);
   ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);

@@ -1,9 +1,12 @@
 /* The synchronous rdma_cm API (ids without a channel): rdma_getaddrinfo, rdma_create_ep,
  * rdma_get_request, rdma_accept/rdma_connect with private data, the rdma_verbs.h inlines
  * (rdma_reg_msgs, rdma_post_send/recv, rdma_get_send/recv_comp), rdma_disconnect and
- * rdma_destroy_ep; bad input: private data over the limit, an event acked twice. Buffers are on
+ * rdma_destroy_ep; bad input: private data over the limit, an event acked twice; 200 ids destroyed
+ * in a row (their commands posted, the answers read past later), then a call that must get its own
+ * answer. Buffers are on
  * the heap (Debian's rdma_server/rdma_client, case sync_tools, use static ones).
  * Usage: cm_sync_ep server PORT | cm_sync_ep client HOST PORT. Exit 0 when the echo came back. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
@@ -16,9 +19,36 @@ static int die(const char* what) {
   return 1;
 }
 
+/* rdma_destroy_id does not wait for the backend's answer: after many in a row, a bind (whose
+ * answer carries the address) still reads its own. 0 when it did. */
+static int many_destroyed(void) {
+  struct rdma_event_channel* ch = rdma_create_event_channel();
+  struct rdma_cm_id* ids[200];
+  if (!ch) return die("rdma_create_event_channel");
+  for (int i = 0; i < 200; ++i)
+    if (rdma_create_id(ch, &ids[i], NULL, RDMA_PS_TCP)) return die("rdma_create_id");
+  for (int i = 0; i < 200; ++i)
+    if (rdma_destroy_id(ids[i])) return die("rdma_destroy_id");
+  struct rdma_cm_id* id;
+  struct sockaddr_in sin;
+  memset(&sin, 0, sizeof(sin));
+  sin.sin_family = AF_INET;
+  sin.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (rdma_create_id(ch, &id, NULL, RDMA_PS_TCP)) return die("rdma_create_id");
+  if (rdma_bind_addr(id, (struct sockaddr*)&sin)) return die("rdma_bind_addr after 200 destroys");
+  if (rdma_get_src_port(id) == 0) {
+    fprintf(stderr, "bound without a port\n");
+    return 1;
+  }
+  rdma_destroy_id(id);
+  rdma_destroy_event_channel(ch);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) return 2;
   const int server = strcmp(argv[1], "server") == 0;
+  if (!server && many_destroyed()) return 1;
   struct rdma_addrinfo hints, *res;
   memset(&hints, 0, sizeof(hints));
   hints.ai_port_space = RDMA_PS_TCP;

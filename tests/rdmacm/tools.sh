@@ -9,6 +9,8 @@
 #   sync_tools Debian's rdma_server/rdma_client: the same API on static buffers (a private file
 #              mapping of the executable, registered since issue 24)
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
+#   cm_rate    bench/cm_rate's churn, untimed: 500 connections 32 at a time, then 50 with an
+#              RC QP each, every one established and torn down (the rates: BENCHMARKS.md)
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
 #              (ADDR_ERROR after rping's 2 s timeout; refused at once where no route reaches
 #              it), a listener killed and its port taken again, the backend
@@ -112,6 +114,15 @@ case $CASE in
     bin=$(dirname "$VRDMA")
     cm_pair sync_ep "$bin/cm_sync_ep server 7182" "$bin/cm_sync_ep client 127.0.0.1 7182"
     grep -q '^client: ok' "$E2E_TMP/sync_ep.cli" || fail "no echo"
+    ;;
+  cm_rate)
+    bin=$(dirname "$VRDMA")
+    cm_pair cm_rate "$bin/cm_rate --server 127.0.0.1 7184 -n 500" \
+      "$bin/cm_rate --client 127.0.0.1 7184 -n 500 -w 32"
+    grep -q '^rdma_cm: 500 connections' "$E2E_TMP/cm_rate.cli" || fail "cm_rate: no result"
+    cm_pair cm_rate_qp "$bin/cm_rate --server 127.0.0.1 7185 -n 50 -q" \
+      "$bin/cm_rate --client 127.0.0.1 7185 -n 50 -w 8 -q"
+    grep -q '^rdma_cm+qp: 50 connections' "$E2E_TMP/cm_rate_qp.cli" || fail "cm_rate -q: no result"
     ;;
   sync_tools)
     cm_pair sync_tools "rdma_server -s 127.0.0.1 -p 7183" "rdma_client -s 127.0.0.1 -p 7183"

@@ -196,6 +196,21 @@ TEST(WireCodec, RefusesMalformedCm) {
   EXPECT_EQ(other(CmKind::kRtu, 0), 0);
   EXPECT_EQ(other(CmKind::kDreq, 1), EPROTO);
   EXPECT_EQ(other(CmKind::kGone, 1), EPROTO);
+  // Address resolution: a query names no id, its answer one; both an IP address, nothing else.
+  auto addr = [&](CmKind k, uint32_t dst_id, uint16_t family, uint32_t len) {
+    return err([&](Cm& m) {
+      m.kind = as(k);
+      m.dst_id = dst_id;
+      m.dst.family = family;
+      m.private_len = len;
+    });
+  };
+  EXPECT_EQ(addr(CmKind::kAddrQuery, 0, AF_INET6, 0), 0);
+  EXPECT_EQ(addr(CmKind::kAddrQuery, 9, AF_INET6, 0), EPROTO);
+  EXPECT_EQ(addr(CmKind::kAddrReply, 9, AF_INET, 0), 0);
+  EXPECT_EQ(addr(CmKind::kAddrReply, 0, AF_INET, 0), EPROTO);
+  EXPECT_EQ(addr(CmKind::kAddrReply, 9, 1, 0), EPROTO);
+  EXPECT_EQ(addr(CmKind::kAddrQuery, 0, AF_INET, 1), EPROTO);
 }
 
 TEST(WireCodec, RefusesMalformed) {
