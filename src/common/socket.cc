@@ -4,7 +4,9 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 namespace vrdma {
@@ -115,11 +117,30 @@ Result<UniqueFd> connect_unix(const std::string& path, int send_timeout_ms) {
 
 Result<UniqueFd> listen_unix(const std::string& path) {
   ASSIGN_OR_RETURN(sockaddr_un a, unix_addr(path));
+  // The socket appears at `path` only once it listens: it is bound under a temporary name beside
+  // it and renamed into place, so whoever waits for the file (an auto-starting library, a test,
+  // a supervisor) never connects between bind and listen and gets ECONNREFUSED. A path too long
+  // for the temporary name is bound in place.
+  const std::string tmp = path + ".new" + std::to_string(::getpid());
+  auto ta = unix_addr(tmp);
+  const bool staged = ta.is_ok();
+  if (staged) a = ta.value();
   UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return error(errno, "socket");
+  if (staged) (void)::unlink(tmp.c_str());  // one left by a process of our pid that died
+  const std::string& bound = staged ? tmp : path;
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0)
-    return error(errno, "bind " + path + ": " + std::strerror(errno));
-  if (::listen(fd.get(), 128) < 0) return error(errno, "listen");
+    return error(errno, "bind " + bound + ": " + std::strerror(errno));
+  if (::listen(fd.get(), 128) < 0) {
+    const int e = errno;
+    (void)::unlink(bound.c_str());
+    return error(e, "listen");
+  }
+  if (staged && ::rename(tmp.c_str(), path.c_str()) < 0) {
+    const int e = errno;
+    (void)::unlink(tmp.c_str());
+    return error(e, "rename " + tmp + " to " + path + ": " + std::strerror(e));
+  }
   return fd;
 }
 
