@@ -104,12 +104,21 @@ struct Cq {
   proto::Cqe* entries = nullptr;
   uint32_t size = 0;  ///< entries in the ring (power of two), backend's private copy
   uint32_t prod = 0;  ///< backend's private producer cursor
+  uint32_t stamps = 0;               ///< proto::kStamp* it was created with (private copy)
+  proto::CqeStamp* stamp = nullptr;  ///< one per entry, after them; null without stamps
   uint32_t channel = proto::kNone;
   uint32_t users = 0;
   bool overrun = false;
   /// A QP's own completion ring (direct path): the peer's library produces into it too, so
   /// `prod` is re-read from the header before each completion (never trusted: see push_cqe).
   bool shared_producer = false;
+
+  /// Points hdr, entries and stamp into `ring` (mapped, `size` entries, `stamps` set).
+  void attach() {
+    hdr = reinterpret_cast<proto::RingHeader*>(ring.data());
+    entries = proto::ring_entries<proto::Cqe>(hdr);
+    stamp = stamps ? proto::cq_stamps(hdr, size) : nullptr;
+  }
 };
 
 /// A shared receive queue: one ring of receive WQEs that several QPs of a session draw from.

@@ -112,8 +112,13 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     js["chans"] = std::move(chans);
     json cqs = json::array();
     for (const auto& [h, cq] : s.cqs) {
-      cqs.push_back({{"h", h}, {"fd", fd(cq->ring_fd.get(), "cq", h)}, {"size", cq->size},
-                     {"prod", cq->prod}, {"channel", cq->channel}, {"overrun", cq->overrun}});
+      cqs.push_back({{"h", h},
+                     {"fd", fd(cq->ring_fd.get(), "cq", h)},
+                     {"size", cq->size},
+                     {"prod", cq->prod},
+                     {"channel", cq->channel},
+                     {"overrun", cq->overrun},
+                     {"stamps", cq->stamps}});
     }
     js["cqs"] = std::move(cqs);
     json srqs = json::array();

@@ -245,7 +245,9 @@ struct CreateCqReq {
   uint32_t cqe;
   uint32_t channel;  ///< kNone: no completion channel
   uint32_t comp_vector;
-  uint32_t reserved;
+  /// proto::kStamp* (ring.h): completion timestamps; a backend older than them took this as
+  /// reserved, ignored it and made a ring without (RingHeader::stamps 0 says so).
+  uint32_t stamps;
 };
 static_assert(sizeof(CreateCqReq) == 16);
 struct CreateCqResp {

@@ -278,28 +278,54 @@ VERBS_EXPORT int ibv_destroy_comp_channel(ibv_comp_channel* ch) {
 
 // ---- completion queues ----
 
-VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
-                                   ibv_comp_channel* channel, int comp_vector) {
+namespace {
+
+/// Maps the CQ ring the backend answered a create or resize with; false (errno set) when the
+/// mapping fails, or the ring lacks timestamps asked for (ENOMEM, EOPNOTSUPP: a backend older
+/// than them) or is too short for them (EPROTO).
+bool map_cq_ring(VCq& cq, const std::vector<UniqueFd>& fds, const CreateCqResp& resp,
+                 uint32_t stamps) {
+  auto fail = [](int err) {
+    errno = err;
+    return false;
+  };
+  MappedRegion ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
+  if (!ring.valid()) return fail(ENOMEM);
+  auto* hdr = reinterpret_cast<RingHeader*>(ring.data());
+  if ((hdr->stamps & kStampAll) != stamps) return fail(EOPNOTSUPP);
+  if (resp.ring_bytes < cq_ring_bytes(resp.cqe + 1, stamps)) return fail(EPROTO);
+  cq.ring = std::move(ring);
+  cq.hdr = hdr;
+  cq.entries = ring_entries<Cqe>(hdr);
+  cq.size = resp.cqe + 1;
+  cq.stamps = stamps ? cq_stamps(hdr, cq.size) : nullptr;
+  cq.cur_stamp = nullptr;
+  return true;
+}
+
+}  // namespace
+
+namespace vrdma::verbs {
+
+ibv_cq* create_cq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* channel,
+                  int comp_vector, uint32_t stamps) {
   if (cqe <= 0 || comp_vector < 0 || comp_vector >= c->num_comp_vectors)
     return fail_ptr<ibv_cq>(EINVAL);
   VContext* ctx = to_vctx(c);
   CreateCqReq req{static_cast<uint32_t>(cqe),
                   channel ? reinterpret_cast<VChannel*>(channel)->handle : kNone,
-                  static_cast<uint32_t>(comp_vector), 0};
+                  static_cast<uint32_t>(comp_vector), stamps};
   CreateCqResp resp{};
   std::vector<UniqueFd> fds;
   if (ctx->call(Op::kCreateCq, req, resp, {}, &fds)) return nullptr;
   auto* cq = new VCq{};
-  cq->ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
-  if (!cq->ring.valid()) {
+  if (!map_cq_ring(*cq, fds, resp, stamps)) {
+    const int err = errno;
     destroy_handle(c, Op::kDestroyCq, resp.handle);
     delete cq;
-    return fail_ptr<ibv_cq>(ENOMEM);
+    return fail_ptr<ibv_cq>(err);
   }
   cq->handle = resp.handle;
-  cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
-  cq->entries = ring_entries<Cqe>(cq->hdr);
-  cq->size = resp.cqe + 1;
   cq->cq.context = c;
   cq->cq.channel = channel;
   cq->cq.cq_context = cq_context;
@@ -311,6 +337,13 @@ VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
   std::lock_guard<std::mutex> g(ctx->objs_mu);
   ctx->cqs[cq->handle] = cq;
   return &cq->cq;
+}
+
+}  // namespace vrdma::verbs
+
+VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
+                                   ibv_comp_channel* channel, int comp_vector) {
+  return create_cq(c, cqe, cq_context, channel, comp_vector, 0);
 }
 
 VERBS_EXPORT int ibv_destroy_cq(ibv_cq* cq) {
@@ -346,12 +379,8 @@ VERBS_EXPORT int ibv_resize_cq(ibv_cq* cq, int cqe) {
   std::vector<UniqueFd> fds;
   int rc = ctx->call(Op::kResizeCq, req, resp, {}, &fds);
   if (rc == 0) {
-    MappedRegion ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
-    if (ring.valid()) {
-      v->ring = std::move(ring);
-      v->hdr = reinterpret_cast<RingHeader*>(v->ring.data());
-      v->entries = ring_entries<Cqe>(v->hdr);
-      v->size = resp.cqe + 1;
+    const uint32_t stamps = v->stamps ? v->hdr->stamps & kStampAll : 0;
+    if (map_cq_ring(*v, fds, resp, stamps)) {
       v->ex_cur = nullptr;
       cq->cqe = static_cast<int>(resp.cqe);
     } else {
