@@ -431,6 +431,13 @@ class Device : public transport::Receiver {
   /// backend's guest), or EADDRINUSE when a peer backend has a guest of that name.
   Result<uint16_t> new_guest_lid(const std::string& name);
   void close_session(Session* s);
+  /// Hello's answer and descriptors for session `s` (open_session's; kImportContext gives them
+  /// again to another process that shares the session's socket).
+  void session_hello(const Session& s, proto::HelloResp& resp, FdList& fds) const;
+  /// kImportObject: a PD, MR or device memory of session `s` by handle (ibv_import_pd/mr/dm);
+  /// EINVAL when the session has none. A DM's memfd goes into `fds`. (device_import.cc)
+  Result<proto::ImportObjectResp> import_object(const Session& s, const proto::ImportObjectReq& req,
+                                                FdList& fds);
   Result<uint32_t> alloc_pd(Session& s);
   Status dealloc_pd(Session& s, uint32_t pd);
   /// Maps a guest's sealed tmpfs memfd (hugetlbfs and other filesystems: EINVAL), within the

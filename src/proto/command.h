@@ -97,7 +97,12 @@ enum class Op : uint16_t {
   kRegDmMr = 58,    ///< RegDmMrReq; RegMrResp
   kAllocMw = 59,    ///< AllocMwReq; AllocMwResp (binds go through the send queue: SendWqe)
   kDeallocMw = 60,  ///< HandleReq
-  kMax = 61,        ///< one past the last opcode; never sent
+  // 61-72: kept for other work of issue 24 in flight.
+  // Another process shares this session (ibv_import_device: it holds the session's socket, the
+  // ibv_context's cmd_fd, passed to it by SCM_RIGHTS). docs/ARCHITECTURE.md, "Imports".
+  kImportContext = 73,  ///< Empty; HelloResp; response fds as kHello's (control, doorbell, async)
+  kImportObject = 74,   ///< ImportObjectReq; ImportObjectResp; response fd: a DM's memfd
+  kMax = 75,            ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -237,6 +242,24 @@ struct AllocMwResp {
   uint32_t rkey;
 };
 static_assert(sizeof(AllocMwResp) == 8);
+
+/// kImportObject: what ibv_import_pd/mr/dm need of an object of the session, by handle.
+enum class ImportKind : uint32_t { kPd = 1, kMr = 2, kDm = 3 };
+struct ImportObjectReq {
+  uint32_t kind;  ///< ImportKind
+  uint32_t handle;
+};
+static_assert(sizeof(ImportObjectReq) == 8);
+struct ImportObjectResp {
+  uint32_t pd;      ///< MR: its PD's handle
+  uint32_t key;     ///< MR: lkey == rkey
+  uint32_t access;  ///< MR: IBV_ACCESS_*
+  uint32_t reserved;
+  uint64_t addr;    ///< MR: the registering process's address (ibv_mr::addr); 0 zero-based
+  uint64_t length;  ///< MR and DM
+  uint64_t bytes;   ///< DM: the mapping's size (its memfd comes with the response)
+};
+static_assert(sizeof(ImportObjectResp) == 40);
 
 // ---- kCreateChannel: response carries the read end of the event pipe (4-byte CQ handles).
 

@@ -30,6 +30,10 @@ struct VContext {
   verbs_context vctx;  ///< must stay first: ibv_context is its last member
   std::mutex rpc_mu;   ///< one command in flight per context
   UniqueFd sock;
+  /// Our own open file description of the session's control page: its OFD lock is the
+  /// session's command lock, which every context sharing the socket (ibv_import_device, in this
+  /// process or another) holds from sending a command to reading its answer.
+  UniqueFd call_lock;
   uint32_t seq = 0;
   proto::HelloResp hello{};
   MappedRegion control;
@@ -94,6 +98,7 @@ struct VMr {
   uint32_t handle;
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
   bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based: LocalMr::host)
+  bool imported = false;  ///< ibv_import_mr's: another context's memory, no local_mrs entry
 };
 
 struct VChannel {

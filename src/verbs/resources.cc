@@ -113,6 +113,57 @@ VERBS_EXPORT int ibv_dealloc_pd(ibv_pd* pd) {
   return 0;
 }
 
+// ---- imports (ibv_import_pd(3), ibv_import_mr(3)): objects of a context this one shares
+// with another process (ibv_import_device), by handle. Unimporting forgets the local object
+// only; deallocating or deregistering an imported one destroys it for every sharer, as on a
+// kernel device.
+
+namespace {
+/// Looks object `handle` of `kind` up in the session; 0 or the errno.
+int import_object(ibv_context* c, ImportKind kind, uint32_t handle, ImportObjectResp& resp,
+                  std::vector<UniqueFd>* fds = nullptr) {
+  const ImportObjectReq req{static_cast<uint32_t>(kind), handle};
+  return to_vctx(c)->call(Op::kImportObject, req, resp, {}, fds);
+}
+}  // namespace
+
+VERBS_EXPORT ibv_pd* ibv_import_pd(ibv_context* c, uint32_t pd_handle) {
+  if (!c) return fail_ptr<ibv_pd>(EINVAL);
+  ImportObjectResp resp{};
+  if (int rc = import_object(c, ImportKind::kPd, pd_handle, resp)) return fail_ptr<ibv_pd>(rc);
+  auto* pd = new VPd{};
+  pd->pd.context = c;
+  pd->pd.handle = pd_handle;
+  pd->handle = pd_handle;
+  return &pd->pd;
+}
+
+VERBS_EXPORT void ibv_unimport_pd(ibv_pd* pd) { delete reinterpret_cast<VPd*>(pd); }
+
+// The MR's memory is the registering process's: the backend reaches it for every WR that
+// names the keys; this process's direct paths do not (they hand such WRs to the backend on one
+// host, and refuse them between libraries across hosts: docs/ARCHITECTURE.md, "Imports").
+VERBS_EXPORT ibv_mr* ibv_import_mr(ibv_pd* pd, uint32_t mr_handle) {
+  if (!pd) return fail_ptr<ibv_mr>(EINVAL);
+  ImportObjectResp resp{};
+  if (int rc = import_object(pd->context, ImportKind::kMr, mr_handle, resp))
+    return fail_ptr<ibv_mr>(rc);
+  if (resp.pd != reinterpret_cast<VPd*>(pd)->handle) return fail_ptr<ibv_mr>(EINVAL);
+  auto* mr = new VMr{};
+  mr->mr.context = pd->context;
+  mr->mr.pd = pd;
+  mr->mr.addr = reinterpret_cast<void*>(static_cast<uintptr_t>(resp.addr));
+  mr->mr.length = resp.length;
+  mr->mr.handle = mr_handle;
+  mr->mr.lkey = resp.key;
+  mr->mr.rkey = resp.key;
+  mr->handle = mr_handle;
+  mr->imported = true;
+  return &mr->mr;
+}
+
+VERBS_EXPORT void ibv_unimport_mr(ibv_mr* mr) { delete reinterpret_cast<VMr*>(mr); }
+
 // ---- memory regions ----
 
 namespace {
@@ -206,7 +257,7 @@ VERBS_EXPORT int ibv_rereg_mr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, siz
   };
   if (!mr) return input_error();
   auto* v = reinterpret_cast<VMr*>(mr);
-  if (v->on_dm || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
+  if (v->on_dm || v->imported || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
   if ((flags & IBV_REREG_MR_CHANGE_TRANSLATION) && (!addr || !length)) return input_error();
   if (access && !(flags & IBV_REREG_MR_CHANGE_ACCESS)) return input_error();
   if ((flags & IBV_REREG_MR_CHANGE_PD) && (!pd || pd->context != mr->context)) return input_error();
