@@ -245,17 +245,8 @@ TEST_F(VerbsEx, CqExStampsCompletionsWithTheDeviceClock) {
   for (int round = 0; round < 4; ++round) {
     constexpr int kMsgs = 4;
     for (int i = 0; i < kMsgs; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096, 64), 0);
-    for (int i = 0; i < kMsgs; ++i) {
-      ibv_sge sg = sge(128, 8);
-      ibv_send_wr wr{};
-      wr.wr_id = i;
-      wr.sg_list = &sg;
-      wr.num_sge = 1;
-      wr.opcode = IBV_WR_SEND;
-      wr.send_flags = IBV_SEND_SIGNALED;
-      ibv_send_wr* bad = nullptr;
-      ASSERT_EQ(ibv_post_send(a, &wr, &bad), 0);
-    }
+    for (int i = 0; i < kMsgs; ++i)
+      ASSERT_EQ(post(a, Wr{IBV_WR_SEND, {sge(128, 8)}, IBV_SEND_SIGNALED, uint64_t(i)}), 0);
     size_t got = 0;
     if (round % 2) {
       // Until every completion is in, then a resize moves them (and their stamps) over.
@@ -300,13 +291,7 @@ TEST_F(VerbsEx, CqExStampsCompletionsWithTheDeviceClock) {
   ASSERT_NE(raw_only, nullptr);
   auto [c, d] = connected_pair([&] { return make_qp(ibv_cq_ex_to_cq(raw_only)); });
   ASSERT_EQ(post_recv(d, 7, 4096, 64), 0);
-  ibv_sge sg = sge(128, 8);
-  ibv_send_wr wr{};
-  wr.sg_list = &sg;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_SEND;
-  ibv_send_wr* bad = nullptr;
-  ASSERT_EQ(ibv_post_send(c, &wr, &bad), 0);
+  ASSERT_EQ(post(c, Wr{IBV_WR_SEND, {sge(128, 8)}, 0}), 0);
   int rc = ENOENT;
   for (int spins = 0; rc == ENOENT && spins < 5'000'000; ++spins)
     rc = ibv_start_poll(raw_only, nullptr);

@@ -26,14 +26,20 @@ struct Handles {
 constexpr char kChildEnv[] = "VRDMA_TEST_IMPORT_SOCK";
 constexpr uint8_t kPattern = 0x5a;
 
-int send_fd(int sock, int fd, const Handles& h) {
-  iovec io{const_cast<Handles*>(&h), sizeof(h)};
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+/// A message of `io` with room for one descriptor in `ctl`.
+msghdr fd_msg(iovec& io, char (&ctl)[CMSG_SPACE(sizeof(int))]) {
   msghdr m{};
   m.msg_iov = &io;
   m.msg_iovlen = 1;
   m.msg_control = ctl;
   m.msg_controllen = sizeof(ctl);
+  return m;
+}
+
+int send_fd(int sock, int fd, const Handles& h) {
+  iovec io{const_cast<Handles*>(&h), sizeof(h)};
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m = fd_msg(io, ctl);
   cmsghdr* c = CMSG_FIRSTHDR(&m);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
@@ -45,11 +51,7 @@ int send_fd(int sock, int fd, const Handles& h) {
 int recv_fd(int sock, Handles& h) {
   iovec io{&h, sizeof(h)};
   alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr m{};
-  m.msg_iov = &io;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl;
-  m.msg_controllen = sizeof(ctl);
+  msghdr m = fd_msg(io, ctl);
   if (::recvmsg(sock, &m, 0) != sizeof(h)) return -1;
   cmsghdr* c = CMSG_FIRSTHDR(&m);
   if (!c || c->cmsg_type != SCM_RIGHTS) return -1;
