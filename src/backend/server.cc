@@ -1,5 +1,6 @@
 #include "backend/server.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <sched.h>
 #include <sys/epoll.h>
@@ -480,6 +481,22 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     case Op::kAllocMw:
       reply(dev_.alloc_mw(*s, body_of<AllocMwReq>(msg).value()));
+      break;
+    case Op::kImportContext: {
+      // Another process shares this socket (ibv_import_device). It has no part in the session's
+      // command lock yet (the control page is what it asks for), so the answer goes on the
+      // socket it attached, never on the shared one, where the other holder may be waiting for
+      // an answer of its own. Without one: no answer at all.
+      if (fds.empty()) return Status::ok();
+      // Never blocks the backend: that end is the importer's alone.
+      (void)::fcntl(fds[0].get(), F_SETFL, O_NONBLOCK);
+      HelloResp resp{};
+      dev_.session_hello(*s, resp, out_fds);
+      (void)send_msg(fds[0].get(), encode(op, h.seq, 0, resp), out_fds);
+      return Status::ok();
+    }
+    case Op::kImportObject:
+      reply(dev_.import_object(*s, body_of<ImportObjectReq>(msg).value(), out_fds));
       break;
     case Op::kDeallocMw:
       reply_status(dev_.dealloc_mw(*s, handle_of()));

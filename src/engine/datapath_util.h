@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/guest_fault.h"
+#include "common/memfd.h"
 #include "common/rdma_atomic.h"
 #include "engine/device.h"
 #include "proto/post_rules.h"
@@ -35,6 +36,19 @@ inline void init_ring(proto::RingHeader* h, proto::RingKind kind, uint32_t entry
   h->armed.store(0, std::memory_order_relaxed);
   h->direct_msgs.store(0, std::memory_order_relaxed);
   h->direct_bytes.store(0, std::memory_order_relaxed);
+}
+
+/// A fresh CQ ring in `cq` for its `size` and `stamps`: a sealed memfd, mapped, its header
+/// written (the stamps bits too, for the producers of other processes).
+inline Status make_cq_ring(Cq& cq, const char* name) {
+  const size_t bytes = page_round(proto::cq_ring_bytes(cq.size, cq.stamps));
+  ASSIGN_OR_RETURN(cq.ring_fd, make_sealed_memfd(name, bytes));
+  cq.ring = MappedRegion::map_shared(cq.ring_fd.get(), bytes);
+  if (!cq.ring.valid()) return error(errno, "mapping a CQ ring");
+  cq.attach();
+  init_ring(cq.hdr, proto::RingKind::kCq, sizeof(proto::Cqe), cq.size);
+  cq.hdr->stamps = cq.stamps;
+  return Status::ok();
 }
 
 /// The device keeps its own descriptor of every ring it hands out, so its state can move.

@@ -273,13 +273,7 @@ Result<Session*> Device::open_session(const HelloReq& req, const PeerCred& peer,
   s->async_write = UniqueFd(p[1]);
 
   g->sessions++;
-  resp.guest_id = g->id;
-  resp.port_guid = g->port_guid;
-  std::memcpy(resp.gid, g->gid, 16);
-  resp.lid = g->lid;
-  resp.session_id = s->id;
-  resp.control_bytes = kPage;
-  fds = {s->control_fd.get(), s->doorbell.get(), s->async_read.get()};
+  session_hello(*s, resp, fds);
   s->comm = read_comm(s->pid);
   Session* raw = s.get();
   sessions_[raw->id] = std::move(s);

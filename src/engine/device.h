@@ -105,12 +105,21 @@ struct Cq {
   proto::Cqe* entries = nullptr;
   uint32_t size = 0;  ///< entries in the ring (power of two), backend's private copy
   uint32_t prod = 0;  ///< backend's private producer cursor
+  uint32_t stamps = 0;               ///< proto::kStamp* it was created with (private copy)
+  proto::CqeStamp* stamp = nullptr;  ///< one per entry, after them; null without stamps
   uint32_t channel = proto::kNone;
   uint32_t users = 0;
   bool overrun = false;
   /// A QP's own completion ring (direct path): the peer's library produces into it too, so
   /// `prod` is re-read from the header before each completion (never trusted: see push_cqe).
   bool shared_producer = false;
+
+  /// Points hdr, entries and stamp into `ring` (mapped, `size` entries, `stamps` set).
+  void attach() {
+    hdr = reinterpret_cast<proto::RingHeader*>(ring.data());
+    entries = proto::ring_entries<proto::Cqe>(hdr);
+    stamp = stamps ? proto::cq_stamps(hdr, size) : nullptr;
+  }
 };
 
 /// A shared receive queue: one ring of receive WQEs that several QPs of a session draw from.
@@ -434,6 +443,13 @@ class Device : public transport::Receiver {
   /// backend's guest), or EADDRINUSE when a peer backend has a guest of that name.
   Result<uint16_t> new_guest_lid(const std::string& name);
   void close_session(Session* s);
+  /// Hello's answer and descriptors for session `s` (open_session's; kImportContext gives them
+  /// again to another process that shares the session's socket).
+  void session_hello(const Session& s, proto::HelloResp& resp, FdList& fds) const;
+  /// kImportObject: a PD, MR or device memory of session `s` by handle (ibv_import_pd/mr/dm);
+  /// EINVAL when the session has none. A DM's memfd goes into `fds`. (device_import.cc)
+  Result<proto::ImportObjectResp> import_object(const Session& s, const proto::ImportObjectReq& req,
+                                                FdList& fds);
   Result<uint32_t> alloc_pd(Session& s);
   Status dealloc_pd(Session& s, uint32_t pd);
   /// Maps a guest's sealed tmpfs memfd (hugetlbfs and other filesystems: EINVAL), within the

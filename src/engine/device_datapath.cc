@@ -73,6 +73,7 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
     return false;
   }
   cq.entries[cq.prod & (cq.size - 1)] = e;
+  if (cq.stamp) stamp_now(cq.stamp[cq.prod & (cq.size - 1)], cq.stamps);
   cq.prod++;
   cq.hdr->producer.store(cq.prod, std::memory_order_release);
   if (cq.channel == kNone) return true;  // nobody to notify

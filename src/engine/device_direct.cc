@@ -42,13 +42,8 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   r->handle = of.handle;
   r->owner = of.owner;
   r->size = of.size;
-  const size_t bytes = page_round(ring_bytes(r->size, sizeof(Cqe)));
-  ASSIGN_OR_RETURN(r->ring_fd, make_sealed_memfd("vrdma-qp-cq", bytes));
-  r->ring = MappedRegion::map_shared(r->ring_fd.get(), bytes);
-  if (!r->ring.valid()) return error(errno, "mapping a QP completion ring");
-  r->hdr = reinterpret_cast<RingHeader*>(r->ring.data());
-  init_ring(r->hdr, RingKind::kCq, sizeof(Cqe), r->size);
-  r->entries = ring_entries<Cqe>(r->hdr);
+  r->stamps = of.stamps;
+  RETURN_IF_ERROR(make_cq_ring(*r, "vrdma-qp-cq"));
   r->shared_producer = true;
   return r;
 }

@@ -67,24 +67,21 @@ Result<CreateCqResp> Device::create_cq_checked(Session& s, const CreateCqReq& re
     if (it == s.channels.end()) return error(EINVAL, fmt::format("no channel {}", req.channel));
     ch = &it->second;
   }
+  if (req.stamps & ~kStampAll) return error(EINVAL, fmt::format("stamps {:#x}", req.stamps));
   auto cq = std::make_unique<Cq>();
   cq->size = std::bit_ceil(req.cqe + 1);
-  size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
-  ASSIGN_OR_RETURN(ring, make_sealed_memfd("vrdma-cq", bytes));
-  cq->ring = MappedRegion::map_shared(ring.get(), bytes);
-  if (!cq->ring.valid()) return error(errno, "mapping CQ ring");
-  cq->ring_fd = dup_fd(ring.get());
+  cq->stamps = req.stamps;
+  RETURN_IF_ERROR(make_cq_ring(*cq, "vrdma-cq"));
+  ring = dup_fd(cq->ring_fd.get());
+  if (!ring.valid()) return error(errno, "dup of the CQ ring's memfd");
   charge(*s.guest, Res::kCq);
-  cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
-  init_ring(cq->hdr, RingKind::kCq, sizeof(Cqe), cq->size);
-  cq->entries = ring_entries<Cqe>(cq->hdr);
   cq->owner = &s;
   cq->handle = new_handle(s, s.cqs);
   if (ch) {
     cq->channel = ch->handle;
     ch->users++;
   }
-  CreateCqResp resp{cq->handle, cq->size - 1, bytes};
+  CreateCqResp resp{cq->handle, cq->size - 1, cq->ring.size()};
   s.cqs[cq->handle] = std::move(cq);
   return resp;
 }
@@ -129,32 +126,30 @@ Result<CreateCqResp> Device::resize_cq_checked(Session& s, const ResizeCqReq& re
     return error(EINVAL,
                  fmt::format("cqe {} below the {} completions it holds", req.cqe, outstanding));
   RETURN_IF_ERROR(check_depth(*s.guest, "CQ", req.cqe));
-  const uint32_t size = std::bit_ceil(req.cqe + 1);
-  const size_t bytes = page_round(ring_bytes(size, sizeof(Cqe)));
-  UniqueFd fd;
-  ASSIGN_OR_RETURN(fd, make_sealed_memfd("vrdma-cq", bytes));
-  MappedRegion map = MappedRegion::map_shared(fd.get(), bytes);
-  if (!map.valid()) return error(errno, "mapping CQ ring");
-  auto* hdr = reinterpret_cast<RingHeader*>(map.data());
-  init_ring(hdr, RingKind::kCq, sizeof(Cqe), size);
-  Cqe* entries = ring_entries<Cqe>(hdr);
+  Cq fresh;
+  fresh.size = std::bit_ceil(req.cqe + 1);
+  fresh.stamps = cq.stamps;
+  RETURN_IF_ERROR(make_cq_ring(fresh, "vrdma-cq"));
+  const uint32_t size = fresh.size;
   // Same free-running cursors, so the library's own consumer cursor stays valid; completions
-  // keep their order.
-  for (uint32_t i = cons; i != cq.prod; ++i)
-    entries[i & (size - 1)] = cq.entries[i & (cq.size - 1)];
+  // keep their order (and their stamps).
+  for (uint32_t i = cons; i != cq.prod; ++i) {
+    fresh.entries[i & (size - 1)] = cq.entries[i & (cq.size - 1)];
+    if (cq.stamp) fresh.stamp[i & (size - 1)] = cq.stamp[i & (cq.size - 1)];
+  }
+  RingHeader* hdr = fresh.hdr;
   hdr->direct_gen.store(cq.hdr->direct_gen.load(std::memory_order_relaxed));
   hdr->armed.store(cq.hdr->armed.load(std::memory_order_acquire));
   hdr->consumer.store(cons, std::memory_order_relaxed);
   hdr->producer.store(cq.prod, std::memory_order_release);
-  ring = dup_fd(fd.get());
+  ring = dup_fd(fresh.ring_fd.get());
   if (!ring.valid()) return error(errno, "dup of the CQ ring's memfd");
-  cq.ring = std::move(map);
-  cq.ring_fd = std::move(fd);
-  cq.hdr = hdr;
-  cq.entries = entries;
+  cq.ring = std::move(fresh.ring);
+  cq.ring_fd = std::move(fresh.ring_fd);
   cq.size = size;
+  cq.attach();
   cq.overrun = false;
-  return CreateCqResp{cq.handle, size - 1, bytes};
+  return CreateCqResp{cq.handle, size - 1, cq.ring.size()};
 }
 
 Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, UniqueFd& ring) {

@@ -158,7 +158,8 @@ json export_session(Exporter& ex, const Session& s, int sock) {
                    {"size", cq->size},
                    {"prod", cq->prod},
                    {"channel", cq->channel},
-                   {"overrun", cq->overrun}});
+                   {"overrun", cq->overrun},
+                   {"stamps", cq->stamps}});
   }
   js["cqs"] = std::move(cqs);
   json srqs = json::array();

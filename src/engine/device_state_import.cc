@@ -233,7 +233,7 @@ void import_channels(Importer& im, const json& js, Session& s) {
   }
 }
 
-void import_cqs(Importer& im, const json& js, Session& s, bool recover) {
+void import_cqs(Importer& im, const json& js, Session& s, bool recover, uint32_t version) {
   Reader& rd = im.rd;
   for (const json& jc : rd.arr(js, "cqs")) {
     if (!rd.st.is_ok()) break;
@@ -243,12 +243,14 @@ void import_cqs(Importer& im, const json& js, Session& s, bool recover) {
     cq->prod = rd.num<uint32_t>(jc, "prod");
     cq->channel = rd.num<uint32_t>(jc, "channel");
     cq->overrun = jc.value("overrun", false);
+    if (version >= 6) cq->stamps = rd.num<uint32_t>(jc, "stamps");
     cq->owner = &s;
     im.handle_ok(s, cq->handle, "CQ");
     if (!std::has_single_bit(cq->size) || cq->size < 2 || cq->size > 2 * kMaxCqe)
       rd.fail("CQ size");
+    if (cq->stamps & ~kStampAll) rd.fail("CQ stamps");
     cq->ring_fd = im.take(jc, "fd");
-    const size_t bytes = page_round(ring_bytes(cq->size, sizeof(Cqe)));
+    const size_t bytes = page_round(cq_ring_bytes(cq->size, cq->stamps));
     cq->ring = im.map_memfd(cq->ring_fd, bytes, "CQ ring");
     if (cq->channel != kNone) {
       auto ch = s.channels.find(cq->channel);
@@ -258,8 +260,7 @@ void import_cqs(Importer& im, const json& js, Session& s, bool recover) {
         ch->second.users++;
     }
     if (!rd.st.is_ok()) break;
-    cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
-    cq->entries = ring_entries<Cqe>(cq->hdr);
+    cq->attach();
     if (recover) {
       const uint32_t p = cq->hdr->producer.load(std::memory_order_acquire);
       const uint32_t c = cq->hdr->consumer.load(std::memory_order_acquire);
@@ -551,7 +552,7 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   import_dms(im.rd, js, *s, version);
   import_mws(im, js, *s, g, version);
   import_channels(im, js, *s);
-  import_cqs(im, js, *s, recover_qp != nullptr);
+  import_cqs(im, js, *s, recover_qp != nullptr, version);
   import_srqs(im, js, *s, recover_qp != nullptr);
   import_qps(im, js, *s, g, recover_qp);
   return s;

@@ -44,6 +44,10 @@ size_t request_body_size(Op op) {
       return sizeof(AllocDmReq);
     case Op::kRegDmMr:
       return sizeof(RegDmMrReq);
+    case Op::kImportContext:
+      return 0;
+    case Op::kImportObject:
+      return sizeof(ImportObjectReq);
     case Op::kCmCreateChannel: return 0;
     case Op::kCmCreateId: return sizeof(CmCreateIdReq);
     case Op::kCmBind:
@@ -149,13 +153,20 @@ std::string op_name(uint16_t op) {
                                            "reg_dm_mr",
                                            "alloc_mw",
                                            "dealloc_mw",
-                                           nullptr,  // 61-64: other work in progress
+                                           nullptr,  // 61-64: free
                                            nullptr,
                                            nullptr,
                                            nullptr,
                                            "direct_cookie",
                                            "direct_peer",
-                                           "direct_prove"};
+                                           "direct_prove",
+                                           nullptr,  // 68-72: free
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,
+                                           "import_context",
+                                           "import_object"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames) || !kNames[op]) return fmt::format("op {}", op);
   return kNames[op];

@@ -97,12 +97,16 @@ enum class Op : uint16_t {
   kRegDmMr = 58,    ///< RegDmMrReq; RegMrResp
   kAllocMw = 59,    ///< AllocMwReq; AllocMwResp (binds go through the send queue: SendWqe)
   kDeallocMw = 60,  ///< HandleReq
-  // 61-64: other work in progress (kept free here).
+  // 61-64 and 68-72: free (kept for work in flight).
   // The direct path's trust rule (docs/ARCHITECTURE.md, "Direct path": trust).
   kDirectCookie = 65,  ///< DirectCookieReq; Empty
   kDirectPeer = 66,    ///< HandleReq (the QP); DirectPeerResp
   kDirectProve = 67,   ///< HandleReq (the QP), one fd attached: the proof; Empty
-  kMax = 68,           ///< one past the last opcode; never sent
+  // Another process shares this session (ibv_import_device: it holds the session's socket, the
+  // ibv_context's cmd_fd, passed to it by SCM_RIGHTS). docs/ARCHITECTURE.md, "Imports".
+  kImportContext = 73,  ///< Empty; HelloResp; response fds as kHello's (control, doorbell, async)
+  kImportObject = 74,   ///< ImportObjectReq; ImportObjectResp; response fd: a DM's memfd
+  kMax = 75,            ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -243,6 +247,24 @@ struct AllocMwResp {
 };
 static_assert(sizeof(AllocMwResp) == 8);
 
+/// kImportObject: what ibv_import_pd/mr/dm need of an object of the session, by handle.
+enum class ImportKind : uint32_t { kPd = 1, kMr = 2, kDm = 3 };
+struct ImportObjectReq {
+  uint32_t kind;  ///< ImportKind
+  uint32_t handle;
+};
+static_assert(sizeof(ImportObjectReq) == 8);
+struct ImportObjectResp {
+  uint32_t pd;      ///< MR: its PD's handle
+  uint32_t key;     ///< MR: lkey == rkey
+  uint32_t access;  ///< MR: IBV_ACCESS_*
+  uint32_t reserved;
+  uint64_t addr;    ///< MR: the registering process's address (ibv_mr::addr); 0 zero-based
+  uint64_t length;  ///< MR and DM
+  uint64_t bytes;   ///< DM: the mapping's size (its memfd comes with the response)
+};
+static_assert(sizeof(ImportObjectResp) == 40);
+
 // ---- kCreateChannel: response carries the read end of the event pipe (4-byte CQ handles).
 
 // ---- kCreateCq: response carries the ring memfd.
@@ -250,7 +272,9 @@ struct CreateCqReq {
   uint32_t cqe;
   uint32_t channel;  ///< kNone: no completion channel
   uint32_t comp_vector;
-  uint32_t reserved;
+  /// proto::kStamp* (ring.h): completion timestamps; a backend older than them took this as
+  /// reserved, ignored it and made a ring without (RingHeader::stamps 0 says so).
+  uint32_t stamps;
 };
 static_assert(sizeof(CreateCqReq) == 16);
 struct CreateCqResp {

@@ -8,7 +8,9 @@
 // 4 = each session's device memory ("dms": handle, segment, length; a version 3 blob has none,
 // and its MRs and CQ rings, resized or re-registered or not, read as before);
 // 5 = each session's memory windows ("mws": handle, PD, type, rkey, and while bound the MR's
-// handle, range, access and type 2's QPN; a version 4 blob has none).
+// handle, range, access and type 2's QPN; a version 4 blob has none);
+// 6 = each CQ's completion timestamps ("stamps", proto::kStamp*: its ring carries a CqeStamp
+// per entry after the entries; a version 5 blob's CQs have none).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -17,7 +19,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 5;
+inline constexpr uint32_t kStateVersion = 6;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

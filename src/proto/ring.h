@@ -5,6 +5,8 @@
 // every ring's geometry and cursors and never trusts a value read from shared memory.
 #pragma once
 
+#include <time.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -13,7 +15,9 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kRingMagic = 0x474e4952;  // "RING"
-inline constexpr uint16_t kRingVersion = 3;  // 2: UD destinations in SendWqe; 3: direct path
+// 2: UD destinations in SendWqe; 3: direct path; 4: CQ rings may carry completion timestamps
+// (RingHeader::stamps, CqeStamp), a CQ without them is laid out as in 3.
+inline constexpr uint16_t kRingVersion = 4;
 inline constexpr uint32_t kMaxSge = 16;
 inline constexpr uint32_t kMaxInline = 256;  ///< inline bytes share the SGE area of a WQE
 inline constexpr uint32_t kMaxRingEntries = 1u << 15;
@@ -36,7 +40,10 @@ struct alignas(64) RingHeader {
   /// CQ only: bumped by the backend when a QP's own completion ring (direct path) starts to
   /// feed this CQ; the guest then asks for the rings (kDirectRings).
   AtomicU32 direct_gen;
-  uint32_t reserved0;
+  /// CQ rings: the kStamp* bits the CQ was created with (a CqeStamp per entry follows the
+  /// entries when non-zero), written by the backend before the ring is handed out. Producers
+  /// in another process check it against the ring's size before they write a stamp.
+  uint32_t stamps;
   /// A QP's own completion ring only (direct path), written by the library that executes: on
   /// a send ring the messages and bytes this QP sent directly, on a receive ring those its
   /// peer delivered to it directly. The backend adds them to the QP's counters (a guest can
@@ -158,6 +165,34 @@ struct Cqe {
 };
 static_assert(sizeof(Cqe) == 48);
 
+/// Completion timestamps (ibv_create_cq_ex's IBV_WC_EX_WITH_COMPLETION_TIMESTAMP and _WALLCLOCK):
+/// a CQ ring created with either has one CqeStamp per entry after the entries, at the same
+/// index. One clock for every producer of a host (backend, direct path, a library across hosts):
+/// CLOCK_MONOTONIC_RAW in ns, so hca_core_clock is 1 GHz (1'000'000 kHz); the wallclock is
+/// CLOCK_REALTIME in ns. Across hosts each side stamps with its own host's clocks.
+inline constexpr uint32_t kStampRaw = 1;        ///< CqeStamp::ns
+inline constexpr uint32_t kStampWallclock = 2;  ///< CqeStamp::wallclock_ns
+inline constexpr uint32_t kStampAll = kStampRaw | kStampWallclock;
+inline constexpr uint64_t kStampClockKhz = 1'000'000;  ///< ns ticks
+
+struct CqeStamp {
+  uint64_t ns;            ///< CLOCK_MONOTONIC_RAW when the completion was written
+  uint64_t wallclock_ns;  ///< CLOCK_REALTIME likewise
+};
+static_assert(sizeof(CqeStamp) == 16);
+
+inline uint64_t clock_ns(clockid_t id) {
+  timespec t{};
+  ::clock_gettime(id, &t);
+  return static_cast<uint64_t>(t.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(t.tv_nsec);
+}
+
+/// Stamps a completion with the clocks `stamps` asks for (vDSO reads, no syscall).
+inline void stamp_now(CqeStamp& s, uint32_t stamps) {
+  if (stamps & kStampRaw) s.ns = clock_ns(CLOCK_MONOTONIC_RAW);
+  if (stamps & kStampWallclock) s.wallclock_ns = clock_ns(CLOCK_REALTIME);
+}
+
 /// Per-session page the backend shares with the guest: tells the guest when to ring the doorbell.
 inline constexpr uint32_t kFeatureDirect = 1;  ///< the backend grants the direct path (kDirectGrant)
 /// ... and across backends (kDirectOffer, kDirectRemote)
@@ -206,10 +241,21 @@ inline constexpr size_t ring_bytes(uint32_t entries, size_t entry_size) {
   return sizeof(RingHeader) + size_t{entries} * entry_size;
 }
 
+/// A CQ ring: header, entries, then (with stamps) a CqeStamp per entry.
+inline constexpr size_t cq_ring_bytes(uint32_t entries, uint32_t stamps) {
+  return ring_bytes(entries, sizeof(Cqe)) + (stamps ? size_t{entries} * sizeof(CqeStamp) : 0);
+}
+
 /// Entries of a ring start right after the header.
 template <typename Entry>
 inline Entry* ring_entries(RingHeader* h) {
   return reinterpret_cast<Entry*>(reinterpret_cast<uint8_t*>(h) + sizeof(RingHeader));
+}
+
+/// The stamps of a CQ ring of `entries` (created with stamps).
+inline CqeStamp* cq_stamps(RingHeader* h, uint32_t entries) {
+  return reinterpret_cast<CqeStamp*>(reinterpret_cast<uint8_t*>(h) +
+                                     ring_bytes(entries, sizeof(Cqe)));
 }
 
 }  // namespace vrdma::proto

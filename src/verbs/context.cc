@@ -2,11 +2,13 @@
 // on first use), device/port/GID queries, async events, and the command RPC.
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <poll.h>
 #include <sys/auxv.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -135,9 +137,39 @@ Result<UniqueFd> connect_backend() {
 
 namespace vrdma::verbs {
 
+namespace {
+
+/// The session's command lock (VContext::call_lock), held for one command; none before the
+/// control page is mapped (Hello: nobody else has the socket yet).
+class SessionCallLock {
+ public:
+  explicit SessionCallLock(int fd) : fd_(fd) {
+    if (fd_ >= 0) set(F_WRLCK);
+  }
+  ~SessionCallLock() {
+    if (fd_ >= 0) set(F_UNLCK);
+  }
+  SessionCallLock(const SessionCallLock&) = delete;
+  SessionCallLock& operator=(const SessionCallLock&) = delete;
+
+ private:
+  void set(short type) {
+    struct flock fl {};
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_len = 1;
+    while (::fcntl(fd_, F_OFD_SETLKW, &fl) < 0 && errno == EINTR) {
+    }
+  }
+  int fd_;
+};
+
+}  // namespace
+
 int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
                    std::span<const int> fds_in, std::vector<UniqueFd>* fds_out) {
   std::lock_guard<std::mutex> g(rpc_mu);
+  SessionCallLock session_lock(call_lock.get());
   std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
   MsgHeader h{kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()),
               ++seq, 0, 0};
@@ -168,11 +200,12 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
       return ETIMEDOUT;
     }
     if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
-    // The answer to a call that timed out earlier: not ours.
+    // The answer to a call that timed out earlier, ours or (a shared socket) another
+    // context's: not ours. Contexts sharing a socket count from far apart (import_device).
     if ((st.is_ok() || st.err() == EMFILE) && msg.size() >= sizeof(MsgHeader)) {
       MsgHeader rh;
       std::memcpy(&rh, msg.data(), sizeof(rh));
-      if (static_cast<int32_t>(rh.seq - h.seq) < 0) {
+      if (rh.seq != h.seq) {
         VLOG_DEBUG("skipping the late answer to call {} ({})", rh.seq, op_name(rh.op));
         continue;
       }
@@ -335,6 +368,25 @@ int vrdma_query_device_ex(ibv_context* c, const ibv_query_device_ex_input* input
     attr->phys_port_cnt_ex = attr->orig_attr.phys_port_cnt;
   if (attr_size >= offsetof(ibv_device_attr_ex, max_dm_size) + sizeof(uint64_t))
     attr->max_dm_size = max_dm_size(*to_vctx(c));
+  // Completion timestamps: ns of CLOCK_MONOTONIC_RAW (proto/ring.h), a 64-bit counter at 1 GHz.
+  if (attr_size >= offsetof(ibv_device_attr_ex, hca_core_clock) + sizeof(uint64_t)) {
+    attr->completion_timestamp_mask = ~uint64_t{0};
+    attr->hca_core_clock = kStampClockKhz;
+  }
+  return 0;
+}
+
+/// ibv_query_rt_values_ex: the clock completions are stamped with, now. As mlx5 gives its raw
+/// clock: all of it in tv_nsec, tv_sec 0 (so tv_sec * 1e9 + tv_nsec reads the same). Bits
+/// asked for that it does not know come back cleared, as mlx5 answers.
+int vrdma_query_rt_values(ibv_context*, ibv_values_ex* values) {
+  const uint32_t asked = values->comp_mask;
+  values->comp_mask = 0;
+  if (asked & IBV_VALUES_MASK_RAW_CLOCK) {
+    values->raw_clock.tv_sec = 0;
+    values->raw_clock.tv_nsec = static_cast<long>(clock_ns(CLOCK_MONOTONIC_RAW));
+    values->comp_mask = IBV_VALUES_MASK_RAW_CLOCK;
+  }
   return 0;
 }
 
@@ -367,6 +419,10 @@ VERBS_EXPORT __be64 ibv_get_device_guid(ibv_device*) {
   auto name = guest_name();
   return htobe64(port_guid_of(name.is_ok() ? name.value() : std::string()));
 }
+
+namespace {
+ibv_context* start_context(VContext* ctx, std::vector<UniqueFd>& fds);
+}  // namespace
 
 VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   if (dev != &g_device) {
@@ -409,9 +465,19 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
     errno = err;
     return nullptr;
   }
+  return start_context(ctx, fds);
+}
+
+namespace {
+
+/// The rest of opening a context once the backend said hello (`fds`: the control page, the
+/// doorbell, the async pipe's read end): maps, fills the ops. Null (ctx deleted) on failure.
+ibv_context* start_context(VContext* ctx, std::vector<UniqueFd>& fds) {
   ctx->control = MappedRegion::map_shared(fds[0].get(), ctx->hello.control_bytes);
+  ctx->call_lock =
+      UniqueFd(::open(fmt::format("/proc/self/fd/{}", fds[0].get()).c_str(), O_RDWR | O_CLOEXEC));
   ctx->doorbell = std::move(fds[1]);
-  if (!ctx->control.valid()) {
+  if (!ctx->control.valid() || !ctx->call_lock.valid()) {
     delete ctx;
     errno = ENOMEM;
     return nullptr;
@@ -419,7 +485,7 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   send_direct_cookie(*ctx);
   verbs_context& v = ctx->vctx;
   ibv_context& c = v.context;
-  c.device = dev;
+  c.device = &g_device;
   c.cmd_fd = ctx->sock.get();
   c.async_fd = fds[2].release();
   c.num_comp_vectors = 1;
@@ -436,12 +502,54 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
   v.sz = sizeof(verbs_context);
   v.query_port = vrdma_query_port;
   v.query_device_ex = vrdma_query_device_ex;
+  v.query_rt_values = vrdma_query_rt_values;
   v.create_cq_ex = create_cq_ex;
   v.create_qp_ex = create_qp_ex;
   v.alloc_dm = alloc_dm;
   v.free_dm = free_dm;
   v.reg_dm_mr = reg_dm_mr;
   return &c;
+}
+
+}  // namespace
+
+// ibv_import_device(3): another process's context, by its cmd_fd (dup'ed and passed here, e.g.
+// by SCM_RIGHTS), which is the session's socket: this context shares the session (its objects,
+// handles and quotas) and owns the descriptor from now on. The backend answers on a socket of
+// our own (see kImportContext); from then on the session's command lock keeps the two apart.
+VERBS_EXPORT ibv_context* ibv_import_device(int cmd_fd) {
+  int sp[2];
+  if (cmd_fd < 0 || ::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sp) < 0)
+    return fail_ptr<ibv_context>(cmd_fd < 0 ? EBADF : errno);
+  UniqueFd mine(sp[0]), theirs(sp[1]);
+  const MsgHeader h{
+      kMagic, kVersion, static_cast<uint16_t>(Op::kImportContext), sizeof(MsgHeader), 1, 0, 0};
+  std::vector<uint8_t> msg(sizeof(h));
+  std::memcpy(msg.data(), &h, sizeof(h));
+  const int give[] = {theirs.get()};
+  std::vector<UniqueFd> fds;
+  Status st = send_msg(cmd_fd, msg, give);
+  theirs.reset();  // the backend holds it now (or never will: recv ends with ECONNRESET)
+  if (st.is_ok()) {
+    pollfd p{mine.get(), POLLIN, 0};
+    const int n = ::poll(&p, 1, control_timeout_ms() > 0 ? control_timeout_ms() : -1);
+    st = n == 1 ? recv_msg(mine.get(), msg, kMaxResponse, fds) : error(ETIMEDOUT, "no answer");
+  }
+  auto rh = st.is_ok() ? decode_header(msg) : Result<MsgHeader>(st);
+  if (!rh.is_ok() || rh->op != h.op || rh->status != 0 ||
+      msg.size() != sizeof(MsgHeader) + sizeof(HelloResp) || fds.size() != 3) {
+    // Not a vrdma context's cmd_fd, or a backend without imports: the descriptor stays the
+    // caller's.
+    VLOG_ERROR("ibv_import_device: fd {} is no vrdma context's cmd_fd, or its backend refused: {}",
+               cmd_fd, rh.is_ok() ? std::strerror(-rh->status) : rh.status().message());
+    return fail_ptr<ibv_context>(rh.is_ok() && rh->status ? -rh->status : EOPNOTSUPP);
+  }
+  auto* ctx = new VContext();
+  std::memcpy(&ctx->hello, msg.data() + sizeof(MsgHeader), sizeof(HelloResp));
+  ctx->sock = UniqueFd(cmd_fd);
+  // Far from the other context's count, so neither takes the other's late answer for its own.
+  ctx->seq = static_cast<uint32_t>(mono_ms() * 2654435761u) ^ static_cast<uint32_t>(::getpid());
+  return start_context(ctx, fds);
 }
 
 VERBS_EXPORT int ibv_close_device(ibv_context* c) {

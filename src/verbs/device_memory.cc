@@ -12,6 +12,8 @@ using namespace vrdma;
 using namespace vrdma::verbs;
 using namespace vrdma::proto;
 
+#define VERBS_EXPORT extern "C" __attribute__((visibility("default")))
+
 namespace {
 
 struct VDm {
@@ -42,6 +44,16 @@ int memcpy_from_dm(void* host, ibv_dm* dm, uint64_t offset, size_t length) {
   return 0;
 }
 
+void fill_vdm(VDm& v, ibv_context* c, uint32_t handle, uint64_t length) {
+  v.handle = handle;
+  v.length = length;
+  v.dm.context = c;
+  v.dm.memcpy_to_dm = memcpy_to_dm;
+  v.dm.memcpy_from_dm = memcpy_from_dm;
+  v.dm.comp_mask = IBV_DM_MASK_HANDLE;  // dm.handle is valid: ibv_import_dm takes it
+  v.dm.handle = handle;
+}
+
 }  // namespace
 
 namespace vrdma::verbs {
@@ -56,7 +68,7 @@ uint64_t max_dm_size(const VContext& ctx) {
 
 ibv_dm* alloc_dm(ibv_context* c, ibv_alloc_dm_attr* attr) {
   if (!attr || attr->length == 0) return fail_ptr<ibv_dm>(EINVAL);
-  // IBV_DM_MASK_HANDLE (import) is the only comp_mask bit; DMs are not importable here.
+  // No comp_mask bit of ibv_alloc_dm_attr is defined.
   if (attr->comp_mask) return fail_ptr<ibv_dm>(EOPNOTSUPP);
   VContext* ctx = to_vctx(c);
   AllocDmReq req{attr->length, attr->log_align_req, 0};
@@ -71,13 +83,7 @@ ibv_dm* alloc_dm(ibv_context* c, ibv_alloc_dm_attr* attr) {
     ctx->call(Op::kFreeDm, &freq, sizeof(freq), &none, 0);
     return fail_ptr<ibv_dm>(ENOMEM);
   }
-  v->handle = resp.handle;
-  v->length = attr->length;
-  v->dm.context = c;
-  v->dm.memcpy_to_dm = memcpy_to_dm;
-  v->dm.memcpy_from_dm = memcpy_from_dm;
-  v->dm.comp_mask = 0;
-  v->dm.handle = resp.handle;
+  fill_vdm(*v, c, resp.handle, attr->length);
   return &v.release()->dm;
 }
 
@@ -89,6 +95,28 @@ int free_dm(ibv_dm* dm) {
   delete v;
   return 0;
 }
+
+}  // namespace vrdma::verbs
+
+// ibv_import_dm(3): device memory of a context this one shares (ibv_import_device), mapped here
+// from its memfd; ibv_unimport_dm forgets it here only, ibv_free_dm frees it for every sharer.
+VERBS_EXPORT ibv_dm* ibv_import_dm(ibv_context* c, uint32_t dm_handle) {
+  if (!c) return fail_ptr<ibv_dm>(EINVAL);
+  const ImportObjectReq req{static_cast<uint32_t>(ImportKind::kDm), dm_handle};
+  ImportObjectResp resp{};
+  std::vector<UniqueFd> fds;
+  if (int rc = to_vctx(c)->call(Op::kImportObject, req, resp, {}, &fds))
+    return fail_ptr<ibv_dm>(rc);
+  auto v = std::make_unique<VDm>();
+  v->map = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.bytes);
+  if (!v->map.valid() || resp.bytes < resp.length) return fail_ptr<ibv_dm>(ENOMEM);
+  fill_vdm(*v, c, dm_handle, resp.length);
+  return &v.release()->dm;
+}
+
+VERBS_EXPORT void ibv_unimport_dm(ibv_dm* dm) { delete to_vdm(dm); }
+
+namespace vrdma::verbs {
 
 ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access) {
   if (!pd || !dm || pd->context != dm->context) return fail_ptr<ibv_mr>(EINVAL);

@@ -342,12 +342,22 @@ int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, Mem
 }
 
 bool map_ring(OwnRing& r, int fd, uint32_t entries) {
-  const size_t bytes = ring_bytes(entries, sizeof(Cqe));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return false;
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  if (bytes < ring_bytes(entries, sizeof(Cqe))) return false;
   r.map = MappedRegion::map_shared(fd, bytes);
   if (!r.map.valid()) return false;
   r.hdr = reinterpret_cast<RingHeader*>(r.map.data());
   r.entries = ring_entries<Cqe>(r.hdr);
   r.size = entries;
+  // The backend wrote `stamps` before it handed the ring out: read once, checked against the
+  // memfd's size, so a bad header cannot make us write past the mapping.
+  const uint32_t stamps = r.hdr->stamps & kStampAll;
+  if (stamps && bytes >= cq_ring_bytes(entries, stamps)) {
+    r.stamps = cq_stamps(r.hdr, entries);
+    r.stamp_bits = stamps;
+  }
   return true;
 }
 
@@ -364,6 +374,7 @@ bool has_room(OwnRing& r) {
 void push(OwnRing& r, const Cqe& e) {
   const uint32_t prod = r.hdr->producer.load(std::memory_order_relaxed);
   r.entries[prod & (r.size - 1)] = e;
+  if (r.stamps) stamp_now(r.stamps[prod & (r.size - 1)], r.stamp_bits);
   tsan_ring_release();  // before the index: a poller that sees the index must see the edge
   r.hdr->producer.store(prod + 1, std::memory_order_release);
 }
@@ -417,9 +428,18 @@ void direct_post(VQp& qp, ibv_send_wr*& wr) {
   while (wr && execute(ctx, qp, g, *wr)) wr = wr->next;
 }
 
+namespace {
+/// Steps past the completion at the CQ ring's cursor (there is one).
+const Cqe* take_cqe(VCq& cq) {
+  const uint32_t i = cq.cons++ & (cq.size - 1);
+  cq.cur_stamp = cq.stamps ? &cq.stamps[i] : nullptr;
+  return &cq.entries[i];
+}
+}  // namespace
+
 const Cqe* next_cqe(VCq& cq) {
   if (cq.cons == cq.seen) cq.seen = cq.hdr->producer.load(std::memory_order_acquire);
-  if (cq.cons != cq.seen) return &cq.entries[cq.cons++ & (cq.size - 1)];
+  if (cq.cons != cq.seen) return take_cqe(cq);
   // QPs' own rings: learn of new ones first.
   const uint32_t gen = cq.hdr->direct_gen.load(std::memory_order_acquire);
   if (gen != cq.direct_gen) {
@@ -455,10 +475,12 @@ const Cqe* next_cqe(VCq& cq) {
     if (r.cons == r.seen) continue;
     // A completion the backend put in the CQ's ring before this one was written comes first.
     cq.seen = cq.hdr->producer.load(std::memory_order_acquire);
-    if (cq.cons != cq.seen) return &cq.entries[cq.cons++ & (cq.size - 1)];
+    if (cq.cons != cq.seen) return take_cqe(cq);
     cq.own_turn = (cq.own_turn + k + 1) % n;
     tsan_ring_acquire();
-    return &r.entries[r.cons++ & (r.size - 1)];
+    const uint32_t i = r.cons++ & (r.size - 1);
+    cq.cur_stamp = r.stamps ? &r.stamps[i] : nullptr;
+    return &r.entries[i];
   }
   return nullptr;
 }

@@ -56,6 +56,8 @@ struct OwnRing {
   MappedRegion map;
   proto::RingHeader* hdr = nullptr;
   proto::Cqe* entries = nullptr;
+  proto::CqeStamp* stamps = nullptr;  ///< one per entry when the CQ asked for timestamps
+  uint32_t stamp_bits = 0;            ///< proto::kStamp*: which clocks a producer writes
   uint32_t size = 0;
   uint32_t cons = 0;  ///< consumer side: private cursor
   uint32_t seen = 0;  ///< consumer side: producer index last read; producer side: consumer's
@@ -106,7 +108,8 @@ inline void tsan_ring_acquire() {}
 /// SQ lock (local_mr's cache).
 int local_sges(VContext& ctx, VQp& qp, const ibv_send_wr& wr, uint32_t need, MemSpan* out,
                size_t& n, uint64_t& len);
-/// Maps an own completion ring of `entries` from its memfd.
+/// Maps an own completion ring of `entries` from its memfd (with its stamps, when the header
+/// says it has them and the memfd holds them).
 bool map_ring(OwnRing& r, int fd, uint32_t entries);
 /// Whether an own ring we produce into has a free slot (the consumer's index is read only when
 /// the copy in `seen` says full).

@@ -31,8 +31,11 @@ static_assert(offsetof(VQp, qp) == 0 && offsetof(VQp, qp_ex) == 0);
 
 namespace {
 
-/// Completion fields the rings carry (proto::Cqe); timestamps, CVLAN, flow tag and TM info no.
-constexpr uint64_t kSupportedWcFlags = IBV_WC_STANDARD_FLAGS;
+/// Completion fields the rings carry (proto::Cqe, and CqeStamp when asked); CVLAN, flow tag
+/// and TM info no.
+constexpr uint64_t kSupportedWcFlags = uint64_t{IBV_WC_STANDARD_FLAGS} |
+                                       IBV_WC_EX_WITH_COMPLETION_TIMESTAMP |
+                                       IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK;
 
 constexpr uint32_t kKnownCqMask = IBV_CQ_INIT_ATTR_MASK_FLAGS | IBV_CQ_INIT_ATTR_MASK_PD;
 
@@ -65,8 +68,11 @@ ibv_cq_ex* create_cq_ex(ibv_context* c, ibv_cq_init_attr_ex* a) {
     return fail_ptr<ibv_cq_ex>(EOPNOTSUPP);
   if (a->wc_flags & ~kSupportedWcFlags) return fail_ptr<ibv_cq_ex>(EOPNOTSUPP);
   if (a->cqe > INT_MAX || a->comp_vector > INT_MAX) return fail_ptr<ibv_cq_ex>(EINVAL);
-  ibv_cq* cq = ibv_create_cq(c, static_cast<int>(a->cqe), a->cq_context, a->channel,
-                             static_cast<int>(a->comp_vector));
+  uint32_t stamps = 0;
+  if (a->wc_flags & IBV_WC_EX_WITH_COMPLETION_TIMESTAMP) stamps |= proto::kStampRaw;
+  if (a->wc_flags & IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK) stamps |= proto::kStampWallclock;
+  ibv_cq* cq = create_cq(c, static_cast<int>(a->cqe), a->cq_context, a->channel,
+                         static_cast<int>(a->comp_vector), stamps);
   if (!cq) return nullptr;
   VCq* v = to_vcq(cq);
   install_cq_ex_ops(v->cq_ex);

@@ -78,6 +78,16 @@ uint32_t read_src_qp(ibv_cq_ex* c) { return current(c).src_qp; }
 unsigned int read_wc_flags(ibv_cq_ex* c) { return current(c).wc_flags; }
 uint32_t read_slid(ibv_cq_ex* c) { return current(c).slid; }
 uint8_t read_sl(ibv_cq_ex* c) { return current(c).sl; }
+// Completion timestamps (proto/ring.h's CqeStamp): a completion of a ring without stamps
+// (none can be, as every ring of a CQ created with them has them) reads 0.
+uint64_t read_completion_ts(ibv_cq_ex* c) {
+  const CqeStamp* s = cq_of(c)->cur_stamp;
+  return s ? s->ns : 0;
+}
+uint64_t read_completion_wallclock_ns(ibv_cq_ex* c) {
+  const CqeStamp* s = cq_of(c)->cur_stamp;
+  return s ? s->wallclock_ns : 0;
+}
 uint8_t read_dlid_path_bits(ibv_cq_ex* c) { return current(c).dlid_path_bits; }
 
 // ---- ibv_qp_ex ----
@@ -287,7 +297,9 @@ void install_cq_ex_ops(ibv_cq_ex& c) {
   c.read_slid = read_slid;
   c.read_sl = read_sl;
   c.read_dlid_path_bits = read_dlid_path_bits;
-  // Timestamps, CVLAN, flow tag and TM info stay null: create_cq_ex refuses those wc_flags.
+  c.read_completion_ts = read_completion_ts;
+  c.read_completion_wallclock_ns = read_completion_wallclock_ns;
+  // CVLAN, flow tag and TM info stay null: create_cq_ex refuses those wc_flags.
 }
 
 void install_qp_ex_ops(ibv_qp_ex& q) {

@@ -30,6 +30,10 @@ struct VContext {
   verbs_context vctx;  ///< must stay first: ibv_context is its last member
   std::mutex rpc_mu;   ///< one command in flight per context
   UniqueFd sock;
+  /// Our own open file description of the session's control page: its OFD lock is the
+  /// session's command lock, which every context sharing the socket (ibv_import_device, in this
+  /// process or another) holds from sending a command to reading its answer.
+  UniqueFd call_lock;
   uint32_t seq = 0;
   proto::HelloResp hello{};
   MappedRegion control;
@@ -97,6 +101,7 @@ struct VMr {
   uint32_t handle;
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
   bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based: LocalMr::host)
+  bool imported = false;  ///< ibv_import_mr's: another context's memory, no local_mrs entry
 };
 
 struct VChannel {
@@ -121,6 +126,10 @@ struct VCq {
   uint32_t events_reported = 0;        ///< completion events handed out by ibv_get_cq_event
   uint32_t empty_polls = 0;            ///< consecutive polls that found nothing
   const proto::Cqe* ex_cur = nullptr;  ///< cq_ex: the completion start/next_poll stand on
+  /// Completion timestamps (ring.h's CqeStamp): those of this CQ's ring (null without), and
+  /// the one of the completion next_cqe() last stepped past (null: that ring has none).
+  const proto::CqeStamp* stamps = nullptr;
+  const proto::CqeStamp* cur_stamp = nullptr;
   uint32_t seen = 0;                   ///< producer index last read
   // Direct path: QPs' own completion rings that feed this CQ (direct.cc), learned by direct_gen.
   std::vector<std::unique_ptr<OwnRing>> own;
@@ -242,6 +251,11 @@ void fill_bind(proto::SendWqe& w, const ibv_mw* mw, uint32_t rkey, const ibv_mw_
 int free_dm(ibv_dm* dm);
 ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access);
 uint64_t max_dm_size(const VContext& ctx);
+
+/// ibv_create_cq with completion timestamps (proto::kStamp*; 0: none), as ibv_create_cq_ex
+/// asks (resources.cc).
+ibv_cq* create_cq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* channel,
+                  int comp_vector, uint32_t stamps);
 
 // Device attributes (context.cc).
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a);

@@ -113,6 +113,57 @@ VERBS_EXPORT int ibv_dealloc_pd(ibv_pd* pd) {
   return 0;
 }
 
+// ---- imports (ibv_import_pd(3), ibv_import_mr(3)): objects of a context this one shares
+// with another process (ibv_import_device), by handle. Unimporting forgets the local object
+// only; deallocating or deregistering an imported one destroys it for every sharer, as on a
+// kernel device.
+
+namespace {
+/// Looks object `handle` of `kind` up in the session; 0 or the errno.
+int import_object(ibv_context* c, ImportKind kind, uint32_t handle, ImportObjectResp& resp,
+                  std::vector<UniqueFd>* fds = nullptr) {
+  const ImportObjectReq req{static_cast<uint32_t>(kind), handle};
+  return to_vctx(c)->call(Op::kImportObject, req, resp, {}, fds);
+}
+}  // namespace
+
+VERBS_EXPORT ibv_pd* ibv_import_pd(ibv_context* c, uint32_t pd_handle) {
+  if (!c) return fail_ptr<ibv_pd>(EINVAL);
+  ImportObjectResp resp{};
+  if (int rc = import_object(c, ImportKind::kPd, pd_handle, resp)) return fail_ptr<ibv_pd>(rc);
+  auto* pd = new VPd{};
+  pd->pd.context = c;
+  pd->pd.handle = pd_handle;
+  pd->handle = pd_handle;
+  return &pd->pd;
+}
+
+VERBS_EXPORT void ibv_unimport_pd(ibv_pd* pd) { delete reinterpret_cast<VPd*>(pd); }
+
+// The MR's memory is the registering process's: the backend reaches it for every WR that
+// names the keys; this process's direct paths do not (they hand such WRs to the backend on one
+// host, and refuse them between libraries across hosts: docs/ARCHITECTURE.md, "Imports").
+VERBS_EXPORT ibv_mr* ibv_import_mr(ibv_pd* pd, uint32_t mr_handle) {
+  if (!pd) return fail_ptr<ibv_mr>(EINVAL);
+  ImportObjectResp resp{};
+  if (int rc = import_object(pd->context, ImportKind::kMr, mr_handle, resp))
+    return fail_ptr<ibv_mr>(rc);
+  if (resp.pd != reinterpret_cast<VPd*>(pd)->handle) return fail_ptr<ibv_mr>(EINVAL);
+  auto* mr = new VMr{};
+  mr->mr.context = pd->context;
+  mr->mr.pd = pd;
+  mr->mr.addr = reinterpret_cast<void*>(static_cast<uintptr_t>(resp.addr));
+  mr->mr.length = resp.length;
+  mr->mr.handle = mr_handle;
+  mr->mr.lkey = resp.key;
+  mr->mr.rkey = resp.key;
+  mr->handle = mr_handle;
+  mr->imported = true;
+  return &mr->mr;
+}
+
+VERBS_EXPORT void ibv_unimport_mr(ibv_mr* mr) { delete reinterpret_cast<VMr*>(mr); }
+
 // ---- memory regions ----
 
 namespace {
@@ -206,7 +257,7 @@ VERBS_EXPORT int ibv_rereg_mr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, siz
   };
   if (!mr) return input_error();
   auto* v = reinterpret_cast<VMr*>(mr);
-  if (v->on_dm || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
+  if (v->on_dm || v->imported || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
   if ((flags & IBV_REREG_MR_CHANGE_TRANSLATION) && (!addr || !length)) return input_error();
   if (access && !(flags & IBV_REREG_MR_CHANGE_ACCESS)) return input_error();
   if ((flags & IBV_REREG_MR_CHANGE_PD) && (!pd || pd->context != mr->context)) return input_error();
@@ -278,28 +329,54 @@ VERBS_EXPORT int ibv_destroy_comp_channel(ibv_comp_channel* ch) {
 
 // ---- completion queues ----
 
-VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
-                                   ibv_comp_channel* channel, int comp_vector) {
+namespace {
+
+/// Maps the CQ ring the backend answered a create or resize with; false (errno set) when the
+/// mapping fails, or the ring lacks timestamps asked for (ENOMEM, EOPNOTSUPP: a backend older
+/// than them) or is too short for them (EPROTO).
+bool map_cq_ring(VCq& cq, const std::vector<UniqueFd>& fds, const CreateCqResp& resp,
+                 uint32_t stamps) {
+  auto fail = [](int err) {
+    errno = err;
+    return false;
+  };
+  MappedRegion ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
+  if (!ring.valid()) return fail(ENOMEM);
+  auto* hdr = reinterpret_cast<RingHeader*>(ring.data());
+  if ((hdr->stamps & kStampAll) != stamps) return fail(EOPNOTSUPP);
+  if (resp.ring_bytes < cq_ring_bytes(resp.cqe + 1, stamps)) return fail(EPROTO);
+  cq.ring = std::move(ring);
+  cq.hdr = hdr;
+  cq.entries = ring_entries<Cqe>(hdr);
+  cq.size = resp.cqe + 1;
+  cq.stamps = stamps ? cq_stamps(hdr, cq.size) : nullptr;
+  cq.cur_stamp = nullptr;
+  return true;
+}
+
+}  // namespace
+
+namespace vrdma::verbs {
+
+ibv_cq* create_cq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* channel,
+                  int comp_vector, uint32_t stamps) {
   if (cqe <= 0 || comp_vector < 0 || comp_vector >= c->num_comp_vectors)
     return fail_ptr<ibv_cq>(EINVAL);
   VContext* ctx = to_vctx(c);
   CreateCqReq req{static_cast<uint32_t>(cqe),
                   channel ? reinterpret_cast<VChannel*>(channel)->handle : kNone,
-                  static_cast<uint32_t>(comp_vector), 0};
+                  static_cast<uint32_t>(comp_vector), stamps};
   CreateCqResp resp{};
   std::vector<UniqueFd> fds;
   if (ctx->call(Op::kCreateCq, req, resp, {}, &fds)) return nullptr;
   auto* cq = new VCq{};
-  cq->ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
-  if (!cq->ring.valid()) {
+  if (!map_cq_ring(*cq, fds, resp, stamps)) {
+    const int err = errno;
     destroy_handle(c, Op::kDestroyCq, resp.handle);
     delete cq;
-    return fail_ptr<ibv_cq>(ENOMEM);
+    return fail_ptr<ibv_cq>(err);
   }
   cq->handle = resp.handle;
-  cq->hdr = reinterpret_cast<RingHeader*>(cq->ring.data());
-  cq->entries = ring_entries<Cqe>(cq->hdr);
-  cq->size = resp.cqe + 1;
   cq->cq.context = c;
   cq->cq.channel = channel;
   cq->cq.cq_context = cq_context;
@@ -311,6 +388,13 @@ VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
   std::lock_guard<std::mutex> g(ctx->objs_mu);
   ctx->cqs[cq->handle] = cq;
   return &cq->cq;
+}
+
+}  // namespace vrdma::verbs
+
+VERBS_EXPORT ibv_cq* ibv_create_cq(ibv_context* c, int cqe, void* cq_context,
+                                   ibv_comp_channel* channel, int comp_vector) {
+  return create_cq(c, cqe, cq_context, channel, comp_vector, 0);
 }
 
 VERBS_EXPORT int ibv_destroy_cq(ibv_cq* cq) {
@@ -346,12 +430,8 @@ VERBS_EXPORT int ibv_resize_cq(ibv_cq* cq, int cqe) {
   std::vector<UniqueFd> fds;
   int rc = ctx->call(Op::kResizeCq, req, resp, {}, &fds);
   if (rc == 0) {
-    MappedRegion ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
-    if (ring.valid()) {
-      v->ring = std::move(ring);
-      v->hdr = reinterpret_cast<RingHeader*>(v->ring.data());
-      v->entries = ring_entries<Cqe>(v->hdr);
-      v->size = resp.cqe + 1;
+    const uint32_t stamps = v->stamps ? v->hdr->stamps & kStampAll : 0;
+    if (map_cq_ring(*v, fds, resp, stamps)) {
       v->ex_cur = nullptr;
       cq->cqe = static_cast<int>(resp.cqe);
     } else {

@@ -378,27 +378,6 @@ int ibv_resolve_eth_l2_from_gid(struct ibv_context*, struct ibv_ah_attr*, uint8_
   return fail(EOPNOTSUPP, EOPNOTSUPP);  // no Ethernet link layer: there is no MAC to resolve
 }
 
-struct ibv_context* ibv_import_device(int) {
-  return fail<ibv_context*>(EOPNOTSUPP, nullptr);
-}
-
-struct ibv_pd* ibv_import_pd(struct ibv_context*, uint32_t) {
-  return fail<ibv_pd*>(EOPNOTSUPP, nullptr);
-}
-
-struct ibv_mr* ibv_import_mr(struct ibv_pd*, uint32_t) {
-  return fail<ibv_mr*>(EOPNOTSUPP, nullptr);
-}
-
-struct ibv_dm* ibv_import_dm(struct ibv_context*, uint32_t) {
-  return fail<ibv_dm*>(EOPNOTSUPP, nullptr);
-}
-
-// Nothing can have been imported, so there is nothing to forget.
-void ibv_unimport_pd(struct ibv_pd*) {}
-void ibv_unimport_mr(struct ibv_mr*) {}
-void ibv_unimport_dm(struct ibv_dm*) {}
-
 int ibv_query_ece(struct ibv_qp*, struct ibv_ece*) { return fail(EOPNOTSUPP, EOPNOTSUPP); }
 
 int ibv_set_ece(struct ibv_qp*, struct ibv_ece*) { return fail(EOPNOTSUPP, EOPNOTSUPP); }

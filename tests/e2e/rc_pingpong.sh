@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Debian's unmodified ibv_rc_pingpong, server and client both through vrdma, over a range of
 # options: default, -e (completion events), large messages, -c (content validation), -N (the
-# extended send API), -j (device memory: ibv_alloc_dm, ibv_reg_dm_mr, ibv_memcpy_to/from_dm).
+# extended send API), -j (device memory: ibv_alloc_dm, ibv_reg_dm_mr, ibv_memcpy_to/from_dm),
+# -t (completion timestamps).
 # Usage: rc_pingpong.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -18,6 +19,16 @@ run_pair new_send_events_validate srv cli -N -e -c
 # -j: the buffer is device memory (a zero-based MR over ibv_alloc_dm's memory).
 run_pair device_memory srv cli -j
 run_pair device_memory_validate srv cli -j -c -s 8192 -n 200
+# -t: completion timestamps (ibv_create_cq_ex with IBV_WC_EX_WITH_COMPLETION_TIMESTAMP, read
+# with ibv_wc_read_completion_ts): each end prints the gaps between its receive completions, in
+# hca_core_clock ticks (ns on vrdma), which cannot be 0 on average between a message's round trips.
+run_pair timestamps srv cli -t -n 500
+for side in server client; do
+  avg="$(sed -n 's/^Average receive completion clock cycles = //p' "$E2E_TMP/timestamps.$side.out")"
+  [[ -n $avg ]] || fail "timestamps: $side printed no timestamp stats"
+  awk -v a="$avg" 'BEGIN { exit !(a > 0) }' || fail "timestamps: $side average gap $avg"
+  log "timestamps: $side: average receive-completion gap $avg ns"
+done
 # Both ends in one guest: no --guest, and the default guest is per process group (ours).
 run_pair same_guest "" ""
 

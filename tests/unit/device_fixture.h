@@ -31,6 +31,7 @@ struct CqV {
   MappedRegion map;
   RingHeader* hdr = nullptr;
   Cqe* e = nullptr;
+  const CqeStamp* st = nullptr;  ///< a stamped CQ's (proto/ring.h)
 };
 struct QpV {
   uint32_t handle = 0, qpn = 0, sq_size = 0, rq_size = 0, sq_prod = 0, rq_prod = 0;
@@ -73,9 +74,9 @@ class DeviceTest : public ::testing::Test {
     g.pd = g.dev->alloc_pd(*g.s).value();
     return g;
   }
-  CqV cq(G& g, uint32_t cqe = 64) {
+  CqV cq(G& g, uint32_t cqe = 64, uint32_t stamps = 0) {
     UniqueFd fd;
-    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, kNone, 0, 0}, fd);
+    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, kNone, 0, stamps}, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     CqV c;
     c.handle = r->handle;
@@ -83,6 +84,7 @@ class DeviceTest : public ::testing::Test {
     c.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
     c.hdr = reinterpret_cast<RingHeader*>(c.map.data());
     c.e = ring_entries<Cqe>(c.hdr);
+    if (stamps) c.st = cq_stamps(c.hdr, c.size);
     return c;
   }
   /// Creates a QP and maps its rings as the guest library would.

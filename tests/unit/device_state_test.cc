@@ -140,6 +140,67 @@ TEST_F(DeviceTest, AVersionThreeBlobWithoutDeviceMemoryImports) {
   EXPECT_TRUE(r.value()[0].session->dms.empty());
 }
 
+// Completion timestamps: a stamped CQ's ring carries a CqeStamp per entry (the engine stamps
+// each completion it writes), the CQ keeps them when it moves, and a version 5 blob (before
+// stamps) imports its CQs without.
+TEST_F(DeviceTest, CompletionStampsMoveWithTheGuestAndAVersionFiveBlobHasNone) {
+  UniqueFd bad;
+  EXPECT_EQ(dev_.create_cq(*a_.s, CreateCqReq{16, kNone, 0, 4}, bad).err(), EINVAL);
+  CqV st = cq(a_, 16, kStampAll);
+  EXPECT_EQ(st.hdr->stamps, kStampAll);
+  EXPECT_GE(st.map.size(), cq_ring_bytes(st.size, kStampAll));
+  // Completions of qa_'s own CQ carry none: its ring has no room for them.
+  EXPECT_EQ(acq_.hdr->stamps, 0u);
+  EXPECT_EQ(acq_.map.size(), 4096u * ((cq_ring_bytes(acq_.size, 0) + 4095) / 4096));
+  // A connection whose sends and receives complete into it: each completion is stamped with
+  // the raw clock and the wallclock when the engine writes it.
+  QpV qc = qp(a_, st, st), qd = qp(b_, bcq_, bcq_);
+  connect(a_, qc, b_, qd);
+  connect(b_, qd, a_, qc);
+  post_recv(qc, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_recv(qd, 2, mb_.addr, 64, mb_.mr.lkey);
+  const uint64_t t0 = clock_ns(CLOCK_MONOTONIC_RAW), w0 = clock_ns(CLOCK_REALTIME);
+  post_send(qc, 3, ma_.addr + 64, 8, ma_.mr.lkey);
+  post_send(qd, 4, mb_.addr + 64, 8, mb_.mr.lkey);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  const uint64_t t1 = clock_ns(CLOCK_MONOTONIC_RAW), w1 = clock_ns(CLOCK_REALTIME);
+  ASSERT_EQ(drain(st).size(), 2u);
+  for (uint32_t i = 0; i < 2; ++i) {
+    EXPECT_GE(st.st[i].ns, t0);
+    EXPECT_LE(st.st[i].ns, t1);
+    EXPECT_GE(st.st[i].wallclock_ns, w0);
+    EXPECT_LE(st.st[i].wallclock_ns, w1);
+  }
+  drain(bcq_);
+
+  ASSERT_NE(move_a(dev_, a_), nullptr);
+  Cq& moved = *a_.s->cqs.at(st.handle);
+  EXPECT_EQ(moved.stamps, kStampAll);
+  EXPECT_EQ(moved.stamp, cq_stamps(moved.hdr, moved.size));
+  EXPECT_EQ(a_.s->cqs.at(acq_.handle)->stamp, nullptr);
+
+  GuestExport ex = export_a(dev_);
+  auto doc = nlohmann::json::from_cbor(ex.blob);
+  doc["version"] = 5;
+  for (auto& js : doc["sessions"])
+    for (auto& jc : js["cqs"]) jc.erase("stamps");
+  {
+    std::vector<UniqueFd> fds = dup_all(ex.fds);
+    Device other;
+    auto r = other.import_guest(nlohmann::json::to_cbor(doc), fds);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+    EXPECT_EQ(r.value()[0].session->cqs.at(st.handle)->stamp, nullptr);
+  }
+  // Stamp bits nobody knows: nothing is imported.
+  doc = nlohmann::json::from_cbor(ex.blob);
+  for (auto& jc : doc["sessions"][0]["cqs"]) jc["stamps"] = 8;
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  Device other;
+  EXPECT_EQ(other.import_guest(nlohmann::json::to_cbor(doc), fds).err(), EINVAL);
+  EXPECT_FALSE(other.has_guest("a"));
+}
+
 TEST_F(DeviceTest, MemoryWindowsMoveWithTheGuestBoundOrNot) {
   qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
   connect_both();

@@ -120,7 +120,7 @@ TEST_F(VerbsApi, DeviceAndPortAreWhatTheyClaim) {
   // An extended feature we do not implement fails cleanly.
   ibv_cq_init_attr_ex cqa{};
   cqa.cqe = 4;
-  cqa.wc_flags = IBV_WC_EX_WITH_COMPLETION_TIMESTAMP;
+  cqa.wc_flags = IBV_WC_EX_WITH_FLOW_TAG;
   errno = 0;
   EXPECT_EQ(ibv_create_cq_ex(ctx_, &cqa), nullptr);
   EXPECT_EQ(errno, EOPNOTSUPP);

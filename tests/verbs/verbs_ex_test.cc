@@ -209,10 +209,102 @@ TEST_F(VerbsEx, CqExWorksWithACompletionChannel) {
   EXPECT_EQ(wcs[0].byte_len, 16u);
 }
 
+/// ns of `id` now.
+uint64_t now_ns(clockid_t id) {
+  timespec t{};
+  ::clock_gettime(id, &t);
+  return uint64_t(t.tv_sec) * 1'000'000'000u + uint64_t(t.tv_nsec);
+}
+
+// Completion timestamps: one clock (CLOCK_MONOTONIC_RAW ns, hca_core_clock 1 GHz) for the
+// backend's completions and the library's own (the direct. run), the one ibv_query_rt_values_ex
+// reads; the wallclock is CLOCK_REALTIME. Stamps survive a resize of the CQ that holds them.
+TEST_F(VerbsEx, CqExStampsCompletionsWithTheDeviceClock) {
+  ibv_device_attr_ex dx{};
+  ASSERT_EQ(ibv_query_device_ex(ctx_, nullptr, &dx), 0);
+  EXPECT_EQ(dx.hca_core_clock, 1'000'000u) << "kHz: one tick per ns";
+  EXPECT_EQ(dx.completion_timestamp_mask, ~uint64_t{0});
+  ibv_values_ex rt{};
+  rt.comp_mask = IBV_VALUES_MASK_RAW_CLOCK | IBV_VALUES_MASK_RESERVED;
+  ASSERT_EQ(ibv_query_rt_values_ex(ctx_, &rt), 0);
+  EXPECT_EQ(rt.comp_mask, uint32_t{IBV_VALUES_MASK_RAW_CLOCK}) << "unknown bits come back clear";
+  const uint64_t t0 =
+      uint64_t(rt.raw_clock.tv_sec) * 1'000'000'000u + uint64_t(rt.raw_clock.tv_nsec);
+  const uint64_t w0 = now_ns(CLOCK_REALTIME);
+  EXPECT_LE(t0, now_ns(CLOCK_MONOTONIC_RAW));
+
+  ibv_cq_ex* cqx =
+      make_cq_ex(uint64_t{IBV_WC_STANDARD_FLAGS} | IBV_WC_EX_WITH_COMPLETION_TIMESTAMP |
+                 IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK);
+  ASSERT_NE(cqx, nullptr);
+  ibv_cq* cq = ibv_cq_ex_to_cq(cqx);
+  auto [a, b] = connected_pair([&] { return make_qp(cq); });
+  // Rounds of sends: the first go through the backend, later ones (direct. run) through the
+  // library once it holds a grant. Half of each round is resized over before it is polled.
+  std::vector<uint64_t> ts, wall;
+  for (int round = 0; round < 4; ++round) {
+    constexpr int kMsgs = 4;
+    for (int i = 0; i < kMsgs; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096, 64), 0);
+    for (int i = 0; i < kMsgs; ++i)
+      ASSERT_EQ(post(a, Wr{IBV_WR_SEND, {sge(128, 8)}, IBV_SEND_SIGNALED, uint64_t(i)}), 0);
+    size_t got = 0;
+    if (round % 2) {
+      // Until every completion is in, then a resize moves them (and their stamps) over.
+      for (int spins = 0; spins < 5'000'000; ++spins) {
+        if (ibv_start_poll(cqx, nullptr) == 0) {
+          ts.push_back(ibv_wc_read_completion_ts(cqx));
+          wall.push_back(ibv_wc_read_completion_wallclock_ns(cqx));
+          ibv_end_poll(cqx);
+          break;
+        }
+      }
+      got = 1;
+      ::usleep(20'000);
+      ASSERT_EQ(ibv_resize_cq(cq, 512 + 64 * round), 0);
+    }
+    for (int spins = 0; got < 2 * kMsgs && spins < 5'000'000; ++spins) {
+      if (ibv_start_poll(cqx, nullptr) != 0) continue;
+      do {
+        ASSERT_EQ(cqx->status, IBV_WC_SUCCESS);
+        ts.push_back(ibv_wc_read_completion_ts(cqx));
+        wall.push_back(ibv_wc_read_completion_wallclock_ns(cqx));
+        ++got;
+      } while (ibv_next_poll(cqx) == 0);
+      ibv_end_poll(cqx);
+    }
+    ASSERT_EQ(got, size_t{2 * kMsgs});
+  }
+  rt.comp_mask = IBV_VALUES_MASK_RAW_CLOCK;
+  ASSERT_EQ(ibv_query_rt_values_ex(ctx_, &rt), 0);
+  const uint64_t t1 =
+      uint64_t(rt.raw_clock.tv_sec) * 1'000'000'000u + uint64_t(rt.raw_clock.tv_nsec);
+  const uint64_t w1 = now_ns(CLOCK_REALTIME);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_GE(ts[i], t0) << i;
+    EXPECT_LE(ts[i], t1) << i;
+    EXPECT_GE(wall[i], w0) << i;
+    EXPECT_LE(wall[i], w1) << i;
+  }
+  // Only what was asked for is written: a CQ with the raw clock only reads wallclock 0.
+  ibv_cq_ex* raw_only =
+      make_cq_ex(uint64_t{IBV_WC_STANDARD_FLAGS} | IBV_WC_EX_WITH_COMPLETION_TIMESTAMP);
+  ASSERT_NE(raw_only, nullptr);
+  auto [c, d] = connected_pair([&] { return make_qp(ibv_cq_ex_to_cq(raw_only)); });
+  ASSERT_EQ(post_recv(d, 7, 4096, 64), 0);
+  ASSERT_EQ(post(c, Wr{IBV_WR_SEND, {sge(128, 8)}, 0}), 0);
+  int rc = ENOENT;
+  for (int spins = 0; rc == ENOENT && spins < 5'000'000; ++spins)
+    rc = ibv_start_poll(raw_only, nullptr);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(raw_only->wr_id, 7u);
+  EXPECT_GE(ibv_wc_read_completion_ts(raw_only), t1);
+  EXPECT_EQ(ibv_wc_read_completion_wallclock_ns(raw_only), 0u);
+  ibv_end_poll(raw_only);
+}
+
 TEST_F(VerbsEx, CqExRefusesWhatTheDeviceCannotDo) {
-  const uint64_t unsupported[] = {IBV_WC_EX_WITH_COMPLETION_TIMESTAMP, IBV_WC_EX_WITH_CVLAN,
-                                  IBV_WC_EX_WITH_FLOW_TAG, IBV_WC_EX_WITH_TM_INFO,
-                                  IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK};
+  const uint64_t unsupported[] = {IBV_WC_EX_WITH_CVLAN, IBV_WC_EX_WITH_FLOW_TAG,
+                                  IBV_WC_EX_WITH_TM_INFO};
   for (uint64_t f : unsupported) {
     ibv_cq_init_attr_ex a{};
     a.cqe = 4;
