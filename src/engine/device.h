@@ -693,6 +693,10 @@ class Device : public transport::Receiver {
   /// The ACK timer of an RC QP over TCP went off: spend a retry only for time in which the peer
   /// is not answering, and replay only what reached it. True when anything was sent.
   bool ack_timeout(Qp& qp, uint64_t now_ns);
+  /// Whether an ACK timeout of `qp` with its head (or its probe) still in the pipe costs
+  /// nothing: the connection moved since the timer last looked, or has been still for less than
+  /// the path's round trip. The first look of a wait only notes where the connection stands.
+  bool conn_moving(Qp& qp, uint64_t now_ns);
   /// Completes outstanding WQEs up to `psn` (inclusive) in order.
   void acked(Qp& qp, uint32_t psn, uint64_t now_ns);
   void on_request(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);

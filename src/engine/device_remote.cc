@@ -192,13 +192,7 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
     // the connection stands, and counts as a retry, as on a fabric. Later,
     // a timeout costs nothing if the connection moved, or if it has been still for less than
     // the path's own round trip (a long path: the answer cannot be there yet).
-    const uint64_t prog = transport_->tx_progress(qp.peer_node);
-    const bool looked = qp.ack_looked;
-    const bool moved = looked && prog != qp.ack_progress;
-    if (!looked || moved) qp.ack_moved_ns = now_ns;
-    qp.ack_progress = prog;
-    qp.ack_looked = true;
-    if (moved || (looked && now_ns - qp.ack_moved_ns < transport_->tx_patience_ns(qp.peer_node))) {
+    if (conn_moving(qp, now_ns)) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       return false;
     }
@@ -218,9 +212,18 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       qp.path_probe = transport_->send(qp.peer_node, Type::kPing, &ping)
                           ? transport_->tx_mark(qp.peer_node)
                           : transport::TxMark{};
+      conn_moving(qp, now_ns);  // notes where the connection stands
     }
     const bool path_delivers = qp.path_probe.conn != 0 && qp.path_probe.conn == conn &&
                                transport_->tx_delivered(qp.peer_node, qp.path_probe);
+    // The probe queues behind this backend's own backlog on the connection (other QPs' bulk):
+    // while that moves, the path is delivering, only not the probe yet. Free, as for a request
+    // still in the pipe, and the wait for the peer backend starts once the probe is through.
+    if (!path_delivers && qp.path_probe.conn == conn && conn_moving(qp, now_ns)) {
+      qp.peer_has_since_ns = now_ns;
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      return false;
+    }
     if (path_delivers && now_ns - qp.peer_has_since_ns < kSlowPeerNs) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       uint64_t held = 0;
@@ -273,6 +276,16 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
     if (qp.probe) break;  // the head alone: its ACK sends the rest
   }
   return did;
+}
+
+bool Device::conn_moving(Qp& qp, uint64_t now_ns) {
+  const uint64_t prog = transport_->tx_progress(qp.peer_node);
+  const bool looked = qp.ack_looked;
+  const bool moved = looked && prog != qp.ack_progress;
+  if (!looked || moved) qp.ack_moved_ns = now_ns;
+  qp.ack_progress = prog;
+  qp.ack_looked = true;
+  return moved || (looked && now_ns - qp.ack_moved_ns < transport_->tx_patience_ns(qp.peer_node));
 }
 
 void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {

@@ -434,6 +434,40 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
 }
 
+// Many QPs share the connection (ib_write_bw -q 256): the peer's TCP has the request, but the
+// probe queues behind this backend's own backlog, which takes longer than the whole retry budget
+// to write. While the connection moves that is queueing, not an outage: no retry is spent, and
+// the wait for the peer backend starts once the probe is through.
+TEST_F(DeviceRemoteTest, AProbeBehindOurOwnBacklogSpendsNoRetryWhileTheConnectionMoves) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s of budget
+  ASSERT_NO_FATAL_FAILURE(send_one_the_peer_holds());
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  now_ += 70'000'000;
+  dev_.poll(now_);  // the first timeout probes the path and counts, as on a fabric
+  ASSERT_EQ(loop_.pings, 1u);
+  ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+  for (int i = 0; i < 30; ++i) {  // 2.1 s: the probe is still queued, the connection moves
+    now_ += 70'000'000;
+    ++loop_.progress;
+    dev_.poll(now_);
+  }
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+  EXPECT_EQ(loop_.pings, 1u);
+  // The probe is through: a slow peer backend is waited for from now on, not from the first
+  // timeout (more than kSlowPeerNs ago).
+  loop_.delivered = loop_.queued;
+  const uint64_t through = now_;
+  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - through < 3'000'000'000ull) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+  }
+  EXPECT_GE(now_ - through, Device::kSlowPeerNs);
+  EXPECT_LT(now_ - through, Device::kSlowPeerNs + 150'000'000);
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_TRUE(loop_.q.empty());  // nothing sent again but as the last try
+}
+
 // The path goes down after the request crossed it: the probe is never taken, and the QP fails
 // within its budget, timeout x (retry_cnt + 1), as in any outage (no wait for a slow peer).
 TEST_F(DeviceRemoteTest, AnOutageAfterTheRequestCrossedFailsWithinTheBudget) {
