@@ -795,6 +795,7 @@ void TcpTransport::refused_frame(const std::string& node, const std::string& why
 }
 
 void TcpTransport::announce(const GuestInfo& g, bool up) {
+  if (directory_) directory_->announce(g, up);
   if (up) {
     local_[g.name] = g;
   } else {
@@ -810,13 +811,42 @@ void TcpTransport::announce(const GuestInfo& g, bool up) {
 }
 
 std::string TcpTransport::locate_lid(uint16_t lid) const {
+  if (directory_) return directory_->locate_lid(lid);
   auto it = by_lid_.find(lid);
   return it == by_lid_.end() ? std::string() : it->second.node;
 }
 
 std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
+  if (directory_) return directory_->locate_gid(gid);
   auto it = by_gid_.find(gid_key(gid));
   return it == by_gid_.end() ? std::string() : it->second.node;
+}
+
+Status TcpTransport::add_peer(const std::string& node, const std::string& addr) {
+  ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(addr));
+  for (Dial& d : dials_) {
+    if (d.expect != node) continue;
+    if (d.addr == addr) return Status::ok();
+    d.addr = addr;  // it moved: the next dial goes there
+    d.sa = sa;
+    d.next_ns = 0;
+    return Status::ok();
+  }
+  dials_.push_back(Dial{addr, node, sa, nullptr, 0, kRedialMs, ""});
+  return Status::ok();
+}
+
+void TcpTransport::drop_peer(const std::string& node) {
+  for (auto it = dials_.begin(); it != dials_.end();) {
+    if (it->expect != node) {
+      ++it;
+      continue;
+    }
+    if (it->conn) close_conn(it->conn, "left the directory");
+    it = dials_.erase(it);
+  }
+  if (auto c = by_node_.find(node); c != by_node_.end()) close_conn(c->second, "left the directory");
+  // Closed connections are freed at the end of poll(): nothing of them is used before.
 }
 
 std::vector<std::string> TcpTransport::connected() const {
