@@ -465,6 +465,12 @@ void EtcdDirectory::announce(const transport::GuestInfo& g, bool up) {
   cv_.notify_all();
 }
 
+std::string EtcdDirectory::unavailable() const {
+  if (reachable()) return {};
+  std::lock_guard<std::mutex> l(mu_);
+  return fmt::format("the directory (etcd) is unreachable: {}", last_error_);
+}
+
 std::string EtcdDirectory::locate_lid(uint16_t lid) const {
   std::lock_guard<std::mutex> l(mu_);
   auto it = lid_owner_.find(lid);

@@ -62,6 +62,7 @@ class EtcdDirectory final : public transport::Directory {
   void announce(const transport::GuestInfo& g, bool up) override;
   std::string locate_lid(uint16_t lid) const override;
   std::string locate_gid(const uint8_t gid[16]) const override;
+  std::string unavailable() const override;
 
   /// True while the last exchange with etcd worked.
   bool reachable() const { return reachable_.load(std::memory_order_relaxed); }

@@ -93,7 +93,14 @@ void Device::choose_route(Qp& qp) {
                            : a.is_global ? transport_->locate_gid(a.dgid)
                                          : transport_->locate_lid(static_cast<uint16_t>(a.dlid));
   if (node.empty()) {
-    qp.transport_why = "destination not known (yet); looked up again on send";
+    const std::string away = transport_ ? transport_->directory_unavailable() : std::string();
+    std::string why = "destination not known (yet); looked up again on send";
+    if (!away.empty()) {
+      why = fmt::format("destination not known: {}; retried, then IBV_WC_RETRY_EXC_ERR", away);
+      if (why != qp.transport_why)  // looked up again on every send: said once
+        VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+    }
+    qp.transport_why = std::move(why);
     qp.route_pending = true;
     return;
   }

@@ -20,6 +20,8 @@ class Directory {
   /// guests, as Transport::locate_lid).
   virtual std::string locate_lid(uint16_t lid) const = 0;
   virtual std::string locate_gid(const uint8_t gid[16]) const = 0;
+  /// Why a lookup that found nothing may be wrong (the directory cannot be reached), or "".
+  virtual std::string unavailable() const = 0;
 };
 
 }  // namespace vrdma::transport

@@ -336,9 +336,11 @@ TEST(EtcdRestartTest, DirectoryRegistersAgainWhenEtcdReturns) {
   EXPECT_EQ((*b)->locate_lid(0x55), "a");  // existing routes stay
   EXPECT_EQ((*b)->locate_lid(0x56), "");   // nothing new is made up
   EXPECT_EQ((*b)->status_json()["reachable"], false);
+  EXPECT_NE((*b)->unavailable().find("unreachable"), std::string::npos) << (*b)->unavailable();
   std::this_thread::sleep_for(2500ms);  // longer than the lease
   ASSERT_TRUE(etcd.start());
   EXPECT_TRUE(until([&] { return (*a)->reachable() && (*a)->registered(); }, 10000ms));
+  EXPECT_TRUE(until([&] { return (*b)->unavailable().empty(); }));
   EXPECT_TRUE(until([&] { return (*b)->locate_lid(0x55) == "a"; }, 10000ms));
   EtcdClient c({{etcd.url()}, {}, {}, {}, 500});
   EXPECT_TRUE(until([&] { return c.range("/vrdma/guests/ga", false, nullptr)->size() == 1; }));

@@ -117,6 +117,9 @@ class TcpTransport final : public Transport {
   bool forced() const override { return opt_.force; }
   std::string locate_lid(uint16_t lid) const override;
   std::string locate_gid(const uint8_t gid[16]) const override;
+  std::string directory_unavailable() const override {
+    return directory_ ? directory_->unavailable() : std::string();
+  }
   bool send(const std::string& node, proto::wire::Type t, const void* body,
             std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) override;
   void drop_flow(const std::string& node, uint64_t flow) override;
