@@ -360,7 +360,9 @@ void EtcdDirectory::watcher() {
                         },
                         stop_);
     if (stop_) break;
-    note_error(st);
+    // A member that went away ends its stream: the range above tries every member and says
+    // whether etcd as a whole is unreachable.
+    VLOG_INFO("directory: {}; watching again", st.message());
     for (int i = 0; i < 3 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }

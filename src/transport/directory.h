@@ -1,6 +1,7 @@
 // A directory outside the transport (the directory on etcd, src/directory/): when the TCP
 // transport has one, it answers where guests are from it and tells it about this backend's
-// guests; the announcements between peers (the embedded directory) still flow but decide nothing.
+// guests; the announcements between peers (the embedded directory) still flow, and answer only
+// for a guest the directory does not list yet while it is reachable (tcp_transport.cc).
 // Concurrency: called on the engine thread; implementations answer from their own copy.
 #pragma once
 

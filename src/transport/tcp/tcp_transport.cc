@@ -810,14 +810,24 @@ void TcpTransport::announce(const GuestInfo& g, bool up) {
   }
 }
 
+// With a directory outside (etcd), its answer decides. What a peer announced over its own
+// connection is used only for what that directory does not list yet while it is reachable: a
+// guest that just joined there is announced on the connection its first request follows, but
+// reaches our copy of etcd a moment later. While etcd is away nothing new is located.
 std::string TcpTransport::locate_lid(uint16_t lid) const {
-  if (directory_) return directory_->locate_lid(lid);
+  if (directory_) {
+    std::string node = directory_->locate_lid(lid);
+    if (!node.empty() || !directory_->unavailable().empty()) return node;
+  }
   auto it = by_lid_.find(lid);
   return it == by_lid_.end() ? std::string() : it->second.node;
 }
 
 std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
-  if (directory_) return directory_->locate_gid(gid);
+  if (directory_) {
+    std::string node = directory_->locate_gid(gid);
+    if (!node.empty() || !directory_->unavailable().empty()) return node;
+  }
   auto it = by_gid_.find(gid_key(gid));
   return it == by_gid_.end() ? std::string() : it->second.node;
 }
