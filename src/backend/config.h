@@ -59,7 +59,7 @@ struct Config {
   std::vector<std::string> etcd;
   std::string etcd_ca, etcd_cert, etcd_key;  ///< TLS toward etcd (files; curl's)
   std::string etcd_prefix = "/vrdma/";       ///< the cluster's keys live under it
-  int etcd_lease_s = 5;  ///< a backend's entries vanish this long after it stops
+  int etcd_lease_s = 5;        ///< a backend's entries vanish this long after it stops
   int etcd_timeout_ms = 2000;  ///< one request to etcd
   /// Where peers dial this backend ("ADDR:PORT"); "" = [transport] listen (not a wildcard).
   std::string advertise;

@@ -274,8 +274,12 @@ void Server::on_directory() {
         if (Status st = tcp_->add_peer(c.node, c.address); !st.is_ok())
           VLOG_WARN("directory: node {} at {}: {}; not dialed", c.node, c.address, st.message());
         break;
-      case Change::Kind::kPeerDown: tcp_->drop_peer(c.node); break;
-      case Change::Kind::kGuestMoved: dev_.on_guest_located(c.guest, c.node); break;
+      case Change::Kind::kPeerDown:
+        tcp_->drop_peer(c.node);
+        break;
+      case Change::Kind::kGuestMoved:
+        dev_.on_guest_located(c.guest, c.node);
+        break;
     }
   });
 }

@@ -36,7 +36,8 @@ json cluster_view(const json& status) {
     v["why"] = "the TCP transport is off (no [transport] listen)";
     return v;
   }
-  json connected = at_or_null(tcp, "connected").is_array() ? at_or_null(tcp, "connected") : json::array();
+  json connected =
+      at_or_null(tcp, "connected").is_array() ? at_or_null(tcp, "connected") : json::array();
   v["connected"] = connected;
   const json& dir = at_or_null(tcp, "directory");
   if (!dir.is_object()) {
@@ -64,7 +65,8 @@ std::string cluster_text(const json& v) {
   const std::string kind = v.value("directory", "off");
   if (kind == "off") return fmt::format("cluster: {}\n", v.value("why", "off"));
   std::string conn;
-  for (const json& c : at_or_null(v, "connected")) conn += (conn.empty() ? "" : ", ") + c.get<std::string>();
+  for (const json& c : at_or_null(v, "connected"))
+    conn += (conn.empty() ? "" : ", ") + c.get<std::string>();
   if (kind == "embedded") {
     return fmt::format(
         "directory: embedded (peers from [transport] peers; guests announced over the "
@@ -73,7 +75,8 @@ std::string cluster_text(const json& v) {
   }
   const json& e = at_or_null(v, "etcd");
   out += fmt::format("directory: etcd {} ({}, {}; prefix {}, lease {} s, revision {})\n",
-                     e.value("endpoint", ""), e.value("reachable", false) ? "reachable" : "UNREACHABLE",
+                     e.value("endpoint", ""),
+                     e.value("reachable", false) ? "reachable" : "UNREACHABLE",
                      e.value("registered", false) ? "registered" : "NOT registered",
                      e.value("prefix", ""), e.value("lease_s", 0), e.value("revision", 0));
   if (e.contains("last_error") && !e.value("reachable", false))
@@ -83,11 +86,14 @@ std::string cluster_text(const json& v) {
   std::string guests;
   for (const json& n : at_or_null(v, "nodes")) {
     const bool self = n.value("self", false);
-    const std::string ttl = n.contains("lease_ttl_s") ? fmt::format("{} s", n.value("lease_ttl_s", 0)) : "-";
+    const std::string ttl =
+        n.contains("lease_ttl_s") ? fmt::format("{} s", n.value("lease_ttl_s", 0)) : "-";
     out += fmt::format("{:<16} {:<22} {:>6} {:>8} {:>6}  {}\n",
                        n.value("node", "") + (self ? "*" : ""), n.value("address", ""), ttl,
                        age(n.value("age_s", uint64_t{0})), at_or_null(n, "guests").size(),
-                       self ? "(this backend)" : n.value("connected", false) ? "yes" : "no");
+                       self                          ? "(this backend)"
+                       : n.value("connected", false) ? "yes"
+                                                     : "no");
     for (const json& g : at_or_null(n, "guests")) {
       guests += fmt::format("  {:<24} lid {:#06x}  on {}  generation {}\n", g.value("name", ""),
                             g.value("lid", 0), n.value("node", ""), g.value("generation", 0));

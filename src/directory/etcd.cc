@@ -1,12 +1,11 @@
 #include "directory/etcd.h"
 
 #include <curl/curl.h>
+#include <fmt/format.h>
 #include <openssl/evp.h>
 
 #include <mutex>
 #include <nlohmann/json.hpp>
-
-#include <fmt/format.h>
 
 namespace vrdma::directory {
 
@@ -16,9 +15,9 @@ using nlohmann::json;
 
 std::string b64(const std::string& s) {
   std::string out(4 * ((s.size() + 2) / 3), '\0');
-  const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(s.data()),
-                                static_cast<int>(s.size()));
+  const int n =
+      EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                      reinterpret_cast<const unsigned char*>(s.data()), static_cast<int>(s.size()));
   out.resize(static_cast<size_t>(n));
   return out;
 }
@@ -26,9 +25,9 @@ std::string b64(const std::string& s) {
 std::string unb64(const std::string& s) {
   if (s.empty()) return {};
   std::string out(3 * s.size() / 4 + 3, '\0');
-  const int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                reinterpret_cast<const unsigned char*>(s.data()),
-                                static_cast<int>(s.size()));
+  const int n =
+      EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                      reinterpret_cast<const unsigned char*>(s.data()), static_cast<int>(s.size()));
   if (n < 0) return {};
   size_t len = static_cast<size_t>(n);
   // EVP_DecodeBlock counts the padding's zero bytes in.
@@ -63,8 +62,10 @@ json op_json(const Op& o) {
       if (o.lease) p["lease"] = std::to_string(o.lease);
       return {{"request_put", p}};
     }
-    case Op::Kind::kDelete: return {{"request_delete_range", {{"key", b64(o.key)}}}};
-    case Op::Kind::kGet: return {{"request_range", {{"key", b64(o.key)}}}};
+    case Op::Kind::kDelete:
+      return {{"request_delete_range", {{"key", b64(o.key)}}}};
+    case Op::Kind::kGet:
+      return {{"request_range", {{"key", b64(o.key)}}}};
   }
   return {};
 }
@@ -288,10 +289,10 @@ Status EtcdClient::watch(const std::string& prefix, int64_t start_revision,
       }
       const json r = j.value("result", json::object());
       if (j.contains("error") || r.value("canceled", false)) {
-        s->st = error(ECANCELED, "etcd watch ended: " + (j.contains("error")
-                                                             ? j["error"].dump()
-                                                             : r.value("cancel_reason",
-                                                                       std::string("canceled"))));
+        s->st = error(ECANCELED, "etcd watch ended: " +
+                                     (j.contains("error")
+                                          ? j["error"].dump()
+                                          : r.value("cancel_reason", std::string("canceled"))));
         s->done = true;
         break;
       }

@@ -1,5 +1,6 @@
 #include "directory/etcd_directory.h"
 
+#include <fmt/format.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
@@ -10,8 +11,6 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-
-#include <fmt/format.h>
 
 #include "common/log.h"
 
@@ -145,11 +144,12 @@ void EtcdDirectory::note_ok() {
 Status EtcdDirectory::register_self(EtcdClient& c) {
   ASSIGN_OR_RETURN(const int64_t lease, c.lease_grant(opt_.lease_s));
   const uint64_t now = static_cast<uint64_t>(::time(nullptr));
-  const std::string v = json{{"node", opt_.node},
-                             {"address", opt_.address},
-                             {"fingerprint", opt_.fingerprint},
-                             {"registered_unix", now}}
-                            .dump();
+  const std::string v = json{
+      {"node", opt_.node},
+      {"address", opt_.address},
+      {"fingerprint", opt_.fingerprint},
+      {"registered_unix",
+       now}}.dump();
   // A backend of this name that died may still hold the entry under its old lease: ours
   // replaces it (the name is the certificate's).
   RETURN_IF_ERROR(c.put(key("nodes", opt_.node), v, lease).status());
@@ -186,15 +186,18 @@ Status EtcdDirectory::put_guest(EtcdClient& c, const transport::GuestInfo& g) {
     if (!lid.empty() && !lid[0].value.starts_with(g.name + "@")) {
       std::lock_guard<std::mutex> l(mu_);
       ++cnt_.conflicts;
-      VLOG_ERROR("directory: LID {:#x} of guest {} is held by {} in etcd: not published "
-                 "(its peers cannot reach it by LID; GIDs still work)",
-                 g.lid, g.name, lid[0].value);
+      VLOG_ERROR(
+          "directory: LID {:#x} of guest {} is held by {} in etcd: not published "
+          "(its peers cannot reach it by LID; GIDs still work)",
+          g.lid, g.name, lid[0].value);
       return error(EADDRINUSE, fmt::format("LID {:#x} is held by {}", g.lid, lid[0].value));
     }
     std::vector<Compare> cmp;
     // The LID: still free, or still the one this guest holds (here or where it comes from).
-    if (lid.empty()) cmp.push_back({lkey, Compare::Target::kCreate, 0, {}});
-    else cmp.push_back({lkey, Compare::Target::kMod, lid[0].mod_revision, {}});
+    if (lid.empty())
+      cmp.push_back({lkey, Compare::Target::kCreate, 0, {}});
+    else
+      cmp.push_back({lkey, Compare::Target::kMod, lid[0].mod_revision, {}});
     uint64_t gen = 1;
     std::string from;
     if (cur.empty()) {
@@ -208,16 +211,15 @@ Status EtcdDirectory::put_guest(EtcdClient& c, const transport::GuestInfo& g) {
       gen = from == opt_.node ? old_gen : old_gen + 1;
       cmp.push_back({gkey, Compare::Target::kMod, cur[0].mod_revision, {}});
     }
-    const std::vector<Op> ops = {
-        {Op::Kind::kPut, gkey, guest_value(g, opt_.node, gen), lease},
-        {Op::Kind::kPut, lkey, mine, lease}};
+    const std::vector<Op> ops = {{Op::Kind::kPut, gkey, guest_value(g, opt_.node, gen), lease},
+                                 {Op::Kind::kPut, lkey, mine, lease}};
     ASSIGN_OR_RETURN(TxnResult r, c.txn(cmp, ops, {}));
     if (!r.succeeded) continue;  // someone wrote between our read and the txn: read again
     if (!from.empty() && from != opt_.node) {
       std::lock_guard<std::mutex> l(mu_);
       ++cnt_.moves;
-      VLOG_INFO("directory: guest {} moved from {} to {} (generation {})", g.name, from,
-                opt_.node, gen);
+      VLOG_INFO("directory: guest {} moved from {} to {} (generation {})", g.name, from, opt_.node,
+                gen);
     }
     return Status::ok();
   }
@@ -238,8 +240,9 @@ Status EtcdDirectory::remove_guest(EtcdClient& c, const transport::GuestInfo& g)
                           .status());
     }
   }
-  return c.txn({{lkey, Compare::Target::kValue, 0, lid_holder(g.name, opt_.node)}},
-               {{Op::Kind::kDelete, lkey, {}, 0}}, {})
+  return c
+      .txn({{lkey, Compare::Target::kValue, 0, lid_holder(g.name, opt_.node)}},
+           {{Op::Kind::kDelete, lkey, {}, 0}}, {})
       .status();
 }
 
@@ -336,7 +339,8 @@ void EtcdDirectory::watcher() {
     auto all = c.range(opt_.prefix, true, &rev);
     if (!all) {
       note_error(all.status());
-      for (int i = 0; i < 3 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      for (int i = 0; i < 3 && !stop_; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
     {
@@ -345,25 +349,27 @@ void EtcdDirectory::watcher() {
       watch_revision_ = rev;
     }
     wake();
-    Status st = c.watch(opt_.prefix, rev + 1,
-                        [&](const std::vector<WatchEvent>& evs) {
-                          {
-                            std::lock_guard<std::mutex> l(mu_);
-                            for (const WatchEvent& e : evs) {
-                              apply(e.kv.key, e.kv.value, e.kv.mod_revision, e.deleted);
-                              ++cnt_.watch_events;
-                              watch_revision_ = std::max(watch_revision_, e.kv.mod_revision);
-                            }
-                          }
-                          wake();
-                          return true;
-                        },
-                        stop_);
+    Status st = c.watch(
+        opt_.prefix, rev + 1,
+        [&](const std::vector<WatchEvent>& evs) {
+          {
+            std::lock_guard<std::mutex> l(mu_);
+            for (const WatchEvent& e : evs) {
+              apply(e.kv.key, e.kv.value, e.kv.mod_revision, e.deleted);
+              ++cnt_.watch_events;
+              watch_revision_ = std::max(watch_revision_, e.kv.mod_revision);
+            }
+          }
+          wake();
+          return true;
+        },
+        stop_);
     if (stop_) break;
     // A member that went away ends its stream: the range above tries every member and says
     // whether etcd as a whole is unreachable.
     VLOG_INFO("directory: {}; watching again", st.message());
-    for (int i = 0; i < 3 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (int i = 0; i < 3 && !stop_; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
 
@@ -460,8 +466,10 @@ void EtcdDirectory::poll(const std::function<void(const Change&)>& fn) {
 void EtcdDirectory::announce(const transport::GuestInfo& g, bool up) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (up) local_[g.name] = g;
-    else local_.erase(g.name);
+    if (up)
+      local_[g.name] = g;
+    else
+      local_.erase(g.name);
     pending_.push_back({g, up});
   }
   cv_.notify_all();

@@ -102,8 +102,7 @@ class EtcdDirectory final : public transport::Directory {
   void refresh_ttls(EtcdClient& c);
   /// Applies one key's new value (or its deletion) to the copy; queues what the engine hears.
   /// Called with mu_ held.
-  void apply(const std::string& key, const std::string& value, int64_t mod_revision,
-             bool deleted);
+  void apply(const std::string& key, const std::string& value, int64_t mod_revision, bool deleted);
   /// The copy becomes exactly `kvs` (after a fresh range). Called with mu_ held.
   void reset(const std::vector<KeyValue>& kvs);
   void note_error(const Status& st);
@@ -123,19 +122,18 @@ class EtcdDirectory final : public transport::Directory {
   mutable std::mutex mu_;  ///< guards everything below
   std::condition_variable cv_;
   std::map<std::string, NodeEntry> nodes_;
-  std::map<std::string, GuestEntry> guests_;  ///< by name
-  std::map<uint16_t, std::string> lid_owner_;  ///< LID -> guest name
+  std::map<std::string, GuestEntry> guests_;           ///< by name
+  std::map<uint16_t, std::string> lid_owner_;          ///< LID -> guest name
   std::map<std::string, transport::GuestInfo> local_;  ///< our guests, by name
-  std::deque<Pending> pending_;  ///< local changes not written yet
-  std::vector<Change> changes_;  ///< for the engine's next poll()
+  std::deque<Pending> pending_;                        ///< local changes not written yet
+  std::vector<Change> changes_;                        ///< for the engine's next poll()
   int64_t lease_ = 0;
   uint64_t registered_unix_ = 0;
   uint64_t unreachable_since_unix_ = 0;
   std::string last_error_;
   std::string endpoint_;
   struct Counters {
-    uint64_t ops = 0, failures = 0, registrations = 0, watch_events = 0, conflicts = 0,
-             moves = 0;
+    uint64_t ops = 0, failures = 0, registrations = 0, watch_events = 0, conflicts = 0, moves = 0;
   } cnt_;
   int64_t watch_revision_ = 0;  ///< the store's revision the copy is at
 };

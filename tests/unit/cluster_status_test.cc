@@ -1,7 +1,7 @@
 // `vrdma cluster status`: the cluster view taken from a status document, as JSON and as text.
-#include <gtest/gtest.h>
-
 #include "cli/cluster_status.h"
+
+#include <gtest/gtest.h>
 
 namespace vrdma::cli {
 namespace {
@@ -15,16 +15,21 @@ json status_with(json tcp) {
 }
 
 TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
-  json dir = {{"kind", "etcd"},   {"endpoint", "http://e:2379"}, {"reachable", true},
-              {"registered", true}, {"prefix", "/vrdma/"},        {"lease_s", 2},
-              {"revision", 9},      {"node", "h1"}};
+  json dir = {{"kind", "etcd"},      {"endpoint", "http://e:2379"},
+              {"reachable", true},   {"registered", true},
+              {"prefix", "/vrdma/"}, {"lease_s", 2},
+              {"revision", 9},       {"node", "h1"}};
   dir["nodes"] = json::array(
-      {{{"node", "h1"}, {"address", "10.0.0.1:7471"}, {"self", true}, {"age_s", 5},
-        {"lease_ttl_s", 2}, {"guests", json::array({{{"name", "g"}, {"lid", 0x12}, {"generation", 1}}})}},
+      {{{"node", "h1"},
+        {"address", "10.0.0.1:7471"},
+        {"self", true},
+        {"age_s", 5},
+        {"lease_ttl_s", 2},
+        {"guests", json::array({{{"name", "g"}, {"lid", 0x12}, {"generation", 1}}})}},
        {{"node", "h2"}, {"address", "10.0.0.2:7471"}, {"age_s", 4}, {"guests", json::array()}},
        {{"node", "h3"}, {"address", "10.0.0.3:7471"}, {"age_s", 3}, {"guests", json::array()}}});
-  const json v = cluster_view(status_with(
-      {{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}, {"directory", dir}}));
+  const json v = cluster_view(
+      status_with({{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}, {"directory", dir}}));
   EXPECT_EQ(v["directory"], "etcd");
   ASSERT_EQ(v["nodes"].size(), 3u);
   EXPECT_EQ(v["nodes"][1]["connected"], true);

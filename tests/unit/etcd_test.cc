@@ -1,7 +1,11 @@
 // The etcd client and the directory on etcd against a real etcd (Debian's etcd-server) that the
 // test starts on free loopback ports with its data in a temp dir; skipped when etcd is not
 // installed.
+#include "directory/etcd.h"
+
 #include <arpa/inet.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -15,10 +19,6 @@
 #include <functional>
 #include <thread>
 
-#include <fmt/format.h>
-#include <gtest/gtest.h>
-
-#include "directory/etcd.h"
 #include "directory/etcd_directory.h"
 
 namespace vrdma::directory {
@@ -197,13 +197,14 @@ TEST_F(EtcdTest, WatchSeesPutsAndDeletesInOrder) {
   int64_t rev = 0;
   ASSERT_TRUE(c.range(prefix_, true, &rev).is_ok());
   std::thread t([&] {
-    Status st = w.watch(prefix_, rev + 1,
-                        [&](const std::vector<WatchEvent>& evs) {
-                          std::lock_guard<std::mutex> l(mu);
-                          seen.insert(seen.end(), evs.begin(), evs.end());
-                          return true;
-                        },
-                        stop);
+    Status st = w.watch(
+        prefix_, rev + 1,
+        [&](const std::vector<WatchEvent>& evs) {
+          std::lock_guard<std::mutex> l(mu);
+          seen.insert(seen.end(), evs.begin(), evs.end());
+          return true;
+        },
+        stop);
     EXPECT_TRUE(st.is_ok()) << st.message();
   });
   ASSERT_TRUE(c.put(prefix_ + "k1", "a").is_ok());

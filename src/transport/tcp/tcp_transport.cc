@@ -855,7 +855,8 @@ void TcpTransport::drop_peer(const std::string& node) {
     if (it->conn) close_conn(it->conn, "left the directory");
     it = dials_.erase(it);
   }
-  if (auto c = by_node_.find(node); c != by_node_.end()) close_conn(c->second, "left the directory");
+  if (auto c = by_node_.find(node); c != by_node_.end())
+    close_conn(c->second, "left the directory");
   // Closed connections are freed at the end of poll(): nothing of them is used before.
 }
 
