@@ -410,6 +410,12 @@ void EtcdDirectory::apply(const std::string& k, const std::string& value, int64_
   if (rest.starts_with("guests/")) {
     const std::string name = rest.substr(7);
     auto old = guests_.find(name);
+    auto gid_of = [](const transport::GuestInfo& g) {
+      std::array<uint8_t, 16> a;
+      std::memcpy(a.data(), g.gid, 16);
+      return a;
+    };
+    if (old != guests_.end()) gid_node_.erase(gid_of(old->second.info));
     if (deleted) {
       if (old != guests_.end()) guests_.erase(old);
       return;
@@ -421,6 +427,7 @@ void EtcdDirectory::apply(const std::string& k, const std::string& value, int64_
     }
     e.mod_revision = mod_revision;
     const bool moved = old == guests_.end() || old->second.node != e.node;
+    gid_node_[gid_of(e.info)] = e.node;
     guests_[name] = e;
     if (moved) changes_.push_back({Change::Kind::kGuestMoved, e.node, {}, e.info});
     return;
@@ -494,12 +501,12 @@ std::string EtcdDirectory::locate_lid(uint16_t lid) const {
 }
 
 std::string EtcdDirectory::locate_gid(const uint8_t gid[16]) const {
+  std::array<uint8_t, 16> key;
+  std::memcpy(key.data(), gid, 16);
   std::lock_guard<std::mutex> l(mu_);
-  for (const auto& [name, e] : guests_) {
-    if (std::memcmp(e.info.gid, gid, 16) != 0) continue;
-    return e.node == opt_.node || !nodes_.count(e.node) ? std::string() : e.node;
-  }
-  return {};
+  auto it = gid_node_.find(key);
+  if (it == gid_node_.end()) return {};
+  return it->second == opt_.node || !nodes_.count(it->second) ? std::string() : it->second;
 }
 
 nlohmann::json EtcdDirectory::status_json() const {

@@ -12,6 +12,7 @@
 // is "not located", and the worker registers again once etcd answers.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -123,7 +124,8 @@ class EtcdDirectory final : public transport::Directory {
   std::condition_variable cv_;
   std::map<std::string, NodeEntry> nodes_;
   std::map<std::string, GuestEntry> guests_;           ///< by name
-  std::map<uint16_t, std::string> lid_owner_;          ///< LID -> guest name
+  std::map<uint16_t, std::string> lid_owner_;          ///< LID -> "NAME@NODE"
+  std::map<std::array<uint8_t, 16>, std::string> gid_node_;  ///< GID -> owning node
   std::map<std::string, transport::GuestInfo> local_;  ///< our guests, by name
   std::deque<Pending> pending_;                        ///< local changes not written yet
   std::vector<Change> changes_;                        ///< for the engine's next poll()
