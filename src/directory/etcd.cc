@@ -132,7 +132,17 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
     if (!opt_.ca.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, opt_.ca.c_str());
     if (!opt_.cert.empty()) curl_easy_setopt(h, CURLOPT_SSLCERT, opt_.cert.c_str());
     if (!opt_.key.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, opt_.key.c_str());
+    if (abort_) {
+      curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+      curl_easy_setopt(h, CURLOPT_XFERINFODATA, abort_);
+      curl_easy_setopt(
+          h, CURLOPT_XFERINFOFUNCTION,
+          +[](void* f, curl_off_t, curl_off_t, curl_off_t, curl_off_t) -> int {
+            return static_cast<const std::atomic<bool>*>(f)->load() ? 1 : 0;
+          });
+    }
     const CURLcode rc = curl_easy_perform(h);
+    if (rc == CURLE_ABORTED_BY_CALLBACK) return error(ECANCELED, "etcd: call abandoned");
     long code = 0;
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
     if (rc == CURLE_OK && code == 200) return out;

@@ -87,6 +87,10 @@ class EtcdClient {
                const std::function<bool(const std::vector<WatchEvent>&)>& on,
                const std::atomic<bool>& stop);
 
+  /// Calls in progress give up (ECANCELED) soon after `*f` becomes true (about a second: curl's
+  /// progress interval), so a thread blocked on an unreachable member can be stopped.
+  void abort_on(const std::atomic<bool>* f) { abort_ = f; }
+
   /// The endpoint the last call used (status, logs).
   const std::string& endpoint() const { return opt_.endpoints[cur_]; }
 
@@ -98,6 +102,7 @@ class EtcdClient {
   EtcdOptions opt_;
   size_t cur_ = 0;
   std::unique_ptr<Curl> curl_;
+  const std::atomic<bool>* abort_ = nullptr;
 };
 
 /// The end of the range of keys with this prefix (etcd's range_end for a prefix).

@@ -262,6 +262,7 @@ void EtcdDirectory::refresh_ttls(EtcdClient& c) {
 
 void EtcdDirectory::worker() {
   EtcdClient c(opt_.etcd);
+  c.abort_on(&stop_);
   const auto keep_every = std::chrono::milliseconds(std::max(opt_.lease_s * 1000 / 3, 200));
   const auto retry_every = std::chrono::milliseconds(300);
   auto next_keep = Clock::now();
@@ -321,19 +322,22 @@ void EtcdDirectory::worker() {
     cv_.wait_until(l, until, [&] { return stop_.load() || (!pending_.empty() && st.is_ok()); });
   }
   l.unlock();
-  // A clean exit: our entries go at once, not when the lease runs out.
-  if (registered_) {
+  // A clean exit: our entries go at once, not when the lease runs out (not waited for when etcd
+  // is away: the lease ends them then).
+  if (registered_ && reachable_) {
     int64_t lease;
     {
       std::lock_guard<std::mutex> g(mu_);
       lease = lease_;
     }
+    c.abort_on(nullptr);
     (void)c.lease_revoke(lease);
   }
 }
 
 void EtcdDirectory::watcher() {
   EtcdClient c(opt_.etcd);
+  c.abort_on(&stop_);
   while (!stop_) {
     int64_t rev = 0;
     auto all = c.range(opt_.prefix, true, &rev);

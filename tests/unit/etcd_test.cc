@@ -61,7 +61,35 @@ class Etcd {
     std::filesystem::remove_all(dir_);
   }
   static bool installed() { return std::system("command -v etcd >/dev/null 2>&1") == 0; }
-  std::string url() const { return fmt::format("http://127.0.0.1:{}", client_); }
+  std::string url() const {
+    return fmt::format("{}://127.0.0.1:{}", tls_ ? "https" : "http", client_);
+  }
+  const std::string& dir() const { return dir_; }
+  /// Serves TLS only, and only to clients with a certificate from its CA: makes (with the
+  /// openssl command) DIR/ca.pem, server.{pem,key} for 127.0.0.1, client.{pem,key}. (etcd 3.4's
+  /// gateway dials its own port with the server's certificate: that one needs clientAuth too.)
+  bool use_tls() {
+    const std::string cmd = fmt::format(R"(cd {} && set -e
+k() {{ openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout $1.key -out $1.csr \
+  -subj /CN=$1 2>/dev/null; }}
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -keyout ca.key -out ca.pem \
+  -days 1 -subj /CN=test-etcd-ca 2>/dev/null
+k server; k client
+printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' >server.ext
+printf 'extendedKeyUsage=clientAuth\n' >client.ext
+for n in server client; do
+  openssl x509 -req -in $n.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out $n.pem -days 1 \
+    -extfile $n.ext 2>/dev/null
+done)",
+                                        dir_);
+    const std::string script = dir_ + "/make-certs.sh";
+    FILE* f = std::fopen(script.c_str(), "w");
+    if (!f) return false;
+    std::fputs(cmd.c_str(), f);
+    std::fclose(f);
+    tls_ = std::system(("bash " + script).c_str()) == 0;
+    return tls_;
+  }
   bool start() {
     pid_ = ::fork();
     if (pid_ == 0) {
@@ -71,13 +99,26 @@ class Etcd {
       FILE* f = std::freopen(log.c_str(), "a", stdout);
       (void)f;
       ::dup2(STDOUT_FILENO, STDERR_FILENO);
+      const std::string cert = dir_ + "/server.pem", key = dir_ + "/server.key",
+                        ca = dir_ + "/ca.pem";
+      if (tls_) {
+        ::execlp("etcd", "etcd", "--data-dir", data.c_str(), "--listen-client-urls", c.c_str(),
+                 "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(),
+                 "--initial-advertise-peer-urls", p.c_str(), "--initial-cluster", cluster.c_str(),
+                 "--cert-file", cert.c_str(), "--key-file", key.c_str(), "--client-cert-auth",
+                 "--trusted-ca-file", ca.c_str(), nullptr);
+      }
       ::execlp("etcd", "etcd", "--data-dir", data.c_str(), "--listen-client-urls", c.c_str(),
                "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(),
                "--initial-advertise-peer-urls", p.c_str(), "--initial-cluster", cluster.c_str(),
                nullptr);
       ::_exit(127);
     }
-    EtcdClient cl({{url()}, {}, {}, {}, 500});
+    EtcdClient cl({{url()},
+                   tls_ ? dir_ + "/ca.pem" : "",
+                   tls_ ? dir_ + "/client.pem" : "",
+                   tls_ ? dir_ + "/client.key" : "",
+                   500});
     return until([&] { return cl.range("/", true, nullptr).is_ok(); }, 10000ms);
   }
   void stop() {
@@ -89,6 +130,7 @@ class Etcd {
 
  private:
   std::string dir_;
+  bool tls_ = false;
   int client_ = 0, peer_ = 0;
   pid_t pid_ = -1;
 };
@@ -313,6 +355,25 @@ TEST_F(EtcdTest, DeadBackendVanishesWithItsLease) {
       },
       6000ms));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s);
+}
+
+// TLS with client certificates: the client's CA, certificate and key reach curl; without the
+// certificate etcd refuses the handshake, and that is an error, not a hang.
+TEST(EtcdTlsTest, ClientCertificateIsPresentedAndRequired) {
+  if (!Etcd::installed()) GTEST_SKIP() << "etcd is not installed (apt-get install etcd-server)";
+  Etcd etcd;
+  ASSERT_TRUE(etcd.use_tls()) << "openssl could not make the test credentials";
+  ASSERT_TRUE(etcd.start());
+  const std::string d = etcd.dir();
+  EtcdClient c({{etcd.url()}, d + "/ca.pem", d + "/client.pem", d + "/client.key", 1000});
+  ASSERT_TRUE(c.put("/tls/k", "v").is_ok());
+  auto r = c.range("/tls/", true, nullptr);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_EQ(r->size(), 1u);
+  EtcdClient anonymous({{etcd.url()}, d + "/ca.pem", {}, {}, 1000});
+  EXPECT_FALSE(anonymous.range("/tls/", true, nullptr).is_ok());
+  EtcdClient untrusting({{etcd.url()}, {}, d + "/client.pem", d + "/client.key", 1000});
+  EXPECT_FALSE(untrusting.range("/tls/", true, nullptr).is_ok());  // not the system's CAs
 }
 
 // etcd goes away and comes back: what the copy knew still answers, the backend registers again.
