@@ -7,6 +7,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -274,21 +275,41 @@ void EtcdDirectory::worker() {
       st = register_self(c);
       next_keep = Clock::now() + keep_every;
     }
-    // Local guests' changes, in order; one that fails for lack of etcd waits for the next try.
+    // Local guests' joins, in order, then the leaves whose time came; one that fails for lack of
+    // etcd waits for the next try.
     while (st.is_ok() && !stop_) {
-      Pending p;
+      transport::GuestInfo joined;
       {
         std::lock_guard<std::mutex> g(mu_);
         if (pending_.empty()) break;
-        p = pending_.front();
+        joined = pending_.front();
       }
-      Status r = p.up ? put_guest(c, p.g) : remove_guest(c, p.g);
+      Status r = put_guest(c, joined);
       if (r.err() == EHOSTUNREACH) {
         st = r;
         break;
       }
       std::lock_guard<std::mutex> g(mu_);
       pending_.pop_front();
+    }
+    while (st.is_ok() && !stop_) {
+      transport::GuestInfo gone;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = std::find_if(leaving_.begin(), leaving_.end(),
+                               [](const auto& e) { return e.second.second <= Clock::now(); });
+        if (it == leaving_.end()) break;
+        gone = it->second.first;
+      }
+      Status r = remove_guest(c, gone);
+      if (r.err() == EHOSTUNREACH) {
+        st = r;
+        break;
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      if (auto it = leaving_.find(gone.name);
+          it != leaving_.end() && it->second.second <= Clock::now())
+        leaving_.erase(it);
     }
     if (st.is_ok() && registered_ && Clock::now() >= next_keep) {
       int64_t lease;
@@ -318,7 +339,8 @@ void EtcdDirectory::worker() {
     }
     l.lock();
     if (stop_) break;
-    const auto until = st.is_ok() && registered_ ? next_keep : Clock::now() + retry_every;
+    auto until = st.is_ok() && registered_ ? next_keep : Clock::now() + retry_every;
+    for (const auto& [name, e] : leaving_) until = std::min(until, e.second);
     cv_.wait_until(l, until, [&] { return stop_.load() || (!pending_.empty() && st.is_ok()); });
   }
   l.unlock();
@@ -477,11 +499,14 @@ void EtcdDirectory::poll(const std::function<void(const Change&)>& fn) {
 void EtcdDirectory::announce(const transport::GuestInfo& g, bool up) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    if (up)
+    if (up) {
       local_[g.name] = g;
-    else
+      leaving_.erase(g.name);
+      pending_.push_back(g);
+    } else {
       local_.erase(g.name);
-    pending_.push_back({g, up});
+      leaving_[g.name] = {g, Clock::now() + std::chrono::milliseconds(opt_.leave_delay_ms)};
+    }
   }
   cv_.notify_all();
 }

@@ -14,6 +14,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -41,6 +42,9 @@ class EtcdDirectory final : public transport::Directory {
     std::string address;      ///< where peers dial its transport, "ADDR:PORT"
     std::string fingerprint;  ///< SHA-256 of its certificate ("" without TLS)
     int lease_s = 5;          ///< its entries vanish this long after it stops keeping them
+    /// A guest that left is deleted from etcd this much later (a move's destination takes
+    /// the entry over meanwhile).
+    int leave_delay_ms = 1000;
   };
   /// What the engine thread learns from poll().
   struct Change {
@@ -86,10 +90,6 @@ class EtcdDirectory final : public transport::Directory {
     uint64_t generation = 0;
     int64_t mod_revision = 0;
   };
-  struct Pending {
-    transport::GuestInfo g;
-    bool up;
-  };
 
   explicit EtcdDirectory(Options o);
   void worker();
@@ -127,7 +127,12 @@ class EtcdDirectory final : public transport::Directory {
   std::map<uint16_t, std::string> lid_owner_;          ///< LID -> "NAME@NODE"
   std::map<std::array<uint8_t, 16>, std::string> gid_node_;  ///< GID -> owning node
   std::map<std::string, transport::GuestInfo> local_;  ///< our guests, by name
-  std::deque<Pending> pending_;                        ///< local changes not written yet
+  std::deque<transport::GuestInfo> pending_;  ///< joins (and refreshes) not written yet, in order
+  /// Guests that left, deleted from etcd once their time comes: a guest moving away is taken
+  /// over by the destination's compare-and-swap meanwhile (its entry never vanishes, the
+  /// generation counts the move), and a guest back here by then is not deleted at all.
+  std::map<std::string, std::pair<transport::GuestInfo, std::chrono::steady_clock::time_point>>
+      leaving_;                                        ///< local changes not written yet
   std::vector<Change> changes_;                        ///< for the engine's next poll()
   int64_t lease_ = 0;
   uint64_t registered_unix_ = 0;

@@ -58,6 +58,29 @@ hpair m1 2 3 -n 200
 
 hstream_start st 1 2
 hwait_flowing 1 st-s msgs_received "$srv"
+# "NODE GENERATION" of guest G's entry in host I's cluster status.
+guest_on() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j | G=$2 python3 -c '
+import json, os, sys
+for n in json.load(sys.stdin)["nodes"]:
+    for g in n["guests"]:
+        if g["name"] == os.environ["G"]: print(n["node"], g["generation"])'
+}
+log "the stream's server guest moves h1 -> h3 -> h1 (its entry: compare-and-swap)"
+gen=1
+for hop in "1 3" "3 1"; do
+  read -r from to <<<"$hop"
+  gen=$((gen + 1))
+  hmigrate st-s "$from" "$to"
+  hwait_route 2 st-c "tcp/h$to" 10
+  for ((k = 0; k < 100; k++)); do
+    [[ $(guest_on 2 st-s) == "h$to $gen" ]] && break
+    nap 0.05
+  done
+  [[ $(guest_on 2 st-s) == "h$to $gen" ]] ||
+    fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h$to $gen'"
+  log "st-s on h$to (generation $gen), downtime ${MIG_DOWNTIMES[-1]} us"
+done
 log "all of etcd stopped"
 t_down=$(date +%s%N)
 etcd_member_kill 5

@@ -162,6 +162,7 @@ class EtcdTest : public ::testing::Test {
     o.node = node;
     o.address = fmt::format("127.0.0.1:{}", port);
     o.lease_s = 2;
+    o.leave_delay_ms = 0;  // a leave is written at once (the move tests the compare)
     return o;
   }
   static transport::GuestInfo guest(const std::string& name, uint16_t lid) {
@@ -331,6 +332,28 @@ TEST_F(EtcdTest, DirectoryFindsPeersGuestsAndMoves) {
   at_b.clear();
   a->reset();
   EXPECT_TRUE(until([&] { return saw(EtcdDirectory::Change::Kind::kPeerDown, "a"); }, 1500ms));
+}
+
+// A guest that leaves is deleted from etcd only after leave_delay_ms: one back by then keeps its
+// entry (its peers never see it vanish), one that stays away goes.
+TEST_F(EtcdTest, LeavesAreWrittenAfterTheirDelay) {
+  auto o = dir_opts("a", 1001);
+  o.leave_delay_ms = 300;
+  auto a = EtcdDirectory::start(o);
+  auto b = EtcdDirectory::start(dir_opts("b", 1002));
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  const auto g = guest("g1", 0x201);
+  (*a)->announce(g, true);
+  ASSERT_TRUE(until([&] { return (*b)->locate_lid(0x201) == "a"; }));
+  (*a)->announce(g, false);
+  (*a)->announce(g, true);  // back at once: nothing is deleted
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ((*b)->locate_lid(0x201), "a");
+  (*a)->announce(g, false);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ((*b)->locate_lid(0x201), "a");  // not yet
+  EXPECT_TRUE(until([&] { return (*b)->locate_lid(0x201).empty(); }, 2000ms));
+  EXPECT_EQ((*b)->locate_gid(g.gid), "");
 }
 
 TEST_F(EtcdTest, DeadBackendVanishesWithItsLease) {
