@@ -111,27 +111,32 @@ EtcdClient::EtcdClient(EtcdOptions o) : opt_(std::move(o)), curl_(std::make_uniq
 
 EtcdClient::~EtcdClient() = default;
 
+void* EtcdClient::prepare(const std::string& path, const std::string& body, Sink sink, void* out) {
+  CURL* h = curl_->h;
+  curl_easy_reset(h);
+  url_ = opt_.endpoints[cur_] + path;
+  curl_easy_setopt(h, CURLOPT_URL, url_.c_str());
+  curl_easy_setopt(h, CURLOPT_HTTPHEADER, curl_->headers);
+  curl_easy_setopt(h, CURLOPT_POSTFIELDS, body.c_str());
+  curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(opt_.timeout_ms));
+  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, sink);
+  curl_easy_setopt(h, CURLOPT_WRITEDATA, out);
+  if (!opt_.ca.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, opt_.ca.c_str());
+  if (!opt_.cert.empty()) curl_easy_setopt(h, CURLOPT_SSLCERT, opt_.cert.c_str());
+  if (!opt_.key.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, opt_.key.c_str());
+  return h;
+}
+
 Result<std::string> EtcdClient::post(const std::string& path, const std::string& body) {
   if (opt_.endpoints.empty()) return error(EINVAL, "etcd: no endpoints");
   if (!curl_->h) return error(ENOMEM, "etcd: curl_easy_init failed");
   std::string why;
   for (size_t tries = 0; tries < opt_.endpoints.size(); ++tries) {
-    CURL* h = curl_->h;
-    curl_easy_reset(h);
-    const std::string url = opt_.endpoints[cur_] + path;
     std::string out;
-    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, curl_->headers);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body.c_str());
-    curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    CURL* h = static_cast<CURL*>(prepare(path, body, append, &out));
     curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(opt_.timeout_ms));
-    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(opt_.timeout_ms));
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, append);
-    curl_easy_setopt(h, CURLOPT_WRITEDATA, &out);
-    if (!opt_.ca.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, opt_.ca.c_str());
-    if (!opt_.cert.empty()) curl_easy_setopt(h, CURLOPT_SSLCERT, opt_.cert.c_str());
-    if (!opt_.key.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, opt_.key.c_str());
     if (abort_) {
       curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
       curl_easy_setopt(h, CURLOPT_XFERINFODATA, abort_);
@@ -317,24 +322,11 @@ Status EtcdClient::watch(const std::string& prefix, int64_t start_revision,
     }
     return s->done ? 0 : size * n;  // 0 ends the transfer
   };
-  CURL* h = curl_->h;
-  curl_easy_reset(h);
-  const std::string url = opt_.endpoints[cur_] + "/v3/watch";
-  curl_easy_setopt(h, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(h, CURLOPT_HTTPHEADER, curl_->headers);
-  curl_easy_setopt(h, CURLOPT_POSTFIELDS, body.c_str());
-  curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(opt_.timeout_ms));
+  CURL* h = static_cast<CURL*>(prepare("/v3/watch", body, write, &s));
   // A member that is gone without a reset (its host is unreachable) ends the stream too.
   curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
   curl_easy_setopt(h, CURLOPT_TCP_KEEPIDLE, 2L);
   curl_easy_setopt(h, CURLOPT_TCP_KEEPINTVL, 1L);
-  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, write);
-  curl_easy_setopt(h, CURLOPT_WRITEDATA, &s);
-  if (!opt_.ca.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, opt_.ca.c_str());
-  if (!opt_.cert.empty()) curl_easy_setopt(h, CURLOPT_SSLCERT, opt_.cert.c_str());
-  if (!opt_.key.empty()) curl_easy_setopt(h, CURLOPT_SSLKEY, opt_.key.c_str());
   CURLM* m = curl_multi_init();
   curl_multi_add_handle(m, h);
   int running = 1;

@@ -96,6 +96,10 @@ class EtcdClient {
 
  private:
   struct Curl;
+  using Sink = size_t (*)(char*, size_t, size_t, void*);
+  /// The curl handle reset and set for a POST of `body` to `path` on the current endpoint,
+  /// its response going to `sink(out)` (the handle, as void*: curl stays out of this header).
+  void* prepare(const std::string& path, const std::string& body, Sink sink, void* out);
   /// POSTs `body` to `path` on the current endpoint, then the others in turn: the response.
   Result<std::string> post(const std::string& path, const std::string& body);
 
@@ -103,6 +107,7 @@ class EtcdClient {
   size_t cur_ = 0;
   std::unique_ptr<Curl> curl_;
   const std::atomic<bool>* abort_ = nullptr;
+  std::string url_;  ///< of the call in progress (curl keeps a pointer to it)
 };
 
 /// The end of the range of keys with this prefix (etcd's range_end for a prefix).

@@ -37,17 +37,14 @@ VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.
 grep -qE '^h2 +10\.77\.0\.2:7471 .* yes$' "$E2E_TMP/cluster_status.out" ||
   fail "cluster status text: $(cat "$E2E_TMP/cluster_status.out")"
 
+log "three rc pingpongs at once (content validation, GID, LID)"
 declare -A spid cpid
-start_all() {
-  hpair_start p12 1 2 "$@" -c
-  spid[p12]=$HP_SPID cpid[p12]=$HP_CPID
-  hpair_start p23 2 3 "$@" -g 0
-  spid[p23]=$HP_SPID cpid[p23]=$HP_CPID
-  hpair_start p31 3 1 "$@"
-  spid[p31]=$HP_SPID cpid[p31]=$HP_CPID
-}
-log "three rc pingpongs at once"
-start_all -n 500
+for pair in "12 -c" "23 -g 0" "31"; do
+  read -r ab opts <<<"$pair"
+  # shellcheck disable=SC2086  # the options are words
+  hpair_start "p$ab" "${ab:0:1}" "${ab:1:1}" -n 500 $opts
+  spid[p$ab]=$HP_SPID cpid[p$ab]=$HP_CPID
+done
 for p in p12 p23 p31; do finish_pair "$p" "${spid[$p]}" "${cpid[$p]}" 60; done
 
 PP_TOOL=ibv_ud_pingpong hpair ud 1 3 -n 200
