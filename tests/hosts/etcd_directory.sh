@@ -13,6 +13,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 # shellcheck source-path=SCRIPTDIR source=etcd_lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/etcd_lib.sh"
 etcd_require
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../e2e" && pwd)"
 hosts_init "${1:-}" 6 0  # h1..h3: backends (below); h4..h6: etcd members
 etcd_cluster 4 5 6
 cat >"$E2E_TMP/directory.toml" <<TOML
@@ -36,6 +37,15 @@ VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.
   fail "vrdma cluster status"
 grep -qE '^h2 +10\.77\.0\.2:7471 .* yes$' "$E2E_TMP/cluster_status.out" ||
   fail "cluster status text: $(cat "$E2E_TMP/cluster_status.out")"
+# Both documents with the directory in them match their schemas (tests/e2e/schema/vrdma.json).
+for cmd in "status status" "cluster_status cluster status"; do
+  read -r schema args <<<"$cmd"
+  # shellcheck disable=SC2086  # the command's words
+  VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" $args -j >"$E2E_TMP/$schema.json"
+  python3 "$E2E_DIR/json_check.py" "$E2E_DIR/schema/vrdma.json" "$schema" \
+    <"$E2E_TMP/$schema.json" >"$E2E_TMP/$schema.why" ||
+    fail "vrdma $args -j does not match its schema: $(cat "$E2E_TMP/$schema.why")"
+done
 
 log "three rc pingpongs at once (content validation, GID, LID)"
 declare -A spid cpid
