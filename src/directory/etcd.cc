@@ -130,6 +130,13 @@ void* EtcdClient::prepare(const std::string& path, const std::string& body, Sink
 }
 
 Result<std::string> EtcdClient::post(const std::string& path, const std::string& body) {
+  requests_.fetch_add(1, std::memory_order_relaxed);
+  Result<std::string> r = post_once(path, body);
+  if (!r.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+Result<std::string> EtcdClient::post_once(const std::string& path, const std::string& body) {
   if (opt_.endpoints.empty()) return error(EINVAL, "etcd: no endpoints");
   if (!curl_->h) return error(ENOMEM, "etcd: curl_easy_init failed");
   std::string why;
@@ -277,6 +284,7 @@ Status EtcdClient::watch(const std::string& prefix, int64_t start_revision,
                          const std::function<bool(const std::vector<WatchEvent>&)>& on,
                          const std::atomic<bool>& stop) {
   if (opt_.endpoints.empty()) return error(EINVAL, "etcd: no endpoints");
+  requests_.fetch_add(1, std::memory_order_relaxed);
   json create = {{"key", b64(prefix)}, {"range_end", b64(prefix_end(prefix))}};
   if (start_revision) create["start_revision"] = std::to_string(start_revision);
   const std::string body = json{{"create_request", create}}.dump();
@@ -344,6 +352,7 @@ Status EtcdClient::watch(const std::string& prefix, int64_t start_revision,
   curl_multi_remove_handle(m, h);
   curl_multi_cleanup(m);
   if (stop.load(std::memory_order_relaxed) || (s.done && s.st.is_ok())) return Status::ok();
+  failed_.fetch_add(1, std::memory_order_relaxed);
   if (!s.st.is_ok()) return s.st;
   const std::string where = opt_.endpoints[cur_];
   cur_ = (cur_ + 1) % opt_.endpoints.size();  // the next watch tries another member

@@ -91,6 +91,10 @@ class EtcdClient {
   /// progress interval), so a thread blocked on an unreachable member can be stopped.
   void abort_on(const std::atomic<bool>* f) { abort_ = f; }
 
+  /// Calls made (a watch counts once) and those that failed; any thread may read them.
+  uint64_t requests() const { return requests_.load(std::memory_order_relaxed); }
+  uint64_t failed() const { return failed_.load(std::memory_order_relaxed); }
+
   /// The endpoint the last call used (status, logs).
   const std::string& endpoint() const { return opt_.endpoints[cur_]; }
 
@@ -102,11 +106,13 @@ class EtcdClient {
   void* prepare(const std::string& path, const std::string& body, Sink sink, void* out);
   /// POSTs `body` to `path` on the current endpoint, then the others in turn: the response.
   Result<std::string> post(const std::string& path, const std::string& body);
+  Result<std::string> post_once(const std::string& path, const std::string& body);
 
   EtcdOptions opt_;
   size_t cur_ = 0;
   std::unique_ptr<Curl> curl_;
   const std::atomic<bool>* abort_ = nullptr;
+  std::atomic<uint64_t> requests_{0}, failed_{0};
   std::string url_;  ///< of the call in progress (curl keeps a pointer to it)
 };
 

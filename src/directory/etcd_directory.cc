@@ -101,6 +101,8 @@ Result<std::unique_ptr<EtcdDirectory>> EtcdDirectory::start(Options o) {
   std::unique_ptr<EtcdDirectory> d(new EtcdDirectory(std::move(o)));
   if (!d->wake_.valid()) return error(errno, "eventfd");
   d->endpoint_ = d->opt_.etcd.endpoints.front();
+  d->work_client_ = std::make_unique<EtcdClient>(d->opt_.etcd);
+  d->watch_client_ = std::make_unique<EtcdClient>(d->opt_.etcd);
   d->worker_ = std::thread([p = d.get()] { p->worker(); });
   d->watcher_ = std::thread([p = d.get()] { p->watcher(); });
   VLOG_INFO("directory: etcd at {} (prefix {}, lease {} s)",
@@ -123,7 +125,6 @@ void EtcdDirectory::wake() {
 
 void EtcdDirectory::note_error(const Status& st) {
   std::lock_guard<std::mutex> l(mu_);
-  ++cnt_.failures;
   if (reachable_.exchange(false) || unreachable_since_unix_ == 0) {
     unreachable_since_unix_ = static_cast<uint64_t>(::time(nullptr));
     VLOG_WARN("directory: {}; routes already known stay, new lookups fail until it answers",
@@ -134,7 +135,6 @@ void EtcdDirectory::note_error(const Status& st) {
 
 void EtcdDirectory::note_ok() {
   std::lock_guard<std::mutex> l(mu_);
-  ++cnt_.ops;
   if (!reachable_.exchange(true) && unreachable_since_unix_ != 0) {
     VLOG_INFO("directory: etcd answers again (unreachable for {} s)",
               static_cast<uint64_t>(::time(nullptr)) - unreachable_since_unix_);
@@ -262,7 +262,7 @@ void EtcdDirectory::refresh_ttls(EtcdClient& c) {
 }
 
 void EtcdDirectory::worker() {
-  EtcdClient c(opt_.etcd);
+  EtcdClient& c = *work_client_;
   c.abort_on(&stop_);
   const auto keep_every = std::chrono::milliseconds(std::max(opt_.lease_s * 1000 / 3, 200));
   const auto retry_every = std::chrono::milliseconds(300);
@@ -358,7 +358,7 @@ void EtcdDirectory::worker() {
 }
 
 void EtcdDirectory::watcher() {
-  EtcdClient c(opt_.etcd);
+  EtcdClient& c = *watch_client_;
   c.abort_on(&stop_);
   while (!stop_) {
     int64_t rev = 0;
@@ -571,8 +571,8 @@ nlohmann::json EtcdDirectory::status_json() const {
             {"revision", watch_revision_},
             {"nodes", nodes},
             {"counters",
-             {{"ops", cnt_.ops},
-              {"failures", cnt_.failures},
+             {{"requests", work_client_->requests() + watch_client_->requests()},
+              {"failures", work_client_->failed() + watch_client_->failed()},
               {"registrations", cnt_.registrations},
               {"watch_events", cnt_.watch_events},
               {"lid_conflicts", cnt_.conflicts},

@@ -118,6 +118,8 @@ class EtcdDirectory final : public transport::Directory {
   std::atomic<bool> stop_{false};
   std::atomic<bool> reachable_{false};
   std::atomic<bool> registered_{false};
+  /// One client per thread (created before them, so status can read their counters).
+  std::unique_ptr<EtcdClient> work_client_, watch_client_;
   std::thread worker_, watcher_;
 
   mutable std::mutex mu_;  ///< guards everything below
@@ -140,7 +142,7 @@ class EtcdDirectory final : public transport::Directory {
   std::string last_error_;
   std::string endpoint_;
   struct Counters {
-    uint64_t ops = 0, failures = 0, registrations = 0, watch_events = 0, conflicts = 0, moves = 0;
+    uint64_t registrations = 0, watch_events = 0, conflicts = 0, moves = 0;
   } cnt_;
   int64_t watch_revision_ = 0;  ///< the store's revision the copy is at
 };

@@ -328,6 +328,8 @@ TEST_F(EtcdTest, DirectoryFindsPeersGuestsAndMoves) {
     }
   }
   EXPECT_EQ((*b)->status_json()["counters"]["moves_here"], 1);
+  EXPECT_GT((*b)->status_json()["counters"]["requests"], 5);
+  EXPECT_EQ((*b)->status_json()["counters"]["failures"], 0);
   // a stops cleanly: its lease is revoked, b hears it left at once.
   at_b.clear();
   a->reset();
@@ -354,6 +356,22 @@ TEST_F(EtcdTest, LeavesAreWrittenAfterTheirDelay) {
   EXPECT_EQ((*b)->locate_lid(0x201), "a");  // not yet
   EXPECT_TRUE(until([&] { return (*b)->locate_lid(0x201).empty(); }, 2000ms));
   EXPECT_EQ((*b)->locate_gid(g.gid), "");
+}
+
+// A lease that ended while the backend lives (revoked here; etcd away longer than the lease does
+// the same): its keepalive hears so, and it registers again with its guests.
+TEST_F(EtcdTest, LostLeaseRegistersAgain) {
+  auto a = EtcdDirectory::start(dir_opts("a", 1001));
+  auto b = EtcdDirectory::start(dir_opts("b", 1002));
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  (*a)->announce(guest("g1", 0x301), true);
+  ASSERT_TRUE(until([&] { return (*b)->locate_lid(0x301) == "a"; }));
+  const std::string id = (*a)->status_json()["lease_id"];
+  EtcdClient c(opts());
+  ASSERT_TRUE(c.lease_revoke(static_cast<int64_t>(std::stoull(id, nullptr, 16))).is_ok());
+  EXPECT_TRUE(until([&] { return (*b)->locate_lid(0x301).empty(); }, 2000ms));
+  EXPECT_TRUE(until([&] { return (*a)->status_json()["counters"]["registrations"] == 2; }));
+  EXPECT_TRUE(until([&] { return (*b)->locate_lid(0x301) == "a"; }));
 }
 
 TEST_F(EtcdTest, DeadBackendVanishesWithItsLease) {
