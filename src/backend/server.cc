@@ -258,7 +258,7 @@ Status Server::start_directory() {
     std::string cert = opt_.tls_cert;
     if (cert.empty() && !opt_.cluster_dir.empty())
       cert = transport::tcp::TlsFiles::in_dir(opt_.cluster_dir, opt_.node).cert;
-    o.fingerprint = directory::cert_fingerprint(cert);
+    o.fingerprint = transport::tcp::cert_file_fingerprint(cert);
   }
   ASSIGN_OR_RETURN(directory_, directory::EtcdDirectory::start(std::move(o)));
   tcp_->set_directory(directory_.get());

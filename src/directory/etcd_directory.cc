@@ -1,9 +1,6 @@
 #include "directory/etcd_directory.h"
 
 #include <fmt/format.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -69,22 +66,6 @@ bool parse_guest(const std::string& v, transport::GuestInfo& g, std::string& nod
 }
 
 }  // namespace
-
-std::string cert_fingerprint(const std::string& pem_file) {
-  FILE* f = std::fopen(pem_file.c_str(), "r");
-  if (!f) return {};
-  X509* x = PEM_read_X509(f, nullptr, nullptr, nullptr);
-  std::fclose(f);
-  if (!x) return {};
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  std::string out;
-  if (X509_digest(x, EVP_sha256(), md, &n) == 1) {
-    for (unsigned i = 0; i < n; ++i) out += fmt::format("{}{:02X}", i ? ":" : "", md[i]);
-  }
-  X509_free(x);
-  return out;
-}
 
 EtcdDirectory::EtcdDirectory(Options o)
     : opt_(std::move(o)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
@@ -509,6 +490,12 @@ void EtcdDirectory::announce(const transport::GuestInfo& g, bool up) {
     }
   }
   cv_.notify_all();
+}
+
+std::string EtcdDirectory::fingerprint_of(const std::string& node) const {
+  std::lock_guard<std::mutex> l(mu_);
+  auto it = nodes_.find(node);
+  return it == nodes_.end() ? std::string() : it->second.fingerprint;
 }
 
 std::string EtcdDirectory::unavailable() const {

@@ -68,6 +68,7 @@ class EtcdDirectory final : public transport::Directory {
   std::string locate_lid(uint16_t lid) const override;
   std::string locate_gid(const uint8_t gid[16]) const override;
   std::string unavailable() const override;
+  std::string fingerprint_of(const std::string& node) const override;
 
   /// True while the last exchange with etcd worked.
   bool reachable() const { return reachable_.load(std::memory_order_relaxed); }
@@ -146,8 +147,5 @@ class EtcdDirectory final : public transport::Directory {
   } cnt_;
   int64_t watch_revision_ = 0;  ///< the store's revision the copy is at
 };
-
-/// The SHA-256 fingerprint of a PEM certificate file, "AB:CD:..." ("" when unreadable).
-std::string cert_fingerprint(const std::string& pem_file);
 
 }  // namespace vrdma::directory

@@ -21,6 +21,9 @@ class Directory {
   /// guests, as Transport::locate_lid).
   virtual std::string locate_lid(uint16_t lid) const = 0;
   virtual std::string locate_gid(const uint8_t gid[16]) const = 0;
+  /// The SHA-256 fingerprint of the certificate `node` registered with, or "" (not known, or
+  /// registered without one): a peer presenting another certificate under that name is refused.
+  virtual std::string fingerprint_of(const std::string& node) const = 0;
   /// Why a lookup that found nothing may be wrong (the directory cannot be reached), or "".
   virtual std::string unavailable() const = 0;
 };

@@ -930,6 +930,20 @@ bool TcpTransport::handshake(Conn& c) {
     close_conn(&c, "another node answered");
     return false;
   }
+  // The directory on etcd pins each node's certificate: a node that registered with one and
+  // presents another (a stolen name's second credential, or a re-keyed node not yet registered
+  // again) is refused.
+  if (directory_) {
+    const std::string pinned = directory_->fingerprint_of(t.peer_name());
+    if (!pinned.empty() && pinned != t.peer_fingerprint()) {
+      refuse(refused_.name,
+             "transport tcp: {} is node {} with certificate {}, but {} registered {} in the "
+             "directory; closing",
+             c.addr, t.peer_name(), t.peer_fingerprint(), t.peer_name(), pinned);
+      close_conn(&c, "not the certificate its node registered");
+      return false;
+    }
+  }
   // Who answers at a dialed address is known now: no redial while we hold a connection to it,
   // even if this one is closed as a duplicate before the peer's Hello reaches us.
   for (Dial& d : dials_) {
