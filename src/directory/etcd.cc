@@ -158,8 +158,9 @@ Result<std::string> EtcdClient::post_once(const std::string& path, const std::st
     long code = 0;
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
     if (rc == CURLE_OK && code == 200) return out;
-    if (rc == CURLE_OK && code != 503) {
-      // The store answered: an error of the request, not of the endpoint.
+    if (rc == CURLE_OK && code < 500) {
+      // The store answered: an error of the request, not of the endpoint (5xx: the member
+      // cannot serve now, no leader say: the next one may).
       std::string msg = out;
       try {
         msg = json::parse(out).value("error", out);

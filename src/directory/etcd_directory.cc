@@ -266,7 +266,7 @@ void EtcdDirectory::worker() {
         joined = pending_.front();
       }
       Status r = put_guest(c, joined);
-      if (r.err() == EHOSTUNREACH) {
+      if (!r.is_ok() && r.err() != EADDRINUSE) {  // a LID clash is final (logged); else again
         st = r;
         break;
       }
@@ -283,7 +283,7 @@ void EtcdDirectory::worker() {
         gone = it->second.first;
       }
       Status r = remove_guest(c, gone);
-      if (r.err() == EHOSTUNREACH) {
+      if (!r.is_ok()) {
         st = r;
         break;
       }
@@ -314,9 +314,19 @@ void EtcdDirectory::worker() {
     }
     if (st.is_ok()) {
       note_ok();
-    } else {
+    } else if (st.err() == EHOSTUNREACH) {
       note_error(st);
-      if (st.err() != EHOSTUNREACH) registered_ = false;  // refused: start over
+    } else if (st.err() != ECANCELED) {
+      // etcd answered but refused (our lease is gone, a request it did not take) or the entry
+      // kept changing: tried again; what failed stays queued.
+      uint64_t held = 0;
+      if (retry_log_.ready(
+              static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        Clock::now().time_since_epoch())
+                                        .count()),
+              held))
+        VLOG_WARN("directory: {}; trying again{}", st.message(), log::held_note(held));
+      if (st.err() == ENOENT || st.err() == EPROTO) registered_ = false;  // start over
     }
     l.lock();
     if (stop_) break;

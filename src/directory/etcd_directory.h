@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "directory/etcd.h"
@@ -146,6 +147,7 @@ class EtcdDirectory final : public transport::Directory {
     uint64_t registrations = 0, watch_events = 0, conflicts = 0, moves = 0;
   } cnt_;
   int64_t watch_revision_ = 0;  ///< the store's revision the copy is at
+  log::Burst retry_log_{1'000'000'000, 5};  ///< the worker's own: refusals it tries again
 };
 
 }  // namespace vrdma::directory

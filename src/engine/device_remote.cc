@@ -96,9 +96,11 @@ void Device::choose_route(Qp& qp) {
     const std::string away = transport_ ? transport_->directory_unavailable() : std::string();
     std::string why = "destination not known (yet); looked up again on send";
     if (!away.empty()) {
+      // Looked up again on every send: said once (the reason's text changes as members are
+      // tried in turn).
+      const bool said = qp.transport_why.starts_with("destination not known: ");
       why = fmt::format("destination not known: {}; retried, then IBV_WC_RETRY_EXC_ERR", away);
-      if (why != qp.transport_why)  // looked up again on every send: said once
-        VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+      if (!said) VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
     }
     qp.transport_why = std::move(why);
     qp.route_pending = true;
