@@ -495,7 +495,10 @@ void EtcdDirectory::announce(const transport::GuestInfo& g, bool up) {
       leaving_.erase(g.name);
       pending_.push_back(g);
     } else {
+      // A join not written yet is not written at all: the guest is no longer here, and its
+      // entry may be another node's by now (a move), which a late write would take back.
       local_.erase(g.name);
+      std::erase_if(pending_, [&](const transport::GuestInfo& p) { return p.name == g.name; });
       leaving_[g.name] = {g, Clock::now() + std::chrono::milliseconds(opt_.leave_delay_ms)};
     }
   }
