@@ -79,6 +79,9 @@ Result<std::unique_ptr<EtcdDirectory>> EtcdDirectory::start(Options o) {
                                        e));
   }
   if (o.prefix.empty() || o.prefix.back() != '/') o.prefix += '/';
+  // A request that waits on a member (say during an election) must leave time to try the next
+  // and to keep the lease alive: a quarter of the lease at most.
+  o.etcd.timeout_ms = std::min(o.etcd.timeout_ms, std::max(200, o.lease_s * 1000 / 4));
   std::unique_ptr<EtcdDirectory> d(new EtcdDirectory(std::move(o)));
   if (!d->wake_.valid()) return error(errno, "eventfd");
   d->endpoint_ = d->opt_.etcd.endpoints.front();
@@ -236,6 +239,7 @@ void EtcdDirectory::refresh_ttls(EtcdClient& c) {
   }
   for (auto& [n, lease] : leases) {
     auto r = c.lease_ttl(lease);
+    if (r.err() == EHOSTUNREACH || r.err() == ECANCELED) return;  // status can wait
     std::lock_guard<std::mutex> l(mu_);
     auto it = nodes_.find(n);
     if (it != nodes_.end() && it->second.lease == lease) it->second.ttl_left = r ? *r : -1;
@@ -256,42 +260,7 @@ void EtcdDirectory::worker() {
       st = register_self(c);
       next_keep = Clock::now() + keep_every;
     }
-    // Local guests' joins, in order, then the leaves whose time came; one that fails for lack of
-    // etcd waits for the next try.
-    while (st.is_ok() && !stop_) {
-      transport::GuestInfo joined;
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        if (pending_.empty()) break;
-        joined = pending_.front();
-      }
-      Status r = put_guest(c, joined);
-      if (!r.is_ok() && r.err() != EADDRINUSE) {  // a LID clash is final (logged); else again
-        st = r;
-        break;
-      }
-      std::lock_guard<std::mutex> g(mu_);
-      pending_.pop_front();
-    }
-    while (st.is_ok() && !stop_) {
-      transport::GuestInfo gone;
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        auto it = std::find_if(leaving_.begin(), leaving_.end(),
-                               [](const auto& e) { return e.second.second <= Clock::now(); });
-        if (it == leaving_.end()) break;
-        gone = it->second.first;
-      }
-      Status r = remove_guest(c, gone);
-      if (!r.is_ok()) {
-        st = r;
-        break;
-      }
-      std::lock_guard<std::mutex> g(mu_);
-      if (auto it = leaving_.find(gone.name);
-          it != leaving_.end() && it->second.second <= Clock::now())
-        leaving_.erase(it);
-    }
+    // The lease first: a write that waits on etcd must not let it run out.
     if (st.is_ok() && registered_ && Clock::now() >= next_keep) {
       int64_t lease;
       {
@@ -311,6 +280,44 @@ void EtcdDirectory::worker() {
         next_keep = Clock::now() + keep_every;
         refresh_ttls(c);
       }
+    }
+    // Local guests' joins, in order, then the leaves whose time came, until the lease is due
+    // again; one that fails for lack of etcd waits for the next try.
+    auto more = [&] { return st.is_ok() && !stop_ && Clock::now() < next_keep; };
+    while (more()) {
+      transport::GuestInfo joined;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        if (pending_.empty()) break;
+        joined = pending_.front();
+      }
+      Status r = put_guest(c, joined);
+      if (!r.is_ok() && r.err() != EADDRINUSE) {  // a LID clash is final (logged); else again
+        st = r;
+        break;
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      // (It may have left meanwhile: announce() took it out of the queue then.)
+      if (!pending_.empty() && pending_.front().name == joined.name) pending_.pop_front();
+    }
+    while (more()) {
+      transport::GuestInfo gone;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = std::find_if(leaving_.begin(), leaving_.end(),
+                               [](const auto& e) { return e.second.second <= Clock::now(); });
+        if (it == leaving_.end()) break;
+        gone = it->second.first;
+      }
+      Status r = remove_guest(c, gone);
+      if (!r.is_ok()) {
+        st = r;
+        break;
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      if (auto it = leaving_.find(gone.name);
+          it != leaving_.end() && it->second.second <= Clock::now())
+        leaving_.erase(it);
     }
     if (st.is_ok()) {
       note_ok();
