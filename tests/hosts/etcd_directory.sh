@@ -30,7 +30,8 @@ log "three backends found each other through etcd alone"
 # Nodes in cluster status (JSON) of host I, sorted: "h1 h2 h3".
 cluster_nodes() {
   VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
-    python3 -c 'import json,sys; print(" ".join(sorted(n["node"] for n in json.load(sys.stdin).get("nodes", []))))'
+    python3 -c 'import json, sys
+print(" ".join(sorted(n["node"] for n in json.load(sys.stdin).get("nodes", []))))'
 }
 [[ $(cluster_nodes 1) == "h1 h2 h3" ]] || fail "h1's cluster status: '$(cluster_nodes 1)'"
 VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.out" ||
@@ -148,7 +149,8 @@ for ((k = 0; k < 150; k++)); do
 done
 ms=$((($(date +%s%N) - t0) / 1000000))
 [[ $(cluster_nodes 1) == "h1 h2" ]] || fail "h3 still in h1's cluster status after $ms ms"
-# The lease (2 s) from its last refresh, then etcd's expiry check (every 0.5 s) and the watch: under 5 s.
+# The lease (2 s) from its last refresh, then etcd's expiry check (every 0.5 s) and the watch:
+# under 5 s.
 ((ms <= 5000)) || fail "h3 left h1's cluster status after $ms ms (lease 2 s)"
 grep -q "directory: node h3 left" "$E2E_TMP/vrdmad.h1.log" || fail "h1 still dials h3"
 log "h3 gone from the others' cluster status after $ms ms (lease 2 s)"

@@ -10,10 +10,10 @@ ETCD_URLS=""
 ETCD_HOSTS=()
 
 etcd_require() {
-  command -v etcd >/dev/null && command -v etcdctl >/dev/null || {
+  if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
     echo "SKIP: etcd is not installed (apt-get install etcd-server etcd-client)"
     exit 77
-  }
+  fi
 }
 etcd_url() { echo "http://$(host_ip "$1"):2379"; }
 
@@ -35,16 +35,17 @@ etcd_member_start() {
 etcd_member_kill() {
   { kill -KILL "${ETCD_PID[$1]}" && wait "${ETCD_PID[$1]}"; } 2>/dev/null || true
 }
-# Waits up to 20 s until the cluster (seen from host I, default the first member's) has a leader.
+# Waits up to 20 s until the cluster (seen from the first member's host) takes a write.
 etcd_wait() {
-  local from=${1:-${ETCD_HOSTS[0]}} eps="" j k
+  local from=${ETCD_HOSTS[0]} eps="" j k
   for j in "${ETCD_HOSTS[@]}"; do eps+="${eps:+,}$(etcd_url "$j")"; done
   for ((k = 0; k < 200; k++)); do
     hexec "$from" etcdctl --endpoints "$eps" --dial-timeout 1s --command-timeout 1s \
       put /vrdma-test/ping ok >/dev/null 2>&1 && return 0
     nap 0.1
   done
-  fail "etcd on ${ETCD_HOSTS[*]} did not answer in 20 s: $(tail -n 3 "$E2E_TMP/etcd.h${ETCD_HOSTS[0]}.log")"
+  fail "etcd on ${ETCD_HOSTS[*]} did not answer in 20 s:" \
+    "$(tail -n 3 "$E2E_TMP/etcd.h${ETCD_HOSTS[0]}.log")"
 }
 etcd_cluster() {
   local i
