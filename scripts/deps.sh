@@ -13,6 +13,7 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev
   debhelper lintian
   libssl-dev openssl
+  libcurl4-openssl-dev etcd-server etcd-client
 )
 
 missing=()

@@ -218,6 +218,15 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"cert", string(c.tls_cert)},
         {"key", string(c.tls_key)},
         {"insecure", boolean(c.insecure)}}},
+      {"directory",
+       {{"etcd", string_list(c.etcd)},
+        {"ca", string(c.etcd_ca)},
+        {"cert", string(c.etcd_cert)},
+        {"key", string(c.etcd_key)},
+        {"prefix", string(c.etcd_prefix)},
+        {"lease_s", integer(c.etcd_lease_s, 2, 3600)},
+        {"timeout_ms", integer(c.etcd_timeout_ms, 100, 60 * 1000)},
+        {"advertise", endpoint(c.advertise, true)}}},
       {"metrics",
        {{"enabled", boolean(c.metrics_enabled)},
         {"listen", metrics_endpoint(c.metrics_listen)},
@@ -256,6 +265,14 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
     std::string tmp;
     RETURN_IF_ERROR(endpoint(tmp, false)(v, origin + ": transport.peers"));
   }
+  for (const std::string& e : c.etcd) {
+    if (!e.starts_with("http://") && !e.starts_with("https://"))
+      return error(EINVAL, fmt::format("{}: directory.etcd: \"{}\" is not http://HOST:PORT or "
+                                       "https://HOST:PORT",
+                                       origin, e));
+  }
+  if (c.etcd_prefix.empty() || c.etcd_prefix.front() != '/')
+    return error(EINVAL, origin + ": directory.prefix must start with '/'");
   *this = std::move(c);
   return Status::ok();
 }

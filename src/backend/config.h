@@ -61,6 +61,16 @@ struct Config {
   /// Run the TCP transport with no credential on a non-loopback address (anyone who reaches
   /// the port can inject into guests' connections): only when the operator says so.
   bool insecure = false;
+  // [directory] (docs/ARCHITECTURE.md, "The directory on etcd")
+  /// etcd's client URLs ("http://HOST:PORT", "https://..."): peers and guests are found there
+  /// (the static peers are not dialed then). Empty: the embedded directory.
+  std::vector<std::string> etcd;
+  std::string etcd_ca, etcd_cert, etcd_key;  ///< TLS toward etcd (files; curl's)
+  std::string etcd_prefix = "/vrdma/";       ///< the cluster's keys live under it
+  int etcd_lease_s = 5;        ///< a backend's entries vanish this long after it stops
+  int etcd_timeout_ms = 2000;  ///< one request to etcd
+  /// Where peers dial this backend ("ADDR:PORT"); "" = [transport] listen (not a wildcard).
+  std::string advertise;
   // [metrics]
   bool metrics_enabled = false;
   std::string metrics_listen = "127.0.0.1:9464";  ///< "ADDR:PORT" or "unix:/PATH"

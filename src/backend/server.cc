@@ -227,6 +227,7 @@ Status Server::setup() {
     transport::tcp::TcpTransport::Options to{opt_.node,
                                              opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen,
                                              opt_.peers, opt_.force == "tcp", nullptr};
+    if (!opt_.etcd.empty()) to.peers.clear();  // peers come from the directory
     ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
@@ -235,8 +236,15 @@ Status Server::setup() {
         [this](const std::string& node, const proto::wire::Cm& m) { cm_.on_wire(node, m); });
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
-    reporter_.set_transport_details([this] { return transport_json(*tcp_); });
+    reporter_.set_transport_details([this] {
+      nlohmann::json j = transport_json(*tcp_);
+      if (directory_) j["directory"] = directory_->status_json();
+      return j;
+    });
     reporter_.set_peer_dials([this] { return dials_json(*tcp_); });
+    if (!opt_.etcd.empty()) RETURN_IF_ERROR(start_directory());
+  } else if (!opt_.etcd.empty()) {
+    return error(EINVAL, "[directory] etcd needs the TCP transport: set [transport] listen");
   }
   if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
   if (opt_.direct_path && opt_.keep_state)
@@ -247,6 +255,50 @@ Status Server::setup() {
     VLOG_WARN("direct_remote is off: a keeper cannot hold the state of direct QPs yet");
   dev_.set_direct_remote(opt_.direct_remote && !opt_.keep_state);
   return Status::ok();
+}
+
+Status Server::start_directory() {
+  directory::EtcdDirectory::Options o;
+  o.etcd = {opt_.etcd, opt_.etcd_ca, opt_.etcd_cert, opt_.etcd_key, opt_.etcd_timeout_ms};
+  o.prefix = opt_.etcd_prefix;
+  o.node = opt_.node;
+  o.lease_s = opt_.etcd_lease_s;
+  o.address = opt_.advertise.empty() ? opt_.listen : opt_.advertise;
+  ASSIGN_OR_RETURN(sockaddr_in sa, transport::tcp::parse_endpoint(o.address));
+  if (sa.sin_addr.s_addr == INADDR_ANY || sa.sin_port == 0)
+    return error(EINVAL, fmt::format("[directory]: peers cannot dial {}; set [directory] "
+                                     "advertise = \"ADDR:PORT\" (where they reach this backend)",
+                                     o.address));
+  if (!opt_.peers.empty())
+    VLOG_WARN("[transport] peers are not dialed: with [directory] etcd, peers come from etcd");
+  if (tcp_->secure()) {
+    std::string cert = opt_.tls_cert;
+    if (cert.empty() && !opt_.cluster_dir.empty())
+      cert = transport::tcp::TlsFiles::in_dir(opt_.cluster_dir, opt_.node).cert;
+    o.fingerprint = transport::tcp::cert_file_fingerprint(cert);
+  }
+  ASSIGN_OR_RETURN(directory_, directory::EtcdDirectory::start(std::move(o)));
+  tcp_->set_directory(directory_.get());
+  watch(directory_->fd(), kTagDirectory);
+  return Status::ok();
+}
+
+void Server::on_directory() {
+  using Change = directory::EtcdDirectory::Change;
+  directory_->poll([this](const Change& c) {
+    switch (c.kind) {
+      case Change::Kind::kPeerUp:
+        if (Status st = tcp_->add_peer(c.node, c.address); !st.is_ok())
+          VLOG_WARN("directory: node {} at {}: {}; not dialed", c.node, c.address, st.message());
+        break;
+      case Change::Kind::kPeerDown:
+        tcp_->drop_peer(c.node);
+        break;
+      case Change::Kind::kGuestMoved:
+        dev_.on_guest_located(c.guest, c.node);
+        break;
+    }
+  });
 }
 
 // Every connection costs a descriptor before it has said who it is: those that have not said
@@ -699,6 +751,11 @@ Status Server::run() {
       }
       if (tag & kTagCm) {
         cm_.on_timer();
+        continue;
+      }
+      if (tag & kTagDirectory) {
+        on_directory();
+        last_work = now_ns();
         continue;
       }
       if (tag & kTagTransport) {  // tcp_->poll() at the top of the loop reads it

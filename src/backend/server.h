@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "directory/etcd_directory.h"
 #include "engine/device.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -112,6 +113,7 @@ class Server {
   static constexpr uint64_t kTagMetrics = 1ull << 59;
   static constexpr uint64_t kTagTransport = 1ull << 58;
   static constexpr uint64_t kTagCm = 1ull << 57;  ///< the connection service's timers
+  static constexpr uint64_t kTagDirectory = 1ull << 56;  ///< the directory on etcd has changes
 
   /// The TLS context of [transport]'s credential; null for plain TCP (loopback, or insecure).
   Result<std::shared_ptr<const transport::tcp::TlsContext>> transport_credential() const;
@@ -120,6 +122,13 @@ class Server {
   UniqueFd dir_;   ///< the socket's directory, checked (open_socket_dir): its files open from here
   UniqueFd lock_, listen_, epoll_;
 
+  /// The directory on etcd ([directory] etcd); null: the embedded one. Declared before tcp_,
+  /// which tells it about guests until it is destroyed.
+  std::unique_ptr<directory::EtcdDirectory> directory_;
+  /// Starts directory_ and hands it to tcp_.
+  Status start_directory();
+  /// Applies what the directory saw change: peers to dial or drop, guests that moved.
+  void on_directory();
   /// Cross-backend traffic; null: off. Declared before dev_ so it outlives it: the device tells
   /// it about guests that leave while it is destroyed.
   std::unique_ptr<transport::tcp::TcpTransport> tcp_;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cli/cluster.h"
+#include "cli/cluster_status.h"
 #include "cli/device_view.h"
 #include "cli/show.h"
 #include "common/paths.h"
@@ -509,6 +510,13 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
   return 0;
 }
 
+/// `vrdma cluster status [-j]`: the cluster as the backend at `socket` sees it (cluster_status.h).
+int cmd_cluster_status(bool json, const std::string& socket) {
+  const nlohmann::json view = cluster_view(query_status_json(socket));
+  fmt::print("{}", json ? view.dump() + "\n" : cluster_text(view));
+  return 0;
+}
+
 /// `vrdma cluster init|add-node|show [-j]`: exit 2 for a bad argument, 1 for any other failure.
 int cmd_cluster(const std::string& sub, const std::string& dir, const std::string& name, int days,
                 bool force, bool json) {
@@ -694,6 +702,11 @@ int main_impl(int argc, char** argv) {
   cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
   bool cl_json = false;
   cl_show->add_flag("-j,--json", cl_json, "JSON output");
+  std::string cl_socket;
+  auto* cl_status = cluster->add_subcommand(
+      "status", "Nodes, addresses, leases and guests of the directory, and this backend's peers");
+  cl_status->add_flag("-j,--json", cl_json, "JSON output");
+  cl_status->add_option("--socket", cl_socket, "backend socket");
 
   std::string setup_guest = "host";
   bool setup_remove = false, setup_json = false;
@@ -761,6 +774,7 @@ int main_impl(int argc, char** argv) {
   if (*setup) {
     return cmd_setup(setup_guest, setup_remove, setup_json);
   }
+  if (*cl_status) return cmd_cluster_status(cl_json, cl_socket);
   if (*cluster) {
     return cmd_cluster(cluster->get_subcommands().front()->get_name(), cl_dir, cl_name, cl_days,
                        cl_force, cl_json);

@@ -79,7 +79,16 @@ void Device::choose_route(Qp& qp) {
                            : a.is_global ? transport_->locate_gid(a.dgid)
                                          : transport_->locate_lid(static_cast<uint16_t>(a.dlid));
   if (node.empty()) {
-    qp.transport_why = "destination not known (yet); looked up again on send";
+    const std::string away = transport_ ? transport_->directory_unavailable() : std::string();
+    std::string why = "destination not known (yet); looked up again on send";
+    if (!away.empty()) {
+      // Looked up again on every send: said once (the reason's text changes as members are
+      // tried in turn).
+      const bool said = qp.transport_why.starts_with("destination not known: ");
+      why = fmt::format("destination not known: {}; retried, then IBV_WC_RETRY_EXC_ERR", away);
+      if (!said) VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+    }
+    qp.transport_why = std::move(why);
     qp.route_pending = true;
     return;
   }

@@ -79,6 +79,9 @@ class Transport {
   /// The peer node hosting the guest with this LID / GID, or "" when no peer announced one.
   virtual std::string locate_lid(uint16_t lid) const = 0;
   virtual std::string locate_gid(const uint8_t gid[16]) const = 0;
+  /// Why the directory cannot answer now (its store is unreachable), or "": a destination it
+  /// does not know then is said so, not silently retried.
+  virtual std::string directory_unavailable() const { return {}; }
   /// Queues a frame for `node` with `payload` gathered from `spans` (read when the socket
   /// takes them, not copied now). False when there is no connection to `node` now.
   /// `flow` names the QP it is for (0: none), so that drop_flow can take it back.

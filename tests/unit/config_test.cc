@@ -210,6 +210,31 @@ TEST(ConfigTest, MetricsOnAUnixSocket) {
   }
 }
 
+TEST(ConfigTest, DirectoryOnEtcd) {
+  Config c;
+  EXPECT_TRUE(c.etcd.empty());  // the embedded directory by default
+  Status st = c.load_string(R"(
+[directory]
+etcd = ["http://10.0.0.9:2379", "https://10.0.0.10:2379"]
+ca = "/etc/etcd/ca.pem"
+prefix = "/lab/"
+lease_s = 3
+advertise = "10.0.0.1:7471"
+)",
+                            "t.toml");
+  ASSERT_TRUE(st.is_ok()) << st.message();
+  EXPECT_EQ(c.etcd.size(), 2u);
+  EXPECT_EQ(c.etcd_ca, "/etc/etcd/ca.pem");
+  EXPECT_EQ(c.etcd_prefix, "/lab/");
+  EXPECT_EQ(c.etcd_lease_s, 3);
+  EXPECT_EQ(c.advertise, "10.0.0.1:7471");
+  st = c.load_string("[directory]\netcd = [\"10.0.0.9:2379\"]\n", "u.toml");
+  EXPECT_NE(st.message().find("is not http://HOST:PORT"), std::string::npos) << st.message();
+  st = c.load_string("[directory]\nlease_s = 1\n", "u.toml");
+  EXPECT_NE(st.message().find("out of range"), std::string::npos) << st.message();
+  EXPECT_EQ(c.etcd_lease_s, 3);  // a rejected file changes nothing
+}
+
 TEST(ConfigTest, MissingFile) {
   Config c;
   Status st = c.load_file("/nonexistent/vrdmad.toml");

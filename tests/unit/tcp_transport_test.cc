@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "cli/cluster.h"
@@ -280,6 +281,49 @@ TEST(TcpTransport, AnUnreachablePeerSaysWhyInItsDial) {
   ASSERT_TRUE(run_until({b->get()}, [&] { return (*b)->dials().at(0).state != "connected"; }));
   const std::string end = (*b)->dials().at(0).last_error;
   EXPECT_TRUE(end == "closed by the peer" || end == "Connection reset by peer") << end;
+}
+
+/// A directory that knows nodes' certificate fingerprints only (the etcd one pins them so).
+struct PinningDirectory final : transport::Directory {
+  std::map<std::string, std::string> pins;
+  void announce(const GuestInfo&, bool) override {}
+  std::string locate_lid(uint16_t) const override { return {}; }
+  std::string locate_gid(const uint8_t*) const override { return {}; }
+  std::string fingerprint_of(const std::string& node) const override {
+    auto it = pins.find(node);
+    return it == pins.end() ? std::string() : it->second;
+  }
+  std::string unavailable() const override { return {}; }
+};
+
+// A node that registered one certificate in the directory and presents another (re-keyed with
+// the CA's blessing, or a second credential of a stolen name) is refused; its registered one
+// is taken.
+TEST(TcpTransport, APeerMustPresentTheCertificateItRegistered) {
+  Cluster cl({"node-a", "node-b"});
+  const std::string registered = cert_file_fingerprint(cl.dir() + "/node-b.pem");
+  ASSERT_FALSE(registered.empty());
+  auto first = cl.ctx("node-b");
+  ASSERT_TRUE(cli::cluster_add_node(cl.dir(), "node-b", 30, true).is_ok());  // a second one
+  auto second = cl.ctx("node-b");
+  EXPECT_NE(cert_file_fingerprint(cl.dir() + "/node-b.pem"), registered);
+  PinningDirectory dir;
+  dir.pins["node-b"] = registered;
+  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
+  Recorder ra, rb, rc;
+  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  ASSERT_TRUE(a.is_ok());
+  (*a)->set_directory(&dir);
+  auto other = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, second}, rc);
+  ASSERT_TRUE(other.is_ok());
+  auto refused = {a->get(), other->get()};
+  ASSERT_TRUE(run_until(refused, [&] { return (*a)->refused().name >= 1; }));
+  EXPECT_TRUE((*a)->connected().empty());
+  other->reset();
+  auto right = TcpTransport::create({"node-b", "127.0.0.1:0", {addr_a}, false, first}, rb);
+  ASSERT_TRUE(right.is_ok());
+  auto taken = {a->get(), right->get()};
+  EXPECT_TRUE(run_until(taken, [&] { return connected(**a, "node-b"); }));
 }
 
 TEST(TcpTransport, ANodeCannotTakeOverWhatAnotherNodeHolds) {

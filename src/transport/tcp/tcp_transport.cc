@@ -806,6 +806,7 @@ void TcpTransport::refused_frame(const std::string& node, const std::string& why
 }
 
 void TcpTransport::announce(const GuestInfo& g, bool up) {
+  if (directory_) directory_->announce(g, up);
   if (up) {
     local_[g.name] = g;
   } else {
@@ -820,14 +821,54 @@ void TcpTransport::announce(const GuestInfo& g, bool up) {
   }
 }
 
+// With a directory outside (etcd), its answer decides. What a peer announced over its own
+// connection is used only for what that directory does not list yet while it is reachable: a
+// guest that just joined there is announced on the connection its first request follows, but
+// reaches our copy of etcd a moment later. While etcd is away nothing new is located.
 std::string TcpTransport::locate_lid(uint16_t lid) const {
+  if (directory_) {
+    std::string node = directory_->locate_lid(lid);
+    if (!node.empty() || !directory_->unavailable().empty()) return node;
+  }
   auto it = by_lid_.find(lid);
   return it == by_lid_.end() ? std::string() : it->second.node;
 }
 
 std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
+  if (directory_) {
+    std::string node = directory_->locate_gid(gid);
+    if (!node.empty() || !directory_->unavailable().empty()) return node;
+  }
   auto it = by_gid_.find(gid_key(gid));
   return it == by_gid_.end() ? std::string() : it->second.node;
+}
+
+Status TcpTransport::add_peer(const std::string& node, const std::string& addr) {
+  ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(addr));
+  for (Dial& d : dials_) {
+    if (d.expect != node) continue;
+    if (d.addr == addr) return Status::ok();
+    d.addr = addr;  // it moved: the next dial goes there
+    d.sa = sa;
+    d.next_ns = 0;
+    return Status::ok();
+  }
+  dials_.push_back(Dial{addr, node, sa, nullptr, 0, kRedialMs, ""});
+  return Status::ok();
+}
+
+void TcpTransport::drop_peer(const std::string& node) {
+  for (auto it = dials_.begin(); it != dials_.end();) {
+    if (it->expect != node) {
+      ++it;
+      continue;
+    }
+    if (it->conn) close_conn(it->conn, "left the directory");
+    it = dials_.erase(it);
+  }
+  if (auto c = by_node_.find(node); c != by_node_.end())
+    close_conn(c->second, "left the directory");
+  // Closed connections are freed at the end of poll(): nothing of them is used before.
 }
 
 std::vector<std::string> TcpTransport::connected() const {
@@ -912,6 +953,20 @@ bool TcpTransport::handshake(Conn& c) {
            c.addr, t.peer_name(), c.expect);
     close_conn(&c, "another node answered");
     return false;
+  }
+  // The directory on etcd pins each node's certificate: a node that registered with one and
+  // presents another (a stolen name's second credential, or a re-keyed node not yet registered
+  // again) is refused.
+  if (directory_) {
+    const std::string pinned = directory_->fingerprint_of(t.peer_name());
+    if (!pinned.empty() && pinned != t.peer_fingerprint()) {
+      refuse(refused_.name,
+             "transport tcp: {} is node {} with certificate {}, but {} registered {} in the "
+             "directory; closing",
+             c.addr, t.peer_name(), t.peer_fingerprint(), t.peer_name(), pinned);
+      close_conn(&c, "not the certificate its node registered");
+      return false;
+    }
   }
   // Who answers at a dialed address is known now: no redial while we hold a connection to it,
   // even if this one is closed as a duplicate before the peer's Hello reaches us.

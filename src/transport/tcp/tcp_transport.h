@@ -23,6 +23,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "transport/directory.h"
 #include "transport/tcp/tls.h"
 #include "transport/transport.h"
 
@@ -112,11 +113,22 @@ class TcpTransport final : public Transport {
   std::vector<DialInfo> dials() const;
   const Refused& refused() const { return refused_; }
   bool secure() const { return opt_.tls != nullptr; }
+  /// A directory outside the transport (etcd): locate_* answer from it and announce() tells it
+  /// too. Null (the default): the embedded directory alone.
+  void set_directory(Directory* d) { directory_ = d; }
+  /// A peer the directory found: dialed at "ADDR:PORT", and only `node` may answer there
+  /// (replaces an earlier address of it).
+  Status add_peer(const std::string& node, const std::string& addr);
+  /// A peer that left the directory: no longer dialed; its connection is closed.
+  void drop_peer(const std::string& node);
 
   const std::string& self() const override { return opt_.node; }
   bool forced() const override { return opt_.force; }
   std::string locate_lid(uint16_t lid) const override;
   std::string locate_gid(const uint8_t gid[16]) const override;
+  std::string directory_unavailable() const override {
+    return directory_ ? directory_->unavailable() : std::string();
+  }
   bool send(const std::string& node, proto::wire::Type t, const void* body,
             std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) override;
   void drop_flow(const std::string& node, uint64_t flow) override;
@@ -287,6 +299,7 @@ class TcpTransport final : public Transport {
   /// Refusal lines: 20 at once, then one a second; the rest are counted in the next line.
   log::Burst refuse_log_{1'000'000'000, 20};
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
+  Directory* directory_ = nullptr;        ///< set_directory
 };
 
 }  // namespace vrdma::transport::tcp

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
@@ -13,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 namespace vrdma::transport::tcp {
@@ -32,6 +35,16 @@ std::string cn_of(X509* cert) {
       X509_NAME_get_text_by_NID(X509_get_subject_name(cert), NID_commonName, cn, sizeof(cn)) <= 0)
     return {};
   return cn;
+}
+
+/// SHA-256 of the certificate (DER), "AB:CD:..." ("" for none).
+std::string fingerprint_of(X509* cert) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  if (!cert || X509_digest(cert, EVP_sha256(), md, &n) != 1) return {};
+  std::string out;
+  for (unsigned i = 0; i < n; ++i) out += fmt::format("{}{:02X}", i ? ":" : "", md[i]);
+  return out;
 }
 
 Status check_key_file(const std::string& path) {
@@ -173,6 +186,7 @@ int TlsStream::handshake(std::string& why) {
   if (r == 1) {
     established_ = true;
     peer_name_ = cn_of(SSL_get0_peer_certificate(ssl_));
+    peer_fingerprint_ = fingerprint_of(SSL_get0_peer_certificate(ssl_));
     cipher_ = SSL_get_cipher_name(ssl_);
     return 1;
   }
@@ -212,6 +226,16 @@ ssize_t TlsStream::write(const void* p, size_t n, std::string& why) {
   if (e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ) return 0;
   why = tls_errors();
   return -1;
+}
+
+std::string cert_file_fingerprint(const std::string& pem_file) {
+  FILE* f = std::fopen(pem_file.c_str(), "r");
+  if (!f) return {};
+  X509* x = PEM_read_X509(f, nullptr, nullptr, nullptr);
+  std::fclose(f);
+  std::string out = fingerprint_of(x);
+  X509_free(x);
+  return out;
 }
 
 }  // namespace vrdma::transport::tcp

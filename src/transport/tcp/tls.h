@@ -61,6 +61,9 @@ class TlsStream {
   bool established() const { return established_; }
   /// The verified peer's certificate CN, and the cipher suite (after the handshake).
   const std::string& peer_name() const { return peer_name_; }
+  /// The SHA-256 fingerprint of the verified peer's certificate, "AB:CD:..." (after the
+  /// handshake; what the directory on etcd records for each node).
+  const std::string& peer_fingerprint() const { return peer_fingerprint_; }
   const std::string& cipher() const { return cipher_; }
 
   /// Decrypts into p: bytes (> 0), 0 when a whole record is not there yet, -1 on a forged,
@@ -78,8 +81,11 @@ class TlsStream {
   BIO* int_ = nullptr;  ///< the session's end
   bool established_ = false;
   uint64_t sent_ = 0;
-  std::string peer_name_, cipher_;
+  std::string peer_name_, peer_fingerprint_, cipher_;
 };
+
+/// The SHA-256 fingerprint of a PEM certificate file, "AB:CD:..." ("" when unreadable).
+std::string cert_file_fingerprint(const std::string& pem_file);
 
 /// The queued OpenSSL errors as one line (and clears them).
 std::string tls_errors();

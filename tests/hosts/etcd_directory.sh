@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# The directory on etcd: three namespace hosts whose backends are given no peers, only a
+# 3-member etcd cluster (on three more hosts; [directory] etcd, lease 2 s). They find each other
+# there (a full mesh), `vrdma cluster status` lists them, and ibv_rc_pingpong runs between every
+# pair at once (LID, GID, content validation). One etcd member killed: nothing stops. All of
+# etcd stopped: a verifying RC stream that runs goes on, a new connection fails clearly (the
+# destination is not located; IBV_WC_RETRY_EXC_ERR); etcd back: the backends answer again and a
+# new pair connects. A backend SIGKILLed disappears from the others' cluster status within its
+# lease, and their connection to it is dropped.
+# Usage: etcd_directory.sh BIN_DIR
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# shellcheck source-path=SCRIPTDIR source=etcd_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/etcd_lib.sh"
+etcd_require
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../e2e" && pwd)"
+hosts_init "${1:-}" 6 0  # h1..h3: backends (below); h4..h6: etcd members
+etcd_cluster 4 5 6
+cat >"$E2E_TMP/directory.toml" <<TOML
+[directory]
+etcd = $ETCD_URLS
+lease_s = 2
+TOML
+HOSTS_VRDMAD_ARGS="--config $E2E_TMP/directory.toml"
+for i in 1 2 3; do start_backend "$i"; done  # HOSTS_B is 0: no --peer
+HOSTS_B=3
+wait_mesh
+log "three backends found each other through etcd alone"
+
+# Nodes in cluster status (JSON) of host I, sorted: "h1 h2 h3".
+cluster_nodes() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
+    python3 -c 'import json, sys
+print(" ".join(sorted(n["node"] for n in json.load(sys.stdin).get("nodes", []))))'
+}
+[[ $(cluster_nodes 1) == "h1 h2 h3" ]] || fail "h1's cluster status: '$(cluster_nodes 1)'"
+VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.out" ||
+  fail "vrdma cluster status"
+grep -qE '^h2 +10\.77\.0\.2:7471 .* yes$' "$E2E_TMP/cluster_status.out" ||
+  fail "cluster status text: $(cat "$E2E_TMP/cluster_status.out")"
+# Both documents with the directory in them match their schemas (tests/e2e/schema/vrdma.json).
+for cmd in "status status" "cluster_status cluster status"; do
+  read -r schema args <<<"$cmd"
+  # shellcheck disable=SC2086  # the command's words
+  VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" $args -j >"$E2E_TMP/$schema.json"
+  python3 "$E2E_DIR/json_check.py" "$E2E_DIR/schema/vrdma.json" "$schema" \
+    <"$E2E_TMP/$schema.json" >"$E2E_TMP/$schema.why" ||
+    fail "vrdma $args -j does not match its schema: $(cat "$E2E_TMP/$schema.why")"
+done
+
+log "three rc pingpongs at once (content validation, GID, LID)"
+declare -A spid cpid
+for pair in "12 -c" "23 -g 0" "31"; do
+  read -r ab opts <<<"$pair"
+  # shellcheck disable=SC2086  # the options are words
+  hpair_start "p$ab" "${ab:0:1}" "${ab:1:1}" -n 500 $opts
+  spid[p$ab]=$HP_SPID cpid[p$ab]=$HP_CPID
+done
+for p in p12 p23 p31; do finish_pair "$p" "${spid[$p]}" "${cpid[$p]}" 60; done
+
+PP_TOOL=ibv_ud_pingpong hpair ud 1 3 -n 200
+
+log "one etcd member killed"
+etcd_member_kill 4
+hpair m1 2 3 -n 200
+
+hstream_start st 1 2
+hwait_flowing 1 st-s msgs_received "$srv"
+# "NODE GENERATION" of guest G's entry in host I's cluster status.
+guest_on() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j | G=$2 python3 -c '
+import json, os, sys
+for n in json.load(sys.stdin)["nodes"]:
+    for g in n["guests"]:
+        if g["name"] == os.environ["G"]: print(n["node"], g["generation"])'
+}
+log "the stream's server guest moves h1 -> h3 -> h1 (its entry: compare-and-swap)"
+gen=1
+for hop in "1 3" "3 1"; do
+  read -r from to <<<"$hop"
+  gen=$((gen + 1))
+  hmigrate st-s "$from" "$to"
+  hwait_route 2 st-c "tcp/h$to" 10
+  for ((k = 0; k < 100; k++)); do
+    [[ $(guest_on 2 st-s) == "h$to $gen" ]] && break
+    nap 0.05
+  done
+  [[ $(guest_on 2 st-s) == "h$to $gen" ]] ||
+    fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h$to $gen'"
+  log "st-s on h$to (generation $gen), downtime ${MIG_DOWNTIMES[-1]} us"
+done
+log "all of etcd stopped"
+t_down=$(date +%s%N)
+etcd_member_kill 5
+etcd_member_kill 6
+# etcd.reachable in host I's cluster status: "True" or "False".
+etcd_reachable() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["etcd"]["reachable"])'
+}
+for ((k = 0; k < 100; k++)); do
+  [[ $(etcd_reachable 1) == False && $(etcd_reachable 3) == False ]] && break
+  nap 0.05
+done
+[[ $(etcd_reachable 1) == False ]] || fail "h1 does not notice that etcd is gone"
+log "h1 and h3 saw etcd go after $((($(date +%s%N) - t_down) / 1000000)) ms"
+before=$(hcount 1 st-s msgs_received)
+# A new pair: h3's server guest is not in the directory, so h1 cannot locate it.
+port=$((18000 + RANDOM % 1000))
+hrun 3 --guest dark-s -- ibv_rc_pingpong -p "$port" -n 10 >"$E2E_TMP/dark.server.out" 2>&1 &
+dsrv=$!
+hwait_port 3 "$port" "$dsrv" dark
+hrun 1 --guest dark-c -- ibv_rc_pingpong -p "$port" -n 10 "$(host_ip 3)" \
+  >"$E2E_TMP/dark.client.out" 2>&1 &
+dcli=$!
+wait_pid "$dcli" 20
+[[ $WAIT_RC != 124 ]] || fail "a new connection hung while etcd was down"
+[[ $WAIT_RC != 0 ]] || fail "a new connection succeeded with no directory to locate its peer"
+grep -q "transport retry counter exceeded" "$E2E_TMP/dark.client.out" ||
+  fail "new pair: $(cat "$E2E_TMP/dark.client.out")"
+grep -q "destination not known: the directory (etcd) is unreachable" "$E2E_TMP/vrdmad.h1.log" ||
+  fail "h1's log does not say why the destination is not located"
+kill -KILL "$dsrv" 2>/dev/null || true
+after=$(hcount 1 st-s msgs_received)
+((after > before)) || fail "the stream stopped while etcd was down ($before -> $after)"
+log "etcd down: the stream went on ($before -> $after messages), a new pair failed clearly"
+
+log "etcd back"
+for i in 4 5 6; do etcd_member_start "$i"; done
+etcd_wait
+kill -USR1 "$cli_proc"
+finish_stream st "$cli" "$srv" 30
+log "stream across the etcd outage: $STREAM_RESULT on both ends"
+for i in 1 3; do
+  for ((k = 0; k < 100; k++)); do
+    [[ $(etcd_reachable "$i") == True ]] && break
+    nap 0.05
+  done
+  [[ $(etcd_reachable "$i") == True ]] || fail "h$i: etcd is back but not reachable from it"
+done
+hpair back 3 1 -n 200
+
+log "h3's backend SIGKILLed"
+kill_backend 3
+t0=$(date +%s%N)
+for ((k = 0; k < 150; k++)); do
+  [[ $(cluster_nodes 1) == "h1 h2" && $(cluster_nodes 2) == "h1 h2" ]] && break
+  nap 0.05
+done
+ms=$((($(date +%s%N) - t0) / 1000000))
+[[ $(cluster_nodes 1) == "h1 h2" ]] || fail "h3 still in h1's cluster status after $ms ms"
+# The lease (2 s) from its last refresh, then etcd's expiry check (every 0.5 s) and the watch:
+# under 5 s.
+((ms <= 5000)) || fail "h3 left h1's cluster status after $ms ms (lease 2 s)"
+grep -q "directory: node h3 left" "$E2E_TMP/vrdmad.h1.log" || fail "h1 still dials h3"
+log "h3 gone from the others' cluster status after $ms ms (lease 2 s)"
+e2e_pass

@@ -1,0 +1,61 @@
+# etcd for the hosts tests: a cluster of members started from Debian's etcd (etcd-server), one
+# per namespace host, data in $E2E_TMP/etcd.hI; killed by the hosts' clean-up (they are the
+# test's descendants). `etcd_cluster I...` starts members on hosts I... and waits until the
+# cluster answers; ETCD_URLS is then their client URLs as a TOML array, for [directory] etcd.
+# Needs tests/hosts/lib.sh; a test without etcd installed exits 77 (skipped) at etcd_require.
+# shellcheck shell=bash
+
+declare -a ETCD_PID=()
+ETCD_URLS=""
+ETCD_HOSTS=()
+
+etcd_require() {
+  if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
+    echo "SKIP: etcd is not installed (apt-get install etcd-server etcd-client)"
+    exit 77
+  fi
+}
+etcd_url() { echo "http://$(host_ip "$1"):2379"; }
+
+# Starts (or restarts, on its data) the member on host I.
+etcd_member_start() {
+  local i=$1 j cluster=""
+  for j in "${ETCD_HOSTS[@]}"; do
+    cluster+="${cluster:+,}e$j=http://$(host_ip "$j"):2380"
+  done
+  # Not through hexec (a function: its subshell's pid would be $!, not etcd's).
+  ip netns exec "$(host_ns "$i")" etcd --name "e$i" --data-dir "$E2E_TMP/etcd.h$i" \
+    --listen-client-urls "$(etcd_url "$i")" --advertise-client-urls "$(etcd_url "$i")" \
+    --listen-peer-urls "http://$(host_ip "$i"):2380" \
+    --initial-advertise-peer-urls "http://$(host_ip "$i"):2380" \
+    --initial-cluster "$cluster" --initial-cluster-token "$HOSTS_RID" \
+    --heartbeat-interval 50 --election-timeout 500 >>"$E2E_TMP/etcd.h$i.log" 2>&1 &
+  ETCD_PID[i]=$!
+}
+etcd_member_kill() {
+  { kill -KILL "${ETCD_PID[$1]}" && wait "${ETCD_PID[$1]}"; } 2>/dev/null || true
+}
+# Waits up to 20 s until the cluster (seen from the first member's host) takes a write.
+etcd_wait() {
+  local from=${ETCD_HOSTS[0]} eps="" j k
+  for j in "${ETCD_HOSTS[@]}"; do eps+="${eps:+,}$(etcd_url "$j")"; done
+  for ((k = 0; k < 200; k++)); do
+    hexec "$from" etcdctl --endpoints "$eps" --dial-timeout 1s --command-timeout 1s \
+      put /vrdma-test/ping ok >/dev/null 2>&1 && return 0
+    nap 0.1
+  done
+  fail "etcd on ${ETCD_HOSTS[*]} did not answer in 20 s:" \
+    "$(tail -n 3 "$E2E_TMP/etcd.h${ETCD_HOSTS[0]}.log")"
+}
+etcd_cluster() {
+  local i
+  ETCD_HOSTS=("$@")
+  ETCD_URLS=""
+  for i in "$@"; do
+    ETCD_URLS+="${ETCD_URLS:+, }\"$(etcd_url "$i")\""
+    etcd_member_start "$i"
+  done
+  ETCD_URLS="[$ETCD_URLS]"
+  etcd_wait
+  log "etcd: ${#ETCD_HOSTS[@]} member(s) on ${ETCD_HOSTS[*]/#/h}"
+}

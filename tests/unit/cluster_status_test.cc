@@ -1,0 +1,56 @@
+// `vrdma cluster status`: the cluster view taken from a status document, as JSON and as text.
+#include "cli/cluster_status.h"
+
+#include <gtest/gtest.h>
+
+namespace vrdma::cli {
+namespace {
+
+using nlohmann::json;
+
+json status_with(json tcp) {
+  return {{"backend",
+           {{"node", "h1"},
+            {"transports", json::array({{{"name", "shm"}, {"state", "up"}}, std::move(tcp)})}}}};
+}
+
+TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
+  json dir = {{"kind", "etcd"},      {"endpoint", "http://e:2379"},
+              {"reachable", true},   {"registered", true},
+              {"prefix", "/vrdma/"}, {"lease_s", 2},
+              {"revision", 9},       {"node", "h1"}};
+  dir["nodes"] = json::array(
+      {{{"node", "h1"},
+        {"address", "10.0.0.1:7471"},
+        {"self", true},
+        {"age_s", 5},
+        {"lease_ttl_s", 2},
+        {"guests", json::array({{{"name", "g"}, {"lid", 0x12}, {"generation", 1}}})}},
+       {{"node", "h2"}, {"address", "10.0.0.2:7471"}, {"age_s", 4}, {"guests", json::array()}},
+       {{"node", "h3"}, {"address", "10.0.0.3:7471"}, {"age_s", 3}, {"guests", json::array()}}});
+  const json v = cluster_view(
+      status_with({{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}, {"directory", dir}}));
+  EXPECT_EQ(v["directory"], "etcd");
+  ASSERT_EQ(v["nodes"].size(), 3u);
+  EXPECT_EQ(v["nodes"][1]["connected"], true);
+  EXPECT_EQ(v["nodes"][2]["connected"], false);
+  EXPECT_FALSE(v["etcd"].contains("nodes"));
+  const std::string t = cluster_text(v);
+  EXPECT_NE(t.find("directory: etcd http://e:2379 (reachable, registered"), std::string::npos) << t;
+  EXPECT_NE(t.find("h1*"), std::string::npos) << t;
+  EXPECT_NE(t.find("(this backend)"), std::string::npos) << t;
+  EXPECT_NE(t.find("g                        lid 0x0012  on h1  generation 1"), std::string::npos)
+      << t;
+}
+
+TEST(ClusterStatusTest, EmbeddedAndOff) {
+  json v = cluster_view(status_with({{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}}));
+  EXPECT_EQ(v["directory"], "embedded");
+  EXPECT_NE(cluster_text(v).find("connected to: h2"), std::string::npos);
+  v = cluster_view(status_with({{"name", "tcp"}, {"state", "off"}}));
+  EXPECT_EQ(v["directory"], "off");
+  EXPECT_NE(cluster_text(v).find("TCP transport is off"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace vrdma::cli
