@@ -853,7 +853,11 @@ Status TcpTransport::add_peer(const std::string& node, const std::string& addr) 
     d.next_ns = 0;
     return Status::ok();
   }
-  dials_.push_back(Dial{addr, node, sa, nullptr, 0, kRedialMs, ""});
+  Dial d;
+  d.addr = addr;
+  d.expect = node;
+  d.sa = sa;
+  dials_.push_back(std::move(d));
   return Status::ok();
 }
 
