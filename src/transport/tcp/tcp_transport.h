@@ -152,6 +152,8 @@ class TcpTransport final : public Transport {
     uint64_t flow = 0;     ///< the flow of every frame in it, or 0 (mixed, or none)
     bool dropped = false;  ///< taken back: skipped (its `total` still counts in the stream)
   };
+  /// Each connection's read buffer.
+  static constexpr size_t kRbufBytes = 64 * 1024;
   enum class Rx : uint8_t { kHead, kPayload };
   struct Conn {
     UniqueFd fd;
@@ -301,5 +303,13 @@ class TcpTransport final : public Transport {
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
   Directory* directory_ = nullptr;        ///< set_directory
 };
+
+template <typename... Args>
+void TcpTransport::refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args) {
+  ++counter;
+  uint64_t held = 0;
+  if (refuse_log_.ready(now_ns_, held))
+    VLOG_WARN("{}{}", fmt::format(f, std::forward<Args>(args)...), log::held_note(held));
+}
 
 }  // namespace vrdma::transport::tcp
