@@ -1,7 +1,8 @@
 // The TCP transport between backends in one process, over loopback: a direct offer frame
 // reaches the other side's Receiver, and peer_ipv4 names the address the connection comes from;
 // with a cluster credential the peers authenticate each other (TLS 1.3), a peer without one is
-// refused, and a node cannot take over a directory entry another node holds.
+// refused, and a node cannot take over a directory entry another node holds; endpoints parse in
+// both forms ("ADDR:PORT", "[IPV6]:PORT") and peers connect over IPv6.
 #include "transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
@@ -137,6 +138,84 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   EXPECT_EQ(ra.offers[0].offer.token[0], 0x5a);
   // The connection stays up: the frame was well formed.
   EXPECT_TRUE(connected(**a, "node-b"));
+}
+
+TEST(Endpoint, ParsesIpv4AndBracketedIpv6) {
+  auto v4 = parse_endpoint("10.1.2.3:7000");
+  ASSERT_TRUE(v4.is_ok()) << v4.status().message();
+  EXPECT_EQ(v4->family(), AF_INET);
+  EXPECT_EQ(v4->port(), 7000);
+  EXPECT_EQ(v4->len, sizeof(sockaddr_in));
+  EXPECT_EQ(format_endpoint(v4->sa()), "10.1.2.3:7000");
+  EXPECT_FALSE(v4->loopback());
+  EXPECT_FALSE(v4->unspecified());
+  auto lh = parse_endpoint("localhost:0");
+  ASSERT_TRUE(lh.is_ok());
+  EXPECT_TRUE(lh->loopback());
+  EXPECT_EQ(format_endpoint(lh->sa()), "127.0.0.1:0");
+  EXPECT_TRUE(parse_endpoint("0.0.0.0:1")->unspecified());
+
+  auto v6 = parse_endpoint("[fd00::1]:7000");
+  ASSERT_TRUE(v6.is_ok()) << v6.status().message();
+  EXPECT_EQ(v6->family(), AF_INET6);
+  EXPECT_EQ(v6->port(), 7000);
+  EXPECT_EQ(v6->len, sizeof(sockaddr_in6));
+  EXPECT_EQ(format_endpoint(v6->sa()), "[fd00::1]:7000");
+  EXPECT_FALSE(v6->loopback());
+  EXPECT_TRUE(parse_endpoint("[::1]:1")->loopback());
+  EXPECT_TRUE(parse_endpoint("[::ffff:127.0.0.2]:1")->loopback());
+  EXPECT_FALSE(parse_endpoint("[::ffff:10.0.0.1]:1")->loopback());
+  EXPECT_TRUE(parse_endpoint("[::]:7000")->unspecified());
+  // What format_endpoint writes, parse_endpoint reads back.
+  EXPECT_EQ(format_endpoint(parse_endpoint("[FD00:0::A]:9")->sa()), "[fd00::a]:9");
+
+  for (const char* bad : {"fd00::1:7000", "[fd00::1]", "[fd00::1:7000", "fd00::1]:7000",
+                          "[10.0.0.1]:7000", "[zz::1]:1", "[]:1", "1.2.3.4:65536", "1.2.3.4:-1",
+                          "1.2.3.4:80x", "1.2.3.4", "host.example:1", ":7000"})
+    EXPECT_FALSE(parse_endpoint(bad).is_ok()) << bad;
+
+  auto peer = parse_peer("node-b@[fd00::2]:7000");
+  ASSERT_TRUE(peer.is_ok()) << peer.status().message();
+  EXPECT_EQ(peer->node, "node-b");
+  EXPECT_EQ(peer->addr, "[fd00::2]:7000");
+  EXPECT_EQ(peer->sa.family(), AF_INET6);
+  EXPECT_EQ(parse_peer("[::1]:1")->node, "");
+}
+
+/// Whether this host has IPv6 on loopback (a container may not).
+bool have_ipv6_loopback() {
+  UniqueFd s(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in6 sa{};
+  sa.sin6_family = AF_INET6;
+  sa.sin6_addr = in6addr_loopback;
+  return s.valid() && ::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+}
+
+TEST(TcpTransport, TlsPeersOverIpv6) {
+  if (!have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 on loopback";
+  Cluster cl({"node-a", "node-b"});
+  Recorder ra, rb;
+  auto a = TcpTransport::create({"node-a", "[::1]:0", {}, false, cl.ctx("node-a")}, ra);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  auto b = TcpTransport::create({"node-b", "[::1]:0", {}, false, cl.ctx("node-b")}, rb);
+  ASSERT_TRUE(b.is_ok()) << b.status().message();
+  // As the directory adds a peer: its advertised address, in brackets.
+  ASSERT_TRUE((*b)->add_peer("node-a", (*a)->listen_address()).is_ok());
+  EXPECT_TRUE((*a)->listen_address().starts_with("[::1]:")) << (*a)->listen_address();
+  auto both = {a->get(), b->get()};
+  ASSERT_TRUE(
+      run_until(both, [&] { return connected(**a, "node-b") && connected(**b, "node-a"); }));
+  const auto peers = (*a)->peers();
+  ASSERT_EQ(peers.size(), 1u);
+  EXPECT_EQ(peers[0].identity, "node-b");
+  EXPECT_TRUE(peers[0].address.starts_with("[::1]:")) << peers[0].address;
+  EXPECT_EQ((*a)->peer_ipv4("node-b"), 0u);  // not an IPv4 connection
+  wire::DirectOffer o{};
+  o.port = 7;
+  ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}, 0));
+  ASSERT_TRUE(run_until(both, [&] { return !ra.offers.empty(); }));
+  EXPECT_EQ(ra.offers[0].offer.port, 7);
+  EXPECT_EQ(ra.offers[0].node, "node-b");
 }
 
 TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {

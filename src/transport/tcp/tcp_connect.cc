@@ -26,16 +26,6 @@ using namespace vrdma::proto::wire;
 
 namespace {
 
-std::string address_of(int fd) {
-  sockaddr_in sa{};
-  socklen_t len = sizeof(sa);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0 || sa.sin_family != AF_INET)
-    return "?";
-  char ip[INET_ADDRSTRLEN] = {};
-  ::inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
-  return fmt::format("{}:{}", ip, ntohs(sa.sin_port));
-}
-
 void set_options(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -69,22 +59,6 @@ void set_options(int fd) {
 
 }  // namespace
 
-Result<sockaddr_in> parse_endpoint(const std::string& s) {
-  const auto colon = s.rfind(':');
-  if (colon == std::string::npos) return error(EINVAL, fmt::format("\"{}\" is not ADDR:PORT", s));
-  std::string host = s.substr(0, colon);
-  int port = 0;
-  if (std::sscanf(s.c_str() + colon + 1, "%d", &port) != 1 || port < 0 || port > 65535)
-    return error(EINVAL, fmt::format("\"{}\": bad port", s));
-  if (host == "localhost") host = "127.0.0.1";
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
-    return error(EINVAL, fmt::format("\"{}\": not an IPv4 address", s));
-  return sa;
-}
-
 Result<PeerSpec> parse_peer(const std::string& s) {
   PeerSpec p;
   p.addr = s;
@@ -98,14 +72,12 @@ Result<PeerSpec> parse_peer(const std::string& s) {
   return p;
 }
 
-bool is_loopback(const sockaddr_in& sa) { return (ntohl(sa.sin_addr.s_addr) >> 24) == 127; }
-
 TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& dialed,
                                            uint64_t now_ns) {
   auto c = std::make_unique<Conn>();
   c->fd = std::move(fd);
   c->dialed = dialed;
-  c->addr = dialed.empty() ? address_of(c->fd.get()) : dialed;
+  c->addr = dialed.empty() ? endpoint_of(c->fd.get(), ::getpeername) : dialed;
   c->opened_ns = now_ns;
   c->id = next_conn_id_++;
   ++prehello_;
@@ -182,7 +154,7 @@ bool TcpTransport::accept_all(uint64_t now_ns) {
         VLOG_WARN(
             "transport tcp: refused a connection from {}: {} connections have not "
             "finished their hello{}",
-            address_of(fd), unauthenticated_, log::held_note(held));
+            endpoint_of(fd, ::getpeername), unauthenticated_, log::held_note(held));
       ::close(fd);
       continue;
     }
@@ -204,9 +176,9 @@ void TcpTransport::note_failure(Dial& d, const std::string& why) {
 void TcpTransport::dial(Dial& d, uint64_t now_ns) {
   d.next_ns = now_ns + d.backoff_ms * 1000000;
   d.backoff_ms = std::min(d.backoff_ms * 2, kRedialMaxMs);  // reset when a Hello arrives
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  UniqueFd fd(::socket(d.sa.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return note_failure(d, std::strerror(errno));
-  int r = ::connect(fd.get(), reinterpret_cast<const sockaddr*>(&d.sa), sizeof(d.sa));
+  int r = ::connect(fd.get(), d.sa.sa(), d.sa.len);
   if (r < 0 && errno != EINPROGRESS) {
     return note_failure(d, std::strerror(errno));  // refused at once: try again later
   }
@@ -292,7 +264,7 @@ bool TcpTransport::allowed(const std::string& node) const {
 }
 
 Status TcpTransport::add_peer(const std::string& node, const std::string& addr) {
-  ASSIGN_OR_RETURN(sockaddr_in sa, parse_endpoint(addr));
+  ASSIGN_OR_RETURN(Endpoint sa, parse_endpoint(addr));
   for (Dial& d : dials_) {
     if (d.expect != node) continue;
     if (d.addr == addr) return Status::ok();

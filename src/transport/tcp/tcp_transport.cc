@@ -36,21 +36,16 @@ Status TcpTransport::start() {
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   if (opt_.listen.empty()) return error(EINVAL, "transport: no listen address");
-  ASSIGN_OR_RETURN(sockaddr_in la, parse_endpoint(opt_.listen));
-  listen_ = UniqueFd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  ASSIGN_OR_RETURN(Endpoint la, parse_endpoint(opt_.listen));
+  listen_ = UniqueFd(::socket(la.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!listen_.valid()) return error(errno, "socket");
   const int one = 1;
   ::setsockopt(listen_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(listen_.get(), reinterpret_cast<sockaddr*>(&la), sizeof(la)) < 0)
+  if (::bind(listen_.get(), la.sa(), la.len) < 0)
     return error(errno, fmt::format("transport: bind {}: {}", opt_.listen, std::strerror(errno)));
   if (::listen(listen_.get(), 64) < 0) return error(errno, "listen");
-  if (la.sin_port == 0) {  // an ephemeral port (forced TCP on one host): dial what we got
-    socklen_t len = sizeof(la);
-    ::getsockname(listen_.get(), reinterpret_cast<sockaddr*>(&la), &len);
-    char ip[INET_ADDRSTRLEN] = {};
-    ::inet_ntop(AF_INET, &la.sin_addr, ip, sizeof(ip));
-    opt_.listen = fmt::format("{}:{}", ip, ntohs(la.sin_port));
-  }
+  // An ephemeral port (forced TCP on one host): dial what we got.
+  if (la.port() == 0) opt_.listen = endpoint_of(listen_.get(), ::getsockname);
   watch_listener(true);
   accept_rest_.bind(epoll_.get(), listen_.get(), 0);  // data 0: the listener (watch_listener)
   std::vector<std::string> to_dial = opt_.peers;
