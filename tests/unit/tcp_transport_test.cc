@@ -141,31 +141,31 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
 }
 
 TEST(Endpoint, ParsesIpv4AndBracketedIpv6) {
-  auto v4 = parse_endpoint("10.1.2.3:7000");
-  ASSERT_TRUE(v4.is_ok()) << v4.status().message();
-  EXPECT_EQ(v4->family(), AF_INET);
-  EXPECT_EQ(v4->port(), 7000);
-  EXPECT_EQ(v4->len, sizeof(sockaddr_in));
-  EXPECT_EQ(format_endpoint(v4->sa()), "10.1.2.3:7000");
-  EXPECT_FALSE(v4->loopback());
-  EXPECT_FALSE(v4->unspecified());
-  auto lh = parse_endpoint("localhost:0");
-  ASSERT_TRUE(lh.is_ok());
-  EXPECT_TRUE(lh->loopback());
-  EXPECT_EQ(format_endpoint(lh->sa()), "127.0.0.1:0");
-  EXPECT_TRUE(parse_endpoint("0.0.0.0:1")->unspecified());
-
-  auto v6 = parse_endpoint("[fd00::1]:7000");
-  ASSERT_TRUE(v6.is_ok()) << v6.status().message();
-  EXPECT_EQ(v6->family(), AF_INET6);
-  EXPECT_EQ(v6->port(), 7000);
-  EXPECT_EQ(v6->len, sizeof(sockaddr_in6));
-  EXPECT_EQ(format_endpoint(v6->sa()), "[fd00::1]:7000");
-  EXPECT_FALSE(v6->loopback());
-  EXPECT_TRUE(parse_endpoint("[::1]:1")->loopback());
-  EXPECT_TRUE(parse_endpoint("[::ffff:127.0.0.2]:1")->loopback());
-  EXPECT_FALSE(parse_endpoint("[::ffff:10.0.0.1]:1")->loopback());
-  EXPECT_TRUE(parse_endpoint("[::]:7000")->unspecified());
+  struct Case {
+    const char* text;
+    int family;
+    uint16_t port;
+    const char* formatted;
+    bool loopback, unspecified;
+  };
+  for (const Case& k : std::initializer_list<Case>{
+           {"10.1.2.3:7000", AF_INET, 7000, "10.1.2.3:7000", false, false},
+           {"localhost:0", AF_INET, 0, "127.0.0.1:0", true, false},
+           {"0.0.0.0:1", AF_INET, 1, "0.0.0.0:1", false, true},
+           {"[fd00::1]:7000", AF_INET6, 7000, "[fd00::1]:7000", false, false},
+           {"[::1]:1", AF_INET6, 1, "[::1]:1", true, false},
+           {"[::ffff:127.0.0.2]:1", AF_INET6, 1, "[::ffff:127.0.0.2]:1", true, false},
+           {"[::ffff:10.0.0.1]:1", AF_INET6, 1, "[::ffff:10.0.0.1]:1", false, false},
+           {"[::]:7000", AF_INET6, 7000, "[::]:7000", false, true}}) {
+    auto e = parse_endpoint(k.text);
+    ASSERT_TRUE(e.is_ok()) << k.text << ": " << e.status().message();
+    EXPECT_EQ(e->family(), k.family) << k.text;
+    EXPECT_EQ(e->len, k.family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
+    EXPECT_EQ(e->port(), k.port) << k.text;
+    EXPECT_EQ(format_endpoint(e->sa()), k.formatted);
+    EXPECT_EQ(e->loopback(), k.loopback) << k.text;
+    EXPECT_EQ(e->unspecified(), k.unspecified) << k.text;
+  }
   // What format_endpoint writes, parse_endpoint reads back.
   EXPECT_EQ(format_endpoint(parse_endpoint("[FD00:0::A]:9")->sa()), "[fd00::a]:9");
 
