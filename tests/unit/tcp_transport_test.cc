@@ -191,41 +191,24 @@ bool have_ipv6_loopback() {
   return s.valid() && ::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
 }
 
-TEST(TcpTransport, TlsPeersOverIpv6) {
-  if (!have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 on loopback";
-  Cluster cl({"node-a", "node-b"});
-  Recorder ra, rb;
-  auto a = TcpTransport::create({"node-a", "[::1]:0", {}, false, cl.ctx("node-a")}, ra);
-  ASSERT_TRUE(a.is_ok()) << a.status().message();
-  auto b = TcpTransport::create({"node-b", "[::1]:0", {}, false, cl.ctx("node-b")}, rb);
-  ASSERT_TRUE(b.is_ok()) << b.status().message();
-  // As the directory adds a peer: its advertised address, in brackets.
-  ASSERT_TRUE((*b)->add_peer("node-a", (*a)->listen_address()).is_ok());
-  EXPECT_TRUE((*a)->listen_address().starts_with("[::1]:")) << (*a)->listen_address();
-  auto both = {a->get(), b->get()};
-  ASSERT_TRUE(
-      run_until(both, [&] { return connected(**a, "node-b") && connected(**b, "node-a"); }));
-  const auto peers = (*a)->peers();
-  ASSERT_EQ(peers.size(), 1u);
-  EXPECT_EQ(peers[0].identity, "node-b");
-  EXPECT_TRUE(peers[0].address.starts_with("[::1]:")) << peers[0].address;
-  EXPECT_EQ((*a)->peer_ipv4("node-b"), 0u);  // not an IPv4 connection
-  wire::DirectOffer o{};
-  o.port = 7;
-  ASSERT_TRUE((*b)->send("node-a", wire::Type::kDirectOffer, &o, {}, {}, 0));
-  ASSERT_TRUE(run_until(both, [&] { return !ra.offers.empty(); }));
-  EXPECT_EQ(ra.offers[0].offer.port, 7);
-  EXPECT_EQ(ra.offers[0].node, "node-b");
-}
+/// Over IPv4 and IPv6 loopback ("[::1]": bracketed, as parse_endpoint wants it).
+class TcpTransportTls : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Families, TcpTransportTls, ::testing::Values("127.0.0.1", "[::1]"),
+                         [](const auto& i) {
+                           return std::string(i.param[0] == '[' ? "Ipv6" : "Ipv4");
+                         });
 
-TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
+TEST_P(TcpTransportTls, PeersAuthenticateEachOtherAndCarryFrames) {
+  const std::string host = GetParam();
+  if (host == "[::1]" && !have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 on loopback";
   Cluster cl({"node-a", "node-b"});
-  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
   Recorder ra, rb;
-  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  auto a = TcpTransport::create({"node-a", host + ":0", {}, false, cl.ctx("node-a")}, ra);
   ASSERT_TRUE(a.is_ok()) << a.status().message();
+  const std::string addr_a = (*a)->listen_address();  // the port filled in
+  EXPECT_TRUE(addr_a.starts_with(host + ":")) << addr_a;
   auto b = TcpTransport::create(
-      {"node-b", "127.0.0.1:0", {"node-a@" + addr_a}, false, cl.ctx("node-b")}, rb);
+      {"node-b", host + ":0", {"node-a@" + addr_a}, false, cl.ctx("node-b")}, rb);
   ASSERT_TRUE(b.is_ok()) << b.status().message();
   auto both = {a->get(), b->get()};
   ASSERT_TRUE(
@@ -233,6 +216,9 @@ TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
   const auto peers = (*a)->peers();
   ASSERT_EQ(peers.size(), 1u);
   EXPECT_EQ(peers[0].identity, "node-b");
+  EXPECT_TRUE(peers[0].address.starts_with(host + ":")) << peers[0].address;
+  // The address an IPv4 connection comes from; 0 on an IPv6 one.
+  EXPECT_EQ((*a)->peer_ipv4("node-b"), host == "[::1]" ? 0u : ::inet_addr("127.0.0.1"));
   EXPECT_EQ(peers[0].cipher, "TLS_AES_128_GCM_SHA256");
   EXPECT_GT(peers[0].since_unix, 0u);
   // Many frames, more than one TLS record and more than the session's buffer, in order.
