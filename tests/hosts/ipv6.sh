@@ -26,7 +26,8 @@ pair6() {
   hrun 1 --guest "$name-s" -- ibv_rc_pingpong -p "$port" "$@" >"$E2E_TMP/$name.server.out" 2>&1 &
   HP_SPID=$!
   hwait_port 1 "$port" "$HP_SPID" "$name"
-  hexec 1 python3 "$(dirname "${BASH_SOURCE[0]}")/tcp6_relay.py" "$port" \
+  # Not through hexec: a function in the background is a subshell, and $! would be its pid.
+  ip netns exec "$(host_ns 1)" python3 "$(dirname "${BASH_SOURCE[0]}")/tcp6_relay.py" "$port" \
     >"$E2E_TMP/$name.relay.out" 2>&1 &
   relay=$!
   for ((k = 0; k < 100; k++)); do
