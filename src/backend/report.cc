@@ -452,6 +452,49 @@ void counts_and_bytes(Exposition& e, const std::string& name, const char* help,
   }
 }
 
+/// The directory on etcd (EtcdDirectory::status_json): its operations, how far behind its
+/// watch runs, its lease, and what it knows of the cluster.
+void directory_metrics(Exposition& e, const nlohmann::json& d) {
+  const nlohmann::json& cnt = d.at("counters");
+  static const std::pair<const char*, const char*> kCounters[] = {
+      {"requests", "requests to etcd (kv, txn, lease, watch)"},
+      {"failures", "requests to etcd that no member answered"},
+      {"registrations", "times this backend registered (a new lease)"},
+      {"watch_events", "changes the watch delivered"},
+      {"lid_conflicts", "guests whose LID another node held (not published)"},
+      {"moves_here", "guests taken over from another node by compare-and-swap"},
+  };
+  for (const auto& [key, help] : kCounters) {
+    const std::string name = fmt::format("vrdma_directory_{}_total", key);
+    e.family(name, "counter", help);
+    e.sample(name, {}, cnt.value(key, nlohmann::json(0)));
+  }
+  e.family("vrdma_directory_reachable", "gauge", "1 while the last exchange with etcd worked");
+  e.sample("vrdma_directory_reachable", {}, d.value("reachable", false) ? 1 : 0);
+  e.family("vrdma_directory_registered", "gauge", "1 while registered under a live lease");
+  e.sample("vrdma_directory_registered", {}, d.value("registered", false) ? 1 : 0);
+  e.family("vrdma_directory_lease_age_seconds", "gauge",
+           "how long this backend's current lease has been kept (0: not registered)");
+  e.sample("vrdma_directory_lease_age_seconds", {}, d.value("lease_age_s", nlohmann::json(0)));
+  if (d.contains("watch_lag_ms")) {
+    e.family("vrdma_directory_watch_lag_seconds", "gauge",
+             "from this backend's last write of its node entry until its watch saw it");
+    e.sample("vrdma_directory_watch_lag_seconds", {}, d.at("watch_lag_ms").get<double>() / 1000.0);
+  }
+  const nlohmann::json& nodes = d.at("nodes");
+  e.family("vrdma_directory_nodes", "gauge",
+           "nodes registered in the directory, this one included");
+  e.sample("vrdma_directory_nodes", {}, nodes.size());
+  e.family("vrdma_directory_node_qps", "gauge", "QPs of each node, as it last wrote them");
+  for (const auto& n : nodes)
+    e.sample("vrdma_directory_node_qps", {{"node", str(n.at("node"))}},
+             n.value("qps", nlohmann::json(0)));
+  e.family("vrdma_directory_node_guests", "gauge", "guests each node holds in the directory");
+  for (const auto& n : nodes)
+    e.sample("vrdma_directory_node_guests", {{"node", str(n.at("node"))}},
+             n.value("guests", nlohmann::json::array()).size());
+}
+
 }  // namespace
 
 std::string process_metrics() {
@@ -561,6 +604,8 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names, bool per_
       for (const auto& p : tr.at("peers"))
         e.sample(name, {{"node", str(p.at("node"))}}, p.value(key, nlohmann::json(0)));
     }
+    if (auto d = tr.find("directory"); d != tr.end() && d->value("kind", "") == "etcd")
+      directory_metrics(e, *d);
   }
   counts_and_bytes(e, "vrdma_quota", "per-guest limit of each kind of resource",
                    "vrdma_quota_bytes",

@@ -149,7 +149,7 @@ Result<std::shared_ptr<const transport::tcp::TlsContext>> Server::transport_cred
     // No credential: plain TCP, which anyone who reaches the port can speak. Only on loopback
     // (one host, forced TCP) unless the operator says so.
     const std::string listen = opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen;
-    ASSIGN_OR_RETURN(sockaddr_in sa, transport::tcp::parse_endpoint(listen));
+    ASSIGN_OR_RETURN(auto sa, transport::tcp::parse_endpoint(listen));
     if (!transport::tcp::is_loopback(sa) && !opt_.insecure)
       return error(EPERM,
                    fmt::format("[transport] listen {} is not a loopback address and no cluster "
@@ -264,8 +264,8 @@ Status Server::start_directory() {
   o.node = opt_.node;
   o.lease_s = opt_.etcd_lease_s;
   o.address = opt_.advertise.empty() ? opt_.listen : opt_.advertise;
-  ASSIGN_OR_RETURN(sockaddr_in sa, transport::tcp::parse_endpoint(o.address));
-  if (sa.sin_addr.s_addr == INADDR_ANY || sa.sin_port == 0)
+  ASSIGN_OR_RETURN(auto sa, transport::tcp::parse_endpoint(o.address));
+  if (sa.unspecified() || sa.port() == 0)
     return error(EINVAL, fmt::format("[directory]: peers cannot dial {}; set [directory] "
                                      "advertise = \"ADDR:PORT\" (where they reach this backend)",
                                      o.address));
@@ -776,6 +776,13 @@ Status Server::run() {
     }
     if (!conns_.empty()) idle_since = now_ns();
     if (metrics_) metrics_->expire(now_ns());
+    // Our QP count for our directory entry (written there with the next keepalive).
+    if (directory_ && now_ns() >= qps_noted_ns_) {
+      uint64_t qps = 0;
+      for (const auto& [id, s] : dev_.sessions()) qps += s->qps.size();
+      directory_->set_qps(qps);
+      qps_noted_ns_ = now_ns() + 500'000'000;
+    }
   }
   if (!activated_) unlink_beside(dir_, opt_.socket_path);
   unlink_beside(dir_, opt_.socket_path + ".pid");

@@ -125,6 +125,7 @@ class Server {
   /// The directory on etcd ([directory] etcd); null: the embedded one. Declared before tcp_,
   /// which tells it about guests until it is destroyed.
   std::unique_ptr<directory::EtcdDirectory> directory_;
+  uint64_t qps_noted_ns_ = 0;  ///< when our QP count goes to directory_ next
   /// Starts directory_ and hands it to tcp_.
   Status start_directory();
   /// Applies what the directory saw change: peers to dial or drop, guests that moved.

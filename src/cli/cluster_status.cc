@@ -75,16 +75,20 @@ std::string cluster_text(const json& v) {
                      e.value("prefix", ""), e.value("lease_s", 0), e.value("revision", 0));
   if (e.contains("last_error") && !e.value("reachable", false))
     out += fmt::format("  last error: {}\n", e.value("last_error", ""));
-  out += fmt::format("{:<16} {:<22} {:>6} {:>8} {:>6}  {}\n", "NODE", "ADDRESS", "LEASE", "AGE",
-                     "GUESTS", "CONNECTED");
+  if (e.contains("watch_lag_ms"))
+    out += fmt::format("  watch lag {} ms, lease kept {}\n", e.value("watch_lag_ms", 0),
+                       age(e.value("lease_age_s", uint64_t{0})));
+  out += fmt::format("{:<16} {:<22} {:>6} {:>8} {:>6} {:>6}  {}\n", "NODE", "ADDRESS", "LEASE",
+                     "AGE", "GUESTS", "QPS", "CONNECTED");
   std::string guests;
   for (const json& n : v.value("nodes", json::array())) {
     const bool self = n.value("self", false);
     const std::string ttl =
         n.contains("lease_ttl_s") ? fmt::format("{} s", n.value("lease_ttl_s", 0)) : "-";
-    out += fmt::format("{:<16} {:<22} {:>6} {:>8} {:>6}  {}\n",
+    out += fmt::format("{:<16} {:<22} {:>6} {:>8} {:>6} {:>6}  {}\n",
                        n.value("node", "") + (self ? "*" : ""), n.value("address", ""), ttl,
                        age(n.value("age_s", uint64_t{0})), n.value("guests", json::array()).size(),
+                       n.contains("qps") ? std::to_string(n.value("qps", uint64_t{0})) : "-",
                        self                          ? "(this backend)"
                        : n.value("connected", false) ? "yes"
                                                      : "no");

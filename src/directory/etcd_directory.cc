@@ -17,7 +17,6 @@ namespace vrdma::directory {
 namespace {
 
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 std::string hex_gid(const uint8_t gid[16]) {
   std::string s;
@@ -126,18 +125,29 @@ void EtcdDirectory::note_ok() {
   unreachable_since_unix_ = 0;
 }
 
-Status EtcdDirectory::register_self(EtcdClient& c) {
-  ASSIGN_OR_RETURN(const int64_t lease, c.lease_grant(opt_.lease_s));
-  const uint64_t now = static_cast<uint64_t>(::time(nullptr));
+Status EtcdDirectory::put_node(EtcdClient& c, int64_t lease, uint64_t registered_unix,
+                               uint64_t qps) {
   const std::string v = json{
       {"node", opt_.node},
       {"address", opt_.address},
       {"fingerprint", opt_.fingerprint},
-      {"registered_unix",
-       now}}.dump();
+      {"registered_unix", registered_unix},
+      {"qps", qps}}.dump();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    self_put_at_ = Clock::now();
+  }
+  RETURN_IF_ERROR(c.put(key("nodes", opt_.node), v, lease).status());
+  qps_written_ = qps;
+  return Status::ok();
+}
+
+Status EtcdDirectory::register_self(EtcdClient& c) {
+  ASSIGN_OR_RETURN(const int64_t lease, c.lease_grant(opt_.lease_s));
+  const uint64_t now = static_cast<uint64_t>(::time(nullptr));
   // A backend of this name that died may still hold the entry under its old lease: ours
   // replaces it (the name is the certificate's).
-  RETURN_IF_ERROR(c.put(key("nodes", opt_.node), v, lease).status());
+  RETURN_IF_ERROR(put_node(c, lease, now, qps_.load(std::memory_order_relaxed)));
   std::vector<transport::GuestInfo> guests;
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -280,6 +290,16 @@ void EtcdDirectory::worker() {
         next_keep = Clock::now() + keep_every;
         refresh_ttls(c);
       }
+      // The QP count rides with the keepalive: a write only when it changed.
+      if (const uint64_t q = qps_.load(std::memory_order_relaxed);
+          st.is_ok() && q != qps_written_) {
+        uint64_t since;
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          since = registered_unix_;
+        }
+        st = put_node(c, lease, since, q);
+      }
     }
     // Local guests' joins, in order, then the leaves whose time came, until the lease is due
     // again; one that fails for lack of etcd waits for the next try.
@@ -379,7 +399,14 @@ void EtcdDirectory::watcher() {
           {
             std::lock_guard<std::mutex> l(mu_);
             for (const WatchEvent& e : evs) {
-              apply(e.kv.key, e.kv.value, e.kv.mod_revision, e.deleted);
+              if (!e.deleted && self_put_at_ != Clock::time_point{} &&
+                  e.kv.key == key("nodes", opt_.node)) {
+                watch_lag_ms_ = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() -
+                                                                                      self_put_at_)
+                                    .count();
+                self_put_at_ = {};
+              }
+              apply(e.kv.key, e.kv.value, e.kv.mod_revision, e.deleted, e.kv.lease);
               ++cnt_.watch_events;
               watch_revision_ = std::max(watch_revision_, e.kv.mod_revision);
             }
@@ -398,7 +425,7 @@ void EtcdDirectory::watcher() {
 }
 
 void EtcdDirectory::apply(const std::string& k, const std::string& value, int64_t mod_revision,
-                          bool deleted) {
+                          bool deleted, int64_t lease) {
   if (!k.starts_with(opt_.prefix)) return;
   const std::string rest = k.substr(opt_.prefix.size());
   if (rest.starts_with("nodes/")) {
@@ -417,6 +444,8 @@ void EtcdDirectory::apply(const std::string& k, const std::string& value, int64_
       e.address = j.at("address").get<std::string>();
       e.fingerprint = j.value("fingerprint", "");
       e.registered_unix = j.value("registered_unix", uint64_t{0});
+      e.qps = j.value("qps", uint64_t{0});
+      e.lease = lease;
     } catch (const json::exception&) {
       VLOG_WARN("directory: {} is not a node entry; ignored", k);
       return;
@@ -424,6 +453,7 @@ void EtcdDirectory::apply(const std::string& k, const std::string& value, int64_
     if (e.node != node) return;
     auto old = nodes_.find(node);
     const bool changed = old == nodes_.end() || old->second.address != e.address;
+    if (old != nodes_.end() && old->second.lease == e.lease) e.ttl_left = old->second.ttl_left;
     nodes_[node] = e;
     if (changed && node != opt_.node) {
       VLOG_INFO("directory: node {} at {}", node, e.address);
@@ -480,7 +510,7 @@ void EtcdDirectory::reset(const std::vector<KeyValue>& kvs) {
   for (const auto& [l, v] : lid_owner_)
     if (!present.count(key("lids", lid_name(l)))) gone.push_back(key("lids", lid_name(l)));
   for (const std::string& k : gone) apply(k, {}, 0, true);
-  for (const KeyValue& kv : kvs) apply(kv.key, kv.value, kv.mod_revision, false);
+  for (const KeyValue& kv : kvs) apply(kv.key, kv.value, kv.mod_revision, false, kv.lease);
 }
 
 void EtcdDirectory::poll(const std::function<void(const Change&)>& fn) {
@@ -561,6 +591,7 @@ nlohmann::json EtcdDirectory::status_json() const {
                {"registered_unix", e.registered_unix},
                {"age_s", now >= e.registered_unix ? now - e.registered_unix : 0},
                {"self", n == opt_.node},
+               {"qps", e.qps},
                {"guests", guests}};
     if (e.ttl_left >= 0) jn["lease_ttl_s"] = e.ttl_left;
     nodes.push_back(std::move(jn));
@@ -576,6 +607,7 @@ nlohmann::json EtcdDirectory::status_json() const {
             {"lease_s", opt_.lease_s},
             {"lease_id", fmt::format("{:x}", lease_)},
             {"revision", watch_revision_},
+            {"lease_age_s", registered_ && now >= registered_unix_ ? now - registered_unix_ : 0},
             {"nodes", nodes},
             {"counters",
              {{"requests", work_client_->requests() + watch_client_->requests()},
@@ -584,6 +616,7 @@ nlohmann::json EtcdDirectory::status_json() const {
               {"watch_events", cnt_.watch_events},
               {"lid_conflicts", cnt_.conflicts},
               {"moves_here", cnt_.moves}}}};
+  if (watch_lag_ms_ >= 0) j["watch_lag_ms"] = watch_lag_ms_;
   if (unreachable_since_unix_) j["unreachable_since_unix"] = unreachable_since_unix_;
   if (!last_error_.empty()) j["last_error"] = last_error_;
   return j;

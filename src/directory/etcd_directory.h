@@ -3,7 +3,7 @@
 // GID, owning node, generation) under that lease, and watches the prefix for the others. A LID
 // is claimed with a create-if-absent txn (cluster-unique); a guest's move is a compare-and-swap
 // of its entry from the old node to the new. Layout under `prefix` (values are JSON):
-//   nodes/NODE   {"node","address","fingerprint","registered_unix"}
+//   nodes/NODE   {"node","address","fingerprint","registered_unix","qps"}
 //   guests/NAME  {"name","lid","gid","node","generation"}
 //   lids/LLLL    the guest's name (LLLL: the LID in hex)
 // Two threads talk to etcd (a worker: registration, keepalive, guests; a watcher: range + watch);
@@ -33,6 +33,8 @@
 #include "transport/directory.h"
 
 namespace vrdma::directory {
+
+using Clock = std::chrono::steady_clock;
 
 class EtcdDirectory final : public transport::Directory {
  public:
@@ -71,6 +73,10 @@ class EtcdDirectory final : public transport::Directory {
   std::string unavailable() const override;
   std::string fingerprint_of(const std::string& node) const override;
 
+  /// This backend's QP count, for its node entry: written there with the next keepalive when it
+  /// changed (so at most every third of the lease). Any thread.
+  void set_qps(uint64_t n) { qps_.store(n, std::memory_order_relaxed); }
+
   /// True while the last exchange with etcd worked.
   bool reachable() const { return reachable_.load(std::memory_order_relaxed); }
   /// True once this backend is registered under a live lease.
@@ -85,6 +91,7 @@ class EtcdDirectory final : public transport::Directory {
     uint64_t registered_unix = 0;
     int64_t lease = 0;
     int64_t ttl_left = -1;  ///< the lease's TTL left when last asked (-1: not asked yet)
+    uint64_t qps = 0;       ///< its QP count as it last wrote it
   };
   struct GuestEntry {
     transport::GuestInfo info;
@@ -98,6 +105,8 @@ class EtcdDirectory final : public transport::Directory {
   void watcher();
   /// Grants a lease, writes the node entry and every local guest under it.
   Status register_self(EtcdClient& c);
+  /// Writes this backend's node entry under `lease` (registration, or a new QP count).
+  Status put_node(EtcdClient& c, int64_t lease, uint64_t registered_unix, uint64_t qps);
   /// Writes guest `g` as ours: created (claiming its LID), refreshed, or moved here by CAS.
   Status put_guest(EtcdClient& c, const transport::GuestInfo& g);
   Status remove_guest(EtcdClient& c, const transport::GuestInfo& g);
@@ -105,7 +114,8 @@ class EtcdDirectory final : public transport::Directory {
   void refresh_ttls(EtcdClient& c);
   /// Applies one key's new value (or its deletion) to the copy; queues what the engine hears.
   /// Called with mu_ held.
-  void apply(const std::string& key, const std::string& value, int64_t mod_revision, bool deleted);
+  void apply(const std::string& key, const std::string& value, int64_t mod_revision, bool deleted,
+             int64_t lease = 0);
   /// The copy becomes exactly `kvs` (after a fresh range). Called with mu_ held.
   void reset(const std::vector<KeyValue>& kvs);
   void note_error(const Status& st);
@@ -120,6 +130,8 @@ class EtcdDirectory final : public transport::Directory {
   std::atomic<bool> stop_{false};
   std::atomic<bool> reachable_{false};
   std::atomic<bool> registered_{false};
+  std::atomic<uint64_t> qps_{0};  ///< set_qps
+  uint64_t qps_written_ = 0;      ///< the count in our node entry (worker thread)
   /// One client per thread (created before them, so status can read their counters).
   std::unique_ptr<EtcdClient> work_client_, watch_client_;
   std::thread worker_, watcher_;
@@ -147,6 +159,10 @@ class EtcdDirectory final : public transport::Directory {
     uint64_t registrations = 0, watch_events = 0, conflicts = 0, moves = 0;
   } cnt_;
   int64_t watch_revision_ = 0;  ///< the store's revision the copy is at
+  /// Watch lag: when our last write of our node entry began, until the watch shows it (then
+  /// watch_lag_ms_ is how long that took: etcd's commit plus the watch's delivery).
+  Clock::time_point self_put_at_{};
+  int64_t watch_lag_ms_ = -1;               ///< -1: not measured yet
   log::Burst retry_log_{1'000'000'000, 5};  ///< the worker's own: refusals it tries again
 };
 

@@ -27,7 +27,13 @@ HOSTS_CLUSTER=""
 
 # Namespace name of host I (0: the switch).
 host_ns() { if [[ $1 == 0 ]]; then echo "${HOSTS_RID}sw"; else echo "${HOSTS_RID}h$1"; fi; }
-host_ip() { echo "10.77.0.$1"; }
+# HOSTS_IPV6=1: the hosts' veths carry only IPv6 addresses (fd00:77::I/64), and the backends
+# listen and dial there ("[fd00:77::I]:PORT").
+host_ip() { if [[ ${HOSTS_IPV6:-0} == 1 ]]; then echo "fd00:77::$1"; else echo "10.77.0.$1"; fi; }
+# Host I's transport endpoint on PORT: "ADDR:PORT", or "[ADDR]:PORT" for IPv6.
+host_ep() {
+  if [[ ${HOSTS_IPV6:-0} == 1 ]]; then echo "[$(host_ip "$1")]:$2"; else echo "$(host_ip "$1"):$2"; fi
+}
 host_sock() { echo "$E2E_TMP/h$1.sock"; }
 
 hosts_init() {
@@ -47,7 +53,11 @@ hosts_init() {
     ip -n "$(host_ns "$i")" link set lo up
     # Created inside the host's namespace; the peer end moves into the switch at once.
     ip -n "$(host_ns "$i")" link add eth0 type veth peer name "p$i" netns "$(host_ns 0)"
-    ip -n "$(host_ns "$i")" addr add "$(host_ip "$i")/24" dev eth0
+    if [[ ${HOSTS_IPV6:-0} == 1 ]]; then
+      ip -n "$(host_ns "$i")" addr add "$(host_ip "$i")/64" dev eth0 nodad
+    else
+      ip -n "$(host_ns "$i")" addr add "$(host_ip "$i")/24" dev eth0
+    fi
     ip -n "$(host_ns "$i")" link set eth0 up
     ip -n "$(host_ns 0)" link set "p$i" master br0
     ip -n "$(host_ns 0)" link set "p$i" up
@@ -90,13 +100,13 @@ security_args() {
 start_backend() {
   local i=$1 j peers=() k sec
   for ((j = 1; j <= HOSTS_B; j++)); do
-    [[ $j == "$i" ]] || peers+=(--peer "$(host_ip "$j"):$HOSTS_PORT")
+    [[ $j == "$i" ]] || peers+=(--peer "$(host_ep "$j" "$HOSTS_PORT")")
   done
   mapfile -t sec < <(security_args "$i")
   rm -f "$(host_sock "$i")"
   ip netns exec "$(host_ns "$i")" env VRDMA_LOG="${HOSTS_LOG:-info}" \
     "$HOSTS_BIN/vrdmad" --socket "$(host_sock "$i")" --node "h$i" --idle-exit 0 \
-    --listen "$(host_ip "$i"):$HOSTS_PORT" "${peers[@]}" "${sec[@]}" ${HOSTS_VRDMAD_ARGS:-} \
+    --listen "$(host_ep "$i" "$HOSTS_PORT")" "${peers[@]}" "${sec[@]}" ${HOSTS_VRDMAD_ARGS:-} \
     >>"$E2E_TMP/vrdmad.h$i.log" 2>&1 &
   HOSTS_BACKEND_PID[i]=$!
   for ((k = 0; k < 100; k++)); do

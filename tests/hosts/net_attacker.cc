@@ -408,7 +408,9 @@ int main(int argc, char** argv) {
 
   auto ep = transport::tcp::parse_endpoint(target);
   if (!ep.is_ok()) die(target + ": " + ep.status().message());
-  const sockaddr_in sa = ep.value();
+  if (ep.value().family() != AF_INET) die(target + ": IPv4 only");
+  sockaddr_in sa{};
+  std::memcpy(&sa, ep.value().sa(), sizeof(sa));
   if (idle_n > 0) {
     std::printf("%s\n", idle(sa, idle_n, hold_s).dump().c_str());
     return 0;

@@ -18,7 +18,8 @@ TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
   json dir = {{"kind", "etcd"},      {"endpoint", "http://e:2379"},
               {"reachable", true},   {"registered", true},
               {"prefix", "/vrdma/"}, {"lease_s", 2},
-              {"revision", 9},       {"node", "h1"}};
+              {"revision", 9},       {"node", "h1"},
+              {"watch_lag_ms", 3},   {"lease_age_s", 130}};
   dir["nodes"] = json::array(
       {{{"node", "h1"},
         {"address", "10.0.0.1:7471"},
@@ -26,7 +27,11 @@ TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
         {"age_s", 5},
         {"lease_ttl_s", 2},
         {"guests", json::array({{{"name", "g"}, {"lid", 0x12}, {"generation", 1}}})}},
-       {{"node", "h2"}, {"address", "10.0.0.2:7471"}, {"age_s", 4}, {"guests", json::array()}},
+       {{"node", "h2"},
+        {"address", "[fd00::2]:7471"},
+        {"age_s", 4},
+        {"qps", 12},
+        {"guests", json::array()}},
        {{"node", "h3"}, {"address", "10.0.0.3:7471"}, {"age_s", 3}, {"guests", json::array()}}});
   const json v = cluster_view(
       status_with({{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}, {"directory", dir}}));
@@ -39,6 +44,12 @@ TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
   EXPECT_NE(t.find("directory: etcd http://e:2379 (reachable, registered"), std::string::npos) << t;
   EXPECT_NE(t.find("h1*"), std::string::npos) << t;
   EXPECT_NE(t.find("(this backend)"), std::string::npos) << t;
+  EXPECT_NE(t.find("watch lag 3 ms, lease kept 2 min"), std::string::npos) << t;
+  // h2 reports its QPs; h3 (an older backend) does not say.
+  EXPECT_NE(t.find("h2               [fd00::2]:7471              -      4 s      0     12  yes"),
+            std::string::npos)
+      << t;
+  EXPECT_NE(t.find("      0      -  no"), std::string::npos) << t;
   EXPECT_NE(t.find("g                        lid 0x0012  on h1  generation 1"), std::string::npos)
       << t;
 }

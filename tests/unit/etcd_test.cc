@@ -38,6 +38,19 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+/// Whether [::1]:port can be bound now (IPv6 on loopback, and the port free there too).
+bool ipv6_port_free(int port) {
+  int s = ::socket(AF_INET6, SOCK_STREAM, 0);
+  if (s < 0) return false;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  a.sin6_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(s);
+  return ok;
+}
+
 bool until(const std::function<bool()>& f, std::chrono::milliseconds limit = 5000ms) {
   const auto end = std::chrono::steady_clock::now() + limit;
   while (std::chrono::steady_clock::now() < end) {
@@ -55,6 +68,7 @@ class Etcd {
     dir_ = ::mkdtemp(tmpl);
     client_ = free_port();
     peer_ = free_port();
+    ipv6_ = ipv6_port_free(client_);
   }
   ~Etcd() {
     stop();
@@ -64,6 +78,8 @@ class Etcd {
   std::string url() const {
     return fmt::format("{}://127.0.0.1:{}", tls_ ? "https" : "http", client_);
   }
+  /// The client port on [::1] as well ("" when this host has no IPv6 loopback; not with TLS).
+  std::string url6() const { return ipv6_ && !tls_ ? fmt::format("http://[::1]:{}", client_) : ""; }
   const std::string& dir() const { return dir_; }
   /// Serves TLS only, and only to clients with a certificate from its CA: makes (with the
   /// openssl command) DIR/ca.pem, server.{pem,key} for 127.0.0.1, client.{pem,key}. (etcd 3.4's
@@ -108,7 +124,8 @@ done)",
                  "--cert-file", cert.c_str(), "--key-file", key.c_str(), "--client-cert-auth",
                  "--trusted-ca-file", ca.c_str(), nullptr);
       }
-      ::execlp("etcd", "etcd", "--data-dir", data.c_str(), "--listen-client-urls", c.c_str(),
+      const std::string listen = url6().empty() ? c : c + "," + url6();
+      ::execlp("etcd", "etcd", "--data-dir", data.c_str(), "--listen-client-urls", listen.c_str(),
                "--advertise-client-urls", c.c_str(), "--listen-peer-urls", p.c_str(),
                "--initial-advertise-peer-urls", p.c_str(), "--initial-cluster", cluster.c_str(),
                nullptr);
@@ -131,6 +148,7 @@ done)",
  private:
   std::string dir_;
   bool tls_ = false;
+  bool ipv6_ = false;
   int client_ = 0, peer_ = 0;
   pid_t pid_ = -1;
 };
@@ -334,6 +352,44 @@ TEST_F(EtcdTest, DirectoryFindsPeersGuestsAndMoves) {
   at_b.clear();
   a->reset();
   EXPECT_TRUE(until([&] { return saw(EtcdDirectory::Change::Kind::kPeerDown, "a"); }, 1500ms));
+}
+
+// Over IPv6: etcd reached at http://[::1]:PORT, a node advertising "[ADDR]:PORT". Each node's
+// QP count reaches the others with its keepalive; its lease TTL and the watch lag are reported.
+TEST_F(EtcdTest, Ipv6QpCountsLeaseTtlAndWatchLag) {
+  if (etcd_->url6().empty()) GTEST_SKIP() << "no IPv6 on loopback";
+  auto oa = dir_opts("a", 1001);
+  oa.etcd.endpoints = {etcd_->url6()};
+  oa.address = "[fd00::1]:1001";
+  auto a = EtcdDirectory::start(oa);
+  auto b = EtcdDirectory::start(dir_opts("b", 1002));
+  ASSERT_TRUE(a.is_ok() && b.is_ok());
+  std::vector<EtcdDirectory::Change> at_b;
+  ASSERT_TRUE(until([&] {
+    (*b)->poll([&](const EtcdDirectory::Change& c) { at_b.push_back(c); });
+    return !at_b.empty();
+  }));
+  EXPECT_EQ(at_b[0].kind, EtcdDirectory::Change::Kind::kPeerUp);
+  EXPECT_EQ(at_b[0].address, "[fd00::1]:1001");
+  EXPECT_EQ((*a)->status_json()["endpoint"], etcd_->url6());
+  (*a)->set_qps(7);
+  auto node_a = [&] {
+    const nlohmann::json js = (*b)->status_json();
+    for (const auto& n : js["nodes"])
+      if (n["node"] == "a") return n;
+    return nlohmann::json::object();
+  };
+  // The count goes with a keepalive (every third of the 2 s lease); the TTL is asked then too.
+  ASSERT_TRUE(until([&] { return node_a().value("qps", 0) == 7; }, 3000ms)) << node_a();
+  ASSERT_TRUE(until([&] { return node_a().value("lease_ttl_s", 0) > 0; }, 3000ms)) << node_a();
+  const auto js = (*a)->status_json();
+  ASSERT_TRUE(js.contains("watch_lag_ms")) << js;
+  EXPECT_GE(js["watch_lag_ms"], 0);
+  EXPECT_LT(js["watch_lag_ms"], 2000);
+  // The rewrite is not a new peer: b hears nothing more of a.
+  at_b.clear();
+  (*b)->poll([&](const EtcdDirectory::Change& c) { at_b.push_back(c); });
+  EXPECT_TRUE(at_b.empty());
 }
 
 // A guest that leaves is deleted from etcd only after leave_delay_ms: one back by then keeps its

@@ -392,6 +392,48 @@ TEST(PrometheusText, EscapesLabelValues) {
       << text;
 }
 
+TEST(PrometheusText, DirectoryOnEtcd) {
+  // The tcp transport's directory (EtcdDirectory::status_json): operations, watch lag, lease
+  // age, nodes known, and each node's QPs and guests.
+  json dir = {
+      {"kind", "etcd"},
+      {"reachable", true},
+      {"registered", true},
+      {"lease_age_s", 42},
+      {"watch_lag_ms", 3},
+      {"counters", {{"requests", 17}, {"failures", 2}}},
+      {"nodes",
+       json::array({{{"node", "h1"}, {"qps", 5}, {"guests", json::array()}},
+                    {{"node", "h2"}, {"qps", 0}, {"guests", json::array({{{"name", "g"}}})}}})}};
+  json st = {{"backend",
+              {{"version", "1"},
+               {"node", "h1"},
+               {"started_unix", 1700000000},
+               {"datapath", {{"cpu_s", 0.5}}},
+               {"transports", json::array({{{"name", "tcp"},
+                                            {"security", "tls"},
+                                            {"refused", {{"name", 0}}},
+                                            {"peers", json::array()},
+                                            {"directory", dir}}})},
+               {"quotas", json::object()}}},
+             {"totals", {{"guests", 0}, {"sessions", 0}}},
+             {"guests", json::array()},
+             {"guest_counters", json::array()},
+             {"res", {{"qp", json::array()}}}};
+  const std::string text = backend::prometheus_text(st, false);
+  for (const char* want :
+       {"vrdma_directory_requests_total 17\n", "vrdma_directory_failures_total 2\n",
+        "vrdma_directory_moves_here_total 0\n", "vrdma_directory_reachable 1\n",
+        "vrdma_directory_registered 1\n", "vrdma_directory_lease_age_seconds 42\n",
+        "vrdma_directory_watch_lag_seconds 0.003\n", "vrdma_directory_nodes 2\n",
+        "vrdma_directory_node_qps{node=\"h1\"} 5\n", "vrdma_directory_node_qps{node=\"h2\"} 0\n",
+        "vrdma_directory_node_guests{node=\"h2\"} 1\n"})
+    EXPECT_NE(text.find(want), std::string::npos) << want << "\n" << text;
+  // Without the directory on etcd: none of it.
+  st["backend"]["transports"][0].erase("directory");
+  EXPECT_EQ(backend::prometheus_text(st, false).find("vrdma_directory_"), std::string::npos);
+}
+
 TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
   one_message();
   ASSERT_FALSE(cfg_.metrics_guest_names);  // the default

@@ -1,7 +1,8 @@
 // The TCP transport between backends in one process, over loopback: a direct offer frame
 // reaches the other side's Receiver, and peer_ipv4 names the address the connection comes from;
 // with a cluster credential the peers authenticate each other (TLS 1.3), a peer without one is
-// refused, and a node cannot take over a directory entry another node holds.
+// refused, and a node cannot take over a directory entry another node holds; endpoints parse in
+// both forms ("ADDR:PORT", "[IPV6]:PORT") and peers connect over IPv6.
 #include "transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
@@ -139,14 +140,75 @@ TEST(TcpTransport, DirectOfferArrivesWithThePeersAddress) {
   EXPECT_TRUE(connected(**a, "node-b"));
 }
 
-TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
+TEST(Endpoint, ParsesIpv4AndBracketedIpv6) {
+  struct Case {
+    const char* text;
+    int family;
+    uint16_t port;
+    const char* formatted;
+    bool loopback, unspecified;
+  };
+  for (const Case& k : std::initializer_list<Case>{
+           {"10.1.2.3:7000", AF_INET, 7000, "10.1.2.3:7000", false, false},
+           {"localhost:0", AF_INET, 0, "127.0.0.1:0", true, false},
+           {"0.0.0.0:1", AF_INET, 1, "0.0.0.0:1", false, true},
+           {"[fd00::1]:7000", AF_INET6, 7000, "[fd00::1]:7000", false, false},
+           {"[::1]:1", AF_INET6, 1, "[::1]:1", true, false},
+           {"[::ffff:127.0.0.2]:1", AF_INET6, 1, "[::ffff:127.0.0.2]:1", true, false},
+           {"[::ffff:10.0.0.1]:1", AF_INET6, 1, "[::ffff:10.0.0.1]:1", false, false},
+           {"[::]:7000", AF_INET6, 7000, "[::]:7000", false, true}}) {
+    auto e = parse_endpoint(k.text);
+    ASSERT_TRUE(e.is_ok()) << k.text << ": " << e.status().message();
+    EXPECT_EQ(e->family(), k.family) << k.text;
+    EXPECT_EQ(e->len, k.family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
+    EXPECT_EQ(e->port(), k.port) << k.text;
+    EXPECT_EQ(format_endpoint(e->sa()), k.formatted);
+    EXPECT_EQ(e->loopback(), k.loopback) << k.text;
+    EXPECT_EQ(e->unspecified(), k.unspecified) << k.text;
+  }
+  // What format_endpoint writes, parse_endpoint reads back.
+  EXPECT_EQ(format_endpoint(parse_endpoint("[FD00:0::A]:9")->sa()), "[fd00::a]:9");
+
+  for (const char* bad : {"fd00::1:7000", "[fd00::1]", "[fd00::1:7000", "fd00::1]:7000",
+                          "[10.0.0.1]:7000", "[zz::1]:1", "[]:1", "1.2.3.4:65536", "1.2.3.4:-1",
+                          "1.2.3.4:80x", "1.2.3.4", "host.example:1", ":7000"})
+    EXPECT_FALSE(parse_endpoint(bad).is_ok()) << bad;
+
+  auto peer = parse_peer("node-b@[fd00::2]:7000");
+  ASSERT_TRUE(peer.is_ok()) << peer.status().message();
+  EXPECT_EQ(peer->node, "node-b");
+  EXPECT_EQ(peer->addr, "[fd00::2]:7000");
+  EXPECT_EQ(peer->sa.family(), AF_INET6);
+  EXPECT_EQ(parse_peer("[::1]:1")->node, "");
+}
+
+/// Whether this host has IPv6 on loopback (a container may not).
+bool have_ipv6_loopback() {
+  UniqueFd s(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in6 sa{};
+  sa.sin6_family = AF_INET6;
+  sa.sin6_addr = in6addr_loopback;
+  return s.valid() && ::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+}
+
+/// Over IPv4 and IPv6 loopback ("[::1]": bracketed, as parse_endpoint wants it).
+class TcpTransportTls : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Families, TcpTransportTls, ::testing::Values("127.0.0.1", "[::1]"),
+                         [](const auto& i) {
+                           return std::string(i.param[0] == '[' ? "Ipv6" : "Ipv4");
+                         });
+
+TEST_P(TcpTransportTls, PeersAuthenticateEachOtherAndCarryFrames) {
+  const std::string host = GetParam();
+  if (host == "[::1]" && !have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 on loopback";
   Cluster cl({"node-a", "node-b"});
-  const std::string addr_a = "127.0.0.1:" + std::to_string(free_port());
   Recorder ra, rb;
-  auto a = TcpTransport::create({"node-a", addr_a, {}, false, cl.ctx("node-a")}, ra);
+  auto a = TcpTransport::create({"node-a", host + ":0", {}, false, cl.ctx("node-a")}, ra);
   ASSERT_TRUE(a.is_ok()) << a.status().message();
+  const std::string addr_a = (*a)->listen_address();  // the port filled in
+  EXPECT_TRUE(addr_a.starts_with(host + ":")) << addr_a;
   auto b = TcpTransport::create(
-      {"node-b", "127.0.0.1:0", {"node-a@" + addr_a}, false, cl.ctx("node-b")}, rb);
+      {"node-b", host + ":0", {"node-a@" + addr_a}, false, cl.ctx("node-b")}, rb);
   ASSERT_TRUE(b.is_ok()) << b.status().message();
   auto both = {a->get(), b->get()};
   ASSERT_TRUE(
@@ -154,6 +216,9 @@ TEST(TcpTransport, TlsPeersAuthenticateEachOtherAndCarryFrames) {
   const auto peers = (*a)->peers();
   ASSERT_EQ(peers.size(), 1u);
   EXPECT_EQ(peers[0].identity, "node-b");
+  EXPECT_TRUE(peers[0].address.starts_with(host + ":")) << peers[0].address;
+  // The address an IPv4 connection comes from; 0 on an IPv6 one.
+  EXPECT_EQ((*a)->peer_ipv4("node-b"), host == "[::1]" ? 0u : ::inet_addr("127.0.0.1"));
   EXPECT_EQ(peers[0].cipher, "TLS_AES_128_GCM_SHA256");
   EXPECT_GT(peers[0].since_unix, 0u);
   // Many frames, more than one TLS record and more than the session's buffer, in order.

@@ -24,29 +24,27 @@
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "transport/directory.h"
+#include "transport/tcp/endpoint.h"
 #include "transport/tcp/tls.h"
 #include "transport/transport.h"
 
 namespace vrdma::transport::tcp {
 
-/// Parses "ADDR:PORT" (IPv4 dotted quad or "localhost").
-Result<sockaddr_in> parse_endpoint(const std::string& s);
-/// A configured peer: "ADDR:PORT", or "NODE@ADDR:PORT" (only NODE may answer there, and only
-/// the nodes named so may connect: the peers list is then an allow-list).
+/// A configured peer: "ADDR:PORT", or "NODE@ADDR:PORT" (ADDR: IPv4, or IPv6 in brackets) (only NODE
+/// may answer there, and only the nodes named so may connect: the peers list is then an
+/// allow-list).
 struct PeerSpec {
   std::string node;  ///< "" when not named
   std::string addr;
-  sockaddr_in sa{};  ///< addr, parsed
+  Endpoint sa;  ///< addr, parsed
 };
 Result<PeerSpec> parse_peer(const std::string& s);
-/// True for 127.0.0.0/8 (what an unauthenticated transport may listen on).
-bool is_loopback(const sockaddr_in& sa);
 
 class TcpTransport final : public Transport {
  public:
   struct Options {
     std::string node;                ///< this backend's name among its peers
-    std::string listen;              ///< "ADDR:PORT"
+    std::string listen;              ///< "ADDR:PORT" or "[IPV6]:PORT"
     std::vector<std::string> peers;  ///< backends to dial, "ADDR:PORT"
     bool force = false;              ///< every pair goes through TCP (dials its own listener)
     /// The cluster credential: every connection is TLS 1.3, mutually authenticated, and a
@@ -113,6 +111,8 @@ class TcpTransport final : public Transport {
   std::vector<DialInfo> dials() const;
   const Refused& refused() const { return refused_; }
   bool secure() const { return opt_.tls != nullptr; }
+  /// Where the listener is bound ("[::1]:7000"; the port filled in when it was 0).
+  const std::string& listen_address() const { return opt_.listen; }
   /// A directory outside the transport (etcd): locate_* answer from it and announce() tells it
   /// too. Null (the default): the embedded directory alone.
   void set_directory(Directory* d) { directory_ = d; }
@@ -152,6 +152,8 @@ class TcpTransport final : public Transport {
     uint64_t flow = 0;     ///< the flow of every frame in it, or 0 (mixed, or none)
     bool dropped = false;  ///< taken back: skipped (its `total` still counts in the stream)
   };
+  /// Each connection's read buffer.
+  static constexpr size_t kRbufBytes = 64 * 1024;
   enum class Rx : uint8_t { kHead, kPayload };
   struct Conn {
     UniqueFd fd;
@@ -202,7 +204,7 @@ class TcpTransport final : public Transport {
   struct Dial {
     std::string addr;
     std::string expect;  ///< "NODE@": only NODE may answer
-    sockaddr_in sa{};
+    Endpoint sa;
     Conn* conn = nullptr;
     uint64_t next_ns = 0;
     uint64_t backoff_ms = kRedialMs;  ///< doubles while dials fail; back to kRedialMs on Hello
@@ -301,5 +303,13 @@ class TcpTransport final : public Transport {
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
   Directory* directory_ = nullptr;        ///< set_directory
 };
+
+template <typename... Args>
+void TcpTransport::refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args) {
+  ++counter;
+  uint64_t held = 0;
+  if (refuse_log_.ready(now_ns_, held))
+    VLOG_WARN("{}{}", fmt::format(f, std::forward<Args>(args)...), log::held_note(held));
+}
 
 }  // namespace vrdma::transport::tcp

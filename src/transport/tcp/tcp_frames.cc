@@ -1,0 +1,479 @@
+// The TCP transport's frames: queued, batched and written (plain or through TLS), read and
+// dispatched, and where each sits in the stream (TxMark). Owned by the engine thread.
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <linux/sockios.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+
+#include "common/guest_fault.h"
+#include "common/log.h"
+
+namespace vrdma::transport::tcp {
+
+using namespace vrdma::proto::wire;
+
+namespace {
+
+/// Payload bytes at or below this are copied into the batch; above, written from guest memory.
+constexpr uint32_t kCopyPayloadMax = 8192;
+/// Payload still to come at or above this is read straight into its spans, not via rbuf.
+constexpr uint64_t kDirectReadMin = 16 * 1024;
+constexpr size_t kBatchMax = 256 * 1024;
+constexpr int kMaxIov = 64;
+/// Guest memory is copied through this (fault-safe) before TLS encrypts it.
+constexpr size_t kStageBytes = 16384;
+
+/// The IPv4 address of one end of `fd` (getpeername or getsockname), or 0.
+uint32_t ipv4_of(int fd, int (*name)(int, sockaddr*, socklen_t*)) {
+  sockaddr_in sa{};
+  socklen_t len = sizeof(sa);
+  if (name(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0 || sa.sin_family != AF_INET) return 0;
+  return sa.sin_addr.s_addr;
+}
+
+}  // namespace
+
+void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span> payload,
+                         std::span<const Hold> holds, uint64_t flow) {
+  uint64_t plen = 0;
+  for (const Span& s : payload) plen += s.n;
+  const bool copy = plen <= kCopyPayloadMax;
+  // Batch: append to the last item unless it carries a large payload or is big already (an
+  // item partly written keeps growing at its end, which is safe: `sent` counts from its start).
+  if (c.txq.empty() || !c.txq.back().spans.empty() || c.txq.back().dropped ||
+      c.txq.back().bytes.size() > kBatchMax) {
+    c.txq.emplace_back();
+    c.txq.back().flow = flow;
+  }
+  TxItem* it = &c.txq.back();
+  if (it->flow != flow) it->flow = 0;  // mixed: no longer one flow's to take back
+  const size_t before = it->bytes.size();
+  encode(t, body, static_cast<uint32_t>(plen), it->bytes);
+  c.queued_end += it->bytes.size() - before + plen;
+  if (copy) {
+    for (const Span& s : payload) it->bytes.insert(it->bytes.end(), s.p, s.p + s.n);
+    it->total = it->bytes.size();
+    return;
+  }
+  it->spans.assign(payload.begin(), payload.end());
+  it->holds.assign(holds.begin(), holds.end());
+  it->total = it->bytes.size() + plen;
+}
+
+bool TcpTransport::send(const std::string& node, Type t, const void* body,
+                        std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return false;
+  queue(*it->second, t, body, payload, holds, flow);
+  return true;
+}
+
+void TcpTransport::drop_flow(const std::string& node, uint64_t flow) {
+  auto found = by_node_.find(node);
+  if (flow == 0 || found == by_node_.end()) return;
+  Conn& c = *found->second;
+  for (size_t i = 0; i < c.txq.size(); ++i) {
+    TxItem& it = c.txq[i];
+    if (it.flow != flow || it.dropped || (i == 0 && c.sent > 0)) continue;  // begun: it goes
+    it.dropped = true;
+    // Guest memory is let go now; only the size stays, for the stream's offsets.
+    it.bytes = {};
+    it.spans = {};
+    it.holds = {};
+    c.dropped_bytes += it.total;
+    c.dropped_queued += it.total;
+  }
+  skip_dropped(c);
+}
+
+void TcpTransport::skip_dropped(Conn& c) {
+  while (!c.txq.empty() && c.txq.front().dropped) {
+    const uint64_t total = c.txq.front().total;
+    c.txq.pop_front();
+    c.written += total;
+    c.dropped_queued -= total;
+    if (c.tls) {
+      // Acknowledged once the record before it is: nothing of it goes to the socket.
+      c.marks.emplace_back(c.tls->produced(), c.written);
+    } else {
+      c.skipped += total;
+      c.skips.emplace_back(c.written - c.skipped, c.skipped);
+    }
+  }
+}
+
+uint64_t TcpTransport::tx_unwritten(const std::string& node, const TxMark& m) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end() || it->second->id != m.conn) return 0;
+  // Dropped items still queued do not count (they are passed over, not written): a mark
+  // before them is then seen a little shallower than it is.
+  const Conn& c = *it->second;
+  const uint64_t behind = m.end > c.written ? m.end - c.written : 0;
+  return behind - std::min(behind, c.dropped_queued);
+}
+
+TxMark TcpTransport::tx_mark(const std::string& node) const {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return {};
+  return {it->second->id, it->second->queued_end};
+}
+
+uint64_t TcpTransport::acked_of(Conn& c) {
+  int outq = 0;
+  if (::ioctl(c.fd.get(), SIOCOUTQ, &outq) != 0) return c.plain_acked;
+  if (!c.tls) {
+    const uint64_t wire = c.written - c.skipped;
+    const uint64_t wire_acked = wire - std::min<uint64_t>(wire, outq);
+    while (!c.skips.empty() && c.skips.front().first <= wire_acked) {
+      c.skipped_acked = c.skips.front().second;
+      c.skips.pop_front();
+    }
+    c.plain_acked = std::max(c.plain_acked, wire_acked + c.skipped_acked);
+    return c.plain_acked;
+  }
+  // Ciphertext the peer acknowledged, mapped back to the plaintext its records carried.
+  const uint64_t cipher = c.tls->sent() - std::min<uint64_t>(c.tls->sent(), outq);
+  while (!c.marks.empty() && c.marks.front().first <= cipher) {
+    c.plain_acked = c.marks.front().second;
+    c.marks.pop_front();
+  }
+  return c.plain_acked;
+}
+
+bool TcpTransport::tx_delivered(const std::string& node, const TxMark& m) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end() || it->second->id != m.conn) return false;
+  return acked_of(*it->second) >= m.end;
+}
+
+uint64_t TcpTransport::tx_progress(const std::string& node) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return 0;
+  Conn& c = *it->second;
+  return (c.id << 48) + acked_of(c) + c.rx_bytes;
+}
+
+uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return 0;
+  tcp_info ti{};
+  socklen_t len = sizeof(ti);
+  if (::getsockopt(it->second->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
+  return (uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar}) * 1000;
+}
+
+bool TcpTransport::rx_pending(const std::string& node) {
+  auto it = by_node_.find(node);
+  if (it == by_node_.end()) return false;
+  const Conn& c = *it->second;
+  if (c.rpos != c.rend || (c.tls && c.tls->has_buffered())) return true;
+  int inq = 0;
+  return ::ioctl(c.fd.get(), SIOCINQ, &inq) == 0 && inq > 0;
+}
+
+uint32_t TcpTransport::peer_ipv4(const std::string& node) const {
+  auto it = by_node_.find(node);
+  return it == by_node_.end() ? 0 : ipv4_of(it->second->fd.get(), ::getpeername);
+}
+
+uint32_t TcpTransport::local_ipv4(const std::string& node) const {
+  auto it = by_node_.find(node);
+  return it == by_node_.end() ? 0 : ipv4_of(it->second->fd.get(), ::getsockname);
+}
+
+bool TcpTransport::flush(Conn& c) {
+  if (c.tls) return flush_tls(c);
+  for (skip_dropped(c); !c.txq.empty(); skip_dropped(c)) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    uint64_t skip = c.sent;
+    for (const TxItem& it : c.txq) {
+      if (it.dropped) break;
+      auto add = [&](const uint8_t* p, uint64_t len) {
+        if (skip >= len) {
+          skip -= len;
+          return;
+        }
+        if (n < kMaxIov) iov[n++] = {const_cast<uint8_t*>(p) + skip, len - skip};
+        skip = 0;
+      };
+      add(it.bytes.data(), it.bytes.size());
+      for (const Span& s : it.spans) add(s.p, s.n);
+      if (n >= kMaxIov) break;
+    }
+    ssize_t w = ::writev(c.fd.get(), iov, n);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EINTR) {
+        set_out(c, true);
+        return true;
+      }
+      close_conn(&c, std::strerror(errno));
+      return false;
+    }
+    uint64_t done = static_cast<uint64_t>(w);
+    c.written += done;
+    while (done && !c.txq.empty()) {
+      const uint64_t rest = c.txq.front().total - c.sent;
+      if (done < rest) {
+        c.sent += done;
+        done = 0;
+      } else {
+        done -= rest;
+        c.sent = 0;
+        c.txq.pop_front();
+      }
+    }
+  }
+  set_out(c, false);
+  return true;
+}
+
+bool TcpTransport::read_some(Conn& c) {
+  if (c.rpos == c.rend) c.rpos = c.rend = 0;
+  if (c.rend == c.rbuf.size()) {  // compact: a partial frame sits at the end
+    std::memmove(c.rbuf.data(), c.rbuf.data() + c.rpos, c.rend - c.rpos);
+    c.rend -= c.rpos;
+    c.rpos = 0;
+  }
+  const ssize_t r = read_into(c, c.rbuf.data() + c.rend, c.rbuf.size() - c.rend);
+  if (r < 0) return false;
+  c.rend += static_cast<size_t>(r);
+  return true;
+}
+
+ssize_t TcpTransport::check_read(Conn& c, ssize_t r) {
+  if (r > 0) {
+    c.rx_bytes += static_cast<uint64_t>(r);
+    return r;
+  }
+  if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  close_conn(&c, r == 0 ? "closed by the peer" : std::strerror(errno));
+  return -1;
+}
+
+bool TcpTransport::consume(Conn& c) {
+  for (;;) {
+    if (c.rx == Rx::kPayload) {
+      // Payload: whatever rbuf holds goes to the spans (or is dropped) ...
+      while (c.left && c.rpos < c.rend) {
+        uint64_t n = std::min<uint64_t>(c.left, c.rend - c.rpos);
+        if (!c.sink.spans.empty()) {
+          const Span& s = c.sink.spans[c.span_i];
+          n = std::min(n, s.n - c.span_off);
+          // Guest memory: a fault there loses these bytes of the message, not the backend
+          // (the engine saw the same fault or will: common/guest_fault.h).
+          uintptr_t fault = 0;
+          if (!guarded_memcpy(s.p + c.span_off, c.rbuf.data() + c.rpos, n, fault))
+            VLOG_WARN(
+                "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) taking a payload "
+                "from {}; those bytes are lost",
+                fault, c.node);
+          if ((c.span_off += n) == s.n) ++c.span_i, c.span_off = 0;
+        }
+        c.rpos += n;
+        c.left -= n;
+      }
+      // ... and a large rest is read straight into the spans.
+      while (c.left >= kDirectReadMin && !c.sink.spans.empty() && !c.tls) {
+        iovec iov[kMaxIov];
+        int n = 0;
+        for (size_t i = c.span_i; i < c.sink.spans.size() && n < kMaxIov; ++i) {
+          const uint64_t off = i == c.span_i ? c.span_off : 0;
+          iov[n++] = {c.sink.spans[i].p + off, c.sink.spans[i].n - off};
+        }
+        const ssize_t r = check_read(c, ::readv(c.fd.get(), iov, n));
+        if (r <= 0) return r == 0;
+        uint64_t got = static_cast<uint64_t>(r);
+        c.left -= got;
+        while (got) {
+          const uint64_t room = c.sink.spans[c.span_i].n - c.span_off;
+          const uint64_t n2 = std::min(room, got);
+          got -= n2;
+          if ((c.span_off += n2) == c.sink.spans[c.span_i].n) ++c.span_i, c.span_off = 0;
+        }
+      }
+      if (c.left) return true;  // more to read later
+      c.rx = Rx::kHead;
+      rx_.on_frame_done(c.node, c.frame, c.sink);
+      c.sink.spans.clear();
+      c.sink.holds.clear();
+      if (c.dead) return false;
+      continue;
+    }
+    const size_t avail = c.rend - c.rpos;
+    if (avail < sizeof(FrameHeader)) return true;
+    FrameHeader h;
+    std::memcpy(&h, c.rbuf.data() + c.rpos, sizeof(h));
+    Status st = check_header(h);
+    if (st.is_ok() && avail < sizeof(h) + h.body) return true;
+    if (st.is_ok()) st = decode(h, {c.rbuf.data() + c.rpos + sizeof(h), h.body}, c.frame);
+    if (st.is_ok() && !c.hello && c.frame.type() != Type::kHello)
+      st = error(EPROTO, "frame before hello");
+    if (!st.is_ok()) {
+      VLOG_ERROR("transport tcp: from {}: {}; closing the connection",
+                 c.node.empty() ? c.dialed : c.node, st.message());
+      close_conn(&c, st.message());
+      return false;
+    }
+    c.rpos += sizeof(h) + h.body;
+    switch (c.frame.type()) {
+      case Type::kHello:
+        on_hello(c);
+        break;
+      case Type::kGuestUp:
+        on_guest(c, true);
+        break;
+      case Type::kGuestDown:
+        on_guest(c, false);
+        break;
+      case Type::kPing:  // its sender's TCP has what it wanted to know
+        break;
+      default: {
+        c.sink.spans.clear();
+        c.sink.holds.clear();
+        c.sink.accepted = false;
+        rx_.on_frame(c.node, c.frame, c.sink);
+        if (c.dead) return false;
+        uint64_t room = 0;
+        for (const Span& s : c.sink.spans) room += s.n;
+        if (room != h.payload) {  // the engine found no place (or a wrong one): drop it
+          if (room) VLOG_ERROR("transport tcp: receiver gave {} bytes for {}", room, h.payload);
+          c.sink.spans.clear();
+          c.sink.holds.clear();
+        }
+        c.left = h.payload;
+        c.span_i = 0;
+        c.span_off = 0;
+        c.rx = Rx::kPayload;
+        break;
+      }
+    }
+    if (c.dead) return false;
+  }
+}
+
+ssize_t TcpTransport::read_into(Conn& c, void* p, size_t n) {
+  if (!c.tls) return check_read(c, ::read(c.fd.get(), p, n));
+  for (;;) {
+    std::string why;
+    const ssize_t r = c.tls->read(p, n, why);
+    if (r > 0) return check_read(c, r);
+    if (r < 0) {
+      VLOG_ERROR("transport tcp: from {} ({}): {}; closing the connection",
+                 c.node.empty() ? "?" : c.node, c.addr, why);
+      close_conn(&c, why);
+      return -1;
+    }
+    // A read that got less than it had room for drained the socket: the next would only say
+    // EAGAIN (syscalls are most of a small message's cost), until the next visit.
+    if (c.drained) return 0;
+    const ssize_t got = c.tls->pull(c.fd.get(), &c.drained);
+    if (got == 0) return 0;
+    if (got < 0) return check_read(c, errno == 0 ? 0 : -1);
+  }
+}
+
+bool TcpTransport::flush_tls(Conn& c) {
+  TlsStream& t = *c.tls;
+  bool blocked = false;
+  while (t.established() && !blocked) {
+    skip_dropped(c);
+    if (c.txq.empty()) break;
+    TxItem& it = c.txq.front();
+    const uint8_t* p = nullptr;
+    uint64_t n = 0;
+    if (c.sent < it.bytes.size()) {
+      p = it.bytes.data() + c.sent;
+      n = it.bytes.size() - c.sent;
+    } else {
+      uint64_t off = c.sent - it.bytes.size();
+      for (const Span& s : it.spans) {
+        if (off < s.n) {
+          // Guest memory: copied with a fault guard before OpenSSL reads it.
+          n = std::min<uint64_t>(s.n - off, kStageBytes);
+          stage_.resize(kStageBytes);
+          uintptr_t fault = 0;
+          if (!guarded_memcpy(stage_.data(), s.p + off, n, fault)) {
+            VLOG_WARN(
+                "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) sending to {}; zeros "
+                "are sent instead",
+                fault, c.node);
+            std::memset(stage_.data(), 0, n);
+          }
+          p = stage_.data();
+          break;
+        }
+        off -= s.n;
+      }
+    }
+    std::string why;
+    const ssize_t w = t.write(p, n, why);
+    if (w < 0) {
+      close_conn(&c, "TLS: " + why);
+      return false;
+    }
+    if (w == 0) {  // the session's buffer is full: to the socket with it
+      const int r = t.push(c.fd.get());
+      if (r < 0) {
+        close_conn(&c, std::strerror(errno));
+        return false;
+      }
+      blocked = r == 0;
+      continue;
+    }
+    c.sent += static_cast<uint64_t>(w);
+    c.written += static_cast<uint64_t>(w);
+    c.marks.emplace_back(t.produced(), c.written);
+    if (c.sent == it.total) {
+      c.sent = 0;
+      c.txq.pop_front();
+    }
+  }
+  if (t.push(c.fd.get()) < 0) {
+    close_conn(&c, std::strerror(errno));
+    return false;
+  }
+  set_out(c, t.out_pending() || (!c.txq.empty() && t.established()));
+  return true;
+}
+
+bool TcpTransport::read_conn(Conn& c) {
+  bool did = false;
+  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB (a TLS
+  // read returns one 16 KiB record at most).
+  const int rounds = c.tls ? 64 : 16;
+  c.drained = false;
+  for (int round = 0; round < rounds && !c.dead; ++round) {
+    const uint64_t before = c.rx_bytes;
+    // A large payload with nothing buffered is read by consume() into its spans directly.
+    const bool direct = !c.tls && c.rx == Rx::kPayload && c.left >= kDirectReadMin &&
+                        !c.sink.spans.empty() && c.rpos == c.rend;
+    const size_t room = c.rbuf.size() - c.rend;
+    if (!direct && !read_some(c)) break;
+    if (!consume(c)) break;
+    if (c.rx_bytes == before) break;  // nothing more now
+    did = true;
+    // A read that did not fill the buffer drained the socket: skip the read that would
+    // only say EAGAIN (syscalls are most of a small message's cost).
+    if (!direct && !c.tls && c.rx_bytes - before < room) break;
+  }
+  if (!c.dead && c.tls && c.tls->has_buffered() && !c.again) {
+    c.again = true;
+    rx_again_.push_back(&c);
+  }
+  return did;
+}
+
+}  // namespace vrdma::transport::tcp
