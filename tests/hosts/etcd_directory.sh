@@ -74,6 +74,13 @@ for n in json.load(sys.stdin)["nodes"]:
     for g in n["guests"]:
         if g["name"] == os.environ["G"]: print(n["node"], g["generation"])'
 }
+# A move is a compare-and-swap of the entry the source wrote: wait until it is there (a join not
+# written before the guest leaves is never written, and the target's entry is then the first).
+for ((k = 0; k < 100; k++)); do
+  [[ $(guest_on 2 st-s) == "h1 1" ]] && break
+  nap 0.05
+done
+[[ $(guest_on 2 st-s) == "h1 1" ]] || fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h1 1'"
 log "the stream's server guest moves h1 -> h3 -> h1 (its entry: compare-and-swap)"
 gen=1
 for hop in "1 3" "3 1"; do

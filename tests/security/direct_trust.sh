@@ -67,7 +67,9 @@ if ! unshare --pid --mount --fork --mount-proc true 2>/dev/null; then
   e2e_pass
   exit 0
 fi
-VRUN=(unshare --pid --mount --fork --mount-proc "$SEC_BIN/vrdma" run)
+VRUN=(unshare --pid --mount --fork --mount-proc)
+[[ -z ${SAN_PRELOAD:-} ]] || VRUN+=(env "LD_PRELOAD=$SAN_PRELOAD")  # the sanitizer's runtime first
+VRUN+=("$SEC_BIN/vrdma" run)
 pair box no
 logged "op 66 failed: the peer is in another pid namespace" "no pid named across containers"
 
