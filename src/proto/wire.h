@@ -156,7 +156,11 @@ enum class CmKind : uint8_t {
   /// to every peer; dst_id 0); version 5
   kAddrQuery = 8,
   kAddrReply = 9,  ///< mine: the answer to the kAddrQuery of id `dst_id`; version 5
-  kMax = 10,
+  /// Id `src_id` moved here (live migration) from the node named in the private data: the
+  /// receiver's id `dst_id`, its peer, now faces the sender. (Added in version 5: a backend
+  /// before it refuses the frame, and its ids keep facing the old node.)
+  kMoved = 10,
+  kMax = 11,
 };
 
 /// No payload: every field is in the body. The receiver checks `dst_id` names one of its ids
