@@ -653,21 +653,33 @@ Status CmService::join_mcast(uint32_t handle, Id& id, const CmAddr& group) {
 }
 
 void CmService::session_closed(const engine::Session* session) {
-  const uint32_t s = session->id;
-  std::vector<uint32_t> gone;
-  for (const auto& [h, id] : ids_) {
-    if (id.owner == s) gone.push_back(h);
-  }
-  std::sort(gone.begin(), gone.end());  // peers hear of them in the order they were made
-  for (uint32_t h : gone) {
+  // Peers hear of its ids in the order they were made.
+  for (uint32_t h : ids_of(session->id)) {
     auto it = ids_.find(h);
     abandon(h, it->second);
     disarm(it->second);
     ids_.erase(it);
   }
-  std::erase_if(channels_, [s](const auto& kv) { return kv.second.owner == s; });
-  std::erase_if(closing_, [s](const auto& c) { return c.first == s; });
-  usage_.erase(s);
+  forget_channels(session->id);
+}
+
+std::vector<uint32_t> CmService::ids_of(uint32_t session) const {
+  std::vector<uint32_t> hs;
+  for (const auto& [h, id] : ids_) {
+    if (id.owner == session) hs.push_back(h);
+  }
+  std::sort(hs.begin(), hs.end());
+  return hs;
+}
+
+void CmService::forget_channels(uint32_t session) {
+  std::erase_if(channels_, [&](const auto& kv) {
+    if (kv.second.owner != session) return false;
+    backlogged_.erase(kv.first);
+    return true;
+  });
+  std::erase_if(closing_, [session](const auto& c) { return c.first == session; });
+  usage_.erase(session);
 }
 
 void CmService::sweep_closing() {

@@ -190,6 +190,10 @@ class CmService {
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
   void disarm(Id& id);
   void rearm_timerfd();
+  /// The handles of session `session`'s ids, oldest first.
+  std::vector<uint32_t> ids_of(uint32_t session) const;
+  /// Drops session `session`'s channels (open or closing) and its usage counts.
+  void forget_channels(uint32_t session);
   /// Closes the destroyed channels' sockets whose guest end is closed.
   void sweep_closing();
 

@@ -189,25 +189,14 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
 }
 
 void CmService::session_moved(const engine::Session* session) {
-  const uint32_t s = session->id;
-  std::vector<uint32_t> gone;
-  for (const auto& [h, id] : ids_) {
-    if (id.owner == s) gone.push_back(h);
-  }
-  for (uint32_t h : gone) {
+  for (uint32_t h : ids_of(session->id)) {
     Id& id = ids_.at(h);
     release_port(id);
     set_state(id, State::kIdle);  // out of its listener's backlog, if it was a request
     disarm(id);
     ids_.erase(h);
   }
-  std::erase_if(channels_, [&](const auto& kv) {
-    if (kv.second.owner != s) return false;
-    backlogged_.erase(kv.first);
-    return true;
-  });
-  std::erase_if(closing_, [s](const auto& c) { return c.first == s; });
-  usage_.erase(s);
+  forget_channels(session->id);
 }
 
 void CmService::on_moved_wire(const std::string& node, const wire::Cm& m) {

@@ -495,6 +495,15 @@ struct CmAcrossHostsTest : CmServiceTest {
     EXPECT_EQ(e.dst.port, 40000);  // the requester's address, as it said
     return e.id;
   }
+  /// Peer "b"'s id `from` connected to srv's listener and established: the id here.
+  uint32_t remote_established(uint32_t from) {
+    const uint32_t s = remote_request(from);
+    EXPECT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
+    EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kRep));
+    cm.on_wire("b", peer_msg(wire::CmKind::kRtu, from, s));
+    EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+    return s;
+  }
 };
 
 TEST_F(CmAcrossHostsTest, APeersRequestIsAcceptedEstablishedAndDisconnected) {
@@ -674,11 +683,7 @@ namespace {
 /// another ("c"): its ids keep their handles there, "b" is told (kMoved), and the connection
 /// goes on there (b's DREQ gives DISCONNECTED on the channel the guest already reads).
 TEST_F(CmAcrossHostsTest, AConnectedIdMovesWithItsGuestAndItsPeerIsTold) {
-  const uint32_t s = remote_request(901);
-  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
-  (void)t.take();
-  cm.on_wire("b", peer_msg(wire::CmKind::kRtu, 901, s));
-  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+  const uint32_t s = remote_established(901);
 
   std::vector<int> fds;
   const std::string state = cm.export_sessions({{srv.s.id, 4242}}, fds);
@@ -722,11 +727,7 @@ TEST_F(CmAcrossHostsTest, AConnectedIdMovesWithItsGuestAndItsPeerIsTold) {
 /// The peer's side of a move: kMoved from the new node re-points an id only when it faced the
 /// node the message names and its peer is the id named.
 TEST_F(CmAcrossHostsTest, AMovedPeerIsFollowedOnlyWhenItIsThePeer) {
-  const uint32_t s = remote_request(901);
-  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
-  (void)t.take();
-  cm.on_wire("b", peer_msg(wire::CmKind::kRtu, 901, s));
-  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+  const uint32_t s = remote_established(901);
   auto moved = [&](uint32_t from, const char* left) {
     wire::Cm m = peer_msg(wire::CmKind::kMoved, from, s);
     m.private_len = static_cast<uint32_t>(std::strlen(left));
