@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <time.h>
@@ -31,7 +32,6 @@ constexpr uint32_t kMaxIdsPerSession = 16384;
 constexpr uint32_t kMaxBacklog = 1024;
 /// TIMEWAIT_EXIT follows an end's DREQ or DREP by this much: the IB CM's timewait keeps a QPN
 /// from being reused while late packets may arrive; over the transport none arrive late.
-constexpr uint64_t kTimewaitMs = 50;
 
 }  // namespace
 
@@ -133,7 +133,17 @@ Result<CmAddr> route_source(const CmAddr& dst) {
 
 }  // namespace
 
-CmService::CmService() : timer_(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)) {}
+CmService::CmService() : timer_(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)) {
+  if (::getrandom(&next_handle_, sizeof(next_handle_), 0) != sizeof(next_handle_))
+    next_handle_ = static_cast<uint32_t>(cm_clock_ns());
+}
+
+uint32_t CmService::new_handle() {
+  for (;;) {
+    const uint32_t h = next_handle_++;
+    if (h != 0 && h != kNone && !ids_.count(h) && !channels_.count(h)) return h;
+  }
+}
 
 void CmService::set_transport(transport::Transport* t,
                               std::function<std::vector<std::string>()> peers) {
@@ -185,7 +195,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
       if (ch == channels_.end() || ch->second.owner != s.id) return fail(ENOENT);
       if (usage_[s.id].ids >= kMaxIdsPerSession) return fail(ENOMEM);
       ++usage_[s.id].ids;
-      const uint32_t id = next_handle_++;
+      const uint32_t id = new_handle();
       Id& n = ids_[id];
       n.owner = s.id;
       n.channel = r.channel;
@@ -282,7 +292,7 @@ std::vector<uint8_t> CmService::create_channel(const engine::Session& s, const M
   ::setsockopt(mine.get(), SOL_SOCKET, SO_SNDBUF, &kEventSocketBuffer, sizeof(kEventSocketBuffer));
   ::shutdown(give.get(), SHUT_WR);  // the library only reads it
   ++usage_[s.id].channels;
-  const uint32_t handle = next_handle_++;
+  const uint32_t handle = new_handle();
   Channel& ch = channels_[handle];
   ch.owner = s.id;
   ch.sock = std::move(mine);
@@ -481,7 +491,7 @@ uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int
   }
   ++l.pending;
   ++usage_[l.owner].ids;
-  const uint32_t nh = next_handle_++;
+  const uint32_t nh = new_handle();
   Id& n = ids_[nh];  // may rehash: `l` is not used below
   const Id& lst = ids_.at(lh);
   n.owner = lst.owner;
@@ -643,21 +653,33 @@ Status CmService::join_mcast(uint32_t handle, Id& id, const CmAddr& group) {
 }
 
 void CmService::session_closed(const engine::Session* session) {
-  const uint32_t s = session->id;
-  std::vector<uint32_t> gone;
-  for (const auto& [h, id] : ids_) {
-    if (id.owner == s) gone.push_back(h);
-  }
-  std::sort(gone.begin(), gone.end());  // peers hear of them in the order they were made
-  for (uint32_t h : gone) {
+  // Peers hear of its ids in the order they were made.
+  for (uint32_t h : ids_of(session->id)) {
     auto it = ids_.find(h);
     abandon(h, it->second);
     disarm(it->second);
     ids_.erase(it);
   }
-  std::erase_if(channels_, [s](const auto& kv) { return kv.second.owner == s; });
-  std::erase_if(closing_, [s](const auto& c) { return c.first == s; });
-  usage_.erase(s);
+  forget_channels(session->id);
+}
+
+std::vector<uint32_t> CmService::ids_of(uint32_t session) const {
+  std::vector<uint32_t> hs;
+  for (const auto& [h, id] : ids_) {
+    if (id.owner == session) hs.push_back(h);
+  }
+  std::sort(hs.begin(), hs.end());
+  return hs;
+}
+
+void CmService::forget_channels(uint32_t session) {
+  std::erase_if(channels_, [&](const auto& kv) {
+    if (kv.second.owner != session) return false;
+    backlogged_.erase(kv.first);
+    return true;
+  });
+  std::erase_if(closing_, [session](const auto& c) { return c.first == session; });
+  usage_.erase(session);
 }
 
 void CmService::sweep_closing() {

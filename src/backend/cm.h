@@ -45,6 +45,20 @@ class CmService {
   /// take them (peers hear REJECTED, UNREACHABLE or DISCONNECTED), its ports and channels too.
   void session_closed(const engine::Session* s);
 
+  /// Live migration (cm_migrate.cc, docs/ARCHITECTURE.md "RDMA CM": live migration). The CM
+  /// state of sessions `keys` (session id -> a key the target finds the session by: its socket's
+  /// inode) as versioned JSON; `fds` gets each channel's socket (borrowed, in the JSON's order).
+  std::string export_sessions(const std::unordered_map<uint32_t, uint64_t>& keys,
+                              std::vector<int>& fds) const;
+  /// Takes in what export_sessions gave (checked; all or nothing): the ids keep their handles
+  /// (EEXIST when one is taken here), `sessions` maps each key to the imported session's id, and
+  /// the peers of the moved ids are told they face this backend now (kMoved).
+  Status import_sessions(std::string_view json, std::vector<UniqueFd>& fds,
+                         const std::unordered_map<uint64_t, uint32_t>& sessions);
+  /// Session `s` moved to another backend: its ids, channels and ports are forgotten here
+  /// without a word to their peers (the target tells them).
+  void session_moved(const engine::Session* s);
+
   /// Connections to an address of another backend's host go through `t` (see resolve_addr);
   /// `peers` lists the nodes connected now. Unset: this backend's addresses only.
   void set_transport(transport::Transport* t, std::function<std::vector<std::string>()> peers);
@@ -81,6 +95,8 @@ class CmService {
   /// UNREACHABLE (-ETIMEDOUT) once the connection to that backend is down, or after
   /// kHandshakeTries checks (rdma_cm's REQ: 15 retries of about 4 s).
   static constexpr uint64_t kHandshakeStepMs = 1000;
+  /// TIMEWAIT_EXIT this long after an end's DREQ or DREP (cm.cc, disconnect).
+  static constexpr uint64_t kTimewaitMs = 50;
   static constexpr uint32_t kHandshakeTries = 60;
   struct Timer {
     uint32_t id;
@@ -158,6 +174,12 @@ class CmService {
   void ask_peers(uint32_t handle, const proto::CmAddr& dst);
   /// A peer's kAddrQuery or kAddrReply (on_wire).
   void on_addr_wire(const std::string& node, const proto::wire::Cm& m);
+  /// A peer's kMoved: id m.dst_id, whose peer m.src_id was on the node the message names, now
+  /// faces `node` (cm_migrate.cc).
+  void on_moved_wire(const std::string& node, const proto::wire::Cm& m);
+  /// A handle for a new channel or id: never 0 or kNone, never one in use here. Each backend
+  /// starts at a random point, so the handles of a guest that moves in are free here.
+  uint32_t new_handle();
   /// Whether `a` is an address of this host (see bindable_here, cm.cc): the answers that were
   /// yes are kept for kLocalCacheNs (an address removed from the host meanwhile still counts).
   bool local(const proto::CmAddr& a);
@@ -168,6 +190,10 @@ class CmService {
   void arm(uint32_t h, Id& id, uint64_t after_ms, TimerKind k);
   void disarm(Id& id);
   void rearm_timerfd();
+  /// The handles of session `session`'s ids, oldest first.
+  std::vector<uint32_t> ids_of(uint32_t session) const;
+  /// Drops session `session`'s channels (open or closing) and its usage counts.
+  void forget_channels(uint32_t session);
   /// Closes the destroyed channels' sockets whose guest end is closed.
   void sweep_closing();
 
@@ -184,7 +210,7 @@ class CmService {
     uint32_t channels = 0, ids = 0;
   };
   std::unordered_map<uint32_t, Usage> usage_;  ///< by session id
-  uint32_t next_handle_ = 1;  ///< channels and ids share it; never reused within 2^32
+  uint32_t next_handle_;  ///< channels and ids share it; never reused within 2^32
   uint16_t next_ephemeral_ = 0;
   log::Every backlog_log_{1'000'000'000};
   transport::Transport* transport_ = nullptr;

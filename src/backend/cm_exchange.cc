@@ -18,8 +18,9 @@ using wire::CmKind;
 namespace {
 
 std::string_view kind_name(CmKind k) {
-  static constexpr std::string_view kNames[] = {"?",   "REQ",  "REP",  "SIDR REP",   "REJ",
-                                                "RTU", "DREQ", "GONE", "ADDR QUERY", "ADDR REPLY"};
+  static constexpr std::string_view kNames[] = {"?",          "REQ",        "REP",  "SIDR REP",
+                                                "REJ",        "RTU",        "DREQ", "GONE",
+                                                "ADDR QUERY", "ADDR REPLY", "MOVED"};
   const auto i = static_cast<size_t>(k);
   return i < std::size(kNames) ? kNames[i] : "?";
 }
@@ -118,8 +119,9 @@ void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t sta
           break;
       }
       break;
-    case CmKind::kAddrQuery:  // on_addr_wire's; never between two ids
+    case CmKind::kAddrQuery:  // on_addr_wire's and on_moved_wire's; never between two ids
     case CmKind::kAddrReply:
+    case CmKind::kMoved:
     case CmKind::kMax:
       break;
   }
@@ -132,6 +134,7 @@ void CmService::on_wire(const std::string& node, const wire::Cm& m) {
   };
   const std::span<const uint8_t> pdata{m.private_data, m.private_len};
   if (k == CmKind::kAddrQuery || k == CmKind::kAddrReply) return on_addr_wire(node, m);
+  if (k == CmKind::kMoved) return on_moved_wire(node, m);
   if (k == CmKind::kReq) {
     int32_t reason;
     if (take_request(node, m, reason)) return;

@@ -73,26 +73,40 @@ struct Record {
 
 }  // namespace
 
+namespace {
+
+/// `data` and `fds` as messages `op` (variable body), a chunk and up to kMaxFdsPerMessage each.
+Status send_pieces(int sock, Op op, std::span<const uint8_t> data, std::span<const int> fds) {
+  size_t off = 0, fi = 0;
+  while (off < data.size() || fi < fds.size()) {
+    const size_t n = std::min(kMaxImportChunk, data.size() - off);
+    const size_t nf = std::min(kMaxFdsPerMessage, fds.size() - fi);
+    std::vector<uint8_t> m = encode(op, 2, 0, Empty{});
+    m.insert(m.end(), data.begin() + static_cast<ptrdiff_t>(off),
+             data.begin() + static_cast<ptrdiff_t>(off + n));
+    const uint32_t len = static_cast<uint32_t>(m.size());
+    std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
+    RETURN_IF_ERROR(send_msg(sock, m, fds.subspan(fi, nf)));
+    off += n;
+    fi += nf;
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>& blob,
-                  std::span<const int> fds, uint32_t flags) {
+                  std::span<const int> fds, uint32_t flags, const CmPart* cm) {
   ImportBeginReq begin{};
   std::memcpy(begin.guest, guest.data(), std::min(guest.size(), sizeof(begin.guest) - 1));
   begin.bytes = blob.size();
   begin.fds = static_cast<uint32_t>(fds.size());
   begin.flags = flags;
   RETURN_IF_ERROR(send_msg(sock, encode(Op::kImportBegin, 1, 0, begin)));
-  size_t off = 0, fi = 0;
-  while (off < blob.size() || fi < fds.size()) {
-    const size_t n = std::min(kMaxImportChunk, blob.size() - off);
-    const size_t nf = std::min(kMaxFdsPerMessage, fds.size() - fi);
-    std::vector<uint8_t> m = encode(Op::kImportData, 2, 0, Empty{});
-    m.insert(m.end(), blob.begin() + static_cast<ptrdiff_t>(off),
-             blob.begin() + static_cast<ptrdiff_t>(off + n));
-    const uint32_t len = static_cast<uint32_t>(m.size());
-    std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
-    RETURN_IF_ERROR(send_msg(sock, m, fds.subspan(fi, nf)));
-    off += n;
-    fi += nf;
+  RETURN_IF_ERROR(send_pieces(sock, Op::kImportData, blob, fds));
+  if (cm) {
+    const auto* p = reinterpret_cast<const uint8_t*>(cm->json.data());
+    RETURN_IF_ERROR(send_pieces(sock, Op::kImportCm, {p, cm->json.size()}, cm->fds));
   }
   return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
 }

@@ -37,8 +37,16 @@ struct KeptGuest {
   std::vector<UniqueFd> fds;
 };
 
-/// Sends one guest's state as kImportBegin/Data.../Commit on `sock` (no answer is read).
+/// The guest's RDMA CM state that rides beside its device's in a move (CmService's JSON and
+/// its channels' sockets).
+struct CmPart {
+  std::string json;
+  std::span<const int> fds;
+};
+
+/// Sends one guest's state as kImportBegin/Data.../Commit on `sock` (no answer is read), with
+/// `cm` as kImportCm pieces before the commit when given.
 Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>& blob,
-                  std::span<const int> fds, uint32_t flags = 0);
+                  std::span<const int> fds, uint32_t flags = 0, const CmPart* cm = nullptr);
 
 }  // namespace vrdma::backend

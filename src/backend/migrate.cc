@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -89,6 +90,16 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
       return import_begin(c, msg);  // no answer: the data follows at once
     case Op::kImportData:
       return import_data(c, msg, fds);
+    case Op::kImportCm: {
+      if (!c.import) return error(EPROTO, "CM state without an import");
+      Conn::Import& im = *c.import;
+      if (im.cm.size() + msg.size() > kMaxImportBytes ||
+          im.cm_fds.size() + fds.size() > kMaxImportFds)
+        return error(E2BIG, "CM state larger than the limits");
+      im.cm.append(msg.begin() + sizeof(MsgHeader), msg.end());
+      for (UniqueFd& f : fds) im.cm_fds.push_back(std::move(f));
+      return Status::ok();
+    }
     case Op::kImportCommit: {
       auto r = import_commit(c);
       c.import.reset();
@@ -259,17 +270,27 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   ASSIGN_OR_RETURN(UniqueFd sock, connect_unix(target));
   timeval tv{10, 0};
   ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  // The guest's own connections go with it.
+  // The guest's own connections go with it, and its RDMA CM state beside the device's: its
+  // sessions named by their connections' inodes, which the target's copies share.
   ASSIGN_OR_RETURN(engine::GuestExport ex, export_with_sockets(guest));
+  std::unordered_map<uint32_t, uint64_t> keys;
+  for (const auto& [fd, conn] : conns_) {
+    struct stat st {};
+    if (conn.session && conn.session->guest->name == guest && ::fstat(fd, &st) == 0)
+      keys[conn.session->id] = st.st_ino;
+  }
+  std::vector<int> cm_fds;
+  CmPart cm{cm_.export_sessions(keys, cm_fds), {}};
+  cm.fds = cm_fds;
   const uint64_t t1 = mono_us();
-  RETURN_IF_ERROR(send_state(sock.get(), guest, ex.blob, ex.fds));
+  RETURN_IF_ERROR(send_state(sock.get(), guest, ex.blob, ex.fds, 0, &cm));
   const uint64_t t2 = mono_us();
   ASSIGN_OR_RETURN(auto resp, read_answer(sock.get()));
   ASSIGN_OR_RETURN(ImportResp ir, body_of<ImportResp>(resp));
   // The target serves the guest from here on: its downtime ends now. Then stop serving it here,
   // without ending anything (unmapping its rings and memory; tens of ms with 64 QPs).
   const uint64_t t3 = mono_us();
-  release_guest(guest);
+  release_guest(guest, true);
   keep_drop(guest);
   const uint64_t release_us = mono_us() - t3;
   MigrateResp r{};
@@ -295,6 +316,16 @@ Result<ImportResp> Server::import_commit(Conn& c) {
                                      im.blob.size(), im.bytes, im.fds.size(), im.nfds));
   const uint64_t t0 = mono_us();
   ASSIGN_OR_RETURN(auto sessions, dev_.import_guest(im.blob, im.fds, im.recover));
+  if (!im.cm.empty()) {
+    std::unordered_map<uint64_t, uint32_t> by_key;
+    for (const auto& is : sessions) {
+      struct stat st {};
+      if (is.sock.valid() && ::fstat(is.sock.get(), &st) == 0) by_key[st.st_ino] = is.session->id;
+    }
+    // What fails here costs the guest its CM ids (its channels read end-of-stream), not the move.
+    if (Status st = cm_.import_sessions(im.cm, im.cm_fds, by_key); !st.is_ok())
+      VLOG_WARN("guest {}: its RDMA CM state was not taken in: {}", im.guest, st.message());
+  }
   ImportResp r{};
   r.sessions = static_cast<uint32_t>(sessions.size());
   for (auto& is : sessions) {
@@ -326,7 +357,7 @@ void Server::adopt(engine::Session* s, UniqueFd sock) {
   watch(db, kTagDoorbell);
 }
 
-void Server::release_guest(const std::string& guest) {
+void Server::release_guest(const std::string& guest, bool cm_moved) {
   std::vector<int> gone;
   for (auto& [fd, conn] : conns_) {
     if (conn.session && conn.session->guest->name == guest) gone.push_back(fd);
@@ -335,8 +366,11 @@ void Server::release_guest(const std::string& guest) {
     // Out of our epoll first: the target holds the same open files, so closing ours would not
     // remove them from it.
     const int db = conns_[fd].session->doorbell.get();
-    // Its RDMA CM ids and listeners stay here (they do not move yet): they end, their ports freed.
-    cm_.session_closed(conns_[fd].session);
+    // Its RDMA CM state moved with it, or (a restore) its ids end, their ports freed.
+    if (cm_moved)
+      cm_.session_moved(conns_[fd].session);
+    else
+      cm_.session_closed(conns_[fd].session);
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, db, nullptr);
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
     doorbell_to_sock_.erase(db);

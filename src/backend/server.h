@@ -58,6 +58,8 @@ class Server {
       std::vector<uint8_t> blob;
       std::vector<UniqueFd> fds;
       bool recover = false;  ///< the kept state of a backend that died
+      std::string cm;        ///< kImportCm: the guest's RDMA CM state (JSON)
+      std::vector<UniqueFd> cm_fds;  ///< kImportCm: its channels' sockets
     };
     std::unique_ptr<Import> import;
     uint32_t uid = UINT32_MAX;       ///< SO_PEERCRED at accept
@@ -98,7 +100,9 @@ class Server {
   /// Serves an imported session here: its connection and doorbell join the loop.
   void adopt(engine::Session* s, UniqueFd sock);
   /// Stops serving the sessions of `guest` without ending them (their device moved).
-  void release_guest(const std::string& guest);
+  /// `cm_moved`: its RDMA CM state went with it (forgotten here, peers told by the target);
+  /// otherwise its CM ids end as a closed session's.
+  void release_guest(const std::string& guest, bool cm_moved = false);
   /// keep_state: connects to the keeper (starting one if none answers) and takes back the guests
   /// of a backend that died.
   Status start_keeper();

@@ -78,7 +78,9 @@ size_t request_body_size(Op op) {
     case Op::kStatus: return sizeof(StatusReq);
     case Op::kMigrate: return sizeof(MigrateReq);
     case Op::kImportBegin: return sizeof(ImportBeginReq);
-    case Op::kImportData: return kVariableBody;
+    case Op::kImportData:
+    case Op::kImportCm:
+      return kVariableBody;
     case Op::kImportCommit: return 0;
     case Op::kSnapshot: return sizeof(SnapshotReq);
     case Op::kKeepDrop: return sizeof(KeepDropReq);
@@ -153,8 +155,8 @@ std::string op_name(uint16_t op) {
                                            "reg_dm_mr",
                                            "alloc_mw",
                                            "dealloc_mw",
-                                           nullptr,  // 61-64: free
-                                           nullptr,
+                                           "import_cm",
+                                           nullptr,  // 62-64: free
                                            nullptr,
                                            nullptr,
                                            "direct_cookie",

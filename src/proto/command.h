@@ -97,7 +97,10 @@ enum class Op : uint16_t {
   kRegDmMr = 58,    ///< RegDmMrReq; RegMrResp
   kAllocMw = 59,    ///< AllocMwReq; AllocMwResp (binds go through the send queue: SendWqe)
   kDeallocMw = 60,  ///< HandleReq
-  // 61-64 and 68-72: free (kept for work in flight).
+  /// Variable body: a piece of the guest's RDMA CM state (JSON, backend/cm_migrate.cc), its
+  /// channels' sockets attached; between kImportData and kImportCommit of a move, optional.
+  kImportCm = 61,
+  // 62-64 and 68-72: free (kept for work in flight).
   // The direct path's trust rule (docs/ARCHITECTURE.md, "Direct path": trust).
   kDirectCookie = 65,  ///< DirectCookieReq; Empty
   kDirectPeer = 66,    ///< HandleReq (the QP); DirectPeerResp
@@ -121,7 +124,7 @@ std::string op_name(uint16_t op);
 
 /// Whether an opcode is sent without a session (Hello) first.
 inline bool sessionless(Op op) {
-  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kRestore);
+  return op == Op::kStatus || (op >= Op::kMigrate && op <= Op::kRestore) || op == Op::kImportCm;
 }
 
 struct MsgHeader {

@@ -145,6 +145,10 @@ Status check_cm(const Cm& m) {
     case CmKind::kAddrReply:
       if (!ip_family(m.dst)) return error(EPROTO, "cm: address query without an IP address");
       break;
+    case CmKind::kMoved:  // the node the id left, by name
+      if (m.private_len == 0) return error(EPROTO, "cm: a move without the node it left");
+      limit = kNameMax - 1;
+      break;
     default:  // RTU, DREQ, GONE: nothing to say
       break;
   }

@@ -4,7 +4,7 @@
 // Versioned: kWireVersion changes when any body or value set changes; type values are never
 // reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady;
 // 4 kCm (the RDMA connection service's messages between backends); 5 CmKind::kAddrQuery and
-// kAddrReply (address resolution across backends, IPv6).
+// kAddrReply (address resolution across backends, IPv6); 6 CmKind::kMoved (live migration).
 // decode() validates every length and field before anything is used: it faces the network.
 #pragma once
 
@@ -24,7 +24,7 @@ namespace vrdma::proto::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 5;
+inline constexpr uint16_t kWireVersion = 6;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
@@ -156,7 +156,10 @@ enum class CmKind : uint8_t {
   /// to every peer; dst_id 0); version 5
   kAddrQuery = 8,
   kAddrReply = 9,  ///< mine: the answer to the kAddrQuery of id `dst_id`; version 5
-  kMax = 10,
+  /// Id `src_id` moved here (live migration) from the node named in the private data: the
+  /// receiver's id `dst_id`, its peer, now faces the sender; version 6
+  kMoved = 10,
+  kMax = 11,
 };
 
 /// No payload: every field is in the body. The receiver checks `dst_id` names one of its ids

@@ -194,7 +194,7 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
-WIRE_VERSION = 5  # kWireVersion
+WIRE_VERSION = 6  # kWireVersion
 
 
 def frame(t, body, payload=b""):

@@ -4,6 +4,7 @@
 // Across hosts: a stand-in transport records what the service sends a peer backend, and the
 // tests play that peer (a well-behaved one, then a hostile one).
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <ifaddrs.h>
 #include <net/if.h>
@@ -494,6 +495,15 @@ struct CmAcrossHostsTest : CmServiceTest {
     EXPECT_EQ(e.dst.port, 40000);  // the requester's address, as it said
     return e.id;
   }
+  /// Peer "b"'s id `from` connected to srv's listener and established: the id here.
+  uint32_t remote_established(uint32_t from) {
+    const uint32_t s = remote_request(from);
+    EXPECT_EQ(srv.conn(Op::kCmAccept, s, 0x34, "rep"), 0);
+    EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kRep));
+    cm.on_wire("b", peer_msg(wire::CmKind::kRtu, from, s));
+    EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+    return s;
+  }
 };
 
 TEST_F(CmAcrossHostsTest, APeersRequestIsAcceptedEstablishedAndDisconnected) {
@@ -661,6 +671,80 @@ TEST_F(CmAcrossHostsTest, GarbageFromAPeerReachesNoId) {
   // The first request is still b's and still works.
   ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
   EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kRep));
+}
+
+}  // namespace
+}  // namespace vrdma::backend
+
+namespace vrdma::backend {
+namespace {
+
+/// Live migration: srv's session, connected to peer "b", moves from this backend ("a") to
+/// another ("c"): its ids keep their handles there, "b" is told (kMoved), and the connection
+/// goes on there (b's DREQ gives DISCONNECTED on the channel the guest already reads).
+TEST_F(CmAcrossHostsTest, AConnectedIdMovesWithItsGuestAndItsPeerIsTold) {
+  const uint32_t s = remote_established(901);
+
+  std::vector<int> fds;
+  const std::string state = cm.export_sessions({{srv.s.id, 4242}}, fds);
+  ASSERT_EQ(fds.size(), 1u);  // srv's one channel
+  std::vector<UniqueFd> moved;
+  for (int f : fds) moved.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  const size_t ids_before = cm.ids();
+
+  CmService to;
+  FakeTransport tt;
+  tt.self_ = "c";
+  to.set_transport(&tt, [] { return std::vector<std::string>{"b"}; });
+  // Anything but what export gave is refused, and takes nothing in.
+  std::vector<UniqueFd> none;
+  EXPECT_FALSE(to.import_sessions("{\"version\":2}", none, {{4242, 77}}).is_ok());
+  EXPECT_FALSE(to.import_sessions(state, moved, {{4243, 77}}).is_ok());
+  EXPECT_EQ(to.ids(), 0u);
+  ASSERT_TRUE(to.import_sessions(state, moved, {{4242, 77}}).is_ok());
+  cm.session_moved(&srv.s);
+  EXPECT_EQ(cm.ids(), ids_before - 3);  // srv's two listeners and its connected id
+  EXPECT_EQ(cm.ports(), 0u);
+  EXPECT_EQ(to.ids(), 3u);
+  EXPECT_EQ(to.ports(), 2u);
+  ASSERT_EQ(tt.sent.size(), 1u);
+  wire::Cm mv = tt.take();
+  EXPECT_EQ(mv.kind, uint8_t(wire::CmKind::kMoved));
+  EXPECT_EQ(mv.src_id, s);
+  EXPECT_EQ(mv.dst_id, 901u);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(mv.private_data), mv.private_len), "a");
+  // Only its peer's backend may go on with the id there; the old one hears nothing here now.
+  to.on_wire("a", peer_msg(wire::CmKind::kDreq, 901, s));
+  EXPECT_EQ(tt.refused.size(), 1u);
+  to.on_wire("b", peer_msg(wire::CmKind::kDreq, 901, s));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
+  // A second import of the same handles is refused.
+  std::vector<UniqueFd> again;
+  for (int f : fds) again.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  EXPECT_FALSE(to.import_sessions(state, again, {{4242, 78}}).is_ok());
+}
+
+/// The peer's side of a move: kMoved from the new node re-points an id only when it faced the
+/// node the message names and its peer is the id named.
+TEST_F(CmAcrossHostsTest, AMovedPeerIsFollowedOnlyWhenItIsThePeer) {
+  const uint32_t s = remote_established(901);
+  auto moved = [&](uint32_t from, const char* left) {
+    wire::Cm m = peer_msg(wire::CmKind::kMoved, from, s);
+    m.private_len = static_cast<uint32_t>(std::strlen(left));
+    std::memcpy(m.private_data, left, m.private_len);
+    EXPECT_TRUE(wire::check_cm(m).is_ok());
+    cm.on_wire("c", m);
+  };
+  moved(902, "b");  // not its peer
+  moved(901, "x");  // not where its peer was
+  EXPECT_EQ(t.refused.size(), 2u);
+  moved(901, "b");
+  EXPECT_EQ(t.refused.size(), 2u);
+  cm.on_wire("b", peer_msg(wire::CmKind::kDreq, 901, s));  // "b" is no longer its peer's node
+  EXPECT_EQ(t.refused.size(), 3u);
+  EXPECT_TRUE(srv.quiet());
+  cm.on_wire("c", peer_msg(wire::CmKind::kDreq, 901, s));
+  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
 }
 
 }  // namespace

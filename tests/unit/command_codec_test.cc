@@ -101,7 +101,9 @@ TEST(CommandCodec, EveryOpcodeRoundTrips) {
   round_trip<HandleReq>(Op::kDirectProve, rng);
   EXPECT_EQ(request_body_size(Op::kMax), SIZE_MAX);
   EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kDirectProve)), "direct_prove");
-  EXPECT_EQ(op_name(61), "op 61");  // a number kept free: no name, no body
+  EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kImportCm)), "import_cm");
+  EXPECT_EQ(request_body_size(Op::kImportCm), kVariableBody);
+  EXPECT_EQ(op_name(62), "op 62");  // a number kept free: no name, no body
 }
 
 TEST(CommandCodec, ResponsesRoundTripThroughDecodeHeader) {

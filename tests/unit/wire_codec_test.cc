@@ -159,6 +159,14 @@ TEST(WireCodec, RefusesMalformedCm) {
   EXPECT_EQ(err([](Cm&) {}, 4), EPROTO);  // everything is in the body
   EXPECT_EQ(err([](Cm& m) { m.kind = 0; }), EPROTO);
   EXPECT_EQ(err([&](Cm& m) { m.kind = as(CmKind::kMax); }), EPROTO);
+  // A move names both ids and the node it left (a node name, at most 63 bytes).
+  auto moved = [&](uint32_t dst, uint32_t len) {
+    return [=](Cm& m) { m.kind = as(CmKind::kMoved), m.dst_id = dst, m.private_len = len; };
+  };
+  EXPECT_EQ(err(moved(3, 2)), 0);
+  EXPECT_EQ(err(moved(0, 2)), EPROTO);
+  EXPECT_EQ(err(moved(3, 0)), EPROTO);
+  EXPECT_EQ(err(moved(3, 64)), EPROTO);
   EXPECT_EQ(err([](Cm& m) { m.src_id = 0; }), EPROTO);
   EXPECT_EQ(err([](Cm& m) { m.dst_id = 3; }), EPROTO);  // a REQ names no id of the receiver
   EXPECT_EQ(err([&](Cm& m) { m.kind = as(CmKind::kRep); }), EPROTO);  // ... every other does
