@@ -36,6 +36,9 @@ Result<UniqueFd> connect_unix(const std::string& path, int send_timeout_ms = 0);
 /// Grows the send buffer of `sock` so one message of `bytes` fits (a SOCK_SEQPACKET message
 /// larger than the buffer fails with EMSGSIZE). Best effort: capped by net.core.wmem_max.
 void fit_send_buffer(int sock, size_t bytes);
+/// A listening SOCK_SEQPACKET socket at `path`. It is bound beside `path` and renamed there once
+/// it listens, so it replaces whatever `path` names: callers hold the socket's lock and have
+/// judged an old file stale.
 Result<UniqueFd> listen_unix(const std::string& path);
 /// Who is at the other end of a unix socket, as the kernel recorded it at connect() (SO_PEERCRED):
 /// what the backend trusts about a guest, never what the guest says of itself.
