@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Debian's unmodified qperf through vrdma on one host: each of its RDMA tests (XRC aside: vrdma0
-# has no XRC) for one second, one client run for all. MODE `wait` sleeps on completion channels
+# Debian's unmodified qperf through vrdma on one host: its RDMA tests (XRC aside: vrdma0 has no
+# XRC) for one second each, half of them in each mode, one client run for them. MODE `wait` sleeps on completion channels
 # (qperf's default), `poll` polls the CQs (-cp 1). Its one-way tests create QPs with
 # max_send_wr or max_recv_wr 0, which the device once refused.
 # Usage: qperf.sh BIN_DIR wait|poll
@@ -23,6 +23,15 @@ known="$(qperf --help tests | awk '/^(RDMA|InfiniBand|Verification)/ {t = 1; nex
   /^[A-Z]/ {t = 0} t && $1 !~ /^xrc_/ {print $1}' | sort)"
 [[ $known == "$(printf '%s\n' "${TESTS[@]}" | sort)" ]] ||
   fail "qperf's RDMA tests are not the list: $(tr '\n' ' ' <<<"$known")"
+
+# Each mode runs every other test of the list (wait the even ones, poll the odd ones), so
+# both ways of completing meet RC, UC and UD and every test runs once across the two: ~11 s a
+# mode instead of ~22 s. QPERF_ALL=1 runs the whole list in both.
+if [[ -z ${QPERF_ALL:-} ]]; then
+  half=()
+  for i in "${!TESTS[@]}"; do ((i % 2 == cp)) && half+=("${TESTS[$i]}"); done
+  TESTS=("${half[@]}")
+fi
 
 port="$(free_port)"
 vrun --guest qperf-srv -- qperf -lp "$port" >"$E2E_TMP/qperf.server.out" 2>&1 &

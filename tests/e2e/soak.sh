@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak: for SOAK_SECONDS (20 in CI), guests come and go - pairs of Debian's rc/uc/ud/srq
+# Soak: for SOAK_SECONDS (15 in CI), guests come and go - pairs of Debian's rc/uc/ud/srq
 # pingpongs with random sizes and lengths, up to three pairs at once - while one of their
 # processes is SIGKILLed at random every second or two. At the end no session or resource is
 # left, the backend holds exactly the fds it held before, its RSS is back near where it was,
@@ -27,7 +27,7 @@ log "baseline: backend $bpid holds $fds0 fds, RSS $rss0 KiB"
 tools=(ibv_rc_pingpong ibv_uc_pingpong ibv_ud_pingpong ibv_srq_pingpong)
 declare -A started=()  # pid -> start time (s)
 pairs=0 ok=0 killed=0 failed=0
-end=$((SECONDS + ${SOAK_SECONDS:-20}))
+end=$((SECONDS + ${SOAK_SECONDS:-15}))
 next_kill=$((SECONDS + 1))
 while ((SECONDS < end)); do
   # Reap what ended; a process waiting for a partner that died before the TCP exchange waits

@@ -5,7 +5,7 @@
 # peer's QPs on h2 follow it (their peer_node names the target), and the guest's messages go
 # through the new route before the next move.
 #  1. A verifying RC stream (rc_stream, open-ended: server guest on h1, client guest on h2) while
-#     the server guest (the responder) moves h1 -> h3 -> h1 $MIG_ROUNDS (12) times; then the same
+#     the server guest (the responder) moves h1 -> h3 -> h1 $MIG_ROUNDS (8) times; then the same
 #     with the client on h1 (the requester, SENDs in flight) $MIG_REQ_ROUNDS (3) times. The
 #     checksums of both ends are equal: every byte once and in order.
 #  2. Debian's ib_write_bw, client on h1 (the requester, WRITEs in flight), server on h2: the
@@ -24,7 +24,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 hosts_init "${1:-}" 3
 wait_mesh
 
-ROUNDS="${MIG_ROUNDS:-12}" REQ_ROUNDS="${MIG_REQ_ROUNDS:-3}" BW_SECS=7 BW64=1
+ROUNDS="${MIG_ROUNDS:-8}" REQ_ROUNDS="${MIG_REQ_ROUNDS:-3}" BW_SECS=7 BW64=1
 PAUSE="${MIG_PAUSE:-0.1}"
 if [[ -n $SAN_PRELOAD ]]; then
   # Every `vrdma` call takes ~0.2 s under a sanitizer, a move with its checks ~3 s, and the
