@@ -59,3 +59,32 @@ etcd_cluster() {
   etcd_wait
   log "etcd: ${#ETCD_HOSTS[@]} member(s) on ${ETCD_HOSTS[*]/#/h}"
 }
+
+# Nodes in cluster status (JSON) of host I, sorted: "h1 h2 h3".
+cluster_nodes() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
+    python3 -c 'import json, sys
+print(" ".join(sorted(n["node"] for n in json.load(sys.stdin).get("nodes", []))))'
+}
+# Waits up to 20 s until host I's cluster status lists exactly the nodes WANT ("h1 h2 h3").
+etcd_wait_nodes() {
+  local k
+  for ((k = 0; k < 200; k++)); do
+    [[ $(cluster_nodes "$1") == "$2" ]] && return 0
+    nap 0.1
+  done
+  fail "h$1's cluster status: '$(cluster_nodes "$1")', wanted '$2'"
+}
+# "NODE GENERATION" of guest G's entry in host I's cluster status.
+guest_on() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j | G=$2 python3 -c '
+import json, os, sys
+for n in json.load(sys.stdin)["nodes"]:
+    for g in n["guests"]:
+        if g["name"] == os.environ["G"]: print(n["node"], g["generation"])'
+}
+# etcd.reachable in host I's cluster status: "True" or "False".
+etcd_reachable() {
+  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["etcd"]["reachable"])'
+}
