@@ -110,18 +110,10 @@ after=$(hcount 1 st-s msgs_received)
 ((after > before)) || fail "the stream stopped when an etcd member died ($before -> $after)"
 
 log "the stream's server guest moves h1 -> h3"
-for ((k = 0; k < 100; k++)); do
-  [[ $(guest_on 4 st-s) == "h1 1" ]] && break
-  nap 0.05
-done
-[[ $(guest_on 4 st-s) == "h1 1" ]] || fail "h4's cluster status: st-s on '$(guest_on 4 st-s)'"
+etcd_wait_guest 4 st-s "h1 1"
 hmigrate st-s 1 3
 hwait_route 2 st-c "tcp/h3" 10
-for ((k = 0; k < 100; k++)); do
-  [[ $(guest_on 4 st-s) == "h3 2" ]] && break
-  nap 0.05
-done
-[[ $(guest_on 4 st-s) == "h3 2" ]] || fail "h4's cluster status: st-s on '$(guest_on 4 st-s)'"
+etcd_wait_guest 4 st-s "h3 2"
 log "st-s on h3 (generation 2), downtime ${MIG_DOWNTIMES[-1]} us"
 
 log "h8's backend SIGKILLed under a stream h8 <- h7"
@@ -149,39 +141,13 @@ srv=$srv_a cli=$cli_a cli_proc=$cli_proc_a
 log "all of etcd stopped"
 etcd_member_kill 11
 etcd_member_kill 12
-for ((k = 0; k < 100; k++)); do
-  [[ $(etcd_reachable 5) == False && $(etcd_reachable 6) == False ]] && break
-  nap 0.05
-done
-[[ $(etcd_reachable 5) == False ]] || fail "h5 does not notice that etcd is gone"
-before=$(hcount 3 st-s msgs_received)
-port=$((18000 + RANDOM % 1000))
-hrun 6 --guest dark-s -- ibv_rc_pingpong -p "$port" -n 10 >"$E2E_TMP/dark.server.out" 2>&1 &
-dsrv=$!
-hwait_port 6 "$port" "$dsrv" dark
-hrun 5 --guest dark-c -- ibv_rc_pingpong -p "$port" -n 10 "$(host_ip 6)" \
-  >"$E2E_TMP/dark.client.out" 2>&1 &
-dcli=$!
-wait_pid "$dcli" 20
-[[ $WAIT_RC != 124 ]] || fail "a new connection hung while etcd was down"
-[[ $WAIT_RC != 0 ]] || fail "a new connection succeeded with no directory to locate its peer"
-grep -q "transport retry counter exceeded" "$E2E_TMP/dark.client.out" ||
-  fail "new pair: $(cat "$E2E_TMP/dark.client.out")"
-kill -KILL "$dsrv" 2>/dev/null || true
-after=$(hcount 3 st-s msgs_received)
-((after > before)) || fail "the stream stopped while etcd was down ($before -> $after)"
-log "etcd down: the stream went on ($before -> $after messages), a new pair failed clearly"
+etcd_wait_reachable False 5 6
+etcd_dark_pair 6 5 3 st-s
 
 log "etcd back"
 for i in 10 11 12; do etcd_member_start "$i"; done
 etcd_wait
-for i in 5 6; do
-  for ((k = 0; k < 100; k++)); do
-    [[ $(etcd_reachable "$i") == True ]] && break
-    nap 0.05
-  done
-  [[ $(etcd_reachable "$i") == True ]] || fail "h$i: etcd is back but not reachable from it"
-done
+etcd_wait_reachable True 5 6
 hpair back 6 5 -n 50 -c
 kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 30

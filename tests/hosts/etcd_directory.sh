@@ -67,11 +67,7 @@ hstream_start st 1 2
 hwait_flowing 1 st-s msgs_received "$srv"
 # A move is a compare-and-swap of the entry the source wrote: wait until it is there (a join not
 # written before the guest leaves is never written, and the target's entry is then the first).
-for ((k = 0; k < 100; k++)); do
-  [[ $(guest_on 2 st-s) == "h1 1" ]] && break
-  nap 0.05
-done
-[[ $(guest_on 2 st-s) == "h1 1" ]] || fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h1 1'"
+etcd_wait_guest 2 st-s "h1 1"
 log "the stream's server guest moves h1 -> h3 -> h1 (its entry: compare-and-swap)"
 gen=1
 for hop in "1 3" "3 1"; do
@@ -79,12 +75,7 @@ for hop in "1 3" "3 1"; do
   gen=$((gen + 1))
   hmigrate st-s "$from" "$to"
   hwait_route 2 st-c "tcp/h$to" 10
-  for ((k = 0; k < 100; k++)); do
-    [[ $(guest_on 2 st-s) == "h$to $gen" ]] && break
-    nap 0.05
-  done
-  [[ $(guest_on 2 st-s) == "h$to $gen" ]] ||
-    fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h$to $gen'"
+  etcd_wait_guest 2 st-s "h$to $gen"
   log "st-s on h$to (generation $gen), downtime ${MIG_DOWNTIMES[-1]} us"
 done
 log "all of etcd stopped"
@@ -97,26 +88,7 @@ for ((k = 0; k < 100; k++)); do
 done
 [[ $(etcd_reachable 1) == False ]] || fail "h1 does not notice that etcd is gone"
 log "h1 and h3 saw etcd go after $((($(date +%s%N) - t_down) / 1000000)) ms"
-before=$(hcount 1 st-s msgs_received)
-# A new pair: h3's server guest is not in the directory, so h1 cannot locate it.
-port=$((18000 + RANDOM % 1000))
-hrun 3 --guest dark-s -- ibv_rc_pingpong -p "$port" -n 10 >"$E2E_TMP/dark.server.out" 2>&1 &
-dsrv=$!
-hwait_port 3 "$port" "$dsrv" dark
-hrun 1 --guest dark-c -- ibv_rc_pingpong -p "$port" -n 10 "$(host_ip 3)" \
-  >"$E2E_TMP/dark.client.out" 2>&1 &
-dcli=$!
-wait_pid "$dcli" 20
-[[ $WAIT_RC != 124 ]] || fail "a new connection hung while etcd was down"
-[[ $WAIT_RC != 0 ]] || fail "a new connection succeeded with no directory to locate its peer"
-grep -q "transport retry counter exceeded" "$E2E_TMP/dark.client.out" ||
-  fail "new pair: $(cat "$E2E_TMP/dark.client.out")"
-grep -q "destination not known: the directory (etcd) is unreachable" "$E2E_TMP/vrdmad.h1.log" ||
-  fail "h1's log does not say why the destination is not located"
-kill -KILL "$dsrv" 2>/dev/null || true
-after=$(hcount 1 st-s msgs_received)
-((after > before)) || fail "the stream stopped while etcd was down ($before -> $after)"
-log "etcd down: the stream went on ($before -> $after messages), a new pair failed clearly"
+etcd_dark_pair 3 1 1 st-s
 
 log "etcd back"
 for i in 4 5 6; do etcd_member_start "$i"; done
@@ -124,13 +96,7 @@ etcd_wait
 kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 30
 log "stream across the etcd outage: $STREAM_RESULT on both ends"
-for i in 1 3; do
-  for ((k = 0; k < 100; k++)); do
-    [[ $(etcd_reachable "$i") == True ]] && break
-    nap 0.05
-  done
-  [[ $(etcd_reachable "$i") == True ]] || fail "h$i: etcd is back but not reachable from it"
-done
+etcd_wait_reachable True 1 3
 hpair back 3 1 -n 200
 
 log "h3's backend SIGKILLed"
