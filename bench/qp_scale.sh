@@ -28,13 +28,13 @@ echo "| QPs | create/s | connect to RTS/s | destroy/s | vrdmad RSS before | with
 echo "|---|---|---|---|---|---|---|---|---|"
 for n in "${SIZES[@]}"; do
   printf '[quotas]\nmax_qps = %d\n' $((n + 16)) >"$TMP/c.toml"
-  "$BIN_DIR/vrdmad" --socket "$TMP/s.sock" --idle-exit 0 --config "$TMP/c.toml" \
+  "$BIN_DIR/vrdmad" --socket "$TMP/s$n.sock" --idle-exit 0 --config "$TMP/c.toml" \
     >"$TMP/vrdmad.log" 2>&1 &
   BPID=$!
-  for ((k = 0; k < 100; k++)); do [[ -S $TMP/s.sock ]] && break; sleep 0.1; done
+  for ((k = 0; k < 100; k++)); do [[ -S $TMP/s$n.sock ]] && break; sleep 0.1; done
   before=$(rss_kib "$BPID")
   rm -f "$TMP/hold"
-  VRDMA_SOCKET="$TMP/s.sock" VRDMA_BACKEND=/nonexistent-vrdmad "$BIN_DIR/vrdma" run \
+  VRDMA_SOCKET="$TMP/s$n.sock" VRDMA_BACKEND=/nonexistent-vrdmad "$BIN_DIR/vrdma" run \
     --guest qpscale -- "$BIN_DIR/qp_scale" "$n" "$TMP/hold" >"$TMP/out" 2>&1 &
   cpid=$!
   until grep -q '^holding' "$TMP/out"; do
@@ -51,5 +51,5 @@ for n in "${SIZES[@]}"; do
   kill "$BPID"
   wait "$BPID" 2>/dev/null || true
   BPID=""
-  rm -f "$TMP/s.sock"
+  rm -f "$TMP/s$n.sock"
 done
