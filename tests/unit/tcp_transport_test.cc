@@ -665,5 +665,36 @@ TEST_P(OnDemand, FramesAroundTheCloseAreNotLost) {
   EXPECT_EQ(k.b->counters().dials, 1u);  // the frames after its accept went on a new connection
 }
 
+// The embedded directory with static peers: they are dialed at start (their announcements are
+// the directory) and close when idle like any connection; what they announced stays. A lookup
+// that finds nothing dials the configured peers again, and their Hello brings what changed.
+TEST_P(OnDemand, StaticPeersAreAskedAgainWhenALookupMisses) {
+  std::unique_ptr<Cluster> cl;
+  if (GetParam())
+    cl = std::make_unique<Cluster>(std::initializer_list<const char*>{"node-a", "node-b"});
+  User ua, ub;
+  auto b = TcpTransport::create(
+      {"node-b", "127.0.0.1:0", {}, false, cl ? cl->ctx("node-b") : nullptr, 0}, ub);
+  ASSERT_TRUE(b.is_ok());
+  auto a = TcpTransport::create({"node-a",
+                                 "127.0.0.1:0",
+                                 {"node-b@" + (*b)->listen_address()},
+                                 false,
+                                 cl ? cl->ctx("node-a") : nullptr,
+                                 150},
+                                ua);
+  ASSERT_TRUE(a.is_ok());
+  auto both = {a->get(), b->get()};
+  GuestInfo g1{"g1", 0x11, {1}}, g2{"g2", 0x12, {2}};
+  (*b)->announce(g1, true);
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->locate_lid(0x11) == "node-b"; }));
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->connected().empty(); }));
+  EXPECT_EQ((*a)->dials()[0].state, "idle");
+  EXPECT_EQ((*a)->locate_lid(0x11), "node-b");  // kept across the idle close
+  (*b)->announce(g2, true);                     // no connection: not told
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->locate_lid(0x12) == "node-b"; }));
+  EXPECT_EQ((*a)->counters().dials, 2u);
+}
+
 }  // namespace
 }  // namespace vrdma::transport::tcp
