@@ -436,7 +436,8 @@ void TcpTransport::on_close(Conn& c) {
     return;
   }
   if (kind == CloseKind::kAccept) {
-    if (c.asked_ns) begin_closing(c);
+    // The peer sends nothing more here (even if our ask had timed out meanwhile): close too.
+    begin_closing(c);
     return;
   }
   // Asked: both at once, or nothing here uses it.
