@@ -213,6 +213,7 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"listen", endpoint(c.listen, true)},
         {"peers", string_list(c.peers)},
         {"force", string(c.force, {"", "tcp"})},
+        {"idle_close_s", integer(c.idle_close_s, 0, 86400)},
         {"cluster_dir", string(c.cluster_dir)},
         {"ca", string(c.tls_ca)},
         {"cert", string(c.tls_cert)},

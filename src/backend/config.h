@@ -55,6 +55,9 @@ struct Config {
   std::string listen;            ///< "ADDR:PORT" for backend-to-backend TCP; "" = off
   std::vector<std::string> peers;  ///< "ADDR:PORT" of other backends
   std::string force;             ///< "" (choose per peer) or "tcp" (also for same-host pairs)
+  /// A peer connection that carried nothing this long and that no QP on either side uses is
+  /// closed (by agreement); 0 = never.
+  int idle_close_s = 60;
   /// The cluster credential (`vrdma cluster`): DIR/ca.pem, DIR/NODE.pem, DIR/NODE.key; `ca`,
   /// `cert`, `key` name the files one by one instead (or override one of them).
   std::string cluster_dir, tls_ca, tls_cert, tls_key;

@@ -588,6 +588,16 @@ std::string prometheus_text(const nlohmann::json& j, bool guest_names, bool per_
     e.family("vrdma_transport_peers", "gauge", "connected peer backends, by how they are secured");
     e.sample("vrdma_transport_peers", {{"security", str(tr.at("security"))}},
              tr.at("peers").size());
+    e.family("vrdma_transport_known_peers", "gauge",
+             "peer backends this one may talk to (directory nodes, named static peers)");
+    e.sample("vrdma_transport_known_peers", {}, tr.value("known", nlohmann::json::array()).size());
+    const nlohmann::json conns = tr.value("connections", nlohmann::json::object());
+    e.family("vrdma_transport_dials_total", "counter",
+             "connections to peer backends started (on demand: by the first frame for a peer)");
+    e.sample("vrdma_transport_dials_total", {}, conns.value("dials", uint64_t{0}));
+    e.family("vrdma_transport_idle_closes_total", "counter",
+             "peer connections closed by agreement for being idle ([transport] idle_close_s)");
+    e.sample("vrdma_transport_idle_closes_total", {}, conns.value("idle_closes", uint64_t{0}));
     // Per peer backend: what waits here, what its TCP has not acknowledged, what was taken back.
     static const std::tuple<const char*, const char*, const char*, const char*> kPeer[] = {
         {"vrdma_transport_peer_queued_bytes", "gauge", "queued_bytes",

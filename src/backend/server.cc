@@ -115,6 +115,11 @@ nlohmann::json transport_json(transport::tcp::TcpTransport& t) {
   const auto& r = t.refused();
   return {{"security", t.secure() ? "tls" : "insecure"},
           {"peers", peers},
+          {"known", t.known()},
+          {"connections",
+           {{"dials", t.counters().dials},
+            {"idle_closes", t.counters().idle_closes},
+            {"idle_close_s", t.idle_close_ms() / 1000}}},
           {"refused",
            {{"handshake", r.handshake},
             {"name", r.name},
@@ -224,14 +229,16 @@ Status Server::setup() {
   watch(cm_.timer_fd(), kTagCm);
   // Backends talk over TCP when a listen address is given, or for every pair when forced.
   if (!opt_.listen.empty() || opt_.force == "tcp") {
-    transport::tcp::TcpTransport::Options to{opt_.node,
-                                             opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen,
-                                             opt_.peers, opt_.force == "tcp", nullptr};
+    transport::tcp::TcpTransport::Options to{
+        opt_.node,  opt_.listen.empty() ? "127.0.0.1:0" : opt_.listen,
+        opt_.peers, opt_.force == "tcp",
+        nullptr,    uint64_t(opt_.idle_close_s) * 1000};
     if (!opt_.etcd.empty()) to.peers.clear();  // peers come from the directory
     ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
-    cm_.set_transport(tcp_.get(), [this] { return tcp_->connected(); });
+    // The CM asks every known peer (a frame for one not connected dials it).
+    cm_.set_transport(tcp_.get(), [this] { return tcp_->known(); });
     dev_.set_cm_receiver(
         [this](const std::string& node, const proto::wire::Cm& m) { cm_.on_wire(node, m); });
     watch(tcp_->fd(), kTagTransport);

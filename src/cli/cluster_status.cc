@@ -33,6 +33,8 @@ json cluster_view(const json& status) {
   }
   const json connected = tcp.value("connected", json::array());
   v["connected"] = connected;
+  v["known"] = tcp.value("known", json::array());
+  v["connections"] = tcp.value("connections", json::object());
   const json dir = tcp.value("directory", json());
   if (!dir.is_object()) {
     v["directory"] = "embedded";
@@ -61,11 +63,18 @@ std::string cluster_text(const json& v) {
   std::string conn;
   for (const json& c : v.value("connected", json::array()))
     conn += (conn.empty() ? "" : ", ") + c.get<std::string>();
+  const json cs = v.value("connections", json::object());
+  const std::string counts = fmt::format(
+      "connections: {} of {} known peers (on demand; dials {}, idle closes {}, idle_close_s {})\n",
+      v.value("connected", json::array()).size(), v.value("known", json::array()).size(),
+      cs.value("dials", uint64_t{0}), cs.value("idle_closes", uint64_t{0}),
+      cs.value("idle_close_s", uint64_t{0}));
   if (kind == "embedded") {
     return fmt::format(
-        "directory: embedded (peers from [transport] peers; guests announced over the "
-        "connections)\nnode {}; connected to: {}\n",
-        v.value("node", ""), conn.empty() ? "none" : conn);
+               "directory: embedded (peers from [transport] peers; guests announced over the "
+               "connections)\nnode {}; connected to: {}\n",
+               v.value("node", ""), conn.empty() ? "none" : conn) +
+           counts;
   }
   const json e = v.value("etcd", json::object());
   out += fmt::format("directory: etcd {} ({}, {}; prefix {}, lease {} s, revision {})\n",
@@ -98,6 +107,7 @@ std::string cluster_text(const json& v) {
     }
   }
   if (!guests.empty()) out += "guests:\n" + guests;
+  out += counts;
   return out;
 }
 

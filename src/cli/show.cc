@@ -304,6 +304,13 @@ std::string status_header(const json& status) {
       }
       why += fmt::format(", connected: {}", names.empty() ? "none" : names);
     }
+    // Connections on demand: how many peers it knows, and how many connections it made and
+    // closed for being idle.
+    if (const json& k = member(t, "known"); k.is_array()) {
+      const json& c = member(t, "connections");
+      why += fmt::format(" of {} known (dials {}, idle closes {})", k.size(),
+                         text_of(member(c, "dials")), text_of(member(c, "idle_closes")));
+    }
     transports += fmt::format("{}{} {} ({})", transports.empty() ? "" : "; ",
                               text_of(member(t, "name")), text_of(member(t, "state")), why);
   }

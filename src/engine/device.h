@@ -202,6 +202,7 @@ class Device : public transport::Receiver {
                      transport::RxSink& sink) override;
   void on_peer_up(const std::string& node) override;
   void on_guest_located(const transport::GuestInfo& g, const std::string& node) override;
+  bool uses_peer(const std::string& node) const override;
 
  private:
   /// Re-chooses the transport of a connected QP whose destination moved, keeping its PSNs and

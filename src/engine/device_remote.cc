@@ -460,6 +460,15 @@ void Device::on_peer_up(const std::string& node) {
   }
 }
 
+bool Device::uses_peer(const std::string& node) const {
+  for (const Qp* qp : active_) {
+    if (qp->remote && qp->peer_node == node && qp->state != IBV_QPS_ERR &&
+        qp->state != IBV_QPS_RESET)
+      return true;
+  }
+  return false;
+}
+
 Qp* Device::reply_target(const std::string& node, const wire::Reply& rp) {
   Guest* g = guest_by_gid(rp.dgid);
   if (!g) return nullptr;

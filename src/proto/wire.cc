@@ -25,6 +25,8 @@ size_t body_size(Type t) {
       return sizeof(Cm);
     case Type::kPing:
       return sizeof(Ping);
+    case Type::kClose:
+      return sizeof(Close);
     case Type::kMax:
       break;
   }
@@ -196,6 +198,11 @@ Status decode(const FrameHeader& h, std::span<const uint8_t> body, Frame& out) {
       return check_cm(out.cm);
     case Type::kPing:
       std::memcpy(&out.ping, body.data(), sizeof(Ping));
+      return Status::ok();
+    case Type::kClose:
+      std::memcpy(&out.close, body.data(), sizeof(Close));
+      if (out.close.kind > static_cast<uint8_t>(CloseKind::kRefuse))
+        return error(EPROTO, fmt::format("close: kind {}", out.close.kind));
       return Status::ok();
     case Type::kMax:
       break;

@@ -4,7 +4,8 @@
 // Versioned: kWireVersion changes when any body or value set changes; type values are never
 // reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady;
 // 4 kCm (the RDMA connection service's messages between backends); 5 CmKind::kAddrQuery and
-// kAddrReply (address resolution across backends, IPv6); 6 CmKind::kMoved (live migration).
+// kAddrReply (address resolution across backends, IPv6); 6 CmKind::kMoved (live migration);
+// 7 kClose (an idle connection closed by agreement).
 // decode() validates every length and field before anything is used: it faces the network.
 #pragma once
 
@@ -24,7 +25,7 @@ namespace vrdma::proto::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 6;
+inline constexpr uint16_t kWireVersion = 7;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
@@ -40,7 +41,8 @@ enum class Type : uint16_t {
   /// Nothing for the receiver: the sender learns from its own TCP that the path delivers (the
   /// ACK timer's probe of a peer that has a request and does not answer); version 4
   kPing = 8,
-  kMax = 9,  ///< one past the last type; never sent
+  kClose = 9,  ///< closing an idle connection: asked, then accepted or refused; version 7
+  kMax = 10,   ///< one past the last type; never sent
 };
 
 struct FrameHeader {
@@ -186,6 +188,16 @@ struct Ping {
 };
 static_assert(sizeof(Ping) == 8);
 
+/// kClose: one side asks to close an idle connection; the other accepts (then neither queues
+/// anything more on it, each writes what it has queued, shuts its side down and reads to the
+/// end: nothing in flight is lost) or refuses (a QP of its own uses the peer).
+enum class CloseKind : uint8_t { kAsk = 0, kAccept = 1, kRefuse = 2 };
+struct Close {
+  uint8_t kind;  ///< CloseKind
+  uint8_t pad[7];
+};
+static_assert(sizeof(Close) == 8);
+
 /// A decoded frame: the header and a copy of its body (payload still unread).
 struct Frame {
   FrameHeader h{};
@@ -197,6 +209,7 @@ struct Frame {
     DirectOffer offer;
     Cm cm;
     Ping ping;
+    Close close;
   };
   Frame() : req{} {}
   Type type() const { return static_cast<Type>(h.type); }

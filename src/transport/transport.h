@@ -60,6 +60,12 @@ class Receiver {
   /// Peer `node` announced guest `g` (it joined there, or its device moved there): QPs facing
   /// it follow it.
   virtual void on_guest_located(const GuestInfo& g, const std::string& node) = 0;
+  /// True while a QP here faces a guest on `node` (connected to it, not in error): the
+  /// connection to `node` is not closed for being idle.
+  virtual bool uses_peer(const std::string& node) const {
+    (void)node;
+    return false;
+  }
 };
 
 /// Where a frame ends in its connection's byte stream (after send()): `conn` names the
@@ -83,7 +89,9 @@ class Transport {
   /// does not know then is said so, not silently retried.
   virtual std::string directory_unavailable() const { return {}; }
   /// Queues a frame for `node` with `payload` gathered from `spans` (read when the socket
-  /// takes them, not copied now). False when there is no connection to `node` now.
+  /// takes them, not copied now). A known peer with no connection is dialed now and the frame
+  /// waits for the handshake. False when `node` cannot be reached now (not known, or its
+  /// dials are failing: as a peer that is down).
   /// `flow` names the QP it is for (0: none), so that drop_flow can take it back.
   virtual bool send(const std::string& node, proto::wire::Type t, const void* body,
                     std::span<const Span> payload = {}, std::span<const Hold> holds = {},

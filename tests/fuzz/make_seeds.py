@@ -194,7 +194,7 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
-WIRE_VERSION = 6  # kWireVersion
+WIRE_VERSION = 7  # kWireVersion
 
 
 def frame(t, body, payload=b""):
@@ -245,6 +245,8 @@ wire = {
     "seed-cm": hello_f + cm(1, 5, 0, pdata=b"req") + cm(2, 9, 5, pdata=b"rep") + cm(5, 5, 9) +
         cm(6, 9, 5) + cm(4, 5, 9, status=28, pdata=b"rej") + cm(7, 5, 9) +
         cm(3, 9, 5, qp_type=4),
+    "seed-close": hello_f + frame(9, bytes(8)) + frame(9, bytes([1]) + bytes(7)) +
+        frame(9, bytes([2]) + bytes(7)),
 }
 
 # ---- direct_wire fuzzer: what a peer library sends (src/proto/direct_wire.h): a Hello, then

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The directory on etcd: three namespace hosts whose backends are given no peers, only a
 # 3-member etcd cluster (on three more hosts; [directory] etcd, lease 2 s). They find each other
-# there (a full mesh), `vrdma cluster status` lists them, and ibv_rc_pingpong runs between every
-# pair at once (LID, GID, content validation). One etcd member killed: nothing stops. All of
+# there (and connect on demand: none until a QP needs one), `vrdma cluster status` lists them,
+# and ibv_rc_pingpong runs between every pair at once (LID, GID, content validation). One etcd member killed: nothing stops. All of
 # etcd stopped: a verifying RC stream that runs goes on, a new connection fails clearly (the
 # destination is not located; IBV_WC_RETRY_EXC_ERR); etcd back: the backends answer again and a
 # new pair connects. A backend SIGKILLed disappears from the others' cluster status within its
@@ -24,20 +24,16 @@ TOML
 HOSTS_VRDMAD_ARGS="--config $E2E_TMP/directory.toml"
 for i in 1 2 3; do start_backend "$i"; done  # HOSTS_B is 0: no --peer
 HOSTS_B=3
-wait_mesh
+for i in 1 2 3; do etcd_wait_nodes "$i" "h1 h2 h3"; done
 log "three backends found each other through etcd alone"
 
-# Nodes in cluster status (JSON) of host I, sorted: "h1 h2 h3".
-cluster_nodes() {
-  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
-    python3 -c 'import json, sys
-print(" ".join(sorted(n["node"] for n in json.load(sys.stdin).get("nodes", []))))'
-}
-[[ $(cluster_nodes 1) == "h1 h2 h3" ]] || fail "h1's cluster status: '$(cluster_nodes 1)'"
+# Connections on demand: known, not dialed until a QP needs one.
 VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.out" ||
   fail "vrdma cluster status"
-grep -qE '^h2 +10\.77\.0\.2:7471 .* yes$' "$E2E_TMP/cluster_status.out" ||
+if ! grep -qE '^h2 +10\.77\.0\.2:7471 .* no$' "$E2E_TMP/cluster_status.out" ||
+  ! grep -q '^connections: 0 of 2 known peers' "$E2E_TMP/cluster_status.out"; then
   fail "cluster status text: $(cat "$E2E_TMP/cluster_status.out")"
+fi
 # Both documents with the directory in them match their schemas (tests/e2e/schema/vrdma.json).
 for cmd in "status status" "cluster_status cluster status"; do
   read -r schema args <<<"$cmd"
@@ -57,6 +53,9 @@ for pair in "12 -c" "23 -g 0" "31"; do
   spid[p$ab]=$HP_SPID cpid[p$ab]=$HP_CPID
 done
 for p in p12 p23 p31; do finish_pair "$p" "${spid[$p]}" "${cpid[$p]}" 60; done
+VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.out"
+grep -qE '^h2 +10\.77\.0\.2:7471 .* yes$' "$E2E_TMP/cluster_status.out" ||
+  fail "cluster status text after the pingpongs: $(cat "$E2E_TMP/cluster_status.out")"
 
 PP_TOOL=ibv_ud_pingpong hpair ud 1 3 -n 200
 
@@ -66,21 +65,9 @@ hpair m1 2 3 -n 200
 
 hstream_start st 1 2
 hwait_flowing 1 st-s msgs_received "$srv"
-# "NODE GENERATION" of guest G's entry in host I's cluster status.
-guest_on() {
-  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j | G=$2 python3 -c '
-import json, os, sys
-for n in json.load(sys.stdin)["nodes"]:
-    for g in n["guests"]:
-        if g["name"] == os.environ["G"]: print(n["node"], g["generation"])'
-}
 # A move is a compare-and-swap of the entry the source wrote: wait until it is there (a join not
 # written before the guest leaves is never written, and the target's entry is then the first).
-for ((k = 0; k < 100; k++)); do
-  [[ $(guest_on 2 st-s) == "h1 1" ]] && break
-  nap 0.05
-done
-[[ $(guest_on 2 st-s) == "h1 1" ]] || fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h1 1'"
+etcd_wait_guest 2 st-s "h1 1"
 log "the stream's server guest moves h1 -> h3 -> h1 (its entry: compare-and-swap)"
 gen=1
 for hop in "1 3" "3 1"; do
@@ -88,49 +75,20 @@ for hop in "1 3" "3 1"; do
   gen=$((gen + 1))
   hmigrate st-s "$from" "$to"
   hwait_route 2 st-c "tcp/h$to" 10
-  for ((k = 0; k < 100; k++)); do
-    [[ $(guest_on 2 st-s) == "h$to $gen" ]] && break
-    nap 0.05
-  done
-  [[ $(guest_on 2 st-s) == "h$to $gen" ]] ||
-    fail "h2's cluster status: st-s on '$(guest_on 2 st-s)', wanted 'h$to $gen'"
+  etcd_wait_guest 2 st-s "h$to $gen"
   log "st-s on h$to (generation $gen), downtime ${MIG_DOWNTIMES[-1]} us"
 done
 log "all of etcd stopped"
 t_down=$(date +%s%N)
 etcd_member_kill 5
 etcd_member_kill 6
-# etcd.reachable in host I's cluster status: "True" or "False".
-etcd_reachable() {
-  VRDMA_SOCKET="$(host_sock "$1")" "$VRDMA" cluster status -j |
-    python3 -c 'import json,sys; print(json.load(sys.stdin)["etcd"]["reachable"])'
-}
 for ((k = 0; k < 100; k++)); do
   [[ $(etcd_reachable 1) == False && $(etcd_reachable 3) == False ]] && break
   nap 0.05
 done
 [[ $(etcd_reachable 1) == False ]] || fail "h1 does not notice that etcd is gone"
 log "h1 and h3 saw etcd go after $((($(date +%s%N) - t_down) / 1000000)) ms"
-before=$(hcount 1 st-s msgs_received)
-# A new pair: h3's server guest is not in the directory, so h1 cannot locate it.
-port=$((18000 + RANDOM % 1000))
-hrun 3 --guest dark-s -- ibv_rc_pingpong -p "$port" -n 10 >"$E2E_TMP/dark.server.out" 2>&1 &
-dsrv=$!
-hwait_port 3 "$port" "$dsrv" dark
-hrun 1 --guest dark-c -- ibv_rc_pingpong -p "$port" -n 10 "$(host_ip 3)" \
-  >"$E2E_TMP/dark.client.out" 2>&1 &
-dcli=$!
-wait_pid "$dcli" 20
-[[ $WAIT_RC != 124 ]] || fail "a new connection hung while etcd was down"
-[[ $WAIT_RC != 0 ]] || fail "a new connection succeeded with no directory to locate its peer"
-grep -q "transport retry counter exceeded" "$E2E_TMP/dark.client.out" ||
-  fail "new pair: $(cat "$E2E_TMP/dark.client.out")"
-grep -q "destination not known: the directory (etcd) is unreachable" "$E2E_TMP/vrdmad.h1.log" ||
-  fail "h1's log does not say why the destination is not located"
-kill -KILL "$dsrv" 2>/dev/null || true
-after=$(hcount 1 st-s msgs_received)
-((after > before)) || fail "the stream stopped while etcd was down ($before -> $after)"
-log "etcd down: the stream went on ($before -> $after messages), a new pair failed clearly"
+etcd_dark_pair 3 1 1 st-s
 
 log "etcd back"
 for i in 4 5 6; do etcd_member_start "$i"; done
@@ -138,13 +96,7 @@ etcd_wait
 kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 30
 log "stream across the etcd outage: $STREAM_RESULT on both ends"
-for i in 1 3; do
-  for ((k = 0; k < 100; k++)); do
-    [[ $(etcd_reachable "$i") == True ]] && break
-    nap 0.05
-  done
-  [[ $(etcd_reachable "$i") == True ]] || fail "h$i: etcd is back but not reachable from it"
-done
+etcd_wait_reachable True 1 3
 hpair back 3 1 -n 200
 
 log "h3's backend SIGKILLed"

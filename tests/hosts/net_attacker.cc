@@ -147,6 +147,8 @@ struct Tally {
         return "cm";
       case Type::kPing:
         return "ping";
+      case Type::kClose:
+        return "close";
       case Type::kMax:
         break;
     }

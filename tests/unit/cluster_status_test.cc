@@ -33,8 +33,12 @@ TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
         {"qps", 12},
         {"guests", json::array()}},
        {{"node", "h3"}, {"address", "10.0.0.3:7471"}, {"age_s", 3}, {"guests", json::array()}}});
-  const json v = cluster_view(
-      status_with({{"name", "tcp"}, {"state", "up"}, {"connected", {"h2"}}, {"directory", dir}}));
+  const json v = cluster_view(status_with({{"name", "tcp"},
+                                           {"state", "up"},
+                                           {"connected", {"h2"}},
+                                           {"known", {"h2", "h3"}},
+                                           {"connections", {{"dials", 4}, {"idle_closes", 3}}},
+                                           {"directory", dir}}));
   EXPECT_EQ(v["directory"], "etcd");
   ASSERT_EQ(v["nodes"].size(), 3u);
   EXPECT_EQ(v["nodes"][1]["connected"], true);
@@ -51,6 +55,10 @@ TEST(ClusterStatusTest, EtcdNodesGuestsAndConnections) {
       << t;
   EXPECT_NE(t.find("      0      -  no"), std::string::npos) << t;
   EXPECT_NE(t.find("g                        lid 0x0012  on h1  generation 1"), std::string::npos)
+      << t;
+  // Connections on demand: connected to one of the two it knows.
+  EXPECT_NE(t.find("connections: 1 of 2 known peers (on demand; dials 4, idle closes 3"),
+            std::string::npos)
       << t;
 }
 

@@ -203,6 +203,15 @@ TEST_F(DeviceRemoteTest, PeerGoneEndsInRetryExceededAfterTheBudget) {
   EXPECT_EQ(state(a_, qa_), IBV_QPS_ERR);
 }
 
+// A QP routed to a peer keeps that peer's connection from closing for being idle
+// (Receiver::uses_peer); one in RESET or ERR does not.
+TEST_F(DeviceRemoteTest, AQpFacingAPeerKeepsItsConnectionInUse) {
+  EXPECT_FALSE(dev_.uses_peer("me"));  // the QPs exist, in RESET, routed nowhere
+  connect_both();
+  EXPECT_TRUE(dev_.uses_peer("me"));
+  EXPECT_FALSE(dev_.uses_peer("elsewhere"));
+}
+
 TEST_F(DeviceRemoteTest, NoRetryIsSpentWhileTheConnectionMovesAndNothingIsReplayed) {
   connect_both();  // timeout 14 (~67 ms), retry_cnt 7
   loop_.conn = 1;  // frames are in a stream: queued here until the test says delivered

@@ -240,18 +240,21 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   cfg_.quotas.max_qps = 7;
   rep_.set_connected_peers([] { return std::vector<std::string>{"h2"}; });
   rep_.set_transport_details([] {
-    return nlohmann::json{{"security", "tls"},
-                          {"peers",
-                           {{{"node", "h2"},
-                             {"address", "10.0.0.2:7471"},
-                             {"identity", "h2"},
-                             {"cipher", "TLS_AES_128_GCM_SHA256"},
-                             {"since_unix", 1},
-                             {"queued_bytes", 4096},
-                             {"unacked_bytes", 8192},
-                             {"rx_bytes", 100},
-                             {"dropped_bytes", 65536}}}},
-                          {"refused", {{"handshake", 2}, {"name", 0}, {"frames", 5}}}};
+    return nlohmann::json{
+        {"security", "tls"},
+        {"peers",
+         {{{"node", "h2"},
+           {"address", "10.0.0.2:7471"},
+           {"identity", "h2"},
+           {"cipher", "TLS_AES_128_GCM_SHA256"},
+           {"since_unix", 1},
+           {"queued_bytes", 4096},
+           {"unacked_bytes", 8192},
+           {"rx_bytes", 100},
+           {"dropped_bytes", 65536}}}},
+        {"refused", {{"handshake", 2}, {"name", 0}, {"frames", 5}}},
+        {"known", {"h2", "h3"}},
+        {"connections", {{"dials", 3}, {"idle_closes", 2}, {"idle_close_s", 60}}}};
   });
   const std::string h = cli::status_header(status());
   EXPECT_NE(h.find("  peer h2 at 10.0.0.2:7471: certificate h2, TLS_AES_128_GCM_SHA256, for "),
@@ -261,6 +264,9 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   const std::string m = backend::prometheus_text(status(), false);
   EXPECT_NE(m.find("vrdma_transport_refused_total{reason=\"frames\"} 5\n"), std::string::npos) << m;
   EXPECT_NE(m.find("vrdma_transport_peers{security=\"tls\"} 1\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_transport_known_peers 2\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_transport_dials_total 3\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("vrdma_transport_idle_closes_total 2\n"), std::string::npos) << m;
   EXPECT_NE(m.find("vrdma_transport_peer_queued_bytes{node=\"h2\"} 4096\n"), std::string::npos)
       << m;
   EXPECT_NE(m.find("vrdma_transport_peer_unacked_bytes{node=\"h2\"} 8192\n"), std::string::npos);
@@ -270,7 +276,7 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
                                               "up [0-9]+s\\)\n")))
       << h;
   EXPECT_NE(h.find("transports: shm up (same-host pairs); tcp up (cross-host pairs, connected: "
-                   "h2)\n"),
+                   "h2 of 2 known (dials 3, idle closes 2))\n"),
             std::string::npos)
       << h;
   EXPECT_NE(h.find("peers: 10.0.0.2:7471 (connected to h2 for "), std::string::npos) << h;

@@ -490,5 +490,211 @@ TEST(TcpTransport, CredentialErrorsSayWhatToDo) {
       << open.status().message();
 }
 
+// ---- Connections on demand and idle close, plain and TLS.
+
+/// A Recorder whose QPs use (or not) every peer: what the idle close asks the engine.
+struct User final : Receiver {
+  Recorder r;
+  bool in_use = false;
+  void on_frame(const std::string& n, const wire::Frame& f, RxSink& s) override {
+    r.on_frame(n, f, s);
+  }
+  void on_frame_done(const std::string& n, const wire::Frame& f, RxSink& s) override {
+    r.on_frame_done(n, f, s);
+  }
+  void on_peer_up(const std::string& n) override { r.on_peer_up(n); }
+  void on_guest_located(const GuestInfo& g, const std::string& n) override {
+    r.on_guest_located(g, n);
+  }
+  bool uses_peer(const std::string&) const override { return in_use; }
+};
+
+/// Two backends that know each other as a directory tells them (add_peer), no static peers.
+struct Known {
+  User ua, ub;
+  std::unique_ptr<Cluster> cl;
+  std::unique_ptr<TcpTransport> a, b;
+  Known(bool tls, uint64_t idle_a_ms, uint64_t idle_b_ms) {
+    if (tls) cl = std::make_unique<Cluster>(std::initializer_list<const char*>{"node-a", "node-b"});
+    auto ta = TcpTransport::create(
+        {"node-a", "127.0.0.1:0", {}, false, tls ? cl->ctx("node-a") : nullptr, idle_a_ms}, ua);
+    auto tb = TcpTransport::create(
+        {"node-b", "127.0.0.1:0", {}, false, tls ? cl->ctx("node-b") : nullptr, idle_b_ms}, ub);
+    EXPECT_TRUE(ta.is_ok() && tb.is_ok());
+    if (!ta.is_ok() || !tb.is_ok()) return;
+    a = std::move(ta).value();
+    b = std::move(tb).value();
+    EXPECT_TRUE(a->add_peer("node-b", b->listen_address()).is_ok());
+    EXPECT_TRUE(b->add_peer("node-a", a->listen_address()).is_ok());
+  }
+  bool run(auto done) { return run_until({a.get(), b.get()}, done); }
+  /// Polls both for `ms` whatever happens.
+  void idle(uint64_t ms) {
+    for (uint64_t end = now_ns() + ms * 1000000; now_ns() < end;) {
+      a->poll(now_ns());
+      b->poll(now_ns());
+    }
+  }
+};
+
+bool offer(TcpTransport& t, const std::string& to, uint32_t n) {
+  wire::DirectOffer o{};
+  o.port = 1;
+  o.src_qpn = n;
+  return t.send(to, wire::Type::kDirectOffer, &o, {}, {}, 0);
+}
+
+/// src_qpn of every offer `r` received, sorted (frames on two connections may interleave).
+std::vector<uint32_t> got(const Recorder& r) {
+  std::vector<uint32_t> v;
+  for (const auto& o : r.offers) v.push_back(o.offer.src_qpn);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+std::vector<uint32_t> upto(uint32_t n) {
+  std::vector<uint32_t> v(n);
+  for (uint32_t i = 0; i < n; ++i) v[i] = i;
+  return v;
+}
+
+class OnDemand : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(Security, OnDemand, ::testing::Values(false, true),
+                         [](const auto& i) { return std::string(i.param ? "Tls" : "Plain"); });
+
+// A directory's peer is not dialed until a frame is for it; that frame (and those after it)
+// waits for the handshake and arrives. The other side dials nothing: it answers on the same
+// connection. A node nobody knows is refused at once.
+TEST_P(OnDemand, FirstFrameDialsAndWaitsForTheHandshake) {
+  Known k(GetParam(), 0, 0);
+  ASSERT_TRUE(k.a && k.b);
+  k.idle(100);
+  EXPECT_TRUE(k.a->connected().empty());
+  EXPECT_EQ(k.a->counters().dials, 0u);
+  EXPECT_EQ(k.a->known(), std::vector<std::string>{"node-b"});
+  EXPECT_EQ(k.a->dials()[0].state, "idle");
+  EXPECT_FALSE(offer(*k.a, "node-c", 0));
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(offer(*k.a, "node-b", i));
+  EXPECT_EQ(k.a->counters().dials, 1u);
+  ASSERT_TRUE(k.run([&] { return k.ub.r.offers.size() == 3; }));
+  EXPECT_EQ(got(k.ub.r), upto(3));
+  ASSERT_TRUE(offer(*k.b, "node-a", 7));
+  ASSERT_TRUE(k.run([&] { return k.ua.r.offers.size() == 1; }));
+  EXPECT_EQ(k.b->counters().dials, 0u);
+  EXPECT_EQ(k.a->connected(), std::vector<std::string>{"node-b"});
+  EXPECT_EQ(k.b->connected(), std::vector<std::string>{"node-a"});
+}
+
+// A peer that does not answer: the frame is queued on the dial, the dial fails as a peer that
+// is down does (not connected, the failure kept for status), and nothing is delivered.
+TEST_P(OnDemand, DialToNobodyFailsAsAPeerThatIsDown) {
+  Known k(GetParam(), 0, 0);
+  ASSERT_TRUE(k.a);
+  const std::string nobody = "127.0.0.1:" + std::to_string(free_port());
+  ASSERT_TRUE(k.a->add_peer("node-c", nobody).is_ok());
+  offer(*k.a, "node-c", 1);
+  ASSERT_TRUE(k.run([&] { return k.a->dials().back().failures > 0; }));
+  EXPECT_TRUE(k.a->connected().empty());
+  EXPECT_NE(k.a->dials().back().state, "connected");
+}
+
+// Idle on both sides: one asks, the other accepts, both close (each counts it); nothing is
+// connected; the next frame dials again and arrives.
+TEST_P(OnDemand, IdleConnectionClosesByAgreementAndRedials) {
+  Known k(GetParam(), 200, 0);
+  ASSERT_TRUE(k.a && k.b);
+  ASSERT_TRUE(offer(*k.a, "node-b", 0));
+  ASSERT_TRUE(k.run([&] { return k.ub.r.offers.size() == 1; }));
+  ASSERT_TRUE(k.run([&] { return k.a->connected().empty() && k.b->connected().empty(); }));
+  EXPECT_EQ(k.a->counters().idle_closes, 1u);
+  EXPECT_EQ(k.b->counters().idle_closes, 1u);
+  k.idle(100);  // both ends' sockets are closed: nothing left open (no redial either)
+  EXPECT_EQ(k.a->counters().dials, 1u);
+  ASSERT_TRUE(offer(*k.b, "node-a", 1));  // now b dials
+  ASSERT_TRUE(k.run([&] { return k.ua.r.offers.size() == 1; }));
+  EXPECT_EQ(k.b->counters().dials, 1u);
+  EXPECT_EQ(k.a->refused().frames + k.b->refused().frames, 0u);
+}
+
+// A QP on the other side uses the peer: it refuses, the connection stays; once it no longer
+// does, the next ask is accepted.
+TEST_P(OnDemand, PeerInUseRefusesTheClose) {
+  Known k(GetParam(), 150, 0);
+  ASSERT_TRUE(k.a && k.b);
+  k.ub.in_use = true;
+  ASSERT_TRUE(offer(*k.a, "node-b", 0));
+  k.idle(700);  // several idle periods: each ask refused
+  EXPECT_EQ(k.a->connected(), std::vector<std::string>{"node-b"});
+  EXPECT_EQ(k.a->counters().idle_closes, 0u);
+  // ... and this side's own QPs keep it too: nothing is asked at all.
+  k.ub.in_use = false;
+  k.ua.in_use = true;
+  k.idle(400);
+  EXPECT_EQ(k.a->connected(), std::vector<std::string>{"node-b"});
+  k.ua.in_use = false;
+  ASSERT_TRUE(k.run([&] { return k.a->connected().empty() && k.b->connected().empty(); }));
+}
+
+// The race: a frames after its ask (before the accept comes back), b frames it queued before
+// reading the ask and frames it sends after accepting (on a new connection). Nothing is lost.
+TEST_P(OnDemand, FramesAroundTheCloseAreNotLost) {
+  Known k(GetParam(), 150, 0);
+  ASSERT_TRUE(k.a && k.b);
+  ASSERT_TRUE(offer(*k.a, "node-b", 1000));
+  ASSERT_TRUE(k.run([&] { return k.ub.r.offers.size() == 1; }));
+  ASSERT_TRUE(offer(*k.b, "node-a", 1000));
+  ASSERT_TRUE(k.run([&] { return k.ua.r.offers.size() == 1; }));
+  k.ua.r.offers.clear();
+  k.ub.r.offers.clear();
+  // Only a polls, past its idle time: its ask is on the wire, b has not read it.
+  for (const uint64_t t0 = now_ns(); now_ns() - t0 < 400000000;) k.a->poll(now_ns());
+  ASSERT_EQ(k.a->connected(), std::vector<std::string>{"node-b"});
+  for (uint32_t i = 0; i < 50; ++i) ASSERT_TRUE(offer(*k.a, "node-b", i));  // after the ask
+  for (uint32_t i = 0; i < 50; ++i) ASSERT_TRUE(offer(*k.b, "node-a", i));  // before reading it
+  // b reads the ask and accepts; what it queued before goes first, on the old connection.
+  k.b->poll(now_ns());
+  for (uint32_t i = 50; i < 100; ++i) ASSERT_TRUE(offer(*k.b, "node-a", i));  // after the accept
+  ASSERT_TRUE(k.run([&] {
+    return k.ua.r.offers.size() == 100 && k.ub.r.offers.size() == 50 &&
+           k.a->counters().idle_closes == 1;
+  })) << k.ua.r.offers.size()
+      << " " << k.ub.r.offers.size();
+  EXPECT_EQ(got(k.ua.r), upto(100));
+  EXPECT_EQ(got(k.ub.r), upto(50));
+  EXPECT_EQ(k.b->counters().idle_closes, 1u);
+  EXPECT_EQ(k.b->counters().dials, 1u);  // the frames after its accept went on a new connection
+}
+
+// The embedded directory with static peers: they are dialed at start (their announcements are
+// the directory) and close when idle like any connection; what they announced stays. A lookup
+// that finds nothing dials the configured peers again, and their Hello brings what changed.
+TEST_P(OnDemand, StaticPeersAreAskedAgainWhenALookupMisses) {
+  std::unique_ptr<Cluster> cl;
+  if (GetParam())
+    cl = std::make_unique<Cluster>(std::initializer_list<const char*>{"node-a", "node-b"});
+  User ua, ub;
+  auto b = TcpTransport::create(
+      {"node-b", "127.0.0.1:0", {}, false, cl ? cl->ctx("node-b") : nullptr, 0}, ub);
+  ASSERT_TRUE(b.is_ok());
+  auto a = TcpTransport::create({"node-a",
+                                 "127.0.0.1:0",
+                                 {"node-b@" + (*b)->listen_address()},
+                                 false,
+                                 cl ? cl->ctx("node-a") : nullptr,
+                                 150},
+                                ua);
+  ASSERT_TRUE(a.is_ok());
+  auto both = {a->get(), b->get()};
+  GuestInfo g1{"g1", 0x11, {1}}, g2{"g2", 0x12, {2}};
+  (*b)->announce(g1, true);
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->locate_lid(0x11) == "node-b"; }));
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->connected().empty(); }));
+  EXPECT_EQ((*a)->dials()[0].state, "idle");
+  EXPECT_EQ((*a)->locate_lid(0x11), "node-b");  // kept across the idle close
+  (*b)->announce(g2, true);                     // no connection: not told
+  ASSERT_TRUE(run_until(both, [&] { return (*a)->locate_lid(0x12) == "node-b"; }));
+  EXPECT_EQ((*a)->counters().dials, 2u);
+}
+
 }  // namespace
 }  // namespace vrdma::transport::tcp

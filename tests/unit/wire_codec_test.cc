@@ -69,6 +69,7 @@ TEST(WireCodec, SizesArePinned) {
   EXPECT_EQ(body_size(Type::kReply), 48u);
   EXPECT_EQ(body_size(Type::kDirectOffer), 64u);
   EXPECT_EQ(body_size(Type::kCm), 336u);
+  EXPECT_EQ(body_size(Type::kClose), 8u);
   EXPECT_EQ(body_size(Type::kMax), 0u);
 }
 
@@ -124,6 +125,20 @@ int mutated_err(Type t, Body b, Mutate mutate, uint32_t payload) {
   encode(t, &b, payload, m);
   Frame f;
   return decode_bytes(m, f).err();
+}
+
+// kClose (version 7): ask, accept, refuse; any other kind, or a payload, is refused.
+TEST(WireCodec, CloseKinds) {
+  auto err = [](uint8_t kind, uint32_t payload = 0) {
+    Close c{};
+    c.kind = kind;
+    return mutated_err(
+        Type::kClose, c, [](Close&) {}, payload);
+  };
+  for (CloseKind k : {CloseKind::kAsk, CloseKind::kAccept, CloseKind::kRefuse})
+    EXPECT_EQ(err(static_cast<uint8_t>(k)), 0);
+  EXPECT_EQ(err(3), EPROTO);
+  EXPECT_NE(err(0, 8), 0);
 }
 
 TEST(WireCodec, RefusesMalformedDirectOffer) {

@@ -79,6 +79,7 @@ TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& diale
   c->dialed = dialed;
   c->addr = dialed.empty() ? endpoint_of(c->fd.get(), ::getpeername) : dialed;
   c->opened_ns = now_ns;
+  c->active_ns = now_ns;
   c->id = next_conn_id_++;
   ++prehello_;
   if (opt_.tls) c->tls = std::make_unique<TlsStream>(*opt_.tls, dialed.empty());
@@ -96,7 +97,11 @@ TcpTransport::Conn* TcpTransport::add_conn(UniqueFd fd, const std::string& diale
 void TcpTransport::close_conn(Conn* c, const std::string& why) {
   if (c->dead) return;
   c->dead = true;
-  if (c->hello) {
+  if (c->closing) {
+    --closing_;
+    VLOG_INFO("transport tcp: connection to {} ({}, {}) closed: {}", c->node,
+              c->dialed.empty() ? "accepted" : "dialed", c->addr, why);
+  } else if (c->hello) {
     VLOG_WARN("transport tcp: connection to {} ({}, {}) closed: {}", c->node,
               c->dialed.empty() ? "accepted" : "dialed", c->addr, why);
   } else {
@@ -174,6 +179,7 @@ void TcpTransport::note_failure(Dial& d, const std::string& why) {
 }
 
 void TcpTransport::dial(Dial& d, uint64_t now_ns) {
+  ++counters_.dials;
   d.next_ns = now_ns + d.backoff_ms * 1000000;
   d.backoff_ms = std::min(d.backoff_ms * 2, kRedialMaxMs);  // reset when a Hello arrives
   UniqueFd fd(::socket(d.sa.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
@@ -277,6 +283,7 @@ Status TcpTransport::add_peer(const std::string& node, const std::string& addr) 
   d.addr = addr;
   d.expect = node;
   d.sa = sa;
+  d.wanted = false;  // dialed by the first frame for it (send)
   dials_.push_back(std::move(d));
   return Status::ok();
 }
@@ -350,6 +357,130 @@ bool TcpTransport::handshake(Conn& c) {
   VLOG_DEBUG("transport tcp: TLS with {} ({}): {}", c.addr, t.peer_name(), t.cipher());
   set_out(c, t.out_pending());  // our Hello, queued, goes at the end of this poll
   return true;
+}
+
+TcpTransport::Dial* TcpTransport::dial_of(const std::string& node) {
+  for (Dial& d : dials_) {
+    if (d.expect == node || d.node == node) return &d;
+  }
+  return nullptr;
+}
+
+TcpTransport::Conn* TcpTransport::tx_conn(const std::string& node) const {
+  if (auto it = by_node_.find(node); it != by_node_.end()) return it->second;
+  for (const Dial& d : dials_) {
+    if (d.conn && !d.conn->dead && (d.expect == node || d.node == node)) return d.conn;
+  }
+  return nullptr;
+}
+
+// Closing an idle connection (wire kClose): A asks; B accepts unless a QP of its own faces A
+// (then it refuses and A waits another idle period). From its accept on, B queues nothing
+// more on the connection, and A from the accept's arrival: a frame either side needs to send
+// later goes on a new connection (dialed on demand). Each writes out what it had queued,
+// shuts its side (FIN) and reads until the peer's FIN, so every frame sent before is
+// delivered: A's frames sent between its ask and B's accept are read by B before A's FIN,
+// and B sends nothing after its accept. Both asking at once: each takes the other's ask as
+// its accept.
+void TcpTransport::check_idle(uint64_t now_ns) {
+  idle_checked_ns_ = now_ns;
+  const uint64_t idle_ns = opt_.idle_close_ms * 1000000;
+  std::vector<Conn*> ask, done;
+  for (auto& [fd, cp] : conns_) {
+    Conn& c = *cp;
+    if (c.dead) continue;
+    if (c.closing) {
+      if (now_ns - c.closing_ns > kCloseWaitMs * 1000000) {
+        done.push_back(&c);
+      } else {
+        finish_closing(c);
+      }
+      continue;
+    }
+    if (!idle_ns || !c.hello || c.node == opt_.node) continue;
+    if (auto bn = by_node_.find(c.node); bn == by_node_.end() || bn->second != &c) continue;
+    if (c.asked_ns) {
+      if (now_ns - c.asked_ns > kCloseWaitMs * 1000000) {
+        c.asked_ns = 0;  // no answer: it stays, and is asked again after another idle period
+        c.active_ns = now_ns;
+      }
+      continue;
+    }
+    if (now_ns - c.active_ns < idle_ns) continue;
+    if (!c.txq.empty() || c.rx != Rx::kHead || c.rpos != c.rend || acked_of(c) < c.written)
+      continue;
+    if (rx_.uses_peer(c.node)) {
+      c.active_ns = now_ns;  // looked at again after another idle period
+      continue;
+    }
+    ask.push_back(&c);
+  }
+  for (Conn* c : done) close_conn(c, "the peer did not finish the agreed close in time");
+  for (Conn* c : ask) {
+    Close m{};
+    m.kind = static_cast<uint8_t>(CloseKind::kAsk);
+    queue(*c, Type::kClose, &m, {}, {});
+    c->asked_ns = now_ns;
+    VLOG_DEBUG("transport tcp: connection to {} idle for {} ms: asking to close it", c->node,
+               opt_.idle_close_ms);
+  }
+}
+
+void TcpTransport::on_close(Conn& c) {
+  if (c.closing) return;  // the other's answer to a close both asked for
+  const auto kind = static_cast<CloseKind>(c.frame.close.kind);
+  if (kind == CloseKind::kRefuse) {
+    c.asked_ns = 0;
+    c.active_ns = now_ns_;
+    VLOG_DEBUG("transport tcp: {} keeps the connection (a QP there uses it)", c.node);
+    return;
+  }
+  if (kind == CloseKind::kAccept) {
+    // The peer sends nothing more here (even if our ask had timed out meanwhile): close too.
+    begin_closing(c);
+    return;
+  }
+  // Asked: both at once, or nothing here uses it.
+  const bool ok = c.asked_ns || (c.node != opt_.node && !rx_.uses_peer(c.node));
+  Close m{};
+  m.kind = static_cast<uint8_t>(ok ? CloseKind::kAccept : CloseKind::kRefuse);
+  queue(c, Type::kClose, &m, {}, {});
+  set_out(c, true);
+  if (ok) {
+    begin_closing(c);
+  } else {
+    c.active_ns = now_ns_;
+  }
+}
+
+void TcpTransport::begin_closing(Conn& c) {
+  c.closing = true;
+  c.closing_ns = now_ns_;
+  c.asked_ns = 0;
+  ++closing_;
+  ++counters_.idle_closes;
+  if (auto bn = by_node_.find(c.node); bn != by_node_.end() && bn->second == &c) {
+    by_node_.erase(bn);
+    down_since_[c.node] = now_ns_;
+  }
+  for (Dial& d : dials_) {
+    if (d.conn != &c) continue;
+    d.conn = nullptr;
+    d.wanted = false;  // dialed again by the next frame for it
+    d.next_ns = 0;
+    d.backoff_ms = kRedialMs;
+  }
+  VLOG_INFO("transport tcp: connection to {} ({}) idle, unused on both sides: closing it", c.node,
+            c.addr);
+}
+
+void TcpTransport::finish_closing(Conn& c) {
+  if (c.dead || !c.closing) return;
+  if (!c.shut && c.txq.empty() && !(c.tls && c.tls->out_pending())) {
+    ::shutdown(c.fd.get(), SHUT_WR);
+    c.shut = true;
+  }
+  if (c.shut && c.peer_eof) close_conn(&c, "idle, closed by agreement");
 }
 
 void TcpTransport::expire_unauthenticated(uint64_t now_ns) {

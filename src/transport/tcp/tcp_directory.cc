@@ -166,7 +166,11 @@ std::string TcpTransport::locate_lid(uint16_t lid) const {
     if (!node.empty() || !directory_->unavailable().empty()) return node;
   }
   auto it = by_lid_.find(lid);
-  return it == by_lid_.end() ? std::string() : it->second.node;
+  if (it == by_lid_.end()) {
+    lookup_missed_ = !directory_;  // the configured peers are asked (poll)
+    return {};
+  }
+  return it->second.node;
 }
 
 std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
@@ -175,7 +179,11 @@ std::string TcpTransport::locate_gid(const uint8_t gid[16]) const {
     if (!node.empty() || !directory_->unavailable().empty()) return node;
   }
   auto it = by_gid_.find(gid_key(gid));
-  return it == by_gid_.end() ? std::string() : it->second.node;
+  if (it == by_gid_.end()) {
+    lookup_missed_ = !directory_;
+    return {};
+  }
+  return it->second.node;
 }
 
 }  // namespace vrdma::transport::tcp

@@ -74,16 +74,26 @@ void TcpTransport::queue(Conn& c, Type t, const void* body, std::span<const Span
 
 bool TcpTransport::send(const std::string& node, Type t, const void* body,
                         std::span<const Span> payload, std::span<const Hold> holds, uint64_t flow) {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return false;
-  queue(*it->second, t, body, payload, holds, flow);
+  Conn* c = tx_conn(node);
+  if (!c) {
+    // A known peer not connected (on demand, or closed for being idle): dialed now, unless
+    // its dials are failing and backing off (then as a peer that is down: false).
+    Dial* d = dial_of(node);
+    if (!d) return false;
+    d->wanted = true;
+    if (!d->conn && now_ns_ >= d->next_ns && !connected_to(node)) dial(*d, now_ns_);
+    if (!d->conn) return false;
+    c = d->conn;  // the frame waits behind the handshake and our Hello
+  }
+  c->active_ns = now_ns_;
+  queue(*c, t, body, payload, holds, flow);
   return true;
 }
 
 void TcpTransport::drop_flow(const std::string& node, uint64_t flow) {
-  auto found = by_node_.find(node);
-  if (flow == 0 || found == by_node_.end()) return;
-  Conn& c = *found->second;
+  Conn* found = tx_conn(node);
+  if (flow == 0 || !found) return;
+  Conn& c = *found;
   for (size_t i = 0; i < c.txq.size(); ++i) {
     TxItem& it = c.txq[i];
     if (it.flow != flow || it.dropped || (i == 0 && c.sent > 0)) continue;  // begun: it goes
@@ -115,19 +125,19 @@ void TcpTransport::skip_dropped(Conn& c) {
 }
 
 uint64_t TcpTransport::tx_unwritten(const std::string& node, const TxMark& m) const {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end() || it->second->id != m.conn) return 0;
+  const Conn* found = tx_conn(node);
+  if (!found || found->id != m.conn) return 0;
   // Dropped items still queued do not count (they are passed over, not written): a mark
   // before them is then seen a little shallower than it is.
-  const Conn& c = *it->second;
+  const Conn& c = *found;
   const uint64_t behind = m.end > c.written ? m.end - c.written : 0;
   return behind - std::min(behind, c.dropped_queued);
 }
 
 TxMark TcpTransport::tx_mark(const std::string& node) const {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return {};
-  return {it->second->id, it->second->queued_end};
+  const Conn* c = tx_conn(node);
+  if (!c) return {};
+  return {c->id, c->queued_end};
 }
 
 uint64_t TcpTransport::acked_of(Conn& c) {
@@ -153,31 +163,31 @@ uint64_t TcpTransport::acked_of(Conn& c) {
 }
 
 bool TcpTransport::tx_delivered(const std::string& node, const TxMark& m) {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end() || it->second->id != m.conn) return false;
-  return acked_of(*it->second) >= m.end;
+  Conn* c = tx_conn(node);
+  if (!c || c->id != m.conn) return false;
+  return acked_of(*c) >= m.end;
 }
 
 uint64_t TcpTransport::tx_progress(const std::string& node) {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return 0;
-  Conn& c = *it->second;
+  Conn* found = tx_conn(node);
+  if (!found) return 0;
+  Conn& c = *found;
   return (c.id << 48) + acked_of(c) + c.rx_bytes;
 }
 
 uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return 0;
+  const Conn* c = tx_conn(node);
+  if (!c) return 0;
   tcp_info ti{};
   socklen_t len = sizeof(ti);
-  if (::getsockopt(it->second->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
+  if (::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
   return (uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar}) * 1000;
 }
 
 bool TcpTransport::rx_pending(const std::string& node) {
-  auto it = by_node_.find(node);
-  if (it == by_node_.end()) return false;
-  const Conn& c = *it->second;
+  const Conn* found = tx_conn(node);
+  if (!found) return false;
+  const Conn& c = *found;
   if (c.rpos != c.rend || (c.tls && c.tls->has_buffered())) return true;
   int inq = 0;
   return ::ioctl(c.fd.get(), SIOCINQ, &inq) == 0 && inq > 0;
@@ -256,9 +266,20 @@ bool TcpTransport::read_some(Conn& c) {
 ssize_t TcpTransport::check_read(Conn& c, ssize_t r) {
   if (r > 0) {
     c.rx_bytes += static_cast<uint64_t>(r);
+    c.active_ns = now_ns_;
     return r;
   }
   if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  if (r == 0 && c.closing) {
+    // The peer shut its side of a connection we agreed to close: all it sent has been read.
+    c.peer_eof = true;
+    epoll_event ev{};
+    ev.events = c.want_out ? EPOLLOUT : 0u;
+    ev.data.ptr = &c;
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
+    finish_closing(c);
+    return -1;
+  }
   close_conn(&c, r == 0 ? "closed by the peer" : std::strerror(errno));
   return -1;
 }
@@ -339,6 +360,9 @@ bool TcpTransport::consume(Conn& c) {
         on_guest(c, false);
         break;
       case Type::kPing:  // its sender's TCP has what it wanted to know
+        break;
+      case Type::kClose:
+        on_close(c);
         break;
       default: {
         c.sink.spans.clear();

@@ -33,6 +33,9 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::create(Options o, Receiver& 
 TcpTransport::~TcpTransport() = default;
 
 Status TcpTransport::start() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);  // the clock poll() is given: a send() before it dials
+  now_ns_ = static_cast<uint64_t>(ts.tv_sec) * 1000000000 + static_cast<uint64_t>(ts.tv_nsec);
   epoll_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   if (opt_.listen.empty()) return error(EINVAL, "transport: no listen address");
@@ -54,7 +57,11 @@ Status TcpTransport::start() {
   for (const std::string& p : to_dial) {
     ASSIGN_OR_RETURN(PeerSpec spec, parse_peer(p));
     if (!spec.node.empty()) allow_.push_back(spec.node);
-    dials_.push_back(Dial{spec.addr, spec.node, spec.sa, nullptr, 0, kRedialMs, "", "", 0, 0});
+    Dial d;
+    d.addr = spec.addr;
+    d.expect = spec.node;
+    d.sa = spec.sa;
+    dials_.push_back(std::move(d));
   }
   VLOG_INFO("transport tcp: node {} listening on {}, {} peer(s){}; {}", opt_.node, opt_.listen,
             opt_.peers.size(), opt_.force ? ", forced for every pair" : "",
@@ -67,7 +74,7 @@ void TcpTransport::set_out(Conn& c, bool on) {
   if (c.want_out == on) return;
   c.want_out = on;
   epoll_event ev{};
-  ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+  ev.events = (c.peer_eof ? 0u : EPOLLIN) | (on ? EPOLLOUT : 0u);
   ev.data.ptr = &c;
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
 }
@@ -76,6 +83,17 @@ std::vector<std::string> TcpTransport::connected() const {
   std::vector<std::string> out;
   for (const auto& [node, c] : by_node_) out.push_back(node);
   std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::string> TcpTransport::known() const {
+  std::vector<std::string> out;
+  for (const Dial& d : dials_) {
+    const std::string& n = d.expect.empty() ? d.node : d.expect;
+    if (!n.empty() && n != opt_.node) out.push_back(n);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 
@@ -94,11 +112,13 @@ std::vector<TcpTransport::PeerInfo> TcpTransport::peers() {
 std::vector<TcpTransport::DialInfo> TcpTransport::dials() const {
   std::vector<DialInfo> out;
   for (const Dial& d : dials_) {
-    const bool up = !d.node.empty() && by_node_.count(d.node);
+    const std::string& n = d.node.empty() ? d.expect : d.node;
+    const bool up = !n.empty() && by_node_.count(n);
     out.push_back({d.addr, d.expect,
-                   up       ? "connected"
-                   : d.conn ? "connecting"
-                            : "not connected",
+                   up         ? "connected"
+                   : d.conn   ? "connecting"
+                   : d.wanted ? "not connected"
+                              : "idle",
                    d.last_error, d.last_error_unix, d.failures});
   }
   return out;
@@ -108,7 +128,7 @@ uint64_t TcpTransport::next_deadline() const {
   uint64_t d = 0;
   auto at = [&](uint64_t t) { d = d == 0 ? t : std::min(d, t); };
   for (const Dial& x : dials_) {
-    if (!x.conn && (x.node.empty() || !by_node_.count(x.node))) at(x.next_ns);
+    if (!x.conn && x.wanted && !connected_to(x.node.empty() ? x.expect : x.node)) at(x.next_ns);
     if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
   }
   if (accept_rest_.until_ns()) at(accept_rest_.until_ns());
@@ -118,6 +138,7 @@ uint64_t TcpTransport::next_deadline() const {
     if (!c->hello) at(c->opened_ns + kHelloTimeoutMs * 1000000);
   }
   for (const auto& [node, t] : stale_until_) at(t);
+  if (opt_.idle_close_ms || closing_) at(idle_checked_ns_ + kIdleCheckNs);
   if (!claims_.empty()) at(now_ns_ + 100'000'000);
   return d;
 }
@@ -129,9 +150,21 @@ bool TcpTransport::poll(uint64_t now_ns) {
   for (Dial& d : dials_) {
     if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
       close_conn(d.conn, "connect timed out");
-    if (!d.conn && now_ns >= d.next_ns && (d.node.empty() || !by_node_.count(d.node)))
+    if (!d.conn && d.wanted && now_ns >= d.next_ns &&
+        !connected_to(d.node.empty() ? d.expect : d.node))
       dial(d, now_ns);
   }
+  if (lookup_missed_) {
+    // Embedded directory: a lookup found nothing; the configured peers not connected are
+    // dialed, and their Hello brings their guests.
+    lookup_missed_ = false;
+    if (now_ns - asked_all_ns_ >= kAskAllMs * 1000000) {
+      asked_all_ns_ = now_ns;
+      for (Dial& d : dials_) d.wanted = true;
+    }
+  }
+  if ((opt_.idle_close_ms || closing_) && now_ns - idle_checked_ns_ >= kIdleCheckNs)
+    check_idle(now_ns);
   if (prehello_) expire_unauthenticated(now_ns);
   if (!claims_.empty() || !stale_until_.empty()) settle_claims(now_ns);
   if (!rx_again_.empty()) {
@@ -179,6 +212,7 @@ bool TcpTransport::poll(uint64_t now_ns) {
   }
   for (Conn* c : out) {
     if (!c->dead) flush(*c);
+    if (!c->dead && c->closing) finish_closing(*c);
     did = true;
   }
   graveyard_.clear();

@@ -1,10 +1,13 @@
-// The TCP transport: one connection per pair of backends, multiplexing all their QPs; the
+// The TCP transport: one connection per pair of backends that talk, multiplexing all their QPs; the
 // directory of which peer hosts which guest (announced on connect and on every change); frames
 // of proto/wire.h, small ones batched into one write, large payloads written from and read into
 // guest memory in place (writev/readv, non-blocking, resumable across partial transfers).
-// A broken connection is redialed (kRedialMs, doubling to kRedialMaxMs while dials fail); the
-// engine replays its unacknowledged work
-// when the peer is up again (Receiver::on_peer_up).
+// Connections on demand: a peer the directory (etcd) found is dialed by the first frame for it;
+// static peers are dialed at start (their announcements are the embedded directory). A
+// connection idle for idle_close_ms that no QP on either side uses is closed by agreement
+// (kClose). A broken connection is redialed (kRedialMs, doubling to kRedialMaxMs while dials
+// fail); the engine replays its unacknowledged work when the peer is up again
+// (Receiver::on_peer_up).
 // Concurrency: owned by the engine thread; poll() is called from the backend's event loop.
 #pragma once
 
@@ -50,6 +53,14 @@ class TcpTransport final : public Transport {
     /// The cluster credential: every connection is TLS 1.3, mutually authenticated, and a
     /// peer's node name is its certificate's. Null: plain TCP (insecure; the caller decided).
     std::shared_ptr<const TlsContext> tls;
+    /// A connection that carried nothing this long and that no QP of either side uses is
+    /// closed (kClose); 0: never.
+    uint64_t idle_close_ms = 0;
+  };
+  /// Connections made and ended by the on-demand rules (status, metrics).
+  struct Counters {
+    uint64_t dials = 0;        ///< connects started
+    uint64_t idle_closes = 0;  ///< connections closed by agreement for being idle
   };
   /// What this backend refused, by reason (status, metrics).
   struct Refused {
@@ -85,6 +96,14 @@ class TcpTransport final : public Transport {
   /// Above the kernel's first SYN retransmission (1 s) and a long path's RTT: a lost SYN is
   /// retried by the kernel before we give up on the dial.
   static constexpr uint64_t kConnectTimeoutMs = 3000;
+  /// A close asked and not answered by then is given up (the connection stays); a connection
+  /// closing by agreement whose peer has not shut its side by then is closed anyway.
+  static constexpr uint64_t kCloseWaitMs = 5000;
+  /// With the embedded directory, a lookup that found nothing dials every configured peer not
+  /// connected (their Hello brings their guests), at most once per this.
+  static constexpr uint64_t kAskAllMs = 1000;
+  /// How often idle connections and closing ones are looked at.
+  static constexpr uint64_t kIdleCheckNs = 50'000'000;
 
   /// Binds the listener; dialing starts with the first poll().
   static Result<std::unique_ptr<TcpTransport>> create(Options o, Receiver& rx);
@@ -99,6 +118,11 @@ class TcpTransport final : public Transport {
   uint64_t next_deadline() const;
   /// Node names with a live connection (for status and tests).
   std::vector<std::string> connected() const;
+  /// Node names this backend may talk to: the directory's nodes and the static peers known by
+  /// name (connected or not); a frame for one of them dials it.
+  std::vector<std::string> known() const;
+  const Counters& counters() const { return counters_; }
+  uint64_t idle_close_ms() const { return opt_.idle_close_ms; }
   std::vector<PeerInfo> peers();
   /// A configured peer as we dial it (status: each peer's state and why it last failed).
   struct DialInfo {
@@ -172,6 +196,14 @@ class TcpTransport final : public Transport {
     bool drained = false;     ///< TLS: this visit's last socket read emptied it
     bool want_out = false;    ///< EPOLLOUT is registered
     bool dead = false;        ///< closed; freed at the end of poll()
+    uint64_t active_ns = 0;   ///< when a frame was last queued or bytes last arrived
+    uint64_t asked_ns = 0;    ///< when we asked the peer to close it (kClose kAsk), or 0
+    /// Closing by agreement: nothing more is queued on it; its queue is written, then our
+    /// side shut (`shut`); it is closed when the peer's side ends too (`peer_eof`).
+    bool closing = false;
+    bool shut = false;
+    bool peer_eof = false;
+    uint64_t closing_ns = 0;
     // receive side
     std::vector<uint8_t> rbuf;
     size_t rpos = 0, rend = 0;
@@ -212,6 +244,9 @@ class TcpTransport final : public Transport {
     std::string last_error;  ///< DialInfo
     uint64_t last_error_unix = 0;
     uint64_t failures = 0;
+    /// Dialed (and redialed) only while wanted: static peers from the start, a directory's
+    /// node once a frame is for it; no longer after its connection closed for being idle.
+    bool wanted = true;
   };
   /// An attempt on `d` failed, or its connection ended: `why` is kept for status.
   static void note_failure(Dial& d, const std::string& why);
@@ -252,6 +287,18 @@ class TcpTransport final : public Transport {
   void refuse(uint64_t& counter, fmt::format_string<Args...> f, Args&&... args);
   bool allowed(const std::string& node) const;
   bool connected_to(const std::string& node) const { return by_node_.count(node) != 0; }
+  /// The connection frames for `node` go on: the live one, or the one being dialed for it.
+  Conn* tx_conn(const std::string& node) const;
+  /// The dial of a known peer `node`, or null.
+  Dial* dial_of(const std::string& node);
+  /// Asks to close connections idle for idle_close_ms; gives up unanswered asks.
+  void check_idle(uint64_t now_ns);
+  void on_close(Conn& c);
+  /// Both sides agreed: no more frames on `c`; it is written out, shut, and closed at the end.
+  void begin_closing(Conn& c);
+  /// Writes out a closing connection: shuts our side once its queue is empty; closes it when
+  /// the peer's side ended too.
+  void finish_closing(Conn& c);
   void close_conn(Conn* c, const std::string& why);
   void set_out(Conn& c, bool on);
   /// False when the connection failed (it is closed then).
@@ -302,6 +349,12 @@ class TcpTransport final : public Transport {
   log::Burst refuse_log_{1'000'000'000, 20};
   std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
   Directory* directory_ = nullptr;        ///< set_directory
+  Counters counters_;
+  /// A lookup found nothing (embedded directory): poll() dials every configured peer.
+  mutable bool lookup_missed_ = false;
+  uint64_t asked_all_ns_ = 0;  ///< when that last happened
+  uint64_t idle_checked_ns_ = 0;
+  size_t closing_ = 0;  ///< connections closing by agreement
 };
 
 template <typename... Args>
