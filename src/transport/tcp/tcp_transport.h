@@ -97,8 +97,8 @@ class TcpTransport final : public Transport {
   bool poll(uint64_t now_ns);
   /// When poll() must run next even if nothing arrives (a redial), or 0.
   uint64_t next_deadline() const;
-  /// Node names with a live connection (for status and tests).
-  std::vector<std::string> connected() const;
+  /// Node names with a live connection (status, tests, multicast).
+  std::vector<std::string> connected() const override;
   std::vector<PeerInfo> peers();
   /// A configured peer as we dial it (status: each peer's state and why it last failed).
   struct DialInfo {
