@@ -113,16 +113,17 @@ void Device::send_mcast(Qp& qp, const SendWqe& w, const UdDest& dest, uint64_t l
         ++peers;
     }
   }
+  // Sent, whoever receives it; remote members are not waited for. (Completed before the
+  // local delivery, which may take the sender's own QP to ERR: a member whose receive faults.)
+  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+  qp.cnt.msgs_sent++;
+  qp.cnt.bytes_sent += len;
   if (const McastGroup* grp = mcast_group(dest.is_global, dest.dgid, dest.dlid)) {
     const uint32_t qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
     deliver_mcast(*grp, qkey, inbound_of(qp, w, len), qp.guest->gid, src_, dest.sl);
   } else if (peers == 0) {
     qp.cnt.ud_dropped++;
   }
-  // Sent, whoever receives it; remote members are not waited for.
-  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
-  qp.cnt.msgs_sent++;
-  qp.cnt.bytes_sent += len;
 }
 
 void Device::on_mcast(const std::string& node, const wire::Request& rq, transport::RxSink& sink) {
