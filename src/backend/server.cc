@@ -777,8 +777,11 @@ Status Server::run() {
         (void)r;
         last_work = now_ns();
       } else {
+        // A command is not data-path work: no spin after it (a burst of control commands,
+        // e.g. RDMA CM connects, would pay spin_us of CPU for each). What it starts (a QP's
+        // rings) is data-path work the next poll finds and spins on. BENCHMARKS.md, "RDMA CM
+        // connection rate".
         on_readable(fd);
-        last_work = now_ns();
       }
     }
     if (!conns_.empty()) idle_since = now_ns();

@@ -351,6 +351,11 @@ class Device : public transport::Receiver {
   static constexpr uint8_t kNotReadyRnrTimer = 14;
   /// UD over the transport: the datagram to a guest of another backend.
   void send_ud_remote(Qp& qp, const proto::SendWqe& w, const std::string& node, uint64_t len);
+  /// The frame of a datagram from `qp` to `dest` (the qkey resolved), its payload in src_.
+  static proto::wire::Request ud_request(const Qp& qp, const proto::SendWqe& w,
+                                         const proto::UdDest& dest, uint64_t len);
+  /// A datagram's source is a guest of the node it came from (the directory's word).
+  bool ud_source_ok(const std::string& node, const proto::wire::Request& rq);
   /// Delivers a datagram (local or from the wire) to `to`; payload from `src`.
   void deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
                   std::span<const Span> src, uint8_t sl);
@@ -371,9 +376,15 @@ class Device : public transport::Receiver {
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
   /// Executes one UD send: a datagram to the QP its address names, or lost.
   void execute_ud(Qp& qp, const proto::SendWqe& w);
-  /// A datagram to a multicast GID or LID (device_mcast.cc): every attached QP here.
+  /// A datagram to a multicast GID or LID (device_mcast.cc): every attached QP here, and once
+  /// to every connected peer backend, which delivers it to its own members only.
   static bool is_mcast(const proto::UdDest& d);
+  static bool is_mcast(const proto::wire::Request& rq);
   void send_mcast(Qp& qp, const proto::SendWqe& w, const proto::UdDest& dest, uint64_t len);
+  /// A datagram to a group from peer backend `node`: its payload lands in the sink's scratch
+  /// when a QP here is in the group; on_mcast_done delivers it to the members.
+  void on_mcast(const std::string& node, const proto::wire::Request& rq, transport::RxSink& sink);
+  void on_mcast_done(const proto::wire::Request& rq, transport::RxSink& sink);
   /// A QP that goes leaves its groups.
   void mcast_forget(Qp& qp);
   using McastKey = std::array<uint8_t, 16>;
@@ -382,6 +393,11 @@ class Device : public transport::Receiver {
     std::vector<Qp*> qps;
   };
   std::map<McastKey, McastGroup> mcast_;  ///< by multicast GID
+  /// The group a multicast GID (global) or LID names here, or null when no QP here is in it.
+  const McastGroup* mcast_group(bool global, const uint8_t gid[16], uint16_t lid) const;
+  /// Every member of `grp` whose qkey is `qkey` gets the datagram (the others count a drop).
+  void deliver_mcast(const McastGroup& grp, uint32_t qkey, const Inbound& in,
+                     const uint8_t sgid[16], std::span<const Span> src, uint8_t sl);
   /// The receive WQE a message to `to` lands in (its SRQ's or its own RQ's head), copied out of
   /// shared memory. False when none is posted; sets `corrupt` when the ring's indices are.
   bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);
@@ -398,6 +414,7 @@ class Device : public transport::Receiver {
   /// local_check, completing the WQE with the error (QP to ERR) when it fails.
   bool local_side(Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy, uint64_t& len);
   static Inbound inbound_of(const Qp& qp, const proto::SendWqe& w, uint64_t len);
+  static Inbound inbound_of(const proto::wire::Request& rq);
   /// The MR under an rkey of the responder QP's guest, PD and session, or null. What it allows
   /// is proto::check_remote_request's to say.
   const Mr* rkey_mr(const Qp& to, uint32_t rkey) const;

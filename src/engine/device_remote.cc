@@ -422,8 +422,7 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
   return did;
 }
 
-void Device::send_ud_remote(Qp& qp, const SendWqe& w, const std::string& node, uint64_t len) {
-  const UdDest dest = unpack_ud_dest(w);
+wire::Request Device::ud_request(const Qp& qp, const SendWqe& w, const UdDest& dest, uint64_t len) {
   wire::Request rq{};
   std::memcpy(rq.sgid, qp.guest->gid, 16);
   std::memcpy(rq.dgid, dest.dgid, 16);
@@ -440,6 +439,11 @@ void Device::send_ud_remote(Qp& qp, const SendWqe& w, const std::string& node, u
   rq.length = static_cast<uint32_t>(len);
   // The high bit of the WR's qkey says "use the QP's own qkey" (IB spec 10.2.5).
   rq.qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
+  return rq;
+}
+
+void Device::send_ud_remote(Qp& qp, const SendWqe& w, const std::string& node, uint64_t len) {
+  const wire::Request rq = ud_request(qp, w, unpack_ud_dest(w), len);
   // Datagrams are at most an MTU: the transport copies them, so no hold is needed.
   if (!transport_->send(node, Type::kRequest, &rq, src_, {})) qp.cnt.ud_dropped++;
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));

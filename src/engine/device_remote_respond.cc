@@ -25,14 +25,7 @@ Qp* Device::request_target(const std::string& node, const wire::Request& rq, con
   Qp* to = it->second;
   if (rq.qp_type == IBV_QPT_UD) {
     if (to->type != IBV_QPT_UD) return refuse("a datagram for a QP that is not UD");
-    // A datagram's source is a guest of the node it came from (the directory's word), never
-    // one of ours or another node's.
-    // (Forced TCP on one host: our own node, and the source is one of our guests.)
-    const bool ours =
-        rq.is_global ? guest_by_gid(rq.sgid) != nullptr : guests_by_lid_.count(rq.slid) != 0;
-    const std::string src =
-        rq.is_global ? transport_->locate_gid(rq.sgid) : transport_->locate_lid(rq.slid);
-    if (node == transport_->self() ? !ours : src != node)
+    if (!ud_source_ok(node, rq))
       return refuse("a datagram whose source LID/GID is not that node's");
     return to;
   }
@@ -45,6 +38,16 @@ Qp* Device::request_target(const std::string& node, const wire::Request& rq, con
   if (!to->remote || to->peer_node != node)
     return refuse(to->remote ? "the QP's peer is on another node" : "the QP's peer is local");
   return to;
+}
+
+bool Device::ud_source_ok(const std::string& node, const wire::Request& rq) {
+  // Never one of ours or another node's guest.
+  // (Forced TCP on one host: our own node, and the source is one of our guests.)
+  const bool ours =
+      rq.is_global ? guest_by_gid(rq.sgid) != nullptr : guests_by_lid_.count(rq.slid) != 0;
+  const std::string src =
+      rq.is_global ? transport_->locate_gid(rq.sgid) : transport_->locate_lid(rq.slid);
+  return node == transport_->self() ? ours : src == node;
 }
 
 void Device::reply(const std::string& node, const wire::Request& rq, Syndrome s, uint32_t status,
@@ -90,7 +93,7 @@ Qp* Device::not_ready_target(const wire::Request& rq) {
   return qp->type == IBV_QPT_RC && early ? qp : nullptr;
 }
 
-static Inbound inbound_of_request(const wire::Request& rq) {
+Inbound Device::inbound_of(const wire::Request& rq) {
   Inbound in;
   in.op = rq.opcode;
   in.send_flags = rq.send_flags;
@@ -136,6 +139,10 @@ void Device::on_duplicate(const std::string& node, Qp& to, const wire::Request& 
 
 void Device::on_request(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
   const wire::Request& rq = f.req;
+  if (is_mcast(rq)) {
+    on_mcast(node, rq, sink);
+    return;
+  }
   const char* why = nullptr;
   Qp* to = request_target(node, rq, &why);
   // No such QP, or not connected to this requester: no answer, as on one host (the requester
@@ -148,7 +155,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
       nak(node, *early, rq, Syndrome::kRnrNak, wire::kRnrNotReady, kNotReadyRnrTimer);
     return;
   }
-  const Inbound in = inbound_of_request(rq);
+  const Inbound in = inbound_of(rq);
   if (rq.qp_type == IBV_QPT_UD) {
     if (to->attr.qkey != rq.qkey) {
       to->cnt.ud_dropped++;
@@ -249,10 +256,14 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
     return;
   }
   const wire::Request& rq = f.req;
+  if (is_mcast(rq)) {
+    on_mcast_done(rq, sink);
+    return;
+  }
   // Looked up again: the QP may have gone while the payload streamed in.
   Qp* to = request_target(node, rq);
   if (!to) return;
-  const Inbound in = inbound_of_request(rq);
+  const Inbound in = inbound_of(rq);
   if (rq.qp_type == IBV_QPT_UD) {
     const Span s{sink.scratch.data(), rq.length};
     deliver_ud(*to, in, rq.is_global != 0, rq.sgid, {&s, rq.length ? 1u : 0u}, rq.sl);

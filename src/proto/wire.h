@@ -71,11 +71,15 @@ struct GuestEntry {
 };
 static_assert(sizeof(GuestEntry) == 88);
 
+/// UD to a multicast group (dgid ff00::/8, or dlid 0xc000..0xfffe): for the receiving
+/// backend's members of that group, sent on to nobody (every peer gets the sender's own copy).
+/// Added within version 6, the body and its checks unchanged: a backend without it refuses
+/// such a frame as one for no guest of its, and its members miss the datagram.
 struct Request {
   uint8_t sgid[16];  ///< requester's guest GID
-  uint8_t dgid[16];  ///< destination guest GID (valid when is_global)
+  uint8_t dgid[16];  ///< destination guest GID (valid when is_global), or a group's (UD)
   uint16_t slid;     ///< requester's guest LID
-  uint16_t dlid;     ///< destination guest LID (when !is_global)
+  uint16_t dlid;     ///< destination guest LID (when !is_global), or a group's (UD)
   uint8_t is_global;
   uint8_t qp_type;  ///< IBV_QPT_RC, UC or UD
   uint8_t sl;

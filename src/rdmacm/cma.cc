@@ -674,7 +674,7 @@ CM_EXPORT int rdma_set_option(rdma_cm_id* id, int level, int optname, void* optv
 
 CM_EXPORT int rdma_notify(rdma_cm_id* id, ibv_event_type) { return id ? 0 : fail(EINVAL); }
 
-// Multicast: groups of the backend's guests (engine/device_mcast.cc). The backend answers a
+// Multicast: groups of the cluster's guests (engine/device_mcast.cc). The backend answers a
 // join with MULTICAST_JOIN (the group's GID, LID, qkey), on which the id's QP is attached.
 CM_EXPORT int rdma_join_multicast(rdma_cm_id* id, sockaddr* addr, void* context) {
   if (!id || !addr) return fail(EINVAL);

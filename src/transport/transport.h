@@ -122,6 +122,12 @@ class Transport {
   virtual bool rx_pending(const std::string& node) = 0;
   /// A local guest appeared (up) or left: told to every peer, now and on each (re)connect.
   virtual void announce(const GuestInfo& g, bool up) = 0;
+  /// The peer nodes connected now (this node too when it dialed itself, forced). Empty for a
+  /// transport without peers.
+  virtual std::vector<std::string> connected() const { return {}; }
+  /// The peer nodes a datagram to a multicast group goes to, once each: those connected now
+  /// and those known but not connected (connections are made on demand: the send dials them).
+  virtual std::vector<std::string> group_peers() const { return connected(); }
   /// The IPv4 address (network order) of the connection to `node`, as its socket's peer: where
   /// that backend's host is reached (a direct offer's libraries listen there). 0 when there is
   /// no connection or it is not IPv4.

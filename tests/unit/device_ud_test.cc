@@ -1,10 +1,11 @@
 // UD in the device model: datagrams reach the QP their address names (by LID or GID), carry the
 // 40-byte GRH room, check the qkey, and are lost (never duplicated or misdelivered) when there
 // is no receive, a wrong qkey, or no such QP. Multicast: a datagram to a group reaches every
-// attached QP of the backend (device_mcast.cc).
+// attached QP of the backend, and goes once to every peer backend, which delivers it to its own
+// members only (device_mcast.cc; a stand-in transport plays the peer).
 #include <arpa/inet.h>
 
-#include "device_fixture.h"
+#include "loopback_fixture.h"
 
 namespace vrdma::engine::devtest {
 namespace {
@@ -160,6 +161,155 @@ TEST_F(DeviceUdTest, MulticastReachesEveryAttachedQpAndNoOther) {
   dev_.poll(now_);
   EXPECT_TRUE(drain(bcq_).empty());
   EXPECT_EQ(drain(acq_).size(), 2u);  // sent, whatever happens
+}
+
+/// Peer backend "h2" as a stand-in transport: what is sent to it is recorded; the guest with
+/// kRemoteGid / kRemoteLid is its own. Connected: h2, and this node itself (as when TCP is
+/// forced), which a group's datagram must skip.
+class PeerH2 final : public RecordingTransport {
+ public:
+  static constexpr uint8_t kRemoteGid[16] = {0xfe, 0x80, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2};
+  static constexpr uint16_t kRemoteLid = 0x77;
+  const std::string& self() const override { return self_; }
+  bool forced() const override { return false; }
+  std::string locate_lid(uint16_t lid) const override { return lid == kRemoteLid ? h2_ : ""; }
+  std::string locate_gid(const uint8_t* gid) const override {
+    return std::memcmp(gid, kRemoteGid, 16) == 0 ? h2_ : "";
+  }
+  uint32_t peer_ipv4(const std::string&) const override { return 0; }
+  uint32_t local_ipv4(const std::string&) const override { return 0; }
+  void refused_frame(const std::string& node, const std::string&) override {
+    refused.push_back(node);
+  }
+  std::vector<std::string> connected() const override { return {self_, h2_}; }
+  std::vector<std::string> refused;  ///< the nodes refused_frame was told of
+
+ private:
+  const std::string& to() const override { return h2_; }
+  std::string self_ = "h1", h2_ = "h2";
+};
+
+class DeviceMcastPeerTest : public DeviceUdTest {
+ protected:
+  void SetUp() override {
+    dev_.set_transport(&peer_);
+    DeviceUdTest::SetUp();
+    m_.lid = 0xc001;
+    m_.gid[0] = 0xff;
+    m_.gid[1] = 0x12;
+    m_.gid[15] = 3;
+  }
+  void TearDown() override { dev_.set_transport(nullptr); }
+  /// A datagram from h2's guest to the group (by GID, or by LID), as h2's backend sends it.
+  RecordingTransport::Sent from_h2(uint32_t qkey, const std::string& text, bool by_gid = true,
+                                   const uint8_t* sgid = PeerH2::kRemoteGid) {
+    wire::Request rq{};
+    std::memcpy(rq.sgid, sgid, 16);
+    rq.slid = PeerH2::kRemoteLid;
+    rq.is_global = by_gid;
+    if (by_gid) std::memcpy(rq.dgid, m_.gid, 16);
+    rq.dlid = by_gid ? 0 : m_.lid;
+    rq.qp_type = IBV_QPT_UD;
+    rq.src_qpn = 0x55;
+    rq.dst_qpn = 0xffffff;
+    rq.opcode = IBV_WR_SEND;
+    rq.length = static_cast<uint32_t>(text.size());
+    rq.qkey = qkey;
+    RecordingTransport::Sent s;
+    s.payload.assign(text.begin(), text.end());
+    wire::encode(wire::Type::kRequest, &rq, rq.length, s.bytes);
+    return s;
+  }
+  PeerH2 peer_;
+  McastReq m_{};
+};
+
+TEST_F(DeviceMcastPeerTest, AGroupDatagramGoesOnceToEveryPeerBackend) {
+  QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
+  m_.qp = ub.handle;
+  ASSERT_TRUE(dev_.attach_mcast(*b_.s, m_).is_ok());
+  post_recv(ub, 1, mb_.addr, 1024, mb_.mr.lkey);
+  std::memcpy(ma_.p(), "to all!!", 8);
+  UdDest d{};
+  d.is_global = 1;
+  std::memcpy(d.dgid, m_.gid, 16);
+  post_ud(ua, 2, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 0x80000000u);  // the QP's own qkey
+  dev_.poll(now_);
+  EXPECT_EQ(drain(bcq_).size(), 1u) << "the member here";
+  EXPECT_EQ(drain(acq_).size(), 1u) << "sent at once: remote members are not waited for";
+  // One copy to h2 (none to this node itself), with the group, the qkey and the data.
+  ASSERT_EQ(peer_.q.size(), 1u);
+  wire::FrameHeader h;
+  std::memcpy(&h, peer_.q[0].bytes.data(), sizeof(h));
+  wire::Frame f;
+  ASSERT_TRUE(wire::decode(h, {peer_.q[0].bytes.data() + sizeof(h), h.body}, f).is_ok());
+  ASSERT_EQ(f.type(), wire::Type::kRequest);
+  EXPECT_EQ(std::memcmp(f.req.dgid, m_.gid, 16), 0);
+  EXPECT_EQ(std::memcmp(f.req.sgid, a_.hello.gid, 16), 0);
+  EXPECT_EQ(f.req.qkey, 9u);
+  EXPECT_EQ(f.req.src_qpn, ua.qpn);
+  EXPECT_EQ(std::string(peer_.q[0].payload.begin(), peer_.q[0].payload.end()), "to all!!");
+  // No member here: it still goes to the peers (which may have some); none connected: lost.
+  ASSERT_TRUE(dev_.detach_mcast(*b_.s, m_).is_ok());
+  post_ud(ua, 3, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 9);
+  dev_.poll(now_);
+  EXPECT_EQ(peer_.q.size(), 2u);
+  peer_.up = false;
+  post_ud(ua, 4, ma_.addr, 8, ma_.mr.lkey, d, 0xffffff, 9);
+  dev_.poll(now_);
+  EXPECT_EQ(peer_.q.size(), 2u);
+  EXPECT_EQ(drain(acq_).size(), 2u);
+  EXPECT_TRUE(drain(bcq_).empty());
+}
+
+TEST_F(DeviceMcastPeerTest, APeersGroupDatagramReachesMembersHereOnlyAndGoesNoFurther) {
+  QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9), ub2 = ud_qp(b_, bcq_, 10);
+  m_.qp = ub.handle;
+  ASSERT_TRUE(dev_.attach_mcast(*b_.s, m_).is_ok());
+  m_.qp = ub2.handle;  // another qkey: not for it
+  ASSERT_TRUE(dev_.attach_mcast(*b_.s, m_).is_ok());
+  post_recv(ua, 1, ma_.addr, 1024, ma_.mr.lkey);  // not a member
+  post_recv(ub, 2, mb_.addr, 1024, mb_.mr.lkey);
+  post_recv(ub2, 3, mb_.addr + 1024, 1024, mb_.mr.lkey);
+  std::memset(mb_.p(), 0, 2048);
+  auto s = from_h2(9, "hello from h2");
+  deliver(s, dev_, "h2");
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 2u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].byte_len, 40u + 13u);
+  EXPECT_EQ(rx[0].src_qp, 0x55u);
+  EXPECT_TRUE(rx[0].wc_flags & IBV_WC_GRH);
+  EXPECT_EQ(std::memcmp(mb_.p() + 8, PeerH2::kRemoteGid, 16), 0) << "the GRH's source GID";
+  EXPECT_EQ(std::memcmp(mb_.p() + 40, "hello from h2", 13), 0);
+  EXPECT_TRUE(drain(acq_).empty()) << "not a member";
+  EXPECT_TRUE(peer_.q.empty()) << "never sent on";
+  // By the group's LID too.
+  post_recv(ub, 4, mb_.addr, 1024, mb_.mr.lkey);
+  s = from_h2(9, "by lid", false);
+  deliver(s, dev_, "h2");
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+  EXPECT_TRUE(peer_.refused.empty());
+  // Not from h2's own guest (one of ours, or its claim made by another node), or from this
+  // node itself: refused, delivered to nobody.
+  post_recv(ub, 5, mb_.addr, 1024, mb_.mr.lkey);
+  s = from_h2(9, "spoofed", true, a_.hello.gid);
+  deliver(s, dev_, "h2");
+  s = from_h2(9, "not h3's guest");
+  deliver(s, dev_, "h3");
+  s = from_h2(9, "looped");
+  deliver(s, dev_, "h1");
+  EXPECT_EQ(peer_.refused, (std::vector<std::string>{"h2", "h3", "h1"}));
+  // A group nobody here is in: dropped quietly (every peer gets every group's datagrams).
+  m_.gid[15] = 4;
+  s = from_h2(9, "other group");
+  deliver(s, dev_, "h2");
+  EXPECT_EQ(peer_.refused.size(), 3u);
+  EXPECT_TRUE(drain(bcq_).empty());
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_TRUE(peer_.q.empty());
 }
 
 }  // namespace

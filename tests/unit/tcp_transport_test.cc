@@ -585,6 +585,19 @@ TEST_P(OnDemand, FirstFrameDialsAndWaitsForTheHandshake) {
   EXPECT_EQ(k.b->connected(), std::vector<std::string>{"node-a"});
 }
 
+// A multicast group's datagram goes to every peer, not only those connected now: a known peer
+// is among group_peers() before any connection, and after the first frame dialed it.
+TEST_P(OnDemand, GroupPeersAreTheKnownOnesConnectedOrNot) {
+  Known k(GetParam(), 0, 0);
+  ASSERT_TRUE(k.a && k.b);
+  k.idle(100);
+  EXPECT_TRUE(k.a->connected().empty());
+  EXPECT_EQ(k.a->group_peers(), std::vector<std::string>{"node-b"});
+  ASSERT_TRUE(offer(*k.a, "node-b", 0));
+  ASSERT_TRUE(k.run([&] { return k.ub.r.offers.size() == 1; }));
+  EXPECT_EQ(k.a->group_peers(), std::vector<std::string>{"node-b"});
+}
+
 // A peer that does not answer: the frame is queued on the dial, the dial fails as a peer that
 // is down does (not connected, the failure kept for status), and nothing is delivered.
 TEST_P(OnDemand, DialToNobodyFailsAsAPeerThatIsDown) {

@@ -97,6 +97,14 @@ std::vector<std::string> TcpTransport::known() const {
   return out;
 }
 
+std::vector<std::string> TcpTransport::group_peers() const {
+  std::vector<std::string> out = connected(), k = known();
+  out.insert(out.end(), k.begin(), k.end());
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 std::vector<TcpTransport::PeerInfo> TcpTransport::peers() {
   std::vector<PeerInfo> out;
   for (const auto& [node, c] : by_node_) {

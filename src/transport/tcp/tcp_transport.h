@@ -116,11 +116,13 @@ class TcpTransport final : public Transport {
   bool poll(uint64_t now_ns);
   /// When poll() must run next even if nothing arrives (a redial), or 0.
   uint64_t next_deadline() const;
-  /// Node names with a live connection (for status and tests).
-  std::vector<std::string> connected() const;
+  /// Node names with a live connection (status, tests).
+  std::vector<std::string> connected() const override;
   /// Node names this backend may talk to: the directory's nodes and the static peers known by
   /// name (connected or not); a frame for one of them dials it.
   std::vector<std::string> known() const;
+  /// A group's datagram goes to every peer connected or known (the send dials a known one).
+  std::vector<std::string> group_peers() const override;
   const Counters& counters() const { return counters_; }
   uint64_t idle_close_ms() const { return opt_.idle_close_ms; }
   std::vector<PeerInfo> peers();
