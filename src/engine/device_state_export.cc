@@ -148,6 +148,12 @@ json export_session(Exporter& ex, const Session& s, int sock) {
     dms.push_back({{"h", h}, {"seg", dm.segment}, {"length", dm.length}});
   js["dms"] = std::move(dms);
   js["mws"] = export_mws(s);
+  // Version 7: where its library keeps its direct-path cookie, so that a peer can prove again
+  // after the move that it may write this process (trust by session is not carried: the ids
+  // change, and the kernel is asked again).
+  if (s.cookie_addr)
+    js["cookie"] = {{"addr", s.cookie_addr},
+                    {"bytes", json::binary({s.cookie.begin(), s.cookie.end()})}};
   json chans = json::array();
   for (const auto& [h, ch] : s.channels) chans.push_back({h, ex.fd(ch.write_end.get(), "chan", h)});
   js["chans"] = std::move(chans);

@@ -584,6 +584,11 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   import_mrs(im, js, *s, g);
   import_dms(im.rd, js, *s, version);
   import_mws(im, js, *s, g, version);
+  if (auto c = js.find("cookie"); version >= 7 && c != js.end() && rd.st.is_ok()) {
+    s->cookie_addr = rd.num<uint64_t>(*c, "addr");
+    s->cookie = rd.pod<decltype(s->cookie)>(*c, "bytes");
+    if (s->cookie_addr == 0) rd.fail("direct cookie at address 0");
+  }
   import_channels(im, js, *s);
   import_cqs(im, js, *s, recover_qp != nullptr, version);
   import_srqs(im, js, *s, recover_qp != nullptr);

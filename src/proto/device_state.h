@@ -13,7 +13,9 @@
 // per entry after the entries; a version 5 blob's CQs have none).
 // 7 = each QP's own completion rings of the direct path ("own_send", "own_recv": descriptor,
 // entries, stamps; their descriptors follow every session's, so the rest of the layout is a
-// version 6 blob's); a version 6 blob's QPs have none (it was refused for such a guest).
+// version 6 blob's), and each session's direct-path cookie ("cookie": address and bytes, so a
+// peer proves again after the move); a version 6 blob has neither (it was refused for such a
+// guest).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 

@@ -61,7 +61,7 @@ wait_direct() {
     [[ $(direct_msgs) -gt ${1:-0} ]] && return 0
     nap 0.05
   done
-  fail "the pair was not granted the direct path (direct messages: $(direct_msgs))"
+  fail "the pair was not granted the direct path (direct messages: $(direct_msgs)): $("$VRDMA" res show qp -j 2>&1)"
 }
 
 # Starts an open-ended rc_stream pair NAME (guests NAME-s, NAME-c) and waits until it is connected.
@@ -76,6 +76,7 @@ start_stream stream
 kill_backend_times 3
 # The new backend ended the dead one's grants; the libraries are granted again by it.
 wait_direct "$(direct_msgs)"
+[[ ${#DIRECT[@]} -eq 0 ]] || log "granted again after the kills: $(direct_msgs) messages moved by the libraries"
 kill -USR1 "$cli_proc"  # open-ended stream: the client drains and says how many it sent
 finish_stream stream "$cli" "$srv" 60
 restored="$(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log" || true)"

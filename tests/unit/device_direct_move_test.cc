@@ -111,6 +111,10 @@ TEST_F(DirectMoveTest, GrantsEndBeforeTheFreezeAndTheOwnRingsMoveWithTheGuest) {
   EXPECT_GT(epoch_of(grant_fds_[3].get()), a_epoch);
   EXPECT_EQ(epoch_of(grant_fds_[4].get()), b_epoch);
 
+  DirectCookieReq cookie{0x7000, {}};
+  for (uint8_t i = 0; i < kDirectCookieBytes; ++i) cookie.cookie[i] = static_cast<uint8_t>(i + 1);
+  ASSERT_TRUE(dev_.direct_cookie(*a_.s, cookie));
+
   GuestExport ex = export_of(dev_, "a");
   const auto doc = nlohmann::json::from_cbor(ex.blob);
   EXPECT_EQ(doc["version"], kStateVersion);
@@ -128,6 +132,11 @@ TEST_F(DirectMoveTest, GrantsEndBeforeTheFreezeAndTheOwnRingsMoveWithTheGuest) {
   a_.s = r.value()[0].session;
   // The grants its library holds were the other backend's: they end here too.
   EXPECT_EQ(a_.s->control_page()->grant_gen.load(), gen + 1);
+  // Where its library keeps its cookie moved too: b's library can prove again that it may
+  // write a (its trust was by session, which is new here).
+  EXPECT_EQ(a_.s->cookie_addr, cookie.addr);
+  EXPECT_EQ(std::memcmp(a_.s->cookie.data(), cookie.cookie, kDirectCookieBytes), 0);
+  EXPECT_TRUE(a_.s->may_write.empty());
 
   // The library's next SEND goes through the send queue; its completion follows the one it
   // wrote itself in the same ring, and b's receive follows b's (nothing in the CQs' rings).
