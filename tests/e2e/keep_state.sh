@@ -4,6 +4,7 @@
 # message once and in order, equal checksums) survives three kills; snapshot/restore under one.
 # A clean stop lets the keeper go too. `vrdma status` names the keeper and its restarts.
 # (ibv_rc_pingpong is not used here: see the stall noted in docs/ARCHITECTURE.md.)
+# Without KEEP_DIRECT the backend has --no-direct-path (the mediated path, pinned).
 # KEEP_DIRECT=1 (e2e.keep_state_direct): the backend has --direct-path, both streams' pairs
 # must be granted it (their libraries' direct counters grow) before the kills and the snapshot:
 # their own completion rings are in the kept state and in the snapshot, and each new backend
@@ -15,8 +16,11 @@ e2e_init "${1:-}"
 BIN="$(dirname "$VRDMA")"
 DIRECT=()
 [[ -z ${KEEP_DIRECT:-} ]] || DIRECT=(--direct-path)
+# Without KEEP_DIRECT: pinned to the mediated path (the direct path is the default).
+PATH_ARG=--no-direct-path
+[[ -z ${KEEP_DIRECT:-} ]] || PATH_ARG=--direct-path
 
-"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "${DIRECT[@]}" \
+"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$PATH_ARG" \
   >>"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.1; done
 [[ -S $VRDMA_SOCKET.keeper ]] || fail "no keeper socket beside the backend's"
