@@ -746,8 +746,10 @@ Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {
   return doc["name"].get<std::string>() + "\n" + keys.dump();
 }
 
-Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
-                                               std::span<const uint8_t> now) {
+namespace {
+
+Result<std::vector<uint8_t>> with_own_rings_impl(std::span<const uint8_t> file,
+                                                 std::span<const uint8_t> now) {
   json f = json::from_cbor(file.begin(), file.end(), true, false);
   const json n = json::from_cbor(now.begin(), now.end(), true, false);
   if (f.is_discarded() || n.is_discarded() || !f.is_object() || !n.is_object())
@@ -759,7 +761,7 @@ Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
   bool any = false;
   for (const json& js : n.value("sessions", json::array()))
     for (const json& jq : js.value("qps", json::array())) any = any || own(jq);
-  if (!any && version >= 7) return std::vector<uint8_t>(file.begin(), file.end());
+  if (!any) return std::vector<uint8_t>(file.begin(), file.end());
   if (version < 7)
     return error(EINVAL,
                  "the snapshot is of an older version, without the QPs' own completion "
@@ -793,6 +795,18 @@ Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
       keys.push_back(k);
   f["fdkeys"] = std::move(keys);
   return json::to_cbor(f);
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
+                                               std::span<const uint8_t> now) {
+  // A snapshot file is the operator's, not ours: a field of an unexpected type is an error.
+  try {
+    return with_own_rings_impl(file, now);
+  } catch (const json::exception& e) {
+    return error(EINVAL, fmt::format("state: {}", e.what()));
+  }
 }
 
 }  // namespace vrdma::engine

@@ -221,6 +221,14 @@ TEST_F(DirectMoveTest, ASnapshotFromBeforeTheGrantRestoresWithTheGuestsOwnRings)
   auto old = nlohmann::json::from_cbor(file.blob);
   old["version"] = 6;
   EXPECT_EQ(with_own_rings_of(nlohmann::json::to_cbor(old), now.blob).status().err(), EINVAL);
+  // ... but onto a guest without any, as it is; and a malformed file is refused, not thrown.
+  const auto old_blob = nlohmann::json::to_cbor(old);
+  auto same = with_own_rings_of(old_blob, file.blob);
+  ASSERT_TRUE(same.is_ok()) << same.status().message();
+  EXPECT_EQ(same.value(), old_blob);
+  auto bad = nlohmann::json::from_cbor(file.blob);
+  bad["sessions"][0]["qps"][0]["h"] = "one";
+  EXPECT_EQ(with_own_rings_of(nlohmann::json::to_cbor(bad), now.blob).status().err(), EINVAL);
 }
 
 TEST_F(DirectMoveTest, AnOwnRingOfABadGeometryOrDescriptorIsRefused) {
