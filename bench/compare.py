@@ -67,8 +67,9 @@ class Runner:
                "--idle-exit", "0"]
         if spin_us is not None:
             cmd += ["--spin-us", str(spin_us)]
-        if direct:
-            cmd += ["--direct-path"]
+        # Named either way: the direct path is the default (issue 25), and the mediated rows
+        # must stay mediated.
+        cmd += ["--direct-path" if direct else "--no-direct-path"]
         self.backend = subprocess.Popen(cmd, env=self.env, stderr=open(
             os.path.join(self.tmp, "vrdmad.log"), "a"))
         for _ in range(100):

@@ -35,8 +35,9 @@ struct Config {
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
-  /// "Direct path"); not with keep_state yet.
-  bool direct_path = false;
+  /// "Direct path"; on by default, the trust rule below still applies); such guests move, are
+  /// snapshotted and kept (keep_state) like the rest.
+  bool direct_path = true;
   /// Who may get a direct grant into whose memory (always: one uid). "kernel": a process that
   /// shows it could already write the peer's memory (/proc/PID/mem, by the kernel's ptrace
   /// rules: Yama, LSMs, namespaces). "uid": every two guests of one uid (the operator declares

@@ -85,10 +85,12 @@ int main(int argc, char** argv) {
                "allow the TCP transport with no credential on a non-loopback address: no "
                "authentication, no encryption ([transport] insecure)");
   std::string metrics_listen;
-  bool direct_path = false;
+  bool direct_path = false, no_direct_path = false;
   app.add_flag("--direct-path", direct_path,
                "let guests of one uid copy to each other themselves, the backend only granting "
-               "and revoking ([datapath] direct_path)");
+               "and revoking ([datapath] direct_path; the default)");
+  app.add_flag("--no-direct-path", no_direct_path,
+               "keep every guest's work on the backend ([datapath] direct_path = false)");
   bool direct_remote = false;
   app.add_flag("--direct-remote", direct_remote,
                "let the libraries of an RC QP pair on two backends talk TCP to each other, the "
@@ -129,6 +131,7 @@ int main(int argc, char** argv) {
   if (spin_us >= 0) cfg.spin_us = spin_us;
   if (keep_state) cfg.keep_state = true;
   if (direct_path) cfg.direct_path = true;
+  if (no_direct_path) cfg.direct_path = false;
   if (direct_remote) cfg.direct_remote = true;
   if (!metrics_listen.empty()) {
     cfg.metrics_enabled = true;
@@ -140,9 +143,12 @@ int main(int argc, char** argv) {
     ::gethostname(host, sizeof(host) - 1);
     cfg.node = host;
   }
-  // VRDMA_DIRECT_PATH=1: as --direct-path (for a backend the library starts on first use).
+  // VRDMA_DIRECT_PATH=1 / 0: as --direct-path / --no-direct-path (for a backend the library
+  // starts on first use).
   if (const char* d = ::secure_getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
     cfg.direct_path = true;
+  else if (d && std::string(d) == "0")
+    cfg.direct_path = false;
   // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
   if (const char* d = ::secure_getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
     cfg.direct_remote = true;

@@ -207,6 +207,7 @@ Result<ImportResp> Server::restore_from(int file) {
   if (now_layout != layout)
     return error(EINVAL, fmt::format("guest {} has created or destroyed resources since the "
                                      "snapshot; it cannot be restored onto them", guest));
+  ASSIGN_OR_RETURN(blob, engine::with_own_rings_of(blob, now.blob));
   auto dup_all = [&] {
     std::vector<UniqueFd> v;
     for (int f : now.fds) v.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
@@ -270,6 +271,9 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   ASSIGN_OR_RETURN(UniqueFd sock, connect_unix(target));
   timeval tv{10, 0};
   ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // Direct grants of and into the guest end first: what its libraries and its peers' execute
+  // from now on goes through the send queues, which move with it.
+  dev_.end_direct_grants(guest);
   // The guest's own connections go with it, and its RDMA CM state beside the device's: its
   // sessions named by their connections' inodes, which the target's copies share.
   ASSIGN_OR_RETURN(engine::GuestExport ex, export_with_sockets(guest));

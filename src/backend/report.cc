@@ -142,8 +142,8 @@ nlohmann::json Reporter::backend_info() {
       {"log", log_target()},
       {"log_level", cfg_.log_level},
       {"keep_state", keep},
-      // A keeper cannot hold the state of direct QPs yet, so keep_state turns both off.
-      {"direct_path", cfg_.direct_path && !cfg_.keep_state},
+      // A keeper cannot hold a direct connection across backends yet: keep_state turns it off.
+      {"direct_path", cfg_.direct_path},
       {"direct_remote", cfg_.direct_remote && !cfg_.keep_state},
       {"peer_states", peer_states},
       {"quotas",

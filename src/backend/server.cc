@@ -254,9 +254,7 @@ Status Server::setup() {
     return error(EINVAL, "[directory] etcd needs the TCP transport: set [transport] listen");
   }
   if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
-  if (opt_.direct_path && opt_.keep_state)
-    VLOG_WARN("direct_path is off: a keeper cannot hold the state of direct QPs yet");
-  dev_.set_direct(opt_.direct_path && !opt_.keep_state);
+  dev_.set_direct(opt_.direct_path);
   dev_.set_direct_trust(opt_.direct_trust == "uid", opt_.direct_tenants);
   if (opt_.direct_remote && opt_.keep_state)
     VLOG_WARN("direct_remote is off: a keeper cannot hold the state of direct QPs yet");
@@ -596,6 +594,13 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       else reply(dev_.direct_remote(*s, handle_of(), owned));
       std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
       if (status == 0) {
+        // A grant gives both QPs own completion rings: the keeper has them before the guest
+        // hears of it (later completions go there; a restore without them would lose them).
+        if (op == Op::kDirectGrant) {
+          keep(c.session->guest->name);
+          const std::string peer = dev_.direct_peer_guest(*s, handle_of());
+          if (!peer.empty() && peer != c.session->guest->name) keep(peer);
+        }
         for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());
         fit_send_buffer(c.sock.get(), out.size());
         return send_msg(c.sock.get(), out, out_fds);  // before `owned` closes them

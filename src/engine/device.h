@@ -168,6 +168,12 @@ class Device : public transport::Receiver {
   Result<std::vector<ImportedSession>> import_guest(std::span<const uint8_t> blob,
                                                     std::vector<UniqueFd>& fds,
                                                     bool recover = false);
+  /// The guest of the local peer of QP `handle` (the other side of a same-host grant), or "".
+  std::string direct_peer_guest(Session& s, uint32_t handle);
+  /// Ends every direct grant of guest `name` and of its peers into it (bumps its epoch): before
+  /// its state is exported to move, so that no library executes work the target does not know
+  /// of for longer than the post it is in. Their next posts go to the send queues.
+  void end_direct_grants(const std::string& name);
   /// Forgets a guest whose device moved to another backend: no peer is failed, nothing is
   /// completed; its resources are unmapped here (the guest's descriptors stay open elsewhere).
   void detach_guest(const std::string& name);

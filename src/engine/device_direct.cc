@@ -99,6 +99,12 @@ Result<Session*> Device::direct_peer_session(Session& s, uint32_t handle) {
   return b->owner;
 }
 
+std::string Device::direct_peer_guest(Session& s, uint32_t handle) {
+  Qp* a = find_qp(s, handle);
+  Qp* b = a && !a->remote ? local_responder(*a) : nullptr;
+  return b ? b->guest->name : std::string();
+}
+
 Status Device::direct_cookie(Session& s, const DirectCookieReq& req) {
   if (req.addr == 0) return error(EINVAL, "direct cookie at address 0");
   s.cookie_addr = req.addr;
@@ -336,6 +342,7 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (!transport_->send(b->peer_node, wire::Type::kDirectOffer, &o))
     return error(EAGAIN, fmt::format("direct offer: no connection to backend {}", b->peer_node));
 
+  b->offered = true;
   fds.clear();
   fds.push_back(dup_fd(b->own_recv->ring_fd.get()));
   if (!fds.back().valid()) return error(EMFILE, "direct offer: duplicating a descriptor");

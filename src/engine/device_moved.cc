@@ -32,6 +32,10 @@ void Device::detach_guest(const std::string& name) {
   for (Session* s : ss) close_session_impl(s, true);
 }
 
+void Device::end_direct_grants(const std::string& name) {
+  if (auto it = guests_.find(name); it != guests_.end()) bump_epoch(*it->second);
+}
+
 // ---- following a guest that moved ----
 
 void Device::on_guest_located(const transport::GuestInfo& gi, const std::string& node) {
@@ -46,6 +50,9 @@ void Device::on_guest_located(const transport::GuestInfo& gi, const std::string&
 void Device::reroute(Qp& qp) {
   if (qp.type == IBV_QPT_UD) return;
   if (qp.state != IBV_QPS_RTR && qp.state != IBV_QPS_RTS && qp.state != IBV_QPS_SQD) return;
+  // A grant relied on where the peer was: it ended with the peer's epoch (end_direct_grants)
+  // and the library asks again where the peer is now.
+  qp.direct = false;
   const bool was_remote = qp.remote;
   const std::string was_node = qp.peer_node;
   const std::string was_transport = qp.transport;

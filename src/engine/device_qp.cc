@@ -335,6 +335,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
       // A direct connection across backends ends with it: its peer's offer was for this
       // connection, and the backend executes its send queue again.
       qp->direct_remote = false;
+      qp->offered = false;
       qp->direct = false;
       s.guest->direct_offers.erase(qp->qpn);
     }

@@ -148,6 +148,12 @@ json export_session(Exporter& ex, const Session& s, int sock) {
     dms.push_back({{"h", h}, {"seg", dm.segment}, {"length", dm.length}});
   js["dms"] = std::move(dms);
   js["mws"] = export_mws(s);
+  // Version 7: where its library keeps its direct-path cookie, so that a peer can prove again
+  // after the move that it may write this process (trust by session is not carried: the ids
+  // change, and the kernel is asked again).
+  if (s.cookie_addr)
+    js["cookie"] = {{"addr", s.cookie_addr},
+                    {"bytes", json::binary({s.cookie.begin(), s.cookie.end()})}};
   json chans = json::array();
   for (const auto& [h, ch] : s.channels) chans.push_back({h, ex.fd(ch.write_end.get(), "chan", h)});
   js["chans"] = std::move(chans);
@@ -182,6 +188,26 @@ json export_session(Exporter& ex, const Session& s, int sock) {
   return js;
 }
 
+/// Version 7: the QPs' own completion rings (direct path), added to their entries in
+/// `sessions`, with descriptors after every session's: a restore compares the layout without
+/// them (state_fd_layout), since a grant made after a snapshot adds them.
+void export_own_rings(Exporter& ex, const Guest& g, json& sessions) {
+  ex.si = 0;
+  for (json& js : sessions) {
+    for (json& jq : js["qps"]) {
+      const Qp* qp = g.qps.at(jq["qpn"].get<uint32_t>());
+      for (const auto& [r, key] :
+           {std::pair{qp->own_send.get(), "own_send"}, std::pair{qp->own_recv.get(), "own_recv"}}) {
+        if (r)
+          jq[key] = {{"fd", ex.fd(r->ring_fd.get(), key, qp->handle)},
+                     {"size", r->size},
+                     {"stamps", r->stamps}};
+      }
+    }
+    ++ex.si;
+  }
+}
+
 }  // namespace
 
 Result<GuestExport> Device::export_guest(const std::string& name,
@@ -190,9 +216,9 @@ Result<GuestExport> Device::export_guest(const std::string& name,
   if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
   const Guest& g = *git->second;
   for (const Qp* qp : g.active) {
-    if (qp->own_send || qp->own_recv)
-      return error(EBUSY, fmt::format("guest {}: QP {:#x} has used the direct path, whose state "
-                                      "cannot move yet",
+    if (qp->direct_remote || qp->offered)
+      return error(EBUSY, fmt::format("guest {}: QP {:#x} has used the direct path across "
+                                      "backends, whose connection cannot move yet",
                                       name, qp->qpn));
   }
   GuestExport out;
@@ -204,6 +230,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     sessions.push_back(export_session(ex, s, sock_of(s)));
     ++ex.si;
   }
+  export_own_rings(ex, g, sessions);
   json doc = {{"magic", kStateMagic},
               {"version", kStateVersion},
               {"name", g.name},

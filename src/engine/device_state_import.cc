@@ -444,8 +444,37 @@ void link_qp(Importer& im, std::unique_ptr<Qp> qp, const QpRefs& refs, Session& 
   if (!s.qps.emplace(qp->handle, std::move(qp)).second) rd.fail("QP handle twice");
 }
 
+/// Version 7: a QP's own completion rings (direct path), as large as `size` and stamped as
+/// `stamps` say, whatever its CQs are now (a resize leaves them). Their producer is shared with
+/// the libraries (Cq::shared_producer): it is the header's, however the blob was made.
+void read_own_rings(Importer& im, const json& jq, Qp& qp) {
+  Reader& rd = im.rd;
+  for (const auto& [slot, key, of] : {std::tuple{&qp.own_send, "own_send", qp.send_cq},
+                                      std::tuple{&qp.own_recv, "own_recv", qp.recv_cq}}) {
+    auto it = jq.find(key);
+    if (it == jq.end() || !rd.st.is_ok()) continue;
+    if (!it->is_object()) return rd.fail(fmt::format("QP's {} entry", key));
+    auto r = std::make_unique<Cq>();
+    r->handle = of->handle;
+    r->owner = of->owner;
+    r->size = rd.num<uint32_t>(*it, "size");
+    r->stamps = rd.num<uint32_t>(*it, "stamps");
+    if (!std::has_single_bit(r->size) || r->size < 2 || r->size > 2 * kMaxCqe ||
+        (r->stamps & ~kStampAll))
+      rd.fail(fmt::format("QP's {} geometry", key));
+    r->ring_fd = im.take(*it, "fd");
+    r->ring = im.map_memfd(r->ring_fd, page_round(cq_ring_bytes(r->size, r->stamps)), key);
+    if (!rd.st.is_ok()) return;
+    r->attach();
+    r->shared_producer = true;
+    r->prod = r->hdr->producer.load(std::memory_order_acquire);
+    *slot = std::move(r);
+  }
+}
+
 /// `recover`: the device's recover_from_rings, when the QPs resume from their rings.
-void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recover)(Qp&)) {
+void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recover)(Qp&),
+                uint32_t version) {
   Reader& rd = im.rd;
   for (const json& jq : rd.arr(js, "qps")) {
     if (!rd.st.is_ok()) break;
@@ -461,6 +490,10 @@ void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recov
     read_unacked(im, jq, *qp);
     if (!map_qp(im, jq, *qp)) break;
     if (recover) recover(*qp);
+    qp->send_cq = s.cqs[refs.scq].get();
+    qp->recv_cq = s.cqs[refs.rcq].get();
+    if (version >= 7) read_own_rings(im, jq, *qp);
+    if (!rd.st.is_ok()) break;
     link_qp(im, std::move(qp), refs, s, g);
   }
 }
@@ -551,10 +584,15 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   import_mrs(im, js, *s, g);
   import_dms(im.rd, js, *s, version);
   import_mws(im, js, *s, g, version);
+  if (auto c = js.find("cookie"); version >= 7 && c != js.end() && rd.st.is_ok()) {
+    s->cookie_addr = rd.num<uint64_t>(*c, "addr");
+    s->cookie = rd.pod<decltype(s->cookie)>(*c, "bytes");
+    if (s->cookie_addr == 0) rd.fail("direct cookie at address 0");
+  }
   import_channels(im, js, *s);
   import_cqs(im, js, *s, recover_qp != nullptr, version);
   import_srqs(im, js, *s, recover_qp != nullptr);
-  import_qps(im, js, *s, g, recover_qp);
+  import_qps(im, js, *s, g, recover_qp, version);
   return s;
 }
 
@@ -668,6 +706,9 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
       gp->active.push_back(qp.get());
     }
     gp->sessions++;
+    // Grants its library holds were made by the backend it comes from: they end (that one's
+    // epoch pages may be gone with it, a keeper's restore) and are asked for again here.
+    s.control_page()->grant_gen.fetch_add(1, std::memory_order_acq_rel);
     out.push_back({made[i].get(), std::move(socks[i])});
     sessions_[s.id] = std::move(made[i]);
   }
@@ -695,6 +736,77 @@ Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {
   if (doc.is_discarded() || !doc.is_object() || !doc.contains("fdkeys") ||
       !doc.contains("name") || !doc["name"].is_string())
     return error(EINVAL, "not a vrdma device state");
-  return doc["name"].get<std::string>() + "\n" + doc["fdkeys"].dump();
+  // The QPs' own rings (version 7) come last and are not compared: a grant made after a
+  // snapshot adds them, and a restore keeps the guest's (with_own_rings_of).
+  json keys = json::array();
+  for (const json& k : doc["fdkeys"]) {
+    if (!k.is_string() || k.get_ref<const std::string&>().find(".own_") == std::string::npos)
+      keys.push_back(k);
+  }
+  return doc["name"].get<std::string>() + "\n" + keys.dump();
 }
+
+namespace {
+
+Result<std::vector<uint8_t>> with_own_rings_impl(std::span<const uint8_t> file,
+                                                 std::span<const uint8_t> now) {
+  json f = json::from_cbor(file.begin(), file.end(), true, false);
+  const json n = json::from_cbor(now.begin(), now.end(), true, false);
+  if (f.is_discarded() || n.is_discarded() || !f.is_object() || !n.is_object())
+    return error(EINVAL, "not a vrdma device state");
+  const auto own = [](const json& jq) {
+    return jq.contains("own_send") || jq.contains("own_recv");
+  };
+  const auto version = f.value("version", 0u);
+  bool any = false;
+  for (const json& js : n.value("sessions", json::array()))
+    for (const json& jq : js.value("qps", json::array())) any = any || own(jq);
+  if (!any) return std::vector<uint8_t>(file.begin(), file.end());
+  if (version < 7)
+    return error(EINVAL,
+                 "the snapshot is of an older version, without the QPs' own completion "
+                 "rings, which this guest has now (it used the direct path since)");
+  json& fs = f["sessions"];
+  const json& ns = n["sessions"];
+  if (!fs.is_array() || !ns.is_array() || fs.size() != ns.size())
+    return error(EINVAL, "the snapshot's sessions are not the guest's");
+  for (size_t i = 0; i < fs.size(); ++i) {
+    json& fq = fs[i]["qps"];
+    const json& nq = ns[i]["qps"];
+    if (!fq.is_array() || !nq.is_array() || fq.size() != nq.size())
+      return error(EINVAL, "the snapshot's QPs are not the guest's");
+    for (size_t k = 0; k < fq.size(); ++k) {
+      if (fq[k].value("h", 0u) != nq[k].value("h", 1u))
+        return error(EINVAL, "the snapshot's QPs are not the guest's");
+      for (const char* key : {"own_send", "own_recv"}) {
+        fq[k].erase(key);
+        if (nq[k].contains(key)) fq[k][key] = nq[k][key];
+      }
+    }
+  }
+  // The descriptors: the file's up to its own rings, which are the guest's now (the same
+  // layout before them: state_fd_layout), then the guest's own rings, where they are now.
+  json keys = json::array();
+  for (const json& k : f["fdkeys"])
+    if (k.is_string() && k.get_ref<const std::string&>().find(".own_") == std::string::npos)
+      keys.push_back(k);
+  for (const json& k : n["fdkeys"])
+    if (k.is_string() && k.get_ref<const std::string&>().find(".own_") != std::string::npos)
+      keys.push_back(k);
+  f["fdkeys"] = std::move(keys);
+  return json::to_cbor(f);
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
+                                               std::span<const uint8_t> now) {
+  // A snapshot file is the operator's, not ours: a field of an unexpected type is an error.
+  try {
+    return with_own_rings_impl(file, now);
+  } catch (const json::exception& e) {
+    return error(EINVAL, fmt::format("state: {}", e.what()));
+  }
+}
+
 }  // namespace vrdma::engine

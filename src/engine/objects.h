@@ -261,6 +261,8 @@ struct Qp {
   /// Across backends (kDirectRemote): its library sends over TCP straight to its peer's library,
   /// and the backend executes nothing of its send queue any more (until RESET).
   bool direct_remote = false;
+  /// Its library offered a direct connection across backends (kDirectOffer), until RESET.
+  bool offered = false;
 };
 
 /// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.
@@ -383,6 +385,12 @@ struct GuestExport {
 /// The guest a state blob is of, and what its descriptors are ("NAME\n[keys]"): two blobs with
 /// the same layout name the same resources, so one's descriptors serve the other.
 Result<std::string> state_fd_layout(std::span<const uint8_t> blob);
+/// A snapshot (`file`) restored onto the guest whose state is `now` (same layout): the file's
+/// state with the QPs' own completion rings of `now` (direct path). Those rings are memory the
+/// guest's library reads as it does its CQs' rings, and a grant made after the snapshot made
+/// them: they stay the guest's, their cursors their own.
+Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
+                                               std::span<const uint8_t> now);
 
 /// A session an import created, with the guest connection's socket (index given at export).
 struct ImportedSession {

@@ -11,6 +11,11 @@
 // handle, range, access and type 2's QPN; a version 4 blob has none);
 // 6 = each CQ's completion timestamps ("stamps", proto::kStamp*: its ring carries a CqeStamp
 // per entry after the entries; a version 5 blob's CQs have none).
+// 7 = each QP's own completion rings of the direct path ("own_send", "own_recv": descriptor,
+// entries, stamps; their descriptors follow every session's, so the rest of the layout is a
+// version 6 blob's), and each session's direct-path cookie ("cookie": address and bytes, so a
+// peer proves again after the move); a version 6 blob has neither (it was refused for such a
+// guest).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -19,7 +24,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 6;
+inline constexpr uint32_t kStateVersion = 7;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

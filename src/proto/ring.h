@@ -219,12 +219,19 @@ struct alignas(64) ControlPage {
   /// cap). Also in the former padding: a backend without it leaves it zero.
   uint32_t max_dm_bytes_lo, max_dm_bytes_hi;
   uint32_t max_mws;  ///< kFeatureLimits: the guest's window quota (likewise; 0 from an older one)
-  uint8_t pad0[8];
+  /// Direct path: a grant the library took while this word had another value is over. A backend
+  /// that imports the session (a restore, one started again by its keeper) moves it: epoch pages
+  /// of a backend that died cannot be written any more. In the former padding (an older backend
+  /// leaves it zero). The guest can write it: it can keep only its own grants alive, whose peers
+  /// it could write anyway (the trust rule).
+  AtomicU32 grant_gen;
+  uint8_t pad0[4];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
   uint8_t pad1[60];
 };
 static_assert(sizeof(ControlPage) == 128);
 static_assert(offsetof(ControlPage, backend_sleeping) == 64);
+static_assert(offsetof(ControlPage, grant_gen) == 56);
 
 /// A guest's epoch (direct path): the backend bumps it whenever something of the guest that a
 /// direct grant relies on changes (a QP is modified or destroyed or fails, an MR goes, a session

@@ -96,8 +96,9 @@ uint32_t posted_receives(Grant& g, uint32_t cons) {
   }
 }
 
-bool grant_still_good(const Grant& g) {
-  return g.my_epoch->epoch.load(std::memory_order_acquire) == g.my_epoch_v &&
+bool grant_still_good(const ControlPage& ctl, const Grant& g) {
+  return ctl.grant_gen.load(std::memory_order_acquire) == g.ctl_gen &&
+         g.my_epoch->epoch.load(std::memory_order_acquire) == g.my_epoch_v &&
          g.peer_epoch->epoch.load(std::memory_order_acquire) == g.peer_epoch_v;
 }
 
@@ -131,6 +132,8 @@ void ask_grant(VQp& qp) {
   auto resp = std::make_unique<DirectGrantResp>();
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
+  // Read before asking: a backend that takes us in after this ends the grant we get now.
+  const uint32_t ctl_gen = ctx.control_page()->grant_gen.load(std::memory_order_acquire);
   int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
   // No proof yet that we may write the peer's memory: give one and ask again. A refused proof
   // is not given again; one not settled yet (EAGAIN: the peer not ready, a busy backend) is.
@@ -197,6 +200,7 @@ void ask_grant(VQp& qp) {
   g->peer_epoch = reinterpret_cast<const EpochPage*>(g->peer_epoch_map.data());
   g->my_epoch_v = r.my_epoch;
   g->peer_epoch_v = r.peer_epoch;
+  g->ctl_gen = ctl_gen;
   g->send.seen = g->send.hdr->consumer.load(std::memory_order_acquire);
   g->peer_recv.seen = g->peer_recv.hdr->consumer.load(std::memory_order_acquire);
   g->peer_rq_seen = g->peer_rq_hdr->producer.load(std::memory_order_acquire);
@@ -421,7 +425,7 @@ void direct_post(VQp& qp, ibv_send_wr*& wr) {
     if (!qp.grant) return;
   }
   Grant& g = *qp.grant;
-  if (!grant_still_good(g)) {
+  if (!grant_still_good(*ctx.control_page(), g)) {
     reset_grant(qp);  // the next post asks again
     return;
   }

@@ -79,6 +79,8 @@ struct Grant {
   const proto::EpochPage* my_epoch = nullptr;
   const proto::EpochPage* peer_epoch = nullptr;
   uint32_t my_epoch_v = 0, peer_epoch_v = 0;
+  uint32_t ctl_gen =
+      0;  ///< ControlPage::grant_gen when granted (a backend that imported us moves it)
   std::vector<MappedRegion> segs;
   std::vector<proto::DirectMr> mrs;
   uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;

@@ -79,7 +79,7 @@ grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
 # 4. A backend without the direct path: the same pair stays on it.
 kill "$(backend_pid)" 2>/dev/null || true
 for ((i = 0; i < 50; i++)); do [[ -S $VRDMA_SOCKET ]] || break; sleep 0.1; done
-unset VRDMA_DIRECT_PATH
+export VRDMA_DIRECT_PATH=0  # on by default
 start_server off off-a -n "$PP_N" -c
 start_client off off-b "$PORT" -n "$PP_N" -c
 finish_pair off "$SERVER_PID" "$CLIENT_PID" 90

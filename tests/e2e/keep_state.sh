@@ -4,13 +4,24 @@
 # message once and in order, equal checksums) survives three kills; snapshot/restore under one.
 # A clean stop lets the keeper go too. `vrdma status` names the keeper and its restarts.
 # (ibv_rc_pingpong is not used here: see the stall noted in docs/ARCHITECTURE.md.)
+# Without KEEP_DIRECT the backend has --no-direct-path (the mediated path, pinned).
+# KEEP_DIRECT=1 (e2e.keep_state_direct): the backend has --direct-path, both streams' pairs
+# must be granted it (their libraries' direct counters grow) before the kills and the snapshot:
+# their own completion rings are in the kept state and in the snapshot, and each new backend
+# (and each restore) ends the grants the one before made.
 # Usage: keep_state.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
 BIN="$(dirname "$VRDMA")"
+DIRECT=()
+[[ -z ${KEEP_DIRECT:-} ]] || DIRECT=(--direct-path)
+# Without KEEP_DIRECT: pinned to the mediated path (the direct path is the default).
+PATH_ARG=--no-direct-path
+[[ -z ${KEEP_DIRECT:-} ]] || PATH_ARG=--direct-path
 
-"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state >>"$E2E_TMP/vrdmad.log" 2>&1 &
+"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$PATH_ARG" \
+  >>"$E2E_TMP/vrdmad.log" 2>&1 &
 for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.1; done
 [[ -S $VRDMA_SOCKET.keeper ]] || fail "no keeper socket beside the backend's"
 
@@ -42,15 +53,34 @@ wait_connected() {
   fail "the pair did not connect"
 }
 
+# Messages the libraries moved themselves (direct path), summed over the backend's QPs.
+direct_msgs() {
+  "$VRDMA" res show qp -j 2>/dev/null | grep -o '"direct_msgs_received":[0-9]*' |
+    awk -F: '{s += $2} END {print s + 0}'
+}
+# With KEEP_DIRECT: waits until the libraries move messages themselves (past FROM, default 0).
+wait_direct() {
+  [[ ${#DIRECT[@]} -gt 0 ]] || return 0
+  for ((i = 0; i < 200; i++)); do
+    [[ $(direct_msgs) -gt ${1:-0} ]] && return 0
+    nap 0.05
+  done
+  fail "the pair was not granted the direct path (direct messages: $(direct_msgs)): $("$VRDMA" res show qp -j 2>&1)"
+}
+
 # Starts an open-ended rc_stream pair NAME (guests NAME-s, NAME-c) and waits until it is connected.
 # Sets srv, cli (their `vrdma run`) and cli_proc (the client, which SIGUSR1 stops).
 start_stream() {
   stream_start "$1"
   wait_connected
+  wait_direct
 }
 
 start_stream stream
 kill_backend_times 3
+# The new backend ended the dead one's grants; the libraries are granted again by it.
+wait_direct "$(direct_msgs)"
+[[ ${#DIRECT[@]} -eq 0 ]] || log "granted again after the kills: $(direct_msgs) messages moved by the libraries"
 kill -USR1 "$cli_proc"  # open-ended stream: the client drains and says how many it sent
 finish_stream stream "$cli" "$srv" 60
 restored="$(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log" || true)"

@@ -36,6 +36,11 @@ cat >"$E2E_TMP/vrdmad.toml" <<TOML
 [backend]
 idle_exit_s = 0
 
+# The counters of the mediated path (transport "shm") are checked: pinned to it (the direct path
+# is the default).
+[datapath]
+direct_path = false
+
 [metrics]
 enabled = true
 listen = "127.0.0.1:$MPORT"

@@ -9,6 +9,9 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
+# The mediated path's report (transport "shm", the backend's counters): pinned to it, the
+# direct path being the default (the backend the library starts inherits this).
+export VRDMA_DIRECT_PATH=0
 
 # Evaluates a Perl expression over the JSON a vrdma command prints ($j). Usage: jq_of EXPR CMD...
 jq_of() {
