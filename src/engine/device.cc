@@ -391,7 +391,7 @@ std::string Device::status_json() const {
       }
       for (const auto& [h, qp] : s->qps) {
         const QpCounters cnt = counters_of(*qp);
-        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
+        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp_type_name(qp->type)},
                        {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
                        {"dest_qpn", qp->attr.dest_qp_num}, {"transport", qp->transport},
                        {"transport_why", qp->transport_why}, {"peer_node", qp->peer_node},

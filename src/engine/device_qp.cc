@@ -157,6 +157,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
 }
 
 Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& req, UniqueFd& ring) {
+  if (req.qp_type == IBV_QPT_XRC_RECV) return create_xrc_recv_qp(s, req);  // no PD, CQs, rings
   auto pd = s.pds.find(req.pd);
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
@@ -167,9 +168,15 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
     if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", req.srq));
     srq = it->second.get();
   }
-  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD)
-    return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
+  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD &&
+      req.qp_type != IBV_QPT_XRC_SEND)
+    return error(EOPNOTSUPP, fmt::format("QP type {} is not supported", req.qp_type));
+  if (req.qp_type == IBV_QPT_XRC_SEND && srq) return error(EINVAL, "an XRC_SEND QP has no SRQ");
   QpCaps c = req.caps;
+  if (req.qp_type == IBV_QPT_XRC_SEND) {  // a send queue only (ibv_create_qp_ex(3))
+    c.max_recv_wr = 0;
+    c.max_recv_sge = 0;
+  }
   if (srq) {  // receives come from the SRQ: the QP's own receive queue is unused (ignored caps)
     c.max_recv_wr = 0;
     c.max_recv_sge = 0;
@@ -245,7 +252,11 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
 
 Qp* Device::find_qp(Session& s, uint32_t handle) {
   auto it = s.qps.find(handle);
-  return it == s.qps.end() ? nullptr : it->second.get();
+  if (it != s.qps.end()) return it->second.get();
+  auto x = s.xrc_qps.find(handle);
+  if (x == s.xrc_qps.end()) return nullptr;
+  auto q = s.guest->xrc_qps.find(x->second);
+  return q == s.guest->xrc_qps.end() ? nullptr : q->second.get();
 }
 
 Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
@@ -323,7 +334,10 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
       qp->rnr_left = q.rnr_retry;
     }
     if (next == IBV_QPS_ERR || next == IBV_QPS_RESET) take_back(*qp);
-    if (next == IBV_QPS_RESET) {
+    if (next == IBV_QPS_RESET && qp->type == IBV_QPT_XRC_RECV) {
+      qp->srq = nullptr;  // no queues of its own to discard
+      qp->recv_cq = nullptr;
+    } else if (next == IBV_QPS_RESET) {
       // RESET discards all outstanding work without completions.
       qp->unacked.clear();
       qp->sq_cons = qp->sq_hdr->producer.load(std::memory_order_acquire);
@@ -403,6 +417,10 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
 }
 
 Status Device::destroy_qp(Session& s, uint32_t handle) {
+  if (s.xrc_qps.count(handle)) {  // an XRC receive QP: this session's handle on it goes
+    close_xrc_qp(s, handle);
+    return Status::ok();
+  }
   Qp* qp = find_qp(s, handle);
   if (!qp) return error(EINVAL, fmt::format("no QP {}", handle));
   destroy_qp_now(s, *qp);
@@ -476,6 +494,7 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
   auto it = s.srqs.find(handle);
   if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", handle));
   if (it->second->users) return error(EBUSY, "SRQ still used by a QP");
+  if (it->second->xrcd) unlink_xrc_srq(*it->second);
   s.pds[it->second->pd].users--;
   s.srqs.erase(it);
   release(*s.guest, Res::kSrq);
