@@ -295,6 +295,7 @@ void Device::close_session_impl(Session* s, bool moved) {
   if (!moved) fail_peers(*s);
   // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
   while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
+  close_session_xrc(*s);  // XRC receive-QP handles, XRC SRQs' links, domain opens
   release(*g, Res::kSrq, s->srqs.size());
   s->srqs.clear();
   release(*g, Res::kCq, s->cqs.size());

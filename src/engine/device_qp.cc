@@ -268,7 +268,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
   bump_epoch(*s.guest);
   const QpAttr& a = req.attr;
-  const uint32_t m = req.mask;
+  const uint32_t m = modify_mask(qp->type, req.mask);
   // Range-check before the cast: an ibv_qp_state outside the enum's values is undefined
   // behaviour (found by fuzz_ring).
   if ((m & IBV_QP_STATE) && a.qp_state > IBV_QPS_ERR)

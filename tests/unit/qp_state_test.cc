@@ -215,6 +215,14 @@ TEST(QpState, XrcSendAndReceiveQpsTakeTheirOwnAttributeSets) {
   EXPECT_TRUE(
       check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS, kTgtRts | IBV_QP_MIN_RNR_TIMER)
           .is_ok());
+  // The other side's attributes, which the kernel drops before the check, and so do we.
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_INIT, IBV_QPS_RTR,
+                              modify_mask(IBV_QPT_XRC_SEND, kRcRtr))
+                  .is_ok());
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS,
+                              modify_mask(IBV_QPT_XRC_RECV, kRcRts))
+                  .is_ok());
+  EXPECT_EQ(modify_mask(IBV_QPT_RC, kRcRtr), kRcRtr);
 }
 
 }  // namespace
