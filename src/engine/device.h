@@ -234,6 +234,8 @@ class Device : public transport::Receiver {
   static void publish_psns(Qp& qp);
   /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
   static void recover_from_rings(Qp& qp);
+  /// A QPN for a new QP of guest `g`, within its max_qps quota and the device's kMaxQp.
+  Result<uint32_t> new_qpn(Guest& g);
   /// A QP of the session by handle: its own, or an XRC receive QP it created or opened.
   Qp* find_qp(Session& s, uint32_t handle);
   // XRC (device_xrc.cc).

@@ -190,16 +190,8 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
                               {"max_inline_data", c.max_inline_data, kMaxInline}}));
   RETURN_IF_ERROR(check_depth(*s.guest, "send queue", c.max_send_wr));
   RETURN_IF_ERROR(check_depth(*s.guest, "receive queue", c.max_recv_wr));
-  RETURN_IF_ERROR(check_quota(*s.guest, Res::kQp));
-  size_t nqp = 0;
-  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
-  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  ASSIGN_OR_RETURN(const uint32_t qpn, new_qpn(*s.guest));
   Guest& g = *s.guest;
-  uint32_t qpn;
-  do {
-    qpn = g.next_qpn++ & 0xffffff;
-    if (qpn < 0x11) continue;
-  } while (qpn < 0x11 || g.qps.count(qpn));
 
   auto qp = std::make_unique<Qp>();
   qp->sq_size = std::bit_ceil(std::max<uint32_t>(c.max_send_wr, 1));
@@ -248,6 +240,19 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
   g.active.push_back(qp.get());
   s.qps[qp->handle] = std::move(qp);
   return resp;
+}
+
+Result<uint32_t> Device::new_qpn(Guest& g) {
+  RETURN_IF_ERROR(check_quota(g, Res::kQp));
+  size_t nqp = 0;
+  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
+  for (auto& [name, gg] : guests_) nqp += gg->xrc_qps.size();  // the guests' XRC receive QPs
+  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  uint32_t qpn;
+  do {
+    qpn = g.next_qpn++ & 0xffffff;
+  } while (qpn < 0x11 || g.qps.count(qpn));
+  return qpn;
 }
 
 Qp* Device::find_qp(Session& s, uint32_t handle) {

@@ -149,16 +149,8 @@ bool Device::bind_xrc_srq(Qp& to, uint32_t srqn) {
 Result<CreateQpResp> Device::create_xrc_recv_qp(Session& s, const CreateQpReq& req) {
   Xrcd* x = xrcd_of(s, req.xrcd);
   if (!x) return error(EINVAL, fmt::format("no XRC domain {}", req.xrcd));
-  RETURN_IF_ERROR(check_quota(*s.guest, Res::kQp));
-  size_t nqp = 0;
-  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
-  for (auto& [name, gg] : guests_) nqp += gg->xrc_qps.size();
-  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  ASSIGN_OR_RETURN(const uint32_t qpn, new_qpn(*s.guest));
   Guest& g = *s.guest;
-  uint32_t qpn;
-  do {
-    qpn = g.next_qpn++ & 0xffffff;
-  } while (qpn < 0x11 || g.qps.count(qpn));
   // No queues: a receive QP only answers. Its ring pointers stay null; it is never polled.
   auto qp = std::make_unique<Qp>();
   qp->handle = new_handle(s, s.qps);
@@ -218,6 +210,7 @@ void Device::close_xrc_qp(Session& s, uint32_t handle) {
     return;
   }
   bump_epoch(g);
+  take_back(qp);  // its replies still queued for another backend
   g.retired += counters_of(qp);
   g.qps.erase(qpn);
   release(g, Res::kQp);

@@ -26,13 +26,9 @@ xsrq() {
     pids+=($!)
   done
   for ((i = 1; i <= clients; i++)); do
-    wait_pid "${pids[i - 1]}" 30
-    [[ $WAIT_RC == 0 ]] || fail "$name: client $i exited $WAIT_RC: $(tail -3 "$E2E_TMP/$name.client$i.out")"
-    grep -qx success "$E2E_TMP/$name.client$i.out" || fail "$name: client $i did not say success"
+    wait_success "$name: client $i" "${pids[i - 1]}" "$E2E_TMP/$name.client$i.out" 30
   done
-  wait_pid "$SERVER_PID" 10
-  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -3 "$E2E_TMP/$name.server.out")"
-  grep -qx success "$E2E_TMP/$name.server.out" || fail "$name: server did not say success"
+  wait_success "$name: server" "$SERVER_PID" "$E2E_TMP/$name.server.out" 10
   log "$name: ok ($clients client(s): $*)"
 }
 

@@ -33,13 +33,9 @@ hxsrq() {
     pids+=($!)
   done
   for ((i = 0; i < n; i++)); do
-    wait_pid "${pids[i]}" 30
-    [[ $WAIT_RC == 0 ]] || fail "$name: client $i exited $WAIT_RC: $(tail -3 "$E2E_TMP/$name.client$i.out")"
-    grep -qx success "$E2E_TMP/$name.client$i.out" || fail "$name: client $i did not say success"
+    wait_success "$name: client $i" "${pids[i]}" "$E2E_TMP/$name.client$i.out" 30
   done
-  wait_pid "$srv" 10
-  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC: $(tail -3 "$E2E_TMP/$name.server.out")"
-  grep -qx success "$E2E_TMP/$name.server.out" || fail "$name: server did not say success"
+  wait_success "$name: server" "$srv" "$E2E_TMP/$name.server.out" 10
   log "$name: ok"
 }
 

@@ -93,21 +93,6 @@ int post_srq_recv(ibv_srq* srq, uint64_t id, uint64_t addr, uint32_t len, uint32
   return ibv_post_srq_recv(srq, &wr, &bad);
 }
 
-int xrc_send(ibv_qp* qp, uint32_t srqn, uint64_t id, ibv_sge s, ibv_wr_opcode op = IBV_WR_SEND,
-             uint64_t raddr = 0, uint32_t rkey = 0) {
-  ibv_send_wr wr{};
-  wr.wr_id = id;
-  wr.sg_list = &s;
-  wr.num_sge = 1;
-  wr.opcode = op;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.wr.rdma.remote_addr = raddr;
-  wr.wr.rdma.rkey = rkey;
-  wr.qp_type.xrc.remote_srqn = srqn;
-  ibv_send_wr* bad = nullptr;
-  return ibv_post_send(qp, &wr, &bad);
-}
-
 /// One completion of `cq` within `ms` (a deadline, not a spin count: a loaded host may not
 /// run the backend for a while); 0 when none came.
 int poll_within(ibv_cq* cq, ibv_wc& wc, int ms) {
@@ -236,7 +221,7 @@ TEST_F(Xrc, TheSrqNumberOfEachWrChoosesTheSrqAndItsCq) {
   ASSERT_EQ(post_srq_recv(sb, 2, addr(0x2000), 64, mr_->lkey), 0);
   std::memcpy(&buf_[0], "to-b", 4);
   std::memcpy(&buf_[64], "to-a", 4);
-  ASSERT_EQ(xrc_send(s, nb, 10, sge(0, 4)), 0);
+  ASSERT_EQ(post(s, {.sges = {sge(0, 4)}, .wr_id = 10, .remote_srqn = nb}), 0);
   // The same through ibv_qp_ex: wr_set_xrc_srqn.
   ibv_qp_ex* qx = ibv_qp_to_qp_ex(s);
   ASSERT_NE(qx, nullptr);
@@ -264,7 +249,13 @@ TEST_F(Xrc, TheSrqNumberOfEachWrChoosesTheSrqAndItsCq) {
   EXPECT_EQ(std::memcmp(&buf_[0x2000], "to-b", 4), 0);
   // An RDMA WRITE reaches MRs of the named SRQ's PD.
   std::memcpy(&buf_[128], "wrote", 5);
-  ASSERT_EQ(xrc_send(s, na, 12, sge(128, 5), IBV_WR_RDMA_WRITE, addr(0x3000), mr_->rkey), 0);
+  ASSERT_EQ(post(s, {.op = IBV_WR_RDMA_WRITE,
+                     .sges = {sge(128, 5)},
+                     .wr_id = 12,
+                     .raddr = addr(0x3000),
+                     .rkey = mr_->rkey,
+                     .remote_srqn = na}),
+            0);
   auto w = poll(scq, 1);
   ASSERT_EQ(w.size(), 1u);
   EXPECT_EQ(w[0].status, IBV_WC_SUCCESS) << ibv_wc_status_str(w[0].status);
@@ -303,7 +294,7 @@ TEST_F(Xrc, AnSrqNumberOutsideTheTargetsDomainIsARemoteInvalidRequest) {
     ibv_qp* s = send_qp(ctx_, pd_, scq);
     ASSERT_TRUE(r && s);
     connect_xrc(s, r, lid_);
-    ASSERT_EQ(xrc_send(s, srqn, 20, sge(0, 4)), 0);
+    ASSERT_EQ(post(s, {.sges = {sge(0, 4)}, .wr_id = 20, .remote_srqn = srqn}), 0);
     auto w = poll(scq, 1);
     ASSERT_EQ(w.size(), 1u);
     EXPECT_EQ(w[0].status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(w[0].status);
@@ -401,7 +392,7 @@ TEST_F(Xrc, AnotherProcessOpensTheDomainAndTheReceiveQp) {
   ::close(p[0]);
   if (told) {
     std::memcpy(&buf_[0], "hello", 5);
-    EXPECT_EQ(xrc_send(s, srqn, 30, sge(0, 5)), 0);
+    EXPECT_EQ(post(s, {.sges = {sge(0, 5)}, .wr_id = 30, .remote_srqn = srqn}), 0);
     auto w = poll(scq, 1);
     ASSERT_EQ(w.size(), 1u);
     EXPECT_EQ(w[0].status, IBV_WC_SUCCESS) << ibv_wc_status_str(w[0].status);
@@ -413,7 +404,7 @@ TEST_F(Xrc, AnotherProcessOpensTheDomainAndTheReceiveQp) {
   EXPECT_TRUE(told);
   // Still ours after the other process's handle went; the SRQ it named went with that process.
   EXPECT_EQ(state(r), IBV_QPS_RTS);
-  EXPECT_EQ(xrc_send(s, srqn, 31, sge(0, 5)), 0);
+  EXPECT_EQ(post(s, {.sges = {sge(0, 5)}, .wr_id = 31, .remote_srqn = srqn}), 0);
   auto w = poll(scq, 1);
   ASSERT_EQ(w.size(), 1u);
   EXPECT_EQ(w[0].status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(w[0].status);
