@@ -199,12 +199,15 @@ void Device::close_xrc_qp(Session& s, uint32_t handle) {
   if (it == g.xrc_qps.end()) return;
   Qp& qp = *it->second;
   if (--qp.opens > 0) {
-    // Async events and reports go to a session that still holds it.
+    // Async events and reports go to a session that still holds it, under its handle there.
     if (qp.owner == &s) {
       for (auto& [id, other] : sessions_) {
         if (other.get() == &s || other->guest != &g) continue;
-        for (const auto& [oh, oqpn] : other->xrc_qps)
-          if (oqpn == qpn) qp.owner = other.get();
+        for (const auto& [oh, oqpn] : other->xrc_qps) {
+          if (oqpn != qpn) continue;
+          qp.owner = other.get();
+          qp.handle = oh;
+        }
       }
     }
     return;

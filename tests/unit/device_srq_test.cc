@@ -139,7 +139,11 @@ TEST_F(DeviceSrqTest, AnXrcReceiveQpLivesWhileASessionHoldsIt) {
   EXPECT_EQ(dev_.close_xrcd(*a2.s, x2.value()).err(), EBUSY);  // its QP handle is in it
   dev_.close_session(a_.s);
   a_.s = nullptr;
-  // Still there for the other session: it queries and modifies it.
+  // Still there for the other session, whose handle its async events now carry: it queries and
+  // modifies it.
+  const Qp& held = *a2.s->guest->xrc_qps.at(tgt->qpn);
+  EXPECT_EQ(held.owner, a2.s);
+  EXPECT_EQ(held.handle, opened->handle);
   auto q = dev_.query_qp(*a2.s, opened->handle);
   ASSERT_TRUE(q.is_ok()) << q.status().message();
   ModifyQpReq m{
