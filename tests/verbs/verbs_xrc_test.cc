@@ -341,14 +341,11 @@ int run_child(int out, uint32_t qpn, const char* path) {
   const int got = poll_within(cq, wc, 20'000);
   if (got != 1 || wc.status != IBV_WC_SUCCESS || wc.wr_id != 42 || wc.qp_num != qpn) return 17;
   if (std::memcmp(buf, "hello", 5) != 0) return 18;
-  // Its handle on the QP goes; the QP stays the first process's.
-  if (ibv_destroy_qp(r) || ibv_destroy_srq(srq) || ibv_close_xrcd(x)) return 19;
+  // Its handle on the QP goes (the QP stays the first process's); its SRQ and its open of the
+  // domain go with the process, as a process that dies leaves them.
+  if (ibv_destroy_qp(r)) return 19;
+  (void)x;
   ::close(fd);
-  ibv_destroy_cq(cq);
-  ibv_dereg_mr(mr);
-  ibv_dealloc_pd(pd);
-  ibv_close_device(ctx);
-  ibv_free_device_list(list);
   return 0;
 }
 
