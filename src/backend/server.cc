@@ -566,6 +566,19 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kModifySrq: reply_status(dev_.modify_srq(*s, body_of<ModifySrqReq>(msg).value())); break;
     case Op::kQuerySrq: reply(dev_.query_srq(*s, handle_of())); break;
     case Op::kDestroySrq: reply_status(dev_.destroy_srq(*s, handle_of())); break;
+    case Op::kOpenXrcd:
+      reply_handle(dev_.open_xrcd(*s, body_of<OpenXrcdReq>(msg).value(),
+                                  fds.empty() ? UniqueFd() : std::move(fds[0])));
+      break;
+    case Op::kCloseXrcd:
+      reply_status(dev_.close_xrcd(*s, handle_of()));
+      break;
+    case Op::kCreateXrcSrq:
+      reply(dev_.create_xrc_srq(*s, body_of<CreateXrcSrqReq>(msg).value(), give));
+      break;
+    case Op::kOpenQp:
+      reply(dev_.open_qp(*s, body_of<OpenQpReq>(msg).value()));
+      break;
     case Op::kAttachMcast:
       reply_status(dev_.attach_mcast(*s, body_of<McastReq>(msg).value()));
       break;

@@ -295,6 +295,7 @@ void Device::close_session_impl(Session* s, bool moved) {
   if (!moved) fail_peers(*s);
   // Tear down in dependency order: QPs, then CQs and channels, MRs, segments, PDs.
   while (!s->qps.empty()) destroy_qp_now(*s, *s->qps.begin()->second);
+  close_session_xrc(*s);  // XRC receive-QP handles, XRC SRQs' links, domain opens
   release(*g, Res::kSrq, s->srqs.size());
   s->srqs.clear();
   release(*g, Res::kCq, s->cqs.size());
@@ -391,11 +392,17 @@ std::string Device::status_json() const {
       }
       for (const auto& [h, qp] : s->qps) {
         const QpCounters cnt = counters_of(*qp);
-        qps.push_back({{"qpn", qp->qpn}, {"pid", s->pid}, {"type", qp->type == IBV_QPT_RC ? "RC" : qp->type == IBV_QPT_UC ? "UC" : "UD"},
-                       {"state", qp_state_name(qp->state)}, {"dlid", qp->attr.dlid},
-                       {"dest_qpn", qp->attr.dest_qp_num}, {"transport", qp->transport},
-                       {"transport_why", qp->transport_why}, {"peer_node", qp->peer_node},
-                       {"msgs_sent", cnt.msgs_sent}, {"bytes_sent", cnt.bytes_sent},
+        qps.push_back({{"qpn", qp->qpn},
+                       {"pid", s->pid},
+                       {"type", qp_type_name(qp->type)},
+                       {"state", qp_state_name(qp->state)},
+                       {"dlid", qp->attr.dlid},
+                       {"dest_qpn", qp->attr.dest_qp_num},
+                       {"transport", qp->transport},
+                       {"transport_why", qp->transport_why},
+                       {"peer_node", qp->peer_node},
+                       {"msgs_sent", cnt.msgs_sent},
+                       {"bytes_sent", cnt.bytes_sent},
                        {"msgs_received", cnt.msgs_received},
                        {"bytes_received", cnt.bytes_received}});
       }

@@ -110,6 +110,20 @@ class Device : public transport::Receiver {
   Status modify_srq(Session& s, const proto::ModifySrqReq& req);
   Result<proto::SrqAttr> query_srq(Session& s, uint32_t handle);
   Status destroy_srq(Session& s, uint32_t handle);
+  // ---- XRC (device_xrc.cc) ----
+  /// ibv_open_xrcd: the guest's domain of the inode `file` names (fstat here, so a guest names
+  /// only files it opened), made with O_CREAT (ENOENT without, EINVAL with O_EXCL when it
+  /// exists); no file: a new private domain (O_CREAT required, EINVAL). A new handle each time.
+  Result<uint32_t> open_xrcd(Session& s, const proto::OpenXrcdReq& req, UniqueFd file);
+  /// EBUSY while this session has XRC SRQs or receive QPs in the domain through this handle's
+  /// domain; the domain goes with its last open and last user.
+  Status close_xrcd(Session& s, uint32_t handle);
+  /// ibv_create_srq_ex(IBV_SRQT_XRC): an SRQ of PD `pd` in the domain, completing on `cq`,
+  /// with a guest-wide number (srq_num) that XRC requests name.
+  Result<proto::CreateSrqResp> create_xrc_srq(Session& s, const proto::CreateXrcSrqReq& req,
+                                              UniqueFd& ring);
+  /// ibv_open_qp: a handle of this session on receive QP `qpn` of the domain (EINVAL: none).
+  Result<proto::CreateQpResp> open_qp(Session& s, const proto::OpenQpReq& req);
   std::string status_json() const;
 
   // ---- direct path between guests of one uid (device_direct.cc) ----
@@ -227,7 +241,23 @@ class Device : public transport::Receiver {
   static void publish_psns(Qp& qp);
   /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
   static void recover_from_rings(Qp& qp);
+  /// A QPN for a new QP of guest `g`, within its max_qps quota and the device's kMaxQp.
+  Result<uint32_t> new_qpn(Guest& g);
+  /// A QP of the session by handle: its own, or an XRC receive QP it created or opened.
   Qp* find_qp(Session& s, uint32_t handle);
+  // XRC (device_xrc.cc).
+  Result<proto::CreateQpResp> create_xrc_recv_qp(Session& s, const proto::CreateQpReq& req);
+  /// Drops a session's handle on an XRC receive QP; the QP goes with its last handle.
+  void close_xrc_qp(Session& s, uint32_t handle);
+  /// Session end: its receive-QP handles, XRC SRQs' links and domain opens.
+  void close_session_xrc(Session& s);
+  /// An XRC SRQ goes: the receive QPs that answered through it forget it.
+  void unlink_xrc_srq(Srq& srq);
+  /// A domain with no opens and no users goes.
+  void maybe_free_xrcd(Guest& g, uint32_t id);
+  /// XRC_RECV `to` answers a request for SRQ `srqn`: it must be an XRC SRQ of `to`'s domain
+  /// (else false). Points to.srq and to.recv_cq at it for this request.
+  bool bind_xrc_srq(Qp& to, uint32_t srqn);
   /// ENOMEM (and one log line per hit) when `n` more of `r` would exceed the guest's quota.
   /// Checked before anything is built; the count moves when the resource exists (`charge`).
   Status check_quota(Guest& g, Res r, uint64_t n = 1);

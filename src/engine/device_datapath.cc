@@ -36,12 +36,12 @@ const Mr* Device::find_mr(const Qp& qp, uint32_t key, uint32_t pd) const {
   auto it = qp.guest->mrs.find(key);
   if (it == qp.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
-  return mr->pd == pd && mr->owner == qp.owner ? mr : nullptr;
+  return mr->pd == pd && mr->owner == mem_session(qp) ? mr : nullptr;
 }
 
 bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n, uint32_t need_access,
                           std::vector<Span>& out, uint64_t& total, uint32_t pd) const {
-  if (pd == proto::kNone) pd = qp.pd;
+  if (pd == proto::kNone) pd = mem_pd(qp);
   total = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const Sge s = sge[i];
@@ -100,6 +100,7 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
 // published: a guest that sees the completion may post into that slot at once (a QP with a
 // send queue of one, as perftest's latency tests make, does exactly that).
 void Device::publish_psns(Qp& qp) {
+  if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (a restart does not keep XRC)
   const uint32_t at_cons = qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn;
   qp.sq_hdr->backend_psn.store(at_cons, std::memory_order_relaxed);
   qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
@@ -158,8 +159,10 @@ Guest* Device::guest_by_gid(const uint8_t gid[16]) {
 
 bool Device::accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                           const uint8_t sgid[16]) {
-  // A connected QP accepts traffic only from the QP it is connected to.
-  if (to.type != type || to.attr.dest_qp_num != src_qpn) return false;
+  // A connected QP accepts traffic only from the QP it is connected to (an XRC receive QP from
+  // its XRC send QP).
+  const ibv_qp_type want = type == IBV_QPT_XRC_SEND ? IBV_QPT_XRC_RECV : type;
+  if (to.type != want || to.attr.dest_qp_num != src_qpn) return false;
   if (!to.attr.is_global) return to.attr.dlid == slid;
   return std::memcmp(to.attr.dgid, sgid, 16) == 0;
 }
@@ -475,6 +478,7 @@ Inbound Device::inbound_of(const Qp& qp, const SendWqe& w, uint64_t len) {
   in.src_qpn = qp.qpn;
   in.slid = qp.guest->lid;
   in.type = qp.type;
+  if (qp.type == IBV_QPT_XRC_SEND) in.xrc_srqn = w.ud_remote_qkey & 0xffffff;
   return in;
 }
 

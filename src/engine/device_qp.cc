@@ -157,6 +157,7 @@ Result<CreateQpResp> Device::create_qp(Session& s, const CreateQpReq& req, Uniqu
 }
 
 Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& req, UniqueFd& ring) {
+  if (req.qp_type == IBV_QPT_XRC_RECV) return create_xrc_recv_qp(s, req);  // no PD, CQs, rings
   auto pd = s.pds.find(req.pd);
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   auto scq = s.cqs.find(req.send_cq), rcq = s.cqs.find(req.recv_cq);
@@ -167,9 +168,15 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
     if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", req.srq));
     srq = it->second.get();
   }
-  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD)
-    return error(EOPNOTSUPP, fmt::format("QP type {} is not supported yet", req.qp_type));
+  if (req.qp_type != IBV_QPT_RC && req.qp_type != IBV_QPT_UC && req.qp_type != IBV_QPT_UD &&
+      req.qp_type != IBV_QPT_XRC_SEND)
+    return error(EOPNOTSUPP, fmt::format("QP type {} is not supported", req.qp_type));
+  if (req.qp_type == IBV_QPT_XRC_SEND && srq) return error(EINVAL, "an XRC_SEND QP has no SRQ");
   QpCaps c = req.caps;
+  if (req.qp_type == IBV_QPT_XRC_SEND) {  // a send queue only (ibv_create_qp_ex(3))
+    c.max_recv_wr = 0;
+    c.max_recv_sge = 0;
+  }
   if (srq) {  // receives come from the SRQ: the QP's own receive queue is unused (ignored caps)
     c.max_recv_wr = 0;
     c.max_recv_sge = 0;
@@ -183,16 +190,8 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
                               {"max_inline_data", c.max_inline_data, kMaxInline}}));
   RETURN_IF_ERROR(check_depth(*s.guest, "send queue", c.max_send_wr));
   RETURN_IF_ERROR(check_depth(*s.guest, "receive queue", c.max_recv_wr));
-  RETURN_IF_ERROR(check_quota(*s.guest, Res::kQp));
-  size_t nqp = 0;
-  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
-  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  ASSIGN_OR_RETURN(const uint32_t qpn, new_qpn(*s.guest));
   Guest& g = *s.guest;
-  uint32_t qpn;
-  do {
-    qpn = g.next_qpn++ & 0xffffff;
-    if (qpn < 0x11) continue;
-  } while (qpn < 0x11 || g.qps.count(qpn));
 
   auto qp = std::make_unique<Qp>();
   qp->sq_size = std::bit_ceil(std::max<uint32_t>(c.max_send_wr, 1));
@@ -243,9 +242,26 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
   return resp;
 }
 
+Result<uint32_t> Device::new_qpn(Guest& g) {
+  RETURN_IF_ERROR(check_quota(g, Res::kQp));
+  size_t nqp = 0;
+  for (auto& [id, ss] : sessions_) nqp += ss->qps.size();
+  for (auto& [name, gg] : guests_) nqp += gg->xrc_qps.size();  // the guests' XRC receive QPs
+  if (nqp >= kMaxQp) return error(ENOMEM, "QP limit reached");
+  uint32_t qpn;
+  do {
+    qpn = g.next_qpn++ & 0xffffff;
+  } while (qpn < 0x11 || g.qps.count(qpn));
+  return qpn;
+}
+
 Qp* Device::find_qp(Session& s, uint32_t handle) {
   auto it = s.qps.find(handle);
-  return it == s.qps.end() ? nullptr : it->second.get();
+  if (it != s.qps.end()) return it->second.get();
+  auto x = s.xrc_qps.find(handle);
+  if (x == s.xrc_qps.end()) return nullptr;
+  auto q = s.guest->xrc_qps.find(x->second);
+  return q == s.guest->xrc_qps.end() ? nullptr : q->second.get();
 }
 
 Status Device::modify_qp(Session& s, const ModifyQpReq& req) {
@@ -257,7 +273,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
   if (!qp) return error(EINVAL, fmt::format("no QP {}", req.handle));
   bump_epoch(*s.guest);
   const QpAttr& a = req.attr;
-  const uint32_t m = req.mask;
+  const uint32_t m = modify_mask(qp->type, req.mask);
   // Range-check before the cast: an ibv_qp_state outside the enum's values is undefined
   // behaviour (found by fuzz_ring).
   if ((m & IBV_QP_STATE) && a.qp_state > IBV_QPS_ERR)
@@ -323,7 +339,10 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
       qp->rnr_left = q.rnr_retry;
     }
     if (next == IBV_QPS_ERR || next == IBV_QPS_RESET) take_back(*qp);
-    if (next == IBV_QPS_RESET) {
+    if (next == IBV_QPS_RESET && qp->type == IBV_QPT_XRC_RECV) {
+      qp->srq = nullptr;  // no queues of its own to discard
+      qp->recv_cq = nullptr;
+    } else if (next == IBV_QPS_RESET) {
       // RESET discards all outstanding work without completions.
       qp->unacked.clear();
       qp->sq_cons = qp->sq_hdr->producer.load(std::memory_order_acquire);
@@ -404,6 +423,10 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
 }
 
 Status Device::destroy_qp(Session& s, uint32_t handle) {
+  if (s.xrc_qps.count(handle)) {  // an XRC receive QP: this session's handle on it goes
+    close_xrc_qp(s, handle);
+    return Status::ok();
+  }
   Qp* qp = find_qp(s, handle);
   if (!qp) return error(EINVAL, fmt::format("no QP {}", handle));
   destroy_qp_now(s, *qp);
@@ -477,6 +500,7 @@ Status Device::destroy_srq(Session& s, uint32_t handle) {
   auto it = s.srqs.find(handle);
   if (it == s.srqs.end()) return error(EINVAL, fmt::format("no SRQ {}", handle));
   if (it->second->users) return error(EBUSY, "SRQ still used by a QP");
+  if (it->second->xrcd) unlink_xrc_srq(*it->second);
   s.pds[it->second->pd].users--;
   s.srqs.erase(it);
   release(*s.guest, Res::kSrq);

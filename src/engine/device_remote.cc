@@ -135,6 +135,7 @@ bool Device::send_request(Qp& qp, Qp::Outstanding& o) {
   rq.compare_add = w.compare_add;
   rq.swap = w.swap;
   rq.length = o.len;
+  if (qp.type == IBV_QPT_XRC_SEND) rq.xrc_srqn = w.ud_remote_qkey & 0xffffff;
   src_.clear();
   holds_.clear();
   if (is_send(w.opcode) || is_write(w.opcode)) {
@@ -337,7 +338,7 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
     resend_all(qp);
     did = true;
   }
-  if (qp.type == IBV_QPT_RC) {
+  if (is_reliable(qp.type)) {
     if (qp.wait == Wait::kRnr) {
       if (now_ns < qp.wait_until_ns) return false;
       qp.wait = Wait::kAck;
@@ -455,7 +456,7 @@ void Device::on_peer_up(const std::string& node) {
   // Whatever was in flight on the old connection may be lost: replay it; duplicates are dropped
   // by the responder.
   for (Qp* qp : active_) {
-    if (qp->remote && qp->peer_node == node && qp->type == IBV_QPT_RC && !qp->unacked.empty() &&
+    if (qp->remote && qp->peer_node == node && is_reliable(qp->type) && !qp->unacked.empty() &&
         sq_open(qp->state) && qp->wait != Wait::kRnr) {
       VLOG_DEBUG("qp {:#x}: peer {} back, replaying {} message(s)", qp->qpn, node,
                  qp->unacked.size());
@@ -479,7 +480,7 @@ Qp* Device::reply_target(const std::string& node, const wire::Reply& rp) {
   auto it = g->qps.find(rp.dst_qpn);
   if (it == g->qps.end()) return nullptr;
   Qp* qp = it->second;
-  if (qp->type != IBV_QPT_RC || !sq_open(qp->state)) return nullptr;
+  if (!is_reliable(qp->type) || !sq_open(qp->state)) return nullptr;
   if (!qp->remote || qp->peer_node != node || qp->attr.dest_qp_num != rp.src_qpn) {
     transport_->refused_frame(
         node, fmt::format("reply for qp {:#x} from qp {:#x}: {}", rp.dst_qpn, rp.src_qpn,

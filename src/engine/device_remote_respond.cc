@@ -84,13 +84,13 @@ Guest* Device::dest_guest(const wire::Request& rq) {
 }
 
 Qp* Device::not_ready_target(const wire::Request& rq) {
-  Guest* g = rq.qp_type == IBV_QPT_RC ? dest_guest(rq) : nullptr;
+  Guest* g = is_reliable(rq.qp_type) ? dest_guest(rq) : nullptr;
   if (!g) return nullptr;
   auto it = g->qps.find(rq.dst_qpn);
   if (it == g->qps.end()) return nullptr;
   Qp* qp = it->second;
   const bool early = qp->state == IBV_QPS_RESET || qp->state == IBV_QPS_INIT;
-  return qp->type == IBV_QPT_RC && early ? qp : nullptr;
+  return is_reliable(qp->type) && early ? qp : nullptr;
 }
 
 Inbound Device::inbound_of(const wire::Request& rq) {
@@ -106,6 +106,7 @@ Inbound Device::inbound_of(const wire::Request& rq) {
   in.src_qpn = rq.src_qpn;
   in.slid = rq.slid;
   in.type = static_cast<ibv_qp_type>(rq.qp_type);
+  in.xrc_srqn = rq.xrc_srqn;
   return in;
 }
 
@@ -169,7 +170,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   src_.clear();
   dst_.clear();
   holds_.clear();
-  const bool rc = rq.qp_type == IBV_QPT_RC;
+  const bool rc = is_reliable(rq.qp_type);
   if (rc) {
     const int32_t d = wire::psn_diff(rq.psn, to->expected_psn);
     if (d > 0) {
@@ -269,11 +270,11 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
     deliver_ud(*to, in, rq.is_global != 0, rq.sgid, {&s, rq.length ? 1u : 0u}, rq.sl);
     return;
   }
-  if (rq.qp_type == IBV_QPT_RC && rq.psn != to->expected_psn) return;
+  if (is_reliable(rq.qp_type) && rq.psn != to->expected_psn) return;
   Response r;
   std::memcpy(&r, sink.ctx, sizeof(r));
   respond_finish(*to, in, r.recv);
-  if (rq.qp_type == IBV_QPT_RC) {
+  if (is_reliable(rq.qp_type)) {
     advance_expected(*to);
     reply(node, rq, Syndrome::kAck);
   }

@@ -50,6 +50,13 @@ constexpr const char* kWcStatusNames[] = {
 };
 static_assert(std::size(kWcStatusNames) == IBV_WC_TM_RNDV_INCOMPLETE + 1);
 
+/// Who owns a resource: the columns every `res show` line starts with.
+nlohmann::json owner_of(const Session& s) {
+  return {{"guest", s.guest->name}, {"pid", s.pid}, {"comm", s.comm}};
+}
+
+}  // namespace
+
 const char* qp_type_name(ibv_qp_type t) {
   switch (t) {
     case IBV_QPT_RC:
@@ -58,17 +65,14 @@ const char* qp_type_name(ibv_qp_type t) {
       return "UC";
     case IBV_QPT_UD:
       return "UD";
+    case IBV_QPT_XRC_SEND:
+      return "XRC_SEND";
+    case IBV_QPT_XRC_RECV:
+      return "XRC_RECV";
     default:
       return "?";
   }
 }
-
-/// Who owns a resource: the columns every `res show` line starts with.
-nlohmann::json owner_of(const Session& s) {
-  return {{"guest", s.guest->name}, {"pid", s.pid}, {"comm", s.comm}};
-}
-
-}  // namespace
 
 std::string read_comm(uint32_t pid) {
   // The process name as `ps` shows it; "" when the pid is gone or in another pid namespace.

@@ -57,20 +57,20 @@ const Mr* Device::rkey_mr(const Qp& to, uint32_t rkey) const {
   auto it = to.guest->mrs.find(rkey);
   if (it == to.guest->mrs.end()) return nullptr;
   const Mr* mr = it->second;
-  return mr->pd == to.pd && mr->owner == to.owner ? mr : nullptr;
+  return mr->pd == mem_pd(to) && mr->owner == mem_session(to) ? mr : nullptr;
 }
 
 Mw* Device::rkey_mw(const Qp& to, uint32_t rkey, RemoteMwView& v) const {
   v = {};
   auto it = to.guest->mws.find(rkey >> 8);
   // Windows, as MRs, are the session's: another session's is not there for this QP.
-  if (it == to.guest->mws.end() || it->second->owner != to.owner) return nullptr;
+  if (it == to.guest->mws.end() || it->second->owner != mem_session(to)) return nullptr;
   Mw* mw = it->second;
   v.found = true;
   v.type = mw->type;
   v.bound = mw->bound;
   v.same_key = mw->rkey == rkey;
-  v.same_pd = mw->pd == to.pd;
+  v.same_pd = mw->pd == mem_pd(to);
   v.same_qp = mw->qpn == to.qpn;
   v.access = mw->access;
   v.addr = mw->addr;
@@ -88,8 +88,8 @@ const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) c
   view = window_view(wv);
   if (!view.found) return nullptr;
   // A bound window's MR stays (dereg_mr and rereg_mr are EBUSY while it is bound).
-  auto it = to.owner->mrs.find(mw->mr);
-  if (it == to.owner->mrs.end()) {
+  auto it = mw->owner->mrs.find(mw->mr);
+  if (it == mw->owner->mrs.end()) {
     view = RemoteMrView{};
     return nullptr;
   }
@@ -245,6 +245,11 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     return out;
   };
   const uint32_t op = in.op;
+  // XRC: the request names the SRQ (receives, completions, and the PD whose MRs it reaches);
+  // one of another domain, or none, is the requester's invalid request (the IB spec's NAK for
+  // an XRCETH that names no SRQ of the target's domain).
+  if (to.type == IBV_QPT_XRC_RECV && !bind_xrc_srq(to, in.xrc_srqn))
+    return nak(IBV_WC_REM_INV_REQ_ERR, "no XRC SRQ of that number in the target QP's domain");
   // SENDs (with immediate or invalidate too) and WRITE_WITH_IMM consume a receive WQE.
   const bool consumes_recv = is_send(op) || op == IBV_WR_RDMA_WRITE_WITH_IMM;
   if (consumes_recv) {

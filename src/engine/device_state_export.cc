@@ -221,6 +221,11 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                                       "backends, whose connection cannot move yet",
                                       name, qp->qpn));
   }
+  // XRC domains, SRQs and receive QPs are not in the blob (docs/ARCHITECTURE.md, "XRC").
+  if (!g.xrcds.empty())
+    return error(EOPNOTSUPP, fmt::format("guest {} holds XRC objects (domains, XRC SRQs or "
+                                         "QPs), whose state cannot move yet",
+                                         name));
   GuestExport out;
   Exporter ex{out};
   json sessions = json::array();

@@ -121,7 +121,20 @@ struct Cq {
   }
 };
 
+/// An XRC domain (ibv_open_xrcd): the guest's, named by the inode of the file its sessions
+/// opened it with (none: private to the one open). Its XRC SRQs and receive QPs name it by `id`.
+/// Lives while a session holds it open or anything is in it (device_xrc.cc).
+struct Xrcd {
+  uint32_t id = 0;
+  bool has_inode = false;
+  uint64_t dev = 0, ino = 0;
+  uint32_t opens = 0;  ///< handles open on it, over the guest's sessions
+  uint32_t users = 0;  ///< XRC SRQs and receive QPs in it
+};
+
 /// A shared receive queue: one ring of receive WQEs that several QPs of a session draw from.
+/// An XRC SRQ (`xrcd` set) is drawn from by the domain's receive QPs, whichever session made
+/// them, for the requests that name its `srqn`; it completes on its own `cq`.
 struct Srq {
   uint32_t handle = 0;
   Session* owner = nullptr;
@@ -135,6 +148,9 @@ struct Srq {
   uint32_t max_sge = 0;
   uint32_t limit = 0;  ///< armed SRQ limit; 0: not armed
   uint32_t users = 0;  ///< QPs attached
+  uint32_t xrcd = 0;   ///< XRC: the domain's id (0: a basic SRQ)
+  uint32_t srqn = 0;   ///< XRC: its number in the guest (Guest::xrc_srqs)
+  struct Cq* cq = nullptr;  ///< XRC: where its receives complete
 };
 
 /// A run of bytes in backend memory that one SGE (or inline data) resolved to.
@@ -169,6 +185,8 @@ struct QpCounters {
 
 /// Counters as JSON: totals, and `wc_errors` by status name ("LOC_LEN_ERR"; non-zero ones only).
 nlohmann::json counters_json(const QpCounters& c);
+/// "RC", "UC", "UD", "XRC_SEND", "XRC_RECV" (reports).
+const char* qp_type_name(ibv_qp_type t);
 /// /proc/PID/comm of a guest process; "" when it cannot be read.
 std::string read_comm(uint32_t pid);
 
@@ -183,6 +201,11 @@ struct Qp {
   Cq* send_cq = nullptr;
   Cq* recv_cq = nullptr;
   Srq* srq = nullptr;  ///< receives come from here instead of the QP's RQ
+  /// XRC_RECV: its domain's id, and how many handles (sessions' creations and ibv_open_qp)
+  /// hold it. `srq` and `recv_cq` are then those of the SRQ the request being answered named
+  /// (bind_xrc_srq); it has no PD, no send CQ and is never polled (Guest::xrc_qps owns it).
+  uint32_t xrcd = 0;
+  uint32_t opens = 0;
   bool sq_sig_all = false;
   proto::QpCaps caps{};
   proto::QpAttr attr{};
@@ -321,6 +344,13 @@ struct Guest {
   std::unordered_map<uint32_t, Qp*> qps;  ///< by QPN
   std::unordered_map<uint32_t, Mr*> mrs;  ///< by key
   std::unordered_map<uint32_t, Mw*> mws;  ///< by index (rkey >> 8)
+  // XRC (device_xrc.cc): domains by id, XRC SRQs by number, receive QPs (owned here: any
+  // session of the domain may hold them) by QPN.
+  std::map<uint32_t, std::unique_ptr<Xrcd>> xrcds;
+  std::unordered_map<uint32_t, Srq*> xrc_srqs;
+  std::map<uint32_t, std::unique_ptr<Qp>> xrc_qps;
+  uint32_t next_xrcd = 1;
+  uint32_t next_srqn = 1;
   QpCounters retired;  ///< counters of its destroyed QPs, so per-guest sums never go down
   uint64_t used[static_cast<size_t>(Res::kCount)] = {};  ///< summed over its sessions
   uint32_t quota_logged = 0;  ///< bit per Res (+ kCount: depth): the hit was logged already
@@ -354,6 +384,8 @@ struct Session {
   std::map<uint32_t, std::unique_ptr<Srq>> srqs;
   std::map<uint32_t, Dm> dms;
   std::map<uint32_t, std::unique_ptr<Mw>> mws;
+  std::map<uint32_t, uint32_t> xrcds;    ///< XRC: handle -> the guest's domain id (one per open)
+  std::map<uint32_t, uint32_t> xrc_qps;  ///< XRC: handle -> QPN of a receive QP it holds
   /// The direct path's trust (device_direct.cc): where this process keeps its proof cookie
   /// (kDirectCookie), and the sessions whose memory it proved it may write (kDirectProve).
   uint64_t cookie_addr = 0;
@@ -405,7 +437,17 @@ struct Inbound {
   uint32_t src_qpn = 0;
   uint16_t slid = 0;
   ibv_qp_type type = IBV_QPT_RC;
+  uint32_t xrc_srqn = 0;  ///< XRC_SEND: the SRQ of the target's domain it is for
 };
+
+/// The session and PD whose MRs a QP's responder reaches: an XRC receive QP has none of its
+/// own and uses those of the SRQ the request named (IB spec: the XRC SRQ's PD).
+inline const Session* mem_session(const Qp& q) {
+  return q.type == IBV_QPT_XRC_RECV && q.srq ? q.srq->owner : q.owner;
+}
+inline uint32_t mem_pd(const Qp& q) {
+  return q.type == IBV_QPT_XRC_RECV && q.srq ? q.srq->pd : q.pd;
+}
 
 /// The responder's verdict on an Inbound before any byte moves.
 struct Response {

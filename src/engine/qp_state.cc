@@ -119,10 +119,27 @@ Status check_modify_qp(ibv_qp_type type, ibv_qp_state cur, ibv_qp_state next, ui
     return error(EINVAL, fmt::format("unknown QP state {} -> {}", int(cur), int(next)));
   PerType t = rule_for(cur, next);
   Rule r;
+  const bool to_rtr = cur == IBV_QPS_INIT && next == IBV_QPS_RTR && (mask & IBV_QP_STATE);
+  const bool to_rts = cur == IBV_QPS_RTR && next == IBV_QPS_RTS && (mask & IBV_QP_STATE);
   switch (type) {
     case IBV_QPT_RC: r = t.rc; break;
     case IBV_QPT_UC: r = t.uc; break;
     case IBV_QPT_UD: r = t.ud; break;
+    case IBV_QPT_XRC_SEND:
+      // The initiator: RC's sets, but it answers nothing, so RTR asks what UC's does (no
+      // responder resources, no RNR timer), and RTS takes no RNR timer.
+      r = to_rtr ? t.uc : t.rc;
+      if (to_rts || (cur == next && cur == IBV_QPS_RTS)) r.optional &= ~IBV_QP_MIN_RNR_TIMER;
+      break;
+    case IBV_QPT_XRC_RECV:
+      // The target: RC's sets, but it sends nothing, so RTS needs only the PSN and timeout.
+      r = t.rc;
+      if (to_rts) {
+        r.required = kS | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT;
+        r.optional = IBV_QP_CUR_STATE | IBV_QP_ALT_PATH | IBV_QP_ACCESS_FLAGS |
+                     IBV_QP_PATH_MIG_STATE | IBV_QP_MIN_RNR_TIMER;
+      }
+      break;
     default: return error(EINVAL, "unsupported QP type");
   }
   if (!r.valid)

@@ -33,7 +33,14 @@ size_t request_body_size(Op op) {
     case Op::kCmDisconnect:
     case Op::kFreeDm:
     case Op::kDeallocMw:
+    case Op::kCloseXrcd:
       return sizeof(HandleReq);
+    case Op::kOpenXrcd:
+      return sizeof(OpenXrcdReq);
+    case Op::kCreateXrcSrq:
+      return sizeof(CreateXrcSrqReq);
+    case Op::kOpenQp:
+      return sizeof(OpenQpReq);
     case Op::kAllocMw:
       return sizeof(AllocMwReq);
     case Op::kReregMr:
@@ -162,11 +169,11 @@ std::string op_name(uint16_t op) {
                                            "direct_cookie",
                                            "direct_peer",
                                            "direct_prove",
-                                           nullptr,  // 68-72: free
-                                           nullptr,
-                                           nullptr,
-                                           nullptr,
-                                           nullptr,
+                                           "open_xrcd",
+                                           "close_xrcd",
+                                           "create_xrc_srq",
+                                           "open_qp",
+                                           nullptr,  // 72: free
                                            "import_context",
                                            "import_object"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));

@@ -100,11 +100,18 @@ enum class Op : uint16_t {
   /// Variable body: a piece of the guest's RDMA CM state (JSON, backend/cm_migrate.cc), its
   /// channels' sockets attached; between kImportData and kImportCommit of a move, optional.
   kImportCm = 61,
-  // 62-64 and 68-72: free (kept for work in flight).
+  // 62-64: free (kept for work in flight).
   // The direct path's trust rule (docs/ARCHITECTURE.md, "Direct path": trust).
   kDirectCookie = 65,  ///< DirectCookieReq; Empty
   kDirectPeer = 66,    ///< HandleReq (the QP); DirectPeerResp
   kDirectProve = 67,   ///< HandleReq (the QP), one fd attached: the proof; Empty
+  // XRC (docs/ARCHITECTURE.md, "XRC"). An XRC domain is the guest's, named by the inode of a
+  // file the guest opened (attached to kOpenXrcd); SRQs and receive QPs live in it.
+  kOpenXrcd = 68,      ///< OpenXrcdReq, the file's fd attached (none: a private domain); HandleResp
+  kCloseXrcd = 69,     ///< HandleReq (EBUSY while this session has SRQs or QPs in it)
+  kCreateXrcSrq = 70,  ///< CreateXrcSrqReq; CreateSrqResp (srq_num); response fd: the ring memfd
+  kOpenQp = 71,        ///< OpenQpReq: an XRC receive QP of the domain; CreateQpResp (no rings)
+  // 72: free.
   // Another process shares this session (ibv_import_device: it holds the session's socket, the
   // ibv_context's cmd_fd, passed to it by SCM_RIGHTS). docs/ARCHITECTURE.md, "Imports".
   kImportContext = 73,  ///< Empty; HelloResp; response fds as kHello's (control, doorbell, async)
@@ -441,7 +448,7 @@ struct CreateQpReq {
   uint8_t qp_type;  ///< IBV_QPT_*
   uint8_t sq_sig_all;
   uint16_t reserved;
-  uint32_t reserved2;
+  uint32_t xrcd;  ///< IBV_QPT_XRC_RECV: the XRC domain's handle (pd, CQs, srq unused); else 0
   QpCaps caps;
 };
 static_assert(sizeof(CreateQpReq) == 48);
@@ -519,11 +526,34 @@ struct CreateSrqReq {
 static_assert(sizeof(CreateSrqReq) == 24);
 struct CreateSrqResp {
   uint32_t handle;
-  uint32_t reserved;
+  uint32_t srq_num;  ///< kCreateXrcSrq: the number requests name it by; else 0
   SrqAttr attr;  ///< what the ring really holds
   uint64_t ring_bytes;
 };
 static_assert(sizeof(CreateSrqResp) == 32);
+/// kOpenXrcd: ibv_xrcd_init_attr's oflags (O_CREAT, O_EXCL); the file's fd rides along.
+struct OpenXrcdReq {
+  uint32_t oflags;
+  uint32_t reserved;
+};
+static_assert(sizeof(OpenXrcdReq) == 8);
+/// kCreateXrcSrq: ibv_create_srq_ex with IBV_SRQT_XRC: its PD (the buffers'), domain and CQ.
+struct CreateXrcSrqReq {
+  uint32_t pd;
+  uint32_t xrcd;
+  uint32_t cq;
+  uint32_t reserved;
+  SrqAttr attr;
+};
+static_assert(sizeof(CreateXrcSrqReq) == 32);
+/// kOpenQp: ibv_open_qp of receive QP `qpn` of domain `xrcd` (IBV_QPT_XRC_RECV only).
+struct OpenQpReq {
+  uint32_t xrcd;
+  uint32_t qpn;
+  uint32_t qp_type;
+  uint32_t reserved;
+};
+static_assert(sizeof(OpenQpReq) == 16);
 struct ModifySrqReq {
   uint32_t handle;
   uint32_t mask;  ///< IBV_SRQ_MAX_WR | IBV_SRQ_LIMIT

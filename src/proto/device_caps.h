@@ -26,6 +26,7 @@ inline constexpr uint32_t kMaxRdAtomic = 16;  ///< outstanding READ/atomic per Q
 inline constexpr uint32_t kPortMaxMtu = 5;  ///< IBV_MTU_4096
 inline constexpr uint32_t kMaxChannels = 1024;
 inline constexpr uint32_t kMaxSrq = 4096;
+inline constexpr uint32_t kMaxXrcd = 256;  ///< XRC domains per guest (and opens per session)
 inline constexpr uint32_t kMaxSegments = 65536;
 /// UD multicast (engine/device_mcast.cc): groups per backend, QPs per group, groups per QP.
 inline constexpr uint32_t kMaxMcastGroups = 4096;

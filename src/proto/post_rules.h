@@ -34,10 +34,20 @@ constexpr bool needs_backend(uint32_t op) {
   return is_local_mw_op(op) || op == IBV_WR_SEND_WITH_INV;
 }
 
+/// The reliable connected QP types: RC and both ends of XRC (acknowledged, PSNs, retries).
+constexpr bool is_reliable(uint32_t qp_type) {
+  return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_XRC_SEND || qp_type == IBV_QPT_XRC_RECV;
+}
+
 /// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
 /// Memory windows: binds and local invalidation on RC and UC (the QPs that reach windows
 /// through an rkey); SEND_WITH_INV on RC only (the IB spec has it for RC and XRC, not UC).
+/// XRC_SEND posts what RC does but windows (vrdma binds no window through an XRC QP, and
+/// SEND_WITH_INV would reach a window of the target's domain); XRC_RECV posts nothing.
 constexpr bool opcode_allowed(uint32_t qp_type, uint32_t op) {
+  if (qp_type == IBV_QPT_XRC_SEND)
+    return is_send(op) ? op != IBV_WR_SEND_WITH_INV
+                       : is_rdma_write(op) || op == IBV_WR_RDMA_READ || is_rdma_atomic(op);
   if (op == IBV_WR_SEND_WITH_INV) return qp_type == IBV_QPT_RC;
   if (is_send(op)) return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC || qp_type == IBV_QPT_UD;
   if (is_rdma_write(op) || is_local_mw_op(op))

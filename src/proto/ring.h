@@ -93,6 +93,8 @@ struct UdDest {
 /// `ud_remote_qpn`, the range in `remote_addr` and `compare_add` (its length), the MR's lkey
 /// and the window's access in `swap` (pack_bind); IBV_WR_LOCAL_INV its rkey in `rkey`;
 /// IBV_WR_SEND_WITH_INV its invalidate_rkey in `imm_data` (as ibv_send_wr's union has it).
+/// XRC: a WQE of an IBV_QPT_XRC_SEND QP carries the target's SRQ number (xrc_remote_srq_num) in
+/// `ud_remote_qkey`, which only UD uses otherwise.
 struct SendWqe {
   uint64_t wr_id;
   uint32_t opcode;      ///< IBV_WR_*

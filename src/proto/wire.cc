@@ -73,7 +73,8 @@ Status check_request(const FrameHeader& h, const Request& r) {
   if (r.src_qpn > 0xffffff || r.dst_qpn > 0xffffff || r.psn > 0xffffff)
     return error(EPROTO, "request: QPN or PSN wider than 24 bits");
   const uint32_t op = r.opcode;
-  if (r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UC && r.qp_type != IBV_QPT_UD)
+  if (r.qp_type != IBV_QPT_RC && r.qp_type != IBV_QPT_UC && r.qp_type != IBV_QPT_UD &&
+      r.qp_type != IBV_QPT_XRC_SEND)
     return error(EPROTO, fmt::format("request: QP type {}", r.qp_type));
   // What the QP type may post (post_rules.h), less what never leaves the requester (binds,
   // local invalidation). SEND_WITH_INV came with memory windows: an older peer refuses it here.

@@ -5,7 +5,8 @@
 // reused. History: 1 first; 2 kDirectOffer; 3 Syndrome::kSeqNak and kRnrNak's kRnrNotReady;
 // 4 kCm (the RDMA connection service's messages between backends); 5 CmKind::kAddrQuery and
 // kAddrReply (address resolution across backends, IPv6); 6 CmKind::kMoved (live migration);
-// 7 kClose (an idle connection closed by agreement).
+// 7 kClose (an idle connection closed by agreement); 8 XRC requests (qp_type
+// IBV_QPT_XRC_SEND, Request::xrc_srqn).
 // decode() validates every length and field before anything is used: it faces the network.
 #pragma once
 
@@ -25,7 +26,7 @@ namespace vrdma::proto::wire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kWireMagic = 0x57445256;  // "VRDW"
-inline constexpr uint16_t kWireVersion = 7;
+inline constexpr uint16_t kWireVersion = 8;
 inline constexpr uint32_t kMaxPayload = 1u << 31;  ///< the device's max_msg_sz
 inline constexpr uint32_t kMaxUdPayload = 4096;    ///< the port MTU
 inline constexpr size_t kNameMax = 64;             ///< node and guest names, NUL-padded
@@ -81,7 +82,7 @@ struct Request {
   uint16_t slid;     ///< requester's guest LID
   uint16_t dlid;     ///< destination guest LID (when !is_global), or a group's (UD)
   uint8_t is_global;
-  uint8_t qp_type;  ///< IBV_QPT_RC, UC or UD
+  uint8_t qp_type;  ///< IBV_QPT_RC, UC, UD or XRC_SEND (version 8)
   uint8_t sl;
   uint8_t reserved0;
   uint32_t src_qpn;
@@ -91,7 +92,7 @@ struct Request {
   uint32_t send_flags;  ///< IBV_SEND_SOLICITED is the only one the responder reads
   uint32_t imm_data;    ///< network order
   uint32_t rkey;
-  uint32_t reserved1;
+  uint32_t xrc_srqn;  ///< XRC_SEND: the SRQ of the target's XRC domain it is for (version 8)
   uint64_t remote_addr;
   uint64_t compare_add;
   uint64_t swap;

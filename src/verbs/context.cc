@@ -278,10 +278,10 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a) {
   a.max_qp = kMaxQp;
   a.max_qp_wr = kMaxQpWr;
   // Memory windows, type 1 and 2B (bound to a PD and a QP: proto/responder_rules.h), with
-  // local and remote invalidation: the memory management extensions.
+  // local and remote invalidation: the memory management extensions. XRC (xrc.cc).
   a.device_cap_flags = IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_PORT_ACTIVE_EVENT |
                        IBV_DEVICE_MEM_WINDOW | IBV_DEVICE_MEM_WINDOW_TYPE_2B |
-                       IBV_DEVICE_MEM_MGT_EXTENSIONS;
+                       IBV_DEVICE_MEM_MGT_EXTENSIONS | IBV_DEVICE_XRC;
   a.max_sge = kMaxSge;
   a.max_sge_rd = kMaxSge;
   a.max_cq = kMaxCq;
@@ -508,6 +508,11 @@ ibv_context* start_context(VContext* ctx, std::vector<UniqueFd>& fds) {
   v.alloc_dm = alloc_dm;
   v.free_dm = free_dm;
   v.reg_dm_mr = reg_dm_mr;
+  v.open_xrcd = open_xrcd;
+  v.close_xrcd = close_xrcd;
+  v.create_srq_ex = create_srq_ex;
+  v.get_srq_num = get_srq_num;
+  v.open_qp = open_qp;
   return &c;
 }
 

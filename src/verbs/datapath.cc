@@ -75,6 +75,8 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
       w.remote_addr = wr->wr.rdma.remote_addr;
       w.rkey = wr->wr.rdma.rkey;
     }
+    // XRC: the SRQ of the target's domain (proto/ring.h: UD's qkey field).
+    if (q->qp_type == IBV_QPT_XRC_SEND) w.ud_remote_qkey = wr->qp_type.xrc.remote_srqn;
     if (is_local_mw_op(wr->opcode)) {  // no data: its fields are all set
       w.num_sge = 0;
       w.inline_len = 0;

@@ -49,6 +49,11 @@ constexpr uint64_t kRcSendOps = kUcSendOps | IBV_QP_EX_WITH_RDMA_READ |
                                 IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP |
                                 IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD | IBV_QP_EX_WITH_SEND_WITH_INV;
 
+/// XRC_SEND: RC's, less the windows (proto::opcode_allowed).
+constexpr uint64_t kXrcSendOps =
+    kRcSendOps &
+    ~uint64_t{IBV_QP_EX_WITH_BIND_MW | IBV_QP_EX_WITH_LOCAL_INV | IBV_QP_EX_WITH_SEND_WITH_INV};
+
 constexpr uint32_t kSupportedQpMask =
     IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_CREATE_FLAGS | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
 
@@ -81,17 +86,21 @@ ibv_cq_ex* create_cq_ex(ibv_context* c, ibv_cq_init_attr_ex* a) {
 
 ibv_qp* create_qp_ex(ibv_context* c, ibv_qp_init_attr_ex* a) {
   if (!a) return fail_ptr<ibv_qp>(EINVAL);
+  if (a->qp_type == IBV_QPT_XRC_RECV) return create_xrc_recv_qp(c, a);  // xrc.cc
   if (!(a->comp_mask & IBV_QP_INIT_ATTR_PD) || !a->pd || a->pd->context != c)
     return fail_ptr<ibv_qp>(EINVAL);
+  // A domain is for XRC receive QPs only.
+  if (a->comp_mask & IBV_QP_INIT_ATTR_XRCD) return fail_ptr<ibv_qp>(EINVAL);
   if (a->comp_mask & ~kSupportedQpMask) return fail_ptr<ibv_qp>(EOPNOTSUPP);
   if ((a->comp_mask & IBV_QP_INIT_ATTR_CREATE_FLAGS) && a->create_flags)
     return fail_ptr<ibv_qp>(EOPNOTSUPP);
   const bool ex = a->comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
   if (ex) {
-    const uint64_t ops = a->qp_type == IBV_QPT_RC   ? kRcSendOps
-                         : a->qp_type == IBV_QPT_UC ? kUcSendOps
-                         : a->qp_type == IBV_QPT_UD ? kUdSendOps
-                                                    : 0;
+    const uint64_t ops = a->qp_type == IBV_QPT_RC         ? kRcSendOps
+                         : a->qp_type == IBV_QPT_UC       ? kUcSendOps
+                         : a->qp_type == IBV_QPT_UD       ? kUdSendOps
+                         : a->qp_type == IBV_QPT_XRC_SEND ? kXrcSendOps
+                                                          : 0;
     if (!ops || (a->send_ops_flags & ~ops)) return fail_ptr<ibv_qp>(EOPNOTSUPP);
   }
   // ibv_qp_init_attr is a prefix of ibv_qp_init_attr_ex (verbs.h's inline wrapper relies on it

@@ -236,6 +236,16 @@ void wr_set_ud_addr(ibv_qp_ex* q, ibv_ah* ah, uint32_t remote_qpn, uint32_t remo
   w->ud_remote_qkey = remote_qkey;
 }
 
+void wr_set_xrc_srqn(ibv_qp_ex* q, uint32_t remote_srqn) {
+  SendWqe* w = open_wqe_or_fail(q);
+  if (!w) return;
+  if (q->qp_base.qp_type != IBV_QPT_XRC_SEND) {
+    fail_batch(qp_of(q), EINVAL);
+    return;
+  }
+  w->ud_remote_qkey = remote_srqn;  // as post_send does for qp_type.xrc.remote_srqn
+}
+
 void wr_set_sge_list(ibv_qp_ex* q, size_t num_sge, const ibv_sge* sg_list) {
   SendWqe* w = open_wqe_or_fail(q);
   if (!w) return;
@@ -321,7 +331,8 @@ void install_qp_ex_ops(ibv_qp_ex& q) {
   q.wr_bind_mw = wr_bind_mw;
   q.wr_local_inv = wr_local_inv;
   q.wr_send_inv = wr_send_inv;
-  // send_tso, set_xrc_srqn, atomic_write stay null:
+  q.wr_set_xrc_srqn = wr_set_xrc_srqn;
+  // send_tso and atomic_write stay null:
   // create_qp_ex refuses the send_ops_flags that would need them.
 }
 

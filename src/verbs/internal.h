@@ -249,6 +249,13 @@ int bind_mw(ibv_qp* qp, ibv_mw* mw, ibv_mw_bind* mb);
 /// A bind WQE's fields (proto/ring.h) from a bind WR's window, new rkey and bind_info.
 void fill_bind(proto::SendWqe& w, const ibv_mw* mw, uint32_t rkey, const ibv_mw_bind_info& info);
 int free_dm(ibv_dm* dm);
+// XRC (xrc.cc): the verbs_context ops, and create_qp_ex's IBV_QPT_XRC_RECV.
+ibv_xrcd* open_xrcd(ibv_context* c, ibv_xrcd_init_attr* attr);
+int close_xrcd(ibv_xrcd* xrcd);
+ibv_srq* create_srq_ex(ibv_context* c, ibv_srq_init_attr_ex* attr);
+int get_srq_num(ibv_srq* srq, uint32_t* srq_num);
+ibv_qp* open_qp(ibv_context* c, ibv_qp_open_attr* attr);
+ibv_qp* create_xrc_recv_qp(ibv_context* c, ibv_qp_init_attr_ex* attr);
 ibv_mr* reg_dm_mr(ibv_pd* pd, ibv_dm* dm, uint64_t offset, size_t length, unsigned int access);
 uint64_t max_dm_size(const VContext& ctx);
 

@@ -477,12 +477,17 @@ VERBS_EXPORT void ibv_ack_cq_events(ibv_cq* cq, unsigned int nevents) {
 // ---- queue pairs ----
 
 VERBS_EXPORT ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
-  if (!pd || !attr || !attr->send_cq || !attr->recv_cq) return fail_ptr<ibv_qp>(EINVAL);
+  // An XRC send QP has a send queue only (ibv_create_qp_ex(3); verbs.h's ibv_create_qp_ex
+  // comes here when only the PD is given): no receive CQ or SRQ. The backend's QP takes the
+  // send CQ for the receive CQ it never uses.
+  const bool xrc_send = attr && attr->qp_type == IBV_QPT_XRC_SEND;
+  if (!pd || !attr || !attr->send_cq || (!attr->recv_cq && !xrc_send) || (xrc_send && attr->srq))
+    return fail_ptr<ibv_qp>(EINVAL);
   VContext* ctx = to_vctx(pd->context);
   CreateQpReq req{};
   req.pd = reinterpret_cast<VPd*>(pd)->handle;
   req.send_cq = to_vcq(attr->send_cq)->handle;
-  req.recv_cq = to_vcq(attr->recv_cq)->handle;
+  req.recv_cq = to_vcq(xrc_send ? attr->send_cq : attr->recv_cq)->handle;
   req.srq = attr->srq ? to_vsrq(attr->srq)->handle : kNone;
   req.qp_type = static_cast<uint8_t>(attr->qp_type);
   req.sq_sig_all = attr->sq_sig_all ? 1 : 0;
@@ -513,7 +518,7 @@ VERBS_EXPORT ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr) {
   q.qp_context = attr->qp_context;
   q.pd = pd;
   q.send_cq = attr->send_cq;
-  q.recv_cq = attr->recv_cq;
+  q.recv_cq = xrc_send ? nullptr : attr->recv_cq;
   q.srq = attr->srq;
   q.handle = resp.handle;
   q.qp_num = resp.qpn;
@@ -574,8 +579,9 @@ VERBS_EXPORT int ibv_destroy_qp(ibv_qp* qp) {
   VContext* ctx = to_vctx(qp->context);
   remote_destroy(*v);
   if (int rc = destroy_handle(qp->context, Op::kDestroyQp, v->handle)) return rc;
-  drop_rings(*to_vcq(qp->send_cq), v->handle);
-  drop_rings(*to_vcq(qp->recv_cq), v->handle);
+  // XRC QPs lack one CQ (send) or both (receive).
+  if (qp->send_cq) drop_rings(*to_vcq(qp->send_cq), v->handle);
+  if (qp->recv_cq) drop_rings(*to_vcq(qp->recv_cq), v->handle);
   {
     std::lock_guard<std::mutex> g(ctx->objs_mu);
     ctx->qps.erase(v->handle);

@@ -65,19 +65,9 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return rc;
 }
 
-}  // namespace vrdma::verbs
-
-VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* attr) {
-  if (!pd || !attr) {
-    errno = EINVAL;
-    return nullptr;
-  }
-  VContext* ctx = to_vctx(pd->context);
-  CreateSrqReq req{reinterpret_cast<VPd*>(pd)->handle, 0,
-                   SrqAttr{attr->attr.max_wr, attr->attr.max_sge, attr->attr.srq_limit, 0}};
-  CreateSrqResp resp{};
-  std::vector<UniqueFd> fds;
-  if (ctx->call(Op::kCreateSrq, req, resp, {}, &fds)) return nullptr;
+VSrq* finish_srq(ibv_context* c, ibv_pd* pd, void* srq_context, ibv_srq_attr& attr,
+                 const CreateSrqResp& resp, std::vector<UniqueFd>& fds) {
+  VContext* ctx = to_vctx(c);
   auto* srq = new VSrq{};
   srq->ring = MappedRegion::map_shared(fds.empty() ? -1 : fds[0].get(), resp.ring_bytes);
   if (!srq->ring.valid()) {
@@ -92,17 +82,34 @@ VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* attr) {
   srq->entries = ring_entries<RecvWqe>(srq->hdr);
   srq->size = resp.attr.max_wr;
   srq->max_sge = resp.attr.max_sge;
-  srq->srq.context = pd->context;
-  srq->srq.srq_context = attr->srq_context;
+  srq->srq.context = c;
+  srq->srq.srq_context = srq_context;
   srq->srq.pd = pd;
   srq->srq.handle = resp.handle;
   pthread_mutex_init(&srq->srq.mutex, nullptr);
   pthread_cond_init(&srq->srq.cond, nullptr);
-  attr->attr.max_wr = resp.attr.max_wr;
-  attr->attr.max_sge = resp.attr.max_sge;
+  attr.max_wr = resp.attr.max_wr;
+  attr.max_sge = resp.attr.max_sge;
   std::lock_guard<std::mutex> g(g_srqs_mu);
-  g_srqs[{pd->context, srq->handle}] = &srq->srq;
-  return &srq->srq;
+  g_srqs[{c, srq->handle}] = &srq->srq;
+  return srq;
+}
+
+}  // namespace vrdma::verbs
+
+VERBS_EXPORT ibv_srq* ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* attr) {
+  if (!pd || !attr) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  VContext* ctx = to_vctx(pd->context);
+  CreateSrqReq req{reinterpret_cast<VPd*>(pd)->handle, 0,
+                   SrqAttr{attr->attr.max_wr, attr->attr.max_sge, attr->attr.srq_limit, 0}};
+  CreateSrqResp resp{};
+  std::vector<UniqueFd> fds;
+  if (ctx->call(Op::kCreateSrq, req, resp, {}, &fds)) return nullptr;
+  VSrq* srq = finish_srq(pd->context, pd, attr->srq_context, attr->attr, resp, fds);
+  return srq ? &srq->srq : nullptr;
 }
 
 VERBS_EXPORT int ibv_modify_srq(ibv_srq* srq, ibv_srq_attr* attr, int mask) {

@@ -385,3 +385,11 @@ run_perftest() {
 
 # The result rows: lines of numbers after the "#bytes" header. Prints them.
 result_rows() { awk '/#bytes/ {t = 1; next} t && $1 ~ /^[0-9]+$/ && NF >= 4' "$1"; }
+
+# Waits up to SECS for PID (a child of this shell), which must exit 0 having printed a line
+# "success" into OUT (ibv_xsrq_pingpong's last word). Usage: wait_success WHAT PID OUT SECS
+wait_success() {
+  wait_pid "$2" "$4"
+  [[ $WAIT_RC == 0 ]] || fail "$1 exited $WAIT_RC: $(tail -n 3 "$3")"
+  grep -qx success "$3" || fail "$1 did not say success"
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Debian's unmodified qperf through vrdma on one host: its RDMA tests (XRC aside: vrdma0 has no
-# XRC) for one second each, half of them in each mode, one client run for them. MODE `wait` sleeps on completion channels
+# Debian's unmodified qperf through vrdma on one host: its RDMA tests (XRC aside: Debian builds
+# qperf without it, its xrc_* tests are "bad test") for one second each, half of them in each
+# mode, one client run for them. MODE `wait` sleeps on completion channels
 # (qperf's default), `poll` polls the CQs (-cp 1). Its one-way tests create QPs with
 # max_send_wr or max_recv_wr 0, which the device once refused.
 # Usage: qperf.sh BIN_DIR wait|poll

@@ -18,7 +18,8 @@ OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=
            cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
            cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
            cm_disconnect=47, cm_migrate_id=48, rereg_mr=54, resize_cq=55, alloc_dm=56, free_dm=57,
-           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, dereg_segment=34)
+           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, dereg_segment=34, open_xrcd=68,
+           close_xrcd=69, create_xrc_srq=70, open_qp=71)
 
 
 def msg(op, body=b"", flags=3):
@@ -128,7 +129,31 @@ windows = b"".join([
     msg("dealloc_mw", struct.pack("<II", 3, 0)),
     msg("dealloc_mw", struct.pack("<II", 3, 0)),
 ])
+# XRC: a private domain (no fd attached: O_CREAT), an XRC SRQ with its CQ, a receive QP of the
+# domain taken to RTR, opened again by number, a close refused while they are in it.
+xrc = b"".join([
+    hello,
+    msg("alloc_pd"),                                                     # pd 1
+    msg("create_cq", struct.pack("<IIII", 16, NONE, 0, 0)),              # cq 2
+    msg("open_xrcd", struct.pack("<II", 0o100, 0)),                      # xrcd 3
+    msg("open_xrcd", struct.pack("<II", 0, 0)),
+    msg("create_xrc_srq", struct.pack("<IIII", 1, 3, 2, 0) + struct.pack("<IIII", 8, 1, 0, 0)),
+    msg("create_qp", struct.pack("<IIIIBBHI", NONE, NONE, NONE, NONE, 10, 0, 0, 3) +
+        struct.pack("<IIIIII", 0, 0, 0, 0, 0, 0)),                        # qp 5 (XRC_RECV)
+    msg("modify_qp", struct.pack("<II", 5, 1 | 8 | 16 | 32) + qp_attr(1)),
+    msg("modify_qp", struct.pack("<II", 5, 1 | 128 | 256 | 1024 | 2048 | 65536 | 131072 | 1048576) +
+        qp_attr(2, dlid=1, dqpn=0x12)),
+    msg("open_qp", struct.pack("<IIII", 3, 0x11, 10, 0)),                 # qp 6
+    msg("close_xrcd", struct.pack("<II", 3, 0)),
+    msg("create_qp", struct.pack("<IIIIBBHI", 1, 2, 2, NONE, 9, 0, 0, 0) +
+        struct.pack("<IIIIII", 8, 0, 1, 0, 0, 0)),                        # qp 7 (XRC_SEND)
+    msg("destroy_qp", struct.pack("<II", 6, 0)),
+    msg("destroy_qp", struct.pack("<II", 5, 0)),
+    msg("destroy_srq", struct.pack("<II", 4, 0)),
+    msg("close_xrcd", struct.pack("<II", 3, 0)),
+])
 command = {
+    "seed-xrc": xrc,
     "seed-windows": windows,
     "seed-more-verbs": more_verbs,
     "seed-lifecycle": lifecycle,
@@ -194,7 +219,7 @@ ring = {
 }
 
 # ---- wire fuzzer: a stream of frames as a peer backend sends them (src/proto/wire.h).
-WIRE_VERSION = 7  # kWireVersion
+WIRE_VERSION = 8  # kWireVersion
 
 
 def frame(t, body, payload=b""):
@@ -205,9 +230,9 @@ hello_f = frame(1, b"node-b".ljust(64, b"\0") + struct.pack("<II", WIRE_VERSION,
 guest_up = frame(2, b"tenant".ljust(64, b"\0") + bytes(16) + struct.pack("<HHI", 3, 0, 0))
 
 
-def request(op, length, payload=b"", qp_type=2):
+def request(op, length, payload=b"", qp_type=2, xrc_srqn=0):
     body = bytes(16) + bytes(16) + struct.pack("<HHBBBBIIIIIIII", 3, 4, 0, qp_type, 0, 0, 0x11, 0x12,
-                                               7, op, 0, 0, 0x1234, 0)
+                                               7, op, 0, 0, 0x1234, xrc_srqn)
     body += struct.pack("<QQQII", 0x1000, 1, 0, length, 0)
     return frame(4, body, payload)
 
@@ -238,6 +263,8 @@ wire = {
     "seed-hello-guest": hello_f + guest_up + frame(3, guest_up[16:]),
     "seed-requests": hello_f + request(SEND, 16, b"x" * 16) + request(WRITE, 8, b"y" * 8) +
         request(READ, 64) + request(FADD, 8) + request(SEND, 4, b"abcd", qp_type=4),
+    "seed-xrc-requests": hello_f + request(SEND, 8, b"x" * 8, qp_type=9, xrc_srqn=1) +
+        request(WRITE, 8, b"y" * 8, qp_type=9, xrc_srqn=0xffffff),
     "seed-replies": hello_f + reply(0) + reply(1) + reply(2) + reply(3, b"z" * 32) + reply(4) +
         reply(5),
     "seed-direct-offers": hello_f + direct_offer(0x12, 0x11, 40000) +

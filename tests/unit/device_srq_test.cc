@@ -1,5 +1,8 @@
 // Shared receive queues in the device model: several QPs draw receives from one SRQ, a QP
 // entering ERR leaves the SRQ's receives alone, and the SRQ limit event fires once when armed.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "device_fixture.h"
 
 namespace vrdma::engine::devtest {
@@ -105,6 +108,55 @@ TEST_F(DeviceSrqTest, ModifyArmsTheLimitAndRefusesResize) {
   EXPECT_EQ(dev_.query_srq(*b_.s, s.handle)->srq_limit, 4u);
   EXPECT_TRUE(dev_.destroy_srq(*b_.s, s.handle));
   EXPECT_EQ(totals()["srq"], 0);
+}
+
+// XRC: a receive QP outlives the session that created it while another session of the guest
+// holds it (ibv_open_qp), and its domain lives while anything is in it; a domain is the guest's,
+// found again by the file's inode, and another guest's domain of the same file is another.
+TEST_F(DeviceSrqTest, AnXrcReceiveQpLivesWhileASessionHoldsIt) {
+  char path[] = "/tmp/vrdma-xrc-unit-XXXXXX";
+  UniqueFd file(::mkstemp(path));
+  ASSERT_TRUE(file.valid());
+  ::unlink(path);
+  auto dup = [&] { return UniqueFd(::dup(file.get())); };
+  G a2 = open("a");
+  auto xa = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, dup());
+  ASSERT_TRUE(xa.is_ok());
+  EXPECT_EQ(dev_.open_xrcd(*b_.s, OpenXrcdReq{0, 0}, dup()).err(), ENOENT);  // another guest
+  auto x2 = dev_.open_xrcd(*a2.s, OpenXrcdReq{0, 0}, dup());
+  ASSERT_TRUE(x2.is_ok()) << x2.status().message();
+  CreateQpReq req{};
+  req.qp_type = IBV_QPT_XRC_RECV;
+  req.xrcd = xa.value();
+  UniqueFd none;
+  auto tgt = dev_.create_qp(*a_.s, req, none);
+  ASSERT_TRUE(tgt.is_ok()) << tgt.status().message();
+  EXPECT_FALSE(none.valid());  // no rings
+  auto opened = dev_.open_qp(*a2.s, OpenQpReq{x2.value(), tgt->qpn, IBV_QPT_XRC_RECV, 0});
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  EXPECT_EQ(dev_.open_qp(*a2.s, OpenQpReq{x2.value(), tgt->qpn + 1, IBV_QPT_XRC_RECV, 0}).err(),
+            EINVAL);
+  EXPECT_EQ(dev_.close_xrcd(*a2.s, x2.value()).err(), EBUSY);  // its QP handle is in it
+  dev_.close_session(a_.s);
+  a_.s = nullptr;
+  // Still there for the other session, whose handle its async events now carry: it queries and
+  // modifies it.
+  const Qp& held = *a2.s->guest->xrc_qps.at(tgt->qpn);
+  EXPECT_EQ(held.owner, a2.s);
+  EXPECT_EQ(held.handle, opened->handle);
+  auto q = dev_.query_qp(*a2.s, opened->handle);
+  ASSERT_TRUE(q.is_ok()) << q.status().message();
+  ModifyQpReq m{
+      opened->handle, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS, {}};
+  m.attr.qp_state = IBV_QPS_INIT;
+  m.attr.port_num = 1;
+  EXPECT_TRUE(dev_.modify_qp(*a2.s, m).is_ok());
+  EXPECT_EQ(a2.s->guest->used[static_cast<size_t>(Res::kQp)], 1u);
+  ASSERT_TRUE(dev_.destroy_qp(*a2.s, opened->handle).is_ok());
+  EXPECT_EQ(a2.s->guest->used[static_cast<size_t>(Res::kQp)], 0u);
+  EXPECT_TRUE(a2.s->guest->xrc_qps.empty());
+  ASSERT_TRUE(dev_.close_xrcd(*a2.s, x2.value()).is_ok());
+  EXPECT_TRUE(a2.s->guest->xrcds.empty());
 }
 
 }  // namespace

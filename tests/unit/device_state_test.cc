@@ -227,6 +227,25 @@ TEST_F(DeviceTest, MemoryWindowsMoveWithTheGuestBoundOrNot) {
   EXPECT_TRUE(dev_.dealloc_mw(*a_.s, idle->handle).is_ok());
 }
 
+// XRC domains, SRQs and receive QPs are not in the blob: a guest holding any is refused a move
+// (and a snapshot) with EOPNOTSUPP, and moves again once they are gone.
+TEST_F(DeviceTest, AGuestHoldingXrcObjectsIsRefusedAMove) {
+  connect_both();
+  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
+  ASSERT_TRUE(x.is_ok()) << x.status().message();
+  CqV c = cq(a_);
+  UniqueFd ring;
+  auto srq = dev_.create_xrc_srq(
+      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), c.handle, 0, {4, 1, 0, 0}}, ring);
+  ASSERT_TRUE(srq.is_ok()) << srq.status().message();
+  EXPECT_NE(srq->srq_num, 0u);
+  auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
+  EXPECT_EQ(ex.err(), EOPNOTSUPP);
+  ASSERT_TRUE(dev_.destroy_srq(*a_.s, srq->handle).is_ok());
+  ASSERT_TRUE(dev_.close_xrcd(*a_.s, x.value()).is_ok());
+  EXPECT_TRUE(dev_.export_guest("a", [](const Session&) { return -1; }).is_ok());
+}
+
 TEST_F(DeviceTest, AVersionFourBlobWithoutWindowsImportsAndABadWindowIsRefused) {
   connect_both();
   auto mw = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});

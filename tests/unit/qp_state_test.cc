@@ -183,9 +183,46 @@ TEST(QpState, UnknownStatesAndTypesAreRejected) {
   expect_einval(IBV_QPT_RC, IBV_QPS_UNKNOWN, IBV_QPS_RESET, kS);
   expect_einval(IBV_QPT_RC, IBV_QPS_RESET, IBV_QPS_UNKNOWN, kS);
   EXPECT_EQ(check_modify_qp(IBV_QPT_RAW_PACKET, IBV_QPS_RESET, IBV_QPS_ERR, kS).err(), EINVAL);
-  EXPECT_EQ(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_RESET, IBV_QPS_RESET, kS).err(), EINVAL);
+  EXPECT_EQ(check_modify_qp(IBV_QPT_DRIVER, IBV_QPS_RESET, IBV_QPS_RESET, kS).err(), EINVAL);
   EXPECT_STREQ(qp_state_name(IBV_QPS_SQE), "SQE");
   EXPECT_STREQ(qp_state_name(IBV_QPS_UNKNOWN), "UNKNOWN");
+}
+
+// XRC (the kernel's table for XRC_INI and XRC_TGT): the initiator connects as UC does (it
+// answers nothing: no responder resources, no RNR timer), the target goes to RTS with its PSN
+// and timeout only (it sends nothing).
+TEST(QpState, XrcSendAndReceiveQpsTakeTheirOwnAttributeSets) {
+  constexpr uint32_t kUcRtr = kS | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN;
+  constexpr uint32_t kRcRtr = kUcRtr | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
+  constexpr uint32_t kRcRts = kS | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                              IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC;
+  constexpr uint32_t kInit = kS | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
+  for (ibv_qp_type t : {IBV_QPT_XRC_SEND, IBV_QPT_XRC_RECV})
+    EXPECT_TRUE(check_modify_qp(t, IBV_QPS_RESET, IBV_QPS_INIT, kInit).is_ok()) << t;
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_INIT, IBV_QPS_RTR, kUcRtr).is_ok());
+  EXPECT_EQ(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_INIT, IBV_QPS_RTR, kRcRtr).err(), EINVAL);
+  EXPECT_EQ(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_INIT, IBV_QPS_RTR, kUcRtr).err(), EINVAL);
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_INIT, IBV_QPS_RTR, kRcRtr).is_ok());
+  constexpr uint32_t kTgtRts = kS | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT;
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS, kTgtRts).is_ok());
+  EXPECT_EQ(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS, kRcRts).err(), EINVAL);
+  EXPECT_EQ(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_RTR, IBV_QPS_RTS, kTgtRts).err(), EINVAL);
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_RTR, IBV_QPS_RTS, kRcRts).is_ok());
+  EXPECT_EQ(
+      check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_RTR, IBV_QPS_RTS, kRcRts | IBV_QP_MIN_RNR_TIMER)
+          .err(),
+      EINVAL);
+  EXPECT_TRUE(
+      check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS, kTgtRts | IBV_QP_MIN_RNR_TIMER)
+          .is_ok());
+  // The other side's attributes, which the kernel drops before the check, and so do we.
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_SEND, IBV_QPS_INIT, IBV_QPS_RTR,
+                              modify_mask(IBV_QPT_XRC_SEND, kRcRtr))
+                  .is_ok());
+  EXPECT_TRUE(check_modify_qp(IBV_QPT_XRC_RECV, IBV_QPS_RTR, IBV_QPS_RTS,
+                              modify_mask(IBV_QPT_XRC_RECV, kRcRts))
+                  .is_ok());
+  EXPECT_EQ(modify_mask(IBV_QPT_RC, kRcRtr), kRcRtr);
 }
 
 }  // namespace

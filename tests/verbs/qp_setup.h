@@ -1,6 +1,7 @@
 // Bringing a QP from RESET to RTS, the one copy every verbs test uses (in-process fixtures, the
 // two-process peer): each QP type with exactly the attribute masks the IB spec requires for it
-// (RC: path, PSNs, RNR and retry counts, RDMA read depths; UC: path and PSNs; UD: qkey only).
+// (RC: path, PSNs, RNR and retry counts, RDMA read depths; UC: path and PSNs; UD: qkey only;
+// XRC_SEND: RC's but UC's RTR; XRC_RECV: RC's but an RTS of PSN and timeout only).
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -31,7 +32,9 @@ inline int bring_to_rts(ibv_qp* qp, const QpPath& p) {
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.port_num = 1;
-  const bool ud = qp->qp_type == IBV_QPT_UD, is_rc = qp->qp_type == IBV_QPT_RC;
+  const bool ud = qp->qp_type == IBV_QPT_UD;
+  const bool xrc_send = qp->qp_type == IBV_QPT_XRC_SEND, xrc_recv = qp->qp_type == IBV_QPT_XRC_RECV;
+  const bool is_rc = qp->qp_type == IBV_QPT_RC;
   int mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT;
   if (ud) {
     a.qkey = p.qkey;
@@ -53,7 +56,7 @@ inline int bring_to_rts(ibv_qp* qp, const QpPath& p) {
     a.ah_attr.port_num = 1;
     mask |= IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN;
   }
-  if (is_rc) {
+  if (is_rc || xrc_recv) {
     a.max_dest_rd_atomic = 1;
     a.min_rnr_timer = p.min_rnr_timer;
     mask |= IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER;
@@ -64,7 +67,11 @@ inline int bring_to_rts(ibv_qp* qp, const QpPath& p) {
   a.qp_state = IBV_QPS_RTS;
   a.sq_psn = 0;
   mask = IBV_QP_STATE | IBV_QP_SQ_PSN;
-  if (is_rc) {
+  if (xrc_recv) {
+    a.timeout = p.timeout;
+    mask |= IBV_QP_TIMEOUT;
+  }
+  if (is_rc || xrc_send) {
     a.timeout = p.timeout;
     a.retry_cnt = p.retry_cnt;
     a.rnr_retry = p.rnr_retry;

@@ -638,7 +638,7 @@ TEST_F(VerbsEx, QpExRefusesWhatTheDeviceCannotDo) {
   refused(nopd, EINVAL, "no PD");
   ibv_qp_init_attr_ex xrcd = qp_attr(cq, 4, IBV_QP_EX_WITH_SEND);
   xrcd.comp_mask |= IBV_QP_INIT_ATTR_XRCD;
-  refused(xrcd, EOPNOTSUPP, "XRC domains");
+  refused(xrcd, EINVAL, "an XRC domain on an RC QP");
 
   // UC with what UC can do works; a batch on a QP that cannot send yet fails like post_send.
   uc.send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_RDMA_WRITE;

@@ -136,6 +136,7 @@ class VerbsFixture : public ::testing::Test {
     ibv_ah* ah = nullptr;  ///< UD
     uint32_t remote_qpn = 0;
     uint32_t qkey = kTestQkey;
+    uint32_t remote_srqn = 0;  ///< XRC_SEND: the target's SRQ
   };
 
   /// ibv_post_send of one WR; `bad_is_wr`, if given, says whether bad_wr named it.
@@ -160,6 +161,7 @@ class VerbsFixture : public ::testing::Test {
       wr.wr.rdma.remote_addr = w.raddr;
       wr.wr.rdma.rkey = w.rkey;
     }
+    wr.qp_type.xrc.remote_srqn = w.remote_srqn;
     ibv_send_wr* bad = nullptr;
     const int rc = ibv_post_send(qp, &wr, &bad);
     if (bad_is_wr) *bad_is_wr = bad == &wr;
