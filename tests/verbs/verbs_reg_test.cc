@@ -282,29 +282,26 @@ TEST_F(VerbsRegTest, SmallHeapBufferBesideFreedChunksRegisters) {
   constexpr int kChunks = 256;
   constexpr size_t kChunk = 48;
   std::vector<uint8_t*> chunks(kChunks);
-  for (int i = 0; i < kChunks; ++i) {
-    chunks[i] = static_cast<uint8_t*>(std::malloc(kChunk));
-    ASSERT_NE(chunks[i], nullptr);
-    fill(chunks[i], kChunk, static_cast<uint8_t>(i));
-  }
-  for (int i = 1; i < kChunks; i += 2) {
-    std::free(chunks[i]);
-    chunks[i] = nullptr;
-  }
+  // Allocates the chunks from `first` on, every `step`th, each with its pattern; then frees the
+  // odd ones.
+  auto allocate = [&chunks](int first, int step) {
+    for (int i = first; i < kChunks; i += step) {
+      chunks[i] = static_cast<uint8_t*>(std::malloc(kChunk));
+      if (chunks[i]) fill(chunks[i], kChunk, static_cast<uint8_t>(i));
+    }
+    for (int i = 1; i < kChunks; i += 2) {
+      std::free(chunks[i]);
+      chunks[i] = nullptr;
+    }
+  };
+  allocate(0, 1);
+  for (int i = 0; i < kChunks; i += 2) ASSERT_NE(chunks[i], nullptr);
   uint8_t* const buf = chunks[kChunks / 2];
   ibv_mr* mr = ibv_reg_mr(pd_, buf, kChunk, IBV_ACCESS_LOCAL_WRITE);
   ASSERT_NE(mr, nullptr) << std::strerror(errno);
   EXPECT_TRUE(in_segment(buf, kChunk));
   // The allocator works on the moved pages: freed chunks are handed out again and freed.
-  for (int i = 1; i < kChunks; i += 2) {
-    chunks[i] = static_cast<uint8_t*>(std::malloc(kChunk));
-    ASSERT_NE(chunks[i], nullptr);
-    fill(chunks[i], kChunk, static_cast<uint8_t>(i));
-  }
-  for (int i = 1; i < kChunks; i += 2) {
-    std::free(chunks[i]);
-    chunks[i] = nullptr;
-  }
+  allocate(1, 2);
   ASSERT_EQ(ibv_dereg_mr(mr), 0);
   for (int i = 0; i < kChunks; i += 2) {
     EXPECT_TRUE(holds(chunks[i], 0, kChunk, static_cast<uint8_t>(i))) << "chunk " << i;
