@@ -81,17 +81,20 @@ std::vector<Vma> read_maps(uintptr_t lo, uintptr_t hi) {
 }
 
 // Whole pages move into a segment, including the bytes around the MR that share its pages (the
-// application's other data). Those reads are intended, so the address sanitizer, which would
-// see a heap buffer's neighbours, is told not to check them (and memcpy is not used: its
-// interceptor would check them anyway).
-__attribute__((no_sanitize("address"))) bool page_is_zero(const uint8_t* p) {
+// application's other data, and the allocator's free chunks there). Those reads are intended, so
+// the sanitizers are told not to check them (and memcpy is not used: its interceptor would check
+// them anyway): the address sanitizer would see a heap buffer's neighbours, and ThreadSanitizer
+// reports every read of a freed chunk as a "heap-use-after-free", even on the thread that freed
+// it. These reads never interpret the bytes, and the other threads are stopped (stop_world.h,
+// whose atomics order their earlier writes before the copy).
+__attribute__((no_sanitize("address", "thread"))) bool page_is_zero(const uint8_t* p) {
   const uint64_t* w = reinterpret_cast<const uint64_t*>(p);
   for (size_t i = 0; i < kPage / 8; ++i)
     if (w[i]) return false;
   return true;
 }
 
-__attribute__((no_sanitize("address"))) void copy_page(uint8_t* dst, const uint8_t* src) {
+__attribute__((no_sanitize("address", "thread"))) void copy_page(uint8_t* dst, const uint8_t* src) {
   auto* d = reinterpret_cast<uint64_t*>(dst);
   const auto* s = reinterpret_cast<const uint64_t*>(src);
   for (size_t i = 0; i < kPage / 8; ++i) d[i] = s[i];
