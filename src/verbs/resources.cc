@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "common/log.h"
 #include "proto/device_caps.h"
@@ -24,11 +25,21 @@ int destroy_handle(ibv_context* c, Op op, uint32_t handle) {
   return to_vctx(c)->call(op, &req, sizeof(req), &resp, 0);
 }
 
+// An enum field the caller's attribute mask leaves out may hold any bits (ibv_xsrq_pingpong
+// leaves cur_qp_state uninitialized): read as its underlying integer, never as the enum, whose
+// load of a value outside it is undefined. The backend checks what the mask names.
+template <class E>
+std::underlying_type_t<E> enum_bits(const E& e) {
+  std::underlying_type_t<E> v;
+  std::memcpy(&v, &e, sizeof(v));
+  return v;
+}
+
 QpAttr to_wire(const ibv_qp_attr& a) {
   QpAttr w{};
-  w.qp_state = a.qp_state;
-  w.cur_qp_state = a.cur_qp_state;
-  w.path_mtu = a.path_mtu;
+  w.qp_state = enum_bits(a.qp_state);
+  w.cur_qp_state = enum_bits(a.cur_qp_state);
+  w.path_mtu = enum_bits(a.path_mtu);
   w.qp_access_flags = a.qp_access_flags;
   w.qkey = a.qkey;
   w.rq_psn = a.rq_psn;
