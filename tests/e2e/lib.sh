@@ -36,6 +36,9 @@ e2e_init() {
   exec {E2E_NAP_FD}<>"$E2E_TMP/nap"
   export VRDMA_SOCKET="$E2E_TMP/vrdmad.sock"
   unset VRDMA_GUEST
+  # A test that sets its own EXIT trap must call e2e_cleanup (or hosts_cleanup, sec_cleanup)
+  # from it after `set +e`: under errexit a `(exit $rc)` there ends the trap, and the programs,
+  # the backend and the deadline's sleeper below (which holds ctest's pipe open) outlive it.
   trap e2e_cleanup EXIT
   trap 'log "interrupted"; exit 130' INT TERM
   # Our own deadline, under ctest's TIMEOUT (120 s): ctest would SIGKILL us and skip the cleanup,

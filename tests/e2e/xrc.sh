@@ -12,7 +12,7 @@ e2e_init "${1:-}"
 # ibv_xsrq_pingpong opens this path with O_CREAT and never removes it: ours goes at the end.
 DOMAIN_FILE=/tmp/xrc_domain
 [[ -e $DOMAIN_FILE ]] && HAD_DOMAIN_FILE=1 || HAD_DOMAIN_FILE=0
-trap 'rc=$?; [[ $HAD_DOMAIN_FILE == 1 ]] || rm -f "$DOMAIN_FILE"; (exit $rc); e2e_cleanup' EXIT
+trap 'rc=$?; set +e; [[ $HAD_DOMAIN_FILE == 1 ]] || rm -f "$DOMAIN_FILE"; (exit $rc); e2e_cleanup' EXIT
 
 PP_TOOL=ibv_xsrq_pingpong
 # One server, CLIENTS clients (guests xs, xc1, xc2...); every one prints "success" at the end.

@@ -13,7 +13,7 @@ wait_mesh
 # /tmp): ours goes at the end.
 DOMAIN_FILE=/tmp/xrc_domain
 [[ -e $DOMAIN_FILE ]] && HAD_DOMAIN_FILE=1 || HAD_DOMAIN_FILE=0
-trap 'rc=$?; [[ $HAD_DOMAIN_FILE == 1 ]] || rm -f "$DOMAIN_FILE"; (exit $rc); hosts_cleanup' EXIT
+trap 'rc=$?; set +e; [[ $HAD_DOMAIN_FILE == 1 ]] || rm -f "$DOMAIN_FILE"; (exit $rc); hosts_cleanup' EXIT
 
 PP_TOOL=ibv_xsrq_pingpong
 # A server on h1 and a client on each host of HOSTS... (guests NAME-s, NAME-cI); all say success.
