@@ -378,7 +378,7 @@ int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_
     channel = &v->own->ch;
   }
   CmCreateIdReq req{reinterpret_cast<VChannel*>(channel)->handle, static_cast<uint16_t>(ps),
-                    static_cast<uint8_t>(qp_type), 0};
+                    service_qp_type(qp_type), 0};
   HandleResp r{};
   if (call(Op::kCmCreateId, &req, sizeof(req), &r, sizeof(r))) {
     const int err = errno;
@@ -400,7 +400,7 @@ int create_id(rdma_event_channel* channel, rdma_cm_id** id, void* context, rdma_
 }
 
 size_t private_data_limit(const VId* v, Op op) {
-  return cm_private_limit(static_cast<uint16_t>(v->id.ps), static_cast<uint8_t>(v->id.qp_type), op);
+  return cm_private_limit(static_cast<uint16_t>(v->id.ps), service_qp_type(v->id.qp_type), op);
 }
 
 }  // namespace vrdma::rdmacm

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/wait_readable.h"
 #include "rdmacm/internal.h"
 
 namespace vrdma::rdmacm {
@@ -245,6 +246,11 @@ CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** eve
   std::vector<uint8_t> buf(sizeof(vrdma::proto::MsgHeader) + sizeof(vrdma::proto::CmEvent) + 64);
   int rc = 0;
   for (;;) {
+    // Waiting in poll, not recv: a thread there can be stopped (common/wait_readable.h).
+    if (vrdma::wait_readable(channel->fd)) {  // EINTR, as recv would have failed
+      rc = -1;
+      break;
+    }
     const ssize_t n = ::recv(channel->fd, buf.data(), buf.size(), 0);
     if (n < 0) {  // EAGAIN with O_NONBLOCK, EINTR
       rc = -1;

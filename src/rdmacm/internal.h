@@ -56,6 +56,8 @@ struct VId {
   ibv_qp_init_attr ep_qp{};
   bool ep_has_qp = false;
   bool own_cqs = false;  ///< rdma_create_qp made the CQs and completion channels
+  /// rdma_create_srq made recv_cq and its channel for the id's XRC SRQ (rdma_destroy_srq's).
+  bool srq_cq = false;
   bool removed = false;  ///< DEVICE_REMOVAL handed out (the backend went away; Cm::mu)
   ibv_sa_path_rec path{};
   std::vector<VMc> mcs;  ///< groups joined (Cm::mu)
@@ -80,6 +82,9 @@ struct Cm {
   uint32_t unanswered = 0;     ///< posted commands whose answers are not read yet (rpc_mu)
   ibv_context* ctx = nullptr;  ///< vrdma0, opened on first use and kept
   ibv_pd* pd = nullptr;        ///< the PD of rdma_create_qp(id, NULL, ...)
+  /// The XRC domain of XRC_RECV ids' QPs and SRQs (a private one, opened on first use and kept,
+  /// as rdma-core keeps one per device).
+  ibv_xrcd* xrcd = nullptr;
   ibv_port_attr port{};
   ibv_device_attr dev{};
   ibv_gid gid{};
@@ -105,6 +110,12 @@ void post(proto::Op op, const Req& req) {
 }
 /// The RTU (kCmEstablish): posted once the id has its CONNECT_RESPONSE, else a call.
 int establish(VId* v);
+/// The QP type the connection service and the wire know an id by: an XRC QP connects as RC (the
+/// IB CM's REQ names XRC as an extended transport of a reliable connection), and the QPs of the
+/// two ends are what the REQ and REP say.
+inline uint8_t service_qp_type(ibv_qp_type t) {
+  return static_cast<uint8_t>(t == IBV_QPT_XRC_SEND || t == IBV_QPT_XRC_RECV ? IBV_QPT_RC : t);
+}
 /// Sets errno to `err` and returns -1: the failure of an rdma_cma.h call.
 inline int fail(int err) {
   errno = err;

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "common/log.h"
+#include "common/wait_readable.h"
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
 #include "verbs/srq.h"
@@ -457,6 +458,8 @@ VERBS_EXPORT int ibv_resize_cq(ibv_cq* cq, int cqe) {
 
 VERBS_EXPORT int ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
   uint32_t handle;
+  // Waiting in poll, not read: a thread there can be stopped (common/wait_readable.h).
+  if (vrdma::wait_readable(channel->fd)) return -1;  // EINTR, as read would have failed
   ssize_t n = ::read(channel->fd, &handle, sizeof(handle));
   if (n != sizeof(handle)) return -1;
   VContext* ctx = to_vctx(channel->context);

@@ -2,7 +2,7 @@
 # Debian's unmodified rdma_cm programs across two namespace hosts (server on h1, client on h2):
 # rdma_resolve_addr of h1's address finds h1's backend, and the CM exchange travels between the
 # backends over their transport connection (wire kCm). rping -C 20 -v with the data checked on
-# both ends, ucmatose -c 4, udaddy (UD), ib_send_bw -R; IPv6: rping on ::1 (one host) and rping and
+# both ends, ucmatose -c 4, udaddy (UD), rdma_xserver/rdma_xclient -c x (XRC), ib_send_bw -R; IPv6: rping on ::1 (one host) and rping and
 # ucmatose by the hosts' IPv6 addresses; then an address on the network with no host (ADDR_ERROR
 # after rping's 2 s timeout) and one no route reaches (refused at once). A few seconds.
 # Usage: rdmacm.sh BIN_DIR
@@ -68,6 +68,12 @@ check_complete ucmatose
 # UD: the SIDR-shaped exchange, then datagrams to the address handle from the event.
 cm_pair udaddy "udaddy" "udaddy -s $SRV_IP"
 check_complete udaddy
+
+# XRC: the server's XRC SRQ number in its accept's private data, the client's inline SEND on h2
+# naming it; the server ends only once that receive completed.
+cm_pair xtools "rdma_xserver -c x -p 7186" "rdma_xclient -s $SRV_IP -c x -p 7186"
+grep -q '^rdma_xclient: end 0' "$E2E_TMP/xtools.cli" || fail "xtools: the client did not end with 0"
+grep -q '^rdma_xserver: end 0' "$E2E_TMP/xtools.srv" || fail "xtools: the server did not end with 0"
 
 if command -v ib_send_bw >/dev/null; then
   cm_pair ib_send_bw "ib_send_bw -R -n 1000 -p 7177" "ib_send_bw -R -n 1000 -p 7177 $SRV_IP"

@@ -8,6 +8,7 @@
 #   sync_ep    cm_sync_ep (sync_ep.c): the synchronous API, rdma_create_ep, rdma_verbs.h
 #   sync_tools Debian's rdma_server/rdma_client: the same API on static buffers (a private file
 #              mapping of the executable, registered since issue 24)
+#   xtools     Debian's rdma_xserver/rdma_xclient: XRC over the RDMA CM (-c x), then RC
 #   perftest   ib_send_lat, ib_write_bw, ib_read_lat, ib_atomic_bw with -R, 1000 iterations
 #   cm_rate    bench/cm_rate's churn, untimed: 500 connections 32 at a time, then 50 with an
 #              RC QP each, every one established and torn down (the rates: BENCHMARKS.md)
@@ -47,7 +48,8 @@ cm_pair() {
       break
     fi
     WAIT_RC=$?
-    cat "$E2E_TMP/$name.cli" "$E2E_TMP/$name.cli.err" | grep -qE 'REJECTED|Unexpected CM event' || break
+    cat "$E2E_TMP/$name.cli" "$E2E_TMP/$name.cli.err" |
+      grep -qE 'REJECTED|Unexpected CM event|rdma_connect: Connection refused' || break
     kill -0 "$srv" 2>/dev/null || break
     nap 0.1
   done
@@ -128,6 +130,18 @@ case $CASE in
     cm_pair sync_tools "rdma_server -s 127.0.0.1 -p 7183" "rdma_client -s 127.0.0.1 -p 7183"
     grep -q '^rdma_client: end 0' "$E2E_TMP/sync_tools.cli" || fail "client did not end with 0"
     grep -q '^rdma_server: end 0' "$E2E_TMP/sync_tools.srv" || fail "server did not end with 0"
+    ;;
+  xtools)
+    # -c x: RDMA_PS_IB, an XRC receive QP and an XRC SRQ on the server, whose number travels in
+    # its accept's private data; the client's XRC send QP posts one 16-byte inline SEND naming
+    # it. The server ends only once that receive completed on the SRQ's CQ. Then the same
+    # programs with RC QPs.
+    cm_pair xtools "rdma_xserver -c x -p 7186" "rdma_xclient -s 127.0.0.1 -c x -p 7186"
+    cm_pair xtools_rc "rdma_xserver -p 7187" "rdma_xclient -s 127.0.0.1 -p 7187"
+    for n in xtools xtools_rc; do
+      grep -q '^rdma_xclient: end 0' "$E2E_TMP/$n.cli" || fail "$n: the client did not end with 0"
+      grep -q '^rdma_xserver: end 0' "$E2E_TMP/$n.srv" || fail "$n: the server did not end with 0"
+    done
     ;;
   perftest)
     command -v ib_send_lat >/dev/null || {
