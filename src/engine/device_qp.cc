@@ -226,6 +226,10 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
   qp->caps.max_recv_wr = c.max_recv_wr ? qp->rq_size : 0;
   qp->caps.max_send_sge = std::max<uint32_t>(c.max_send_sge, 1);
   qp->caps.max_recv_sge = std::max<uint32_t>(c.max_recv_sge, 1);
+  // Every send WQE has kMaxInline bytes of room for inline data whatever was asked: report it,
+  // as hardware reports its WQE's room (programs count on it: rdma_xclient posts inline on a QP
+  // made with max_inline_data 0). A queue that cannot send has none.
+  qp->caps.max_inline_data = c.max_send_wr ? kMaxInline : 0;
   qp->attr.qp_state = IBV_QPS_RESET;
   qp->attr.port_num = 1;
   qp->attr.path_mtu = IBV_MTU_4096;

@@ -20,7 +20,9 @@ inline constexpr uint32_t kRingMagic = 0x474e4952;  // "RING"
 inline constexpr uint16_t kRingVersion = 4;
 inline constexpr uint32_t kMaxSge = 16;
 inline constexpr uint32_t kMaxInline = 256;  ///< inline bytes share the SGE area of a WQE
-inline constexpr uint32_t kMaxRingEntries = 1u << 15;
+/// A CQ ring may hold up to 2^20 entries (max_cqe 1048575, the most the max_queue_depth quota
+/// allows); SQs and RQs are bounded lower, by kMaxQpWr (device_caps.h).
+inline constexpr uint32_t kMaxRingEntries = 1u << 20;
 
 enum class RingKind : uint16_t { kSq = 1, kRq = 2, kCq = 3 };
 

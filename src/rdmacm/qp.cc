@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "proto/ring.h"
 #include "rdmacm/internal.h"
 
 namespace vrdma::rdmacm {
@@ -108,12 +107,6 @@ int create_qp(rdma_cm_id* id, ibv_pd* pd, ibv_qp_init_attr* attr, ibv_xrcd* xrcd
   if (a.qp_type == IBV_QPT_XRC_RECV) return create_xrc_recv_qp(v, pd, xrcd, attr);
   const bool xrc_send = a.qp_type == IBV_QPT_XRC_SEND;  // a send queue only
   if (!a.srq && !xrc_send) a.srq = id->srq;
-  // A WQE's SGE area holds inline data too, and devices report at least that much
-  // max_inline_data whatever was asked (rxe: max_send_sge * 16 bytes); programs count on it
-  // (rdma_xclient posts 16 bytes inline on a QP made with one SGE and max_inline_data 0).
-  const auto sge_bytes = static_cast<uint32_t>(
-      std::min<uint64_t>(uint64_t{a.cap.max_send_sge} * sizeof(ibv_sge), proto::kMaxInline));
-  a.cap.max_inline_data = std::max(a.cap.max_inline_data, sge_bytes);
   // No CQs given: one per direction (an XRC send QP has no receive side), each with its own
   // completion channel.
   const bool make_cqs = !a.send_cq || (!a.recv_cq && !xrc_send);

@@ -4,7 +4,7 @@
 # hosts. The queue on the shared connection holds far more than one ACK timeout's worth of bytes;
 # a reliable transport must not turn that queueing into IBV_WC_RETRY_EXC_ERR (Device::ack_timeout).
 # perftest's CQ holds depth x QPs entries: 256 QPs at depth 128 is 32768, over the default quota
-# max_queue_depth (8192) and the device's max_cqe, so -q 256 runs at depth 32 (8192).
+# max_queue_depth (8192), so -q 256 runs at depth 32 (8192) here; raise the quota for more.
 # Usage: many_qps.sh BIN_DIR   (MANY_QPS: QPs:bytes:depth, default "64:1048576:128 256:262144:32")
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
