@@ -184,6 +184,7 @@ void Server::on_readable(int fd) {
 
 // Answers one command. A malformed message gets an error response when its header can be
 // read, and ends the session otherwise; a failing command only gets its errno back.
+// long-function: one case per opcode, a dispatch table (most cases one line).
 Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
   auto hdr = decode_request(msg);
   if (!hdr.is_ok()) {
@@ -441,6 +442,7 @@ void Server::note_stall(uint64_t awake_ns, uint64_t now_ns) {
         awake_ns / 1000000, cpu_ms, preempted, blocked, log::held_note(held));
 }
 
+// long-function: the event loop (the hot path: device poll, spin, epoll), kept in one piece.
 Status Server::run() {
   Status st = setup();
   if (!st.is_ok()) {
