@@ -9,7 +9,7 @@ PACKAGES=(
   librdmacm-dev rdmacm-utils
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libtomlplusplus-dev
-  iproute2 procps curl systemd iperf3
+  iproute2 procps curl systemd iperf3 python3
   clang-14 libclang-rt-14-dev
   debhelper lintian
   libssl-dev openssl

@@ -111,39 +111,72 @@ Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>
   return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
 }
 
-int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_argv) {
-  // Under systemd (vrdmad-keeper.socket) the listener is systemd's: one keeper at a time, and
-  // the socket file is not ours to remove.
-  auto inherited = inherited_listener(path);
-  if (!inherited.is_ok()) {
-    VLOG_ERROR("keeper: {}", inherited.status().message());
-    return 1;
-  }
-  const bool activated = inherited.value().valid();
-  auto dir = open_socket_dir(path, true);
-  if (!dir.is_ok()) {
-    VLOG_ERROR("keeper: {}", dir.status().message());
-    return 1;
-  }
-  UniqueFd listener = std::move(inherited.value());
+namespace {
+
+/// The keeper's socket. Under systemd (vrdmad-keeper.socket) the listener is systemd's: one
+/// keeper at a time, and the socket file is not ours to remove. Otherwise ours, under its lock;
+/// `listener` stays invalid when another keeper holds the lock (one per backend). With a
+/// listener, the pid file beside it is written.
+struct KeeperSocket {
+  UniqueFd dir;
+  UniqueFd listener;
   UniqueFd lock;
-  if (!activated) {
-    auto l = open_beside(dir.value(), path + ".lock", O_RDWR | O_CREAT);
-    if (!l.is_ok()) {
-      VLOG_ERROR("keeper: {}", l.status().message());
-      return 1;
-    }
-    lock = std::move(l.value());
-    if (::flock(lock.get(), LOCK_EX | LOCK_NB) < 0) return 0;  // one per backend
-    unlink_beside(dir.value(), path);
-    auto l2 = listen_unix(path);
-    if (!l2.is_ok()) {
-      VLOG_ERROR("keeper: {}", l2.status().message());
-      return 1;
-    }
-    listener = std::move(l2.value());
+  bool activated = false;
+};
+
+/// `path` becomes systemd's socket's path when it started us.
+Result<KeeperSocket> open_keeper_socket(std::string& path) {
+  KeeperSocket k;
+  ASSIGN_OR_RETURN(k.listener, inherited_listener(path));
+  k.activated = k.listener.valid();
+  ASSIGN_OR_RETURN(k.dir, open_socket_dir(path, true));
+  if (!k.activated) {
+    ASSIGN_OR_RETURN(k.lock, open_beside(k.dir, path + ".lock", O_RDWR | O_CREAT));
+    if (::flock(k.lock.get(), LOCK_EX | LOCK_NB) < 0) return k;
+    unlink_beside(k.dir, path);
+    ASSIGN_OR_RETURN(k.listener, listen_unix(path));
   }
-  write_pid_beside(dir.value(), path + ".pid");
+  write_pid_beside(k.dir, path + ".pid");
+  return k;
+}
+
+/// The next backend on `listener`; invalid when the connection is refused. The state is the
+/// guests' connections and memory: only our own user may hand it over or take it back (the
+/// socket's mode says the same; this holds whoever made the socket).
+UniqueFd accept_backend(const UniqueFd& listener) {
+  UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  auto uid = fd.valid() ? peer_uid(fd.get()) : Result<uint32_t>(error(errno, "accept"));
+  if (uid.is_ok() && uid.value() != ::geteuid()) {
+    VLOG_WARN("keeper: a connection from uid {} refused (only uid {} hands over state)",
+              uid.value(), ::geteuid());
+    return UniqueFd();
+  }
+  return uid.is_ok() ? std::move(fd) : UniqueFd();
+}
+
+/// kKeepRestore: every kept guest's state to the backend, then kKeepEnd.
+void hand_back(int sock, const std::map<std::string, Record>& kept) {
+  for (const auto& [guest, r] : kept) {
+    std::vector<int> raw;
+    for (const UniqueFd& f : r.fds) raw.push_back(f.get());
+    if (Status s = send_state(sock, guest, r.blob, raw, kImportRecover); !s.is_ok())
+      VLOG_WARN("keeper: handing guest {} back: {}", guest, s.message());
+  }
+  (void)send_msg(sock, encode(Op::kKeepEnd, 4, 0, Empty{}));
+}
+
+}  // namespace
+
+int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_argv) {
+  auto sock = open_keeper_socket(path);
+  if (!sock.is_ok()) {
+    VLOG_ERROR("keeper: {}", sock.status().message());
+    return 1;
+  }
+  if (!sock.value().listener.valid()) return 0;  // one per backend
+  const bool activated = sock.value().activated;
+  const UniqueFd& dir = sock.value().dir;
+  const UniqueFd& listener = sock.value().listener;
   ::signal(SIGPIPE, SIG_IGN);
   std::map<std::string, Record> kept;
   Record partial;
@@ -166,13 +199,13 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
     }
     restarts.push_back(now);
     VLOG_WARN("keeper: {}; starting it again for {} guest(s)", why, kept.size());
-    wait_for_backend_lock(dir.value(), path);
+    wait_for_backend_lock(dir, path);
     started = start_backend(backend_argv, ++restarted);
     return true;
   };
   auto finish = [&](int rc) {
-    if (!activated) unlink_beside(dir.value(), path);
-    unlink_beside(dir.value(), path + ".pid");
+    if (!activated) unlink_beside(dir, path);
+    unlink_beside(dir, path + ".pid");
     return rc;
   };
   VLOG_INFO("keeper: holding guests' state for the backend at {}{}", path,
@@ -201,14 +234,7 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
     }
     if (::poll(p, backend.valid() ? 2 : 1, timeout) < 0 && errno != EINTR) return finish(1);
     if (p[0].revents & POLLIN) {
-      UniqueFd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      // The state is the guests' connections and memory: only our own user may hand it over or
-      // take it back (the socket's mode says the same; this holds whoever made the socket).
-      auto uid = fd.valid() ? peer_uid(fd.get()) : Result<uint32_t>(error(errno, "accept"));
-      if (uid.is_ok() && uid.value() != ::geteuid()) {
-        VLOG_WARN("keeper: a connection from uid {} refused (only uid {} hands over state)",
-                  uid.value(), ::geteuid());
-      } else if (uid.is_ok()) {
+      if (UniqueFd fd = accept_backend(listener); fd.valid()) {
         backend = std::move(fd);  // a new backend takes over
         partial = {};
         started = -1;  // whichever it is, one connected: its death shows as EOF from now on
@@ -253,16 +279,9 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
       }
       case Op::kKeepBye:
         return finish(0);
-      case Op::kKeepRestore: {
-        for (const auto& [guest, r] : kept) {
-          std::vector<int> raw;
-          for (const UniqueFd& f : r.fds) raw.push_back(f.get());
-          if (Status s = send_state(backend.get(), guest, r.blob, raw, kImportRecover); !s.is_ok())
-            VLOG_WARN("keeper: handing guest {} back: {}", guest, s.message());
-        }
-        (void)send_msg(backend.get(), encode(Op::kKeepEnd, 4, 0, Empty{}));
+      case Op::kKeepRestore:
+        hand_back(backend.get(), kept);
         break;
-      }
       default:
         break;
     }

@@ -18,39 +18,100 @@ vrdma::backend::Server* g_server = nullptr;
 void on_signal(int) {
   if (g_server) g_server->stop();
 }
+
+// `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state (backend/keeper.h);
+// how to start the backend again comes in VRDMA_KEEPER_RESTART. `vrdmad --keeper PATH
+// --config FILE`: vrdmad-keeper.service, the grace from the file's keep_state_grace_s.
+int keeper_main(int argc, char** argv) {
+  int grace_s = std::atoi(argv[3]);
+  if (std::string(argv[3]) == "--config") {
+    vrdma::backend::Config file;
+    vrdma::Status st =
+        argc >= 5 ? file.load_file(argv[4]) : vrdma::error(EINVAL, "--config needs a FILE");
+    if (!st.is_ok()) {
+      fmt::print(stderr, "vrdmad --keeper: {}\n", st.message());
+      return 2;
+    }
+    grace_s = file.keep_state_grace_s;
+  }
+  std::vector<std::string> restart;
+  if (const char* r = ::secure_getenv("VRDMA_KEEPER_RESTART")) {
+    std::string cur;
+    for (const char* c = r; *c; ++c) {
+      if (*c == '\x1f') {
+        restart.push_back(cur);
+        cur.clear();
+      } else {
+        cur += *c;
+      }
+    }
+    ::unsetenv("VRDMA_KEEPER_RESTART");
+  }
+  return vrdma::backend::run_keeper(argv[2], grace_s, std::move(restart));
+}
+
+/// The environment's settings over the file's and the flags' (a backend the library starts on
+/// first use has no flags for them); false on a value it does not know.
+bool apply_environment(vrdma::backend::Config& cfg) {
+  // VRDMA_DIRECT_PATH=1 / 0: as --direct-path / --no-direct-path (for a backend the library
+  // starts on first use).
+  if (const char* d = ::secure_getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
+    cfg.direct_path = true;
+  else if (d && std::string(d) == "0")
+    cfg.direct_path = false;
+  // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
+  if (const char* d = ::secure_getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
+    cfg.direct_remote = true;
+  // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
+  // cross-host path on one host).
+  if (const char* t = ::secure_getenv("VRDMA_TRANSPORT"); t && *t) {
+    if (std::string(t) != "tcp" && std::string(t) != "auto") {
+      fmt::print(stderr, "vrdmad: VRDMA_TRANSPORT={} (expected tcp or auto)\n", t);
+      return false;
+    }
+    cfg.force = std::string(t) == "tcp" ? "tcp" : "";
+  }
+  return true;
+}
+
+// Every guest connection, ring and registered segment is one of our descriptors, and a
+// service starts with a soft limit of 1024: take what the hard limit allows
+// (packaging/vrdmad.service sets LimitNOFILE).
+void raise_descriptor_limit() {
+  if (rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+    const rlim_t soft = nofile.rlim_cur;
+    nofile.rlim_cur = nofile.rlim_max;
+    if (soft != nofile.rlim_max && ::setrlimit(RLIMIT_NOFILE, &nofile) != 0)
+      VLOG_WARN("raising the descriptor limit from {} to {}: {}", soft, nofile.rlim_max,
+                std::strerror(errno));
+    else
+      VLOG_DEBUG("descriptor limit {} (was {})", nofile.rlim_cur, soft);
+  }
+}
+
+/// Runs the backend until SIGINT or SIGTERM; the process's exit code.
+int serve(const vrdma::backend::Config& cfg, bool on_demand) {
+  ::signal(SIGPIPE, SIG_IGN);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  vrdma::backend::Server server(cfg);
+  server.set_on_demand(on_demand);
+  g_server = &server;
+  vrdma::Status st = server.run();
+  if (!st.is_ok()) {
+    VLOG_ERROR("{}", st.message());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  // `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state (backend/keeper.h);
-  // how to start the backend again comes in VRDMA_KEEPER_RESTART. `vrdmad --keeper PATH
-  // --config FILE`: vrdmad-keeper.service, the grace from the file's keep_state_grace_s.
-  if (argc >= 4 && std::string(argv[1]) == "--keeper") {
-    int grace_s = std::atoi(argv[3]);
-    if (std::string(argv[3]) == "--config") {
-      vrdma::backend::Config file;
-      vrdma::Status st =
-          argc >= 5 ? file.load_file(argv[4]) : vrdma::error(EINVAL, "--config needs a FILE");
-      if (!st.is_ok()) {
-        fmt::print(stderr, "vrdmad --keeper: {}\n", st.message());
-        return 2;
-      }
-      grace_s = file.keep_state_grace_s;
-    }
-    std::vector<std::string> restart;
-    if (const char* r = ::secure_getenv("VRDMA_KEEPER_RESTART")) {
-      std::string cur;
-      for (const char* c = r; *c; ++c) {
-        if (*c == '\x1f') {
-          restart.push_back(cur);
-          cur.clear();
-        } else {
-          cur += *c;
-        }
-      }
-      ::unsetenv("VRDMA_KEEPER_RESTART");
-    }
-    return vrdma::backend::run_keeper(argv[2], grace_s, std::move(restart));
-  }
+  if (argc >= 4 && std::string(argv[1]) == "--keeper") return keeper_main(argc, argv);
   vrdma::backend::Config cfg;
   {
     char self[4096] = {};
@@ -143,24 +204,7 @@ int main(int argc, char** argv) {
     ::gethostname(host, sizeof(host) - 1);
     cfg.node = host;
   }
-  // VRDMA_DIRECT_PATH=1 / 0: as --direct-path / --no-direct-path (for a backend the library
-  // starts on first use).
-  if (const char* d = ::secure_getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1")
-    cfg.direct_path = true;
-  else if (d && std::string(d) == "0")
-    cfg.direct_path = false;
-  // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
-  if (const char* d = ::secure_getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
-    cfg.direct_remote = true;
-  // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
-  // cross-host path on one host).
-  if (const char* t = ::secure_getenv("VRDMA_TRANSPORT"); t && *t) {
-    if (std::string(t) != "tcp" && std::string(t) != "auto") {
-      fmt::print(stderr, "vrdmad: VRDMA_TRANSPORT={} (expected tcp or auto)\n", t);
-      return 2;
-    }
-    cfg.force = std::string(t) == "tcp" ? "tcp" : "";
-  }
+  if (!apply_environment(cfg)) return 2;
   if (check_only) {
     fmt::print("{}: ok\n", config_file);
     return 0;
@@ -171,31 +215,6 @@ int main(int argc, char** argv) {
   }
   if (::secure_getenv("VRDMA_LOG") == nullptr) ::setenv("VRDMA_LOG", cfg.log_level.c_str(), 0);
 
-  // Every guest connection, ring and registered segment is one of our descriptors, and a
-  // service starts with a soft limit of 1024: take what the hard limit allows
-  // (packaging/vrdmad.service sets LimitNOFILE).
-  if (rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
-    const rlim_t soft = nofile.rlim_cur;
-    nofile.rlim_cur = nofile.rlim_max;
-    if (soft != nofile.rlim_max && ::setrlimit(RLIMIT_NOFILE, &nofile) != 0)
-      VLOG_WARN("raising the descriptor limit from {} to {}: {}", soft, nofile.rlim_max,
-                std::strerror(errno));
-    else
-      VLOG_DEBUG("descriptor limit {} (was {})", nofile.rlim_cur, soft);
-  }
-  ::signal(SIGPIPE, SIG_IGN);
-  struct sigaction sa{};
-  sa.sa_handler = on_signal;
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
-
-  vrdma::backend::Server server(cfg);
-  server.set_on_demand(on_demand);
-  g_server = &server;
-  vrdma::Status st = server.run();
-  if (!st.is_ok()) {
-    VLOG_ERROR("{}", st.message());
-    return 1;
-  }
-  return 0;
+  raise_descriptor_limit();
+  return serve(cfg, on_demand);
 }

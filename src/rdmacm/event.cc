@@ -97,67 +97,10 @@ VEvent* removal_event(VChannel* ch) {
   return nullptr;
 }
 
-/// Turns one message of the channel's socket into an event; null when it is for an id that is
-/// gone (or malformed), to be skipped.
-VEvent* make_event(std::span<const uint8_t> msg) {
-  auto h = decode_header(msg);
-  if (!h.is_ok() || h->op != static_cast<uint16_t>(Op::kCmEvent)) return nullptr;
-  auto body = body_of<CmEvent>(msg);
-  if (!body.is_ok()) return nullptr;
-  const CmEvent& e = body.value();
+/// What event `e` does to its id `v` (address, path, the peer's QP, the id's own QP, multicast
+/// groups) before the application sees it in `ve`.
+void apply_event(VEvent* ve, VId* v, const CmEvent& e) {
   Cm& c = cm();
-  auto* ve = new VEvent();
-  ve->ev.event = static_cast<rdma_cm_event_type>(e.event);
-  ve->ev.status = e.status;
-  const uint32_t plen = std::min<uint32_t>(e.private_len, kCmPrivateMax);
-  std::memcpy(ve->pdata, e.private_data, plen);
-  VId* v;
-  VId* retry = nullptr;
-  {
-    std::lock_guard<std::mutex> g(c.mu);
-    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest)) {
-      VId* l = lookup(e.listen_id);
-      if (!l)
-        v = nullptr;
-      else {
-        v = new_request_id(e, l);
-        c.ids[e.id] = v;
-        ve->ev.listen_id = &l->id;
-      }
-    } else {
-      v = lookup(e.id);
-    }
-    if (v && e.event == static_cast<uint32_t>(CmEventType::kRejected) &&
-        e.status == kCmRejInvalidService && v->connect_ms &&
-        mono_ms() - v->connect_ms < kListenerGraceMs) {
-      retry = v;
-      v = nullptr;
-    }
-    if (v) {
-      ++v->reported;
-      c.live.insert(ve);
-    }
-  }
-  if (retry) {
-    delete ve;
-    ::usleep(kListenerRetryMs * 1000);
-    if (send_conn(retry, Op::kCmConnect, retry->mine, retry->connect_pdata.data(),
-                  retry->connect_pdata.size()) != 0) {
-      std::lock_guard<std::mutex> g(c.mu);
-      retry->connect_ms = 0;
-    }
-    return nullptr;
-  }
-  if (!v) {
-    // The listener went: its request is refused (the requester hears REJECTED).
-    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest))
-      (void)call(Op::kCmDestroyId, HandleReq{e.id, 0});
-    delete ve;
-    return nullptr;
-  }
-  ve->owner = v;
-  ve->ev.id = &v->id;
-  set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
   const bool ud = v->id.qp_type == IBV_QPT_UD;
   switch (static_cast<CmEventType>(e.event)) {
     case CmEventType::kAddrResolved: {
@@ -224,6 +167,70 @@ VEvent* make_event(std::span<const uint8_t> msg) {
     default:
       break;
   }
+}
+
+/// Turns one message of the channel's socket into an event; null when it is for an id that is
+/// gone (or malformed), to be skipped.
+VEvent* make_event(std::span<const uint8_t> msg) {
+  auto h = decode_header(msg);
+  if (!h.is_ok() || h->op != static_cast<uint16_t>(Op::kCmEvent)) return nullptr;
+  auto body = body_of<CmEvent>(msg);
+  if (!body.is_ok()) return nullptr;
+  const CmEvent& e = body.value();
+  Cm& c = cm();
+  auto* ve = new VEvent();
+  ve->ev.event = static_cast<rdma_cm_event_type>(e.event);
+  ve->ev.status = e.status;
+  const uint32_t plen = std::min<uint32_t>(e.private_len, kCmPrivateMax);
+  std::memcpy(ve->pdata, e.private_data, plen);
+  VId* v;
+  VId* retry = nullptr;
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest)) {
+      VId* l = lookup(e.listen_id);
+      if (!l)
+        v = nullptr;
+      else {
+        v = new_request_id(e, l);
+        c.ids[e.id] = v;
+        ve->ev.listen_id = &l->id;
+      }
+    } else {
+      v = lookup(e.id);
+    }
+    if (v && e.event == static_cast<uint32_t>(CmEventType::kRejected) &&
+        e.status == kCmRejInvalidService && v->connect_ms &&
+        mono_ms() - v->connect_ms < kListenerGraceMs) {
+      retry = v;
+      v = nullptr;
+    }
+    if (v) {
+      ++v->reported;
+      c.live.insert(ve);
+    }
+  }
+  if (retry) {
+    delete ve;
+    ::usleep(kListenerRetryMs * 1000);
+    if (send_conn(retry, Op::kCmConnect, retry->mine, retry->connect_pdata.data(),
+                  retry->connect_pdata.size()) != 0) {
+      std::lock_guard<std::mutex> g(c.mu);
+      retry->connect_ms = 0;
+    }
+    return nullptr;
+  }
+  if (!v) {
+    // The listener went: its request is refused (the requester hears REJECTED).
+    if (e.event == static_cast<uint32_t>(CmEventType::kConnectRequest))
+      (void)call(Op::kCmDestroyId, HandleReq{e.id, 0});
+    delete ve;
+    return nullptr;
+  }
+  ve->owner = v;
+  ve->ev.id = &v->id;
+  set_addrs(v, &e.src, &e.dst, e.event == static_cast<uint32_t>(CmEventType::kAddrResolved));
+  apply_event(ve, v, e);
   return ve;
 }
 
