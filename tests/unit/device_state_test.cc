@@ -391,6 +391,18 @@ TEST_F(DeviceTest, MutatedStateNeverCrashesTheImporterNorLeavesHalfAGuest) {
   connect_both();
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);  // RNR: something in the QP's retry state
   dev_.poll(now_);
+  // XRC (version 8): a domain, an XRC SRQ and a receive QP in it.
+  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
+  ASSERT_TRUE(x.is_ok());
+  UniqueFd ring;
+  ASSERT_TRUE(dev_.create_xrc_srq(
+                      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), acq_.handle, 0, {4, 1, 0, 0}}, ring)
+                  .is_ok());
+  CreateQpReq rq{};
+  rq.qp_type = IBV_QPT_XRC_RECV;
+  rq.xrcd = x.value();
+  UniqueFd none;
+  ASSERT_TRUE(dev_.create_qp(*a_.s, rq, none).is_ok());
   GuestExport ex = export_a(dev_);
   std::mt19937 rng(12345);
   Device other;
