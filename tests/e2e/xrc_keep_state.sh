@@ -55,25 +55,18 @@ xrc_sent() {
 ITERS=2000
 PP_TOOL=ibv_xsrq_pingpong
 
-# Kills the backend and waits until its keeper's new one has restored N guests in all (the
-# log's count). Sets `new`.
+# Kills the backend and waits until its keeper's new one has restored WANT guests in all (the
+# log's count).
 kill_and_restore() {
-  local want=$1 old
-  old="$(backend_pid)"
-  kill -KILL "$old"
-  for ((i = 0; i < 100; i++)); do
-    new="$(backend_pid)"
-    [[ -n $new && $new != "$old" ]] && break
-    nap 0.05
-  done
-  [[ -n $new && $new != "$old" ]] || fail "the keeper did not start a new backend"
+  local want=$1
+  kill_kept_backend
   for ((i = 0; i < 100; i++)); do
     [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge $want ]] && break
     nap 0.05
   done
   [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge $want ]] ||
     fail "the new backend did not restore both guests: $(grep -i 'keep\|restor' "$E2E_TMP/vrdmad.log" | tail -n 5)"
-  log "backend $old killed, $new restored both guests"
+  log "backend $KILLED killed, $RESTARTED restored both guests"
 }
 
 # 1. The server listens once its set-up is done (domain, SRQ, QPs, a receive posted): stopped
