@@ -1,11 +1,12 @@
 // A guest's device state from a blob: the importer (live migration and snapshots; the exporter
 // is device_state_export.cc). The blob is CBOR (nlohmann::json), versioned by kStateVersion
 // (proto/device_state.h); fixed-layout structs the wire format already pins (QpAttr, QpCaps,
-// SendWqe, QpCounters) travel as byte strings of their exact size. Descriptors (memfds of segments,
-// rings and control pages, the doorbell, pipe ends, the guest's socket) are named by their index in
-// a list sent beside the blob (SCM_RIGHTS). Import trusts nothing: every index, size, handle and
-// reference is checked, use counts are recounted from the references, and nothing is created unless
-// all of it is valid.
+// SendWqe, QpCounters) travel as byte strings of their exact size. Descriptors (memfds of segments, rings and control pages, the doorbell, pipe ends, the
+// guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
+// Import trusts nothing: every index, size, handle and reference is checked, use counts are
+// recounted from the references, and nothing is created unless all of it is valid.
+#include "proto/device_state.h"
+
 #include <fcntl.h>
 #include <fmt/format.h>
 
@@ -20,7 +21,6 @@
 #include "engine/datapath_util.h"
 #include "engine/device_state_reader.h"
 #include "proto/device_caps.h"
-#include "proto/device_state.h"
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
