@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "engine/device_state_reader.h"
+#include "proto/device_caps.h"
 #include "proto/device_state.h"
 
 namespace vrdma::engine::state {
