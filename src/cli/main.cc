@@ -452,9 +452,9 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
   std::string type;
   if (!words.empty()) {
     const std::string& w = words.front();
-    const bool named =
-        stat ? w == "qp"
-             : (w == "qp" || w == "cq" || w == "mr" || w == "pd" || w == "srq" || w == "dm");
+    const bool named = stat ? w == "qp"
+                            : (w == "qp" || w == "cq" || w == "mr" || w == "pd" || w == "srq" ||
+                               w == "dm" || w == "mw" || w == "xrcd");
     if (named || words.size() % 2 == 1) {
       type = w;
       words.erase(words.begin());
@@ -471,7 +471,7 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
                     : res_rows(empty, type.empty() ? "qp" : type, *filters);
   if (!check || (!stat && type.empty() && !filters->empty())) {
     fmt::print(stderr, "{}: {}\n", cmd,
-               check ? "filters need a resource type (qp, cq, mr, pd, srq, dm)"
+               check ? "filters need a resource type (qp, cq, mr, pd, srq, dm, mw, xrcd)"
                      : check.status().message());
     return 2;
   }
@@ -646,7 +646,8 @@ int main_impl(int argc, char** argv) {
   auto* res = app.add_subcommand("res", "Resources the backend holds, as iproute2's `rdma res`");
   res->require_subcommand(1);
   auto* res_show = res->add_subcommand(
-      "show", "vrdma res show [qp|cq|mr|pd|srq|dm] [guest NAME] [lqpn N] [KEY VALUE]... [-j]");
+      "show",
+      "vrdma res show [qp|cq|mr|pd|srq|dm|mw|xrcd] [guest NAME] [lqpn N] [KEY VALUE]... [-j]");
   res_show->add_option("args", res_words, "resource type, then KEY VALUE filters");
   res_show->add_flag("-j,--json", res_json, "JSON output (an array of objects)");
   bool res_details = false;

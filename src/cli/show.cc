@@ -44,11 +44,17 @@ const std::vector<std::string>& fields_of(const std::string& type) {
   static const std::map<std::string, std::vector<std::string>> kFields = {
       {"qp",
        {"guest", "qpn", "dest_qpn", "type", "state", "sq_psn", "rq_psn", "pdn", "sq_cqn", "rq_cqn",
-        "srqn", "transport", "peer_node", "pid", "comm"}},
+        "srqn", "xrcdn", "opens", "transport", "peer_node", "pid", "comm"}},
       {"cq", {"guest", "cqn", "cqe", "users", "channel", "overrun", "pid", "comm"}},
       {"mr", {"guest", "mrn", "pdn", "lkey", "rkey", "mrlen", "iova", "access", "pid", "comm"}},
       {"pd", {"guest", "pdn", "users", "pid", "comm"}},
-      {"srq", {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "pid", "comm"}},
+      {"srq",
+       {"guest", "srqn", "pdn", "wqe", "max_sge", "limit", "users", "xrcdn", "srq_num", "cqn",
+        "pid", "comm"}},
+      {"mw",
+       {"guest", "mwn", "pdn", "type", "state", "rkey", "mrn", "iova", "length", "access", "qpn",
+        "pid", "comm"}},
+      {"xrcd", {"guest", "xrcdn", "file", "opens", "users"}},
       {"dm", {"guest", "dmn", "length", "segment", "pid", "comm"}},
       {"stat-qp", {"guest", "qpn", "type", "transport", "pid", "comm"}},
       {"stat-guest", {"guest"}},
@@ -173,8 +179,9 @@ Result<Filters> parse_filters(const std::vector<std::string>& words) {
 
 Result<json> res_rows(const json& status, const std::string& type, const Filters& filters) {
   if (fields_of(type).empty() || type.starts_with("stat"))
-    return error(EINVAL,
-                 fmt::format("unknown resource \"{}\"; one of: qp, cq, mr, pd, srq, dm", type));
+    return error(
+        EINVAL,
+        fmt::format("unknown resource \"{}\"; one of: qp, cq, mr, pd, srq, dm, mw, xrcd", type));
   RETURN_IF_ERROR(check_keys(type, filters));
   return filtered(member(member(status, "res"), type.c_str()), filters);
 }

@@ -100,7 +100,7 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
 // published: a guest that sees the completion may post into that slot at once (a QP with a
 // send queue of one, as perftest's latency tests make, does exactly that).
 void Device::publish_psns(Qp& qp) {
-  if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (a restart does not keep XRC)
+  if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (its PSN moves in the blob only)
   const uint32_t at_cons = qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn;
   qp.sq_hdr->backend_psn.store(at_cons, std::memory_order_relaxed);
   qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);

@@ -1,7 +1,5 @@
 // A guest that leaves or moves: detaching it from this backend, and rerouting or settling the
 // QPs that face it once the directory says where it went (live migration).
-#include "proto/device_state.h"
-
 #include <fcntl.h>
 #include <fmt/format.h>
 
@@ -15,6 +13,8 @@
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
 #include "proto/device_caps.h"
+#include "proto/device_state.h"
+#include "proto/post_rules.h"
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
@@ -73,7 +73,7 @@ void Device::reroute(Qp& qp) {
     qp.unacked.clear();
     qp.sq_sent = qp.sq_cons;
     if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
-  } else if (qp.remote && qp.type == IBV_QPT_RC && !qp.unacked.empty() && qp.wait != Wait::kRnr) {
+  } else if (qp.remote && is_reliable(qp.type) && !qp.unacked.empty() && qp.wait != Wait::kRnr) {
     qp.retry_left = qp.attr.retry_cnt;
     qp.wait = Wait::kAck;
     qp.wait_until_ns = now_ns_ + ack_ns(qp);
@@ -88,7 +88,7 @@ void Device::reroute(Qp& qp) {
 void Device::settle_locally(Qp& qp) {
   Qp* to = lookup_remote(qp);
   if (qp.wait == Wait::kAck) qp.wait = Wait::kNone;
-  if (!to || qp.type != IBV_QPT_RC) {
+  if (!to || !is_reliable(qp.type)) {
     // No responder state to settle against: what was in flight runs again from the SQ.
     if (!qp.unacked.empty()) qp.next_psn = qp.unacked.front().psn;
     qp.unacked.clear();

@@ -155,10 +155,55 @@ nlohmann::json counters_json(const QpCounters& c) {
           {"wc_errors", errs}};
 }
 
+/// One `res qp` row, its owner's columns first; its counters are added to `guest_sum`.
+static nlohmann::json qp_row(const Qp& q, QpCounters& guest_sum) {
+  const Qp* qp = &q;
+  // One read of the direct part serves the total and the part shown beside it.
+  const QpCounters direct = direct_part(*qp);
+  QpCounters cnt = qp->cnt;
+  cnt += direct;
+  guest_sum += cnt;
+  const bool connected =
+      qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR && qp->state <= IBV_QPS_SQD;
+  // An XRC receive QP has no PD, CQs or rings of its own: the SRQ each request names gives them.
+  const bool xrc_recv = qp->type == IBV_QPT_XRC_RECV;
+  nlohmann::json r = owner_of(*qp->owner);
+  r.update({{"lqpn", qp->qpn},
+            {"type", qp_type_name(qp->type)},
+            {"state", qp_state_name(qp->state)},
+            {"sq-psn", qp->attr.sq_psn},
+            {"rq-psn", qp->attr.rq_psn},
+            {"pdn", xrc_recv ? 0 : qp->pd},
+            {"sq-cqn", qp->send_cq ? qp->send_cq->handle : 0},
+            {"rq-cqn", qp->recv_cq && !xrc_recv ? qp->recv_cq->handle : 0},
+            {"transport", qp->direct || qp->direct_remote ? "direct" : qp->transport},
+            {"transport_why", transport_why(*qp)},
+            {"peer_node", qp->peer_node},
+            {"counters", counters_json(cnt)}});
+  // The part of them that libraries moved on the direct path (own rings' headers).
+  if (qp->own_send) r["counters"]["direct_msgs_sent"] = direct.msgs_sent;
+  if (qp->own_recv) r["counters"]["direct_msgs_received"] = direct.msgs_received;
+  // Cursors, for a queue that seems stuck: what the guest posted, what the backend took.
+  const auto posted = [](const proto::RingHeader* h) {
+    return h ? h->producer.load(std::memory_order_relaxed) : 0;
+  };
+  r["ring"] = {{"sq_posted", posted(qp->sq_hdr)}, {"sq_taken", qp->sq_cons},
+               {"sq_sent", qp->sq_sent},          {"rq_posted", posted(qp->rq_hdr)},
+               {"rq_taken", qp->rq_cons},         {"wait", static_cast<int>(qp->wait)}};
+  if (connected) {
+    r["rqpn"] = qp->attr.dest_qp_num;
+    r["dlid"] = qp->attr.dlid;
+  }
+  if (qp->srq && !xrc_recv) r["srqn"] = qp->srq->handle;
+  if (xrc_recv) r.update({{"xrcdn", qp->xrcd}, {"opens", qp->opens}});
+  return r;
+}
+
 nlohmann::json Device::report() const {
   nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
                  cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
-                 qps = nlohmann::json::array(), dms = nlohmann::json::array();
+                 qps = nlohmann::json::array(), dms = nlohmann::json::array(),
+                 mws = nlohmann::json::array(), xrcds = nlohmann::json::array();
   std::map<const Guest*, QpCounters> per_guest;
   for (const auto& [name, g] : guests_) per_guest[g.get()] = g->retired;
   for (const auto& [id, s] : sessions_) {
@@ -201,45 +246,35 @@ nlohmann::json Device::report() const {
                           {"max_sge", srq->max_sge},
                           {"limit", srq->limit},
                           {"users", srq->users}}));
+      if (srq->xrcd)  // XRC: its domain, the number requests name it by, its CQ
+        srqs.back().update(
+            {{"xrcdn", srq->xrcd}, {"srq_num", srq->srqn}, {"cqn", srq->cq->handle}});
     }
-    for (const auto& [h, qp] : s->qps) {
-      // One read of the direct part serves the total and the part shown beside it.
-      const QpCounters direct = direct_part(*qp);
-      QpCounters cnt = qp->cnt;
-      cnt += direct;
-      per_guest[qp->guest] += cnt;
-      const bool connected =
-          qp->type != IBV_QPT_UD && qp->state >= IBV_QPS_RTR && qp->state <= IBV_QPS_SQD;
-      nlohmann::json r = row({{"lqpn", qp->qpn},
-                              {"type", qp_type_name(qp->type)},
-                              {"state", qp_state_name(qp->state)},
-                              {"sq-psn", qp->attr.sq_psn},
-                              {"rq-psn", qp->attr.rq_psn},
-                              {"pdn", qp->pd},
-                              {"sq-cqn", qp->send_cq ? qp->send_cq->handle : 0},
-                              {"rq-cqn", qp->recv_cq ? qp->recv_cq->handle : 0},
-                              {"transport", qp->direct || qp->direct_remote ? "direct"
-                                                                            : qp->transport},
-                              {"transport_why", transport_why(*qp)},
-                              {"peer_node", qp->peer_node},
-                              {"counters", counters_json(cnt)}});
-      // The part of them that libraries moved on the direct path (own rings' headers).
-      if (qp->own_send) r["counters"]["direct_msgs_sent"] = direct.msgs_sent;
-      if (qp->own_recv) r["counters"]["direct_msgs_received"] = direct.msgs_received;
-      // Cursors, for a queue that seems stuck: what the guest posted, what the backend took.
-      r["ring"] = {{"sq_posted", qp->sq_hdr->producer.load(std::memory_order_relaxed)},
-                   {"sq_taken", qp->sq_cons},
-                   {"sq_sent", qp->sq_sent},
-                   {"rq_posted", qp->rq_hdr ? qp->rq_hdr->producer.load(std::memory_order_relaxed) : 0},
-                   {"rq_taken", qp->rq_cons},
-                   {"wait", static_cast<int>(qp->wait)}};
-      if (connected) {
-        r["rqpn"] = qp->attr.dest_qp_num;
-        r["dlid"] = qp->attr.dlid;
+    for (const auto& [h, qp] : s->qps) qps.push_back(qp_row(*qp, per_guest[qp->guest]));
+    for (const auto& [h, mw] : s->mws) {
+      nlohmann::json r = row({{"mwn", h},
+                              {"pdn", mw->pd},
+                              {"type", mw->type},
+                              {"state", mw->bound ? "bound" : "free"},
+                              {"rkey", mw->rkey}});
+      if (mw->bound) {  // what it opens: a range of an MR (and, type 2, through which QP)
+        r.update(
+            {{"mrn", mw->mr}, {"iova", mw->addr}, {"length", mw->length}, {"access", mw->access}});
+        if (mw->type == IBV_MW_TYPE_2) r["qpn"] = mw->qpn;
       }
-      if (qp->srq) r["srqn"] = qp->srq->handle;
-      qps.push_back(std::move(r));
+      mws.push_back(std::move(r));
     }
+  }
+  // The guests' XRC domains and receive QPs (no session's: reported under a session holding it).
+  for (const auto& [name, g] : guests_) {
+    for (const auto& [id, x] : g->xrcds) {
+      xrcds.push_back({{"guest", name},
+                       {"xrcdn", id},
+                       {"file", x->has_inode ? nlohmann::json(x->ino) : nlohmann::json(nullptr)},
+                       {"opens", x->opens},
+                       {"users", x->users}});
+    }
+    for (const auto& [qpn, qp] : g->xrc_qps) qps.push_back(qp_row(*qp, per_guest[g.get()]));
   }
   nlohmann::json guests = nlohmann::json::array();
   QpCounters all = departed_all_;
@@ -260,10 +295,17 @@ nlohmann::json Device::report() const {
                       {"left_unix", d.left_unix},
                       {"counters", counters_json(d.counters)}});
   }
-  return nlohmann::json{
-      {"res", {{"pd", pds}, {"mr", mrs}, {"dm", dms}, {"cq", cqs}, {"srq", srqs}, {"qp", qps}}},
-      {"guest_counters", guests},
-      {"backend_counters", counters_json(all)}};
+  return nlohmann::json{{"res",
+                         {{"pd", pds},
+                          {"mr", mrs},
+                          {"dm", dms},
+                          {"cq", cqs},
+                          {"srq", srqs},
+                          {"qp", qps},
+                          {"mw", mws},
+                          {"xrcd", xrcds}}},
+                        {"guest_counters", guests},
+                        {"backend_counters", counters_json(all)}};
 }
 
 }  // namespace vrdma::engine

@@ -268,6 +268,7 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
   // Remote memory for WRITE, READ and atomics: the rkey in the responder's namespace, PD and
   // session, then the rules every executor applies (proto/responder_rules.h). A zero-length
   // WRITE or READ reaches no memory (kNoMemory) whatever its rkey.
+  uint64_t mr_off = 0;  // where the request's first byte lies in out.mr
   if (!is_send(op)) {
     RemoteMrView view;
     const Mr* mr = rkey_target(to, in.rkey, view);
@@ -276,15 +277,16 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
         check_remote_request(op, to.attr.qp_access_flags, in.remote_addr, in.len, view, &why);
     if (st != IBV_WC_SUCCESS) return nak(st, why);
     out.mr = is_atomic(op) || names_remote_memory(in.len) ? mr : &kNoMemory;
+    mr_off = mr_iova_of(view, in.remote_addr) - out.mr->iova;
     // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
     // mappings, and one CPU atomic on the first would run past its end.
-    if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))
+    if (is_atomic(op) && !in_one_chunk(*out.mr, mr_off, 8))
       return nak(IBV_WC_REM_INV_REQ_ERR, "atomic target straddles two segments of the MR");
     // The host address must be aligned as well: an MR whose address and iova differ mod 8
     // (ibv_reg_mr_iova, or extents at odd segment offsets) turns an aligned iova into a
     // misaligned word, and a CPU atomic on it is a split lock (a bus lock per atomic on x86,
     // SIGBUS on arm64). The spec's status for a misaligned atomic, as above.
-    if (is_atomic(op) && (host_address(*out.mr, in.remote_addr - out.mr->iova) & 7))
+    if (is_atomic(op) && (host_address(*out.mr, mr_off) & 7))
       return nak(IBV_WC_REM_INV_REQ_ERR, "atomic on a misaligned host address");
   }
   auto recv_error = [&](ibv_wc_status st, const char* why) {
@@ -317,14 +319,14 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
       }
     }
   } else if (is_write(op)) {
-    append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, dst_);
+    append_spans(*out.mr, mr_off, in.len, dst_);
   } else if (op == IBV_WR_RDMA_READ) {
-    append_spans(*out.mr, in.remote_addr - out.mr->iova, in.len, src_);
+    append_spans(*out.mr, mr_off, in.len, src_);
   } else {
     // Atomics: a CPU atomic (rdma_atomic), so atomic against the other atomics of this host,
     // whoever executes them (this thread, or a library on the direct path across backends), and
     // against guests touching the word themselves. The word is in one chunk (checked above).
-    append_spans(*out.mr, in.remote_addr - out.mr->iova, 8, src_);
+    append_spans(*out.mr, mr_off, 8, src_);
     auto* word = reinterpret_cast<uint64_t*>(src_.back().p);
     src_.pop_back();
     uintptr_t fault = 0;

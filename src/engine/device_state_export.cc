@@ -97,8 +97,9 @@ json export_qp(Exporter& ex, uint32_t h, const Qp& qp) {
           {"type", static_cast<uint32_t>(qp.type)},
           {"state", static_cast<uint32_t>(qp.state)},
           {"pd", qp.pd},
-          {"scq", qp.send_cq->handle},
-          {"rcq", qp.recv_cq->handle},
+          // An XRC receive QP has no CQs or rings (its entry is in the guest's "xrc_qps").
+          {"scq", qp.send_cq ? qp.send_cq->handle : kNone},
+          {"rcq", qp.recv_cq ? qp.recv_cq->handle : kNone},
           {"srq", qp.srq ? qp.srq->handle : kNone},
           {"sig_all", qp.sq_sig_all},
           {"caps", bytes_of(qp.caps)},
@@ -177,8 +178,13 @@ json export_session(Exporter& ex, const Session& s, int sock) {
                     {"cons", q->cons},
                     {"max_sge", q->max_sge},
                     {"limit", q->limit}});
+    // Version 8: an XRC SRQ's domain, number and CQ.
+    if (q->xrcd) srqs.back().update({{"xrcd", q->xrcd}, {"srqn", q->srqn}, {"cq", q->cq->handle}});
   }
   js["srqs"] = std::move(srqs);
+  // Version 8: its XRC domain opens and its handles on receive QPs (the guest's "xrc_qps").
+  js["xrcds"] = s.xrcds;
+  js["xrc_qps"] = s.xrc_qps;
   json qps = json::array();
   for (const auto& [h, qp] : s.qps) {
     qps.push_back(export_qp(ex, h, *qp));
@@ -208,6 +214,28 @@ void export_own_rings(Exporter& ex, const Guest& g, json& sessions) {
   }
 }
 
+/// Version 8: the guest's XRC domains (by id and the inode that names them; their use counts
+/// are recounted on import) and receive QPs, each as a QP entry with its domain, the SRQ it
+/// answers through (0: none yet) and the session (index in `order`) whose handle it is under.
+void export_xrc(const Guest& g, const std::vector<const Session*>& order, Exporter& ex, json& doc) {
+  json xrcds = json::array();
+  for (const auto& [id, x] : g.xrcds)
+    xrcds.push_back({{"id", id}, {"inode", x->has_inode}, {"dev", x->dev}, {"ino", x->ino}});
+  json qps = json::array();
+  for (const auto& [qpn, qp] : g.xrc_qps) {
+    json jq = export_qp(ex, qp->handle, *qp);
+    const auto owner = std::find(order.begin(), order.end(), qp->owner);
+    jq.update({{"xrcd", qp->xrcd},
+               {"srqn", qp->srq ? qp->srq->srqn : 0},
+               {"owner", static_cast<size_t>(owner - order.begin())}});
+    qps.push_back(std::move(jq));
+  }
+  doc["next_xrcd"] = g.next_xrcd;
+  doc["next_srqn"] = g.next_srqn;
+  doc["xrcds"] = std::move(xrcds);
+  doc["xrc_qps"] = std::move(qps);
+}
+
 }  // namespace
 
 Result<GuestExport> Device::export_guest(const std::string& name,
@@ -221,18 +249,15 @@ Result<GuestExport> Device::export_guest(const std::string& name,
                                       "backends, whose connection cannot move yet",
                                       name, qp->qpn));
   }
-  // XRC domains, SRQs and receive QPs are not in the blob (docs/ARCHITECTURE.md, "XRC").
-  if (!g.xrcds.empty())
-    return error(EOPNOTSUPP, fmt::format("guest {} holds XRC objects (domains, XRC SRQs or "
-                                         "QPs), whose state cannot move yet",
-                                         name));
   GuestExport out;
   Exporter ex{out};
   json sessions = json::array();
+  std::vector<const Session*> order;
   for (const auto& [sid, sp] : sessions_) {
     const Session& s = *sp;
     if (s.guest != &g) continue;
     sessions.push_back(export_session(ex, s, sock_of(s)));
+    order.push_back(&s);
     ++ex.si;
   }
   export_own_rings(ex, g, sessions);
@@ -246,6 +271,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
               {"retired", bytes_of(g.retired)},
               {"sessions", std::move(sessions)},
               {"fdkeys", std::move(ex.fdkeys)}};
+  export_xrc(g, order, ex, doc);
   out.blob = json::to_cbor(doc);
   return out;
 }

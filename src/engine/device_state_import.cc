@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
+#include "engine/device_state_reader.h"
 #include "proto/device_caps.h"
 namespace vrdma::engine {
 
@@ -30,114 +31,9 @@ namespace {
 /// sizeof(QpCounters) in a version 2 blob (proto/device_state.h: version 3 grew it at its end).
 constexpr size_t kCountersV2 = offsetof(QpCounters, replays);
 
-/// A field of the blob, or EINVAL naming it.
-struct Reader {
-  Status st = Status::ok();
-
-  template <typename T>
-  T num(const json& j, const char* key) {
-    if (!st.is_ok()) return T{};
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_number_integer()) {
-      st = error(EINVAL, fmt::format("state: field '{}' missing or not an integer", key));
-      return T{};
-    }
-    if constexpr (std::is_signed_v<T>) {
-      return it->template get<T>();
-    } else {
-      if (it->is_number_integer() && it->template get<int64_t>() < 0 && !it->is_number_unsigned()) {
-        st = error(EINVAL, fmt::format("state: field '{}' is negative", key));
-        return T{};
-      }
-      const uint64_t v = it->template get<uint64_t>();
-      if (v > std::numeric_limits<T>::max()) {
-        st = error(EINVAL, fmt::format("state: field '{}' out of range", key));
-        return T{};
-      }
-      return static_cast<T>(v);
-    }
-  }
-
-  /// `older`: the size an older version wrote, a prefix of T (the rest stays zero).
-  template <typename T>
-  T pod(const json& j, const char* key, size_t older = sizeof(T)) {
-    T out{};
-    if (!st.is_ok()) return out;
-    auto it = j.find(key);
-    const size_t n = it == j.end() || !it->is_binary() ? 0 : it->get_binary().size();
-    if (n == 0 || (n != sizeof(T) && n != older)) {
-      st = error(EINVAL, fmt::format("state: field '{}' missing or of the wrong size", key));
-      return out;
-    }
-    std::memcpy(&out, it->get_binary().data(), n);
-    return out;
-  }
-
-  const json& arr(const json& j, const char* key) {
-    static const json empty = json::array();
-    if (!st.is_ok()) return empty;
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_array()) {
-      st = error(EINVAL, fmt::format("state: list '{}' missing", key));
-      return empty;
-    }
-    return *it;
-  }
-
-  std::string str(const json& j, const char* key) {
-    if (!st.is_ok()) return {};
-    auto it = j.find(key);
-    if (it == j.end() || !it->is_string()) {
-      st = error(EINVAL, fmt::format("state: field '{}' missing or not a string", key));
-      return {};
-    }
-    return it->get<std::string>();
-  }
-
-  void fail(std::string why) {
-    if (st.is_ok()) st = error(EINVAL, "state: " + why);
-  }
-};
-
-/// One import's state while it reads a blob: the reader of its fields, and the descriptors sent
-/// beside it, each taken at most once.
-struct Importer {
-  Reader rd;
-  std::vector<UniqueFd>& fds;
-  std::vector<bool> taken;
-  size_t counters_size = sizeof(QpCounters);  ///< as the blob's version wrote QpCounters
-
-  explicit Importer(std::vector<UniqueFd>& given) : fds(given), taken(given.size(), false) {}
-
-  /// Takes descriptor `key` of `j` (each index at most once); -1 allowed when `optional`.
-  UniqueFd take(const json& j, const char* key, bool optional = false) {
-    const int64_t i = rd.num<int64_t>(j, key);
-    if (!rd.st.is_ok()) return {};
-    if (i < 0 && optional) return {};
-    if (i < 0 || static_cast<size_t>(i) >= fds.size() || taken[i] || !fds[i].valid()) {
-      rd.fail(fmt::format("descriptor '{}' = {} not given (or given twice)", key, i));
-      return {};
-    }
-    taken[i] = true;
-    return std::move(fds[i]);
-  }
-
-  MappedRegion map_memfd(UniqueFd& f, size_t bytes, const char* what) {
-    if (!rd.st.is_ok()) return {};
-    if (Status st = check_sealed_memfd(f.get(), bytes); !st.is_ok()) {
-      rd.fail(fmt::format("{}: {}", what, st.message()));
-      return {};
-    }
-    MappedRegion m = MappedRegion::map_shared(f.get(), bytes);
-    if (!m.valid()) rd.fail(fmt::format("mapping {}: {}", what, std::strerror(errno)));
-    return m;
-  }
-
-  /// A handle of session `s`: from 1 up to (not including) its next_handle.
-  void handle_ok(const Session& s, uint32_t h, const char* what) {
-    if (h == 0 || h >= s.next_handle) rd.fail(fmt::format("{} handle {} out of range", what, h));
-  }
-};
+using state::Importer;
+using state::QpRefs;
+using state::Reader;
 
 // ---- import: one function per kind of resource (read and check, map, build, link) ----
 // Each reads its list of session `s` and adds what it built to `s` (and to the guest's tables of
@@ -270,7 +166,7 @@ void import_cqs(Importer& im, const json& js, Session& s, bool recover, uint32_t
   }
 }
 
-void import_srqs(Importer& im, const json& js, Session& s, bool recover) {
+void import_srqs(Importer& im, const json& js, Session& s, Guest& g, bool recover) {
   Reader& rd = im.rd;
   for (const json& jq : rd.arr(js, "srqs")) {
     if (!rd.st.is_ok()) break;
@@ -300,18 +196,15 @@ void import_srqs(Importer& im, const json& js, Session& s, bool recover) {
       const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
       if (p - c <= q->size) q->cons = c;
     }
-    if (!s.srqs.emplace(q->handle, std::move(q)).second) rd.fail("SRQ handle twice");
+    if (s.srqs.count(q->handle)) return rd.fail("SRQ handle twice");
+    state::import_xrc_srq(im, jq, *q, s, g);
+    s.srqs.emplace(q->handle, std::move(q));
   }
 }
 
-/// What a QP's entry says besides the QP's own fields: read with them, checked, then linked.
-struct QpRefs {
-  uint32_t type = 0, state = 0, wait = 0;
-  uint32_t scq = 0, rcq = 0, srq = kNone;
-};
+}  // namespace
 
-/// A QP's fields as the blob has them, and what it names (`refs`).
-std::unique_ptr<Qp> read_qp(Importer& im, const json& jq, QpRefs& refs) {
+std::unique_ptr<Qp> state::read_qp(Importer& im, const json& jq, QpRefs& refs) {
   Reader& rd = im.rd;
   auto qp = std::make_unique<Qp>();
   qp->handle = rd.num<uint32_t>(jq, "h");
@@ -367,6 +260,8 @@ std::unique_ptr<Qp> read_qp(Importer& im, const json& jq, QpRefs& refs) {
   return qp;
 }
 
+namespace {
+
 /// A QP's fields against the device's limits, and what it names against its session.
 void check_qp(Importer& im, const Qp& q, const QpRefs& refs, const Session& s, const Guest& g) {
   Reader& rd = im.rd;
@@ -375,7 +270,8 @@ void check_qp(Importer& im, const Qp& q, const QpRefs& refs, const Session& s, c
   const uint32_t scq = refs.scq, rcq = refs.rcq, srq = refs.srq;
   im.handle_ok(s, qp->handle, "QP");
   if (qp->qpn < 0x11 || qp->qpn > 0xffffff || g.qps.count(qp->qpn)) rd.fail("QPN");
-  if (type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD) rd.fail("QP type");
+  if (type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD && type != IBV_QPT_XRC_SEND)
+    rd.fail("QP type");
   if (state > IBV_QPS_ERR) rd.fail("QP state");
   if (wait > static_cast<uint32_t>(Wait::kAck)) rd.fail("QP wait");
   if (!std::has_single_bit(qp->sq_size) || qp->sq_size > 2 * kMaxQpWr ||
@@ -591,7 +487,7 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   }
   import_channels(im, js, *s);
   import_cqs(im, js, *s, recover_qp != nullptr, version);
-  import_srqs(im, js, *s, recover_qp != nullptr);
+  import_srqs(im, js, *s, g, recover_qp != nullptr);
   import_qps(im, js, *s, g, recover_qp, version);
   return s;
 }
@@ -612,7 +508,7 @@ void Device::recover_from_rings(Qp& qp) {
   qp.unacked.clear();
   qp.sq_sent = qp.sq_cons;
   qp.wait = Wait::kNone;
-  if (qp.type == IBV_QPT_RC) {
+  if (is_reliable(qp.type)) {  // RC and XRC_SEND (an XRC_RECV has no rings)
     qp.next_psn = qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
     qp.expected_psn = qp.rq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
   }
@@ -674,6 +570,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   im.counters_size = version >= 3 ? sizeof(QpCounters) : kCountersV2;
   g->retired = rd.pod<QpCounters>(doc, "retired", im.counters_size);
 
+  state::import_xrcds(im, doc, *g, version);
   std::vector<std::unique_ptr<Session>> made;
   std::vector<UniqueFd> socks;
   const json& jsessions = rd.arr(doc, "sessions");
@@ -683,6 +580,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     made.push_back(
         import_session(im, js, *g, version, socks, recover ? &recover_from_rings : nullptr));
   }
+  state::import_xrc_holds(im, doc, made, *g, version);
   RETURN_IF_ERROR(rd.st);
 
   // All valid: count, insert, and connect.
@@ -712,6 +610,9 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
     out.push_back({made[i].get(), std::move(socks[i])});
     sessions_[s.id] = std::move(made[i]);
   }
+  // XRC receive QPs are the guest's (no session's, never polled).
+  charge(*gp, Res::kQp, gp->xrc_qps.size());
+  for (const auto& [qpn, qp] : gp->xrc_qps) qp->flow = next_flow_++;
   if (!gp->active.empty()) active_guests_.push_back(gp);
   lid_of_name_[name] = lid;
   guests_by_lid_[lid] = gp;
@@ -725,6 +626,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   }
   // Its QPs choose their transport again from here, and so do ours that face it.
   for (Qp* qp : gp->active) reroute(*qp);
+  for (const auto& [qpn, qp] : gp->xrc_qps) reroute(*qp);
   for_qps_facing(*gp, [&](Qp& qp) {
     if (qp.guest != gp) reroute(qp);
   });

@@ -16,6 +16,11 @@
 // version 6 blob's), and each session's direct-path cookie ("cookie": address and bytes, so a
 // peer proves again after the move); a version 6 blob has neither (it was refused for such a
 // guest).
+// 8 = XRC: the guest's domains ("xrcds": id, inode) and receive QPs ("xrc_qps": QP entries
+// with their domain, bound SRQ number and the index of the session they are reported under),
+// "next_xrcd", "next_srqn"; per session its domain opens and receive-QP handles ("xrcds",
+// "xrc_qps": [handle, id or QPN]) and its XRC SRQs' "xrcd", "srqn" and "cq"; XRC_SEND QPs in
+// "qps". A version 7 blob has none (it was refused for a guest holding a domain).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -24,7 +29,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 7;
+inline constexpr uint32_t kStateVersion = 8;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

@@ -134,7 +134,7 @@ struct MwBindView {
   uint64_t mr_iova = 0, mr_length = 0;
   uint32_t new_rkey = 0, old_rkey = 0;  ///< type 2: only the 8-bit key may change
   uint64_t addr = 0, length = 0;
-  uint32_t access = 0;  ///< the window's access: IBV_ACCESS_REMOTE_* (and ZERO_BASED: refused)
+  uint32_t access = 0;  ///< the window's access: IBV_ACCESS_REMOTE_* and IBV_ACCESS_ZERO_BASED
 };
 
 /// The rules of a bind (the IB spec's memory windows; rdma-core's ibv_bind_mw(3),
@@ -144,9 +144,10 @@ struct MwBindView {
 /// - a type 2 window is in the QP's PD, is not bound, and keeps its 24-bit index in the new rkey;
 /// - a type 1 bind of length 0 unbinds and needs nothing more;
 /// - the MR exists in the window's PD and allows binds (IBV_ACCESS_MW_BIND);
-/// - the access is remote bits only (no zero-based windows), and remote write or atomic
-///   access needs local write on the MR;
-/// - [addr, addr + length) lies in the MR (its iova range: windows are addressed as rkeys are).
+/// - the access is remote bits and IBV_ACCESS_ZERO_BASED only (a zero-based window is addressed
+///   from 0: responder_rules.h window_view), and remote write or atomic access needs local
+///   write on the MR;
+/// - [addr, addr + length) lies in the MR (its iova range, as rkeys address it).
 /// IBV_WC_SUCCESS when they hold; `why` (when given) names the rule that did not.
 constexpr ibv_wc_status check_bind_mw(uint32_t qp_access, const MwBindView& b,
                                       const char** why = nullptr) {
@@ -167,7 +168,8 @@ constexpr ibv_wc_status check_bind_mw(uint32_t qp_access, const MwBindView& b,
   if (!(b.mr_access & IBV_ACCESS_MW_BIND)) return no("the MR does not allow binds (MW_BIND)");
   constexpr uint32_t kRemote =
       IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-  if (b.access & ~kRemote) return no("window access other than remote read, write and atomic");
+  if (b.access & ~(kRemote | IBV_ACCESS_ZERO_BASED))
+    return no("window access other than remote read, write, atomic and zero-based");
   if ((b.access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
       !(b.mr_access & IBV_ACCESS_LOCAL_WRITE))
     return no("remote write or atomic access on an MR without local write");

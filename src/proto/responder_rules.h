@@ -41,7 +41,14 @@ struct RemoteMrView {
   bool found = false;
   uint32_t access = 0;
   uint64_t iova = 0, length = 0;  ///< rkeys address [iova, iova + length)
+  /// Added to an address the rkey names to give the MR's iova (mr_iova_of): a zero-based
+  /// window's start in its MR; 0 for an MR and any other window.
+  uint64_t base = 0;
 };
+
+/// The MR iova an address under the rkey names (once check_remote_request accepted it): each
+/// executor finds the bytes of that iova in its own memory.
+constexpr uint64_t mr_iova_of(const RemoteMrView& v, uint64_t raddr) { return raddr + v.base; }
 
 /// What the responder found under a request's rkey when it names a memory window (windows live
 /// in the backend only: proto/post_rules.h needs_backend). An rkey of a window is its index
@@ -62,11 +69,16 @@ struct RemoteMwView {
 /// WINDOW_TYPE_2B, "associated with PD and QPN", as the kernel's IB/core commit 7083e42ee2ff
 /// that brought type 2 windows describes the flavours). Through the window the MR's
 /// checks apply with the window's access and range: check_remote_request on the view this
-/// returns (not found: REM_ACCESS_ERR, as for an rkey of no MR).
+/// returns (not found: REM_ACCESS_ERR, as for an rkey of no MR). A window bound with
+/// IBV_ACCESS_ZERO_BASED is addressed from 0: [0, length) names [addr, addr + length) of its
+/// MR (mr_iova_of); any other is addressed as its MR, [addr, addr + length).
 constexpr RemoteMrView window_view(const RemoteMwView& w) {
   const bool usable =
       w.found && w.bound && w.same_key && w.same_pd && (w.type != IBV_MW_TYPE_2 || w.same_qp);
-  return usable ? RemoteMrView{true, w.access, w.addr, w.length} : RemoteMrView{};
+  if (!usable) return RemoteMrView{};
+  const uint32_t access = w.access & ~static_cast<uint32_t>(IBV_ACCESS_ZERO_BASED);
+  if (w.access & IBV_ACCESS_ZERO_BASED) return RemoteMrView{true, access, 0, w.length, w.addr};
+  return RemoteMrView{true, access, w.addr, w.length, 0};
 }
 
 /// Invalidation of a window's rkey: by the responder for a SEND_WITH_INV (`fault`

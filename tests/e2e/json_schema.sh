@@ -39,7 +39,7 @@ done
 check status status -j
 check status status --json
 check res res show -j
-for t in qp cq mr pd srq dm; do check "res_$t" res show "$t" -j; done
+for t in qp cq mr pd srq dm mw xrcd; do check "res_$t" res show "$t" -j; done
 check res_qp res show qp guest js-c --json
 check stat stat -j
 check stat_qp stat qp -j

@@ -27,19 +27,11 @@ for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.
 
 # Kills the backend N times, waiting each time for the keeper to start a new one.
 kill_backend_times() {
-  local n=$1 k old new i
+  local n=$1 k
   for ((k = 1; k <= n; k++)); do
     sleep "${KILL_EVERY:-0.8}"
-    old="$(backend_pid)"
-    [[ -n $old ]] || fail "no backend to kill"
-    kill -KILL "$old"
-    for ((i = 0; i < 100; i++)); do
-      new="$(backend_pid)"
-      [[ -n $new && $new != "$old" ]] && break
-      nap 0.05
-    done
-    [[ -n $new && $new != "$old" ]] || fail "the keeper did not start a new backend after kill $k"
-    log "kill $k: backend $old -> $new"
+    kill_kept_backend
+    log "kill $k: backend $KILLED -> $RESTARTED"
   done
 }
 

@@ -108,6 +108,21 @@ backend_pid() {
   pgrep -f -- "$re" | head -n 1 || true
 }
 
+# Kills the backend serving $VRDMA_SOCKET with SIGKILL and waits up to 5 s for its keeper
+# (`--keep-state`) to start a new one. Sets KILLED and RESTARTED (their pids).
+kill_kept_backend() {
+  local i
+  KILLED="$(backend_pid)"
+  [[ -n $KILLED ]] || fail "no backend to kill"
+  kill -KILL "$KILLED"
+  for ((i = 0; i < 100; i++)); do
+    RESTARTED="$(backend_pid)"
+    [[ -n $RESTARTED && $RESTARTED != "$KILLED" ]] && return 0
+    nap 0.05
+  done
+  fail "the keeper did not start a new backend after $KILLED was killed"
+}
+
 e2e_cleanup() {
   local rc=$? pid i f
   trap - EXIT

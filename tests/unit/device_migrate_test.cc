@@ -83,5 +83,62 @@ TEST_F(DeviceRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrd
   ASSERT_EQ(drain(acq_).size(), 1u);
 }
 
+// XRC over the transport: the guest with the receive QP and its XRC SRQ moves after two of four
+// requests ran, their ACKs lost. The requester sends all four again; the receive QP's expected
+// PSN moved with it, so the SRQ takes each message once and in order.
+TEST_F(DeviceRemoteTest, XrcResponderMovedWithRequestsInFlightTakesEachOnce) {
+  auto x = dev_.open_xrcd(*b_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
+  ASSERT_TRUE(x.is_ok());
+  UniqueFd ring;
+  auto srq = dev_.create_xrc_srq(
+      *b_.s, CreateXrcSrqReq{b_.pd, x.value(), bcq_.handle, 0, {8, 1, 0, 0}}, ring);
+  ASSERT_TRUE(srq.is_ok()) << srq.status().message();
+  MappedRegion srq_map = MappedRegion::map_shared(ring.get(), srq->ring_bytes);
+  auto* srq_hdr = reinterpret_cast<RingHeader*>(srq_map.data());
+  CreateQpReq rq{};
+  rq.qp_type = IBV_QPT_XRC_RECV;
+  rq.xrcd = x.value();
+  QpV tgt = create_qp(b_, rq);
+  QpV snd = create_qp(a_, qp_req(a_, acq_, acq_, IBV_QPT_XRC_SEND));
+  connect(b_, tgt, a_, snd);
+  connect(a_, snd, b_, tgt);
+  for (uint32_t i = 0; i < 4; ++i) {
+    ring_entries<RecvWqe>(srq_hdr)[i] =
+        RecvWqe{100 + i, 1, 0, {Sge{mb_.addr + 64 * i, 64, mb_.mr.lkey}}};
+    srq_hdr->producer.store(i + 1, std::memory_order_release);
+    ma_.p()[i * 8] = static_cast<uint8_t>(0x10 + i);
+    post_send(snd, 200 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
+    snd.sqe[(snd.sq_prod - 1) & (snd.sq_size - 1)].ud_remote_qkey = srq->srq_num;
+  }
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 4u);
+  EXPECT_EQ(pump(2), 2);
+  b_.s = move_guest(dev_, "b");
+  ASSERT_NE(b_.s, nullptr);
+  std::erase_if(loop_.q, [](const FakeLoop::Sent& fr) {
+    wire::FrameHeader h;
+    std::memcpy(&h, fr.bytes.data(), sizeof(h));
+    return static_cast<wire::Type>(h.type) == wire::Type::kReply;
+  });
+  std::vector<Cqe> tx;
+  for (int t = 0; t < 20 && tx.size() < 4; ++t) {
+    settle();
+    for (const Cqe& c : drain(acq_)) tx.push_back(c);
+    now_ += 70'000'000;  // an ACK timeout (timeout 14), should the replay wait for one
+  }
+  ASSERT_EQ(tx.size(), 4u);
+  for (uint32_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(tx[i].wr_id, 200u + i);
+    EXPECT_EQ(tx[i].status, IBV_WC_SUCCESS);
+  }
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 4u) << "each message once";
+  for (uint32_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(rx[i].wr_id, 100u + i);
+    EXPECT_EQ(rx[i].qp_num, tgt.qpn);
+    EXPECT_EQ(mb_.p()[i * 64], 0x10 + i);
+  }
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest

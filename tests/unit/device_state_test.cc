@@ -3,6 +3,7 @@
 // importer and never leaves half a guest behind.
 #include <fcntl.h>
 
+#include <functional>
 #include <random>
 
 #include "device_fixture.h"
@@ -227,23 +228,121 @@ TEST_F(DeviceTest, MemoryWindowsMoveWithTheGuestBoundOrNot) {
   EXPECT_TRUE(dev_.dealloc_mw(*a_.s, idle->handle).is_ok());
 }
 
-// XRC domains, SRQs and receive QPs are not in the blob: a guest holding any is refused a move
-// (and a snapshot) with EOPNOTSUPP, and moves again once they are gone.
-TEST_F(DeviceTest, AGuestHoldingXrcObjectsIsRefusedAMove) {
-  connect_both();
-  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
-  ASSERT_TRUE(x.is_ok()) << x.status().message();
+// XRC moves with the guest (version 8): a's domain (opened by a file in two sessions), its XRC
+// SRQ (number, CQ, a receive posted before the move) and receive QP (created by one session,
+// opened by the other) keep their ids and use counts; b's XRC_SEND QP goes on sending to the
+// SRQ's number, and everything closes as before. A blob whose receive QP names an SRQ number
+// it cannot have, or that no session holds, imports nothing.
+TEST_F(DeviceTest, XrcObjectsMoveWithTheGuest) {
+  char path[] = "/tmp/vrdma-xrc-state-XXXXXX";
+  UniqueFd file(::mkstemp(path));
+  ASSERT_TRUE(file.valid());
+  ::unlink(path);
+  G a2 = open("a");
+  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd(::dup(file.get())));
+  auto x2 = dev_.open_xrcd(*a2.s, OpenXrcdReq{0, 0}, UniqueFd(::dup(file.get())));
+  ASSERT_TRUE(x.is_ok() && x2.is_ok());
   CqV c = cq(a_);
   UniqueFd ring;
   auto srq = dev_.create_xrc_srq(
-      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), c.handle, 0, {4, 1, 0, 0}}, ring);
+      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), c.handle, 0, {8, 1, 0, 0}}, ring);
   ASSERT_TRUE(srq.is_ok()) << srq.status().message();
-  EXPECT_NE(srq->srq_num, 0u);
-  auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
-  EXPECT_EQ(ex.err(), EOPNOTSUPP);
-  ASSERT_TRUE(dev_.destroy_srq(*a_.s, srq->handle).is_ok());
-  ASSERT_TRUE(dev_.close_xrcd(*a_.s, x.value()).is_ok());
-  EXPECT_TRUE(dev_.export_guest("a", [](const Session&) { return -1; }).is_ok());
+  MappedRegion srq_map = MappedRegion::map_shared(ring.get(), srq->ring_bytes);
+  auto* srq_hdr = reinterpret_cast<RingHeader*>(srq_map.data());
+  for (uint32_t i = 0; i < 2; ++i) {
+    ring_entries<RecvWqe>(srq_hdr)[i] =
+        RecvWqe{i + 1, 1, 0, {Sge{ma_.addr + 64 * i, 64, ma_.mr.lkey}}};
+    srq_hdr->producer.store(i + 1, std::memory_order_release);
+  }
+  CreateQpReq rq{};
+  rq.qp_type = IBV_QPT_XRC_RECV;
+  rq.xrcd = x.value();
+  QpV tgt = create_qp(a_, rq);
+  auto opened = dev_.open_qp(*a2.s, OpenQpReq{x2.value(), tgt.qpn, IBV_QPT_XRC_RECV, 0});
+  ASSERT_TRUE(opened.is_ok()) << opened.status().message();
+  QpV snd = create_qp(b_, qp_req(b_, bcq_, bcq_, IBV_QPT_XRC_SEND));
+  connect(a_, tgt, b_, snd);
+  connect(b_, snd, a_, tgt);
+  const auto send_to_srq = [&](uint64_t wr_id, char fill) {
+    std::memset(mb_.p(), fill, 8);
+    post_send(snd, wr_id, mb_.addr, 8, mb_.mr.lkey);
+    snd.sqe[(snd.sq_prod - 1) & (snd.sq_size - 1)].ud_remote_qkey = srq->srq_num;
+    dev_.poll(now_);
+    EXPECT_EQ(poll_one(bcq_).status, IBV_WC_SUCCESS);
+  };
+  send_to_srq(7, 'x');
+  ASSERT_EQ(drain(c).size(), 1u);
+
+  GuestExport ex = export_a(dev_);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  dev_.detach_guest("a");
+  auto r = dev_.import_guest(ex.blob, fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_EQ(r.value().size(), 2u);
+  Session& s1 = *r.value()[0].session;
+  Session& s2 = *r.value()[1].session;
+  Guest& g = *s1.guest;
+  ASSERT_EQ(g.xrcds.size(), 1u);
+  const Xrcd& d = *g.xrcds.begin()->second;
+  EXPECT_EQ(d.opens, 2u);
+  EXPECT_EQ(d.users, 2u);  // the SRQ and the receive QP
+  EXPECT_EQ(s1.srqs.at(srq->handle)->srqn, srq->srq_num);
+  EXPECT_EQ(g.xrc_srqs.at(srq->srq_num), s1.srqs.at(srq->handle).get());
+  ASSERT_EQ(g.xrc_qps.count(tgt.qpn), 1u);
+  EXPECT_EQ(g.xrc_qps.at(tgt.qpn)->opens, 2u);
+  EXPECT_EQ(s2.xrc_qps.at(opened->handle), tgt.qpn);
+  EXPECT_EQ(g.used[static_cast<size_t>(Res::kQp)], 2u);  // qa_ and the receive QP
+
+  // The receive posted before the move takes the next message, completing on the SRQ's CQ.
+  send_to_srq(8, 'y');
+  Cqe got = poll_one(c);
+  EXPECT_EQ(got.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(got.wr_id, 2u);
+  EXPECT_EQ(got.qp_num, tgt.qpn);
+  EXPECT_EQ(ma_.p()[64], 'y');
+
+  // Broken blobs: nothing is imported.
+  GuestExport ex2 = export_a(dev_);
+  auto doc = nlohmann::json::from_cbor(ex2.blob);
+  for (const auto& mutate : std::vector<std::function<void(nlohmann::json&)>>{
+           [](nlohmann::json& j) { j["xrc_qps"][0]["srqn"] = 0xabcdef; },
+           [](nlohmann::json& j) { j["sessions"][0]["xrc_qps"] = nlohmann::json::array(); },
+           [](nlohmann::json& j) { j["next_xrcd"] = 1; },
+           [](nlohmann::json& j) { j["sessions"][0]["srqs"][0]["cq"] = 999; }}) {
+    auto bad = doc;
+    mutate(bad);
+    std::vector<UniqueFd> bfds = dup_all(ex2.fds);
+    Device other;
+    EXPECT_EQ(other.import_guest(nlohmann::json::to_cbor(bad), bfds).err(), EINVAL);
+    EXPECT_FALSE(other.has_guest("a"));
+  }
+
+  // Everything closes as before the move: the domain goes with its last user.
+  ASSERT_TRUE(dev_.destroy_qp(s1, tgt.handle).is_ok());
+  ASSERT_TRUE(dev_.destroy_qp(s2, opened->handle).is_ok());
+  ASSERT_TRUE(dev_.destroy_srq(s1, srq->handle).is_ok());
+  ASSERT_TRUE(dev_.close_xrcd(s1, x.value()).is_ok());
+  ASSERT_TRUE(dev_.close_xrcd(s2, x2.value()).is_ok());
+  EXPECT_TRUE(g.xrcds.empty());
+  EXPECT_TRUE(g.xrc_qps.empty());
+}
+
+// A version 7 blob (no XRC fields anywhere) still imports.
+TEST_F(DeviceTest, AVersionSevenBlobWithoutXrcImports) {
+  connect_both();
+  GuestExport ex = export_a(dev_);
+  auto doc = nlohmann::json::from_cbor(ex.blob);
+  doc["version"] = 7;
+  for (const char* k : {"xrcds", "xrc_qps", "next_xrcd", "next_srqn"}) doc.erase(k);
+  for (auto& js : doc["sessions"]) {
+    js.erase("xrcds");
+    js.erase("xrc_qps");
+  }
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
+  Device other;
+  auto r = other.import_guest(nlohmann::json::to_cbor(doc), fds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_TRUE(r.value()[0].session->guest->xrcds.empty());
 }
 
 TEST_F(DeviceTest, AVersionFourBlobWithoutWindowsImportsAndABadWindowIsRefused) {
@@ -292,6 +391,18 @@ TEST_F(DeviceTest, MutatedStateNeverCrashesTheImporterNorLeavesHalfAGuest) {
   connect_both();
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);  // RNR: something in the QP's retry state
   dev_.poll(now_);
+  // XRC (version 8): a domain, an XRC SRQ and a receive QP in it.
+  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
+  ASSERT_TRUE(x.is_ok());
+  UniqueFd ring;
+  ASSERT_TRUE(dev_.create_xrc_srq(
+                      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), acq_.handle, 0, {4, 1, 0, 0}}, ring)
+                  .is_ok());
+  CreateQpReq rq{};
+  rq.qp_type = IBV_QPT_XRC_RECV;
+  rq.xrcd = x.value();
+  UniqueFd none;
+  ASSERT_TRUE(dev_.create_qp(*a_.s, rq, none).is_ok());
   GuestExport ex = export_a(dev_);
   std::mt19937 rng(12345);
   Device other;

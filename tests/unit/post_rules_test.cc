@@ -167,6 +167,9 @@ TEST(PostRules, BindMwFaultsAreMwBindErrors) {
   ok.access = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC;
   const uint32_t qp = IBV_ACCESS_MW_BIND;
   EXPECT_EQ(check_bind_mw(qp, ok), IBV_WC_SUCCESS);
+  MwBindView zero_based = ok;
+  zero_based.access |= IBV_ACCESS_ZERO_BASED;
+  EXPECT_EQ(check_bind_mw(qp, zero_based), IBV_WC_SUCCESS) << "a window addressed from 0";
   struct Case {
     const char* name;
     void (*spoil)(MwBindView&, uint32_t&);
@@ -181,7 +184,7 @@ TEST(PostRules, BindMwFaultsAreMwBindErrors) {
       {"MR of another PD", [](MwBindView& b, uint32_t&) { b.mr_same_pd = false; }},
       {"MR without MW_BIND",
        [](MwBindView& b, uint32_t&) { b.mr_access = IBV_ACCESS_LOCAL_WRITE; }},
-      {"zero-based", [](MwBindView& b, uint32_t&) { b.access |= IBV_ACCESS_ZERO_BASED; }},
+      {"local access", [](MwBindView& b, uint32_t&) { b.access |= IBV_ACCESS_LOCAL_WRITE; }},
       {"write without local write",
        [](MwBindView& b, uint32_t&) { b.mr_access = IBV_ACCESS_MW_BIND; }},
       {"before the MR", [](MwBindView& b, uint32_t&) { b.addr = 0xfff; }},
@@ -234,6 +237,32 @@ TEST(ResponderRules, AWindowReachesOnlyWhileBoundUnderItsKeyThroughItsQp) {
   RemoteMwView other = w;
   other.same_qp = false;
   EXPECT_EQ(check_invalidate(other, IBV_WC_LOC_QP_OP_ERR), IBV_WC_LOC_QP_OP_ERR);
+}
+
+// A zero-based window (IBV_ACCESS_ZERO_BASED in its bind) is addressed from 0: [0, length)
+// names [addr, addr + length) of its MR, and the MR's own addresses are outside it.
+TEST(ResponderRules, AZeroBasedWindowIsAddressedFromZero) {
+  RemoteMwView w;
+  w.found = w.bound = w.same_key = w.same_pd = w.same_qp = true;
+  w.type = IBV_MW_TYPE_1;
+  w.access = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_ZERO_BASED;
+  w.addr = 0x1000;
+  w.length = 0x100;
+  const RemoteMrView v = window_view(w);
+  ASSERT_TRUE(v.found);
+  EXPECT_EQ(v.access, static_cast<uint32_t>(IBV_ACCESS_REMOTE_READ));
+  EXPECT_EQ(check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0, 0x100, v),
+            IBV_WC_SUCCESS);
+  EXPECT_EQ(mr_iova_of(v, 0x10), 0x1010u);
+  EXPECT_EQ(check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0xf8, 16, v),
+            IBV_WC_REM_ACCESS_ERR);
+  EXPECT_EQ(check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0x1000, 8, v),
+            IBV_WC_REM_ACCESS_ERR)
+      << "an MR address";
+  w.access = IBV_ACCESS_REMOTE_READ;  // not zero-based: addressed as its MR
+  EXPECT_EQ(mr_iova_of(window_view(w), 0x1010), 0x1010u);
+  EXPECT_EQ(check_remote_request(IBV_WR_RDMA_READ, IBV_ACCESS_REMOTE_READ, 0, 8, window_view(w)),
+            IBV_WC_REM_ACCESS_ERR);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // `vrdma stat` selection and text built from it.
 #include "backend/report.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 
 #include <regex>
@@ -163,6 +164,55 @@ TEST_F(OpsTest, ResShowSelectsAndPrintsLikeIproute2) {
   EXPECT_NE(bad.status().message().find("valid: guest, qpn, dest_qpn"), std::string::npos);
   EXPECT_FALSE(cli::res_rows(st, "qps", {}).is_ok());
   EXPECT_FALSE(cli::parse_filters({"guest"}).is_ok());
+}
+
+// Memory windows (type, rkey, the MR range while bound, type 2's QP) and XRC objects (the
+// domain, the XRC SRQ's domain, number and CQ, the receive QP) are rows of `res show` too.
+TEST_F(OpsTest, ResShowListsWindowsAndXrcObjects) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(a_, kAccess | IBV_ACCESS_MW_BIND);
+  auto free_mw = dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1});
+  ASSERT_TRUE(free_mw.is_ok());
+  const auto [bound, rkey] = type2_window(a_, qa_, m, 512, 1024, IBV_ACCESS_REMOTE_WRITE);
+  ASSERT_EQ(poll_one(acq_).status, IBV_WC_SUCCESS);
+  auto x = dev_.open_xrcd(*a_.s, OpenXrcdReq{O_CREAT, 0}, UniqueFd());
+  ASSERT_TRUE(x.is_ok());
+  UniqueFd ring;
+  auto srq = dev_.create_xrc_srq(
+      *a_.s, CreateXrcSrqReq{a_.pd, x.value(), arcq_.handle, 0, {4, 1, 0, 0}}, ring);
+  ASSERT_TRUE(srq.is_ok()) << srq.status().message();
+  CreateQpReq rq{};
+  rq.qp_type = IBV_QPT_XRC_RECV;
+  rq.xrcd = x.value();
+  UniqueFd none;
+  auto tgt = dev_.create_qp(*a_.s, rq, none);
+  ASSERT_TRUE(tgt.is_ok()) << tgt.status().message();
+  const uint32_t xrcdn = a_.s->xrcds.at(x.value());  // the guest's domain, not the handle
+
+  json st = status();
+  auto mws = cli::res_rows(st, "mw", {{"guest", "a"}, {"state", "bound"}});
+  ASSERT_TRUE(mws.is_ok()) << mws.status().message();
+  ASSERT_EQ(mws->size(), 1u);
+  EXPECT_EQ(cli::res_text("mw", *mws),
+            fmt::format("vrdma0 guest a mwn {} pdn {} type 2 state bound rkey {:#x} mrn {} iova "
+                        "{:#x} length 1KiB access REMOTE_WRITE qpn {:#x} pid 4242\n",
+                        bound.handle, a_.pd, rkey, m.mr.handle, m.addr + 512, qa_.qpn));
+  EXPECT_EQ(cli::res_text("mw", *cli::res_rows(st, "mw", {{"state", "free"}})),
+            fmt::format("vrdma0 guest a mwn {} pdn {} type 1 state free rkey {:#x} pid 4242\n",
+                        free_mw->handle, a_.pd, free_mw->rkey));
+  EXPECT_EQ(cli::res_text("xrcd", *cli::res_rows(st, "xrcd", {})),
+            fmt::format("vrdma0 guest a xrcdn {} opens 1 users 2\n", xrcdn));
+  auto srqs = cli::res_rows(st, "srq", {{"srq_num", std::to_string(srq->srq_num)}});
+  ASSERT_EQ(srqs->size(), 1u);
+  EXPECT_EQ((*srqs)[0]["xrcdn"], xrcdn);
+  EXPECT_EQ((*srqs)[0]["cqn"], arcq_.handle);
+  auto recv = cli::res_rows(st, "qp", {{"type", "XRC_RECV"}});
+  ASSERT_EQ(recv->size(), 1u);
+  EXPECT_EQ((*recv)[0]["qpn"], tgt->qpn);
+  EXPECT_EQ((*recv)[0]["xrcdn"], xrcdn);
+  EXPECT_EQ((*recv)[0]["opens"], 1);
+  EXPECT_EQ((*recv)[0]["pid"], 4242);
 }
 
 TEST_F(OpsTest, StatRowsCarryTheCounters) {

@@ -772,6 +772,55 @@ TEST_F(Windows, Type2IsOwnedByItsQpAndInvalidatedLocallyOrBySendWithInvalidate) 
   EXPECT_EQ(peer_.dealloc_mw(w), 0);
 }
 
+// IBV_ACCESS_ZERO_BASED in a bind: the window is addressed from 0, whatever its place in the
+// MR; an address as the MR names it is outside such a window.
+TEST_F(Windows, ZeroBasedWindowsAreAddressedFromZero) {
+  SKIP_ACROSS_BACKENDS();
+  for (ibv_mw_type type : {IBV_MW_TYPE_1, IBV_MW_TYPE_2}) {
+    Pair p = bind_pair();
+    ASSERT_NE(p.qp, nullptr);
+    const auto w = peer_.alloc_mw(type);
+    ASSERT_NE(w.index, ~0u);
+    uint32_t rkey = 0;
+    ASSERT_EQ(peer_.bind_mw(p.peer, w, 4096, 8192, kRemoteAll | IBV_ACCESS_ZERO_BASED, 31, &rkey),
+              0);
+    const ibv_wc b = peer_wc();
+    ASSERT_EQ(b.status, IBV_WC_SUCCESS) << ibv_wc_status_str(b.status) << ", type " << type;
+    // Offset 100 of the window is byte 4096 + 100 of the MR: read back through the MR's rkey.
+    fill(buf_.data(), 256, 5 + type);
+    EXPECT_EQ(
+        run(p.qp, {.op = IBV_WR_RDMA_WRITE, .sges = {sge(0, 256)}, .raddr = 100, .rkey = rkey})
+            .status,
+        IBV_WC_SUCCESS);
+    EXPECT_EQ(read(p.qp, 4096 + 100, 256, mem_.rkey), IBV_WC_SUCCESS);
+    EXPECT_EQ(std::memcmp(buf_.data(), buf_.data() + 4096, 256), 0) << "type " << type;
+    std::memset(buf_.data() + 4096, 0, 256);
+    EXPECT_EQ(
+        run(p.qp, {.op = IBV_WR_RDMA_READ, .sges = {sge(4096, 256)}, .raddr = 100, .rkey = rkey})
+            .status,
+        IBV_WC_SUCCESS);
+    EXPECT_EQ(std::memcmp(buf_.data(), buf_.data() + 4096, 256), 0) << "type " << type;
+    const ibv_wc a = run(p.qp, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                                .sges = {sge(0, 8)},
+                                .raddr = 8192 - 8,
+                                .rkey = rkey,
+                                .compare_add = 1});
+    EXPECT_EQ(a.status, IBV_WC_SUCCESS) << ibv_wc_status_str(a.status);
+    // Past its end, and at the MR's address of its first byte: REM_ACCESS_ERR.
+    EXPECT_EQ(
+        run(p.qp,
+            {.op = IBV_WR_RDMA_READ, .sges = {sge(4096, 16)}, .raddr = 8192 - 8, .rkey = rkey})
+            .status,
+        IBV_WC_REM_ACCESS_ERR);
+    Pair q = bind_pair();
+    ASSERT_NE(q.qp, nullptr);
+    if (type == IBV_MW_TYPE_1) {  // a type 2 window is reached through p's QP only
+      EXPECT_EQ(write(q.qp, 4096, 8, rkey), IBV_WC_REM_ACCESS_ERR) << "an MR address";
+    }
+    EXPECT_EQ(peer_.dealloc_mw(w), 0);
+  }
+}
+
 TEST_F(Windows, ABadBindIsMwBindError) {
   SKIP_ACROSS_BACKENDS();
   struct Case {
