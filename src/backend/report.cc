@@ -211,12 +211,44 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
   return j;
 }
 
+namespace {
+
+/// A status document too large for one response (thousands of QPs): everything but the lists of
+/// objects (`res`, each guest's `qps`), whose lengths go to `res_omitted` and each guest's
+/// `qps_omitted` instead, so that `vrdma status` keeps working.
+std::string summarised(nlohmann::json doc, std::string whole) {
+  constexpr size_t kMaxBytes = proto::kMaxResponse - sizeof(proto::MsgHeader) - sizeof(uint32_t);
+  if (whole.size() <= kMaxBytes) return whole;
+  if (auto res = doc.find("res"); res != doc.end() && res->is_object()) {
+    nlohmann::json omitted = nlohmann::json::object();
+    for (auto& [type, rows] : res->items()) {
+      if (!rows.is_array()) continue;
+      omitted[type] = rows.size();
+      rows = nlohmann::json::array();
+    }
+    doc["res_omitted"] = std::move(omitted);
+  }
+  if (auto guests = doc.find("guests"); guests != doc.end() && guests->is_array()) {
+    for (auto& g : *guests) {
+      auto qps = g.find("qps");
+      if (qps == g.end() || !qps->is_array()) continue;
+      g["qps_omitted"] = qps->size();
+      *qps = nlohmann::json::array();
+    }
+  }
+  return doc.dump();
+}
+
+}  // namespace
+
 const Reporter::View& Reporter::status_for(const engine::Device& dev, const Viewer& v,
                                            uint64_t now_ns) {
   auto view_of = [&v](const nlohmann::json& whole) {
     nlohmann::json doc = visible_status(whole, v);
     const auto g = doc.find("guests");
-    return View{doc.dump(), g != doc.end() && g->is_array() ? g->size() : 0};
+    const size_t guests = g != doc.end() && g->is_array() ? g->size() : 0;
+    std::string text = doc.dump();
+    return View{summarised(std::move(doc), std::move(text)), guests};
   };
   if (v.admin) {
     ++status_renders_;

@@ -197,9 +197,10 @@ class Device : public transport::Receiver {
   nlohmann::json report() const;
 
   // ---- data path (datapath.cc) ----
-  /// Runs every QP's rings once. Returns true when any work was done.
+  /// Runs the rings of every QP that may have work (marked by its library or by the engine)
+  /// once. Returns true when any work was done.
   bool poll(uint64_t now_ns);
-  /// Earliest retry deadline of a waiting QP, or 0.
+  /// Earliest retry deadline of a waiting QP, or 0 (waiting QPs stay in the ready lists).
   uint64_t next_deadline() const;
   /// A QP's frames this deep in the connection's queue hold its next WQEs in the send queue:
   /// one bulk QP cannot bury the others' messages (or its own ACK timer) under megabytes.
@@ -311,8 +312,16 @@ class Device : public transport::Receiver {
   Status modify_srq_checked(Session& s, const proto::ModifySrqReq& req);
   /// RC/UC QPs of other sessions connected to a QP of `s` go to ERR, with QP_FATAL to their owner.
   void fail_peers(const Session& s);
-  /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
+  /// One guest's turn in poll(): at most kGuestBudget WQEs, its ready QPs taken round-robin;
+  /// those left without work leave the list.
   bool poll_guest(Guest& g, uint64_t now_ns);
+  /// Puts a QP in its guest's ready list: poll() looks at it until it has no work left.
+  void mark_ready(Qp& qp);
+  /// Whether a QP poll() just visited may still have work (else it leaves the ready list).
+  bool has_work(const Qp& qp) const;
+  /// Reads and clears the sessions' ready bits (proto::ReadyBits) into the ready lists; a
+  /// session whose library does not mark has all its QPs marked.
+  void harvest_ready();
   Qp* lookup_remote(const Qp& from);
   /// lookup_remote() for a requester on this backend: null unless the responder's route is
   /// local too (a QP connected to a peer on another node hears only that node).

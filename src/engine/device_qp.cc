@@ -238,6 +238,7 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
   active_.push_back(qp.get());
   if (g.active.empty()) active_guests_.push_back(&g);
   g.active.push_back(qp.get());
+  s.qp_slots.emplace(qp->handle % kReadySlots, qp.get());
   s.qps[qp->handle] = std::move(qp);
   return resp;
 }
@@ -367,6 +368,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
                qp_state_name(next));
   }
+  mark_ready(*qp);  // a new state may give its queues work (RTS: WQEs posted before; ERR: flush)
   return Status::ok();
 }
 
@@ -406,6 +408,13 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
   g.direct_offers.erase(qp.qpn);
   active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
   g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
+  if (qp.ready) g.ready.erase(std::remove(g.ready.begin(), g.ready.end(), &qp), g.ready.end());
+  for (auto [it, end] = s.qp_slots.equal_range(qp.handle % kReadySlots); it != end; ++it) {
+    if (it->second == &qp) {
+      s.qp_slots.erase(it);
+      break;
+    }
+  }
   if (g.active.empty()) {
     active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
                          active_guests_.end());
