@@ -7,6 +7,7 @@
 # backend touched), and, while the QPs are held, how long `vrdma status`, `vrdma status -j` and
 # one Prometheus scrape (the backend's metrics on a unix socket) take, in seconds.
 # Usage: bench/qp_scale.sh [BIN_DIR (default build/release/bin)] [N... (default 1000 10000)]
+# PER_QP=false: the backend's [metrics] per_qp (series per QP; default true).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +38,8 @@ secs() {
 echo "| QPs | create/s | connect to RTS/s | destroy/s | vrdmad RSS before | with the QPs | per QP | status s | status -j s | metrics s | machine | date |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for n in "${SIZES[@]}"; do
-  printf '[quotas]\nmax_qps = %d\n' $((n + 16)) >"$TMP/c.toml"
+  printf '[quotas]\nmax_qps = %d\n[metrics]\nper_qp = %s\n' $((n + 16)) "${PER_QP:-true}" \
+    >"$TMP/c.toml"
   "$BIN_DIR/vrdmad" --socket "$TMP/s$n.sock" --idle-exit 0 --config "$TMP/c.toml" \
     --metrics-listen "unix:$TMP/m$n.sock" >"$TMP/vrdmad.log" 2>&1 &
   BPID=$!

@@ -203,9 +203,9 @@ void use_operator_names(nlohmann::json& doc) {
   }
 }
 
-nlohmann::json Reporter::status(const engine::Device& dev) {
-  nlohmann::json j = nlohmann::json::parse(dev.status_json());
-  j.update(dev.report());
+nlohmann::json Reporter::status(const engine::Device& dev, bool lists) {
+  nlohmann::json j = nlohmann::json::parse(dev.status_json(lists));
+  j.update(dev.report(lists));
   use_operator_names(j);
   j["backend"] = backend_info();
   return j;
@@ -213,8 +213,14 @@ nlohmann::json Reporter::status(const engine::Device& dev) {
 
 namespace {
 
-/// A status document too large for one response (thousands of QPs): everything but the lists of
-/// objects (`res`, each guest's `qps`), whose lengths go to `res_omitted` and each guest's
+/// Above this many QPs the status document has no lists of objects (their rows would not fit
+/// one response, and rendering them would hold the engine thread for a second).
+constexpr size_t kStatusListQps = 1000;
+
+bool status_lists(const engine::Device& dev) { return dev.qp_total() <= kStatusListQps; }
+
+/// A status document too large for one response (many objects other than QPs): everything but the
+/// lists of objects (`res`, each guest's `qps`), whose lengths go to `res_omitted` and each guest's
 /// `qps_omitted` instead, so that `vrdma status` keeps working.
 std::string summarised(nlohmann::json doc, std::string whole) {
   constexpr size_t kMaxBytes = proto::kMaxResponse - sizeof(proto::MsgHeader) - sizeof(uint32_t);
@@ -252,13 +258,13 @@ const Reporter::View& Reporter::status_for(const engine::Device& dev, const View
   };
   if (v.admin) {
     ++status_renders_;
-    admin_status_ = view_of(status(dev));
+    admin_status_ = view_of(status(dev, status_lists(dev)));
     return admin_status_;
   }
   const uint64_t interval_ns = uint64_t(cfg_.status_min_interval_ms) * 1000000ull;
   if (!have_status_snapshot_ || now_ns - status_at_ns_ >= interval_ns ||
       changed_uids_.count(v.uid) != 0) {
-    status_snapshot_ = status(dev);
+    status_snapshot_ = status(dev, status_lists(dev));
     status_at_ns_ = now_ns;
     have_status_snapshot_ = true;
     ++status_renders_;
@@ -273,7 +279,10 @@ const Reporter::View& Reporter::status_for(const engine::Device& dev, const View
 std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns, const Viewer& v) {
   const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
   if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
-    metrics_snapshot_ = status(dev);
+    // The lists only for the series per QP (the rest are sums), and those only up to
+    // kStatusListQps QPs, as in status: tens of thousands of series would hold the engine
+    // thread for seconds per scrape.
+    metrics_snapshot_ = status(dev, cfg_.metrics_per_qp && status_lists(dev));
     process_text_ = process_metrics();
     metrics_text_ =
         prometheus_text(metrics_snapshot_, cfg_.metrics_guest_names, cfg_.metrics_per_qp) +

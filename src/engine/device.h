@@ -124,7 +124,11 @@ class Device : public transport::Receiver {
                                               UniqueFd& ring);
   /// ibv_open_qp: a handle of this session on receive QP `qpn` of the domain (EINVAL: none).
   Result<proto::CreateQpResp> open_qp(Session& s, const proto::OpenQpReq& req);
-  std::string status_json() const;
+  /// The guests, their sessions and holdings; `lists`: also each guest's QPs, one row each
+  /// (else their number, `qps_omitted`).
+  std::string status_json(bool lists = true) const;
+  /// Every QP of the backend (of every guest and session).
+  size_t qp_total() const { return active_.size(); }
 
   // ---- direct path between guests of one uid (device_direct.cc) ----
   /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
@@ -193,8 +197,9 @@ class Device : public transport::Receiver {
   void detach_guest(const std::string& name);
   /// Whether this backend serves guest `name`.
   bool has_guest(const std::string& name) const { return guests_.count(name) != 0; }
-  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
-  nlohmann::json report() const;
+  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc);
+  /// without `lists`, the sums only, and the number of each kind in `res_omitted`.
+  nlohmann::json report(bool lists = true) const;
 
   // ---- data path (datapath.cc) ----
   /// Runs the rings of every QP that may have work (marked by its library or by the engine)
