@@ -203,30 +203,68 @@ void use_operator_names(nlohmann::json& doc) {
   }
 }
 
-nlohmann::json Reporter::status(const engine::Device& dev) {
-  nlohmann::json j = nlohmann::json::parse(dev.status_json());
-  j.update(dev.report());
+nlohmann::json Reporter::status(const engine::Device& dev, bool lists) {
+  nlohmann::json j = nlohmann::json::parse(dev.status_json(lists));
+  j.update(dev.report(lists));
   use_operator_names(j);
   j["backend"] = backend_info();
   return j;
 }
+
+namespace {
+
+/// Above this many QPs the status document has no lists of objects (their rows would not fit
+/// one response, and rendering them would hold the engine thread for a second).
+constexpr size_t kStatusListQps = 1000;
+
+bool status_lists(const engine::Device& dev) { return dev.qp_total() <= kStatusListQps; }
+
+/// A status document too large for one response (many objects other than QPs): everything but the
+/// lists of objects (`res`, each guest's `qps`), whose lengths go to `res_omitted` and each guest's
+/// `qps_omitted` instead, so that `vrdma status` keeps working.
+std::string summarised(nlohmann::json doc, std::string whole) {
+  constexpr size_t kMaxBytes = proto::kMaxResponse - sizeof(proto::MsgHeader) - sizeof(uint32_t);
+  if (whole.size() <= kMaxBytes) return whole;
+  if (auto res = doc.find("res"); res != doc.end() && res->is_object()) {
+    nlohmann::json omitted = nlohmann::json::object();
+    for (auto& [type, rows] : res->items()) {
+      if (!rows.is_array()) continue;
+      omitted[type] = rows.size();
+      rows = nlohmann::json::array();
+    }
+    doc["res_omitted"] = std::move(omitted);
+  }
+  if (auto guests = doc.find("guests"); guests != doc.end() && guests->is_array()) {
+    for (auto& g : *guests) {
+      auto qps = g.find("qps");
+      if (qps == g.end() || !qps->is_array()) continue;
+      g["qps_omitted"] = qps->size();
+      *qps = nlohmann::json::array();
+    }
+  }
+  return doc.dump();
+}
+
+}  // namespace
 
 const Reporter::View& Reporter::status_for(const engine::Device& dev, const Viewer& v,
                                            uint64_t now_ns) {
   auto view_of = [&v](const nlohmann::json& whole) {
     nlohmann::json doc = visible_status(whole, v);
     const auto g = doc.find("guests");
-    return View{doc.dump(), g != doc.end() && g->is_array() ? g->size() : 0};
+    const size_t guests = g != doc.end() && g->is_array() ? g->size() : 0;
+    std::string text = doc.dump();
+    return View{summarised(std::move(doc), std::move(text)), guests};
   };
   if (v.admin) {
     ++status_renders_;
-    admin_status_ = view_of(status(dev));
+    admin_status_ = view_of(status(dev, status_lists(dev)));
     return admin_status_;
   }
   const uint64_t interval_ns = uint64_t(cfg_.status_min_interval_ms) * 1000000ull;
   if (!have_status_snapshot_ || now_ns - status_at_ns_ >= interval_ns ||
       changed_uids_.count(v.uid) != 0) {
-    status_snapshot_ = status(dev);
+    status_snapshot_ = status(dev, status_lists(dev));
     status_at_ns_ = now_ns;
     have_status_snapshot_ = true;
     ++status_renders_;
@@ -241,7 +279,10 @@ const Reporter::View& Reporter::status_for(const engine::Device& dev, const View
 std::string Reporter::metrics(const engine::Device& dev, uint64_t now_ns, const Viewer& v) {
   const uint64_t interval_ns = uint64_t(cfg_.metrics_min_interval_ms) * 1000000ull;
   if (metrics_renders_ == 0 || now_ns - metrics_at_ns_ >= interval_ns) {
-    metrics_snapshot_ = status(dev);
+    // The lists only for the series per QP (the rest are sums), and those only up to
+    // kStatusListQps QPs, as in status: tens of thousands of series would hold the engine
+    // thread for seconds per scrape.
+    metrics_snapshot_ = status(dev, cfg_.metrics_per_qp && status_lists(dev));
     process_text_ = process_metrics();
     metrics_text_ =
         prometheus_text(metrics_snapshot_, cfg_.metrics_guest_names, cfg_.metrics_per_qp) +

@@ -43,7 +43,9 @@ class Reporter {
   explicit Reporter(const Config& cfg);
   /// The whole status document: `backend` (version, uptime, quotas, transports, peers, the
   /// data-path thread), the device's guests and totals, `res` and `guest_counters`.
-  nlohmann::json status(const engine::Device& dev);
+  /// `lists`: with the rows of every object (`res`, each guest's `qps`); else their numbers
+  /// (`res_omitted`, `qps_omitted`).
+  nlohmann::json status(const engine::Device& dev, bool lists = true);
   /// A status document as one viewer sees it, as JSON text.
   struct View {
     std::string json;

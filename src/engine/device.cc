@@ -43,7 +43,7 @@ const char* res_name(Res r) {
 void init_control_page(ControlPage* cp, const Quotas& q, uint32_t features) {
   cp->magic = kRingMagic;
   cp->version = kRingVersion;
-  cp->features = features | kFeatureLimits;
+  cp->features = features | kFeatureLimits | kFeatureReadyBits;
   cp->limits = GuestLimits{q.max_queue_depth,
                            q.max_qps,
                            q.max_cqs,
@@ -352,7 +352,7 @@ void Device::post_async(Session& s, ibv_event_type type, uint32_t handle) {
               int(type));
 }
 
-std::string Device::status_json() const {
+std::string Device::status_json(bool lists) const {
   nlohmann::json guests = nlohmann::json::array();
   // What a guest holds, by kind: each guest's `resources` and the totals count the same keys.
   auto holdings = [](uint64_t mr_bytes, uint64_t seg_bytes) {
@@ -391,6 +391,7 @@ std::string Device::status_json() const {
         totals[k] = totals[k].get<size_t>() + n;
       }
       for (const auto& [h, qp] : s->qps) {
+        if (!lists) break;
         const QpCounters cnt = counters_of(*qp);
         qps.push_back({{"qpn", qp->qpn},
                        {"pid", s->pid},
@@ -420,6 +421,7 @@ std::string Device::status_json() const {
                       {"sessions", sess},
                       {"resources", res},
                       {"qps", qps}});
+    if (!lists) guests.back()["qps_omitted"] = res["qp"];
   }
   return nlohmann::json{{"guests", guests}, {"totals", totals}}.dump();
 }

@@ -124,7 +124,11 @@ class Device : public transport::Receiver {
                                               UniqueFd& ring);
   /// ibv_open_qp: a handle of this session on receive QP `qpn` of the domain (EINVAL: none).
   Result<proto::CreateQpResp> open_qp(Session& s, const proto::OpenQpReq& req);
-  std::string status_json() const;
+  /// The guests, their sessions and holdings; `lists`: also each guest's QPs, one row each
+  /// (else their number, `qps_omitted`).
+  std::string status_json(bool lists = true) const;
+  /// Every QP of the backend (of every guest and session).
+  size_t qp_total() const { return active_.size(); }
 
   // ---- direct path between guests of one uid (device_direct.cc) ----
   /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
@@ -193,13 +197,15 @@ class Device : public transport::Receiver {
   void detach_guest(const std::string& name);
   /// Whether this backend serves guest `name`.
   bool has_guest(const std::string& name) const { return guests_.count(name) != 0; }
-  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
-  nlohmann::json report() const;
+  /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc);
+  /// without `lists`, the sums only, and the number of each kind in `res_omitted`.
+  nlohmann::json report(bool lists = true) const;
 
   // ---- data path (datapath.cc) ----
-  /// Runs every QP's rings once. Returns true when any work was done.
+  /// Runs the rings of every QP that may have work (marked by its library or by the engine)
+  /// once. Returns true when any work was done.
   bool poll(uint64_t now_ns);
-  /// Earliest retry deadline of a waiting QP, or 0.
+  /// Earliest retry deadline of a waiting QP, or 0 (waiting QPs stay in the ready lists).
   uint64_t next_deadline() const;
   /// A QP's frames this deep in the connection's queue hold its next WQEs in the send queue:
   /// one bulk QP cannot bury the others' messages (or its own ACK timer) under megabytes.
@@ -311,8 +317,16 @@ class Device : public transport::Receiver {
   Status modify_srq_checked(Session& s, const proto::ModifySrqReq& req);
   /// RC/UC QPs of other sessions connected to a QP of `s` go to ERR, with QP_FATAL to their owner.
   void fail_peers(const Session& s);
-  /// One guest's turn in poll(): at most kGuestBudget WQEs, its QPs taken round-robin.
+  /// One guest's turn in poll(): at most kGuestBudget WQEs, its ready QPs taken round-robin;
+  /// those left without work leave the list.
   bool poll_guest(Guest& g, uint64_t now_ns);
+  /// Puts a QP in its guest's ready list: poll() looks at it until it has no work left.
+  void mark_ready(Qp& qp);
+  /// Whether a QP poll() just visited may still have work (else it leaves the ready list).
+  bool has_work(const Qp& qp) const;
+  /// Reads and clears the sessions' ready bits (proto::ReadyBits) into the ready lists; a
+  /// session whose library does not mark has all its QPs marked.
+  void harvest_ready();
   Qp* lookup_remote(const Qp& from);
   /// lookup_remote() for a requester on this backend: null unless the responder's route is
   /// local too (a QP connected to a peer on another node hears only that node).

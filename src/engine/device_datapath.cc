@@ -6,12 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <span>
 
 #include "common/log.h"
-#include "engine/device.h"
 #include "engine/datapath_util.h"
+#include "engine/device.h"
 #include "proto/device_caps.h"
 
 namespace vrdma::engine {
@@ -25,10 +26,65 @@ void Device::set_sleeping(bool sleeping) {
 
 uint64_t Device::next_deadline() const {
   uint64_t d = 0;
-  for (const Qp* qp : active_) {
-    if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+  for (const Guest* g : active_guests_) {
+    for (const Qp* qp : g->ready) {
+      if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+    }
   }
   return d;
+}
+
+void Device::mark_ready(Qp& qp) {
+  if (qp.ready || !qp.sq_hdr) return;  // an XRC receive QP has no rings to look at
+  qp.ready = true;
+  qp.guest->ready.push_back(&qp);
+}
+
+bool Device::has_work(const Qp& qp) const {
+  // Over tcp the transport's frames move a QP (ACKs, replays, back-pressure): always looked at.
+  if (qp.remote || qp.route_pending || qp.wait != Wait::kNone) return true;
+  const uint32_t sprod = qp.sq_hdr->producer.load(std::memory_order_acquire);
+  const bool sq_work = sprod != qp.sq_cons && sprod - qp.sq_cons <= qp.sq_size;
+  if (qp.state != IBV_QPS_ERR) return sq_open(qp.state) && sprod != qp.sq_cons;
+  // ERR: a flush that a full CQ stopped goes on. A receive queue a direct peer fed takes
+  // posts without a mark (the library rings nothing then): looked at while in ERR.
+  if (sq_work) return true;
+  if (qp.srq) return false;
+  if (qp.rq_hdr->armed.load(std::memory_order_relaxed)) return true;
+  const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
+  return rprod != qp.rq_cons && rprod - qp.rq_cons <= qp.rq_size;
+}
+
+void Device::harvest_ready() {
+  for (auto& [id, sp] : sessions_) {
+    Session& s = *sp;
+    if (s.qps.empty()) continue;
+    if (s.qp_slots.size() != s.qps.size()) {
+      // QPs this backend did not create (an import, device_state_import.cc): indexed here, and
+      // looked at once, whatever their bits say.
+      s.qp_slots.clear();
+      for (auto& [h, qp] : s.qps) {
+        s.qp_slots.emplace(h % kReadySlots, qp.get());
+        mark_ready(*qp);
+      }
+    }
+    ReadyBits& r = *ready_bits(s.control_page());
+    if (r.marks.load(std::memory_order_relaxed) != 1) {
+      for (auto& [h, qp] : s.qps) mark_ready(*qp);  // a library that does not mark its posts
+      continue;
+    }
+    // seq_cst: when about to sleep, pairs with the post's fence (set_sleeping's comment).
+    if (r.summary.load(std::memory_order_seq_cst) == 0) continue;
+    for (uint64_t sum = r.summary.exchange(0, std::memory_order_seq_cst); sum; sum &= sum - 1) {
+      const uint32_t w = static_cast<uint32_t>(std::countr_zero(sum));
+      for (uint64_t bits = r.words[w].exchange(0, std::memory_order_seq_cst); bits;
+           bits &= bits - 1) {
+        const uint32_t slot = w * 64 + static_cast<uint32_t>(std::countr_zero(bits));
+        auto [from, to] = s.qp_slots.equal_range(slot);
+        for (auto it = from; it != to; ++it) mark_ready(*it->second);
+      }
+    }
+  }
 }
 
 // Keys live in the guest's namespace; the MR must also be in the given PD of the QP's session.
@@ -146,6 +202,7 @@ void Device::enter_error(Qp& qp, const char* why) {
   qp.state = IBV_QPS_ERR;
   qp.attr.qp_state = IBV_QPS_ERR;
   qp.wait = Wait::kNone;
+  mark_ready(qp);  // its queues are flushed
   bump_epoch(*qp.guest);
 }
 
@@ -549,11 +606,14 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
 // WQEs per pass, however many busy QPs it has, and the guest that goes first rotates. Inside a
 // guest its QPs take turns the same way, so one busy QP cannot starve its siblings either.
 // (QPs on the TCP transport are driven by process_sq_remote, outside this budget.)
+// Only QPs that may have work are visited (Guest::ready): a pass costs O(QPs with work), not
+// O(QPs), so thousands of idle QPs cost nothing between two commands.
 bool Device::poll(uint64_t now_ns) {
   now_ns_ = now_ns;
   bool did = false;
   const size_t n = active_guests_.size();
   if (n == 0) return false;
+  harvest_ready();
   const size_t first = guest_turn_++ % n;
   for (size_t k = 0; k < n; ++k) did |= poll_guest(*active_guests_[(first + k) % n], now_ns);
   return did;
@@ -563,15 +623,32 @@ bool Device::poll_guest(Guest& g, uint64_t now_ns) {
   constexpr uint32_t kGuestBudget = 64;
   uint32_t budget = kGuestBudget;
   bool did = false;
-  const size_t n = g.active.size();
-  for (size_t k = 0; k < n && budget; ++k) {
-    Qp& qp = *g.active[g.turn++ % n];
+  const size_t n = g.ready.size();
+  if (n == 0) return false;
+  const size_t first = g.turn % n;
+  size_t visited = 0;
+  // Indexed, not iterated: a responder's failure may append to this list (enter_error).
+  for (; visited < n && budget; ++visited) {
+    Qp& qp = *g.ready[(first + visited) % n];
     if (qp.state == IBV_QPS_ERR) {
       did |= flush(qp);  // bounded by the ring's size; completions nobody reaps stop it early
     } else if (sq_open(qp.state)) {
       did |= process_sq(qp, now_ns, budget);
     }
   }
+  g.turn = first + visited;
+  // The QPs visited and left without work leave the list, in order; a post marks them again.
+  size_t out = 0;
+  for (size_t i = 0; i < g.ready.size(); ++i) {
+    Qp* qp = g.ready[i];
+    const bool seen = i < n && (i + n - first) % n < visited;
+    if (seen && !has_work(*qp)) {
+      qp->ready = false;
+    } else {
+      g.ready[out++] = qp;
+    }
+  }
+  g.ready.resize(out);
   return did;
 }
 

@@ -242,6 +242,7 @@ Result<CreateQpResp> Device::create_qp_checked(Session& s, const CreateQpReq& re
   active_.push_back(qp.get());
   if (g.active.empty()) active_guests_.push_back(&g);
   g.active.push_back(qp.get());
+  s.qp_slots.emplace(qp->handle % kReadySlots, qp.get());
   s.qps[qp->handle] = std::move(qp);
   return resp;
 }
@@ -371,6 +372,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
                qp_state_name(next));
   }
+  mark_ready(*qp);  // a new state may give its queues work (RTS: WQEs posted before; ERR: flush)
   return Status::ok();
 }
 
@@ -408,8 +410,20 @@ void Device::destroy_qp_now(Session& s, Qp& qp) {
   g.retired += counters_of(qp);
   g.qps.erase(qp.qpn);
   g.direct_offers.erase(qp.qpn);
-  active_.erase(std::remove(active_.begin(), active_.end(), &qp), active_.end());
-  g.active.erase(std::remove(g.active.begin(), g.active.end(), &qp), g.active.end());
+  // Found and erased, not std::remove'd: a destroy costs a scan up to it and a memmove, not a
+  // pass over every QP (10,000 destroys, BENCHMARKS.md "QPs on one backend").
+  auto erase_one = [&qp](std::vector<Qp*>& v) {
+    if (auto it = std::find(v.begin(), v.end(), &qp); it != v.end()) v.erase(it);
+  };
+  erase_one(active_);
+  erase_one(g.active);
+  if (qp.ready) erase_one(g.ready);
+  for (auto [it, end] = s.qp_slots.equal_range(qp.handle % kReadySlots); it != end; ++it) {
+    if (it->second == &qp) {
+      s.qp_slots.erase(it);
+      break;
+    }
+  }
   if (g.active.empty()) {
     active_guests_.erase(std::remove(active_guests_.begin(), active_guests_.end(), &g),
                          active_guests_.end());

@@ -199,14 +199,28 @@ static nlohmann::json qp_row(const Qp& q, QpCounters& guest_sum) {
   return r;
 }
 
-nlohmann::json Device::report() const {
+nlohmann::json Device::report(bool lists) const {
   nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
                  cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
                  qps = nlohmann::json::array(), dms = nlohmann::json::array(),
                  mws = nlohmann::json::array(), xrcds = nlohmann::json::array();
   std::map<const Guest*, QpCounters> per_guest;
   for (const auto& [name, g] : guests_) per_guest[g.get()] = g->retired;
+  nlohmann::json omitted = nlohmann::json::object();
   for (const auto& [id, s] : sessions_) {
+    if (!lists) {  // the counters' sums only
+      for (const auto& [h, qp] : s->qps) {
+        QpCounters c = qp->cnt;
+        c += direct_part(*qp);
+        per_guest[qp->guest] += c;
+      }
+      const std::pair<const char*, size_t> n[] = {{"pd", s->pds.size()},   {"mr", s->mrs.size()},
+                                                  {"dm", s->dms.size()},   {"cq", s->cqs.size()},
+                                                  {"srq", s->srqs.size()}, {"qp", s->qps.size()},
+                                                  {"mw", s->mws.size()}};
+      for (auto [k, c] : n) omitted[k] = omitted.value(k, size_t{0}) + c;
+      continue;
+    }
     const nlohmann::json who = owner_of(*s);
     auto row = [&](nlohmann::json fields) {
       nlohmann::json r = who;
@@ -267,6 +281,16 @@ nlohmann::json Device::report() const {
   }
   // The guests' XRC domains and receive QPs (no session's: reported under a session holding it).
   for (const auto& [name, g] : guests_) {
+    if (!lists) {
+      omitted["xrcd"] = omitted.value("xrcd", size_t{0}) + g->xrcds.size();
+      omitted["qp"] = omitted.value("qp", size_t{0}) + g->xrc_qps.size();
+      for (const auto& [qpn, qp] : g->xrc_qps) {
+        QpCounters c = qp->cnt;
+        c += direct_part(*qp);
+        per_guest[g.get()] += c;
+      }
+      continue;
+    }
     for (const auto& [id, x] : g->xrcds) {
       xrcds.push_back({{"guest", name},
                        {"xrcdn", id},
@@ -295,17 +319,19 @@ nlohmann::json Device::report() const {
                       {"left_unix", d.left_unix},
                       {"counters", counters_json(d.counters)}});
   }
-  return nlohmann::json{{"res",
-                         {{"pd", pds},
-                          {"mr", mrs},
-                          {"dm", dms},
-                          {"cq", cqs},
-                          {"srq", srqs},
-                          {"qp", qps},
-                          {"mw", mws},
-                          {"xrcd", xrcds}}},
-                        {"guest_counters", guests},
-                        {"backend_counters", counters_json(all)}};
+  nlohmann::json doc{{"res",
+                      {{"pd", pds},
+                       {"mr", mrs},
+                       {"dm", dms},
+                       {"cq", cqs},
+                       {"srq", srqs},
+                       {"qp", qps},
+                       {"mw", mws},
+                       {"xrcd", xrcds}}},
+                     {"guest_counters", guests},
+                     {"backend_counters", counters_json(all)}};
+  if (!lists) doc["res_omitted"] = std::move(omitted);
+  return doc;
 }
 
 }  // namespace vrdma::engine

@@ -230,6 +230,7 @@ struct Qp {
   std::string transport_why = "not connected yet";
   std::string peer_node;
   bool remote = false;         ///< transport == "tcp"
+  bool ready = false;          ///< in its guest's `ready` list (Device::mark_ready)
   bool route_pending = false;  ///< the destination was unknown at RTR; looked up again on send
   // Requester over tcp (RC): WQEs sent and not yet acknowledged, oldest first, as private copies.
   // SQ slots [sq_cons, sq_sent) are in flight; complete_send retires them strictly in order.
@@ -357,8 +358,10 @@ struct Guest {
   bool refused_fs_logged = false;  ///< a segment on another filesystem (hugetlbfs) was logged
   /// Refused verbs (Device::refused): a burst of lines, then one a second.
   log::Burst refusals{1'000'000'000, 20};
-  std::vector<Qp*> active;    ///< its QPs, in creation order: what poll() visits
-  size_t turn = 0;            ///< the QP of `active` poll() visits first next time
+  std::vector<Qp*> active;  ///< its QPs, in creation order (the state export's order)
+  /// Its QPs that may have work: what poll() visits (Device::mark_ready, has_work).
+  std::vector<Qp*> ready;
+  size_t turn = 0;  ///< the QP of `ready` poll() visits first next time
   /// proto::EpochPage, made at its first direct grant (device_direct.cc).
   MappedRegion epoch;
   UniqueFd epoch_fd;
@@ -381,6 +384,8 @@ struct Session {
   std::map<uint32_t, Channel> channels;
   std::map<uint32_t, std::unique_ptr<Cq>> cqs;
   std::map<uint32_t, std::unique_ptr<Qp>> qps;
+  /// Its QPs by ready-bit slot (handle % proto::kReadySlots): whom a bit names (harvest_ready).
+  std::unordered_multimap<uint32_t, Qp*> qp_slots;
   std::map<uint32_t, std::unique_ptr<Srq>> srqs;
   std::map<uint32_t, Dm> dms;
   std::map<uint32_t, std::unique_ptr<Mw>> mws;

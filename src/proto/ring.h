@@ -203,6 +203,8 @@ inline constexpr uint32_t kFeatureDirect = 1;  ///< the backend grants the direc
 inline constexpr uint32_t kFeatureDirectRemote = 2;
 /// ControlPage::limits holds the guest's quotas (a backend without it leaves them zero).
 inline constexpr uint32_t kFeatureLimits = 4;
+/// The backend reads the ready bits (ReadyBits, after the ControlPage in its page).
+inline constexpr uint32_t kFeatureReadyBits = 8;
 
 /// The guest's quotas (the backend's [quotas]), so that ibv_query_device reports what the
 /// device really accepts from this guest: 0 means no limit beyond the device's caps.
@@ -236,6 +238,48 @@ struct alignas(64) ControlPage {
 static_assert(sizeof(ControlPage) == 128);
 static_assert(offsetof(ControlPage, backend_sleeping) == 64);
 static_assert(offsetof(ControlPage, grant_gen) == 56);
+
+/// Ready bits (kFeatureReadyBits), at kReadyBitsOffset in the control page's mapping: which of
+/// the session's QPs have new work, so that the backend looks at those QPs only, not at every
+/// QP of the host on each turn. A post publishes its WQEs (the ring's producer index), then,
+/// after a full fence, marks its QP (mark_ready), then reads ControlPage::backend_sleeping; the
+/// backend clears a word (a seq_cst exchange) before it reads the rings of the QPs the word
+/// names, so a post it misses has marked again. A QP's slot is its handle modulo kReadySlots
+/// (QPs that share a slot are all looked at). The library stores `marks` = 1 once it marks
+/// every post of this session; until then the backend looks at every QP of the session on
+/// each turn, as a library from before these bits needs. Guest-written: a guest that sets
+/// `marks` and does not mark only stalls its own QPs. Added in the control page's unused
+/// space: the page's layout is otherwise that of version 4.
+inline constexpr uint32_t kReadyWords = 64;
+inline constexpr uint32_t kReadySlots = kReadyWords * 64;
+inline constexpr size_t kReadyBitsOffset = 128;
+
+struct alignas(64) ReadyBits {
+  AtomicU32 marks;  ///< 1: the library marks every post (written by the guest at open)
+  uint8_t pad0[60];
+  AtomicU64 summary;  ///< bit w: words[w] may have bits set
+  uint8_t pad1[56];
+  AtomicU64 words[kReadyWords];  ///< bit s % 64 of word s / 64: slot s has new work
+};
+static_assert(sizeof(ReadyBits) == 128 + 8 * kReadyWords);
+static_assert(kReadyBitsOffset >= sizeof(ControlPage) && kReadyBitsOffset % 64 == 0);
+static_assert(kReadyBitsOffset + sizeof(ReadyBits) <= 4096);  // in the control page
+
+inline ReadyBits* ready_bits(ControlPage* cp) {
+  return reinterpret_cast<ReadyBits*>(reinterpret_cast<uint8_t*>(cp) + kReadyBitsOffset);
+}
+
+/// Marks QP `handle` as having new work (the library, after publishing it and a seq_cst
+/// fence). A bit already set costs only a load: the backend has not cleared it yet, so it
+/// still reads this QP's ring after the index just published.
+inline void mark_ready(ReadyBits& r, uint32_t handle) {
+  const uint32_t slot = handle % kReadySlots;
+  const uint64_t bit = uint64_t{1} << (slot % 64), word = uint64_t{1} << (slot / 64);
+  AtomicU64& w = r.words[slot / 64];
+  if (!(w.load(std::memory_order_seq_cst) & bit)) w.fetch_or(bit, std::memory_order_seq_cst);
+  if (!(r.summary.load(std::memory_order_seq_cst) & word))
+    r.summary.fetch_or(word, std::memory_order_seq_cst);
+}
 
 /// A guest's epoch (direct path): the backend bumps it whenever something of the guest that a
 /// direct grant relies on changes (a QP is modified or destroyed or fails, an MR goes, a session

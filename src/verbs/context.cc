@@ -245,10 +245,12 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
   return 0;
 }
 
-void VContext::ring_doorbell() const {
-  // Pairs with the backend's seq_cst store of backend_sleeping before its last look.
+void VContext::ring_doorbell(uint32_t qp_handle) const {
+  // Pairs with the backend's seq_cst store of backend_sleeping before its last look, and with
+  // its clearing of the ready bits before it reads a ring (proto::ReadyBits).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (control_page()->backend_sleeping.load(std::memory_order_relaxed)) {
+  if (ready && qp_handle != proto::kNone) proto::mark_ready(*ready, qp_handle);
+  if (control_page()->backend_sleeping.load(std::memory_order_seq_cst)) {
     uint64_t one = 1;
     woke_backend.store(true, std::memory_order_relaxed);
     ssize_t n = ::write(doorbell.get(), &one, sizeof(one));
@@ -481,6 +483,10 @@ ibv_context* start_context(VContext* ctx, std::vector<UniqueFd>& fds) {
     delete ctx;
     errno = ENOMEM;
     return nullptr;
+  }
+  if (ctx->control_page()->features & proto::kFeatureReadyBits) {
+    ctx->ready = proto::ready_bits(ctx->control_page());
+    ctx->ready->marks.store(1, std::memory_order_relaxed);
   }
   send_direct_cookie(*ctx);
   verbs_context& v = ctx->vctx;

@@ -100,7 +100,7 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
   }
   if (qp->sq_prod != start) {
     qp->sq_hdr->producer.store(qp->sq_prod, std::memory_order_release);
-    to_vctx(q->context)->ring_doorbell();
+    to_vctx(q->context)->ring_doorbell(qp->handle);
   }
   qp->sq_lock.unlock();
   if (rc) *bad = wr;
@@ -137,7 +137,9 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     qp->rq_hdr->producer.store(qp->rq_prod, std::memory_order_release);
     // A receive can unblock a sender the backend is holding in RNR wait (sooner than its
     // timer), unless a direct peer feeds this RQ: then waking the backend only costs a core.
-    if (!qp->rq_hdr->armed.load(std::memory_order_relaxed)) to_vctx(q->context)->ring_doorbell();
+    // (The backend looks at a QP in ERR with such an RQ on every turn: these receives flush.)
+    if (!qp->rq_hdr->armed.load(std::memory_order_relaxed))
+      to_vctx(q->context)->ring_doorbell(qp->handle);
   }
   qp->rq_lock.unlock();
   remote_receives_posted(*qp);

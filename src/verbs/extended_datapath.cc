@@ -156,7 +156,7 @@ int wr_complete(ibv_qp_ex* q) {
     qp->sq_prod = qp->ex_batch_start;  // the batch's WQEs were never published: drop them
   } else if (qp->sq_prod != qp->ex_batch_start) {
     qp->sq_hdr->producer.store(qp->sq_prod, std::memory_order_release);
-    to_vctx(q->qp_base.context)->ring_doorbell();
+    to_vctx(q->qp_base.context)->ring_doorbell(qp->handle);
   }
   qp->ex_batch_err = 0;
   qp->sq_lock.unlock();

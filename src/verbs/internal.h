@@ -71,8 +71,11 @@ struct VContext {
            std::vector<UniqueFd>* fds_out = nullptr) {
     return call(op, &req, sizeof(Req), &resp, sizeof(Resp), fds_in, fds_out);
   }
-  /// Tells a sleeping backend that rings have new work.
-  void ring_doorbell() const;
+  /// Tells the backend that rings have new work: marks QP `qp_handle` (proto::mark_ready; none
+  /// for an SRQ), then rings the doorbell if the backend sleeps.
+  void ring_doorbell(uint32_t qp_handle = proto::kNone) const;
+  /// The control page's ready bits, when the backend reads them (kFeatureReadyBits).
+  proto::ReadyBits* ready = nullptr;
   /// True once the backend's end of the control socket has closed (the device is gone): posts
   /// then fail with EIO and polls with -1, instead of waiting for completions that never come.
   bool backend_gone();

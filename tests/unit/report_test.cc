@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/resource.h>
 
 #include <regex>
 #include <set>
@@ -514,6 +515,33 @@ TEST_F(OpsTest, MetricsLabelGuestsByLidUnlessNamesAreConfigured) {
 
 // [metrics] per_qp = false: no series per QP (their number grows with the QPs), the per-guest
 // and backend-wide ones stay.
+TEST_F(OpsTest, StatusAboveAThousandQpsCountsTheRowsInsteadOfListingThem) {
+  rlimit r{};  // the backend keeps a ring descriptor per QP
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &r), 0);
+  r.rlim_cur = r.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &r), 0);
+  std::vector<QpV> many;
+  while (dev_.qp_total() <= 1000) many.push_back(qp(a_, acq_, arcq_));
+  const backend::Viewer admin{0, true};
+  const json doc = json::parse(rep_.status_for(dev_, admin, now_).json);
+  EXPECT_TRUE(doc["res"]["qp"].empty());
+  EXPECT_EQ(doc["res_omitted"]["qp"], dev_.qp_total());
+  EXPECT_EQ(doc["totals"]["qp"], dev_.qp_total());
+  size_t seen = 0;
+  for (const auto& g : doc["guests"]) {
+    EXPECT_TRUE(g["qps"].empty());
+    seen += g["qps_omitted"].get<size_t>();
+  }
+  EXPECT_EQ(seen, dev_.qp_total());
+  // The sums are still there: a's counters count its QPs' messages.
+  EXPECT_TRUE(doc["guest_counters"].is_array() && !doc["guest_counters"].empty());
+  // Back to 1000: the rows are back.
+  ASSERT_TRUE(dev_.destroy_qp(*a_.s, many.back().handle).is_ok());
+  const json full = json::parse(rep_.status_for(dev_, admin, now_).json);
+  EXPECT_EQ(full["res"]["qp"].size(), dev_.qp_total());
+  EXPECT_FALSE(full.contains("res_omitted"));
+}
+
 TEST_F(OpsTest, MetricsPerQpSeriesCanBeTurnedOff) {
   one_message();
   cfg_.metrics_per_qp = false;

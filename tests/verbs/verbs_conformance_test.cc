@@ -1066,6 +1066,9 @@ TEST_F(Conformance, CorruptSendQueueIndexIsQpFatalAndHurtsNobodyElse) {
   // What a buggy or hostile guest could do: a producer index the queue cannot hold.
   vrdma::verbs::VQp* v = vrdma::verbs::to_vqp(p.qp);
   v->sq_hdr->producer.store(v->sq_prod + v->sq_size + 5, std::memory_order_release);
+  // Marked as a post marks it (proto::ReadyBits): the backend looks only at marked QPs.
+  if (vrdma::proto::ReadyBits* r = vrdma::verbs::to_vctx(ctx_)->ready)
+    vrdma::proto::mark_ready(*r, v->handle);
   const uint64_t ring = 1;  // wake the backend if it sleeps, as a post would
   ASSERT_EQ(::write(vrdma::verbs::to_vctx(ctx_)->doorbell.get(), &ring, 8), 8);
   const ibv_async_event ev = next_async_event();
