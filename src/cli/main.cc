@@ -167,17 +167,17 @@ int cmd_run(const std::optional<std::string>& guest, const std::string& socket_o
 }
 
 int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
-                const std::string& check_config, const std::string& metrics_listen,
+                const std::optional<std::string>& check_config, const std::string& metrics_listen,
                 bool direct_path, bool direct_remote, const std::vector<std::string>& more) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
     args.insert(args.end(), {"--socket", socket_opt});
   }
-  if (!check_config.empty()) {
-    args.insert(args.end(), {"--config", check_config, "--check-config"});
-  } else if (!config.empty()) {
-    args.insert(args.end(), {"--config", config});
+  if (!config.empty()) args.insert(args.end(), {"--config", config});
+  if (check_config) {
+    args.emplace_back("--check-config");
+    if (!check_config->empty()) args.push_back(*check_config);
   }
   if (!metrics_listen.empty()) args.insert(args.end(), {"--metrics-listen", metrics_listen});
   if (direct_path) args.emplace_back("--direct-path");
@@ -619,8 +619,12 @@ int main_impl(int argc, char** argv) {
   backend->allow_extras();
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--config", config, "TOML config file (flags given here override it)");
-  backend->add_option("--check-config", check_config,
-                      "validate this config file and exit (errors name the line)");
+  auto* check_opt = backend
+                        ->add_option("--check-config", check_config,
+                                     "validate the config file (FILE, or --config's) and exit "
+                                     "(errors name the line)")
+                        ->expected(0, 1)
+                        ->type_name("[FILE]");
   backend->add_option("--metrics-listen", metrics_listen,
                       "serve Prometheus metrics on ADDR:PORT or unix:PATH (enables [metrics])");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
@@ -750,8 +754,9 @@ int main_impl(int argc, char** argv) {
                    command);
   }
   if (*backend) {
-    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen, direct_path,
-                       direct_remote, backend->remaining());
+    return cmd_backend(backend_socket, idle_exit, config,
+                       check_opt->count() ? std::optional(check_config) : std::nullopt,
+                       metrics_listen, direct_path, direct_remote, backend->remaining());
   }
   if (*status) {
     return cmd_status(json, status_socket);
