@@ -2,7 +2,8 @@
 # The user's first mistakes fail at once, non-zero, with a message that names the cause and what
 # to do, and leave no file behind: no backend (CLI and library), a backend the library cannot
 # start, bad guest names, a second backend on a served socket, a stopped backend, operator
-# commands the backend refuses, and a socket the user may not open (as a second, real uid).
+# commands the backend refuses, a move that would strand a guest's peer, and a socket the user
+# may not open (as a second, real uid).
 # Usage: first_mistakes.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -103,6 +104,28 @@ expect_fail restore-garbage 1 "vrdma restore: the backend at $VRDMA_SOCKET refus
   fail "restore gave no reason: $(cat "$E2E_TMP/restore-garbage.out")"
 kill "$SERVER_PID" 2>/dev/null
 wait "$SERVER_PID" 2>/dev/null || true
+
+# A move that would strand the guest's peer (two backends without TCP): refused at once, naming
+# both backends and the QP's peer; nothing moves. --force moves it anyway.
+OTHER="$E2E_TMP/other.sock"
+"$VRDMAD" --socket "$OTHER" --idle-exit 0 >"$E2E_TMP/other.out" 2>&1 &
+OTHER_PID=$!
+start_held_pair strand m1 m2
+for ((i = 0; i < 100; i++)); do [[ -S $OTHER ]] && break; nap 0.1; done
+expect_fail mig-strand 1 \
+  "vrdma migrate: refused: moving guest m2 from $VRDMA_SOCKET (node $(hostname)) to $OTHER (node $(hostname)) would strand its connections: QP 0x" \
+  "$VRDMA" migrate m2 --to "$OTHER"
+grep -qF "is connected to guest m1, which stays on $VRDMA_SOCKET; $VRDMA_SOCKET has no TCP transport (no [transport] listen). Give both backends [transport] listen and each other as peers, or move it anyway with --force" \
+  "$E2E_TMP/mig-strand.out" || fail "no reason: $(cat "$E2E_TMP/mig-strand.out")"
+# shellcheck disable=SC2016  # perl
+[[ "$(status_query 'join ",", sort map { $_->{guest} } @{$j->{guests}}')" == m1,m2 ]] ||
+  fail "a refused move moved: $("$VRDMA" status)"
+"$VRDMA" migrate m2 --to "$OTHER" --force >"$E2E_TMP/mig-force.out" 2>&1 ||
+  fail "--force: $(cat "$E2E_TMP/mig-force.out")"
+grep -qF "guest m2 moved from $VRDMA_SOCKET (node $(hostname)) to $OTHER (node $(hostname))" \
+  "$E2E_TMP/mig-force.out" || fail "--force: $(cat "$E2E_TMP/mig-force.out")"
+kill "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null
+wait "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null || true
 
 # A stopped backend: the CLI gives up and says which pid does not answer.
 kill -STOP "$BPID"
