@@ -81,7 +81,17 @@ void Device::choose_route(Qp& qp) {
   if (node.empty()) {
     const std::string away = transport_ ? transport_->directory_unavailable() : std::string();
     std::string why = "destination not known (yet); looked up again on send";
-    if (!away.empty()) {
+    if (!transport_) {
+      // No TCP: nothing will ever make it known. Two programs on two backends by mistake (a
+      // typo in VRDMA_SOCKET, a root and a user program each starting its own): said once.
+      const std::string dest = a.is_global ? "GID" : fmt::format("LID {:#x}", a.dlid);
+      why = fmt::format(
+          "destination {} unknown to this backend (tcp off): are both programs on "
+          "the same VRDMA_SOCKET? Retried, then IBV_WC_RETRY_EXC_ERR",
+          dest);
+      if (why != qp.transport_why)
+        VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+    } else if (!away.empty()) {
       // Looked up again on every send: said once (the reason's text changes as members are
       // tried in turn).
       const bool said = qp.transport_why.starts_with("destination not known: ");

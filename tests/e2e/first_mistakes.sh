@@ -2,8 +2,8 @@
 # The user's first mistakes fail at once, non-zero, with a message that names the cause and what
 # to do, and leave no file behind: no backend (CLI and library), a backend the library cannot
 # start, bad guest names, a second backend on a served socket, a stopped backend, operator
-# commands the backend refuses, a move that would strand a guest's peer, and a socket the user
-# may not open (as a second, real uid).
+# commands the backend refuses, a move that would strand a guest's peer, two programs on two
+# backends without a route, and a socket the user may not open (as a second, real uid).
 # Usage: first_mistakes.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -124,6 +124,22 @@ grep -qF "is connected to guest m1, which stays on $VRDMA_SOCKET; $VRDMA_SOCKET 
   fail "--force: $(cat "$E2E_TMP/mig-force.out")"
 grep -qF "guest m2 moved from $VRDMA_SOCKET (node $(hostname)) to $OTHER (node $(hostname))" \
   "$E2E_TMP/mig-force.out" || fail "--force: $(cat "$E2E_TMP/mig-force.out")"
+kill "$SERVER_PID" "$CLIENT_PID" 2>/dev/null
+wait "$SERVER_PID" "$CLIENT_PID" 2>/dev/null || true
+
+# Two programs on two backends without TCP (a typo in VRDMA_SOCKET): each backend's log says
+# once that the other's LID is unknown to it, and asks the question.
+VRDMA_SOCKET="$OTHER" start_server split split-s
+start_client split split-c "$PORT"
+unknown="unknown to this backend (tcp off): are both programs on the same VRDMA_SOCKET?"
+for ((i = 0; i < 100; i++)); do
+  grep -qF "$unknown" "$E2E_TMP/vrdmad.log" && grep -qF "$unknown" "$E2E_TMP/other.out" && break
+  nap 0.1
+done
+if ! grep -qF "(guest split-c): destination LID 0x" "$E2E_TMP/vrdmad.log" ||
+  ! grep -qF "(guest split-s): destination LID 0x" "$E2E_TMP/other.out"; then
+  fail "no unknown destination in the logs: $(grep -h warn "$E2E_TMP/vrdmad.log" "$E2E_TMP/other.out")"
+fi
 kill "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null
 wait "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null || true
 
