@@ -21,6 +21,21 @@ static_assert(std::is_trivially_copyable_v<Response>);
 
 }  // namespace
 
+void Device::warn_one_default_guest(const Qp& qp, const Guest& dest) const {
+  // Two background jobs of one shell script share a process group, so by default one guest:
+  // their pair works, but moves, snapshots and limits treat them as one device.
+  if (&dest != qp.guest || qp.type != IBV_QPT_RC || !dest.name.starts_with("pgrp-")) return;
+  auto peer = dest.qps.find(qp.attr.dest_qp_num);
+  if (peer == dest.qps.end() || !peer->second->owner || !qp.owner ||
+      peer->second->owner->pid == qp.owner->pid)
+    return;
+  VLOG_WARN(
+      "qp {:#x} (guest {}, pid {}): both ends of this RC connection are in one guest, with "
+      "pid {}: processes of one process group (background jobs of one shell script) share "
+      "the default guest; give each its own (vrdma run --guest NAME)",
+      qp.qpn, dest.name, qp.owner->pid, peer->second->owner->pid);
+}
+
 void Device::choose_route(Qp& qp) {
   qp.remote = false;
   qp.route_pending = false;
@@ -73,6 +88,7 @@ void Device::choose_route(Qp& qp) {
     } else {
       qp.transport_why = "destination guest on this backend";
     }
+    warn_one_default_guest(qp, *local);
     return;
   }
   const std::string node = !transport_   ? std::string()

@@ -3,7 +3,8 @@
 # to do, and leave no file behind: no backend (CLI and library), a backend the library cannot
 # start, bad guest names, a second backend on a served socket, a stopped backend, operator
 # commands the backend refuses, a move that would strand a guest's peer, two programs on two
-# backends without a route, and a socket the user may not open (as a second, real uid).
+# backends without a route, two jobs of one script in one default guest, and a socket the user
+# may not open (as a second, real uid).
 # Usage: first_mistakes.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -142,6 +143,18 @@ if ! grep -qF "(guest split-c): destination LID 0x" "$E2E_TMP/vrdmad.log" ||
 fi
 kill "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null
 wait "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null || true
+
+# Two background jobs of one shell script share its process group, so by default one guest: the
+# backend warns that both ends of their RC connection are in one guest, naming both pids.
+port="$(free_port)"
+# shellcheck disable=SC2016  # expanded by that script
+setsid --wait bash -c '
+  "${@:3}" -- ibv_rc_pingpong -p "$1" -n 100 >"$2.server.out" 2>&1 &
+  for ((i = 0; i < 200; i++)); do [[ -n "$(ss -Htln "sport = :$1")" ]] && break; sleep 0.1; done
+  "${@:3}" -- ibv_rc_pingpong -p "$1" -n 100 localhost >"$2.client.out" 2>&1 && wait $!' \
+  pgrp "$port" "$E2E_TMP/pgrp" "${VRUN[@]}" || fail "two jobs of one script: $(cat "$E2E_TMP"/pgrp.*.out)"
+grep -qE "\(guest pgrp-[0-9]+, pid [0-9]+\): both ends of this RC connection are in one guest, with pid [0-9]+: processes of one process group" \
+  "$E2E_TMP/vrdmad.log" || fail "no warning for one default guest: $(grep warn "$E2E_TMP/vrdmad.log")"
 
 # A stopped backend: the CLI gives up and says which pid does not answer.
 kill -STOP "$BPID"
