@@ -15,8 +15,8 @@
 
 namespace {
 vrdma::backend::Server* g_server = nullptr;
-void on_signal(int) {
-  if (g_server) g_server->stop();
+void on_signal(int sig) {
+  if (g_server) g_server->stop(sig);
 }
 }  // namespace
 

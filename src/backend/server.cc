@@ -79,7 +79,8 @@ std::string another_backend(const std::string& sock) {
 Server::Server(Config cfg)
     : opt_(std::move(cfg)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), dev_(opt_.quotas) {}
 
-void Server::stop() {
+void Server::stop(int sig) {
+  stop_signal_.store(sig);
   stop_.store(true);
   if (wake_.valid()) {
     uint64_t one = 1;
@@ -811,6 +812,12 @@ Status Server::run() {
       directory_->set_qps(qps);
       qps_noted_ns_ = now_ns() + 500'000'000;
     }
+  }
+  if (const int sig = stop_signal_.load(); sig != 0) {
+    const char* name = ::sigabbrev_np(sig);
+    VLOG_INFO("stopping on SIG{}: {} guest session(s) end{}", name ? name : "?",
+              dev_.sessions().size(),
+              keeper_.valid() ? ", and the keeper lets their state go" : "");
   }
   if (!activated_) unlink_beside(dir_, opt_.socket_path);
   unlink_beside(dir_, opt_.socket_path + ".pid");
