@@ -459,7 +459,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::vector<int> out_fds;
   UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
-    VLOG_DEBUG("{}: op {} failed: {}", who(c, c.sock.get()), h.op, st.message());
+    VLOG_DEBUG("{}: {} failed: {}", who(c, c.sock.get()), proto::op_name(h.op), st.message());
     out = encode(op, h.seq, -st.err(), Empty{});
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
