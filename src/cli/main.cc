@@ -650,6 +650,10 @@ int main_impl(int argc, char** argv) {
   auto* backend = app.add_subcommand(
       "backend", "Run the backend (vrdmad) in the foreground; every vrdmad option is taken");
   backend->allow_extras();
+  backend->footer(
+      "Every other vrdmad option is passed on as given (--listen, --peer, --node, --cluster-dir, "
+      "--insecure, --no-direct-path, --keep-state, --spin-us, --log-level, --version): see "
+      "`vrdmad --help`.");
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--config", config, "TOML config file (flags given here override it)");
   auto* check_opt = backend

@@ -40,6 +40,11 @@ for prog in vrdma vrdmad; do
   v="$("$(dirname "$VRDMA")/$prog" --version)" || fail "$prog --version failed"
   [[ $v =~ ^$prog\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "$prog --version said: $v"
 done
+# ... and its help names every one of them.
+"$VRDMA" backend --help >"$E2E_TMP/backend-help.out" || fail "vrdma backend --help"
+for o in $("$VRDMAD" --help | grep -o -- '--[a-z-]*' | sort -u); do
+  grep -qF -- "$o" "$E2E_TMP/backend-help.out" || fail "vrdma backend --help does not name $o"
+done
 expect_fail backend-log-level 1 "--log-level: bogus not in {error,warn,info,debug}" \
   "$VRDMA" backend --socket "$E2E_TMP/unused.sock" --log-level bogus
 grep -qF 'start a backend (`vrdma backend`' "$E2E_TMP/none.out" || fail "$(cat "$E2E_TMP/none.out")"
