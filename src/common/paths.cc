@@ -143,9 +143,14 @@ Result<UniqueFd> open_socket_dir(const std::string& socket_path, bool create) {
   const std::string dir = dir_of(socket_path);
   if (create) {
     // mkdir -p, one level at a time; the last level is checked below, whoever made it.
-    for (size_t i = 1; i <= dir.size(); ++i) {
-      if (i == dir.size() || dir[i] == '/') ::mkdir(dir.substr(0, i).c_str(), 0700);
+    for (size_t i = 1; i < dir.size(); ++i) {
+      if (dir[i] == '/') ::mkdir(dir.substr(0, i).c_str(), 0700);
     }
+    // Root's default directory as vrdmad.socket makes it (DirectoryMode=0755, whatever the
+    // umask): the socket's own mode says who may connect. Any other stays its user's alone.
+    const bool system_dir = ::geteuid() == 0 && dir == "/run/vrdma";
+    if (::mkdir(dir.c_str(), system_dir ? 0755 : 0700) == 0 && system_dir)
+      ::chmod(dir.c_str(), 0755);
   }
   UniqueFd fd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd.valid()) {

@@ -13,7 +13,7 @@
 # the keeper restarts nothing, and is still the same process); `systemctl stop` ends backend
 # and keeper cleanly; the keeper refuses another uid; without the keeper's socket the backend
 # does not start and says why; vrdma-setup.service mounts the device view and its stop
-# removes it.
+# removes it; without the units, root's on-demand backend makes /run/vrdma 0755.
 # Skips (77), naming the check, only where systemd cannot run here: not root, no systemd binary,
 # no unshare/nsenter/setpriv/python3, a sanitized build, no cgroup2 hierarchy or no cgroup of our
 # own, namespaces or tmpfs mounts refused. Everything after (the units not seen, systemd not
@@ -269,4 +269,13 @@ else
   in_ns test -e /sys/class/infiniband/vrdma0 && fail "vrdma-setup's stop left the view"
   log "vrdma-setup.service: $(head -n 1 "$P/vrdma-setup.log" | cut -c1-100)..."
 fi
+
+# Without the units, root's backend started on demand makes /run/vrdma as vrdmad.socket does:
+# 0755 whatever the umask (the socket's mode says who may connect).
+in_ns rm -rf /run/vrdma
+# shellcheck disable=SC2016  # the namespace's shell
+in_ns sh -c 'umask 077; exec env -u VRDMA_SOCKET "$0" run -- true' "$PREFIX/bin/vrdma" \
+  >"$E2E_TMP/ondemand.out" 2>&1 || fail "vrdma run as root: $(cat "$E2E_TMP/ondemand.out")"
+grep -qF "started a backend (pid" "$E2E_TMP/ondemand.out" || fail "$(cat "$E2E_TMP/ondemand.out")"
+[[ $(in_ns stat -c %a /run/vrdma) == 755 ]] || fail "/run/vrdma made $(in_ns stat -c %a /run/vrdma)"
 e2e_pass
