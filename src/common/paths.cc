@@ -239,6 +239,11 @@ Result<StartedBackend> start_backend(const std::string& bin, const std::string& 
   ASSIGN_OR_RETURN(UniqueFd dir, open_socket_dir(sock, true));
   StartedBackend out;
   out.log = dir_of(sock) + "/vrdmad.log";
+  // One older generation is kept: a log that outgrew the limit starts again (a backend started
+  // on demand lives until idle; a long-lived one runs under systemd, whose journal rotates).
+  if (struct stat st{}; ::fstatat(dir.get(), "vrdmad.log", &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                        S_ISREG(st.st_mode) && st.st_size > kBackendLogRotateBytes)
+    ::renameat(dir.get(), "vrdmad.log", dir.get(), "vrdmad.log.1");
   auto log = open_beside(dir, out.log, O_WRONLY | O_CREAT | O_APPEND);
   // Everything the child needs is made before fork(): after it, only async-signal-safe calls.
   const std::string idle = std::to_string(idle_exit_s);

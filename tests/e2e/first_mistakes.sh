@@ -72,8 +72,11 @@ expect_fail name-run 1 "vrdma run: --guest: guest name 'a/b' has '/': $RULE" \
 expect_fail name-run-empty 1 "guest name '' is empty" "$VRDMA" run --guest "" -- true
 [[ -z "$(backend_pid)" ]] || fail "a bad guest name started a backend"
 
-# `vrdma run` says when it starts a backend, and which.
+# `vrdma run` says when it starts a backend, and which; a log over 10 MiB is rotated first.
+truncate -s 11M "$E2E_TMP/vrdmad.log"
 "$VRDMA" run -- true 2>"$E2E_TMP/started.out" || fail "vrdma run: $(cat "$E2E_TMP/started.out")"
+[[ $(stat -c %s "$E2E_TMP/vrdmad.log.1") == $((11 << 20)) && $(stat -c %s "$E2E_TMP/vrdmad.log") -lt 4096 ]] ||
+  fail "the log was not rotated: $(ls -l "$E2E_TMP")"
 BPID="$(backend_pid)"
 [[ -n $BPID ]] || fail "vrdma run started no backend"
 grep -qF "vrdma run: started a backend (pid $BPID) on $VRDMA_SOCKET; its log is $E2E_TMP/vrdmad.log; it exits after 60 s without guests" \
