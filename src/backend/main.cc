@@ -15,8 +15,8 @@
 
 namespace {
 vrdma::backend::Server* g_server = nullptr;
-void on_signal(int) {
-  if (g_server) g_server->stop();
+void on_signal(int sig) {
+  if (g_server) g_server->stop(sig);
 }
 
 // `vrdmad --keeper PATH GRACE_S`, started by a backend with keep_state (backend/keeper.h);
@@ -130,7 +130,12 @@ int main(int argc, char** argv) {
                  "error, warn, info or debug (over VRDMA_LOG and [backend] log_level)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug"}));
   app.add_option("--config", config_file, "TOML config file (see packaging/vrdmad.toml)");
-  app.add_flag("--check-config", check_only, "validate the config file and exit");
+  // One form for both programs: `--check-config FILE`, or `--config FILE --check-config`.
+  std::string check_file;
+  auto* check_opt = app.add_option("--check-config", check_file,
+                                   "validate the config file (FILE, or --config's) and exit")
+                        ->expected(0, 1)
+                        ->type_name("[FILE]");
   app.add_option("--socket", socket, "unix socket guests connect to");
   app.add_option("--idle-exit", idle_exit, "exit after this many seconds without guests (0: never)");
   app.add_option("--spin-us", spin_us, "microseconds to poll idle rings before sleeping");
@@ -167,6 +172,15 @@ int main(int argc, char** argv) {
   bool on_demand = false;
   app.add_flag("--on-demand", on_demand)->group("");
   CLI11_PARSE(app, argc, argv);
+  check_only = check_opt->count() > 0;
+  if (!check_file.empty()) {
+    if (!config_file.empty() && config_file != check_file) {
+      fmt::print(stderr, "vrdmad: two config files ({} and {}): give one\n", config_file,
+                 check_file);
+      return 2;
+    }
+    config_file = check_file;
+  }
 
   if (!config_file.empty()) {
     // Flags given on the command line win over the file.
@@ -182,7 +196,7 @@ int main(int argc, char** argv) {
     if (!peers.empty()) cfg.peers = peers;
     if (!node.empty()) cfg.node = node;
   } else if (check_only) {
-    fmt::print(stderr, "vrdmad: --check-config needs --config FILE\n");
+    fmt::print(stderr, "vrdmad: --check-config needs a FILE (or --config FILE)\n");
     return 2;
   }
   if (!socket.empty()) cfg.socket_path = socket;

@@ -41,7 +41,8 @@ uint64_t now_ns() {
 Server::Server(Config cfg)
     : opt_(std::move(cfg)), wake_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), dev_(opt_.quotas) {}
 
-void Server::stop() {
+void Server::stop(int sig) {
+  stop_signal_.store(sig);
   stop_.store(true);
   if (wake_.valid()) {
     uint64_t one = 1;
@@ -210,7 +211,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   std::vector<int> out_fds;
   UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
-    VLOG_DEBUG("{}: op {} failed: {}", who(c, c.sock.get()), h.op, st.message());
+    VLOG_DEBUG("{}: {} failed: {}", who(c, c.sock.get()), proto::op_name(h.op), st.message());
     out = encode(op, h.seq, -st.err(), Empty{});
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
@@ -564,6 +565,12 @@ Status Server::run() {
       directory_->set_qps(qps);
       qps_noted_ns_ = now_ns() + 500'000'000;
     }
+  }
+  if (const int sig = stop_signal_.load(); sig != 0) {
+    const char* name = ::sigabbrev_np(sig);
+    VLOG_INFO("stopping on SIG{}: {} guest session(s) end{}", name ? name : "?",
+              dev_.sessions().size(),
+              keeper_.valid() ? ", and the keeper lets their state go" : "");
   }
   if (!activated_) unlink_beside(dir_, opt_.socket_path);
   unlink_beside(dir_, opt_.socket_path + ".pid");

@@ -43,10 +43,11 @@ class Server {
     on_demand_ = on;
     reporter_.set_on_demand(on);
   }
-  /// Any thread, and async-signal-safe: asks run() to return and wakes it.
-  void stop();
+  /// Any thread, and async-signal-safe: asks run() to return and wakes it. `sig`: the signal
+  /// that asked, for the shutdown line of the log.
+  void stop(int sig = 0);
 
- /// One guest connection (a verbs context); public so log helpers can name it.
+  /// One guest connection (a verbs context); public so log helpers can name it.
   struct Conn {
     UniqueFd sock;
     engine::Session* session = nullptr;
@@ -154,6 +155,7 @@ class Server {
   uint32_t stall_turns_ = 0;
   rusage stall_ru_{};  ///< the thread's usage at the last account
   std::atomic<bool> stop_{false};
+  std::atomic<int> stop_signal_{0};
   Reporter reporter_{opt_};
   std::unique_ptr<MetricsHttp> metrics_;  ///< null unless [metrics] enabled
   bool activated_ = false;                ///< listener inherited from systemd (not ours to unlink)

@@ -167,17 +167,17 @@ int cmd_run(const std::optional<std::string>& guest, const std::string& socket_o
 }
 
 int cmd_backend(const std::string& socket_opt, int idle_exit, const std::string& config,
-                const std::string& check_config, const std::string& metrics_listen,
+                const std::optional<std::string>& check_config, const std::string& metrics_listen,
                 bool direct_path, bool direct_remote, const std::vector<std::string>& more) {
   const std::string bin = backend_binary().string();
   std::vector<std::string> args = {bin};
   if (!socket_opt.empty()) {
     args.insert(args.end(), {"--socket", socket_opt});
   }
-  if (!check_config.empty()) {
-    args.insert(args.end(), {"--config", check_config, "--check-config"});
-  } else if (!config.empty()) {
-    args.insert(args.end(), {"--config", config});
+  if (!config.empty()) args.insert(args.end(), {"--config", config});
+  if (check_config) {
+    args.emplace_back("--check-config");
+    if (!check_config->empty()) args.push_back(*check_config);
   }
   if (!metrics_listen.empty()) args.insert(args.end(), {"--metrics-listen", metrics_listen});
   if (direct_path) args.emplace_back("--direct-path");
@@ -269,7 +269,7 @@ int admin_failed(const char* cmd, const Status& st) {
 }
 
 int cmd_migrate(const std::string& guest, const std::string& to, const std::string& socket_opt,
-                bool json) {
+                bool force, bool json) {
   const std::string socket = socket_opt.empty() ? socket_path() : socket_opt;
   proto::MigrateReq req{};
   if (!put_guest(req.guest, guest, "migrate")) return 2;
@@ -279,12 +279,45 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
     return 2;
   }
   std::memcpy(req.target, to.data(), to.size());
+  // A move the guest's peers could not follow would look like success and then fail their
+  // QPs (retry counter exceeded): both backends' status say whether each peer stays reachable.
+  // Where either does not answer, the move's own request below says why.
+  auto status_of = [](const std::string& sock) {
+    auto st = backend_status(sock, wait_ms(kStatusWaitMs));
+    return st ? nlohmann::json::parse(st->json, nullptr, /*allow_exceptions=*/false)
+              : nlohmann::json();
+  };
+  const nlohmann::json from_status = status_of(socket);
+  const nlohmann::json to_status = to != socket ? status_of(to) : nlohmann::json();
+  auto node_of = [](const nlohmann::json& st) {
+    const auto b = st.is_object() ? st.find("backend") : st.end();
+    return b != st.end() && b->is_object() ? b->value("node", std::string()) : std::string();
+  };
+  auto name_of = [&](const std::string& sock, const nlohmann::json& st) {
+    const std::string node = node_of(st);
+    return node.empty() ? sock : fmt::format("{} (node {})", sock, node);
+  };
+  if (std::string why = from_status.is_object() && to_status.is_object()
+                            ? stranded_by_move(from_status, to_status, guest)
+                            : std::string();
+      !why.empty()) {
+    if (!force) {
+      fmt::print(stderr,
+                 "vrdma migrate: refused: {}. Give both backends [transport] listen and each "
+                 "other as peers, or move it anyway with --force\n",
+                 why);
+      return 1;
+    }
+    fmt::print(stderr, "vrdma migrate: --force: {}\n", why);
+  }
   auto r = admin_request<proto::MigrateResp>(socket, proto::Op::kMigrate, req);
   if (!r) return admin_failed("migrate", r.status());
   if (json) {
     fmt::print("{}\n", nlohmann::json{{"guest", guest},
                                       {"from", socket},
+                                      {"from_node", node_of(from_status)},
                                       {"to", to},
+                                      {"to_node", node_of(to_status)},
                                       {"downtime_us", r->downtime_us},
                                       {"export_us", r->export_us},
                                       {"transfer_us", r->transfer_us},
@@ -295,10 +328,10 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
                            .dump());
   } else {
     fmt::print(
-        "guest {} moved to {}: downtime {} us (export {} us, transfer {} us, import {} "
+        "guest {} moved from {} to {}: downtime {} us (export {} us, transfer {} us, import {} "
         "us); {} QPs, {} of state, {} descriptors\n",
-        guest, to, r->downtime_us, r->export_us, r->transfer_us, r->import_us, r->qps,
-        cli::size_text(r->bytes), r->fds);
+        guest, name_of(socket, from_status), name_of(to, to_status), r->downtime_us, r->export_us,
+        r->transfer_us, r->import_us, r->qps, cli::size_text(r->bytes), r->fds);
   }
   return 0;
 }
@@ -617,10 +650,18 @@ int main_impl(int argc, char** argv) {
   auto* backend = app.add_subcommand(
       "backend", "Run the backend (vrdmad) in the foreground; every vrdmad option is taken");
   backend->allow_extras();
+  backend->footer(
+      "Every other vrdmad option is passed on as given (--listen, --peer, --node, --cluster-dir, "
+      "--insecure, --no-direct-path, --keep-state, --spin-us, --log-level, --version): see "
+      "`vrdmad --help`.");
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--config", config, "TOML config file (flags given here override it)");
-  backend->add_option("--check-config", check_config,
-                      "validate this config file and exit (errors name the line)");
+  auto* check_opt = backend
+                        ->add_option("--check-config", check_config,
+                                     "validate the config file (FILE, or --config's) and exit "
+                                     "(errors name the line)")
+                        ->expected(0, 1)
+                        ->type_name("[FILE]");
   backend->add_option("--metrics-listen", metrics_listen,
                       "serve Prometheus metrics on ADDR:PORT or unix:PATH (enables [metrics])");
   backend->add_option("--idle-exit", idle_exit, "exit after this many idle seconds (0: never)")
@@ -660,7 +701,7 @@ int main_impl(int argc, char** argv) {
   stat->add_option("--socket", stat_socket, "backend socket");
 
   std::string mig_guest, mig_to, mig_socket;
-  bool mig_json = false;
+  bool mig_json = false, mig_force = false;
   auto* migrate = app.add_subcommand(
       "migrate", "Move a guest's device to another backend on this machine, live: its QPs keep "
                  "their numbers, keys and connections");
@@ -668,6 +709,8 @@ int main_impl(int argc, char** argv) {
   migrate->add_option("--to", mig_to, "socket of the backend that takes it")->required();
   migrate->add_option("--socket", mig_socket, "socket of the backend that serves it now");
   migrate->add_flag("-j,--json", mig_json, "print the result as JSON");
+  migrate->add_flag("--force", mig_force,
+                    "move it even where a peer of its QPs could not reach it afterwards");
 
   std::string snap_guest, snap_file, snap_socket;
   auto* snapshot = app.add_subcommand("snapshot", "Write a guest's device state to a file");
@@ -751,8 +794,9 @@ int main_impl(int argc, char** argv) {
                    command);
   }
   if (*backend) {
-    return cmd_backend(backend_socket, idle_exit, config, check_config, metrics_listen, direct_path,
-                       direct_remote, backend->remaining());
+    return cmd_backend(backend_socket, idle_exit, config,
+                       check_opt->count() ? std::optional(check_config) : std::nullopt,
+                       metrics_listen, direct_path, direct_remote, backend->remaining());
   }
   if (*status) {
     return cmd_status(json, status_socket);
@@ -764,7 +808,7 @@ int main_impl(int argc, char** argv) {
     return cmd_show(true, stat_words, stat_json, false, stat_socket);
   }
   if (*migrate) {
-    return cmd_migrate(mig_guest, mig_to, mig_socket, mig_json);
+    return cmd_migrate(mig_guest, mig_to, mig_socket, mig_force, mig_json);
   }
   if (*snapshot) {
     return cmd_snapshot(snap_guest, snap_file, snap_socket, snap_json);

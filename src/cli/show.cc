@@ -270,6 +270,88 @@ std::string stat_text(const std::string& what, const json& rows) {
   return out;
 }
 
+namespace {
+
+/// The TCP transport's entry of a status document, or null when it is not up.
+const json& tcp_up(const json& status) {
+  static const json none;
+  for (const auto& t : member(member(status, "backend"), "transports"))
+    if (member(t, "name") == "tcp" && member(t, "state") == "up") return t;
+  return none;
+}
+
+/// Whether the backend of `status` has TCP up and `node` among its connected or known peers
+/// (any node, with a directory: it looks the node up on the first frame).
+bool tcp_knows(const json& status, const std::string& node) {
+  const json& t = tcp_up(status);
+  if (t.is_null()) return false;
+  if (t.contains("directory")) return true;
+  for (const auto& p : member(t, "peers"))
+    if (member(p, "node") == node) return true;
+  for (const auto& n : member(t, "known"))
+    if (n == node) return true;
+  return false;
+}
+
+std::string backend_name(const json& status) {
+  const json& b = member(status, "backend");
+  return fmt::format("{} (node {})", text_of(member(b, "socket")), text_of(member(b, "node")));
+}
+
+}  // namespace
+
+std::string stranded_by_move(const json& from, const json& to, const std::string& guest) {
+  std::map<uint64_t, std::string> here, there;  // LID -> guest
+  for (const auto& g : member(from, "guests"))
+    if (is_count(member(g, "lid")))
+      here[member(g, "lid").get<uint64_t>()] = text_of(member(g, "guest"));
+  for (const auto& g : member(to, "guests"))
+    if (is_count(member(g, "lid")))
+      there[member(g, "lid").get<uint64_t>()] = text_of(member(g, "guest"));
+  const std::string from_node = text_of(member(member(from, "backend"), "node"));
+  const std::string to_node = text_of(member(member(to, "backend"), "node"));
+  const std::string src = text_of(member(member(from, "backend"), "socket"));
+  const std::string dst = text_of(member(member(to, "backend"), "socket"));
+  for (const auto& q : member(member(from, "res"), "qp")) {
+    const json& state = member(q, "state");
+    if (member(q, "guest") != guest || !is_count(member(q, "dlid")) ||
+        !(state == "RTR" || state == "RTS" || state == "SQD" || state == "SQE"))
+      continue;
+    const uint64_t dlid = member(q, "dlid").get<uint64_t>();
+    if (there.contains(dlid)) continue;  // its peer is on the target: same host from then on
+    auto local = here.find(dlid);
+    if (local != here.end() && local->second == guest) continue;  // within the guest
+    const std::string qp = fmt::format("QP {}", id_text(member(q, "qpn")));
+    std::string why;
+    if (local != here.end()) {
+      const std::string peer = fmt::format("guest {}, which stays on {}", local->second, src);
+      const char* no_tcp = "{} is connected to {}; {} has no TCP transport (no [transport] listen)";
+      if (tcp_up(from).is_null())
+        why = fmt::format(fmt::runtime(no_tcp), qp, peer, src);
+      else if (tcp_up(to).is_null())
+        why = fmt::format(fmt::runtime(no_tcp), qp, peer, dst);
+      else if (!tcp_knows(to, from_node) && !tcp_knows(from, to_node))
+        why = fmt::format(
+            "{} is connected to {}, and neither backend knows the other's node "
+            "({}, {}) as a TCP peer",
+            qp, peer, from_node, to_node);
+    } else if (const std::string node = text_of(member(q, "peer_node"));
+               node != "-" && !node.empty()) {
+      const std::string peer = fmt::format("a guest on node {}", node);
+      if (tcp_up(to).is_null())
+        why = fmt::format("{} is connected to {}; {} has no TCP transport (no [transport] listen)",
+                          qp, peer, dst);
+      else if (node != to_node && !tcp_knows(to, node))
+        why = fmt::format("{} is connected to {}, which {} does not know as a TCP peer", qp, peer,
+                          dst);
+    }
+    if (!why.empty())
+      return fmt::format("moving guest {} from {} to {} would strand its connections: {}", guest,
+                         backend_name(from), backend_name(to), why);
+  }
+  return "";
+}
+
 std::string status_header(const json& status) {
   const json& b = member(status, "backend");
   std::string out = fmt::format(

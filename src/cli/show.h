@@ -46,6 +46,13 @@ Result<nlohmann::json> stat_rows(const nlohmann::json& status, const std::string
                                  const Filters& filters);
 std::string stat_text(const std::string& what, const nlohmann::json& rows);
 
+/// Why moving `guest` from the backend whose status document is `from` to the one of `to`
+/// would strand a connected QP of it: a peer that stays on `from`, or one on a third backend,
+/// that the target cannot reach by TCP (no transport on either side, or neither backend knows
+/// the other's node). Empty when every peer stays reachable. Sockets name the backends.
+std::string stranded_by_move(const nlohmann::json& from, const nlohmann::json& to,
+                             const std::string& guest);
+
 /// `vrdma status`: the backend's header lines (version, uptime, transports, threads, quotas, and
 /// for a caller who is not an admin, that the view is cut down to its own guests).
 std::string status_header(const nlohmann::json& status);

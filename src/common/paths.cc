@@ -143,9 +143,14 @@ Result<UniqueFd> open_socket_dir(const std::string& socket_path, bool create) {
   const std::string dir = dir_of(socket_path);
   if (create) {
     // mkdir -p, one level at a time; the last level is checked below, whoever made it.
-    for (size_t i = 1; i <= dir.size(); ++i) {
-      if (i == dir.size() || dir[i] == '/') ::mkdir(dir.substr(0, i).c_str(), 0700);
+    for (size_t i = 1; i < dir.size(); ++i) {
+      if (dir[i] == '/') ::mkdir(dir.substr(0, i).c_str(), 0700);
     }
+    // Root's default directory as vrdmad.socket makes it (DirectoryMode=0755, whatever the
+    // umask): the socket's own mode says who may connect. Any other stays its user's alone.
+    const bool system_dir = ::geteuid() == 0 && dir == "/run/vrdma";
+    if (::mkdir(dir.c_str(), system_dir ? 0755 : 0700) == 0 && system_dir)
+      ::chmod(dir.c_str(), 0755);
   }
   UniqueFd fd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd.valid()) {
@@ -234,6 +239,11 @@ Result<StartedBackend> start_backend(const std::string& bin, const std::string& 
   ASSIGN_OR_RETURN(UniqueFd dir, open_socket_dir(sock, true));
   StartedBackend out;
   out.log = dir_of(sock) + "/vrdmad.log";
+  // One older generation is kept: a log that outgrew the limit starts again (a backend started
+  // on demand lives until idle; a long-lived one runs under systemd, whose journal rotates).
+  if (struct stat st{}; ::fstatat(dir.get(), "vrdmad.log", &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                        S_ISREG(st.st_mode) && st.st_size > kBackendLogRotateBytes)
+    ::renameat(dir.get(), "vrdmad.log", dir.get(), "vrdmad.log.1");
   auto log = open_beside(dir, out.log, O_WRONLY | O_CREAT | O_APPEND);
   // Everything the child needs is made before fork(): after it, only async-signal-safe calls.
   const std::string idle = std::to_string(idle_exit_s);

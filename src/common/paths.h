@@ -56,14 +56,16 @@ std::string backend_unreachable_hint(const std::string& path, int err);
 /// reported as it is.
 inline bool no_backend_there(int err) { return err == ENOENT || err == ECONNREFUSED; }
 
+inline constexpr off_t kBackendLogRotateBytes = 10 << 20;
 /// A backend started on demand (start_backend).
 struct StartedBackend {
   pid_t pid = -1;
   std::string log;  ///< where its output goes
 };
 /// Starts `bin --socket SOCK --idle-exit IDLE_EXIT_S --on-demand` detached from us (double fork,
-/// new session, stdin /dev/null, output appended to vrdmad.log beside the socket, none of our
-/// descriptors, no LD_PRELOAD): what `vrdma run` and the library do when no backend answers.
+/// new session, stdin /dev/null, output appended to vrdmad.log beside the socket, which is first
+/// rotated to vrdmad.log.1 when over kBackendLogRotateBytes; none of our descriptors, no
+/// LD_PRELOAD): what `vrdma run` and the library do when no backend answers.
 /// `--on-demand` tells it to leave quietly when it loses the race to another backend. Safe in a
 /// multi-threaded process (the child only calls async-signal-safe functions before exec).
 Result<StartedBackend> start_backend(const std::string& bin, const std::string& sock,

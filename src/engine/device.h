@@ -351,6 +351,9 @@ class Device : public transport::Receiver {
   // ---- requester over a transport (device_remote.cc) ----
   /// Picks the QP's transport at RTR from its destination.
   void choose_route(Qp& qp);
+  /// Warns once per connection when both ends of an RC pair are processes of one default
+  /// (`pgrp-N`) guest.
+  void warn_one_default_guest(const Qp& qp, const Guest& dest) const;
   bool process_sq_remote(Qp& qp, uint64_t now_ns);
   /// Builds and sends the request frame of an outstanding WQE; false when not connected.
   /// Sends (again) and records where it ends in the stream (o.mark).

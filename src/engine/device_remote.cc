@@ -21,6 +21,21 @@ static_assert(std::is_trivially_copyable_v<Response>);
 
 }  // namespace
 
+void Device::warn_one_default_guest(const Qp& qp, const Guest& dest) const {
+  // Two background jobs of one shell script share a process group, so by default one guest:
+  // their pair works, but moves, snapshots and limits treat them as one device.
+  if (&dest != qp.guest || qp.type != IBV_QPT_RC || !dest.name.starts_with("pgrp-")) return;
+  auto peer = dest.qps.find(qp.attr.dest_qp_num);
+  if (peer == dest.qps.end() || !peer->second->owner || !qp.owner ||
+      peer->second->owner->pid == qp.owner->pid)
+    return;
+  VLOG_WARN(
+      "qp {:#x} (guest {}, pid {}): both ends of this RC connection are in one guest, with "
+      "pid {}: processes of one process group (background jobs of one shell script) share "
+      "the default guest; give each its own (vrdma run --guest NAME)",
+      qp.qpn, dest.name, qp.owner->pid, peer->second->owner->pid);
+}
+
 void Device::choose_route(Qp& qp) {
   qp.remote = false;
   qp.route_pending = false;
@@ -73,6 +88,7 @@ void Device::choose_route(Qp& qp) {
     } else {
       qp.transport_why = "destination guest on this backend";
     }
+    warn_one_default_guest(qp, *local);
     return;
   }
   const std::string node = !transport_   ? std::string()
@@ -81,7 +97,17 @@ void Device::choose_route(Qp& qp) {
   if (node.empty()) {
     const std::string away = transport_ ? transport_->directory_unavailable() : std::string();
     std::string why = "destination not known (yet); looked up again on send";
-    if (!away.empty()) {
+    if (!transport_) {
+      // No TCP: nothing will ever make it known. Two programs on two backends by mistake (a
+      // typo in VRDMA_SOCKET, a root and a user program each starting its own): said once.
+      const std::string dest = a.is_global ? "GID" : fmt::format("LID {:#x}", a.dlid);
+      why = fmt::format(
+          "destination {} unknown to this backend (tcp off): are both programs on "
+          "the same VRDMA_SOCKET? Retried, then IBV_WC_RETRY_EXC_ERR",
+          dest);
+      if (why != qp.transport_why)
+        VLOG_WARN("qp {:#x} (guest {}): {}", qp.qpn, qp.guest->name, why);
+    } else if (!away.empty()) {
       // Looked up again on every send: said once (the reason's text changes as members are
       // tried in turn).
       const bool said = qp.transport_why.starts_with("destination not known: ");

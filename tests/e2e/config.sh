@@ -12,6 +12,14 @@ EXAMPLE="$HERE/../../packaging/vrdmad.toml"
 
 out="$("$VRDMA" backend --check-config "$EXAMPLE")" || fail "the example config is rejected: $out"
 [[ $out == "$EXAMPLE: ok" ]] || fail "check-config said: $out"
+# One form in both programs: `--check-config FILE` or `--config FILE --check-config`.
+VRDMAD="$(dirname "$VRDMA")/vrdmad"
+for form in "$VRDMA backend --config $EXAMPLE --check-config" "$VRDMAD --check-config $EXAMPLE" \
+  "$VRDMAD --config $EXAMPLE --check-config"; do
+  # shellcheck disable=SC2086  # the form's words
+  out="$($form 2>&1)" || fail "$form: $out"
+  [[ $out == "$EXAMPLE: ok" ]] || fail "$form said: $out"
+done
 
 # Expects `vrdma backend --check-config FILE` and a real start with FILE to fail, naming
 # FILE:LINE and the text WHAT, and no backend to be left. Usage: reject FILE LINE WHAT

@@ -2,7 +2,9 @@
 # The user's first mistakes fail at once, non-zero, with a message that names the cause and what
 # to do, and leave no file behind: no backend (CLI and library), a backend the library cannot
 # start, bad guest names, a second backend on a served socket, a stopped backend, operator
-# commands the backend refuses, and a socket the user may not open (as a second, real uid).
+# commands the backend refuses, a move that would strand a guest's peer, two programs on two
+# backends without a route, two jobs of one script in one default guest, and a socket the user
+# may not open (as a second, real uid).
 # Usage: first_mistakes.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -38,6 +40,11 @@ for prog in vrdma vrdmad; do
   v="$("$(dirname "$VRDMA")/$prog" --version)" || fail "$prog --version failed"
   [[ $v =~ ^$prog\ [0-9]+\.[0-9]+\.[0-9]+$ ]] || fail "$prog --version said: $v"
 done
+# ... and its help names every one of them.
+"$VRDMA" backend --help >"$E2E_TMP/backend-help.out" || fail "vrdma backend --help"
+for o in $("$VRDMAD" --help | grep -o -- '--[a-z-]*' | sort -u); do
+  grep -qF -- "$o" "$E2E_TMP/backend-help.out" || fail "vrdma backend --help does not name $o"
+done
 expect_fail backend-log-level 1 "--log-level: bogus not in {error,warn,info,debug}" \
   "$VRDMA" backend --socket "$E2E_TMP/unused.sock" --log-level bogus
 grep -qF 'start a backend (`vrdma backend`' "$E2E_TMP/none.out" || fail "$(cat "$E2E_TMP/none.out")"
@@ -65,8 +72,11 @@ expect_fail name-run 1 "vrdma run: --guest: guest name 'a/b' has '/': $RULE" \
 expect_fail name-run-empty 1 "guest name '' is empty" "$VRDMA" run --guest "" -- true
 [[ -z "$(backend_pid)" ]] || fail "a bad guest name started a backend"
 
-# `vrdma run` says when it starts a backend, and which.
+# `vrdma run` says when it starts a backend, and which; a log over 10 MiB is rotated first.
+truncate -s 11M "$E2E_TMP/vrdmad.log"
 "$VRDMA" run -- true 2>"$E2E_TMP/started.out" || fail "vrdma run: $(cat "$E2E_TMP/started.out")"
+[[ $(stat -c %s "$E2E_TMP/vrdmad.log.1") == $((11 << 20)) && $(stat -c %s "$E2E_TMP/vrdmad.log") -lt 4096 ]] ||
+  fail "the log was not rotated: $(ls -l "$E2E_TMP")"
 BPID="$(backend_pid)"
 [[ -n $BPID ]] || fail "vrdma run started no backend"
 grep -qF "vrdma run: started a backend (pid $BPID) on $VRDMA_SOCKET; its log is $E2E_TMP/vrdmad.log; it exits after 60 s without guests" \
@@ -103,6 +113,56 @@ expect_fail restore-garbage 1 "vrdma restore: the backend at $VRDMA_SOCKET refus
   fail "restore gave no reason: $(cat "$E2E_TMP/restore-garbage.out")"
 kill "$SERVER_PID" 2>/dev/null
 wait "$SERVER_PID" 2>/dev/null || true
+
+# A move that would strand the guest's peer (two backends without TCP): refused at once, naming
+# both backends and the QP's peer; nothing moves. --force moves it anyway.
+OTHER="$E2E_TMP/other.sock"
+"$VRDMAD" --socket "$OTHER" --idle-exit 0 >"$E2E_TMP/other.out" 2>&1 &
+OTHER_PID=$!
+start_held_pair strand m1 m2
+for ((i = 0; i < 100; i++)); do [[ -S $OTHER ]] && break; nap 0.1; done
+expect_fail mig-strand 1 \
+  "vrdma migrate: refused: moving guest m2 from $VRDMA_SOCKET (node $(hostname)) to $OTHER (node $(hostname)) would strand its connections: QP 0x" \
+  "$VRDMA" migrate m2 --to "$OTHER"
+grep -qF "is connected to guest m1, which stays on $VRDMA_SOCKET; $VRDMA_SOCKET has no TCP transport (no [transport] listen). Give both backends [transport] listen and each other as peers, or move it anyway with --force" \
+  "$E2E_TMP/mig-strand.out" || fail "no reason: $(cat "$E2E_TMP/mig-strand.out")"
+# shellcheck disable=SC2016  # perl
+[[ "$(status_query 'join ",", sort map { $_->{guest} } @{$j->{guests}}')" == m1,m2 ]] ||
+  fail "a refused move moved: $("$VRDMA" status)"
+"$VRDMA" migrate m2 --to "$OTHER" --force >"$E2E_TMP/mig-force.out" 2>&1 ||
+  fail "--force: $(cat "$E2E_TMP/mig-force.out")"
+grep -qF "guest m2 moved from $VRDMA_SOCKET (node $(hostname)) to $OTHER (node $(hostname))" \
+  "$E2E_TMP/mig-force.out" || fail "--force: $(cat "$E2E_TMP/mig-force.out")"
+kill "$SERVER_PID" "$CLIENT_PID" 2>/dev/null
+wait "$SERVER_PID" "$CLIENT_PID" 2>/dev/null || true
+
+# Two programs on two backends without TCP (a typo in VRDMA_SOCKET): each backend's log says
+# once that the other's LID is unknown to it, and asks the question.
+VRDMA_SOCKET="$OTHER" start_server split split-s
+start_client split split-c "$PORT"
+unknown="unknown to this backend (tcp off): are both programs on the same VRDMA_SOCKET?"
+for ((i = 0; i < 100; i++)); do
+  grep -qF "$unknown" "$E2E_TMP/vrdmad.log" && grep -qF "$unknown" "$E2E_TMP/other.out" && break
+  nap 0.1
+done
+if ! grep -qF "(guest split-c): destination LID 0x" "$E2E_TMP/vrdmad.log" ||
+  ! grep -qF "(guest split-s): destination LID 0x" "$E2E_TMP/other.out"; then
+  fail "no unknown destination in the logs: $(grep -h warn "$E2E_TMP/vrdmad.log" "$E2E_TMP/other.out")"
+fi
+kill "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null
+wait "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null || true
+
+# Two background jobs of one shell script share its process group, so by default one guest: the
+# backend warns that both ends of their RC connection are in one guest, naming both pids.
+port="$(free_port)"
+# shellcheck disable=SC2016  # expanded by that script
+setsid --wait bash -c '
+  "${@:3}" -- ibv_rc_pingpong -p "$1" -n 100 >"$2.server.out" 2>&1 &
+  for ((i = 0; i < 200; i++)); do [[ -n "$(ss -Htln "sport = :$1")" ]] && break; sleep 0.1; done
+  "${@:3}" -- ibv_rc_pingpong -p "$1" -n 100 localhost >"$2.client.out" 2>&1 && wait $!' \
+  pgrp "$port" "$E2E_TMP/pgrp" "${VRUN[@]}" || fail "two jobs of one script: $(cat "$E2E_TMP"/pgrp.*.out)"
+grep -qE "\(guest pgrp-[0-9]+, pid [0-9]+\): both ends of this RC connection are in one guest, with pid [0-9]+: processes of one process group" \
+  "$E2E_TMP/vrdmad.log" || fail "no warning for one default guest: $(grep warn "$E2E_TMP/vrdmad.log")"
 
 # A stopped backend: the CLI gives up and says which pid does not answer.
 kill -STOP "$BPID"

@@ -20,7 +20,8 @@ for f in usr/bin/vrdma usr/bin/vrdmad usr/lib/vrdma/libibverbs.so.1 etc/vrdma/vr
   usr/lib/systemd/system/vrdmad.service usr/lib/systemd/system/vrdmad.socket \
   usr/lib/systemd/system/vrdmad-keeper.service usr/lib/systemd/system/vrdmad-keeper.socket \
   usr/lib/systemd/system/vrdma-setup.service \
-  usr/share/doc/vrdma/vrdmad.toml; do
+  usr/share/doc/vrdma/vrdmad.toml usr/share/doc/vrdma/README.md usr/share/doc/vrdma/TESTING.md \
+  usr/share/doc/vrdma/BENCHMARKS.md usr/share/doc/vrdma/docs/ARCHITECTURE.md; do
   [[ -e $D/$f ]] || fail "not installed: /$f ($(find "$D" -type f | sed "s|^$D||" | tr '\n' ' '))"
 done
 shadow="$(find "$D" -name 'libibverbs*' ! -path "$D/usr/lib/vrdma/*")"

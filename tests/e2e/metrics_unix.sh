@@ -85,6 +85,8 @@ done
 kill -TERM "$BPID"
 wait_pid "$BPID" 20
 [[ $WAIT_RC == 0 ]] || fail "the backend exited with $WAIT_RC on SIGTERM"
+grep -qE "info: stopping on SIGTERM: [0-9]+ guest session\(s\) end$" "$E2E_TMP/vrdmad.log" ||
+  fail "no shutdown line: $(tail -n 2 "$E2E_TMP/vrdmad.log")"
 [[ ! -e $MSOCK ]] || fail "the socket file is left after a clean exit"
 
 # A directory other users may write: refused, naming the path; nothing is made there.

@@ -71,7 +71,7 @@ VRUN=(unshare --pid --mount --fork --mount-proc)
 [[ -z ${SAN_PRELOAD:-} ]] || VRUN+=(env "LD_PRELOAD=$SAN_PRELOAD")  # the sanitizer's runtime first
 VRUN+=("$SEC_BIN/vrdma" run)
 pair box no
-logged "op 66 failed: the peer is in another pid namespace" "no pid named across containers"
+logged "direct_peer failed: the peer is in another pid namespace" "no pid named across containers"
 
 # 4. The operator declares the two containers one tenant: granted without a proof.
 kill "$BACKEND_PID"

@@ -284,6 +284,61 @@ TEST(CliText, SizesInBinaryUnitsIdsInHex) {
   EXPECT_EQ(cli::id_text(json()), "-");
 }
 
+// The status documents of a migration's two backends: guest c (LID 2) with one RC QP to LID
+// `dlid`, s (LID 1) beside it; `tcp` on both or neither, the target knowing `known`.
+json move_doc(const char* sock, const char* node, bool tcp, json guests, json qps,
+              const std::string& known = "") {
+  json t = {{"name", "tcp"}, {"state", tcp ? "up" : "off"}, {"peers", json::array()}};
+  t["known"] = known.empty() ? json::array() : json::array({known});
+  return {{"backend", {{"socket", sock}, {"node", node}, {"transports", {t}}}},
+          {"guests", std::move(guests)},
+          {"res", {{"qp", std::move(qps)}}}};
+}
+
+TEST(CliMigrate, AMoveThatStrandsAPeerIsNamed) {
+  const json guests = {{{"guest", "s"}, {"lid", 1}}, {{"guest", "c"}, {"lid", 2}}};
+  auto qp = [](uint64_t dlid, const char* state, const char* peer_node = "") {
+    return json{{"guest", "c"},   {"qpn", 17},    {"type", "RC"},
+                {"state", state}, {"dlid", dlid}, {"peer_node", peer_node}};
+  };
+  const json to_off = move_doc("b.sock", "nb", false, json::array(), json::array());
+  // A peer that stays behind, no TCP: refused, naming both backends, the QP and the peer.
+  EXPECT_EQ(
+      cli::stranded_by_move(move_doc("a.sock", "na", false, guests, {qp(1, "RTS")}), to_off, "c"),
+      "moving guest c from a.sock (node na) to b.sock (node nb) would strand its "
+      "connections: QP 0x11 is connected to guest s, which stays on a.sock; a.sock has no "
+      "TCP transport (no [transport] listen)");
+  // Not connected yet, or a QP within the guest: nothing to strand.
+  EXPECT_EQ(
+      cli::stranded_by_move(move_doc("a.sock", "na", false, guests, {qp(1, "INIT")}), to_off, "c"),
+      "");
+  EXPECT_EQ(
+      cli::stranded_by_move(move_doc("a.sock", "na", false, guests, {qp(2, "RTS")}), to_off, "c"),
+      "");
+  // The peer is on the target: it becomes a same-host pair.
+  EXPECT_EQ(cli::stranded_by_move(move_doc("a.sock", "na", false, {guests[1]}, {qp(1, "RTS")}),
+                                  move_doc("b.sock", "nb", false, {guests[0]}, json::array()), "c"),
+            "");
+  // TCP on both: fine when either knows the other, refused when neither does.
+  const json from_tcp = move_doc("a.sock", "na", true, guests, {qp(1, "RTS")});
+  EXPECT_EQ(cli::stranded_by_move(
+                from_tcp, move_doc("b.sock", "nb", true, json::array(), json::array(), "na"), "c"),
+            "");
+  EXPECT_NE(cli::stranded_by_move(from_tcp,
+                                  move_doc("b.sock", "nb", true, json::array(), json::array()), "c")
+                .find("neither backend knows the other's node (na, nb)"),
+            std::string::npos);
+  // A peer on a third backend: the target must know its node.
+  const json from_remote = move_doc("a.sock", "na", true, guests, {qp(9, "RTS", "nc")});
+  EXPECT_NE(cli::stranded_by_move(from_remote, to_off, "c")
+                .find("QP 0x11 is connected to a guest on node nc; b.sock has no TCP transport"),
+            std::string::npos);
+  EXPECT_EQ(
+      cli::stranded_by_move(
+          from_remote, move_doc("b.sock", "nb", true, json::array(), json::array(), "nc"), "c"),
+      "");
+}
+
 TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   connect_both();
   cfg_.listen = "0.0.0.0:7471";
