@@ -296,6 +296,11 @@ class Device : public transport::Receiver {
   static Status check_mr_access(uint32_t access, uint32_t accepted);
   /// Fills the MR's chunks, segments, addr, iova and length from a request's extents.
   static Status mr_translation(Session& s, const proto::RegMrReq& req, Mr& mr);
+  /// kReregOdpMap: adds the pages of `req`'s extents to the ODP MR (those it lacks).
+  static Status odp_map(Session& s, Mr& mr, const proto::RegMrReq& req);
+  /// Whether [off, off + len) of the MR has all its pages: always, but for an ODP MR's pages
+  /// that were never faulted in (which the executors answer as an access out of the MR).
+  static bool odp_covers(const Mr& mr, uint64_t off, uint64_t len);
   /// Gives a new MR (pd, access and translation set) its handle and key, within the quotas.
   Result<proto::RegMrResp> add_mr(Session& s, std::unique_ptr<Mr> mr);
   /// The device memory whose segment `segment` is (0: none), and whether an MR lies on one.

@@ -276,6 +276,10 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
         check_remote_request(op, to.attr.qp_access_flags, in.remote_addr, in.len, view, &why);
     if (st != IBV_WC_SUCCESS) return nak(st, why);
     out.mr = is_atomic(op) || names_remote_memory(in.len) ? mr : &kNoMemory;
+    // ODP: only pages the owner faulted in (touched by its WQEs, ibv_advise_mr, or present at
+    // registration) are reachable; the rest is answered as memory outside the MR.
+    if (!odp_covers(*out.mr, in.remote_addr - out.mr->iova, is_atomic(op) ? 8 : in.len))
+      return nak(IBV_WC_REM_ACCESS_ERR, "ODP pages not faulted in");
     // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
     // mappings, and one CPU atomic on the first would run past its end.
     if (is_atomic(op) && !in_one_chunk(*out.mr, in.remote_addr - out.mr->iova, 8))

@@ -61,8 +61,9 @@ struct Mr {
   uint64_t addr = 0;
   uint64_t iova = 0;
   uint64_t length = 0;
-  std::vector<MrChunk> chunks;
-  std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive
+  std::vector<MrChunk> chunks;  ///< by mr_offset; an ODP MR's may leave gaps (not yet faulted in)
+  std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive (one per chunk)
+  bool odp = false;  ///< IBV_ACCESS_ON_DEMAND: chunks grow as the library faults pages in
 };
 
 /// A memory window (ibv_alloc_mw): an rkey that reaches part of an MR while bound. Binds and
