@@ -301,6 +301,10 @@ class Device : public transport::Receiver {
   /// Whether [off, off + len) of the MR has all its pages: always, but for an ODP MR's pages
   /// that were never faulted in (which the executors answer as an access out of the MR).
   static bool odp_covers(const Mr& mr, uint64_t off, uint64_t len);
+  /// Asks the library's pager of session `s` (proto::ControlPage) to fault [iova, iova + len) of
+  /// the ODP MR in: true while that may still come (the requester waits, as for an RNR NAK),
+  /// false when it cannot (no pager, or it answered that request with an error).
+  static bool odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t len);
   /// Gives a new MR (pd, access and translation set) its handle and key, within the quotas.
   Result<proto::RegMrResp> add_mr(Session& s, std::unique_ptr<Mr> mr);
   /// The device memory whose segment `segment` is (0: none), and whether an MR lies on one.

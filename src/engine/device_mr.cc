@@ -225,6 +225,28 @@ bool Device::odp_covers(const Mr& mr, uint64_t off, uint64_t len) {
   return false;
 }
 
+bool Device::odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t len) {
+  ControlPage* cp = s.control_page();
+  if (!cp || !cp->odp_pager.load(std::memory_order_acquire)) return false;
+  const bool answered = cp->odp_done.load(std::memory_order_acquire) == s.odp_req;
+  if (!answered) return true;  // one request at a time: this one waits its turn
+  if (s.odp_req != 0 && s.odp_mr == mr.handle && s.odp_addr == iova && s.odp_len == len &&
+      cp->odp_status != 0) {
+    s.odp_mr = 0;  // refused once; a later access asks again
+    return false;
+  }
+  // Data path, but only for a page's first remote touch: plain stores into the control page,
+  // no syscall (the pager polls it).
+  s.odp_mr = mr.handle;
+  s.odp_addr = iova;
+  s.odp_len = len;
+  cp->odp_mr = mr.handle;
+  cp->odp_addr = iova;
+  cp->odp_len = len;
+  cp->odp_req.store(++s.odp_req, std::memory_order_release);
+  return true;
+}
+
 Status Device::odp_map(Session& s, Mr& mr, const RegMrReq& req) {
   if (!mr.odp) return error(EINVAL, "not an ODP MR");
   if (req.length == 0 || req.addr < mr.addr || req.length > mr.length ||

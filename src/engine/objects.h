@@ -374,6 +374,11 @@ struct Session {
   std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
+  /// ODP faults asked of the library's pager (proto::ControlPage's mailbox): the last request's
+  /// number (our own copy: the guest can write the page's) and what it named.
+  uint32_t odp_req = 0;
+  uint32_t odp_mr = 0;
+  uint64_t odp_addr = 0, odp_len = 0;
   UniqueFd control_fd, doorbell, async_write, async_read;
   uint32_t next_handle = 1;
   std::map<uint32_t, Pd> pds;

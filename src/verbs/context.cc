@@ -569,6 +569,7 @@ VERBS_EXPORT ibv_context* ibv_import_device(int cmd_fd) {
 
 VERBS_EXPORT int ibv_close_device(ibv_context* c) {
   VContext* ctx = to_vctx(c);
+  stop_odp_pager(*ctx);
   remote_shutdown(*ctx);
   ::close(c->async_fd);
   pthread_mutex_destroy(&c->mutex);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -65,6 +66,10 @@ struct VContext {
   std::mutex odp_mu;
   std::unordered_map<uint32_t, std::shared_ptr<OdpMr>> odp;
   std::atomic<uint32_t> odp_mrs{0};
+  /// The pager (odp.cc): faults in the pages of ODP MRs that peers reach first; started with
+  /// the first ODP MR with remote access, stopped at ibv_close_device.
+  std::thread odp_pager;
+  std::atomic<bool> odp_pager_stop{false};
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -257,6 +262,8 @@ std::vector<std::pair<uintptr_t, uintptr_t>> resident_runs(uintptr_t lo, uintptr
 // On-demand paging (odp.cc): ODP MRs (ibv_reg_mr with IBV_ACCESS_ON_DEMAND, implicit ones with
 // NULL and SIZE_MAX), their fault-in on post and ibv_advise_mr.
 ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned access);
+/// Stops the context's pager, if it runs (ibv_close_device).
+void stop_odp_pager(VContext& ctx);
 /// Forgets an ODP MR the backend deregistered; its segments join `segments` to be released.
 void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments);
 /// Faults in the pages of the SGEs that name ODP MRs of the context (before a post); a page it

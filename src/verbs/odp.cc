@@ -1,9 +1,11 @@
 // On-demand paging: ODP MRs (IBV_ACCESS_ON_DEMAND) are registered with no pages at all, in
 // O(1) (the backend's MR has no extents); a page becomes reachable when a WQE or ibv_advise_mr
-// touches it: the library moves it into a segment as ibv_reg_mr would (memory.cc) and hands it
-// to the backend (kReregMr with kReregOdpMap), once, and remembers it here. See
-// docs/ARCHITECTURE.md, "On-demand paging".
+// touches it, or a peer's request through the rkey reaches it (the pager below): the library
+// moves it into a segment as ibv_reg_mr would (memory.cc) and hands it to the backend
+// (kReregMr with kReregOdpMap), once, and remembers it here. See docs/ARCHITECTURE.md,
+// "On-demand paging".
 #include <infiniband/verbs.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -11,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "common/log.h"
@@ -26,6 +29,7 @@ struct OdpMr {
   uint32_t handle = 0;
   uint32_t pd = 0;
   uint64_t addr = 0, length = 0;  ///< implicit: 0 and UINT64_MAX
+  uint64_t iova = 0;              ///< where rkeys address byte 0 (the pager's requests)
   std::mutex mu;
   std::map<uintptr_t, uintptr_t> faulted;  ///< page ranges the backend has, start -> end; apart
   std::vector<uint32_t> segments;          ///< process segment ids, given back at deregistration
@@ -106,6 +110,45 @@ bool in_mr(const OdpMr& m, uint64_t addr, uint64_t len) {
   return addr >= m.addr && len <= m.length && addr - m.addr <= m.length - len;
 }
 
+/// The pager of a context: answers the backend's requests for pages of ODP MRs that a peer's
+/// WRITE, READ or atomic reached before they were faulted in (proto::ControlPage's mailbox;
+/// the requester waits meanwhile, as for an RNR NAK). It polls the mailbox every millisecond
+/// (poll, not a futex: ThreadSanitizer delivers the registration's stop signal only in calls
+/// it intercepts, and the backend's engine makes no syscall to ask).
+void pager_loop(VContext* ctx) {
+  ControlPage* cp = ctx->control_page();
+  while (!ctx->odp_pager_stop.load(std::memory_order_acquire)) {
+    const uint32_t req = cp->odp_req.load(std::memory_order_acquire);
+    if (req == cp->odp_done.load(std::memory_order_relaxed)) {
+      ::poll(nullptr, 0, 1);
+      continue;
+    }
+    const uint32_t handle = cp->odp_mr;
+    const uint64_t iova = cp->odp_addr, len = cp->odp_len;
+    std::shared_ptr<OdpMr> m;
+    {
+      std::lock_guard<std::mutex> g(ctx->odp_mu);
+      for (const auto& [key, o] : ctx->odp)
+        if (o->handle == handle) m = o;
+    }
+    int rc = EINVAL;
+    if (m && len && iova >= m->iova && len <= m->length && iova - m->iova <= m->length - len)
+      rc = fault(*ctx, *m, m->addr + (iova - m->iova), len, false);
+    if (rc)
+      VLOG_DEBUG("ODP MR {}: a peer's access to {:#x}+{:#x} not faulted in: {}", handle, iova, len,
+                 std::strerror(rc));
+    cp->odp_status = static_cast<uint32_t>(rc);
+    cp->odp_done.store(req, std::memory_order_release);
+  }
+}
+
+void start_pager(VContext& ctx) {
+  std::lock_guard<std::mutex> g(ctx.odp_mu);
+  if (ctx.odp_pager.joinable()) return;
+  ctx.odp_pager = std::thread(pager_loop, &ctx);
+  ctx.control_page()->odp_pager.store(1, std::memory_order_release);
+}
+
 }  // namespace
 
 ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned access) {
@@ -128,6 +171,7 @@ ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigne
   m->pd = req->pd;
   m->addr = req->addr;
   m->length = req->length;
+  m->iova = req->iova;
   VMr* mr = new_vmr(pd, addr, length, resp,
                     LocalMr{req->addr, req->length, req->iova, req->access, req->pd});
   mr->odp = true;
@@ -136,22 +180,19 @@ ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigne
     ctx->odp[resp.lkey] = m;
   }
   ctx->odp_mrs.fetch_add(1, std::memory_order_relaxed);
-  // Peers reach an ODP MR through its rkey without any WQE of ours touching the pages first:
-  // what is resident already (the application wrote it) is made reachable now, at the cost of
-  // an ordinary registration of those pages only. Untouched pages, and a reservation, cost
-  // nothing. Not for implicit MRs (that would be the whole process).
+  // Peers reach it through its rkey without any WQE of ours naming the pages first: the
+  // pager faults in what their requests touch.
   constexpr unsigned kRemote =
       IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-  if (!implicit && (access & kRemote)) {
-    const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-    for (auto [lo, hi] : resident_runs(a & ~(kPageSize - 1), a + length, 64)) {
-      const uintptr_t x = std::max(lo, a), y = std::min<uintptr_t>(hi, a + length);
-      if (int rc = fault(*ctx, *m, x, y - x, false))
-        VLOG_DEBUG("reg_mr: ODP MR {}: resident pages at {:#x} not mapped: {}", resp.handle, x,
-                   std::strerror(rc));
-    }
-  }
+  if (access & kRemote) start_pager(*ctx);
   return &mr->mr;
+}
+
+void stop_odp_pager(VContext& ctx) {
+  if (!ctx.odp_pager.joinable()) return;
+  ctx.control_page()->odp_pager.store(0, std::memory_order_release);
+  ctx.odp_pager_stop.store(true, std::memory_order_release);
+  ctx.odp_pager.join();
 }
 
 void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments) {

@@ -601,6 +601,46 @@ TEST_F(DeviceTest, OdpMrReachesOnlyThePagesFaultedIn) {
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
   EXPECT_EQ(mb_.p()[4000], 0x5c);
   EXPECT_EQ(mb_.p()[4199], 0x5c);
+  // With a pager (the library's thread), a WRITE into pages not faulted in waits (RNR) while
+  // the backend asks for them through the control page; answered, the retry goes through;
+  // answered with an error, it is a remote access error.
+  ControlPage* cp = b_.s->control_page();
+  cp->odp_pager.store(1);
+  auto drain_into = [&](CqV& c, std::vector<Cqe>& out) {
+    auto got = drain(c);
+    out.insert(out.end(), got.begin(), got.end());
+    return got.size();
+  };
+  QpV a4 = qp(a_, acq_, arcq_), b4 = qp(b_, bcq_, bcq_);
+  connect(a_, a4, b_, b4);
+  connect(b_, b4, a_, a4);
+  RegMrReq fresh = req;
+  auto odp2 = dev_.reg_mr(*b_.s, fresh);
+  ASSERT_TRUE(odp2.is_ok());
+  post_rdma(a4, 6, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 4100, odp2->rkey);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(acq_).empty());
+  ASSERT_EQ(cp->odp_req.load(), 1u);
+  EXPECT_EQ(cp->odp_mr, odp2->handle);
+  EXPECT_EQ(cp->odp_addr, mb_.addr + 4100);
+  EXPECT_EQ(cp->odp_len, 16u);
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, odp_map_req(odp2->handle, mb_, 4096, 4096)).is_ok());
+  cp->odp_status = 0;
+  cp->odp_done.store(1);
+  tx.clear();
+  for (int i = 0; i < 10 && drain_into(acq_, tx) == 0; ++i) dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  post_rdma(a4, 7, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 100, odp2->rkey);
+  dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(cp->odp_req.load(), 2u);
+  cp->odp_status = EFAULT;
+  cp->odp_done.store(2);
+  tx.clear();
+  for (int i = 0; i < 10 && drain_into(acq_, tx) == 0; ++i) dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_ACCESS_ERR);
+
   // Re-registering an ODP MR is not offered.
   ReregMrReq rr{};
   rr.handle = odp->handle;

@@ -1,7 +1,8 @@
 // On-demand paging (issue 24): ODP MRs, explicit and implicit, registered without pages (a
-// 64 GiB reservation costs no memory and no segment), faulted in page by page when a WQE or
-// ibv_advise_mr touches them; a page that is not mapped gives the error completion (local
-// protection, remote access); odp_caps says so. docs/ARCHITECTURE.md, "On-demand paging".
+// 64 GiB reservation costs no memory and no segment), faulted in page by page when a WQE, a
+// peer's request or ibv_advise_mr touches them; a page that is not mapped gives the error
+// completion (local protection, remote access); odp_caps says so. docs/ARCHITECTURE.md, "On-demand
+// paging".
 #include <sys/mman.h>
 
 #include <cstdint>
@@ -218,20 +219,28 @@ TEST_F(VerbsOdpTest, AdviseMrPrefetchesAndRefusesWhatItCannot) {
   EXPECT_EQ(segment_bytes(r, kReserved), 2 * kPage);
 }
 
-// Registered with remote access, an ODP MR makes the pages the application had written before
-// reachable at once (a peer may write them before any local WQE names them); the rest stays
-// out until touched.
-TEST_F(VerbsOdpTest, ResidentPagesAreReachableByPeersFromTheStart) {
+// A peer's WRITE and READ into pages of an ODP MR that no local WQE touched: the backend asks
+// the library's pager, the requester waits as for an RNR NAK meanwhile, and the pages that
+// request touched (those only) become reachable.
+TEST_F(VerbsOdpTest, PeersFaultInPagesNeverTouchedLocally) {
   uint8_t* r = reserve();
-  uint8_t* part = r + (size_t{1} << 30);
-  ASSERT_EQ(::mprotect(part, 64 * kPage, PROT_READ | PROT_WRITE), 0);
-  part[0] = 1;  // one page resident
-  ibv_mr* m = reg_odp(part, 64 * kPage);
+  ibv_mr* m = reg_odp(r, kReserved);
   ASSERT_NE(m, nullptr);
-  EXPECT_EQ(segment_bytes(part, 64 * kPage), kPage);
-  const ibv_wc w =
-      one(IBV_WR_RDMA_WRITE, addr(0), 8, mr_->lkey, reinterpret_cast<uintptr_t>(part), m->rkey);
+  uint8_t* part = r + (size_t{7} << 30);
+  ASSERT_EQ(::mprotect(part, 8 * kPage, PROT_READ | PROT_WRITE), 0);
+  std::memset(buf_.data(), 0x5e, 64);
+  const ibv_wc w = one(IBV_WR_RDMA_WRITE, addr(0), 64, mr_->lkey,
+                       reinterpret_cast<uintptr_t>(part + 3 * kPage + 8), m->rkey);
   EXPECT_EQ(w.status, IBV_WC_SUCCESS) << ibv_wc_status_str(w.status);
+  EXPECT_EQ(part[3 * kPage + 8], 0x5e);
+  EXPECT_EQ(part[3 * kPage + 71], 0x5e);
+  EXPECT_EQ(segment_bytes(r, kReserved), kPage);
+  part[6 * kPage] = 0x17;  // written by the application, never by a WQE
+  const ibv_wc rd = one(IBV_WR_RDMA_READ, addr(100), 1, mr_->lkey,
+                        reinterpret_cast<uintptr_t>(part + 6 * kPage), m->rkey);
+  EXPECT_EQ(rd.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rd.status);
+  EXPECT_EQ(buf_[100], 0x17);
+  EXPECT_EQ(segment_bytes(r, kReserved), 2 * kPage);
 }
 
 }  // namespace
