@@ -68,8 +68,8 @@ int main() {
   if (g == MAP_FAILED) return std::perror("mmap 1 GiB"), 1;
   std::memset(g, 1, kGiB);
   if (!reg_dereg(pd, "normal 1 GiB written", g, kGiB, IBV_ACCESS_LOCAL_WRITE, 3)) return 1;
-  // The same 1 GiB as an ODP MR, local access only (nothing mapped at registration), and with
-  // remote access (its resident pages are mapped at registration: peers reach them).
+  // The same 1 GiB as an ODP MR, local access only, and with remote access (the first one of
+  // the context starts its pager thread): nothing is mapped at registration either way.
   if (!reg_dereg(pd, "ODP 1 GiB written, local", g, kGiB,
                  IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_ON_DEMAND, 3))
     return 1;
