@@ -6,16 +6,15 @@
 #include <infiniband/verbs.h>
 #include <sys/mman.h>
 
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 
+#include "verbs_bench.h"
+
 namespace {
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
+using vrdma::bench::Clock;
+using vrdma::bench::ms_since;
 
 /// Registers [addr, addr + len) with `access` and deregisters it, `runs` times, printing each.
 bool reg_dereg(ibv_pd* pd, const char* what, void* addr, size_t len, int access, int runs) {
@@ -33,12 +32,9 @@ bool reg_dereg(ibv_pd* pd, const char* what, void* addr, size_t len, int access,
 }  // namespace
 
 int main() {
-  int n = 0;
-  ibv_device** list = ibv_get_device_list(&n);
-  if (!list || n < 1) return std::perror("ibv_get_device_list"), 1;
-  ibv_context* ctx = ibv_open_device(list[0]);
-  ibv_pd* pd = ctx ? ibv_alloc_pd(ctx) : nullptr;
-  if (!pd) return std::perror("open/alloc_pd"), 1;
+  vrdma::bench::OpenDevice dev;
+  ibv_pd* pd = dev.pd;
+  if (!pd) return 1;
   constexpr int kOdp = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_ON_DEMAND;
   constexpr size_t kReserved = size_t{64} << 30, kGiB = size_t{1} << 30;
   void* r =
@@ -75,8 +71,5 @@ int main() {
     return 1;
   if (!reg_dereg(pd, "ODP 1 GiB written, remote", g, kGiB, kOdp, 3)) return 1;
   ::munmap(g, kGiB);
-  ibv_dealloc_pd(pd);
-  ibv_close_device(ctx);
-  ibv_free_device_list(list);
   return 0;
 }
