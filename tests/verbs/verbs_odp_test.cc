@@ -77,6 +77,16 @@ class VerbsOdpTest : public VerbsFixture {
     return reserved_;
   }
 
+  /// 64 GiB reserved and registered as one ODP MR (`*m`), with `pages` made usable (never
+  /// touched) at `gib` GiB into it: their address.
+  uint8_t* usable_part(ibv_mr** m, size_t gib, size_t pages) {
+    uint8_t* r = reserve();
+    *m = reg_odp(r, kReserved);
+    uint8_t* part = r + (gib << 30);
+    EXPECT_EQ(::mprotect(part, pages * kPage, PROT_READ | PROT_WRITE), 0);
+    return part;
+  }
+
   /// One signaled WR on a_ (SEND, or WRITE/READ to raddr/rkey) of [addr, addr+len) under lkey.
   ibv_wc one(ibv_wr_opcode op, uint64_t addr, uint32_t len, uint32_t lkey, uint64_t raddr = 0,
              uint32_t rkey = 0) {
@@ -190,11 +200,10 @@ TEST_F(VerbsOdpTest, ImplicitOdpReachesAnyBufferAWqeNames) {
 // local WQE having touched them. Its errors: a key that is not an ODP MR, a range outside the
 // MR, unknown flags (EINVAL); pages that are not mapped (EFAULT).
 TEST_F(VerbsOdpTest, AdviseMrPrefetchesAndRefusesWhatItCannot) {
-  uint8_t* r = reserve();
-  ibv_mr* m = reg_odp(r, kReserved);
+  ibv_mr* m = nullptr;
+  uint8_t* part = usable_part(&m, 3, 4);
   ASSERT_NE(m, nullptr);
-  uint8_t* part = r + (size_t{3} << 30);
-  ASSERT_EQ(::mprotect(part, 4 * kPage, PROT_READ | PROT_WRITE), 0);
+  uint8_t* r = reserved_;
   ibv_sge sg{reinterpret_cast<uintptr_t>(part), static_cast<uint32_t>(2 * kPage), m->lkey};
   EXPECT_EQ(
       ibv_advise_mr(pd_, IBV_ADVISE_MR_ADVICE_PREFETCH_WRITE, IBV_ADVISE_MR_FLAG_FLUSH, &sg, 1), 0);
@@ -223,11 +232,10 @@ TEST_F(VerbsOdpTest, AdviseMrPrefetchesAndRefusesWhatItCannot) {
 // the library's pager, the requester waits as for an RNR NAK meanwhile, and the pages that
 // request touched (those only) become reachable.
 TEST_F(VerbsOdpTest, PeersFaultInPagesNeverTouchedLocally) {
-  uint8_t* r = reserve();
-  ibv_mr* m = reg_odp(r, kReserved);
+  ibv_mr* m = nullptr;
+  uint8_t* part = usable_part(&m, 7, 8);
   ASSERT_NE(m, nullptr);
-  uint8_t* part = r + (size_t{7} << 30);
-  ASSERT_EQ(::mprotect(part, 8 * kPage, PROT_READ | PROT_WRITE), 0);
+  uint8_t* r = reserved_;
   std::memset(buf_.data(), 0x5e, 64);
   const ibv_wc w = one(IBV_WR_RDMA_WRITE, addr(0), 64, mr_->lkey,
                        reinterpret_cast<uintptr_t>(part + 3 * kPage + 8), m->rkey);
