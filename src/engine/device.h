@@ -193,6 +193,8 @@ class Device : public transport::Receiver {
   void detach_guest(const std::string& name);
   /// Whether this backend serves guest `name`.
   bool has_guest(const std::string& name) const { return guests_.count(name) != 0; }
+  /// EOPNOTSUPP while the guest has an ODP MR: its device cannot move (export_guest) yet.
+  Status odp_movable(const std::string& name) const;
   /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc).
   nlohmann::json report() const;
 

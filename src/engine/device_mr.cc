@@ -225,6 +225,19 @@ bool Device::odp_covers(const Mr& mr, uint64_t off, uint64_t len) {
   return false;
 }
 
+Status Device::odp_movable(const std::string& name) const {
+  auto g = guests_.find(name);
+  if (g == guests_.end()) return Status::ok();
+  for (const auto& [key, mr] : g->second->mrs) {
+    if (mr->odp)
+      return error(EOPNOTSUPP,
+                   fmt::format("guest {} has an ODP MR (key {:#x}): a device with on-demand "
+                               "paging cannot move yet",
+                               name, key));
+  }
+  return Status::ok();
+}
+
 bool Device::odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t len) {
   ControlPage* cp = s.control_page();
   if (!cp || !cp->odp_pager.load(std::memory_order_acquire)) return false;
