@@ -174,6 +174,7 @@ std::string Server::no_such_guest(const std::string& guest) const {
 }
 
 Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest) {
+  RETURN_IF_ERROR(dev_.odp_movable(guest));  // docs/ARCHITECTURE.md, "On-demand paging"
   std::unordered_map<const engine::Session*, int> sock_of;
   for (const auto& [fd, conn] : conns_) {
     if (conn.session) sock_of[conn.session] = fd;

@@ -197,6 +197,8 @@ class Device : public transport::Receiver {
   void detach_guest(const std::string& name);
   /// Whether this backend serves guest `name`.
   bool has_guest(const std::string& name) const { return guests_.count(name) != 0; }
+  /// EOPNOTSUPP while the guest has an ODP MR: its device cannot move (export_guest) yet.
+  Status odp_movable(const std::string& name) const;
   /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc);
   /// without `lists`, the sums only, and the number of each kind in `res_omitted`.
   nlohmann::json report(bool lists = true) const;
@@ -302,6 +304,15 @@ class Device : public transport::Receiver {
   static Status check_mr_access(uint32_t access, uint32_t accepted);
   /// Fills the MR's chunks, segments, addr, iova and length from a request's extents.
   static Status mr_translation(Session& s, const proto::RegMrReq& req, Mr& mr);
+  /// kReregOdpMap: adds the pages of `req`'s extents to the ODP MR (those it lacks).
+  static Status odp_map(Session& s, Mr& mr, const proto::RegMrReq& req);
+  /// Whether [off, off + len) of the MR has all its pages: always, but for an ODP MR's pages
+  /// that were never faulted in (which the executors answer as an access out of the MR).
+  static bool odp_covers(const Mr& mr, uint64_t off, uint64_t len);
+  /// Asks the library's pager of session `s` (proto::ControlPage) to fault [iova, iova + len) of
+  /// the ODP MR in: true while that may still come (the requester waits, as for an RNR NAK),
+  /// false when it cannot (no pager, or it answered that request with an error).
+  static bool odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t len);
   /// Gives a new MR (pd, access and translation set) its handle and key, within the quotas.
   Result<proto::RegMrResp> add_mr(Session& s, std::unique_ptr<Mr> mr);
   /// The device memory whose segment `segment` is (0: none), and whether an MR lies on one.

@@ -106,6 +106,9 @@ bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n, uint32_t nee
     if (!mr || (mr->access & need_access) != need_access) return false;
     if (s.addr < mr->addr || s.length > mr->length || s.addr - mr->addr > mr->length - s.length)
       return false;
+    // ODP: the library faulted the SGE's pages in before it posted; pages still missing are
+    // ones it could not reach (unmapped, or without the access): a protection error.
+    if (!odp_covers(*mr, s.addr - mr->addr, s.length)) return false;
     // An SGE may cross segment boundaries: one span per chunk it touches.
     append_spans(*mr, s.addr - mr->addr, s.length, out);
     total += s.length;

@@ -211,6 +211,14 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   // The peer's MRs in its QP's PD, and the segments they lie in.
   std::map<const Segment*, uint32_t> seg_index;
   std::vector<int> seg_fds;
+  // ODP MRs gain pages as the owner's library faults them in; a grant would carry a snapshot,
+  // and the library's own executor would touch pages never faulted in. Their QPs stay here.
+  for (const Qp* q : {a, b}) {
+    for (const auto& [h, mr] : q->owner->mrs) {
+      if (mr->odp && mr->pd == q->pd)
+        return error(EOPNOTSUPP, "direct path: the QP's PD holds an ODP MR");
+    }
+  }
   for (const auto& [h, mr] : b->owner->mrs) {
     if (mr->pd != b->pd) continue;
     if (resp.num_mrs == kMaxDirectMrs || mr->chunks.size() > kMaxDirectChunks)

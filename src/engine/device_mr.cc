@@ -145,8 +145,7 @@ Result<RegMrResp> Device::reg_mr(Session& s, const RegMrReq& req) {
 
 Status Device::check_mr_access(uint32_t access, uint32_t accepted) {
   if (access & kMrAccessUnsupported & ~accepted)
-    return error(EOPNOTSUPP,
-                 fmt::format("access {:#x}: ZERO_BASED and ON_DEMAND are not supported", access));
+    return error(EOPNOTSUPP, fmt::format("access {:#x}: ZERO_BASED is not supported here", access));
   if (access & ~(accepted | kMrAccessUnsupported))
     return error(EINVAL, fmt::format("access {:#x}: unknown bits {:#x}", access,
                                      access & ~(accepted | kMrAccessUnsupported)));
@@ -189,18 +188,134 @@ Result<RegMrResp> Device::reg_mr_checked(Session& s, const RegMrReq& req) {
   if (pd == s.pds.end()) return error(EINVAL, fmt::format("no PD {}", req.pd));
   RETURN_IF_ERROR(check_mr_access(req.access, kMrAccessAccepted));
   auto mr = std::make_unique<Mr>();
-  RETURN_IF_ERROR(mr_translation(s, req, *mr));
+  if (req.access & IBV_ACCESS_ON_DEMAND) {
+    // No pages yet: the library faults them in (kReregOdpMap) when a WQE or ibv_advise_mr
+    // touches them. O(1), nothing mapped, nothing charged but the MR itself.
+    if (req.num_extents != 0) return error(EINVAL, "an ODP MR is registered without extents");
+    const bool implicit = req.addr == 0 && req.length == UINT64_MAX;
+    if (req.length == 0 || (!implicit && req.addr + req.length < req.addr))
+      return error(EINVAL, fmt::format("ODP range {:#x}+{:#x}", req.addr, req.length));
+    mr->odp = true;
+    mr->addr = req.addr;
+    mr->iova = req.iova;
+    mr->length = req.length;
+    // A grant of the direct path would carry a snapshot of its pages: grants end, and none is
+    // given while the PD holds an ODP MR (grant_direct).
+    bump_epoch(*s.guest);
+  } else {
+    RETURN_IF_ERROR(mr_translation(s, req, *mr));
+  }
   mr->pd = req.pd;
   mr->access = req.access;
   return add_mr(s, std::move(mr));
 }
 
+bool Device::odp_covers(const Mr& mr, uint64_t off, uint64_t len) {
+  if (!mr.odp || len == 0) return true;
+  auto it = std::upper_bound(mr.chunks.begin(), mr.chunks.end(), off,
+                             [](uint64_t o, const MrChunk& c) { return o < c.mr_offset; });
+  if (it == mr.chunks.begin()) return false;
+  --it;
+  for (uint64_t at = off; it != mr.chunks.end() && it->mr_offset <= at; ++it) {
+    if (at - it->mr_offset >= it->length) return false;
+    const uint64_t end = it->mr_offset + it->length;
+    if (end - off >= len) return true;
+    at = end;
+  }
+  return false;
+}
+
+Status Device::odp_movable(const std::string& name) const {
+  auto g = guests_.find(name);
+  if (g == guests_.end()) return Status::ok();
+  for (const auto& [key, mr] : g->second->mrs) {
+    if (mr->odp)
+      return error(EOPNOTSUPP,
+                   fmt::format("guest {} has an ODP MR (key {:#x}): a device with on-demand "
+                               "paging cannot move yet",
+                               name, key));
+  }
+  return Status::ok();
+}
+
+bool Device::odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t len) {
+  ControlPage* cp = s.control_page();
+  if (!cp || !cp->odp_pager.load(std::memory_order_acquire)) return false;
+  const bool answered = cp->odp_done.load(std::memory_order_acquire) == s.odp_req;
+  if (!answered) return true;  // one request at a time: this one waits its turn
+  if (s.odp_req != 0 && s.odp_mr == mr.handle && s.odp_addr == iova && s.odp_len == len &&
+      cp->odp_status != 0) {
+    s.odp_mr = 0;  // refused once; a later access asks again
+    return false;
+  }
+  // Data path, but only for a page's first remote touch: plain stores into the control page,
+  // no syscall (the pager polls it).
+  s.odp_mr = mr.handle;
+  s.odp_addr = iova;
+  s.odp_len = len;
+  cp->odp_mr = mr.handle;
+  cp->odp_addr = iova;
+  cp->odp_len = len;
+  cp->odp_req.store(++s.odp_req, std::memory_order_release);
+  return true;
+}
+
+Status Device::odp_map(Session& s, Mr& mr, const RegMrReq& req) {
+  if (!mr.odp) return error(EINVAL, "not an ODP MR");
+  if (req.length == 0 || req.addr < mr.addr || req.length > mr.length ||
+      req.addr - mr.addr > mr.length - req.length)
+    return error(EINVAL, fmt::format("{:#x}+{:#x} outside the ODP MR", req.addr, req.length));
+  // The extents as for a registration (segments of the session, fitting, covering the range),
+  // in MR offsets of this range.
+  Mr piece;
+  RETURN_IF_ERROR(mr_translation(s, req, piece));
+  const uint64_t base = req.addr - mr.addr;
+  // Merge: what the MR already has stays; only the parts of each new chunk that fill a gap go
+  // in, keeping the chunks sorted and apart (append_spans and odp_covers rely on it).
+  std::vector<MrChunk> chunks;
+  std::vector<std::shared_ptr<Segment>> segments;
+  size_t old = 0;
+  for (size_t i = 0; i < piece.chunks.size(); ++i) {
+    uint64_t at = base + piece.chunks[i].mr_offset;
+    const uint64_t end = at + piece.chunks[i].length;
+    while (at < end) {
+      while (old < mr.chunks.size() && mr.chunks[old].mr_offset + mr.chunks[old].length <= at) {
+        chunks.push_back(mr.chunks[old]);
+        segments.push_back(mr.segments[old]);
+        ++old;
+      }
+      const bool inside = old < mr.chunks.size() && mr.chunks[old].mr_offset <= at;
+      if (inside) {  // already there: skip to its end
+        at = std::min(end, mr.chunks[old].mr_offset + mr.chunks[old].length);
+        continue;
+      }
+      const uint64_t gap_end =
+          old < mr.chunks.size() ? std::min(end, mr.chunks[old].mr_offset) : end;
+      chunks.push_back(
+          {at, gap_end - at, piece.chunks[i].base + (at - base - piece.chunks[i].mr_offset)});
+      segments.push_back(piece.segments[i]);
+      at = gap_end;
+    }
+  }
+  for (; old < mr.chunks.size(); ++old) {
+    chunks.push_back(mr.chunks[old]);
+    segments.push_back(mr.segments[old]);
+  }
+  if (chunks.size() > kMaxOdpChunks)
+    return error(ENOMEM, fmt::format("ODP MR of more than {} pieces", kMaxOdpChunks));
+  mr.chunks = std::move(chunks);
+  mr.segments = std::move(segments);
+  return Status::ok();
+}
+
 Result<RegMrResp> Device::add_mr(Session& s, std::unique_ptr<Mr> mr) {
   if (s.guest->mrs.size() >= kMaxMr) return error(ENOMEM, "MR limit reached");
   RETURN_IF_ERROR(check_quota(*s.guest, Res::kMr));
-  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, mr->length));
+  // An ODP MR's pages are charged as segments when they are faulted in, not by its length.
+  const uint64_t bytes = mr->odp ? 0 : mr->length;
+  RETURN_IF_ERROR(check_quota(*s.guest, Res::kMrBytes, bytes));
   charge(*s.guest, Res::kMr);
-  charge(*s.guest, Res::kMrBytes, mr->length);
+  charge(*s.guest, Res::kMrBytes, bytes);
   const uint32_t key = new_key(*s.guest);
   mr->handle = new_handle(s, s.mrs);
   mr->key = key;
@@ -246,7 +361,7 @@ Status Device::dereg_mr(Session& s, uint32_t handle) {
   s.guest->mrs.erase(it->second->key);
   s.pds[it->second->pd].users--;
   release(*s.guest, Res::kMr);
-  release(*s.guest, Res::kMrBytes, it->second->length);
+  release(*s.guest, Res::kMrBytes, it->second->odp ? 0 : it->second->length);
   s.mrs.erase(it);
   return Status::ok();
 }
@@ -259,6 +374,12 @@ Status Device::rereg_mr_checked(Session& s, const ReregMrReq& req) {
   auto it = s.mrs.find(req.handle);
   if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", req.handle));
   Mr& mr = *it->second;
+  if (req.flags == kReregOdpMap) return odp_map(s, mr, req.mr);
+  // Re-registering an ODP MR, or into one, is not done (yet): the library would have to move
+  // its cache of faulted pages along.
+  if (mr.odp ||
+      ((req.flags & IBV_REREG_MR_CHANGE_ACCESS) && (req.mr.access & IBV_ACCESS_ON_DEMAND)))
+    return error(EOPNOTSUPP, "ibv_rereg_mr of an ODP MR");
   // The kernel's rule (ib_uverbs_rereg_mr): no flag, or one it does not know, is EINVAL.
   constexpr uint32_t kKnown =
       IBV_REREG_MR_CHANGE_TRANSLATION | IBV_REREG_MR_CHANGE_PD | IBV_REREG_MR_CHANGE_ACCESS;

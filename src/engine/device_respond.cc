@@ -278,6 +278,16 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
     if (st != IBV_WC_SUCCESS) return nak(st, why);
     out.mr = is_atomic(op) || names_remote_memory(in.len) ? mr : &kNoMemory;
     mr_off = mr_iova_of(view, in.remote_addr) - out.mr->iova;
+    // ODP: pages the owner's library has not faulted in yet are asked of its pager, and the
+    // requester waits as for an RNR NAK; pages the pager cannot reach (or no pager) are memory
+    // outside the MR.
+    if (const uint64_t len = is_atomic(op) ? 8 : in.len; !odp_covers(*out.mr, mr_off, len)) {
+      Session& owner = to.type == IBV_QPT_XRC_RECV && to.srq ? *to.srq->owner : *to.owner;
+      if (!odp_page_request(owner, *out.mr, out.mr->iova + mr_off, len))
+        return nak(IBV_WC_REM_ACCESS_ERR, "ODP pages the owner cannot fault in");
+      out.kind = Response::kRnr;
+      return out;
+    }
     // A guest can lay out an MR whose extents end mid-word: the 8 bytes would then sit in two
     // mappings, and one CPU atomic on the first would run past its end.
     if (is_atomic(op) && !in_one_chunk(*out.mr, mr_off, 8))

@@ -61,8 +61,9 @@ struct Mr {
   uint64_t addr = 0;
   uint64_t iova = 0;
   uint64_t length = 0;
-  std::vector<MrChunk> chunks;
-  std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive
+  std::vector<MrChunk> chunks;  ///< by mr_offset; an ODP MR's may leave gaps (not yet faulted in)
+  std::vector<std::shared_ptr<Segment>> segments;  ///< keeps the mappings alive (one per chunk)
+  bool odp = false;  ///< IBV_ACCESS_ON_DEMAND: chunks grow as the library faults pages in
 };
 
 /// A memory window (ibv_alloc_mw): an rkey that reaches part of an MR while bound. Binds and
@@ -376,6 +377,11 @@ struct Session {
   std::string comm;  ///< process name at hello, for `vrdma res show`
   Guest* guest = nullptr;
   MappedRegion control;  ///< proto::ControlPage
+  /// ODP faults asked of the library's pager (proto::ControlPage's mailbox): the last request's
+  /// number (our own copy: the guest can write the page's) and what it named.
+  uint32_t odp_req = 0;
+  uint32_t odp_mr = 0;
+  uint64_t odp_addr = 0, odp_len = 0;
   UniqueFd control_fd, doorbell, async_write, async_read;
   uint32_t next_handle = 1;
   std::map<uint32_t, Pd> pds;

@@ -181,7 +181,8 @@ struct RegSegmentReq {
 };
 static_assert(sizeof(RegSegmentReq) == 8);
 
-// ---- kRegMr: an MR is a virtual range described by extents of registered segments.
+// ---- kRegMr: an MR is a virtual range described by extents of registered segments. An ODP MR
+// (IBV_ACCESS_ON_DEMAND) has none at first (addr 0 and length UINT64_MAX: implicit ODP).
 struct MrExtent {
   uint64_t mr_offset;   ///< offset of this extent within the MR
   uint64_t length;
@@ -212,6 +213,10 @@ static_assert(sizeof(RegMrResp) == 16);
 // ---- kReregMr: ibv_rereg_mr. `flags` are IBV_REREG_MR_CHANGE_*; `mr` carries what they
 // change: its pd (CHANGE_PD), access (CHANGE_ACCESS), and addr, length, iova and extents
 // (CHANGE_TRANSLATION); the other fields are ignored. All or nothing: a refusal changes nothing.
+// kReregOdpMap (vrdma's own flag, alone) adds pages to an ODP MR (IBV_ACCESS_ON_DEMAND, made
+// with no extents): mr.addr and mr.length are the range the library made reachable (in the MR's
+// address space), its extents their pages; the rest of the MR is unchanged.
+inline constexpr uint32_t kReregOdpMap = 1u << 31;
 struct ReregMrReq {
   uint32_t handle;
   uint32_t flags;

@@ -41,19 +41,35 @@ inline constexpr uint32_t kMaxDm = 1024;
 
 /// IBV_ACCESS_* bits ibv_reg_mr accepts. MW_BIND lets windows be bound to the MR; HUGETLB is a
 /// promise about the memory, not a request; RELAXED_ORDERING and the rest of the optional range are
-/// bits the verbs API lets a device ignore. Any other bit is EINVAL.
-inline constexpr uint32_t kMrAccessAccepted =
-    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-    IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB | IBV_ACCESS_OPTIONAL_RANGE;
+/// bits the verbs API lets a device ignore; ON_DEMAND makes an ODP MR (docs/ARCHITECTURE.md,
+/// "On-demand paging"). Any other bit is EINVAL.
+inline constexpr uint32_t kMrAccessAccepted = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                                              IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
+                                              IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB |
+                                              IBV_ACCESS_OPTIONAL_RANGE | IBV_ACCESS_ON_DEMAND;
 /// Bits ibv_reg_mr refuses with EOPNOTSUPP: known, but not what this device does
-/// (zero-based addressing, on-demand paging; IBV_DEVICE_ON_DEMAND_PAGING is not advertised).
-inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED | IBV_ACCESS_ON_DEMAND;
+/// (zero-based addressing outside device memory).
+inline constexpr uint32_t kMrAccessUnsupported = IBV_ACCESS_ZERO_BASED;
 /// IBV_ACCESS_* bits a QP's qp_access_flags accept: the remote ones and MW_BIND (binds through
 /// the QP, post_rules.h check_bind_mw) are enforced, the MR-only bits are ignored (as hardware
 /// does), anything else is EINVAL.
 inline constexpr uint32_t kQpAccessAccepted = kMrAccessAccepted | kMrAccessUnsupported;
 /// ibv_reg_dm_mr: the MR is zero-based (IBV_ACCESS_ZERO_BASED required, as rdma-core's man page
-/// says); the other bits as for ibv_reg_mr.
-inline constexpr uint32_t kDmMrAccessAccepted = kMrAccessAccepted | IBV_ACCESS_ZERO_BASED;
+/// says); the other bits as for ibv_reg_mr, less ON_DEMAND (device memory is always there).
+inline constexpr uint32_t kDmMrAccessAccepted =
+    (kMrAccessAccepted & ~uint32_t{IBV_ACCESS_ON_DEMAND}) | IBV_ACCESS_ZERO_BASED;
+
+/// On-demand paging (ibv_query_device_ex's odp_caps): what an ODP MR may be used for, per
+/// transport. Implicit ODP (ibv_reg_mr(pd, NULL, SIZE_MAX, IBV_ACCESS_ON_DEMAND)) too.
+inline constexpr uint64_t kOdpGeneralCaps = IBV_ODP_SUPPORT | IBV_ODP_SUPPORT_IMPLICIT;
+inline constexpr uint32_t kOdpRcCaps = IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_RECV |
+                                       IBV_ODP_SUPPORT_WRITE | IBV_ODP_SUPPORT_READ |
+                                       IBV_ODP_SUPPORT_ATOMIC | IBV_ODP_SUPPORT_SRQ_RECV;
+inline constexpr uint32_t kOdpUcCaps =
+    IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_RECV | IBV_ODP_SUPPORT_WRITE | IBV_ODP_SUPPORT_SRQ_RECV;
+inline constexpr uint32_t kOdpUdCaps =
+    IBV_ODP_SUPPORT_SEND | IBV_ODP_SUPPORT_RECV | IBV_ODP_SUPPORT_SRQ_RECV;
+/// Pieces (chunks) an ODP MR may gather in the backend as its pages are faulted in.
+inline constexpr uint32_t kMaxOdpChunks = 4096;
 
 }  // namespace vrdma::proto

@@ -233,9 +233,21 @@ struct alignas(64) ControlPage {
   AtomicU32 grant_gen;
   uint8_t pad0[4];
   AtomicU32 backend_sleeping;  ///< 1: the backend waits on the doorbell; write it after posting
-  uint8_t pad1[60];
+  /// On-demand paging (docs/ARCHITECTURE.md, "On-demand paging"), in the former padding: a
+  /// one-slot mailbox for the pages of an ODP MR that a peer's request reached before they were
+  /// faulted in. The library's pager sets odp_pager while it runs; the backend writes odp_mr,
+  /// odp_addr (an iova of the MR) and odp_len, then bumps odp_req; the pager faults them in and
+  /// answers with odp_status (0 or an errno) and odp_done = odp_req. Guest-writable: a wrong
+  /// answer only refuses (or retries) accesses to the guest's own MR.
+  AtomicU32 odp_pager;
+  AtomicU32 odp_req, odp_done;
+  uint32_t odp_mr;
+  uint32_t odp_status;
+  uint64_t odp_addr, odp_len;
+  uint8_t pad1[24];
 };
 static_assert(sizeof(ControlPage) == 128);
+static_assert(offsetof(ControlPage, odp_addr) == 88);
 static_assert(offsetof(ControlPage, backend_sleeping) == 64);
 static_assert(offsetof(ControlPage, grant_gen) == 56);
 

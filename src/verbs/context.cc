@@ -368,6 +368,15 @@ int vrdma_query_device_ex(ibv_context* c, const ibv_query_device_ex_input* input
   fill_device_attr(*to_vctx(c), attr->orig_attr);
   if (attr_size >= offsetof(ibv_device_attr_ex, phys_port_cnt_ex) + sizeof(uint32_t))
     attr->phys_port_cnt_ex = attr->orig_attr.phys_port_cnt;
+  // On-demand paging (odp.cc, proto/device_caps.h).
+  if (attr_size >= offsetof(ibv_device_attr_ex, odp_caps) + sizeof(ibv_odp_caps)) {
+    attr->odp_caps.general_caps = kOdpGeneralCaps;
+    attr->odp_caps.per_transport_caps.rc_odp_caps = kOdpRcCaps;
+    attr->odp_caps.per_transport_caps.uc_odp_caps = kOdpUcCaps;
+    attr->odp_caps.per_transport_caps.ud_odp_caps = kOdpUdCaps;
+  }
+  if (attr_size >= offsetof(ibv_device_attr_ex, xrc_odp_caps) + sizeof(uint32_t))
+    attr->xrc_odp_caps = kOdpRcCaps;
   if (attr_size >= offsetof(ibv_device_attr_ex, max_dm_size) + sizeof(uint64_t))
     attr->max_dm_size = max_dm_size(*to_vctx(c));
   // Completion timestamps: ns of CLOCK_MONOTONIC_RAW (proto/ring.h), a 64-bit counter at 1 GHz.
@@ -519,6 +528,7 @@ ibv_context* start_context(VContext* ctx, std::vector<UniqueFd>& fds) {
   v.create_srq_ex = create_srq_ex;
   v.get_srq_num = get_srq_num;
   v.open_qp = open_qp;
+  v.advise_mr = advise_mr;
   return &c;
 }
 
@@ -565,6 +575,7 @@ VERBS_EXPORT ibv_context* ibv_import_device(int cmd_fd) {
 
 VERBS_EXPORT int ibv_close_device(ibv_context* c) {
   VContext* ctx = to_vctx(c);
+  stop_odp_pager(*ctx);
   remote_shutdown(*ctx);
   ::close(c->async_fd);
   pthread_mutex_destroy(&c->mutex);

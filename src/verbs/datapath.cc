@@ -29,6 +29,14 @@ int post_send(ibv_qp* q, ibv_send_wr* wr, ibv_send_wr** bad) {
     *bad = wr;
     return ENOMEM;
   }
+  // ODP: the pages the WRs name are made reachable first (odp.cc; once per page).
+  if (VContext* ctx = to_vctx(q->context); ctx->odp_mrs.load(std::memory_order_relaxed)) {
+    for (const ibv_send_wr* w = wr; w; w = w->next) {
+      if (!(w->send_flags & IBV_SEND_INLINE) && w->num_sge > 0)
+        odp_fault_sges(*ctx, w->sg_list, w->num_sge,
+                       w->opcode == IBV_WR_RDMA_READ || is_rdma_atomic(w->opcode));
+    }
+  }
   int rc = 0;
   qp->sq_lock.lock();
   // Peer on another backend, reached through its library (remote.cc).
@@ -116,6 +124,10 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   if (!can_post_recv(q->state)) {
     *bad = wr;
     return EINVAL;
+  }
+  if (VContext* ctx = to_vctx(q->context); ctx->odp_mrs.load(std::memory_order_relaxed)) {
+    for (const ibv_recv_wr* w = wr; w; w = w->next)
+      if (w->num_sge > 0) odp_fault_sges(*ctx, w->sg_list, w->num_sge, true);
   }
   int rc = 0;
   qp->rq_lock.lock();

@@ -155,6 +155,16 @@ int wr_complete(ibv_qp_ex* q) {
   if (rc) {
     qp->sq_prod = qp->ex_batch_start;  // the batch's WQEs were never published: drop them
   } else if (qp->sq_prod != qp->ex_batch_start) {
+    // ODP: the pages the batch names are made reachable first (odp.cc; once per page).
+    if (VContext* ctx = to_vctx(q->qp_base.context); ctx->odp_mrs.load(std::memory_order_relaxed)) {
+      for (uint32_t i = qp->ex_batch_start; i != qp->sq_prod; ++i) {
+        const SendWqe& w = qp->sq[i & (qp->sq_size - 1)];
+        if (w.send_flags & IBV_SEND_INLINE) continue;
+        for (uint32_t k = 0; k < w.num_sge && k < kMaxSge; ++k)
+          odp_fault_sge(*ctx, w.sge[k].lkey, w.sge[k].addr, w.sge[k].length,
+                        w.opcode == IBV_WR_RDMA_READ || is_rdma_atomic(w.opcode));
+      }
+    }
     qp->sq_hdr->producer.store(qp->sq_prod, std::memory_order_release);
     to_vctx(q->qp_base.context)->ring_doorbell(qp->handle);
   }

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -25,6 +26,8 @@
 #include "verbs/remote.h"
 
 namespace vrdma::verbs {
+
+struct OdpMr;  ///< an ODP MR's pages, as the library knows them (odp.cc)
 
 struct VContext {
   verbs_context vctx;  ///< must stay first: ibv_context is its last member
@@ -58,6 +61,15 @@ struct VContext {
   std::mutex mr_mu;
   std::unordered_map<uint32_t, LocalMr> local_mrs;
   std::atomic<uint32_t> mr_gen{0};
+  /// ODP MRs of this context by lkey (odp.cc). `odp_mrs` counts them: a post in a context
+  /// without any pays one relaxed load for ODP.
+  std::mutex odp_mu;
+  std::unordered_map<uint32_t, std::shared_ptr<OdpMr>> odp;
+  std::atomic<uint32_t> odp_mrs{0};
+  /// The pager (odp.cc): faults in the pages of ODP MRs that peers reach first; started with
+  /// the first ODP MR with remote access, stopped at ibv_close_device.
+  std::thread odp_pager;
+  std::atomic<bool> odp_pager_stop{false};
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
@@ -105,6 +117,7 @@ struct VMr {
   std::vector<uint32_t> segments;  ///< process segment id of each extent (release_segments)
   bool on_dm = false;              ///< ibv_reg_dm_mr's (zero-based: LocalMr::host)
   bool imported = false;  ///< ibv_import_mr's: another context's memory, no local_mrs entry
+  bool odp = false;       ///< IBV_ACCESS_ON_DEMAND: its pages are in VContext::odp, not here
 };
 
 struct VChannel {
@@ -241,6 +254,27 @@ bool fork_safe();
 /// Gives back one use per entry of `segments`; a segment of the context's session that no MR
 /// uses any more is released there (kDeregSegment).
 void release_segments(VContext& ctx, const std::vector<uint32_t>& segments);
+/// Whether every page of [lo, hi) is mapped, readable (and writable, `write`), and of a kind
+/// describe_memory can make reachable: an ODP fault that may go ahead.
+bool pages_accessible(uintptr_t lo, uintptr_t hi, bool write);
+/// The runs of resident pages (mincore) of [lo, hi) in mappings pages_accessible accepts, runs
+/// less than 2 MiB apart joined, at most `max_runs` of them: what an ODP MR maps at once.
+std::vector<std::pair<uintptr_t, uintptr_t>> resident_runs(uintptr_t lo, uintptr_t hi,
+                                                           size_t max_runs);
+
+// On-demand paging (odp.cc): ODP MRs (ibv_reg_mr with IBV_ACCESS_ON_DEMAND, implicit ones with
+// NULL and SIZE_MAX), their fault-in on post and ibv_advise_mr.
+ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned access);
+/// Stops the context's pager, if it runs (ibv_close_device).
+void stop_odp_pager(VContext& ctx);
+/// Forgets an ODP MR the backend deregistered; its segments join `segments` to be released.
+void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments);
+/// Faults in the pages of the SGEs that name ODP MRs of the context (before a post); a page it
+/// cannot reach is left out, and the WQE then completes with a protection error.
+void odp_fault_sges(VContext& ctx, const ibv_sge* sg, int num_sge, bool write);
+void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length, bool write);
+int advise_mr(ibv_pd* pd, ibv_advise_mr_advice advice, uint32_t flags, ibv_sge* sg_list,
+              uint32_t num_sge);
 
 // Device memory (device_memory.cc): the verbs_context ops, and the largest allocation the
 // guest may make (the device's cap, or its max_dm_bytes quota where lower).

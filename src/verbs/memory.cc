@@ -736,6 +736,52 @@ int describe_memory(VContext& ctx, void* addr_p, size_t len, proto::RegMrReq& re
   return 0;
 }
 
+namespace {
+/// A mapping an ODP fault may make reachable: readable (and writable, `write`), and either in
+/// a segment already or of a kind describe_memory moves into one (not a stack).
+bool odp_reachable(const Vma& v, bool write) {
+  if (v.perms[0] != 'r' || (write && v.perms[1] != 'w')) return false;
+  return segment_id(v) != 0 || (registrable(v) && v.path != "[stack]");
+}
+}  // namespace
+
+bool pages_accessible(uintptr_t lo, uintptr_t hi, bool write) {
+  uintptr_t cursor = lo;
+  for (const Vma& v : read_maps(lo, hi)) {
+    if (v.start > cursor || !odp_reachable(v, write)) return false;
+    cursor = v.end;
+  }
+  return cursor >= hi;
+}
+
+std::vector<std::pair<uintptr_t, uintptr_t>> resident_runs(uintptr_t lo, uintptr_t hi,
+                                                           size_t max_runs) {
+  constexpr uintptr_t kJoin = uintptr_t{2} << 20;  ///< runs closer than this become one
+  constexpr size_t kStep = size_t{1} << 18;        ///< pages per mincore call (1 GiB)
+  std::vector<std::pair<uintptr_t, uintptr_t>> runs;
+  std::vector<unsigned char> vec(kStep);
+  for (const Vma& v : read_maps(lo, hi)) {
+    if (!odp_reachable(v, false)) continue;  // PROT_NONE reservations cost one line here
+    const uintptr_t a = std::max(v.start, lo), b = std::min(v.end, hi);
+    for (uintptr_t at = a; at < b;) {
+      const size_t pages = std::min<size_t>(kStep, (b - at) / kPage);
+      if (::mincore(reinterpret_cast<void*>(at), pages * kPage, vec.data()) != 0) break;
+      for (size_t i = 0; i < pages; ++i) {
+        if (!(vec[i] & 1)) continue;
+        const uintptr_t p = at + i * kPage;
+        if (!runs.empty() && p - runs.back().second < kJoin && runs.back().second >= a)
+          runs.back().second = p + kPage;
+        else if (runs.size() == max_runs)
+          return runs;
+        else
+          runs.emplace_back(p, p + kPage);
+      }
+      at += pages * kPage;
+    }
+  }
+  return runs;
+}
+
 void release_segments(VContext& ctx, const std::vector<uint32_t>& segments) {
   std::vector<uint32_t> unused;
   {

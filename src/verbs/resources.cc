@@ -180,6 +180,7 @@ VERBS_EXPORT void ibv_unimport_mr(ibv_mr* mr) { delete reinterpret_cast<VMr*>(mr
 
 namespace {
 ibv_mr* reg_mr_common(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigned access) {
+  if (access & IBV_ACCESS_ON_DEMAND) return reg_odp_mr(pd, addr, length, iova, access);  // odp.cc
   if (!pd || !addr || length == 0) return fail_ptr<ibv_mr>(EINVAL);
   VContext* ctx = to_vctx(pd->context);
   auto* req = new RegMrReq{};
@@ -251,6 +252,7 @@ VERBS_EXPORT int ibv_dereg_mr(ibv_mr* mr) {
     ctx->local_mrs.erase(mr->lkey);
     ctx->mr_gen.fetch_add(1, std::memory_order_release);
   }
+  if (v->odp) forget_odp_mr(*ctx, *v, v->segments);
   release_segments(*ctx, v->segments);
   delete v;
   return 0;
@@ -270,6 +272,11 @@ VERBS_EXPORT int ibv_rereg_mr(ibv_mr* mr, int flags, ibv_pd* pd, void* addr, siz
   if (!mr) return input_error();
   auto* v = reinterpret_cast<VMr*>(mr);
   if (v->on_dm || v->imported || (flags & ~IBV_REREG_MR_FLAGS_SUPPORTED)) return input_error();
+  // ODP MRs: not re-registered (yet); the backend answers EOPNOTSUPP for one made ODP.
+  if (v->odp) {
+    errno = EOPNOTSUPP;
+    return IBV_REREG_MR_ERR_CMD;
+  }
   if ((flags & IBV_REREG_MR_CHANGE_TRANSLATION) && (!addr || !length)) return input_error();
   if (access && !(flags & IBV_REREG_MR_CHANGE_ACCESS)) return input_error();
   if ((flags & IBV_REREG_MR_CHANGE_PD) && (!pd || pd->context != mr->context)) return input_error();

@@ -40,6 +40,10 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     *bad = wr;
     return EIO;
   }
+  if (VContext* ctx = to_vctx(s->context); ctx->odp_mrs.load(std::memory_order_relaxed)) {
+    for (const ibv_recv_wr* w = wr; w; w = w->next)
+      if (w->num_sge > 0) odp_fault_sges(*ctx, w->sg_list, w->num_sge, true);
+  }
   int rc = 0;
   srq->lock.lock();
   const uint32_t start = srq->prod;

@@ -2,7 +2,7 @@
 # Debian's unmodified ibv_rc_pingpong, server and client both through vrdma, over a range of
 # options: default, -e (completion events), large messages, -c (content validation), -N (the
 # extended send API), -j (device memory: ibv_alloc_dm, ibv_reg_dm_mr, ibv_memcpy_to/from_dm),
-# -t (completion timestamps).
+# -t (completion timestamps), -o/-O/-P (on-demand paging).
 # Usage: rc_pingpong.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -29,6 +29,11 @@ for side in server client; do
   awk -v a="$avg" 'BEGIN { exit !(a > 0) }' || fail "timestamps: $side average gap $avg"
   log "timestamps: $side: average receive-completion gap $avg ns"
 done
+# On-demand paging: -o (an ODP MR over the buffer), -o -P (ibv_advise_mr prefetch first), -O
+# (implicit ODP: ibv_reg_mr(pd, NULL, SIZE_MAX, ...)); the pages fault in at the first post.
+run_pair odp srv cli -o -n 200
+run_pair odp_prefetch_validate srv cli -o -P -c -n 200
+run_pair odp_implicit srv cli -O -n 200
 # Both ends in one guest: no --guest, and the default guest is per process group (ours).
 run_pair same_guest "" ""
 

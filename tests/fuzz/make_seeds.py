@@ -116,6 +116,29 @@ more_verbs = b"".join([
     msg("dereg_mr", struct.pack("<II", 5, 0)),
     msg("destroy_cq", struct.pack("<II", 3, 0)),
 ])
+# On-demand paging: an ODP MR (no extents) and an implicit one; pages added with kReregOdpMap
+# (twice, overlapping, and outside the MR), a plain rereg refused, an ODP MR with extents refused.
+ODP_MAP = 1 << 31
+odp = b"".join([
+    hello,
+    msg("alloc_pd"),                                                     # pd 1
+    msg("reg_segment", struct.pack("<Q", 8192), flags=7),                # segment 2
+    msg("reg_mr", struct.pack("<IIQQQII", 1, 0x47, 0x10000, 65536, 0x10000, 0, 0)),  # mr 3
+    msg("reg_mr", struct.pack("<IIQQQII", 1, 0x41, 0, 2**64 - 1, 0, 0, 0)),          # mr 4
+    msg("reg_mr", struct.pack("<IIQQQII", 1, 0x41, 0x10000, 4096, 0x10000, 1, 0) +
+        struct.pack("<QQQII", 0, 4096, 0, 2, 0)),
+    msg("rereg_mr", struct.pack("<II", 3, ODP_MAP) +
+        struct.pack("<IIQQQII", 1, 0x47, 0x11000, 4096, 0x11000, 1, 0) + struct.pack("<QQQII", 0, 4096, 4096, 2, 0)),
+    msg("rereg_mr", struct.pack("<II", 3, ODP_MAP) +
+        struct.pack("<IIQQQII", 1, 0x47, 0x10000, 8192, 0x10000, 1, 0) + struct.pack("<QQQII", 0, 8192, 0, 2, 0)),
+    msg("rereg_mr", struct.pack("<II", 3, ODP_MAP) +
+        struct.pack("<IIQQQII", 1, 0x47, 0x30000, 4096, 0x30000, 1, 0) + struct.pack("<QQQII", 0, 4096, 0, 2, 0)),
+    msg("rereg_mr", struct.pack("<II", 4, 4) + struct.pack("<IIQQQII", 1, 7, 0, 0, 0, 0, 0)),
+    msg("dereg_segment", struct.pack("<II", 2, 0)),
+    msg("dereg_mr", struct.pack("<II", 3, 0)),
+    msg("dereg_mr", struct.pack("<II", 4, 0)),
+    msg("dereg_segment", struct.pack("<II", 2, 0)),
+])
 # Memory windows: allocated in a PD (which then cannot go), a bad PD and type, freed twice.
 windows = b"".join([
     hello,
@@ -156,6 +179,7 @@ command = {
     "seed-xrc": xrc,
     "seed-windows": windows,
     "seed-more-verbs": more_verbs,
+    "seed-odp": odp,
     "seed-lifecycle": lifecycle,
     "seed-cm": cm,
     "seed-before-hello": msg("alloc_pd") + hello + hello,

@@ -375,8 +375,9 @@ TEST_F(DeviceTest, QueuesOfZeroAreValidAndRefusalsNameTheField) {
 }
 
 // Every IBV_ACCESS_* bit a consumer may pass: MW_BIND (harmless without memory windows),
-// HUGETLB and the optional bits (RELAXED_ORDERING) are accepted on MRs and QPs; ZERO_BASED and
-// ON_DEMAND are not supported on MRs (EOPNOTSUPP); bits the API does not define are EINVAL.
+// HUGETLB and the optional bits (RELAXED_ORDERING) are accepted on MRs and QPs; ZERO_BASED is
+// not supported on MRs (EOPNOTSUPP); ON_DEMAND makes an ODP MR, which has no extents (EINVAL
+// with some); bits the API does not define are EINVAL.
 TEST_F(DeviceTest, AccessBitsAConsumerMayPassAreAccepted) {
   EXPECT_TRUE(dev_.reg_mr(*a_.s, mr_req(a_.pd,
                                         kAccess | IBV_ACCESS_MW_BIND | IBV_ACCESS_HUGETLB |
@@ -390,7 +391,7 @@ TEST_F(DeviceTest, AccessBitsAConsumerMayPassAreAccepted) {
   EXPECT_EQ(
       dev_.reg_mr(*a_.s, mr_req(a_.pd, kAccess | IBV_ACCESS_ON_DEMAND, ma_.addr, 4096, ma_.seg))
           .err(),
-      EOPNOTSUPP);
+      EINVAL);
   EXPECT_EQ(dev_.reg_mr(*a_.s, mr_req(a_.pd, kAccess | (1u << 12), ma_.addr, 4096, ma_.seg)).err(),
             EINVAL);
   QpAttr a{};
@@ -520,6 +521,135 @@ TEST_F(MwQuotaTest, MaxMwsIsEnforcedPerGuest) {
   EXPECT_TRUE(dev_.alloc_mw(*b_.s, AllocMwReq{b_.pd, IBV_MW_TYPE_1}).is_ok()) << "per guest";
   ASSERT_TRUE(dev_.dealloc_mw(*a_.s, one.value().handle));
   EXPECT_TRUE(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, IBV_MW_TYPE_1}).is_ok());
+}
+
+/// kReregMr with kReregOdpMap: pages [off, off + len) of `m` (its segment) into the ODP MR.
+ReregMrReq odp_map_req(uint32_t handle, const MemV& m, uint64_t off, uint64_t len) {
+  ReregMrReq r{};
+  r.handle = handle;
+  r.flags = kReregOdpMap;
+  r.mr.addr = m.addr + off;
+  r.mr.length = len;
+  r.mr.num_extents = 1;
+  r.mr.extents[0] = MrExtent{0, len, off, m.seg, 0};
+  return r;
+}
+
+// On-demand paging: an ODP MR is registered with no pages (O(1), none charged); a request that
+// touches a page the library has not faulted in fails as an access outside the MR would (the
+// local protection error, the remote access error), one that touches faulted pages works, and
+// pages mapped twice (two threads faulting) are kept once.
+TEST_F(DeviceTest, OdpMrReachesOnlyThePagesFaultedIn) {
+  connect_both();
+  RegMrReq req{};
+  req.pd = b_.pd;
+  req.access = kAccess | IBV_ACCESS_ON_DEMAND;
+  req.addr = req.iova = mb_.addr;
+  req.length = kMemBytes;
+  auto odp = dev_.reg_mr(*b_.s, req);
+  ASSERT_TRUE(odp.is_ok()) << odp.status().message();
+  // Implicit ODP: the whole address space, no extents.
+  RegMrReq implicit{};
+  implicit.pd = b_.pd;
+  implicit.access = kAccess | IBV_ACCESS_ON_DEMAND;
+  implicit.length = UINT64_MAX;
+  EXPECT_TRUE(dev_.reg_mr(*b_.s, implicit).is_ok());
+  // Nothing faulted in: a WRITE into it is a remote access error.
+  post_rdma(qa_, 1, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr, odp->rkey);
+  dev_.poll(now_);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_ACCESS_ERR);
+
+  // A fresh pair; page 1 faulted in (twice, and page 0-1 once more: kept once).
+  QpV a2 = qp(a_, acq_, arcq_), b2 = qp(b_, bcq_, bcq_);
+  connect(a_, a2, b_, b2);
+  connect(b_, b2, a_, a2);
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, odp_map_req(odp->handle, mb_, 4096, 4096)).is_ok());
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, odp_map_req(odp->handle, mb_, 4096, 4096)).is_ok());
+  std::memcpy(ma_.p(), "on demand, paged", 16);
+  post_rdma(a2, 2, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 4096, odp->rkey);
+  dev_.poll(now_);
+  tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(std::memcmp(mb_.p() + 4096, "on demand, paged", 16), 0);
+  // A receive into page 0 (not faulted in): the local protection error.
+  post_recv(b2, 3, mb_.addr + 100, 64, odp->lkey);
+  post_send(a2, 4, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_PROT_ERR);
+  tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_OP_ERR);
+
+  // Both pages in: a WRITE across them works; a range outside the MR is EINVAL.
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, odp_map_req(odp->handle, mb_, 0, kMemBytes)).is_ok());
+  EXPECT_EQ(dev_.rereg_mr(*b_.s, odp_map_req(odp->handle, mb_, 0, kMemBytes + 4096)).err(), EINVAL);
+  EXPECT_EQ(dev_.rereg_mr(*b_.s, odp_map_req(mb_.mr.handle, mb_, 0, 4096)).err(), EINVAL);
+  QpV a3 = qp(a_, acq_, arcq_), b3 = qp(b_, bcq_, bcq_);
+  connect(a_, a3, b_, b3);
+  connect(b_, b3, a_, a3);
+  std::memset(ma_.p() + 1000, 0x5c, 200);
+  post_rdma(a3, 5, IBV_WR_RDMA_WRITE, ma_.addr + 1000, 200, ma_.mr.lkey, mb_.addr + 4000,
+            odp->rkey);
+  dev_.poll(now_);
+  tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(mb_.p()[4000], 0x5c);
+  EXPECT_EQ(mb_.p()[4199], 0x5c);
+  // With a pager (the library's thread), a WRITE into pages not faulted in waits (RNR) while
+  // the backend asks for them through the control page; answered, the retry goes through;
+  // answered with an error, it is a remote access error.
+  ControlPage* cp = b_.s->control_page();
+  cp->odp_pager.store(1);
+  auto drain_into = [&](CqV& c, std::vector<Cqe>& out) {
+    auto got = drain(c);
+    out.insert(out.end(), got.begin(), got.end());
+    return got.size();
+  };
+  QpV a4 = qp(a_, acq_, arcq_), b4 = qp(b_, bcq_, bcq_);
+  connect(a_, a4, b_, b4);
+  connect(b_, b4, a_, a4);
+  RegMrReq fresh = req;
+  auto odp2 = dev_.reg_mr(*b_.s, fresh);
+  ASSERT_TRUE(odp2.is_ok());
+  post_rdma(a4, 6, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 4100, odp2->rkey);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(acq_).empty());
+  ASSERT_EQ(cp->odp_req.load(), 1u);
+  EXPECT_EQ(cp->odp_mr, odp2->handle);
+  EXPECT_EQ(cp->odp_addr, mb_.addr + 4100);
+  EXPECT_EQ(cp->odp_len, 16u);
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, odp_map_req(odp2->handle, mb_, 4096, 4096)).is_ok());
+  cp->odp_status = 0;
+  cp->odp_done.store(1);
+  tx.clear();
+  for (int i = 0; i < 10 && drain_into(acq_, tx) == 0; ++i) dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  post_rdma(a4, 7, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 100, odp2->rkey);
+  dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(cp->odp_req.load(), 2u);
+  cp->odp_status = EFAULT;
+  cp->odp_done.store(2);
+  tx.clear();
+  for (int i = 0; i < 10 && drain_into(acq_, tx) == 0; ++i) dev_.poll(now_ += 10'000'000);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_REM_ACCESS_ERR);
+
+  // A device with ODP MRs does not move (yet): its export is refused before it starts.
+  EXPECT_EQ(dev_.odp_movable("b").err(), EOPNOTSUPP);
+  EXPECT_TRUE(dev_.odp_movable("a").is_ok());
+  // Re-registering an ODP MR is not offered.
+  ReregMrReq rr{};
+  rr.handle = odp->handle;
+  rr.flags = IBV_REREG_MR_CHANGE_ACCESS;
+  rr.mr.access = kAccess;
+  EXPECT_EQ(dev_.rereg_mr(*b_.s, rr).err(), EOPNOTSUPP);
 }
 
 }  // namespace
