@@ -110,6 +110,7 @@ int serve(const vrdma::backend::Config& cfg, bool on_demand) {
 
 }  // namespace
 
+// long-function: the option table (one statement per flag) and the flags laid over the file.
 int main(int argc, char** argv) {
   if (argc >= 4 && std::string(argv[1]) == "--keeper") return keeper_main(argc, argv);
   vrdma::backend::Config cfg;

@@ -199,6 +199,33 @@ static nlohmann::json qp_row(const Qp& q, QpCounters& guest_sum) {
   return r;
 }
 
+/// One `res mw` row's own columns.
+static nlohmann::json mw_fields(uint32_t handle, const Mw& mw) {
+  nlohmann::json r = {{"mwn", handle},
+                      {"pdn", mw.pd},
+                      {"type", mw.type},
+                      {"state", mw.bound ? "bound" : "free"},
+                      {"rkey", mw.rkey}};
+  if (mw.bound) {  // what it opens: a range of an MR (and, type 2, through which QP)
+    r.update({{"mrn", mw.mr}, {"iova", mw.addr}, {"length", mw.length}, {"access", mw.access}});
+    if (mw.type == IBV_MW_TYPE_2) r["qpn"] = mw.qpn;
+  }
+  return r;
+}
+
+/// A QP's counters with the part libraries moved on the direct path.
+static QpCounters with_direct(const Qp& qp) {
+  QpCounters c = qp.cnt;
+  c += direct_part(qp);
+  return c;
+}
+
+/// Adds the lengths of lists left out of a report to `omitted` (type -> count).
+static void count_omitted(nlohmann::json& omitted,
+                          std::initializer_list<std::pair<const char*, size_t>> counts) {
+  for (auto [type, n] : counts) omitted[type] = omitted.value(type, size_t{0}) + n;
+}
+
 nlohmann::json Device::report(bool lists) const {
   nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
                  cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
@@ -209,16 +236,14 @@ nlohmann::json Device::report(bool lists) const {
   nlohmann::json omitted = nlohmann::json::object();
   for (const auto& [id, s] : sessions_) {
     if (!lists) {  // the counters' sums only
-      for (const auto& [h, qp] : s->qps) {
-        QpCounters c = qp->cnt;
-        c += direct_part(*qp);
-        per_guest[qp->guest] += c;
-      }
-      const std::pair<const char*, size_t> n[] = {{"pd", s->pds.size()},   {"mr", s->mrs.size()},
-                                                  {"dm", s->dms.size()},   {"cq", s->cqs.size()},
-                                                  {"srq", s->srqs.size()}, {"qp", s->qps.size()},
-                                                  {"mw", s->mws.size()}};
-      for (auto [k, c] : n) omitted[k] = omitted.value(k, size_t{0}) + c;
+      for (const auto& [h, qp] : s->qps) per_guest[qp->guest] += with_direct(*qp);
+      count_omitted(omitted, {{"pd", s->pds.size()},
+                              {"mr", s->mrs.size()},
+                              {"dm", s->dms.size()},
+                              {"cq", s->cqs.size()},
+                              {"srq", s->srqs.size()},
+                              {"qp", s->qps.size()},
+                              {"mw", s->mws.size()}});
       continue;
     }
     const nlohmann::json who = owner_of(*s);
@@ -265,30 +290,13 @@ nlohmann::json Device::report(bool lists) const {
             {{"xrcdn", srq->xrcd}, {"srq_num", srq->srqn}, {"cqn", srq->cq->handle}});
     }
     for (const auto& [h, qp] : s->qps) qps.push_back(qp_row(*qp, per_guest[qp->guest]));
-    for (const auto& [h, mw] : s->mws) {
-      nlohmann::json r = row({{"mwn", h},
-                              {"pdn", mw->pd},
-                              {"type", mw->type},
-                              {"state", mw->bound ? "bound" : "free"},
-                              {"rkey", mw->rkey}});
-      if (mw->bound) {  // what it opens: a range of an MR (and, type 2, through which QP)
-        r.update(
-            {{"mrn", mw->mr}, {"iova", mw->addr}, {"length", mw->length}, {"access", mw->access}});
-        if (mw->type == IBV_MW_TYPE_2) r["qpn"] = mw->qpn;
-      }
-      mws.push_back(std::move(r));
-    }
+    for (const auto& [h, mw] : s->mws) mws.push_back(row(mw_fields(h, *mw)));
   }
   // The guests' XRC domains and receive QPs (no session's: reported under a session holding it).
   for (const auto& [name, g] : guests_) {
     if (!lists) {
-      omitted["xrcd"] = omitted.value("xrcd", size_t{0}) + g->xrcds.size();
-      omitted["qp"] = omitted.value("qp", size_t{0}) + g->xrc_qps.size();
-      for (const auto& [qpn, qp] : g->xrc_qps) {
-        QpCounters c = qp->cnt;
-        c += direct_part(*qp);
-        per_guest[g.get()] += c;
-      }
+      for (const auto& [qpn, qp] : g->xrc_qps) per_guest[g.get()] += with_direct(*qp);
+      count_omitted(omitted, {{"xrcd", g->xrcds.size()}, {"qp", g->xrc_qps.size()}});
       continue;
     }
     for (const auto& [id, x] : g->xrcds) {

@@ -6,6 +6,8 @@
 // are already in a segment are reused. When no MR names a segment any more, what the
 // application still maps of it becomes anonymous private memory again (make_anonymous). See
 // docs/ARCHITECTURE.md, "Registered memory".
+// long-file: the segment machinery (making, reusing, undoing segments, and the /proc/self/maps
+// reading it does with the other threads stopped) shares its invariants; ODP is in odp.cc.
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/mman.h>
