@@ -451,9 +451,15 @@ void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
   resend(r, c);
 }
 
-/// The receive completion of a consumed WQE (status success unless given).
-void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status) {
+/// Takes the receive WQE the request consumes off the RQ (the backend's flush of a QP in ERR
+/// starts after it).
+void take_recv(Conn& c, VQp& qp) {
   qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+}
+
+/// The receive completion of a consumed WQE; `taken`: take_recv was called already.
+void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
+  if (!taken) take_recv(c, qp);
   Cqe e{};
   e.wr_id = c.rwqe.wr_id;
   e.status = static_cast<uint32_t>(status);
@@ -506,16 +512,24 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
         LocalMr mr;
         if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
             !in_range(mr.addr, mr.length, s.addr, s.length)) {
-          push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR);
           send_nak(c, IBV_WC_REM_OP_ERR);
+          // The QP is in ERR before its completion shows (a poller that sees it finds it so), and
+          // the WQE is taken before that (the backend's flush of the RQ starts after it).
+          take_recv(c, qp);
+          to_error(qp, "a request failed at this responder");
+          push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR, /*taken=*/true);
           return failed("a request failed at this responder");
         }
         c.dst[c.nd++] = MemSpan{local_ptr(mr, s.addr), s.length};
         cap += s.length;
       }
       if (cap < f.len) {
-        push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR);
         send_nak(c, IBV_WC_REM_INV_REQ_ERR);
+        // The QP is in ERR before its completion shows (a poller that sees it finds it so), and
+        // the WQE is taken before that (the backend's flush of the RQ starts after it).
+        take_recv(c, qp);
+        to_error(qp, "a request failed at this responder");
+        push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR, /*taken=*/true);
         return failed("a request failed at this responder");
       }
       c.left = f.len;
@@ -590,7 +604,7 @@ void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
   if (c.nak_sent || c.discard) return;
   const uint8_t t = c.f.type;
   if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start
-  if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS);
+  if (consumes_recv(t)) push_recv(c, qp, r, IBV_WC_SUCCESS, /*taken=*/false);
   count(r.recv, c.f.len);
   c.executed.fetch_add(1);
 }
