@@ -1429,6 +1429,18 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
     EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a's SENDs went direct";
     EXPECT_TRUE(vrdma::verbs::to_vqp(b)->granted.load()) << "b's SEND went direct";
   }
+  // A QP put in ERR: the backend's flush completion (into b's own receive ring on the direct
+  // path) fires the CQ's channel too.
+  ASSERT_EQ(post_recv(b, 300, 8192, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  ibv_qp_attr err{};
+  err.qp_state = IBV_QPS_ERR;
+  ASSERT_EQ(ibv_modify_qp(b, &err, IBV_QP_STATE), 0);
+  EXPECT_EQ(event(5000), ecq) << "the flush's event";
+  auto flushed = poll(ecq, 1);
+  ASSERT_EQ(flushed.size(), 1u);
+  EXPECT_EQ(flushed[0].status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(flushed[0].wr_id, 300u);
 }
 
 }  // namespace
