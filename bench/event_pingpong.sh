@@ -59,7 +59,7 @@ read -r tmed tmin tmax < <(printf '%s\n' "${tcp[@]}" | stats)
 echo "| date | machine | build | runs | \`ibv_rc_pingpong ${ARGS[*]}\` µs/iter median (min–max) | \`tcp_pingpong\` µs/iter median (min–max) | vrdma / TCP |"
 echo "|---|---|---|---|---|---|---|"
 for i in "${!BINS[@]}"; do
-  read -r med min max < <(printf '%s\n' ${vals[$i]} | stats)
+  read -r med min max < <(tr ' ' '\n' <<<"${vals[$i]% }" | stats)
   echo "| $today | $machine | ${BINS[$i]} | $RUNS | $med ($min–$max) | $tmed ($tmin–$tmax) | $(ratio "$med" "$tmed") |"
 done
 
