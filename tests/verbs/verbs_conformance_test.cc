@@ -1429,6 +1429,28 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
     EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a's SENDs went direct";
     EXPECT_TRUE(vrdma::verbs::to_vqp(b)->granted.load()) << "b's SEND went direct";
   }
+  // A resized CQ: its `armed` word moves to the new ring; the grants that fire it are made again.
+  // (The first post after it finds its grant ended and goes through the backend.)
+  ASSERT_EQ(ibv_resize_cq(ecq, 128), 0);
+  ASSERT_EQ(post_recv(b, 104, 4096, 64), 0);
+  ASSERT_EQ(post_recv(b, 105, 4096, 64), 0);
+  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 6}), 0);
+  EXPECT_EQ(poll(cq_, 1).size(), 1u);
+  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 7}), 0);
+  EXPECT_EQ(event(5000), ecq) << "a receive after the resize";
+  EXPECT_EQ(poll(cq_, 1).size(), 1u);
+  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  ASSERT_EQ(post_recv(b, 106, 4096, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 8}), 0);
+  EXPECT_EQ(event(5000), ecq) << "and the next one";
+  EXPECT_EQ(poll(cq_, 1).size(), 1u);
+  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  if (const char* d = std::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1") {
+    EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a granted again after the resize";
+  }
   // A QP put in ERR: the backend's flush completion (into b's own receive ring on the direct
   // path) fires the CQ's channel too.
   ASSERT_EQ(post_recv(b, 300, 8192, 64), 0);
