@@ -1391,65 +1391,62 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
     ibv_ack_cq_events(cq, 1);
     return cq;
   };
+  // One SEND of `from` to the other QP; both its completions taken.
+  auto send = [&](ibv_qp* from, uint64_t wr_id, unsigned flags = 0) {
+    EXPECT_EQ(post(from, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED | flags, .wr_id = wr_id}),
+              0);
+  };
+  auto take_both = [&] {
+    EXPECT_EQ(poll(cq_, 1).size(), 1u);
+    EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  };
+  const char* direct_env = std::getenv("VRDMA_DIRECT_PATH");
+  const bool direct = direct_env && std::string(direct_env) == "1";
 
   // b's receive of a's SEND, woken in a thread that waits for it.
   ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
   ibv_cq* woken = nullptr;
   std::thread waiter([&] { woken = event(5000); });
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 1}), 0);
+  send(a, 1);
   waiter.join();
   EXPECT_EQ(woken, ecq) << "the receive's event wakes the waiter";
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  take_both();
   // Not re-armed: the next receive raises none.
   ASSERT_EQ(::fcntl(channel_->fd, F_SETFL, ::fcntl(channel_->fd, F_GETFL) | O_NONBLOCK), 0);
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 2}), 0);
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  send(a, 2);
+  take_both();
   EXPECT_EQ(event(0), nullptr) << "one event per arm";
   // Solicited only: an unsolicited receive passes, a solicited one fires.
   ASSERT_EQ(ibv_req_notify_cq(ecq, 1), 0);
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 3}), 0);
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  send(a, 3);
+  take_both();
   EXPECT_EQ(event(0), nullptr) << "an unsolicited receive under a solicited-only arm";
-  EXPECT_EQ(
-      post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED | IBV_SEND_SOLICITED, .wr_id = 4}),
-      0);
+  send(a, 4, IBV_SEND_SOLICITED);
   EXPECT_EQ(event(5000), ecq) << "a solicited receive";
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  take_both();
   // b's own send completion.
   ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
-  EXPECT_EQ(post(b, {.sges = {sge(8192, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 5}), 0);
+  send(b, 5);
   EXPECT_EQ(event(5000), ecq) << "the send's event";
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  if (const char* d = std::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1") {
+  take_both();
+  if (direct) {
     EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a's SENDs went direct";
     EXPECT_TRUE(vrdma::verbs::to_vqp(b)->granted.load()) << "b's SEND went direct";
   }
   // A resized CQ: its `armed` word moves to the new ring; the grants that fire it are made again.
   // (The first post after it finds its grant ended and goes through the backend.)
   ASSERT_EQ(ibv_resize_cq(ecq, 128), 0);
-  ASSERT_EQ(post_recv(b, 104, 4096, 64), 0);
-  ASSERT_EQ(post_recv(b, 105, 4096, 64), 0);
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 6}), 0);
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
-  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 7}), 0);
-  EXPECT_EQ(event(5000), ecq) << "a receive after the resize";
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
-  ASSERT_EQ(post_recv(b, 106, 4096, 64), 0);
-  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
-  EXPECT_EQ(post(a, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED, .wr_id = 8}), 0);
-  EXPECT_EQ(event(5000), ecq) << "and the next one";
-  EXPECT_EQ(poll(cq_, 1).size(), 1u);
-  EXPECT_EQ(poll(ecq, 1).size(), 1u);
-  if (const char* d = std::getenv("VRDMA_DIRECT_PATH"); d && std::string(d) == "1") {
-    EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a granted again after the resize";
+  for (uint64_t i = 104; i < 107; ++i) ASSERT_EQ(post_recv(b, i, 4096, 64), 0);
+  send(a, 6);
+  take_both();
+  for (uint64_t i = 7; i < 9; ++i) {
+    ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+    send(a, i);
+    EXPECT_EQ(event(5000), ecq) << "receive " << i << " after the resize";
+    take_both();
+  }
+  if (direct) {
+    EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "granted again";
   }
   // A QP put in ERR: the backend's flush completion (into b's own receive ring on the direct
   // path) fires the CQ's channel too.
