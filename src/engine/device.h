@@ -435,6 +435,8 @@ class Device : public transport::Receiver {
   void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
+  /// Fires the CQ's channel if it is armed for this completion (after the CQE is published).
+  void notify(Cq& cq, bool solicited);
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
   /// Executes one send-queue WQE (any opcode) on an RC or UC QP.
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);

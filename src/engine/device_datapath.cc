@@ -135,7 +135,18 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   if (cq.stamp) stamp_now(cq.stamp[cq.prod & (cq.size - 1)], cq.stamps);
   cq.prod++;
   cq.hdr->producer.store(cq.prod, std::memory_order_release);
-  if (cq.channel == kNone) return true;  // nobody to notify
+  if (cq.shared_producer) {
+    // A QP's own ring stands for its CQ (same handle): the CQ's `armed` word and channel.
+    auto of = cq.owner->cqs.find(cq.handle);
+    if (of != cq.owner->cqs.end()) notify(*of->second, solicited);
+    return true;
+  }
+  notify(cq, solicited);
+  return true;
+}
+
+void Device::notify(Cq& cq, bool solicited) {
+  if (cq.channel == kNone) return;  // nobody to notify
   // Pairs with the guest's seq_cst store of `armed` before it polls the CQ once more: either the
   // guest sees this completion, or we see its arm. Without the full fence, the store above and
   // the load below may pass each other, both sides miss, and a waiter sleeps for ever.
@@ -152,7 +163,6 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
       }
     }
   }
-  return true;
 }
 
 // Retires the WQE at the head of the SQ. The slot is released before the completion is

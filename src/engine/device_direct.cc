@@ -200,8 +200,6 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
                    "direct path: no proof yet that this process may write the peer's "
                    "memory (kDirectPeer, kDirectProve)");
   }
-  if (a->send_cq->channel != kNone || b->recv_cq->channel != kNone)
-    return error(EOPNOTSUPP, "direct path: a CQ with a completion channel");
   // Nothing of ours in flight: the library starts where the backend stopped.
   if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
       a->wait != Wait::kNone)
@@ -239,7 +237,7 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
                                 it->second, 0};
     }
   }
-  if (seg_fds.size() + kDirectFixedFds > kMaxFdsPerMessage)
+  if (seg_fds.size() + kDirectFixedFds + 2 * kDirectNotifyFds > kMaxFdsPerMessage)
     return error(E2BIG, "direct path: the peer's memory spans too many segments");
 
   // Both guests' epoch pages, made on first use.
@@ -264,6 +262,17 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   fds.push_back(read_only(a->guest->epoch_fd.get()));
   fds.push_back(read_only(b->guest->epoch_fd.get()));
   for (int fd : seg_fds) fds.push_back(dup_fd(fd));
+  // CQs with a completion channel: the library fires them itself (kDirectNotifyFds).
+  for (const auto& [cq, bit] :
+       {std::pair{a->send_cq, kDirectNotifySend}, std::pair{b->recv_cq, kDirectNotifyRecv}}) {
+    if (cq->channel == kNone) continue;
+    auto ch = cq->owner->channels.find(cq->channel);
+    if (ch == cq->owner->channels.end()) return error(EIO, "direct path: the CQ's channel is gone");
+    resp.notify |= bit;
+    fds.push_back(dup_fd(cq->ring_fd.get()));
+    fds.push_back(dup_fd(ch->second.write_end.get()));
+    fds.push_back(read_only(ch->second.write_end.get()));  // a new read end of the same pipe
+  }
   for (const UniqueFd& fd : fds) {
     if (!fd.valid()) return error(EMFILE, "direct path: duplicating descriptors");
   }
@@ -280,6 +289,8 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   resp.my_epoch = reinterpret_cast<EpochPage*>(a->guest->epoch.data())->epoch.load();
   resp.peer_epoch = reinterpret_cast<EpochPage*>(b->guest->epoch.data())->epoch.load();
   resp.num_segments = static_cast<uint32_t>(seg_fds.size());
+  resp.send_cq = a->send_cq->handle;
+  resp.recv_cq = b->recv_cq->handle;
   a->direct = true;
   VLOG_INFO("direct path: guest {} QP {:#x} -> guest {} QP {:#x} ({} MRs, {} segments)",
             a->guest->name, a->qpn, b->guest->name, b->qpn, resp.num_mrs, resp.num_segments);

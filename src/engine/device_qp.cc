@@ -144,6 +144,12 @@ Result<CreateCqResp> Device::resize_cq_checked(Session& s, const ResizeCqReq& re
   hdr->producer.store(cq.prod, std::memory_order_release);
   ring = dup_fd(fresh.ring_fd.get());
   if (!ring.valid()) return error(errno, "dup of the CQ ring's memfd");
+  if (cq.channel != kNone && s.guest->epoch.valid()) {
+    // Direct peers fire this CQ's channel through the old ring's `armed` word until their
+    // grants end: leave it armed (an extra event rather than a lost one) and end the grants.
+    cq.hdr->armed.store(1, std::memory_order_seq_cst);
+    bump_epoch(*s.guest);
+  }
   cq.ring = std::move(fresh.ring);
   cq.ring_fd = std::move(fresh.ring_fd);
   cq.size = size;

@@ -309,8 +309,15 @@ static_assert(sizeof(ResizeCqReq) == 8);
 // ---- kDirectGrant: may this RC QP's library execute its WQEs itself, straight into the peer's
 // memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring, the
 // peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
-// read-only), then `num_segments` memfds of the peer's segments that its MRs name.
+// read-only), then `num_segments` memfds of the peer's segments that its MRs name, then for
+// each of this QP's send CQ and the peer's receive CQ that has a completion channel (`notify`
+// bits, in that order) the CQ's ring memfd (for its `armed` word), the channel pipe's write end
+// (the library fires the event itself) and its read end (held, so that a write never meets a
+// pipe without readers: SIGPIPE).
 inline constexpr uint32_t kMaxDirectChunks = 4;
+inline constexpr uint32_t kDirectNotifySend = 1;  ///< DirectGrantResp::notify
+inline constexpr uint32_t kDirectNotifyRecv = 2;
+inline constexpr uint32_t kDirectNotifyFds = 3;  ///< fds per CQ with a channel
 inline constexpr uint32_t kMaxDirectMrs = 64;
 inline constexpr uint32_t kDirectFixedFds = 5;
 struct DirectChunk {
@@ -346,9 +353,13 @@ struct DirectGrantResp {
   uint32_t peer_epoch;
   uint32_t num_segments;
   uint32_t num_mrs;
+  uint32_t notify;   ///< kDirectNotifySend | kDirectNotifyRecv: CQs with a channel
+  uint32_t send_cq;  ///< CQ handles, the value an event writes into the channel
+  uint32_t recv_cq;
+  uint32_t reserved;
   DirectMr mrs[kMaxDirectMrs];
 };
-static_assert(sizeof(DirectGrantResp) == 56 + sizeof(DirectMr) * kMaxDirectMrs);
+static_assert(sizeof(DirectGrantResp) == 72 + sizeof(DirectMr) * kMaxDirectMrs);
 
 // ---- kDirectRings: the QPs' own completion rings that feed a CQ (HandleReq: the CQ). One fd
 // per ring, in order.

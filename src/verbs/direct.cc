@@ -1,5 +1,7 @@
 // The direct path in the library (see direct.h). No syscall here but the rare grant and ring
-// lookups; the hot path is checks against the grant, memcpy, and two release stores.
+// lookups, and the write of a completion event into an armed CQ's channel (the one wake-up of
+// a process blocked in ibv_get_cq_event); the hot path is checks against the grant, memcpy,
+// and two release stores.
 #include "verbs/direct.h"
 
 #include <fcntl.h>
@@ -9,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <cstring>
 
@@ -96,6 +99,31 @@ uint32_t posted_receives(Grant& g, uint32_t cons) {
   }
 }
 
+/// After a completion is published into an own ring: fires the CQ's channel when the CQ is
+/// armed for it. Pairs with the poller's seq_cst store of `armed` before it polls again (and
+/// with the backend's push_cqe, which consumes the same word): one event per arm.
+void fire(Notify& n, bool solicited) {
+  if (!n.hdr) return;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const uint32_t armed = n.hdr->armed.load(std::memory_order_acquire);
+  if (!(armed == 1 || (armed == 2 && solicited))) return;
+  if (n.hdr->armed.exchange(0, std::memory_order_acq_rel) == 0) return;  // the backend's
+  // Non-blocking; full only when the poller is 16384 events behind (the backend drops it too).
+  if (::write(n.write_end.get(), &n.cq, sizeof(n.cq)) != sizeof(n.cq))
+    VLOG_WARN("direct path: completion channel of CQ {} full", n.cq);
+}
+
+/// Takes the kDirectNotifyFds descriptors of a CQ with a channel (proto/command.h).
+bool take_notify(Notify& n, std::vector<UniqueFd>& fds, size_t at, uint32_t cq) {
+  n.ring = MappedRegion::map_shared(fds[at].get(), sizeof(RingHeader));
+  if (!n.ring.valid()) return false;
+  n.hdr = reinterpret_cast<RingHeader*>(n.ring.data());
+  n.write_end = std::move(fds[at + 1]);
+  n.read_end = std::move(fds[at + 2]);
+  n.cq = cq;
+  return n.write_end.valid() && n.read_end.valid();
+}
+
 bool grant_still_good(const ControlPage& ctl, const Grant& g) {
   return ctl.grant_gen.load(std::memory_order_acquire) == g.ctl_gen &&
          g.my_epoch->epoch.load(std::memory_order_acquire) == g.my_epoch_v &&
@@ -152,8 +180,11 @@ void ask_grant(VQp& qp) {
   }
   const DirectGrantResp& r = *resp;
   auto g = std::make_unique<Grant>();
-  bool ok = fds.size() == kDirectFixedFds + r.num_segments && r.num_mrs <= kMaxDirectMrs &&
-            r.peer_rq_entries && (r.peer_rq_entries & (r.peer_rq_entries - 1)) == 0;
+  const size_t notify_fds =
+      kDirectNotifyFds * std::popcount(r.notify & (kDirectNotifySend | kDirectNotifyRecv));
+  bool ok = fds.size() == kDirectFixedFds + r.num_segments + notify_fds &&
+            r.num_mrs <= kMaxDirectMrs && r.peer_rq_entries &&
+            (r.peer_rq_entries & (r.peer_rq_entries - 1)) == 0;
   if (ok) {
     g->peer_ring = MappedRegion::map_shared(fds[0].get(), r.peer_ring_bytes);
     ok = g->peer_ring.valid() &&
@@ -178,6 +209,12 @@ void ask_grant(VQp& qp) {
                                                       static_cast<size_t>(st.st_size)));
     ok = ok && g->segs.back().valid();
   }
+  size_t at = kDirectFixedFds + r.num_segments;
+  if (ok && (r.notify & kDirectNotifySend)) {
+    ok = take_notify(g->send_notify, fds, at, r.send_cq);
+    at += kDirectNotifyFds;
+  }
+  if (ok && (r.notify & kDirectNotifyRecv)) ok = take_notify(g->recv_notify, fds, at, r.recv_cq);
   if (ok) {
     // Only chunks that lie inside the segments we mapped.
     for (uint32_t i = 0; i < r.num_mrs; ++i) {
@@ -283,6 +320,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     rc.src_qp = qp.qp.qp_num;
     rc.slid = static_cast<uint16_t>(g.my_lid);
     push(g.peer_recv, rc);
+    fire(g.recv_notify, (wr.send_flags & IBV_SEND_SOLICITED) != 0);
   }
   count(g.send, len);
   count(g.peer_recv, len);
@@ -296,6 +334,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     e.byte_len = static_cast<uint32_t>(len);
     e.qp_num = qp.qp.qp_num;
     push(g.send, e);
+    fire(g.send_notify, false);
   }
   return true;
 }

@@ -66,6 +66,16 @@ struct OwnRing {
   bool recv = false;  ///< its receive completions (else its send completions)
 };
 
+/// A CQ with a completion channel that a grant's completions go to: the library fires its
+/// event itself, as the backend's push_cqe does (docs/ARCHITECTURE.md, "Direct path").
+struct Notify {
+  MappedRegion ring;                 ///< the CQ's ring memfd, for its header's `armed` word
+  proto::RingHeader* hdr = nullptr;  ///< null: the CQ has no channel
+  UniqueFd write_end;                ///< the channel's pipe (non-blocking)
+  UniqueFd read_end;                 ///< held only: the pipe never loses its last reader
+  uint32_t cq = 0;                   ///< the CQ's handle, which an event carries
+};
+
 /// What a grant gives one QP: the peer's RQ, both completion rings, the epochs and the peer's
 /// memory. Owned by the QP, used under its sq_lock.
 struct Grant {
@@ -84,6 +94,7 @@ struct Grant {
   std::vector<MappedRegion> segs;
   std::vector<proto::DirectMr> mrs;
   uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;
+  Notify send_notify, recv_notify;  ///< this QP's send CQ, the peer's receive CQ
 };
 
 /// This process's MR for `key` in the QP's PD, or null (cached per QP; under the SQ lock).

@@ -84,7 +84,11 @@ grep -qx "keep_state: on, keeper pid $(cat "$VRDMA_SOCKET.keeper.pid"), 3 restar
   "$E2E_TMP/status.txt" || fail "status after 3 kills: $(grep keep_state "$E2E_TMP/status.txt")"
 
 # Snapshot and restore under a running stream: the file's device state is put back under it.
+# With KEEP_DIRECT its ends sleep in completion channels (fired by the libraries on the direct
+# path, issue 25): an event lost across the snapshot or a restore fails the stream.
+[[ ${#DIRECT[@]} -eq 0 ]] || RC_STREAM_OPT=--events
 start_stream snap
+RC_STREAM_OPT=
 "$VRDMA" snapshot snap-c "$E2E_TMP/sc.snap" >"$E2E_TMP/snap.out" 2>&1 || fail "snapshot: $(cat "$E2E_TMP/snap.out")"
 for k in 1 2; do
   nap 0.3

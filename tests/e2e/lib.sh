@@ -319,15 +319,16 @@ PP_UNTIL_STOPPED=2000000000
 # NAME-s, client guest NAME-c, outputs $E2E_TMP/NAME.{server,client}.out. It runs until the test
 # stops it: `kill -USR1 "$cli_proc"`, then finish_stream NAME "$cli" "$srv" checks both ends. Sets
 # srv and cli (their `vrdma run`) and cli_proc (the client itself). Usage: stream_start NAME [SIZE]
+# RC_STREAM_OPT: one more option for both ends (--events: they sleep in completion channels).
 stream_start() {
   local name=$1 size=${2:-4096} port bin
   bin="$(dirname "$VRDMA")"
   port="$(free_port)"
-  vrun --guest "$name-s" -- "$bin/rc_stream" server "$port" 0 "$size" \
+  vrun --guest "$name-s" -- "$bin/rc_stream" server "$port" 0 "$size" ${RC_STREAM_OPT:+"$RC_STREAM_OPT"} \
     >"$E2E_TMP/$name.server.out" 2>&1 &
   srv=$!
   wait_listen "$port" "$srv" "$name"
-  vrun --guest "$name-c" -- "$bin/rc_stream" client 127.0.0.1 "$port" 0 "$size" \
+  vrun --guest "$name-c" -- "$bin/rc_stream" client 127.0.0.1 "$port" 0 "$size" ${RC_STREAM_OPT:+"$RC_STREAM_OPT"} \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   cli=$!
   # shellcheck disable=SC2034  # for the caller

@@ -10,6 +10,9 @@
 // Debian's tools); --stall-ms MS: a line "rc_stream: stall of S s ended at EPOCH" whenever
 // completions resume after MS or more without one (the impaired tests time a link flap with it).
 // A failed completion also prints "rc_stream: failed at EPOCH" (CLOCK_REALTIME seconds).
+// --events: the stream sleeps in a completion channel whenever its CQ is empty (arm, poll once,
+// block); a completion found in the armed CQ with no event for it a second later is a lost event
+// ("rc_stream: lost event", exit 1).
 //
 // rnr-server PORT | rnr-client HOST PORT: a SEND that finds no receive must not hold up what
 // comes behind it. After a ping-pong warm-up (which puts the pair on whatever path vrdma takes),
@@ -23,6 +26,7 @@
 #include <infiniband/verbs.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -44,6 +48,7 @@ constexpr int kDepth = 32;
 volatile std::sig_atomic_t g_stop = 0;
 uint8_t g_timeout = 14;  ///< --timeout
 long g_stall_ms = 0;     ///< --stall-ms (0: no stall lines)
+bool g_events = false;   ///< --events
 void on_stop(int) { g_stop = 1; }
 
 struct Dest {
@@ -121,6 +126,7 @@ struct Link {
   ibv_device** list = nullptr;
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
+  ibv_comp_channel* ch = nullptr;  ///< --events
   ibv_cq* cq = nullptr;
   ibv_mr* mr = nullptr;
   ibv_qp* qp = nullptr;
@@ -145,6 +151,30 @@ struct Link {
     wr.send_flags = IBV_SEND_SIGNALED | flags;
     if (ibv_post_send(qp, &wr, &bad)) die("post_send");
   }
+  /// --events: one completion event, if it comes within `ms`; true if it came.
+  bool event(int ms) {
+    pollfd p{ch->fd, POLLIN, 0};
+    if (::poll(&p, 1, ms) != 1) return false;
+    ibv_cq* ev_cq = nullptr;
+    void* ev_ctx = nullptr;
+    if (ibv_get_cq_event(ch, &ev_cq, &ev_ctx)) die("get_cq_event");
+    ibv_ack_cq_events(ev_cq, 1);
+    return true;
+  }
+  /// --events, with the CQ found empty: arms it, polls once more, then sleeps until an event
+  /// (at most 2 s); returns what a poll then finds.
+  int sleep_poll(ibv_wc* wc, int n) {
+    if (ibv_req_notify_cq(cq, 0)) die("req_notify_cq");
+    int got = ibv_poll_cq(cq, n, wc);
+    if (got != 0) return got;
+    if (event(2000)) return ibv_poll_cq(cq, n, wc);
+    got = ibv_poll_cq(cq, n, wc);
+    if (got > 0 && !event(1000)) {
+      std::fprintf(stderr, "rc_stream: lost event (a completion in the armed CQ, no event)\n");
+      std::exit(1);
+    }
+    return got;
+  }
   /// Polls until one completion, which must be a success.
   ibv_wc wait() {
     ibv_wc wc{};
@@ -167,6 +197,7 @@ struct Link {
     ibv_destroy_qp(qp);
     ibv_dereg_mr(mr);
     ibv_destroy_cq(cq);
+    if (ch) ibv_destroy_comp_channel(ch);
     ibv_dealloc_pd(pd);
     ibv_close_device(ctx);
     ibv_free_device_list(list);
@@ -183,7 +214,8 @@ void connect(Link& l, bool server, const char* host, int port, uint32_t size, in
   if (!l.list || nd < 1) die("no device");
   l.ctx = ibv_open_device(l.list[0]);
   l.pd = l.ctx ? ibv_alloc_pd(l.ctx) : nullptr;
-  l.cq = l.pd ? ibv_create_cq(l.ctx, 2 * kDepth, nullptr, nullptr, 0) : nullptr;
+  if (g_events && l.pd && !(l.ch = ibv_create_comp_channel(l.ctx))) die("creating a channel");
+  l.cq = l.pd ? ibv_create_cq(l.ctx, 2 * kDepth, nullptr, l.ch, 0) : nullptr;
   l.buf.resize(size_t{size} * kDepth);
   l.mr = l.cq ? ibv_reg_mr(l.pd, l.buf.data(), l.buf.size(), IBV_ACCESS_LOCAL_WRITE) : nullptr;
   if (!l.mr) die("setting up PD/CQ/MR");
@@ -257,7 +289,8 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
       ++posted;
       ++inflight;
     }
-    const int got = ibv_poll_cq(l.cq, 16, wc);
+    int got = ibv_poll_cq(l.cq, 16, wc);
+    if (got == 0 && g_events) got = l.sleep_poll(wc, 16);
     if (got < 0) die("poll_cq");
     if (got > 0 && g_stall_ms > 0) {
       const double now = mono_s();
@@ -266,7 +299,7 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
                      epoch_now().c_str());
       last = now;
     }
-    if (server && open_ended && got == 0 && ++idle % 64 == 0) {
+    if (server && open_ended && got == 0 && (g_events || ++idle % 64 == 0)) {
       // Has the client said how many it sent?
       uint64_t total;
       if (::recv(l.sock, &total, sizeof(total), MSG_PEEK | MSG_DONTWAIT) == sizeof(total)) {
@@ -386,6 +419,10 @@ int main(int argc, char** argv) {
   int kept = 1;
   for (int k = 1; k < argc; ++k) {
     const std::string arg = argv[k];
+    if (arg == "--events") {
+      g_events = true;
+      continue;
+    }
     if ((arg == "--timeout" || arg == "--stall-ms") && k + 1 < argc) {
       const long v = std::strtol(argv[++k], nullptr, 10);
       if (arg == "--timeout") {

@@ -1413,4 +1413,105 @@ TEST_F(Conformance, DeviceMemoryCopiesRegistersZeroBasedAndIsReachedBothWays) {
   EXPECT_EQ(ibv_free_dm(dm), 0);
 }
 
+// Completion channels on every path (issue 25). On the direct path the libraries fire them
+// (docs/ARCHITECTURE.md, "Direct path"): the peer's library for our receive, ours for our send.
+// A thread blocked in ibv_get_cq_event is woken; one event per arm; a solicited-only arm lets an
+// unsolicited receive pass without one.
+TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
+  channel_ = ibv_create_comp_channel(ctx_);
+  ASSERT_NE(channel_, nullptr);
+  ibv_cq* ecq = ibv_create_cq(ctx_, 64, this, channel_, 0);
+  ASSERT_NE(ecq, nullptr);
+  cqs_.push_back(ecq);
+  ibv_qp* a = make_qp(IBV_QPT_RC);                 // send and receive CQ: cq_ (no channel)
+  ibv_qp* b = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);  // both on ecq
+  ASSERT_TRUE(a && b);
+  QpPath to_b, to_a;
+  to_b.dlid = to_a.dlid = lid_;
+  to_b.dest_qpn = b->qp_num;
+  to_a.dest_qpn = a->qp_num;
+  ASSERT_EQ(bring_to_rts(a, to_b), 0);
+  ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  for (uint64_t i = 0; i < 4; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 64), 0);
+  ASSERT_EQ(post_recv(a, 200, 65536, 64), 0);
+  auto event = [&](int timeout_ms) {
+    pollfd p{channel_->fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) != 1) return static_cast<ibv_cq*>(nullptr);
+    ibv_cq* cq = nullptr;
+    void* cq_ctx = nullptr;
+    if (ibv_get_cq_event(channel_, &cq, &cq_ctx) != 0 || cq_ctx != this) return cq;
+    ibv_ack_cq_events(cq, 1);
+    return cq;
+  };
+  // One SEND of `from` to the other QP; both its completions taken.
+  auto send = [&](ibv_qp* from, uint64_t wr_id, unsigned flags = 0) {
+    EXPECT_EQ(post(from, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED | flags, .wr_id = wr_id}),
+              0);
+  };
+  auto take_both = [&] {
+    EXPECT_EQ(poll(cq_, 1).size(), 1u);
+    EXPECT_EQ(poll(ecq, 1).size(), 1u);
+  };
+  const char* direct_env = std::getenv("VRDMA_DIRECT_PATH");
+  const bool direct = direct_env && std::string(direct_env) == "1";
+
+  // b's receive of a's SEND, woken in a thread that waits for it.
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  ibv_cq* woken = nullptr;
+  std::thread waiter([&] { woken = event(5000); });
+  send(a, 1);
+  waiter.join();
+  EXPECT_EQ(woken, ecq) << "the receive's event wakes the waiter";
+  take_both();
+  // Not re-armed: the next receive raises none.
+  ASSERT_EQ(::fcntl(channel_->fd, F_SETFL, ::fcntl(channel_->fd, F_GETFL) | O_NONBLOCK), 0);
+  send(a, 2);
+  take_both();
+  EXPECT_EQ(event(0), nullptr) << "one event per arm";
+  // Solicited only: an unsolicited receive passes, a solicited one fires.
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 1), 0);
+  send(a, 3);
+  take_both();
+  EXPECT_EQ(event(0), nullptr) << "an unsolicited receive under a solicited-only arm";
+  send(a, 4, IBV_SEND_SOLICITED);
+  EXPECT_EQ(event(5000), ecq) << "a solicited receive";
+  take_both();
+  // b's own send completion.
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  send(b, 5);
+  EXPECT_EQ(event(5000), ecq) << "the send's event";
+  take_both();
+  if (direct) {
+    EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "a's SENDs went direct";
+    EXPECT_TRUE(vrdma::verbs::to_vqp(b)->granted.load()) << "b's SEND went direct";
+  }
+  // A resized CQ: its `armed` word moves to the new ring; the grants that fire it are made again.
+  // (The first post after it finds its grant ended and goes through the backend.)
+  ASSERT_EQ(ibv_resize_cq(ecq, 128), 0);
+  for (uint64_t i = 104; i < 107; ++i) ASSERT_EQ(post_recv(b, i, 4096, 64), 0);
+  send(a, 6);
+  take_both();
+  for (uint64_t i = 7; i < 9; ++i) {
+    ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+    send(a, i);
+    EXPECT_EQ(event(5000), ecq) << "receive " << i << " after the resize";
+    take_both();
+  }
+  if (direct) {
+    EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "granted again";
+  }
+  // A QP put in ERR: the backend's flush completion (into b's own receive ring on the direct
+  // path) fires the CQ's channel too.
+  ASSERT_EQ(post_recv(b, 300, 8192, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  ibv_qp_attr err{};
+  err.qp_state = IBV_QPS_ERR;
+  ASSERT_EQ(ibv_modify_qp(b, &err, IBV_QP_STATE), 0);
+  EXPECT_EQ(event(5000), ecq) << "the flush's event";
+  auto flushed = poll(ecq, 1);
+  ASSERT_EQ(flushed.size(), 1u);
+  EXPECT_EQ(flushed[0].status, IBV_WC_WR_FLUSH_ERR);
+  EXPECT_EQ(flushed[0].wr_id, 300u);
+}
+
 }  // namespace
