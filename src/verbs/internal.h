@@ -273,6 +273,10 @@ void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments);
 /// cannot reach is left out, and the WQE then completes with a protection error.
 void odp_fault_sges(VContext& ctx, const ibv_sge* sg, int num_sge, bool write);
 void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length, bool write);
+/// The library's own responder (the path between libraries across hosts) about to touch
+/// [addr, addr + length) of MR `key`: faults its pages in when it is an ODP MR. 0, or EFAULT
+/// where a page is not mapped with that access (the requester gets REM_ACCESS_ERR).
+int odp_reach(VContext& ctx, uint32_t key, uint64_t addr, uint64_t length, bool write);
 int advise_mr(ibv_pd* pd, ibv_advise_mr_advice advice, uint32_t flags, ibv_sge* sg_list,
               uint32_t num_sge);
 

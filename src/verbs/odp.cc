@@ -220,6 +220,13 @@ void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length,
                std::strerror(rc));
 }
 
+int odp_reach(VContext& ctx, uint32_t key, uint64_t addr, uint64_t length, bool write) {
+  std::shared_ptr<OdpMr> m = find_odp(ctx, key);
+  if (!m) return 0;  // not ODP: its pages are all there
+  if (!in_mr(*m, addr, length)) return EFAULT;
+  return fault(ctx, *m, addr, length, write);
+}
+
 void odp_fault_sges(VContext& ctx, const ibv_sge* sg, int num_sge, bool write) {
   for (int i = 0; i < num_sge; ++i) odp_fault_sge(ctx, sg[i].lkey, sg[i].addr, sg[i].length, write);
 }

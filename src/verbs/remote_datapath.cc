@@ -273,8 +273,18 @@ ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, ui
   if (find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr))
     view = RemoteMrView{true, mr.access, mr.iova, mr.length};
   const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
-  if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op)))
+  if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op))) {
     p = local_ptr(mr, mr.addr + (iova - mr.iova));
+    // An ODP MR's pages may not be there yet (or not be mapped at all): fault them in first,
+    // as the backend's pager does on its path, rather than touch them.
+    VContext& ctx = *to_vctx(qp.qp.context);
+    if (ctx.odp_mrs.load(std::memory_order_relaxed) &&
+        odp_reach(ctx, rkey, reinterpret_cast<uintptr_t>(p), is_rdma_atomic(op) ? 8 : len,
+                  op != IBV_WR_RDMA_READ)) {
+      p = nullptr;
+      return IBV_WC_REM_ACCESS_ERR;
+    }
+  }
   return st;
 }
 
