@@ -76,6 +76,14 @@ bool settle_proofs(Session& s, uint32_t peer) {
   return pending;
 }
 
+/// Whether the QP's PD holds an ODP MR of its owner (such QPs stay on the backend's path).
+bool pd_holds_odp(const Qp& q) {
+  for (const auto& [h, mr] : q.owner->mrs) {
+    if (mr->odp && mr->pd == q.pd) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool Device::trusts(const Session& s, const Session& peer) const {
@@ -211,12 +219,8 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   std::vector<int> seg_fds;
   // ODP MRs gain pages as the owner's library faults them in; a grant would carry a snapshot,
   // and the library's own executor would touch pages never faulted in. Their QPs stay here.
-  for (const Qp* q : {a, b}) {
-    for (const auto& [h, mr] : q->owner->mrs) {
-      if (mr->odp && mr->pd == q->pd)
-        return error(EOPNOTSUPP, "direct path: the QP's PD holds an ODP MR");
-    }
-  }
+  if (pd_holds_odp(*a) || pd_holds_odp(*b))
+    return error(EOPNOTSUPP, "direct path: the QP's PD holds an ODP MR");
   for (const auto& [h, mr] : b->owner->mrs) {
     if (mr->pd != b->pd) continue;
     if (resp.num_mrs == kMaxDirectMrs || mr->chunks.size() > kMaxDirectChunks)

@@ -275,8 +275,7 @@ ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, ui
   const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
   if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op))) {
     p = local_ptr(mr, mr.addr + (iova - mr.iova));
-    // An ODP MR's pages may not be there yet (or not be mapped at all): fault them in first,
-    // as the backend's pager does on its path, rather than touch them.
+    // An ODP MR's pages may not be there yet, or not mapped at all: fault them in first.
     VContext& ctx = *to_vctx(qp.qp.context);
     if (ctx.odp_mrs.load(std::memory_order_relaxed) &&
         odp_reach(ctx, rkey, reinterpret_cast<uintptr_t>(p), is_rdma_atomic(op) ? 8 : len,
@@ -461,15 +460,9 @@ void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
   resend(r, c);
 }
 
-/// Takes the receive WQE the request consumes off the RQ (the backend's flush of a QP in ERR
-/// starts after it).
-void take_recv(Conn& c, VQp& qp) {
-  qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
-}
-
-/// The receive completion of a consumed WQE; `taken`: take_recv was called already.
+/// The receive completion of a consumed WQE; `taken`: the RQ's consumer index says so already.
 void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
-  if (!taken) take_recv(c, qp);
+  if (!taken) qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
   Cqe e{};
   e.wr_id = c.rwqe.wr_id;
   e.status = static_cast<uint32_t>(status);
@@ -485,6 +478,17 @@ void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
   e.src_qp = r.peer_qpn;
   e.slid = static_cast<uint16_t>(r.peer_lid);
   push(r.recv, e);
+}
+
+/// A SEND the receive WQE cannot take: the requester is told (`nak`), the WQE is taken (the
+/// backend's flush of the RQ starts after it), the QP goes to ERR, then the completion (`st`)
+/// shows: a poller that sees it finds the QP in ERR, as on a device.
+Outcome receive_failed(Conn& c, VQp& qp, RemoteQp& r, int st, ibv_wc_status nak) {
+  send_nak(c, nak);
+  qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+  to_error(qp, "a request failed at this responder");
+  push_recv(c, qp, r, st, /*taken=*/true);
+  return failed("a request failed at this responder");
 }
 
 /// A request's header has arrived: check it against our memory and say where its data goes.
@@ -522,25 +526,13 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
         LocalMr mr;
         if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
             !in_range(mr.addr, mr.length, s.addr, s.length)) {
-          send_nak(c, IBV_WC_REM_OP_ERR);
-          // The QP is in ERR before its completion shows (a poller that sees it finds it so), and
-          // the WQE is taken before that (the backend's flush of the RQ starts after it).
-          take_recv(c, qp);
-          to_error(qp, "a request failed at this responder");
-          push_recv(c, qp, r, IBV_WC_LOC_PROT_ERR, /*taken=*/true);
-          return failed("a request failed at this responder");
+          return receive_failed(c, qp, r, IBV_WC_LOC_PROT_ERR, IBV_WC_REM_OP_ERR);
         }
         c.dst[c.nd++] = MemSpan{local_ptr(mr, s.addr), s.length};
         cap += s.length;
       }
       if (cap < f.len) {
-        send_nak(c, IBV_WC_REM_INV_REQ_ERR);
-        // The QP is in ERR before its completion shows (a poller that sees it finds it so), and
-        // the WQE is taken before that (the backend's flush of the RQ starts after it).
-        take_recv(c, qp);
-        to_error(qp, "a request failed at this responder");
-        push_recv(c, qp, r, IBV_WC_LOC_LEN_ERR, /*taken=*/true);
-        return failed("a request failed at this responder");
+        return receive_failed(c, qp, r, IBV_WC_LOC_LEN_ERR, IBV_WC_REM_INV_REQ_ERR);
       }
       c.left = f.len;
       return kGo;
