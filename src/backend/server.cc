@@ -212,7 +212,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   UniqueFd give;  ///< a descriptor the response hands over (ring memfd, pipe end); closed after
   auto reply_err = [&](const Status& st) {
     VLOG_DEBUG("{}: {} failed: {}", who(c, c.sock.get()), proto::op_name(h.op), st.message());
-    out = encode(op, h.seq, -st.err(), Empty{});
+    // The reason goes with the errno (the library says a quota's on the program's stderr).
+    out = encode_error(op, h.seq, st.err(), st.message());
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
     if (r.is_ok()) out = encode(op, h.seq, 0, r.value());

@@ -445,6 +445,7 @@ int split_run_command(int argc, char** argv, std::vector<std::string>& command) 
   return argc;
 }
 
+// long-function: the command line's table (subcommands and options, CLI11) and one dispatch.
 int main_impl(int argc, char** argv) {
   CLI::App app{"vrdma: a user-space paravirtual RDMA device"};
   app.require_subcommand(1);

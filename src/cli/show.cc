@@ -352,6 +352,7 @@ std::string stranded_by_move(const json& from, const json& to, const std::string
   return "";
 }
 
+// long-function: one line of the status page per setting, in the order the page shows them.
 std::string status_header(const json& status) {
   const json& b = member(status, "backend");
   std::string out = fmt::format(

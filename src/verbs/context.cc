@@ -16,7 +16,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "common/identity.h"
@@ -164,6 +166,23 @@ class SessionCallLock {
   int fd_;
 };
 
+/// A command the backend refused for a quota says so once on the program's stderr, with the
+/// backend's reason (its log has the same line): a program only shows what the verb's errno
+/// makes it say ("QP size too big", ENOMEM). Other refusals stay at debug level.
+void say_refusal(uint16_t op, const std::string& why) {
+  if (why.find("quota") == std::string::npos) {
+    VLOG_DEBUG("{} refused: {}", op_name(op), why);
+    return;
+  }
+  static std::mutex mu;
+  static std::set<std::string> said;  // bounded: a program hits few distinct quotas
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (said.size() >= 32 || !said.insert(why).second) return;
+  }
+  VLOG_WARN("{} refused: {} (the backend's [quotas]; vrdma status shows them)", op_name(op), why);
+}
+
 }  // namespace
 
 int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
@@ -231,6 +250,7 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
     return EIO;
   }
   if (rh->status != 0) {
+    if (msg.size() > sizeof(MsgHeader)) say_refusal(h.op, reason_of(msg));
     errno = -rh->status;
     return errno;
   }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Per-guest quotas from the backend's config file: Debian's ibv_rc_pingpong asking for more than
-# its guest may have (queue depth, registered bytes) fails cleanly with the backend logging the
-# quota it hit; a pingpong within the quotas runs on the same backend at the same time.
+# its guest may have (queue depth, registered bytes) fails cleanly, the backend's log and the
+# program's stderr naming the quota it hit; a pingpong within the quotas runs on the same backend
+# at the same time.
 # Usage: quota.sh BIN_DIR
 # shellcheck disable=SC2016  # Perl expressions in single quotes
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -28,6 +29,9 @@ vrun --guest greedy-depth -- ibv_rc_pingpong -p "$(free_port)" >"$E2E_TMP/depth.
 grep -q "Couldn't create CQ" "$E2E_TMP/depth.out" || fail "unclear failure: $(cat "$E2E_TMP/depth.out")"
 grep -q 'guest greedy-depth: quota max_queue_depth = 256 reached' "$E2E_TMP/vrdmad.log" ||
   fail "no log line for max_queue_depth"
+# The program's own stderr names the quota too, once (its message alone says only the verb).
+[[ $(grep -c 'refused: .*guest quota max_queue_depth = 256' "$E2E_TMP/depth.out") == 1 ]] ||
+  fail "the program's stderr does not name max_queue_depth once: $(cat "$E2E_TMP/depth.out")"
 
 # 128 KiB messages: the MR is over max_mr_bytes.
 rc=0
@@ -37,6 +41,8 @@ vrun --guest greedy-bytes -- ibv_rc_pingpong -p "$(free_port)" -r 64 -s 131072 \
 grep -q "Couldn't register MR" "$E2E_TMP/bytes.out" || fail "unclear failure: $(cat "$E2E_TMP/bytes.out")"
 grep -q 'guest greedy-bytes: quota max_mr_bytes = 65536 reached' "$E2E_TMP/vrdmad.log" ||
   fail "no log line for max_mr_bytes"
+grep -q 'refused: .*guest quota max_mr_bytes = 65536' "$E2E_TMP/bytes.out" ||
+  fail "the program's stderr does not name max_mr_bytes: $(cat "$E2E_TMP/bytes.out")"
 
 # Within the quotas, on the same backend.
 run_pair fits fits-srv fits-cli -r 64 -s 4096 -n 200
