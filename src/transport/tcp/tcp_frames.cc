@@ -181,7 +181,17 @@ uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
   tcp_info ti{};
   socklen_t len = sizeof(ti);
   if (::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
-  return (uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar}) * 1000;
+  uint64_t us = uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar};
+  // TCP recovering a lost segment by its retransmission timer, which backs off (50, 100, 200,
+  // 400 ms: a retransmission lost again doubles it): the connection stands still until TCP's
+  // next try, a stall of TCP's own on a path that still delivers. Waited out through
+  // kBackoffsWaited backoffs (twice the current timeout covers those before it), so a lossy
+  // path is not a transport error; beyond, as in an outage, the QPs' ACK timers spend their
+  // retries as on a fabric (and TCP_USER_TIMEOUT redials).
+  constexpr unsigned kBackoffsWaited = 3;
+  if (ti.tcpi_unacked > 0 && ti.tcpi_backoff > 0 && ti.tcpi_backoff <= kBackoffsWaited)
+    us = std::max<uint64_t>(us, 2 * uint64_t{ti.tcpi_rto} + ti.tcpi_rtt);
+  return us * 1000;
 }
 
 bool TcpTransport::rx_pending(const std::string& node) {
