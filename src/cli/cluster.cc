@@ -366,7 +366,21 @@ std::string verify_against(X509* cert, X509* ca) {
   return X509_verify_cert_error_string(X509_STORE_CTX_get_error(ctx.get()));
 }
 
-Result<std::string> cluster_init(const std::string& dir) {
+namespace {
+
+/// The JSON members `init` and `add-node` share (MadeReport): the files of `stem`, `cert`'s names.
+nlohmann::json made_json(const std::string& dir, const std::string& stem, X509* cert) {
+  return {{"dir", dir},
+          {"key", path_in(dir, stem + ".key")},
+          {"cert", path_in(dir, stem + ".pem")},
+          {"subject", name_cn(X509_get_subject_name(cert))},
+          {"issuer", name_cn(X509_get_issuer_name(cert))},
+          {"not_after", not_after_text(cert)}};
+}
+
+}  // namespace
+
+Result<MadeReport> cluster_init(const std::string& dir) {
   ASSIGN_OR_RETURN(UniqueFd dirfd, open_cluster_dir(dir, /*create=*/true));
   const char* hint = "; refusing to replace the cluster CA (every node certificate depends on it)";
   RETURN_IF_ERROR(refuse_existing(dirfd.get(), dir, "ca.key", hint));
@@ -389,16 +403,20 @@ Result<std::string> cluster_init(const std::string& dir) {
     ::unlinkat(dirfd.get(), "ca.key", 0);  // so that init can simply be run again
     return st;
   }
-  return fmt::format(
-      "created {} and {} (\"{}\", valid until {})\n"
-      "keep ca.key here, on no backend host: it signs node certificates; the backends need only "
-      "ca.pem\nnext, for each backend host: vrdma cluster add-node NAME --dir {}  (NAME: that "
-      "backend's vrdmad --node)\n",
-      path_in(dir, "ca.key"), path_in(dir, "ca.pem"), cn, not_after_text(cert.get()), dir);
+  const std::string next = fmt::format("vrdma cluster add-node NAME --dir {}", dir);
+  MadeReport made{fmt::format("created {} and {} (\"{}\", valid until {})\n"
+                              "keep ca.key here, on no backend host: it signs node certificates; "
+                              "the backends need only ca.pem\nnext, for each backend host: {}  "
+                              "(NAME: that backend's vrdmad --node)\n",
+                              path_in(dir, "ca.key"), path_in(dir, "ca.pem"), cn,
+                              not_after_text(cert.get()), next),
+                  made_json(dir, "ca", cert.get())};
+  made.json["next"] = next;
+  return made;
 }
 
-Result<std::string> cluster_add_node(const std::string& dir, const std::string& name, int days,
-                                     bool force) {
+Result<MadeReport> cluster_add_node(const std::string& dir, const std::string& name, int days,
+                                    bool force) {
   RETURN_IF_ERROR(check_node_name(name));
   if (days < 1) return error(EINVAL, fmt::format("--days must be at least 1 (got {})", days));
   ASSIGN_OR_RETURN(UniqueFd dirfd, open_cluster_dir(dir, /*create=*/false));
@@ -426,14 +444,20 @@ Result<std::string> cluster_add_node(const std::string& dir, const std::string& 
     if (!force) ::unlinkat(dirfd.get(), key_file.c_str(), 0);  // ours: nothing was there
     return st;
   }
-  return fmt::format(
-      "created {} and {} (CN {}, signed by \"{}\", valid until {})\n"
-      "copy ca.pem, {}, {} from {} to {} on host {} ({}: mode 0600, owned by vrdmad's user); "
-      "set [transport] cluster_dir (or vrdmad --cluster-dir) if you put them elsewhere, and run "
-      "vrdmad there with --node {}\n",
-      path_in(dir, key_file), path_in(dir, cert_file), name,
-      name_cn(X509_get_subject_name(ca.cert.get())), not_after_text(cert.get()), cert_file,
-      key_file, dir, kDefaultClusterDir, name, key_file, name);
+  MadeReport made{
+      fmt::format(
+          "created {} and {} (CN {}, signed by \"{}\", valid until {})\n"
+          "copy ca.pem, {}, {} from {} to {} on host {} ({}: mode 0600, owned by vrdmad's user); "
+          "set [transport] cluster_dir (or vrdmad --cluster-dir) if you put them elsewhere, and "
+          "run vrdmad there with --node {}\n",
+          path_in(dir, key_file), path_in(dir, cert_file), name,
+          name_cn(X509_get_subject_name(ca.cert.get())), not_after_text(cert.get()), cert_file,
+          key_file, dir, kDefaultClusterDir, name, key_file, name),
+      made_json(dir, name, cert.get())};
+  made.json["node"] = name;
+  made.json["copy"] = {"ca.pem", cert_file, key_file};
+  made.json["copy_to"] = kDefaultClusterDir;
+  return made;
 }
 
 Result<ShowReport> cluster_show(const std::string& dir) {

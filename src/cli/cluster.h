@@ -40,16 +40,25 @@ Status check_node_name(std::string_view name);
 /// the last not all digits, so an IPv4 address is not one): only then does the leaf get a SAN.
 bool is_dns_name(std::string_view name);
 
+/// What `init` and `add-node` made: what to tell the operator, and the same as JSON (-j):
+/// dir, key and cert (the files' paths), subject, issuer and not_after (as `show` says them);
+/// init adds `next` (the command to run next), add-node `node`, `copy` (the files the host
+/// needs) and `copy_to` (where its backend looks for them by default).
+struct MadeReport {
+  std::string text;
+  nlohmann::json json;
+};
+
 /// `vrdma cluster init`: creates `dir` (0700) when missing, refuses a symlink or a directory
 /// writable by group/others, then writes ca.key (0600) and ca.pem. Refuses (EEXIST) when either
-/// exists. Returns what to tell the operator.
-Result<std::string> cluster_init(const std::string& dir);
+/// exists.
+Result<MadeReport> cluster_init(const std::string& dir);
 
 /// `vrdma cluster add-node`: signs a certificate for `name` with dir/ca.key and writes
 /// dir/<name>.key (0600) and dir/<name>.pem, replacing existing ones only with `force`.
-/// EINVAL for a bad name or day count. Returns what to copy where.
-Result<std::string> cluster_add_node(const std::string& dir, const std::string& name,
-                                     int days = kDefaultNodeDays, bool force = false);
+/// EINVAL for a bad name or day count. Says what to copy where.
+Result<MadeReport> cluster_add_node(const std::string& dir, const std::string& name,
+                                    int days = kDefaultNodeDays, bool force = false);
 
 /// `vrdma cluster show`: one line per *.pem in `dir` (file, subject CN, issuer CN, not-after,
 /// "ok" or OpenSSL's verify error against ca.pem).

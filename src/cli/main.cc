@@ -373,10 +373,12 @@ int cmd_cluster(const std::string& sub, const std::string& dir, const std::strin
                 bool force, bool json) {
   Result<std::string> out = std::string();
   bool all_ok = true;  // of `show`: every certificate verified
-  if (sub == "init") {
-    out = cluster_init(dir);
-  } else if (sub == "add-node") {
-    out = cluster_add_node(dir, name, days, force);
+  if (sub == "init" || sub == "add-node") {
+    auto made = sub == "init" ? cluster_init(dir) : cluster_add_node(dir, name, days, force);
+    if (made)
+      out = json ? made->json.dump() + "\n" : made->text;
+    else
+      out = made.status();
   } else if (auto report = cluster_show(dir); report) {
     out = json ? nlohmann::json{{"dir", dir}, {"all_ok", report->all_ok}, {"certs", report->certs}}
                          .dump() +
@@ -564,7 +566,7 @@ int main_impl(int argc, char** argv) {
       ->capture_default_str();
   cl_add->add_flag("--force", cl_force, "replace an existing NAME.key and NAME.pem");
   bool cl_json = false;
-  cl_show->add_flag("-j,--json", cl_json, "JSON output");
+  for (auto* c : {cl_init, cl_add, cl_show}) c->add_flag("-j,--json", cl_json, "JSON output");
   std::string cl_socket;
   auto* cl_status = cluster->add_subcommand(
       "status", "Nodes, addresses, leases and guests of the directory, and this backend's peers");

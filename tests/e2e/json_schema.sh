@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every `vrdma` command's JSON (-j and --json) against its schema (tests/e2e/schema/vrdma.json,
 # checked by json_check.py): status, res show (each type, and the summary), stat (both counter
-# sets and each alone: one shape), snapshot, restore, cluster show and status, and as root setup / setup
-# --remove (in a mount namespace of the test's own). One vocabulary: every key is snake_case, and
+# sets and each alone: one shape), snapshot, restore, cluster init, add-node, show and status, and
+# as root setup / setup --remove (in a mount namespace of the test's own). One vocabulary: every key is snake_case, and
 # rows may carry only the keys their schema names. Also `vrdma status` says the effective configuration
 # (config file, log, keep_state, direct paths). A verifying stream runs meanwhile and ends intact.
 # Usage: json_schema.sh BIN_DIR
@@ -49,8 +49,10 @@ check snapshot snapshot js-c "$E2E_TMP/js.snap" -j
 check restore restore "$E2E_TMP/js.snap" --json
 kill -USR1 "$cli_proc"
 finish_stream js "$cli" "$srv" 60
-"$VRDMA" cluster init --dir "$E2E_TMP/cluster" >/dev/null &&
-  "$VRDMA" cluster add-node n1 --dir "$E2E_TMP/cluster" >/dev/null || fail "vrdma cluster init/add-node"
+check cluster_init cluster init --dir "$E2E_TMP/cluster" -j
+check cluster_add_node cluster add-node n1 --dir "$E2E_TMP/cluster" --json
+grep -qF '"copy":["ca.pem","n1.pem","n1.key"]' "$E2E_TMP/json.cluster_add_node.out" ||
+  fail "cluster add-node -j: $(cat "$E2E_TMP/json.cluster_add_node.out")"
 check cluster_show cluster show --dir "$E2E_TMP/cluster" -j
 check cluster_status cluster status -j  # no TCP transport here: "off" (etcd: hosts.etcd_directory)
 grep -q '"verdict":"ok"' "$E2E_TMP/json.cluster_show.out" || fail "cluster show -j: $(cat "$E2E_TMP/json.cluster_show.out")"

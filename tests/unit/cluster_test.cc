@@ -93,8 +93,18 @@ TEST_F(ClusterTest, InitWritesAnEd25519CaThatAddNodeSignsWith) {
 
   auto add = cluster_add_node(dir_, "hostA");
   ASSERT_TRUE(add) << add.status().message();
-  EXPECT_NE(add->find("copy ca.pem, hostA.pem, hostA.key"), std::string::npos) << *add;
-  EXPECT_NE(add->find("cluster_dir"), std::string::npos) << *add;
+  EXPECT_NE(add->text.find("copy ca.pem, hostA.pem, hostA.key"), std::string::npos) << add->text;
+  EXPECT_NE(add->text.find("cluster_dir"), std::string::npos) << add->text;
+  // -j says the same: the files, the names in the certificates, what to copy where.
+  EXPECT_EQ(init->json["cert"], path("ca.pem"));
+  EXPECT_EQ(init->json["subject"], ca_cn);
+  EXPECT_EQ(init->json["issuer"], ca_cn);
+  EXPECT_EQ(init->json["next"], "vrdma cluster add-node NAME --dir " + dir_);
+  EXPECT_EQ(add->json["node"], "hostA");
+  EXPECT_EQ(add->json["key"], path("hostA.key"));
+  EXPECT_EQ(add->json["issuer"], ca_cn);
+  EXPECT_EQ(add->json["copy"], nlohmann::json({"ca.pem", "hostA.pem", "hostA.key"}));
+  EXPECT_EQ(add->json["copy_to"], kDefaultClusterDir);
   EXPECT_EQ(mode_of(path("hostA.key")), 0600u);
 
   X509Ptr leaf = cert("hostA.pem");
