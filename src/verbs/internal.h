@@ -272,6 +272,7 @@ void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments);
 /// Faults in the pages of the SGEs that name ODP MRs of the context (before a post); a page it
 /// cannot reach is left out, and the WQE then completes with a protection error.
 void odp_fault_sges(VContext& ctx, const ibv_sge* sg, int num_sge, bool write);
+/// One SGE of them: odp_reach, its failure only a debug line.
 void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length, bool write);
 /// The library's own responder (the path between libraries across hosts) about to touch
 /// [addr, addr + length) of MR `key`: faults its pages in when it is an ODP MR. 0, or EFAULT

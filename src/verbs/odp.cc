@@ -211,20 +211,20 @@ void forget_odp_mr(VContext& ctx, VMr& mr, std::vector<uint32_t>& segments) {
   m->segments.clear();
 }
 
-void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length, bool write) {
-  if (length == 0) return;
-  std::shared_ptr<OdpMr> m = find_odp(ctx, lkey);
-  if (!m || !in_mr(*m, addr, length)) return;  // not ODP, or the backend's error to answer
-  if (int rc = fault(ctx, *m, addr, length, write))
-    VLOG_DEBUG("ODP MR {}: {:#x}+{:#x} not faulted in: {}", m->handle, addr, length,
-               std::strerror(rc));
-}
-
 int odp_reach(VContext& ctx, uint32_t key, uint64_t addr, uint64_t length, bool write) {
   std::shared_ptr<OdpMr> m = find_odp(ctx, key);
   if (!m) return 0;  // not ODP: its pages are all there
   if (!in_mr(*m, addr, length)) return EFAULT;
   return fault(ctx, *m, addr, length, write);
+}
+
+void odp_fault_sge(VContext& ctx, uint32_t lkey, uint64_t addr, uint64_t length, bool write) {
+  if (length == 0) return;
+  // Not posted as an error here: the backend answers the WQE (a protection error) when it
+  // executes it, whether the range is outside the MR or a page cannot be reached.
+  if (int rc = odp_reach(ctx, lkey, addr, length, write))
+    VLOG_DEBUG("ODP lkey {:#x}: {:#x}+{:#x} not faulted in: {}", lkey, addr, length,
+               std::strerror(rc));
 }
 
 void odp_fault_sges(VContext& ctx, const ibv_sge* sg, int num_sge, bool write) {
