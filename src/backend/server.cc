@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <infiniband/verbs.h>
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -213,7 +214,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   auto reply_err = [&](const Status& st) {
     VLOG_DEBUG("{}: {} failed: {}", who(c, c.sock.get()), proto::op_name(h.op), st.message());
     // The reason goes with the errno (the library says a quota's on the program's stderr).
-    out = encode_error(op, h.seq, st.err(), st.message());
+    out = encode_error(op, h.seq, st.err(), st.message(), st.quota() ? kAnswerQuota : 0);
   };
   auto reply = [&](const auto& r) {  // Result<Body>: the body, or the error
     if (r.is_ok()) out = encode(op, h.seq, 0, r.value());
@@ -313,7 +314,17 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       reply_status(dev_.dealloc_mw(*s, handle_of()));
       break;
     case Op::kCreateQp: reply(dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), give)); break;
-    case Op::kModifyQp: reply_status(dev_.modify_qp(*s, body_of<ModifyQpReq>(msg).value())); break;
+    case Op::kModifyQp: {
+      const ModifyQpReq req = body_of<ModifyQpReq>(msg).value();
+      const Status st = dev_.modify_qp(*s, req);
+      reply_status(st);
+      // RTR checks no reachability (verbs), but the program hears now why its sends will only
+      // time out: the library says it on its stderr.
+      const bool rtr = (req.mask & IBV_QP_STATE) && req.attr.qp_state == IBV_QPS_RTR;
+      if (st.is_ok() && rtr && dev_.destination_unknown(*s, req.handle))
+        add_answer_flags(out, kAnswerDestUnknown);
+      break;
+    }
     case Op::kQueryQp: reply(dev_.query_qp(*s, handle_of())); break;
     case Op::kDestroyQp: reply_status(dev_.destroy_qp(*s, handle_of())); break;
     case Op::kCreateSrq: reply(dev_.create_srq(*s, body_of<CreateSrqReq>(msg).value(), give)); break;

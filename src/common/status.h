@@ -20,13 +20,24 @@ class [[nodiscard]] Status {
   explicit operator bool() const { return is_ok(); }
   int err() const { return err_; }  ///< positive errno; 0 when ok
   const std::string& message() const { return msg_; }
+  /// A guest quota's refusal (quota_error): the backend's error answer flags it, so the
+  /// library tells the program which quota instead of only the errno.
+  bool quota() const { return quota_; }
 
  private:
+  friend Status quota_error(int err, std::string msg);
   int err_ = 0;
+  bool quota_ = false;
   std::string msg_;
 };
 
 inline Status error(int err, std::string msg) { return {err, std::move(msg)}; }
+/// An error because a guest reached one of the backend's quotas.
+inline Status quota_error(int err, std::string msg) {
+  Status s(err, std::move(msg));
+  s.quota_ = true;
+  return s;
+}
 
 template <typename T>
 class [[nodiscard]] Result {

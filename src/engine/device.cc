@@ -78,7 +78,7 @@ Status Device::check_quota(Guest& g, Res r, uint64_t n) {
       VLOG_WARN("guest {}: quota {} = {} reached (holds {}, asked for {} more)", g.name,
                 res_name(r), limit, used, n);
     }
-    return error(ENOMEM, fmt::format("guest quota {} = {} reached", res_name(r), limit));
+    return quota_error(ENOMEM, fmt::format("guest quota {} = {} reached", res_name(r), limit));
   }
   return Status::ok();
 }
@@ -112,8 +112,8 @@ Status Device::check_depth(Guest& g, const char* what, uint32_t entries) {
     VLOG_WARN("guest {}: quota max_queue_depth = {} reached ({} of {} entries)", g.name, limit,
               what, entries);
   }
-  return error(ENOMEM, fmt::format("{} of {} entries: guest quota max_queue_depth = {}", what,
-                                   entries, limit));
+  return quota_error(ENOMEM, fmt::format("{} of {} entries: guest quota max_queue_depth = {}", what,
+                                         entries, limit));
 }
 
 Status Device::refused(Session& s, const char* call, Status st) {

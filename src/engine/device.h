@@ -103,6 +103,9 @@ class Device : public transport::Receiver {
   Result<proto::CreateCqResp> resize_cq(Session& s, const proto::ResizeCqReq& req, UniqueFd& ring);
   Result<proto::CreateQpResp> create_qp(Session& s, const proto::CreateQpReq& req, UniqueFd& ring);
   Status modify_qp(Session& s, const proto::ModifyQpReq& req);
+  /// Whether QP `handle`'s destination is one no backend this one reaches knows: no guest here,
+  /// and no TCP transport to look for it elsewhere (the modify_qp answer's kAnswerDestUnknown).
+  bool destination_unknown(Session& s, uint32_t handle);
   Result<proto::QueryQpResp> query_qp(Session& s, uint32_t handle);
   Status destroy_qp(Session& s, uint32_t handle);
   Result<proto::CreateSrqResp> create_srq(Session& s, const proto::CreateSrqReq& req,

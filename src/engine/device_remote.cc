@@ -122,6 +122,12 @@ void Device::choose_route(Qp& qp) {
                             a.is_global ? "GID" : fmt::format("LID {:#x}", a.dlid), node));
 }
 
+bool Device::destination_unknown(Session& s, uint32_t handle) {
+  const Qp* qp = find_qp(s, handle);
+  // With a transport, a destination not known yet may be announced later (choose_route).
+  return qp && !transport_ && qp->route_pending;
+}
+
 uint64_t Device::ack_ns(const Qp& qp) const {
   // A floor keeps a tiny timeout from flooding the connection with replays.
   return std::max<uint64_t>(ack_timeout_ns(qp.attr.timeout), 1000000);

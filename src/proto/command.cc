@@ -196,11 +196,12 @@ Result<MsgHeader> decode_header(std::span<const uint8_t> msg) {
   return h;
 }
 
-std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason) {
+std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason,
+                                  uint32_t flags) {
   reason = reason.substr(0, kMaxReason);
   std::vector<uint8_t> out(sizeof(MsgHeader) + reason.size());
-  const MsgHeader h{
-      kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(out.size()), seq, -err, 0};
+  MsgHeader h{kMagic, kVersion, static_cast<uint16_t>(op), 0, seq, -err, flags};
+  h.length = static_cast<uint32_t>(out.size());
   std::memcpy(out.data(), &h, sizeof(h));
   if (!reason.empty()) std::memcpy(out.data() + sizeof(h), reason.data(), reason.size());
   return out;

@@ -141,9 +141,26 @@ struct MsgHeader {
   uint32_t length;  ///< header + body, bytes
   uint32_t seq;     ///< echoed in the response
   int32_t status;   ///< response: 0 or -errno; request: 0
-  uint32_t reserved;
+  uint32_t flags;   ///< response: kAnswer* bits; request: 0
 };
 static_assert(sizeof(MsgHeader) == 24);
+
+// ---- Answer flags (MsgHeader::flags of a response): what the library must tell its program
+// and neither the errno nor the body says. No version change: the field was `reserved`, written
+// 0 and read by no one, so an older library ignores the flags and an older backend sends none
+// (the library then says nothing more than before).
+/// An error answer: a guest quota of the backend's [quotas] refused it (its reason names it).
+inline constexpr uint32_t kAnswerQuota = 1;
+/// kModifyQp to RTR, which succeeded: no backend this one can reach knows the destination (not
+/// a guest here, and no TCP transport to look elsewhere): its sends will only time out.
+inline constexpr uint32_t kAnswerDestUnknown = 2;
+/// Adds answer flags to an encoded response.
+inline void add_answer_flags(std::vector<uint8_t>& msg, uint32_t flags) {
+  uint32_t f;
+  std::memcpy(&f, msg.data() + offsetof(MsgHeader, flags), sizeof(f));
+  f |= flags;
+  std::memcpy(msg.data() + offsetof(MsgHeader, flags), &f, sizeof(f));
+}
 
 struct Empty {};
 
@@ -649,8 +666,10 @@ static_assert(sizeof(RestoreReq) == 8);
 // older client ignores the text and a newer one, answered by an older backend, finds none and
 // falls back to strerror(-status).
 inline constexpr size_t kMaxReason = 1024;
-/// An error answer to `op` with `reason` as its body (cut to kMaxReason bytes).
-std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason);
+/// An error answer to `op` with `reason` as its body (cut to kMaxReason bytes) and answer
+/// `flags` (kAnswer*).
+std::vector<uint8_t> encode_error(Op op, uint32_t seq, int err, std::string_view reason,
+                                  uint32_t flags = 0);
 /// The reason an error answer carries (its header validated), with anything but printable
 /// ASCII replaced by '?'; "" when it has none.
 std::string reason_of(std::span<const uint8_t> msg);

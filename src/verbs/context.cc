@@ -1,5 +1,6 @@
 // The device and its context: device list, open/close (connecting to the backend, starting one
 // on first use), device/port/GID queries, async events, and the command RPC.
+#include <arpa/inet.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -166,27 +167,49 @@ class SessionCallLock {
   int fd_;
 };
 
-/// A command the backend refused for a quota says so once on the program's stderr, with the
-/// backend's reason (its log has the same line): a program only shows what the verb's errno
-/// makes it say ("QP size too big", ENOMEM). Other refusals stay at debug level.
-void say_refusal(uint16_t op, const std::string& why) {
-  if (why.find("quota") == std::string::npos) {
+/// Whether the program's stderr has not had the line `key` names yet (then it has now).
+/// Bounded: a program hits few distinct quotas and destinations.
+bool first_time(const std::string& key) {
+  static std::mutex mu;
+  static std::set<std::string> said;
+  std::lock_guard<std::mutex> g(mu);
+  return said.size() < 64 && said.insert(key).second;
+}
+
+/// A command the backend refused for a quota (kAnswerQuota) says so once on the program's
+/// stderr, with the backend's reason (its log has the same line): a program only shows what the
+/// verb's errno makes it say ("QP size too big", ENOMEM). Other refusals stay at debug level.
+void say_refusal(uint16_t op, const std::string& why, bool quota) {
+  if (!quota) {
     VLOG_DEBUG("{} refused: {}", op_name(op), why);
     return;
   }
-  static std::mutex mu;
-  static std::set<std::string> said;  // bounded: a program hits few distinct quotas
-  {
-    std::lock_guard<std::mutex> g(mu);
-    if (said.size() >= 32 || !said.insert(why).second) return;
-  }
+  if (!first_time("quota " + why)) return;
   VLOG_WARN("{} refused: {} (the backend's [quotas]; vrdma status shows them)", op_name(op), why);
 }
 
 }  // namespace
 
+void say_destination_unknown(const ibv_qp& qp, const ibv_qp_attr& attr, int mask) {
+  // The address came with an earlier modify: the QP names it.
+  std::string dest = fmt::format("LID {:#x}", attr.ah_attr.dlid);
+  if (!(mask & IBV_QP_AV)) {
+    dest = fmt::format("of QP {:#x}", qp.qp_num);
+  } else if (attr.ah_attr.is_global) {
+    char text[INET6_ADDRSTRLEN] = "?";
+    ::inet_ntop(AF_INET6, attr.ah_attr.grh.dgid.raw, text, sizeof(text));
+    dest = fmt::format("GID {}", text);
+  }
+  if (!first_time("destination " + dest)) return;
+  VLOG_WARN(
+      "modify_qp to RTR: destination {} unknown to the backend on {} (tcp off): are both "
+      "programs on the same VRDMA_SOCKET? (sends to it end in transport retry counter exceeded)",
+      dest, socket_path());
+}
+
 int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
-                   std::span<const int> fds_in, std::vector<UniqueFd>* fds_out) {
+                   std::span<const int> fds_in, std::vector<UniqueFd>* fds_out,
+                   uint32_t* answer_flags) {
   std::lock_guard<std::mutex> g(rpc_mu);
   SessionCallLock session_lock(call_lock.get());
   std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
@@ -249,8 +272,9 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
     errno = EIO;
     return EIO;
   }
+  if (answer_flags) *answer_flags = rh->flags;
   if (rh->status != 0) {
-    if (msg.size() > sizeof(MsgHeader)) say_refusal(h.op, reason_of(msg));
+    if (msg.size() > sizeof(MsgHeader)) say_refusal(h.op, reason_of(msg), rh->flags & kAnswerQuota);
     errno = -rh->status;
     return errno;
   }

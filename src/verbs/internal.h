@@ -74,10 +74,12 @@ struct VContext {
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());
   }
-  /// Sends one command and waits for its response; fills `fds_out` with any descriptors.
+  /// Sends one command and waits for its response; fills `fds_out` with any descriptors and
+  /// `answer_flags` with the answer's proto::kAnswer* bits.
   /// Returns the errno the backend answered (0 on success), with errno also set.
   int call(proto::Op op, const void* body, size_t body_len, void* resp, size_t resp_len,
-           std::span<const int> fds_in = {}, std::vector<UniqueFd>* fds_out = nullptr);
+           std::span<const int> fds_in = {}, std::vector<UniqueFd>* fds_out = nullptr,
+           uint32_t* answer_flags = nullptr);
   template <typename Req, typename Resp>
   int call(proto::Op op, const Req& req, Resp& resp, std::span<const int> fds_in = {},
            std::vector<UniqueFd>* fds_out = nullptr) {
@@ -308,5 +310,8 @@ ibv_cq* create_cq(ibv_context* c, int cqe, void* cq_context, ibv_comp_channel* c
 
 // Device attributes (context.cc).
 void fill_device_attr(const VContext& ctx, ibv_device_attr& a);
+/// The modify_qp of `qp` to RTR was answered kAnswerDestUnknown: says so on the program's
+/// stderr, once per destination (`attr`'s address when `mask` has IBV_QP_AV).
+void say_destination_unknown(const ibv_qp& qp, const ibv_qp_attr& attr, int mask);
 
 }  // namespace vrdma::verbs

@@ -565,7 +565,11 @@ VERBS_EXPORT int ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
   VQp* v = to_vqp(qp);
   drop_grant(*v);  // any change ends a direct grant (the backend's epoch moves too)
   remote_before_modify(*v, mask, *attr);
-  if (int rc = to_vctx(qp->context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0)) return rc;
+  uint32_t answer = 0;
+  if (int rc = to_vctx(qp->context)
+                   ->call(Op::kModifyQp, &req, sizeof(req), &resp, 0, {}, nullptr, &answer))
+    return rc;
+  if (answer & proto::kAnswerDestUnknown) say_destination_unknown(*qp, *attr, mask);
   if (mask & IBV_QP_STATE) qp->state = attr->qp_state;
   remote_after_modify(*v, mask, *attr);
   return 0;

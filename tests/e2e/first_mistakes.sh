@@ -137,18 +137,27 @@ kill "$SERVER_PID" "$CLIENT_PID" 2>/dev/null
 wait "$SERVER_PID" "$CLIENT_PID" 2>/dev/null || true
 
 # Two programs on two backends without TCP (a typo in VRDMA_SOCKET): each backend's log says
-# once that the other's LID is unknown to it, and asks the question.
-VRDMA_SOCKET="$OTHER" start_server split split-s
-start_client split split-c "$PORT"
+# once that the other's LID is unknown to it, and asks the question; so does each program's
+# stderr, once, when its QP goes to RTR (not only "transport retry counter exceeded" later).
+VRDMA_SOCKET="$OTHER" start_server split split-s -n 3
+start_client split split-c "$PORT" -n 3
 unknown="unknown to this backend (tcp off): are both programs on the same VRDMA_SOCKET?"
+said() { # PROGRAM_OUT SOCKET
+  grep -cE "warn: modify_qp to RTR: destination LID 0x[0-9a-f]+ unknown to the backend on $2 \(tcp off\): are both programs on the same VRDMA_SOCKET\?" "$1"
+}
 for ((i = 0; i < 100; i++)); do
-  grep -qF "$unknown" "$E2E_TMP/vrdmad.log" && grep -qF "$unknown" "$E2E_TMP/other.out" && break
+  grep -qF "$unknown" "$E2E_TMP/vrdmad.log" && grep -qF "$unknown" "$E2E_TMP/other.out" &&
+    [[ $(said "$E2E_TMP/split.server.out" "$OTHER") != 0 &&
+      $(said "$E2E_TMP/split.client.out" "$VRDMA_SOCKET") != 0 ]] && break
   nap 0.1
 done
 if ! grep -qF "(guest split-c): destination LID 0x" "$E2E_TMP/vrdmad.log" ||
   ! grep -qF "(guest split-s): destination LID 0x" "$E2E_TMP/other.out"; then
   fail "no unknown destination in the logs: $(grep -h warn "$E2E_TMP/vrdmad.log" "$E2E_TMP/other.out")"
 fi
+[[ $(said "$E2E_TMP/split.server.out" "$OTHER") == 1 &&
+  $(said "$E2E_TMP/split.client.out" "$VRDMA_SOCKET") == 1 ]] ||
+  fail "not said once on the programs' stderr: $(cat "$E2E_TMP"/split.*.out)"
 kill "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null
 wait "$SERVER_PID" "$CLIENT_PID" "$OTHER_PID" 2>/dev/null || true
 

@@ -294,5 +294,27 @@ TEST(CommandCodec, ErrorAnswerCarriesTheReason) {
   EXPECT_EQ(reason_of(encode_error(Op::kRestore, 1, EIO, std::string("a\nb\0c\x80", 6))), "a?b?c?");
 }
 
+// Answer flags ride in the header's former reserved word: an older client reads the same
+// errno, body and length; an older backend's answers have none.
+TEST(CommandCodec, AnswerFlagsLeaveErrnoBodyAndLengthAlone) {
+  const Bytes q =
+      encode_error(Op::kCreateCq, 3, ENOMEM, "guest quota max_cqs = 2 reached", kAnswerQuota);
+  auto h = decode_header(q);
+  ASSERT_TRUE(h.is_ok()) << h.status().message();
+  EXPECT_EQ(h.value().flags, kAnswerQuota);
+  EXPECT_EQ(h.value().status, -ENOMEM);
+  EXPECT_EQ(reason_of(q), "guest quota max_cqs = 2 reached");
+  EXPECT_EQ(decode_header(encode_error(Op::kCreateCq, 3, ENOMEM, "x")).value().flags, 0u);
+  Bytes ok = encode(Op::kModifyQp, 4, 0, Empty{});
+  EXPECT_EQ(decode_header(ok).value().flags, 0u);
+  add_answer_flags(ok, kAnswerDestUnknown);
+  add_answer_flags(ok, kAnswerQuota);
+  ASSERT_EQ(ok.size(), sizeof(MsgHeader));
+  h = decode_header(ok);
+  ASSERT_TRUE(h.is_ok());
+  EXPECT_EQ(h.value().flags, kAnswerDestUnknown | kAnswerQuota);
+  EXPECT_EQ(h.value().status, 0);
+}
+
 }  // namespace
 }  // namespace vrdma::proto

@@ -43,6 +43,14 @@ TEST_F(DeviceRemoteTest, SendGoesThroughTheTransportAndCompletes) {
   EXPECT_EQ(qa_.sq->consumer.load(), 1u);
 }
 
+// With a transport a destination not known yet may be announced later: nothing is said at RTR.
+TEST_F(DeviceRemoteTest, AnUnknownDestinationIsNotSaidWhileATransportMayFindIt) {
+  G nobody;
+  nobody.hello.lid = 0x6faa;
+  connect_rtr(a_, qa_, nobody, qb_);
+  EXPECT_FALSE(dev_.destination_unknown(*a_.s, qa_.handle));
+}
+
 TEST_F(DeviceRemoteTest, LostFramesAreReplayedAndExecutedOnce) {
   connect_both();
   post_numbered(3);

@@ -65,6 +65,9 @@ TEST_F(QuotaTest, EachKindFailsWithEnomemAtItsLimitAndOnlyForThatGuest) {
   auto r = try_qp(a_, acq_);
   EXPECT_EQ(r.status().err(), ENOMEM);
   EXPECT_NE(r.status().message().find("max_qps"), std::string::npos) << r.status().message();
+  // Flagged as a quota's (the server's kAnswerQuota), unlike the device's own limits.
+  EXPECT_TRUE(r.status().quota());
+  EXPECT_FALSE(dev_.destroy_qp(*a_.s, 999).quota());
   EXPECT_TRUE(try_qp(b_, bcq_).is_ok()) << "b's quota is its own";
   // CQs: a has 2 of 3.
   ASSERT_TRUE(try_cq(a_).is_ok());
@@ -86,6 +89,7 @@ TEST_F(QuotaTest, EachKindFailsWithEnomemAtItsLimitAndOnlyForThatGuest) {
                            dev_.create_srq(*b_.s, CreateSrqReq{b_.pd, 0, SrqAttr{65, 1, 0, 0}}, fd)
                                .status()}) {
     EXPECT_EQ(st.err(), ENOMEM);
+    EXPECT_TRUE(st.quota());
     EXPECT_NE(st.message().find("max_queue_depth"), std::string::npos) << st.message();
   }
 }
@@ -318,6 +322,18 @@ TEST_F(DeviceTest, PeersOfADeadGuestGoToErrorWithQpFatal) {
   EXPECT_EQ(rx[0].status, IBV_WC_WR_FLUSH_ERR);
   EXPECT_EQ(state(c, qc), IBV_QPS_RTS);
   EXPECT_TRUE(async_events(c).empty());
+}
+
+// Without TCP a destination that is no guest here is known to no backend this one reaches:
+// the modify_qp answer says so (kAnswerDestUnknown) and the library tells the program.
+TEST_F(DeviceTest, ADestinationNoReachableBackendKnowsIsSaidAtRtr) {
+  connect_rtr(b_, qb_, a_, qa_);
+  EXPECT_FALSE(dev_.destination_unknown(*b_.s, qb_.handle)) << "a is a guest here";
+  G nobody;
+  nobody.hello.lid = 0x6faa;
+  connect_rtr(a_, qa_, nobody, qb_);
+  EXPECT_TRUE(dev_.destination_unknown(*a_.s, qa_.handle));
+  EXPECT_FALSE(dev_.destination_unknown(*a_.s, 999)) << "no such QP";
 }
 
 // ---- fairness ----
