@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "common/log.h"
+#include "engine/omitted_rows.h"
 
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
@@ -220,19 +221,19 @@ constexpr size_t kStatusListQps = 1000;
 bool status_lists(const engine::Device& dev) { return dev.qp_total() <= kStatusListQps; }
 
 /// A status document too large for one response (many objects other than QPs): everything but the
-/// lists of objects (`res`, each guest's `qps`), whose lengths go to `res_omitted` and each guest's
-/// `qps_omitted` instead, so that `vrdma status` keeps working.
+/// lists of objects (`res`, each guest's `qps`), counted as above kStatusListQps QPs (per guest
+/// in `res_omitted`, each guest's `qps_omitted`), so that `vrdma status` keeps working.
 std::string summarised(nlohmann::json doc, std::string whole) {
   constexpr size_t kMaxBytes = proto::kMaxResponse - sizeof(proto::MsgHeader) - sizeof(uint32_t);
   if (whole.size() <= kMaxBytes) return whole;
   if (auto res = doc.find("res"); res != doc.end() && res->is_object()) {
-    nlohmann::json omitted = nlohmann::json::object();
+    engine::OmittedRows omitted;
     for (auto& [type, rows] : res->items()) {
       if (!rows.is_array()) continue;
-      omitted[type] = rows.size();
+      for (const auto& r : rows) omitted.add(r.value("guest", std::string()), type, 1);
       rows = nlohmann::json::array();
     }
-    doc["res_omitted"] = std::move(omitted);
+    doc["res_omitted"] = omitted.rows();
   }
   if (auto guests = doc.find("guests"); guests != doc.end() && guests->is_array()) {
     for (auto& g : *guests) {
@@ -357,6 +358,13 @@ nlohmann::json visible_status(nlohmann::json j, const Viewer& v) {
       }
     }
     res[type] = std::move(kept);
+  }
+  // Above kStatusListQps QPs: how many rows each of its guests has, not the others'.
+  if (j.contains("res_omitted")) {
+    json omitted = json::array();
+    for (const json& r : arr(j, "res_omitted"))
+      if (own(r)) omitted.push_back(r);
+    j["res_omitted"] = std::move(omitted);
   }
   json counters = json::array();
   for (const json& g : arr(j, "guest_counters")) {

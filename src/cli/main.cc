@@ -337,10 +337,11 @@ int cmd_show(bool stat, std::vector<std::string> words, bool json, bool details,
     }
     return 0;
   }
-  // Above 1000 QPs the backend's status has no lists of objects, only their counts
+  // Above 1000 QPs the backend's status has no lists of objects, only their counts per guest
   // (res_omitted) and the per-guest sums: say so rather than print an empty list.
-  if (const auto om = j.find("res_omitted"); om != j.end() && om->is_object()) {
-    const uint64_t n = count_of(*om, type == "guest" ? "qp" : type.c_str());
+  if (const auto om = j.find("res_omitted"); om != j.end() && om->is_array()) {
+    uint64_t n = 0;
+    for (const auto& r : *om) n += count_of(r, type == "guest" ? "qp" : type.c_str());
     if (n && !(stat && type == "guest")) {
       fmt::print(stderr,
                  "{}: the backend holds {} {} row(s) and lists no objects above 1000 QPs; "

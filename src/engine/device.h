@@ -203,7 +203,8 @@ class Device : public transport::Receiver {
   /// EOPNOTSUPP while the guest has an ODP MR: its device cannot move (export_guest) yet.
   Status odp_movable(const std::string& name) const;
   /// Every resource with its owner, per-QP counters and per-guest sums (device_report.cc);
-  /// without `lists`, the sums only, and the number of each kind in `res_omitted`.
+  /// without `lists`, the sums only, and the number of each kind per guest in `res_omitted`
+  /// (OmittedRows).
   nlohmann::json report(bool lists = true) const;
 
   // ---- data path (datapath.cc) ----

@@ -3,6 +3,7 @@
 // per guest. `vrdma res show`, `vrdma stat` and the metrics endpoint all read this one report.
 // Control path only (owned by the engine thread, like the rest of the Device).
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,9 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include <fmt/format.h>
-
 #include "engine/device.h"
+#include "engine/omitted_rows.h"
 #include "engine/qp_state.h"
 
 namespace vrdma::engine {
@@ -220,12 +220,6 @@ static QpCounters with_direct(const Qp& qp) {
   return c;
 }
 
-/// Adds the lengths of lists left out of a report to `omitted` (type -> count).
-static void count_omitted(nlohmann::json& omitted,
-                          std::initializer_list<std::pair<const char*, size_t>> counts) {
-  for (auto [type, n] : counts) omitted[type] = omitted.value(type, size_t{0}) + n;
-}
-
 nlohmann::json Device::report(bool lists) const {
   nlohmann::json pds = nlohmann::json::array(), mrs = nlohmann::json::array(),
                  cqs = nlohmann::json::array(), srqs = nlohmann::json::array(),
@@ -233,17 +227,15 @@ nlohmann::json Device::report(bool lists) const {
                  mws = nlohmann::json::array(), xrcds = nlohmann::json::array();
   std::map<const Guest*, QpCounters> per_guest;
   for (const auto& [name, g] : guests_) per_guest[g.get()] = g->retired;
-  nlohmann::json omitted = nlohmann::json::object();
+  OmittedRows omitted;
   for (const auto& [id, s] : sessions_) {
     if (!lists) {  // the counters' sums only
       for (const auto& [h, qp] : s->qps) per_guest[qp->guest] += with_direct(*qp);
-      count_omitted(omitted, {{"pd", s->pds.size()},
-                              {"mr", s->mrs.size()},
-                              {"dm", s->dms.size()},
-                              {"cq", s->cqs.size()},
-                              {"srq", s->srqs.size()},
-                              {"qp", s->qps.size()},
-                              {"mw", s->mws.size()}});
+      const std::pair<const char*, size_t> counts[] = {
+          {"pd", s->pds.size()}, {"mr", s->mrs.size()},   {"dm", s->dms.size()},
+          {"cq", s->cqs.size()}, {"srq", s->srqs.size()}, {"qp", s->qps.size()},
+          {"mw", s->mws.size()}};
+      for (auto [type, n] : counts) omitted.add(s->guest->name, type, n);
       continue;
     }
     const nlohmann::json who = owner_of(*s);
@@ -296,7 +288,8 @@ nlohmann::json Device::report(bool lists) const {
   for (const auto& [name, g] : guests_) {
     if (!lists) {
       for (const auto& [qpn, qp] : g->xrc_qps) per_guest[g.get()] += with_direct(*qp);
-      count_omitted(omitted, {{"xrcd", g->xrcds.size()}, {"qp", g->xrc_qps.size()}});
+      omitted.add(name, "xrcd", g->xrcds.size());
+      omitted.add(name, "qp", g->xrc_qps.size());
       continue;
     }
     for (const auto& [id, x] : g->xrcds) {
@@ -338,7 +331,7 @@ nlohmann::json Device::report(bool lists) const {
                        {"xrcd", xrcds}}},
                      {"guest_counters", guests},
                      {"backend_counters", counters_json(all)}};
-  if (!lists) doc["res_omitted"] = std::move(omitted);
+  if (!lists) doc["res_omitted"] = omitted.rows();
   return doc;
 }
 

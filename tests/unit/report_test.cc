@@ -580,7 +580,12 @@ TEST_F(OpsTest, StatusAboveAThousandQpsCountsTheRowsInsteadOfListingThem) {
   const backend::Viewer admin{0, true};
   const json doc = json::parse(rep_.status_for(dev_, admin, now_).json);
   EXPECT_TRUE(doc["res"]["qp"].empty());
-  EXPECT_EQ(doc["res_omitted"]["qp"], dev_.qp_total());
+  // Counted per guest: a holds them all but b's one.
+  ASSERT_EQ(doc["res_omitted"].size(), 2u) << doc["res_omitted"];
+  EXPECT_EQ(doc["res_omitted"][0]["guest"], "a");
+  EXPECT_EQ(doc["res_omitted"][0]["qp"], dev_.qp_total() - 1);
+  EXPECT_EQ(doc["res_omitted"][1],
+            json({{"guest", "b"}, {"qp", 1}, {"pd", 1}, {"cq", 1}, {"mr", 1}}));
   EXPECT_EQ(doc["totals"]["qp"], dev_.qp_total());
   size_t seen = 0;
   for (const auto& g : doc["guests"]) {
@@ -664,6 +669,19 @@ class VisibilityTest : public OpsTest {
     return out;
   }
 };
+
+// Without lists (above 1000 QPs) the rows left out are counted per guest, and a user sees the
+// counts of its own guests only, as it sees their rows.
+TEST_F(VisibilityTest, LeftOutRowsAreCountedForTheViewersOwnGuestsOnly) {
+  const json whole = rep_.status(dev_, /*lists=*/false);
+  ASSERT_EQ(whole["res_omitted"].size(), 2u) << whole["res_omitted"];
+  const json mine = backend::visible_status(whole, backend::Viewer{kOwner, false});
+  ASSERT_EQ(mine["res_omitted"].size(), 1u) << mine["res_omitted"];
+  EXPECT_EQ(mine["res_omitted"][0]["guest"], "a");
+  EXPECT_EQ(mine["res_omitted"][0]["qp"], 1);
+  EXPECT_TRUE(backend::visible_status(whole, backend::Viewer{60003, false})["res_omitted"].empty());
+  EXPECT_FALSE(as(kBackendUid).contains("res_omitted")) << "with lists: nothing left out";
+}
 
 TEST_F(VisibilityTest, AGuestThatLeftIsSeenByItsOwnerOnly) {
   dev_.close_session(a_.s);
