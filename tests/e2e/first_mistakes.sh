@@ -142,8 +142,9 @@ wait "$SERVER_PID" "$CLIENT_PID" 2>/dev/null || true
 VRDMA_SOCKET="$OTHER" start_server split split-s -n 3
 start_client split split-c "$PORT" -n 3
 unknown="unknown to this backend (tcp off): are both programs on the same VRDMA_SOCKET?"
-said() { # PROGRAM_OUT SOCKET
-  grep -cE "warn: modify_qp to RTR: destination LID 0x[0-9a-f]+ unknown to the backend on $2 \(tcp off\): are both programs on the same VRDMA_SOCKET\?" "$1"
+said() { # PROGRAM_OUT SOCKET: how many times the program's stderr said it
+  local re="warn: modify_qp to RTR: destination LID 0x[0-9a-f]+ unknown to the backend on $2"
+  grep -cE "$re \(tcp off\): are both programs on the same VRDMA_SOCKET\?" "$1"
 }
 for ((i = 0; i < 100; i++)); do
   grep -qF "$unknown" "$E2E_TMP/vrdmad.log" && grep -qF "$unknown" "$E2E_TMP/other.out" &&

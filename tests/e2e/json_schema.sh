@@ -2,9 +2,10 @@
 # Every `vrdma` command's JSON (-j and --json) against its schema (tests/e2e/schema/vrdma.json,
 # checked by json_check.py): status, res show (each type, and the summary), stat (both counter
 # sets and each alone: one shape), snapshot, restore, cluster init, add-node, show and status, and
-# as root setup / setup --remove (in a mount namespace of the test's own). One vocabulary: every key is snake_case, and
-# rows may carry only the keys their schema names. Also `vrdma status` says the effective configuration
-# (config file, log, keep_state, direct paths). A verifying stream runs meanwhile and ends intact.
+# as root setup / setup --remove (in a mount namespace of the test's own). One vocabulary: every
+# key is snake_case, and rows may carry only the keys their schema names. Also `vrdma status` says
+# the effective configuration (config file, log, keep_state, direct paths). A verifying stream runs
+# meanwhile and ends intact.
 # Usage: json_schema.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
