@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
+#include <openssl/ssl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -475,6 +476,66 @@ TEST(TlsStream, AnAlteredRecordIsRefusedAndNothingOfItIsReturned) {
   EXPECT_EQ(b.read(got, sizeof(got), why), -1);
   EXPECT_NE(why.find("forged or altered"), std::string::npos) << why;
   EXPECT_EQ(got[0], 0);
+}
+
+// The stream seals and opens the records itself after the handshake (tls_record.h): they must
+// be TLS 1.3's, so a plain OpenSSL session reads and writes them, KeyUpdates both ways included.
+TEST(TlsStream, ItsRecordsAreStandardTls13) {
+  Cluster cl({"node-a", "node-b"});
+  auto ca = cl.ctx("node-a"), cb = cl.ctx("node-b");
+  ASSERT_TRUE(ca && cb);
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+  UniqueFd guard[2] = {UniqueFd(sv[0]), UniqueFd(sv[1])};
+  TlsStream a(*ca, false);
+  std::unique_ptr<SSL, void (*)(SSL*)> b(SSL_new(cb->get()), SSL_free);
+  SSL_set_fd(b.get(), sv[1]);
+  SSL_set_accept_state(b.get());
+  std::string why;
+  for (int i = 0; i < 50 && !(a.established() && SSL_is_init_finished(b.get())); ++i) {
+    ASSERT_GE(a.handshake(why), 0) << why;
+    a.push(sv[0]);
+    SSL_do_handshake(b.get());
+    a.pull(sv[0]);
+  }
+  ASSERT_TRUE(a.established() && SSL_is_init_finished(b.get()));
+  EXPECT_EQ(a.peer_name(), "node-b");
+  std::vector<uint8_t> big(200 * 1024);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+  // Moves `data` from a to b (to_b) or from b to a through the socket pair.
+  auto move = [&](const std::vector<uint8_t>& data, bool to_b) {
+    std::vector<uint8_t> got(data.size());
+    size_t put = 0, have = 0;
+    for (int i = 0; i < 10000 && have < data.size(); ++i) {
+      if (to_b) {
+        const ssize_t w = a.write(data.data() + put, data.size() - put, why);
+        ASSERT_GE(w, 0) << why;
+        put += static_cast<size_t>(w);
+        ASSERT_GE(a.push(sv[0]), 0);
+        const int r = SSL_read(b.get(), got.data() + have, static_cast<int>(got.size() - have));
+        if (r > 0) have += static_cast<size_t>(r);
+      } else {
+        if (put < data.size()) {
+          const int w = SSL_write(b.get(), data.data() + put, static_cast<int>(data.size() - put));
+          if (w > 0) put += static_cast<size_t>(w);
+        }
+        ASSERT_GE(a.pull(sv[0]), 0);
+        const ssize_t r = a.read(got.data() + have, got.size() - have, why);
+        ASSERT_GE(r, 0) << why;
+        have += static_cast<size_t>(r);
+      }
+    }
+    ASSERT_EQ(have, data.size());
+    EXPECT_TRUE(got == data);
+  };
+  move(big, true);
+  move(big, false);
+  // OpenSSL updates its keys and asks for ours: a takes the new keys, answers with its own
+  // KeyUpdate, and what each writes after it is read by the other.
+  ASSERT_EQ(SSL_key_update(b.get(), SSL_KEY_UPDATE_REQUESTED), 1);
+  move(big, false);
+  move(big, true);
+  move(big, false);
 }
 
 TEST(TcpTransport, CredentialErrorsSayWhatToDo) {

@@ -32,8 +32,8 @@ constexpr uint32_t kCopyPayloadMax = 8192;
 constexpr uint64_t kDirectReadMin = 16 * 1024;
 constexpr size_t kBatchMax = 256 * 1024;
 constexpr int kMaxIov = 64;
-/// Guest memory is copied through this (fault-safe) before TLS encrypts it.
-constexpr size_t kStageBytes = 16384;
+/// Guest memory is copied through this (fault-safe) before TLS encrypts it: four records.
+constexpr size_t kStageBytes = 65536;
 
 /// The IPv4 address of one end of `fd` (getpeername or getsockname), or 0.
 uint32_t ipv4_of(int fd, int (*name)(int, sockaddr*, socklen_t*)) {
@@ -485,9 +485,8 @@ bool TcpTransport::flush_tls(Conn& c) {
 
 bool TcpTransport::read_conn(Conn& c) {
   bool did = false;
-  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB (a TLS
-  // read returns one 16 KiB record at most).
-  const int rounds = c.tls ? 64 : 16;
+  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB.
+  const int rounds = 16;
   c.drained = false;
   for (int round = 0; round < rounds && !c.dead; ++round) {
     const uint64_t before = c.rx_bytes;
