@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "common/guest_fault.h"
+
 namespace vrdma::transport::tcp {
 
 namespace {
@@ -372,7 +374,7 @@ bool TlsStream::out_room() {
   return out_.size() - out_tail_ >= kTlsMaxRecord;
 }
 
-ssize_t TlsStream::write(const void* p, size_t n, std::string& why) {
+ssize_t TlsStream::write(const void* p, size_t n, std::string& why, uintptr_t* fault) {
   if (!established_) return 0;
   if ((update_due_ || tx_.seq() >= kRecordsPerKey) && out_room()) {
     const size_t w = tx_.seal(kTlsHandshake, kKeyUpdate, sizeof(kKeyUpdate), &out_[out_tail_]);
@@ -388,7 +390,33 @@ ssize_t TlsStream::write(const void* p, size_t n, std::string& why) {
   size_t took = 0;
   while (took < n && out_room()) {
     const size_t k = std::min(n - took, kTlsMaxPlain);
-    const size_t w = tx_.seal(kTlsAppData, src + took, k, &out_[out_tail_]);
+    size_t w = 0;
+    if (!fault) {
+      w = tx_.seal(kTlsAppData, src + took, k, &out_[out_tail_]);
+    } else {
+      // Sealed from guest memory, no copy first. A fault leaves the record half done, under
+      // the sequence number it had (counted only at its end); sealed again from zeros, the
+      // nonce still goes on the wire once: the first try never leaves this buffer.
+      struct Job {
+        RecordCipher* c;
+        const uint8_t* p;
+        size_t n;
+        uint8_t* out;
+        size_t w;
+      } job{&tx_, src + took, k, &out_[out_tail_], 0};
+      uintptr_t at = 0;
+      if (!run_guarded(
+              [](void* a) {
+                auto* j = static_cast<Job*>(a);
+                j->w = j->c->seal(kTlsAppData, j->p, j->n, j->out);
+              },
+              &job, at)) {
+        static const uint8_t kZeros[kTlsMaxPlain] = {};
+        *fault = at;
+        job.w = tx_.seal(kTlsAppData, kZeros, k, &out_[out_tail_]);
+      }
+      w = job.w;
+    }
     out_tail_ += w;
     produced_ += w;
     took += k;

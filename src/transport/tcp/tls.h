@@ -75,8 +75,10 @@ class TlsStream {
   /// Plaintext that read() can return without more ciphertext.
   bool has_buffered() const;
   /// Encrypts up to n bytes into whole records: the bytes taken (0 while the outgoing buffer is
-  /// full: push() first); -1 on an error (`why`).
-  ssize_t write(const void* p, size_t n, std::string& why);
+  /// full: push() first); -1 on an error (`why`). With `fault`, p is guest memory, sealed
+  /// straight from there under a fault guard (common/guest_fault.h): a record whose bytes
+  /// fault is sent as zeros instead, and *fault is set to the address.
+  ssize_t write(const void* p, size_t n, std::string& why, uintptr_t* fault = nullptr);
 
  private:
   friend struct TlsSecrets;
