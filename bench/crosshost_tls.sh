@@ -64,14 +64,6 @@ perf_col() {
     awk -v c="$COL" -v t=$((t1 - t0)) -v hz="$(getconf CLK_TCK)" \
       '{if (c == 4) printf "%s %.3f\n", $c, t * 1000 / hz / ($1 * $2 / 1e6); else print $c}'
 }
-iperf_mbs() {
-  hexec 1 iperf3 -s -1 -p 5201 >/dev/null 2>&1 &
-  local ipid=$!
-  hwait_port 1 5201 "$ipid" iperf3
-  hexec 2 iperf3 -c "$(host_ip 1)" -p 5201 -t 2 -l "$1" -J |
-    perl -MJSON::PP -0777 -ne 'printf "%.2f", decode_json($_)->{end}{sum_received}{bits_per_second} / 8e6'
-  wait "$ipid" || true
-}
 tls_mbs() {
   local port=$((17000 + RANDOM % 1000)) srv
   hexec 1 env OPENSSL_CONF="$E2E_TMP/openssl.cnf" python3 "$ROOT/bench/tls_stream.py" server \
@@ -102,9 +94,11 @@ for ((r = 1; r <= RUNS; r++)); do
       log "$b $cmd: $v${cpu:+ MB/s, backends $cpu CPU ms/MB}"
     done
   done
-  res["iperf3 1048576"]+="$(iperf_mbs 1048576) "
-  res["iperf3 65536"]+="$(iperf_mbs 65536) "
+  for s in 1048576 65536; do
+    res["iperf3 $s"]+="$(iperf_mbs "$s") "
+  done
   res["tls"]+="$(tls_mbs 1048576) "  # a byte stream: one figure for both sizes
+  log "iperf3 1 MiB, 64 KiB, TLS stream: ${res[iperf3 1048576]##* } ${res[iperf3 65536]##* } ${res[tls]##* }"
   log "run $r of $RUNS done"
 done
 
