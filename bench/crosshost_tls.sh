@@ -98,7 +98,8 @@ for ((r = 1; r <= RUNS; r++)); do
     res["iperf3 $s"]+="$(iperf_mbs "$s") "
   done
   res["tls"]+="$(tls_mbs 1048576) "  # a byte stream: one figure for both sizes
-  log "iperf3 1 MiB, 64 KiB, TLS stream: ${res[iperf3 1048576]##* } ${res[iperf3 65536]##* } ${res[tls]##* }"
+  log "iperf3 1 MiB, 64 KiB, TLS stream: $(awk '{print $NF}' <<<"${res[iperf3 1048576]}")" \
+    "$(awk '{print $NF}' <<<"${res[iperf3 65536]}") $(awk '{print $NF}' <<<"${res[tls]}") MB/s"
   log "run $r of $RUNS done"
 done
 
