@@ -39,14 +39,6 @@ perf_col() {
   hperftest 1 2 "$@" >/dev/null
   result_rows "$E2E_TMP/$1.client.out" | awk -v c="$COL" '{print $c}' | tail -n 1
 }
-iperf_mbs() {
-  hexec 1 iperf3 -s -1 -p 5201 >/dev/null 2>&1 &
-  local ipid=$!
-  hwait_port 1 5201 "$ipid" iperf3
-  hexec 2 iperf3 -c "$(host_ip 1)" -p 5201 -t 2 -l "$1" -J |
-    perl -MJSON::PP -0777 -ne 'printf "%.2f", decode_json($_)->{end}{sum_received}{bits_per_second} / 8e6'
-  wait "$ipid" || true
-}
 tcp_rtt() {
   local port=$((16000 + RANDOM % 1000)) srv
   hexec 1 "$TCP_PP" -s "$1" -n 20000 --server "$port" >/dev/null 2>&1 &

@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
+#include <openssl/ssl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "cli/cluster.h"
+#include "common/guest_fault.h"
 #include "common/unique_fd.h"
 
 namespace vrdma::transport::tcp {
@@ -475,6 +478,107 @@ TEST(TlsStream, AnAlteredRecordIsRefusedAndNothingOfItIsReturned) {
   EXPECT_EQ(b.read(got, sizeof(got), why), -1);
   EXPECT_NE(why.find("forged or altered"), std::string::npos) << why;
   EXPECT_EQ(got[0], 0);
+}
+
+/// A TlsStream (node-a, the client) and a plain OpenSSL session (node-b) on a socket pair,
+/// past their handshake: what the stream writes after it must be TLS 1.3's records.
+struct OpenSslPeer {
+  Cluster cl{"node-a", "node-b"};
+  std::shared_ptr<const TlsContext> ca = cl.ctx("node-a"), cb = cl.ctx("node-b");
+  int sv[2] = {-1, -1};
+  std::unique_ptr<TlsStream> a;
+  std::unique_ptr<SSL, void (*)(SSL*)> b{nullptr, SSL_free};
+  std::string why;
+
+  OpenSslPeer() {
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+    a = std::make_unique<TlsStream>(*ca, false);
+    b.reset(SSL_new(cb->get()));
+    SSL_set_fd(b.get(), sv[1]);
+    SSL_set_accept_state(b.get());
+    for (int i = 0; i < 50 && !(a->established() && SSL_is_init_finished(b.get())); ++i) {
+      EXPECT_GE(a->handshake(why), 0) << why;
+      a->push(sv[0]);
+      SSL_do_handshake(b.get());
+      a->pull(sv[0]);
+    }
+  }
+  ~OpenSslPeer() {
+    b.reset();
+    ::close(sv[0]);
+    ::close(sv[1]);
+  }
+  bool up() const { return a->established() && SSL_is_init_finished(b.get()); }
+  /// Moves n bytes of p through the pair, a to b (to_b) or b to a: what arrived. `fault`:
+  /// p is guest memory (TlsStream::write's), the address that faulted is put there.
+  std::vector<uint8_t> move(const uint8_t* p, size_t n, bool to_b, uintptr_t* fault = nullptr) {
+    std::vector<uint8_t> got(n);
+    size_t put = 0, have = 0;
+    for (int i = 0; i < 10000 && have < n; ++i) {
+      if (to_b) {
+        const ssize_t w = a->write(p + put, n - put, why, fault);
+        EXPECT_GE(w, 0) << why;
+        put += static_cast<size_t>(std::max<ssize_t>(w, 0));
+        EXPECT_GE(a->push(sv[0]), 0);
+        const int r = SSL_read(b.get(), got.data() + have, static_cast<int>(n - have));
+        if (r > 0) have += static_cast<size_t>(r);
+      } else {
+        if (put < n) {
+          const int w = SSL_write(b.get(), p + put, static_cast<int>(n - put));
+          if (w > 0) put += static_cast<size_t>(w);
+        }
+        EXPECT_GE(a->pull(sv[0]), 0);
+        const ssize_t r = a->read(got.data() + have, n - have, why);
+        EXPECT_GE(r, 0) << why;
+        have += static_cast<size_t>(std::max<ssize_t>(r, 0));
+      }
+    }
+    got.resize(have);
+    return got;
+  }
+};
+
+// The stream seals and opens the records itself after the handshake (tls_record.h): they must
+// be TLS 1.3's, so a plain OpenSSL session reads and writes them, KeyUpdates both ways included.
+TEST(TlsStream, ItsRecordsAreStandardTls13) {
+  OpenSslPeer x;
+  ASSERT_TRUE(x.up());
+  EXPECT_EQ(x.a->peer_name(), "node-b");
+  std::vector<uint8_t> big(200 * 1024);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+  EXPECT_TRUE(x.move(big.data(), big.size(), true) == big);
+  EXPECT_TRUE(x.move(big.data(), big.size(), false) == big);
+  // OpenSSL updates its keys and asks for ours: a takes the new keys, answers with its own
+  // KeyUpdate, and what each writes after it is read by the other.
+  ASSERT_EQ(SSL_key_update(x.b.get(), SSL_KEY_UPDATE_REQUESTED), 1);
+  EXPECT_TRUE(x.move(big.data(), big.size(), false) == big);
+  EXPECT_TRUE(x.move(big.data(), big.size(), true) == big);
+  EXPECT_TRUE(x.move(big.data(), big.size(), false) == big);
+}
+
+// Guest memory is sealed where it is, under a fault guard: a record whose bytes fault goes out
+// as zeros (the stream stays whole), the others as they are.
+TEST(TlsStream, AGuestFaultWhileSealingSendsZeros) {
+  install_guest_fault_handler();
+  OpenSslPeer x;
+  ASSERT_TRUE(x.up());
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t good = 16384, len = 3 * 16384;
+  void* m = ::mmap(nullptr, len + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  auto* p = static_cast<uint8_t*>(m);
+  std::memset(p, 0x5a, len);
+  // The second record's last page cannot be read.
+  ASSERT_EQ(::mprotect(p + 2 * good - page, page, PROT_NONE), 0);
+  uintptr_t fault = 0;
+  const std::vector<uint8_t> got = x.move(p, len, true, &fault);
+  ASSERT_EQ(got.size(), len);
+  EXPECT_EQ(fault, reinterpret_cast<uintptr_t>(p + 2 * good - page));
+  EXPECT_TRUE(std::all_of(got.begin(), got.begin() + good, [](uint8_t v) { return v == 0x5a; }));
+  EXPECT_TRUE(
+      std::all_of(got.begin() + good, got.begin() + 2 * good, [](uint8_t v) { return !v; }));
+  EXPECT_TRUE(std::all_of(got.begin() + 2 * good, got.end(), [](uint8_t v) { return v == 0x5a; }));
+  ::munmap(m, len + page);
 }
 
 TEST(TcpTransport, CredentialErrorsSayWhatToDo) {

@@ -32,8 +32,6 @@ constexpr uint32_t kCopyPayloadMax = 8192;
 constexpr uint64_t kDirectReadMin = 16 * 1024;
 constexpr size_t kBatchMax = 256 * 1024;
 constexpr int kMaxIov = 64;
-/// Guest memory is copied through this (fault-safe) before TLS encrypts it.
-constexpr size_t kStageBytes = 16384;
 
 /// The IPv4 address of one end of `fd` (getpeername or getsockname), or 0.
 uint32_t ipv4_of(int fd, int (*name)(int, sockaddr*, socklen_t*)) {
@@ -428,32 +426,30 @@ bool TcpTransport::flush_tls(Conn& c) {
     TxItem& it = c.txq.front();
     const uint8_t* p = nullptr;
     uint64_t n = 0;
-    if (c.sent < it.bytes.size()) {
+    const bool guest = c.sent >= it.bytes.size();
+    if (!guest) {
       p = it.bytes.data() + c.sent;
       n = it.bytes.size() - c.sent;
     } else {
       uint64_t off = c.sent - it.bytes.size();
       for (const Span& s : it.spans) {
         if (off < s.n) {
-          // Guest memory: copied with a fault guard before OpenSSL reads it.
-          n = std::min<uint64_t>(s.n - off, kStageBytes);
-          stage_.resize(kStageBytes);
-          uintptr_t fault = 0;
-          if (!guarded_memcpy(stage_.data(), s.p + off, n, fault)) {
-            VLOG_WARN(
-                "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) sending to {}; zeros "
-                "are sent instead",
-                fault, c.node);
-            std::memset(stage_.data(), 0, n);
-          }
-          p = stage_.data();
+          p = s.p + off;
+          n = s.n - off;
           break;
         }
         off -= s.n;
       }
     }
     std::string why;
-    const ssize_t w = t.write(p, n, why);
+    uintptr_t fault = 0;
+    // Guest memory is sealed under a fault guard, straight from where it is.
+    const ssize_t w = t.write(p, n, why, guest ? &fault : nullptr);
+    if (fault)
+      VLOG_WARN(
+          "tcp: guest memory at {:#x} faulted (SIGBUS/SIGSEGV) sending to {}; zeros are sent "
+          "instead",
+          fault, c.node);
     if (w < 0) {
       close_conn(&c, "TLS: " + why);
       return false;
@@ -485,9 +481,8 @@ bool TcpTransport::flush_tls(Conn& c) {
 
 bool TcpTransport::read_conn(Conn& c) {
   bool did = false;
-  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB (a TLS
-  // read returns one 16 KiB record at most).
-  const int rounds = c.tls ? 64 : 16;
+  // Bounded per visit so one busy peer cannot starve the engine's rings: about 1 MiB.
+  const int rounds = 16;
   c.drained = false;
   for (int round = 0; round < rounds && !c.dead; ++round) {
     const uint64_t before = c.rx_bytes;

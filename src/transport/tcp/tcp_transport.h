@@ -349,7 +349,6 @@ class TcpTransport final : public Transport {
   uint64_t acked_of(Conn& c);
   /// Refusal lines: 20 at once, then one a second; the rest are counted in the next line.
   log::Burst refuse_log_{1'000'000'000, 20};
-  std::vector<uint8_t> stage_;            ///< guest bytes on their way into TLS
   Directory* directory_ = nullptr;        ///< set_directory
   Counters counters_;
   /// A lookup found nothing (embedded directory): poll() dials every configured peer.

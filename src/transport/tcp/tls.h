@@ -1,8 +1,9 @@
 // TLS 1.3 between backends (OpenSSL): mutual authentication with a cluster CA, the peer's node
 // name bound to its certificate's CN, every byte after the handshake encrypted and integrity
 // protected (AES-GCM). Why TLS, and what it costs: docs/ARCHITECTURE.md, "Trust across hosts".
-// The TLS engine talks to a memory BIO pair, not to the socket: the transport moves ciphertext
-// between the pair and its non-blocking socket itself, one read() or write() for many records.
+// OpenSSL runs the handshake over a memory BIO pair, not the socket; once it is done the stream
+// seals and opens the records itself (tls_record.h) in its own buffers, and the transport moves
+// ciphertext between those and its non-blocking socket, one read() or send() for many records.
 // Concurrency: one thread (the backend's engine thread) per object.
 #pragma once
 
@@ -12,8 +13,10 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
+#include "transport/tcp/tls_record.h"
 
 namespace vrdma::transport::tcp {
 
@@ -66,22 +69,45 @@ class TlsStream {
   const std::string& peer_fingerprint() const { return peer_fingerprint_; }
   const std::string& cipher() const { return cipher_; }
 
-  /// Decrypts into p: bytes (> 0), 0 when a whole record is not there yet, -1 on a forged,
-  /// altered or closing record (`why`).
+  /// Decrypts whole records into p: bytes (> 0), 0 when a whole record is not there yet, -1
+  /// on a forged, altered or closing record (`why`; nothing of that record is left in p).
   ssize_t read(void* p, size_t n, std::string& why);
   /// Plaintext that read() can return without more ciphertext.
   bool has_buffered() const;
   /// Encrypts up to n bytes into whole records: the bytes taken (0 while the outgoing buffer is
-  /// full: push() first); -1 on an error (`why`).
-  ssize_t write(const void* p, size_t n, std::string& why);
+  /// full: push() first); -1 on an error (`why`). With `fault`, p is guest memory, sealed
+  /// straight from there under a fault guard (common/guest_fault.h): a record whose bytes
+  /// fault is sent as zeros instead, and *fault is set to the address.
+  ssize_t write(const void* p, size_t n, std::string& why, uintptr_t* fault = nullptr);
 
  private:
+  friend struct TlsSecrets;
+  /// Hands the connection from OpenSSL's records to ours (after the handshake): the traffic
+  /// secrets, and the ciphertext still inside the BIO pair either way.
+  bool take_over(std::string& why);
+  /// Opens the record at the head of in_: into `to` when its plaintext fits in `room`, else in
+  /// place (then read from plain_pos_): the bytes put at `to`, -2 when no whole record is
+  /// there, -1 when it fails its check or closes the session (`why`). Takes a KeyUpdate.
+  ssize_t open_head(uint8_t* to, size_t room, std::string& why);
+  /// Makes room for a record at the end of out_ (moving what is left to the front): false
+  /// when there is none (push() first).
+  bool out_room();
+
   SSL* ssl_ = nullptr;
-  BIO* ext_ = nullptr;  ///< our end of the pair: ciphertext to and from the socket
+  BIO* ext_ = nullptr;  ///< our end of the pair: the handshake's ciphertext to and from the socket
   BIO* int_ = nullptr;  ///< the session's end
   bool established_ = false;
   uint64_t sent_ = 0;
+  uint64_t produced_ = 0;  ///< after the take-over
   std::string peer_name_, peer_fingerprint_, cipher_;
+  /// The traffic secrets OpenSSL reported (its key log callback), until the take-over.
+  std::vector<uint8_t> client_secret_, server_secret_;
+  RecordCipher tx_, rx_;
+  bool update_due_ = false;  ///< the peer asked for a KeyUpdate
+  /// Ciphertext to the socket [out_head_, out_tail_), and from it [in_head_, in_tail_); the
+  /// plaintext of a record opened in place but not yet read, [plain_pos_, plain_end_) of in_.
+  std::vector<uint8_t> out_, in_;
+  size_t out_head_ = 0, out_tail_ = 0, in_head_ = 0, in_tail_ = 0, plain_pos_ = 0, plain_end_ = 0;
 };
 
 /// The SHA-256 fingerprint of a PEM certificate file, "AB:CD:..." ("" when unreadable).
