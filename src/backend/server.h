@@ -151,6 +151,9 @@ class Server {
   /// backend was not scheduled (or a step was slow), and every QP's timers counted it.
   void note_stall(uint64_t awake_ns, uint64_t now_ns);
   static constexpr uint64_t kStallNs = 100'000'000;
+  /// After answering a command the loop looks for the next one this long before it sleeps
+  /// (at most --spin-us): a bounded cost per command, none while no guest calls.
+  static constexpr uint64_t kCommandSpinNs = 50'000;
   log::Every stall_log_{1'000'000'000};
   uint32_t stall_turns_ = 0;
   rusage stall_ru_{};  ///< the thread's usage at the last account

@@ -277,23 +277,33 @@ Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len) {
 /// so none is left unanswered before `seq`. 0, or -1 with errno.
 int await_answer(Cm& c, uint16_t op, uint32_t seq, std::vector<uint8_t>& msg,
                  std::vector<UniqueFd>& fds) {
+  const uint64_t start = mono_ns();
+  const uint64_t spun = c.answer_spin.budget_ns();
   for (;;) {
-    pollfd p{c.sock, POLLIN, 0};
-    int n;
-    do {
-      n = ::poll(&p, 1, kCallTimeoutMs);
-    } while (n < 0 && errno == EINTR);
-    if (n == 0) {
-      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
-                 kCallTimeoutMs);
-      return fail(ETIMEDOUT);
+    // Spun for first (common/answer_spin.h), then waited for in poll.
+    const uint64_t now = mono_ns();
+    Status st = now - start < spun
+                    ? spin_recv(c.sock, msg, kCmMaxResponse, fds, spun - (now - start))
+                    : error(EAGAIN, "");
+    if (st.err() == EAGAIN) {
+      pollfd p{c.sock, POLLIN, 0};
+      int n;
+      do {
+        n = ::poll(&p, 1, kCallTimeoutMs);
+      } while (n < 0 && errno == EINTR);
+      if (n == 0) {
+        VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
+                   kCallTimeoutMs);
+        return fail(ETIMEDOUT);
+      }
+      st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
     }
-    Status st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
     if (!st.is_ok()) return fail(st.err());
     auto rh = decode_header(msg);
     if (!rh.is_ok()) return fail(EPROTO);
     if (rh->seq != seq) continue;
     c.unanswered = 0;
+    c.answer_spin.note(spun, mono_ns() - start);
     return 0;
   }
 }

@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/answer_spin.h"
 #include "proto/command.h"
 
 #define CM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -80,6 +81,7 @@ struct Cm {
   int sock = -1;
   uint32_t seq = 0;
   uint32_t unanswered = 0;     ///< posted commands whose answers are not read yet (rpc_mu)
+  AnswerSpin answer_spin;      ///< how long a call spins for its answer (rpc_mu)
   ibv_context* ctx = nullptr;  ///< vrdma0, opened on first use and kept
   ibv_pd* pd = nullptr;        ///< the PD of rdma_create_qp(id, NULL, ...)
   /// The XRC domain of XRC_RECV ids' QPs and SRQs (a private one, opened on first use and kept,
