@@ -417,6 +417,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     reporter_.note_change(c.uid);  // its next status shows this change
     keep(c.session->guest->name);
   }
+  if (h.flags & kRequestNoAnswer) return Status::ok();  // posted: nobody reads an answer
   return send_msg(c.sock.get(), out, out_fds);
 }
 

@@ -141,9 +141,12 @@ struct MsgHeader {
   uint32_t length;  ///< header + body, bytes
   uint32_t seq;     ///< echoed in the response
   int32_t status;   ///< response: 0 or -errno; request: 0
-  uint32_t reserved;
+  uint32_t flags;   ///< request: kRequest* bits (a backend before them ignored this word); 0
 };
 static_assert(sizeof(MsgHeader) == 24);
+/// The caller reads no answer to this request (a posted command): a backend that offers
+/// kFeatureNoAnswer (proto/ring.h) sends none, even on failure; an older one answers as ever.
+inline constexpr uint32_t kRequestNoAnswer = 1;
 
 struct Empty {};
 
