@@ -7,7 +7,6 @@
 // Not thread-safe: one per connection, used under that connection's call lock.
 #pragma once
 
-#include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -57,16 +56,16 @@ inline uint64_t mono_ns() {
 
 /// Tries to receive one message on `sock` for up to `spin_ns` (recv_msg with MSG_DONTWAIT, one
 /// system call a try, no poll): what recv_msg returns, or EAGAIN when nothing came in that time.
-/// Between tries it yields: where the backend runs on this CPU (a busy or small host; the
-/// kernel wakes a socket's reader beside its writer), it answers meanwhile instead of waiting
-/// for the spin to end; elsewhere the yield returns at once.
+/// No sched_yield between tries: beside a CPU-bound task a yield gives it the rest of a time
+/// slice (milliseconds) per command, and a thread that never sleeps is not woken (and so not
+/// scheduled) early when its answer comes. Where the backend shares this CPU, its wake-up by
+/// the command usually preempts the spin; where it does not, the spin misses and stops.
 inline Status spin_recv(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds,
                         uint64_t spin_ns) {
   const uint64_t until = mono_ns() + spin_ns;
   for (;;) {
     Status st = recv_msg(sock, buf, cap, fds, MSG_DONTWAIT);
     if (st.err() != EAGAIN || mono_ns() >= until) return st;
-    ::sched_yield();
   }
 }
 
