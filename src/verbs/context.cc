@@ -250,6 +250,11 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
     break;
   }
   answer_spin.note(spun_ns, mono_ns() - sent_ns);
+  if (st.err() == EMSGSIZE) {  // ours, longer than this call's answer: the device is fine
+    VLOG_ERROR("response of op {} is longer than the {} bytes expected", h.op, cap);
+    errno = EIO;
+    return EIO;
+  }
   if (st.err() == EMFILE) {
     // The response came, but this process had no room for its descriptors: the verb fails; the
     // device is fine (what the backend made for it goes with the context).
