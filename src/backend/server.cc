@@ -428,6 +428,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     reporter_.note_change(c.uid);  // its next status shows this change
     keep(c.session->guest->name);
   }
+  if (h.flags & kRequestNoAnswer) return Status::ok();  // posted: nobody reads an answer
   return send_msg(c.sock.get(), out, out_fds);
 }
 
@@ -470,6 +471,8 @@ Status Server::run() {
             activated_ ? " (socket activation)" : "");
   uint64_t idle_since = now_ns();
   uint64_t last_work = now_ns();
+  uint64_t last_command = 0;     // when the loop last answered a session's command
+  uint64_t command_spin_ns = 0;  // how long after it the loop looks for the next one
   epoll_event evs[64];
   uint32_t iter = 0;
   uint64_t awake_since = now_ns();  // the loop's last start or wake-up: its time not asleep
@@ -489,6 +492,12 @@ Status Server::run() {
       // Busy: look at the sockets only now and then; idle-spinning: give the CPU away.
       if (!work) ::sched_yield();
       if ((++iter & 63) != 0) continue;
+    } else if (now - last_command < command_spin_ns) {
+      // Just answered a command: in a burst the guest's next one follows within µs (a QP's
+      // INIT, RTR, RTS; a connection's calls). Look at the sockets (epoll_wait without
+      // waiting) a while before sleeping, so it does not wait for this thread's CPU to wake;
+      // as long as next_command_ finds the next command comes within it. No sched_yield:
+      // beside a CPU-bound task each yield would give it a whole time slice.
     } else {
       dev_.set_sleeping(true);
       // Re-check after announcing sleep: a guest that posted before seeing the flag set
@@ -561,11 +570,15 @@ Status Server::run() {
         (void)r;
         last_work = now_ns();
       } else {
-        // A command is not data-path work: no spin after it (a burst of control commands,
-        // e.g. RDMA CM connects, would pay spin_us of CPU for each). What it starts (a QP's
-        // rings) is data-path work the next poll finds and spins on. BENCHMARKS.md, "RDMA CM
-        // connection rate".
+        // A command is not data-path work: no spin_us after it (a burst of control commands,
+        // e.g. RDMA CM connects, would pay spin_us of CPU for each), only the short look for
+        // the next command above. What it starts (a QP's rings) is data-path work the next poll
+        // finds and spins on. BENCHMARKS.md, "RDMA CM connection rate", "Command round trip".
+        if (command_spin_ns) next_command_.note(command_spin_ns, now_ns() - last_command);
         on_readable(fd);
+        last_command = now_ns();
+        command_spin_ns =
+            std::min<uint64_t>(uint64_t(opt_.spin_us) * 1000, next_command_.budget_ns());
       }
     }
     if (!conns_.empty()) idle_since = now_ns();

@@ -16,6 +16,7 @@
 #include "backend/config.h"
 #include "backend/metrics_http.h"
 #include "backend/report.h"
+#include "common/answer_spin.h"
 #include "common/listener_rest.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -151,6 +152,10 @@ class Server {
   /// backend was not scheduled (or a step was slow), and every QP's timers counted it.
   void note_stall(uint64_t awake_ns, uint64_t now_ns);
   static constexpr uint64_t kStallNs = 100'000'000;
+  /// How long the loop looks for a guest's next command after answering one, before it sleeps
+  /// (at most --spin-us): the spin of a caller for its answer (common/answer_spin.h), here for
+  /// the next command; it stops when commands stop following within it. Engine thread.
+  AnswerSpin next_command_;
   log::Every stall_log_{1'000'000'000};
   uint32_t stall_turns_ = 0;
   rusage stall_ru_{};  ///< the thread's usage at the last account

@@ -35,7 +35,8 @@ Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> f
   }
 }
 
-Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds) {
+Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds,
+                int flags) {
   buf.resize(cap);
   iovec iov{buf.data(), cap};
   msghdr msg{};
@@ -46,7 +47,7 @@ Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<Uni
   msg.msg_controllen = sizeof(ctl);
   ssize_t n;
   do {
-    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
   } while (n < 0 && errno == EINTR);
   fds.clear();
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {

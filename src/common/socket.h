@@ -21,7 +21,9 @@ Status send_msg(int sock, std::span<const uint8_t> bytes, std::span<const int> f
 /// Returns ECONNRESET on orderly shutdown; EMSGSIZE when the message did not fit in `cap`;
 /// EMFILE, with `buf` holding the message, when its descriptors were dropped (MSG_CTRUNC: this
 /// process's descriptor table is full, or the sender attached more than kMaxFdsPerMessage).
-Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds);
+/// `flags`: MSG_DONTWAIT to fail with EAGAIN instead of waiting.
+Status recv_msg(int sock, std::vector<uint8_t>& buf, size_t cap, std::vector<UniqueFd>& fds,
+                int flags = 0);
 
 /// Sends `request` (with `fds`) and receives the one answer into `buf`, waiting at most
 /// `timeout_ms` for it (0: for ever): ETIMEDOUT when none came, so a peer that is stopped or

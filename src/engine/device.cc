@@ -43,7 +43,7 @@ const char* res_name(Res r) {
 void init_control_page(ControlPage* cp, const Quotas& q, uint32_t features) {
   cp->magic = kRingMagic;
   cp->version = kRingVersion;
-  cp->features = features | kFeatureLimits | kFeatureReadyBits;
+  cp->features = features | kFeatureLimits | kFeatureReadyBits | kFeatureNoAnswer;
   cp->limits = GuestLimits{q.max_queue_depth,
                            q.max_qps,
                            q.max_cqs,

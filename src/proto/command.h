@@ -141,9 +141,14 @@ struct MsgHeader {
   uint32_t length;  ///< header + body, bytes
   uint32_t seq;     ///< echoed in the response
   int32_t status;   ///< response: 0 or -errno; request: 0
-  uint32_t flags;   ///< response: kAnswer* bits; request: 0
+  /// request: kRequest* bits; response: kAnswer* bits. Was `reserved`, written 0 and read by
+  /// no one: a peer from before the flags ignores them and sends none.
+  uint32_t flags;
 };
 static_assert(sizeof(MsgHeader) == 24);
+/// The caller reads no answer to this request (a posted command): a backend that offers
+/// kFeatureNoAnswer (proto/ring.h) sends none, even on failure; an older one answers as ever.
+inline constexpr uint32_t kRequestNoAnswer = 1;
 
 // ---- Answer flags (MsgHeader::flags of a response): what the library must tell its program
 // and neither the errno nor the body says. No version change: the field was `reserved`, written

@@ -205,6 +205,8 @@ inline constexpr uint32_t kFeatureDirectRemote = 2;
 inline constexpr uint32_t kFeatureLimits = 4;
 /// The backend reads the ready bits (ReadyBits, after the ControlPage in its page).
 inline constexpr uint32_t kFeatureReadyBits = 8;
+/// The backend sends no answer to a request flagged proto::kRequestNoAnswer.
+inline constexpr uint32_t kFeatureNoAnswer = 16;
 
 /// The guest's quotas (the backend's [quotas]), so that ibv_query_device reports what the
 /// device really accepts from this guest: 0 means no limit beyond the device's caps.

@@ -3,6 +3,7 @@
 // exchange. QPs are ordinary vrdma QPs, made and moved through the public verbs API (qp.cc).
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
+#include "proto/ring.h"
 #include "rdmacm/internal.h"
 
 namespace vrdma::rdmacm {
@@ -242,7 +244,7 @@ int ensure_open() {
   std::snprintf(req.guest, sizeof(req.guest), "%s", guest->c_str());
   req.pid = static_cast<uint32_t>(::getpid());
   std::vector<uint8_t> msg = encode(Op::kHello, ++c.seq, 0, req);
-  std::vector<UniqueFd> fds;  // the session's control page, doorbell, events: not used here
+  std::vector<UniqueFd> fds;  // the session's control page (its features), doorbell, events
   Status st = send_msg(sock.value().get(), msg);
   if (st.is_ok()) st = recv_msg(sock.value().get(), msg, kMaxResponse, fds);
   if (!st.is_ok()) return fail(st.err());
@@ -252,6 +254,15 @@ int ensure_open() {
     VLOG_ERROR("rdmacm: the backend refused guest '{}': {}", *guest, std::strerror(-h->status));
     return fail(-h->status);
   }
+  // Its features, from the control page it handed over: whether posted commands get answers.
+  if (!fds.empty()) {
+    void* cp = ::mmap(nullptr, sizeof(ControlPage), PROT_READ, MAP_SHARED, fds[0].get(), 0);
+    if (cp != MAP_FAILED) {
+      const auto* page = static_cast<const ControlPage*>(cp);
+      c.no_answer = page->magic == kRingMagic && (page->features & kFeatureNoAnswer);
+      ::munmap(cp, sizeof(ControlPage));
+    }
+  }
   c.sock = sock.value().release();
   return 0;
 }
@@ -259,12 +270,12 @@ int ensure_open() {
 namespace {
 
 /// Sends one command on the service's connection (under Cm::rpc_mu); its sequence number.
-Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len) {
+Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len, uint32_t flags = 0) {
   if (c.sock < 0) return error(ENODEV, "no connection to the backend");
   std::vector<uint8_t> msg(sizeof(MsgHeader) + body_len);
   const MsgHeader h{
       kMagic, kVersion, static_cast<uint16_t>(op), static_cast<uint32_t>(msg.size()), ++c.seq,
-      0,      0};
+      0,      flags};
   std::memcpy(msg.data(), &h, sizeof(h));
   if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
   Status st = send_msg(c.sock, msg);
@@ -277,23 +288,33 @@ Result<uint32_t> send_command(Cm& c, Op op, const void* body, size_t body_len) {
 /// so none is left unanswered before `seq`. 0, or -1 with errno.
 int await_answer(Cm& c, uint16_t op, uint32_t seq, std::vector<uint8_t>& msg,
                  std::vector<UniqueFd>& fds) {
+  const uint64_t start = mono_ns();
+  const uint64_t spun = c.answer_spin.budget_ns();
   for (;;) {
-    pollfd p{c.sock, POLLIN, 0};
-    int n;
-    do {
-      n = ::poll(&p, 1, kCallTimeoutMs);
-    } while (n < 0 && errno == EINTR);
-    if (n == 0) {
-      VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
-                 kCallTimeoutMs);
-      return fail(ETIMEDOUT);
+    // Spun for first (common/answer_spin.h), then waited for in poll.
+    const uint64_t now = mono_ns();
+    Status st = now - start < spun
+                    ? spin_recv(c.sock, msg, kCmMaxResponse, fds, spun - (now - start))
+                    : error(EAGAIN, "");
+    if (st.err() == EAGAIN) {
+      pollfd p{c.sock, POLLIN, 0};
+      int n;
+      do {
+        n = ::poll(&p, 1, kCallTimeoutMs);
+      } while (n < 0 && errno == EINTR);
+      if (n == 0) {
+        VLOG_ERROR("rdmacm: {}: the backend did not answer within {} ms", op_name(op),
+                   kCallTimeoutMs);
+        return fail(ETIMEDOUT);
+      }
+      st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
     }
-    Status st = recv_msg(c.sock, msg, kCmMaxResponse, fds);
     if (!st.is_ok()) return fail(st.err());
     auto rh = decode_header(msg);
     if (!rh.is_ok()) return fail(EPROTO);
     if (rh->seq != seq) continue;
     c.unanswered = 0;
+    c.answer_spin.note(spun, mono_ns() - start);
     return 0;
   }
 }
@@ -334,6 +355,10 @@ int establish(VId* v) {
 void post(Op op, const void* body, size_t body_len) {
   Cm& c = cm();
   std::lock_guard<std::mutex> g(c.rpc_mu);
+  if (c.no_answer) {
+    (void)send_command(c, op, body, body_len, kRequestNoAnswer);
+    return;
+  }
   if (c.unanswered >= kMaxUnanswered) {  // their answers wait in our socket's buffer: read them
     std::vector<uint8_t> msg;
     std::vector<UniqueFd> fds;

@@ -15,6 +15,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/answer_spin.h"
 #include "proto/command.h"
 
 #define CM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -80,6 +81,8 @@ struct Cm {
   int sock = -1;
   uint32_t seq = 0;
   uint32_t unanswered = 0;     ///< posted commands whose answers are not read yet (rpc_mu)
+  AnswerSpin answer_spin;      ///< how long a call spins for its answer (rpc_mu)
+  bool no_answer = false;      ///< the backend sends no answer to posted commands
   ibv_context* ctx = nullptr;  ///< vrdma0, opened on first use and kept
   ibv_pd* pd = nullptr;        ///< the PD of rdma_create_qp(id, NULL, ...)
   /// The XRC domain of XRC_RECV ids' QPs and SRQs (a private one, opened on first use and kept,
@@ -100,9 +103,10 @@ template <typename Req>
 int call(proto::Op op, const Req& req) {
   return call(op, &req, sizeof(req));
 }
-/// Sends a command whose answer nobody waits for (read and dropped by a later call): one whose
-/// failure the caller could not act on (kCmDestroyId). The backend takes the process's commands
-/// in order, so the next call sees its effect.
+/// Sends a command whose answer nobody waits for: one whose failure the caller could not act on
+/// (kCmDestroyId). Flagged kRequestNoAnswer where the backend offers it (no answer is sent);
+/// otherwise its answer is read and dropped by a later call. The backend takes the process's
+/// commands in order, so the next call sees its effect.
 void post(proto::Op op, const void* body, size_t body_len);
 template <typename Req>
 void post(proto::Op op, const Req& req) {

@@ -22,6 +22,7 @@
 #include <set>
 #include <string>
 
+#include "common/answer_spin.h"
 #include "common/identity.h"
 #include "common/log.h"
 #include "common/paths.h"
@@ -219,6 +220,12 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
   if (body_len) std::memcpy(msg.data() + sizeof(h), body, body_len);
   Status st = send_msg(sock.get(), msg, fds_in);
   std::vector<UniqueFd> fds;
+  // Room for this call's answer or an error's reason, no more: recv_msg zero-fills its buffer
+  // to the cap, and kMaxResponse's 1 MiB cost more than the command.
+  const size_t cap = sizeof(MsgHeader) + std::max(resp_len, kMaxReason);
+  const uint64_t sent_ns = mono_ns();
+  uint64_t spin_ns = st.is_ok() ? answer_spin.budget_ns() : 0;
+  const uint64_t spun_ns = spin_ns;
   // A backend that does not answer (hung, or its descriptor table full) must not hang the
   // application: the verb fails with ETIMEDOUT. A late answer is skipped by the next call (its
   // sequence number is older), and what the backend made for it goes with the context.
@@ -226,7 +233,16 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
   const uint64_t deadline = mono_ms() + static_cast<uint64_t>(timeout_ms);
   for (;;) {
     if (st.err() == EAGAIN) st = error(ETIMEDOUT, "sendmsg timed out");
-    if (st.is_ok() && timeout_ms > 0) {
+    bool received = false;
+    if (st.is_ok() && spin_ns) {  // the first answer only
+      Status r = spin_recv(sock.get(), msg, cap, fds, spin_ns);
+      spin_ns = 0;
+      if (r.err() != EAGAIN) {
+        st = std::move(r);
+        received = true;
+      }
+    }
+    if (!received && st.is_ok() && timeout_ms > 0) {
       pollfd p{sock.get(), POLLIN, 0};
       int n;
       do {
@@ -241,10 +257,12 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
       errno = ETIMEDOUT;
       return ETIMEDOUT;
     }
-    if (st.is_ok()) st = recv_msg(sock.get(), msg, kMaxResponse, fds);
+    if (!received && st.is_ok()) st = recv_msg(sock.get(), msg, cap, fds);
     // The answer to a call that timed out earlier, ours or (a shared socket) another
-    // context's: not ours. Contexts sharing a socket count from far apart (import_device).
-    if ((st.is_ok() || st.err() == EMFILE) && msg.size() >= sizeof(MsgHeader)) {
+    // context's: not ours (it may be longer than ours: EMSGSIZE). Contexts sharing a socket
+    // count from far apart (import_device).
+    if ((st.is_ok() || st.err() == EMFILE || st.err() == EMSGSIZE) &&
+        msg.size() >= sizeof(MsgHeader)) {
       MsgHeader rh;
       std::memcpy(&rh, msg.data(), sizeof(rh));
       if (rh.seq != h.seq) {
@@ -253,6 +271,12 @@ int VContext::call(Op op, const void* body, size_t body_len, void* resp, size_t 
       }
     }
     break;
+  }
+  answer_spin.note(spun_ns, mono_ns() - sent_ns);
+  if (st.err() == EMSGSIZE) {  // ours, longer than this call's answer: the device is fine
+    VLOG_ERROR("response of op {} is longer than the {} bytes expected", h.op, cap);
+    errno = EIO;
+    return EIO;
   }
   if (st.err() == EMFILE) {
     // The response came, but this process had no room for its descriptors: the verb fails; the

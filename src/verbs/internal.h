@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/answer_spin.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "proto/command.h"
@@ -38,6 +39,7 @@ struct VContext {
   /// process or another) holds from sending a command to reading its answer.
   UniqueFd call_lock;
   uint32_t seq = 0;
+  AnswerSpin answer_spin;  ///< how long call() spins for an answer (under rpc_mu)
   proto::HelloResp hello{};
   MappedRegion control;
   UniqueFd doorbell;

@@ -1,8 +1,11 @@
 // The backend server over a real SOCK_SEQPACKET socket: malformed messages get an error reply or
 // a closed connection, never a crash, and a fresh connection still works afterwards.
+#include "backend/server.h"
+
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -13,9 +16,9 @@
 #include <random>
 #include <thread>
 
-#include "backend/server.h"
 #include "common/socket.h"
 #include "proto/command.h"
+#include "proto/ring.h"
 
 namespace vrdma::backend {
 namespace {
@@ -250,6 +253,34 @@ TEST_F(ServerTest, FailingCommandKeepsTheSession) {
   r = recv_reply(fd.get());
   ASSERT_EQ(r.kind, Reply::kMsg);
   EXPECT_EQ(r.hdr().status, 0);
+}
+
+// A posted command (kRequestNoAnswer) takes effect and gets no answer, not even a failing one;
+// the next call's answer is the first thing the session reads. The control page offers it.
+TEST_F(ServerTest, PostedCommandGetsNoAnswer) {
+  UniqueFd fd = conn();
+  send(fd.get(), hello_msg("posted"));
+  Reply h = recv_reply(fd.get());
+  ASSERT_EQ(h.hdr().status, 0);
+  ASSERT_EQ(h.fds.size(), 3u);
+  void* cp = ::mmap(nullptr, sizeof(ControlPage), PROT_READ, MAP_SHARED, h.fds[0].get(), 0);
+  ASSERT_NE(cp, MAP_FAILED);
+  EXPECT_NE(static_cast<const ControlPage*>(cp)->features & kFeatureNoAnswer, 0u);
+  ::munmap(cp, sizeof(ControlPage));
+  auto posted = [](Bytes b) {
+    const uint32_t flags = kRequestNoAnswer;
+    std::memcpy(b.data() + offsetof(MsgHeader, flags), &flags, sizeof(flags));
+    return b;
+  };
+  send(fd.get(), posted(encode(Op::kAllocPd, 2, 0, Empty{})));
+  send(fd.get(), posted(encode(Op::kDeallocPd, 3, 0, HandleReq{12345, 0})));  // fails: EINVAL
+  send(fd.get(), encode(Op::kAllocPd, 4, 0, Empty{}));
+  Reply r = recv_reply(fd.get());
+  ASSERT_EQ(r.kind, Reply::kMsg);
+  EXPECT_EQ(r.hdr().seq, 4u);
+  EXPECT_EQ(r.hdr().status, 0);
+  EXPECT_EQ(recv_reply(fd.get(), 100).kind, Reply::kTimeout);  // nothing else came
+  EXPECT_EQ(status_totals()["pd"], 2);                         // the posted one was made
 }
 
 TEST_F(ServerTest, DisconnectReclaimsTheSession) {
