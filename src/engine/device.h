@@ -134,7 +134,7 @@ class Device : public transport::Receiver {
   /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
   void set_direct(bool on) { direct_ = on; }
   /// Lets the library of QP `handle` execute its WQEs itself into its peer QP's memory: checks
-  /// every condition (RC, RTS, peer on this backend and connected back, same uid, no SRQ, no
+  /// every condition (RC or UC, RTS, peer on this backend and connected back, same uid, no SRQ, no
   /// completion channel, nothing in flight), gives both QPs their own completion rings, and
   /// fills `fds` (kDirectGrant's order). EAGAIN: not now (peer not ready, work in flight).
   Result<proto::DirectGrantResp> direct_grant(Session& s, uint32_t handle,

@@ -312,9 +312,9 @@ struct ResizeCqReq {
 };
 static_assert(sizeof(ResizeCqReq) == 8);
 
-// ---- kDirectGrant: may this RC QP's library execute its WQEs itself, straight into the peer's
-// memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring, the
-// peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
+// ---- kDirectGrant: may this RC (or UC) QP's library execute its WQEs itself, straight into the
+// peer's memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring,
+// the peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
 // read-only), then `num_segments` memfds of the peer's segments that its MRs name, then for
 // each of this QP's send CQ and the peer's receive CQ that has a completion channel (`notify`
 // bits, in that order) the CQ's ring memfd (for its `armed` word), the channel pipe's write end

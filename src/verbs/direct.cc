@@ -76,6 +76,29 @@ namespace {
 constexpr uint64_t kRnrSpinNs = 1000000;
 }  // namespace
 
+bool take_recv_wqe(const Grant& g, uint32_t cons, RecvWqe& out) {
+  // Copied (the peer may rewrite the slot), and only the SGEs it has: a whole RecvWqe is five
+  // cache lines that the peer's core wrote.
+  const RecvWqe& slot = g.peer_rq[cons & (g.peer_rq_size - 1)];
+  out.wr_id = slot.wr_id;
+  out.num_sge = slot.num_sge;
+  if (out.num_sge > kMaxSge) return false;
+  std::memcpy(out.sge, slot.sge, out.num_sge * sizeof(Sge));
+  return true;
+}
+
+bool recv_spans(const Grant& g, const RecvWqe& r, MemSpan* out, size_t& n, uint64_t& cap) {
+  cap = 0;
+  for (uint32_t i = 0; i < r.num_sge; ++i) {
+    const Sge& s = r.sge[i];
+    if (s.length == 0) continue;
+    if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, out, n))
+      return false;
+    cap += s.length;
+  }
+  return true;
+}
+
 uint32_t posted_receives(Grant& g, uint32_t cons) {
   uint32_t avail = g.peer_rq_seen - cons;
   if (avail && avail <= g.peer_rq_size) return avail;
@@ -277,27 +300,12 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     lost = avail == 0 && qp.qp.qp_type == IBV_QPT_UC;
     if (avail == 0 && !lost) return false;
   }
-  if (consumes && !lost) {
-    // Copied (the peer may rewrite the slot), and only the SGEs it has: a whole RecvWqe is five
-    // cache lines that the peer's core wrote.
-    const RecvWqe& slot = g.peer_rq[rcons & (g.peer_rq_size - 1)];
-    rwqe.wr_id = slot.wr_id;
-    rwqe.num_sge = slot.num_sge;
-    if (rwqe.num_sge > kMaxSge) return false;
-    std::memcpy(rwqe.sge, slot.sge, rwqe.num_sge * sizeof(Sge));
-  }
+  if (consumes && !lost && !take_recv_wqe(g, rcons, rwqe)) return false;
   if (lost) {
     // As the mediated responder: the requester completes successfully, nothing lands.
   } else if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
     uint64_t cap = 0;
-    for (uint32_t i = 0; i < rwqe.num_sge; ++i) {
-      const Sge& s = rwqe.sge[i];
-      if (s.length == 0) continue;
-      if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, remote, nr))
-        return false;
-      cap += s.length;
-    }
-    if (cap < len) return false;
+    if (!recv_spans(g, rwqe, remote, nr, cap) || cap < len) return false;
     copy_spans(local, remote, len);
   } else {
     // WRITE (with immediate) or READ, by the responder's rules (proto/responder_rules.h): the

@@ -140,6 +140,12 @@ void copy_spans(const MemSpan* src, const MemSpan* dst, uint64_t len);
 /// rkey's iova), appended to `out` as spans of our mappings (at most kMaxDirectSpans in all).
 bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
                   bool by_iova, MemSpan* out, size_t& n);
+/// Copies the peer's receive WQE at `cons` out of its ring; false when it is malformed.
+bool take_recv_wqe(const Grant& g, uint32_t cons, proto::RecvWqe& out);
+/// A receive WQE's SGEs as spans of our mappings of the peer's memory (at most
+/// kMaxDirectSpans), with their total length in `cap`; false when one names memory the grant
+/// does not hold with LOCAL_WRITE.
+bool recv_spans(const Grant& g, const proto::RecvWqe& r, MemSpan* out, size_t& n, uint64_t& cap);
 /// Receive WQEs the peer has posted and we have not taken. The peer may simply be a little
 /// behind (it reposts as it polls): wait for it up to 1 ms before answering "none", which
 /// sends the WQE to the backend (RC: its RNR wait, a timer of usually hundreds of µs).

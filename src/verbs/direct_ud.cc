@@ -18,7 +18,10 @@ using namespace vrdma::proto;
 
 namespace {
 
-constexpr size_t kMaxUdGrants = 16;  ///< destinations a QP keeps grants (or refusals) for
+/// Destinations a QP keeps grants (or refusals) for. Beyond them a destination stays mediated
+/// until an entry without a grant can make room: evicting live grants round-robin would ask
+/// the backend on every post.
+constexpr size_t kMaxUdGrants = 32;
 /// Tries for a destination's rx_lock before the WR goes to the backend instead. Holders keep
 /// it for one datagram's copy; one that was preempted would hold us for a time slice.
 constexpr uint32_t kRxLockSpins = 1u << 12;
@@ -33,7 +36,12 @@ UdGrant* grant_for(VQp& qp, const UdDest& dest, uint32_t qpn) {
   auto it = std::find_if(qp.ud_grants.begin(), qp.ud_grants.end(),
                          [&](const auto& u) { return same_dest(*u, dest, qpn); });
   if (it == qp.ud_grants.end()) {
-    if (qp.ud_grants.size() == kMaxUdGrants) qp.ud_grants.erase(qp.ud_grants.begin());
+    if (qp.ud_grants.size() == kMaxUdGrants) {
+      auto idle = std::find_if(qp.ud_grants.begin(), qp.ud_grants.end(),
+                               [](const auto& u) { return !u->grant && !u->asking.proof_failed; });
+      if (idle == qp.ud_grants.end()) return nullptr;
+      qp.ud_grants.erase(idle);
+    }
     auto u = std::make_unique<UdGrant>();
     u->dest = dest;
     u->qpn = qpn;
@@ -63,8 +71,10 @@ bool take_rx_lock(RingHeader& h, uint32_t tag) {
   for (uint32_t i = 0; i < kRxLockSpins; ++i) {
     uint32_t free = 0;
     if (h.rx_lock.load(std::memory_order_relaxed) == 0 &&
-        h.rx_lock.compare_exchange_weak(free, tag, std::memory_order_acquire))
+        h.rx_lock.compare_exchange_weak(free, tag, std::memory_order_acquire)) {
+      tsan_ring_acquire();  // another mapping's holder released it (direct.h)
       return true;
+    }
     __builtin_ia32_pause();
   }
   return false;
@@ -90,22 +100,11 @@ bool deliver_datagram(VContext& ctx, VQp& qp, UdGrant& u, const ibv_send_wr& wr,
   const uint32_t rcons = g.peer_rq_hdr->consumer.load(std::memory_order_acquire);
   const uint32_t avail = g.peer_rq_hdr->producer.load(std::memory_order_acquire) - rcons;
   if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
-  const RecvWqe& slot = g.peer_rq[rcons & (g.peer_rq_size - 1)];
   RecvWqe rwqe;
-  rwqe.wr_id = slot.wr_id;
-  rwqe.num_sge = slot.num_sge;
-  if (rwqe.num_sge > kMaxSge) return false;
-  std::memcpy(rwqe.sge, slot.sge, rwqe.num_sge * sizeof(Sge));
   MemSpan spans[kMaxDirectSpans];
   size_t nr = 0;
   uint64_t cap = 0;
-  for (uint32_t i = 0; i < rwqe.num_sge; ++i) {
-    const Sge& s = rwqe.sge[i];
-    if (s.length == 0) continue;
-    if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, spans, nr))
-      return false;
-    cap += s.length;
-  }
+  if (!take_recv_wqe(g, rcons, rwqe) || !recv_spans(g, rwqe, spans, nr, cap)) return false;
   if (cap < kGrhBytes + len) return false;  // the backend completes it with LOC_LEN_ERR
   const UdDest& d = u.dest;
   if (d.is_global) {
@@ -161,6 +160,7 @@ bool execute_ud(VContext& ctx, VQp& qp, UdGrant& u, const ibv_send_wr& wr) {
     return false;
   if (!take_rx_lock(*g.peer_rq_hdr, u.lock_tag)) return false;
   const bool done = deliver_datagram(ctx, qp, u, wr, local, len);
+  tsan_ring_release();
   g.peer_rq_hdr->rx_lock.store(0, std::memory_order_release);
   if (!done) return false;
   fire(g.recv_notify, (wr.send_flags & IBV_SEND_SOLICITED) != 0);
