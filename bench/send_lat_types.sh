@@ -9,7 +9,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"
 RUNS="${2:-3}"
-ITERS="${ITERS:-20000}"
+ITERS="${ITERS:-5000}"
 # shellcheck source-path=SCRIPTDIR/.. source=tests/e2e/lib.sh
 source "$ROOT/tests/e2e/lib.sh"
 export E2E_DEADLINE="${E2E_DEADLINE:-1800}"

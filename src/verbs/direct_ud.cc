@@ -97,8 +97,12 @@ bool skip_bytes(MemSpan*& s, size_t& count, uint64_t n) {
 bool deliver_datagram(VContext& ctx, VQp& qp, UdGrant& u, const ibv_send_wr& wr,
                       const MemSpan* local, uint64_t len) {
   Grant& g = *u.grant;
+  // Another sender may have taken receives since posted_receives() looked: the consumer index
+  // again, under the lock; the producer's cached copy only moves forward, so it still holds.
   const uint32_t rcons = g.peer_rq_hdr->consumer.load(std::memory_order_acquire);
-  const uint32_t avail = g.peer_rq_hdr->producer.load(std::memory_order_acquire) - rcons;
+  uint32_t avail = g.peer_rq_seen - rcons;
+  if (avail == 0 || avail > g.peer_rq_size)
+    avail = (g.peer_rq_seen = g.peer_rq_hdr->producer.load(std::memory_order_acquire)) - rcons;
   if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
   RecvWqe rwqe;
   MemSpan spans[kMaxDirectSpans];
