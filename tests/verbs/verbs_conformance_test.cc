@@ -72,6 +72,16 @@ class Conformance : public vrdma::test::VerbsFixture {
     return p;
   }
 
+  /// Connects two RC or UC QPs of ours to each other, both to RTS.
+  void connect_ours(ibv_qp* a, ibv_qp* b) {
+    QpPath to_b, to_a;
+    to_b.dlid = to_a.dlid = lid_;
+    to_b.dest_qpn = b->qp_num;
+    to_a.dest_qpn = a->qp_num;
+    ASSERT_EQ(bring_to_rts(a, to_b), 0);
+    ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  }
+
   /// `n` RC pairs of depth `depth`; the peer's QPs (ours are in qps_).
   std::vector<PeerQp> rc_pairs(int n, uint32_t depth) {
     std::vector<PeerQp> theirs;
@@ -372,12 +382,7 @@ TEST_F(Conformance, UcSendWithoutAReceiveIsLostAndTheSenderSucceeds) {
   ibv_qp* a = make_qp(IBV_QPT_UC);
   ibv_qp* b = make_qp(IBV_QPT_UC);
   ASSERT_TRUE(a && b);
-  QpPath to_b, to_a;
-  to_b.dlid = to_a.dlid = lid_;
-  to_b.dest_qpn = b->qp_num;
-  to_a.dest_qpn = a->qp_num;
-  ASSERT_EQ(bring_to_rts(a, to_b), 0);
-  ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
   fill(buf_.data(), 64, 1);
   ASSERT_EQ(post(a, {.sges = {sge(0, 64)}, .wr_id = 1}), 0);
   auto first = drain_for(100);
@@ -1569,12 +1574,7 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
   ibv_qp* a = make_qp(IBV_QPT_RC);                 // send and receive CQ: cq_ (no channel)
   ibv_qp* b = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);  // both on ecq
   ASSERT_TRUE(a && b);
-  QpPath to_b, to_a;
-  to_b.dlid = to_a.dlid = lid_;
-  to_b.dest_qpn = b->qp_num;
-  to_a.dest_qpn = a->qp_num;
-  ASSERT_EQ(bring_to_rts(a, to_b), 0);
-  ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
   for (uint64_t i = 0; i < 4; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 64), 0);
   ASSERT_EQ(post_recv(a, 200, 65536, 64), 0);
   auto event = [&](int timeout_ms) {
