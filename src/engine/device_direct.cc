@@ -48,8 +48,9 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
-/// Tries of the backend for a UD receive side a library holds (Device::rx_lock_take).
-constexpr int kRxLockSpins = 4096;
+/// Tries of the backend for a UD receive side a library holds (Device::rx_lock_take): a
+/// holder keeps it for one datagram's copy, about a microsecond.
+constexpr int kRxLockSpins = 256;
 
 /// How long the engine thread waits for a proof's read of the peer's memory; a read that takes
 /// longer is settled at a later grant (Session::proving).
@@ -191,17 +192,22 @@ bool Device::rx_lock_take(Qp& to) {
   AtomicU32& w = to.rq_hdr->rx_lock;
   // A library holds it for one datagram's copy (at most an MTU): a short wait. One preempted
   // inside costs this datagram (UD is unreliable), never the engine thread's time.
-  for (int i = 0; i < kRxLockSpins; ++i) {
+  const int tries = to.rx_busy ? 1 : kRxLockSpins;
+  for (int i = 0; i < tries; ++i) {
     uint32_t held = 0;
-    if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) return true;
+    if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     // Ours from before a crash (keep_state), or a session's that is gone (a process killed
     // inside a delivery): nobody will give it back.
     const bool orphan = held == kRxLockBackend || sessions_.count(held - 1) == 0;
-    if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire))
-      return true;
+    if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
+    if (i + 1 == tries) {
+      to.rx_busy = true;
+      return false;
+    }
     __builtin_ia32_pause();
   }
-  return false;
+  to.rx_busy = false;
+  return true;
 }
 
 void Device::rx_lock_give(Qp& to) {
