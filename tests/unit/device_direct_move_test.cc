@@ -203,17 +203,7 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   b_.s = r.value()[0].session;
   // A datagram through a's send queue: delivered after the library's, the lock given back.
   post_recv(ub, 32, mb_.addr, 1024, mb_.mr.lkey);
-  SendWqe w{};
-  w.wr_id = 33;
-  w.opcode = IBV_WR_SEND;
-  w.send_flags = IBV_SEND_SIGNALED;
-  w.num_sge = 1;
-  w.sge[0] = Sge{ma_.addr, 8, ma_.mr.lkey};
-  pack_ud_dest(w, d);
-  w.ud_remote_qpn = ub.qpn;
-  w.ud_remote_qkey = 9;
-  ua.sqe[ua.sq_prod & (ua.sq_size - 1)] = w;
-  ua.sq->producer.store(++ua.sq_prod, std::memory_order_release);
+  post_ud(ua, 33, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
   dev_.poll(now_);
   dev_.poll(now_);
   EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30, 32}));
