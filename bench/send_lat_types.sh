@@ -24,7 +24,9 @@ for ((r = 1; r <= RUNS; r++)); do
   for path in mediated direct; do
     # Each path its own backend (the library starts it with the environment's setting).
     export VRDMA_SOCKET="$E2E_TMP/$path.sock"
-    export VRDMA_DIRECT_PATH=$([[ $path == direct ]] && echo 1 || echo 0)
+    VRDMA_DIRECT_PATH=0
+    [[ $path == mediated ]] || VRDMA_DIRECT_PATH=1
+    export VRDMA_DIRECT_PATH
     for conn in RC UC UD; do
       run_perftest ib_send_lat -c "$conn" -s 8 -n "$ITERS"
       # t_typical (the median) is column 5.
