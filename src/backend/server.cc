@@ -360,12 +360,23 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       reply_status(
           dev_.direct_prove(*s, handle_of(), fds.empty() ? UniqueFd() : std::move(fds[0])));
       break;
+    case Op::kDirectPeerUd:
+      reply(dev_.direct_peer_ud(*s, body_of<DirectUdReq>(msg).value()));
+      break;
+    case Op::kDirectProveUd:
+      reply_status(dev_.direct_prove_ud(*s, body_of<DirectUdReq>(msg).value(),
+                                        fds.empty() ? UniqueFd() : std::move(fds[0])));
+      break;
+    case Op::kDirectGrantUd:
     case Op::kDirectGrant:
     case Op::kDirectRings:
     case Op::kDirectOffer:
     case Op::kDirectRemote: {
       std::vector<UniqueFd> owned;
+      std::string peer;  // kDirectGrantUd's destination guest
       if (op == Op::kDirectGrant) reply(dev_.direct_grant(*s, handle_of(), owned));
+      else if (op == Op::kDirectGrantUd)
+        reply(dev_.direct_grant_ud(*s, body_of<DirectUdReq>(msg).value(), owned, peer));
       else if (op == Op::kDirectRings) reply(dev_.direct_rings(*s, handle_of(), owned));
       else if (op == Op::kDirectOffer)
         reply(dev_.direct_offer(*s, body_of<DirectOfferReq>(msg).value(), owned));
@@ -374,9 +385,9 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       if (status == 0) {
         // A grant gives both QPs own completion rings: the keeper has them before the guest
         // hears of it (later completions go there; a restore without them would lose them).
-        if (op == Op::kDirectGrant) {
+        if (op == Op::kDirectGrant || op == Op::kDirectGrantUd) {
           keep(c.session->guest->name);
-          const std::string peer = dev_.direct_peer_guest(*s, handle_of());
+          if (op == Op::kDirectGrant) peer = dev_.direct_peer_guest(*s, handle_of());
           if (!peer.empty() && peer != c.session->guest->name) keep(peer);
         }
         for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());

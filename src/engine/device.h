@@ -137,7 +137,7 @@ class Device : public transport::Receiver {
   /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
   void set_direct(bool on) { direct_ = on; }
   /// Lets the library of QP `handle` execute its WQEs itself into its peer QP's memory: checks
-  /// every condition (RC, RTS, peer on this backend and connected back, same uid, no SRQ, no
+  /// every condition (RC or UC, RTS, peer on this backend and connected back, same uid, no SRQ, no
   /// completion channel, nothing in flight), gives both QPs their own completion rings, and
   /// fills `fds` (kDirectGrant's order). EAGAIN: not now (peer not ready, work in flight).
   Result<proto::DirectGrantResp> direct_grant(Session& s, uint32_t handle,
@@ -155,6 +155,13 @@ class Device : public transport::Receiver {
   Result<proto::DirectPeerResp> direct_peer(Session& s, uint32_t handle);
   /// kDirectProve: `proof` shows that `s` may write the memory of QP `handle`'s peer session.
   Status direct_prove(Session& s, uint32_t handle, UniqueFd proof);
+  /// The same three for a UD QP and one destination (kDirectGrantUd, kDirectPeerUd,
+  /// kDirectProveUd): the destination QP is the peer. `peer_guest`: its guest's name.
+  Result<proto::DirectGrantUdResp> direct_grant_ud(Session& s, const proto::DirectUdReq& req,
+                                                   std::vector<UniqueFd>& fds,
+                                                   std::string& peer_guest);
+  Result<proto::DirectPeerResp> direct_peer_ud(Session& s, const proto::DirectUdReq& req);
+  Status direct_prove_ud(Session& s, const proto::DirectUdReq& req, UniqueFd proof);
   /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds.
   Result<proto::DirectRingsResp> direct_rings(Session& s, uint32_t handle,
                                               std::vector<UniqueFd>& fds);
@@ -350,6 +357,19 @@ class Device : public transport::Receiver {
   bool trusts(const Session& s, const Session& peer) const;
   /// The session of QP `handle`'s peer QP on this backend, of the same uid.
   Result<Session*> direct_peer_session(Session& s, uint32_t handle);
+  /// The UD QP `req` names on this backend (where execute_ud would deliver), and its session.
+  Result<Qp*> ud_destination(Session& s, const proto::DirectUdReq& req);
+  Result<Session*> direct_ud_peer_session(Session& s, const proto::DirectUdReq& req);
+  /// kDirectPeer's and kDirectProve's work, once the peer session is known.
+  Result<proto::DirectPeerResp> peer_pid(Session& s, Session& peer);
+  Status prove(Session& s, Session* peer, UniqueFd proof);
+  /// The checks and descriptors of a grant from `a` into `b` (kDirectGrant's order).
+  Result<proto::DirectGrantResp> grant_into(Session& s, Qp& a, Qp& b, std::vector<UniqueFd>& fds);
+  /// A UD QP's receive side with direct producers (RingHeader::rx_lock): taken by the backend
+  /// without blocking on a guest; a holder whose session is gone is taken over. False: busy.
+  bool rx_lock_take(Qp& to);
+  void rx_lock_give(Qp& to);
+  static uint32_t rx_lock_tag(const Session& s) { return s.id + 1; }
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                            const uint8_t sgid[16]);
@@ -427,6 +447,9 @@ class Device : public transport::Receiver {
   /// Delivers a datagram (local or from the wire) to `to`; payload from `src`.
   void deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
                   std::span<const Span> src, uint8_t sl);
+  /// deliver_ud's work, with the receive side's rx_lock held.
+  void deliver_ud_held(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
+                       std::span<const Span> src, uint8_t sl);
   void holds_of(const Mr& mr, std::vector<transport::Hold>& out) const;
   void enter_error(Qp& qp, const char* why);
   /// Something a direct grant of (or to) guest `g` relies on changed: grants stop.

@@ -362,7 +362,7 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
     return;
   }
   // A datagram fits in one packet: the port's MTU.
-  if (len > 4096) {
+  if (len > kUdMaxMessage) {
     complete_send(qp, w, IBV_WC_LOC_LEN_ERR, 0);
     enter_error(qp, "UD message longer than the MTU");
     return;
@@ -576,8 +576,10 @@ bool Device::flush(Qp& qp) {
   qp.sq_sent = qp.sq_cons;
   // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others.
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
-  if (qp.own_recv && !qp.srq) qp.rq_cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
-  if (!qp.srq && rprod - qp.rq_cons <= qp.rq_size) {
+  // A UD RQ that direct senders feed: only while none delivers (else on a later turn).
+  const bool rx_held = !qp.srq && rx_lock_take(qp);
+  if (qp.own_recv && rx_held) qp.rq_cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
+  if (rx_held && rprod - qp.rq_cons <= qp.rq_size) {
     while (qp.rq_cons != rprod) {
       Cqe e{};
       e.wr_id = qp.rq[qp.rq_cons & (qp.rq_size - 1)].wr_id;
@@ -591,6 +593,7 @@ bool Device::flush(Qp& qp) {
     }
     qp.rq_hdr->consumer.store(qp.rq_cons, std::memory_order_release);
   }
+  if (rx_held) rx_lock_give(qp);
   return did;
 }
 

@@ -48,6 +48,10 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
+/// Tries of the backend for a UD receive side a library holds (Device::rx_lock_take): a
+/// holder keeps it for one datagram's copy, about a microsecond.
+constexpr int kRxLockSpins = 256;
+
 /// How long the engine thread waits for a proof's read of the peer's memory; a read that takes
 /// longer is settled at a later grant (Session::proving).
 constexpr int kProofWaitMs = 5;
@@ -122,16 +126,41 @@ Status Device::direct_cookie(Session& s, const DirectCookieReq& req) {
 
 Result<DirectPeerResp> Device::direct_peer(Session& s, uint32_t handle) {
   ASSIGN_OR_RETURN(Session * peer, direct_peer_session(s, handle));
-  if (peer->cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
+  return peer_pid(s, *peer);
+}
+
+Result<DirectPeerResp> Device::direct_peer_ud(Session& s, const DirectUdReq& req) {
+  ASSIGN_OR_RETURN(Session * peer, direct_ud_peer_session(s, req));
+  return peer_pid(s, *peer);
+}
+
+Result<Session*> Device::direct_ud_peer_session(Session& s, const DirectUdReq& req) {
+  ASSIGN_OR_RETURN(Qp * b, ud_destination(s, req));
+  if (b->owner->uid != s.uid || s.uid == kNoUid)
+    return error(EPERM, "direct path: peer runs as another user");
+  return b->owner;
+}
+
+Result<DirectPeerResp> Device::peer_pid(Session& s, Session& peer) {
+  if (peer.cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
   // Only a number the caller could find in its own /proc: a peer in another pid namespace
   // (another container) stays unnamed, and the caller cannot prove anything.
   ASSIGN_OR_RETURN(uint32_t pid,
-                   pid_as_seen_by(static_cast<pid_t>(s.pid), static_cast<pid_t>(peer->pid)));
+                   pid_as_seen_by(static_cast<pid_t>(s.pid), static_cast<pid_t>(peer.pid)));
   return DirectPeerResp{pid, 0};
 }
 
 Status Device::direct_prove(Session& s, uint32_t handle, UniqueFd proof) {
   ASSIGN_OR_RETURN(Session * peer, direct_peer_session(s, handle));
+  return prove(s, peer, std::move(proof));
+}
+
+Status Device::direct_prove_ud(Session& s, const DirectUdReq& req, UniqueFd proof) {
+  ASSIGN_OR_RETURN(Session * peer, direct_ud_peer_session(s, req));
+  return prove(s, peer, std::move(proof));
+}
+
+Status Device::prove(Session& s, Session* peer, UniqueFd proof) {
   if (!proof.valid()) return error(EINVAL, "direct path: no proof attached");
   if (peer->cookie_addr == 0) return error(EAGAIN, "direct path: the peer has sent no cookie");
   if (settle_proofs(s, peer->id)) return error(EAGAIN, "direct path: an earlier proof is read");
@@ -156,6 +185,33 @@ Status Device::direct_prove(Session& s, uint32_t handle, UniqueFd proof) {
   VLOG_INFO("direct path: pid {} (guest {}) may write pid {} (guest {}) by the kernel's rules",
             s.pid, s.guest->name, peer->pid, peer->guest->name);
   return Status::ok();
+}
+
+bool Device::rx_lock_take(Qp& to) {
+  if (to.type != IBV_QPT_UD || !to.own_recv) return true;  // RC, UC: one producer at a time
+  AtomicU32& w = to.rq_hdr->rx_lock;
+  // A library holds it for one datagram's copy (at most an MTU): a short wait. One preempted
+  // inside costs this datagram (UD is unreliable), never the engine thread's time.
+  const int tries = to.rx_busy ? 1 : kRxLockSpins;
+  for (int i = 0; i < tries; ++i) {
+    uint32_t held = 0;
+    if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
+    // Ours from before a crash (keep_state), or a session's that is gone (a process killed
+    // inside a delivery): nobody will give it back.
+    const bool orphan = held == kRxLockBackend || sessions_.count(held - 1) == 0;
+    if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
+    if (i + 1 == tries) {
+      to.rx_busy = true;
+      return false;
+    }
+    __builtin_ia32_pause();
+  }
+  to.rx_busy = false;
+  return true;
+}
+
+void Device::rx_lock_give(Qp& to) {
+  if (to.type == IBV_QPT_UD && to.own_recv) to.rq_hdr->rx_lock.store(0, std::memory_order_release);
 }
 
 void Device::bump_epoch(Guest& g) {
@@ -188,16 +244,63 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
     return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
-  if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct path: RC QPs only");
+  if (a->type != IBV_QPT_RC && a->type != IBV_QPT_UC)
+    return error(EOPNOTSUPP, "direct path: RC and UC QPs only (UD: kDirectGrantUd)");
   if (a->srq) return error(EOPNOTSUPP, "direct path: not for a QP on an SRQ");
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct path: QP not in RTS");
   // A peer on another backend: the library asks kDirectRemote instead (even with direct_path
   // off, so that a library asks one question whatever the backend offers).
-  if (a->remote) return error(EREMOTE, "direct path: peer on another backend (kDirectRemote)");
+  if (a->remote) {
+    if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct path across backends: RC only");
+    return error(EREMOTE, "direct path: peer on another backend (kDirectRemote)");
+  }
   if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
   if (a->route_pending) return error(EAGAIN, "direct path: destination not located yet");
   Qp* b = local_responder(*a);
   if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
+  return grant_into(s, *a, *b, fds);
+}
+
+Result<Qp*> Device::ud_destination(Session& s, const DirectUdReq& req) {
+  if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
+  Qp* a = find_qp(s, req.qp);
+  if (!a) return error(EINVAL, fmt::format("no QP {}", req.qp));
+  if (a->type != IBV_QPT_UD) return error(EOPNOTSUPP, "direct path: kDirectGrantUd is UD's");
+  if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct path: QP not in RTS");
+  if (is_mcast(req.dest)) return error(EOPNOTSUPP, "direct path: multicast stays mediated");
+  // Where execute_ud would send it: a guest of this backend, unless TCP is forced.
+  if (transport_ && transport_->forced())
+    return error(EOPNOTSUPP, "direct path: every datagram goes through the transport");
+  Guest* g = nullptr;
+  if (req.dest.is_global) {
+    g = guest_by_gid(req.dest.dgid);
+  } else if (auto it = guests_by_lid_.find(req.dest.dlid); it != guests_by_lid_.end()) {
+    g = it->second;
+  }
+  if (!g) return error(EHOSTUNREACH, "direct path: destination not on this backend");
+  auto it = g->qps.find(req.remote_qpn);
+  if (it == g->qps.end() || it->second->type != IBV_QPT_UD || !rq_open(it->second->state))
+    return error(EAGAIN, "direct path: no UD QP ready to receive there");
+  return it->second;
+}
+
+Result<DirectGrantUdResp> Device::direct_grant_ud(Session& s, const DirectUdReq& req,
+                                                  std::vector<UniqueFd>& fds,
+                                                  std::string& peer_guest) {
+  ASSIGN_OR_RETURN(Qp * b, ud_destination(s, req));
+  Qp* a = find_qp(s, req.qp);
+  DirectGrantUdResp resp{};
+  ASSIGN_OR_RETURN(resp.grant, grant_into(s, *a, *b, fds));
+  resp.peer_qkey = b->attr.qkey;
+  resp.my_qkey = a->attr.qkey;
+  resp.lock_tag = rx_lock_tag(s);
+  peer_guest = b->guest->name;
+  return resp;
+}
+
+Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vector<UniqueFd>& fds) {
+  Qp* a = &qa;
+  Qp* b = &qb;
   if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
   if (b->owner->uid != s.uid || s.uid == kNoUid)
     return error(EPERM, "direct path: peer runs as another user");

@@ -136,6 +136,17 @@ bool Device::resolve_recv(const Qp& to, const RecvWqe& r, uint64_t& cap) {
 
 void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
                         std::span<const Span> src, uint8_t sl) {
+  // Direct senders deliver into this receive side too (kDirectGrantUd): one at a time.
+  if (!rx_lock_take(to)) {
+    to.cnt.ud_dropped++;
+    return;
+  }
+  deliver_ud_held(to, in, global, sgid, src, sl);
+  rx_lock_give(to);
+}
+
+void Device::deliver_ud_held(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
+                             std::span<const Span> src, uint8_t sl) {
   const uint64_t len = in.len;
   dst_.clear();
   RecvWqe r;
@@ -170,14 +181,7 @@ void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sg
   // (IPv6 header: version 6, next header 0x1b, hop limit, source and destination GIDs).
   uint8_t grh[kGrhBytes] = {};
   if (global) {
-    grh[0] = 0x60;
-    const uint16_t paylen = static_cast<uint16_t>(len);
-    grh[4] = static_cast<uint8_t>(paylen >> 8);
-    grh[5] = static_cast<uint8_t>(paylen);
-    grh[6] = 0x1b;
-    grh[7] = 64;
-    std::memcpy(grh + 8, sgid, 16);
-    std::memcpy(grh + 24, to.guest->gid, 16);
+    fill_grh(grh, len, sgid, to.guest->gid);
     rc.wc_flags |= IBV_WC_GRH;
   }
   // The receive spans: the GRH's room first, then the payload.

@@ -288,6 +288,10 @@ struct Qp {
   bool direct_remote = false;
   /// Its library offered a direct connection across backends (kDirectOffer), until RESET.
   bool offered = false;
+  /// UD: the last try for its receive side's rx_lock found it held by a live session; the next
+  /// tries once only (a guest that holds its own lock must not cost the engine a spin per
+  /// datagram sent to it).
+  bool rx_busy = false;
 };
 
 /// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.

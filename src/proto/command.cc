@@ -73,6 +73,10 @@ size_t request_body_size(Op op) {
     case Op::kCmMigrateId: return sizeof(CmMigrateReq);
     case Op::kCmEvent: break;  // never a request
     case Op::kDirectOffer: return sizeof(DirectOfferReq);
+    case Op::kDirectGrantUd:
+    case Op::kDirectPeerUd:
+    case Op::kDirectProveUd:
+      return sizeof(DirectUdReq);
     case Op::kDirectCookie:
       return sizeof(DirectCookieReq);
     case Op::kCreateSrq: return sizeof(CreateSrqReq);
@@ -175,7 +179,15 @@ std::string op_name(uint16_t op) {
                                            "open_qp",
                                            nullptr,  // 72: free
                                            "import_context",
-                                           "import_object"};
+                                           "import_object",
+                                           nullptr,  // 75-79: free
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,
+                                           nullptr,
+                                           "direct_grant_ud",
+                                           "direct_peer_ud",
+                                           "direct_prove_ud"};
   static_assert(std::size(kNames) == static_cast<size_t>(Op::kMax));
   if (op == 0 || op >= std::size(kNames) || !kNames[op]) return fmt::format("op {}", op);
   return kNames[op];

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "proto/ring.h"
 
 namespace vrdma::proto {
 
@@ -116,7 +117,12 @@ enum class Op : uint16_t {
   // ibv_context's cmd_fd, passed to it by SCM_RIGHTS). docs/ARCHITECTURE.md, "Imports".
   kImportContext = 73,  ///< Empty; HelloResp; response fds as kHello's (control, doorbell, async)
   kImportObject = 74,   ///< ImportObjectReq; ImportObjectResp; response fd: a DM's memfd
-  kMax = 75,            ///< one past the last opcode; never sent
+  // 75-79: free.
+  // The same-host direct path for UD (docs/ARCHITECTURE.md, "Direct path"): per destination.
+  kDirectGrantUd = 80,  ///< DirectUdReq; DirectGrantUdResp; response fds as kDirectGrant's
+  kDirectPeerUd = 81,   ///< DirectUdReq; DirectPeerResp (as kDirectPeer, for the destination)
+  kDirectProveUd = 82,  ///< DirectUdReq, one fd attached: the proof; Empty (as kDirectProve)
+  kMax = 83,            ///< one past the last opcode; never sent
 };
 
 /// Whether an opcode is one of the connection manager's (kCmCreateChannel..kCmEvent,
@@ -328,9 +334,9 @@ struct ResizeCqReq {
 };
 static_assert(sizeof(ResizeCqReq) == 8);
 
-// ---- kDirectGrant: may this RC QP's library execute its WQEs itself, straight into the peer's
-// memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring, the
-// peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
+// ---- kDirectGrant: may this RC (or UC) QP's library execute its WQEs itself, straight into the
+// peer's memory? Response fds, in order: the peer QP's ring memfd, this QP's send-completion ring,
+// the peer QP's receive-completion ring, this guest's epoch page, the peer's epoch page (both
 // read-only), then `num_segments` memfds of the peer's segments that its MRs name, then for
 // each of this QP's send CQ and the peer's receive CQ that has a completion channel (`notify`
 // bits, in that order) the CQ's ring memfd (for its `armed` word), the channel pipe's write end
@@ -382,6 +388,26 @@ struct DirectGrantResp {
   DirectMr mrs[kMaxDirectMrs];
 };
 static_assert(sizeof(DirectGrantResp) == 72 + sizeof(DirectMr) * kMaxDirectMrs);
+
+// ---- kDirectGrantUd: may this UD QP's library send straight into destination QP
+// `remote_qpn` of the guest `dest` names (an address handle's, not multicast), on this backend?
+// The same checks and descriptors as kDirectGrant (the destination is the peer), per
+// destination; the peer's receive side (its RQ and receive-completion ring) has several
+// producers then, which take turns through its RQ header's `rx_lock` (proto/ring.h).
+struct DirectUdReq {
+  uint32_t qp;  ///< the sending QP's handle
+  uint32_t remote_qpn;
+  UdDest dest;
+};
+static_assert(sizeof(DirectUdReq) == 28);
+struct DirectGrantUdResp {
+  uint32_t peer_qkey;  ///< the destination QP's qkey (a WR's qkey must match it)
+  uint32_t lock_tag;   ///< what this session stores into `rx_lock` while it holds it
+  uint32_t my_qkey;    ///< the sending QP's own qkey (a WR's qkey with the high bit set)
+  uint32_t reserved;
+  DirectGrantResp grant;
+};
+static_assert(sizeof(DirectGrantUdResp) == 16 + sizeof(DirectGrantResp));
 
 // ---- kDirectRings: the QPs' own completion rings that feed a CQ (HandleReq: the CQ). One fd
 // per ring, in order.

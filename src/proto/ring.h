@@ -53,7 +53,12 @@ struct alignas(64) RingHeader {
   /// no cache line between the cores.
   AtomicU64 direct_msgs;
   AtomicU64 direct_bytes;
-  uint8_t pad0[24];
+  /// RQ of a UD QP that a direct peer feeds (kDirectGrantUd): 0 free, else the holder's tag
+  /// (a session's DirectGrantUdResp::lock_tag, kRxLockBackend). Every producer of its receive
+  /// side (the RQ's consumer index, the own receive-completion ring) holds it while it
+  /// delivers: there may be several senders at once, in several processes and the backend.
+  AtomicU32 rx_lock;
+  uint8_t pad0[20];
   AtomicU32 producer;  ///< free-running count of entries produced
   uint8_t pad1[60];
   AtomicU32 consumer;  ///< free-running count of entries consumed
@@ -72,6 +77,7 @@ struct alignas(64) RingHeader {
   uint8_t pad3[60];
 };
 static_assert(sizeof(RingHeader) == 256);
+inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend
 
 struct Sge {
   uint64_t addr;
@@ -141,6 +147,23 @@ inline uint32_t bind_lkey(const SendWqe& w) { return static_cast<uint32_t>(w.swa
 inline uint32_t bind_access(const SendWqe& w) { return static_cast<uint32_t>(w.swap >> 32); }
 
 inline constexpr uint32_t kGrhBytes = 40;  ///< a UD receive buffer starts with room for a GRH
+inline constexpr uint32_t kUdMaxMessage = 4096;  ///< a datagram fits one packet: the port's MTU
+
+/// The GRH a UD receive gets when the sender used one (an IPv6 header: version 6, payload
+/// length, next header 0x1b, hop limit 64, source and destination GIDs). Every executor of a
+/// datagram (the backend, a direct sender's library) writes it with this.
+inline void fill_grh(uint8_t out[kGrhBytes], uint64_t len, const uint8_t sgid[16],
+                     const uint8_t dgid[16]) {
+  std::memset(out, 0, kGrhBytes);
+  out[0] = 0x60;
+  const uint16_t paylen = static_cast<uint16_t>(len);
+  out[4] = static_cast<uint8_t>(paylen >> 8);
+  out[5] = static_cast<uint8_t>(paylen);
+  out[6] = 0x1b;
+  out[7] = 64;
+  std::memcpy(out + 8, sgid, 16);
+  std::memcpy(out + 24, dgid, 16);
+}
 
 struct RecvWqe {
   uint64_t wr_id;

@@ -27,12 +27,13 @@ namespace {
 
 constexpr uint32_t kFirstBackoff = 64;       ///< posts between asks after a "not now"
 constexpr uint32_t kMaxBackoff = 1u << 16;   ///< ... growing to this
-constexpr uint32_t kMaxSpans = kMaxSge * kMaxDirectChunks;
+constexpr uint32_t kMaxSpans = kMaxDirectSpans;
 
 using Span = MemSpan;
 
-/// Copies `len` bytes from `src` to `dst`, span to span.
-void copy(const Span* src, const Span* dst, uint64_t len) {
+}  // namespace
+
+void copy_spans(const Span* src, const Span* dst, uint64_t len) {
   size_t si = 0, di = 0;
   uint64_t so = 0, doff = 0;
   while (len) {
@@ -44,8 +45,6 @@ void copy(const Span* src, const Span* dst, uint64_t len) {
   }
 }
 
-/// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
-/// rkey's iova), as spans of our mappings.
 bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
                   bool by_iova, Span* out, size_t& n) {
   const DirectMr* mr = nullptr;
@@ -72,10 +71,34 @@ bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint3
   return len == 0;
 }
 
-/// Receive WQEs the peer has posted and we have not taken. The peer may simply be a little
-/// behind (it reposts as it polls): wait for it up to kRnrSpinNs before answering "none", which
-/// sends the WQE to the backend's RNR wait, a timer of (usually) hundreds of microseconds.
+namespace {
+/// posted_receives' wait for a peer that is a little behind.
 constexpr uint64_t kRnrSpinNs = 1000000;
+}  // namespace
+
+bool take_recv_wqe(const Grant& g, uint32_t cons, RecvWqe& out) {
+  // Copied (the peer may rewrite the slot), and only the SGEs it has: a whole RecvWqe is five
+  // cache lines that the peer's core wrote.
+  const RecvWqe& slot = g.peer_rq[cons & (g.peer_rq_size - 1)];
+  out.wr_id = slot.wr_id;
+  out.num_sge = slot.num_sge;
+  if (out.num_sge > kMaxSge) return false;
+  std::memcpy(out.sge, slot.sge, out.num_sge * sizeof(Sge));
+  return true;
+}
+
+bool recv_spans(const Grant& g, const RecvWqe& r, MemSpan* out, size_t& n, uint64_t& cap) {
+  cap = 0;
+  for (uint32_t i = 0; i < r.num_sge; ++i) {
+    const Sge& s = r.sge[i];
+    if (s.length == 0) continue;
+    if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, out, n))
+      return false;
+    cap += s.length;
+  }
+  return true;
+}
+
 uint32_t posted_receives(Grant& g, uint32_t cons) {
   uint32_t avail = g.peer_rq_seen - cons;
   if (avail && avail <= g.peer_rq_size) return avail;
@@ -99,9 +122,6 @@ uint32_t posted_receives(Grant& g, uint32_t cons) {
   }
 }
 
-/// After a completion is published into an own ring: fires the CQ's channel when the CQ is
-/// armed for it. Pairs with the poller's seq_cst store of `armed` before it polls again (and
-/// with the backend's push_cqe, which consumes the same word): one event per arm.
 void fire(Notify& n, bool solicited) {
   if (!n.hdr) return;
   std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -112,6 +132,8 @@ void fire(Notify& n, bool solicited) {
   if (::write(n.write_end.get(), &n.cq, sizeof(n.cq)) != sizeof(n.cq))
     VLOG_WARN("direct path: completion channel of CQ {} full", n.cq);
 }
+
+namespace {
 
 /// Takes the kDirectNotifyFds descriptors of a CQ with a channel (proto/command.h).
 bool take_notify(Notify& n, std::vector<UniqueFd>& fds, size_t at, uint32_t cq) {
@@ -124,19 +146,22 @@ bool take_notify(Notify& n, std::vector<UniqueFd>& fds, size_t at, uint32_t cq) 
   return n.write_end.valid() && n.read_end.valid();
 }
 
+}  // namespace
+
 bool grant_still_good(const ControlPage& ctl, const Grant& g) {
   return ctl.grant_gen.load(std::memory_order_acquire) == g.ctl_gen &&
          g.my_epoch->epoch.load(std::memory_order_acquire) == g.my_epoch_v &&
          g.peer_epoch->epoch.load(std::memory_order_acquire) == g.peer_epoch_v;
 }
 
+namespace {
+
 /// Shows the backend that this process may write the memory of the QP's peer: the kernel lets
 /// a process open another's /proc/PID/mem for writing only if it may ptrace-attach to it (uid
 /// or CAP_SYS_PTRACE, Yama's ptrace_scope, LSMs), and the pid is one our pid namespace shows.
-int prove_access(VContext& ctx, VQp& qp) {
-  HandleReq req{qp.handle, 0};
+int prove_access(VContext& ctx, VQp& qp, const GrantAsk& ask) {
   DirectPeerResp peer{};
-  if (int rc = ctx.call(Op::kDirectPeer, req, peer)) {
+  if (int rc = ctx.call(ask.peer, ask.req, ask.req_len, &peer, sizeof(peer))) {
     VLOG_DEBUG("direct path: QP {:#x}: the backend names no peer process we can see: {}",
                qp.qp.qp_num, std::strerror(rc));
     return rc;
@@ -151,34 +176,33 @@ int prove_access(VContext& ctx, VQp& qp) {
   }
   const int fd = mem.get();
   Empty none;
-  return ctx.call(Op::kDirectProve, &req, sizeof(req), &none, 0, std::span<const int>(&fd, 1));
+  return ctx.call(ask.prove, ask.req, ask.req_len, &none, 0, std::span<const int>(&fd, 1));
 }
 
-/// Asks the backend for a grant; backs off after a refusal.
-void ask_grant(VQp& qp) {
+}  // namespace
+
+std::unique_ptr<Grant> ask_grant(VQp& qp, const GrantAsk& ask, Asking& st, void* resp,
+                                 size_t resp_len, const DirectGrantResp& r) {
   VContext& ctx = *to_vctx(qp.qp.context);
-  auto resp = std::make_unique<DirectGrantResp>();
   std::vector<UniqueFd> fds;
-  HandleReq req{qp.handle, 0};
   // Read before asking: a backend that takes us in after this ends the grant we get now.
   const uint32_t ctl_gen = ctx.control_page()->grant_gen.load(std::memory_order_acquire);
-  int rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+  int rc = ctx.call(ask.grant, ask.req, ask.req_len, resp, resp_len, {}, &fds);
   // No proof yet that we may write the peer's memory: give one and ask again. A refused proof
   // is not given again; one not settled yet (EAGAIN: the peer not ready, a busy backend) is.
-  if (rc == EACCES && !qp.proof_failed) {
-    rc = prove_access(ctx, qp);
-    qp.proof_failed = rc != 0 && rc != EAGAIN && rc != EBUSY;
-    if (rc == 0) rc = ctx.call(Op::kDirectGrant, req, *resp, {}, &fds);
+  if (rc == EACCES && !st.proof_failed) {
+    rc = prove_access(ctx, qp, ask);
+    st.proof_failed = rc != 0 && rc != EAGAIN && rc != EBUSY;
+    if (rc == 0) rc = ctx.call(ask.grant, ask.req, ask.req_len, resp, resp_len, {}, &fds);
     if (rc == EBUSY) rc = EAGAIN;
   }
   if (rc) {
     // Not now (peer not connected yet, work in flight): soon. Not for this QP: rarely.
     const uint32_t base = rc == EAGAIN ? kFirstBackoff : kMaxBackoff / 4;
-    qp.grant_backoff = std::min(std::max(qp.grant_backoff * 2, base), kMaxBackoff);
-    qp.grant_wait = qp.grant_backoff;
-    return;
+    st.backoff = std::min(std::max(st.backoff * 2, base), kMaxBackoff);
+    st.wait = st.backoff;
+    return nullptr;
   }
-  const DirectGrantResp& r = *resp;
   auto g = std::make_unique<Grant>();
   const size_t notify_fds =
       kDirectNotifyFds * std::popcount(r.notify & (kDirectNotifySend | kDirectNotifyRecv));
@@ -230,8 +254,8 @@ void ask_grant(VQp& qp) {
   }
   if (!ok) {
     VLOG_WARN("direct path: unusable grant for QP {:#x}; staying on the backend", qp.qp.qp_num);
-    qp.grant_backoff = qp.grant_wait = kMaxBackoff;
-    return;
+    st.backoff = st.wait = kMaxBackoff;
+    return nullptr;
   }
   g->my_epoch = reinterpret_cast<const EpochPage*>(g->my_epoch_map.data());
   g->peer_epoch = reinterpret_cast<const EpochPage*>(g->peer_epoch_map.data());
@@ -244,10 +268,11 @@ void ask_grant(VQp& qp) {
   g->peer_qpn = r.peer_qpn;
   g->peer_access = r.peer_access;
   g->my_lid = r.my_lid;
-  qp.grant = std::move(g);
-  qp.granted.store(true, std::memory_order_release);
-  qp.grant_backoff = 0;
+  st.backoff = 0;
+  return g;
 }
+
+namespace {
 
 /// Executes one WR straight into the peer; false (nothing done) when it must go to the backend.
 bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
@@ -267,29 +292,21 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
 
   RecvWqe rwqe;
   uint32_t rcons = 0;
+  bool lost = false;  ///< UC: no receive posted, so the message is dropped (not an RNR)
   if (consumes) {
     rcons = g.peer_rq_hdr->consumer.load(std::memory_order_relaxed);
     const uint32_t avail = posted_receives(g, rcons);
-    if (avail == 0 || avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
-    // Copied (the peer may rewrite the slot), and only the SGEs it has: a whole RecvWqe is five
-    // cache lines that the peer's core wrote.
-    const RecvWqe& slot = g.peer_rq[rcons & (g.peer_rq_size - 1)];
-    rwqe.wr_id = slot.wr_id;
-    rwqe.num_sge = slot.num_sge;
-    if (rwqe.num_sge > kMaxSge) return false;
-    std::memcpy(rwqe.sge, slot.sge, rwqe.num_sge * sizeof(Sge));
+    if (avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
+    lost = avail == 0 && qp.qp.qp_type == IBV_QPT_UC;
+    if (avail == 0 && !lost) return false;
   }
-  if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
+  if (consumes && !lost && !take_recv_wqe(g, rcons, rwqe)) return false;
+  if (lost) {
+    // As the mediated responder: the requester completes successfully, nothing lands.
+  } else if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
     uint64_t cap = 0;
-    for (uint32_t i = 0; i < rwqe.num_sge; ++i) {
-      const Sge& s = rwqe.sge[i];
-      if (s.length == 0) continue;
-      if (!remote_spans(g, s.lkey, s.addr, s.length, IBV_ACCESS_LOCAL_WRITE, false, remote, nr))
-        return false;
-      cap += s.length;
-    }
-    if (cap < len) return false;
-    copy(local, remote, len);
+    if (!recv_spans(g, rwqe, remote, nr, cap) || cap < len) return false;
+    copy_spans(local, remote, len);
   } else {
     // WRITE (with immediate) or READ, by the responder's rules (proto/responder_rules.h): the
     // peer QP's access, and at length 0 nothing more. Whatever fails is left to the backend,
@@ -300,12 +317,12 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
       if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))
         return false;
       if (op == IBV_WR_RDMA_READ)
-        copy(remote, local, len);
+        copy_spans(remote, local, len);
       else
-        copy(local, remote, len);
+        copy_spans(local, remote, len);
     }
   }
-  if (consumes) {
+  if (consumes && !lost) {
     g.peer_rq_hdr->consumer.store(rcons + 1, std::memory_order_release);
     Cqe rc{};
     rc.wr_id = rwqe.wr_id;
@@ -323,7 +340,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     fire(g.recv_notify, (wr.send_flags & IBV_SEND_SOLICITED) != 0);
   }
   count(g.send, len);
-  count(g.peer_recv, len);
+  if (!lost) count(g.peer_recv, len);
   if (signaled) {
     Cqe e{};
     e.wr_id = wr.wr_id;
@@ -342,6 +359,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
 /// Under sq_lock.
 void reset_grant(VQp& qp) {
   qp.grant.reset();
+  qp.ud_grants.clear();
   qp.granted.store(false, std::memory_order_relaxed);
 }
 
@@ -452,16 +470,25 @@ void send_direct_cookie(VContext& ctx) {
 
 void direct_post(VQp& qp, ibv_send_wr*& wr) {
   VContext& ctx = *to_vctx(qp.qp.context);
-  if (qp.qp.qp_type != IBV_QPT_RC || !(ctx.control_page()->features & kFeatureDirect)) return;
+  const ibv_qp_type type = qp.qp.qp_type;
+  if ((type != IBV_QPT_RC && type != IBV_QPT_UC && type != IBV_QPT_UD) ||
+      !(ctx.control_page()->features & kFeatureDirect))
+    return;
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return;
+  if (type == IBV_QPT_UD) return direct_post_ud(qp, wr);  // a grant per destination
   if (!qp.grant) {
-    if (qp.grant_wait) {
-      --qp.grant_wait;
+    if (qp.asking.wait) {
+      --qp.asking.wait;
       return;
     }
-    ask_grant(qp);
+    HandleReq req{qp.handle, 0};
+    DirectGrantUdResp resp{};  // kDirectGrant's answer is its `grant`
+    qp.grant = ask_grant(
+        qp, GrantAsk{Op::kDirectGrant, Op::kDirectPeer, Op::kDirectProve, &req, sizeof(req)},
+        qp.asking, &resp.grant, sizeof(resp.grant), resp.grant);
     if (!qp.grant) return;
+    qp.granted.store(true, std::memory_order_release);
   }
   Grant& g = *qp.grant;
   if (!grant_still_good(*ctx.control_page(), g)) {

@@ -97,6 +97,66 @@ struct Grant {
   Notify send_notify, recv_notify;  ///< this QP's send CQ, the peer's receive CQ
 };
 
+/// When to ask for a grant again: per QP (RC, UC), per destination (UD).
+struct Asking {
+  uint32_t wait = 0;          ///< posts to let pass before asking again
+  uint32_t backoff = 0;       ///< the wait after the next refusal
+  bool proof_failed = false;  ///< the kernel would not let us write the peer: do not prove again
+};
+
+/// A UD QP's grant into one destination (an address handle's guest and a QPN), or the
+/// refusal that keeps it mediated for a while. Owned by the QP, used under its sq_lock.
+struct UdGrant {
+  proto::UdDest dest{};
+  uint32_t qpn = 0;
+  Asking asking;
+  std::unique_ptr<Grant> grant;  ///< null: none now
+  uint32_t peer_qkey = 0;        ///< the destination QP's qkey
+  uint32_t my_qkey = 0;          ///< ours (a WR's qkey with the high bit set means it)
+  uint32_t lock_tag = 0;         ///< ours, for the destination's RingHeader::rx_lock
+};
+
+/// What a grant is asked with: the opcodes and the request (HandleReq for RC and UC, one
+/// destination's DirectUdReq for UD).
+struct GrantAsk {
+  proto::Op grant, peer, prove;
+  const void* req;
+  size_t req_len;
+};
+
+/// Most spans one side of a direct copy is cut into.
+inline constexpr uint32_t kMaxDirectSpans = proto::kMaxSge * proto::kMaxDirectChunks;
+
+/// Asks the backend for a grant (proving first when it wants proof), and maps what it gives;
+/// null after a refusal, with `st` saying when to ask again. `resp` (of `resp_len` bytes)
+/// receives the answer, whose DirectGrantResp is `r`. Under the SQ lock.
+std::unique_ptr<Grant> ask_grant(VQp& qp, const GrantAsk& ask, Asking& st, void* resp,
+                                 size_t resp_len, const proto::DirectGrantResp& r);
+/// Whether the grant still holds (no epoch moved, no backend took us in since).
+bool grant_still_good(const proto::ControlPage& ctl, const Grant& g);
+/// Copies `len` bytes from `src` to `dst`, span to span.
+void copy_spans(const MemSpan* src, const MemSpan* dst, uint64_t len);
+/// The peer's memory of [at, at + len) under `key` (an lkey's virtual address or, `by_iova`, an
+/// rkey's iova), appended to `out` as spans of our mappings (at most kMaxDirectSpans in all).
+bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
+                  bool by_iova, MemSpan* out, size_t& n);
+/// Copies the peer's receive WQE at `cons` out of its ring; false when it is malformed.
+bool take_recv_wqe(const Grant& g, uint32_t cons, proto::RecvWqe& out);
+/// A receive WQE's SGEs as spans of our mappings of the peer's memory (at most
+/// kMaxDirectSpans), with their total length in `cap`; false when one names memory the grant
+/// does not hold with LOCAL_WRITE.
+bool recv_spans(const Grant& g, const proto::RecvWqe& r, MemSpan* out, size_t& n, uint64_t& cap);
+/// Receive WQEs the peer has posted and we have not taken. The peer may simply be a little
+/// behind (it reposts as it polls): wait for it up to 1 ms before answering "none", which
+/// sends the WQE to the backend (RC: its RNR wait, a timer of usually hundreds of µs).
+uint32_t posted_receives(Grant& g, uint32_t cons);
+/// After a completion is published into an own ring: fires the CQ's channel when the CQ is
+/// armed for it. Pairs with the poller's seq_cst store of `armed` before it polls again (and
+/// with the backend's push_cqe, which consumes the same word): one event per arm.
+void fire(Notify& n, bool solicited);
+/// direct_post for a UD QP (direct_ud.cc): a grant per destination.
+void direct_post_ud(VQp& qp, ibv_send_wr*& wr);
+
 /// This process's MR for `key` in the QP's PD, or null (cached per QP; under the SQ lock).
 const LocalMr* local_mr(VContext& ctx, VQp& qp, uint32_t key);
 /// Edges ThreadSanitizer cannot see, given to it through one address (nothing in other builds):

@@ -187,9 +187,9 @@ struct VQp {
   /// `grant` is set: read without the lock by drop_grant (ibv_modify_qp), so that a thread that
   /// only sets the QP up never takes sq_lock (and its bias, path_lock.h) from the one that posts.
   std::atomic<bool> granted{false};
-  uint32_t grant_wait = 0;     ///< posts to let pass before asking again
-  uint32_t grant_backoff = 0;  ///< the wait after the next refusal
-  bool proof_failed = false;   ///< the kernel would not let us write the peer: do not ask again
+  Asking asking;  ///< when to ask for `grant` again
+  /// UD: grants by destination (direct_ud.cc), the most recently made last.
+  std::vector<std::unique_ptr<UdGrant>> ud_grants;
   uint32_t pd = 0;             ///< the PD handle (local SGE checks)
   bool sig_all = false;
   uint32_t mr_gen = ~0u;  ///< one-entry cache of VContext::local_mrs

@@ -4,7 +4,7 @@
 # tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
 # checksummed rc_stream), every perftest size, atomics (which stay on the backend), and the
 # backend must say which QPs are direct and count their messages. Then the same pair on a
-# backend without it: not direct.
+# backend without it: not direct. (UC and UD: direct_path_ud.sh.)
 # Usage: direct_path.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -23,12 +23,6 @@ wait_transport() {
     nap 0.05
   done
   fail "expected $1 QPs with transport $2: $("$VRDMA" res show qp 2>&1)"
-}
-
-# Counter C (msgs_sent, ...) of guest G, summed over its QPs. Usage: direct_count G C
-direct_count() {
-  "$VRDMA" stat qp guest "$1" -j | C="$2" perl -MJSON::PP -0777 -ne \
-    'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
 }
 
 # 1. ibv_rc_pingpong -c validates every buffer it receives; both sides' QPs are granted.

@@ -223,6 +223,12 @@ free_port() {
 # ibverbs-utils' pingpongs (ibv_uc_pingpong, ibv_ud_pingpong, ...), same options and output.
 PP_TOOL="${PP_TOOL:-ibv_rc_pingpong}"
 
+# Counter C (msgs_sent, ...) of guest G, summed over its QPs. Usage: direct_count G C
+direct_count() {
+  "$VRDMA" stat qp guest "$1" -j | C="$2" perl -MJSON::PP -0777 -ne \
+    'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
+}
+
 # Starts a $PP_TOOL server through vrdma in the background and waits until it listens.
 # Usage: start_server NAME GUEST [pingpong args...] (GUEST "": the default guest). Sets
 # SERVER_PID and PORT.

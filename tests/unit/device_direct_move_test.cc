@@ -172,6 +172,49 @@ TEST_F(DirectMoveTest, TheStateOfTheRespondingPeerCarriesItsOwnReceiveRing) {
   EXPECT_EQ(ids(drain(own_recv_)), (std::vector<uint64_t>{20, 22}));
 }
 
+// UD (issue 25): a destination that direct senders feed moves the same way: the grants into it
+// end before the freeze, its own receive ring travels, and a lock on its receive side held by
+// a session that did not come along (RingHeader::rx_lock) is taken over by the new backend.
+TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIsTakenOver) {
+  QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
+  UdDest d{};
+  d.dlid = static_cast<uint16_t>(b_.hello.lid);
+  std::vector<UniqueFd> fds;
+  std::string peer;
+  auto g = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  CqV send = map_own(fds[1].get(), g->grant.send_ring_entries);
+  CqV recv = map_own(fds[2].get(), g->grant.recv_ring_entries);
+  // One datagram a's library delivered itself; then b's receive side is left locked by a
+  // session that will not exist on the backend b moves to (b's own, say, sending to itself).
+  post_recv(ub, 30, mb_.addr, 1024, mb_.mr.lkey);
+  ub.rq->consumer.store(1, std::memory_order_release);
+  lib_push(recv, 30);
+  lib_push(send, 31);
+  ub.rq->rx_lock.store(b_.s->id + 1);
+  const uint32_t epoch = epoch_of(fds[4].get());
+  dev_.end_direct_grants("b");
+  EXPECT_GT(epoch_of(fds[4].get()), epoch) << "a's grant into b ends before the freeze";
+  GuestExport ex = export_of(dev_, "b");
+  std::vector<UniqueFd> moved = own_dups(ex.fds);
+  dev_.detach_guest("b");
+  auto r = dev_.import_guest(ex.blob, moved);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  b_.s = r.value()[0].session;
+  // A datagram through a's send queue: delivered after the library's, the lock given back.
+  post_recv(ub, 32, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 33, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30, 32}));
+  EXPECT_EQ(ids(drain(send)), (std::vector<uint64_t>{31, 33}));
+  EXPECT_EQ(ub.rq->rx_lock.load(), 0u);
+  // Asked again, the grant is made again, at b's new epoch.
+  auto again = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
+  ASSERT_TRUE(again.is_ok()) << again.status().message();
+  EXPECT_EQ(again->grant.peer_epoch, epoch_of(fds[4].get()));
+}
+
 // keep_state: the keeper's copy is from the grant; the library went on executing directly
 // until the backend died. A new backend takes both guests in from the kept state: the own rings
 // resume at what the library wrote, and the dead backend's grants end (its epoch pages cannot

@@ -2,6 +2,7 @@
 // engine::Device, mapping the rings and memory it hands out, posting WQEs and reading CQEs.
 #pragma once
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 #include <unistd.h>
@@ -231,6 +232,22 @@ class DeviceTest : public ::testing::Test {
     w.remote_addr = addr;
     w.compare_add = len;
     w.swap = pack_bind(lkey, access);
+    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
+    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
+  }
+  /// A UD SEND (or `op`) of [addr, addr + len) to QP `qpn` of the guest `d` names.
+  void post_ud(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey, const UdDest& d,
+               uint32_t qpn, uint32_t qkey, uint32_t op = IBV_WR_SEND) {
+    SendWqe w{};
+    w.wr_id = wr_id;
+    w.opcode = op;
+    w.send_flags = IBV_SEND_SIGNALED;
+    w.imm_data = htonl(0x1234);
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    pack_ud_dest(w, d);
+    w.ud_remote_qpn = qpn;
+    w.ud_remote_qkey = qkey;
     q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
     q.sq->producer.store(++q.sq_prod, std::memory_order_release);
   }

@@ -4,6 +4,7 @@
 // attached QP of the backend, and goes once to every peer backend, which delivers it to its own
 // members only (device_mcast.cc; a stand-in transport plays the peer).
 #include <arpa/inet.h>
+#include <sys/stat.h>
 
 #include "loopback_fixture.h"
 
@@ -12,21 +13,6 @@ namespace {
 
 class DeviceUdTest : public DeviceTest {
  protected:
-  void post_ud(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey,
-               const UdDest& d, uint32_t qpn, uint32_t qkey, uint32_t op = IBV_WR_SEND) {
-    SendWqe w{};
-    w.wr_id = wr_id;
-    w.opcode = op;
-    w.send_flags = IBV_SEND_SIGNALED;
-    w.imm_data = htonl(0x1234);
-    w.num_sge = 1;
-    w.sge[0] = Sge{addr, len, lkey};
-    pack_ud_dest(w, d);
-    w.ud_remote_qpn = qpn;
-    w.ud_remote_qkey = qkey;
-    q.sqe[q.sq_prod & (q.sq_size - 1)] = w;
-    q.sq->producer.store(++q.sq_prod, std::memory_order_release);
-  }
   UdDest to_lid(const G& g) {
     UdDest d{};
     d.dlid = static_cast<uint16_t>(g.hello.lid);
@@ -310,6 +296,84 @@ TEST_F(DeviceMcastPeerTest, APeersGroupDatagramReachesMembersHereOnlyAndGoesNoFu
   EXPECT_TRUE(drain(bcq_).empty());
   EXPECT_TRUE(drain(acq_).empty());
   EXPECT_TRUE(peer_.q.empty());
+}
+
+// The direct path for UD (kDirectGrantUd): a grant per destination, with the same checks as
+// RC's and the qkeys the library checks a WR against.
+TEST_F(DeviceUdTest, DirectGrantIsPerDestinationWithTheQkeys) {
+  dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});  // one uid is enough here; the proofs have their own tests
+  a_.s->uid = b_.s->uid = ::getuid();
+  QpV ua = ud_qp(a_, acq_, 5), ub = ud_qp(b_, bcq_, 7);
+  std::vector<UniqueFd> fds;
+  std::string peer;
+  DirectUdReq req{ua.handle, ub.qpn, to_lid(b_)};
+  auto g = dev_.direct_grant_ud(*a_.s, req, fds, peer);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  EXPECT_EQ(g.value().peer_qkey, 7u);
+  EXPECT_EQ(g.value().my_qkey, 5u);
+  EXPECT_NE(g.value().lock_tag, 0u);
+  EXPECT_NE(g.value().lock_tag, kRxLockBackend);
+  EXPECT_EQ(g.value().grant.peer_qpn, ub.qpn);
+  EXPECT_EQ(peer, "b");
+  EXPECT_GE(fds.size(), kDirectFixedFds);
+  // By GID too; not to a QP that is not there, not to a group, not for another type.
+  req.dest.is_global = 1;
+  std::memcpy(req.dest.dgid, b_.hello.gid, 16);
+  EXPECT_TRUE(dev_.direct_grant_ud(*a_.s, req, fds, peer).is_ok());
+  req.remote_qpn = ub.qpn + 100;
+  EXPECT_EQ(dev_.direct_grant_ud(*a_.s, req, fds, peer).status().err(), EAGAIN);
+  req.remote_qpn = ub.qpn;
+  req.dest.dgid[0] = 0xff;  // multicast
+  EXPECT_EQ(dev_.direct_grant_ud(*a_.s, req, fds, peer).status().err(), EOPNOTSUPP);
+  QpV rc = create_qp(a_, qp_req(a_, acq_, acq_, IBV_QPT_RC));
+  DirectUdReq from_rc{rc.handle, ub.qpn, to_lid(b_)};
+  EXPECT_EQ(dev_.direct_grant_ud(*a_.s, from_rc, fds, peer).status().err(), EOPNOTSUPP);
+  // Another tenant (another uid): that destination stays mediated.
+  b_.s->uid = ::getuid() + 1;
+  req = DirectUdReq{ua.handle, ub.qpn, to_lid(b_)};
+  EXPECT_EQ(dev_.direct_grant_ud(*a_.s, req, fds, peer).status().err(), EPERM);
+}
+
+// A receive side that direct senders feed: the backend delivers only while no library holds
+// its rx_lock, never waits for one (the datagram is lost, as UD may lose it), and takes over a
+// lock whose holder's session is gone.
+TEST_F(DeviceUdTest, BackendDeliversIntoADirectFedReceiveSideOnlyUnderItsLock) {
+  dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});
+  a_.s->uid = b_.s->uid = ::getuid();
+  QpV ua = ud_qp(a_, acq_, 5), ub = ud_qp(b_, bcq_, 5);
+  std::vector<UniqueFd> fds;
+  std::string peer;
+  auto g = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, to_lid(b_)}, fds, peer);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  // b's receive completions go to its own ring now (kDirectGrant's descriptor 2).
+  CqV own;
+  struct stat st {};
+  ASSERT_EQ(::fstat(fds[2].get(), &st), 0);
+  own.map = MappedRegion::map_shared(fds[2].get(), static_cast<size_t>(st.st_size));
+  ASSERT_TRUE(own.map.valid());
+  own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
+  own.e = ring_entries<Cqe>(own.hdr);
+  own.size = g.value().grant.recv_ring_entries;
+  post_recv(ub, 1, mb_.addr, 1024, mb_.mr.lkey);
+  // A library of a live session holds it: the datagram is lost, the receive stays.
+  ub.rq->rx_lock.store(g.value().lock_tag);
+  post_ud(ua, 2, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 5);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(own).empty()) << "delivered while a library held the receive side";
+  EXPECT_EQ(ub.rq->rx_lock.load(), g.value().lock_tag) << "the holder's lock was taken";
+  EXPECT_EQ(ub.rq->consumer.load(), 0u);
+  // A holder that is gone (a session number nobody has): taken over, delivered, given back.
+  ub.rq->rx_lock.store(0x7fff0000u);
+  post_ud(ua, 3, ma_.addr, 8, ma_.mr.lkey, to_lid(b_), ub.qpn, 5);
+  dev_.poll(now_);
+  auto rx = drain(own);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ub.rq->rx_lock.load(), 0u);
+  EXPECT_EQ(ub.rq->consumer.load(), 1u);
 }
 
 }  // namespace

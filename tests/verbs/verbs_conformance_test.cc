@@ -72,6 +72,16 @@ class Conformance : public vrdma::test::VerbsFixture {
     return p;
   }
 
+  /// Connects two RC or UC QPs of ours to each other, both to RTS.
+  void connect_ours(ibv_qp* a, ibv_qp* b) {
+    QpPath to_b, to_a;
+    to_b.dlid = to_a.dlid = lid_;
+    to_b.dest_qpn = b->qp_num;
+    to_a.dest_qpn = a->qp_num;
+    ASSERT_EQ(bring_to_rts(a, to_b), 0);
+    ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  }
+
   /// `n` RC pairs of depth `depth`; the peer's QPs (ours are in qps_).
   std::vector<PeerQp> rc_pairs(int n, uint32_t depth) {
     std::vector<PeerQp> theirs;
@@ -146,6 +156,24 @@ class Conformance : public vrdma::test::VerbsFixture {
 /// A deterministic pattern, different for each `seed`.
 void fill(uint8_t* p, size_t n, unsigned seed) {
   for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(i * 31 + seed * 7 + 1);
+}
+
+/// Whether this run's backend grants the direct path (the `direct.` instance of the suite).
+bool direct_path_on() {
+  const char* env = std::getenv("VRDMA_DIRECT_PATH");
+  return env && std::string(env) == "1";
+}
+
+/// Messages QP `qp`'s library executed itself (its own send ring's count, whatever grant of it
+/// wrote there; 0 without one). Read while no thread posts to it.
+uint64_t direct_sent(ibv_qp* qp) {
+  const vrdma::verbs::VQp& v = *vrdma::verbs::to_vqp(qp);
+  auto of = [](const vrdma::verbs::Grant* g) -> uint64_t {
+    return g ? g->send.hdr->direct_msgs.load() : 0;
+  };
+  uint64_t n = of(v.grant.get());
+  for (const auto& u : v.ud_grants) n = std::max(n, of(u->grant.get()));
+  return n;
 }
 
 // ---- Opcodes x QP types ----------------------------------------------------------------------
@@ -254,6 +282,126 @@ TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
       EXPECT_EQ(old, word) << what << ": the atomic returns the old value";
       EXPECT_EQ(peer_word(poff), c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0xabcdefu : word + 5) << what;
     }
+    // UC and UD go direct as RC does (issue 25); they come after the RC cases, whose grants
+    // made the proof that this process may write the peer's memory.
+    if (direct_path_on() && c.type != IBV_QPT_RC) {
+      EXPECT_EQ(direct_sent(p.qp), 1u) << what << ": not executed by the library";
+    }
+  }
+}
+
+// UD's receive side as the spec and the mediated path give it, on every path: the GRH's 40
+// bytes (filled for a global address handle, untouched otherwise), src_qp, slid, sl, the
+// flags; a qkey with the high bit set means the sender's own; a wrong qkey drops the datagram.
+TEST_F(Conformance, UdGrhQkeyAndSourceFieldsAreTheSameOnEveryPath) {
+  // Two UD QPs of ours (one session: on the direct path no proof is needed).
+  ibv_qp* a = make_qp(IBV_QPT_UD);
+  ibv_qp* b = make_qp(IBV_QPT_UD);
+  ASSERT_TRUE(a && b);
+  ASSERT_EQ(bring_to_rts(a, QpPath{}), 0);
+  ASSERT_EQ(bring_to_rts(b, QpPath{}), 0);
+  ibv_gid gid{};
+  ASSERT_EQ(ibv_query_gid(ctx_, 1, 0, &gid), 0);
+  ibv_ah_attr aa{};
+  aa.dlid = lid_;
+  aa.sl = 3;
+  aa.port_num = 1;
+  ibv_ah* plain = ibv_create_ah(pd_, &aa);
+  aa.is_global = 1;
+  aa.grh.dgid = gid;
+  ibv_ah* global = ibv_create_ah(pd_, &aa);
+  ASSERT_TRUE(plain && global);
+  ahs_.push_back(plain);
+  ahs_.push_back(global);
+  constexpr size_t kRecv = 65536, kLen = 100;
+  // One datagram from a to b; the receive's completion (none: `got` false).
+  auto send = [&](ibv_ah* ah, uint32_t qkey, unsigned seed, bool& got) {
+    fill(buf_.data(), kLen, seed);
+    EXPECT_EQ(post(a, {.sges = {sge(0, kLen)},
+                       .wr_id = seed,
+                       .ah = ah,
+                       .remote_qpn = b->qp_num,
+                       .qkey = qkey}),
+              0);
+    ibv_wc rx{};
+    got = false;
+    for (const ibv_wc& wc : drain_for(100)) {
+      if (wc.qp_num == a->qp_num) {
+        EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "UD is unreliable: the sender does not learn";
+        EXPECT_EQ(wc.wr_id, seed);
+      } else {
+        rx = wc;
+        got = true;
+      }
+    }
+    return rx;
+  };
+  std::memset(buf_.data() + kRecv, 0xee, 4096);
+  ASSERT_EQ(post_recv(b, 7, kRecv, 4096), 0);
+  bool got = false;
+  ibv_wc rx = send(global, vrdma::test::kTestQkey, 1, got);
+  ASSERT_TRUE(got) << "no receive completion";
+  EXPECT_EQ(rx.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx.wr_id, 7u);
+  EXPECT_EQ(rx.opcode, IBV_WC_RECV);
+  EXPECT_EQ(rx.byte_len, 40 + kLen);
+  EXPECT_EQ(rx.qp_num, b->qp_num);
+  EXPECT_EQ(rx.src_qp, a->qp_num);
+  EXPECT_EQ(rx.slid, lid_);
+  EXPECT_EQ(rx.sl, 3);
+  EXPECT_EQ(rx.wc_flags & (IBV_WC_GRH | IBV_WC_WITH_IMM), static_cast<unsigned>(IBV_WC_GRH));
+  const uint8_t* grh = buf_.data() + kRecv;
+  EXPECT_EQ(grh[0], 0x60);
+  EXPECT_EQ(grh[4] << 8 | grh[5], static_cast<int>(kLen)) << "payload length";
+  EXPECT_EQ(grh[6], 0x1b);
+  EXPECT_EQ(grh[7], 64);
+  EXPECT_EQ(std::memcmp(grh + 8, gid.raw, 16), 0) << "source GID";
+  EXPECT_EQ(std::memcmp(grh + 24, gid.raw, 16), 0) << "destination GID";
+  EXPECT_EQ(std::memcmp(grh + 40, buf_.data(), kLen), 0);
+  // A wrong qkey: dropped, the receive stays posted for the next datagram.
+  std::memset(buf_.data() + kRecv, 0xee, 4096);
+  ASSERT_EQ(post_recv(b, 8, kRecv, 4096), 0);
+  send(plain, vrdma::test::kTestQkey + 1, 2, got);
+  EXPECT_FALSE(got) << "a datagram with a wrong qkey was delivered";
+  // The high bit: the sender's own qkey (the same as b's here). No GRH: its room untouched.
+  rx = send(plain, 0x80000000u, 3, got);
+  ASSERT_TRUE(got) << "a datagram with the sender's own qkey was not delivered";
+  EXPECT_EQ(rx.wr_id, 8u);
+  EXPECT_EQ(rx.byte_len, 40 + kLen);
+  EXPECT_EQ(rx.wc_flags & IBV_WC_GRH, 0u);
+  EXPECT_EQ(rx.src_qp, a->qp_num);
+  EXPECT_EQ(std::vector<uint8_t>(grh, grh + 40), std::vector<uint8_t>(40, 0xee));
+  EXPECT_EQ(std::memcmp(grh + 40, buf_.data(), kLen), 0);
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_sent(a), 2u) << "the delivered datagrams went direct";
+  }
+}
+
+// UC has no RNR: a SEND that finds no receive is lost, and its sender completes successfully.
+TEST_F(Conformance, UcSendWithoutAReceiveIsLostAndTheSenderSucceeds) {
+  ibv_qp* a = make_qp(IBV_QPT_UC);
+  ibv_qp* b = make_qp(IBV_QPT_UC);
+  ASSERT_TRUE(a && b);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
+  fill(buf_.data(), 64, 1);
+  ASSERT_EQ(post(a, {.sges = {sge(0, 64)}, .wr_id = 1}), 0);
+  auto first = drain_for(100);
+  ASSERT_EQ(first.size(), 1u) << "only the send's completion";
+  EXPECT_EQ(first[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(first[0].wr_id, 1u);
+  // The next one finds a receive: it gets the second message, not the lost one.
+  ASSERT_EQ(post_recv(b, 9, 65536, 64), 0);
+  fill(buf_.data(), 64, 2);
+  ASSERT_EQ(post(a, {.sges = {sge(0, 64)}, .wr_id = 2}), 0);
+  auto second = poll(cq_, 2);
+  ASSERT_EQ(second.size(), 2u);
+  for (const ibv_wc& wc : second) {
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wc.wr_id, wc.qp_num == a->qp_num ? 2u : 9u);
+  }
+  EXPECT_EQ(std::memcmp(buf_.data() + 65536, buf_.data(), 64), 0);
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_sent(a), 2u) << "both went direct";
   }
 }
 
@@ -1426,12 +1574,7 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
   ibv_qp* a = make_qp(IBV_QPT_RC);                 // send and receive CQ: cq_ (no channel)
   ibv_qp* b = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);  // both on ecq
   ASSERT_TRUE(a && b);
-  QpPath to_b, to_a;
-  to_b.dlid = to_a.dlid = lid_;
-  to_b.dest_qpn = b->qp_num;
-  to_a.dest_qpn = a->qp_num;
-  ASSERT_EQ(bring_to_rts(a, to_b), 0);
-  ASSERT_EQ(bring_to_rts(b, to_a), 0);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
   for (uint64_t i = 0; i < 4; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 64), 0);
   ASSERT_EQ(post_recv(a, 200, 65536, 64), 0);
   auto event = [&](int timeout_ms) {
@@ -1452,8 +1595,7 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
     EXPECT_EQ(poll(cq_, 1).size(), 1u);
     EXPECT_EQ(poll(ecq, 1).size(), 1u);
   };
-  const char* direct_env = std::getenv("VRDMA_DIRECT_PATH");
-  const bool direct = direct_env && std::string(direct_env) == "1";
+  const bool direct = direct_path_on();
 
   // b's receive of a's SEND, woken in a thread that waits for it.
   ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
