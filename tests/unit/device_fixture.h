@@ -74,9 +74,9 @@ class DeviceTest : public ::testing::Test {
     g.pd = g.dev->alloc_pd(*g.s).value();
     return g;
   }
-  CqV cq(G& g, uint32_t cqe = 64, uint32_t stamps = 0) {
+  CqV cq(G& g, uint32_t cqe = 64, uint32_t stamps = 0, uint32_t channel = kNone) {
     UniqueFd fd;
-    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, kNone, 0, stamps}, fd);
+    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, channel, 0, stamps}, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     CqV c;
     c.handle = r->handle;
