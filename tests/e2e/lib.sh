@@ -294,6 +294,24 @@ child_named() {
   fail "no process $2 under pid $1"
 }
 
+# The program NAME that a background `"${VRUN[@]}" ... &` PID became: itself once `vrdma run`
+# exec'd it, or a child of it; up to 10 s. Usage: exec_named PID NAME
+exec_named() {
+  local k c comm=${2:0:15}  # /proc/PID/comm: the first 15 characters
+  for ((k = 0; k < 100; k++)); do
+    [[ "$(cat "/proc/$1/comm" 2>/dev/null)" == "$comm" ]] && {
+      echo "$1"
+      return 0
+    }
+    c="$(pgrep -P "$1" -x "$comm" | head -n 1)" && [[ -n $c ]] && {
+      echo "$c"
+      return 0
+    }
+    nap 0.1
+  done
+  fail "no $2 under pid $1"
+}
+
 # Waits for an rc_stream pair (client first, up to SECS) and checks that both ends moved the same
 # messages with the same checksum: nothing lost, repeated, reordered or corrupted. Outputs are
 # $E2E_TMP/NAME.client.out and NAME.server.out. Sets STREAM_RESULT ("N messages of S bytes,
