@@ -14,17 +14,13 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
-BIN="$(dirname "$VRDMA")"
 DIRECT=()
 [[ -z ${KEEP_DIRECT:-} ]] || DIRECT=(--direct-path)
 # Without KEEP_DIRECT: pinned to the mediated path (the direct path is the default).
 PATH_ARG=--no-direct-path
 [[ -z ${KEEP_DIRECT:-} ]] || PATH_ARG=--direct-path
 
-"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$PATH_ARG" \
-  >>"$E2E_TMP/vrdmad.log" 2>&1 &
-for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.1; done
-[[ -S $VRDMA_SOCKET.keeper ]] || fail "no keeper socket beside the backend's"
+start_kept_backend "$PATH_ARG"
 
 # Kills the backend N times, waiting each time for the keeper to start a new one.
 kill_backend_times() {

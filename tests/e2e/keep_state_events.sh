@@ -10,14 +10,10 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
-BIN="$(dirname "$VRDMA")"
 PATH_ARG=--no-direct-path
 [[ -z ${KEEP_DIRECT:-} ]] || PATH_ARG=--direct-path
 
-"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$PATH_ARG" \
-  >>"$E2E_TMP/vrdmad.log" 2>&1 &
-for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.1; done
-[[ -S $VRDMA_SOCKET.keeper ]] || fail "no keeper socket beside the backend's"
+start_kept_backend "$PATH_ARG"
 
 # Messages the RC QPs sent, one line per QP.
 sent() { "$VRDMA" res show qp -j 2>/dev/null | grep -o '"msgs_sent":[0-9]*' | cut -d: -f2; }

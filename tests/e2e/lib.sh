@@ -108,6 +108,16 @@ backend_pid() {
   pgrep -f -- "$re" | head -n 1 || true
 }
 
+# Starts a backend with --keep-state (and ARGS) on $VRDMA_SOCKET, logging to vrdmad.log, and
+# waits up to 10 s for its keeper's socket. Usage: start_kept_backend [ARGS...]
+start_kept_backend() {
+  local i
+  "$(dirname "$VRDMA")/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$@" \
+    >>"$E2E_TMP/vrdmad.log" 2>&1 &
+  for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && return 0; sleep 0.1; done
+  fail "no keeper socket beside the backend's"
+}
+
 # Kills the backend serving $VRDMA_SOCKET with SIGKILL and waits up to 5 s for its keeper
 # (`--keep-state`) to start a new one. Sets KILLED and RESTARTED (their pids).
 kill_kept_backend() {

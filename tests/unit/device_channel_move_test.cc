@@ -13,12 +13,6 @@
 namespace vrdma::engine::devtest {
 namespace {
 
-std::vector<UniqueFd> dups(const std::vector<int>& fds) {
-  std::vector<UniqueFd> out;
-  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
-  return out;
-}
-
 /// A completion written into `c` the way push_cqe writes it, without the channel's event that
 /// push_cqe's notify would write next: what a backend killed between the two leaves behind.
 void write_unfired(CqV& c, uint64_t wr_id, uint32_t opcode) {
@@ -58,7 +52,7 @@ class ChannelMoveTest : public DeviceTest {
     auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
     EXPECT_TRUE(ex.is_ok()) << ex.status().message();
     if (!ex.is_ok()) return {};
-    std::vector<UniqueFd> fds = dups(ex->fds);
+    std::vector<UniqueFd> fds = dup_all(ex->fds);
     return {std::move(ex.value()), std::move(fds)};
   }
   /// Guest a's state taken in by `into` (recover: as a keeper's restart and a restore do).

@@ -2,6 +2,7 @@
 // engine::Device, mapping the rings and memory it hands out, posting WQEs and reading CQEs.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 #include <unistd.h>
@@ -47,6 +48,13 @@ struct MemV {
   uint32_t seg = 0;   ///< the segment it lies in
   uint8_t* p() const { return map.data(); }
 };
+
+/// Duplicates of an export's descriptors, as the target of a move (or a keeper) receives them.
+inline std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
+  std::vector<UniqueFd> out;
+  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  return out;
+}
 
 constexpr uint64_t kMemBytes = 8192;
 constexpr uint32_t kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
