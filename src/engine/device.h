@@ -464,6 +464,8 @@ class Device : public transport::Receiver {
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
   /// Fires the CQ's channel if it is armed for this completion (after the CQE is published).
   void notify(Cq& cq, bool solicited);
+  /// After an import: fires every armed CQ of `s` that holds a completion (device_state_import.cc).
+  void fire_owed_events(Session& s);
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
   /// Executes one send-queue WQE (any opcode) on an RC or UC QP.
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);

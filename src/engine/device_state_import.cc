@@ -630,7 +630,35 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
   for_qps_facing(*gp, [&](Qp& qp) {
     if (qp.guest != gp) reroute(qp);
   });
+  for (const ImportedSession& is : out) fire_owed_events(*is.session);
   return out;
+}
+
+// The backend that served the guest may have died (keep_state) between publishing a completion
+// and firing its CQ's channel (push_cqe, then notify): a waiter in ibv_get_cq_event would sleep
+// for ever beside a CQ that holds a completion. So whoever takes the state in (a restart, a
+// migration, a restore) fires every armed CQ that holds one, in its own ring or in a QP's own
+// ring (direct path) that stands for it. A spurious event is allowed, a lost one is not; the CQE
+// does not say whether it was solicited, so a solicited-only arm fires for any receive.
+void Device::fire_owed_events(Session& s) {
+  for (auto& [h, cq] : s.cqs) {
+    if (cq->channel == kNone || cq->hdr->armed.load(std::memory_order_acquire) == 0) continue;
+    bool held = false, recv = false;
+    auto scan = [&](const Cq& r, uint32_t prod) {
+      const uint32_t cons = r.hdr->consumer.load(std::memory_order_acquire);
+      if (prod == cons || prod - cons > r.size) return;  // empty, or cursors the guest scribbled
+      held = true;
+      for (uint32_t i = cons; i != prod && !recv; ++i)
+        recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0;
+    };
+    scan(*cq, cq->prod);
+    for (const auto& [qh, qp] : s.qps) {
+      for (const Cq* own : {qp->send_cq == cq.get() ? qp->own_send.get() : nullptr,
+                            qp->recv_cq == cq.get() ? qp->own_recv.get() : nullptr})
+        if (own) scan(*own, own->hdr->producer.load(std::memory_order_acquire));
+    }
+    if (held) notify(*cq, recv);
+  }
 }
 
 Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {

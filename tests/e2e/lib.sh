@@ -108,6 +108,16 @@ backend_pid() {
   pgrep -f -- "$re" | head -n 1 || true
 }
 
+# Starts a backend with --keep-state (and ARGS) on $VRDMA_SOCKET, logging to vrdmad.log, and
+# waits up to 10 s for its keeper's socket. Usage: start_kept_backend [ARGS...]
+start_kept_backend() {
+  local i
+  "$(dirname "$VRDMA")/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state "$@" \
+    >>"$E2E_TMP/vrdmad.log" 2>&1 &
+  for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && return 0; sleep 0.1; done
+  fail "no keeper socket beside the backend's"
+}
+
 # Kills the backend serving $VRDMA_SOCKET with SIGKILL and waits up to 5 s for its keeper
 # (`--keep-state`) to start a new one. Sets KILLED and RESTARTED (their pids).
 kill_kept_backend() {
@@ -298,6 +308,24 @@ child_named() {
     nap 0.1
   done
   fail "no process $2 under pid $1"
+}
+
+# The program NAME that a background `"${VRUN[@]}" ... &` PID became: itself once `vrdma run`
+# exec'd it, or a child of it; up to 10 s. Usage: exec_named PID NAME
+exec_named() {
+  local k c comm=${2:0:15}  # /proc/PID/comm: the first 15 characters
+  for ((k = 0; k < 100; k++)); do
+    [[ "$(cat "/proc/$1/comm" 2>/dev/null)" == "$comm" ]] && {
+      echo "$1"
+      return 0
+    }
+    c="$(pgrep -P "$1" -x "$comm" | head -n 1)" && [[ -n $c ]] && {
+      echo "$c"
+      return 0
+    }
+    nap 0.1
+  done
+  fail "no $2 under pid $1"
 }
 
 # Waits for an rc_stream pair (client first, up to SECS) and checks that both ends moved the same

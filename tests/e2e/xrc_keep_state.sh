@@ -17,33 +17,16 @@
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 e2e_init "${1:-}"
-BIN="$(dirname "$VRDMA")"
 
 # ibv_xsrq_pingpong opens this path with O_CREAT and never removes it: ours goes at the end.
 DOMAIN_FILE=/tmp/xrc_domain
 [[ -e $DOMAIN_FILE ]] && HAD_DOMAIN_FILE=1 || HAD_DOMAIN_FILE=0
 trap 'rc=$?; set +e; [[ $HAD_DOMAIN_FILE == 1 ]] || rm -f "$DOMAIN_FILE"; (exit $rc); e2e_cleanup' EXIT
 
-"$BIN/vrdmad" --socket "$VRDMA_SOCKET" --idle-exit 0 --keep-state >>"$E2E_TMP/vrdmad.log" 2>&1 &
-for ((i = 0; i < 100; i++)); do [[ -S $VRDMA_SOCKET.keeper ]] && break; sleep 0.1; done
-[[ -S $VRDMA_SOCKET.keeper ]] || fail "no keeper socket beside the backend's"
+# shellcheck disable=SC2119  # no arguments: the default data path
+start_kept_backend
 
-# The program `vrdma run` PID became (itself once it exec'd, or a child of it).
-pp_proc() {
-  local k c
-  for ((k = 0; k < 100; k++)); do
-    [[ "$(cat "/proc/$1/comm" 2>/dev/null)" == ibv_xsrq_pingpo* ]] && {
-      echo "$1"
-      return 0
-    }
-    c="$(pgrep -P "$1" ibv_xsrq | head -n 1)" && [[ -n $c ]] && {
-      echo "$c"
-      return 0
-    }
-    nap 0.1
-  done
-  fail "no ibv_xsrq_pingpong under pid $1"
-}
+pp_proc() { exec_named "$1" ibv_xsrq_pingpong; }
 # `vrdma res show srq -j`, one row a line, in order (a restore gives the sessions new ids).
 srq_rows() { "$VRDMA" res show srq -j 2>&1 | sed 's/},{/}\n{/g; s/^\[//; s/\]$//' | sort; }
 # Messages the guests' XRC send QPs sent, summed.

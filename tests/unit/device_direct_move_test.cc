@@ -12,13 +12,6 @@
 namespace vrdma::engine::devtest {
 namespace {
 
-/// Duplicates of an export's descriptors, as the target of a move receives them.
-std::vector<UniqueFd> own_dups(const std::vector<int>& fds) {
-  std::vector<UniqueFd> out;
-  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
-  return out;
-}
-
 /// An own completion ring as the library maps it (kDirectGrant's descriptors 1 and 2).
 CqV map_own(int fd, uint32_t entries) {
   CqV c;
@@ -125,7 +118,7 @@ TEST_F(DirectMoveTest, GrantsEndBeforeTheFreezeAndTheOwnRingsMoveWithTheGuest) {
   EXPECT_EQ(jq["own_send"]["fd"], ex.fds.size() - 1);
   EXPECT_EQ(doc["fdkeys"].back(), fmt::format("s0.own_send.{}", qa_.handle));
 
-  std::vector<UniqueFd> fds = own_dups(ex.fds);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
   dev_.detach_guest("a");
   auto r = dev_.import_guest(ex.blob, fds);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
@@ -161,7 +154,7 @@ TEST_F(DirectMoveTest, TheStateOfTheRespondingPeerCarriesItsOwnReceiveRing) {
   GuestExport ex = export_of(dev_, "b");
   const auto doc = nlohmann::json::from_cbor(ex.blob);
   ASSERT_TRUE(doc["sessions"][0]["qps"][0].contains("own_recv"));
-  std::vector<UniqueFd> fds = own_dups(ex.fds);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
   dev_.detach_guest("b");
   auto r = dev_.import_guest(ex.blob, fds);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
@@ -229,7 +222,7 @@ TEST_F(DirectMoveTest, AKeptStateResumesTheOwnRingsAndEndsTheDeadBackendsGrants)
 
   Device fresh{next_quotas_};
   fresh.set_direct(true);
-  std::vector<UniqueFd> fa = own_dups(ka.fds), fb = own_dups(kb.fds);
+  std::vector<UniqueFd> fa = dup_all(ka.fds), fb = dup_all(kb.fds);
   auto ra = fresh.import_guest(ka.blob, fa, true);
   ASSERT_TRUE(ra.is_ok()) << ra.status().message();
   auto rb = fresh.import_guest(kb.blob, fb, true);
@@ -252,7 +245,7 @@ TEST_F(DirectMoveTest, ASnapshotFromBeforeTheGrantRestoresWithTheGuestsOwnRings)
   EXPECT_EQ(state_fd_layout(file.blob).value(), state_fd_layout(now.blob).value());
   auto blob = with_own_rings_of(file.blob, now.blob);
   ASSERT_TRUE(blob.is_ok()) << blob.status().message();
-  std::vector<UniqueFd> fds = own_dups(now.fds);
+  std::vector<UniqueFd> fds = dup_all(now.fds);
   dev_.detach_guest("a");
   auto r = dev_.import_guest(blob.value(), fds, true);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
@@ -278,7 +271,7 @@ TEST_F(DirectMoveTest, AnOwnRingOfABadGeometryOrDescriptorIsRefused) {
   grant();
   GuestExport ex = export_of(dev_, "a");
   // The export's descriptors are the device's: kept open past the detach.
-  const std::vector<UniqueFd> kept = own_dups(ex.fds);
+  const std::vector<UniqueFd> kept = dup_all(ex.fds);
   ex.fds.clear();
   for (const UniqueFd& f : kept) ex.fds.push_back(f.get());
   dev_.detach_guest("a");
@@ -290,7 +283,7 @@ TEST_F(DirectMoveTest, AnOwnRingOfABadGeometryOrDescriptorIsRefused) {
     if (bad == 1) own["stamps"] = 1u << 20;
     if (bad == 2) own["fd"] = 0;           // the control page's, already taken
     if (bad == 3) own["size"] = 1u << 20;  // larger than its memfd
-    std::vector<UniqueFd> fds = own_dups(ex.fds);
+    std::vector<UniqueFd> fds = dup_all(ex.fds);
     auto r = dev_.import_guest(nlohmann::json::to_cbor(doc), fds);
     EXPECT_EQ(r.status().err(), EINVAL);
     EXPECT_NE(r.status().message().find(bad == 2 ? "descriptor 'fd' = 0" : "own_send"),
@@ -302,7 +295,7 @@ TEST_F(DirectMoveTest, AnOwnRingOfABadGeometryOrDescriptorIsRefused) {
   auto doc = nlohmann::json::from_cbor(ex.blob);
   doc["version"] = 6;
   doc["fdkeys"].erase(doc["fdkeys"].size() - 1);
-  std::vector<UniqueFd> fds = own_dups(ex.fds);
+  std::vector<UniqueFd> fds = dup_all(ex.fds);
   auto r = dev_.import_guest(nlohmann::json::to_cbor(doc), fds);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   EXPECT_EQ(r.value()[0].session->qps.begin()->second->own_send, nullptr);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <infiniband/verbs.h>
 #include <unistd.h>
@@ -49,6 +50,13 @@ struct MemV {
   uint8_t* p() const { return map.data(); }
 };
 
+/// Duplicates of an export's descriptors, as the target of a move (or a keeper) receives them.
+inline std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
+  std::vector<UniqueFd> out;
+  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  return out;
+}
+
 constexpr uint64_t kMemBytes = 8192;
 constexpr uint32_t kAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 
@@ -75,9 +83,9 @@ class DeviceTest : public ::testing::Test {
     g.pd = g.dev->alloc_pd(*g.s).value();
     return g;
   }
-  CqV cq(G& g, uint32_t cqe = 64, uint32_t stamps = 0) {
+  CqV cq(G& g, uint32_t cqe = 64, uint32_t stamps = 0, uint32_t channel = kNone) {
     UniqueFd fd;
-    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, kNone, 0, stamps}, fd);
+    auto r = g.dev->create_cq(*g.s, CreateCqReq{cqe, channel, 0, stamps}, fd);
     EXPECT_TRUE(r.is_ok()) << r.status().message();
     CqV c;
     c.handle = r->handle;

@@ -127,12 +127,6 @@ TEST_F(OwnerTest, AGuestWhoseFirstSessionFailsLeavesNoTraceBehind) {
   EXPECT_EQ(again.value()->guest->owner_uid, kStranger);
 }
 
-std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
-  std::vector<UniqueFd> out;
-  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
-  return out;
-}
-
 TEST_F(OwnerTest, TheOwnerMovesWithTheGuestsState) {
   auto s = hello("mv", kOwner);
   ASSERT_TRUE(s.is_ok());

@@ -11,12 +11,6 @@
 namespace vrdma::engine::devtest {
 namespace {
 
-std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
-  std::vector<UniqueFd> out;
-  for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
-  return out;
-}
-
 /// The export `ex` as an older version wrote it (its `key` in no session), imported into
 /// `into`.
 Result<std::vector<ImportedSession>> import_as_version(Device& into, const GuestExport& ex,

@@ -1,0 +1,157 @@
+// Completion channels across a move (docs/ARCHITECTURE.md, "Moving a guest's device"): a
+// backend SIGKILLed (keep_state) between writing a completion and firing its CQ's channel must
+// not cost the event. Whoever takes a guest's state in (a keeper's restart, a migration, a
+// restore) fires every armed CQ that holds a completion: a spurious event is allowed, a lost one
+// is not.
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <set>
+
+#include "device_fixture.h"
+
+namespace vrdma::engine::devtest {
+namespace {
+
+/// A completion written into `c` the way push_cqe writes it, without the channel's event that
+/// push_cqe's notify would write next: what a backend killed between the two leaves behind.
+void write_unfired(CqV& c, uint64_t wr_id, uint32_t opcode) {
+  const uint32_t p = c.hdr->producer.load(std::memory_order_relaxed);
+  Cqe e{};
+  e.wr_id = wr_id;
+  e.status = IBV_WC_SUCCESS;
+  e.opcode = opcode;
+  c.e[p & (c.size - 1)] = e;
+  c.hdr->producer.store(p + 1, std::memory_order_release);
+}
+
+/// The CQ handles waiting in a (non-blocking) channel.
+std::multiset<uint32_t> events(int fd) {
+  std::multiset<uint32_t> out;
+  uint32_t h = 0;
+  while (::read(fd, &h, sizeof(h)) == sizeof(h)) out.insert(h);
+  return out;
+}
+
+class ChannelMoveTest : public DeviceTest {
+ protected:
+  void SetUp() override {
+    DeviceTest::SetUp();
+    auto ch = dev_.create_channel(*a_.s, chan_);
+    ASSERT_TRUE(ch.is_ok()) << ch.status().message();
+    ASSERT_EQ(::fcntl(chan_.get(), F_SETFL, O_NONBLOCK), 0);
+    for (CqV* c : {&c1_, &c2_, &c3_, &c4_}) *c = cq(a_, 64, 0, ch.value());
+  }
+  /// Guest a's state as export_guest gives it, with duplicates of its descriptors (what a
+  /// keeper holds, or the target of a move receives).
+  struct Kept {
+    GuestExport ex;
+    std::vector<UniqueFd> fds;
+  };
+  Kept keep() {
+    auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
+    EXPECT_TRUE(ex.is_ok()) << ex.status().message();
+    if (!ex.is_ok()) return {};
+    std::vector<UniqueFd> fds = dup_all(ex->fds);
+    return {std::move(ex.value()), std::move(fds)};
+  }
+  /// Guest a's state taken in by `into` (recover: as a keeper's restart and a restore do).
+  static void take_in(Device& into, Kept& k, bool recover) {
+    auto r = into.import_guest(k.ex.blob, k.fds, recover);
+    ASSERT_TRUE(r.is_ok()) << r.status().message();
+  }
+
+  UniqueFd chan_;          ///< a's channel, the end its library reads
+  CqV c1_, c2_, c3_, c4_;  ///< a's CQs on it
+};
+
+// The keeper holds the state of the last control command; the backend then wrote completions
+// and died before firing. The restarted backend fires what the dead one owed, and only that.
+TEST_F(ChannelMoveTest, AKeptStateFiresEveryArmedCqThatHoldsACompletion) {
+  Kept kept = keep();
+  c1_.hdr->armed.store(1);  // armed, a completion written, no event: owed one
+  write_unfired(c1_, 1, IBV_WC_RECV);
+  c2_.hdr->armed.store(1);             // armed and empty: nothing owed
+  write_unfired(c3_, 3, IBV_WC_RECV);  // not armed: nothing owed
+  c4_.hdr->armed.store(2);             // solicited only, holding only a send completion
+  write_unfired(c4_, 4, IBV_WC_SEND);
+  ASSERT_TRUE(events(chan_.get()).empty());
+
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+  EXPECT_EQ(c1_.hdr->armed.load(), 0u);  // the arm is used up, as by any event
+  EXPECT_EQ(c2_.hdr->armed.load(), 1u);
+  EXPECT_EQ(c4_.hdr->armed.load(), 2u);
+  EXPECT_EQ(drain(c1_).size(), 1u);  // and the completion is there to poll
+}
+
+// Solicited-only arming: the completion may have been a solicited receive (the CQE does not
+// say), so a receive completion gets the event (at worst a spurious one, which the verbs allow).
+TEST_F(ChannelMoveTest, ASolicitedArmGetsTheEventForAReceiveCompletion) {
+  Kept kept = keep();
+  c1_.hdr->armed.store(2);
+  write_unfired(c1_, 1, IBV_WC_SEND);
+  write_unfired(c1_, 2, IBV_WC_RECV_RDMA_WITH_IMM);
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+}
+
+// The same rule on the other imports: a guest that armed a CQ holding a completion it has not
+// polled yet, then moved (live migration) or restored from a snapshot, gets its event.
+TEST_F(ChannelMoveTest, AMigrationAndARestoreFireAnArmedCqThatHoldsACompletion) {
+  CqV& rcq = c1_;
+  QpV qa = qp(a_, acq_, rcq), qb = qp(b_, bcq_, bcq_);
+  connect(a_, qa, b_, qb);
+  connect(b_, qb, a_, qa);
+  post_recv(qa, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qb, 2, mb_.addr, 8, mb_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(rcq.hdr->producer.load(), 1u);
+  rcq.hdr->armed.store(1);  // armed after the completion: the guest's next poll would find it
+
+  Kept ex = keep();  // migration: the source forgets, the target takes in
+  dev_.detach_guest("a");
+  take_in(dev_, ex, false);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{rcq.handle}));
+
+  rcq.hdr->armed.store(1);  // armed again, still unpolled; a snapshot, then its restore
+  Kept snap = keep();
+  dev_.detach_guest("a");
+  take_in(dev_, snap, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{rcq.handle}));
+  EXPECT_EQ(drain(rcq).size(), 1u);
+}
+
+// Direct path: a QP's own receive ring stands for its CQ. A completion the backend wrote there
+// before it died, with the CQ armed, gets the CQ's event after the restart.
+TEST_F(ChannelMoveTest, AKeptStateFiresAnArmedCqWhoseOwnRingHoldsACompletion) {
+  dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});
+  a_.s->uid = b_.s->uid = ::getuid();
+  QpV qb = qp(b_, bcq_, bcq_), qa = qp(a_, acq_, c1_);
+  connect(b_, qb, a_, qa);
+  connect(a_, qa, b_, qb);
+  std::vector<UniqueFd> fds;
+  auto g = dev_.direct_grant(*b_.s, qb.handle, fds);  // b -> a: a's own receive ring
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  CqV own;
+  struct stat st {};
+  ASSERT_EQ(::fstat(fds[2].get(), &st), 0);
+  own.map = MappedRegion::map_shared(fds[2].get(), static_cast<size_t>(st.st_size));
+  own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
+  own.e = ring_entries<Cqe>(own.hdr);
+  own.size = g->recv_ring_entries;
+
+  Kept kept = keep();
+  c1_.hdr->armed.store(1);
+  write_unfired(own, 7, IBV_WC_RECV);
+  ASSERT_EQ(c1_.hdr->producer.load(), 0u);  // the CQ's own ring is empty: only the QP's holds it
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+}
+
+}  // namespace
+}  // namespace vrdma::engine::devtest
