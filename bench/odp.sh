@@ -15,6 +15,11 @@ cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 echo "Date $(date +%F), $(nproc) CPUs (${cpu:-unknown}), load $(cut -d' ' -f1 /proc/loadavg), command: bench/odp.sh"
 "${VRUN[@]}" --guest odp-cost -- "$BIN_DIR/odp_cost"
 echo
+# A peer's first WRITE into an ODP page: the pager woken by the backend, and polling every ms.
+"${VRUN[@]}" --guest odp-touch -- "$BIN_DIR/odp_first_touch"
+VRDMA_ODP_WAKE=0 "${VRUN[@]}" --guest odp-touch -- "$BIN_DIR/odp_first_touch"
+[[ ${ODP_TOUCH_ONLY:-0} == 1 ]] && { e2e_pass; exit 0; }
+echo
 # ODP MRs keep their QPs on the mediated path (docs/ARCHITECTURE.md, "On-demand paging"), so
 # the fair baseline is the same tool without --odp through a backend without the direct path
 # (a second one, started by the library with VRDMA_DIRECT_PATH=0); the default (direct) too.

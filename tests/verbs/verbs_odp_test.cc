@@ -251,5 +251,38 @@ TEST_F(VerbsOdpTest, PeersFaultInPagesNeverTouchedLocally) {
   EXPECT_EQ(segment_bytes(r, kReserved), 2 * kPage);
 }
 
+// A page the application maps read-only: an ODP MR that only peers' READs reach (REMOTE_READ)
+// takes it, a READ gets its bytes; an MR that can be written (write or atomic access) does not,
+// so a peer's WRITE into it is a remote access error and the page keeps its bytes (the pager
+// faults pages of a writable MR in for writing, as the kernel's ODP does).
+TEST_F(VerbsOdpTest, PeersCannotWriteIntoPagesTheApplicationMapsReadOnly) {
+  uint8_t* r = reserve();
+  uint8_t* page = r + (size_t{5} << 30);
+  ASSERT_EQ(::mprotect(page, kPage, PROT_READ | PROT_WRITE), 0);
+  std::memset(page, 0x33, kPage);
+  ASSERT_EQ(::mprotect(page, kPage, PROT_READ), 0);
+  ibv_mr* ro = reg_odp(page, kPage, IBV_ACCESS_REMOTE_READ);
+  ibv_mr* rw = reg_odp(r, kReserved);
+  ASSERT_NE(ro, nullptr);
+  ASSERT_NE(rw, nullptr);
+  const ibv_wc rd =
+      one(IBV_WR_RDMA_READ, addr(200), 8, mr_->lkey, reinterpret_cast<uintptr_t>(page), ro->rkey);
+  EXPECT_EQ(rd.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rd.status);
+  EXPECT_EQ(buf_[207], 0x33);
+  std::memset(buf_.data(), 0x5e, 64);
+  const ibv_wc w = one(IBV_WR_RDMA_WRITE, addr(0), 64, mr_->lkey,
+                       reinterpret_cast<uintptr_t>(page + 8), rw->rkey);
+  EXPECT_EQ(w.status, IBV_WC_REM_ACCESS_ERR) << ibv_wc_status_str(w.status);
+  EXPECT_EQ(page[8], 0x33);
+  EXPECT_EQ(page[71], 0x33);
+  // Deregistration gives the segments back: the page is private memory again, bytes kept.
+  EXPECT_GT(segment_bytes(r, kReserved), 0u);
+  EXPECT_EQ(ibv_dereg_mr(ro), 0);
+  EXPECT_EQ(ibv_dereg_mr(rw), 0);
+  odp_.clear();
+  EXPECT_EQ(segment_bytes(r, kReserved), 0u);
+  EXPECT_EQ(page[8], 0x33);
+}
+
 }  // namespace
 }  // namespace vrdma::test
