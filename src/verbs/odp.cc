@@ -181,7 +181,8 @@ void start_pager(VContext& ctx, uint32_t handle) {
     req->flags = kReregOdpPager;
     Empty resp;
     const int fd = sv[1];
-    if (int rc = ctx.call(Op::kReregMr, *req, resp, std::span<const int>(&fd, 1))) {
+    if (int rc = ctx.call(Op::kReregMr, req.get(), sizeof(*req), &resp, 0,
+                          std::span<const int>(&fd, 1))) {
       VLOG_DEBUG("ODP pager: the backend takes no wake-up socket ({}); polling every ms",
                  std::strerror(rc));
       ctx.odp_wake.reset();
