@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On-demand paging (issue 24): registration cost (bench/odp_cost: 64 GiB reserved and implicit
 # ODP vs an ordinary 1 GiB registration) and the per-message cost of an ODP MR (ib_send_lat and
-# ib_write_lat with --odp vs without, runs interleaved). Usage: bench/odp.sh [BIN_DIR] [RUNS]
+# ib_write_lat with --odp vs without, runs interleaved), and a peer's first WRITE into an ODP page
+# (bench/odp_first_touch, pager woken vs polling). Usage: bench/odp.sh [BIN_DIR] [RUNS]
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,6 +14,12 @@ export E2E_DEADLINE="${E2E_DEADLINE:-1800}"
 e2e_init "$BIN_DIR"
 cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 echo "Date $(date +%F), $(nproc) CPUs (${cpu:-unknown}), load $(cut -d' ' -f1 /proc/loadavg), command: bench/odp.sh"
+# A peer's first WRITE into an ODP page: the pager woken by the backend, and polling every ms.
+"${VRUN[@]}" --guest odp-touch -- "$BIN_DIR/odp_first_touch"
+VRDMA_ODP_WAKE=0 "${VRUN[@]}" --guest odp-touch -- "$BIN_DIR/odp_first_touch"
+# ODP_TOUCH_ONLY=1: only this part.
+[[ ${ODP_TOUCH_ONLY:-0} == 1 ]] && { e2e_pass; exit 0; }
+echo
 "${VRUN[@]}" --guest odp-cost -- "$BIN_DIR/odp_cost"
 echo
 # ODP MRs keep their QPs on the mediated path (docs/ARCHITECTURE.md, "On-demand paging"), so

@@ -280,7 +280,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       reply(dev_.resize_cq(*s, body_of<ResizeCqReq>(msg).value(), give));
       break;
     case Op::kReregMr:
-      reply_status(dev_.rereg_mr(*s, body_of<ReregMrReq>(msg).value()));
+      reply_status(dev_.rereg_mr(*s, body_of<ReregMrReq>(msg).value(),
+                                 fds.empty() ? UniqueFd() : std::move(fds[0])));
       break;
     case Op::kAllocDm:
       reply(dev_.alloc_dm(*s, body_of<AllocDmReq>(msg).value(), give));

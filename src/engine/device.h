@@ -82,7 +82,8 @@ class Device : public transport::Receiver {
   /// ibv_rereg_mr: changes the MR's translation, PD and/or access (IBV_REREG_MR_CHANGE_*) in
   /// place, keeping its handle and keys; requests executed after it see the new MR. All or
   /// nothing. Not for an MR over device memory (EINVAL).
-  Status rereg_mr(Session& s, const proto::ReregMrReq& req);
+  /// `fd`: kReregOdpPager's socket (none for the other changes).
+  Status rereg_mr(Session& s, const proto::ReregMrReq& req, UniqueFd fd = {});
   /// ibv_alloc_dm: a sealed memfd of whole pages (`mem`, which the guest maps), within the
   /// guest's max_dm_bytes and segment quotas.
   Result<proto::AllocDmResp> alloc_dm(Session& s, const proto::AllocDmReq& req, UniqueFd& mem);
@@ -305,7 +306,7 @@ class Device : public transport::Receiver {
   // The verbs behind create_qp, modify_qp, create_srq, modify_srq, reg_mr and create_cq, whose
   // refusals those log.
   Result<proto::RegMrResp> reg_mr_checked(Session& s, const proto::RegMrReq& req);
-  Status rereg_mr_checked(Session& s, const proto::ReregMrReq& req);
+  Status rereg_mr_checked(Session& s, const proto::ReregMrReq& req, UniqueFd fd);
   Result<proto::AllocDmResp> alloc_dm_checked(Session& s, const proto::AllocDmReq& req,
                                               UniqueFd& mem);
   Result<proto::RegMrResp> reg_dm_mr_checked(Session& s, const proto::RegDmMrReq& req);

@@ -1,10 +1,9 @@
 // Control path of the device model: protection domains, memory windows, segments, memory
 // regions and device memory (the verbs that name guest memory).
-#include "engine/device.h"
-
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "common/log.h"
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
+#include "engine/device.h"
 #include "engine/qp_state.h"
 #include "proto/device_caps.h"
 #include "proto/wire.h"
@@ -248,8 +248,9 @@ bool Device::odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t 
     s.odp_mr = 0;  // refused once; a later access asks again
     return false;
   }
-  // Data path, but only for a page's first remote touch: plain stores into the control page,
-  // no syscall (the pager polls it).
+  // Data path, but only for a page's first remote touch: stores into the control page, then
+  // one send that wakes the pager (MSG_DONTWAIT: a full socket means it is awake already; a
+  // descriptor that is no socket fails at once; the pager of an older library polls).
   s.odp_mr = mr.handle;
   s.odp_addr = iova;
   s.odp_len = len;
@@ -257,6 +258,10 @@ bool Device::odp_page_request(Session& s, const Mr& mr, uint64_t iova, uint64_t 
   cp->odp_addr = iova;
   cp->odp_len = len;
   cp->odp_req.store(++s.odp_req, std::memory_order_release);
+  if (s.odp_wake.valid()) {
+    const char b = 1;
+    (void)::send(s.odp_wake.get(), &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
   return true;
 }
 
@@ -366,15 +371,20 @@ Status Device::dereg_mr(Session& s, uint32_t handle) {
   return Status::ok();
 }
 
-Status Device::rereg_mr(Session& s, const ReregMrReq& req) {
-  return refused(s, "rereg_mr", rereg_mr_checked(s, req));
+Status Device::rereg_mr(Session& s, const ReregMrReq& req, UniqueFd fd) {
+  return refused(s, "rereg_mr", rereg_mr_checked(s, req, std::move(fd)));
 }
 
-Status Device::rereg_mr_checked(Session& s, const ReregMrReq& req) {
+Status Device::rereg_mr_checked(Session& s, const ReregMrReq& req, UniqueFd fd) {
   auto it = s.mrs.find(req.handle);
   if (it == s.mrs.end()) return error(EINVAL, fmt::format("no MR {}", req.handle));
   Mr& mr = *it->second;
   if (req.flags == kReregOdpMap) return odp_map(s, mr, req.mr);
+  if (req.flags == kReregOdpPager) {
+    if (!mr.odp || !fd.valid()) return error(EINVAL, "kReregOdpPager: an ODP MR and a socket");
+    s.odp_wake = std::move(fd);  // odp_page_request sends on it, never blocking
+    return Status::ok();
+  }
   // Re-registering an ODP MR, or into one, is not done (yet): the library would have to move
   // its cache of faulted pages along.
   if (mr.odp ||

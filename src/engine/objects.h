@@ -386,6 +386,7 @@ struct Session {
   uint32_t odp_req = 0;
   uint32_t odp_mr = 0;
   uint64_t odp_addr = 0, odp_len = 0;
+  UniqueFd odp_wake;  ///< kReregOdpPager: a byte sent here after each request wakes the pager
   UniqueFd control_fd, doorbell, async_write, async_read;
   uint32_t next_handle = 1;
   std::map<uint32_t, Pd> pds;

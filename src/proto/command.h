@@ -245,6 +245,10 @@ static_assert(sizeof(RegMrResp) == 16);
 // with no extents): mr.addr and mr.length are the range the library made reachable (in the MR's
 // address space), its extents their pages; the rest of the MR is unchanged.
 inline constexpr uint32_t kReregOdpMap = 1u << 31;
+// kReregOdpPager (alone, an ODP MR's handle, one descriptor: a socket) names where the backend
+// sends a byte after each request in the control page's ODP mailbox, to wake the library's pager
+// (MSG_DONTWAIT: a full or closed socket never blocks the engine). An older backend refuses it.
+inline constexpr uint32_t kReregOdpPager = 1u << 30;
 struct ReregMrReq {
   uint32_t handle;
   uint32_t flags;

@@ -72,6 +72,10 @@ struct VContext {
   /// the first ODP MR with remote access, stopped at ibv_close_device.
   std::thread odp_pager;
   std::atomic<bool> odp_pager_stop{false};
+  /// A socket pair that wakes the pager: the backend holds a copy of `odp_kick` and sends a
+  /// byte on it after each request; ibv_close_device sends one to stop it. Invalid with a
+  /// backend that does not know kReregOdpPager: the pager then polls every millisecond.
+  UniqueFd odp_wake, odp_kick;
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());

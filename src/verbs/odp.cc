@@ -6,9 +6,11 @@
 // "On-demand paging".
 #include <infiniband/verbs.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -30,6 +32,9 @@ struct OdpMr {
   uint32_t pd = 0;
   uint64_t addr = 0, length = 0;  ///< implicit: 0 and UINT64_MAX
   uint64_t iova = 0;              ///< where rkeys address byte 0 (the pager's requests)
+  /// Access that lets the backend write its pages (local or remote write, atomics): every
+  /// fault then needs writable pages, since a page in the backend's chunks takes any access.
+  bool writable = false;
   std::mutex mu;
   std::map<uintptr_t, uintptr_t> faulted;  ///< page ranges the backend has, start -> end; apart
   std::vector<uint32_t> segments;          ///< process segment ids, given back at deregistration
@@ -84,9 +89,13 @@ int map_range(VContext& ctx, OdpMr& m, uintptr_t a, uintptr_t b) {
 }
 
 /// Faults in the pages of [addr, addr + len) (within the MR) that the backend does not have
-/// yet; EFAULT for a page that is not mapped with the access (`write`).
+/// yet; EFAULT for a page that is not mapped with the access: readable, and writable when the
+/// access (`write`) or the MR (OdpMr::writable) may write it. As the kernel's ODP, which faults
+/// pages of a writable MR in for writing: once in the backend's chunks, a page takes a peer's
+/// WRITE as well as the READ that brought it in.
 int fault(VContext& ctx, OdpMr& m, uint64_t addr, uint64_t len, bool write) {
   if (len == 0) return 0;
+  write = write || m.writable;
   const uint64_t mr_end = m.addr + m.length;  // UINT64_MAX for an implicit MR
   const uintptr_t lo = std::max<uintptr_t>(addr & ~(kPageSize - 1), m.addr);
   const uintptr_t hi = std::min<uint64_t>((addr + len + kPageSize - 1) & ~(kPageSize - 1), mr_end);
@@ -112,15 +121,27 @@ bool in_mr(const OdpMr& m, uint64_t addr, uint64_t len) {
 
 /// The pager of a context: answers the backend's requests for pages of ODP MRs that a peer's
 /// WRITE, READ or atomic reached before they were faulted in (proto::ControlPage's mailbox;
-/// the requester waits meanwhile, as for an RNR NAK). It polls the mailbox every millisecond
-/// (poll, not a futex: ThreadSanitizer delivers the registration's stop signal only in calls
-/// it intercepts, and the backend's engine makes no syscall to ask).
+/// the requester waits meanwhile, as for an RNR NAK). It sleeps in poll on `odp_wake`, where the
+/// backend sends a byte after each request (kReregOdpPager), or, with an older backend, polls
+/// the mailbox every millisecond. poll, not a futex: ThreadSanitizer delivers the
+/// registration's stop signal only in calls it intercepts.
 void pager_loop(VContext* ctx) {
   ControlPage* cp = ctx->control_page();
+  const int wake = ctx->odp_wake.get();
   while (!ctx->odp_pager_stop.load(std::memory_order_acquire)) {
     const uint32_t req = cp->odp_req.load(std::memory_order_acquire);
     if (req == cp->odp_done.load(std::memory_order_relaxed)) {
-      ::poll(nullptr, 0, 1);
+      if (wake < 0) {
+        ::poll(nullptr, 0, 1);
+        continue;
+      }
+      // A request stored before the byte that woke us is seen by the next look (the drain
+      // comes first); one stored after it leaves its own byte.
+      pollfd p{wake, POLLIN, 0};
+      ::poll(&p, 1, -1);
+      char drain[64];
+      while (::recv(wake, drain, sizeof(drain), MSG_DONTWAIT) > 0) {
+      }
       continue;
     }
     const uint32_t handle = cp->odp_mr;
@@ -142,9 +163,32 @@ void pager_loop(VContext* ctx) {
   }
 }
 
-void start_pager(VContext& ctx) {
+/// Starts the pager with the context's first ODP MR that peers may reach (`handle`): gives the
+/// backend the socket that wakes it, then runs it.
+void start_pager(VContext& ctx, uint32_t handle) {
   std::lock_guard<std::mutex> g(ctx.odp_mu);
   if (ctx.odp_pager.joinable()) return;
+  // VRDMA_ODP_WAKE=0: the pager polls every millisecond, as with an older backend (bench/odp.sh
+  // compares the two).
+  const char* env = ::secure_getenv("VRDMA_ODP_WAKE");
+  int sv[2];
+  if ((!env || std::strcmp(env, "0") != 0) &&
+      ::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv) == 0) {
+    ctx.odp_wake = UniqueFd(sv[0]);
+    ctx.odp_kick = UniqueFd(sv[1]);
+    auto req = std::make_unique<ReregMrReq>();
+    req->handle = handle;
+    req->flags = kReregOdpPager;
+    Empty resp;
+    const int fd = sv[1];
+    if (int rc = ctx.call(Op::kReregMr, req.get(), sizeof(*req), &resp, 0,
+                          std::span<const int>(&fd, 1))) {
+      VLOG_DEBUG("ODP pager: the backend takes no wake-up socket ({}); polling every ms",
+                 std::strerror(rc));
+      ctx.odp_wake.reset();
+      ctx.odp_kick.reset();
+    }
+  }
   ctx.odp_pager = std::thread(pager_loop, &ctx);
   ctx.control_page()->odp_pager.store(1, std::memory_order_release);
 }
@@ -172,6 +216,8 @@ ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigne
   m->addr = req->addr;
   m->length = req->length;
   m->iova = req->iova;
+  m->writable =
+      access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC);
   VMr* mr = new_vmr(pd, addr, length, resp,
                     LocalMr{req->addr, req->length, req->iova, req->access, req->pd});
   mr->odp = true;
@@ -184,7 +230,7 @@ ibv_mr* reg_odp_mr(ibv_pd* pd, void* addr, size_t length, uint64_t iova, unsigne
   // pager faults in what their requests touch.
   constexpr unsigned kRemote =
       IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-  if (access & kRemote) start_pager(*ctx);
+  if (access & kRemote) start_pager(*ctx, resp.handle);
   return &mr->mr;
 }
 
@@ -192,6 +238,10 @@ void stop_odp_pager(VContext& ctx) {
   if (!ctx.odp_pager.joinable()) return;
   ctx.control_page()->odp_pager.store(0, std::memory_order_release);
   ctx.odp_pager_stop.store(true, std::memory_order_release);
+  if (ctx.odp_kick.valid()) {
+    const char b = 1;
+    (void)::send(ctx.odp_kick.get(), &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+  }
   ctx.odp_pager.join();
 }
 

@@ -1,6 +1,7 @@
 // The device model's data path driven in-process, with the test playing two guests: it maps the
 // rings and memory the backend hands out, posts WQEs, calls Device::poll and reads the CQEs.
 #include <arpa/inet.h>
+#include <sys/socket.h>
 
 #include "device_fixture.h"
 
@@ -617,10 +618,23 @@ TEST_F(DeviceTest, OdpMrReachesOnlyThePagesFaultedIn) {
   RegMrReq fresh = req;
   auto odp2 = dev_.reg_mr(*b_.s, fresh);
   ASSERT_TRUE(odp2.is_ok());
+  // The pager's wake-up socket (kReregOdpPager): an ODP MR and a descriptor, or EINVAL; then
+  // each request sends a byte on it.
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, sv), 0);
+  UniqueFd wake(sv[0]);
+  ReregMrReq pager{};
+  pager.handle = odp2->handle;
+  pager.flags = kReregOdpPager;
+  EXPECT_EQ(dev_.rereg_mr(*b_.s, pager).err(), EINVAL);
+  ASSERT_TRUE(dev_.rereg_mr(*b_.s, pager, UniqueFd(sv[1])).is_ok());
+  char byte = 0;
+  EXPECT_EQ(::recv(wake.get(), &byte, 1, MSG_DONTWAIT), -1);
   post_rdma(a4, 6, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 4100, odp2->rkey);
   dev_.poll(now_);
   EXPECT_TRUE(drain(acq_).empty());
   ASSERT_EQ(cp->odp_req.load(), 1u);
+  EXPECT_EQ(::recv(wake.get(), &byte, 1, MSG_DONTWAIT), 1);
   EXPECT_EQ(cp->odp_mr, odp2->handle);
   EXPECT_EQ(cp->odp_addr, mb_.addr + 4100);
   EXPECT_EQ(cp->odp_len, 16u);
@@ -634,6 +648,7 @@ TEST_F(DeviceTest, OdpMrReachesOnlyThePagesFaultedIn) {
   post_rdma(a4, 7, IBV_WR_RDMA_WRITE, ma_.addr, 16, ma_.mr.lkey, mb_.addr + 100, odp2->rkey);
   dev_.poll(now_ += 10'000'000);
   ASSERT_EQ(cp->odp_req.load(), 2u);
+  EXPECT_EQ(::recv(wake.get(), &byte, 1, MSG_DONTWAIT), 1);
   cp->odp_status = EFAULT;
   cp->odp_done.store(2);
   tx.clear();

@@ -3,11 +3,14 @@
 // peer's request or ibv_advise_mr touches them; a page that is not mapped gives the error
 // completion (local protection, remote access); odp_caps says so. docs/ARCHITECTURE.md, "On-demand
 // paging".
+#include <dirent.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -34,6 +37,27 @@ size_t segment_bytes(const void* addr, size_t len) {
   }
   std::fclose(f);
   return bytes;
+}
+
+/// Threads of this process asleep in poll on one descriptor with no timeout, by
+/// /proc/self/task/*/syscall (poll: 7 with an int timeout of -1, ppoll: 271 with a null one).
+int threads_polling_forever() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/task");
+  if (!d) return 0;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    FILE* f = std::fopen(("/proc/self/task/" + std::string(e->d_name) + "/syscall").c_str(), "re");
+    if (!f) continue;
+    long nr = -1;
+    unsigned long long fds = 0, nfds = 0, timeout = 0;
+    if (std::fscanf(f, "%ld %llx %llx %llx", &nr, &fds, &nfds, &timeout) == 4 && nfds == 1 &&
+        ((nr == 7 && static_cast<int>(timeout) == -1) || (nr == 271 && timeout == 0)))
+      ++n;
+    std::fclose(f);
+  }
+  ::closedir(d);
+  return n;
 }
 
 class VerbsOdpTest : public VerbsFixture {
@@ -232,6 +256,7 @@ TEST_F(VerbsOdpTest, AdviseMrPrefetchesAndRefusesWhatItCannot) {
 // the library's pager, the requester waits as for an RNR NAK meanwhile, and the pages that
 // request touched (those only) become reachable.
 TEST_F(VerbsOdpTest, PeersFaultInPagesNeverTouchedLocally) {
+  const int sleeping = threads_polling_forever();
   ibv_mr* m = nullptr;
   uint8_t* part = usable_part(&m, 7, 8);
   ASSERT_NE(m, nullptr);
@@ -249,6 +274,47 @@ TEST_F(VerbsOdpTest, PeersFaultInPagesNeverTouchedLocally) {
   EXPECT_EQ(rd.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rd.status);
   EXPECT_EQ(buf_[100], 0x17);
   EXPECT_EQ(segment_bytes(r, kReserved), 2 * kPage);
+  // The pager sleeps until the backend wakes it (no 1 ms poll): one more thread in poll with
+  // no timeout. Looked at until seen (it may be answering or about to sleep at any one look).
+  bool asleep = false;
+  for (int i = 0; i < 2000 && !asleep; ++i) {
+    asleep = threads_polling_forever() > sleeping;
+    if (!asleep) ::usleep(1000);
+  }
+  EXPECT_TRUE(asleep) << "the pager does not sleep in poll without a timeout";
+}
+
+// A page the application maps read-only: an ODP MR that only peers' READs reach (REMOTE_READ)
+// takes it, a READ gets its bytes; an MR that can be written (write or atomic access) does not,
+// so a peer's WRITE into it is a remote access error and the page keeps its bytes (the pager
+// faults pages of a writable MR in for writing, as the kernel's ODP does).
+TEST_F(VerbsOdpTest, PeersCannotWriteIntoPagesTheApplicationMapsReadOnly) {
+  uint8_t* r = reserve();
+  uint8_t* page = r + (size_t{5} << 30);
+  ASSERT_EQ(::mprotect(page, kPage, PROT_READ | PROT_WRITE), 0);
+  std::memset(page, 0x33, kPage);
+  ASSERT_EQ(::mprotect(page, kPage, PROT_READ), 0);
+  ibv_mr* ro = reg_odp(page, kPage, IBV_ACCESS_REMOTE_READ);
+  ibv_mr* rw = reg_odp(r, kReserved);
+  ASSERT_NE(ro, nullptr);
+  ASSERT_NE(rw, nullptr);
+  const ibv_wc rd =
+      one(IBV_WR_RDMA_READ, addr(200), 8, mr_->lkey, reinterpret_cast<uintptr_t>(page), ro->rkey);
+  EXPECT_EQ(rd.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rd.status);
+  EXPECT_EQ(buf_[207], 0x33);
+  std::memset(buf_.data(), 0x5e, 64);
+  const ibv_wc w = one(IBV_WR_RDMA_WRITE, addr(0), 64, mr_->lkey,
+                       reinterpret_cast<uintptr_t>(page + 8), rw->rkey);
+  EXPECT_EQ(w.status, IBV_WC_REM_ACCESS_ERR) << ibv_wc_status_str(w.status);
+  EXPECT_EQ(page[8], 0x33);
+  EXPECT_EQ(page[71], 0x33);
+  // Deregistration gives the segments back: the page is private memory again, bytes kept.
+  EXPECT_GT(segment_bytes(r, kReserved), 0u);
+  EXPECT_EQ(ibv_dereg_mr(ro), 0);
+  EXPECT_EQ(ibv_dereg_mr(rw), 0);
+  odp_.clear();
+  EXPECT_EQ(segment_bytes(r, kReserved), 0u);
+  EXPECT_EQ(page[8], 0x33);
 }
 
 }  // namespace
