@@ -189,7 +189,7 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   dev_.end_direct_grants("b");
   EXPECT_GT(epoch_of(fds[4].get()), epoch) << "a's grant into b ends before the freeze";
   GuestExport ex = export_of(dev_, "b");
-  std::vector<UniqueFd> moved = own_dups(ex.fds);
+  std::vector<UniqueFd> moved = dup_all(ex.fds);
   dev_.detach_guest("b");
   auto r = dev_.import_guest(ex.blob, moved);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
