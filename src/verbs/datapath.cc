@@ -162,6 +162,7 @@ int post_recv(ibv_qp* q, ibv_recv_wr* wr, ibv_recv_wr** bad) {
 int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   VCq* cq = to_vcq(c);
   cq->lock.lock();
+  ++cq->polls_unchecked;
   int got = 0;
   bool progressed = false;
   while (got < n) {
@@ -190,13 +191,11 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     publish_consumed(*cq);
     cq->empty_polls = 0;
     if (cq->rclaimed) remote_release(*cq);
+  } else if (dead_on_empty_poll(*cq)) {
+    cq->lock.unlock();
+    errno = EIO;
+    return -1;
   } else if (++cq->empty_polls % kYieldEvery == 0) {
-    // Nothing will ever arrive from a dead backend: say so rather than spin for ever.
-    if (cq->empty_polls % kLivenessEvery == 0 && to_vctx(c->context)->backend_gone()) {
-      cq->lock.unlock();
-      errno = EIO;
-      return -1;
-    }
     // A busy-polling application competes with the backend for the CPUs; when the CQ has
     // stayed empty for a while, let the backend (which produces completions) run. Without
     // this, on a machine with fewer cores than spinners, each completion waits for a
@@ -208,6 +207,12 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   }
   cq->lock.unlock();
   return got;
+}
+
+bool dead_on_empty_poll(VCq& cq) {
+  if (cq.polls_unchecked < kLivenessEvery) return false;
+  cq.polls_unchecked = 0;
+  return to_vctx(cq.cq.context)->backend_gone();
 }
 
 bool should_yield(const VCq& cq) {

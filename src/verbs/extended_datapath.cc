@@ -42,19 +42,19 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   if (attr && attr->comp_mask) return EINVAL;
   VCq* cq = cq_of(c);
   cq->lock.lock();
+  ++cq->polls_unchecked;
   if (take_next(cq) || (remote_progress(*cq) && take_next(cq))) {
     cq->empty_polls = 0;
     if (cq->rclaimed) remote_release(*cq);
     return 0;
   }
+  // As poll_cq: a dead backend produces nothing, say so; otherwise let the backend run.
+  const bool dead = dead_on_empty_poll(*cq);
   const uint32_t empty = ++cq->empty_polls;
-  const bool yield = empty % kYieldEvery == 0 && should_yield(*cq);
+  const bool yield = !dead && empty % kYieldEvery == 0 && should_yield(*cq);
   cq->lock.unlock();
-  if (empty % kYieldEvery == 0) {
-    // As poll_cq: a dead backend produces nothing, say so; otherwise let the backend run.
-    if (empty % kLivenessEvery == 0 && to_vctx(c->context)->backend_gone()) return EIO;
-    if (yield) ::sched_yield();
-  }
+  if (dead) return EIO;
+  if (yield) ::sched_yield();
   return ENOENT;
 }
 

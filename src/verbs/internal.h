@@ -149,6 +149,7 @@ struct VCq {
   PathLock lock;
   uint32_t events_reported = 0;        ///< completion events handed out by ibv_get_cq_event
   uint32_t empty_polls = 0;            ///< consecutive polls that found nothing
+  uint32_t polls_unchecked = 0;        ///< polls (of any outcome) since the backend was looked at
   const proto::Cqe* ex_cur = nullptr;  ///< cq_ex: the completion start/next_poll stand on
   /// Completion timestamps (ring.h's CqeStamp): those of this CQ's ring (null without), and
   /// the one of the completion next_cqe() last stepped past (null: that ring has none).
@@ -238,12 +239,17 @@ inline VQp* to_vqp(ibv_qp* q) { return reinterpret_cast<VQp*>(q); }
 
 // Data path (datapath.cc).
 inline constexpr uint32_t kYieldEvery = 16;  ///< empty polls of one CQ between two sched_yield()s
-inline constexpr uint32_t kLivenessEvery = 1024;  ///< empty polls between two checks of the backend
+inline constexpr uint32_t kLivenessEvery = 1024;  ///< polls between two looks at the backend
 int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad);
 int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad);
 int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);
 /// Whether an empty poll of `cq` should give the CPU away (sched_yield) to let the backend run.
 bool should_yield(const VCq& cq);
+/// Called on an empty poll, under cq.lock: whether the backend is gone (then the poll fails with
+/// EIO: nothing will ever arrive from it). It is looked at once per kLivenessEvery polls of any
+/// outcome, not only after that many empty ones in a row: on the direct paths completions keep
+/// coming from the peer's library with the backend dead, and the device must still say so.
+bool dead_on_empty_poll(VCq& cq);
 int req_notify_cq(ibv_cq* cq, int solicited_only);
 
 // Registered memory (memory.cc): makes [addr, addr+len) reachable by the backend and fills the
