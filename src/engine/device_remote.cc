@@ -547,7 +547,10 @@ void Device::on_reply(const std::string& node, const wire::Frame& f, transport::
       acked(*qp, rp.psn, now);
       break;
     case Syndrome::kRnrNak:
-      acked(*qp, before, now);
+      // A NAK of the responder's expected PSN says all before it executed; "not ready" does not:
+      // the responder QP executed nothing yet, and it answers each request of the window, so
+      // the NAK of the second message must not retire the first (it was lost that way).
+      if (rp.status != wire::kRnrNotReady) acked(*qp, before, now);
       // Replays of the same message may bring the same NAK more than once: one wait.
       if (qp->unacked.empty() || qp->unacked.front().psn != rp.psn || qp->wait == Wait::kRnr) break;
       if (rp.status == wire::kRnrNotReady) {

@@ -361,6 +361,38 @@ TEST_F(DeviceRemoteTest, APeerQpNotYetAtRtrIsWaitedForNotFailed) {
   EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);
 }
 
+// Each request of the window gets its own "not ready" NAK. Such a NAK acknowledges nothing:
+// when the second one retired the first message as a success, that message was lost and the
+// responder waited for it for ever (hosts.xrc, a server whose sends beat its client's RTR).
+TEST_F(DeviceRemoteTest, NotReadyNaksOfAWindowRetireNothingAndAllArriveInOrder) {
+  connect(a_, qa_, b_, qb_);  // b still in RESET
+  for (int i = 0; i < 3; ++i) {
+    ma_.p()[i * 8] = static_cast<uint8_t>(0x30 + i);
+    post_send(qa_, 10 + i, ma_.addr + i * 8, 8, ma_.mr.lkey);
+  }
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 3u);
+  settle();
+  EXPECT_TRUE(drain(acq_).empty());  // nothing executed: nothing completes
+  EXPECT_EQ(qp_counters(dev_, qb_.qpn, "b")["naks_sent"], 3);
+  connect(b_, qb_, a_, qa_);
+  for (int i = 0; i < 3; ++i) post_recv(qb_, 100 + i, mb_.addr + i * 64, 64, mb_.mr.lkey);
+  for (int round = 0; round < 4; ++round) {
+    now_ += 2'000'000;
+    settle();
+  }
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 3u);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(tx[i].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(tx[i].wr_id, 10u + i);
+    EXPECT_EQ(rx[i].wr_id, 100u + i);      // in order, each once
+    EXPECT_EQ(mb_.p()[i * 64], 0x30 + i);  // the data of its own message
+  }
+}
+
 TEST_F(DeviceRemoteTest, APeerQpThatNeverGetsReadyFailsAfterTheTransportBudget) {
   connect(a_, qa_, b_, qb_);  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
