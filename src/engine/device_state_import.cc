@@ -5,8 +5,6 @@
 // guest's socket) are named by their index in a list sent beside the blob (SCM_RIGHTS).
 // Import trusts nothing: every index, size, handle and reference is checked, use counts are
 // recounted from the references, and nothing is created unless all of it is valid.
-#include "proto/device_state.h"
-
 #include <fcntl.h>
 #include <fmt/format.h>
 
@@ -14,6 +12,7 @@
 #include <bit>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
 #include "common/identity.h"
 #include "common/log.h"
@@ -21,6 +20,7 @@
 #include "engine/datapath_util.h"
 #include "engine/device_state_reader.h"
 #include "proto/device_caps.h"
+#include "proto/device_state.h"
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
@@ -641,23 +641,33 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
 // ring (direct path) that stands for it. A spurious event is allowed, a lost one is not; the CQE
 // does not say whether it was solicited, so a solicited-only arm fires for any receive.
 void Device::fire_owed_events(Session& s) {
-  for (auto& [h, cq] : s.cqs) {
-    if (cq->channel == kNone || cq->hdr->armed.load(std::memory_order_acquire) == 0) continue;
+  struct Owed {
     bool held = false, recv = false;
-    auto scan = [&](const Cq& r, uint32_t prod) {
-      const uint32_t cons = r.hdr->consumer.load(std::memory_order_acquire);
-      if (prod == cons || prod - cons > r.size) return;  // empty, or cursors the guest scribbled
-      held = true;
-      for (uint32_t i = cons; i != prod && !recv; ++i)
-        recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0;
-    };
-    scan(*cq, cq->prod);
-    for (const auto& [qh, qp] : s.qps) {
-      for (const Cq* own : {qp->send_cq == cq.get() ? qp->own_send.get() : nullptr,
-                            qp->recv_cq == cq.get() ? qp->own_recv.get() : nullptr})
-        if (own) scan(*own, own->hdr->producer.load(std::memory_order_acquire));
+  };
+  std::unordered_map<const Cq*, Owed> owed;  // the armed CQs with a channel
+  auto scan = [](Owed& o, const Cq& r, uint32_t prod) {
+    const uint32_t cons = r.hdr->consumer.load(std::memory_order_acquire);
+    if (prod == cons || prod - cons > r.size) return;  // empty, or cursors the guest scribbled
+    o.held = true;
+    for (uint32_t i = cons; i != prod && !o.recv; ++i)
+      o.recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0;
+  };
+  for (auto& [h, cq] : s.cqs)
+    if (cq->channel != kNone && cq->hdr->armed.load(std::memory_order_acquire) != 0)
+      scan(owed[cq.get()], *cq, cq->prod);
+  if (owed.empty()) return;
+  // One pass over the QPs: each own ring counts for the CQ it stands for.
+  for (const auto& [qh, qp] : s.qps) {
+    for (auto [own, cq] : {std::pair<const Cq*, const Cq*>{qp->own_send.get(), qp->send_cq},
+                           std::pair<const Cq*, const Cq*>{qp->own_recv.get(), qp->recv_cq}}) {
+      auto it = own ? owed.find(cq) : owed.end();
+      if (it != owed.end())
+        scan(it->second, *own, own->hdr->producer.load(std::memory_order_acquire));
     }
-    if (held) notify(*cq, recv);
+  }
+  for (auto& [h, cq] : s.cqs) {
+    auto it = owed.find(cq.get());
+    if (it != owed.end() && it->second.held) notify(*cq, it->second.recv);
   }
 }
 
