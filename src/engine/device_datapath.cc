@@ -117,6 +117,8 @@ bool Device::resolve_sges(const Qp& qp, const Sge* sge, uint32_t n, uint32_t nee
 }
 
 bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
+  // A completion in error counts as solicited (ibv_req_notify_cq(3)): it fires either arm.
+  solicited = solicited || e.status != IBV_WC_SUCCESS;
   // A QP's own ring (direct path) has a second producer, the peer's library, which only writes
   // while this side does not: take up where it left off. A bad value only fails the check below.
   if (cq.shared_producer) cq.prod = cq.hdr->producer.load(std::memory_order_acquire);

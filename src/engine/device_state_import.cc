@@ -639,10 +639,11 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
 // for ever beside a CQ that holds a completion. So whoever takes the state in (a restart, a
 // migration, a restore) fires every armed CQ that holds one, in its own ring or in a QP's own
 // ring (direct path) that stands for it. A spurious event is allowed, a lost one is not; the CQE
-// does not say whether it was solicited, so a solicited-only arm fires for any receive.
+// does not say whether it was solicited, so a solicited-only arm fires for any receive (and,
+// as always, for any completion in error).
 void Device::fire_owed_events(Session& s) {
   struct Owed {
-    bool held = false, recv = false;
+    bool held = false, recv = false;  // recv: a receive completion or one in error
   };
   std::unordered_map<const Cq*, Owed> owed;  // the armed CQs with a channel
   auto scan = [](Owed& o, const Cq& r, uint32_t prod) {
@@ -650,7 +651,8 @@ void Device::fire_owed_events(Session& s) {
     if (prod == cons || prod - cons > r.size) return;  // empty, or cursors the guest scribbled
     o.held = true;
     for (uint32_t i = cons; i != prod && !o.recv; ++i)
-      o.recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0;
+      o.recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0 ||
+               r.entries[i & (r.size - 1)].status != IBV_WC_SUCCESS;
   };
   for (auto& [h, cq] : s.cqs)
     if (cq->channel != kNone && cq->hdr->armed.load(std::memory_order_acquire) != 0)

@@ -15,11 +15,11 @@ namespace {
 
 /// A completion written into `c` the way push_cqe writes it, without the channel's event that
 /// push_cqe's notify would write next: what a backend killed between the two leaves behind.
-void write_unfired(CqV& c, uint64_t wr_id, uint32_t opcode) {
+void write_unfired(CqV& c, uint64_t wr_id, uint32_t opcode, ibv_wc_status status = IBV_WC_SUCCESS) {
   const uint32_t p = c.hdr->producer.load(std::memory_order_relaxed);
   Cqe e{};
   e.wr_id = wr_id;
-  e.status = IBV_WC_SUCCESS;
+  e.status = status;
   e.opcode = opcode;
   c.e[p & (c.size - 1)] = e;
   c.hdr->producer.store(p + 1, std::memory_order_release);
@@ -93,6 +93,19 @@ TEST_F(ChannelMoveTest, ASolicitedArmGetsTheEventForAReceiveCompletion) {
   c1_.hdr->armed.store(2);
   write_unfired(c1_, 1, IBV_WC_SEND);
   write_unfired(c1_, 2, IBV_WC_RECV_RDMA_WITH_IMM);
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+}
+
+// A completion in error counts as solicited (ibv_req_notify_cq(3)): a send that failed fires a
+// solicited-only arm; a successful one (c2) does not.
+TEST_F(ChannelMoveTest, ASolicitedArmGetsTheEventForACompletionInError) {
+  Kept kept = keep();
+  c1_.hdr->armed.store(2);
+  write_unfired(c1_, 1, IBV_WC_SEND, IBV_WC_RETRY_EXC_ERR);
+  c2_.hdr->armed.store(2);
+  write_unfired(c2_, 2, IBV_WC_SEND);
   Device restarted{next_quotas_};
   take_in(restarted, kept, true);
   EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));

@@ -1643,9 +1643,10 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
     EXPECT_TRUE(vrdma::verbs::to_vqp(a)->granted.load()) << "granted again";
   }
   // A QP put in ERR: the backend's flush completion (into b's own receive ring on the direct
-  // path) fires the CQ's channel too.
+  // path) fires the CQ's channel too, even armed for solicited completions only: a completion
+  // in error counts as solicited (ibv_req_notify_cq(3)).
   ASSERT_EQ(post_recv(b, 300, 8192, 64), 0);
-  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 1), 0);
   ibv_qp_attr err{};
   err.qp_state = IBV_QPS_ERR;
   ASSERT_EQ(ibv_modify_qp(b, &err, IBV_QP_STATE), 0);
