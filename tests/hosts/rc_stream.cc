@@ -22,6 +22,14 @@
 // let B complete (real RC: A is RNR-NAKed and retried, B completes). Then A and A2 must arrive,
 // in order, with the bytes they had when posted. Prints "rnr: ok". With RC_STREAM_GATE=FILE
 // the client sends A only once FILE exists (the test opens it when the path it tests is up).
+//
+// ud-server PORT SIZE | ud-client HOST PORT SIZE: a verifying UD stream, open-ended (the client
+// stops at SIGUSR1 and sends the server its count over the exchange socket). UD may lose a
+// datagram, never duplicate or corrupt one: the client sends datagram i (i in its first 8
+// bytes, then the PRNG bytes of i) and waits up to 200 ms for the server's echo of i (a lost one
+// is counted and the stream goes on, never resent); the server checks each datagram's length
+// and bytes and that its number is above the last one's. Prints "ud: received R" every 1000,
+// and at the end "ud: received R of N sent (L lost), each once, in order, intact".
 #include <arpa/inet.h>
 #include <infiniband/verbs.h>
 #include <netdb.h>
@@ -31,6 +39,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <csignal>
 #include <cstdio>
@@ -49,6 +58,9 @@ volatile std::sig_atomic_t g_stop = 0;
 uint8_t g_timeout = 14;  ///< --timeout
 long g_stall_ms = 0;     ///< --stall-ms (0: no stall lines)
 bool g_events = false;   ///< --events
+bool g_ud = false;       ///< the ud-* modes: UD QPs
+constexpr uint32_t kQkey = 0x11111111;
+constexpr uint32_t kGrh = 40;  ///< a UD receive's first bytes
 void on_stop(int) { g_stop = 1; }
 
 struct Dest {
@@ -130,6 +142,8 @@ struct Link {
   ibv_cq* cq = nullptr;
   ibv_mr* mr = nullptr;
   ibv_qp* qp = nullptr;
+  ibv_ah* ah = nullptr;   ///< UD: the peer's address
+  uint32_t peer_qpn = 0;  ///< UD
   int sock = -1;
   std::vector<uint8_t> buf;
 
@@ -149,6 +163,7 @@ struct Link {
     wr.num_sge = 1;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED | flags;
+    if (ah) wr.wr.ud = {ah, peer_qpn, kQkey};
     if (ibv_post_send(qp, &wr, &bad)) die("post_send");
   }
   /// --events: one completion event, if it comes within `ms`; true if it came.
@@ -195,6 +210,7 @@ struct Link {
   int close(int rc) {
     ::close(sock);
     ibv_destroy_qp(qp);
+    if (ah) ibv_destroy_ah(ah);
     ibv_dereg_mr(mr);
     ibv_destroy_cq(cq);
     if (ch) ibv_destroy_comp_channel(ch);
@@ -216,13 +232,13 @@ void connect(Link& l, bool server, const char* host, int port, uint32_t size, in
   l.pd = l.ctx ? ibv_alloc_pd(l.ctx) : nullptr;
   if (g_events && l.pd && !(l.ch = ibv_create_comp_channel(l.ctx))) die("creating a channel");
   l.cq = l.pd ? ibv_create_cq(l.ctx, 2 * kDepth, nullptr, l.ch, 0) : nullptr;
-  l.buf.resize(size_t{size} * kDepth);
+  l.buf.resize(std::max(l.buf.size(), size_t{size} * kDepth));  // (ud_stream's is larger)
   l.mr = l.cq ? ibv_reg_mr(l.pd, l.buf.data(), l.buf.size(), IBV_ACCESS_LOCAL_WRITE) : nullptr;
   if (!l.mr) die("setting up PD/CQ/MR");
   ibv_qp_init_attr qa{};
   qa.send_cq = l.cq;
   qa.recv_cq = l.cq;
-  qa.qp_type = IBV_QPT_RC;
+  qa.qp_type = g_ud ? IBV_QPT_UD : IBV_QPT_RC;
   qa.cap = {kDepth, kDepth, 1, 1, max_inline};
   l.qp = ibv_create_qp(l.pd, &qa);
   ibv_port_attr pa{};
@@ -232,10 +248,28 @@ void connect(Link& l, bool server, const char* host, int port, uint32_t size, in
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.port_num = 1;
-  if (ibv_modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+  a.qkey = kQkey;
+  if (ibv_modify_qp(l.qp, &a,
+                    IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                        (g_ud ? IBV_QP_QKEY : IBV_QP_ACCESS_FLAGS)))
     die("INIT");
   for (int k = 0; k < recvs; ++k) l.post_recv(k, size);  // so the first SEND finds one
   l.sock = exchange(server, host, port, me, peer);
+  if (g_ud) {
+    ibv_ah_attr ah{};
+    ah.dlid = static_cast<uint16_t>(peer.lid);
+    ah.port_num = 1;
+    l.ah = ibv_create_ah(l.pd, &ah);
+    l.peer_qpn = peer.qpn;
+    a = {};
+    a.qp_state = IBV_QPS_RTR;
+    if (!l.ah || ibv_modify_qp(l.qp, &a, IBV_QP_STATE)) die("UD RTR");
+    a.qp_state = IBV_QPS_RTS;
+    a.sq_psn = me.psn;
+    if (ibv_modify_qp(l.qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN)) die("UD RTS");
+    l.sync("sync");
+    return;
+  }
   a = {};
   a.qp_state = IBV_QPS_RTR;
   a.path_mtu = IBV_MTU_4096;
@@ -412,6 +446,93 @@ int rnr(bool server, const char* host, int port) {
   return l.close(0);
 }
 
+/// The UD stream (see the top). Slots: 0 to kDepth-1 receive (GRH + SIZE), kDepth sends.
+int ud_stream(bool server, const char* host, int port, uint32_t size) {
+  if (size < 8 || size > 4096) die("SIZE: 8 to 4096");
+  g_ud = true;
+  if (!server) std::signal(SIGUSR1, on_stop);
+  const uint32_t slot = kGrh + size;
+  Link l;
+  l.buf.resize(size_t{slot} * (kDepth + 1));  // connect keeps it
+  connect(l, server, host, port, slot, kDepth, 0);
+  uint8_t* out = &l.buf[size_t{slot} * kDepth];
+  std::vector<uint8_t> want(size);
+  uint64_t sent = 0, echoed = 0, received = 0, next = 0, total = UINT64_MAX;
+  ibv_wc wc[16];
+  // One completion pass: receives checked (server) or matched with `wanted` (client); true
+  // when the client's echo of `wanted` came.
+  auto pass = [&](uint64_t wanted) {
+    bool got_it = false;
+    const int got = ibv_poll_cq(l.cq, 16, wc);
+    if (got < 0) die("poll_cq");
+    for (int k = 0; k < got; ++k) {
+      if (wc[k].status != IBV_WC_SUCCESS) {
+        report_failure(wc[k].wr_id, wc[k].status);
+        std::exit(1);
+      }
+      if (wc[k].opcode != IBV_WC_RECV) continue;  // a send's completion
+      const uint8_t* p = &l.buf[wc[k].wr_id * slot + kGrh];
+      uint64_t seq;
+      std::memcpy(&seq, p, 8);
+      if (server) {
+        fill(want.data(), size, seq);
+        if (wc[k].byte_len != slot || (received > 0 && seq < next) ||
+            std::memcmp(p, want.data(), size) != 0) {
+          std::fprintf(stderr, "ud: datagram #%" PRIu64 " after #%" PRIu64 " (%u bytes)%s\n", seq,
+                       next - 1, wc[k].byte_len,
+                       received > 0 && seq < next ? ": duplicated or reordered" : ": corrupt");
+          std::exit(1);
+        }
+        next = seq + 1;
+        if (++received % 1000 == 0) {
+          std::printf("ud: received %" PRIu64 "\n", received);
+          std::fflush(stdout);
+        }
+        std::memcpy(out, &seq, 8);
+        l.post_send(seq, out, 8, IBV_SEND_INLINE);
+      } else if (seq == wanted) {
+        got_it = true;
+      }
+      l.post_recv(wc[k].wr_id, slot);
+    }
+    return got_it;
+  };
+  if (server) {
+    for (uint64_t idle = 1;; ++idle) {
+      pass(0);
+      uint64_t n;
+      if (idle % 256 == 0 && ::recv(l.sock, &n, sizeof(n), MSG_PEEK | MSG_DONTWAIT) == sizeof(n)) {
+        if (::recv(l.sock, &n, sizeof(n), MSG_WAITALL) != sizeof(n)) die("count");
+        total = n;
+        const double until = mono_s() + 0.2;  // the last echoes' receives
+        while (mono_s() < until) pass(0);
+        break;
+      }
+    }
+    if (received > total || received == 0) {
+      std::fprintf(stderr, "ud: received %" PRIu64 " of %" PRIu64 " sent\n", received, total);
+      return l.close(1);
+    }
+    std::printf("ud: received %" PRIu64 " of %" PRIu64 " sent (%" PRIu64
+                " lost), each once, in order, intact\n",
+                received, total, total - received);
+  } else {
+    for (; !g_stop; ++sent) {
+      fill(out, size, sent);
+      l.post_send(sent, out, size, 0);
+      const double until = mono_s() + 0.2;
+      bool ok = false;
+      while (!ok && mono_s() < until) ok = pass(sent);
+      echoed += ok;
+    }
+    if (::write(l.sock, &sent, sizeof(sent)) != sizeof(sent)) die("sending the count");
+    std::printf("ud: sent %" PRIu64 ", %" PRIu64 " echoed\n", sent, echoed);
+  }
+  std::fflush(stdout);
+  l.sync("final sync");
+  return l.close(0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -444,7 +565,14 @@ int main(int argc, char** argv) {
     return stream(false, argv[2], std::atoi(argv[3]), std::strtoull(argv[4], nullptr, 10),
                   static_cast<uint32_t>(std::strtoul(argv[5], nullptr, 10)));
   if (mode == "rnr-server" && argc == 3) return rnr(true, nullptr, std::atoi(argv[2]));
+  if (mode == "ud-server" && argc == 4)
+    return ud_stream(true, nullptr, std::atoi(argv[2]),
+                     static_cast<uint32_t>(std::strtoul(argv[3], nullptr, 10)));
+  if (mode == "ud-client" && argc == 5)
+    return ud_stream(false, argv[2], std::atoi(argv[3]),
+                     static_cast<uint32_t>(std::strtoul(argv[4], nullptr, 10)));
   if (mode == "rnr-client" && argc == 4) return rnr(false, argv[2], std::atoi(argv[3]));
   die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE | rnr-server PORT |"
-      " rnr-client HOST PORT; options: --timeout N, --stall-ms MS");
+      " rnr-client HOST PORT | ud-server PORT SIZE | ud-client HOST PORT SIZE; options:"
+      " --timeout N, --stall-ms MS, --events");
 }
