@@ -140,6 +140,7 @@ Status Device::check_caps(std::initializer_list<Cap> caps) {
 
 Device::Device(Quotas quotas)
     : rng_(std::random_device{}()), quotas_(quotas), backend_uid_(::geteuid()) {
+  rx_tag_base_ = 1 + static_cast<uint32_t>(rng_() % 0x7fffffffu);
   // Copies to and from guest memory fail their WQE on a fault instead of killing the process.
   install_guest_fault_handler();
 }

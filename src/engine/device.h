@@ -370,7 +370,11 @@ class Device : public transport::Receiver {
   /// without blocking on a guest; a holder whose session is gone is taken over. False: busy.
   bool rx_lock_take(Qp& to);
   void rx_lock_give(Qp& to);
-  static uint32_t rx_lock_tag(const Session& s) { return s.id + 1; }
+  /// A session's tag in rx_lock: its id plus this backend's random base (below 2^31, so no
+  /// tag is 0 or kRxLockBackend), so a tag left by a session of a backend that died (keep_state)
+  /// or of another one (a move) names none of this backend's live sessions but by a 1 in 2^31
+  /// chance: such a lock is taken over, not waited on until an unrelated session ends.
+  uint32_t rx_lock_tag(const Session& s) const { return s.id + rx_tag_base_; }
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                            const uint8_t sgid[16]);
@@ -561,6 +565,7 @@ class Device : public transport::Receiver {
   size_t guest_turn_ = 0;              ///< the guest poll() visits first next time
   uint32_t next_session_ = 1;
   std::mt19937_64 rng_;
+  uint32_t rx_tag_base_ = 1;  ///< rx_lock_tag's: random in [1, 2^31), chosen at construction
   Quotas quotas_;
   uint64_t mapped_bytes_ = 0;    ///< segment bytes mapped for all guests (max_mapped_bytes)
   bool mapped_logged_ = false;   ///< reaching max_mapped_bytes was logged (until it falls)

@@ -198,7 +198,7 @@ bool Device::rx_lock_take(Qp& to) {
     if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     // Ours from before a crash (keep_state), or a session's that is gone (a process killed
     // inside a delivery): nobody will give it back.
-    const bool orphan = held == kRxLockBackend || sessions_.count(held - 1) == 0;
+    const bool orphan = held == kRxLockBackend || sessions_.count(held - rx_tag_base_) == 0;
     if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     if (i + 1 == tries) {
       to.rx_busy = true;

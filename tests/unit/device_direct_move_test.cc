@@ -184,7 +184,12 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   ub.rq->consumer.store(1, std::memory_order_release);
   lib_push(recv, 30);
   lib_push(send, 31);
-  ub.rq->rx_lock.store(b_.s->id + 1);
+  UdDest to_a{};  // b's own tag, from a grant of b's (b -> a)
+  to_a.dlid = static_cast<uint16_t>(a_.hello.lid);
+  std::vector<UniqueFd> b_fds;
+  auto gb = dev_.direct_grant_ud(*b_.s, DirectUdReq{ub.handle, ua.qpn, to_a}, b_fds, peer);
+  ASSERT_TRUE(gb.is_ok()) << gb.status().message();
+  ub.rq->rx_lock.store(gb->lock_tag);
   const uint32_t epoch = epoch_of(fds[4].get());
   dev_.end_direct_grants("b");
   EXPECT_GT(epoch_of(fds[4].get()), epoch) << "a's grant into b ends before the freeze";
@@ -206,6 +211,39 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   auto again = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
   ASSERT_TRUE(again.is_ok()) << again.status().message();
   EXPECT_EQ(again->grant.peer_epoch, epoch_of(fds[4].get()));
+}
+
+// A UD receive side left locked by a session of a backend that died (a's library, killed inside
+// a delivery into b), taken in by the next backend, where an unrelated session has a's number:
+// the tag names none of its sessions (each backend's tags have a random base of their own), so
+// the lock is taken over and the datagram delivered, not dropped until that session ends.
+TEST_F(DirectMoveTest, AStaleUdLockTagNamesNoSessionOfTheNextBackend) {
+  QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
+  UdDest d{};
+  d.dlid = static_cast<uint16_t>(b_.hello.lid);
+  std::vector<UniqueFd> fds;
+  std::string peer;
+  auto g = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  CqV recv = map_own(fds[2].get(), g->grant.recv_ring_entries);
+  ub.rq->rx_lock.store(g->lock_tag);
+  GuestExport ka = export_of(dev_, "a"), kb = export_of(dev_, "b");
+
+  Device fresh{next_quotas_};
+  fresh.set_direct(true);
+  G other = open("other", &fresh);
+  ASSERT_EQ(other.s->id, a_.s->id);  // the next backend's first session has a's number
+  std::vector<UniqueFd> fa = dup_all(ka.fds), fb = dup_all(kb.fds);
+  auto ra = fresh.import_guest(ka.blob, fa, true);
+  ASSERT_TRUE(ra.is_ok()) << ra.status().message();
+  auto rb = fresh.import_guest(kb.blob, fb, true);
+  ASSERT_TRUE(rb.is_ok()) << rb.status().message();
+  post_recv(ub, 50, mb_.addr, 1024, mb_.mr.lkey);
+  post_ud(ua, 51, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
+  fresh.poll(now_);
+  fresh.poll(now_);
+  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{50}));
+  EXPECT_EQ(ub.rq->rx_lock.load(), 0u);
 }
 
 // keep_state: the keeper's copy is from the grant; the library went on executing directly
