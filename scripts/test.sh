@@ -7,6 +7,12 @@
 # Each test preset selects by ctest label (CMakePresets.json, tests/CMakeLists.txt): release and
 # debug run every test, asan-ubsan all but the `load` and `abi` ones, tsan only the `threads` ones
 # (and builds only what they need).
+# What each stage costs (BENCHMARKS.md, "CI time: the CPU of each test"): the builds are most of
+# it; under ASan an end-to-end test costs 1-25 CPU-s, and each runs code the sanitizer checks
+# (transport, direct path, migration, the CM), so every non-`load` test stays in both stages. A
+# test does less under ASan only where the rest is volume through code it has already run
+# (`under_asan` in tests/e2e/lib.sh: rc_pingpong's large messages, direct_path's iterations).
+# scripts/test_cpu.py BUILD_DIR [ctest args] measures each test's CPU.
 # The fuzz preset (clang-14 + libFuzzer) builds only the fuzz targets and runs each for a bounded
 # number of executions (tests/fuzz/smoke.sh: VRDMA_FUZZ_RUNS, VRDMA_FUZZ_SECONDS).
 set -euo pipefail

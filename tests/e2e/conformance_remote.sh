@@ -11,7 +11,7 @@
 # Usage: conformance_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-e2e_init "${1:-}"
+E2E_NO_CLI=1 e2e_init "${1:-}"
 BIN="$(dirname "$VRDMA")"
 SUITE="$BIN/verbs_conformance_test"
 [[ -x $SUITE ]] || fail "$SUITE is not built"
