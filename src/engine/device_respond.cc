@@ -393,7 +393,13 @@ void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit
   // A QP's own ring (direct path) has the libraries as producers too: push_cqe starts there.
   const uint32_t prod =
       ring.shared_producer ? ring.hdr->producer.load(std::memory_order_acquire) : ring.prod;
-  std::memcpy(h.commit_cqe, &rc, sizeof(rc));
+  h.commit_recv = RecvDone{rc.wr_id,
+                           rc.byte_len,
+                           rc.imm_data,
+                           rc.src_qp,
+                           rc.slid,
+                           static_cast<uint8_t>(rc.opcode),
+                           static_cast<uint8_t>(rc.wc_flags)};
   h.commit_cq.store(prod + 1, std::memory_order_relaxed);
   h.commit_rq.store((to.srq ? to.srq->cons : to.rq_cons) + 1, std::memory_order_relaxed);
   (commit & kCommitPsn ? h.commit_psn : h.commit_sq).store(tag, std::memory_order_relaxed);
@@ -430,8 +436,17 @@ void Device::recover_receive(Qp& qp) {
   if (prod == h.commit_cq.load(std::memory_order_relaxed) - 1 &&
       prod - ring.hdr->consumer.load(std::memory_order_acquire) < ring.size) {
     // Its completion was not published: pushed now (the import fires the owed event).
-    Cqe rc;
-    std::memcpy(&rc, h.commit_cqe, sizeof(rc));
+    const RecvDone d = h.commit_recv;
+    Cqe rc{};
+    rc.wr_id = d.wr_id;
+    rc.status = IBV_WC_SUCCESS;
+    rc.opcode = d.opcode;
+    rc.byte_len = d.byte_len;
+    rc.imm_data = d.imm_data;
+    rc.qp_num = qp.qpn;
+    rc.src_qp = d.src_qp;
+    rc.wc_flags = d.wc_flags;
+    rc.slid = d.slid;
     ring.entries[prod & (ring.size - 1)] = rc;
     if (ring.stamp) stamp_now(ring.stamp[prod & (ring.size - 1)], ring.stamps);
     ring.prod = prod + 1;

@@ -33,6 +33,19 @@ using AtomicU64 = std::atomic<uint64_t>;
 static_assert(AtomicU64::is_always_lock_free);
 static_assert(sizeof(AtomicU64) == 8);
 
+/// A successful receive completion, in what it does not share with every other (RingHeader's
+/// commit record; on the consumer's line, which the backend writes with each receive anyway).
+struct RecvDone {
+  uint64_t wr_id;
+  uint32_t byte_len;
+  uint32_t imm_data;  ///< or the invalidated rkey
+  uint32_t src_qp;
+  uint16_t slid;
+  uint8_t opcode;    ///< IBV_WC_RECV or IBV_WC_RECV_RDMA_WITH_IMM
+  uint8_t wc_flags;  ///< IBV_WC_WITH_IMM, IBV_WC_WITH_INV (both below 256)
+};
+static_assert(sizeof(RecvDone) == 24);
+
 struct alignas(64) RingHeader {
   uint32_t magic;
   uint16_t version;
@@ -79,7 +92,7 @@ struct alignas(64) RingHeader {
   /// exactly-once), written whole, `commit_flags` last, before the receive is consumed and its
   /// completion pushed, and cleared once the message is retired on both sides. Taking the
   /// receive (the consumer reaching `commit_rq`) is the commit: a restarted backend that finds
-  /// a record whose receive was taken counts the message delivered (pushing `commit_cqe` if
+  /// a record whose receive was taken counts the message delivered (pushing `commit_recv` if
   /// the receive ring's producer had not reached `commit_cq`), one whose receive was not taken
   /// as never begun (Device::recover_receive). In the former padding: an older ring holds
   /// zeros, no record.
@@ -88,19 +101,16 @@ struct alignas(64) RingHeader {
   AtomicU32 commit_rq;     ///< the RQ's (or SRQ's) consumer once the receive is taken
   AtomicU32 commit_psn;    ///< kCommitPsn: the PSN expected after the message
   AtomicU32 commit_sq;     ///< kCommitLocal: the same-host requester's SQ index of the message
-  uint8_t pad2[32];
+  RecvDone commit_recv;    ///< the receive's completion, pushed when taken and unpublished
+  uint8_t pad2[8];
   /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
   /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
   AtomicU32 armed;
-  uint8_t pad3[4];
-  /// RQ only, with the commit_* record: the receive's completion (a Cqe), which a restarted
-  /// backend pushes when the receive was taken and its completion not published. Former padding.
-  uint8_t commit_cqe[48];
-  uint8_t pad4[8];
+  uint8_t pad3[60];
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&
-              offsetof(RingHeader, atomic_value) == 48 && offsetof(RingHeader, commit_cqe) == 200);
+              offsetof(RingHeader, atomic_value) == 48 && offsetof(RingHeader, commit_recv) == 160);
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
