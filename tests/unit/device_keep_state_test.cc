@@ -160,13 +160,7 @@ INSTANTIATE_TEST_SUITE_P(KillPoints, KeepStateRemoteTest,
 // backend died: the replay is answered with the result from b's ring, not executed again
 // (and not refused for a result the restarted backend does not know).
 TEST_F(DeviceRemoteTest, KeepStateAnAtomicExecutedBeforeTheKillIsAnsweredNotExecutedAgain) {
-  MemV word = mem(b_, kAccess | IBV_ACCESS_REMOTE_ATOMIC);
-  connect_both();
-  QpAttr a{};
-  a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_ATOMIC;
-  ASSERT_TRUE(modify(b_, qb_, IBV_QP_ACCESS_FLAGS, a));
-  const uint64_t v0 = 40;
-  std::memcpy(word.p(), &v0, 8);
+  MemV word = connect_with_atomic_word(40);
   Kept ka = keep(dev_, "a"), kb = keep(dev_, "b");
   post_rdma(qa_, 7, IBV_WR_ATOMIC_FETCH_AND_ADD, ma_.addr, 8, ma_.mr.lkey, word.addr, word.mr.rkey);
   dev_.poll(now_);
