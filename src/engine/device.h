@@ -237,6 +237,7 @@ class Device : public transport::Receiver {
     kReceiveTaken,      ///< a receive consumed, its completion not pushed
     kReceiveCompleted,  ///< a receive completed; the send not retired, the PSN not published
     kAtomicExecuted,    ///< an atomic from another backend executed, its answer not sent
+    kSendPsnPublished,  ///< over tcp, a send retired: the next PSN stored, the index not
   };
   void kill_at(KillPoint p) { kill_at_ = p; }
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
@@ -269,6 +270,8 @@ class Device : public transport::Receiver {
                                                          std::vector<UniqueFd>& fds, bool recover);
   /// Stores the QP's requester and responder PSNs in its ring headers (RingHeader::backend_psn).
   static void publish_psns(Qp& qp);
+  /// Stores the PSN of the WQE at sq_cons with that index (RingHeader::psn_at); returns it.
+  static uint32_t publish_psn_at(Qp& qp);
   /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
   static void recover_from_rings(Qp& qp);
   /// A QPN for a new QP of guest `g`, within its max_qps quota and the device's kMaxQp.

@@ -170,15 +170,24 @@ void Device::notify(Cq& cq, bool solicited) {
 // send queue of one, as perftest's latency tests make, does exactly that).
 void Device::publish_psns(Qp& qp) {
   if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (its PSN moves in the blob only)
-  const uint32_t at_cons = qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn;
-  qp.sq_hdr->backend_psn.store(at_cons, std::memory_order_relaxed);
+  qp.sq_hdr->backend_psn.store(publish_psn_at(qp), std::memory_order_relaxed);
   qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
+}
+
+uint32_t Device::publish_psn_at(Qp& qp) {
+  const uint32_t at_cons = (qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn) & 0xffffff;
+  qp.sq_hdr->psn_at.store(uint64_t{qp.sq_cons} << 32 | kPsnAtValid | at_cons,
+                          std::memory_order_release);
+  return at_cons;
 }
 
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
   qp.sq_cons++;
-  if (qp.remote) publish_psns(qp);
+  // The new index's PSN before the index, backend_psn after it (RingHeader::psn_at).
+  if (qp.remote) publish_psn_at(qp);
+  if (killed_at(KillPoint::kSendPsnPublished)) return;
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+  if (qp.remote) publish_psns(qp);
   if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
   if (st == IBV_WC_SUCCESS && !signaled) {

@@ -510,7 +510,12 @@ void Device::recover_from_rings(Qp& qp) {
   qp.sq_sent = qp.sq_cons;
   qp.wait = Wait::kNone;
   if (is_reliable(qp.type)) {  // RC and XRC_SEND (an XRC_RECV has no rings)
-    qp.next_psn = qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
+    // The PSN stored with this very index (RingHeader::psn_at), else the one published after
+    // the index moved (a ring of an older backend, or a QP that never published).
+    const uint64_t at = qp.sq_hdr->psn_at.load(std::memory_order_acquire);
+    qp.next_psn = (at & kPsnAtValid) && static_cast<uint32_t>(at >> 32) == qp.sq_cons
+                      ? static_cast<uint32_t>(at) & 0xffffff
+                      : qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
     qp.expected_psn = qp.rq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
   }
   recover_receive(qp);  // the message it was taking when the backend died, if any

@@ -102,7 +102,12 @@ struct alignas(64) RingHeader {
   AtomicU32 commit_psn;    ///< kCommitPsn: the PSN expected after the message
   AtomicU32 commit_sq;     ///< kCommitLocal: the same-host requester's SQ index of the message
   RecvDone commit_recv;    ///< the receive's completion, pushed when taken and unpublished
-  uint8_t pad2[8];
+  /// SQ only: the SQ index (high word) whose PSN `backend_psn` names, with that PSN and
+  /// kPsnAtValid (low word), in one store made before the consumer moves (`backend_psn` after
+  /// it): a restart whose `consumer` is this index takes this PSN, else `backend_psn`, so a
+  /// SIGKILL between the two stores cannot pair a retired WQE with its successor's PSN. Former
+  /// padding (an older ring: zero, not valid).
+  AtomicU64 psn_at;
   /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
   /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
   AtomicU32 armed;
@@ -110,11 +115,13 @@ struct alignas(64) RingHeader {
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&
-              offsetof(RingHeader, atomic_value) == 48 && offsetof(RingHeader, commit_recv) == 160);
+              offsetof(RingHeader, atomic_value) == 48 &&
+              offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184);
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
 inline constexpr uint32_t kAtomicPsnValid = 1u << 31;  ///< RingHeader::atomic_psn holds one
+inline constexpr uint64_t kPsnAtValid = 1u << 31;      ///< RingHeader::psn_at holds one
 inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend
 
 struct Sge {

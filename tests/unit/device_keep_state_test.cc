@@ -156,6 +156,40 @@ INSTANTIATE_TEST_SUITE_P(KillPoints, KeepStateRemoteTest,
                                   std::to_string(std::get<1>(i.param));
                          });
 
+// a's requester retired the SEND on b's ACK and died between storing the next PSN and moving
+// its SQ's consumer: the restart sends that WQE again under its own PSN (psn_at names the index
+// it is for), so b acknowledges the duplicate instead of taking it as the next message.
+TEST_F(DeviceRemoteTest, KeepStateASendRetiredHalfwayIsSentAgainUnderItsOwnPsn) {
+  connect_both();
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_recv(qb_, 2, mb_.addr + 64, 64, mb_.mr.lkey);
+  Kept ka = keep(dev_, "a"), kb = keep(dev_, "b");
+  post_send(qa_, 7, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(pump(1), 1);  // the request: b takes it and acknowledges
+  dev_.kill_at(KillPoint::kSendPsnPublished);
+  EXPECT_EQ(pump(1), 1);  // the ACK: a retires the WQE, and dies halfway
+  loop_.q.clear();
+  ASSERT_EQ(qa_.sq->consumer.load(), 0u);
+  ASSERT_EQ(drain(bcq_).size(), 1u);
+
+  FakeLoop loop;
+  Device restarted{next_quotas_};
+  restarted.set_transport(&loop);
+  restart(restarted, ka, kb);
+  settle_restarted(restarted, loop, now_);
+  EXPECT_TRUE(drain(bcq_).empty()) << "delivered again";
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].wr_id, 7u);
+  post_send(qa_, 8, ma_.addr, 8, ma_.mr.lkey);
+  settle_restarted(restarted, loop, now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 2u);
+  restarted.set_transport(nullptr);
+}
+
 // An atomic from another backend executed, its PSN published, its answer not sent when the
 // backend died: the replay is answered with the result from b's ring, not executed again
 // (and not refused for a result the restarted backend does not know).
