@@ -229,6 +229,17 @@ class Device : public transport::Receiver {
   static constexpr uint64_t kSlowPeerNs = 1'500'000'000;
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);
+  /// Tests only (keep_state's exactly-once): a point of the data path between two steps that
+  /// a SIGKILL may separate. With kill_at(p) the device stops dead there, leaving the shared
+  /// memory as the signal would, and does nothing after it (poll and frames are ignored).
+  enum class KillPoint : uint8_t {
+    kNone,
+    kReceiveTaken,      ///< a receive consumed, its completion not pushed
+    kReceiveCompleted,  ///< a receive completed; the send not retired, the PSN not published
+    kAtomicExecuted,    ///< an atomic from another backend executed, its answer not sent
+    kSendPsnPublished,  ///< over tcp, a send retired: the next PSN stored, the index not
+  };
+  void kill_at(KillPoint p) { kill_at_ = p; }
   const std::map<uint32_t, std::unique_ptr<Session>>& sessions() const { return sessions_; }
 
   // ---- UD multicast within this backend (device_mcast.cc) ----
@@ -259,6 +270,8 @@ class Device : public transport::Receiver {
                                                          std::vector<UniqueFd>& fds, bool recover);
   /// Stores the QP's requester and responder PSNs in its ring headers (RingHeader::backend_psn).
   static void publish_psns(Qp& qp);
+  /// Stores the PSN of the WQE at sq_cons with that index (RingHeader::psn_at); returns it.
+  static uint32_t publish_psn_at(Qp& qp);
   /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
   static void recover_from_rings(Qp& qp);
   /// A QPN for a new QP of guest `g`, within its max_qps quota and the device's kMaxQp.
@@ -383,8 +396,26 @@ class Device : public transport::Receiver {
   /// Checks and prepares the message: RNR, rkey/PD/access/bounds, receive WQE; resolves the
   /// responder's memory into dst_ (SEND/WRITE) or src_ (READ); executes an atomic.
   Response respond_begin(Qp& to, const Inbound& in);
-  /// The data is in place: consumes the receive WQE and posts its completion.
-  void respond_finish(Qp& to, const Inbound& in, const proto::RecvWqe& r);
+  /// The data is in place: consumes the receive WQE and posts its completion, with the
+  /// responder's commit record before (RingHeader::commit_*; `commit`: kCommitPsn with the PSN
+  /// expected after it in `tag`, or kCommitLocal with the requester's SQ index). The caller
+  /// retires the message on its side, then calls commit_done.
+  void respond_finish(Qp& to, const Inbound& in, const proto::RecvWqe& r, uint32_t commit = 0,
+                      uint32_t tag = 0);
+  void begin_commit(Qp& to, const Cq& ring, const proto::Cqe& rc, uint32_t commit, uint32_t tag);
+  /// The message respond_finish began is retired on both sides: no record any more.
+  static void commit_done(Qp& to);
+  /// After a restart (Qp::replay_known): whether `qp`'s head WQE is the one the dead backend
+  /// delivered into `to`; then it is retired here, undelivered.
+  bool replayed_delivery(Qp& qp, Qp& to, const proto::SendWqe& w, uint64_t len);
+  /// import_guest(recover): the message a dead backend was delivering into `qp` (its commit
+  /// record), delivered (its receive was taken) or never begun. Needs the QP's rings and CQs.
+  static void recover_receive(Qp& qp);
+  /// Whether the device stops here (kill_at): once there, it stays stopped.
+  bool killed_at(KillPoint p) {
+    if (kill_at_ == p && p != KillPoint::kNone) killed_ = true;
+    return killed_;
+  }
   /// RNR wait bookkeeping for the requester; returns false when RNR retries are exhausted.
   /// `fresh`: a new reason to wait, so the counter is reloaded from the QP's rnr_retry.
   bool rnr_wait(Qp& qp, uint8_t rnr_timer, uint64_t now_ns, bool fresh);
@@ -583,6 +614,8 @@ class Device : public transport::Receiver {
   bool direct_uid_enough_ = false;                        ///< see set_direct_trust
   std::vector<std::vector<std::string>> direct_tenants_;  ///< ... by guest name
   uint32_t backend_uid_;                ///< see set_backend_uid
+  KillPoint kill_at_ = KillPoint::kNone;  ///< see kill_at
+  bool killed_ = false;                   ///< stopped at kill_at_
   std::vector<transport::Hold> holds_;  ///< reused: MR segments a frame's payload uses
 };
 

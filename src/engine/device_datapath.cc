@@ -172,15 +172,24 @@ void Device::notify(Cq& cq, bool solicited) {
 // send queue of one, as perftest's latency tests make, does exactly that).
 void Device::publish_psns(Qp& qp) {
   if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (its PSN moves in the blob only)
-  const uint32_t at_cons = qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn;
-  qp.sq_hdr->backend_psn.store(at_cons, std::memory_order_relaxed);
+  qp.sq_hdr->backend_psn.store(publish_psn_at(qp), std::memory_order_relaxed);
   qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
+}
+
+uint32_t Device::publish_psn_at(Qp& qp) {
+  const uint32_t at_cons = (qp.unacked.empty() ? qp.next_psn : qp.unacked.front().psn) & 0xffffff;
+  qp.sq_hdr->psn_at.store(uint64_t{qp.sq_cons} << 32 | kPsnAtValid | at_cons,
+                          std::memory_order_release);
+  return at_cons;
 }
 
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
   qp.sq_cons++;
-  if (qp.remote) publish_psns(qp);
+  // The new index's PSN before the index, backend_psn after it (RingHeader::psn_at).
+  if (qp.remote) publish_psn_at(qp);
+  if (killed_at(KillPoint::kSendPsnPublished)) return;
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
+  if (qp.remote) publish_psns(qp);
   if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
   if (st == IBV_WC_SUCCESS && !signaled) {
@@ -454,6 +463,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     return Step::kWait;
   }
 
+  if (to->replay_known && replayed_delivery(qp, *to, w, len)) return Step::kDone;
   const Inbound in = inbound_of(qp, w, len);
   const Response r = respond_begin(*to, in);
   switch (r.kind) {
@@ -496,11 +506,28 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     post_async(*to->owner, IBV_EVENT_QP_FATAL, to->handle);
     return fail(IBV_WC_REM_ACCESS_ERR, "the responder's memory faulted");
   }
-  respond_finish(*to, in, r.recv);
+  // The responder's record names the WQE by our SQ index: a restart between its completion
+  // and our retirement knows the WQE was delivered (recover_receive, replayed_delivery).
+  respond_finish(*to, in, r.recv, kCommitLocal, qp.sq_cons);
+  if (killed_at(KillPoint::kReceiveCompleted)) return Step::kWait;
   qp.cnt.msgs_sent++;
   qp.cnt.bytes_sent += len;
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+  commit_done(*to);
   return Step::kDone;
+}
+
+bool Device::replayed_delivery(Qp& qp, Qp& to, const SendWqe& w, uint64_t len) {
+  to.replay_known = false;
+  if (to.replay_sq != qp.sq_cons) return false;
+  // A backend that died delivered this WQE and did not retire it: retired now, not again.
+  VLOG_INFO("qp {:#x} (guest {}): WQE {} was delivered before the restart; completed", qp.qpn,
+            qp.guest->name, qp.sq_cons);
+  qp.cnt.msgs_sent++;
+  qp.cnt.bytes_sent += len;
+  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+  commit_done(to);
+  return true;
 }
 
 ibv_wc_status Device::local_check(const Qp& qp, const SendWqe& w, uint8_t* inline_copy,
@@ -627,6 +654,7 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
 // Only QPs that may have work are visited (Guest::ready): a pass costs O(QPs with work), not
 // O(QPs), so thousands of idle QPs cost nothing between two commands.
 bool Device::poll(uint64_t now_ns) {
+  if (killed_) return false;
   now_ns_ = now_ns;
   bool did = false;
   const size_t n = active_guests_.size();

@@ -202,18 +202,25 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
     case Response::kOk:
       break;
   }
-  if (rq.opcode == IBV_WR_RDMA_READ) {
-    advance_expected(*to);
+  if (rq.opcode == IBV_WR_RDMA_READ) {  // no side effect: executed again if replayed
     respond_finish(*to, in, r.recv);
+    advance_expected(*to);
     holds_of(*r.mr, holds_);
     reply(node, rq, Syndrome::kReadData, 0, 0, 0, src_, holds_, to->flow);
     return;
   }
   if (is_atomic(rq.opcode)) {
-    advance_expected(*to);
     to->atomic_cache[to->atomic_cache_next++ % to->atomic_cache.size()] = {rq.psn | Qp::kAtomicCacheValid,
                                                                            r.atomic_old};
+    // Its result in the ring before the PSN moves: a restart answers the replay from there
+    // (recover_receive). A SIGKILL before the PSN moves executes it again.
+    if (to->rq_hdr) {
+      to->rq_hdr->atomic_value.store(r.atomic_old, std::memory_order_relaxed);
+      to->rq_hdr->atomic_psn.store(rq.psn | kAtomicPsnValid, std::memory_order_release);
+    }
     respond_finish(*to, in, r.recv);
+    advance_expected(*to);
+    if (killed_at(KillPoint::kAtomicExecuted)) return;
     reply(node, rq, Syndrome::kAtomicData, 0, 0, r.atomic_old);
     return;
   }
@@ -233,6 +240,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
 }
 
 void Device::on_frame(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
+  if (killed_) return;  // tests only (kill_at)
   if (f.type() == Type::kRequest) {
     on_request(node, f, sink);
   } else if (f.type() == Type::kReply) {
@@ -245,7 +253,7 @@ void Device::on_frame(const std::string& node, const wire::Frame& f, transport::
 }
 
 void Device::on_frame_done(const std::string& node, const wire::Frame& f, transport::RxSink& sink) {
-  if (!sink.accepted) return;
+  if (!sink.accepted || killed_) return;
   sink.accepted = false;
   if (f.type() == Type::kReply) {  // READ data is in place
     Qp* qp = reply_target(node, f.reply);
@@ -273,9 +281,14 @@ void Device::on_frame_done(const std::string& node, const wire::Frame& f, transp
   if (is_reliable(rq.qp_type) && rq.psn != to->expected_psn) return;
   Response r;
   std::memcpy(&r, sink.ctx, sizeof(r));
-  respond_finish(*to, in, r.recv);
-  if (is_reliable(rq.qp_type)) {
+  // The responder's record carries the PSN expected after this message, so a restart between
+  // the receive's completion and advance_expected knows it was delivered (recover_receive).
+  const bool rc = is_reliable(rq.qp_type);
+  respond_finish(*to, in, r.recv, rc ? kCommitPsn : 0, wire::psn_add(rq.psn, 1));
+  if (killed_at(KillPoint::kReceiveCompleted)) return;
+  if (rc) {
     advance_expected(*to);
+    commit_done(*to);
     reply(node, rq, Syndrome::kAck);
   }
 }

@@ -358,9 +358,9 @@ Response Device::respond_begin(Qp& to, const Inbound& in) {
   return out;
 }
 
-void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
+void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r, uint32_t commit,
+                            uint32_t tag) {
   if (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
-    consume_recv(to);
     Cqe rc = recv_cqe(to, r.wr_id, in, is_send(in.op) ? IBV_WC_RECV : IBV_WC_RECV_RDMA_WITH_IMM);
     rc.status = IBV_WC_SUCCESS;
     rc.byte_len = static_cast<uint32_t>(in.len);
@@ -377,10 +377,92 @@ void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r) {
       rc.wc_flags = IBV_WC_WITH_INV;
       rc.imm_data = in.imm_data;
     }
-    push_cqe(recv_ring(to), rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+    Cq& ring = recv_ring(to);
+    if (commit && to.rq_hdr) begin_commit(to, ring, rc, commit, tag);
+    consume_recv(to);
+    if (killed_at(KillPoint::kReceiveTaken)) return;
+    if (!push_cqe(ring, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0) && commit && to.rq_hdr)
+      to.rq_hdr->commit_cq.store(ring.prod, std::memory_order_relaxed);  // lost to an overrun
   }
   to.cnt.msgs_received++;
   to.cnt.bytes_received += in.len;
+}
+
+void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit, uint32_t tag) {
+  RingHeader& h = *to.rq_hdr;
+  // A QP's own ring (direct path) has the libraries as producers too: push_cqe starts there.
+  const uint32_t prod =
+      ring.shared_producer ? ring.hdr->producer.load(std::memory_order_acquire) : ring.prod;
+  h.commit_recv = RecvDone{rc.wr_id,
+                           rc.byte_len,
+                           rc.imm_data,
+                           rc.src_qp,
+                           rc.slid,
+                           static_cast<uint8_t>(rc.opcode),
+                           static_cast<uint8_t>(rc.wc_flags)};
+  h.commit_cq.store(prod + 1, std::memory_order_relaxed);
+  h.commit_rq.store((to.srq ? to.srq->cons : to.rq_cons) + 1, std::memory_order_relaxed);
+  (commit & kCommitPsn ? h.commit_psn : h.commit_sq).store(tag, std::memory_order_relaxed);
+  // Release: a SIGKILL leaves memory as the stores were made, in this order (as on another core).
+  h.commit_flags.store(kCommitValid | commit, std::memory_order_release);
+}
+
+void Device::commit_done(Qp& to) {
+  if (to.rq_hdr) to.rq_hdr->commit_flags.store(0, std::memory_order_release);
+}
+
+void Device::recover_receive(Qp& qp) {
+  if (!qp.rq_hdr || !qp.recv_cq) return;
+  RingHeader& h = *qp.rq_hdr;
+  // The last atomic's result, for its replay (the blob's cache is the last command's).
+  if (const uint32_t a = h.atomic_psn.load(std::memory_order_acquire); a & kAtomicPsnValid) {
+    const uint32_t psn = (a & 0xffffff) | Qp::kAtomicCacheValid;
+    if (std::none_of(qp.atomic_cache.begin(), qp.atomic_cache.end(),
+                     [&](const auto& e) { return e.first == psn; }))
+      qp.atomic_cache[qp.atomic_cache_next++ % qp.atomic_cache.size()] = {
+          psn, h.atomic_value.load(std::memory_order_relaxed)};
+  }
+  const uint32_t flags = h.commit_flags.load(std::memory_order_acquire);
+  if (!(flags & kCommitValid)) return;
+  // Not taken: it never began (the requester sends it again; the record goes, or another QP
+  // of an SRQ could take that receive and make it look taken). Taken: delivered.
+  const uint32_t cons = qp.srq ? qp.srq->cons : qp.rq_cons;
+  if (cons != h.commit_rq.load(std::memory_order_relaxed)) {
+    h.commit_flags.store(0, std::memory_order_release);
+    return;
+  }
+  Cq& ring = recv_ring(qp);
+  const uint32_t prod = ring.hdr->producer.load(std::memory_order_acquire);
+  if (prod == h.commit_cq.load(std::memory_order_relaxed) - 1 &&
+      prod - ring.hdr->consumer.load(std::memory_order_acquire) < ring.size) {
+    // Its completion was not published: pushed now (the import fires the owed event).
+    const RecvDone d = h.commit_recv;
+    Cqe rc{};
+    rc.wr_id = d.wr_id;
+    rc.status = IBV_WC_SUCCESS;
+    rc.opcode = d.opcode;
+    rc.byte_len = d.byte_len;
+    rc.imm_data = d.imm_data;
+    rc.qp_num = qp.qpn;
+    rc.src_qp = d.src_qp;
+    rc.wc_flags = d.wc_flags;
+    rc.slid = d.slid;
+    ring.entries[prod & (ring.size - 1)] = rc;
+    if (ring.stamp) stamp_now(ring.stamp[prod & (ring.size - 1)], ring.stamps);
+    ring.prod = prod + 1;
+    ring.hdr->producer.store(ring.prod, std::memory_order_release);
+  }
+  if (flags & kCommitPsn) {
+    const uint32_t psn = h.commit_psn.load(std::memory_order_relaxed) & 0xffffff;
+    if (wire::psn_diff(psn, qp.expected_psn) > 0) qp.expected_psn = psn;
+    h.backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
+    h.commit_flags.store(0, std::memory_order_release);
+  }
+  if (flags & kCommitLocal) {
+    // Kept in the ring: a second restart before the requester's replay finds it again.
+    qp.replay_known = true;
+    qp.replay_sq = h.commit_sq.load(std::memory_order_relaxed);
+  }
 }
 
 }  // namespace vrdma::engine

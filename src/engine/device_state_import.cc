@@ -385,11 +385,12 @@ void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recov
     qp->wait = static_cast<Wait>(refs.wait);
     read_unacked(im, jq, *qp);
     if (!map_qp(im, jq, *qp)) break;
-    if (recover) recover(*qp);
     qp->send_cq = s.cqs[refs.scq].get();
     qp->recv_cq = s.cqs[refs.rcq].get();
+    qp->srq = refs.srq == kNone ? nullptr : s.srqs[refs.srq].get();
     if (version >= 7) read_own_rings(im, jq, *qp);
     if (!rd.st.is_ok()) break;
+    if (recover) recover(*qp);  // with its rings, CQs and SRQ (recover_receive)
     link_qp(im, std::move(qp), refs, s, g);
   }
 }
@@ -509,9 +510,15 @@ void Device::recover_from_rings(Qp& qp) {
   qp.sq_sent = qp.sq_cons;
   qp.wait = Wait::kNone;
   if (is_reliable(qp.type)) {  // RC and XRC_SEND (an XRC_RECV has no rings)
-    qp.next_psn = qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
+    // The PSN stored with this very index (RingHeader::psn_at), else the one published after
+    // the index moved (a ring of an older backend, or a QP that never published).
+    const uint64_t at = qp.sq_hdr->psn_at.load(std::memory_order_acquire);
+    qp.next_psn = (at & kPsnAtValid) && static_cast<uint32_t>(at >> 32) == qp.sq_cons
+                      ? static_cast<uint32_t>(at) & 0xffffff
+                      : qp.sq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
     qp.expected_psn = qp.rq_hdr->backend_psn.load(std::memory_order_relaxed) & 0xffffff;
   }
+  recover_receive(qp);  // the message it was taking when the backend died, if any
 }
 
 Result<std::vector<ImportedSession>> Device::import_guest(std::span<const uint8_t> blob,

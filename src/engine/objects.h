@@ -273,6 +273,11 @@ struct Qp {
   // Responder over tcp (RC): the next PSN it executes; earlier ones are duplicates.
   uint32_t expected_psn = 0;
   bool seq_nak_sent = false;  ///< a gap was NAKed: once, until expected_psn arrives
+  /// keep_state: a restart found that the dead backend delivered the same-host message at
+  /// this SQ index of the requester and died before retiring it (RingHeader::commit_sq): when
+  /// the requester sends it again it completes, undelivered. Until the requester's next message.
+  bool replay_known = false;
+  uint32_t replay_sq = 0;
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
   /// A used slot's PSN carries kAtomicCacheValid (PSNs are 24-bit).
   static constexpr uint32_t kAtomicCacheValid = 1u << 31;

@@ -33,6 +33,19 @@ using AtomicU64 = std::atomic<uint64_t>;
 static_assert(AtomicU64::is_always_lock_free);
 static_assert(sizeof(AtomicU64) == 8);
 
+/// A successful receive completion, in what it does not share with every other (RingHeader's
+/// commit record; on the consumer's line, which the backend writes with each receive anyway).
+struct RecvDone {
+  uint64_t wr_id;
+  uint32_t byte_len;
+  uint32_t imm_data;  ///< or the invalidated rkey
+  uint32_t src_qp;
+  uint16_t slid;
+  uint8_t opcode;    ///< IBV_WC_RECV or IBV_WC_RECV_RDMA_WITH_IMM
+  uint8_t wc_flags;  ///< IBV_WC_WITH_IMM, IBV_WC_WITH_INV (both below 256)
+};
+static_assert(sizeof(RecvDone) == 24);
+
 struct alignas(64) RingHeader {
   uint32_t magic;
   uint16_t version;
@@ -58,7 +71,12 @@ struct alignas(64) RingHeader {
   /// side (the RQ's consumer index, the own receive-completion ring) holds it while it
   /// delivers: there may be several senders at once, in several processes and the backend.
   AtomicU32 rx_lock;
-  uint8_t pad0[20];
+  /// RQ only: the responder's last atomic from another backend (keep_state): its PSN with
+  /// kAtomicPsnValid, then the word's original value, stored before the PSN moves, so a
+  /// restarted backend answers its replay and does not execute it twice. Former padding.
+  AtomicU32 atomic_psn;
+  AtomicU64 atomic_value;
+  uint8_t pad0[8];
   AtomicU32 producer;  ///< free-running count of entries produced
   uint8_t pad1[60];
   AtomicU32 consumer;  ///< free-running count of entries consumed
@@ -70,13 +88,40 @@ struct alignas(64) RingHeader {
   /// written). The direct path starts only when this equals the guest's producer, so that no
   /// completion it writes can pass one of the backend's.
   AtomicU32 retired;
-  uint8_t pad2[52];
+  /// RQ only: the responder's record of the message whose receive it is taking (keep_state's
+  /// exactly-once), written whole, `commit_flags` last, before the receive is consumed and its
+  /// completion pushed, and cleared once the message is retired on both sides. Taking the
+  /// receive (the consumer reaching `commit_rq`) is the commit: a restarted backend that finds
+  /// a record whose receive was taken counts the message delivered (pushing `commit_recv` if
+  /// the receive ring's producer had not reached `commit_cq`), one whose receive was not taken
+  /// as never begun (Device::recover_receive). In the former padding: an older ring holds
+  /// zeros, no record.
+  AtomicU32 commit_flags;  ///< kCommit* bits; 0: no message in progress
+  AtomicU32 commit_cq;     ///< the receive ring's producer once the completion is published
+  AtomicU32 commit_rq;     ///< the RQ's (or SRQ's) consumer once the receive is taken
+  AtomicU32 commit_psn;    ///< kCommitPsn: the PSN expected after the message
+  AtomicU32 commit_sq;     ///< kCommitLocal: the same-host requester's SQ index of the message
+  RecvDone commit_recv;    ///< the receive's completion, pushed when taken and unpublished
+  /// SQ only: the SQ index (high word) whose PSN `backend_psn` names, with that PSN and
+  /// kPsnAtValid (low word), in one store made before the consumer moves (`backend_psn` after
+  /// it): a restart whose `consumer` is this index takes this PSN, else `backend_psn`, so a
+  /// SIGKILL between the two stores cannot pair a retired WQE with its successor's PSN. Former
+  /// padding (an older ring: zero, not valid).
+  AtomicU64 psn_at;
   /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
   /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
   AtomicU32 armed;
   uint8_t pad3[60];
 };
 static_assert(sizeof(RingHeader) == 256);
+static_assert(offsetof(RingHeader, commit_flags) == 140 &&
+              offsetof(RingHeader, atomic_value) == 48 &&
+              offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184);
+inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
+inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
+inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
+inline constexpr uint32_t kAtomicPsnValid = 1u << 31;  ///< RingHeader::atomic_psn holds one
+inline constexpr uint64_t kPsnAtValid = 1u << 31;      ///< RingHeader::psn_at holds one
 inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend
 
 struct Sge {

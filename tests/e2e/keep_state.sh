@@ -2,7 +2,8 @@
 # keep_state: a backend killed with SIGKILL while traffic runs is started again by its keeper,
 # takes its guests back, and their RC connections continue: a verifying stream (rc_stream, every
 # message once and in order, equal checksums) survives three kills; snapshot/restore under one.
-# A clean stop lets the keeper go too. `vrdma status` names the keeper and its restarts.
+# A clean stop lets the keeper go too. `vrdma status` names the keeper and its restarts. The
+# killed stream sleeps in completion channels (rc_stream --events): no event lost to a kill.
 # (ibv_rc_pingpong is not used here: see the stall noted in docs/ARCHITECTURE.md.)
 # Without KEEP_DIRECT the backend has --no-direct-path (the mediated path, pinned).
 # KEEP_DIRECT=1 (e2e.keep_state_direct): the backend has --direct-path, both streams' pairs
@@ -64,14 +65,15 @@ start_stream() {
   wait_direct
 }
 
-# The stream polls. With --events (its ends sleeping in completion channels) about 1 run in 14
-# failed with a message delivered twice ("message N carries #N-1"): a SIGKILL between the
-# receive's completion and the send's retirement of one local SEND (respond_finish, then
-# complete_send, in Device::execute) has the restarted backend send it again, and a local
-# responder's expected PSN is not kept in its ring (publish_psns is for remote QPs only), so
-# nothing drops the duplicate. Firing the channel (a write) widens that window. Known, open:
-# docs/ARCHITECTURE.md, keep_state. Lost events are tested by e2e.keep_state_events.
+# Its ends sleep in completion channels: a backend killed between writing a completion into an
+# armed CQ and firing the channel owes that event, which the restarted one fires at its import
+# (a completion in the armed CQ with no event fails the stream: "lost event"). The channel's
+# write widens the window between a local SEND's receive completion and the send's retirement,
+# which a restart closes with the responder's commit record (a message delivered twice fails
+# the stream: "message N carries #N-1").
+RC_STREAM_OPT=--events
 start_stream stream
+RC_STREAM_OPT=
 kill_backend_times 3
 # The new backend ended the dead one's grants; the libraries are granted again by it.
 wait_direct "$(direct_msgs)"

@@ -77,13 +77,8 @@ TEST_F(DeviceRemoteTest, LostFramesAreReplayedAndExecutedOnce) {
 }
 
 TEST_F(DeviceRemoteTest, ReplayedAtomicIsAnsweredFromTheCacheNotExecutedTwice) {
-  MemV word = mem(b_, kAccess | IBV_ACCESS_REMOTE_ATOMIC);
-  connect_both();
-  QpAttr a{};
-  a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_ATOMIC;
-  ASSERT_TRUE(modify(b_, qb_, IBV_QP_ACCESS_FLAGS, a));
-  uint64_t v = 40;
-  std::memcpy(word.p(), &v, 8);
+  MemV word = connect_with_atomic_word(40);
+  uint64_t v = 0;
   SendWqe w{};
   w.wr_id = 7;
   w.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;

@@ -184,6 +184,16 @@ class DeviceRemoteTest : public DeviceTest {
     }
     return now_ - start;
   }
+  /// Connects the pair with atomics allowed on b's QP: a word of b's memory holding `v`.
+  MemV connect_with_atomic_word(uint64_t v) {
+    MemV word = mem(b_, kAccess | IBV_ACCESS_REMOTE_ATOMIC);
+    connect_both();
+    QpAttr a{};
+    a.qp_access_flags = kAccess | IBV_ACCESS_REMOTE_ATOMIC;
+    EXPECT_TRUE(modify(b_, qb_, IBV_QP_ACCESS_FLAGS, a));
+    std::memcpy(word.p(), &v, 8);
+    return word;
+  }
   /// Runs the device and the transport until nothing moves.
   void settle() {
     for (int i = 0; i < 100; ++i) {
