@@ -159,6 +159,7 @@ CmService::Id* CmService::find(const engine::Session& s, uint32_t id) {
 std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader& h,
                                        std::span<const uint8_t> msg, UniqueFd& give) {
   const Op op = static_cast<Op>(h.op);
+  note(s.id);  // its ids, channels or waiting events (keep_state: a failed command costs a look)
   auto fail = [&](int err) { return encode(op, h.seq, -err, Empty{}); };
   auto done = [&](const Status& st) {
     if (!st.is_ok()) VLOG_DEBUG("cm: {} failed: {}", op_name(h.op), st.message());
@@ -473,6 +474,7 @@ void CmService::set_state(Id& id, State st) {
     id.listener = 0;
   }
   id.state = st;
+  note(id.owner);
 }
 
 uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int32_t& reason) {
@@ -697,6 +699,7 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   if (it == ids_.end()) return;
   auto ch = channels_.find(it->second.channel);
   if (ch == channels_.end()) return;
+  note(it->second.owner);
   CmEvent e{};
   e.event = static_cast<uint32_t>(ev);
   e.status = status;
