@@ -80,7 +80,8 @@ grep -q "^ping data: rdma-ping-$last: " "$E2E_TMP/cli.out" || fail "client: ping
 diff <(sed -n 's/^ping data: //p' "$E2E_TMP/cli.out") \
   <(sed -n 's/^server ping data: //p' "$E2E_TMP/srv.out") >/dev/null ||
   fail "the server read other data than the client sent"
-grep -q '^client DISCONNECT EVENT' "$E2E_TMP/cli.out" || fail "client: no DISCONNECTED"
-grep -q '^server DISCONNECT EVENT' "$E2E_TMP/srv.out" || fail "server: no DISCONNECTED"
+# rping says so on stderr.
+grep -q '^client DISCONNECT EVENT' "$E2E_TMP/cli.err" || fail "client: no DISCONNECTED"
+grep -q '^server DISCONNECT EVENT' "$E2E_TMP/srv.err" || fail "server: no DISCONNECTED"
 log "rping -C $PINGS -v -V across the SIGKILL: every ping verified, DISCONNECTED on both ends"
 e2e_pass
