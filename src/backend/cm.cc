@@ -165,15 +165,7 @@ std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader
     if (!st.is_ok()) VLOG_DEBUG("cm: {} failed: {}", op_name(h.op), st.message());
     return encode(op, h.seq, -st.err(), Empty{});
   };
-  // Events that found no room before: the library that sends a command reads too.
-  for (auto it = backlogged_.begin(); it != backlogged_.end();) {
-    auto ch = channels_.find(*it);
-    if (ch != channels_.end() && ch->second.owner == s.id) flush(ch->second);
-    if (ch == channels_.end() || ch->second.backlog.empty())
-      it = backlogged_.erase(it);
-    else
-      ++it;
-  }
+  flush_backlogs(s.id);  // the library that sends a command reads too
   sweep_closing();
   // Every body starts with the id (or channel) handle it is about.
   uint32_t handle = 0;
@@ -713,6 +705,17 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   ch->second.backlog.push_back(encode(Op::kCmEvent, 0, 0, e));
   flush(ch->second);
   if (!ch->second.backlog.empty()) backlogged_.insert(ch->first);
+}
+
+void CmService::flush_backlogs(uint32_t session) {
+  for (auto it = backlogged_.begin(); it != backlogged_.end();) {
+    auto ch = channels_.find(*it);
+    if (ch != channels_.end() && ch->second.owner == session) flush(ch->second);
+    if (ch == channels_.end() || ch->second.backlog.empty())
+      it = backlogged_.erase(it);
+    else
+      ++it;
+  }
 }
 
 void CmService::flush(Channel& ch) {

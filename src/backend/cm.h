@@ -170,6 +170,8 @@ class CmService {
             const proto::CmQpInfo* peer = nullptr, std::span<const uint8_t> pdata = {},
             uint32_t listen_id = proto::kNone, const proto::CmAddr* dst = nullptr);
   void flush(Channel& ch);
+  /// The events that found no room before in session `session`'s channels, as far as they fit.
+  void flush_backlogs(uint32_t session);
   /// Moves an id to `st`, leaving its listener's backlog when it was a pending request.
   void set_state(Id& id, State st);
   /// The request `m` (from `node`; "" for one of ours) to a listener here: the new id's handle,
