@@ -195,6 +195,14 @@ class CmService {
   /// A peer's kMoved: id m.dst_id, whose peer m.src_id was on the node the message names, now
   /// faces `node` (cm_migrate.cc).
   void on_moved_wire(const std::string& node, const proto::wire::Cm& m);
+  /// export_sessions' JSON text of id `h`, written again only when a field it says changed
+  /// (keep_state exports a guest's ids after each of its CM commands; most did not change).
+  const std::string& exported_text(uint32_t h, const Id& id) const;
+  struct Exported {
+    std::vector<uint8_t> fields;  ///< what the text says, as bytes (cm_migrate.cc, IdFields)
+    std::string node, text;
+  };
+  mutable std::unordered_map<uint32_t, Exported> exported_;  ///< by id handle
   /// keep_state: `owner`'s CM state changed (track_changes).
   void note(uint32_t owner) {
     if (track_) changed_.insert(owner);

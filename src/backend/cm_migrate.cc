@@ -44,7 +44,7 @@ T from_bytes(const json& j) {
 
 std::string CmService::export_sessions(const std::unordered_map<uint32_t, uint64_t>& keys,
                                        std::vector<int>& fds) const {
-  json chans = json::array(), ids = json::array(), sessions = json::array();
+  json chans = json::array(), sessions = json::array();
   for (const auto& [sid, key] : keys) sessions.push_back({{"owner", sid}, {"key", key}});
   for (const auto& [h, ch] : channels_) {
     if (!keys.count(ch.owner)) continue;
@@ -53,34 +53,74 @@ std::string CmService::export_sessions(const std::unordered_map<uint32_t, uint64
     chans.push_back({{"h", h}, {"owner", ch.owner}, {"fd", fds.size()}, {"backlog", backlog}});
     fds.push_back(ch.sock.get());
   }
+  std::string text = json{
+      {"version", kCmStateVersion},
+      {"node", transport_ ? transport_->self() : std::string()},
+      {"sessions", sessions},
+      {"channels",
+       chans}}.dump();
+  text.pop_back();  // its '}': the ids follow, each as last written when it did not change
+  text += ",\"ids\":[";
+  bool first = true;
   for (const auto& [h, id] : ids_) {
     if (!keys.count(id.owner)) continue;
-    // Whether its TIMEWAIT_EXIT is still to come (`timewait` stays set after it came).
-    const bool due = id.timer_armed && id.timer->second.kind == TimerKind::kTimewait;
-    ids.push_back({{"h", h},
-                   {"owner", id.owner},
-                   {"channel", id.channel},
-                   {"ps", id.ps},
-                   {"qp_type", id.qp_type},
-                   {"state", static_cast<int>(id.state)},
-                   {"src", bytes_of(id.src)},
-                   {"dst", bytes_of(id.dst)},
-                   {"peer", id.peer},
-                   {"holds_port", id.holds_port},
-                   {"timewait", id.timewait},
-                   {"timewait_due", due},
-                   {"qp", bytes_of(id.qp)},
-                   {"node", id.node},
-                   {"listener", id.listener},
-                   {"pending", id.pending},
-                   {"backlog", id.backlog}});
+    text += first ? "" : ",";
+    text += exported_text(h, id);
+    first = false;
   }
-  return json{{"version", kCmStateVersion},
-              {"node", transport_ ? transport_->self() : std::string()},
-              {"sessions", sessions},
-              {"channels", chans},
-              {"ids", ids}}
-      .dump();
+  text += "]}";
+  if (exported_.size() > 2 * ids_.size() + 64)  // the texts of ids that are gone
+    std::erase_if(exported_, [this](const auto& e) { return !ids_.count(e.first); });
+  return text;
+}
+
+namespace {
+
+/// What an id's exported text says, as bytes to compare (zeroed first: no padding differs).
+struct IdFields {
+  uint32_t owner, channel, peer, listener, pending, backlog;
+  uint16_t ps;
+  uint8_t qp_type, state, holds_port, timewait, due;
+  CmAddr src, dst;
+  CmQpInfo qp;
+};
+
+}  // namespace
+
+const std::string& CmService::exported_text(uint32_t h, const Id& id) const {
+  // Whether its TIMEWAIT_EXIT is still to come (`timewait` stays set after it came).
+  const bool due = id.timer_armed && id.timer->second.kind == TimerKind::kTimewait;
+  IdFields f;
+  std::memset(&f, 0, sizeof(f));
+  f.owner = id.owner, f.channel = id.channel, f.peer = id.peer, f.listener = id.listener;
+  f.pending = id.pending, f.backlog = id.backlog, f.ps = id.ps, f.qp_type = id.qp_type;
+  f.state = static_cast<uint8_t>(id.state), f.holds_port = id.holds_port;
+  f.timewait = id.timewait, f.due = due, f.src = id.src, f.dst = id.dst, f.qp = id.qp;
+  Exported& e = exported_[h];
+  if (e.fields.size() == sizeof(f) && std::memcmp(e.fields.data(), &f, sizeof(f)) == 0 &&
+      e.node == id.node)
+    return e.text;
+  e.fields = bytes_of(f);
+  e.node = id.node;
+  e.text = json{{"h", h},
+                {"owner", id.owner},
+                {"channel", id.channel},
+                {"ps", id.ps},
+                {"qp_type", id.qp_type},
+                {"state", static_cast<int>(id.state)},
+                {"src", bytes_of(id.src)},
+                {"dst", bytes_of(id.dst)},
+                {"peer", id.peer},
+                {"holds_port", id.holds_port},
+                {"timewait", id.timewait},
+                {"timewait_due", due},
+                {"qp", bytes_of(id.qp)},
+                {"node", id.node},
+                {"listener", id.listener},
+                {"pending", id.pending},
+                {"backlog", id.backlog}}
+               .dump();
+  return e.text;
 }
 
 Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& fds,

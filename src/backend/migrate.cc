@@ -428,6 +428,11 @@ Status Server::start_keeper() {
   keeper_ = std::move(sock.value());
   timeval tv{5, 0};
   ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // Room for a burst of records (a guest's CM state after each CM command): with the default
+  // (~200 KiB) the server thread waited for the keeper to be scheduled every few connections.
+  // Capped by net.core.wmem_max.
+  constexpr int kKeeperBuffer = 4 << 20;
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_SNDBUF, &kKeeperBuffer, sizeof(kKeeperBuffer));
   // Whatever it kept from a backend before us comes back now.
   RETURN_IF_ERROR(send_msg(keeper_.get(), encode(Op::kKeepRestore, 1, 0, Empty{})));
   Conn from;  // the records arrive as imports do
