@@ -106,6 +106,23 @@ Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>
   return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
 }
 
+Status send_cm_state(int sock, const std::string& guest, const CmPart& cm) {
+  ImportBeginReq b{};
+  std::memcpy(b.guest, guest.data(), std::min(guest.size(), sizeof(b.guest) - 1));
+  b.bytes = cm.json.size();
+  b.fds = static_cast<uint32_t>(cm.fds.size());
+  b.flags = kKeepCmOnly;
+  if (sizeof(b) + cm.json.size() > kMaxImportChunk || cm.fds.size() > kMaxFdsPerMessage)
+    return send_state(sock, guest, {}, {}, kKeepCmOnly, &cm);
+  std::vector<uint8_t> m = encode(Op::kImportCm, 5, 0, Empty{});
+  const auto* p = reinterpret_cast<const uint8_t*>(&b);
+  m.insert(m.end(), p, p + sizeof(b));
+  m.insert(m.end(), cm.json.begin(), cm.json.end());
+  const uint32_t len = static_cast<uint32_t>(m.size());
+  std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
+  return send_msg(sock, m, cm.fds);
+}
+
 namespace {
 
 /// The keeper's socket. Under systemd (vrdmad-keeper.socket) the listener is systemd's: one
@@ -158,6 +175,7 @@ void KeptGuests::take(Op op, const std::vector<uint8_t>& msg, std::vector<Unique
     case Op::kImportBegin: {
       const auto b = body_of<ImportBeginReq>(msg).value();
       partial_ = {};
+      open_ = true;
       partial_guest_.assign(b.guest, strnlen(b.guest, sizeof(b.guest)));
       partial_bytes_ = b.bytes;
       partial_fds_ = b.fds;
@@ -168,10 +186,24 @@ void KeptGuests::take(Op op, const std::vector<uint8_t>& msg, std::vector<Unique
       partial_.blob.insert(partial_.blob.end(), data.begin(), data.end());
       for (UniqueFd& f : fds) partial_.fds.push_back(std::move(f));
       break;
-    case Op::kImportCm:
-      partial_.cm.append(data.begin(), data.end());
-      for (UniqueFd& f : fds) partial_.cm_fds.push_back(std::move(f));
+    case Op::kImportCm: {
+      if (open_) {
+        partial_.cm.append(data.begin(), data.end());
+        for (UniqueFd& f : fds) partial_.cm_fds.push_back(std::move(f));
+        break;
+      }
+      // Alone (send_cm_state): what a kKeepCmOnly record would say, in one message.
+      ImportBeginReq b;
+      if (data.size() < sizeof(b)) break;
+      std::memcpy(&b, data.data(), sizeof(b));
+      auto it = kept_.find(std::string(b.guest, strnlen(b.guest, sizeof(b.guest))));
+      if (it == kept_.end() || !(b.flags & kKeepCmOnly) || b.bytes != data.size() - sizeof(b) ||
+          b.fds != fds.size())
+        break;
+      it->second.cm.assign(data.begin() + sizeof(b), data.end());
+      it->second.cm_fds = std::move(fds);
       break;
+    }
     case Op::kImportCommit: {
       const bool whole =
           partial_.blob.size() == partial_bytes_ && partial_.fds.size() == partial_fds_;
@@ -183,6 +215,7 @@ void KeptGuests::take(Op op, const std::vector<uint8_t>& msg, std::vector<Unique
         it->second.cm_fds = std::move(partial_.cm_fds);
       }
       partial_ = {};
+      open_ = false;
       break;
     }
     case Op::kKeepDrop: {

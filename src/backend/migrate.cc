@@ -506,7 +506,7 @@ void Server::keep_cm_changes() {
     std::vector<int> fds;
     CmPart cm{cm_state_of(guest, fds), {}};
     cm.fds = fds;
-    if (Status st = send_state(keeper_.get(), guest, {}, {}, kKeepCmOnly, &cm); !st.is_ok())
+    if (Status st = send_cm_state(keeper_.get(), guest, cm); !st.is_ok())
       VLOG_WARN("guest {}: its RDMA CM state did not reach the keeper: {}", guest, st.message());
   }
 }

@@ -147,6 +147,9 @@ std::vector<Msg> drain(int sock) {
   }
 }
 
+/// How many messages `sock` holds now (read and dropped): what one send is.
+size_t drain_count(int sock) { return drain(sock).size(); }
+
 TEST(KeptGuestsTest, ACmOnlyRecordReplacesTheCmStateBesideTheDevicesAndBothComeBack) {
   int sv[2], back[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv), 0);
@@ -178,9 +181,23 @@ TEST(KeptGuestsTest, ACmOnlyRecordReplacesTheCmStateBesideTheDevicesAndBothComeB
   ASSERT_TRUE(send_state(a.get(), "h", {}, {}, kKeepCmOnly, &second).is_ok());
   feed();
   EXPECT_EQ(kept.size(), 1u);
+  kept.hand_back(ka.get());
+  std::vector<Msg> got = drain(kb.get());
+  ASSERT_EQ(got.size(), 5u);
+  EXPECT_EQ(got[2].body, "{\"cm\":2}");
+  EXPECT_EQ(got[2].fds, 2u);
+  // The same in one message (what the server sends after a CM command).
+  const CmPart third{"{\"cm\":3}", {&ch2, 1}};
+  ASSERT_TRUE(send_cm_state(a.get(), "g", third).is_ok());
+  ASSERT_TRUE(send_cm_state(a.get(), "h", third).is_ok());
+  ASSERT_EQ(drain_count(b.get()), 2u);
+  ASSERT_TRUE(send_cm_state(a.get(), "g", third).is_ok());
+  ASSERT_TRUE(send_cm_state(a.get(), "h", third).is_ok());
+  feed();
+  EXPECT_EQ(kept.size(), 1u);
 
   kept.hand_back(ka.get());
-  const std::vector<Msg> got = drain(kb.get());
+  got = drain(kb.get());
   ASSERT_EQ(got.size(), 5u);
   EXPECT_EQ(got[0].op, Op::kImportBegin);
   ImportBeginReq begin;
@@ -194,8 +211,8 @@ TEST(KeptGuestsTest, ACmOnlyRecordReplacesTheCmStateBesideTheDevicesAndBothComeB
   EXPECT_EQ(got[1].body, std::string("\x01\x02\x03", 3));
   EXPECT_EQ(got[1].fds, 1u);
   EXPECT_EQ(got[2].op, Op::kImportCm);
-  EXPECT_EQ(got[2].body, "{\"cm\":2}");
-  EXPECT_EQ(got[2].fds, 2u);
+  EXPECT_EQ(got[2].body, "{\"cm\":3}");
+  EXPECT_EQ(got[2].fds, 1u);
   EXPECT_EQ(got[3].op, Op::kImportCommit);
   EXPECT_EQ(got[4].op, Op::kKeepEnd);
 
