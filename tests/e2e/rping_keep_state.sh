@@ -50,12 +50,7 @@ done
   fail "the client does not wait for its output: $(cat "/proc/$cli_proc/wchan" 2>/dev/null)"
 
 kill_kept_backend
-for ((i = 0; i < 100; i++)); do
-  [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge 2 ]] && break
-  nap 0.05
-done
-[[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge 2 ]] ||
-  fail "the new backend did not restore both guests: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
+wait_restored 2
 grep -q 'RDMA CM state was not taken in' "$E2E_TMP/vrdmad.log" &&
   fail "a guest's CM state was not restored: $(grep 'RDMA CM state' "$E2E_TMP/vrdmad.log")"
 log "backend $KILLED killed with the client at ping $(wc -l <"$E2E_TMP/cli.out")+, $RESTARTED restored both guests"

@@ -38,16 +38,6 @@ struct CmKeepTest : CmServiceTest {
   }
   /// The same session served by `to`: its channel and the guest's end of it.
   End moved(End& e) { return End(to, e.s.id, e.channel, std::move(e.events)); }
-  /// cli and srv connected and established: (cli's id, srv's id).
-  std::pair<uint32_t, uint32_t> established() {
-    uint32_t c;
-    const uint32_t s = request(&c);
-    EXPECT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
-    EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
-    EXPECT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
-    EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
-    return {c, s};
-  }
 };
 
 TEST_F(CmKeepTest, ChangedSessionsAreNotedOnlyWhenTracked) {
@@ -109,12 +99,7 @@ TEST_F(CmKeepTest, AnIdWhosePeerWasNotRestoredHearsItWent) {
 
 TEST_F(CmKeepTest, ATimewaitExitComesOnceAcrossARestore) {
   const auto [c, s] = established();
-  ASSERT_EQ(cli.handle_cmd(Op::kCmDisconnect, c), 0);
-  EXPECT_EQ(cli.next().event, ev(CmEventType::kDisconnected));
-  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
-  std::this_thread::sleep_for(std::chrono::milliseconds(80));
-  cm.on_timer();
-  EXPECT_EQ(cli.next().event, ev(CmEventType::kTimewaitExit));
+  cli_disconnects(c);
   ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);  // srv's DREP: its timewait runs now
   ASSERT_TRUE(restore(cli).is_ok());
   ASSERT_TRUE(restore(srv).is_ok());

@@ -159,18 +159,8 @@ TEST_F(CmServiceTest, AnAddressNoBackendServesIsAnAddrErrorAfterTheTimeout) {
 }
 
 TEST_F(CmServiceTest, TimewaitExitFollowsEachEndsDisconnect) {
-  uint32_t c;
-  const uint32_t s = request(&c);
-  ASSERT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
-  EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
-  ASSERT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
-  EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
-  ASSERT_EQ(cli.handle_cmd(Op::kCmDisconnect, c), 0);
-  EXPECT_EQ(cli.next().event, ev(CmEventType::kDisconnected));
-  EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
-  std::this_thread::sleep_for(std::chrono::milliseconds(80));
-  cm.on_timer();
-  EXPECT_EQ(cli.next().event, ev(CmEventType::kTimewaitExit));
+  const auto [c, s] = established();
+  cli_disconnects(c);
   EXPECT_TRUE(srv.quiet());  // its timewait starts with its DREP
   ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);
   ASSERT_EQ(srv.handle_cmd(Op::kCmDisconnect, s), 0);  // once only

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -134,6 +136,26 @@ struct CmServiceTest : ::testing::Test {
     EXPECT_EQ(std::string(reinterpret_cast<char*>(e.private_data), e.private_len), pdata);
     EXPECT_EQ(e.src.port, 7000);
     return e.id;
+  }
+  /// cli and srv connected and established: (cli's id, srv's id).
+  std::pair<uint32_t, uint32_t> established() {
+    uint32_t c;
+    const uint32_t s = request(&c);
+    EXPECT_EQ(srv.conn(Op::kCmAccept, s, 0x34), 0);
+    EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
+    EXPECT_EQ(cli.handle_cmd(Op::kCmEstablish, c), 0);
+    EXPECT_EQ(srv.next().event, ev(CmEventType::kEstablished));
+    return {c, s};
+  }
+  /// cli's id `c` of an established pair disconnects: DISCONNECTED on both ends, then cli's
+  /// TIMEWAIT_EXIT once its timewait is over.
+  void cli_disconnects(uint32_t c) {
+    ASSERT_EQ(cli.handle_cmd(Op::kCmDisconnect, c), 0);
+    EXPECT_EQ(cli.next().event, ev(CmEventType::kDisconnected));
+    EXPECT_EQ(srv.next().event, ev(CmEventType::kDisconnected));
+    std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    cm.on_timer();
+    EXPECT_EQ(cli.next().event, ev(CmEventType::kTimewaitExit));
   }
 };
 
