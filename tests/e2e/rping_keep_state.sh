@@ -22,22 +22,22 @@ PORT=7174
 
 # The server says it listens only in its debug lines (-d, line-buffered to see them at once).
 "${VRUN[@]}" --guest cm-srv -- stdbuf -oL rping -s -a 127.0.0.1 -p "$PORT" -C "$PINGS" -v -V -d \
-  >"$E2E_TMP/srv.out" 2>"$E2E_TMP/srv.err" &
+  >"$E2E_TMP/srv.out" 2>"$E2E_TMP/srv_err.out" &
 SRV=$!
 for ((i = 0; i < 200; i++)); do
   grep -q 'rdma_listen' "$E2E_TMP/srv.out" 2>/dev/null && break
-  kill -0 "$SRV" 2>/dev/null || fail "server exited: $(cat "$E2E_TMP/srv.err")"
+  kill -0 "$SRV" 2>/dev/null || fail "server exited: $(cat "$E2E_TMP/srv_err.out")"
   nap 0.05
 done
 grep -q 'rdma_listen' "$E2E_TMP/srv.out" || fail "the server does not listen: $(tail -n 3 "$E2E_TMP/srv.out")"
 
 mkfifo "$E2E_TMP/cli.fifo"
 "${VRUN[@]}" --guest cm-cli -- stdbuf -oL rping -c -a 127.0.0.1 -p "$PORT" -C "$PINGS" -v -V \
-  >"$E2E_TMP/cli.fifo" 2>"$E2E_TMP/cli.err" &
+  >"$E2E_TMP/cli.fifo" 2>"$E2E_TMP/cli_err.out" &
 CLI=$!
 exec {CLI_OUT}<"$E2E_TMP/cli.fifo"
 for ((i = 0; i < 20; i++)); do
-  IFS= read -r -t 20 -u "$CLI_OUT" line || fail "client: no ping $i: $(cat "$E2E_TMP/cli.err")"
+  IFS= read -r -t 20 -u "$CLI_OUT" line || fail "client: no ping $i: $(cat "$E2E_TMP/cli_err.out")"
   echo "$line" >>"$E2E_TMP/cli.out"
 done
 # Now the pipe fills and the client blocks writing its next line (connected, between pings).
@@ -62,8 +62,8 @@ for who in client server; do
   pid=$CLI
   [[ $who == client ]] || pid=$SRV
   wait_pid "$pid" 60
-  err=$E2E_TMP/cli.err
-  [[ $who == client ]] || err=$E2E_TMP/srv.err
+  err=$E2E_TMP/cli_err.out
+  [[ $who == client ]] || err=$E2E_TMP/srv_err.out
   [[ $WAIT_RC == 0 ]] || fail "$who exited $WAIT_RC: $(tail -n 3 "$err")"
 done
 wait_pid "$READER" 10
@@ -75,8 +75,8 @@ grep -q "^ping data: rdma-ping-$last: " "$E2E_TMP/cli.out" || fail "client: ping
 diff <(sed -n 's/^ping data: //p' "$E2E_TMP/cli.out") \
   <(sed -n 's/^server ping data: //p' "$E2E_TMP/srv.out") >/dev/null ||
   fail "the server read other data than the client sent"
-# rping says so on stderr.
-grep -q '^client DISCONNECT EVENT' "$E2E_TMP/cli.err" || fail "client: no DISCONNECTED"
-grep -q '^server DISCONNECT EVENT' "$E2E_TMP/srv.err" || fail "server: no DISCONNECTED"
+# rping says so on stderr (*_err.out: the clean-up looks for sanitizer reports there too).
+grep -q '^client DISCONNECT EVENT' "$E2E_TMP/cli_err.out" || fail "client: no DISCONNECTED"
+grep -q '^server DISCONNECT EVENT' "$E2E_TMP/srv_err.out" || fail "server: no DISCONNECTED"
 log "rping -C $PINGS -v -V across the SIGKILL: every ping verified, DISCONNECTED on both ends"
 e2e_pass
