@@ -159,20 +159,13 @@ CmService::Id* CmService::find(const engine::Session& s, uint32_t id) {
 std::vector<uint8_t> CmService::handle(const engine::Session& s, const MsgHeader& h,
                                        std::span<const uint8_t> msg, UniqueFd& give) {
   const Op op = static_cast<Op>(h.op);
+  note(s.id);  // its ids, channels or waiting events (keep_state: a failed command costs a look)
   auto fail = [&](int err) { return encode(op, h.seq, -err, Empty{}); };
   auto done = [&](const Status& st) {
     if (!st.is_ok()) VLOG_DEBUG("cm: {} failed: {}", op_name(h.op), st.message());
     return encode(op, h.seq, -st.err(), Empty{});
   };
-  // Events that found no room before: the library that sends a command reads too.
-  for (auto it = backlogged_.begin(); it != backlogged_.end();) {
-    auto ch = channels_.find(*it);
-    if (ch != channels_.end() && ch->second.owner == s.id) flush(ch->second);
-    if (ch == channels_.end() || ch->second.backlog.empty())
-      it = backlogged_.erase(it);
-    else
-      ++it;
-  }
+  flush_backlogs(s.id);  // the library that sends a command reads too
   sweep_closing();
   // Every body starts with the id (or channel) handle it is about.
   uint32_t handle = 0;
@@ -473,6 +466,7 @@ void CmService::set_state(Id& id, State st) {
     id.listener = 0;
   }
   id.state = st;
+  note(id.owner);
 }
 
 uint32_t CmService::take_request(const std::string& node, const wire::Cm& m, int32_t& reason) {
@@ -697,6 +691,7 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   if (it == ids_.end()) return;
   auto ch = channels_.find(it->second.channel);
   if (ch == channels_.end()) return;
+  note(it->second.owner);
   CmEvent e{};
   e.event = static_cast<uint32_t>(ev);
   e.status = status;
@@ -710,6 +705,17 @@ void CmService::emit(uint32_t handle, CmEventType ev, int32_t status, const CmQp
   ch->second.backlog.push_back(encode(Op::kCmEvent, 0, 0, e));
   flush(ch->second);
   if (!ch->second.backlog.empty()) backlogged_.insert(ch->first);
+}
+
+void CmService::flush_backlogs(uint32_t session) {
+  for (auto it = backlogged_.begin(); it != backlogged_.end();) {
+    auto ch = channels_.find(*it);
+    if (ch != channels_.end() && ch->second.owner == session) flush(ch->second);
+    if (ch == channels_.end() || ch->second.backlog.empty())
+      it = backlogged_.erase(it);
+    else
+      ++it;
+  }
 }
 
 void CmService::flush(Channel& ch) {

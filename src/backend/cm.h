@@ -52,9 +52,25 @@ class CmService {
                               std::vector<int>& fds) const;
   /// Takes in what export_sessions gave (checked; all or nothing): the ids keep their handles
   /// (EEXIST when one is taken here), `sessions` maps each key to the imported session's id, and
-  /// the peers of the moved ids are told they face this backend now (kMoved).
+  /// the peers of the moved ids are told they face this backend now (kMoved). `recover`: the
+  /// state a keeper kept for this backend before it died (keep_state): the ids' peers stay where
+  /// they were (a local peer comes back with its own guest's import; peer backends know this
+  /// node by its name), so nobody is told, unless the node's name changed.
   Status import_sessions(std::string_view json, std::vector<UniqueFd>& fds,
-                         const std::unordered_map<uint64_t, uint32_t>& sessions);
+                         const std::unordered_map<uint64_t, uint32_t>& sessions,
+                         bool recover = false);
+  /// After a keeper's restart imported every kept guest (import_sessions with `recover`): an id
+  /// whose local peer did not come back hears what a peer that went away leaves (as a GONE),
+  /// and the events that were waiting for room in their channels are sent.
+  void settle_restored();
+
+  /// keep_state: while on, the service notes the sessions whose CM state changed (an id, a
+  /// channel, its waiting events), for the server to hand their guests' state to its keeper
+  /// before anyone hears the answer. Off (the default): nothing is noted.
+  void track_changes(bool on) { track_ = on; }
+  bool has_changes() const { return !changed_.empty(); }
+  /// The sessions noted since the last call.
+  std::unordered_set<uint32_t> take_changes() { return std::exchange(changed_, {}); }
   /// Session `s` moved to another backend: its ids, channels and ports are forgotten here
   /// without a word to their peers (the target tells them).
   void session_moved(const engine::Session* s);
@@ -154,6 +170,8 @@ class CmService {
             const proto::CmQpInfo* peer = nullptr, std::span<const uint8_t> pdata = {},
             uint32_t listen_id = proto::kNone, const proto::CmAddr* dst = nullptr);
   void flush(Channel& ch);
+  /// The events that found no room before in session `session`'s channels, as far as they fit.
+  void flush_backlogs(uint32_t session);
   /// Moves an id to `st`, leaving its listener's backlog when it was a pending request.
   void set_state(Id& id, State st);
   /// The request `m` (from `node`; "" for one of ours) to a listener here: the new id's handle,
@@ -177,6 +195,18 @@ class CmService {
   /// A peer's kMoved: id m.dst_id, whose peer m.src_id was on the node the message names, now
   /// faces `node` (cm_migrate.cc).
   void on_moved_wire(const std::string& node, const proto::wire::Cm& m);
+  /// export_sessions' JSON text of id `h`, written again only when a field it says changed
+  /// (keep_state exports a guest's ids after each of its CM commands; most did not change).
+  const std::string& exported_text(uint32_t h, const Id& id) const;
+  struct Exported {
+    std::vector<uint8_t> fields;  ///< what the text says, as bytes (cm_migrate.cc, IdFields)
+    std::string node, text;
+  };
+  mutable std::unordered_map<uint32_t, Exported> exported_;  ///< by id handle
+  /// keep_state: `owner`'s CM state changed (track_changes).
+  void note(uint32_t owner) {
+    if (track_) changed_.insert(owner);
+  }
   /// A handle for a new channel or id: never 0 or kNone, never one in use here. Each backend
   /// starts at a random point, so the handles of a guest that moves in are free here.
   uint32_t new_handle();
@@ -217,6 +247,8 @@ class CmService {
   std::function<std::vector<std::string>()> peers_;
   std::multimap<uint64_t, Timer> timers_;  ///< by deadline (CLOCK_MONOTONIC ns)
   UniqueFd timer_;
+  bool track_ = false;                    ///< track_changes
+  std::unordered_set<uint32_t> changed_;  ///< sessions noted since take_changes
 };
 
 }  // namespace vrdma::backend

@@ -4,6 +4,7 @@
 // migration). Owned by the server thread, as the rest of CmService.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
@@ -43,7 +44,7 @@ T from_bytes(const json& j) {
 
 std::string CmService::export_sessions(const std::unordered_map<uint32_t, uint64_t>& keys,
                                        std::vector<int>& fds) const {
-  json chans = json::array(), ids = json::array(), sessions = json::array();
+  json chans = json::array(), sessions = json::array();
   for (const auto& [sid, key] : keys) sessions.push_back({{"owner", sid}, {"key", key}});
   for (const auto& [h, ch] : channels_) {
     if (!keys.count(ch.owner)) continue;
@@ -52,41 +53,86 @@ std::string CmService::export_sessions(const std::unordered_map<uint32_t, uint64
     chans.push_back({{"h", h}, {"owner", ch.owner}, {"fd", fds.size()}, {"backlog", backlog}});
     fds.push_back(ch.sock.get());
   }
+  std::string text = json{
+      {"version", kCmStateVersion},
+      {"node", transport_ ? transport_->self() : std::string()},
+      {"sessions", sessions},
+      {"channels",
+       chans}}.dump();
+  text.pop_back();  // its '}': the ids follow, each as last written when it did not change
+  text += ",\"ids\":[";
+  bool first = true;
   for (const auto& [h, id] : ids_) {
     if (!keys.count(id.owner)) continue;
-    ids.push_back({{"h", h},
-                   {"owner", id.owner},
-                   {"channel", id.channel},
-                   {"ps", id.ps},
-                   {"qp_type", id.qp_type},
-                   {"state", static_cast<int>(id.state)},
-                   {"src", bytes_of(id.src)},
-                   {"dst", bytes_of(id.dst)},
-                   {"peer", id.peer},
-                   {"holds_port", id.holds_port},
-                   {"timewait", id.timewait},
-                   {"qp", bytes_of(id.qp)},
-                   {"node", id.node},
-                   {"listener", id.listener},
-                   {"pending", id.pending},
-                   {"backlog", id.backlog}});
+    text += first ? "" : ",";
+    text += exported_text(h, id);
+    first = false;
   }
-  return json{{"version", kCmStateVersion},
-              {"node", transport_ ? transport_->self() : std::string()},
-              {"sessions", sessions},
-              {"channels", chans},
-              {"ids", ids}}
-      .dump();
+  text += "]}";
+  if (exported_.size() > 2 * ids_.size() + 64)  // the texts of ids that are gone
+    std::erase_if(exported_, [this](const auto& e) { return !ids_.count(e.first); });
+  return text;
+}
+
+namespace {
+
+/// What an id's exported text says, as bytes to compare (zeroed first: no padding differs).
+struct IdFields {
+  uint32_t owner, channel, peer, listener, pending, backlog;
+  uint16_t ps;
+  uint8_t qp_type, state, holds_port, timewait, due;
+  CmAddr src, dst;
+  CmQpInfo qp;
+};
+
+}  // namespace
+
+const std::string& CmService::exported_text(uint32_t h, const Id& id) const {
+  // Whether its TIMEWAIT_EXIT is still to come (`timewait` stays set after it came).
+  const bool due = id.timer_armed && id.timer->second.kind == TimerKind::kTimewait;
+  IdFields f;
+  std::memset(&f, 0, sizeof(f));
+  f.owner = id.owner, f.channel = id.channel, f.peer = id.peer, f.listener = id.listener;
+  f.pending = id.pending, f.backlog = id.backlog, f.ps = id.ps, f.qp_type = id.qp_type;
+  f.state = static_cast<uint8_t>(id.state), f.holds_port = id.holds_port;
+  f.timewait = id.timewait, f.due = due, f.src = id.src, f.dst = id.dst, f.qp = id.qp;
+  Exported& e = exported_[h];
+  if (e.fields.size() == sizeof(f) && std::memcmp(e.fields.data(), &f, sizeof(f)) == 0 &&
+      e.node == id.node)
+    return e.text;
+  e.fields = bytes_of(f);
+  e.node = id.node;
+  e.text = json{{"h", h},
+                {"owner", id.owner},
+                {"channel", id.channel},
+                {"ps", id.ps},
+                {"qp_type", id.qp_type},
+                {"state", static_cast<int>(id.state)},
+                {"src", bytes_of(id.src)},
+                {"dst", bytes_of(id.dst)},
+                {"peer", id.peer},
+                {"holds_port", id.holds_port},
+                {"timewait", id.timewait},
+                {"timewait_due", due},
+                {"qp", bytes_of(id.qp)},
+                {"node", id.node},
+                {"listener", id.listener},
+                {"pending", id.pending},
+                {"backlog", id.backlog}}
+               .dump();
+  return e.text;
 }
 
 Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& fds,
-                                  const std::unordered_map<uint64_t, uint32_t>& sessions) {
+                                  const std::unordered_map<uint64_t, uint32_t>& sessions,
+                                  bool recover) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return error(EINVAL, "CM state: not JSON");
   std::string from;
   std::unordered_map<uint32_t, uint32_t> owner;  // old session id -> the new one
   std::unordered_map<uint32_t, Channel> chans;
   std::unordered_map<uint32_t, Id> ids;
+  std::unordered_set<uint32_t> timewait_due;
   try {
     if (j.at("version").get<int>() != kCmStateVersion)
       return error(EPROTONOSUPPORT, fmt::format("CM state version {}", j.at("version").dump()));
@@ -132,6 +178,8 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
       id.peer = e.at("peer").get<uint32_t>();
       id.holds_port = e.at("holds_port").get<bool>();
       id.timewait = e.at("timewait").get<bool>();
+      // Absent (an older source): due whenever it was set, as before.
+      if (id.timewait && e.value("timewait_due", true)) timewait_due.insert(h);
       id.qp = from_bytes<CmQpInfo>(e.at("qp"));
       id.node = e.at("node").get<std::string>();
       if (id.node.size() >= wire::kNameMax) return error(EINVAL, "CM state: a node name");
@@ -145,6 +193,7 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
   const std::string self = transport_ ? transport_->self() : std::string();
   for (auto& [h, ch] : chans) {
     ++usage_[ch.owner].channels;
+    note(ch.owner);
     if (!ch.backlog.empty()) backlogged_.insert(h);
     channels_.emplace(h, std::move(ch));
   }
@@ -158,12 +207,14 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
         VLOG_WARN("cm: port {} of moved id {} is taken here; the id holds none", id.src.port, h);
     }
     if (id.listener && !ids.count(id.listener)) id.listener = 0;  // its listener stayed behind
-    if (id.timewait) arm(h, id, kTimewaitMs, TimerKind::kTimewait);
-    if (id.peer == 0 || id.peer == kNone) continue;
-    if (id.node.empty()) {
+    if (timewait_due.count(h)) arm(h, id, kTimewaitMs, TimerKind::kTimewait);
+    const bool has_peer = id.peer != 0 && id.peer != kNone;
+    // Moved (not recovered): where its peer is, seen from here. Recovered, a local peer is
+    // still local (its guest's import brings it back, or settle_restored ends the id's wait).
+    if (has_peer && !recover && id.node.empty()) {
       if (ids.count(id.peer)) continue;  // both ends moved together
       id.node = from;                    // its peer stayed on the source
-    } else if (id.node == self) {
+    } else if (has_peer && !recover && id.node == self) {
       // Its peer is one of ours: both ends are here now.
       id.node.clear();
       if (auto p = ids_.find(id.peer);
@@ -171,9 +222,10 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
         p->second.node.clear();
       continue;
     }
+    // A handshake with a peer backend gets its timer back, a REQ not answered yet included.
     if ((id.state == State::kReqSent || id.state == State::kRepSent) && !id.node.empty())
       arm(h, id, kHandshakeStepMs, TimerKind::kHandshake);
-    tell_moved.emplace_back(h, &id);
+    if (has_peer && !id.node.empty() && (!recover || from != self)) tell_moved.emplace_back(h, &id);
   }
   for (auto [h, id] : tell_moved) {
     wire::Cm m{};
@@ -186,6 +238,30 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
       VLOG_WARN("cm: moved id {}: its peer's backend {} could not be told", h, id->node);
   }
   return Status::ok();
+}
+
+void CmService::settle_restored() {
+  std::vector<uint32_t> orphans;
+  for (const auto& [h, id] : ids_) {
+    if (id.node.empty() && id.peer != 0 && id.peer != kNone && !ids_.count(id.peer))
+      orphans.push_back(h);
+  }
+  std::sort(orphans.begin(), orphans.end());
+  for (uint32_t h : orphans) {
+    Id& id = ids_.at(h);
+    VLOG_INFO("cm: id {}: its peer {} was not restored; it hears it went away", h, id.peer);
+    receive(h, id, id.peer, CmKind::kGone, 0, nullptr, {});
+  }
+  for (uint32_t h : backlogged_) {
+    if (auto ch = channels_.find(h); ch != channels_.end()) {
+      flush(ch->second);
+      note(ch->second.owner);
+    }
+  }
+  std::erase_if(backlogged_, [this](uint32_t h) {
+    auto ch = channels_.find(h);
+    return ch == channels_.end() || ch->second.backlog.empty();
+  });
 }
 
 void CmService::session_moved(const engine::Session* session) {
@@ -214,6 +290,7 @@ void CmService::on_moved_wire(const std::string& node, const wire::Cm& m) {
     return;
   }
   it->second.node = node;
+  note(it->second.owner);
 }
 
 }  // namespace vrdma::backend

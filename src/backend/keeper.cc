@@ -66,11 +66,6 @@ void wait_for_backend_lock(const UniqueFd& dir, const std::string& keeper_path) 
   }
 }
 
-struct Record {
-  std::vector<uint8_t> blob;
-  std::vector<UniqueFd> fds;
-};
-
 }  // namespace
 
 namespace {
@@ -109,6 +104,23 @@ Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>
     RETURN_IF_ERROR(send_pieces(sock, Op::kImportCm, {p, cm->json.size()}, cm->fds));
   }
   return send_msg(sock, encode(Op::kImportCommit, 3, 0, Empty{}));
+}
+
+Status send_cm_state(int sock, const std::string& guest, const CmPart& cm) {
+  ImportBeginReq b{};
+  std::memcpy(b.guest, guest.data(), std::min(guest.size(), sizeof(b.guest) - 1));
+  b.bytes = cm.json.size();
+  b.fds = static_cast<uint32_t>(cm.fds.size());
+  b.flags = kKeepCmOnly;
+  if (sizeof(b) + cm.json.size() > kMaxImportChunk || cm.fds.size() > kMaxFdsPerMessage)
+    return send_state(sock, guest, {}, {}, kKeepCmOnly, &cm);
+  std::vector<uint8_t> m = encode(Op::kImportCm, 5, 0, Empty{});
+  const auto* p = reinterpret_cast<const uint8_t*>(&b);
+  m.insert(m.end(), p, p + sizeof(b));
+  m.insert(m.end(), cm.json.begin(), cm.json.end());
+  const uint32_t len = static_cast<uint32_t>(m.size());
+  std::memcpy(m.data() + offsetof(MsgHeader, length), &len, sizeof(len));
+  return send_msg(sock, m, cm.fds);
 }
 
 namespace {
@@ -154,18 +166,81 @@ UniqueFd accept_backend(const UniqueFd& listener) {
   return uid.is_ok() ? std::move(fd) : UniqueFd();
 }
 
-/// kKeepRestore: every kept guest's state to the backend, then kKeepEnd.
-void hand_back(int sock, const std::map<std::string, Record>& kept) {
-  for (const auto& [guest, r] : kept) {
-    std::vector<int> raw;
+}  // namespace
+
+void KeptGuests::take(Op op, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
+  const std::span<const uint8_t> data{msg.data() + sizeof(MsgHeader),
+                                      msg.size() - sizeof(MsgHeader)};
+  switch (op) {
+    case Op::kImportBegin: {
+      const auto b = body_of<ImportBeginReq>(msg).value();
+      partial_ = {};
+      open_ = true;
+      partial_guest_.assign(b.guest, strnlen(b.guest, sizeof(b.guest)));
+      partial_bytes_ = b.bytes;
+      partial_fds_ = b.fds;
+      partial_flags_ = b.flags;
+      break;
+    }
+    case Op::kImportData:
+      partial_.blob.insert(partial_.blob.end(), data.begin(), data.end());
+      for (UniqueFd& f : fds) partial_.fds.push_back(std::move(f));
+      break;
+    case Op::kImportCm: {
+      if (open_) {
+        partial_.cm.append(data.begin(), data.end());
+        for (UniqueFd& f : fds) partial_.cm_fds.push_back(std::move(f));
+        break;
+      }
+      // Alone (send_cm_state): what a kKeepCmOnly record would say, in one message.
+      ImportBeginReq b;
+      if (data.size() < sizeof(b)) break;
+      std::memcpy(&b, data.data(), sizeof(b));
+      auto it = kept_.find(std::string(b.guest, strnlen(b.guest, sizeof(b.guest))));
+      if (it == kept_.end() || !(b.flags & kKeepCmOnly) || b.bytes != data.size() - sizeof(b) ||
+          b.fds != fds.size())
+        break;
+      it->second.cm.assign(data.begin() + sizeof(b), data.end());
+      it->second.cm_fds = std::move(fds);
+      break;
+    }
+    case Op::kImportCommit: {
+      const bool whole =
+          partial_.blob.size() == partial_bytes_ && partial_.fds.size() == partial_fds_;
+      auto it = kept_.find(partial_guest_);
+      if (whole && !(partial_flags_ & kKeepCmOnly)) {
+        kept_[partial_guest_] = std::move(partial_);  // the device and its CM state
+      } else if (whole && it != kept_.end()) {
+        it->second.cm = std::move(partial_.cm);  // its CM state alone changed
+        it->second.cm_fds = std::move(partial_.cm_fds);
+      }
+      partial_ = {};
+      open_ = false;
+      break;
+    }
+    case Op::kKeepDrop: {
+      const auto b = body_of<KeepDropReq>(msg).value();
+      kept_.erase(std::string(b.guest, strnlen(b.guest, sizeof(b.guest))));
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void KeptGuests::hand_back(int sock) const {
+  for (const auto& [guest, r] : kept_) {
+    std::vector<int> raw, cm_raw;
     for (const UniqueFd& f : r.fds) raw.push_back(f.get());
-    if (Status s = send_state(sock, guest, r.blob, raw, kImportRecover); !s.is_ok())
+    for (const UniqueFd& f : r.cm_fds) cm_raw.push_back(f.get());
+    const CmPart cm{r.cm, cm_raw};
+    if (Status s =
+            send_state(sock, guest, r.blob, raw, kImportRecover, r.cm.empty() ? nullptr : &cm);
+        !s.is_ok())
       VLOG_WARN("keeper: handing guest {} back: {}", guest, s.message());
   }
   (void)send_msg(sock, encode(Op::kKeepEnd, 4, 0, Empty{}));
 }
-
-}  // namespace
 
 int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_argv) {
   auto sock = open_keeper_socket(path);
@@ -178,11 +253,7 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
   const UniqueFd& dir = sock.value().dir;
   const UniqueFd& listener = sock.value().listener;
   ::signal(SIGPIPE, SIG_IGN);
-  std::map<std::string, Record> kept;
-  Record partial;
-  std::string partial_guest;
-  uint64_t partial_bytes = 0;
-  uint32_t partial_fds = 0;
+  KeptGuests kept;
   UniqueFd backend;
   uint64_t deadline = now_ms() + uint64_t(grace_s) * 1000;  // for the first backend to connect
   std::deque<uint64_t> restarts;
@@ -236,7 +307,7 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
     if (p[0].revents & POLLIN) {
       if (UniqueFd fd = accept_backend(listener); fd.valid()) {
         backend = std::move(fd);  // a new backend takes over
-        partial = {};
+        kept.drop_partial();
         started = -1;  // whichever it is, one connected: its death shows as EOF from now on
       }
       continue;
@@ -248,41 +319,20 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
     auto h = st.is_ok() ? decode_request(msg) : Result<MsgHeader>(st);
     if (!h.is_ok()) {
       backend.reset();
-      partial = {};
+      kept.drop_partial();
       if (kept.empty()) return finish(0);
       // The backend died (no goodbye): start it again, holding on to its guests meanwhile.
       restart("backend gone without a goodbye");
       continue;
     }
-    switch (static_cast<Op>(h.value().op)) {
-      case Op::kImportBegin: {
-        const auto b = body_of<ImportBeginReq>(msg).value();
-        partial = {};
-        partial_guest.assign(b.guest, strnlen(b.guest, sizeof(b.guest)));
-        partial_bytes = b.bytes;
-        partial_fds = b.fds;
-        break;
-      }
-      case Op::kImportData:
-        partial.blob.insert(partial.blob.end(), msg.begin() + sizeof(MsgHeader), msg.end());
-        for (UniqueFd& f : fds) partial.fds.push_back(std::move(f));
-        break;
-      case Op::kImportCommit:
-        if (partial.blob.size() == partial_bytes && partial.fds.size() == partial_fds)
-          kept[partial_guest] = std::move(partial);
-        partial = {};
-        break;
-      case Op::kKeepDrop: {
-        const auto b = body_of<KeepDropReq>(msg).value();
-        kept.erase(std::string(b.guest, strnlen(b.guest, sizeof(b.guest))));
-        break;
-      }
+    switch (const Op op = static_cast<Op>(h.value().op)) {
       case Op::kKeepBye:
         return finish(0);
       case Op::kKeepRestore:
-        hand_back(backend.get(), kept);
+        kept.hand_back(backend.get());
         break;
       default:
+        kept.take(op, msg, fds);
         break;
     }
   }

@@ -15,13 +15,15 @@
 // after it starts: the keeper answers with every record (Begin/Data/Commit) and kKeepEnd.
 #pragma once
 
+#include <cstdint>
+#include <map>
 #include <span>
 #include <string>
-#include <cstdint>
 #include <vector>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "proto/command.h"
 
 namespace vrdma::backend {
 
@@ -44,9 +46,48 @@ struct CmPart {
   std::span<const int> fds;
 };
 
+/// What the keeper holds: the latest record of each guest, as the backend's messages build it.
+/// A record (kImportBegin, kImportData..., kImportCm..., kImportCommit) replaces the guest's
+/// device and CM state; one flagged kKeepCmOnly replaces its CM state alone (none kept for the
+/// guest: ignored), as does a lone kImportCm outside a record (send_cm_state); one that does not
+/// add up to what its begin announced changes nothing.
+class KeptGuests {
+ public:
+  /// One message of the backend's (records and kKeepDrop; anything else is ignored); takes `fds`.
+  void take(proto::Op op, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
+  /// A record cut off (its backend went): forgotten.
+  void drop_partial() {
+    partial_ = {};
+    open_ = false;
+  }
+  /// kKeepRestore: every guest's record to `sock` (kImportRecover), then kKeepEnd.
+  void hand_back(int sock) const;
+  size_t size() const { return kept_.size(); }
+  bool empty() const { return kept_.empty(); }
+
+ private:
+  struct Record {
+    std::vector<uint8_t> blob;
+    std::vector<UniqueFd> fds;
+    std::string cm;                ///< the guest's RDMA CM state (JSON); empty: none
+    std::vector<UniqueFd> cm_fds;  ///< its channels' sockets
+  };
+  std::map<std::string, Record> kept_;
+  Record partial_;
+  std::string partial_guest_;
+  uint64_t partial_bytes_ = 0;
+  uint32_t partial_fds_ = 0, partial_flags_ = 0;
+  bool open_ = false;  ///< a kImportBegin came and its kImportCommit not yet
+};
+
 /// Sends one guest's state as kImportBegin/Data.../Commit on `sock` (no answer is read), with
 /// `cm` as kImportCm pieces before the commit when given.
 Status send_state(int sock, const std::string& guest, const std::vector<uint8_t>& blob,
                   std::span<const int> fds, uint32_t flags = 0, const CmPart* cm = nullptr);
+
+/// keep_state: guest `guest`'s CM state alone, as one kImportCm message outside a record (an
+/// ImportBeginReq flagged kKeepCmOnly, then the JSON) when it fits one, else as a record: one
+/// wake-up of the keeper per CM change instead of three.
+Status send_cm_state(int sock, const std::string& guest, const CmPart& cm);
 
 }  // namespace vrdma::backend

@@ -90,16 +90,8 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
       return import_begin(c, msg);  // no answer: the data follows at once
     case Op::kImportData:
       return import_data(c, msg, fds);
-    case Op::kImportCm: {
-      if (!c.import) return error(EPROTO, "CM state without an import");
-      Conn::Import& im = *c.import;
-      if (im.cm.size() + msg.size() > kMaxImportBytes ||
-          im.cm_fds.size() + fds.size() > kMaxImportFds)
-        return error(E2BIG, "CM state larger than the limits");
-      im.cm.append(msg.begin() + sizeof(MsgHeader), msg.end());
-      for (UniqueFd& f : fds) im.cm_fds.push_back(std::move(f));
-      return Status::ok();
-    }
+    case Op::kImportCm:
+      return import_cm(c, msg, fds);
     case Op::kImportCommit: {
       auto r = import_commit(c);
       c.import.reset();
@@ -160,6 +152,7 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
     default:
       return error(EPROTO, "not an operator command");
   }
+  keep_cm_changes();  // the CM ids a move or a restore ended, or told
   return send_msg(c.sock.get(), out);
 }
 
@@ -254,6 +247,16 @@ Status Server::import_begin(Conn& c, const std::vector<uint8_t>& msg) {
   return Status::ok();
 }
 
+Status Server::import_cm(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
+  if (!c.import) return error(EPROTO, "CM state without an import");
+  Conn::Import& im = *c.import;
+  if (im.cm.size() + msg.size() > kMaxImportBytes || im.cm_fds.size() + fds.size() > kMaxImportFds)
+    return error(E2BIG, "CM state larger than the limits");
+  im.cm.append(msg.begin() + sizeof(MsgHeader), msg.end());
+  for (UniqueFd& f : fds) im.cm_fds.push_back(std::move(f));
+  return Status::ok();
+}
+
 Status Server::import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds) {
   if (!c.import) return error(EPROTO, "import data without a begin");
   Conn::Import& im = *c.import;
@@ -278,14 +281,8 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   // The guest's own connections go with it, and its RDMA CM state beside the device's: its
   // sessions named by their connections' inodes, which the target's copies share.
   ASSIGN_OR_RETURN(engine::GuestExport ex, export_with_sockets(guest));
-  std::unordered_map<uint32_t, uint64_t> keys;
-  for (const auto& [fd, conn] : conns_) {
-    struct stat st {};
-    if (conn.session && conn.session->guest->name == guest && ::fstat(fd, &st) == 0)
-      keys[conn.session->id] = st.st_ino;
-  }
   std::vector<int> cm_fds;
-  CmPart cm{cm_.export_sessions(keys, cm_fds), {}};
+  CmPart cm{cm_state_of(guest, cm_fds), {}};
   cm.fds = cm_fds;
   const uint64_t t1 = mono_us();
   RETURN_IF_ERROR(send_state(sock.get(), guest, ex.blob, ex.fds, 0, &cm));
@@ -327,8 +324,9 @@ Result<ImportResp> Server::import_commit(Conn& c) {
       struct stat st {};
       if (is.sock.valid() && ::fstat(is.sock.get(), &st) == 0) by_key[st.st_ino] = is.session->id;
     }
-    // What fails here costs the guest its CM ids (its channels read end-of-stream), not the move.
-    if (Status st = cm_.import_sessions(im.cm, im.cm_fds, by_key); !st.is_ok())
+    // What fails here costs the guest its CM ids (its channels read end-of-stream), not the move
+    // or the restart.
+    if (Status st = cm_.import_sessions(im.cm, im.cm_fds, by_key, im.recover); !st.is_ok())
       VLOG_WARN("guest {}: its RDMA CM state was not taken in: {}", im.guest, st.message());
   }
   ImportResp r{};
@@ -430,6 +428,11 @@ Status Server::start_keeper() {
   keeper_ = std::move(sock.value());
   timeval tv{5, 0};
   ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // Room for a burst of records (a guest's CM state after each CM command): with the default
+  // (~200 KiB) the server thread waited for the keeper to be scheduled every few connections.
+  // Capped by net.core.wmem_max.
+  constexpr int kKeeperBuffer = 4 << 20;
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_SNDBUF, &kKeeperBuffer, sizeof(kKeeperBuffer));
   // Whatever it kept from a backend before us comes back now.
   RETURN_IF_ERROR(send_msg(keeper_.get(), encode(Op::kKeepRestore, 1, 0, Empty{})));
   Conn from;  // the records arrive as imports do
@@ -442,11 +445,12 @@ Status Server::start_keeper() {
     const Op op = static_cast<Op>(h.op);
     if (op == Op::kKeepEnd) break;
     // A record that does not add up is skipped (logged); the others are still restored.
-    if (op == Op::kImportBegin || op == Op::kImportData) {
+    if (op == Op::kImportBegin || op == Op::kImportData || op == Op::kImportCm) {
       if (op == Op::kImportBegin) from.import.reset();
-      Status st = op == Op::kImportBegin ? import_begin(from, msg)
-                  : from.import         ? import_data(from, msg, fds)
-                                        : Status::ok();
+      Status st = op == Op::kImportBegin  ? import_begin(from, msg)
+                  : !from.import          ? Status::ok()
+                  : op == Op::kImportData ? import_data(from, msg, fds)
+                                          : import_cm(from, msg, fds);
       if (!st.is_ok()) {
         VLOG_WARN("state keeper: a kept guest is skipped: {}", st.message());
         from.import.reset();
@@ -466,6 +470,9 @@ Status Server::start_keeper() {
       from.import.reset();
     }
   }
+  // Ids whose local peer's guest did not come back hear that it went away.
+  cm_.settle_restored();
+  keep_cm_changes();
   timeval none{0, 0};
   ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
   VLOG_INFO("state keeper at {}: {} guest(s) restored", path, restored.size());
@@ -479,9 +486,41 @@ void Server::keep(const std::string& guest) {
     return;
   }
   auto ex = export_with_sockets(guest);
-  Status st = ex.is_ok() ? send_state(keeper_.get(), guest, ex.value().blob, ex.value().fds)
+  std::vector<int> cm_fds;  // its RDMA CM state rides along: the same sessions
+  CmPart cm{ex.is_ok() ? cm_state_of(guest, cm_fds) : std::string(), {}};
+  cm.fds = cm_fds;
+  Status st = ex.is_ok() ? send_state(keeper_.get(), guest, ex.value().blob, ex.value().fds, 0, &cm)
                          : ex.status();
   if (!st.is_ok()) VLOG_WARN("guest {}: its state did not reach the keeper: {}", guest, st.message());
+}
+
+void Server::keep_cm_changes() {
+  if (!keeper_.valid() || !cm_.has_changes()) return;
+  const std::unordered_set<uint32_t> changed = cm_.take_changes();
+  std::set<std::string> guests;  // a session that ended has no guest here any more: its guest's
+                                 // own keep (drop) had the rest
+  for (const auto& [fd, conn] : conns_) {
+    if (conn.session && changed.count(conn.session->id)) guests.insert(conn.session->guest->name);
+  }
+  for (const std::string& guest : guests) {
+    std::vector<int> fds;
+    CmPart cm{cm_state_of(guest, fds), {}};
+    cm.fds = fds;
+    if (Status st = send_cm_state(keeper_.get(), guest, cm); !st.is_ok())
+      VLOG_WARN("guest {}: its RDMA CM state did not reach the keeper: {}", guest, st.message());
+  }
+}
+
+std::string Server::cm_state_of(const std::string& guest, std::vector<int>& fds) const {
+  // Its sessions named by their connections' inodes, which every copy of them shares (the
+  // migration target's, the keeper's).
+  std::unordered_map<uint32_t, uint64_t> keys;
+  for (const auto& [fd, conn] : conns_) {
+    struct stat st {};
+    if (conn.session && conn.session->guest->name == guest && ::fstat(fd, &st) == 0)
+      keys[conn.session->id] = st.st_ino;
+  }
+  return cm_.export_sessions(keys, fds);
 }
 
 void Server::keep_drop(const std::string& guest) {

@@ -144,6 +144,7 @@ void Server::drop(int fd) {
   }
   conns_.erase(it);
   if (!guest.empty()) keep(guest);  // the keeper lets this connection go too
+  keep_cm_changes();                // the peers of its CM ids heard
 }
 
 void Server::on_readable(int fd) {
@@ -429,7 +430,10 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       break;
     }
     default:  // sessionless ones went to handle_admin
-      if (is_cm(op)) out = cm_.handle(*s, h, msg, give);
+      if (is_cm(op)) {
+        out = cm_.handle(*s, h, msg, give);
+        keep_cm_changes();  // keep_state: as below, before the guest hears the answer
+      }
       break;
   }
   std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
@@ -563,6 +567,7 @@ Status Server::run() {
       }
       if (tag & kTagCm) {
         cm_.on_timer();
+        keep_cm_changes();
         continue;
       }
       if (tag & kTagDirectory) {

@@ -92,6 +92,8 @@ class Server {
   /// against what kImportBegin announced.
   Status import_begin(Conn& c, const std::vector<uint8_t>& msg);
   Status import_data(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
+  /// kImportCm: a piece of the guest's RDMA CM state (JSON) and its channels' sockets.
+  Status import_cm(Conn& c, const std::vector<uint8_t>& msg, std::vector<UniqueFd>& fds);
   Result<proto::ImportResp> import_commit(Conn& c);
   /// "no guest NAME here (guests: ...)": the guests this backend serves, for a refusal.
   std::string no_such_guest(const std::string& guest) const;
@@ -108,8 +110,15 @@ class Server {
   /// keep_state: connects to the keeper (starting one if none answers) and takes back the guests
   /// of a backend that died.
   Status start_keeper();
-  /// keep_state: hands the keeper guest `guest`'s current state (or, when it is gone, drops it).
+  /// keep_state: hands the keeper guest `guest`'s current state, its RDMA CM state included
+  /// (or, when it is gone, drops it).
   void keep(const std::string& guest);
+  /// keep_state: hands the keeper the RDMA CM state of every guest whose CM state changed
+  /// (CmService::track_changes), alone (kKeepCmOnly). Nothing without a keeper.
+  void keep_cm_changes();
+  /// The RDMA CM state of `guest`'s sessions (CmService::export_sessions, each session named by
+  /// its connection's inode); `fds` gets its channels' sockets (borrowed).
+  std::string cm_state_of(const std::string& guest, std::vector<int>& fds) const;
   void keep_drop(const std::string& guest);
 
   // What an epoll event is for: a tag in the high bits of its data, the fd in the low 32.

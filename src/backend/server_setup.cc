@@ -193,8 +193,10 @@ Status Server::setup() {
     dev_.set_transport(tcp_.get());
     // The CM asks every known peer (a frame for one not connected dials it).
     cm_.set_transport(tcp_.get(), [this] { return tcp_->known(); });
-    dev_.set_cm_receiver(
-        [this](const std::string& node, const proto::wire::Cm& m) { cm_.on_wire(node, m); });
+    dev_.set_cm_receiver([this](const std::string& node, const proto::wire::Cm& m) {
+      cm_.on_wire(node, m);
+      keep_cm_changes();
+    });
     watch(tcp_->fd(), kTagTransport);
     reporter_.set_connected_peers([this] { return tcp_->connected(); });
     reporter_.set_transport_details([this] {
@@ -207,7 +209,10 @@ Status Server::setup() {
   } else if (!opt_.etcd.empty()) {
     return error(EINVAL, "[directory] etcd needs the TCP transport: set [transport] listen");
   }
-  if (opt_.keep_state) RETURN_IF_ERROR(start_keeper());
+  if (opt_.keep_state) {
+    cm_.track_changes(true);  // the keeper holds the guests' CM state too
+    RETURN_IF_ERROR(start_keeper());
+  }
   dev_.set_direct(opt_.direct_path);
   dev_.set_direct_trust(opt_.direct_trust == "uid", opt_.direct_tenants);
   if (opt_.direct_remote && opt_.keep_state)

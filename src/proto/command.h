@@ -654,11 +654,14 @@ inline constexpr size_t kMaxImportChunk = 60000;
 inline constexpr size_t kMaxImportBytes = 64u << 20;
 inline constexpr uint32_t kMaxImportFds = 65536;
 inline constexpr uint32_t kImportRecover = 1;  ///< the kept state of a backend that died
+/// To the keeper only: the record is the guest's RDMA CM state alone (kImportCm pieces, no blob
+/// or descriptors), which replaces the CM part of what it keeps for the guest.
+inline constexpr uint32_t kKeepCmOnly = 2;
 struct ImportBeginReq {
   char guest[kGuestNameMax];
   uint64_t bytes;
   uint32_t fds;
-  uint32_t flags;  ///< kImportRecover
+  uint32_t flags;  ///< kImportRecover, kKeepCmOnly
 };
 static_assert(sizeof(ImportBeginReq) == 80);
 struct ImportResp {

@@ -32,12 +32,7 @@ done
 if kill -STOP "$srv_proc" "$cli_proc" 2>/dev/null &&
   sent | awk -v n="$ITERS" '$1 >= n {done = 1} END {exit NR == 2 && !done ? 0 : 1}'; then
   kill_kept_backend
-  for ((i = 0; i < 100; i++)); do
-    [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge 2 ]] && break
-    nap 0.05
-  done
-  [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge 2 ]] ||
-    fail "the new backend did not restore both guests: $(tail -n 5 "$E2E_TMP/vrdmad.log")"
+  wait_restored 2
   log "backend $KILLED killed in the middle of the traffic, $RESTARTED restored both guests"
 else
   log "the run finished before it could be stopped: no kill in the middle of the traffic"

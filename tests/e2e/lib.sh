@@ -135,6 +135,17 @@ kill_kept_backend() {
   fail "the keeper did not start a new backend after $KILLED was killed"
 }
 
+# Waits up to 5 s for the keeper's new backend to log N guests restored from the keeper.
+# Usage: wait_restored N
+wait_restored() {
+  local i
+  for ((i = 0; i < 100; i++)); do
+    [[ $(grep -c 'restored from the keeper' "$E2E_TMP/vrdmad.log") -ge $1 ]] && return 0
+    nap 0.05
+  done
+  fail "the new backend did not restore $1 guest(s): $(tail -n 5 "$E2E_TMP/vrdmad.log")"
+}
+
 e2e_cleanup() {
   local rc=$? pid i f
   trap - EXIT
