@@ -225,7 +225,8 @@ class Device : public transport::Receiver {
   /// one bulk QP cannot bury the others' messages (or its own ACK timer) under megabytes.
   static constexpr uint64_t kQpQueuedMax = 1 << 20;
   /// How long a request that the peer's TCP holds on the live connection waits for the peer
-  /// backend to answer before its ACK timeouts spend retries (ack_timeout).
+  /// backend to answer before its ACK timeouts spend retries (ack_timeout), at least: longer
+  /// while the answer may still be in the peer's TCP recovery (Transport::peer_recovery_ns).
   static constexpr uint64_t kSlowPeerNs = 1'500'000'000;
   /// Marks every session's control page: the backend is (not) about to sleep.
   void set_sleeping(bool sleeping);

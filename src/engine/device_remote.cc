@@ -266,7 +266,11 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       return false;
     }
-    if (path_delivers && now_ns - qp.peer_has_since_ns < kSlowPeerNs) {
+    // An answer lost on the way back comes through the peer's TCP recovery, which backs off as
+    // ours does (lost three times in a row, at 10 % loss now and then: 3 s at the 200 ms floor,
+    // beyond kSlowPeerNs): a path that still delivers, not a peer that does not answer.
+    const uint64_t slow_peer_ns = std::max(kSlowPeerNs, transport_->peer_recovery_ns(qp.peer_node));
+    if (path_delivers && now_ns - qp.peer_has_since_ns < slow_peer_ns) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       uint64_t held = 0;
       if (ack_log_.ready(now_ns, held))

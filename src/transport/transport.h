@@ -117,6 +117,11 @@ class Transport {
   /// retransmission timeout without its floor), or while TCP backs off a lost segment's
   /// retransmission (its first few backoffs), until its next try; in ns; 0 without a connection.
   virtual uint64_t tx_patience_ns(const std::string& node) = 0;
+  /// How long an answer the peer sent may take to reach us through its TCP's recovery of a lost
+  /// segment (which nothing here can see: the path's other direction), the path's retransmission
+  /// timeout measured here standing for the peer's: its first tries and backoffs as
+  /// tx_patience_ns waits them out for ours, from the first send; in ns; 0 without a connection.
+  virtual uint64_t peer_recovery_ns(const std::string& node) = 0;
   /// True when bytes from `node` have arrived that this backend has not read yet (in the
   /// socket, or buffered here): an answer may be among them. (A backend that was not scheduled
   /// for a while sees its timers before it reads what came meanwhile.)

@@ -478,6 +478,28 @@ TEST_F(DeviceRemoteTest, ARequestThePeerHasIsNotSentAgainOnALiveConnection) {
   EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
 }
 
+// An answer lost on the way back is in the peer's TCP recovery, which backs off (seconds on a
+// lossy path, longer than kSlowPeerNs): while it may be, the peer backend is waited for
+// (hosts.impaired_loss's 10 % loss once ended a pingpong in IBV_WC_RETRY_EXC_ERR after 2 s).
+TEST_F(DeviceRemoteTest, AnAnswerInThePeersTcpRecoveryIsWaitedFor) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7
+  loop_.recovery_ns = 3'000'000'000;
+  ASSERT_NO_FATAL_FAILURE(send_one_the_peer_holds());
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  now_ += 70'000'000;
+  dev_.poll(now_);  // the first timeout probes the path and counts, as on a fabric
+  ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+  loop_.delivered = loop_.queued;
+  const uint64_t through = now_;
+  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - through < 5'000'000'000ull) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+  }
+  EXPECT_GE(now_ - through, loop_.recovery_ns - 70'000'000);
+  EXPECT_LT(now_ - through, loop_.recovery_ns + 150'000'000);
+  EXPECT_TRUE(drain(acq_).empty());
+}
+
 // Many QPs share the connection (ib_write_bw -q 256): the peer's TCP has the request, but the
 // probe queues behind this backend's own backlog, which takes longer than the whole retry budget
 // to write. While the connection moves that is queueing, not an outage: no retry is spent, and

@@ -35,6 +35,8 @@ class RecordingTransport : public transport::Transport {
   uint64_t tx_progress(const std::string&) override { return progress; }
   uint64_t patience_ns = 0;  ///< what tx_patience_ns says (the path's round trip)
   uint64_t tx_patience_ns(const std::string&) override { return patience_ns; }
+  uint64_t recovery_ns = 0;  ///< what peer_recovery_ns says
+  uint64_t peer_recovery_ns(const std::string&) override { return recovery_ns; }
   bool pending = false;  ///< what rx_pending says
   bool rx_pending(const std::string&) override { return pending; }
 

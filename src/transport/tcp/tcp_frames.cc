@@ -192,6 +192,19 @@ uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
   return us * 1000;
 }
 
+uint64_t TcpTransport::peer_recovery_ns(const std::string& node) {
+  const Conn* c = tx_conn(node);
+  if (!c) return 0;
+  tcp_info ti{};
+  socklen_t len = sizeof(ti);
+  if (::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
+  // The timeout before our own backoffs (tcpi_rto doubles with each), standing for the peer's on
+  // the same path: a segment sent and lost again kBackoffsWaited times is tried a last time
+  // after 1 + 2 + 4 + 8 of it (15 x 200 ms = 3 s at Linux's floor), then crosses the path.
+  const uint64_t rto_us = uint64_t{ti.tcpi_rto} >> std::min<uint32_t>(ti.tcpi_backoff, 16);
+  return (15 * rto_us + uint64_t{ti.tcpi_rtt}) * 1000;
+}
+
 bool TcpTransport::rx_pending(const std::string& node) {
   const Conn* found = tx_conn(node);
   if (!found) return false;
