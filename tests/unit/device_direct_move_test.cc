@@ -42,6 +42,13 @@ std::vector<uint64_t> ids(const std::vector<Cqe>& es) {
   return out;
 }
 
+/// An address of guest `g`'s LID, as an address handle names it.
+UdDest ud_dest(const G& g) {
+  UdDest d{};
+  d.dlid = static_cast<uint16_t>(g.hello.lid);
+  return d;
+}
+
 uint32_t epoch_of(int fd) {
   MappedRegion m = MappedRegion::map_readonly(fd, sizeof(EpochPage));
   return m.valid() ? reinterpret_cast<const EpochPage*>(m.data())->epoch.load() : ~0u;
@@ -170,8 +177,7 @@ TEST_F(DirectMoveTest, TheStateOfTheRespondingPeerCarriesItsOwnReceiveRing) {
 // a session that did not come along (RingHeader::rx_lock) is taken over by the new backend.
 TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIsTakenOver) {
   QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
-  UdDest d{};
-  d.dlid = static_cast<uint16_t>(b_.hello.lid);
+  UdDest d = ud_dest(b_);
   std::vector<UniqueFd> fds;
   std::string peer;
   auto g = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
@@ -184,10 +190,8 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   ub.rq->consumer.store(1, std::memory_order_release);
   lib_push(recv, 30);
   lib_push(send, 31);
-  UdDest to_a{};  // b's own tag, from a grant of b's (b -> a)
-  to_a.dlid = static_cast<uint16_t>(a_.hello.lid);
-  std::vector<UniqueFd> b_fds;
-  auto gb = dev_.direct_grant_ud(*b_.s, DirectUdReq{ub.handle, ua.qpn, to_a}, b_fds, peer);
+  std::vector<UniqueFd> b_fds;  // b's own tag, from a grant of b's (b -> a)
+  auto gb = dev_.direct_grant_ud(*b_.s, DirectUdReq{ub.handle, ua.qpn, ud_dest(a_)}, b_fds, peer);
   ASSERT_TRUE(gb.is_ok()) << gb.status().message();
   ub.rq->rx_lock.store(gb->lock_tag);
   const uint32_t epoch = epoch_of(fds[4].get());
@@ -219,8 +223,7 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
 // the lock is taken over and the datagram delivered, not dropped until that session ends.
 TEST_F(DirectMoveTest, AStaleUdLockTagNamesNoSessionOfTheNextBackend) {
   QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
-  UdDest d{};
-  d.dlid = static_cast<uint16_t>(b_.hello.lid);
+  UdDest d = ud_dest(b_);
   std::vector<UniqueFd> fds;
   std::string peer;
   auto g = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);

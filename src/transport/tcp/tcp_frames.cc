@@ -173,12 +173,15 @@ uint64_t TcpTransport::tx_progress(const std::string& node) {
   return (c.id << 48) + acked_of(c) + c.rx_bytes;
 }
 
-uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
+bool TcpTransport::tcp_info_of(const std::string& node, tcp_info& ti) {
   const Conn* c = tx_conn(node);
-  if (!c) return 0;
-  tcp_info ti{};
   socklen_t len = sizeof(ti);
-  if (::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
+  return c && ::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) == 0;
+}
+
+uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
+  tcp_info ti{};
+  if (!tcp_info_of(node, ti)) return 0;
   uint64_t us = uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar};
   // TCP recovering a lost segment by its retransmission timer, which backs off (50, 100, 200,
   // 400 ms: a retransmission lost again doubles it): the connection stands still until TCP's
@@ -193,11 +196,8 @@ uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
 }
 
 uint64_t TcpTransport::peer_recovery_ns(const std::string& node) {
-  const Conn* c = tx_conn(node);
-  if (!c) return 0;
   tcp_info ti{};
-  socklen_t len = sizeof(ti);
-  if (::getsockopt(c->fd.get(), IPPROTO_TCP, TCP_INFO, &ti, &len) != 0) return 0;
+  if (!tcp_info_of(node, ti)) return 0;
   // The timeout before our own backoffs (tcpi_rto doubles with each), standing for the peer's on
   // the same path: a segment sent and lost again kBackoffsWaited times is tried a last time
   // after 1 + 2 + 4 + 8 of it (15 x 200 ms = 3 s at Linux's floor), then crosses the path.

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 
 #include <array>
 #include <cstdint>
@@ -292,6 +293,8 @@ class TcpTransport final : public Transport {
   bool connected_to(const std::string& node) const { return by_node_.count(node) != 0; }
   /// The connection frames for `node` go on: the live one, or the one being dialed for it.
   Conn* tx_conn(const std::string& node) const;
+  /// TCP_INFO of that connection; false without one.
+  bool tcp_info_of(const std::string& node, ::tcp_info& ti);
   /// The dial of a known peer `node`, or null.
   Dial* dial_of(const std::string& node);
   /// Asks to close connections idle for idle_close_ms; gives up unanswered asks.
