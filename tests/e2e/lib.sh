@@ -230,12 +230,16 @@ wait_listen() {
   fail "$3: nothing listens on port $1 after 20 s"
 }
 
-# A TCP port nobody listens on, from a random range (tests may run in parallel).
+# A TCP port no socket uses, from a random range (tests may run in parallel), below the kernel's
+# ephemeral range (ip_local_port_range, 32768-60999 by default): a port in it
+# may be taken between this check and the server's bind by any connect() on the machine (a
+# backend's dial, another test's client), and the server fails with "Couldn't listen" (perftest
+# did, in CI). Free: no socket of any state has it.
 free_port() {
   local p
   while :; do
-    p=$((20000 + RANDOM % 30000))
-    port_in_use "$p" || {
+    p=$((10000 + RANDOM % 22000))
+    [[ -z "$(ss -Htan "sport = :$p" 2>/dev/null)" ]] && {
       echo "$p"
       return 0
     }
