@@ -15,19 +15,19 @@ etcd_require() {
     exit 77
   fi
 }
-etcd_url() { echo "http://$(host_ip "$1"):2379"; }
+etcd_url() { echo "http://$(host_ep "$1" 2379)"; }
 
 # Starts (or restarts, on its data) the member on host I.
 etcd_member_start() {
   local i=$1 j cluster=""
   for j in "${ETCD_HOSTS[@]}"; do
-    cluster+="${cluster:+,}e$j=http://$(host_ip "$j"):2380"
+    cluster+="${cluster:+,}e$j=http://$(host_ep "$j" 2380)"
   done
   # Not through hexec (a function: its subshell's pid would be $!, not etcd's).
   ip netns exec "$(host_ns "$i")" etcd --name "e$i" --data-dir "$E2E_TMP/etcd.h$i" \
     --listen-client-urls "$(etcd_url "$i")" --advertise-client-urls "$(etcd_url "$i")" \
-    --listen-peer-urls "http://$(host_ip "$i"):2380" \
-    --initial-advertise-peer-urls "http://$(host_ip "$i"):2380" \
+    --listen-peer-urls "http://$(host_ep "$i" 2380)" \
+    --initial-advertise-peer-urls "http://$(host_ep "$i" 2380)" \
     --initial-cluster "$cluster" --initial-cluster-token "$HOSTS_RID" \
     --heartbeat-interval 50 --election-timeout 500 >>"$E2E_TMP/etcd.h$i.log" 2>&1 &
   ETCD_PID[i]=$!
