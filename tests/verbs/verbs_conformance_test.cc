@@ -331,8 +331,10 @@ TEST_F(Conformance, UdGrhQkeyAndSourceFieldsAreTheSameOnEveryPath) {
   ahs_.push_back(plain);
   ahs_.push_back(global);
   constexpr size_t kRecv = 65536, kLen = 100;
-  // One datagram from a to b; the receive's completion (none: `got` false).
-  auto send = [&](ibv_ah* ah, uint32_t qkey, unsigned seed, bool& got) {
+  // One datagram from a to b; the receive's completion (none: `got` false). One that must
+  // arrive is waited for up to 10 s (a loaded machine, or TSan, can take more than 100 ms);
+  // one that must not, 100 ms after the send's completion.
+  auto send = [&](ibv_ah* ah, uint32_t qkey, unsigned seed, bool& got, bool arrives = true) {
     fill(buf_.data(), kLen, seed);
     EXPECT_EQ(post(a, {.sges = {sge(0, kLen)},
                        .wr_id = seed,
@@ -342,15 +344,20 @@ TEST_F(Conformance, UdGrhQkeyAndSourceFieldsAreTheSameOnEveryPath) {
               0);
     ibv_wc rx{};
     got = false;
-    for (const ibv_wc& wc : drain_for(100)) {
-      if (wc.qp_num == a->qp_num) {
-        EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "UD is unreliable: the sender does not learn";
-        EXPECT_EQ(wc.wr_id, seed);
-      } else {
-        rx = wc;
-        got = true;
+    bool sent = false;
+    const auto until = Clock::now() + std::chrono::seconds(10);
+    do {
+      for (const ibv_wc& wc : drain_for(100)) {
+        if (wc.qp_num == a->qp_num) {
+          EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "UD is unreliable: the sender does not learn";
+          EXPECT_EQ(wc.wr_id, seed);
+          sent = true;
+        } else {
+          rx = wc;
+          got = true;
+        }
       }
-    }
+    } while (!(sent && (got || !arrives)) && Clock::now() < until);
     return rx;
   };
   std::memset(buf_.data() + kRecv, 0xee, 4096);
@@ -378,7 +385,7 @@ TEST_F(Conformance, UdGrhQkeyAndSourceFieldsAreTheSameOnEveryPath) {
   // A wrong qkey: dropped, the receive stays posted for the next datagram.
   std::memset(buf_.data() + kRecv, 0xee, 4096);
   ASSERT_EQ(post_recv(b, 8, kRecv, 4096), 0);
-  send(plain, vrdma::test::kTestQkey + 1, 2, got);
+  send(plain, vrdma::test::kTestQkey + 1, 2, got, false);
   EXPECT_FALSE(got) << "a datagram with a wrong qkey was delivered";
   // The high bit: the sender's own qkey (the same as b's here). No GRH: its room untouched.
   rx = send(plain, 0x80000000u, 3, got);
