@@ -442,6 +442,10 @@ class Device : public transport::Receiver {
   /// nothing: the connection moved since the timer last looked, or has been still for less than
   /// the path's round trip. The first look of a wait only notes where the connection stands.
   bool conn_moving(Qp& qp, uint64_t now_ns);
+  /// The log line (rate-limited) of an ACK timeout that waits for a slow peer backend since
+  /// `since_ns`; `what` says why the path counts as delivering.
+  void slow_peer_note(const Qp& qp, uint32_t psn, uint64_t now_ns, uint64_t since_ns,
+                      const char* what);
   /// Completes outstanding WQEs up to `psn` (inclusive) in order.
   void acked(Qp& qp, uint32_t psn, uint64_t now_ns);
   void on_request(const std::string& node, const proto::wire::Frame& f, transport::RxSink& sink);

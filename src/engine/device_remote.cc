@@ -229,13 +229,29 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
   const bool live = front.mark.conn != 0 && front.mark.conn == conn;
   const bool in_pipe = live && !transport_->tx_delivered(qp.peer_node, front.mark);
+  // An answer lost on the way back comes through the peer's TCP recovery, which backs off as
+  // ours does (lost three times in a row, at 10 % loss now and then: 3 s at the 200 ms floor,
+  // beyond kSlowPeerNs): a path that still delivers, not a peer that does not answer.
+  const auto slow_peer_ns = [&] {
+    return std::max(kSlowPeerNs, transport_->peer_recovery_ns(qp.peer_node));
+  };
   if (in_pipe) {
     // Progress is judged from the second timeout of a wait on: the first one only notes where
     // the connection stands, and counts as a retry, as on a fabric. Later,
     // a timeout costs nothing if the connection moved, or if it has been still for less than
     // the path's own round trip (a long path: the answer cannot be there yet).
+    const bool first = !qp.ack_looked;
     if (conn_moving(qp, now_ns)) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
+      return false;
+    }
+    // The peer's TCP has all we sent and closed its window: the path delivers, but the peer
+    // backend does not read (a backend starved of CPU for a second and a half closed it under
+    // ib_write_bw). A slow peer backend, waited for as below, from when the connection stopped.
+    if (!first && now_ns - qp.ack_moved_ns < slow_peer_ns() &&
+        transport_->peer_window_closed(qp.peer_node)) {
+      qp.wait_until_ns = now_ns + ack_ns(qp);
+      slow_peer_note(qp, front.psn, now_ns, qp.ack_moved_ns, "its window is closed");
       return false;
     }
   }
@@ -266,20 +282,9 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       return false;
     }
-    // An answer lost on the way back comes through the peer's TCP recovery, which backs off as
-    // ours does (lost three times in a row, at 10 % loss now and then: 3 s at the 200 ms floor,
-    // beyond kSlowPeerNs): a path that still delivers, not a peer that does not answer.
-    const uint64_t slow_peer_ns = std::max(kSlowPeerNs, transport_->peer_recovery_ns(qp.peer_node));
-    if (path_delivers && now_ns - qp.peer_has_since_ns < slow_peer_ns) {
+    if (path_delivers && now_ns - qp.peer_has_since_ns < slow_peer_ns()) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
-      uint64_t held = 0;
-      if (ack_log_.ready(now_ns, held))
-        VLOG_INFO(
-            "qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: the peer has it, the "
-            "path delivers, and its backend has not answered for {} ms; waiting for it, "
-            "{} retries left{}",
-            qp.qpn, qp.guest->name, front.psn, qp.peer_node,
-            (now_ns - qp.peer_has_since_ns) / 1000000, qp.retry_left, log::held_note(held));
+      slow_peer_note(qp, front.psn, now_ns, qp.peer_has_since_ns, "the peer has it");
       return false;
     }
   }
@@ -322,6 +327,17 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
     if (qp.probe) break;  // the head alone: its ACK sends the rest
   }
   return did;
+}
+
+void Device::slow_peer_note(const Qp& qp, uint32_t psn, uint64_t now_ns, uint64_t since_ns,
+                            const char* what) {
+  uint64_t held = 0;
+  if (ack_log_.ready(now_ns, held))
+    VLOG_INFO(
+        "qp {:#x} (guest {}): ACK timeout for PSN {:#x} to {}: {}, the path delivers, and its "
+        "backend has not answered for {} ms; waiting for it, {} retries left{}",
+        qp.qpn, qp.guest->name, psn, qp.peer_node, what, (now_ns - since_ns) / 1000000,
+        qp.retry_left, log::held_note(held));
 }
 
 bool Device::conn_moving(Qp& qp, uint64_t now_ns) {

@@ -122,6 +122,10 @@ class Transport {
   /// timeout measured here standing for the peer's: its first tries and backoffs as
   /// tx_patience_ns waits them out for ours, from the first send; in ns; 0 without a connection.
   virtual uint64_t peer_recovery_ns(const std::string& node) = 0;
+  /// True when the peer's TCP has acknowledged every byte sent to it and takes no more (its
+  /// receive window is closed) while we have more to send: its backend is not reading (not
+  /// scheduled, or stopped), on a path that delivers.
+  virtual bool peer_window_closed(const std::string& node) = 0;
   /// True when bytes from `node` have arrived that this backend has not read yet (in the
   /// socket, or buffered here): an answer may be among them. (A backend that was not scheduled
   /// for a while sees its timers before it reads what came meanwhile.)

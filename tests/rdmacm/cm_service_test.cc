@@ -301,6 +301,7 @@ struct FakeTransport : transport::Transport {
   uint64_t tx_progress(const std::string&) override { return 0; }
   uint64_t tx_patience_ns(const std::string&) override { return 0; }
   uint64_t peer_recovery_ns(const std::string&) override { return 0; }
+  bool peer_window_closed(const std::string&) override { return false; }
   bool rx_pending(const std::string&) override { return false; }
   void announce(const transport::GuestInfo&, bool) override {}
   uint32_t peer_ipv4(const std::string& node) const override {

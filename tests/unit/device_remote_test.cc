@@ -264,6 +264,62 @@ nlohmann::json qp_counters(Device& dev, uint32_t qpn, const char* guest) {
   return {};
 }
 
+// A peer backend starved of CPU under a bulk stream stops reading: its TCP takes everything we
+// sent and closes its window, and our request waits in our own socket (ib_write_bw in
+// hosts.impaired_mix, 1.6 s). The path delivers: the peer backend is waited for as a slow one,
+// from when the connection stopped, and no retry is spent meanwhile; after that, the budget is
+// spent as in an outage (a backend stopped for good).
+TEST_F(DeviceRemoteTest, APeerWhoseWindowIsClosedIsWaitedForAsASlowBackend) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s of budget
+  loop_.conn = 1;
+  loop_.window_closed = true;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  now_ += 70'000'000;
+  dev_.poll(now_);  // the first timeout notes where the connection stands, and counts
+  ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
+  const uint64_t stopped = now_;
+  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - stopped < 5'000'000'000ull) {
+    now_ += 70'000'000;
+    dev_.poll(now_);
+  }
+  EXPECT_GE(now_ - stopped, Device::kSlowPeerNs);
+  EXPECT_LT(now_ - stopped, Device::kSlowPeerNs + 150'000'000);
+  EXPECT_TRUE(drain(acq_).empty());
+  // The peer reads again: the request is delivered and answered, nothing lost or doubled.
+  loop_.window_closed = false;
+  loop_.delivered = loop_.queued;
+  settle();
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(drain(bcq_).size(), 1u);
+  EXPECT_EQ(loop_.q.size(), 0u);
+}
+
+// The same closed window for ever (a peer backend stopped, SIGSTOP): the QP fails, after the wait
+// for a slow backend and its retry budget.
+TEST_F(DeviceRemoteTest, APeerWhoseWindowStaysClosedEndsInRetryExceeded) {
+  connect_both();
+  loop_.conn = 1;
+  loop_.window_closed = true;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  std::vector<Cqe> tx;
+  const uint64_t start = now_;
+  while (tx.empty() && now_ - start < 10'000'000'000ull) {
+    now_ += 10'000'000;
+    dev_.poll(now_);
+    tx = drain(acq_);
+  }
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
+  EXPECT_GE(now_ - start, Device::kSlowPeerNs);
+  EXPECT_LT(now_ - start, Device::kSlowPeerNs + 1'000'000'000);
+}
+
 TEST_F(DeviceRemoteTest, AQpDeepInTheConnectionsQueueHoldsItsNewWork) {
   connect_both();
   loop_.conn = 1;

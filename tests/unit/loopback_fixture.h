@@ -37,6 +37,8 @@ class RecordingTransport : public transport::Transport {
   uint64_t tx_patience_ns(const std::string&) override { return patience_ns; }
   uint64_t recovery_ns = 0;  ///< what peer_recovery_ns says
   uint64_t peer_recovery_ns(const std::string&) override { return recovery_ns; }
+  bool window_closed = false;  ///< what peer_window_closed says
+  bool peer_window_closed(const std::string&) override { return window_closed; }
   bool pending = false;  ///< what rx_pending says
   bool rx_pending(const std::string&) override { return pending; }
 

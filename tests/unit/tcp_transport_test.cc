@@ -300,6 +300,37 @@ TEST_P(TcpTransportFlows, ADroppedFlowNeverReachesThePeerAndMarksStayTrue) {
   }));
 }
 
+// A peer that does not read (its backend starved of CPU, or stopped) closes its TCP window once
+// its socket is full: everything we sent is acknowledged, and the rest waits in our socket. That
+// is what peer_window_closed says (an ACK timer then waits for a slow backend); it opens again
+// once the peer reads, and every frame arrives.
+TEST_P(TcpTransportFlows, APeerThatDoesNotReadClosesItsWindow) {
+  Pair p(GetParam());
+  ASSERT_TRUE(p.a && p.b);
+  EXPECT_FALSE(p.b->peer_window_closed("node-a"));
+  std::vector<uint8_t> data(64 * 1024, 0x5a);
+  const Span payload{data.data(), data.size()};
+  uint32_t sent = 0;
+  // Only b runs: a's socket fills (tens of MB at most with the kernel's autotuning).
+  const bool closed = run_until({p.b.get()}, [&] {
+    if (p.b->peer_window_closed("node-a")) return true;
+    if (sent < 2000 && p.b->tx_unwritten("node-a", p.b->tx_mark("node-a")) < 4 * data.size()) {
+      wire::Request rq{};
+      rq.qp_type = IBV_QPT_RC;
+      rq.opcode = IBV_WR_RDMA_WRITE;
+      rq.src_qpn = 0x100;
+      rq.length = static_cast<uint32_t>(data.size());
+      EXPECT_TRUE(p.b->send("node-a", wire::Type::kRequest, &rq, {&payload, 1}, {}, 1));
+      ++sent;
+    }
+    return false;
+  });
+  ASSERT_TRUE(closed) << sent << " frames sent";
+  ASSERT_TRUE(run_until({p.a.get(), p.b.get()}, [&] {
+    return p.ra.requests.size() == sent && !p.b->peer_window_closed("node-a");
+  })) << p.ra.requests.size() << " of " << sent;
+}
+
 INSTANTIATE_TEST_SUITE_P(PlainAndTls, TcpTransportFlows, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Tls" : "Plain"; });
 

@@ -205,6 +205,17 @@ uint64_t TcpTransport::peer_recovery_ns(const std::string& node) {
   return (15 * rto_us + uint64_t{ti.tcpi_rtt}) * 1000;
 }
 
+bool TcpTransport::peer_window_closed(const std::string& node) {
+  const Conn* c = tx_conn(node);
+  tcp_info ti{};
+  if (!c || !tcp_info_of(node, ti) || ti.tcpi_unacked != 0) return false;
+  // Nothing in flight, yet bytes in the socket not sent: only a closed window holds them (the
+  // socket has TCP_NODELAY, and autocorking waits only behind a segment in flight). Our own
+  // queue is not looked at: it waits behind the socket's.
+  int unsent = 0;
+  return ::ioctl(c->fd.get(), SIOCOUTQNSD, &unsent) == 0 && unsent > 0;
+}
+
 bool TcpTransport::rx_pending(const std::string& node) {
   const Conn* found = tx_conn(node);
   if (!found) return false;
