@@ -190,8 +190,7 @@ if [[ $(id -u) == 0 ]] && command -v setpriv >/dev/null && command -v useradd >/
   fm_cleanup() {
     local rc=$?
     set +e
-    pkill -KILL -u "$FM_USER" 2>/dev/null
-    userdel "$FM_USER" 2>/dev/null
+    del_user "$FM_USER"
     (exit "$rc")
     e2e_cleanup
   }

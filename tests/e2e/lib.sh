@@ -92,6 +92,29 @@ e2e_pass() {
   log "PASS"
 }
 
+# Kills every process of USER and waits (10 s at most) until none is left: userdel refuses a user
+# with a live process, and a SIGKILL is not finished when kill(2) returns. A process that is our
+# own child stays a zombie of that uid until we reap it. Usage: kill_user USER
+kill_user() {
+  local i p
+  for ((i = 0; i < 100; i++)); do
+    pkill -KILL -u "$1" 2>/dev/null || return 0
+    for p in $(pgrep -u "$1"); do wait "$p" 2>/dev/null; done
+    pgrep -u "$1" >/dev/null || return 0
+    sleep 0.1
+  done
+}
+
+# Removes USER after kill_user. A process of USER that outlives it (a zombie whose parent does
+# not reap, such as a daemonized backend's under a PID 1 that reaps nothing) makes userdel refuse:
+# then it is removed with -f, and the log names what was left. Usage: del_user USER
+del_user() {
+  kill_user "$1"
+  userdel "$1" 2>/dev/null && return
+  log "cleanup: $1 still has processes: $(ps -o pid=,stat=,comm= -u "$1" | tr '\n' ';'); userdel -f"
+  userdel -f "$1" 2>/dev/null || log "cleanup: userdel -f $1 failed"
+}
+
 # Kills the descendants of PID (depth first), not PID itself. Only our own process tree.
 kill_descendants() {
   local pid=$1 child

@@ -107,8 +107,7 @@ sec_cleanup() {
   kill_descendants $$
   for u in "$ATTACKER" "$VICTIM"; do
     [[ -n $u ]] || continue
-    pkill -KILL -u "$u" 2>/dev/null
-    userdel "$u" 2>/dev/null
+    del_user "$u"
   done
   [[ -n $SEC_GROUP ]] && groupdel "$SEC_GROUP" 2>/dev/null
   (exit "$rc")
