@@ -273,6 +273,9 @@ class Device : public transport::Receiver {
   static void publish_psns(Qp& qp);
   /// Stores the PSN of the WQE at sq_cons with that index (RingHeader::psn_at); returns it.
   static uint32_t publish_psn_at(Qp& qp);
+  /// The backend_psn words of both rings: `sq_psn` (what publish_psn_at returned) and the
+  /// expected PSN.
+  static void publish_backend_psns(Qp& qp, uint32_t sq_psn);
   /// import_guest(recover): cursors and PSNs from the rings' headers where they are sane.
   static void recover_from_rings(Qp& qp);
   /// A QPN for a new QP of guest `g`, within its max_qps quota and the device's kMaxQp.
@@ -503,6 +506,9 @@ class Device : public transport::Receiver {
   void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
+  /// Writes `e` at the ring's producer index (and its time stamp) and publishes it; no room
+  /// check, no event (push_cqe's core; a recovery that checked the room itself).
+  static void put_cqe(Cq& cq, const proto::Cqe& e);
   /// Fires the CQ's channel if it is armed for this completion (after the CQE is published).
   void notify(Cq& cq, bool solicited);
   /// After an import: fires every armed CQ of `s` that holds a completion (device_state_import.cc).

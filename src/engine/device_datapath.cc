@@ -133,10 +133,7 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
     }
     return false;
   }
-  cq.entries[cq.prod & (cq.size - 1)] = e;
-  if (cq.stamp) stamp_now(cq.stamp[cq.prod & (cq.size - 1)], cq.stamps);
-  cq.prod++;
-  cq.hdr->producer.store(cq.prod, std::memory_order_release);
+  put_cqe(cq, e);
   if (cq.shared_producer) {
     // A QP's own ring stands for its CQ (same handle): the CQ's `armed` word and channel.
     auto of = cq.owner->cqs.find(cq.handle);
@@ -145,6 +142,13 @@ bool Device::push_cqe(Cq& cq, const Cqe& e, bool solicited) {
   }
   notify(cq, solicited);
   return true;
+}
+
+void Device::put_cqe(Cq& cq, const Cqe& e) {
+  cq.entries[cq.prod & (cq.size - 1)] = e;
+  if (cq.stamp) stamp_now(cq.stamp[cq.prod & (cq.size - 1)], cq.stamps);
+  cq.prod++;
+  cq.hdr->producer.store(cq.prod, std::memory_order_release);
 }
 
 void Device::notify(Cq& cq, bool solicited) {
@@ -172,7 +176,11 @@ void Device::notify(Cq& cq, bool solicited) {
 // send queue of one, as perftest's latency tests make, does exactly that).
 void Device::publish_psns(Qp& qp) {
   if (!qp.sq_hdr) return;  // an XRC receive QP has no rings (its PSN moves in the blob only)
-  qp.sq_hdr->backend_psn.store(publish_psn_at(qp), std::memory_order_relaxed);
+  publish_backend_psns(qp, publish_psn_at(qp));
+}
+
+void Device::publish_backend_psns(Qp& qp, uint32_t sq_psn) {
+  qp.sq_hdr->backend_psn.store(sq_psn, std::memory_order_relaxed);
   qp.rq_hdr->backend_psn.store(qp.expected_psn, std::memory_order_relaxed);
 }
 
@@ -186,10 +194,10 @@ uint32_t Device::publish_psn_at(Qp& qp) {
 void Device::complete_send(Qp& qp, const SendWqe& w, ibv_wc_status st, uint32_t len) {
   qp.sq_cons++;
   // The new index's PSN before the index, backend_psn after it (RingHeader::psn_at).
-  if (qp.remote) publish_psn_at(qp);
+  const uint32_t at_cons = qp.remote ? publish_psn_at(qp) : 0;
   if (killed_at(KillPoint::kSendPsnPublished)) return;
   qp.sq_hdr->consumer.store(qp.sq_cons, std::memory_order_release);
-  if (qp.remote) publish_psns(qp);
+  if (qp.remote) publish_backend_psns(qp, at_cons);
   if (st != IBV_WC_SUCCESS) qp.cnt.wc_errors[st]++;
   const bool signaled = qp.sq_sig_all || (w.send_flags & IBV_SEND_SIGNALED);
   if (st == IBV_WC_SUCCESS && !signaled) {

@@ -447,10 +447,8 @@ void Device::recover_receive(Qp& qp) {
     rc.src_qp = d.src_qp;
     rc.wc_flags = d.wc_flags;
     rc.slid = d.slid;
-    ring.entries[prod & (ring.size - 1)] = rc;
-    if (ring.stamp) stamp_now(ring.stamp[prod & (ring.size - 1)], ring.stamps);
-    ring.prod = prod + 1;
-    ring.hdr->producer.store(ring.prod, std::memory_order_release);
+    ring.prod = prod;
+    put_cqe(ring, rc);
   }
   if (flags & kCommitPsn) {
     const uint32_t psn = h.commit_psn.load(std::memory_order_relaxed) & 0xffffff;
