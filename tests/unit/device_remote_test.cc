@@ -231,12 +231,7 @@ TEST_F(DeviceRemoteTest, NoRetryIsSpentWhileTheConnectionMovesAndNothingIsReplay
   EXPECT_TRUE(drain(acq_).empty());
   EXPECT_EQ(loop_.q.size(), 1u);  // not replayed: the one copy is still on its way
   // It arrives; the answer completes it.
-  loop_.delivered = loop_.queued;
-  settle();
-  auto tx = drain(acq_);
-  ASSERT_EQ(tx.size(), 1u);
-  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
-  EXPECT_EQ(drain(bcq_).size(), 1u);
+  expect_the_send_arrives();
 }
 
 TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplaying) {
@@ -255,15 +250,6 @@ TEST_F(DeviceRemoteTest, AConnectionThatMovesNothingSpendsTheBudgetWithoutReplay
   EXPECT_EQ(loop_.dropped_flows.size(), 1u);
 }
 
-/// The counters of guest `g`'s QP `qpn` in the device's report.
-nlohmann::json qp_counters(Device& dev, uint32_t qpn, const char* guest) {
-  const nlohmann::json rep = dev.report();
-  for (const auto& q : rep["res"]["qp"]) {
-    if (q["lqpn"] == qpn && q["guest"] == guest) return q["counters"];
-  }
-  return {};
-}
-
 // A peer backend starved of CPU under a bulk stream stops reading: its TCP takes everything we
 // sent and closes its window, and our request waits in our own socket (ib_write_bw in
 // hosts.impaired_mix, 1.6 s). The path delivers: the peer backend is waited for as a slow one,
@@ -280,22 +266,13 @@ TEST_F(DeviceRemoteTest, APeerWhoseWindowIsClosedIsWaitedForAsASlowBackend) {
   now_ += 70'000'000;
   dev_.poll(now_);  // the first timeout notes where the connection stands, and counts
   ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
-  const uint64_t stopped = now_;
-  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - stopped < 5'000'000'000ull) {
-    now_ += 70'000'000;
-    dev_.poll(now_);
-  }
-  EXPECT_GE(now_ - stopped, Device::kSlowPeerNs);
-  EXPECT_LT(now_ - stopped, Device::kSlowPeerNs + 150'000'000);
+  const uint64_t waited = while_one_retry(5'000'000'000ull);
+  EXPECT_GE(waited, Device::kSlowPeerNs);
+  EXPECT_LT(waited, Device::kSlowPeerNs + 150'000'000);
   EXPECT_TRUE(drain(acq_).empty());
   // The peer reads again: the request is delivered and answered, nothing lost or doubled.
   loop_.window_closed = false;
-  loop_.delivered = loop_.queued;
-  settle();
-  auto tx = drain(acq_);
-  ASSERT_EQ(tx.size(), 1u);
-  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
-  EXPECT_EQ(drain(bcq_).size(), 1u);
+  expect_the_send_arrives();
   EXPECT_EQ(loop_.q.size(), 0u);
 }
 
@@ -308,16 +285,11 @@ TEST_F(DeviceRemoteTest, APeerWhoseWindowStaysClosedEndsInRetryExceeded) {
   post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
   dev_.poll(now_);
   std::vector<Cqe> tx;
-  const uint64_t start = now_;
-  while (tx.empty() && now_ - start < 10'000'000'000ull) {
-    now_ += 10'000'000;
-    dev_.poll(now_);
-    tx = drain(acq_);
-  }
+  const uint64_t took = until_unanswered_send_completes(false, tx);
   ASSERT_EQ(tx.size(), 1u);
   EXPECT_EQ(tx[0].status, IBV_WC_RETRY_EXC_ERR);
-  EXPECT_GE(now_ - start, Device::kSlowPeerNs);
-  EXPECT_LT(now_ - start, Device::kSlowPeerNs + 1'000'000'000);
+  EXPECT_GE(took, Device::kSlowPeerNs);
+  EXPECT_LT(took, Device::kSlowPeerNs + 1'000'000'000);
 }
 
 TEST_F(DeviceRemoteTest, AQpDeepInTheConnectionsQueueHoldsItsNewWork) {
@@ -546,13 +518,9 @@ TEST_F(DeviceRemoteTest, AnAnswerInThePeersTcpRecoveryIsWaitedFor) {
   dev_.poll(now_);  // the first timeout probes the path and counts, as on a fabric
   ASSERT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 1);
   loop_.delivered = loop_.queued;
-  const uint64_t through = now_;
-  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - through < 5'000'000'000ull) {
-    now_ += 70'000'000;
-    dev_.poll(now_);
-  }
-  EXPECT_GE(now_ - through, loop_.recovery_ns - 70'000'000);
-  EXPECT_LT(now_ - through, loop_.recovery_ns + 150'000'000);
+  const uint64_t waited = while_one_retry(5'000'000'000ull);
+  EXPECT_GE(waited, loop_.recovery_ns - 70'000'000);
+  EXPECT_LT(waited, loop_.recovery_ns + 150'000'000);
   EXPECT_TRUE(drain(acq_).empty());
 }
 
@@ -579,13 +547,9 @@ TEST_F(DeviceRemoteTest, AProbeBehindOurOwnBacklogSpendsNoRetryWhileTheConnectio
   // The probe is through: a slow peer backend is waited for from now on, not from the first
   // timeout (more than kSlowPeerNs ago).
   loop_.delivered = loop_.queued;
-  const uint64_t through = now_;
-  while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - through < 3'000'000'000ull) {
-    now_ += 70'000'000;
-    dev_.poll(now_);
-  }
-  EXPECT_GE(now_ - through, Device::kSlowPeerNs);
-  EXPECT_LT(now_ - through, Device::kSlowPeerNs + 150'000'000);
+  const uint64_t waited = while_one_retry(3'000'000'000ull);
+  EXPECT_GE(waited, Device::kSlowPeerNs);
+  EXPECT_LT(waited, Device::kSlowPeerNs + 150'000'000);
   EXPECT_TRUE(drain(acq_).empty());
   EXPECT_TRUE(loop_.q.empty());  // nothing sent again but as the last try
 }

@@ -125,6 +125,15 @@ class FakeLoop final : public RecordingTransport {
   std::string self_ = "me";
 };
 
+/// The counters of guest `g`'s QP `qpn` in the device's report.
+inline nlohmann::json qp_counters(Device& dev, uint32_t qpn, const char* guest) {
+  const nlohmann::json rep = dev.report();
+  for (const auto& q : rep["res"]["qp"]) {
+    if (q["lqpn"] == qpn && q["guest"] == guest) return q["counters"];
+  }
+  return {};
+}
+
 class DeviceRemoteTest : public DeviceTest {
  protected:
   void SetUp() override {
@@ -173,6 +182,26 @@ class DeviceRemoteTest : public DeviceTest {
     ASSERT_EQ(loop_.q.size(), 1u);
     loop_.q.clear();
     loop_.delivered = loop_.queued;
+  }
+  /// Lets every frame reach the peer and settles: a's one SEND completes successfully and b
+  /// receives it.
+  void expect_the_send_arrives() {
+    loop_.delivered = loop_.queued;
+    settle();
+    auto tx = drain(acq_);
+    ASSERT_EQ(tx.size(), 1u);
+    EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(drain(bcq_).size(), 1u);
+  }
+  /// Moves the clock one ACK timeout (70 ms) at a time while a's QP has spent exactly one
+  /// retry, `limit_ns` at most; returns how long that lasted.
+  uint64_t while_one_retry(uint64_t limit_ns) {
+    const uint64_t start = now_;
+    while (qp_counters(dev_, qa_.qpn, "a")["retries"] == 1 && now_ - start < limit_ns) {
+      now_ += 70'000'000;
+      dev_.poll(now_);
+    }
+    return now_ - start;
   }
   /// Moves the clock 10 ms at a time (10 s at most) until a send of a's completes, losing
   /// whatever a sends meanwhile; the peer's TCP takes it (a kPing too) when `path_delivers`.
