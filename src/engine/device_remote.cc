@@ -292,6 +292,10 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
     const SendWqe w = front.w;
     qp.unacked.pop_front();
     complete_send(qp, w, IBV_WC_RETRY_EXC_ERR, 0);
+    // What TCP says of the path then, for whoever reads why (once per QP: it leaves RTS).
+    if (const std::string st = transport_->path_state(qp.peer_node); !st.empty())
+      VLOG_INFO("qp {:#x} (guest {}): retries exhausted to {}: {}", qp.qpn, qp.guest->name,
+                qp.peer_node, st);
     enter_error(qp, in_pipe ? "transport retries exhausted (the connection to the peer backend "
                               "moved nothing for the QP's whole retry budget)"
                             : "transport retries exhausted (the peer backend has the request but "

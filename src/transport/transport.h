@@ -126,6 +126,9 @@ class Transport {
   /// receive window is closed) while we have more to send: its backend is not reading (not
   /// scheduled, or stopped), on a path that delivers.
   virtual bool peer_window_closed(const std::string& node) = 0;
+  /// Where the connection to `node` stands as TCP sees it, for a log line when a QP gives up on
+  /// it ("tcp: 3 segments unacknowledged, ..."); empty without one.
+  virtual std::string path_state(const std::string& /*node*/) { return {}; }
   /// True when bytes from `node` have arrived that this backend has not read yet (in the
   /// socket, or buffered here): an answer may be among them. (A backend that was not scheduled
   /// for a while sees its timers before it reads what came meanwhile.)

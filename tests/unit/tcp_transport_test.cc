@@ -326,6 +326,10 @@ TEST_P(TcpTransportFlows, APeerThatDoesNotReadClosesItsWindow) {
     return false;
   });
   ASSERT_TRUE(closed) << sent << " frames sent";
+  // What a QP that gives up logs of the path: nothing in flight, bytes waiting here.
+  const std::string st = p.b->path_state("node-a");
+  EXPECT_TRUE(st.starts_with("tcp: 0 segments unacknowledged, ")) << st;
+  EXPECT_EQ(st.find(", 0 bytes not sent"), std::string::npos) << st;
   ASSERT_TRUE(run_until({p.a.get(), p.b.get()}, [&] {
     return p.ra.requests.size() == sent && !p.b->peer_window_closed("node-a");
   })) << p.ra.requests.size() << " of " << sent;

@@ -216,6 +216,21 @@ bool TcpTransport::peer_window_closed(const std::string& node) {
   return ::ioctl(c->fd.get(), SIOCOUTQNSD, &unsent) == 0 && unsent > 0;
 }
 
+std::string TcpTransport::path_state(const std::string& node) {
+  const Conn* c = tx_conn(node);
+  tcp_info ti{};
+  if (!c || !tcp_info_of(node, ti)) return {};
+  int unsent = 0, unread = 0;
+  (void)::ioctl(c->fd.get(), SIOCOUTQNSD, &unsent);
+  (void)::ioctl(c->fd.get(), SIOCINQ, &unread);
+  return fmt::format(
+      "tcp: {} segments unacknowledged, {} bytes not sent, {} here not read, backoff {}, rto {} "
+      "ms, "
+      "rtt {:.1f} ms, {} retransmissions in all",
+      ti.tcpi_unacked, unsent, unread, ti.tcpi_backoff, ti.tcpi_rto / 1000, ti.tcpi_rtt / 1000.0,
+      ti.tcpi_total_retrans);
+}
+
 bool TcpTransport::rx_pending(const std::string& node) {
   const Conn* found = tx_conn(node);
   if (!found) return false;

@@ -169,6 +169,7 @@ class TcpTransport final : public Transport {
   uint64_t tx_patience_ns(const std::string& node) override;
   uint64_t peer_recovery_ns(const std::string& node) override;
   bool peer_window_closed(const std::string& node) override;
+  std::string path_state(const std::string& node) override;
   bool rx_pending(const std::string& node) override;
   void refused_frame(const std::string& node, const std::string& why) override;
 
