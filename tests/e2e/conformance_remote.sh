@@ -7,7 +7,10 @@
 # IBV_EVENT_CQ_ERR when its own send ring overruns, as the backend does for its rings). About
 # 11 s. The hub's spin is set by its old name, VRDMA_SPIN_US: still taken, with one deprecation
 # line per process. RnrRetryCountThenRnrRetryExceeded included: the library's path counts
-# rnr_retry as the backend does.
+# rnr_retry as the backend does. The Windows section runs here too: QPs that may bind windows stay
+# on the backends and the others reach windows through their library, which asks its backend
+# (ARCHITECTURE.md, "Memory windows"); the ODP case's first touches and unreachable page go
+# through the responding library's fault-in.
 # Usage: conformance_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"

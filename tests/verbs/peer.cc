@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +34,7 @@ enum Op : uint32_t {
   kBindMw,     ///< a: mw, off | main << 63, len, access | wr_id << 32 -> uint32_t new rkey
   kLocalInv,   ///< a: rkey, wr_id
   kDeallocMw,  ///< a: mw
+  kSetAccess,  ///< a: qp_access_flags (RTS to RTS)
   kQuit,
 };
 
@@ -191,18 +193,36 @@ class Agent {
         return 0;
       case kRegMr: {
         if (mr2_) return EBUSY;
-        buf2_.assign(1 << 16, 0);
-        mr2_ = ibv_reg_mr(pd_, buf2_.data(), buf2_.size(), static_cast<int>(o.a[0]));
+        uint8_t* at;
+        if (o.a[0] & IBV_ACCESS_ON_DEMAND) {
+          // ODP: fresh pages nothing touched yet, the last one not accessible at all.
+          void* m =
+              ::mmap(nullptr, kMr2Size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+          if (m == MAP_FAILED) return errno;
+          odp_ = static_cast<uint8_t*>(m);
+          if (::mprotect(odp_ + kMr2Size - 4096, 4096, PROT_NONE)) return errno;
+          at = odp_;
+        } else {
+          buf2_.assign(kMr2Size, 0);
+          at = buf2_.data();
+        }
+        mr2_ = ibv_reg_mr(pd_, at, kMr2Size, static_cast<int>(o.a[0]));
         if (!mr2_) return errno;
-        put(reply, PeerMem{reinterpret_cast<uintptr_t>(buf2_.data()), mr2_->rkey,
-                           static_cast<uint32_t>(buf2_.size())});
+        put(reply, PeerMem{reinterpret_cast<uintptr_t>(at), mr2_->rkey, kMr2Size});
         return 0;
       }
       case kDeregMr: {
         if (!mr2_) return EINVAL;
         const int rc = ibv_dereg_mr(mr2_);
         if (rc == 0) mr2_ = nullptr;  // EBUSY (a window bound to it): it stays
+        if (rc == 0) unmap_odp();
         return rc;
+      }
+      case kSetAccess: {
+        if (!qp(o.qp)) return EINVAL;
+        ibv_qp_attr a{};
+        a.qp_access_flags = static_cast<unsigned>(o.a[0]);
+        return ibv_modify_qp(qp(o.qp), &a, IBV_QP_ACCESS_FLAGS);
       }
       case kQpState: {
         ibv_qp_attr a{};
@@ -336,6 +356,7 @@ class Agent {
     for (ibv_mw* mw : mws_)
       if (mw) bad |= ibv_dealloc_mw(mw);
     if (mr2_) bad |= ibv_dereg_mr(mr2_);
+    unmap_odp();
     bad |= ibv_dereg_mr(mr_);
     bad |= ibv_destroy_cq(cq_);
     bad |= ibv_dealloc_pd(pd_);
@@ -344,6 +365,13 @@ class Agent {
     return bad ? 30 : 0;
   }
 
+  /// The ODP buffer goes once its MR has (ARCHITECTURE.md, "Unmapping ODP memory").
+  void unmap_odp() {
+    if (odp_) ::munmap(odp_, kMr2Size);
+    odp_ = nullptr;
+  }
+
+  static constexpr uint32_t kMr2Size = 1 << 16;
   ibv_device** list_ = nullptr;
   ibv_context* ctx_ = nullptr;
   ibv_pd* pd_ = nullptr;
@@ -352,6 +380,7 @@ class Agent {
   ibv_mr* mr2_ = nullptr;
   uint16_t lid_ = 0;
   std::vector<uint8_t> buf_, buf2_;  // malloc'ed after the fork: must not corrupt the parent
+  uint8_t* odp_ = nullptr;           ///< the second buffer, when its MR is ODP (mmap'ed)
   std::vector<ibv_qp*> qps_;
   std::vector<ibv_mw*> mws_;  ///< null where deallocated
 };
@@ -535,6 +564,10 @@ int Peer::local_inv(const PeerQp& qp, uint32_t rkey, uint64_t wr_id) {
 int Peer::dealloc_mw(const Window& w) { return call(kDeallocMw, 0, {w.index}, nullptr, 0); }
 
 int Peer::dereg_mr() { return call(kDeregMr, 0, {}, nullptr, 0); }
+
+int Peer::set_access(const PeerQp& qp, unsigned access) {
+  return call(kSetAccess, qp.index, {access}, nullptr, 0);
+}
 
 ibv_qp_state Peer::qp_state(const PeerQp& qp) {
   std::vector<uint8_t> r;

@@ -67,9 +67,12 @@ class Peer {
   std::vector<ibv_wc> poll(size_t n, int timeout_ms = 5000);
   std::vector<uint8_t> read(uint64_t off, uint32_t len);
   void write(uint64_t off, const void* p, uint32_t len);
-  /// Registers a second 64 KiB buffer with `access` (one at a time).
+  /// Registers a second 64 KiB buffer with `access` (one at a time). With
+  /// IBV_ACCESS_ON_DEMAND: fresh pages, never touched, its last 4 KiB not accessible (PROT_NONE).
   PeerMem reg_mr(unsigned access);
   int dereg_mr();
+  /// ibv_modify_qp of the QP's qp_access_flags alone (at RTS).
+  int set_access(const PeerQp& qp, unsigned access);
   ibv_qp_state qp_state(const PeerQp& qp);
   /// A memory window of the peer's PD: `index` names it in later orders.
   struct Window {
