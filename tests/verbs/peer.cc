@@ -35,6 +35,8 @@ enum Op : uint32_t {
   kLocalInv,   ///< a: rkey, wr_id
   kDeallocMw,  ///< a: mw
   kSetAccess,  ///< a: qp_access_flags (RTS to RTS)
+  kXrcOpen,    ///< -> XrcTarget
+  kSrqRecv,    ///< a: srq (0, 1), wr_id; payload: Pieces
   kQuit,
 };
 
@@ -218,6 +220,24 @@ class Agent {
         if (rc == 0) unmap_odp();
         return rc;
       }
+      case kXrcOpen:
+        return xrc_open(reply);
+      case kSrqRecv: {
+        const size_t n = payload.size() / sizeof(Piece);
+        if (o.a[0] >= 2 || !srqs_[o.a[0]] || n == 0 || n > 16) return EINVAL;
+        ibv_sge sge[16];
+        for (size_t i = 0; i < n; ++i) {
+          Piece pc;
+          std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
+          sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
+        }
+        ibv_recv_wr wr{};
+        wr.wr_id = o.a[1];
+        wr.sg_list = sge;
+        wr.num_sge = static_cast<int>(n);
+        ibv_recv_wr* bad = nullptr;
+        return ibv_post_srq_recv(srqs_[o.a[0]], &wr, &bad);
+      }
       case kSetAccess: {
         if (!qp(o.qp)) return EINVAL;
         ibv_qp_attr a{};
@@ -263,6 +283,50 @@ class Agent {
       default:
         return ENOSYS;
     }
+  }
+
+  /// A new XRC receive QP (it joins qps_; kConnect connects it) in the peer's private XRC
+  /// domain, made at the first call with two XRC SRQs that complete on the peer's CQ.
+  int xrc_open(std::vector<uint8_t>& reply) {
+    XrcTarget t{};
+    if (xrcd_) {
+      for (int i = 0; i < 2; ++i) {
+        if (ibv_get_srq_num(srqs_[i], &t.srqn[i])) return EIO;
+      }
+      return xrc_recv_qp(t, reply);
+    }
+    ibv_xrcd_init_attr xa{};
+    xa.comp_mask = IBV_XRCD_INIT_ATTR_FD | IBV_XRCD_INIT_ATTR_OFLAGS;
+    xa.fd = -1;
+    xa.oflags = O_CREAT;
+    xrcd_ = ibv_open_xrcd(ctx_, &xa);
+    if (!xrcd_) return errno;
+    for (int i = 0; i < 2; ++i) {
+      ibv_srq_init_attr_ex a{};
+      a.attr.max_wr = 16;
+      a.attr.max_sge = 2;
+      a.comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_XRCD | IBV_SRQ_INIT_ATTR_CQ |
+                    IBV_SRQ_INIT_ATTR_PD;
+      a.srq_type = IBV_SRQT_XRC;
+      a.xrcd = xrcd_;
+      a.cq = cq_;
+      a.pd = pd_;
+      srqs_[i] = ibv_create_srq_ex(ctx_, &a);
+      if (!srqs_[i] || ibv_get_srq_num(srqs_[i], &t.srqn[i])) return errno ? errno : EIO;
+    }
+    return xrc_recv_qp(t, reply);
+  }
+  int xrc_recv_qp(XrcTarget& t, std::vector<uint8_t>& reply) {
+    ibv_qp_init_attr_ex q{};
+    q.qp_type = IBV_QPT_XRC_RECV;
+    q.comp_mask = IBV_QP_INIT_ATTR_XRCD;
+    q.xrcd = xrcd_;
+    ibv_qp* r = ibv_create_qp_ex(ctx_, &q);
+    if (!r) return errno;
+    qps_.push_back(r);
+    t.qp = PeerQp{static_cast<uint32_t>(qps_.size() - 1), r->qp_num};
+    put(reply, t);
+    return 0;
   }
 
   /// Binds window a[0] over [off, off + len) of the second MR (or the main one: top bit of
@@ -353,6 +417,9 @@ class Agent {
   int close() {
     int bad = 0;
     for (ibv_qp* q : qps_) bad |= ibv_destroy_qp(q);
+    for (ibv_srq* q : srqs_)
+      if (q) bad |= ibv_destroy_srq(q);
+    if (xrcd_) bad |= ibv_close_xrcd(xrcd_);
     for (ibv_mw* mw : mws_)
       if (mw) bad |= ibv_dealloc_mw(mw);
     if (mr2_) bad |= ibv_dereg_mr(mr2_);
@@ -383,6 +450,8 @@ class Agent {
   uint8_t* odp_ = nullptr;           ///< the second buffer, when its MR is ODP (mmap'ed)
   std::vector<ibv_qp*> qps_;
   std::vector<ibv_mw*> mws_;  ///< null where deallocated
+  ibv_xrcd* xrcd_ = nullptr;
+  ibv_srq* srqs_[2] = {};  ///< XRC SRQs of xrcd_
 };
 
 /// In the peer copy of the binary, the agent runs before gtest starts and never returns.
@@ -564,6 +633,16 @@ int Peer::local_inv(const PeerQp& qp, uint32_t rkey, uint64_t wr_id) {
 int Peer::dealloc_mw(const Window& w) { return call(kDeallocMw, 0, {w.index}, nullptr, 0); }
 
 int Peer::dereg_mr() { return call(kDeregMr, 0, {}, nullptr, 0); }
+
+XrcTarget Peer::xrc_open() {
+  std::vector<uint8_t> r;
+  EXPECT_EQ(call(kXrcOpen, 0, {}, nullptr, 0, &r), 0);
+  return first_as<XrcTarget>(r);
+}
+
+int Peer::post_srq_recv(uint32_t srq, uint64_t wr_id, const std::vector<Piece>& pieces) {
+  return call(kSrqRecv, 0, {srq, wr_id}, pieces.data(), pieces.size() * sizeof(Piece));
+}
 
 int Peer::set_access(const PeerQp& qp, unsigned access) {
   return call(kSetAccess, qp.index, {access}, nullptr, 0);

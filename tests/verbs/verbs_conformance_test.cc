@@ -1317,6 +1317,161 @@ TEST_F(Conformance, OdpPagesComeInAtAPeersFirstTouchAndAnInaccessibleOneIsRemote
   EXPECT_EQ(peer_.dereg_mr(), 0);
 }
 
+// ---- XRC (issue 24) ---------------------------------------------------------------------------
+// The peer's XRC target: a private domain, two XRC SRQs completing on its CQ, a receive QP per
+// send QP of ours. The SRQ number of each WR chooses where a SEND lands and completes, and the
+// PD an RDMA request is checked against. XRC stays on the backends on every path (the direct
+// paths are RC's): across backends it takes their TCP path.
+
+/// Our XRC send QP and the peer's receive QP, connected to each other.
+struct XrcPair {
+  ibv_qp* qp = nullptr;
+  vrdma::test::XrcTarget t{};
+};
+
+class XrcConformance : public Conformance {
+ protected:
+  XrcPair xrc_pair() {
+    XrcPair p;
+    ibv_qp_init_attr_ex a{};
+    a.qp_type = IBV_QPT_XRC_SEND;
+    a.send_cq = cq_;
+    a.cap.max_send_wr = 16;
+    a.cap.max_send_sge = 1;
+    a.comp_mask = IBV_QP_INIT_ATTR_PD;
+    a.pd = pd_;
+    p.qp = ibv_create_qp_ex(ctx_, &a);
+    EXPECT_NE(p.qp, nullptr) << std::strerror(errno);
+    if (!p.qp) return p;
+    qps_.push_back(p.qp);
+    p.t = peer_.xrc_open();
+    EXPECT_NE(p.t.qp.qpn, 0u);
+    QpPath ours, theirs;
+    ours.dlid = peer_.lid();
+    ours.dest_qpn = p.t.qp.qpn;
+    theirs.dlid = lid_;
+    theirs.dest_qpn = p.qp->qp_num;
+    EXPECT_EQ(bring_to_rts(p.qp, ours), 0);
+    EXPECT_EQ(peer_.connect(p.t.qp, theirs), 0);
+    return p;
+  }
+  ibv_wc peer_wc() {
+    auto wcs = peer_.poll(1);
+    ibv_wc none{};
+    none.status = IBV_WC_GENERAL_ERR;
+    return wcs.empty() ? none : wcs[0];
+  }
+};
+
+TEST_F(XrcConformance, TheSrqNumberChoosesTheReceiveItsCompletionAndThePdOfRdma) {
+  const XrcPair x = xrc_pair();
+  ASSERT_NE(x.qp, nullptr);
+  ASSERT_EQ(peer_.post_srq_recv(0, 100, {Piece{0, 256}}), 0);
+  ASSERT_EQ(peer_.post_srq_recv(1, 200, {Piece{4096, 256}}), 0);
+  // A SEND to SRQ 1 takes SRQ 1's receive, whatever SRQ 0 holds.
+  fill(buf_.data(), 256, 31);
+  ibv_wc wc =
+      run(x.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 100)}, .wr_id = 1, .remote_srqn = x.t.srqn[1]});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.opcode, IBV_WC_SEND);
+  EXPECT_EQ(wc.wr_id, 1u);
+  EXPECT_EQ(wc.qp_num, x.qp->qp_num);
+  ibv_wc rx = peer_wc();
+  EXPECT_EQ(rx.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rx.status);
+  EXPECT_EQ(rx.wr_id, 200u);
+  EXPECT_EQ(rx.opcode, IBV_WC_RECV);
+  EXPECT_EQ(rx.byte_len, 100u);
+  EXPECT_EQ(rx.qp_num, x.t.qp.qpn) << "the receive QP's";
+  EXPECT_EQ(rx.src_qp, x.qp->qp_num);
+  EXPECT_EQ(rx.slid, lid_);
+  EXPECT_EQ(rx.wc_flags & IBV_WC_WITH_IMM, 0u);
+  EXPECT_EQ(peer_.read(4096, 100), std::vector<uint8_t>(buf_.begin(), buf_.begin() + 100));
+  // SEND_WITH_IMM to SRQ 0.
+  wc = run(x.qp, {.op = IBV_WR_SEND_WITH_IMM,
+                  .sges = {sge(0, 64)},
+                  .wr_id = 2,
+                  .imm = 0x1234,
+                  .remote_srqn = x.t.srqn[0]});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  rx = peer_wc();
+  EXPECT_EQ(rx.status, IBV_WC_SUCCESS) << ibv_wc_status_str(rx.status);
+  EXPECT_EQ(rx.wr_id, 100u);
+  EXPECT_EQ(rx.byte_len, 64u);
+  EXPECT_NE(rx.wc_flags & IBV_WC_WITH_IMM, 0u);
+  EXPECT_EQ(rx.imm_data, htonl(0x1234));
+  // RDMA WRITE, READ and FAA through the send QP reach the SRQ's PD (the peer's buffer).
+  const uint64_t at = peer_.mem().addr + 8192;
+  fill(buf_.data(), 128, 32);
+  wc = run(x.qp, {.op = IBV_WR_RDMA_WRITE,
+                  .sges = {sge(0, 128)},
+                  .wr_id = 3,
+                  .raddr = at,
+                  .rkey = peer_.mem().rkey,
+                  .remote_srqn = x.t.srqn[0]});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.opcode, IBV_WC_RDMA_WRITE);
+  EXPECT_EQ(peer_.read(8192, 128), std::vector<uint8_t>(buf_.begin(), buf_.begin() + 128));
+  wc = run(x.qp, {.op = IBV_WR_RDMA_READ,
+                  .sges = {sge(4096, 128)},
+                  .wr_id = 4,
+                  .raddr = at,
+                  .rkey = peer_.mem().rkey,
+                  .remote_srqn = x.t.srqn[1]});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.opcode, IBV_WC_RDMA_READ);
+  EXPECT_EQ(wc.byte_len, 128u);
+  EXPECT_EQ(std::memcmp(buf_.data(), buf_.data() + 4096, 128), 0);
+  uint64_t word = 0;
+  std::memcpy(&word, buf_.data() + 8, 8);
+  wc = run(x.qp, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                  .sges = {sge(16, 8)},
+                  .wr_id = 5,
+                  .raddr = at + 8,
+                  .rkey = peer_.mem().rkey,
+                  .compare_add = 3,
+                  .remote_srqn = x.t.srqn[0]});
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.opcode, IBV_WC_FETCH_ADD);
+  uint64_t old = 0;
+  std::memcpy(&old, buf_.data() + 16, 8);
+  EXPECT_EQ(old, word);
+  EXPECT_EQ(peer_word(8192 + 8), word + 3);
+  EXPECT_TRUE(peer_.poll(1, 0).empty()) << "RDMA consumed no receive";
+}
+
+// Each error on a fresh pair (our send QP goes to ERR): a number that names no SRQ of the
+// target's domain is REM_INV_REQ_ERR and consumes nothing; a bad rkey REM_ACCESS_ERR; a SEND
+// longer than the SRQ's receive REM_INV_REQ_ERR for us and LOC_LEN_ERR for that receive.
+TEST_F(XrcConformance, ANumberOfNoSrqABadRkeyOrAShortReceiveFailAsForRc) {
+  XrcPair x = xrc_pair();
+  ASSERT_NE(x.qp, nullptr);
+  uint32_t none = 0xfffffe;
+  while (none == x.t.srqn[0] || none == x.t.srqn[1]) --none;
+  ASSERT_EQ(peer_.post_srq_recv(0, 300, {Piece{0, 16}}), 0);
+  ibv_wc wc = run(x.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 8)}, .wr_id = 6, .remote_srqn = none});
+  EXPECT_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(wc.wr_id, 6u);
+  EXPECT_EQ(state(x.qp), IBV_QPS_ERR);
+  EXPECT_TRUE(peer_.poll(1, 0).empty()) << "nothing consumed";
+  x = xrc_pair();
+  ASSERT_NE(x.qp, nullptr);
+  wc = run(x.qp, {.op = IBV_WR_RDMA_WRITE,
+                  .sges = {sge(0, 64)},
+                  .wr_id = 7,
+                  .raddr = peer_.mem().addr,
+                  .rkey = peer_.mem().rkey ^ 0x80000000u,
+                  .remote_srqn = x.t.srqn[0]});
+  EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(state(x.qp), IBV_QPS_ERR);
+  x = xrc_pair();
+  ASSERT_NE(x.qp, nullptr);
+  wc = run(x.qp, {.op = IBV_WR_SEND, .sges = {sge(0, 64)}, .wr_id = 8, .remote_srqn = x.t.srqn[0]});
+  EXPECT_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(wc.status);
+  const ibv_wc rx = peer_wc();
+  EXPECT_EQ(rx.status, IBV_WC_LOC_LEN_ERR) << ibv_wc_status_str(rx.status);
+  EXPECT_EQ(rx.wr_id, 300u);
+}
+
 TEST_F(Conformance, AnMrDeregisteredByThePeerIsNoLongerReachable) {
   const auto m = peer_.reg_mr(kAllAccess);
   ASSERT_NE(m.rkey, 0u);
