@@ -4,7 +4,9 @@
 // max_sge, inline data up to max_inline_data, each error of the spec's completion semantics
 // (local protection, remote access, RNR retry, receive too small, flush, queue depth, opcode
 // vs QP type), fetch-and-adds from four QPs of another process, and the async events; and
-// (issue 24) ibv_rereg_mr, ibv_resize_cq and device memory.
+// (issue 24) ibv_rereg_mr, ibv_resize_cq, device memory, memory windows, ODP and XRC. Run on
+// every path: the ring, the direct path (direct.), the backend's TCP path (tcp.) and, with the
+// peer on another backend and the libraries talking to each other, e2e.conformance_remote.
 #include <fcntl.h>
 #include <poll.h>
 
