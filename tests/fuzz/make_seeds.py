@@ -85,6 +85,8 @@ lifecycle = b"".join([
     msg("modify_qp", struct.pack("<II", 5, 1 | 128 | 256 | 1024 | 2048 | 4096 | 65536 | 131072 | 1048576) +
         qp_attr(2, dlid=1, dqpn=0x11)),
     msg("query_qp", struct.pack("<II", 5, 0)),
+    msg("mw_view", struct.pack("<IIII", 5, 0x400, 0, 0)),                 # no window there
+    msg("mw_view", struct.pack("<IIII", 5, 0x400, 1, 0)),
     msg("create_channel"),
     msg("create_srq", struct.pack("<II", 1, 0) + struct.pack("<IIII", 8, 2, 4, 0)),
     msg("modify_srq", struct.pack("<II", 8, 2) + struct.pack("<IIII", 8, 2, 2, 0)),
