@@ -154,23 +154,11 @@ class Agent {
         std::memcpy(&p, payload.data(), sizeof(p));
         return bring_to_rts(qp(o.qp), p);
       }
-      case kPostRecv: {
-        const size_t n = payload.size() / sizeof(Piece);
-        if (!qp(o.qp) || n == 0 || n > 16) return EINVAL;
-        ibv_sge sge[16];
-        for (size_t i = 0; i < n; ++i) {
-          Piece pc;
-          std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
-          // Outside the buffer stays outside: the test may want a receive the device refuses.
-          sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
-        }
-        ibv_recv_wr wr{};
-        wr.wr_id = o.a[0];
-        wr.sg_list = sge;
-        wr.num_sge = static_cast<int>(n);
-        ibv_recv_wr* bad = nullptr;
-        return ibv_post_recv(qp(o.qp), &wr, &bad);
-      }
+      case kPostRecv:
+        if (!qp(o.qp)) return EINVAL;
+        return post_pieces(payload, o.a[0], [&](ibv_recv_wr* wr, ibv_recv_wr** bad) {
+          return ibv_post_recv(qp(o.qp), wr, bad);
+        });
       case kPoll: {
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.a[1]);
         std::vector<ibv_wc> got;
@@ -222,22 +210,11 @@ class Agent {
       }
       case kXrcOpen:
         return xrc_open(reply);
-      case kSrqRecv: {
-        const size_t n = payload.size() / sizeof(Piece);
-        if (o.a[0] >= 2 || !srqs_[o.a[0]] || n == 0 || n > 16) return EINVAL;
-        ibv_sge sge[16];
-        for (size_t i = 0; i < n; ++i) {
-          Piece pc;
-          std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
-          sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
-        }
-        ibv_recv_wr wr{};
-        wr.wr_id = o.a[1];
-        wr.sg_list = sge;
-        wr.num_sge = static_cast<int>(n);
-        ibv_recv_wr* bad = nullptr;
-        return ibv_post_srq_recv(srqs_[o.a[0]], &wr, &bad);
-      }
+      case kSrqRecv:
+        if (o.a[0] >= 2 || !srqs_[o.a[0]]) return EINVAL;
+        return post_pieces(payload, o.a[1], [&](ibv_recv_wr* wr, ibv_recv_wr** bad) {
+          return ibv_post_srq_recv(srqs_[o.a[0]], wr, bad);
+        });
       case kSetAccess: {
         if (!qp(o.qp)) return EINVAL;
         ibv_qp_attr a{};
@@ -283,6 +260,27 @@ class Agent {
       default:
         return ENOSYS;
     }
+  }
+
+  /// A receive WR `wr_id` scattering into the Pieces in `payload` (of the main buffer), handed
+  /// to `post`; EINVAL for none or more than 16.
+  template <typename Post>
+  int post_pieces(const std::vector<uint8_t>& payload, uint64_t wr_id, Post post) {
+    const size_t n = payload.size() / sizeof(Piece);
+    if (n == 0 || n > 16) return EINVAL;
+    ibv_sge sge[16];
+    for (size_t i = 0; i < n; ++i) {
+      Piece pc;
+      std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
+      // Outside the buffer stays outside: the test may want a receive the device refuses.
+      sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
+    }
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = sge;
+    wr.num_sge = static_cast<int>(n);
+    ibv_recv_wr* bad = nullptr;
+    return post(&wr, &bad);
   }
 
   /// A new XRC receive QP (it joins qps_; kConnect connects it) in the peer's private XRC
