@@ -38,9 +38,11 @@ class Conformance : public vrdma::test::VerbsFixture {
   void SetUp() override {
     VerbsFixture::SetUp();
     if (HasFatalFailure()) return;
-    // e2e.conformance_remote runs the suite with the peer on another backend and the direct
-    // path between libraries on.
-    across_ = std::getenv("VRDMA_TEST_PEER_SOCKET") != nullptr;
+    // e2e.conformance_remote runs the suite with the peer on another backend, with the direct
+    // path between libraries on (then across_), and parts of it again with it off.
+    across_ = std::getenv("VRDMA_TEST_PEER_SOCKET") != nullptr &&
+              (vrdma::verbs::to_vctx(ctx_)->control_page()->features &
+               vrdma::proto::kFeatureDirectRemote);
     ASSERT_TRUE(peer_.start("conformance-peer"));
     cq_ = ibv_create_cq(ctx_, 1024, nullptr, nullptr, 0);
     ASSERT_NE(cq_, nullptr);
@@ -171,10 +173,10 @@ class Conformance : public vrdma::test::VerbsFixture {
     }
     return true;
   }
-  /// Across backends: brings `qp` onto the library path, posting READs until its library talks
-  /// to the peer's (the backends' introduction may come some posts after the pair is up, and a
-  /// QP that asked too early asks again 64 posts later, remote_conn.cc back_off). Elsewhere
-  /// true at once.
+  /// Across backends with direct_remote on: brings `qp` onto the library path, posting READs until
+  /// its library talks to the peer's (the backends' introduction may come some posts after the pair
+  /// is up, and a QP that asked too early asks again 64 posts later, remote_conn.cc back_off).
+  /// Elsewhere true at once.
   bool reach_library_path(ibv_qp* qp) {
     for (int i = 0; across_ && i < 4000 && !library_path(qp); ++i) {
       if (!reads(qp, 1)) return false;
