@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -112,6 +113,12 @@ class Agent {
   int serve(int in, int out) {
     for (;;) {
       Order o{};
+      // Waits in poll, not read: a registration of ODP pages (a peer's first touch, faulted in
+      // by the library's hub or pager thread) stops every thread of the process, and under
+      // ThreadSanitizer a thread blocked in read never takes the stop signal.
+      pollfd pf{in, POLLIN, 0};
+      while (::poll(&pf, 1, -1) < 0 && errno == EINTR) {
+      }
       if (!read_all(in, &o, sizeof(o))) return 20;
       std::vector<uint8_t> payload(o.payload_len), reply;
       if (o.payload_len && !read_all(in, payload.data(), payload.size())) return 21;
