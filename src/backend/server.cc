@@ -315,6 +315,9 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kDeallocMw:
       reply_status(dev_.dealloc_mw(*s, handle_of()));
       break;
+    case Op::kMwView:
+      reply(dev_.mw_view(*s, body_of<MwViewReq>(msg).value()));
+      break;
     case Op::kCreateQp: reply(dev_.create_qp(*s, body_of<CreateQpReq>(msg).value(), give)); break;
     case Op::kModifyQp: {
       const ModifyQpReq req = body_of<ModifyQpReq>(msg).value();

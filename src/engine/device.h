@@ -95,6 +95,10 @@ class Device : public transport::Receiver {
   Result<proto::AllocMwResp> alloc_mw(Session& s, const proto::AllocMwReq& req);
   /// ibv_dealloc_mw: unbinds (if bound) and frees the window.
   Status dealloc_mw(Session& s, uint32_t handle);
+  /// kMwView: a window as responder QP `req.qp` of `s` may use it (its library answers the
+  /// QP's peer itself: the direct path across backends); kMwViewInvalidate also invalidates it
+  /// when check_invalidate passes.
+  Result<proto::MwViewResp> mw_view(Session& s, const proto::MwViewReq& req);
   Result<uint32_t> create_channel(Session& s, UniqueFd& read_end);
   Status destroy_channel(Session& s, uint32_t handle);
   Result<proto::CreateCqResp> create_cq(Session& s, const proto::CreateCqReq& req, UniqueFd& ring);

@@ -84,6 +84,32 @@ Status Device::dealloc_mw(Session& s, uint32_t handle) {
   return Status::ok();
 }
 
+Result<MwViewResp> Device::mw_view(Session& s, const MwViewReq& req) {
+  const Qp* qp = find_qp(s, req.qp);
+  if (!qp || qp->type != IBV_QPT_RC) return error(EINVAL, fmt::format("no RC QP {}", req.qp));
+  if (req.flags & ~kMwViewInvalidate) return error(EINVAL, fmt::format("flags {:#x}", req.flags));
+  MwViewResp r{};
+  r.status = IBV_WC_SUCCESS;
+  if (req.flags & kMwViewInvalidate) {
+    // As respond_begin and respond_finish do for a SEND_WITH_INV from a requester of ours.
+    RemoteMwView v;
+    Mw* mw = rkey_mw(*qp, req.rkey, v);
+    r.status = check_invalidate(v, IBV_WC_REM_INV_REQ_ERR);
+    if (r.status == IBV_WC_SUCCESS) mw->bound = false;
+    return r;
+  }
+  RemoteMrView view;
+  if (const Mr* mr = rkey_target(*qp, req.rkey, view); mr && rkey_mr(*qp, req.rkey) != mr) {
+    r.found = 1;
+    r.mr_key = mr->key;
+    r.access = view.access;
+    r.iova = view.iova;
+    r.length = view.length;
+    r.base = view.base;
+  }
+  return r;
+}
+
 Result<uint32_t> Device::reg_segment(Session& s, const RegSegmentReq& req, UniqueFd fd) {
   Guest& g = *s.guest;
   if (s.segments.size() >= kMaxSegments) return error(ENOMEM, "segment limit reached");

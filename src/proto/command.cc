@@ -43,6 +43,8 @@ size_t request_body_size(Op op) {
       return sizeof(OpenQpReq);
     case Op::kAllocMw:
       return sizeof(AllocMwReq);
+    case Op::kMwView:
+      return sizeof(MwViewReq);
     case Op::kReregMr:
       return sizeof(ReregMrReq);
     case Op::kResizeCq:
@@ -167,8 +169,8 @@ std::string op_name(uint16_t op) {
                                            "alloc_mw",
                                            "dealloc_mw",
                                            "import_cm",
-                                           nullptr,  // 62-64: free
-                                           nullptr,
+                                           "mw_view",
+                                           nullptr,  // 63-64: free
                                            nullptr,
                                            "direct_cookie",
                                            "direct_peer",

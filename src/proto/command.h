@@ -101,7 +101,10 @@ enum class Op : uint16_t {
   /// Variable body: a piece of the guest's RDMA CM state (JSON, backend/cm_migrate.cc), its
   /// channels' sockets attached; between kImportData and kImportCommit of a move, optional.
   kImportCm = 61,
-  // 62-64: free (kept for work in flight).
+  /// MwViewReq; MwViewResp: a window as the library's responder on the direct path across
+  /// backends sees it (docs/ARCHITECTURE.md, "Memory windows").
+  kMwView = 62,
+  // 63-64: free (kept for work in flight).
   // The direct path's trust rule (docs/ARCHITECTURE.md, "Direct path": trust).
   kDirectCookie = 65,  ///< DirectCookieReq; Empty
   kDirectPeer = 66,    ///< HandleReq (the QP); DirectPeerResp
@@ -293,6 +296,26 @@ struct AllocMwResp {
   uint32_t rkey;
 };
 static_assert(sizeof(AllocMwResp) == 8);
+/// kMwView: the window under `rkey` as responder QP `qp` (a handle of the session) may use it,
+/// for the library that answers that QP's peer itself (the direct path across backends): the
+/// backend's window_view, and with kMwViewInvalidate a SEND_WITH_INV's check_invalidate, the
+/// window invalidated when it passes. Windows are never in the library's hands, only this view.
+inline constexpr uint32_t kMwViewInvalidate = 1;
+struct MwViewReq {
+  uint32_t qp;
+  uint32_t rkey;
+  uint32_t flags;  ///< kMwViewInvalidate
+  uint32_t reserved;
+};
+static_assert(sizeof(MwViewReq) == 16);
+struct MwViewResp {
+  uint32_t status;  ///< IBV_WC_SUCCESS, or (kMwViewInvalidate) IBV_WC_REM_INV_REQ_ERR
+  uint32_t found;   ///< 1: usable for remote access (responder_rules.h window_view), then:
+  uint32_t mr_key;  ///< the key of the MR under the window (one of the session's)
+  uint32_t access;  ///< the bind's IBV_ACCESS_REMOTE_* bits
+  uint64_t iova, length, base;  ///< as RemoteMrView's
+};
+static_assert(sizeof(MwViewResp) == 40);
 
 /// kImportObject: what ibv_import_pd/mr/dm need of an object of the session, by handle.
 enum class ImportKind : uint32_t { kPd = 1, kMr = 2, kDm = 3 };

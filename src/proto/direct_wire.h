@@ -5,10 +5,11 @@
 // types that carry some. Fixed-width little-endian fields, sizes static_asserted.
 // Versioned: kVersion changes when any struct or value set changes; frame type values are never
 // reused. History: 3 = 64-byte frames (48 before); 4 = inside TLS 1.3 (external PSK), the Hello
-// without the token. Within 4: kRnr's `status` carries the responder's min_rnr_timer (it was 0,
-// which a requester reads as the longest wait, 655 ms), so a requester can count rnr_retry.
-// check_*() validate every field before anything is used: the other end is another tenant's
-// process (what it may touch of ours is then checked against our MRs by the responder).
+// without the token; 5 = kSendInv (SEND_WITH_INV). Within 4 (and so 5): kRnr's `status` carries the
+// responder's min_rnr_timer (it was 0, which a requester reads as the longest wait, 655 ms), so a
+// requester can count rnr_retry. check_*() validate every field before anything is used: the other
+// end is another tenant's process (what it may touch of ours is then checked against our MRs by the
+// responder).
 #pragma once
 
 #include <bit>
@@ -22,7 +23,7 @@ namespace vrdma::proto::dwire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kDirectMagic = 0x44524456;  // "VDRD"
-inline constexpr uint32_t kDirectVersion = 4;
+inline constexpr uint32_t kDirectVersion = 5;
 
 /// The PSK identity the dialer names in its TLS ClientHello: which QP pair, of which version.
 /// The key is HKDF-SHA256 of the offer's token, salted with kPskSalt, with these bytes as info.
@@ -64,6 +65,7 @@ enum FType : uint8_t {
   kFaa = 7,
   kRewind =
       8,  ///< requester, after kResume or its RNR wait: its requests from the dropped one on follow
+  kSendInv = 9,  ///< SEND_WITH_INV: `rkey` is the window to invalidate (version 5)
   kAck = 16,
   kNak = 17,
   kReadResp = 18,
@@ -95,13 +97,14 @@ struct Frame {
 static_assert(sizeof(Frame) == 64);
 
 /// Frames that travel with requests (to the responder), and those that answer them.
-constexpr bool request_dir(uint8_t t) { return t >= kSend && t <= kRewind; }
+constexpr bool request_dir(uint8_t t) { return t >= kSend && t <= kSendInv; }
 constexpr bool response_dir(uint8_t t) { return t >= kAck && t <= kResume; }
 /// Frames followed by `len` bytes of data (requests; kReadResp is the responder's).
+constexpr bool send_frame_type(uint8_t t) { return t == kSend || t == kSendImm || t == kSendInv; }
 constexpr bool carries_data(uint8_t t) {
-  return t == kSend || t == kSendImm || t == kWrite || t == kWriteImm;
+  return send_frame_type(t) || t == kWrite || t == kWriteImm;
 }
-constexpr bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || t == kWriteImm; }
+constexpr bool consumes_recv(uint8_t t) { return send_frame_type(t) || t == kWriteImm; }
 
 /// A frame as it arrived: a known type, fields its type does not use zero where the format
 /// says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a responder

@@ -25,13 +25,11 @@ constexpr bool is_send(uint32_t op) {
 
 /// Memory-window operations the requester's device executes itself, with nothing sent: a bind
 /// (IBV_WR_BIND_MW, and ibv_bind_mw of a type 1 window, which posts one) and IBV_WR_LOCAL_INV.
-/// Only the backend knows windows, so the library's own paths (direct.cc, remote.cc) leave
-/// these, and SEND_WITH_INV, to it.
+/// Only the backend knows windows: the direct path on one host leaves these, and SEND_WITH_INV,
+/// to it; across backends a QP that may bind windows stays on the backends, and the library of
+/// one that may not completes them with the backend's statuses (remote.cc).
 constexpr bool is_local_mw_op(uint32_t op) {
   return op == IBV_WR_BIND_MW || op == IBV_WR_LOCAL_INV;
-}
-constexpr bool needs_backend(uint32_t op) {
-  return is_local_mw_op(op) || op == IBV_WR_SEND_WITH_INV;
 }
 
 /// The reliable connected QP types: RC and both ends of XRC (acknowledged, PSNs, retries).

@@ -51,8 +51,8 @@ struct RemoteMrView {
 constexpr uint64_t mr_iova_of(const RemoteMrView& v, uint64_t raddr) { return raddr + v.base; }
 
 /// What the responder found under a request's rkey when it names a memory window (windows live
-/// in the backend only: proto/post_rules.h needs_backend). An rkey of a window is its index
-/// (upper 24 bits) and the key of its latest bind (low 8 bits, ibv_inc_rkey(3)).
+/// in the backend only; the library across backends asks it, kMwView). An rkey of a window is its
+/// index (upper 24 bits) and the key of its latest bind (low 8 bits, ibv_inc_rkey(3)).
 struct RemoteMwView {
   bool found = false;     ///< a window of the responder's guest has that index
   uint32_t type = 0;      ///< IBV_MW_TYPE_*

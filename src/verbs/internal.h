@@ -201,6 +201,9 @@ struct VQp {
   uint32_t mr_key = 0;
   LocalMr mr{};
   uint32_t access = 0;  ///< qp_access_flags, as last set
+  /// IBV_ACCESS_MW_BIND was in them once: windows may be bound through this QP, so it stays
+  /// on the backends across hosts (remote.cc).
+  bool mw_bind = false;
   /// rnr_retry and min_rnr_timer, as last set: the direct path across backends counts the one
   /// and asks its peer to wait the other (remote_datapath.cc).
   uint8_t rnr_retry = 0, min_rnr_timer = 0;

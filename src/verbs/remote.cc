@@ -47,6 +47,8 @@ uint8_t frame_type(ibv_wr_opcode op) {
       return kSend;
     case IBV_WR_SEND_WITH_IMM:
       return kSendImm;
+    case IBV_WR_SEND_WITH_INV:
+      return kSendInv;
     case IBV_WR_RDMA_WRITE:
       return kWrite;
     case IBV_WR_RDMA_WRITE_WITH_IMM:
@@ -75,8 +77,11 @@ int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, Mem
 }  // namespace
 
 bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
-  // A QP posted to through ibv_wr_* writes its WQEs straight into the ring: it stays there.
+  // A QP posted to through ibv_wr_* writes its WQEs straight into the ring: it stays there. So
+  // does one that may bind windows: binds and invalidations are the backend's to execute, in
+  // order with the rest of the send queue.
   if (qp.qp.qp_type != IBV_QPT_RC || qp.qp_ex.wr_start) return false;
+  if (qp.mw_bind && !(qp.remote && qp.remote->active.load(std::memory_order_acquire))) return false;
   VContext& ctx = *to_vctx(qp.qp.context);
   if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
   RemoteQp* r = qp.remote.get();
@@ -103,18 +108,26 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       break;
     }
     if ((rc = check_post_send(qp.qp.qp_type, *wr, send_caps(qp)))) break;
-    // Windows live in the backend, which executes nothing of this QP's send queue once its
-    // library is connected: binds, invalidations and SEND_WITH_INV are not for this path
-    // (docs/ARCHITECTURE.md, "Memory windows").
-    if (needs_backend(wr->opcode)) {
-      rc = EOPNOTSUPP;
-      break;
+    // A connected QP never had MW_BIND: a bind through it is MW_BIND_ERR, and no window is
+    // bound through it to invalidate, as the backend would complete them (check_bind_mw,
+    // check_invalidate). One that gained MW_BIND since cannot hand its binds to the backend,
+    // which executes nothing of its send queue any more (docs/ARCHITECTURE.md, "Memory
+    // windows").
+    int mw_st = IBV_WC_SUCCESS;
+    if (is_local_mw_op(wr->opcode)) {
+      if (qp.access & IBV_ACCESS_MW_BIND) {
+        rc = EOPNOTSUPP;
+        break;
+      }
+      mw_st = wr->opcode == IBV_WR_BIND_MW ? IBV_WC_MW_BIND_ERR : IBV_WC_LOC_QP_OP_ERR;
     }
-    if (r->failing || st != IBV_WC_SUCCESS || !r->out || r->out->broken.load()) {
+    if (r->failing || st != IBV_WC_SUCCESS || mw_st != IBV_WC_SUCCESS || !r->out ||
+        r->out->broken.load()) {
       // It completes in order, with its error (or flushed, after one).
-      e.status = r->failing             ? IBV_WC_WR_FLUSH_ERR
-                 : st != IBV_WC_SUCCESS ? st
-                                        : IBV_WC_RETRY_EXC_ERR;
+      e.status = r->failing                ? IBV_WC_WR_FLUSH_ERR
+                 : st != IBV_WC_SUCCESS    ? st
+                 : mw_st != IBV_WC_SUCCESS ? mw_st
+                                           : IBV_WC_RETRY_EXC_ERR;
       r->failing = true;
       r->inflight.push_back(e);
       if (r->inflight.size() == 1) {
@@ -135,6 +148,8 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
       f.raddr = wr->wr.atomic.remote_addr;
       f.arg0 = wr->wr.atomic.compare_add;
       f.arg1 = wr->wr.atomic.swap;
+    } else if (type == kSendInv) {
+      f.rkey = wr->invalidate_rkey;
     } else {
       f.rkey = wr->wr.rdma.rkey;
       f.raddr = wr->wr.rdma.remote_addr;
@@ -180,12 +195,14 @@ void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
 
 void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   if (mask & IBV_QP_ACCESS_FLAGS) qp.access = attr.qp_access_flags;
+  if (qp.access & IBV_ACCESS_MW_BIND) qp.mw_bind = true;
   if (mask & IBV_QP_RNR_RETRY) qp.rnr_retry = attr.rnr_retry;
   if (mask & IBV_QP_MIN_RNR_TIMER) qp.min_rnr_timer = attr.min_rnr_timer;
   if (!(mask & IBV_QP_STATE) || (attr.qp_state != IBV_QPS_RTR && attr.qp_state != IBV_QPS_RTS))
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
-  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq ||
+  // A QP that may bind windows answers its peer through the backend, which knows them.
+  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
       (qp.remote && (qp.remote->offered || qp.remote->dead)))
     return;

@@ -48,6 +48,10 @@ ibv_wc_opcode wc_opcode(uint32_t op) {
       return IBV_WC_COMP_SWAP;
     case IBV_WR_ATOMIC_FETCH_AND_ADD:
       return IBV_WC_FETCH_ADD;
+    case IBV_WR_BIND_MW:
+      return IBV_WC_BIND_MW;
+    case IBV_WR_LOCAL_INV:
+      return IBV_WC_LOCAL_INV;
     default:
       return IBV_WC_SEND;
   }
@@ -208,6 +212,14 @@ void to_error(VQp& qp, const char* why) {
   to_vctx(qp.qp.context)->call(Op::kModifyQp, &req, sizeof(req), &resp, 0);
 }
 
+/// No WR of ours waits for an answer any more (fl_mu held): the QP failed (flush_inflight), or
+/// what is left failed locally and waits only for its turn. A WR that fails locally behind WRs
+/// in flight sets `failing` (nothing more is sent), but their answers still complete them, and
+/// then it (acked_upto).
+bool nothing_awaited(const RemoteQp& r) {
+  return r.failing && (r.inflight.empty() || !r.inflight.front().sent);
+}
+
 /// The peer has executed `n` of our requests (fl_mu held): those answered by an ACK complete,
 /// up to the first that waits for its data (READ, atomic); then a WR that failed locally, if it
 /// is now the head, completes with its error (`fail`: the QP goes to ERR). False: the peer
@@ -249,42 +261,6 @@ void resend(RemoteQp& r, Conn& out) {
     if (!e.sent) break;  // failed locally: completes in its turn, and the QP goes to ERR
     if (e.seq >= r.resend_from && !write_request(r, out, e)) return;
   }
-}
-
-/// This process's MR for a key in `pd` (thread-safe; no cache).
-bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out) {
-  std::lock_guard<std::mutex> g(ctx.mr_mu);
-  auto it = ctx.local_mrs.find(key);
-  if (it == ctx.local_mrs.end() || it->second.pd != pd) return false;
-  out = it->second;
-  return true;
-}
-
-/// The responder's rules (proto/responder_rules.h) for a WRITE, READ or atomic (`op`) of `len`
-/// bytes at `iova` under `rkey`, against this process's MRs: IBV_WC_SUCCESS and in `p` where
-/// that lies here (null when it names no memory), or the status the requester gets. A memory
-/// window's rkey finds no MR here (windows live in the backend): REM_ACCESS_ERR, the status of
-/// an rkey the responder cannot use (docs/ARCHITECTURE.md, "Memory windows").
-ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, uint64_t len,
-                          uint8_t*& p) {
-  p = nullptr;
-  LocalMr mr;
-  RemoteMrView view;
-  if (find_mr(*to_vctx(qp.qp.context), qp.pd, rkey, mr))
-    view = RemoteMrView{true, mr.access, mr.iova, mr.length};
-  const ibv_wc_status st = check_remote_request(op, qp.access, iova, len, view);
-  if (st == IBV_WC_SUCCESS && (names_remote_memory(len) || is_rdma_atomic(op))) {
-    p = local_ptr(mr, mr.addr + (iova - mr.iova));
-    // An ODP MR's pages may not be there yet, or not mapped at all: fault them in first.
-    VContext& ctx = *to_vctx(qp.qp.context);
-    if (ctx.odp_mrs.load(std::memory_order_relaxed) &&
-        odp_reach(ctx, rkey, reinterpret_cast<uintptr_t>(p), is_rdma_atomic(op) ? 8 : len,
-                  op != IBV_WR_RDMA_READ)) {
-      p = nullptr;
-      return IBV_WC_REM_ACCESS_ERR;
-    }
-  }
-  return st;
 }
 
 // ---- receiving ----
@@ -453,7 +429,7 @@ void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
   const uint64_t until = r.rnr_until.load(std::memory_order_relaxed);
   if (!until || now_ns() < until) return;
   std::lock_guard<std::mutex> g(r.fl_mu);
-  if (!r.rnr || r.failing || !r.rnr_until.load(std::memory_order_relaxed)) return;
+  if (!r.rnr || nothing_awaited(r) || !r.rnr_until.load(std::memory_order_relaxed)) return;
   VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again (RNR retries left: {})",
              qp.qp.qp_num, r.resend_from, r.rnr_left);
   r.resume_may_cross = true;
@@ -469,7 +445,10 @@ void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
   e.opcode = c.f.type == kWriteImm ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV;
   if (status == IBV_WC_SUCCESS) {
     e.byte_len = c.f.len;
-    if (c.f.type != kSend) {
+    if (c.f.type == kSendInv) {  // ibv_wc's invalidated_rkey shares imm_data's place
+      e.wc_flags = IBV_WC_WITH_INV;
+      e.imm_data = c.f.rkey;
+    } else if (c.f.type != kSend) {
       e.wc_flags = IBV_WC_WITH_IMM;
       e.imm_data = c.f.imm;
     }
@@ -518,7 +497,8 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
   VContext& ctx = *to_vctx(qp.qp.context);
   switch (f.type) {
     case kSend:
-    case kSendImm: {
+    case kSendImm:
+    case kSendInv: {
       uint64_t cap = 0;
       for (uint32_t i = 0; i < c.rwqe.num_sge; ++i) {
         const Sge& s = c.rwqe.sge[i];
@@ -534,6 +514,10 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
       if (cap < f.len) {
         return receive_failed(c, qp, r, IBV_WC_LOC_LEN_ERR, IBV_WC_REM_INV_REQ_ERR);
       }
+      // SEND_WITH_INV: the backend invalidates the window if this QP may (check_invalidate);
+      // otherwise the receive fails, as the backend's responder fails it.
+      if (f.type == kSendInv && !invalidate_window(qp, f.rkey))
+        return receive_failed(c, qp, r, IBV_WC_LOC_PROT_ERR, IBV_WC_REM_INV_REQ_ERR);
       c.left = f.len;
       return kGo;
     }
@@ -615,7 +599,7 @@ void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
 Outcome ack_riding(VQp& qp, RemoteQp& r, uint64_t n) {
   std::lock_guard<std::mutex> g(r.fl_mu);
   bool fail = false;
-  if (!r.failing && !acked_upto(qp, r, n, fail))
+  if (!nothing_awaited(r) && !acked_upto(qp, r, n, fail))
     return broken_peer("the peer acknowledged requests that were not sent");
   return fail ? failed(kWrFailed) : kGo;
 }
@@ -629,7 +613,7 @@ Outcome start_response(Conn& c, VQp& qp, RemoteQp& r) {
   c.left = 0;
   std::lock_guard<std::mutex> g(r.fl_mu);
   bool fail = false;  // acked_upto completed a WR that failed locally: the QP goes to ERR
-  if (r.failing) {  // already in error: take the bytes, do nothing
+  if (nothing_awaited(r)) {  // already in error: take the bytes, do nothing
     c.discard = true;
     c.left = f.type == kReadResp ? f.len : 0;
     return kGo;

@@ -301,6 +301,19 @@ ssize_t tls_read(Conn& c, void* p, size_t n, bool& more);
 /// first and at least as many, by the next write from the same place in line.
 ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip);
 
+// remote_memory.cc: what a peer's request may touch here.
+
+/// This process's MR for a key in `pd` (thread-safe; no cache).
+bool find_mr(VContext& ctx, uint32_t pd, uint32_t key, LocalMr& out);
+/// A SEND_WITH_INV's invalidation of `rkey` by responder `qp`, done by the backend, which keeps
+/// windows (kMwView, kMwViewInvalidate). False: check_invalidate refused it.
+bool invalidate_window(VQp& qp, uint32_t rkey);
+/// The responder's rules for a WRITE, READ or atomic (`op`) of `len` bytes at `iova` under
+/// `rkey`, against this process's MRs or a window over one: IBV_WC_SUCCESS and in `p` where that
+/// lies here (null when it names no memory), or the status the requester gets.
+ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, uint64_t len,
+                          uint8_t*& p);
+
 // remote_datapath.cc: requests, responses, completions.
 
 /// Writes what it can of the backlog (tx_mu held). False when the connection broke.

@@ -18,7 +18,7 @@ OPS = dict(hello=1, alloc_pd=2, dealloc_pd=3, reg_segment=4, reg_mr=5, dereg_mr=
            cm_create_id=37, cm_destroy_id=38, cm_bind=39, cm_listen=40, cm_resolve_addr=41,
            cm_resolve_route=42, cm_connect=43, cm_accept=44, cm_reject=45, cm_establish=46,
            cm_disconnect=47, cm_migrate_id=48, rereg_mr=54, resize_cq=55, alloc_dm=56, free_dm=57,
-           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, dereg_segment=34, open_xrcd=68,
+           reg_dm_mr=58, alloc_mw=59, dealloc_mw=60, mw_view=62, dereg_segment=34, open_xrcd=68,
            close_xrcd=69, create_xrc_srq=70, open_qp=71)
 
 
@@ -85,6 +85,8 @@ lifecycle = b"".join([
     msg("modify_qp", struct.pack("<II", 5, 1 | 128 | 256 | 1024 | 2048 | 4096 | 65536 | 131072 | 1048576) +
         qp_attr(2, dlid=1, dqpn=0x11)),
     msg("query_qp", struct.pack("<II", 5, 0)),
+    msg("mw_view", struct.pack("<IIII", 5, 0x400, 0, 0)),                 # no window there
+    msg("mw_view", struct.pack("<IIII", 5, 0x400, 1, 0)),
     msg("create_channel"),
     msg("create_srq", struct.pack("<II", 1, 0) + struct.pack("<IIII", 8, 2, 4, 0)),
     msg("modify_srq", struct.pack("<II", 8, 2) + struct.pack("<IIII", 8, 2, 2, 0)),
@@ -148,6 +150,9 @@ windows = b"".join([
     msg("alloc_mw", struct.pack("<II", 9, 1)),
     msg("alloc_mw", struct.pack("<II", 1, 3)),
     msg("dealloc_pd", struct.pack("<II", 1, 0)),
+    msg("mw_view", struct.pack("<IIII", 9, 0x200, 0, 0)),                 # no such QP
+    msg("mw_view", struct.pack("<IIII", 9, 0x200, 1, 0)),
+    msg("mw_view", struct.pack("<IIII", 9, 0x200, 6, 0)),                 # unknown flags
     msg("dealloc_mw", struct.pack("<II", 2, 0)),
     msg("dealloc_mw", struct.pack("<II", 3, 0)),
     msg("dealloc_mw", struct.pack("<II", 3, 0)),
@@ -302,7 +307,7 @@ wire = {
 
 # ---- direct_wire fuzzer: what a peer library sends (src/proto/direct_wire.h): a Hello, then
 # 64-byte frames, data after those that carry some.
-DIRECT_MAGIC, DIRECT_VERSION = 0x44524456, 4  # kDirectMagic, kDirectVersion
+DIRECT_MAGIC, DIRECT_VERSION = 0x44524456, 5  # kDirectMagic, kDirectVersion
 
 
 def dframe(t, length=0, status=0, flags=0, data=b""):
@@ -313,7 +318,8 @@ def dframe(t, length=0, status=0, flags=0, data=b""):
 dhello = struct.pack("<IIIIII", DIRECT_MAGIC, DIRECT_VERSION, 0x11, 0x12, 3, 1)
 direct_wire = {
     "seed-requests": dhello + dframe(1, 8, data=b"s" * 8) + dframe(3, 4, data=b"wwww") +
-        dframe(5, 64) + dframe(6, 8) + dframe(7, 8) + dframe(8) + dframe(2, 1, flags=1, data=b"i"),
+        dframe(5, 64) + dframe(6, 8) + dframe(7, 8) + dframe(8) + dframe(2, 1, flags=1, data=b"i") +
+        dframe(9, 4, data=b"vvvv"),
     "seed-responses": dhello + dframe(16) + dframe(17, status=10) + dframe(18, 4) + dframe(19) +
         dframe(20) + dframe(21),
 }

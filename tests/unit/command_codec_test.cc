@@ -99,11 +99,13 @@ TEST(CommandCodec, EveryOpcodeRoundTrips) {
   round_trip<DirectCookieReq>(Op::kDirectCookie, rng);
   round_trip<HandleReq>(Op::kDirectPeer, rng);
   round_trip<HandleReq>(Op::kDirectProve, rng);
+  round_trip<MwViewReq>(Op::kMwView, rng);
   EXPECT_EQ(request_body_size(Op::kMax), SIZE_MAX);
   EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kDirectProve)), "direct_prove");
   EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kImportCm)), "import_cm");
   EXPECT_EQ(request_body_size(Op::kImportCm), kVariableBody);
-  EXPECT_EQ(op_name(62), "op 62");  // a number kept free: no name, no body
+  EXPECT_EQ(op_name(static_cast<uint16_t>(Op::kMwView)), "mw_view");
+  EXPECT_EQ(op_name(63), "op 63");  // a number kept free: no name, no body
 }
 
 TEST(CommandCodec, ResponsesRoundTripThroughDecodeHeader) {

@@ -497,6 +497,42 @@ TEST_F(DeviceTest, ABindOutsideTheMrIsMwBindErrorAndAnInvalidationOfNothingLocQp
   EXPECT_EQ(a.opcode, IBV_WC_LOCAL_INV);
 }
 
+// kMwView, for a library that answers its QP's peer itself (the direct path across backends):
+// a window's rkey as that QP may use it (window_view), an MR's rkey is no window, and the
+// invalidation a SEND_WITH_INV asks for (check_invalidate).
+TEST_F(DeviceTest, MwViewGivesAWindowAsItsQpMayUseItAndInvalidatesAsSendWithInvalidate) {
+  qp_access_ = kAccess | IBV_ACCESS_MW_BIND;
+  connect_both();
+  MemV m = mem(b_, kAccess | IBV_ACCESS_MW_BIND);
+  const auto [mw, rkey] =
+      type2_window(b_, qb_, m, 1024, 2048, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_ZERO_BASED);
+  ASSERT_EQ(poll_one(bcq_).status, IBV_WC_SUCCESS);
+  auto v = dev_.mw_view(*b_.s, MwViewReq{qb_.handle, rkey, 0, 0});
+  ASSERT_TRUE(v.is_ok()) << v.status().message();
+  EXPECT_EQ(v->status, uint32_t{IBV_WC_SUCCESS});
+  EXPECT_EQ(v->found, 1u);
+  EXPECT_EQ(v->mr_key, m.mr.lkey);
+  EXPECT_EQ(v->access, uint32_t{IBV_ACCESS_REMOTE_READ});
+  EXPECT_EQ(v->iova, 0u) << "zero-based";
+  EXPECT_EQ(v->length, 2048u);
+  EXPECT_EQ(v->base, m.addr + 1024);
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{qb_.handle, mw.rkey, 0, 0})->found, 0u)
+      << "the allocation's key";
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{qb_.handle, m.mr.lkey, 0, 0})->found, 0u)
+      << "an MR's rkey";
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{0xdead, rkey, 0, 0}).err(), EINVAL) << "no such QP";
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{qb_.handle, rkey, 2, 0}).err(), EINVAL) << "flags";
+  // Invalidated once; then neither usable nor invalidated again.
+  auto inv = dev_.mw_view(*b_.s, MwViewReq{qb_.handle, rkey, kMwViewInvalidate, 0});
+  ASSERT_TRUE(inv.is_ok());
+  EXPECT_EQ(inv->status, uint32_t{IBV_WC_SUCCESS});
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{qb_.handle, rkey, 0, 0})->found, 0u);
+  EXPECT_EQ(dev_.mw_view(*b_.s, MwViewReq{qb_.handle, rkey, kMwViewInvalidate, 0})->status,
+            uint32_t{IBV_WC_REM_INV_REQ_ERR});
+  EXPECT_TRUE(dev_.dereg_mr(*b_.s, m.mr.handle)) << "no window holds the MR any more";
+  EXPECT_TRUE(dev_.dealloc_mw(*b_.s, mw.handle));
+}
+
 TEST_F(DeviceTest, AllocMwChecksItsPdAndTypeAndGivesTheQuotaBackWhenFreed) {
   EXPECT_EQ(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd + 100, IBV_MW_TYPE_1}).err(), EINVAL);
   EXPECT_EQ(dev_.alloc_mw(*a_.s, AllocMwReq{a_.pd, 3}).err(), EINVAL);

@@ -18,7 +18,7 @@ Frame request(uint8_t type, uint32_t len) {
 }
 
 TEST(DirectWire, EveryKnownFrameOfAPeerPasses) {
-  for (uint8_t t : {kSend, kSendImm, kWrite, kWriteImm, kRead, kCas, kFaa, kRewind, kAck,
+  for (uint8_t t : {kSend, kSendImm, kWrite, kWriteImm, kRead, kCas, kFaa, kRewind, kSendInv, kAck,
                     kReadResp, kAtomicResp, kRnr, kResume})
     EXPECT_TRUE(check_frame(request(t, 8)).is_ok()) << int(t);
   Frame nak = request(kNak, 0);
@@ -35,7 +35,8 @@ TEST(DirectWire, EveryKnownFrameOfAPeerPasses) {
 }
 
 TEST(DirectWire, EachMalformedFieldIsRefused) {
-  for (uint8_t t : {0, 9, 15, 22, 255}) EXPECT_EQ(check_frame(request(t, 0)).err(), EPROTO) << int(t);
+  for (uint8_t t : {0, 10, 15, 22, 255})
+    EXPECT_EQ(check_frame(request(t, 0)).err(), EPROTO) << int(t);
   Frame f = request(kSend, 8);
   f.pad[15] = 1;
   EXPECT_EQ(check_frame(f).err(), EPROTO);

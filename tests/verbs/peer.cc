@@ -5,6 +5,8 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +35,9 @@ enum Op : uint32_t {
   kBindMw,     ///< a: mw, off | main << 63, len, access | wr_id << 32 -> uint32_t new rkey
   kLocalInv,   ///< a: rkey, wr_id
   kDeallocMw,  ///< a: mw
+  kSetAccess,  ///< a: qp_access_flags (RTS to RTS)
+  kXrcOpen,    ///< -> XrcTarget
+  kSrqRecv,    ///< a: srq (0, 1), wr_id; payload: Pieces
   kQuit,
 };
 
@@ -108,6 +113,12 @@ class Agent {
   int serve(int in, int out) {
     for (;;) {
       Order o{};
+      // Waits in poll, not read: a registration of ODP pages (a peer's first touch, faulted in
+      // by the library's hub or pager thread) stops every thread of the process, and under
+      // ThreadSanitizer a thread blocked in read never takes the stop signal.
+      pollfd pf{in, POLLIN, 0};
+      while (::poll(&pf, 1, -1) < 0 && errno == EINTR) {
+      }
       if (!read_all(in, &o, sizeof(o))) return 20;
       std::vector<uint8_t> payload(o.payload_len), reply;
       if (o.payload_len && !read_all(in, payload.data(), payload.size())) return 21;
@@ -150,23 +161,11 @@ class Agent {
         std::memcpy(&p, payload.data(), sizeof(p));
         return bring_to_rts(qp(o.qp), p);
       }
-      case kPostRecv: {
-        const size_t n = payload.size() / sizeof(Piece);
-        if (!qp(o.qp) || n == 0 || n > 16) return EINVAL;
-        ibv_sge sge[16];
-        for (size_t i = 0; i < n; ++i) {
-          Piece pc;
-          std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
-          // Outside the buffer stays outside: the test may want a receive the device refuses.
-          sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
-        }
-        ibv_recv_wr wr{};
-        wr.wr_id = o.a[0];
-        wr.sg_list = sge;
-        wr.num_sge = static_cast<int>(n);
-        ibv_recv_wr* bad = nullptr;
-        return ibv_post_recv(qp(o.qp), &wr, &bad);
-      }
+      case kPostRecv:
+        if (!qp(o.qp)) return EINVAL;
+        return post_pieces(payload, o.a[0], [&](ibv_recv_wr* wr, ibv_recv_wr** bad) {
+          return ibv_post_recv(qp(o.qp), wr, bad);
+        });
       case kPoll: {
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(o.a[1]);
         std::vector<ibv_wc> got;
@@ -191,18 +190,43 @@ class Agent {
         return 0;
       case kRegMr: {
         if (mr2_) return EBUSY;
-        buf2_.assign(1 << 16, 0);
-        mr2_ = ibv_reg_mr(pd_, buf2_.data(), buf2_.size(), static_cast<int>(o.a[0]));
+        uint8_t* at;
+        if (o.a[0] & IBV_ACCESS_ON_DEMAND) {
+          // ODP: fresh pages nothing touched yet, the last one not accessible at all.
+          void* m =
+              ::mmap(nullptr, kMr2Size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+          if (m == MAP_FAILED) return errno;
+          odp_ = static_cast<uint8_t*>(m);
+          if (::mprotect(odp_ + kMr2Size - 4096, 4096, PROT_NONE)) return errno;
+          at = odp_;
+        } else {
+          buf2_.assign(kMr2Size, 0);
+          at = buf2_.data();
+        }
+        mr2_ = ibv_reg_mr(pd_, at, kMr2Size, static_cast<int>(o.a[0]));
         if (!mr2_) return errno;
-        put(reply, PeerMem{reinterpret_cast<uintptr_t>(buf2_.data()), mr2_->rkey,
-                           static_cast<uint32_t>(buf2_.size())});
+        put(reply, PeerMem{reinterpret_cast<uintptr_t>(at), mr2_->rkey, kMr2Size});
         return 0;
       }
       case kDeregMr: {
         if (!mr2_) return EINVAL;
         const int rc = ibv_dereg_mr(mr2_);
         if (rc == 0) mr2_ = nullptr;  // EBUSY (a window bound to it): it stays
+        if (rc == 0) unmap_odp();
         return rc;
+      }
+      case kXrcOpen:
+        return xrc_open(reply);
+      case kSrqRecv:
+        if (o.a[0] >= 2 || !srqs_[o.a[0]]) return EINVAL;
+        return post_pieces(payload, o.a[1], [&](ibv_recv_wr* wr, ibv_recv_wr** bad) {
+          return ibv_post_srq_recv(srqs_[o.a[0]], wr, bad);
+        });
+      case kSetAccess: {
+        if (!qp(o.qp)) return EINVAL;
+        ibv_qp_attr a{};
+        a.qp_access_flags = static_cast<unsigned>(o.a[0]);
+        return ibv_modify_qp(qp(o.qp), &a, IBV_QP_ACCESS_FLAGS);
       }
       case kQpState: {
         ibv_qp_attr a{};
@@ -243,6 +267,71 @@ class Agent {
       default:
         return ENOSYS;
     }
+  }
+
+  /// A receive WR `wr_id` scattering into the Pieces in `payload` (of the main buffer), handed
+  /// to `post`; EINVAL for none or more than 16.
+  template <typename Post>
+  int post_pieces(const std::vector<uint8_t>& payload, uint64_t wr_id, Post post) {
+    const size_t n = payload.size() / sizeof(Piece);
+    if (n == 0 || n > 16) return EINVAL;
+    ibv_sge sge[16];
+    for (size_t i = 0; i < n; ++i) {
+      Piece pc;
+      std::memcpy(&pc, payload.data() + i * sizeof(Piece), sizeof(pc));
+      // Outside the buffer stays outside: the test may want a receive the device refuses.
+      sge[i] = ibv_sge{reinterpret_cast<uintptr_t>(buf_.data()) + pc.off, pc.len, mr_->lkey};
+    }
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = sge;
+    wr.num_sge = static_cast<int>(n);
+    ibv_recv_wr* bad = nullptr;
+    return post(&wr, &bad);
+  }
+
+  /// A new XRC receive QP (it joins qps_; kConnect connects it) in the peer's private XRC
+  /// domain, made at the first call with two XRC SRQs that complete on the peer's CQ.
+  int xrc_open(std::vector<uint8_t>& reply) {
+    XrcTarget t{};
+    if (xrcd_) {
+      for (int i = 0; i < 2; ++i) {
+        if (ibv_get_srq_num(srqs_[i], &t.srqn[i])) return EIO;
+      }
+      return xrc_recv_qp(t, reply);
+    }
+    ibv_xrcd_init_attr xa{};
+    xa.comp_mask = IBV_XRCD_INIT_ATTR_FD | IBV_XRCD_INIT_ATTR_OFLAGS;
+    xa.fd = -1;
+    xa.oflags = O_CREAT;
+    xrcd_ = ibv_open_xrcd(ctx_, &xa);
+    if (!xrcd_) return errno;
+    for (int i = 0; i < 2; ++i) {
+      ibv_srq_init_attr_ex a{};
+      a.attr.max_wr = 16;
+      a.attr.max_sge = 2;
+      a.comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_XRCD | IBV_SRQ_INIT_ATTR_CQ |
+                    IBV_SRQ_INIT_ATTR_PD;
+      a.srq_type = IBV_SRQT_XRC;
+      a.xrcd = xrcd_;
+      a.cq = cq_;
+      a.pd = pd_;
+      srqs_[i] = ibv_create_srq_ex(ctx_, &a);
+      if (!srqs_[i] || ibv_get_srq_num(srqs_[i], &t.srqn[i])) return errno ? errno : EIO;
+    }
+    return xrc_recv_qp(t, reply);
+  }
+  int xrc_recv_qp(XrcTarget& t, std::vector<uint8_t>& reply) {
+    ibv_qp_init_attr_ex q{};
+    q.qp_type = IBV_QPT_XRC_RECV;
+    q.comp_mask = IBV_QP_INIT_ATTR_XRCD;
+    q.xrcd = xrcd_;
+    ibv_qp* r = ibv_create_qp_ex(ctx_, &q);
+    if (!r) return errno;
+    qps_.push_back(r);
+    t.qp = PeerQp{static_cast<uint32_t>(qps_.size() - 1), r->qp_num};
+    put(reply, t);
+    return 0;
   }
 
   /// Binds window a[0] over [off, off + len) of the second MR (or the main one: top bit of
@@ -333,9 +422,13 @@ class Agent {
   int close() {
     int bad = 0;
     for (ibv_qp* q : qps_) bad |= ibv_destroy_qp(q);
+    for (ibv_srq* q : srqs_)
+      if (q) bad |= ibv_destroy_srq(q);
+    if (xrcd_) bad |= ibv_close_xrcd(xrcd_);
     for (ibv_mw* mw : mws_)
       if (mw) bad |= ibv_dealloc_mw(mw);
     if (mr2_) bad |= ibv_dereg_mr(mr2_);
+    unmap_odp();
     bad |= ibv_dereg_mr(mr_);
     bad |= ibv_destroy_cq(cq_);
     bad |= ibv_dealloc_pd(pd_);
@@ -344,6 +437,13 @@ class Agent {
     return bad ? 30 : 0;
   }
 
+  /// The ODP buffer goes once its MR has (ARCHITECTURE.md, "Unmapping ODP memory").
+  void unmap_odp() {
+    if (odp_) ::munmap(odp_, kMr2Size);
+    odp_ = nullptr;
+  }
+
+  static constexpr uint32_t kMr2Size = 1 << 16;
   ibv_device** list_ = nullptr;
   ibv_context* ctx_ = nullptr;
   ibv_pd* pd_ = nullptr;
@@ -352,8 +452,11 @@ class Agent {
   ibv_mr* mr2_ = nullptr;
   uint16_t lid_ = 0;
   std::vector<uint8_t> buf_, buf2_;  // malloc'ed after the fork: must not corrupt the parent
+  uint8_t* odp_ = nullptr;           ///< the second buffer, when its MR is ODP (mmap'ed)
   std::vector<ibv_qp*> qps_;
   std::vector<ibv_mw*> mws_;  ///< null where deallocated
+  ibv_xrcd* xrcd_ = nullptr;
+  ibv_srq* srqs_[2] = {};  ///< XRC SRQs of xrcd_
 };
 
 /// In the peer copy of the binary, the agent runs before gtest starts and never returns.
@@ -535,6 +638,20 @@ int Peer::local_inv(const PeerQp& qp, uint32_t rkey, uint64_t wr_id) {
 int Peer::dealloc_mw(const Window& w) { return call(kDeallocMw, 0, {w.index}, nullptr, 0); }
 
 int Peer::dereg_mr() { return call(kDeregMr, 0, {}, nullptr, 0); }
+
+XrcTarget Peer::xrc_open() {
+  std::vector<uint8_t> r;
+  EXPECT_EQ(call(kXrcOpen, 0, {}, nullptr, 0, &r), 0);
+  return first_as<XrcTarget>(r);
+}
+
+int Peer::post_srq_recv(uint32_t srq, uint64_t wr_id, const std::vector<Piece>& pieces) {
+  return call(kSrqRecv, 0, {srq, wr_id}, pieces.data(), pieces.size() * sizeof(Piece));
+}
+
+int Peer::set_access(const PeerQp& qp, unsigned access) {
+  return call(kSetAccess, qp.index, {access}, nullptr, 0);
+}
 
 ibv_qp_state Peer::qp_state(const PeerQp& qp) {
   std::vector<uint8_t> r;

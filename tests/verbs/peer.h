@@ -37,6 +37,12 @@ struct Piece {
   uint32_t reserved = 0;
 };
 
+/// The peer's XRC target: a receive QP and the numbers of two XRC SRQs of its domain.
+struct XrcTarget {
+  PeerQp qp;
+  uint32_t srqn[2];
+};
+
 inline constexpr size_t kPeerBufSize = 1 << 20;
 
 class Peer {
@@ -67,9 +73,17 @@ class Peer {
   std::vector<ibv_wc> poll(size_t n, int timeout_ms = 5000);
   std::vector<uint8_t> read(uint64_t off, uint32_t len);
   void write(uint64_t off, const void* p, uint32_t len);
-  /// Registers a second 64 KiB buffer with `access` (one at a time).
+  /// Registers a second 64 KiB buffer with `access` (one at a time). With
+  /// IBV_ACCESS_ON_DEMAND: fresh pages, never touched, its last 4 KiB not accessible (PROT_NONE).
   PeerMem reg_mr(unsigned access);
   int dereg_mr();
+  /// A new XRC receive QP (connect() takes it to RTS) in the peer's private XRC domain, which
+  /// has two XRC SRQs, made at the first call (their receives complete on the peer's CQ).
+  XrcTarget xrc_open();
+  /// Posts one receive on XRC SRQ `srq` (0 or 1) scattering into `pieces` of the peer's buffer.
+  int post_srq_recv(uint32_t srq, uint64_t wr_id, const std::vector<Piece>& pieces);
+  /// ibv_modify_qp of the QP's qp_access_flags alone (at RTS).
+  int set_access(const PeerQp& qp, unsigned access);
   ibv_qp_state qp_state(const PeerQp& qp);
   /// A memory window of the peer's PD: `index` names it in later orders.
   struct Window {
