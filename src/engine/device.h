@@ -449,6 +449,12 @@ class Device : public transport::Receiver {
   /// nothing: the connection moved since the timer last looked, or has been still for less than
   /// the path's round trip. The first look of a wait only notes where the connection stands.
   bool conn_moving(Qp& qp, uint64_t now_ns);
+  /// How long an ACK timeout waits for a peer backend that has our request (or closed its
+  /// window) before it spends retries: kSlowPeerNs, or the peer's TCP recovery if longer.
+  uint64_t slow_peer_ns(const Qp& qp);
+  /// ack_timeout with the head request still in the pipe: true when this timeout costs nothing
+  /// (the connection moves, or the peer's window is closed for less than slow_peer_ns).
+  bool pipe_waits(Qp& qp, uint32_t psn, uint64_t now_ns);
   /// The log line (rate-limited) of an ACK timeout that waits for a slow peer backend since
   /// `since_ns`; `what` says why the path counts as delivering.
   void slow_peer_note(const Qp& qp, uint32_t psn, uint64_t now_ns, uint64_t since_ns,

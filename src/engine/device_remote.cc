@@ -229,31 +229,9 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
   const bool live = front.mark.conn != 0 && front.mark.conn == conn;
   const bool in_pipe = live && !transport_->tx_delivered(qp.peer_node, front.mark);
-  // An answer lost on the way back comes through the peer's TCP recovery, which backs off as
-  // ours does (lost three times in a row, at 10 % loss now and then: 3 s at the 200 ms floor,
-  // beyond kSlowPeerNs): a path that still delivers, not a peer that does not answer.
-  const auto slow_peer_ns = [&] {
-    return std::max(kSlowPeerNs, transport_->peer_recovery_ns(qp.peer_node));
-  };
-  if (in_pipe) {
-    // Progress is judged from the second timeout of a wait on: the first one only notes where
-    // the connection stands, and counts as a retry, as on a fabric. Later,
-    // a timeout costs nothing if the connection moved, or if it has been still for less than
-    // the path's own round trip (a long path: the answer cannot be there yet).
-    const bool first = !qp.ack_looked;
-    if (conn_moving(qp, now_ns)) {
-      qp.wait_until_ns = now_ns + ack_ns(qp);
-      return false;
-    }
-    // The peer's TCP has all we sent and closed its window: the path delivers, but the peer
-    // backend does not read (a backend starved of CPU for a second and a half closed it under
-    // ib_write_bw). A slow peer backend, waited for as below, from when the connection stopped.
-    if (!first && now_ns - qp.ack_moved_ns < slow_peer_ns() &&
-        transport_->peer_window_closed(qp.peer_node)) {
-      qp.wait_until_ns = now_ns + ack_ns(qp);
-      slow_peer_note(qp, front.psn, now_ns, qp.ack_moved_ns, "its window is closed");
-      return false;
-    }
+  if (in_pipe && pipe_waits(qp, front.psn, now_ns)) {
+    qp.wait_until_ns = now_ns + ack_ns(qp);
+    return false;
   }
   if (!in_pipe && live) {
     // The peer's TCP holds the request on this very connection and its backend has not answered:
@@ -282,7 +260,7 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       return false;
     }
-    if (path_delivers && now_ns - qp.peer_has_since_ns < slow_peer_ns()) {
+    if (path_delivers && now_ns - qp.peer_has_since_ns < slow_peer_ns(qp)) {
       qp.wait_until_ns = now_ns + ack_ns(qp);
       slow_peer_note(qp, front.psn, now_ns, qp.peer_has_since_ns, "the peer has it");
       return false;
@@ -331,6 +309,30 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
     if (qp.probe) break;  // the head alone: its ACK sends the rest
   }
   return did;
+}
+
+uint64_t Device::slow_peer_ns(const Qp& qp) {
+  // An answer lost on the way back comes through the peer's TCP recovery, which backs off as
+  // ours does (lost three times in a row, at 10 % loss now and then: 3 s at the 200 ms floor,
+  // beyond kSlowPeerNs): a path that still delivers, not a peer that does not answer.
+  return std::max(kSlowPeerNs, transport_->peer_recovery_ns(qp.peer_node));
+}
+
+bool Device::pipe_waits(Qp& qp, uint32_t psn, uint64_t now_ns) {
+  // Progress is judged from the second timeout of a wait on: the first one only notes where
+  // the connection stands, and counts as a retry, as on a fabric. Later,
+  // a timeout costs nothing if the connection moved, or if it has been still for less than
+  // the path's own round trip (a long path: the answer cannot be there yet).
+  const bool first = !qp.ack_looked;
+  if (conn_moving(qp, now_ns)) return true;
+  // The peer's TCP has all we sent and closed its window: the path delivers, but the peer
+  // backend does not read (a backend starved of CPU for a second and a half closed it under
+  // ib_write_bw). A slow peer backend, waited for as one, from when the connection stopped.
+  if (first || now_ns - qp.ack_moved_ns >= slow_peer_ns(qp) ||
+      !transport_->peer_window_closed(qp.peer_node))
+    return false;
+  slow_peer_note(qp, psn, now_ns, qp.ack_moved_ns, "its window is closed");
+  return true;
 }
 
 void Device::slow_peer_note(const Qp& qp, uint32_t psn, uint64_t now_ns, uint64_t since_ns,
