@@ -627,6 +627,9 @@ bool Device::flush(Qp& qp) {
 }
 
 bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
+  // Leaving the direct path across backends: what the library posted since then waits until all
+  // it executed itself is settled (nothing in flight between the libraries).
+  if ((qp.direct_remote || qp.offered) && revoke_holds(qp)) return false;
   if (qp.route_pending) choose_route(qp);
   if (qp.remote) return process_sq_remote(qp, now_ns);
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;

@@ -7,6 +7,8 @@
 // reused. History: 3 = 64-byte frames (48 before); 4 = inside TLS 1.3 (external PSK), the Hello
 // without the token. Within 4: kRnr's `status` carries the responder's min_rnr_timer (it was 0,
 // which a requester reads as the longest wait, 655 ms), so a requester can count rnr_retry.
+// 5 = kRevoke (the pair goes back to the backends, before a move of either guest): a library of
+// 4 would take it for a broken peer, so the two do not connect at all.
 // check_*() validate every field before anything is used: the other end is another tenant's
 // process (what it may touch of ours is then checked against our MRs by the responder).
 #pragma once
@@ -22,7 +24,7 @@ namespace vrdma::proto::dwire {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 inline constexpr uint32_t kDirectMagic = 0x44524456;  // "VDRD"
-inline constexpr uint32_t kDirectVersion = 4;
+inline constexpr uint32_t kDirectVersion = 5;
 
 /// The PSK identity the dialer names in its TLS ClientHello: which QP pair, of which version.
 /// The key is HKDF-SHA256 of the offer's token, salted with kPskSalt, with these bytes as info.
@@ -71,6 +73,10 @@ enum FType : uint8_t {
   kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped (status:
                  ///< min_rnr_timer)
   kResume = 21,  ///< a receive is posted: send them again
+  /// Either way, on the connection the sender's requests go on (else its only one): the QP pair
+  /// goes back to the backends. The sender sends no request after it; arg0: how many it sent in
+  /// all (the receiver is done once it has executed that many). No data.
+  kRevoke = 24,
 };
 
 /// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
@@ -103,9 +109,10 @@ constexpr bool carries_data(uint8_t t) {
 }
 constexpr bool consumes_recv(uint8_t t) { return t == kSend || t == kSendImm || t == kWriteImm; }
 
-/// A frame as it arrived: a known type, fields its type does not use zero where the format
-/// says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a responder
-/// gives, an RNR NAK's timer one of the 32 encodings. EPROTO, with what was wrong, otherwise.
+/// A frame as it arrived: a known type (kRevoke: no length), fields its type does not use zero
+/// where the format says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a
+/// responder gives, an RNR NAK's timer one of the 32 encodings. EPROTO, with what was wrong,
+/// otherwise.
 Status check_frame(const Frame& f);
 /// The dialer's Hello as the acceptor reads it: magic, version, 24-bit QPNs, known flags.
 Status check_hello(const Hello& h);

@@ -118,7 +118,6 @@ void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
   }
 }
 
-/// Ends a connection for good: nothing reads it or writes it again.
 void retire(Hub& h, const std::shared_ptr<Conn>& c) {
   {
     std::lock_guard<std::mutex> g(c->rx_mu);
@@ -384,6 +383,8 @@ int hub_timeout(Hub& h, uint64_t now) {
     std::lock_guard<std::mutex> g(h.mu);
     if (!h.conns.empty()) at_most(kClaimMs);
   }
+  // Our backend may ask a QP back at any time (before a move): looked for at each tick.
+  if (h.nqps.load(std::memory_order_relaxed)) at_most(kRevokeTickMs);
   if (!h.pending.empty()) at_most(200);
   for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i) {
     if (const uint64_t until = h.listeners[i].rest.until_ns())
@@ -498,6 +499,7 @@ void run(Hub& h) {
     const uint64_t t = now_ms();
     if (t - resumed_at >= kClaimMs) {
       rnr_tick(h);
+      revoke_tick(h);
       resumed_at = t;
     }
     expire_pending(h, t);
@@ -570,9 +572,19 @@ uint16_t listen_on(Hub& h, uint32_t ipv4) {
 }
 
 RemoteQp& remote_of(Hub& h, VQp& qp) {
+  std::lock_guard<std::mutex> q(h.qps_mu);
   std::lock_guard<std::mutex> g(h.mu);
-  if (!qp.remote) qp.remote = std::make_unique<RemoteQp>();
+  if (!qp.remote) {
+    qp.remote = std::make_unique<RemoteQp>();
+    h.qps.push_back(&qp);
+    h.nqps.store(h.qps.size(), std::memory_order_relaxed);
+  }
   return *qp.remote;
+}
+
+void forget_qp(Hub& h, VQp& qp) {
+  std::erase(h.qps, &qp);
+  h.nqps.store(h.qps.size(), std::memory_order_relaxed);
 }
 
 /// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
@@ -666,6 +678,7 @@ bool connect_out(VQp& qp) {
   VContext& ctx = *to_vctx(qp.qp.context);
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
+  if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
   if (qp.remote && qp.remote->ask_wait) {
     --qp.remote->ask_wait;
     return false;
@@ -694,7 +707,9 @@ bool connect_out(VQp& qp) {
   // The peer's library has dialed us: its connection takes our requests too.
   auto adoptable = [&] {
     std::lock_guard<std::mutex> g(h->mu);
-    return r.in && !r.in->broken.load() && r.in->peer_takes_requests ? r.in : nullptr;
+    return r.in && !r.in->broken.load() && r.in->peer_takes_requests && !r.revoking.load()
+               ? r.in
+               : nullptr;
   };
   std::shared_ptr<Conn> c = adoptable();
   if (!c) {
@@ -714,17 +729,25 @@ bool connect_out(VQp& qp) {
       c->recv_cq = qp.qp.recv_cq;
       c->rq_hdr = qp.rq_hdr;
       c->resp_in.store(true);
+      bool late = false;
       {
         std::lock_guard<std::mutex> g(h->mu);
-        r.out = c;
+        // Asked back to the backends while it dialed (the revoke found no connection).
+        late = r.dead || r.revoking.load();
+        if (!late) r.out = c;
         // The peer's requests come on it too, unless its own dial got here first (then each
         // direction keeps its own connection).
-        if (!r.in && r.offered) {
+        if (!late && !r.in && r.offered) {
           c->req_in.store(true);
           r.peer_lid = peer_lid;
           r.in = c;
           r.in_raw.store(c.get(), std::memory_order_release);
         }
+      }
+      if (late) {
+        VLOG_INFO("direct path: QP {:#x} goes back to the backends; its new connection closes",
+                  qp.qp.qp_num);
+        return false;  // closed unused: the peer's library sees it go with nothing in flight
       }
       register_conn(*h, c);
     } else if (errno == EBUSY) {

@@ -302,7 +302,7 @@ wire = {
 
 # ---- direct_wire fuzzer: what a peer library sends (src/proto/direct_wire.h): a Hello, then
 # 64-byte frames, data after those that carry some.
-DIRECT_MAGIC, DIRECT_VERSION = 0x44524456, 4  # kDirectMagic, kDirectVersion
+DIRECT_MAGIC, DIRECT_VERSION = 0x44524456, 5  # kDirectMagic, kDirectVersion
 
 
 def dframe(t, length=0, status=0, flags=0, data=b""):
@@ -315,7 +315,7 @@ direct_wire = {
     "seed-requests": dhello + dframe(1, 8, data=b"s" * 8) + dframe(3, 4, data=b"wwww") +
         dframe(5, 64) + dframe(6, 8) + dframe(7, 8) + dframe(8) + dframe(2, 1, flags=1, data=b"i"),
     "seed-responses": dhello + dframe(16) + dframe(17, status=10) + dframe(18, 4) + dframe(19) +
-        dframe(20) + dframe(21),
+        dframe(20) + dframe(21) + dframe(24),
 }
 
 for name, files in (("command", command), ("ring", ring), ("wire", wire),
