@@ -10,7 +10,8 @@
 #     the target, and messages keep reaching the server. At the end both ends' checksums are
 #     equal: every message once and in order.
 #  2. A second direct stream; the server's guest (the responder, on h2) is snapshotted while it
-#     runs: the snapshot succeeds, the stream goes on (mediated), and verifies.
+#     runs (the snapshot succeeds, the stream goes on, mediated), then moves h2 -> h3 -> h2; the
+#     stream verifies.
 # Usage: migrate_direct_remote.sh BIN_DIR   (MIG_ROUNDS: round trips of part 1)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -71,6 +72,12 @@ out="$("$VRDMA" snapshot sn-s "$E2E_TMP/sn.state" --socket "$(host_sock 2)" 2>&1
   fail "vrdma snapshot of a guest on the direct path across backends: $out"
 log "sn: $out"
 grows 2 sn-s msgs_received "messages after the snapshot"
+hmigrate sn-s 2 3
+hwait_route 3 sn-s "tcp/h1" 10
+grows 3 sn-s msgs_received "messages after the server's move to h3"
+hmigrate sn-s 3 2
+hwait_route 2 sn-s "tcp/h1" 10
+grows 2 sn-s msgs_received "messages after the server's move back to h2"
 HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
 finish_stream sn "$cli" "$srv" 30
