@@ -7,7 +7,8 @@
 # IBV_EVENT_CQ_ERR when its own send ring overruns, as the backend does for its rings). About
 # 11 s. The hub's spin is set by its old name, VRDMA_SPIN_US: still taken, with one deprecation
 # line per process. RnrRetryCountThenRnrRetryExceeded included: the library's path counts
-# rnr_retry as the backend does.
+# rnr_retry as the backend does. ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder takes a
+# pair back to the backends (kRevoke) with SENDs and READs in flight.
 # Usage: conformance_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -46,6 +47,9 @@ deprecated='vrdma\[[0-9]+\] warn: VRDMA_SPIN_US is deprecated: the library.s pol
 grep -Eq "$deprecated" "$E2E_TMP/suite.out" || fail "no deprecation line for VRDMA_SPIN_US"
 twice="$(grep -Eo "$deprecated" "$E2E_TMP/suite.out" | grep -Eo '\[[0-9]+\]' | sort | uniq -d)"
 [[ -z $twice ]] || fail "the deprecation line came more than once from process $twice"
+# ASnapshotWithWorkInFlight...: the pair went back to the backends before the snapshot, both ends.
+[[ $(grep -c "is back on the backends" "$E2E_TMP/suite.out") -ge 2 ]] ||
+  fail "no QP pair went back to the backends for a snapshot: $(grep "back" "$E2E_TMP/suite.out")"
 grep -q "direct path: guest .* QP .* of backend" "$E2E_TMP/vrdmad.a.out" "$E2E_TMP/vrdmad.b.out" ||
   fail "no QP took the direct path across backends: $(grep -h direct "$E2E_TMP"/vrdmad.*.out | tail -n 5)"
 e2e_pass
