@@ -226,6 +226,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   DirectOfferResp resp{};
   std::vector<UniqueFd> fds;
   if (ctx.call(Op::kDirectOffer, req, resp, {}, &fds) != 0) return;  // not for this QP (or not yet)
+  watch_qp(*h, qp);  // offered: the backend may ask it back (revoke_tick)
   if (fds.size() != 1 || !resp.recv_ring_entries ||
       (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
     VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
@@ -234,12 +235,14 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   OwnRing ring;
   if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return;
   ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
-  std::lock_guard<std::mutex> g(h->mu);
-  r.recv = std::move(ring);
-  std::memcpy(r.token, req.token, kDirectTokenBytes);
-  r.peer_qpn = resp.peer_qpn;
-  r.my_lid = resp.my_lid;
-  r.offered = true;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    r.recv = std::move(ring);
+    std::memcpy(r.token, req.token, kDirectTokenBytes);
+    r.peer_qpn = resp.peer_qpn;
+    r.my_lid = resp.my_lid;
+    r.offered = true;
+  }
 }
 
 void remote_destroy(VQp& qp) {

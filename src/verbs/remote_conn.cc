@@ -572,19 +572,9 @@ uint16_t listen_on(Hub& h, uint32_t ipv4) {
 }
 
 RemoteQp& remote_of(Hub& h, VQp& qp) {
-  std::lock_guard<std::mutex> q(h.qps_mu);
   std::lock_guard<std::mutex> g(h.mu);
-  if (!qp.remote) {
-    qp.remote = std::make_unique<RemoteQp>();
-    h.qps.push_back(&qp);
-    h.nqps.store(h.qps.size(), std::memory_order_relaxed);
-  }
+  if (!qp.remote) qp.remote = std::make_unique<RemoteQp>();
   return *qp.remote;
-}
-
-void forget_qp(Hub& h, VQp& qp) {
-  std::erase(h.qps, &qp);
-  h.nqps.store(h.qps.size(), std::memory_order_relaxed);
 }
 
 /// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
@@ -696,6 +686,7 @@ bool connect_out(VQp& qp) {
       r.never = true;
     return false;
   }
+  watch_qp(*h, qp);  // the backend counts it as direct now: it may ask it back (revoke_tick)
   if (fds.size() != 1 || !resp.send_ring_entries ||
       (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
       !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {

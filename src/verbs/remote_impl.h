@@ -230,8 +230,8 @@ struct Hub {
     sockaddr_in from{};
   };
   std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
-  /// Every QP with a RemoteQp (remote_of), for the revoke tick: under qps_mu, which a destroy or
-  /// a reset takes too (outside every lock here but a QP's SQ lock).
+  /// The QPs that offered or were let send directly (watch_qp), for the revoke tick: under
+  /// qps_mu, which a destroy or a reset takes too (outside every lock here but a QP's SQ lock).
   std::mutex qps_mu;
   std::vector<VQp*> qps;
   std::atomic<size_t> nqps{0};
@@ -366,14 +366,16 @@ bool connect_out(VQp& qp);
 void teardown(VQp& qp);
 /// Ends a connection for good: nothing reads it or writes it again.
 void retire(Hub& h, const std::shared_ptr<Conn>& c);
-/// The QP leaves the hub's list (destroyed or reset; qps_mu held).
-void forget_qp(Hub& h, VQp& qp);
 
 // remote_revoke.cc: back to the backends.
 
 constexpr int kRevokeTickMs = 50;  ///< how often a hub without connections looks for an ask
 /// An empty poll reads a connection it has no answer to wait for once in this many.
 constexpr uint32_t kRevokeReadEvery = 64;
+/// The QP joins the hub's list (Hub::qps): it offered, or its backend let it send directly.
+void watch_qp(Hub& h, VQp& qp);
+/// The QP leaves the hub's list (destroyed or reset; qps_mu held).
+void forget_qp(Hub& h, VQp& qp);
 /// The QP sends nothing more to the peer's library (its posts go to the send queue, which the
 /// backend holds meanwhile) and tells it so (kRevoke). Once. No lock but rx_mu held.
 void begin_revoke(VQp& qp, RemoteQp& r);

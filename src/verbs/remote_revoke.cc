@@ -4,6 +4,7 @@
 // every message once and in order.
 #include <infiniband/verbs.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 
@@ -62,6 +63,18 @@ void try_finish(Hub& h, VQp& qp, RemoteQp& r) {
 }
 
 }  // namespace
+
+void watch_qp(Hub& h, VQp& qp) {
+  std::lock_guard<std::mutex> q(h.qps_mu);
+  if (std::find(h.qps.begin(), h.qps.end(), &qp) != h.qps.end()) return;
+  h.qps.push_back(&qp);
+  h.nqps.store(h.qps.size(), std::memory_order_relaxed);
+}
+
+void forget_qp(Hub& h, VQp& qp) {
+  std::erase(h.qps, &qp);
+  h.nqps.store(h.qps.size(), std::memory_order_relaxed);
+}
 
 void begin_revoke(VQp& qp, RemoteQp& r) {
   std::shared_ptr<Conn> via;
