@@ -431,7 +431,9 @@ class Device : public transport::Receiver {
   /// Warns once per connection when both ends of an RC pair are processes of one default
   /// (`pgrp-N`) guest.
   void warn_one_default_guest(const Qp& qp, const Guest& dest) const;
-  bool process_sq_remote(Qp& qp, uint64_t now_ns);
+  /// `hold_new`: its library is leaving the direct path (revoke_holds): what is in flight goes
+  /// on (ACK waits, resends), nothing new is taken from the send queue.
+  bool process_sq_remote(Qp& qp, uint64_t now_ns, bool hold_new);
   /// Builds and sends the request frame of an outstanding WQE; false when not connected.
   /// Sends (again) and records where it ends in the stream (o.mark).
   bool send_request(Qp& qp, Qp::Outstanding& o);
