@@ -99,6 +99,7 @@ struct RemoteQp {
   std::atomic<bool> peer_revoked{false};  ///< the peer's kRevoke came: it sends none either ...
   std::atomic<uint64_t> peer_count{0};    ///< ... past this many requests in all
   bool finished = false;                  ///< answered our backend (kRevokeDone); under Hub::qps_mu
+  std::atomic<bool> dialing{false};       ///< connect_out is at it: a revoke waits for it
 };
 
 /// Before the ring path of ibv_post_send (under the SQ lock): when this QP talks to its peer's

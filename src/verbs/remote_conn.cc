@@ -676,6 +676,10 @@ bool connect_out(VQp& qp) {
   Hub* h = hub_of(ctx);
   if (!h) return false;
   RemoteQp& r = remote_of(*h, qp);
+  // A revoke that begins from here on waits for the dial (try_finish); one begun already stops
+  // it (both flags seq_cst: one side sees the other's).
+  const Dialing dialing(r);
+  if (r.revoking.load()) return false;
   DirectRemoteResp resp{};
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
@@ -720,27 +724,25 @@ bool connect_out(VQp& qp) {
       c->recv_cq = qp.qp.recv_cq;
       c->rq_hdr = qp.rq_hdr;
       c->resp_in.store(true);
-      bool late = false;
       {
         std::lock_guard<std::mutex> g(h->mu);
-        // Asked back to the backends while it dialed (the revoke found no connection).
-        late = r.dead || r.revoking.load();
-        if (!late) r.out = c;
+        r.out = c;
         // The peer's requests come on it too, unless its own dial got here first (then each
         // direction keeps its own connection).
-        if (!late && !r.in && r.offered) {
+        if (!r.in && r.offered) {
           c->req_in.store(true);
           r.peer_lid = peer_lid;
           r.in = c;
           r.in_raw.store(c.get(), std::memory_order_release);
         }
       }
-      if (late) {
-        VLOG_INFO("direct path: QP {:#x} goes back to the backends; its new connection closes",
-                  qp.qp.qp_num);
-        return false;  // closed unused: the peer's library sees it go with nothing in flight
-      }
       register_conn(*h, c);
+      // Asked back to the backends while it dialed: the peer hears so on this one too (the
+      // revoke then settles it as any other), and nothing of ours goes on it.
+      if (r.revoking.load()) {
+        tell_revoke(r, *c);
+        return false;
+      }
     } else if (errno == EBUSY) {
       c = adoptable();  // both dialed at once, and the peer's got there first
     }

@@ -379,6 +379,18 @@ void forget_qp(Hub& h, VQp& qp);
 /// The QP sends nothing more to the peer's library (its posts go to the send queue, which the
 /// backend holds meanwhile) and tells it so (kRevoke). Once. No lock but rx_mu held.
 void begin_revoke(VQp& qp, RemoteQp& r);
+/// Sends kRevoke on `c`: no request of ours after it (r.sent in all). Takes fl_mu.
+void tell_revoke(RemoteQp& r, Conn& c);
+/// While it lives, connect_out is dialing (RemoteQp::dialing).
+struct Dialing {
+  explicit Dialing(RemoteQp& r) : r_(r) { r_.dialing.store(true); }
+  ~Dialing() { r_.dialing.store(false); }
+  Dialing(const Dialing&) = delete;
+  Dialing& operator=(const Dialing&) = delete;
+
+ private:
+  RemoteQp& r_;
+};
 /// The peer's kRevoke, read from `c` (rx_mu held).
 void peer_revoked(Conn& c, VQp& qp, RemoteQp& r);
 /// The hub's tick: begins the revokes our backend asked for, and answers those that are settled.

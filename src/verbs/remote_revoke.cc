@@ -16,6 +16,14 @@ namespace vrdma::verbs::dlink {
 
 namespace {
 
+/// kRevoke on `c`, with how many requests we sent in all (fl_mu held).
+void send_revoke(const RemoteQp& r, Conn& c) {
+  Frame f{};
+  f.type = kRevoke;
+  f.arg0 = r.sent;
+  send_frame(c, f, nullptr, 0, true);
+}
+
 /// Answers our backend: nothing of the pair is between the libraries any more (qps_mu held, no
 /// other lock). The connections close (the ACK we owe goes first) and the backend, woken, takes
 /// the send queue back.
@@ -39,6 +47,7 @@ void finish_revoke(Hub& h, VQp& qp, RemoteQp& r, const std::shared_ptr<Conn>& in
 
 /// Whether the revoke of `qp` is settled, and then finishes it (qps_mu held).
 void try_finish(Hub& h, VQp& qp, RemoteQp& r) {
+  if (r.dialing.load()) return;  // its connection, if it comes, takes part (connect_out)
   std::shared_ptr<Conn> in, out;
   {
     std::lock_guard<std::mutex> g(h.mu);
@@ -64,6 +73,11 @@ void try_finish(Hub& h, VQp& qp, RemoteQp& r) {
 
 }  // namespace
 
+void tell_revoke(RemoteQp& r, Conn& c) {
+  std::lock_guard<std::mutex> fl(r.fl_mu);
+  send_revoke(r, c);
+}
+
 void watch_qp(Hub& h, VQp& qp) {
   std::lock_guard<std::mutex> q(h.qps_mu);
   if (std::find(h.qps.begin(), h.qps.end(), &qp) != h.qps.end()) return;
@@ -88,12 +102,7 @@ void begin_revoke(VQp& qp, RemoteQp& r) {
   // stored before any post can see `revoking` and write there instead.
   qp.sq_hdr->direct_revoke.store(kRevokeAsk, std::memory_order_seq_cst);
   r.revoking.store(true);
-  if (via && !via->broken.load()) {
-    Frame f{};
-    f.type = kRevoke;
-    f.arg0 = r.sent;
-    send_frame(*via, f, nullptr, 0, true);
-  }
+  if (via && !via->broken.load()) send_revoke(r, *via);
   VLOG_INFO(
       "direct path: QP {:#x} goes back to the backends ({} requests sent directly, {} in "
       "flight)",
