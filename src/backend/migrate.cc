@@ -66,7 +66,11 @@ Status Server::handle_admin(Conn& c, const MsgHeader& h, std::vector<uint8_t>& m
   const Op op = static_cast<Op>(h.op);
   std::vector<uint8_t> out;
   auto fail = [&](const Status& st) {
-    VLOG_WARN("{} from connection {}: {}", op_name(h.op), c.sock.get(), st.message());
+    // EINPROGRESS: QPs leaving the direct path across backends; the CLI asks again at once.
+    if (st.err() == EINPROGRESS)
+      VLOG_DEBUG("{} from connection {}: {}", op_name(h.op), c.sock.get(), st.message());
+    else
+      VLOG_WARN("{} from connection {}: {}", op_name(h.op), c.sock.get(), st.message());
     out = encode_error(op, h.seq, st.err(), st.message());
   };
   if (Status st = check_admin(c.sock.get()); !st.is_ok()) {
@@ -168,6 +172,9 @@ std::string Server::no_such_guest(const std::string& guest) const {
 
 Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest) {
   RETURN_IF_ERROR(dev_.odp_movable(guest));  // docs/ARCHITECTURE.md, "On-demand paging"
+  // QPs on the direct path across backends go back to the backends first; EINPROGRESS until
+  // their libraries have settled (the CLI asks again). Not under keep_state, which has none.
+  RETURN_IF_ERROR(dev_.leave_direct_remote(guest));
   std::unordered_map<const engine::Session*, int> sock_of;
   for (const auto& [fd, conn] : conns_) {
     if (conn.session) sock_of[conn.session] = fd;
@@ -272,6 +279,7 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   const uint64_t t0 = mono_us();
   if (!dev_.has_guest(guest)) return error(ENOENT, no_such_guest(guest));
   if (target == opt_.socket_path) return error(EINVAL, "the target is this backend");
+  RETURN_IF_ERROR(dev_.leave_direct_remote(guest));  // before the target hears of anything
   ASSIGN_OR_RETURN(UniqueFd sock, connect_unix(target));
   timeval tv{10, 0};
   ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <thread>
 #include <vector>
 
 #include "cli/show.h"
@@ -32,9 +34,8 @@ namespace {
 /// Sends one operator request (with descriptors) to the backend at `socket` and returns the
 /// response body, or why not: the backend's own reason when it refused.
 template <typename Resp, typename Req>
-Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& req,
-                           std::span<const int> fds = {}) {
-  const int timeout_ms = wait_ms(kAdminWaitMs);
+Result<Resp> admin_request_once(const std::string& socket, proto::Op op, const Req& req,
+                                std::span<const int> fds, int timeout_ms) {
   auto sock = connect_backend_socket(socket, timeout_ms);
   if (!sock) {
     const int err = sock.status().err();
@@ -62,6 +63,21 @@ Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& r
   auto body = proto::body_of<Resp>(buf);
   if (!body) return error(EPROTO, fmt::format("malformed response from {}", socket));
   return body.value();
+}
+
+/// admin_request_once, asked again while the backend answers EINPROGRESS (the guest's QPs are
+/// leaving the direct path across backends: their libraries settle what is in flight first),
+/// within the same wait.
+template <typename Resp, typename Req>
+Result<Resp> admin_request(const std::string& socket, proto::Op op, const Req& req,
+                           std::span<const int> fds = {}) {
+  const int timeout_ms = wait_ms(kAdminWaitMs);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    auto r = admin_request_once<Resp>(socket, op, req, fds, timeout_ms);
+    if (r || r.status().err() != EINPROGRESS || std::chrono::steady_clock::now() >= until) return r;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 /// Copies the guest name `v` into the request's field, or says what is wrong with it.

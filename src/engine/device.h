@@ -186,6 +186,11 @@ class Device : public transport::Receiver {
   /// EAGAIN: not yet; EOPNOTSUPP: never for this QP.
   Result<proto::DirectRemoteResp> direct_remote(Session& s, uint32_t handle,
                                                 std::vector<UniqueFd>& fds);
+  /// Before a move or a snapshot: takes guest `name`'s QPs off the direct path across backends.
+  /// Asks each one's library (RingHeader::direct_revoke; its send queue is held meanwhile) and
+  /// answers EINPROGRESS until all have answered: then nothing of theirs is in flight between
+  /// the libraries, the backends carry the QPs, and the guest can be exported.
+  Status leave_direct_remote(const std::string& name);
 
   // ---- moving a guest's device between backends (device_state_*.cc, device_moved.cc) ----
   /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
@@ -433,7 +438,9 @@ class Device : public transport::Receiver {
   /// Warns once per connection when both ends of an RC pair are processes of one default
   /// (`pgrp-N`) guest.
   void warn_one_default_guest(const Qp& qp, const Guest& dest) const;
-  bool process_sq_remote(Qp& qp, uint64_t now_ns);
+  /// `hold_new`: its library is leaving the direct path (revoke_holds): what is in flight goes
+  /// on (ACK waits, resends), nothing new is taken from the send queue.
+  bool process_sq_remote(Qp& qp, uint64_t now_ns, bool hold_new);
   /// Builds and sends the request frame of an outstanding WQE; false when not connected.
   /// Sends (again) and records where it ends in the stream (o.mark).
   bool send_request(Qp& qp, Qp::Outstanding& o);
@@ -512,6 +519,10 @@ class Device : public transport::Receiver {
   /// the QP's life; the CQ's pollers learn of it by its direct_gen.
   static Status give_own_send(Qp& qp);
   static Status give_own_recv(Qp& qp);
+  /// A QP of the direct path across backends whose library was asked to leave it (by us, or by
+  /// itself when its peer's was): true while its send queue waits for the library's answer;
+  /// with the answer the QP is the backends' again (flags cleared).
+  bool revoke_holds(Qp& qp);
   /// A peer backend passed a library's direct offer (wire::DirectOffer) for a guest of ours.
   void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);

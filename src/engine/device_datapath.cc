@@ -635,8 +635,13 @@ bool Device::flush(Qp& qp) {
 }
 
 bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
+  // Leaving the direct path across backends: what the library posted since then waits until all
+  // it executed itself is settled (nothing in flight between the libraries); what the backend
+  // has in flight goes on (its ACKs, retries).
+  const bool hold_new = (qp.direct_remote || qp.offered) && revoke_holds(qp);
   if (qp.route_pending) choose_route(qp);
-  if (qp.remote) return process_sq_remote(qp, now_ns);
+  if (qp.remote) return process_sq_remote(qp, now_ns, hold_new);
+  if (hold_new) return false;
   if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {

@@ -440,6 +440,8 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (b->state != IBV_QPS_RTR && b->state != IBV_QPS_RTS)
     return error(EAGAIN, "direct offer: QP not in RTR or RTS");
   if (b->route_pending) return error(EAGAIN, "direct offer: destination not located yet");
+  if (b->sq_hdr->direct_revoke.load(std::memory_order_acquire) == kRevokeAsk)
+    return error(EAGAIN, "direct offer: the QP is leaving the direct path");
   if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
   DirectOfferResp resp{};
   resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
@@ -523,6 +525,8 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct remote: QP not in RTS");
   if (a->route_pending) return error(EAGAIN, "direct remote: destination not located yet");
   if (!a->remote) return error(EOPNOTSUPP, "direct remote: peer on this backend");
+  if (a->sq_hdr->direct_revoke.load(std::memory_order_acquire) == kRevokeAsk)
+    return error(EAGAIN, "direct remote: the QP is leaving the direct path");
   if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
       a->wait != Wait::kNone)
     return error(EAGAIN, "direct remote: work in flight");
@@ -554,6 +558,44 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   VLOG_INFO("direct path: guest {} QP {:#x} -> QP {:#x} of backend {} (library at {}:{})",
             a->guest->name, a->qpn, o.src_qpn, o.node, ip, o.port);
   return resp;
+}
+
+// ---- leaving the direct path across backends (before a move) ----
+
+bool Device::revoke_holds(Qp& qp) {
+  const uint32_t w = qp.sq_hdr->direct_revoke.load(std::memory_order_acquire);
+  if (w == kRevokeAsk) return true;
+  if (w != kRevokeDone) return false;
+  // The library's answer: nothing of the pair is between the libraries any more, and what it
+  // posted since it was asked waits in the send queue, after everything it executed itself.
+  qp.direct_remote = false;
+  qp.offered = false;
+  qp.direct = false;
+  qp.guest->direct_offers.erase(qp.qpn);
+  qp.sq_hdr->direct_revoke.store(0, std::memory_order_release);
+  VLOG_INFO("direct path: guest {} QP {:#x} is on the backends again", qp.guest->name, qp.qpn);
+  return false;
+}
+
+Status Device::leave_direct_remote(const std::string& name) {
+  auto git = guests_.find(name);
+  if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
+  size_t asked = 0;
+  for (Qp* qp : git->second->active) {
+    if (!(qp->direct_remote || qp->offered)) continue;
+    revoke_holds(*qp);  // takes an answer that came since the last look
+    if (!(qp->direct_remote || qp->offered)) continue;
+    // Asked (unless it is already): its library answers from its hub's next tick.
+    uint32_t none = 0;
+    qp->sq_hdr->direct_revoke.compare_exchange_strong(none, kRevokeAsk, std::memory_order_seq_cst);
+    ++asked;
+  }
+  if (asked)
+    return error(EINPROGRESS,
+                 fmt::format("guest {}: {} QPs are leaving the direct path across backends (their "
+                             "libraries settle what is in flight); ask again",
+                             name, asked));
+  return Status::ok();
 }
 
 }  // namespace vrdma::engine

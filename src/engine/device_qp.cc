@@ -366,6 +366,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
       // connection, and the backend executes its send queue again.
       qp->direct_remote = false;
       qp->offered = false;
+      qp->sq_hdr->direct_revoke.store(0, std::memory_order_release);
       qp->replay_known = false;
       qp->direct = false;
       s.guest->direct_offers.erase(qp->qpn);

@@ -388,7 +388,7 @@ void Device::acked(Qp& qp, uint32_t psn, uint64_t now_ns) {
   }
 }
 
-bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
+bool Device::process_sq_remote(Qp& qp, uint64_t now_ns, bool hold_new) {
   bool did = false;
   if (qp.replay_now) {
     qp.replay_now = false;
@@ -414,6 +414,7 @@ bool Device::process_sq_remote(Qp& qp, uint64_t now_ns) {
       if (qp.wait == Wait::kNone) return true;  // failed: the QP is in ERR
     }
   }
+  if (hold_new) return did;  // the library is leaving the direct path (revoke_holds)
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {
     enter_error(qp, "send queue indices corrupt");

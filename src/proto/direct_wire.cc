@@ -8,7 +8,7 @@
 namespace vrdma::proto::dwire {
 
 Status check_frame(const Frame& f) {
-  if (!request_dir(f.type) && !response_dir(f.type))
+  if (!request_dir(f.type) && !response_dir(f.type) && f.type != kRevoke)
     return error(EPROTO, fmt::format("direct frame: type {}", f.type));
   for (uint8_t b : f.pad) {
     if (b != 0) return error(EPROTO, "direct frame: padding not zero");
@@ -19,6 +19,8 @@ Status check_frame(const Frame& f) {
   if (f.type == kNak && f.status != IBV_WC_REM_ACCESS_ERR && f.status != IBV_WC_REM_INV_REQ_ERR &&
       f.status != IBV_WC_REM_OP_ERR)
     return error(EPROTO, fmt::format("direct frame: NAK status {}", f.status));
+  if (f.type == kRevoke && (f.len || f.flags || f.status))
+    return error(EPROTO, "direct frame: kRevoke with a length, flags or status");
   if (f.type == kRnr && f.status > 31)
     return error(EPROTO, fmt::format("direct frame: RNR timer {}", f.status));
   return Status::ok();

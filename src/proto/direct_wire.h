@@ -5,11 +5,12 @@
 // types that carry some. Fixed-width little-endian fields, sizes static_asserted.
 // Versioned: kVersion changes when any struct or value set changes; frame type values are never
 // reused. History: 3 = 64-byte frames (48 before); 4 = inside TLS 1.3 (external PSK), the Hello
-// without the token; 5 = kSendInv (SEND_WITH_INV). Within 4 (and so 5): kRnr's `status` carries the
-// responder's min_rnr_timer (it was 0, which a requester reads as the longest wait, 655 ms), so a
-// requester can count rnr_retry. check_*() validate every field before anything is used: the other
-// end is another tenant's process (what it may touch of ours is then checked against our MRs by the
-// responder).
+// without the token. Within 4: kRnr's `status` carries the responder's min_rnr_timer (it was 0,
+// which a requester reads as the longest wait, 655 ms), so a requester can count rnr_retry.
+// 5 = kSendInv (SEND_WITH_INV) and kRevoke (the pair goes back to the backends, before a move of
+// either guest): a library of 4 would take either for a broken peer, so the two do not connect.
+// check_*() validate every field before anything is used: the other end is another tenant's
+// process (what it may touch of ours is then checked against our MRs by the responder).
 #pragma once
 
 #include <bit>
@@ -73,6 +74,10 @@ enum FType : uint8_t {
   kRnr = 20,     ///< request arg0 found no receive: it and what follows are dropped (status:
                  ///< min_rnr_timer)
   kResume = 21,  ///< a receive is posted: send them again
+  /// Either way, on the connection the sender's requests go on (else its only one): the QP pair
+  /// goes back to the backends. The sender sends no request after it; arg0: how many it sent in
+  /// all (the receiver is done once it has executed that many). No data.
+  kRevoke = 24,
 };
 
 /// One frame between two libraries; SEND/WRITE data or READ data follows it. 64 bytes, not the
@@ -106,9 +111,10 @@ constexpr bool carries_data(uint8_t t) {
 }
 constexpr bool consumes_recv(uint8_t t) { return send_frame_type(t) || t == kWriteImm; }
 
-/// A frame as it arrived: a known type, fields its type does not use zero where the format
-/// says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a responder
-/// gives, an RNR NAK's timer one of the 32 encodings. EPROTO, with what was wrong, otherwise.
+/// A frame as it arrived: a known type (kRevoke: no length), fields its type does not use zero
+/// where the format says so (pad), a length within max_msg_sz (atomics: 8), a NAK's status one a
+/// responder gives, an RNR NAK's timer one of the 32 encodings. EPROTO, with what was wrong,
+/// otherwise.
 Status check_frame(const Frame& f);
 /// The dialer's Hello as the acceptor reads it: magic, version, 24-bit QPNs, known flags.
 Status check_hello(const Hello& h);

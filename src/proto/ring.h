@@ -111,18 +111,27 @@ struct alignas(64) RingHeader {
   /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
   /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
   AtomicU32 armed;
-  uint8_t pad3[60];
+  /// SQ of an RC QP on the direct path across backends: 0, kRevokeAsk (its QP goes back to the
+  /// backends: the library sends nothing more itself, and the backend takes nothing from this
+  /// send queue until the answer), kRevokeDone (the library's answer: nothing of the pair is in
+  /// flight between the libraries any more). The backend asks before a move; a library asks
+  /// itself when its peer's does. Former padding: an older ring holds 0.
+  AtomicU32 direct_revoke;
+  uint8_t pad3[56];
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&
               offsetof(RingHeader, atomic_value) == 48 &&
-              offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184);
+              offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184 &&
+              offsetof(RingHeader, direct_revoke) == 196);
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
 inline constexpr uint32_t kAtomicPsnValid = 1u << 31;  ///< RingHeader::atomic_psn holds one
 inline constexpr uint64_t kPsnAtValid = 1u << 31;      ///< RingHeader::psn_at holds one
 inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend
+inline constexpr uint32_t kRevokeAsk = 1;   ///< RingHeader::direct_revoke: back to the backends
+inline constexpr uint32_t kRevokeDone = 2;  ///< ... and the library's answer: it is
 
 struct Sge {
   uint64_t addr;

@@ -76,7 +76,7 @@ int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, Mem
 
 }  // namespace
 
-bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
+bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
   // A QP posted to through ibv_wr_* writes its WQEs straight into the ring: it stays there. So
   // does one that may bind windows: binds and invalidations are the backend's to execute, in
   // order with the rest of the send queue.
@@ -85,13 +85,14 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
   VContext& ctx = *to_vctx(qp.qp.context);
   if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
   RemoteQp* r = qp.remote.get();
+  if (r && r->revoking.load(std::memory_order_acquire)) return false;  // back to the backends
   if (!r || !r->active.load(std::memory_order_acquire)) {
     if (r && (r->failed.load() || r->never || r->dead)) return false;
     if (!connect_out(qp)) return false;
     r = qp.remote.get();
   }
   rc = 0;
-  bool fail = false;
+  bool fail = false, revoked = false;
   for (; wr; wr = wr->next) {
     const uint8_t type = frame_type(wr->opcode);
     Inflight e;
@@ -102,6 +103,12 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     size_t nd = 0;
     const int st = local_memory(ctx, qp, *wr, e, data, nd);
     std::lock_guard<std::mutex> fl(r->fl_mu);
+    // Going back to the backends since the chain began: the ring takes this WR and the rest,
+    // and the backend holds them until everything sent here is settled (remote_revoke.cc).
+    if (r->revoking.load(std::memory_order_relaxed)) {
+      revoked = true;
+      break;
+    }
     // A full queue first, then the WR's rules (proto/post_rules.h), as the mediated ring.
     if (r->inflight.size() >= qp.sq_size) {
       rc = ENOMEM;
@@ -172,6 +179,7 @@ bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad) {
     }
   }
   if (fail) to_error(qp, "a WR failed on the direct path");
+  if (revoked) return false;
   if (rc) *bad = wr;
   return true;
 }
@@ -182,14 +190,21 @@ void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   if (to == IBV_QPS_RTS && qp.qp.state == IBV_QPS_RTS) return;  // attributes only
   if (to == IBV_QPS_RTR || to == IBV_QPS_RTS) return;           // on its way up
   // Leaving RTS: in ERR the WRs in flight are flushed; in RESET they are dropped.
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
   qp.sq_lock.lock();
+  std::unique_lock<std::mutex> q;  // the revoke tick reads the QP under it
+  if (h) q = std::unique_lock<std::mutex>(h->qps_mu);
   if (to == IBV_QPS_ERR || to == IBV_QPS_SQE || to == IBV_QPS_SQD) {
     std::lock_guard<std::mutex> g(qp.remote->fl_mu);
     if (!qp.remote->inflight.empty()) flush_inflight(qp, *qp.remote, IBV_WC_WR_FLUSH_ERR, nullptr);
   }
   teardown(qp);
   qp.remote->failed.store(true);
-  if (to == IBV_QPS_RESET) qp.remote.reset();
+  if (to == IBV_QPS_RESET) {
+    if (h) forget_qp(*h, qp);
+    qp.remote.reset();
+  }
+  q = {};
   qp.sq_lock.unlock();
 }
 
@@ -204,7 +219,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   // A QP that may bind windows answers its peer through the backend, which knows them.
   if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
-      (qp.remote && (qp.remote->offered || qp.remote->dead)))
+      (qp.remote && (qp.remote->offered || qp.remote->dead || qp.remote->revoking.load())))
     return;
   Hub* h = hub_of(ctx);
   if (!h) return;
@@ -228,6 +243,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   DirectOfferResp resp{};
   std::vector<UniqueFd> fds;
   if (ctx.call(Op::kDirectOffer, req, resp, {}, &fds) != 0) return;  // not for this QP (or not yet)
+  watch_qp(*h, qp);  // offered: the backend may ask it back (revoke_tick)
   if (fds.size() != 1 || !resp.recv_ring_entries ||
       (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
     VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
@@ -236,18 +252,26 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   OwnRing ring;
   if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return;
   ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
-  std::lock_guard<std::mutex> g(h->mu);
-  r.recv = std::move(ring);
-  std::memcpy(r.token, req.token, kDirectTokenBytes);
-  r.peer_qpn = resp.peer_qpn;
-  r.my_lid = resp.my_lid;
-  r.offered = true;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    r.recv = std::move(ring);
+    std::memcpy(r.token, req.token, kDirectTokenBytes);
+    r.peer_qpn = resp.peer_qpn;
+    r.my_lid = resp.my_lid;
+    r.offered = true;
+  }
 }
 
 void remote_destroy(VQp& qp) {
   if (!qp.remote) return;
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
   qp.sq_lock.lock();
-  teardown(qp);
+  {
+    std::unique_lock<std::mutex> q;  // the revoke tick reads the QP under it
+    if (h) q = std::unique_lock<std::mutex>(h->qps_mu);
+    teardown(qp);
+    if (h) forget_qp(*h, qp);
+  }
   qp.sq_lock.unlock();
 }
 
@@ -284,8 +308,11 @@ bool remote_progress(VCq& cq) {
     RemoteQp& r = *c->qp->remote;
     if (c->resp_in.load(std::memory_order_relaxed)) rnr_retry_due(*c, *c->qp, r);
     // Nothing of ours waits for an answer: a connection of responses only has nothing we need,
-    // and reading it costs a syscall a poll.
-    if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0) continue;
+    // and reading it costs a syscall a poll; but now and then, for the peer's kRevoke (a
+    // claimed connection is not the hub's to read).
+    if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0 &&
+        c->polls.load(std::memory_order_relaxed) % kRevokeReadEvery)
+      continue;
     did |= drain(*c, true);
     if (req_in) try_resume(*c, *c->qp, r);
   }

@@ -93,12 +93,21 @@ struct RemoteQp {
   bool never = false;               ///< the backend said never for this QP
   std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring
   std::atomic<bool> active{false};  ///< `out` is up: every post goes through it
+  // Back to the backends (remote_revoke.cc): asked by our backend before a move, or by the
+  // peer's library (its kRevoke) before its own.
+  std::atomic<bool> revoking{false};      ///< set under fl_mu: no request of ours goes directly
+  std::atomic<bool> peer_revoked{false};  ///< the peer's kRevoke came: it sends none either ...
+  std::atomic<uint64_t> peer_count{0};    ///< ... past this many requests in all
+  bool finished = false;                  ///< answered our backend (kRevokeDone); under Hub::qps_mu
+  std::atomic<bool> dialing{false};       ///< connect_out is at it: a revoke waits for it
 };
 
 /// Before the ring path of ibv_post_send (under the SQ lock): when this QP talks to its peer's
 /// library directly (or now can), sends the chain that way and returns true with `rc`/`bad` set.
 /// False: the WRs go to the ring as before.
-bool remote_post(VQp& qp, ibv_send_wr* wr, int& rc, ibv_send_wr** bad);
+/// Also false once the QP goes back to the backends (a revoke, mid-chain too): `wr` is then the
+/// first WR the ring takes.
+bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad);
 /// ibv_modify_qp, before the backend hears of it: leaving RTS ends the connections (ERR flushes
 /// the WRs in flight, RESET drops them).
 void remote_before_modify(VQp& qp, int mask, const ibv_qp_attr& attr);

@@ -118,7 +118,6 @@ void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
   }
 }
 
-/// Ends a connection for good: nothing reads it or writes it again.
 void retire(Hub& h, const std::shared_ptr<Conn>& c) {
   {
     std::lock_guard<std::mutex> g(c->rx_mu);
@@ -384,6 +383,8 @@ int hub_timeout(Hub& h, uint64_t now) {
     std::lock_guard<std::mutex> g(h.mu);
     if (!h.conns.empty()) at_most(kClaimMs);
   }
+  // Our backend may ask a QP back at any time (before a move): looked for at each tick.
+  if (h.nqps.load(std::memory_order_relaxed)) at_most(kRevokeTickMs);
   if (!h.pending.empty()) at_most(200);
   for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i) {
     if (const uint64_t until = h.listeners[i].rest.until_ns())
@@ -498,6 +499,7 @@ void run(Hub& h) {
     const uint64_t t = now_ms();
     if (t - resumed_at >= kClaimMs) {
       rnr_tick(h);
+      revoke_tick(h);
       resumed_at = t;
     }
     expire_pending(h, t);
@@ -666,6 +668,7 @@ bool connect_out(VQp& qp) {
   VContext& ctx = *to_vctx(qp.qp.context);
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
+  if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
   if (qp.remote && qp.remote->ask_wait) {
     --qp.remote->ask_wait;
     return false;
@@ -673,6 +676,10 @@ bool connect_out(VQp& qp) {
   Hub* h = hub_of(ctx);
   if (!h) return false;
   RemoteQp& r = remote_of(*h, qp);
+  // A revoke that begins from here on waits for the dial (try_finish); one begun already stops
+  // it (both flags seq_cst: one side sees the other's).
+  const Dialing dialing(r);
+  if (r.revoking.load()) return false;
   DirectRemoteResp resp{};
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
@@ -683,6 +690,7 @@ bool connect_out(VQp& qp) {
       r.never = true;
     return false;
   }
+  watch_qp(*h, qp);  // the backend counts it as direct now: it may ask it back (revoke_tick)
   if (fds.size() != 1 || !resp.send_ring_entries ||
       (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
       !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {
@@ -694,7 +702,9 @@ bool connect_out(VQp& qp) {
   // The peer's library has dialed us: its connection takes our requests too.
   auto adoptable = [&] {
     std::lock_guard<std::mutex> g(h->mu);
-    return r.in && !r.in->broken.load() && r.in->peer_takes_requests ? r.in : nullptr;
+    return r.in && !r.in->broken.load() && r.in->peer_takes_requests && !r.revoking.load()
+               ? r.in
+               : nullptr;
   };
   std::shared_ptr<Conn> c = adoptable();
   if (!c) {
@@ -727,6 +737,12 @@ bool connect_out(VQp& qp) {
         }
       }
       register_conn(*h, c);
+      // Asked back to the backends while it dialed: the peer hears so on this one too (the
+      // revoke then settles it as any other), and nothing of ours goes on it.
+      if (r.revoking.load()) {
+        tell_revoke(r, *c);
+        return false;
+      }
     } else if (errno == EBUSY) {
       c = adoptable();  // both dialed at once, and the peer's got there first
     }

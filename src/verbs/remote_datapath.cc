@@ -3,17 +3,11 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/core_names.h>
 #include <openssl/err.h>
-#include <openssl/kdf.h>
 #include <openssl/ssl.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -736,6 +730,11 @@ bool drain(Conn& c, bool defer_ack) {
         ::shutdown(c.fd.get(), SHUT_RDWR);
         broken(c, qp, st.message().c_str());
         return true;
+      }
+      if (c.f.type == kRevoke) {  // either way, no data: taken whole here
+        peer_revoked(c, qp, r);
+        c.rx = Conn::Rx::kHeader;
+        continue;
       }
     }
     const bool req = request_dir(c.f.type);

@@ -28,6 +28,15 @@
 // it holds fl_mu or tx_mu, nor fl_mu while it holds tx_mu. Innermost, ssl_mu: held only around
 // each call into the connection's TLS session, which a read and a write must not enter at once.
 //
+// Revoke (before a move of either guest: the connection cannot move with it). Our backend asks
+// (RingHeader::direct_revoke = kRevokeAsk, seen at the hub's tick), or the peer's library does
+// (its kRevoke frame). We then send nothing more ourselves (posts go to the send queue, which the
+// backend holds while the word says kRevokeAsk), send kRevoke with how many requests we sent in
+// all, and keep reading, executing and answering. Once every request of ours is answered and we
+// have executed every one the peer's kRevoke counts, nothing of the pair is between the two
+// libraries: the connections close and the word says kRevokeDone. The backends then carry the
+// QPs from their cursors and PSNs, which the direct path never moved.
+//
 // TLS. Every connection is TLS 1.3 with an external PSK (no certificates): the dialer names the
 // QP pair (PskIdentity), both derive the key from the offer's token with HKDF, and the acceptor
 // finds the offer by that identity. A stranger without the token fails the handshake; one that
@@ -221,6 +230,11 @@ struct Hub {
     sockaddr_in from{};
   };
   std::vector<std::unique_ptr<Pending>> pending;  ///< the thread's own
+  /// The QPs that offered or were let send directly (watch_qp), for the revoke tick: under
+  /// qps_mu, which a destroy or a reset takes too (outside every lock here but a QP's SQ lock).
+  std::mutex qps_mu;
+  std::vector<VQp*> qps;
+  std::atomic<size_t> nqps{0};
   /// Strangers, counted by the thread (read by anyone): hellos refused (not TLS, a failed
   /// handshake: no offer for its identity, a wrong key; a wrong QPN pair, magic or version, or
   /// no hello), connections closed because kMaxPending were waiting, and hellos
@@ -316,6 +330,9 @@ ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, ui
 
 // remote_datapath.cc: requests, responses, completions.
 
+/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
+/// when `copy`). False when the connection is broken.
+bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy);
 /// Writes what it can of the backlog (tx_mu held). False when the connection broke.
 bool flush_locked(Conn& c);
 /// Completes the head with `head_status` (or its own local error) and flushes the rest (fl_mu).
@@ -360,6 +377,37 @@ RemoteQp& remote_of(Hub& h, VQp& qp);
 bool connect_out(VQp& qp);
 /// Ends a QP's connections (it leaves RTS, or goes).
 void teardown(VQp& qp);
+/// Ends a connection for good: nothing reads it or writes it again.
+void retire(Hub& h, const std::shared_ptr<Conn>& c);
+
+// remote_revoke.cc: back to the backends.
+
+constexpr int kRevokeTickMs = 50;  ///< how often a hub without connections looks for an ask
+/// An empty poll reads a connection it has no answer to wait for once in this many.
+constexpr uint32_t kRevokeReadEvery = 64;
+/// The QP joins the hub's list (Hub::qps): it offered, or its backend let it send directly.
+void watch_qp(Hub& h, VQp& qp);
+/// The QP leaves the hub's list (destroyed or reset; qps_mu held).
+void forget_qp(Hub& h, VQp& qp);
+/// The QP sends nothing more to the peer's library (its posts go to the send queue, which the
+/// backend holds meanwhile) and tells it so (kRevoke). Once. No lock but rx_mu held.
+void begin_revoke(VQp& qp, RemoteQp& r);
+/// Sends kRevoke on `c`: no request of ours after it (r.sent in all). Takes fl_mu.
+void tell_revoke(RemoteQp& r, Conn& c);
+/// While it lives, connect_out is dialing (RemoteQp::dialing).
+struct Dialing {
+  explicit Dialing(RemoteQp& r) : r_(r) { r_.dialing.store(true); }
+  ~Dialing() { r_.dialing.store(false); }
+  Dialing(const Dialing&) = delete;
+  Dialing& operator=(const Dialing&) = delete;
+
+ private:
+  RemoteQp& r_;
+};
+/// The peer's kRevoke, read from `c` (rx_mu held).
+void peer_revoked(Conn& c, VQp& qp, RemoteQp& r);
+/// The hub's tick: begins the revokes our backend asked for, and answers those that are settled.
+void revoke_tick(Hub& h);
 
 }  // namespace dlink
 }  // namespace vrdma::verbs

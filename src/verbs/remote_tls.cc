@@ -135,7 +135,8 @@ int psk_use(SSL* s, const EVP_MD* md, const unsigned char** id, size_t* idlen, S
 VQp* offer_of(VContext& ctx, uint32_t to_qpn, uint32_t from_qpn) {
   for (const auto& [handle, qp] : ctx.qps) {
     const RemoteQp* r = qp->remote.get();
-    if (r && r->offered && !r->dead && qp->qp.qp_num == to_qpn && r->peer_qpn == from_qpn)
+    if (r && r->offered && !r->dead && !r->revoking.load() && qp->qp.qp_num == to_qpn &&
+        r->peer_qpn == from_qpn)
       return qp;
   }
   return nullptr;

@@ -10,8 +10,9 @@
 # rnr_retry as the backend does. The Windows section runs here too: QPs that may bind windows stay
 # on the backends and the others reach windows through their library, which asks its backend
 # (ARCHITECTURE.md, "Memory windows"); the ODP case's first touches and unreachable page go
-# through the responding library's fault-in. Then windows, ODP and XRC again with the backends
-# restarted without --direct-remote (their TCP path between them).
+# through the responding library's fault-in. ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder
+# takes a pair back to the backends (kRevoke) with SENDs and READs in flight. Then windows, ODP
+# and XRC again with the backends restarted without --direct-remote (their TCP path between them).
 # Usage: conformance_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -53,6 +54,9 @@ deprecated='vrdma\[[0-9]+\] warn: VRDMA_SPIN_US is deprecated: the library.s pol
 grep -Eq "$deprecated" "$E2E_TMP/suite.out" || fail "no deprecation line for VRDMA_SPIN_US"
 twice="$(grep -Eo "$deprecated" "$E2E_TMP/suite.out" | grep -Eo '\[[0-9]+\]' | sort | uniq -d)"
 [[ -z $twice ]] || fail "the deprecation line came more than once from process $twice"
+# ASnapshotWithWorkInFlight...: the pair went back to the backends before the snapshot, both ends.
+[[ $(grep -c "is back on the backends" "$E2E_TMP/suite.out") -ge 2 ]] ||
+  fail "no QP pair went back to the backends for a snapshot: $(grep "back" "$E2E_TMP/suite.out")"
 grep -q "direct path: guest .* QP .* of backend" "$E2E_TMP/vrdmad.a.out" "$E2E_TMP/vrdmad.b.out" ||
   fail "no QP took the direct path across backends: $(grep -h direct "$E2E_TMP"/vrdmad.*.out | tail -n 5)"
 

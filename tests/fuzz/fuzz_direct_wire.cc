@@ -1,8 +1,8 @@
 // Fuzz target: the library-to-library wire checks (src/proto/direct_wire.h), fed what a peer
 // library sends: a Hello (what the acceptor reads), then 64-byte frames (what either side reads)
-// until one is refused. A frame that passes must be one the receiver can dispatch (a request or
-// a response, data only where its type carries some); a refused one ends the stream, as it ends
-// the connection.
+// until one is refused. A frame that passes must be one the receiver can dispatch (a request, a
+// response or kRevoke, data only where its type carries some); a refused one ends the stream, as it
+// ends the connection.
 #include <cstdlib>
 #include <cstring>
 
@@ -28,7 +28,10 @@ int fuzz_direct_wire(const uint8_t* data, size_t size) {
     std::memcpy(&f, data + pos, sizeof(f));
     pos += sizeof(f);
     if (!dw::check_frame(f).is_ok()) break;
-    if (dw::request_dir(f.type) == dw::response_dir(f.type)) std::abort();  // exactly one direction
+    // Exactly one direction, but kRevoke, which goes either way and carries nothing.
+    if (f.type == dw::kRevoke ? dw::request_dir(f.type) || dw::response_dir(f.type) || f.len
+                              : dw::request_dir(f.type) == dw::response_dir(f.type))
+      std::abort();
     if (dw::carries_data(f.type) && !dw::request_dir(f.type)) std::abort();
     // The data that follows (up to what is there): skipped, as a discarded request's is.
     const uint64_t follows = dw::carries_data(f.type) || f.type == dw::kReadResp ? f.len : 0;

@@ -321,7 +321,7 @@ direct_wire = {
         dframe(5, 64) + dframe(6, 8) + dframe(7, 8) + dframe(8) + dframe(2, 1, flags=1, data=b"i") +
         dframe(9, 4, data=b"vvvv"),
     "seed-responses": dhello + dframe(16) + dframe(17, status=10) + dframe(18, 4) + dframe(19) +
-        dframe(20) + dframe(21),
+        dframe(20) + dframe(21) + dframe(24),
 }
 
 for name, files in (("command", command), ("ring", ring), ("wire", wire),

@@ -394,6 +394,118 @@ TEST_F(DirectRemoteTest, ResetEndsTheDirectConnection) {
   EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);
 }
 
+// ---- Back to the backends before a move (RingHeader::direct_revoke) ----
+
+/// A QP's own completion ring, mapped from the descriptor a grant or an offer gave.
+CqV own_ring(int fd, uint32_t entries) {
+  struct stat st {};
+  EXPECT_EQ(::fstat(fd, &st), 0);
+  CqV c;
+  c.size = entries;
+  c.map = MappedRegion::map_shared(fd, static_cast<size_t>(st.st_size));
+  c.hdr = reinterpret_cast<RingHeader*>(c.map.data());
+  c.e = reinterpret_cast<Cqe*>(c.map.data() + sizeof(RingHeader));
+  c.cons = c.hdr->consumer.load();
+  return c;
+}
+
+// The moving guest's backend asks a's library, holds what a posts meanwhile (its library may
+// still have requests in flight between the libraries), and takes the send queue back with
+// the answer: the held SEND goes out mediated, after everything, with the pair's PSNs (which
+// the direct path never moved), and the guest can then be exported.
+TEST_F(DirectRemoteTest, LeavingTheDirectPathHoldsTheSendQueueUntilTheLibraryAnswers) {
+  connect_both();
+  std::vector<UniqueFd> bfds, afds;
+  auto o = offer(b_, qb_, bfds);
+  ASSERT_TRUE(o.is_ok()) << o.status().message();
+  ASSERT_EQ(pump(), 1);
+  auto r = remote(a_, qa_, afds);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  CqV asend = own_ring(afds[0].get(), r->send_ring_entries);
+  CqV brecv = own_ring(bfds[0].get(), o->recv_ring_entries);
+  EXPECT_EQ(dev_.export_guest("a", [](const Session&) { return -1; }).err(), EBUSY);
+
+  auto left = dev_.leave_direct_remote("a");
+  EXPECT_EQ(left.err(), EINPROGRESS) << left.message();
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), kRevokeAsk);
+  EXPECT_EQ(dev_.leave_direct_remote("a").err(), EINPROGRESS);  // asked again: still waiting
+  std::vector<UniqueFd> again;
+  EXPECT_EQ(remote(a_, qa_, again).err(), EAGAIN);  // nor does it go direct meanwhile
+  EXPECT_EQ(dev_.export_guest("a", [](const Session&) { return -1; }).err(), EBUSY);
+  // What the library posts once it stops sending itself waits in the send queue.
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  for (int i = 0; i < 5; ++i) dev_.poll(now_);
+  EXPECT_EQ(count(ta_, wire::Type::kRequest), 0u);
+  EXPECT_EQ(qa_.sq->consumer.load(), 0u);
+
+  // The library's answer: nothing in flight between the libraries any more.
+  qa_.sq->direct_revoke.store(kRevokeDone);
+  dev_.poll(now_);
+  EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
+  EXPECT_TRUE(offers_of_a().empty());
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+  for (const auto& q : dev_.report()["res"]["qp"]) {
+    if (q["lqpn"] == qa_.qpn) {
+      EXPECT_EQ(q["transport"], "tcp");
+    }
+  }
+  // b's backend takes it (b's receive completion in b's own ring, as its library's were) and
+  // acknowledges it: a's completion follows in a's own ring.
+  pump();
+  devb_.poll(now_);
+  pump();
+  dev_.poll(now_);
+  auto rx = drain(brecv);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  auto tx = drain(asend);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].wr_id, 2u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
+  EXPECT_TRUE(ex.is_ok()) << ex.status().message();
+}
+
+// The peer's side: b only offered (its library executes a's requests). Asked, it answers too
+// (its library stops taking connections); meanwhile what b posts waits as a's did, whoever
+// asked (here b's library itself, as it does when a's library's kRevoke comes).
+TEST_F(DirectRemoteTest, AnOfferingQpLeavesToo) {
+  connect_both();
+  offer_b();
+  EXPECT_EQ(devb_.leave_direct_remote("b").err(), EINPROGRESS);
+  EXPECT_EQ(qb_.sq->direct_revoke.load(), kRevokeAsk);
+  post_recv(qa_, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qb_, 2, mb_.addr, 8, mb_.mr.lkey);
+  for (int i = 0; i < 5; ++i) devb_.poll(now_);
+  EXPECT_EQ(count(tb_, wire::Type::kRequest), 0u);
+  qb_.sq->direct_revoke.store(kRevokeDone);
+  EXPECT_TRUE(devb_.leave_direct_remote("b").is_ok());
+  devb_.poll(now_);
+  EXPECT_EQ(count(tb_, wire::Type::kRequest), 1u);
+  EXPECT_TRUE(devb_.export_guest("b", [](const Session&) { return -1; }).is_ok());
+  // A guest with nothing on the direct path is not held at all.
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
+  EXPECT_EQ(dev_.leave_direct_remote("nobody").err(), ENOENT);
+}
+
+// A reset ends the direct connection and an ask with it: the next life starts clean.
+TEST_F(DirectRemoteTest, ResetClearsAnAsk) {
+  connect_both();
+  offer_b();
+  std::vector<UniqueFd> fds;
+  ASSERT_TRUE(remote(a_, qa_, fds).is_ok());
+  EXPECT_EQ(dev_.leave_direct_remote("a").err(), EINPROGRESS);
+  QpAttr reset{};
+  reset.qp_state = IBV_QPS_RESET;
+  ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset));
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+}
+
 // ---- A guest on this backend cannot pose as a peer backend's guest (issue 21) ----
 
 /// A guest name whose LID (the name's hash) is `lid`: what an attacker searches for.

@@ -29,6 +29,7 @@ TEST(DirectWire, EveryKnownFrameOfAPeerPasses) {
   Frame rnr = request(kRnr, 0);
   rnr.status = 31;  // the longest min_rnr_timer but 0
   EXPECT_TRUE(check_frame(rnr).is_ok());
+  EXPECT_TRUE(check_frame(request(kRevoke, 0)).is_ok());
   Frame solicited = request(kSend, 1);
   solicited.flags = IBV_SEND_SOLICITED;
   EXPECT_TRUE(check_frame(solicited).is_ok());
@@ -52,13 +53,14 @@ TEST(DirectWire, EachMalformedFieldIsRefused) {
   f = request(kRnr, 0);
   f.status = 32;  // min_rnr_timer has 5 bits
   EXPECT_EQ(check_frame(f).err(), EPROTO);
+  EXPECT_EQ(check_frame(request(kRevoke, 8)).err(), EPROTO);  // it carries nothing
 }
 
 TEST(DirectWire, HelloAndItsAnswerAreChecked) {
   Hello h{kDirectMagic, kDirectVersion, 0x11, 0x12, 3, kTakesRequests};
   EXPECT_TRUE(check_hello(h).is_ok());
   Hello bad = h;
-  bad.version = 3;
+  bad.version = 4;  // no kRevoke
   EXPECT_EQ(check_hello(bad).err(), EPROTONOSUPPORT);
   bad = h;
   bad.magic = 0x4d445256;  // the control protocol's magic
