@@ -31,9 +31,10 @@ for tool in ib_send_lat ib_write_lat ib_read_lat ib_atomic_lat; do
   awk -v t="$tmin" 'BEGIN { exit !(t > 0) }' || fail "$tool: t_min is not a positive time: $row"
   log "$tool: $row"
 done
-# On-demand paging (--odp): the server's buffer is written by RDMA only (ib_write_bw), the
-# latency test's sends and receives fault their pages in at the first post.
-for tool in ib_write_bw ib_send_lat; do
+# On-demand paging (--odp): the server's buffer is written by RDMA only (ib_write_bw) or read
+# by it (ib_read_bw: the pages the peer's READs reach), the latency test's sends and receives
+# fault their pages in at the first post.
+for tool in ib_write_bw ib_read_bw ib_send_lat; do
   run_perftest "$tool" --odp -n 200
   row="$(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
   [[ $(awk '{print $2}' <<<"$row") == 200 ]] || fail "$tool --odp: no row of 200 iterations: $row"
