@@ -55,8 +55,13 @@ grep -Eq "$deprecated" "$E2E_TMP/suite.out" || fail "no deprecation line for VRD
 twice="$(grep -Eo "$deprecated" "$E2E_TMP/suite.out" | grep -Eo '\[[0-9]+\]' | sort | uniq -d)"
 [[ -z $twice ]] || fail "the deprecation line came more than once from process $twice"
 # ASnapshotWithWorkInFlight...: the pair went back to the backends before the snapshot, both ends.
-[[ $(grep -c "is back on the backends" "$E2E_TMP/suite.out") -ge 2 ]] ||
-  fail "no QP pair went back to the backends for a snapshot: $(grep "back" "$E2E_TMP/suite.out")"
+# It takes the snapshot with the vrdma CLI, which the TSan preset does not build (it skips there).
+if [[ -x $BIN/vrdma ]]; then
+  [[ $(grep -c "is back on the backends" "$E2E_TMP/suite.out") -ge 2 ]] ||
+    fail "no QP pair went back to the backends for a snapshot: $(grep "back" "$E2E_TMP/suite.out")"
+else
+  log "no vrdma CLI in $BIN: the snapshot case skipped"
+fi
 grep -q "direct path: guest .* QP .* of backend" "$E2E_TMP/vrdmad.a.out" "$E2E_TMP/vrdmad.b.out" ||
   fail "no QP took the direct path across backends: $(grep -h direct "$E2E_TMP"/vrdmad.*.out | tail -n 5)"
 

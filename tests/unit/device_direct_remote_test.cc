@@ -446,7 +446,8 @@ TEST_F(DirectRemoteTest, LeavingTheDirectPathHoldsTheSendQueueUntilTheLibraryAns
   EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
   EXPECT_TRUE(offers_of_a().empty());
   EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
-  for (const auto& q : dev_.report()["res"]["qp"]) {
+  const nlohmann::json rep = dev_.report();  // held: a temporary's member dies in the range-for
+  for (const auto& q : rep["res"]["qp"]) {
     if (q["lqpn"] == qa_.qpn) {
       EXPECT_EQ(q["transport"], "tcp");
     }
