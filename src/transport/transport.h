@@ -114,7 +114,8 @@ class Transport {
   virtual uint64_t tx_progress(const std::string& node) = 0;
   /// How long the connection to `node` may move nothing before its peer counts as not
   /// answering: the path's round trip and its variation as TCP measures them (TCP's own
-  /// retransmission timeout without its floor), or while TCP backs off a lost segment's
+  /// retransmission timeout without its floor); with a segment unacknowledged, TCP's timeout
+  /// itself (the peer's TCP may delay its ACK until then); while TCP backs off a lost segment's
   /// retransmission (its first few backoffs), until its next try; in ns; 0 without a connection.
   virtual uint64_t tx_patience_ns(const std::string& node) = 0;
   /// How long an answer the peer sent may take to reach us through its TCP's recovery of a lost

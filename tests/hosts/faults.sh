@@ -2,7 +2,8 @@
 # Two namespace hosts; the TCP connection between their backends is killed again and again
 # (ss -K) while RC traffic runs: a verifying stream (rc_stream: every message once, in order,
 # the same checksum on both ends), ibv_rc_pingpong -c and ib_write_bw all complete. ib_write_bw
-# runs through three 1 s stops (SIGSTOP) of the peer backend. A guest killed mid-stream and
+# runs through three 1 s stops (SIGSTOP) of the peer backend, and a stream whose QPs time out
+# after 1 ms through forty 30 ms stops. A guest killed mid-stream and
 # garbage sent to a backend's port leave both backends serving.
 # Usage: faults.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -76,6 +77,34 @@ for k in 1 2 3; do
 done
 hperftest_finish stop "$cli" "$srv" 90
 log "stop: $(result_rows "$E2E_TMP/stop.client.out" | tail -n 1) across three 1 s stops of h1's backend"
+
+# Short stops of the peer backend (30 ms, as a preempted one) under a stream whose QPs time out
+# after 1 ms (`--timeout 8`; 8 tries: 8 ms of budget), one message in flight at a time. While
+# h1's backend does not run, its TCP holds the ACK of the one small segment it received (delayed
+# ACK, 40 ms; a stream of many is acknowledged every two segments): the request looks unacknowledged,
+# but TCP calls nothing lost before its own retransmission timeout, and nor may the QP. (Before,
+# a QP with `timeout` 8 ended in RETRY_EXC_ERR within a few ms of such a stall:
+# e2e.conformance_remote under TSan on a loaded machine.)
+port=$((17000 + RANDOM % 1000))
+hrun 1 --guest short-s -- "$HOSTS_BIN/rc_stream" server "$port" 0 256 --timeout 8 --depth 1 \
+  >"$E2E_TMP/short.server.out" 2>&1 &
+srv=$!
+hwait_port 1 "$port" "$srv" short
+hrun 2 --guest short-c -- "$HOSTS_BIN/rc_stream" client "$(host_ip 1)" "$port" 0 256 --timeout 8 --depth 1 \
+  >"$E2E_TMP/short.client.out" 2>&1 &
+cli=$!
+cli_proc=$(child_named "$cli" rc_stream)
+nap 0.5
+for ((k = 0; k < 40; k++)); do
+  kill -0 "$cli_proc" 2>/dev/null || break
+  kill -STOP "${HOSTS_BACKEND_PID[1]}"
+  sleep 0.03
+  kill -CONT "${HOSTS_BACKEND_PID[1]}"
+  sleep 0.03
+done
+kill -USR1 "$cli_proc" 2>/dev/null || true
+finish_stream short "$cli" "$srv" 30
+log "short: $STREAM_RESULT on both ends across $k stops of 30 ms of h1's backend (QP timeout 1 ms)"
 
 # A guest that dies mid-stream: both backends carry on, and serve the next pair.
 port=$((17000 + RANDOM % 1000))

@@ -10,6 +10,7 @@
 // Debian's tools); --stall-ms MS: a line "rc_stream: stall of S s ended at EPOCH" whenever
 // completions resume after MS or more without one (the impaired tests time a link flap with it).
 // A failed completion also prints "rc_stream: failed at EPOCH" (CLOCK_REALTIME seconds).
+// --depth N: the client keeps at most N (1 to 32) messages in flight (default 32).
 // --events: the stream sleeps in a completion channel whenever its CQ is empty (arm, poll once,
 // block); a completion found in the armed CQ with no event for it a second later is a lost event
 // ("rc_stream: lost event", exit 1).
@@ -58,6 +59,7 @@ volatile std::sig_atomic_t g_stop = 0;
 uint8_t g_timeout = 14;  ///< --timeout
 long g_stall_ms = 0;     ///< --stall-ms (0: no stall lines)
 bool g_events = false;   ///< --events
+int g_depth = kDepth;    ///< --depth
 bool g_ud = false;       ///< the ud-* modes: UD QPs
 constexpr uint32_t kQkey = 0x11111111;
 constexpr uint32_t kGrh = 40;  ///< a UD receive's first bytes
@@ -315,7 +317,7 @@ int stream(bool server, const char* host, int port, uint64_t n, uint32_t size) {
   while (done < n) {
     if (!server && open_ended && g_stop && n != posted) n = posted;  // drain what is in flight
     if (done >= n) break;
-    while (!server && inflight < kDepth && posted < n) {
+    while (!server && inflight < g_depth && posted < n) {
       uint8_t* p = &l.buf[(posted % kDepth) * size];
       fill(p, size, posted);
       sum = fnv(sum, p, size);
@@ -544,11 +546,14 @@ int main(int argc, char** argv) {
       g_events = true;
       continue;
     }
-    if ((arg == "--timeout" || arg == "--stall-ms") && k + 1 < argc) {
+    if ((arg == "--timeout" || arg == "--stall-ms" || arg == "--depth") && k + 1 < argc) {
       const long v = std::strtol(argv[++k], nullptr, 10);
       if (arg == "--timeout") {
         if (v < 0 || v > 31) die("--timeout: 0 to 31");
         g_timeout = static_cast<uint8_t>(v);
+      } else if (arg == "--depth") {
+        if (v < 1 || v > kDepth) die("--depth: 1 to 32");
+        g_depth = static_cast<int>(v);
       } else {
         g_stall_ms = v;
       }
@@ -574,5 +579,5 @@ int main(int argc, char** argv) {
   if (mode == "rnr-client" && argc == 4) return rnr(false, argv[2], std::atoi(argv[3]));
   die("usage: rc_stream server PORT N SIZE | client HOST PORT N SIZE | rnr-server PORT |"
       " rnr-client HOST PORT | ud-server PORT SIZE | ud-client HOST PORT SIZE; options:"
-      " --timeout N, --stall-ms MS, --events");
+      " --timeout N, --stall-ms MS, --depth N, --events");
 }

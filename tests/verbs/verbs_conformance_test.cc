@@ -171,7 +171,11 @@ class Conformance : public vrdma::test::VerbsFixture {
                                  .sges = {sge(buf_.size() - 8, 8)},
                                  .raddr = peer_.mem().addr,
                                  .rkey = peer_.mem().rkey});
-      if (wc.status != IBV_WC_SUCCESS) return false;
+      if (wc.status != IBV_WC_SUCCESS) {
+        ADD_FAILURE() << "READ " << i << " of " << n << ": " << ibv_wc_status_str(wc.status)
+                      << " (vendor_err " << wc.vendor_err << ", QP state " << state(qp) << ")";
+        return false;
+      }
     }
     return true;
   }

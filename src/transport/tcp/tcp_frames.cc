@@ -183,6 +183,13 @@ uint64_t TcpTransport::tx_patience_ns(const std::string& node) {
   tcp_info ti{};
   if (!tcp_info_of(node, ti)) return 0;
   uint64_t us = uint64_t{ti.tcpi_rtt} + 4 * uint64_t{ti.tcpi_rttvar};
+  // A segment not acknowledged yet, before TCP's own retransmission timer fired: the peer's TCP
+  // may hold its ACK (delayed ACK: 40 ms on Linux, up to the round trip on a long path) when
+  // its backend is not there to answer at once, and TCP itself calls nothing lost before its
+  // timeout (its floor included). A QP timeout shorter than that (`timeout` 8: 1 ms) spent its
+  // whole budget on a loopback path whose peer backend was preempted for 4 ms (TSan, load 9).
+  if (ti.tcpi_unacked > 0 && ti.tcpi_backoff == 0)
+    us = std::max<uint64_t>(us, uint64_t{ti.tcpi_rto} + ti.tcpi_rtt);
   // TCP recovering a lost segment by its retransmission timer, which backs off (50, 100, 200,
   // 400 ms: a retransmission lost again doubles it): the connection stands still until TCP's
   // next try, a stall of TCP's own on a path that still delivers. Waited out through
