@@ -2,7 +2,7 @@
 # The direct path (docs/ARCHITECTURE.md, "Direct path"): two guests of one uid on a backend that
 # grants it (VRDMA_DIRECT_PATH=1, as `vrdmad --direct-path`) move their bytes themselves. Debian's
 # tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
-# checksummed rc_stream), every perftest size, atomics (which stay on the backend), and the
+# checksummed rc_stream), every perftest size, atomics (executed by the libraries too), and the
 # backend must say which QPs are direct and count their messages. Then the same pair on a
 # backend without it: not direct. (UC and UD: direct_path_ud.sh.)
 # Usage: direct_path.sh BIN_DIR
@@ -52,7 +52,7 @@ kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 90
 log "rc_stream: $STREAM_RESULT"
 
-# 3. perftest over every size; READ and the atomics too (atomics go through the backend).
+# 3. perftest over every size; READ and the atomics too.
 for tool in ib_send_bw ib_write_bw ib_read_bw; do
   run_perftest "$tool" -a -n "$PT_N"
   rows="$(result_rows "$E2E_TMP/$tool.client.out")"
@@ -69,6 +69,31 @@ for tool in ib_send_lat ib_write_lat ib_atomic_lat; do
 done
 grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
 [[ $grants -ge 5 ]] || fail "expected perftest's client QPs granted, log has $grants"
+# The atomics for 2 s each: while they run, the client's library executes them (the backend's
+# direct counters of the client's sent and the server's received messages grow).
+for tool in ib_atomic_lat ib_atomic_bw; do
+  port="$(free_port)"
+  vrun --guest at-srv -- "$tool" -D 2 -p "$port" >"$E2E_TMP/$tool.server.out" 2>&1 &
+  srv=$!
+  wait_listen "$port" "$srv" "$tool"
+  vrun --guest at-cli -- "$tool" -D 2 -p "$port" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
+  cli=$!
+  sent=0 recv=0
+  for ((i = 0; i < 200; i++)); do
+    sent="$(direct_count at-cli direct_msgs_sent)" recv="$(direct_count at-srv direct_msgs_received)"
+    ((sent > 100 && recv > 100)) && break
+    kill -0 "$cli" 2>/dev/null || break
+    nap 0.05
+  done
+  wait_pid "$cli" 60
+  [[ $WAIT_RC == 0 ]] || fail "$tool -D 2 client exited $WAIT_RC"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$tool -D 2 server exited $WAIT_RC"
+  ((sent > 100 && recv > 100)) || fail "$tool: atomics not executed directly (sent $sent, received $recv)"
+  row="$(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
+  [[ -n $row ]] || fail "$tool -D 2: no result row"
+  log "$tool -D 2: direct messages sent $sent, received $recv; $row"
+done
 
 # 4. A backend without the direct path: the same pair stays on it.
 kill "$(backend_pid)" 2>/dev/null || true

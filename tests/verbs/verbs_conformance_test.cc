@@ -216,6 +216,19 @@ uint64_t direct_sent(ibv_qp* qp) {
   return n;
 }
 
+/// Requests into QP `qp` that a peer's library executed itself (its own receive ring's count,
+/// which the requester's library keeps; 0 without one). Polls `cq` (`qp`'s receive CQ, with
+/// nothing to complete) once, to learn of the ring.
+uint64_t direct_received(ibv_qp* qp, ibv_cq* cq) {
+  ibv_wc wc;
+  EXPECT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
+  const uint32_t handle = vrdma::verbs::to_vqp(qp)->handle;
+  for (const auto& r : vrdma::verbs::to_vcq(cq)->own) {
+    if (r->qp == handle && r->recv) return r->hdr->direct_msgs.load();
+  }
+  return 0;
+}
+
 // ---- Opcodes x QP types ----------------------------------------------------------------------
 
 TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
@@ -340,8 +353,8 @@ TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
       EXPECT_EQ(old, word) << what << ": the atomic returns the old value";
       EXPECT_EQ(peer_word(poff), c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0xabcdefu : word + 5) << what;
     }
-    // UC and UD go direct as RC does (issue 25), the proof settled above.
-    if (direct_path_on() && c.type != IBV_QPT_RC) {
+    // UC and UD go direct as RC does (issue 25), the proof settled above; so do atomics.
+    if (direct_path_on() && (c.type != IBV_QPT_RC || atomic)) {
       EXPECT_EQ(direct_sent(p.qp), 1u) << what << ": not executed by the library";
     }
   }
@@ -1763,6 +1776,210 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   uint64_t sum;
   std::memcpy(&sum, buf_.data() + 4096, 8);
   EXPECT_EQ(sum, uint64_t{kQps} * kOps);
+  // On the direct path the peer's library executed them (into our QPs' own receive rings).
+  if (direct_path_on()) {
+    for (int i = 0; i < kQps; ++i) {
+      EXPECT_GT(direct_received(qps_[i], cq_), 0u) << "QP " << i << ": none executed directly";
+    }
+  }
+}
+
+// Atomics on one word at once from a QP whose library executes them (the direct path) and one
+// whose backend does (an RC QP on an SRQ gets no grant): both are CPU atomics on the same page
+// (IBV_ATOMIC_HCA), so none is lost, whichever path runs each. On every path (each QP alone on
+// the ring, TCP, across backends).
+TEST_F(Conformance, AtomicsOnOneWordFromADirectAndAMediatedQpSumExactly) {
+#if defined(__SANITIZE_THREAD__)
+  constexpr uint32_t kOps = 4096;
+#else
+  constexpr uint32_t kOps = 32768;
+#endif
+  constexpr uint32_t kBatch = 64;
+  Pair direct = pair(IBV_QPT_RC, {}, {}, 128);
+  ASSERT_NE(direct.qp, nullptr);
+  ibv_srq_init_attr sa{};
+  sa.attr.max_wr = 16;
+  sa.attr.max_sge = 1;
+  ibv_srq* srq = ibv_create_srq(pd_, &sa);
+  ASSERT_NE(srq, nullptr) << std::strerror(errno);
+  ibv_cq* mcq = ibv_create_cq(ctx_, 256, nullptr, nullptr, 0);
+  ASSERT_NE(mcq, nullptr);
+  cqs_.push_back(mcq);
+  ibv_qp_init_attr ia{};
+  ia.send_cq = ia.recv_cq = mcq;
+  ia.qp_type = IBV_QPT_RC;
+  ia.srq = srq;
+  ia.cap = {128, 0, 1, 1, 0};
+  ibv_qp* mediated = ibv_create_qp(pd_, &ia);
+  ASSERT_NE(mediated, nullptr) << std::strerror(errno);
+  const PeerQp pm = peer_.create_qp(IBV_QPT_RC, 128);
+  QpPath ours, theirs;
+  ours.dlid = peer_.lid();
+  ours.dest_qpn = pm.qpn;
+  theirs.dlid = lid_;
+  theirs.dest_qpn = mediated->qp_num;
+  ASSERT_EQ(bring_to_rts(mediated, ours), 0);
+  ASSERT_EQ(peer_.connect(pm, theirs), 0);
+  constexpr uint64_t kWord = 24576;
+  const uint64_t start = 1000;
+  peer_.write(kWord, &start, 8);
+
+  // `per` FETCH_AND_ADDs of 1 on `qp` in signaled batches; the count that completed well.
+  auto storm = [&](ibv_qp* qp, ibv_cq* cq, size_t result) {
+    uint32_t ok = 0;
+    for (uint32_t done = 0; done < kOps; done += kBatch) {
+      for (uint32_t k = 0; k < kBatch; ++k) {
+        ibv_sge s = sge(result, 8);
+        ibv_send_wr wr{};
+        wr.sg_list = &s;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+        wr.send_flags = k == kBatch - 1 ? IBV_SEND_SIGNALED : 0;
+        wr.wr.atomic.remote_addr = peer_.mem().addr + kWord;
+        wr.wr.atomic.rkey = peer_.mem().rkey;
+        wr.wr.atomic.compare_add = 1;
+        ibv_send_wr* bad = nullptr;
+        if (ibv_post_send(qp, &wr, &bad)) return ok;
+      }
+      ibv_wc wc;
+      const auto until = Clock::now() + std::chrono::seconds(30);
+      int got = 0;
+      while ((got = ibv_poll_cq(cq, 1, &wc)) == 0 && Clock::now() < until) {
+      }
+      if (got != 1 || wc.status != IBV_WC_SUCCESS) return ok;
+      ok += kBatch;
+    }
+    return ok;
+  };
+  uint32_t by_direct = 0, by_mediated = 0;
+  std::thread other([&] { by_mediated = storm(mediated, mcq, 65536); });
+  by_direct = storm(direct.qp, cq_, 65536 + 64);
+  other.join();
+  EXPECT_EQ(by_direct, kOps);
+  EXPECT_EQ(by_mediated, kOps);
+  EXPECT_EQ(peer_word(kWord), start + 2 * kOps) << "an update was lost";
+  if (direct_path_on()) {
+    EXPECT_GT(direct_sent(direct.qp), kOps / 2) << "the library executed few of them";
+    EXPECT_EQ(direct_sent(mediated), 0u) << "the QP on an SRQ went direct";
+  }
+  EXPECT_EQ(ibv_destroy_qp(mediated), 0);
+  EXPECT_EQ(ibv_destroy_srq(srq), 0);
+}
+
+// The faults of an atomic complete it with the responder's status whichever path would have
+// executed it (proto/responder_rules.h): a misaligned address REM_INV_REQ_ERR; an unknown rkey,
+// an MR without REMOTE_ATOMIC, and a word the responder QP may not reach atomically
+// REM_ACCESS_ERR. On the direct path the QP is granted first (an atomic executed by the
+// library), and the faulty one goes to the backend: the library executes nothing of it.
+TEST_F(Conformance, EachAtomicFaultGivesTheSameStatusOnEveryPath) {
+  const auto ro = peer_.reg_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
+  ASSERT_NE(ro.rkey, 0u);
+  const uint64_t remote = peer_.mem().addr;
+  const uint32_t rkey = peer_.mem().rkey;
+  struct Case {
+    ibv_wr_opcode op;
+    uint64_t raddr;
+    uint32_t rkey;
+    unsigned peer_qp_access;
+    ibv_wc_status want;
+    const char* what;
+  };
+  const Case cases[] = {
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote + 4, rkey, kAllAccess, IBV_WC_REM_INV_REQ_ERR,
+       "FETCH_AND_ADD, misaligned"},
+      {IBV_WR_ATOMIC_CMP_AND_SWP, remote + 1, rkey, kAllAccess, IBV_WC_REM_INV_REQ_ERR,
+       "CMP_AND_SWP, misaligned"},
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote, rkey ^ 0x80000000u, kAllAccess, IBV_WC_REM_ACCESS_ERR,
+       "FETCH_AND_ADD, wrong rkey"},
+      {IBV_WR_ATOMIC_CMP_AND_SWP, remote, mr_->rkey, kAllAccess, IBV_WC_REM_ACCESS_ERR,
+       "CMP_AND_SWP with our own guest's rkey"},
+      {IBV_WR_ATOMIC_FETCH_AND_ADD, ro.addr, ro.rkey, kAllAccess, IBV_WC_REM_ACCESS_ERR,
+       "FETCH_AND_ADD, MR without REMOTE_ATOMIC"},
+      {IBV_WR_ATOMIC_CMP_AND_SWP, remote, rkey, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE,
+       IBV_WC_REM_ACCESS_ERR, "CMP_AND_SWP, QP without REMOTE_ATOMIC"},
+  };
+  constexpr uint64_t kGood = 32768;  ///< the peer's word the granting atomics add to
+  for (const Case& c : cases) {
+    if (c.rkey == rkey && c.raddr == remote && c.peer_qp_access == kAllAccess)
+      continue;  // our key is theirs by chance
+    QpPath theirs;
+    theirs.access = c.peer_qp_access;
+    Pair p = pair(IBV_QPT_RC, {}, theirs);
+    ASSERT_NE(p.qp, nullptr);
+    // Granted first: a good atomic (READs where the QP may not do atomics) until the library
+    // executes one itself.
+    const bool may_atomic = c.peer_qp_access & IBV_ACCESS_REMOTE_ATOMIC;
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    do {
+      const ibv_wc wc = may_atomic ? run(p.qp, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                                                .sges = {sge(512, 8)},
+                                                .raddr = remote + kGood,
+                                                .rkey = rkey,
+                                                .compare_add = 1})
+                                   : run(p.qp, {.op = IBV_WR_RDMA_READ,
+                                                .sges = {sge(512, 8)},
+                                                .raddr = remote + kGood,
+                                                .rkey = rkey});
+      ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << c.what << ": " << ibv_wc_status_str(wc.status);
+    } while (direct_path_on() && direct_sent(p.qp) == 0 && Clock::now() < until);
+    const uint64_t before = direct_sent(p.qp);
+    if (direct_path_on()) {
+      ASSERT_GT(before, 0u) << c.what << ": the direct path was not granted in 20 s";
+    }
+    // Executed, either would change the peer's zeros (compare 0, swap 5; add 1).
+    std::memset(buf_.data(), 0x77, 8);
+    const ibv_wc wc = run(p.qp, {.op = c.op,
+                                 .sges = {sge(0, 8)},
+                                 .raddr = c.raddr,
+                                 .rkey = c.rkey,
+                                 .compare_add = c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0u : 1u,
+                                 .swap = 5});
+    EXPECT_EQ(wc.status, c.want) << c.what << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what << ": the requester's QP is in ERR";
+    EXPECT_EQ(direct_sent(p.qp), before) << c.what << ": the library executed it";
+    EXPECT_EQ(std::vector<uint8_t>(buf_.begin(), buf_.begin() + 8), std::vector<uint8_t>(8, 0x77))
+        << c.what << ": no result written";
+  }
+  EXPECT_EQ(peer_.read(0, 16), std::vector<uint8_t>(16, 0)) << "no byte of the peer changed";
+  EXPECT_EQ(peer_.dereg_mr(), 0);
+}
+
+// An aligned iova on a misaligned address (ibv_reg_mr_iova: the MR's address and iova differ
+// mod 8): a CPU atomic there would be a split lock, so it fails as a misaligned iova does,
+// REM_INV_REQ_ERR, on every path; on the direct path the library leaves it to the backend.
+TEST_F(Conformance, AnAtomicOnAnAlignedIovaOfAMisalignedAddressIsInvalidRequest) {
+  constexpr uint64_t kIova = 0x10000000;
+  std::memset(buf_.data() + 65536, 0, 64);
+  rmr_ = ibv_reg_mr_iova(pd_, buf_.data() + 65536 + 4, 4096, kIova,
+                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC);
+  ASSERT_NE(rmr_, nullptr) << std::strerror(errno);
+  // Two QPs of ours (one session: no proof), granted with rmr_ in the grant's table.
+  ibv_qp* a = make_qp(IBV_QPT_RC);
+  ibv_qp* b = make_qp(IBV_QPT_RC);
+  ASSERT_TRUE(a && b);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  do {
+    const ibv_wc wc = run(a, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                              .sges = {sge(512, 8)},
+                              .raddr = addr(32768),
+                              .rkey = mr_->rkey,
+                              .compare_add = 1});
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  } while (direct_path_on() && direct_sent(a) == 0 && Clock::now() < until);
+  const uint64_t before = direct_sent(a);
+  if (direct_path_on()) {
+    ASSERT_GT(before, 0u) << "the direct path was not granted in 20 s";
+  }
+  const ibv_wc wc = run(a, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                            .sges = {sge(0, 8)},
+                            .raddr = kIova + 8,
+                            .rkey = rmr_->rkey,
+                            .compare_add = 1});
+  EXPECT_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(direct_sent(a), before) << "the library executed it";
+  EXPECT_EQ(std::count(buf_.begin() + 65536, buf_.begin() + 65536 + 64, 0), 64)
+      << "the word changed";
 }
 
 // ---- Async events ---------------------------------------------------------------------------
