@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -1350,12 +1351,12 @@ struct XrcPair {
 
 class XrcConformance : public Conformance {
  protected:
-  XrcPair xrc_pair() {
+  XrcPair xrc_pair(uint32_t depth = 16, ibv_cq* cq = nullptr) {
     XrcPair p;
     ibv_qp_init_attr_ex a{};
     a.qp_type = IBV_QPT_XRC_SEND;
-    a.send_cq = cq_;
-    a.cap.max_send_wr = 16;
+    a.send_cq = cq ? cq : cq_;
+    a.cap.max_send_wr = depth;
     a.cap.max_send_sge = 1;
     a.comp_mask = IBV_QP_INIT_ATTR_PD;
     a.pd = pd_;
@@ -1456,6 +1457,76 @@ TEST_F(XrcConformance, TheSrqNumberChoosesTheReceiveItsCompletionAndThePdOfRdma)
   EXPECT_EQ(old, word);
   EXPECT_EQ(peer_word(8192 + 8), word + 3);
   EXPECT_TRUE(peer_.poll(1, 0).empty()) << "RDMA consumed no receive";
+}
+
+// Atomics on one word at once from a QP whose library executes them (RC on the direct path) and
+// one whose backend does (XRC stays on the backends on every path): both are CPU atomics on the
+// same page (IBV_ATOMIC_HCA), so none is lost, whichever path runs each. On every path (on the
+// ring, TCP and across backends both QPs are mediated, or the RC one goes between libraries).
+TEST_F(XrcConformance, AtomicsOnOneWordFromADirectRcAndAMediatedXrcQpSumExactly) {
+#if defined(__SANITIZE_THREAD__)
+  constexpr uint32_t kOps = 4096;
+#else
+  constexpr uint32_t kOps = 32768;
+#endif
+  constexpr uint32_t kBatch = 64;
+  Pair direct = pair(IBV_QPT_RC, {}, {}, 128);
+  ASSERT_NE(direct.qp, nullptr);
+  ibv_cq* xcq = ibv_create_cq(ctx_, 256, nullptr, nullptr, 0);
+  ASSERT_NE(xcq, nullptr);
+  cqs_.push_back(xcq);
+  const XrcPair x = xrc_pair(128, xcq);
+  ASSERT_NE(x.qp, nullptr);
+  constexpr uint64_t kWord = 24576;
+  const uint64_t start = 1000;
+  peer_.write(kWord, &start, 8);
+
+  // FETCH_AND_ADDs of 1 on `qp` in signaled batches (results at `result`), kOps and then on
+  // while `until` (if given) is false; how many completed well.
+  auto storm = [&](ibv_qp* qp, ibv_cq* cq, uint32_t srqn, size_t result,
+                   const std::atomic<bool>* until) {
+    uint64_t ok = 0;
+    while (ok < kOps || (until && !until->load())) {
+      for (uint32_t k = 0; k < kBatch; ++k) {
+        ibv_sge s = sge(result, 8);
+        ibv_send_wr wr{};
+        wr.sg_list = &s;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+        wr.send_flags = k == kBatch - 1 ? IBV_SEND_SIGNALED : 0;
+        wr.wr.atomic.remote_addr = peer_.mem().addr + kWord;
+        wr.wr.atomic.rkey = peer_.mem().rkey;
+        wr.wr.atomic.compare_add = 1;
+        wr.qp_type.xrc.remote_srqn = srqn;
+        ibv_send_wr* bad = nullptr;
+        if (ibv_post_send(qp, &wr, &bad)) return ok;
+      }
+      ibv_wc wc;
+      const auto until = Clock::now() + std::chrono::seconds(30);
+      int got = 0;
+      while ((got = ibv_poll_cq(cq, 1, &wc)) == 0 && Clock::now() < until) {
+      }
+      if (got != 1 || wc.status != IBV_WC_SUCCESS) return ok;
+      ok += kBatch;
+    }
+    return ok;
+  };
+  // The library's are the faster: its QP goes on until the backend's are all done.
+  uint64_t by_xrc = 0;
+  std::atomic<bool> xrc_done{false};
+  std::thread other([&] {
+    by_xrc = storm(x.qp, xcq, x.t.srqn[0], 65536, nullptr);
+    xrc_done = true;
+  });
+  const uint64_t by_rc = storm(direct.qp, cq_, 0, 65536 + 64, &xrc_done);
+  other.join();
+  EXPECT_GE(by_rc, kOps);
+  EXPECT_EQ(by_xrc, kOps);
+  EXPECT_EQ(peer_word(kWord), start + by_rc + by_xrc) << "an update was lost";
+  if (direct_path_on()) {
+    EXPECT_GT(direct_sent(direct.qp), kOps / 2) << "the library executed few of them";
+    EXPECT_EQ(direct_sent(x.qp), 0u) << "the XRC QP went direct";
+  }
 }
 
 // Each error on a fresh pair (our send QP goes to ERR): a number that names no SRQ of the
@@ -1782,88 +1853,6 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
       EXPECT_GT(direct_received(qps_[i], cq_), 0u) << "QP " << i << ": none executed directly";
     }
   }
-}
-
-// Atomics on one word at once from a QP whose library executes them (the direct path) and one
-// whose backend does (an RC QP on an SRQ gets no grant): both are CPU atomics on the same page
-// (IBV_ATOMIC_HCA), so none is lost, whichever path runs each. On every path (each QP alone on
-// the ring, TCP, across backends).
-TEST_F(Conformance, AtomicsOnOneWordFromADirectAndAMediatedQpSumExactly) {
-#if defined(__SANITIZE_THREAD__)
-  constexpr uint32_t kOps = 4096;
-#else
-  constexpr uint32_t kOps = 32768;
-#endif
-  constexpr uint32_t kBatch = 64;
-  Pair direct = pair(IBV_QPT_RC, {}, {}, 128);
-  ASSERT_NE(direct.qp, nullptr);
-  ibv_srq_init_attr sa{};
-  sa.attr.max_wr = 16;
-  sa.attr.max_sge = 1;
-  ibv_srq* srq = ibv_create_srq(pd_, &sa);
-  ASSERT_NE(srq, nullptr) << std::strerror(errno);
-  ibv_cq* mcq = ibv_create_cq(ctx_, 256, nullptr, nullptr, 0);
-  ASSERT_NE(mcq, nullptr);
-  cqs_.push_back(mcq);
-  ibv_qp_init_attr ia{};
-  ia.send_cq = ia.recv_cq = mcq;
-  ia.qp_type = IBV_QPT_RC;
-  ia.srq = srq;
-  ia.cap = {128, 0, 1, 1, 0};
-  ibv_qp* mediated = ibv_create_qp(pd_, &ia);
-  ASSERT_NE(mediated, nullptr) << std::strerror(errno);
-  const PeerQp pm = peer_.create_qp(IBV_QPT_RC, 128);
-  QpPath ours, theirs;
-  ours.dlid = peer_.lid();
-  ours.dest_qpn = pm.qpn;
-  theirs.dlid = lid_;
-  theirs.dest_qpn = mediated->qp_num;
-  ASSERT_EQ(bring_to_rts(mediated, ours), 0);
-  ASSERT_EQ(peer_.connect(pm, theirs), 0);
-  constexpr uint64_t kWord = 24576;
-  const uint64_t start = 1000;
-  peer_.write(kWord, &start, 8);
-
-  // `per` FETCH_AND_ADDs of 1 on `qp` in signaled batches; the count that completed well.
-  auto storm = [&](ibv_qp* qp, ibv_cq* cq, size_t result) {
-    uint32_t ok = 0;
-    for (uint32_t done = 0; done < kOps; done += kBatch) {
-      for (uint32_t k = 0; k < kBatch; ++k) {
-        ibv_sge s = sge(result, 8);
-        ibv_send_wr wr{};
-        wr.sg_list = &s;
-        wr.num_sge = 1;
-        wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
-        wr.send_flags = k == kBatch - 1 ? IBV_SEND_SIGNALED : 0;
-        wr.wr.atomic.remote_addr = peer_.mem().addr + kWord;
-        wr.wr.atomic.rkey = peer_.mem().rkey;
-        wr.wr.atomic.compare_add = 1;
-        ibv_send_wr* bad = nullptr;
-        if (ibv_post_send(qp, &wr, &bad)) return ok;
-      }
-      ibv_wc wc;
-      const auto until = Clock::now() + std::chrono::seconds(30);
-      int got = 0;
-      while ((got = ibv_poll_cq(cq, 1, &wc)) == 0 && Clock::now() < until) {
-      }
-      if (got != 1 || wc.status != IBV_WC_SUCCESS) return ok;
-      ok += kBatch;
-    }
-    return ok;
-  };
-  uint32_t by_direct = 0, by_mediated = 0;
-  std::thread other([&] { by_mediated = storm(mediated, mcq, 65536); });
-  by_direct = storm(direct.qp, cq_, 65536 + 64);
-  other.join();
-  EXPECT_EQ(by_direct, kOps);
-  EXPECT_EQ(by_mediated, kOps);
-  EXPECT_EQ(peer_word(kWord), start + 2 * kOps) << "an update was lost";
-  if (direct_path_on()) {
-    EXPECT_GT(direct_sent(direct.qp), kOps / 2) << "the library executed few of them";
-    EXPECT_EQ(direct_sent(mediated), 0u) << "the QP on an SRQ went direct";
-  }
-  EXPECT_EQ(ibv_destroy_qp(mediated), 0);
-  EXPECT_EQ(ibv_destroy_srq(srq), 0);
 }
 
 // The faults of an atomic complete it with the responder's status whichever path would have
