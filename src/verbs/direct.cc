@@ -316,31 +316,14 @@ bool execute_atomic(const Grant& g, const ibv_send_wr& wr, const Span* local) {
   if (!mr_spans(g, *mr, raddr, 8, true, at, n) || n != 1 ||
       (reinterpret_cast<uintptr_t>(at[0].p) & 7))
     return false;
-  // Unguarded, as the copies: the segments are sealed against shrinking (nothing truncates them
-  // under us), and the peer is a process whose memory we may write anyway.
+  // Unguarded, as the copies (docs/ARCHITECTURE.md, "Executing"): the segments are sealed
+  // against shrinking, so nothing truncates them under us.
   uint64_t old =
       rdma_atomic(reinterpret_cast<uint64_t*>(at[0].p), wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD,
                   wr.wr.atomic.compare_add, wr.wr.atomic.swap);
   const Span result{reinterpret_cast<uint8_t*>(&old), 8};
   copy_spans(&result, local, 8);
   return true;
-}
-
-/// The send completion's opcode of a WR the library executed.
-uint32_t send_wc_opcode(uint32_t op) {
-  switch (op) {
-    case IBV_WR_RDMA_READ:
-      return IBV_WC_RDMA_READ;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-      return IBV_WC_COMP_SWAP;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return IBV_WC_FETCH_ADD;
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return IBV_WC_RDMA_WRITE;
-    default:
-      return IBV_WC_SEND;
-  }
 }
 
 /// Executes one WR straight into the peer; false (nothing done) when it must go to the backend.
@@ -514,6 +497,26 @@ void count(OwnRing& r, uint64_t bytes) {
                            std::memory_order_relaxed);
   r.hdr->direct_bytes.store(r.hdr->direct_bytes.load(std::memory_order_relaxed) + bytes,
                             std::memory_order_relaxed);
+}
+
+ibv_wc_opcode send_wc_opcode(uint32_t op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    case IBV_WR_BIND_MW:
+      return IBV_WC_BIND_MW;
+    case IBV_WR_LOCAL_INV:
+      return IBV_WC_LOCAL_INV;
+    default:
+      return IBV_WC_SEND;
+  }
 }
 
 void drop_grant(VQp& qp) {

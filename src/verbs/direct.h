@@ -192,6 +192,9 @@ bool has_room(OwnRing& r);
 void push(OwnRing& r, const proto::Cqe& e);
 /// One message more in an own ring's counters (this library is their only writer).
 void count(OwnRing& r, uint64_t bytes);
+/// The send completion's opcode of a WR of opcode `op` (its executor's: this library on either
+/// direct path, as the backend's complete_send gives it).
+ibv_wc_opcode send_wc_opcode(uint32_t op);
 
 /// The cursors of another process are read only when the copy we have says "full" or "empty":
 /// each such read moves a cache line between the cores.

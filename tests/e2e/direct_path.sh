@@ -72,27 +72,7 @@ grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
 # The atomics for 2 s each: while they run, the client's library executes them (the backend's
 # direct counters of the client's sent and the server's received messages grow).
 for tool in ib_atomic_lat ib_atomic_bw; do
-  port="$(free_port)"
-  vrun --guest at-srv -- "$tool" -D 2 -p "$port" >"$E2E_TMP/$tool.server.out" 2>&1 &
-  srv=$!
-  wait_listen "$port" "$srv" "$tool"
-  vrun --guest at-cli -- "$tool" -D 2 -p "$port" localhost >"$E2E_TMP/$tool.client.out" 2>&1 &
-  cli=$!
-  sent=0 recv=0
-  for ((i = 0; i < 200; i++)); do
-    sent="$(direct_count at-cli direct_msgs_sent)" recv="$(direct_count at-srv direct_msgs_received)"
-    ((sent > 100 && recv > 100)) && break
-    kill -0 "$cli" 2>/dev/null || break
-    nap 0.05
-  done
-  wait_pid "$cli" 60
-  [[ $WAIT_RC == 0 ]] || fail "$tool -D 2 client exited $WAIT_RC"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "$tool -D 2 server exited $WAIT_RC"
-  ((sent > 100 && recv > 100)) || fail "$tool: atomics not executed directly (sent $sent, received $recv)"
-  row="$(result_rows "$E2E_TMP/$tool.client.out" | tail -n 1)"
-  [[ -n $row ]] || fail "$tool -D 2: no result row"
-  log "$tool -D 2: direct messages sent $sent, received $recv; $row"
+  run_direct_tool "$tool" at-srv at-cli at-cli at-srv "$tool" -D 2
 done
 
 # 4. A backend without the direct path: the same pair stays on it.

@@ -760,7 +760,12 @@ TEST_F(Conformance, BadLkeyOrSgeOutsideTheMrIsLocalProtectionError) {
   EXPECT_EQ(peer_.read(65536, 64), std::vector<uint8_t>(64, 0)) << "nothing was written";
 }
 
-TEST_F(Conformance, BadRkeyOutOfBoundsOrMissingAccessIsRemoteAccessError) {
+// Each fault of a WRITE, READ or atomic completes it with the responder's status, whichever path
+// would have executed it (proto/responder_rules.h): an unknown rkey, bounds, an MR or a responder
+// QP without the access REM_ACCESS_ERR; a misaligned atomic REM_INV_REQ_ERR. On the direct path
+// the QP is granted first (a good request executed by the library), and the faulty one goes to
+// the backend: the library executes nothing of it.
+TEST_F(Conformance, BadRkeyOutOfBoundsMissingAccessOrMisalignedAtomicFailAsTheResponderSays) {
   const auto ro = peer_.reg_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
   ASSERT_NE(ro.rkey, 0u);
   const uint64_t remote = peer_.mem().addr, size = peer_.mem().size;
@@ -771,33 +776,61 @@ TEST_F(Conformance, BadRkeyOutOfBoundsOrMissingAccessIsRemoteAccessError) {
     uint32_t rkey;
     unsigned peer_qp_access;
     const char* what;
+    ibv_wc_status want = IBV_WC_REM_ACCESS_ERR;
   };
+  constexpr auto kFaa = IBV_WR_ATOMIC_FETCH_AND_ADD;
+  constexpr auto kCas = IBV_WR_ATOMIC_CMP_AND_SWP;
   const Case cases[] = {
       {IBV_WR_RDMA_WRITE, remote, rkey ^ 0x80000000u, kAllAccess, "WRITE, wrong rkey"},
       {IBV_WR_RDMA_READ, remote, rkey ^ 0x80000000u, kAllAccess, "READ, wrong rkey"},
+      {kFaa, remote, rkey ^ 0x80000000u, kAllAccess, "atomic, wrong rkey"},
       {IBV_WR_RDMA_READ, remote, mr_->rkey, kAllAccess, "READ with our own guest's rkey"},
+      {kCas, remote, mr_->rkey, kAllAccess, "atomic with our own guest's rkey"},
       {IBV_WR_RDMA_WRITE, remote + size - 32, rkey, kAllAccess, "WRITE past the end"},
       {IBV_WR_RDMA_READ, remote - 64, rkey, kAllAccess, "READ before the start"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote + size, rkey, kAllAccess, "atomic past the end"},
+      {kFaa, remote + size, rkey, kAllAccess, "atomic past the end"},
       {IBV_WR_RDMA_WRITE, ro.addr, ro.rkey, kAllAccess, "WRITE, MR without remote write"},
-      {IBV_WR_ATOMIC_CMP_AND_SWP, ro.addr, ro.rkey, kAllAccess, "atomic, MR without atomic"},
+      {kCas, ro.addr, ro.rkey, kAllAccess, "atomic, MR without atomic"},
       {IBV_WR_RDMA_WRITE, remote, rkey, IBV_ACCESS_REMOTE_READ, "WRITE, QP without remote write"},
       {IBV_WR_RDMA_READ, remote, rkey, IBV_ACCESS_REMOTE_WRITE, "READ, QP without remote read"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote, rkey, IBV_ACCESS_REMOTE_READ,
-       "atomic, QP without remote atomic"},
+      {kFaa, remote, rkey, IBV_ACCESS_REMOTE_READ, "atomic, QP without remote atomic"},
+      {kFaa, remote + 4, rkey, kAllAccess, "FETCH_AND_ADD, misaligned", IBV_WC_REM_INV_REQ_ERR},
+      {kCas, remote + 1, rkey, kAllAccess, "CMP_AND_SWP, misaligned", IBV_WC_REM_INV_REQ_ERR},
   };
+  constexpr uint64_t kGood = 32768;  ///< where the granting requests go
   for (const Case& c : cases) {
     if (c.rkey == rkey && c.raddr == remote && c.peer_qp_access == kAllAccess) continue;  // by chance our key is theirs
     QpPath theirs;
     theirs.access = c.peer_qp_access;
     Pair p = pair(IBV_QPT_RC, {}, theirs);
     ASSERT_NE(p.qp, nullptr);
-    const bool atomic = c.op == IBV_WR_ATOMIC_CMP_AND_SWP || c.op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    // Granted first: good requests the peer QP allows until the library executes one itself.
+    const auto good_op =
+        c.peer_qp_access & IBV_ACCESS_REMOTE_READ ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    do {
+      const ibv_wc wc =
+          run(p.qp, {.op = good_op, .sges = {sge(512, 8)}, .raddr = remote + kGood, .rkey = rkey});
+      ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << c.what << ": " << ibv_wc_status_str(wc.status);
+    } while (direct_path_on() && direct_sent(p.qp) == 0 && Clock::now() < until);
+    const uint64_t before = direct_sent(p.qp);
+    if (direct_path_on()) {
+      ASSERT_GT(before, 0u) << c.what << ": the direct path was not granted in 20 s";
+    }
+    const bool atomic = c.op == kCas || c.op == kFaa;
     std::memset(buf_.data(), 0x77, 64);
-    const ibv_wc wc = run(p.qp, {.op = c.op, .sges = {sge(0, atomic ? 8 : 64)}, .raddr = c.raddr,
-                                 .rkey = c.rkey, .compare_add = 1});
-    EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR) << c.what << ": " << ibv_wc_status_str(wc.status);
+    // Executed, an atomic would change the peer's zeros (compare 0, swap 5; add 1).
+    const ibv_wc wc = run(p.qp, {.op = c.op,
+                                 .sges = {sge(0, atomic ? 8 : 64)},
+                                 .raddr = c.raddr,
+                                 .rkey = c.rkey,
+                                 .compare_add = c.op == kCas ? 0u : 1u,
+                                 .swap = 5});
+    EXPECT_EQ(wc.status, c.want) << c.what << ": " << ibv_wc_status_str(wc.status);
     EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what << ": the requester's QP is in ERR";
+    EXPECT_EQ(direct_sent(p.qp), before) << c.what << ": the library executed it";
+    EXPECT_EQ(std::vector<uint8_t>(buf_.begin(), buf_.begin() + 64), std::vector<uint8_t>(64, 0x77))
+        << c.what << ": nothing landed here";
   }
   EXPECT_EQ(peer_.read(0, 64), std::vector<uint8_t>(64, 0)) << "no byte of the peer changed";
   EXPECT_EQ(peer_.read(size - 32, 32), std::vector<uint8_t>(32, 0));
@@ -1873,84 +1906,6 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
       EXPECT_GT(direct_received(qps_[i], cq_), 0u) << "QP " << i << ": none executed directly";
     }
   }
-}
-
-// The faults of an atomic complete it with the responder's status whichever path would have
-// executed it (proto/responder_rules.h): a misaligned address REM_INV_REQ_ERR; an unknown rkey,
-// an MR without REMOTE_ATOMIC, and a word the responder QP may not reach atomically
-// REM_ACCESS_ERR. On the direct path the QP is granted first (an atomic executed by the
-// library), and the faulty one goes to the backend: the library executes nothing of it.
-TEST_F(Conformance, EachAtomicFaultGivesTheSameStatusOnEveryPath) {
-  const auto ro = peer_.reg_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
-  ASSERT_NE(ro.rkey, 0u);
-  const uint64_t remote = peer_.mem().addr;
-  const uint32_t rkey = peer_.mem().rkey;
-  struct Case {
-    ibv_wr_opcode op;
-    uint64_t raddr;
-    uint32_t rkey;
-    unsigned peer_qp_access;
-    ibv_wc_status want;
-    const char* what;
-  };
-  const Case cases[] = {
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote + 4, rkey, kAllAccess, IBV_WC_REM_INV_REQ_ERR,
-       "FETCH_AND_ADD, misaligned"},
-      {IBV_WR_ATOMIC_CMP_AND_SWP, remote + 1, rkey, kAllAccess, IBV_WC_REM_INV_REQ_ERR,
-       "CMP_AND_SWP, misaligned"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote, rkey ^ 0x80000000u, kAllAccess, IBV_WC_REM_ACCESS_ERR,
-       "FETCH_AND_ADD, wrong rkey"},
-      {IBV_WR_ATOMIC_CMP_AND_SWP, remote, mr_->rkey, kAllAccess, IBV_WC_REM_ACCESS_ERR,
-       "CMP_AND_SWP with our own guest's rkey"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, ro.addr, ro.rkey, kAllAccess, IBV_WC_REM_ACCESS_ERR,
-       "FETCH_AND_ADD, MR without REMOTE_ATOMIC"},
-      {IBV_WR_ATOMIC_CMP_AND_SWP, remote, rkey, IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE,
-       IBV_WC_REM_ACCESS_ERR, "CMP_AND_SWP, QP without REMOTE_ATOMIC"},
-  };
-  constexpr uint64_t kGood = 32768;  ///< the peer's word the granting atomics add to
-  for (const Case& c : cases) {
-    if (c.rkey == rkey && c.raddr == remote && c.peer_qp_access == kAllAccess)
-      continue;  // our key is theirs by chance
-    QpPath theirs;
-    theirs.access = c.peer_qp_access;
-    Pair p = pair(IBV_QPT_RC, {}, theirs);
-    ASSERT_NE(p.qp, nullptr);
-    // Granted first: a good atomic (READs where the QP may not do atomics) until the library
-    // executes one itself.
-    const bool may_atomic = c.peer_qp_access & IBV_ACCESS_REMOTE_ATOMIC;
-    const auto until = Clock::now() + std::chrono::seconds(20);
-    do {
-      const ibv_wc wc = may_atomic ? run(p.qp, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
-                                                .sges = {sge(512, 8)},
-                                                .raddr = remote + kGood,
-                                                .rkey = rkey,
-                                                .compare_add = 1})
-                                   : run(p.qp, {.op = IBV_WR_RDMA_READ,
-                                                .sges = {sge(512, 8)},
-                                                .raddr = remote + kGood,
-                                                .rkey = rkey});
-      ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << c.what << ": " << ibv_wc_status_str(wc.status);
-    } while (direct_path_on() && direct_sent(p.qp) == 0 && Clock::now() < until);
-    const uint64_t before = direct_sent(p.qp);
-    if (direct_path_on()) {
-      ASSERT_GT(before, 0u) << c.what << ": the direct path was not granted in 20 s";
-    }
-    // Executed, either would change the peer's zeros (compare 0, swap 5; add 1).
-    std::memset(buf_.data(), 0x77, 8);
-    const ibv_wc wc = run(p.qp, {.op = c.op,
-                                 .sges = {sge(0, 8)},
-                                 .raddr = c.raddr,
-                                 .rkey = c.rkey,
-                                 .compare_add = c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0u : 1u,
-                                 .swap = 5});
-    EXPECT_EQ(wc.status, c.want) << c.what << ": " << ibv_wc_status_str(wc.status);
-    EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what << ": the requester's QP is in ERR";
-    EXPECT_EQ(direct_sent(p.qp), before) << c.what << ": the library executed it";
-    EXPECT_EQ(std::vector<uint8_t>(buf_.begin(), buf_.begin() + 8), std::vector<uint8_t>(8, 0x77))
-        << c.what << ": no result written";
-  }
-  EXPECT_EQ(peer_.read(0, 16), std::vector<uint8_t>(16, 0)) << "no byte of the peer changed";
-  EXPECT_EQ(peer_.dereg_mr(), 0);
 }
 
 // An aligned iova on a misaligned address (ibv_reg_mr_iova: the MR's address and iova differ
