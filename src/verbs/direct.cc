@@ -16,7 +16,9 @@
 #include <cstring>
 
 #include "common/log.h"
+#include "common/rdma_atomic.h"
 #include "proto/device_caps.h"
+#include "proto/responder_rules.h"
 #include "verbs/internal.h"
 
 namespace vrdma::verbs {
@@ -45,21 +47,25 @@ void copy_spans(const Span* src, const Span* dst, uint64_t len) {
   }
 }
 
-bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
-                  bool by_iova, Span* out, size_t& n) {
-  const DirectMr* mr = nullptr;
+namespace {
+
+/// The peer's MR under `key` in the grant, or null.
+const DirectMr* grant_mr(const Grant& g, uint32_t key) {
   for (const DirectMr& m : g.mrs) {
-    if (m.key == key) {
-      mr = &m;
-      break;
-    }
+    if (m.key == key) return &m;
   }
-  if (!mr || (mr->access & access) != access) return false;
-  const uint64_t base = by_iova ? mr->iova : mr->addr;
-  if (!in_range(base, mr->length, at, len)) return false;
+  return nullptr;
+}
+
+/// [at, at + len) of the peer's MR `mr` (by its lkeys' addresses or, `by_iova`, its rkeys'),
+/// appended to `out` as spans of our mappings; false when it is not all there.
+bool mr_spans(const Grant& g, const DirectMr& mr, uint64_t at, uint64_t len, bool by_iova,
+              Span* out, size_t& n) {
+  const uint64_t base = by_iova ? mr.iova : mr.addr;
+  if (!in_range(base, mr.length, at, len)) return false;
   uint64_t off = at - base;
-  for (uint32_t i = 0; i < mr->num_chunks && len; ++i) {
-    const DirectChunk& c = mr->chunks[i];
+  for (uint32_t i = 0; i < mr.num_chunks && len; ++i) {
+    const DirectChunk& c = mr.chunks[i];
     if (off >= c.mr_offset + c.length || off < c.mr_offset) continue;
     if (n == kMaxSpans) return false;
     const uint64_t in = off - c.mr_offset;
@@ -69,6 +75,14 @@ bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint3
     len -= take;
   }
   return len == 0;
+}
+
+}  // namespace
+
+bool remote_spans(const Grant& g, uint32_t key, uint64_t at, uint64_t len, uint32_t access,
+                  bool by_iova, Span* out, size_t& n) {
+  const DirectMr* mr = grant_mr(g, key);
+  return mr && (mr->access & access) == access && mr_spans(g, *mr, at, len, by_iova, out, n);
 }
 
 namespace {
@@ -274,18 +288,58 @@ std::unique_ptr<Grant> ask_grant(VQp& qp, const GrantAsk& ask, Asking& st, void*
 
 namespace {
 
+/// Whether the responder would execute a WRITE, READ or atomic (check_remote_request, with the
+/// grant's MR under `rkey`, returned in `mr`, and the peer QP's access): false leaves it to the
+/// backend, whose responder applies the same rules and completes it with the status of the one
+/// that failed.
+bool remote_allowed(const Grant& g, uint32_t op, uint32_t rkey, uint64_t raddr, uint64_t len,
+                    const DirectMr*& mr) {
+  RemoteMrView view;
+  if ((mr = grant_mr(g, rkey))) view = RemoteMrView{true, mr->access, mr->iova, mr->length};
+  return check_remote_request(op, g.peer_access, raddr, len, view) == IBV_WC_SUCCESS;
+}
+
+/// CMP_AND_SWP or FETCH_AND_ADD on the peer's word, its old value into `local` (8 bytes, checked
+/// by local_sges). A CPU atomic (rdma_atomic), as the backend's responder executes it, on the
+/// same page through another mapping of the same memfd: atomic against the backend's atomics
+/// (mediated QPs, other hosts' requests), other libraries' and the peer's own CPU accesses
+/// (IBV_ATOMIC_HCA). The word must also lie in one chunk and be 8-aligned in our mapping, as
+/// the backend checks at its own address (segments are page-aligned in both: the same answer);
+/// false, nothing done, when any rule fails.
+bool execute_atomic(const Grant& g, const ibv_send_wr& wr, const Span* local) {
+  const uint64_t raddr = wr.wr.atomic.remote_addr;
+  const uint32_t rkey = wr.wr.atomic.rkey;
+  const DirectMr* mr = nullptr;
+  if (!remote_allowed(g, wr.opcode, rkey, raddr, 8, mr)) return false;
+  Span at[kMaxSpans];
+  size_t n = 0;
+  if (!mr_spans(g, *mr, raddr, 8, true, at, n) || n != 1 ||
+      (reinterpret_cast<uintptr_t>(at[0].p) & 7))
+    return false;
+  // Unguarded, as the copies (docs/ARCHITECTURE.md, "Executing"): the segments are sealed
+  // against shrinking, so nothing truncates them under us.
+  uint64_t old =
+      rdma_atomic(reinterpret_cast<uint64_t*>(at[0].p), wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD,
+                  wr.wr.atomic.compare_add, wr.wr.atomic.swap);
+  const Span result{reinterpret_cast<uint8_t*>(&old), 8};
+  copy_spans(&result, local, 8);
+  return true;
+}
+
 /// Executes one WR straight into the peer; false (nothing done) when it must go to the backend.
 bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   const uint32_t op = wr.opcode;
   const bool consumes = op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM ||
                         op == IBV_WR_RDMA_WRITE_WITH_IMM;
-  if (!consumes && op != IBV_WR_RDMA_WRITE && op != IBV_WR_RDMA_READ) return false;
+  const bool atomic = is_rdma_atomic(op);
+  if (!consumes && op != IBV_WR_RDMA_WRITE && op != IBV_WR_RDMA_READ && !atomic) return false;
   const bool signaled = qp.sig_all || (wr.send_flags & IBV_SEND_SIGNALED);
   if (signaled && !has_room(g.send)) return false;
   Span local[kMaxSge], remote[kMaxSpans];
   size_t nl = 0, nr = 0;
   uint64_t len = 0;
-  const uint32_t local_need = op == IBV_WR_RDMA_READ ? IBV_ACCESS_LOCAL_WRITE : 0;
+  // READ and atomics write their local memory (an atomic's 8 bytes: check_send_length).
+  const uint32_t local_need = op == IBV_WR_RDMA_READ || atomic ? IBV_ACCESS_LOCAL_WRITE : 0;
   // Any local error: the backend executes it and reports it; a WR the post rules refuse
   // (local_sges checks them) goes on to the ring's loop, which says EINVAL.
   if (local_sges(ctx, qp, wr, local_need, local, nl, len) != IBV_WC_SUCCESS) return false;
@@ -307,15 +361,14 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     uint64_t cap = 0;
     if (!recv_spans(g, rwqe, remote, nr, cap) || cap < len) return false;
     copy_spans(local, remote, len);
+  } else if (atomic) {
+    if (!execute_atomic(g, wr, local)) return false;
   } else {
-    // WRITE (with immediate) or READ, by the responder's rules (proto/responder_rules.h): the
-    // peer QP's access, and at length 0 nothing more. Whatever fails is left to the backend,
-    // which applies the same rules and reports the status.
-    const uint32_t need = remote_access_needed(op);
-    if ((g.peer_access & need) != need) return false;
+    // WRITE (with immediate) or READ, by the responder's rules; at length 0 nothing more.
+    const DirectMr* mr = nullptr;
+    if (!remote_allowed(g, op, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, mr)) return false;
     if (names_remote_memory(len)) {
-      if (!remote_spans(g, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, need, true, remote, nr))
-        return false;
+      if (!mr_spans(g, *mr, wr.wr.rdma.remote_addr, len, true, remote, nr)) return false;
       if (op == IBV_WR_RDMA_READ)
         copy_spans(remote, local, len);
       else
@@ -345,9 +398,7 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
     Cqe e{};
     e.wr_id = wr.wr_id;
     e.status = IBV_WC_SUCCESS;
-    e.opcode = op == IBV_WR_RDMA_READ    ? IBV_WC_RDMA_READ
-               : consumes && op != IBV_WR_RDMA_WRITE_WITH_IMM ? IBV_WC_SEND
-                                                              : IBV_WC_RDMA_WRITE;
+    e.opcode = send_wc_opcode(op);
     e.byte_len = static_cast<uint32_t>(len);
     e.qp_num = qp.qp.qp_num;
     push(g.send, e);
@@ -446,6 +497,26 @@ void count(OwnRing& r, uint64_t bytes) {
                            std::memory_order_relaxed);
   r.hdr->direct_bytes.store(r.hdr->direct_bytes.load(std::memory_order_relaxed) + bytes,
                             std::memory_order_relaxed);
+}
+
+ibv_wc_opcode send_wc_opcode(uint32_t op) {
+  switch (op) {
+    case IBV_WR_RDMA_WRITE:
+    case IBV_WR_RDMA_WRITE_WITH_IMM:
+      return IBV_WC_RDMA_WRITE;
+    case IBV_WR_RDMA_READ:
+      return IBV_WC_RDMA_READ;
+    case IBV_WR_ATOMIC_CMP_AND_SWP:
+      return IBV_WC_COMP_SWAP;
+    case IBV_WR_ATOMIC_FETCH_AND_ADD:
+      return IBV_WC_FETCH_ADD;
+    case IBV_WR_BIND_MW:
+      return IBV_WC_BIND_MW;
+    case IBV_WR_LOCAL_INV:
+      return IBV_WC_LOCAL_INV;
+    default:
+      return IBV_WC_SEND;
+  }
 }
 
 void drop_grant(VQp& qp) {

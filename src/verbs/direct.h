@@ -2,10 +2,11 @@
 // peer QP is a guest of the same uid on the same backend, in a process whose memory ours may
 // write by the kernel's rules (we prove it: /proc/PID/mem), may, once the backend grants it,
 // execute its WQEs itself: copy straight into the peer's memory (mapped from the segments the
-// grant names), take the peer's receive WQEs, and write both completions into the QPs' own
-// completion rings. Anything it cannot do at once (no receive posted, a key it does not know,
-// an atomic, a full ring) goes to the send queue for the backend, which then writes into the
-// same rings, so each queue's completions stay in order whoever executed the work.
+// grant names) or run an atomic on it, take the peer's receive WQEs, and write both completions
+// into the QPs' own completion rings. Anything it cannot do at once (no receive posted, a key
+// it does not know, a misaligned atomic, a full ring) goes to the send queue for the backend,
+// which then writes into the same rings, so each queue's completions stay in order whoever
+// executed the work.
 #pragma once
 
 #include <infiniband/verbs.h>
@@ -191,6 +192,9 @@ bool has_room(OwnRing& r);
 void push(OwnRing& r, const proto::Cqe& e);
 /// One message more in an own ring's counters (this library is their only writer).
 void count(OwnRing& r, uint64_t bytes);
+/// The send completion's opcode of a WR of opcode `op` (its executor's: this library on either
+/// direct path, as the backend's complete_send gives it).
+ibv_wc_opcode send_wc_opcode(uint32_t op);
 
 /// The cursors of another process are read only when the copy we have says "full" or "empty":
 /// each such read moves a cache line between the cores.

@@ -31,26 +31,6 @@
 
 namespace vrdma::verbs::dlink {
 
-ibv_wc_opcode wc_opcode(uint32_t op) {
-  switch (op) {
-    case IBV_WR_RDMA_WRITE:
-    case IBV_WR_RDMA_WRITE_WITH_IMM:
-      return IBV_WC_RDMA_WRITE;
-    case IBV_WR_RDMA_READ:
-      return IBV_WC_RDMA_READ;
-    case IBV_WR_ATOMIC_CMP_AND_SWP:
-      return IBV_WC_COMP_SWAP;
-    case IBV_WR_ATOMIC_FETCH_AND_ADD:
-      return IBV_WC_FETCH_ADD;
-    case IBV_WR_BIND_MW:
-      return IBV_WC_BIND_MW;
-    case IBV_WR_LOCAL_INV:
-      return IBV_WC_LOCAL_INV;
-    default:
-      return IBV_WC_SEND;
-  }
-}
-
 // ---- sending ----
 
 /// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
@@ -163,7 +143,7 @@ void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
   Cqe c{};
   c.wr_id = e.wr_id;
   c.status = static_cast<uint32_t>(status);
-  c.opcode = wc_opcode(e.opcode);
+  c.opcode = send_wc_opcode(e.opcode);
   c.byte_len = status == IBV_WC_SUCCESS ? e.len : 0;
   c.qp_num = qp.qp.qp_num;
   push(r.send, c);

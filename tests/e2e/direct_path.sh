@@ -2,7 +2,7 @@
 # The direct path (docs/ARCHITECTURE.md, "Direct path"): two guests of one uid on a backend that
 # grants it (VRDMA_DIRECT_PATH=1, as `vrdmad --direct-path`) move their bytes themselves. Debian's
 # tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
-# checksummed rc_stream), every perftest size, atomics (which stay on the backend), and the
+# checksummed rc_stream), every perftest size, atomics (executed by the libraries too), and the
 # backend must say which QPs are direct and count their messages. Then the same pair on a
 # backend without it: not direct. (UC and UD: direct_path_ud.sh.)
 # Usage: direct_path.sh BIN_DIR
@@ -52,7 +52,7 @@ kill -USR1 "$cli_proc"
 finish_stream st "$cli" "$srv" 90
 log "rc_stream: $STREAM_RESULT"
 
-# 3. perftest over every size; READ and the atomics too (atomics go through the backend).
+# 3. perftest over every size; READ and the atomics too.
 for tool in ib_send_bw ib_write_bw ib_read_bw; do
   run_perftest "$tool" -a -n "$PT_N"
   rows="$(result_rows "$E2E_TMP/$tool.client.out")"
@@ -69,6 +69,11 @@ for tool in ib_send_lat ib_write_lat ib_atomic_lat; do
 done
 grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
 [[ $grants -ge 5 ]] || fail "expected perftest's client QPs granted, log has $grants"
+# The atomics for 2 s each: while they run, the client's library executes them (the backend's
+# direct counters of the client's sent and the server's received messages grow).
+for tool in ib_atomic_lat ib_atomic_bw; do
+  run_direct_tool "$tool" at-srv at-cli at-cli at-srv "$tool" -D 2
+done
 
 # 4. A backend without the direct path: the same pair stays on it.
 kill "$(backend_pid)" 2>/dev/null || true

@@ -24,29 +24,8 @@ done
 # 2. ib_send_lat over UC and UD for 2 s each: while it runs, the libraries move its messages (the
 # backend's direct counters of both guests grow).
 for conn in UC UD; do
-  port="$(free_port)"
-  vrun --guest "lat-$conn-s" -- ib_send_lat -c "$conn" -D 2 -p "$port" \
-    >"$E2E_TMP/lat-$conn.server.out" 2>&1 &
-  srv=$!
-  wait_listen "$port" "$srv" ib_send_lat
-  vrun --guest "lat-$conn-c" -- ib_send_lat -c "$conn" -D 2 -p "$port" localhost \
-    >"$E2E_TMP/lat-$conn.client.out" 2>&1 &
-  cli=$!
-  sent=0 recv=0
-  for ((i = 0; i < 100; i++)); do
-    sent="$(direct_count "lat-$conn-c" direct_msgs_sent)"
-    recv="$(direct_count "lat-$conn-c" direct_msgs_received)"
-    ((sent > 100 && recv > 100)) && break
-    nap 0.05
-  done
-  wait_pid "$cli" 30
-  [[ $WAIT_RC == 0 ]] || fail "ib_send_lat -c $conn client exited $WAIT_RC"
-  wait_pid "$srv" 20
-  [[ $WAIT_RC == 0 ]] || fail "ib_send_lat -c $conn server exited $WAIT_RC"
-  ((sent > 100 && recv > 100)) || fail "ib_send_lat -c $conn: not direct (sent $sent, received $recv)"
-  row="$(result_rows "$E2E_TMP/lat-$conn.client.out" | tail -n 1)"
-  [[ -n $row ]] || fail "ib_send_lat -c $conn: no result row"
-  log "ib_send_lat -c $conn: direct messages sent $sent, received $recv; $row"
+  run_direct_tool "lat-$conn" "lat-$conn-s" "lat-$conn-c" "lat-$conn-c" "lat-$conn-c" \
+    ib_send_lat -c "$conn" -D 2
 done
 
 e2e_pass

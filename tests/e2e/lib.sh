@@ -279,6 +279,37 @@ direct_count() {
     'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
 }
 
+# Runs perftest's TOOL with ARGS (a duration among them: -D N) between guests SRV and CLI
+# through vrdma, and fails unless, while it ran, guest SENDER's QPs sent and guest RECEIVER's
+# received over 100 messages directly (direct_count, read while the client runs: counters go
+# with their QPs). Output in $E2E_TMP/NAME.{server,client}.out; logs the counts and the client's
+# last result row. Usage: run_direct_tool NAME SRV CLI SENDER RECEIVER TOOL ARGS...
+run_direct_tool() {
+  local name=$1 srv_g=$2 cli_g=$3 sender=$4 receiver=$5 tool=$6 port srv cli row i sent=0 recv=0
+  shift 6
+  port="$(free_port)"
+  vrun --guest "$srv_g" -- "$tool" "$@" -p "$port" >"$E2E_TMP/$name.server.out" 2>&1 &
+  srv=$!
+  wait_listen "$port" "$srv" "$name"
+  vrun --guest "$cli_g" -- "$tool" "$@" -p "$port" localhost >"$E2E_TMP/$name.client.out" 2>&1 &
+  cli=$!
+  for ((i = 0; i < 200; i++)); do
+    sent="$(direct_count "$sender" direct_msgs_sent)"
+    recv="$(direct_count "$receiver" direct_msgs_received)"
+    ((sent > 100 && recv > 100)) && break
+    kill -0 "$cli" 2>/dev/null || break
+    nap 0.05
+  done
+  wait_pid "$cli" 60
+  [[ $WAIT_RC == 0 ]] || fail "$name: client exited $WAIT_RC"
+  wait_pid "$srv" 20
+  [[ $WAIT_RC == 0 ]] || fail "$name: server exited $WAIT_RC"
+  ((sent > 100 && recv > 100)) || fail "$name: not executed directly (sent $sent, received $recv)"
+  row="$(result_rows "$E2E_TMP/$name.client.out" | tail -n 1)"
+  [[ -n $row ]] || fail "$name: no result row"
+  log "$name: direct messages sent $sent, received $recv; $row"
+}
+
 # Starts a $PP_TOOL server through vrdma in the background and waits until it listens.
 # Usage: start_server NAME GUEST [pingpong args...] (GUEST "": the default guest). Sets
 # SERVER_PID and PORT.

@@ -1,11 +1,13 @@
 // The verbs API as an application sees it, through our libibverbs.so.1 and a real backend
 // (started by the library on first use): device and port attributes, RC send/recv with
 // immediate data and unsignaled completions, completion channels that poll()/epoll can watch,
-// the QP state machine's errors, queue depth, and error completions.
+// the QP state machine's errors, queue depth, and error completions. (One look inside: whether
+// the direct path executed the atomics, verbs/internal.h.)
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
 
+#include "verbs/internal.h"
 #include "verbs_fixture.h"
 
 namespace {
@@ -372,6 +374,15 @@ TEST_F(VerbsApi, AtomicsFromFourQpsNeverLoseAnUpdate) {
   uint64_t sum;
   std::memcpy(&sum, rbuf_.data(), 8);
   EXPECT_EQ(sum, uint64_t{kQps} * (kOps / kSignalEvery) * kSignalEvery);
+  // On the direct path the library executed them (its own send ring's count; QPs of one
+  // session need no proof, so each is granted at its first post).
+  if (const char* env = std::getenv("VRDMA_DIRECT_PATH"); env && std::string(env) == "1") {
+    for (int q = 0; q < kQps; ++q) {
+      const vrdma::verbs::VQp& v = *vrdma::verbs::to_vqp(req[q]);
+      ASSERT_TRUE(v.grant) << "QP " << q << " has no grant";
+      EXPECT_GT(v.grant->send.hdr->direct_msgs.load(), uint64_t{kOps} / 2) << "QP " << q;
+    }
+  }
   // Compare-and-swap: swaps only on a match, and returns the old value either way.
   ASSERT_EQ(post_rdma(req[0], 9, IBV_WR_ATOMIC_CMP_AND_SWP, 200, 8, raddr(0), rmr_->rkey,
                       IBV_SEND_SIGNALED, sum, 42),

@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -220,6 +221,19 @@ uint64_t direct_sent(ibv_qp* qp) {
   return n;
 }
 
+/// Requests into QP `qp` that a peer's library executed itself (its own receive ring's count,
+/// which the requester's library keeps; 0 without one). Polls `cq` (`qp`'s receive CQ, with
+/// nothing to complete) once, to learn of the ring.
+uint64_t direct_received(ibv_qp* qp, ibv_cq* cq) {
+  ibv_wc wc;
+  EXPECT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
+  const uint32_t handle = vrdma::verbs::to_vqp(qp)->handle;
+  for (const auto& r : vrdma::verbs::to_vcq(cq)->own) {
+    if (r->qp == handle && r->recv) return r->hdr->direct_msgs.load();
+  }
+  return 0;
+}
+
 // ---- Opcodes x QP types ----------------------------------------------------------------------
 
 TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
@@ -344,8 +358,8 @@ TEST_F(Conformance, EveryOpcodeOnEveryQpTypeThatAllowsIt) {
       EXPECT_EQ(old, word) << what << ": the atomic returns the old value";
       EXPECT_EQ(peer_word(poff), c.op == IBV_WR_ATOMIC_CMP_AND_SWP ? 0xabcdefu : word + 5) << what;
     }
-    // UC and UD go direct as RC does (issue 25), the proof settled above.
-    if (direct_path_on() && c.type != IBV_QPT_RC) {
+    // UC and UD go direct as RC does (issue 25), the proof settled above; so do atomics.
+    if (direct_path_on() && (c.type != IBV_QPT_RC || atomic)) {
       EXPECT_EQ(direct_sent(p.qp), 1u) << what << ": not executed by the library";
     }
   }
@@ -750,7 +764,12 @@ TEST_F(Conformance, BadLkeyOrSgeOutsideTheMrIsLocalProtectionError) {
   EXPECT_EQ(peer_.read(65536, 64), std::vector<uint8_t>(64, 0)) << "nothing was written";
 }
 
-TEST_F(Conformance, BadRkeyOutOfBoundsOrMissingAccessIsRemoteAccessError) {
+// Each fault of a WRITE, READ or atomic completes it with the responder's status, whichever path
+// would have executed it (proto/responder_rules.h): an unknown rkey, bounds, an MR or a responder
+// QP without the access REM_ACCESS_ERR; a misaligned atomic REM_INV_REQ_ERR. On the direct path
+// the QP is granted first (a good request executed by the library), and the faulty one goes to
+// the backend: the library executes nothing of it.
+TEST_F(Conformance, BadRkeyOutOfBoundsMissingAccessOrMisalignedAtomicFailAsTheResponderSays) {
   const auto ro = peer_.reg_mr(IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ);
   ASSERT_NE(ro.rkey, 0u);
   const uint64_t remote = peer_.mem().addr, size = peer_.mem().size;
@@ -761,33 +780,61 @@ TEST_F(Conformance, BadRkeyOutOfBoundsOrMissingAccessIsRemoteAccessError) {
     uint32_t rkey;
     unsigned peer_qp_access;
     const char* what;
+    ibv_wc_status want = IBV_WC_REM_ACCESS_ERR;
   };
+  constexpr auto kFaa = IBV_WR_ATOMIC_FETCH_AND_ADD;
+  constexpr auto kCas = IBV_WR_ATOMIC_CMP_AND_SWP;
   const Case cases[] = {
       {IBV_WR_RDMA_WRITE, remote, rkey ^ 0x80000000u, kAllAccess, "WRITE, wrong rkey"},
       {IBV_WR_RDMA_READ, remote, rkey ^ 0x80000000u, kAllAccess, "READ, wrong rkey"},
+      {kFaa, remote, rkey ^ 0x80000000u, kAllAccess, "atomic, wrong rkey"},
       {IBV_WR_RDMA_READ, remote, mr_->rkey, kAllAccess, "READ with our own guest's rkey"},
+      {kCas, remote, mr_->rkey, kAllAccess, "atomic with our own guest's rkey"},
       {IBV_WR_RDMA_WRITE, remote + size - 32, rkey, kAllAccess, "WRITE past the end"},
       {IBV_WR_RDMA_READ, remote - 64, rkey, kAllAccess, "READ before the start"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote + size, rkey, kAllAccess, "atomic past the end"},
+      {kFaa, remote + size, rkey, kAllAccess, "atomic past the end"},
       {IBV_WR_RDMA_WRITE, ro.addr, ro.rkey, kAllAccess, "WRITE, MR without remote write"},
-      {IBV_WR_ATOMIC_CMP_AND_SWP, ro.addr, ro.rkey, kAllAccess, "atomic, MR without atomic"},
+      {kCas, ro.addr, ro.rkey, kAllAccess, "atomic, MR without atomic"},
       {IBV_WR_RDMA_WRITE, remote, rkey, IBV_ACCESS_REMOTE_READ, "WRITE, QP without remote write"},
       {IBV_WR_RDMA_READ, remote, rkey, IBV_ACCESS_REMOTE_WRITE, "READ, QP without remote read"},
-      {IBV_WR_ATOMIC_FETCH_AND_ADD, remote, rkey, IBV_ACCESS_REMOTE_READ,
-       "atomic, QP without remote atomic"},
+      {kFaa, remote, rkey, IBV_ACCESS_REMOTE_READ, "atomic, QP without remote atomic"},
+      {kFaa, remote + 4, rkey, kAllAccess, "FETCH_AND_ADD, misaligned", IBV_WC_REM_INV_REQ_ERR},
+      {kCas, remote + 1, rkey, kAllAccess, "CMP_AND_SWP, misaligned", IBV_WC_REM_INV_REQ_ERR},
   };
+  constexpr uint64_t kGood = 32768;  ///< where the granting requests go
   for (const Case& c : cases) {
     if (c.rkey == rkey && c.raddr == remote && c.peer_qp_access == kAllAccess) continue;  // by chance our key is theirs
     QpPath theirs;
     theirs.access = c.peer_qp_access;
     Pair p = pair(IBV_QPT_RC, {}, theirs);
     ASSERT_NE(p.qp, nullptr);
-    const bool atomic = c.op == IBV_WR_ATOMIC_CMP_AND_SWP || c.op == IBV_WR_ATOMIC_FETCH_AND_ADD;
+    // Granted first: good requests the peer QP allows until the library executes one itself.
+    const auto good_op =
+        c.peer_qp_access & IBV_ACCESS_REMOTE_READ ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+    const auto until = Clock::now() + std::chrono::seconds(20);
+    do {
+      const ibv_wc wc =
+          run(p.qp, {.op = good_op, .sges = {sge(512, 8)}, .raddr = remote + kGood, .rkey = rkey});
+      ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << c.what << ": " << ibv_wc_status_str(wc.status);
+    } while (direct_path_on() && direct_sent(p.qp) == 0 && Clock::now() < until);
+    const uint64_t before = direct_sent(p.qp);
+    if (direct_path_on()) {
+      ASSERT_GT(before, 0u) << c.what << ": the direct path was not granted in 20 s";
+    }
+    const bool atomic = c.op == kCas || c.op == kFaa;
     std::memset(buf_.data(), 0x77, 64);
-    const ibv_wc wc = run(p.qp, {.op = c.op, .sges = {sge(0, atomic ? 8 : 64)}, .raddr = c.raddr,
-                                 .rkey = c.rkey, .compare_add = 1});
-    EXPECT_EQ(wc.status, IBV_WC_REM_ACCESS_ERR) << c.what << ": " << ibv_wc_status_str(wc.status);
+    // Executed, an atomic would change the peer's zeros (compare 0, swap 5; add 1).
+    const ibv_wc wc = run(p.qp, {.op = c.op,
+                                 .sges = {sge(0, atomic ? 8 : 64)},
+                                 .raddr = c.raddr,
+                                 .rkey = c.rkey,
+                                 .compare_add = c.op == kCas ? 0u : 1u,
+                                 .swap = 5});
+    EXPECT_EQ(wc.status, c.want) << c.what << ": " << ibv_wc_status_str(wc.status);
     EXPECT_EQ(state(p.qp), IBV_QPS_ERR) << c.what << ": the requester's QP is in ERR";
+    EXPECT_EQ(direct_sent(p.qp), before) << c.what << ": the library executed it";
+    EXPECT_EQ(std::vector<uint8_t>(buf_.begin(), buf_.begin() + 64), std::vector<uint8_t>(64, 0x77))
+        << c.what << ": nothing landed here";
   }
   EXPECT_EQ(peer_.read(0, 64), std::vector<uint8_t>(64, 0)) << "no byte of the peer changed";
   EXPECT_EQ(peer_.read(size - 32, 32), std::vector<uint8_t>(32, 0));
@@ -1341,12 +1388,12 @@ struct XrcPair {
 
 class XrcConformance : public Conformance {
  protected:
-  XrcPair xrc_pair() {
+  XrcPair xrc_pair(uint32_t depth = 16, ibv_cq* cq = nullptr, QpPath ours = {}) {
     XrcPair p;
     ibv_qp_init_attr_ex a{};
     a.qp_type = IBV_QPT_XRC_SEND;
-    a.send_cq = cq_;
-    a.cap.max_send_wr = 16;
+    a.send_cq = cq ? cq : cq_;
+    a.cap.max_send_wr = depth;
     a.cap.max_send_sge = 1;
     a.comp_mask = IBV_QP_INIT_ATTR_PD;
     a.pd = pd_;
@@ -1356,7 +1403,7 @@ class XrcConformance : public Conformance {
     qps_.push_back(p.qp);
     p.t = peer_.xrc_open();
     EXPECT_NE(p.t.qp.qpn, 0u);
-    QpPath ours, theirs;
+    QpPath theirs;
     ours.dlid = peer_.lid();
     ours.dest_qpn = p.t.qp.qpn;
     theirs.dlid = lid_;
@@ -1447,6 +1494,96 @@ TEST_F(XrcConformance, TheSrqNumberChoosesTheReceiveItsCompletionAndThePdOfRdma)
   EXPECT_EQ(old, word);
   EXPECT_EQ(peer_word(8192 + 8), word + 3);
   EXPECT_TRUE(peer_.poll(1, 0).empty()) << "RDMA consumed no receive";
+}
+
+// Atomics on one word at once from a QP whose library executes them (RC on the direct path) and
+// one whose backend does (XRC stays on the backends on every path): both are CPU atomics on the
+// same page (IBV_ATOMIC_HCA), so none is lost, whichever path runs each. On every path (on the
+// ring, TCP and across backends both QPs are mediated, or the RC one goes between libraries).
+TEST_F(XrcConformance, AtomicsOnOneWordFromADirectRcAndAMediatedXrcQpSumExactly) {
+#if defined(__SANITIZE_THREAD__)
+  constexpr uint32_t kOps = 4096;
+#else
+  constexpr uint32_t kOps = 32768;
+#endif
+  constexpr uint32_t kBatch = 64;
+  // Through the backends' TCP path a loaded machine can hold an ACK past the default 1 ms
+  // timeout three times (RETRY_EXC_ERR, and the sum says nothing): ~270 ms, 7 retries.
+  QpPath patient;
+  patient.timeout = 16;
+  patient.retry_cnt = 7;
+  Pair direct = pair(IBV_QPT_RC, patient, {}, 128);
+  ASSERT_NE(direct.qp, nullptr);
+  ibv_cq* xcq = ibv_create_cq(ctx_, 256, nullptr, nullptr, 0);
+  ASSERT_NE(xcq, nullptr);
+  cqs_.push_back(xcq);
+  const XrcPair x = xrc_pair(128, xcq, patient);
+  ASSERT_NE(x.qp, nullptr);
+  constexpr uint64_t kWord = 24576;
+  const uint64_t start = 1000;
+  peer_.write(kWord, &start, 8);
+
+  // FETCH_AND_ADDs of 1 on `qp` in signaled batches (results at `result`), kOps and then on
+  // while `until` (if given) is false: how many completed well, and what stopped it if not
+  // that (the status of a batch's completion, or "no completion in 30 s").
+  struct Storm {
+    uint64_t ok = 0;
+    std::string failed;
+  };
+  auto storm = [&](ibv_qp* qp, ibv_cq* cq, uint32_t srqn, size_t result,
+                   const std::atomic<bool>* until) {
+    Storm r;
+    while (r.ok < kOps || (until && !until->load())) {
+      for (uint32_t k = 0; k < kBatch; ++k) {
+        ibv_sge s = sge(result, 8);
+        ibv_send_wr wr{};
+        wr.sg_list = &s;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+        wr.send_flags = k == kBatch - 1 ? IBV_SEND_SIGNALED : 0;
+        wr.wr.atomic.remote_addr = peer_.mem().addr + kWord;
+        wr.wr.atomic.rkey = peer_.mem().rkey;
+        wr.wr.atomic.compare_add = 1;
+        wr.qp_type.xrc.remote_srqn = srqn;
+        ibv_send_wr* bad = nullptr;
+        if (int rc = ibv_post_send(qp, &wr, &bad)) {
+          r.failed = std::string("ibv_post_send: ") + std::strerror(rc);
+          return r;
+        }
+      }
+      ibv_wc wc;
+      const auto deadline = Clock::now() + std::chrono::seconds(30);
+      int got = 0;
+      while ((got = ibv_poll_cq(cq, 1, &wc)) == 0 && Clock::now() < deadline) {
+      }
+      if (got != 1 || wc.status != IBV_WC_SUCCESS) {
+        r.failed = got == 1 ? ibv_wc_status_str(wc.status) : "no completion in 30 s";
+        return r;
+      }
+      r.ok += kBatch;
+    }
+    return r;
+  };
+  // The library's are the faster: its QP goes on until the backend's are all done.
+  Storm by_xrc;
+  std::atomic<bool> xrc_done{false};
+  std::thread other([&] {
+    by_xrc = storm(x.qp, xcq, x.t.srqn[0], 65536, nullptr);
+    xrc_done = true;
+  });
+  const Storm by_rc = storm(direct.qp, cq_, 0, 65536 + 64, &xrc_done);
+  other.join();
+  // A failed batch may have been executed in part or in full (an RC retry exhausted): then the
+  // sum says nothing.
+  ASSERT_EQ(by_rc.failed, "") << "after " << by_rc.ok << " of the RC QP's";
+  ASSERT_EQ(by_xrc.failed, "") << "after " << by_xrc.ok << " of the XRC QP's";
+  EXPECT_GE(by_rc.ok, kOps);
+  EXPECT_EQ(by_xrc.ok, kOps);
+  EXPECT_EQ(peer_word(kWord), start + by_rc.ok + by_xrc.ok) << "an update was lost";
+  if (direct_path_on()) {
+    EXPECT_GT(direct_sent(direct.qp), kOps / 2) << "the library executed few of them";
+    EXPECT_EQ(direct_sent(x.qp), 0u) << "the XRC QP went direct";
+  }
 }
 
 // Each error on a fresh pair (our send QP goes to ERR): a number that names no SRQ of the
@@ -1767,6 +1904,50 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   uint64_t sum;
   std::memcpy(&sum, buf_.data() + 4096, 8);
   EXPECT_EQ(sum, uint64_t{kQps} * kOps);
+  // On the direct path the peer's library executed them (into our QPs' own receive rings).
+  if (direct_path_on()) {
+    for (int i = 0; i < kQps; ++i) {
+      EXPECT_GT(direct_received(qps_[i], cq_), 0u) << "QP " << i << ": none executed directly";
+    }
+  }
+}
+
+// An aligned iova on a misaligned address (ibv_reg_mr_iova: the MR's address and iova differ
+// mod 8): a CPU atomic there would be a split lock, so it fails as a misaligned iova does,
+// REM_INV_REQ_ERR, on every path; on the direct path the library leaves it to the backend.
+TEST_F(Conformance, AnAtomicOnAnAlignedIovaOfAMisalignedAddressIsInvalidRequest) {
+  constexpr uint64_t kIova = 0x10000000;
+  std::memset(buf_.data() + 65536, 0, 64);
+  rmr_ = ibv_reg_mr_iova(pd_, buf_.data() + 65536 + 4, 4096, kIova,
+                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_ATOMIC);
+  ASSERT_NE(rmr_, nullptr) << std::strerror(errno);
+  // Two QPs of ours (one session: no proof), granted with rmr_ in the grant's table.
+  ibv_qp* a = make_qp(IBV_QPT_RC);
+  ibv_qp* b = make_qp(IBV_QPT_RC);
+  ASSERT_TRUE(a && b);
+  ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  do {
+    const ibv_wc wc = run(a, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                              .sges = {sge(512, 8)},
+                              .raddr = addr(32768),
+                              .rkey = mr_->rkey,
+                              .compare_add = 1});
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+  } while (direct_path_on() && direct_sent(a) == 0 && Clock::now() < until);
+  const uint64_t before = direct_sent(a);
+  if (direct_path_on()) {
+    ASSERT_GT(before, 0u) << "the direct path was not granted in 20 s";
+  }
+  const ibv_wc wc = run(a, {.op = IBV_WR_ATOMIC_FETCH_AND_ADD,
+                            .sges = {sge(0, 8)},
+                            .raddr = kIova + 8,
+                            .rkey = rmr_->rkey,
+                            .compare_add = 1});
+  EXPECT_EQ(wc.status, IBV_WC_REM_INV_REQ_ERR) << ibv_wc_status_str(wc.status);
+  EXPECT_EQ(direct_sent(a), before) << "the library executed it";
+  EXPECT_EQ(std::count(buf_.begin() + 65536, buf_.begin() + 65536 + 64, 0), 64)
+      << "the word changed";
 }
 
 // ---- Async events ---------------------------------------------------------------------------
