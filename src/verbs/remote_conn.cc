@@ -40,6 +40,10 @@ namespace vrdma::verbs::dlink {
 
 constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
 constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
+/// ... but after a "not yet" no longer than this: a peer that went back to the backends offers
+/// again when it is ready (after a move), whatever number of posts that takes here. (A dial
+/// that failed waits for the posts only: it may block for kDialMs.)
+constexpr uint64_t kAskAtLeastNs = 250'000'000;
 
 uint64_t now_ns() {
   timespec t;
@@ -670,8 +674,11 @@ bool connect_out(VQp& qp) {
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
   if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
   if (qp.remote && qp.remote->ask_wait) {
-    --qp.remote->ask_wait;
-    return false;
+    if (!qp.remote->ask_by_ns || now_ns() < qp.remote->ask_by_ns) {
+      --qp.remote->ask_wait;
+      return false;
+    }
+    qp.remote->ask_wait = 0;
   }
   Hub* h = hub_of(ctx);
   if (!h) return false;
@@ -683,11 +690,14 @@ bool connect_out(VQp& qp) {
   DirectRemoteResp resp{};
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
+  r.ask_by_ns = 0;
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
-    if (rc == EAGAIN)
+    if (rc == EAGAIN) {
       back_off(r, kAskFirst);
-    else
+      r.ask_by_ns = now_ns() + kAskAtLeastNs;
+    } else {
       r.never = true;
+    }
     return false;
   }
   watch_qp(*h, qp);  // the backend counts it as direct now: it may ask it back (revoke_tick)

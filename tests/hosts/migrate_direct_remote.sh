@@ -7,10 +7,13 @@
 #     on h2, both ends' libraries talking directly (the client's direct counter grows); the
 #     client's guest moves h1 -> h3 -> h1 $MIG_ROUNDS (2) times while it runs. After each move:
 #     `vrdma migrate` exited 0, the client's QP is on tcp to h2 on the target, the server's faces
-#     the target, and messages keep reaching the server. At the end both ends' checksums are
-#     equal: every message once and in order.
+#     the target, messages keep reaching the server, and the pair goes direct again (the
+#     client's direct counter grows on the target, the server's on h2). At the end both ends'
+#     checksums are equal: every message once and in order.
 #  2. A second direct stream; the server's guest (the responder, on h2) is snapshotted while it
-#     runs (the snapshot succeeds, the stream goes on, mediated), then moves h2 -> h3 -> h2; the
+#     runs (the snapshot succeeds, the stream goes on, and direct again), then moves h2 -> h3 ->
+#     h2 (direct again back on h2; on h3 the server's library, whose process stays in h2's
+#     namespace, cannot listen on h3's address, so the pair stays on the backends there); the
 #     stream verifies.
 # Usage: migrate_direct_remote.sh BIN_DIR   (MIG_ROUNDS: round trips of part 1)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -48,7 +51,9 @@ move() {
   hwait_route "$to" mv-c "tcp/h2" 10
   hwait_route 2 mv-s "tcp/h$to" 10
   grows 2 mv-s msgs_received "messages after the move to h$to"
-  log "mv: moved h$from -> h$to (downtime $(mig_field downtime_us) us)"
+  grows "$to" mv-c direct_msgs_sent "the client's library sends directly again after the move"
+  grows 2 mv-s direct_msgs_received "the server's library executes directly again"
+  log "mv: moved h$from -> h$to (downtime $(mig_field downtime_us) us), direct again"
 }
 for ((r = 1; r <= ROUNDS; r++)); do
   move 1 3
@@ -72,12 +77,16 @@ out="$("$VRDMA" snapshot sn-s "$E2E_TMP/sn.state" --socket "$(host_sock 2)" 2>&1
   fail "vrdma snapshot of a guest on the direct path across backends: $out"
 log "sn: $out"
 grows 2 sn-s msgs_received "messages after the snapshot"
+grows 2 sn-s direct_msgs_received "the pair direct again after the snapshot"
 hmigrate sn-s 2 3
 hwait_route 3 sn-s "tcp/h1" 10
 grows 3 sn-s msgs_received "messages after the server's move to h3"
 hmigrate sn-s 3 2
 hwait_route 2 sn-s "tcp/h1" 10
 grows 2 sn-s msgs_received "messages after the server's move back to h2"
+grows 2 sn-s direct_msgs_received "the pair direct again back on h2"
+grep -q "may go direct again" "$E2E_TMP/sn.server.out" ||
+  fail "the server's library did not say it may go direct again"
 HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
 finish_stream sn "$cli" "$srv" 30

@@ -1606,7 +1606,8 @@ TEST_F(Conformance, WorkOutstandingAtErrorIsFlushedInOrder) {
 // lost, repeated or reordered, on any path. Across backends between libraries
 // (e2e.conformance_remote) the snapshot first takes the pair back to the backends: what went
 // through the libraries settles there (the receives let the dropped SENDs through), and the
-// second half is mediated.
+// second half goes through the backends, or directly again once the pair has settled (its
+// libraries start afresh after the snapshot): in order either way.
 TEST_F(Conformance, ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder) {
   char self[4096] = {};
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
