@@ -85,6 +85,12 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
   if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
   RemoteQp* r = qp.remote.get();
   if (r && r->revoking.load(std::memory_order_acquire)) return false;  // back to the backends
+  if (r && r->afresh.load(std::memory_order_relaxed) && r->afresh.exchange(false)) {
+    // Direct again after a revoke (remote_revoke.cc, rejoin): another backend may say yes.
+    r->ask_wait = r->backoff = 0;
+    r->ask_by_ns = 0;
+    r->never = false;
+  }
   if (!r || !r->active.load(std::memory_order_acquire)) {
     if (r && (r->failed.load() || r->never || r->dead)) return false;
     if (!connect_out(qp)) return false;

@@ -104,6 +104,9 @@ struct RemoteQp {
   // Direct again (remote_revoke.cc, rejoin): once our backend took the answer, the fields above
   // start afresh, and a QP that had offered offers again from the hub's tick.
   std::atomic<bool> reoffer{false};  ///< set under Hub::qps_mu: the tick offers again
+  /// Set by the tick with the rest: the next post starts its own fields afresh (ask_wait,
+  /// backoff, ask_by_ns, never: the posting thread's, under the SQ lock).
+  std::atomic<bool> afresh{false};
   uint32_t reoffer_wait = 0;         ///< ticks before the next try (EAGAIN: not yet); qps_mu
   uint32_t reoffer_backoff = 0;
   /// An offer our backend refused for good (no address of ours toward the peer's backend, say):

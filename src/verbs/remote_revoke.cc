@@ -128,10 +128,6 @@ void rejoin(Hub& h, VQp& qp, RemoteQp& r) {
     r.peer_lid = 0;
     offered = r.offered;
     r.offered = false;
-    r.ask_wait = 0;
-    r.backoff = 0;
-    r.ask_by_ns = 0;
-    r.never = false;
     r.peer_revoked.store(false);
     r.peer_count.store(0);
   }
@@ -140,6 +136,7 @@ void rejoin(Hub& h, VQp& qp, RemoteQp& r) {
   r.reoffer_backoff = 0;
   r.reoffer_stuck = false;
   r.finished = false;
+  r.afresh.store(true);  // the posting thread's own fields: reset by it (remote_post)
   // Last: a post that sees it cleared finds the rest reset (connect_out asks kDirectRemote).
   r.revoking.store(false, std::memory_order_seq_cst);
   VLOG_INFO("direct path: QP {:#x} may go direct again", qp.qp.qp_num);
