@@ -40,9 +40,8 @@ namespace vrdma::verbs::dlink {
 
 constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
 constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
-/// ... but after a "not yet" no longer than this: a peer that went back to the backends offers
-/// again when it is ready (after a move), whatever number of posts that takes here. (A dial
-/// that failed waits for the posts only: it may block for kDialMs.)
+/// ... but no longer than this after a "not yet" (a peer back from a move offers when it is
+/// ready, whatever posts that takes here). A failed dial waits for posts only (kDialMs each).
 constexpr uint64_t kAskAtLeastNs = 250'000'000;
 
 uint64_t now_ns() {
@@ -673,12 +672,10 @@ bool connect_out(VQp& qp) {
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
   if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
-  if (qp.remote && qp.remote->ask_wait) {
-    if (!qp.remote->ask_by_ns || now_ns() < qp.remote->ask_by_ns) {
-      --qp.remote->ask_wait;
-      return false;
-    }
-    qp.remote->ask_wait = 0;
+  if (qp.remote && qp.remote->ask_wait &&
+      (!qp.remote->ask_by_ns || now_ns() < qp.remote->ask_by_ns)) {
+    --qp.remote->ask_wait;
+    return false;
   }
   Hub* h = hub_of(ctx);
   if (!h) return false;
