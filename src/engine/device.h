@@ -523,6 +523,10 @@ class Device : public transport::Receiver {
   /// itself when its peer's was): true while its send queue waits for the library's answer;
   /// with the answer the QP is the backends' again (flags cleared).
   bool revoke_holds(Qp& qp);
+  /// Sends QP `b`'s direct offer (offer_port, offer_token) to the backend of its peer.
+  bool send_offer(const Qp& b);
+  /// QP `b`'s peer moved from `was_node` (reroute): its offer goes to where the peer is now.
+  void carry_offer(Qp& b, const std::string& was_node);
   /// A peer backend passed a library's direct offer (wire::DirectOffer) for a guest of ours.
   void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <map>
 
+#include "common/answer_spin.h"
 #include "common/log.h"
 #include "common/memfd.h"
 #include "common/socket.h"
@@ -78,6 +79,16 @@ bool settle_proofs(Session& s, uint32_t peer) {
     return true;
   });
   return pending;
+}
+
+/// How long a guest's QPs stay off the direct path across backends after an ask that did not
+/// find them all settled (Guest::direct_held_until_ns): the CLI asks every 10 ms; one that gave
+/// up leaves them free again after this.
+constexpr uint64_t kDirectHoldNs = 2'000'000'000;
+
+/// Whether guest `g` is leaving the direct path across backends (a move or a snapshot is asking).
+bool direct_held(const Guest& g) {
+  return g.direct_held_until_ns != 0 && mono_ns() < g.direct_held_until_ns;
 }
 
 /// Whether the QP's PD holds an ODP MR of its owner (such QPs stay on the backend's path).
@@ -442,6 +453,8 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (b->route_pending) return error(EAGAIN, "direct offer: destination not located yet");
   if (b->sq_hdr->direct_revoke.load(std::memory_order_acquire) == kRevokeAsk)
     return error(EAGAIN, "direct offer: the QP is leaving the direct path");
+  if (direct_held(*b->guest))
+    return error(EAGAIN, "direct offer: the guest is leaving the direct path (a move)");
   if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
   DirectOfferResp resp{};
   resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
@@ -457,17 +470,10 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   // Before the peer hears of it: from now on every receive completion of b goes to its own
   // ring, whoever produces it (this backend for what still comes mediated, or b's library).
   RETURN_IF_ERROR(give_own_recv(*b));
-  wire::DirectOffer o{};
-  std::memcpy(o.sgid, b->guest->gid, 16);
-  std::memcpy(o.dgid, b->attr.dgid, 16);
-  o.slid = b->guest->lid;
-  o.dlid = static_cast<uint16_t>(b->attr.dlid);
-  o.is_global = b->attr.is_global ? 1 : 0;
-  o.port = req.port;
-  o.src_qpn = b->qpn;
-  o.dst_qpn = b->attr.dest_qp_num;
-  std::memcpy(o.token, req.token, kDirectTokenBytes);
-  if (!transport_->send(b->peer_node, wire::Type::kDirectOffer, &o))
+  b->offer_port = req.port;
+  b->offer_ipv4 = resp.listen_ipv4;
+  std::memcpy(b->offer_token, req.token, kDirectTokenBytes);
+  if (!send_offer(*b))
     return error(EAGAIN, fmt::format("direct offer: no connection to backend {}", b->peer_node));
 
   b->offered = true;
@@ -480,6 +486,37 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   VLOG_INFO("direct offer: guest {} QP {:#x} takes QP {:#x} of backend {} on port {}",
             b->guest->name, b->qpn, b->attr.dest_qp_num, b->peer_node, req.port);
   return resp;
+}
+
+bool Device::send_offer(const Qp& b) {
+  wire::DirectOffer o{};
+  std::memcpy(o.sgid, b.guest->gid, 16);
+  std::memcpy(o.dgid, b.attr.dgid, 16);
+  o.slid = b.guest->lid;
+  o.dlid = static_cast<uint16_t>(b.attr.dlid);
+  o.is_global = b.attr.is_global ? 1 : 0;
+  o.port = b.offer_port;
+  o.src_qpn = b.qpn;
+  o.dst_qpn = b.attr.dest_qp_num;
+  std::memcpy(o.token, b.offer_token, kDirectTokenBytes);
+  return transport_->send(b.peer_node, wire::Type::kDirectOffer, &o);
+}
+
+void Device::carry_offer(Qp& b, const std::string& was_node) {
+  if (!b.offered || !b.remote || !transport_ || b.peer_node == was_node) return;
+  // Going back to the backends (asked, or answered): the offer ends, its library makes another.
+  if (b.sq_hdr->direct_revoke.load(std::memory_order_acquire) != 0) return;
+  // The peer's library dials the address its backend knows ours by, which our library listens
+  // on only if it is the one it listened on for the old node (one per address and process).
+  if (transport_->local_ipv4(b.peer_node) != b.offer_ipv4 || !send_offer(b)) {
+    VLOG_INFO(
+        "direct offer: guest {} QP {:#x}: not carried to backend {} (its library listens "
+        "on another address, or no connection); the pair stays on the backends",
+        b.guest->name, b.qpn, b.peer_node);
+    return;
+  }
+  VLOG_INFO("direct offer: guest {} QP {:#x}: sent again to backend {}, where its peer moved",
+            b.guest->name, b.qpn, b.peer_node);
 }
 
 void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o) {
@@ -527,6 +564,8 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   if (!a->remote) return error(EOPNOTSUPP, "direct remote: peer on this backend");
   if (a->sq_hdr->direct_revoke.load(std::memory_order_acquire) == kRevokeAsk)
     return error(EAGAIN, "direct remote: the QP is leaving the direct path");
+  if (direct_held(*a->guest))
+    return error(EAGAIN, "direct remote: the guest is leaving the direct path (a move)");
   if (a->sq_cons != a->sq_hdr->producer.load(std::memory_order_acquire) || !a->unacked.empty() ||
       a->wait != Wait::kNone)
     return error(EAGAIN, "direct remote: work in flight");
@@ -551,6 +590,7 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   resp.peer_ipv4 = o.ipv4;
   resp.peer_port = o.port;
   std::memcpy(resp.token, o.token, kDirectTokenBytes);
+  std::memcpy(a->used_offer_token, o.token, kDirectTokenBytes);
   a->direct = true;
   a->direct_remote = true;
   char ip[INET_ADDRSTRLEN] = "?";
@@ -568,10 +608,17 @@ bool Device::revoke_holds(Qp& qp) {
   if (w != kRevokeDone) return false;
   // The library's answer: nothing of the pair is between the libraries any more, and what it
   // posted since it was asked waits in the send queue, after everything it executed itself.
+  // Its library may go direct again from here (a new offer, a new kDirectRemote): the peer's
+  // offer it used ended with the connection, but one its peer's library made since (it went
+  // back first, and offered again) is kept.
   qp.direct_remote = false;
   qp.offered = false;
   qp.direct = false;
-  qp.guest->direct_offers.erase(qp.qpn);
+  auto& offers = qp.guest->direct_offers;
+  if (auto it = offers.find(qp.qpn);
+      it != offers.end() &&
+      std::memcmp(it->second.token, qp.used_offer_token, kDirectTokenBytes) == 0)
+    offers.erase(it);
   qp.sq_hdr->direct_revoke.store(0, std::memory_order_release);
   VLOG_INFO("direct path: guest {} QP {:#x} is on the backends again", qp.guest->name, qp.qpn);
   return false;
@@ -590,6 +637,9 @@ Status Device::leave_direct_remote(const std::string& name) {
     qp->sq_hdr->direct_revoke.compare_exchange_strong(none, kRevokeAsk, std::memory_order_seq_cst);
     ++asked;
   }
+  // Until every QP has answered, none goes direct again (a library whose answer the backend
+  // took may offer or ask again at once); the export follows the ask that finds them settled.
+  git->second->direct_held_until_ns = asked ? mono_ns() + kDirectHoldNs : 0;
   if (asked)
     return error(EINPROGRESS,
                  fmt::format("guest {}: {} QPs are leaving the direct path across backends (their "

@@ -83,6 +83,7 @@ void Device::reroute(Qp& qp) {
   }
   VLOG_INFO("qp {:#x} (guest {}): now {}{}{} ({})", qp.qpn, qp.guest->name, qp.transport,
             qp.remote ? " to " : "", qp.peer_node, qp.transport_why);
+  carry_offer(qp, was_node);
 }
 
 void Device::settle_locally(Qp& qp) {

@@ -291,8 +291,17 @@ struct Qp {
   /// Across backends (kDirectRemote): its library sends over TCP straight to its peer's library,
   /// and the backend executes nothing of its send queue any more (until RESET).
   bool direct_remote = false;
-  /// Its library offered a direct connection across backends (kDirectOffer), until RESET.
+  /// Its library offered a direct connection across backends (kDirectOffer), until RESET or
+  /// until it went back to the backends.
   bool offered = false;
+  /// That offer, as sent (the peer backend's copy is resent when the peer moves: reroute): the
+  /// port and token, and the address the library listens on (this host's toward the peer).
+  uint16_t offer_port = 0;
+  uint32_t offer_ipv4 = 0;  ///< network order
+  uint8_t offer_token[proto::kDirectTokenBytes] = {};
+  /// The token of the peer's offer its last kDirectRemote handed out: that offer ends when the
+  /// QP goes back to the backends; a newer one (the peer's library offered again) stays.
+  uint8_t used_offer_token[proto::kDirectTokenBytes] = {};
   /// UD: the last try for its receive side's rx_lock found it held by a live session; the next
   /// tries once only (a guest that holds its own lock must not cost the engine a spin per
   /// datagram sent to it).
@@ -377,6 +386,11 @@ struct Guest {
   UniqueFd epoch_fd;
   /// Direct offers from peer backends, by the QPN of ours they are for (device_direct.cc).
   std::unordered_map<uint32_t, RemoteOffer> direct_offers;
+  /// Leaving the direct path across backends before a move (leave_direct_remote answered
+  /// EINPROGRESS): no offer and no kDirectRemote until then (CLOCK_MONOTONIC ns; 0: none), so
+  /// that a QP that went back does not go direct again before the export. Each ask renews it;
+  /// the ask that finds every QP settled ends it (the export follows in the same turn).
+  uint64_t direct_held_until_ns = 0;
 };
 
 struct Session {

@@ -15,7 +15,6 @@
 #include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -86,6 +85,12 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
   if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
   RemoteQp* r = qp.remote.get();
   if (r && r->revoking.load(std::memory_order_acquire)) return false;  // back to the backends
+  if (r && r->afresh.load(std::memory_order_relaxed) && r->afresh.exchange(false)) {
+    // Direct again after a revoke (remote_revoke.cc, rejoin): another backend may say yes.
+    r->ask_wait = r->backoff = 0;
+    r->ask_by_ns = 0;
+    r->never = false;
+  }
   if (!r || !r->active.load(std::memory_order_acquire)) {
     if (r && (r->failed.load() || r->never || r->dead)) return false;
     if (!connect_out(qp)) return false;
@@ -219,47 +224,12 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   // A QP that may bind windows answers its peer through the backend, which knows them.
   if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
-      (qp.remote && (qp.remote->offered || qp.remote->dead || qp.remote->revoking.load())))
+      (qp.remote && (qp.remote->offered || qp.remote->reoffer.load() || qp.remote->dead ||
+                     qp.remote->revoking.load())))
     return;
   Hub* h = hub_of(ctx);
   if (!h) return;
-  RemoteQp& r = remote_of(*h, qp);
-  // We listen only where the peer's library will dial: the address our backend says.
-  DirectOfferReq req{};
-  req.qp = qp.handle;
-  req.flags = kDirectOfferWhere;
-  DirectOfferResp where{};
-  if (const int rc = ctx.call(Op::kDirectOffer, req, where)) {
-    if (rc == EADDRNOTAVAIL)
-      VLOG_INFO("direct path: QP {:#x} stays on the backends: no address of ours for its peer",
-                qp.qp.qp_num);
-    return;  // not for this QP (or not yet)
-  }
-  req.flags = 0;
-  req.port = listen_on(*h, where.listen_ipv4);
-  if (req.port == 0) return;
-  if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
-    return;
-  DirectOfferResp resp{};
-  std::vector<UniqueFd> fds;
-  if (ctx.call(Op::kDirectOffer, req, resp, {}, &fds) != 0) return;  // not for this QP (or not yet)
-  watch_qp(*h, qp);  // offered: the backend may ask it back (revoke_tick)
-  if (fds.size() != 1 || !resp.recv_ring_entries ||
-      (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
-    VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
-    return;
-  }
-  OwnRing ring;
-  if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return;
-  ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
-  {
-    std::lock_guard<std::mutex> g(h->mu);
-    r.recv = std::move(ring);
-    std::memcpy(r.token, req.token, kDirectTokenBytes);
-    r.peer_qpn = resp.peer_qpn;
-    r.my_lid = resp.my_lid;
-    r.offered = true;
-  }
+  offer(*h, qp, remote_of(*h, qp), false);
 }
 
 void remote_destroy(VQp& qp) {

@@ -89,7 +89,8 @@ struct RemoteQp {
   std::atomic<uint64_t> rnr_until{0};
   /// Resent at that time: a kResume the peer sent before it saw our kRewind may still come.
   bool resume_may_cross = false;
-  uint32_t ask_wait = 0, backoff = 0;
+  uint32_t ask_wait = 0, backoff = 0;  ///< posts before the next kDirectRemote ...
+  uint64_t ask_by_ns = 0;              ///< ... or until then, after a "not yet" (0: posts only)
   bool never = false;               ///< the backend said never for this QP
   std::atomic<bool> failed{false};  ///< in ERR through the direct path: posts go to the ring
   std::atomic<bool> active{false};  ///< `out` is up: every post goes through it
@@ -100,6 +101,18 @@ struct RemoteQp {
   std::atomic<uint64_t> peer_count{0};    ///< ... past this many requests in all
   bool finished = false;                  ///< answered our backend (kRevokeDone); under Hub::qps_mu
   std::atomic<bool> dialing{false};       ///< connect_out is at it: a revoke waits for it
+  // Direct again (remote_revoke.cc, rejoin): once our backend took the answer, the fields above
+  // start afresh, and a QP that had offered offers again from the hub's tick.
+  std::atomic<bool> reoffer{false};  ///< set under Hub::qps_mu: the tick offers again
+  /// Set by the tick with the rest: the next post starts its own fields afresh (ask_wait,
+  /// backoff, ask_by_ns, never: the posting thread's, under the SQ lock).
+  std::atomic<bool> afresh{false};
+  uint32_t reoffer_wait = 0;         ///< ticks before the next try (EAGAIN: not yet); qps_mu
+  uint32_t reoffer_backoff = 0;
+  /// An offer our backend refused for good (no address of ours toward the peer's backend, say):
+  /// tried again only when ControlPage::grant_gen moves (another backend took us in). qps_mu.
+  bool reoffer_stuck = false;
+  uint32_t reoffer_gen = 0;
 };
 
 /// Before the ring path of ibv_post_send (under the SQ lock): when this QP talks to its peer's

@@ -40,6 +40,9 @@ namespace vrdma::verbs::dlink {
 
 constexpr uint32_t kAskFirst = 64;      ///< posts between asks after a "not yet"
 constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
+/// ... but no longer than this after a "not yet" (a peer back from a move offers when it is
+/// ready, whatever posts that takes here). A failed dial waits for posts only (kDialMs each).
+constexpr uint64_t kAskAtLeastNs = 250'000'000;
 
 uint64_t now_ns() {
   timespec t;
@@ -669,7 +672,8 @@ bool connect_out(VQp& qp) {
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
   if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
-  if (qp.remote && qp.remote->ask_wait) {
+  if (qp.remote && qp.remote->ask_wait &&
+      (!qp.remote->ask_by_ns || now_ns() < qp.remote->ask_by_ns)) {
     --qp.remote->ask_wait;
     return false;
   }
@@ -683,11 +687,14 @@ bool connect_out(VQp& qp) {
   DirectRemoteResp resp{};
   std::vector<UniqueFd> fds;
   HandleReq req{qp.handle, 0};
+  r.ask_by_ns = 0;
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
-    if (rc == EAGAIN)
+    if (rc == EAGAIN) {
       back_off(r, kAskFirst);
-    else
+      r.ask_by_ns = now_ns() + kAskAtLeastNs;
+    } else {
       r.never = true;
+    }
     return false;
   }
   watch_qp(*h, qp);  // the backend counts it as direct now: it may ask it back (revoke_tick)

@@ -35,7 +35,11 @@
 // all, and keep reading, executing and answering. Once every request of ours is answered and we
 // have executed every one the peer's kRevoke counts, nothing of the pair is between the two
 // libraries: the connections close and the word says kRevokeDone. The backends then carry the
-// QPs from their cursors and PSNs, which the direct path never moved.
+// QPs from their cursors and PSNs, which the direct path never moved. Once our backend has
+// taken the answer (the word is 0 again: after the move, or the snapshot), the QP starts
+// afresh (rejoin): a QP that had offered offers again (the new backend says where to listen;
+// the peer's backend passes the offer on as the first time), a requester asks kDirectRemote at
+// its next post, and the pair goes direct again as at first, with nothing in flight.
 //
 // TLS. Every connection is TLS 1.3 with an external PSK (no certificates): the dialer names the
 // QP pair (PskIdentity), both derive the key from the offer's token with HKDF, and the acceptor
@@ -406,8 +410,13 @@ struct Dialing {
 };
 /// The peer's kRevoke, read from `c` (rx_mu held).
 void peer_revoked(Conn& c, VQp& qp, RemoteQp& r);
-/// The hub's tick: begins the revokes our backend asked for, and answers those that are settled.
+/// The hub's tick: begins the revokes our backend asked for, answers those that are settled,
+/// and takes the QPs whose answer the backend has taken onto the direct path again (rejoin).
 void revoke_tick(Hub& h);
+/// Offers the peer's library a connection to `qp` (kDirectOffer: where to listen, then the
+/// port and a fresh token): 0, EAGAIN (not yet) or why never (for now). `watched`: from the
+/// revoke tick (Hub::qps_mu held; the QP is on its list already), else no lock held.
+int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched);
 
 }  // namespace dlink
 }  // namespace vrdma::verbs

@@ -1,12 +1,15 @@
 // The direct path across backends: going back to the backends, before a move of either guest
-// (the TLS connection between the libraries cannot move with a guest). The protocol is in
-// remote_impl.h ("Revoke"); docs/ARCHITECTURE.md, "Moving a guest's device", says why it keeps
-// every message once and in order.
+// (the TLS connection between the libraries cannot move with a guest), and direct again after
+// it. The protocol is in remote_impl.h ("Revoke"); docs/ARCHITECTURE.md, "Moving a guest's
+// device", says why it keeps every message once and in order.
 #include <infiniband/verbs.h>
+#include <sys/random.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "common/log.h"
 #include "verbs/internal.h"
@@ -34,8 +37,8 @@ void finish_revoke(Hub& h, VQp& qp, RemoteQp& r, const std::shared_ptr<Conn>& in
     retire(h, in);
   }
   if (out && out != in) retire(h, out);
-  // `revoking` keeps it off the direct path for the rest of its life in RTS (offer_of,
-  // connect_out, remote_post); a reset starts another.
+  // `revoking` keeps it off the direct path (offer_of, connect_out, remote_post) until our
+  // backend has taken the answer (rejoin); a reset starts afresh too.
   r.active.store(false);
   r.finished = true;
   qp.sq_hdr->direct_revoke.store(kRevokeDone, std::memory_order_seq_cst);
@@ -71,7 +74,116 @@ void try_finish(Hub& h, VQp& qp, RemoteQp& r) {
   finish_revoke(h, qp, r, in, out);
 }
 
+/// The tick's next try of an offer again: EAGAIN waits 1, 2, 4 ... 32 ticks; another answer
+/// waits for another backend (grant_gen).
+void reoffer(Hub& h, VQp& qp, RemoteQp& r) {
+  const uint32_t gen = h.ctx->control_page()->grant_gen.load(std::memory_order_acquire);
+  if (r.reoffer_stuck && gen == r.reoffer_gen) return;
+  r.reoffer_stuck = false;
+  if (r.reoffer_wait) {
+    --r.reoffer_wait;
+    return;
+  }
+  const int rc = offer(h, qp, r, true);
+  if (rc == 0) {
+    r.reoffer.store(false);
+    VLOG_INFO("direct path: QP {:#x} offers its peer's library a connection again", qp.qp.qp_num);
+  } else if (rc == EAGAIN) {
+    r.reoffer_backoff = std::min(std::max(r.reoffer_backoff * 2, 1u), 32u);
+    r.reoffer_wait = r.reoffer_backoff;
+  } else {
+    r.reoffer_stuck = true;
+    r.reoffer_gen = gen;
+  }
+}
+
+/// A QP whose revoke our backend has answered: the word is 0 again (revoke_holds took
+/// kRevokeDone), so the backend executes its send queue and holds no offer of it. Everything of
+/// the old connections is settled (finish_revoke), and they are retired: the QP starts afresh.
+/// qps_mu held.
+void rejoin(Hub& h, VQp& qp, RemoteQp& r) {
+  if (qp.sq_hdr->direct_revoke.load(std::memory_order_acquire) != 0) return;
+  if (r.failed.load() || r.dead) return;  // in ERR: stays on the backends until a reset
+  {
+    std::lock_guard<std::mutex> fl(r.fl_mu);
+    if (!r.inflight.empty()) return;  // cannot be: finish_revoke waited for them
+    r.sent = 0;
+    r.peer_executed = 0;
+    r.awaiting.store(0);
+    r.failing = false;
+    r.rnr = false;
+    r.resend_from = 0;
+    r.rnr_left = 0;
+    r.rnr_seq = ~0ull;
+    r.rnr_until.store(0);
+    r.resume_may_cross = false;
+  }
+  bool offered = false;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    r.in.reset();
+    r.in_raw.store(nullptr);
+    r.out.reset();
+    r.resume_owed.store(false);
+    r.peer_lid = 0;
+    offered = r.offered;
+    r.offered = false;
+    r.peer_revoked.store(false);
+    r.peer_count.store(0);
+  }
+  r.reoffer.store(offered);
+  r.reoffer_wait = 0;
+  r.reoffer_backoff = 0;
+  r.reoffer_stuck = false;
+  r.finished = false;
+  r.afresh.store(true);  // the posting thread's own fields: reset by it (remote_post)
+  // Last: a post that sees it cleared finds the rest reset (connect_out asks kDirectRemote).
+  r.revoking.store(false, std::memory_order_seq_cst);
+  VLOG_INFO("direct path: QP {:#x} may go direct again", qp.qp.qp_num);
+}
+
 }  // namespace
+
+int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
+  VContext& ctx = *h.ctx;
+  // We listen only where the peer's library will dial: the address our backend says.
+  DirectOfferReq req{};
+  req.qp = qp.handle;
+  req.flags = kDirectOfferWhere;
+  DirectOfferResp where{};
+  if (const int rc = ctx.call(Op::kDirectOffer, req, where)) {
+    if (rc == EADDRNOTAVAIL)
+      VLOG_INFO("direct path: QP {:#x} stays on the backends: no address of ours for its peer",
+                qp.qp.qp_num);
+    return rc;  // not for this QP (or not yet)
+  }
+  req.flags = 0;
+  req.port = listen_on(h, where.listen_ipv4);
+  if (req.port == 0) return EADDRNOTAVAIL;
+  if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
+    return EIO;
+  DirectOfferResp resp{};
+  std::vector<UniqueFd> fds;
+  if (const int rc = ctx.call(Op::kDirectOffer, req, resp, {}, &fds)) return rc;
+  // Offered: the backend may ask it back (revoke_tick, whose list holds it already when it
+  // offers again).
+  if (!watched) watch_qp(h, qp);
+  if (fds.size() != 1 || !resp.recv_ring_entries ||
+      (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
+    VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
+    return EPROTO;
+  }
+  OwnRing ring;
+  if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return ENOMEM;
+  ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
+  std::lock_guard<std::mutex> g(h.mu);
+  r.recv = std::move(ring);
+  std::memcpy(r.token, req.token, kDirectTokenBytes);
+  r.peer_qpn = resp.peer_qpn;
+  r.my_lid = resp.my_lid;
+  r.offered = true;
+  return 0;
+}
 
 void tell_revoke(RemoteQp& r, Conn& c) {
   std::lock_guard<std::mutex> fl(r.fl_mu);
@@ -120,7 +232,9 @@ void revoke_tick(Hub& h) {
   std::lock_guard<std::mutex> q(h.qps_mu);
   for (VQp* qp : h.qps) {
     RemoteQp& r = *qp->remote;
+    if (r.finished) rejoin(h, *qp, r);
     if (r.finished) continue;
+    if (r.reoffer.load() && !r.revoking.load()) reoffer(h, *qp, r);
     if (!r.revoking.load()) {
       if (qp->sq_hdr->direct_revoke.load(std::memory_order_acquire) != kRevokeAsk) continue;
       begin_revoke(*qp, r);

@@ -7,10 +7,13 @@
 #     on h2, both ends' libraries talking directly (the client's direct counter grows); the
 #     client's guest moves h1 -> h3 -> h1 $MIG_ROUNDS (2) times while it runs. After each move:
 #     `vrdma migrate` exited 0, the client's QP is on tcp to h2 on the target, the server's faces
-#     the target, and messages keep reaching the server. At the end both ends' checksums are
-#     equal: every message once and in order.
+#     the target, messages keep reaching the server, and the pair goes direct again (the
+#     client's direct counter grows on the target, the server's on h2). At the end both ends'
+#     checksums are equal: every message once and in order.
 #  2. A second direct stream; the server's guest (the responder, on h2) is snapshotted while it
-#     runs (the snapshot succeeds, the stream goes on, mediated), then moves h2 -> h3 -> h2; the
+#     runs (the snapshot succeeds, the stream goes on, and direct again), then moves h2 -> h3 ->
+#     h2 (direct again back on h2; on h3 the server's library, whose process stays in h2's
+#     namespace, cannot listen on h3's address, so the pair stays on the backends there); the
 #     stream verifies.
 # Usage: migrate_direct_remote.sh BIN_DIR   (MIG_ROUNDS: round trips of part 1)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -34,21 +37,36 @@ grows() {
   fail "guest $2 on h$1: $3 stayed at $c0 for 20 s ($4)"
 }
 
+# Waits up to 10 s until guest G's QP on host I goes to PEER: on tcp, or direct again already
+# (hwait_route takes one route only). Usage: wait_on I G PEER
+wait_on() {
+  local got="" k
+  for ((k = 0; k < 200; k++)); do
+    hcheck_alive
+    got="$(hroute "$1" "$2" 2>/dev/null)" || got="<no answer>"
+    [[ $got == "tcp/$3" || $got == "direct/$3" ]] && return 0
+    nap 0.05
+  done
+  fail "guest $2 on h$1: QP routes '$got', wanted tcp/$3 or direct/$3"
+}
+
 # ---- 1. the client moves h1 -> h3 -> h1 ----
 hstream_start mv 2 1
 HOSTS_WATCH=("$srv $E2E_TMP/mv.server.out" "$cli $E2E_TMP/mv.client.out")
 hwait_flowing 1 mv-c msgs_sent "$cli"
 grows 1 mv-c direct_msgs_sent "the client's library sends directly"
 log "mv: stream direct h1 -> h2 (direct_msgs_sent $(hcount 1 mv-c direct_msgs_sent))"
-# One move of the client FROM -> TO: its QP on tcp to h2 there, the server's QP facing TO,
-# messages reaching the server after it.
+# One move of the client FROM -> TO: its QP facing h2 there, the server's QP facing TO,
+# messages reaching the server after it, and the pair direct again.
 move() {
   local from=$1 to=$2
   hmigrate mv-c "$from" "$to"
-  hwait_route "$to" mv-c "tcp/h2" 10
-  hwait_route 2 mv-s "tcp/h$to" 10
+  wait_on "$to" mv-c h2
+  wait_on 2 mv-s "h$to"
   grows 2 mv-s msgs_received "messages after the move to h$to"
-  log "mv: moved h$from -> h$to (downtime $(mig_field downtime_us) us)"
+  grows "$to" mv-c direct_msgs_sent "the client's library sends directly again after the move"
+  grows 2 mv-s direct_msgs_received "the server's library executes directly again"
+  log "mv: moved h$from -> h$to (downtime $(mig_field downtime_us) us), direct again"
 }
 for ((r = 1; r <= ROUNDS; r++)); do
   move 1 3
@@ -72,12 +90,16 @@ out="$("$VRDMA" snapshot sn-s "$E2E_TMP/sn.state" --socket "$(host_sock 2)" 2>&1
   fail "vrdma snapshot of a guest on the direct path across backends: $out"
 log "sn: $out"
 grows 2 sn-s msgs_received "messages after the snapshot"
+grows 2 sn-s direct_msgs_received "the pair direct again after the snapshot"
 hmigrate sn-s 2 3
-hwait_route 3 sn-s "tcp/h1" 10
+wait_on 3 sn-s h1
 grows 3 sn-s msgs_received "messages after the server's move to h3"
 hmigrate sn-s 3 2
-hwait_route 2 sn-s "tcp/h1" 10
+wait_on 2 sn-s h1
 grows 2 sn-s msgs_received "messages after the server's move back to h2"
+grows 2 sn-s direct_msgs_received "the pair direct again back on h2"
+grep -q "may go direct again" "$E2E_TMP/sn.server.out" ||
+  fail "the server's library did not say it may go direct again"
 HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
 finish_stream sn "$cli" "$srv" 30

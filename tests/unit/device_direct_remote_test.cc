@@ -44,6 +44,8 @@ class FakeLink final : public RecordingTransport {
   /// One host: we are reached where the peer is.
   uint32_t local_ipv4(const std::string& node) const override { return peer_ipv4(node); }
   void set_peer_ipv4(uint32_t a) { peer_ipv4_ = a; }
+  /// The peer's guests are now on backend `node` (which the same link reaches).
+  void set_peer(std::string node) { peer_ = std::move(node); }
 
  private:
   const std::string& to() const override { return peer_; }
@@ -505,6 +507,101 @@ TEST_F(DirectRemoteTest, ResetClearsAnAsk) {
   ASSERT_TRUE(modify(a_, qa_, IBV_QP_STATE, reset));
   EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
   EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+}
+
+// ---- Direct again after the move ----
+
+// a's library used b's offer; both went back to the backends. b's library, whose answer its
+// backend took first, offers again before a's answer is taken: that newer offer stays (only the
+// one a used ends with the connection). While a's move still asks, a neither offers nor goes
+// direct; once the ask finds it settled (the export follows), it takes the new offer.
+TEST_F(DirectRemoteTest, AfterTheAnswerANewerOfferStaysAndIsTakenOnceTheAskEnds) {
+  connect_both();
+  offer_b();
+  std::vector<UniqueFd> fds;
+  ASSERT_TRUE(remote(a_, qa_, fds).is_ok());
+  EXPECT_EQ(dev_.leave_direct_remote("a").err(), EINPROGRESS);
+  // b's library follows (its own word), answers, and offers again with another token.
+  qb_.sq->direct_revoke.store(kRevokeDone);
+  EXPECT_TRUE(devb_.leave_direct_remote("b").is_ok());
+  EXPECT_EQ(qb_.sq->direct_revoke.load(), 0u);
+  token_[0] ^= 0xff;
+  offer_b();
+  // a's answer, taken by the engine (a post made it look) before the ask comes again.
+  post_recv(qb_, 1, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 2, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  qa_.sq->direct_revoke.store(kRevokeDone);
+  dev_.poll(now_);
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), 0u);
+  EXPECT_EQ(count(ta_, wire::Type::kRequest), 1u);  // the held SEND, mediated
+  ASSERT_EQ(offers_of_a().count(qa_.qpn), 1u);
+  EXPECT_EQ(std::memcmp(offers_of_a().at(qa_.qpn).token, token_, kDirectTokenBytes), 0);
+  // Not while the move asks: a QP direct again would only be asked back.
+  std::vector<UniqueFd> again;
+  EXPECT_EQ(remote(a_, qa_, again).err(), EAGAIN);
+  EXPECT_EQ(offer(a_, qa_, again).err(), EAGAIN);
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+  EXPECT_TRUE(dev_.export_guest("a", [](const Session&) { return -1; }).is_ok());
+  // The guest stayed (a snapshot): direct again, with b's new offer, once the SEND completed.
+  pump();
+  devb_.poll(now_);
+  pump();
+  dev_.poll(now_);
+  auto r = remote(a_, qa_, again);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(std::memcmp(r->token, token_, kDirectTokenBytes), 0);
+  std::vector<UniqueFd> afds;
+  EXPECT_TRUE(offer(a_, qa_, afds).is_ok());
+}
+
+// b's guest moves (out of B and in again, as a restore does): before, its QP is held off the
+// direct path; after, its library offers again on the backend that took it in, and a, whose
+// answer ended the offer it had used, takes the new one.
+TEST_F(DirectRemoteTest, AfterAMoveTheLibraryOffersAgainAndThePeerTakesIt) {
+  connect_both();
+  offer_b();
+  std::vector<UniqueFd> fds, again;
+  ASSERT_TRUE(remote(a_, qa_, fds).is_ok());
+  EXPECT_EQ(devb_.leave_direct_remote("b").err(), EINPROGRESS);
+  EXPECT_EQ(offer(b_, qb_, again).err(), EAGAIN);  // asked: no offer
+  qb_.sq->direct_revoke.store(kRevokeDone);
+  ASSERT_TRUE(devb_.leave_direct_remote("b").is_ok());
+  auto ex = devb_.export_guest("b", [](const Session&) { return -1; });
+  ASSERT_TRUE(ex.is_ok()) << ex.status().message();
+  std::vector<UniqueFd> efds = dup_all(ex->fds);
+  devb_.detach_guest("b");
+  auto im = devb_.import_guest(ex->blob, efds);
+  ASSERT_TRUE(im.is_ok()) << im.status().message();
+  b_.s = im.value()[0].session;
+  // a's library went back with b's (its own word): the offer it used ends with the answer.
+  qa_.sq->direct_revoke.store(kRevokeDone);
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+  EXPECT_TRUE(offers_of_a().empty());
+  EXPECT_EQ(remote(a_, qa_, again).err(), EAGAIN);  // the peer's library has not offered yet
+  token_[0] ^= 0xff;
+  offer_b();
+  auto r = remote(a_, qa_, again);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_EQ(std::memcmp(r->token, token_, kDirectTokenBytes), 0);
+  EXPECT_EQ(r->peer_port, kPort);
+}
+
+// An offer follows the peer it was made to when that guest moves to another backend (the
+// offer that reached the old one went with nothing); one being asked back does not.
+TEST_F(DirectRemoteTest, AnOfferFollowsItsPeerToAnotherBackend) {
+  connect_both();
+  offer_b();
+  tb_.set_peer("C");
+  transport::GuestInfo gi{"a", static_cast<uint16_t>(a_.hello.lid), {}};
+  std::memcpy(gi.gid, gid_of("a").data(), 16);
+  devb_.on_guest_located(gi, "C");
+  ASSERT_EQ(count(tb_, wire::Type::kDirectOffer), 1u);
+  tb_.q.clear();
+  EXPECT_EQ(devb_.leave_direct_remote("b").err(), EINPROGRESS);
+  tb_.set_peer("D");
+  devb_.on_guest_located(gi, "D");
+  EXPECT_EQ(count(tb_, wire::Type::kDirectOffer), 0u);
 }
 
 // ---- A guest on this backend cannot pose as a peer backend's guest (issue 21) ----

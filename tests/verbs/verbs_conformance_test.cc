@@ -1747,7 +1747,8 @@ TEST_F(Conformance, WorkOutstandingAtErrorIsFlushedInOrder) {
 // lost, repeated or reordered, on any path. Across backends between libraries
 // (e2e.conformance_remote) the snapshot first takes the pair back to the backends: what went
 // through the libraries settles there (the receives let the dropped SENDs through), and the
-// second half is mediated.
+// second half goes through the backends, or directly again once the pair has settled (its
+// libraries start afresh after the snapshot): in order either way.
 TEST_F(Conformance, ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder) {
   char self[4096] = {};
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
@@ -1766,13 +1767,18 @@ TEST_F(Conformance, ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder) {
     const auto* r = vrdma::verbs::to_vqp(p.qp)->remote.get();
     return r && r->active.load();
   };
-  for (uint32_t w = 0; across && !direct() && w < 1000; ++w) {
-    ASSERT_EQ(peer_.post_recv(p.peer, 9000 + w, 512 * 1024, kLen), 0);
-    ASSERT_EQ(run(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, kLen)}, .wr_id = 9000 + w}).status,
-              IBV_WC_SUCCESS);
-    ASSERT_EQ(peer_.poll(1).size(), 1u);
-  }
+  // SENDs one at a time until it does (at most 30 s: the asks back off).
+  auto until_direct = [&](uint64_t id) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (; !direct() && std::chrono::steady_clock::now() < end; ++id) {
+      ASSERT_EQ(peer_.post_recv(p.peer, id, 512 * 1024, kLen), 0);
+      ASSERT_EQ(run(p.qp, {.op = IBV_WR_SEND, .sges = {sge(0, kLen)}, .wr_id = id}).status,
+                IBV_WC_SUCCESS);
+      ASSERT_EQ(peer_.poll(1).size(), 1u);
+    }
+  };
   if (across) {
+    until_direct(9000);
     ASSERT_TRUE(direct()) << "the pair never took the direct path across backends";
   }
   auto is_read = [](uint32_t i) { return i % 4 == 3; };
@@ -1851,6 +1857,11 @@ TEST_F(Conformance, ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder) {
   }
   EXPECT_TRUE(drain_for(50).empty()) << "a WR completed twice";
   EXPECT_TRUE(peer_.poll(1, 50).empty()) << "a message arrived twice";
+  // Settled on the backends, the pair goes direct again (its libraries start afresh).
+  if (across) {
+    until_direct(20000);
+    EXPECT_TRUE(direct()) << "the pair did not go direct again after the snapshot";
+  }
 }
 
 TEST_F(Conformance, PostingBeyondTheQueueDepthIsEnomem) {
