@@ -472,8 +472,13 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   }
 
   if (to->replay_known && replayed_delivery(qp, *to, w, len)) return Step::kDone;
+  // An SRQ that libraries feed too (direct path): one consumer at a time, until the message is
+  // in (RxHold gives it back on every return).
+  RxHold rx(*this, *to);
+  if (!rx.held && srq_busy(qp, now_ns)) return Step::kWait;
+  if (rx.held) qp.rx_busy_since_ns = 0;
   const Inbound in = inbound_of(qp, w, len);
-  const Response r = respond_begin(*to, in);
+  const Response r = rx.held ? respond_begin(*to, in) : Response{.kind = Response::kRnr};
   switch (r.kind) {
     case Response::kDrop: return Step::kWait;
     case Response::kRnr:
@@ -523,6 +528,22 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
   commit_done(*to);
   return Step::kDone;
+}
+
+bool Device::srq_busy(Qp& qp, uint64_t now_ns) {
+  // A library is taking a receive from the responder's SRQ right now: not the responder's RNR.
+  // The head WQE is tried again shortly (a deadline as an RNR wait's, which keeps the engine
+  // from sleeping on it) and spends no retry. A lock held for long (a guest that never gives it
+  // back) is an RNR NAK from then on, as a responder that posts no receive.
+  constexpr uint64_t kRetryNs = 20'000, kMomentNs = 100'000'000;
+  if (qp.rx_busy_since_ns == 0) qp.rx_busy_since_ns = now_ns;
+  if (now_ns - qp.rx_busy_since_ns >= kMomentNs) return false;
+  if (qp.wait != Wait::kRnr) {
+    qp.wait = Wait::kRnr;
+    qp.rnr_left = qp.attr.rnr_retry;  // as a fresh RNR wait would load it
+  }
+  qp.wait_until_ns = now_ns + kRetryNs;
+  return true;
 }
 
 bool Device::replayed_delivery(Qp& qp, Qp& to, const SendWqe& w, uint64_t len) {

@@ -110,6 +110,96 @@ TEST_F(DeviceSrqTest, ModifyArmsTheLimitAndRefusesResize) {
   EXPECT_EQ(totals()["srq"], 0);
 }
 
+// The direct path into an SRQ (issue 25): a grant for a QP on one carries the SRQ's ring and a
+// lock tag, only to a library that asks for it (kDirectGrantSrq). From then on the backend takes
+// the SRQ's rx_lock for each receive: a library that holds it a moment costs the requester no
+// RNR retry (rnr_retry 0 here: one would fail it), a hold that lasts is an RNR NAK, a holder
+// whose session is gone is taken over; an armed limit is in the SRQ's header for the libraries.
+TEST_F(DeviceSrqTest, ASrqThatLibrariesFeedIsTakenUnderItsLockWithoutCostingAnRnr) {
+  dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});
+  a_.s->uid = b_.s->uid = ::getuid();
+  SrqV s = srq(b_, 16, 0);
+  QpV b1 = srq_qp(b_, bcq_, s);
+  connect(a_, qa_, b_, b1, /*rnr_retry=*/0);
+  connect(b_, b1, a_, qa_);
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(dev_.direct_grant(*a_.s, qa_.handle, fds).err(), EOPNOTSUPP)
+      << "a library that cannot feed an SRQ gets no grant into one";
+  auto g = dev_.direct_grant(*a_.s, qa_.handle, fds, kDirectGrantSrq);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  EXPECT_NE(g->lock_tag, 0u);
+  EXPECT_EQ(g->peer_rq_entries, s.size);
+  EXPECT_EQ(g->peer_rq_offset, 0u);
+  EXPECT_EQ(s.hdr->armed.load(), 1u);
+  // a's send completions go to its own ring from now on (kDirectGrant's descriptor 1).
+  CqV own;
+  own.map = MappedRegion::map_shared(fds[1].get(), ring_bytes(g->send_ring_entries, sizeof(Cqe)));
+  ASSERT_TRUE(own.map.valid());
+  own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
+  own.e = ring_entries<Cqe>(own.hdr);
+  own.size = g->send_ring_entries;
+  MappedRegion ring = MappedRegion::map_shared(fds[0].get(), g->peer_ring_bytes);
+  ASSERT_TRUE(ring.valid());
+  auto* seen = reinterpret_cast<RingHeader*>(ring.data());
+  post_srq(s, 100, mb_.addr, 64, mb_.mr.lkey);
+  EXPECT_EQ(seen->producer.load(), 1u) << "the grant's ring is the SRQ's";
+
+  // A library holds the lock: the SEND through a's send queue waits, then goes through.
+  s.hdr->rx_lock.store(g->lock_tag);
+  post_send(qa_, 1, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(own).empty()) << "no RNR NAK (rnr_retry 0 would have failed it)";
+  EXPECT_EQ(s.hdr->consumer.load(), 0u);
+  s.hdr->rx_lock.store(0);
+  now_ += 1'000'000;
+  dev_.poll(now_);
+  auto done = drain(own);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(s.hdr->consumer.load(), 1u);
+  EXPECT_EQ(s.hdr->rx_lock.load(), 0u) << "given back";
+
+  // A library took a receive itself (the consumer index moved): the backend resumes after it.
+  post_srq(s, 101, mb_.addr, 64, mb_.mr.lkey);
+  post_srq(s, 102, mb_.addr + 64, 64, mb_.mr.lkey);
+  s.hdr->consumer.store(2, std::memory_order_release);
+  // A holder whose session is gone (a process killed inside a delivery): taken over at once.
+  s.hdr->rx_lock.store(0x7fff0000u);
+  post_send(qa_, 2, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  done = drain(own);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(s.hdr->consumer.load(), 3u);
+
+  // The limit, armed after the grant, is where libraries look; the event clears it.
+  ASSERT_TRUE(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_LIMIT, SrqAttr{0, 0, 2, 0}}));
+  EXPECT_EQ(s.hdr->srq_limit.load(), 2u);
+  for (int i = 0; i < 2; ++i) post_srq(s, 103 + i, mb_.addr, 64, mb_.mr.lkey);
+  post_send(qa_, 3, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(drain(own).size(), 1u);
+  auto ev = async_events(b_);
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].first, uint32_t{IBV_EVENT_SRQ_LIMIT_REACHED});
+  EXPECT_EQ(s.hdr->srq_limit.load(), 0u);
+
+  // Held for long (a guest that never gives it back): an RNR NAK after all.
+  s.hdr->rx_lock.store(g->lock_tag);
+  post_send(qa_, 4, ma_.addr, 16, ma_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_TRUE(drain(own).empty());
+  now_ += 200'000'000;
+  dev_.poll(now_);
+  done = drain(own);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].status, IBV_WC_RNR_RETRY_EXC_ERR);
+  s.hdr->rx_lock.store(0);
+  std::vector<Cqe> rx = drain(bcq_);
+  for (const Cqe& c : rx) EXPECT_EQ(c.status, IBV_WC_SUCCESS);
+}
+
 // XRC: a receive QP outlives the session that created it while another session of the guest
 // holds it (ibv_open_qp), and its domain lives while anything is in it; a domain is the guest's,
 // found again by the file's inode, and another guest's domain of the same file is another.
