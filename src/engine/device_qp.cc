@@ -375,6 +375,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
     // is flushed, and a pending deadline must not keep the backend from sleeping.
     if (next != prev) {
       qp->wait = Wait::kNone;
+      qp->rx_busy_since_ns = 0;
       qp->probe = false;
     }
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),

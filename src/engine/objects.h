@@ -304,7 +304,8 @@ struct Qp {
   /// datagram sent to it).
   bool rx_busy = false;
   /// Requester: since when the responder's SRQ has been held by a library at each try (0: it
-  /// was not at the last): a moment costs no RNR retry, a long hold counts as an RNR NAK.
+  /// was not at the last): a moment costs no RNR retry, a long hold counts as an RNR NAK
+  /// (Device::srq_busy). While set, the head WQE waits for `wait_until_ns` as in a `wait`.
   uint64_t rx_busy_since_ns = 0;
 };
 

@@ -35,6 +35,45 @@ bool library_path(ibv_qp* qp) {
   return v.remote && v.remote->active.load();
 }
 
+/// An SRQ of ours and the RC QPs on it (all on `cq`), destroyed QPs first.
+struct OurSrq {
+  ibv_srq* srq = nullptr;
+  std::vector<ibv_qp*> qps;
+  OurSrq(ibv_pd* pd, uint32_t max_wr) {
+    ibv_srq_init_attr sa{};
+    sa.attr.max_wr = max_wr;
+    sa.attr.max_sge = 1;
+    srq = ibv_create_srq(pd, &sa);
+    EXPECT_NE(srq, nullptr) << std::strerror(errno);
+  }
+  ~OurSrq() {
+    for (ibv_qp* q : qps) EXPECT_EQ(ibv_destroy_qp(q), 0);
+    if (srq) {
+      EXPECT_EQ(ibv_destroy_srq(srq), 0);
+    }
+  }
+  ibv_qp* qp(ibv_pd* pd, ibv_cq* cq) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = ia.recv_cq = cq;
+    ia.qp_type = IBV_QPT_RC;
+    ia.srq = srq;
+    ia.cap = {8, 0, 1, 1, 0};
+    ibv_qp* q = ibv_create_qp(pd, &ia);
+    EXPECT_NE(q, nullptr) << std::strerror(errno);
+    if (q) qps.push_back(q);
+    return q;
+  }
+  int post(uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) const {
+    ibv_sge s{addr, len, lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    return ibv_post_srq_recv(srq, &wr, &bad);
+  }
+};
+
 class Conformance : public vrdma::test::VerbsFixture {
  protected:
   void SetUp() override {
@@ -184,6 +223,29 @@ class Conformance : public vrdma::test::VerbsFixture {
       if (!reads(qp, 1)) return false;
     }
     return !across_ || library_path(qp);
+  }
+
+  /// A QP on `q` and an RC QP of ours connected to it; returns ours.
+  ibv_qp* sender_into(OurSrq& q) {
+    ibv_qp* rq = q.qp(pd_, cq_);
+    ibv_qp* sq = make_qp(IBV_QPT_RC);
+    if (!rq || !sq) return nullptr;
+    connect_ours(sq, rq);
+    return sq;
+  }
+  /// sender_into, and one SEND through it into a receive of `q` (wr_ids 10 and 1; on the direct
+  /// path the library executes it itself, granted at that post). Null if either failed.
+  ibv_qp* sender_after_one(OurSrq& q) {
+    ibv_qp* sq = sender_into(q);
+    if (!sq || q.post(1, addr(0), 64, mr_->lkey) || send8(sq, 10)) return nullptr;
+    const auto wcs = poll(cq_, 2);
+    const bool ok =
+        wcs.size() == 2 && wcs[0].status == IBV_WC_SUCCESS && wcs[1].status == IBV_WC_SUCCESS;
+    return ok ? sq : nullptr;
+  }
+  /// An 8-byte SEND, signaled.
+  int send8(ibv_qp* sq, uint64_t wr_id) {
+    return post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = wr_id});
   }
 
   bool across_ = false;
@@ -1875,45 +1937,6 @@ TEST_F(Conformance, SrqLimitReachedFiresOnceWhenArmed) {
 
 // ---- SRQs on every path (issue 25: the direct path feeds them too) ----------------------------
 
-/// An SRQ of ours and the RC QPs on it (all on `cq`), destroyed QPs first.
-struct OurSrq {
-  ibv_srq* srq = nullptr;
-  std::vector<ibv_qp*> qps;
-  OurSrq(ibv_pd* pd, uint32_t max_wr) {
-    ibv_srq_init_attr sa{};
-    sa.attr.max_wr = max_wr;
-    sa.attr.max_sge = 1;
-    srq = ibv_create_srq(pd, &sa);
-    EXPECT_NE(srq, nullptr) << std::strerror(errno);
-  }
-  ~OurSrq() {
-    for (ibv_qp* q : qps) EXPECT_EQ(ibv_destroy_qp(q), 0);
-    if (srq) {
-      EXPECT_EQ(ibv_destroy_srq(srq), 0);
-    }
-  }
-  ibv_qp* qp(ibv_pd* pd, ibv_cq* cq) {
-    ibv_qp_init_attr ia{};
-    ia.send_cq = ia.recv_cq = cq;
-    ia.qp_type = IBV_QPT_RC;
-    ia.srq = srq;
-    ia.cap = {8, 0, 1, 1, 0};
-    ibv_qp* q = ibv_create_qp(pd, &ia);
-    EXPECT_NE(q, nullptr) << std::strerror(errno);
-    if (q) qps.push_back(q);
-    return q;
-  }
-  int post(uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) const {
-    ibv_sge s{addr, len, lkey};
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &s;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    return ibv_post_srq_recv(srq, &wr, &bad);
-  }
-};
-
 /// Splits completions into receives and the rest.
 std::pair<std::vector<ibv_wc>, std::vector<ibv_wc>> receives_first(const std::vector<ibv_wc>& wcs) {
   std::pair<std::vector<ibv_wc>, std::vector<ibv_wc>> out;
@@ -1989,14 +2012,11 @@ TEST_F(Conformance, AnSrqFedByQpsOfTwoProcessesHandsOutItsReceivesInRingOrder) {
 TEST_F(Conformance, AnSrqLimitArmedAfterTheGrantFiresOnceWithDirectSenders) {
   OurSrq q(pd_, 16);
   ASSERT_NE(q.srq, nullptr);
-  ibv_qp* rq = q.qp(pd_, cq_);
-  ibv_qp* sq = make_qp(IBV_QPT_RC);
-  ASSERT_TRUE(rq && sq);
-  connect_ours(sq, rq);
+  ibv_qp* sq = sender_into(q);
+  ASSERT_NE(sq, nullptr);
   for (uint64_t i = 0; i < 12; ++i) ASSERT_EQ(q.post(i, addr(4096 * i), 64, mr_->lkey), 0);
   auto send = [&](int n) {
-    for (int i = 0; i < n; ++i)
-      ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 50}), 0);
+    for (int i = 0; i < n; ++i) ASSERT_EQ(send8(sq, 50), 0);
   };
   send(2);
   auto [rx, tx] = receives_first(poll(cq_, 4));
@@ -2034,15 +2054,10 @@ TEST_F(Conformance, AnSrqLimitArmedAfterTheGrantFiresOnceWithDirectSenders) {
 TEST_F(Conformance, AnEmptySrqIsAnRnrForRc) {
   OurSrq q(pd_, 16);
   ASSERT_NE(q.srq, nullptr);
-  ibv_qp* rq = q.qp(pd_, cq_);
-  ibv_qp* sq = make_qp(IBV_QPT_RC);
-  ASSERT_TRUE(rq && sq);
-  connect_ours(sq, rq);
-  ASSERT_EQ(q.post(1, addr(0), 64, mr_->lkey), 0);
-  ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 10}), 0);
-  ASSERT_EQ(poll(cq_, 2).size(), 2u);
+  ibv_qp* sq = sender_after_one(q);
+  ASSERT_NE(sq, nullptr);
   const uint64_t direct_before = direct_sent(sq);
-  ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 11}), 0);
+  ASSERT_EQ(send8(sq, 11), 0);
   EXPECT_TRUE(drain_for(50).empty()) << "no receive: the SEND waits";
   ASSERT_EQ(q.post(2, addr(4096), 64, mr_->lkey), 0);
   auto [rx, tx] = receives_first(poll(cq_, 2));
@@ -2059,7 +2074,7 @@ TEST_F(Conformance, AnEmptySrqIsAnRnrForRc) {
   ibv_qp* rq0 = q.qp(pd_, cq_);
   ibv_qp* sq0 = make_qp(IBV_QPT_RC);
   ASSERT_TRUE(rq0 && sq0);
-  connect(sq0, rq0->qp_num, /*rnr_retry=*/0);
+  connect(sq0, rq0->qp_num, /*rnr_retry=*/0);  // (sender_into's connect_ours: rnr_retry 7)
   connect(rq0, sq0->qp_num);
   const ibv_wc wc = run(sq0, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 12});
   EXPECT_EQ(wc.status, IBV_WC_RNR_RETRY_EXC_ERR) << ibv_wc_status_str(wc.status);
@@ -2070,15 +2085,10 @@ TEST_F(Conformance, AnEmptySrqIsAnRnrForRc) {
 TEST_F(Conformance, AnSrqReceiveWithABadLkeyIsALocalProtectionError) {
   OurSrq q(pd_, 16);
   ASSERT_NE(q.srq, nullptr);
-  ibv_qp* rq = q.qp(pd_, cq_);
-  ibv_qp* sq = make_qp(IBV_QPT_RC);
-  ASSERT_TRUE(rq && sq);
-  connect_ours(sq, rq);
-  ASSERT_EQ(q.post(1, addr(0), 64, mr_->lkey), 0);
-  ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 10}), 0);
-  ASSERT_EQ(poll(cq_, 2).size(), 2u);
+  ibv_qp* sq = sender_after_one(q);
+  ASSERT_NE(sq, nullptr);
   ASSERT_EQ(q.post(2, addr(4096), 64, mr_->lkey ^ 0x5a5a00), 0);
-  ASSERT_EQ(post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 11}), 0);
+  ASSERT_EQ(send8(sq, 11), 0);
   auto [rx, tx] = receives_first(poll(cq_, 2));
   ASSERT_EQ(rx.size() + tx.size(), 2u);
   // An error completion's opcode is undefined: told apart by wr_id.
