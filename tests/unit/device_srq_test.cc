@@ -200,6 +200,64 @@ TEST_F(DeviceSrqTest, ASrqThatLibrariesFeedIsTakenUnderItsLockWithoutCostingAnRn
   for (const Cqe& c : rx) EXPECT_EQ(c.status, IBV_WC_SUCCESS);
 }
 
+// A fed SRQ taken in by the next backend (keep_state's restart here; a move reads the same
+// header): it is still locked for its consumers (the header's `armed`), its armed limit is in
+// the header again, the cursor is the shared one (a library took a receive the backend never
+// saw), and the lock a library of the dead backend's session left is taken over.
+TEST_F(DeviceSrqTest, AFedSrqTakenInByTheNextBackendKeepsItsCursorLimitAndLosesAnOrphanLock) {
+  dev_.set_direct(true);
+  dev_.set_direct_trust(true, {});
+  a_.s->uid = b_.s->uid = ::getuid();
+  SrqV s = srq(b_, 16, 0);
+  QpV b1 = srq_qp(b_, bcq_, s);
+  connect(a_, qa_, b_, b1);
+  connect(b_, b1, a_, qa_);
+  std::vector<UniqueFd> fds;
+  auto g = dev_.direct_grant(*a_.s, qa_.handle, fds, kDirectGrantSrq);
+  ASSERT_TRUE(g.is_ok()) << g.status().message();
+  CqV recv;
+  recv.map = MappedRegion::map_shared(fds[2].get(), ring_bytes(g->recv_ring_entries, sizeof(Cqe)));
+  ASSERT_TRUE(recv.map.valid());
+  recv.hdr = reinterpret_cast<RingHeader*>(recv.map.data());
+  recv.e = ring_entries<Cqe>(recv.hdr);
+  recv.size = g->recv_ring_entries;
+  ASSERT_TRUE(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_LIMIT, SrqAttr{0, 0, 1, 0}}));
+  for (int i = 0; i < 3; ++i) post_srq(s, 200 + i, mb_.addr + 64 * i, 64, mb_.mr.lkey);
+  s.hdr->consumer.store(1, std::memory_order_release);  // a's library took 200 ...
+  s.hdr->rx_lock.store(g->lock_tag);                    // ... and died inside the next one
+  s.hdr->srq_limit.store(0);                            // (a guest's write: the backend's is kept)
+  auto ka = dev_.export_guest("a", [](const Session&) { return -1; });
+  auto kb = dev_.export_guest("b", [](const Session&) { return -1; });
+  ASSERT_TRUE(ka.is_ok() && kb.is_ok());
+
+  Device fresh{next_quotas_};
+  fresh.set_direct(true);
+  std::vector<UniqueFd> fa = dup_all(ka->fds), fb = dup_all(kb->fds);
+  auto ra = fresh.import_guest(ka->blob, fa, true);
+  ASSERT_TRUE(ra.is_ok()) << ra.status().message();
+  auto rb = fresh.import_guest(kb->blob, fb, true);
+  ASSERT_TRUE(rb.is_ok()) << rb.status().message();
+  EXPECT_EQ(s.hdr->srq_limit.load(), 1u);
+  post_send(qa_, 5, ma_.addr, 16, ma_.mr.lkey);
+  fresh.poll(now_);
+  fresh.poll(now_);
+  auto rx = drain(recv);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 201u) << "the shared cursor, past the library's receive";
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(s.hdr->consumer.load(), 2u);
+  EXPECT_EQ(s.hdr->rx_lock.load(), 0u) << "taken over and given back";
+  // One posted left, the limit (1) not crossed; the next receive crosses it: the event fires
+  // (the limit disarms, in the header too).
+  Session& b = *rb.value()[0].session;
+  EXPECT_EQ(fresh.query_srq(b, s.handle)->srq_limit, 1u);
+  post_send(qa_, 6, ma_.addr, 16, ma_.mr.lkey);
+  fresh.poll(now_);
+  EXPECT_EQ(drain(recv).size(), 1u);
+  EXPECT_EQ(fresh.query_srq(b, s.handle)->srq_limit, 0u);
+  EXPECT_EQ(s.hdr->srq_limit.load(), 0u);
+}
+
 // XRC: a receive QP outlives the session that created it while another session of the guest
 // holds it (ibv_open_qp), and its domain lives while anything is in it; a domain is the guest's,
 // found again by the file's inode, and another guest's domain of the same file is another.
