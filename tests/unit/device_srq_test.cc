@@ -36,6 +36,27 @@ class DeviceSrqTest : public DeviceTest {
     req.caps.max_recv_sge = 0;
     return create_qp(g, req);
   }
+  /// The direct path on (one uid is enough here), SRQ `s` of b with QP b1 on it connected to
+  /// a's QP (a's rnr_retry `rnr_retry`); the grant of a into b1 is the caller's.
+  void fed_srq(SrqV& s, QpV& b1, uint8_t rnr_retry = 7) {
+    dev_.set_direct(true);
+    dev_.set_direct_trust(true, {});
+    a_.s->uid = b_.s->uid = ::getuid();
+    s = srq(b_, 16, 0);
+    b1 = srq_qp(b_, bcq_, s);
+    connect(a_, qa_, b_, b1, rnr_retry);
+    connect(b_, b1, a_, qa_);
+  }
+  /// An own completion ring of a grant (kDirectGrant's descriptor 1 or 2), as a library maps it.
+  static CqV own_ring(int fd, uint32_t entries) {
+    CqV c;
+    c.map = MappedRegion::map_shared(fd, ring_bytes(entries, sizeof(Cqe)));
+    EXPECT_TRUE(c.map.valid());
+    c.hdr = reinterpret_cast<RingHeader*>(c.map.data());
+    c.e = ring_entries<Cqe>(c.hdr);
+    c.size = entries;
+    return c;
+  }
   void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
     RecvWqe w{};
     w.wr_id = wr_id;
@@ -116,13 +137,9 @@ TEST_F(DeviceSrqTest, ModifyArmsTheLimitAndRefusesResize) {
 // RNR retry (rnr_retry 0 here: one would fail it), a hold that lasts is an RNR NAK, a holder
 // whose session is gone is taken over; an armed limit is in the SRQ's header for the libraries.
 TEST_F(DeviceSrqTest, ASrqThatLibrariesFeedIsTakenUnderItsLockWithoutCostingAnRnr) {
-  dev_.set_direct(true);
-  dev_.set_direct_trust(true, {});
-  a_.s->uid = b_.s->uid = ::getuid();
-  SrqV s = srq(b_, 16, 0);
-  QpV b1 = srq_qp(b_, bcq_, s);
-  connect(a_, qa_, b_, b1, /*rnr_retry=*/0);
-  connect(b_, b1, a_, qa_);
+  SrqV s;
+  QpV b1;
+  fed_srq(s, b1, /*rnr_retry=*/0);
   std::vector<UniqueFd> fds;
   EXPECT_EQ(dev_.direct_grant(*a_.s, qa_.handle, fds).err(), EOPNOTSUPP)
       << "a library that cannot feed an SRQ gets no grant into one";
@@ -132,13 +149,7 @@ TEST_F(DeviceSrqTest, ASrqThatLibrariesFeedIsTakenUnderItsLockWithoutCostingAnRn
   EXPECT_EQ(g->peer_rq_entries, s.size);
   EXPECT_EQ(g->peer_rq_offset, 0u);
   EXPECT_EQ(s.hdr->armed.load(), 1u);
-  // a's send completions go to its own ring from now on (kDirectGrant's descriptor 1).
-  CqV own;
-  own.map = MappedRegion::map_shared(fds[1].get(), ring_bytes(g->send_ring_entries, sizeof(Cqe)));
-  ASSERT_TRUE(own.map.valid());
-  own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
-  own.e = ring_entries<Cqe>(own.hdr);
-  own.size = g->send_ring_entries;
+  CqV own = own_ring(fds[1].get(), g->send_ring_entries);  // a's send completions from now on
   MappedRegion ring = MappedRegion::map_shared(fds[0].get(), g->peer_ring_bytes);
   ASSERT_TRUE(ring.valid());
   auto* seen = reinterpret_cast<RingHeader*>(ring.data());
@@ -205,22 +216,13 @@ TEST_F(DeviceSrqTest, ASrqThatLibrariesFeedIsTakenUnderItsLockWithoutCostingAnRn
 // the header again, the cursor is the shared one (a library took a receive the backend never
 // saw), and the lock a library of the dead backend's session left is taken over.
 TEST_F(DeviceSrqTest, AFedSrqTakenInByTheNextBackendKeepsItsCursorLimitAndLosesAnOrphanLock) {
-  dev_.set_direct(true);
-  dev_.set_direct_trust(true, {});
-  a_.s->uid = b_.s->uid = ::getuid();
-  SrqV s = srq(b_, 16, 0);
-  QpV b1 = srq_qp(b_, bcq_, s);
-  connect(a_, qa_, b_, b1);
-  connect(b_, b1, a_, qa_);
+  SrqV s;
+  QpV b1;
+  fed_srq(s, b1);
   std::vector<UniqueFd> fds;
   auto g = dev_.direct_grant(*a_.s, qa_.handle, fds, kDirectGrantSrq);
   ASSERT_TRUE(g.is_ok()) << g.status().message();
-  CqV recv;
-  recv.map = MappedRegion::map_shared(fds[2].get(), ring_bytes(g->recv_ring_entries, sizeof(Cqe)));
-  ASSERT_TRUE(recv.map.valid());
-  recv.hdr = reinterpret_cast<RingHeader*>(recv.map.data());
-  recv.e = ring_entries<Cqe>(recv.hdr);
-  recv.size = g->recv_ring_entries;
+  CqV recv = own_ring(fds[2].get(), g->recv_ring_entries);
   ASSERT_TRUE(dev_.modify_srq(*b_.s, ModifySrqReq{s.handle, IBV_SRQ_LIMIT, SrqAttr{0, 0, 1, 0}}));
   for (int i = 0; i < 3; ++i) post_srq(s, 200 + i, mb_.addr + 64 * i, 64, mb_.mr.lkey);
   s.hdr->consumer.store(1, std::memory_order_release);  // a's library took 200 ...
