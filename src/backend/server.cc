@@ -379,7 +379,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     case Op::kDirectRemote: {
       std::vector<UniqueFd> owned;
       std::string peer;  // kDirectGrantUd's destination guest
-      if (op == Op::kDirectGrant) reply(dev_.direct_grant(*s, handle_of(), owned));
+      if (op == Op::kDirectGrant)
+        reply(dev_.direct_grant(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       else if (op == Op::kDirectGrantUd)
         reply(dev_.direct_grant_ud(*s, body_of<DirectUdReq>(msg).value(), owned, peer));
       else if (op == Op::kDirectRings) reply(dev_.direct_rings(*s, handle_of(), owned));

@@ -142,11 +142,12 @@ class Device : public transport::Receiver {
   /// Allows grants ([backend] direct_path). Off: kDirectGrant answers EOPNOTSUPP.
   void set_direct(bool on) { direct_ = on; }
   /// Lets the library of QP `handle` execute its WQEs itself into its peer QP's memory: checks
-  /// every condition (RC or UC, RTS, peer on this backend and connected back, same uid, no SRQ, no
-  /// completion channel, nothing in flight), gives both QPs their own completion rings, and
-  /// fills `fds` (kDirectGrant's order). EAGAIN: not now (peer not ready, work in flight).
+  /// every condition (RC or UC, RTS, peer on this backend and connected back, same uid, a
+  /// peer on an SRQ only with kDirectGrantSrq in `flags` (srq_grantable), nothing in flight),
+  /// gives both QPs their own completion rings, and fills `fds` (kDirectGrant's order).
+  /// EAGAIN: not now (peer not ready, work in flight).
   Result<proto::DirectGrantResp> direct_grant(Session& s, uint32_t handle,
-                                              std::vector<UniqueFd>& fds);
+                                              std::vector<UniqueFd>& fds, uint32_t flags = 0);
   /// Who trusts whom ([datapath] direct_trust): with `uid_enough`, any two guests of one uid;
   /// else guests named together in one of `tenants`, or a session that proved it may write the
   /// peer's memory (kDirectProve). A grant needs one of them, and one uid, always.
@@ -394,8 +395,32 @@ class Device : public transport::Receiver {
   Result<proto::DirectGrantResp> grant_into(Session& s, Qp& a, Qp& b, std::vector<UniqueFd>& fds);
   /// A UD QP's receive side with direct producers (RingHeader::rx_lock): taken by the backend
   /// without blocking on a guest; a holder whose session is gone is taken over. False: busy.
+  /// Also an SRQ that libraries feed (Srq::direct), whichever QP of it receives.
   bool rx_lock_take(Qp& to);
   void rx_lock_give(Qp& to);
+  /// rx_lock_take for a scope (`held`: taken, or none to take); given back at its end.
+  struct RxHold {
+    RxHold(Device& d, Qp& to) : dev(d), qp(to), held(d.rx_lock_take(to)) {}
+    ~RxHold() {
+      if (held) dev.rx_lock_give(qp);
+    }
+    RxHold(const RxHold&) = delete;
+    RxHold& operator=(const RxHold&) = delete;
+    Device& dev;
+    Qp& qp;
+    const bool held;
+  };
+  /// A requester whose responder's SRQ a library holds (RxHold not held): true while that is
+  /// a moment (the head WQE waits a little, spending no RNR retry); false once it has lasted
+  /// (then it is an RNR NAK, as a responder without receives).
+  bool srq_busy(Qp& qp, uint64_t now_ns);
+  /// rx_lock_take's tries on one lock word (fewer while `busy`, which it updates).
+  bool rx_lock_try(proto::AtomicU32& w, bool& busy);
+  /// Arms (or disarms, 0) an SRQ's limit, in its header too (RingHeader::srq_limit).
+  void set_srq_limit(Srq& q, uint32_t limit);
+  /// Whether a grant may feed responder `b`'s SRQ: the library asked with kDirectGrantSrq, not
+  /// XRC, the SRQ in the QP's PD, no QP of it connected across backends.
+  Status srq_grantable(const Qp& b, uint32_t flags) const;
   /// A session's tag in rx_lock: its id plus this backend's random base (below 2^31, so no
   /// tag is 0 or kRxLockBackend), so a tag left by a session of a backend that died (keep_state)
   /// or of another one (a move) names none of this backend's live sessions but by a 1 in 2^31

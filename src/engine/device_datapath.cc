@@ -28,7 +28,8 @@ uint64_t Device::next_deadline() const {
   uint64_t d = 0;
   for (const Guest* g : active_guests_) {
     for (const Qp* qp : g->ready) {
-      if (qp->wait != Wait::kNone && (d == 0 || qp->wait_until_ns < d)) d = qp->wait_until_ns;
+      if ((qp->wait != Wait::kNone || qp->rx_busy_since_ns) && (d == 0 || qp->wait_until_ns < d))
+        d = qp->wait_until_ns;
     }
   }
   return d;
@@ -42,7 +43,7 @@ void Device::mark_ready(Qp& qp) {
 
 bool Device::has_work(const Qp& qp) const {
   // Over tcp the transport's frames move a QP (ACKs, replays, back-pressure): always looked at.
-  if (qp.remote || qp.route_pending || qp.wait != Wait::kNone) return true;
+  if (qp.remote || qp.route_pending || qp.wait != Wait::kNone || qp.rx_busy_since_ns) return true;
   const uint32_t sprod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   const bool sq_work = sprod != qp.sq_cons && sprod - qp.sq_cons <= qp.sq_size;
   if (qp.state != IBV_QPS_ERR) return sq_open(qp.state) && sprod != qp.sq_cons;
@@ -234,6 +235,7 @@ void Device::enter_error(Qp& qp, const char* why) {
   qp.state = IBV_QPS_ERR;
   qp.attr.qp_state = IBV_QPS_ERR;
   qp.wait = Wait::kNone;
+  qp.rx_busy_since_ns = 0;
   mark_ready(qp);  // its queues are flushed
   bump_epoch(*qp.guest);
 }
@@ -472,8 +474,13 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   }
 
   if (to->replay_known && replayed_delivery(qp, *to, w, len)) return Step::kDone;
+  // An SRQ that libraries feed too (direct path): one consumer at a time, until the message is
+  // in (RxHold gives it back on every return).
+  RxHold rx(*this, *to);
+  if (!rx.held && srq_busy(qp, now_ns)) return Step::kWait;
+  if (rx.held) qp.rx_busy_since_ns = 0;
   const Inbound in = inbound_of(qp, w, len);
-  const Response r = respond_begin(*to, in);
+  const Response r = rx.held ? respond_begin(*to, in) : Response{.kind = Response::kRnr};
   switch (r.kind) {
     case Response::kDrop: return Step::kWait;
     case Response::kRnr:
@@ -523,6 +530,21 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
   complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
   commit_done(*to);
   return Step::kDone;
+}
+
+bool Device::srq_busy(Qp& qp, uint64_t now_ns) {
+  // A library is taking a receive from the responder's SRQ right now: not the responder's RNR.
+  // The head WQE is tried again shortly (a deadline, which keeps the engine from sleeping on
+  // it: next_deadline, has_work) and its RNR state is left alone. A lock held for long (a guest
+  // that never gives it back) is an RNR NAK, as from a responder that posts no receive.
+  constexpr uint64_t kRetryNs = 20'000, kMomentNs = 100'000'000;
+  if (qp.rx_busy_since_ns == 0) qp.rx_busy_since_ns = now_ns;
+  if (now_ns - qp.rx_busy_since_ns >= kMomentNs) {
+    qp.rx_busy_since_ns = 0;  // one RNR NAK (UC: the message lost) per such hold
+    return false;
+  }
+  qp.wait_until_ns = now_ns + kRetryNs;
+  return true;
 }
 
 bool Device::replayed_delivery(Qp& qp, Qp& to, const SendWqe& w, uint64_t len) {
@@ -642,7 +664,8 @@ bool Device::process_sq(Qp& qp, uint64_t now_ns, uint32_t& budget) {
   if (qp.route_pending) choose_route(qp);
   if (qp.remote) return process_sq_remote(qp, now_ns, hold_new);
   if (hold_new) return false;
-  if (qp.wait != Wait::kNone && now_ns < qp.wait_until_ns) return false;
+  const bool waits = qp.wait != Wait::kNone || qp.rx_busy_since_ns;  // srq_busy's too
+  if (waits && now_ns < qp.wait_until_ns) return false;
   const uint32_t prod = qp.sq_hdr->producer.load(std::memory_order_acquire);
   if (prod - qp.sq_cons > qp.sq_size) {
     enter_error(qp, "send queue indices corrupt");

@@ -49,8 +49,8 @@ Result<std::unique_ptr<Cq>> own_ring(const Cq& of) {
   return r;
 }
 
-/// Tries of the backend for a UD receive side a library holds (Device::rx_lock_take): a
-/// holder keeps it for one datagram's copy, about a microsecond.
+/// Tries of the backend for a receive side a library holds (Device::rx_lock_try): a holder
+/// keeps it for one receive (a UD datagram's copy, about a microsecond; an SRQ's WQE).
 constexpr int kRxLockSpins = 256;
 
 /// How long the engine thread waits for a proof's read of the peer's memory; a read that takes
@@ -198,12 +198,32 @@ Status Device::prove(Session& s, Session* peer, UniqueFd proof) {
   return Status::ok();
 }
 
+namespace {
+
+/// The lock word of `to`'s receive side when others than the backend consume it too (a UD RQ
+/// that direct senders feed, an SRQ that libraries feed), with its busy flag; null otherwise.
+AtomicU32* rx_lock_word(Qp& to, bool*& busy) {
+  if (to.srq) {
+    busy = &to.srq->rx_busy;
+    return to.srq->direct ? &to.srq->hdr->rx_lock : nullptr;
+  }
+  busy = &to.rx_busy;
+  return to.type == IBV_QPT_UD && to.own_recv ? &to.rq_hdr->rx_lock : nullptr;
+}
+
+}  // namespace
+
 bool Device::rx_lock_take(Qp& to) {
-  if (to.type != IBV_QPT_UD || !to.own_recv) return true;  // RC, UC: one producer at a time
-  AtomicU32& w = to.rq_hdr->rx_lock;
-  // A library holds it for one datagram's copy (at most an MTU): a short wait. One preempted
-  // inside costs this datagram (UD is unreliable), never the engine thread's time.
-  const int tries = to.rx_busy ? 1 : kRxLockSpins;
+  bool* busy = nullptr;
+  AtomicU32* w = rx_lock_word(to, busy);
+  return !w || rx_lock_try(*w, *busy);  // RC, UC on their own RQ: one producer at a time
+}
+
+bool Device::rx_lock_try(AtomicU32& w, bool& busy) {
+  // A library holds it for one receive (UD: one datagram's copy, at most an MTU): a short
+  // wait. One preempted inside costs this datagram (UD is unreliable) or a later turn (an SRQ),
+  // never the engine thread's time.
+  const int tries = busy ? 1 : kRxLockSpins;
   for (int i = 0; i < tries; ++i) {
     uint32_t held = 0;
     if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
@@ -212,17 +232,28 @@ bool Device::rx_lock_take(Qp& to) {
     const bool orphan = held == kRxLockBackend || sessions_.count(held - rx_tag_base_) == 0;
     if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     if (i + 1 == tries) {
-      to.rx_busy = true;
+      busy = true;
       return false;
     }
     __builtin_ia32_pause();
   }
-  to.rx_busy = false;
+  busy = false;
   return true;
 }
 
 void Device::rx_lock_give(Qp& to) {
-  if (to.type == IBV_QPT_UD && to.own_recv) to.rq_hdr->rx_lock.store(0, std::memory_order_release);
+  bool* busy = nullptr;
+  if (AtomicU32* w = rx_lock_word(to, busy)) w->store(0, std::memory_order_release);
+}
+
+void Device::set_srq_limit(Srq& q, uint32_t limit) {
+  q.limit = limit;
+  // Under the lock when libraries feed it, so that none that read the old value is still
+  // taking a receive: it would not see the limit crossed. A holder that keeps it past the
+  // tries leaves the crossing to the next receive the backend takes (libraries leave it that).
+  const bool held = q.direct && rx_lock_try(q.hdr->rx_lock, q.rx_busy);
+  q.hdr->srq_limit.store(limit, std::memory_order_release);
+  if (held) q.hdr->rx_lock.store(0, std::memory_order_release);
 }
 
 void Device::bump_epoch(Guest& g) {
@@ -250,14 +281,13 @@ Status Device::give_own_recv(Qp& qp) {
 }
 
 Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
-                                             std::vector<UniqueFd>& fds) {
+                                             std::vector<UniqueFd>& fds, uint32_t flags) {
   if (!direct_ && !direct_remote_)
     return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
   if (a->type != IBV_QPT_RC && a->type != IBV_QPT_UC)
     return error(EOPNOTSUPP, "direct path: RC and UC QPs only (UD: kDirectGrantUd)");
-  if (a->srq) return error(EOPNOTSUPP, "direct path: not for a QP on an SRQ");
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct path: QP not in RTS");
   // A peer on another backend: the library asks kDirectRemote instead (even with direct_path
   // off, so that a library asks one question whatever the backend offers).
@@ -269,7 +299,27 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   if (a->route_pending) return error(EAGAIN, "direct path: destination not located yet");
   Qp* b = local_responder(*a);
   if (!b || !rq_open(b->state)) return error(EAGAIN, "direct path: peer QP not connected yet");
+  if (b->srq) RETURN_IF_ERROR(srq_grantable(*b, flags));
   return grant_into(s, *a, *b, fds);
+}
+
+Status Device::srq_grantable(const Qp& b, uint32_t flags) const {
+  const Srq& q = *b.srq;
+  if (!(flags & kDirectGrantSrq))
+    return error(EOPNOTSUPP,
+                 "direct path: the peer QP is on an SRQ (this library cannot feed one)");
+  if (q.xrcd) return error(EOPNOTSUPP, "direct path: XRC SRQs stay mediated");
+  // The grant's MR table serves both the receive WQEs' lkeys (the SRQ's PD) and the rkeys
+  // (the QP's PD): one PD only.
+  if (q.pd != b.pd) return error(EOPNOTSUPP, "direct path: the peer's SRQ is in another PD");
+  // The backend's responder for another backend takes a receive when a request comes and
+  // consumes it when its payload is in, turns later: libraries must not take receives between.
+  // A QP of the SRQ that connects across backends ends the grants (choose_route).
+  for (const auto& [h, qp] : q.owner->qps) {
+    if (qp->srq == &q && qp->remote)
+      return error(EOPNOTSUPP, "direct path: a QP on the peer's SRQ is connected across backends");
+  }
+  return Status::ok();
 }
 
 Result<Qp*> Device::ud_destination(Session& s, const DirectUdReq& req) {
@@ -299,6 +349,7 @@ Result<DirectGrantUdResp> Device::direct_grant_ud(Session& s, const DirectUdReq&
                                                   std::vector<UniqueFd>& fds,
                                                   std::string& peer_guest) {
   ASSIGN_OR_RETURN(Qp * b, ud_destination(s, req));
+  if (b->srq) return error(EOPNOTSUPP, "direct path: the destination UD QP is on an SRQ");
   Qp* a = find_qp(s, req.qp);
   DirectGrantUdResp resp{};
   ASSIGN_OR_RETURN(resp.grant, grant_into(s, *a, *b, fds));
@@ -312,7 +363,6 @@ Result<DirectGrantUdResp> Device::direct_grant_ud(Session& s, const DirectUdReq&
 Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vector<UniqueFd>& fds) {
   Qp* a = &qa;
   Qp* b = &qb;
-  if (b->srq) return error(EOPNOTSUPP, "direct path: peer QP is on an SRQ");
   if (b->owner->uid != s.uid || s.uid == kNoUid)
     return error(EPERM, "direct path: peer runs as another user");
   if (!trusts(s, *b->owner)) {
@@ -374,7 +424,7 @@ Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vect
   RETURN_IF_ERROR(give_own_recv(*b));
 
   fds.clear();
-  fds.push_back(dup_fd(b->ring_fd.get()));
+  fds.push_back(dup_fd(b->srq ? b->srq->ring_fd.get() : b->ring_fd.get()));
   fds.push_back(dup_fd(a->own_send->ring_fd.get()));
   fds.push_back(dup_fd(b->own_recv->ring_fd.get()));
   fds.push_back(read_only(a->guest->epoch_fd.get()));
@@ -398,10 +448,24 @@ Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vect
   resp.peer_qpn = b->qpn;
   resp.peer_access = b->attr.qp_access_flags;
   resp.my_lid = a->guest->lid;
-  resp.peer_rq_entries = b->rq_size;
-  resp.peer_ring_bytes = b->ring.size();
-  resp.peer_rq_offset = static_cast<uint64_t>(reinterpret_cast<uint8_t*>(b->rq_hdr) -
-                                              b->ring.data());
+  if (Srq* q = b->srq) {
+    // Its receives come from the SRQ, which the backend and other libraries consume too: one
+    // at a time, under its rx_lock, from the shared consumer index from now on.
+    if (!q->direct) {
+      q->direct = true;
+      q->hdr->consumer.store(q->cons, std::memory_order_release);
+      q->hdr->armed.store(1, std::memory_order_release);
+    }
+    resp.peer_rq_entries = q->size;
+    resp.peer_ring_bytes = q->ring.size();
+    resp.peer_rq_offset = 0;
+    resp.lock_tag = rx_lock_tag(s);
+  } else {
+    resp.peer_rq_entries = b->rq_size;
+    resp.peer_ring_bytes = b->ring.size();
+    resp.peer_rq_offset =
+        static_cast<uint64_t>(reinterpret_cast<uint8_t*>(b->rq_hdr) - b->ring.data());
+  }
   resp.send_ring_entries = a->own_send->size;
   resp.recv_ring_entries = b->own_recv->size;
   resp.my_epoch = reinterpret_cast<EpochPage*>(a->guest->epoch.data())->epoch.load();

@@ -375,6 +375,7 @@ Status Device::modify_qp_checked(Session& s, const ModifyQpReq& req) {
     // is flushed, and a pending deadline must not keep the backend from sleeping.
     if (next != prev) {
       qp->wait = Wait::kNone;
+      qp->rx_busy_since_ns = 0;
       qp->probe = false;
     }
     VLOG_DEBUG("qp {:#x} (guest {}): {} -> {}", qp->qpn, s.guest->name, qp_state_name(prev),
@@ -492,6 +493,7 @@ Result<CreateSrqResp> Device::create_srq_checked(Session& s, const CreateSrqReq&
   srq->pd = req.pd;
   srq->max_sge = std::max<uint32_t>(a.max_sge, 1);
   srq->limit = a.srq_limit;
+  srq->hdr->srq_limit.store(srq->limit, std::memory_order_release);
   pd->second.users++;
   CreateSrqResp resp{srq->handle, 0, SrqAttr{srq->size, srq->max_sge, srq->limit, 0}, bytes};
   s.srqs[srq->handle] = std::move(srq);
@@ -510,7 +512,7 @@ Status Device::modify_srq_checked(Session& s, const ModifySrqReq& req) {
   if (req.mask & IBV_SRQ_MAX_WR) return error(EINVAL, "SRQ resize is not supported");
   if (req.mask & IBV_SRQ_LIMIT) {
     if (req.attr.srq_limit > it->second->size) return error(EINVAL, "srq_limit above max_wr");
-    it->second->limit = req.attr.srq_limit;
+    set_srq_limit(*it->second, req.attr.srq_limit);
   }
   return Status::ok();
 }

@@ -99,7 +99,10 @@ const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) c
 bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
   // Direct path: the peer's library consumes this RQ too (never while we do): resume at the
   // guest-visible cursor. A bad one is caught by the `avail` check below.
+  // So do libraries an SRQ's (Srq::direct; the caller holds its rx_lock).
   if (to.own_recv && !to.srq) to.rq_cons = to.rq_hdr->consumer.load(std::memory_order_acquire);
+  if (to.srq && to.srq->direct)
+    to.srq->cons = to.srq->hdr->consumer.load(std::memory_order_acquire);
   RingHeader* hdr = to.srq ? to.srq->hdr : to.rq_hdr;
   const uint32_t cons = to.srq ? to.srq->cons : to.rq_cons;
   const uint32_t size = to.srq ? to.srq->size : to.rq_size;
@@ -121,7 +124,9 @@ void Device::consume_recv(Qp& to) {
   q.hdr->consumer.store(q.cons, std::memory_order_release);
   // The SRQ limit event fires once when the posted WQEs drop below the armed limit.
   if (q.limit && q.hdr->producer.load(std::memory_order_acquire) - q.cons < q.limit) {
+    // Libraries may take receives past it again (we hold its rx_lock if they feed it).
     q.limit = 0;
+    q.hdr->srq_limit.store(0, std::memory_order_release);
     post_async(*q.owner, IBV_EVENT_SRQ_LIMIT_REACHED, q.handle);
   }
 }

@@ -191,7 +191,12 @@ void import_srqs(Importer& im, const json& js, Session& s, Guest& g, bool recove
     pd->second.users++;
     q->hdr = reinterpret_cast<RingHeader*>(q->ring.data());
     q->entries = ring_entries<RecvWqe>(q->hdr);
-    if (recover) {
+    // Fed by libraries (direct path) where it was: its consumers take turns through its
+    // rx_lock, which a library of the old backend's may still hold (taken over: rx_lock_try),
+    // and the cursor is the shared one. A guest that sets the word only makes us lock.
+    q->direct = q->hdr->armed.load(std::memory_order_acquire) != 0;
+    q->hdr->srq_limit.store(q->limit, std::memory_order_release);
+    if (recover || q->direct) {
       const uint32_t p = q->hdr->producer.load(std::memory_order_acquire);
       const uint32_t c = q->hdr->consumer.load(std::memory_order_acquire);
       if (p - c <= q->size) q->cons = c;

@@ -152,6 +152,12 @@ struct Srq {
   uint32_t xrcd = 0;   ///< XRC: the domain's id (0: a basic SRQ)
   uint32_t srqn = 0;   ///< XRC: its number in the guest (Guest::xrc_srqs)
   struct Cq* cq = nullptr;  ///< XRC: where its receives complete
+  /// Direct path: a library may take receives from it (a grant into a QP on it); from then on
+  /// every consumer holds its header's rx_lock and resumes at the shared consumer index. For
+  /// the SRQ's life (a backend that takes the guest in reads it from the header's `armed`).
+  bool direct = false;
+  /// The backend's last try for its rx_lock found it held by a live session (Qp::rx_busy).
+  bool rx_busy = false;
 };
 
 /// A run of bytes in backend memory that one SGE (or inline data) resolved to.
@@ -306,6 +312,10 @@ struct Qp {
   /// tries once only (a guest that holds its own lock must not cost the engine a spin per
   /// datagram sent to it).
   bool rx_busy = false;
+  /// Requester: since when the responder's SRQ has been held by a library at each try (0: it
+  /// was not at the last): a moment costs no RNR retry, a long hold counts as an RNR NAK
+  /// (Device::srq_busy). While set, the head WQE waits for `wait_until_ns` as in a `wait`.
+  uint64_t rx_busy_since_ns = 0;
 };
 
 /// Where a QP's completions go: its own ring once it has one (direct path), else its CQ.

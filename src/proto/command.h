@@ -368,7 +368,9 @@ static_assert(sizeof(ResizeCqReq) == 8);
 // each of this QP's send CQ and the peer's receive CQ that has a completion channel (`notify`
 // bits, in that order) the CQ's ring memfd (for its `armed` word), the channel pipe's write end
 // (the library fires the event itself) and its read end (held, so that a write never meets a
-// pipe without readers: SIGPIPE).
+// pipe without readers: SIGPIPE). HandleReq (the QP); `reserved`: kDirectGrantSrq, this library
+// can feed a peer's SRQ (then the ring memfd is the SRQ's, and DirectGrantResp::lock_tag set).
+inline constexpr uint32_t kDirectGrantSrq = 1;
 inline constexpr uint32_t kMaxDirectChunks = 4;
 inline constexpr uint32_t kDirectNotifySend = 1;  ///< DirectGrantResp::notify
 inline constexpr uint32_t kDirectNotifyRecv = 2;
@@ -411,7 +413,8 @@ struct DirectGrantResp {
   uint32_t notify;   ///< kDirectNotifySend | kDirectNotifyRecv: CQs with a channel
   uint32_t send_cq;  ///< CQ handles, the value an event writes into the channel
   uint32_t recv_cq;
-  uint32_t reserved;
+  /// Non-zero: `peer_rq_*` are an SRQ's, taken holding its rx_lock with this tag (ring.h).
+  uint32_t lock_tag;
   DirectMr mrs[kMaxDirectMrs];
 };
 static_assert(sizeof(DirectGrantResp) == 72 + sizeof(DirectMr) * kMaxDirectMrs);

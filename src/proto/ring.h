@@ -66,10 +66,12 @@ struct alignas(64) RingHeader {
   /// no cache line between the cores.
   AtomicU64 direct_msgs;
   AtomicU64 direct_bytes;
-  /// RQ of a UD QP that a direct peer feeds (kDirectGrantUd): 0 free, else the holder's tag
-  /// (a session's DirectGrantUdResp::lock_tag, kRxLockBackend). Every producer of its receive
-  /// side (the RQ's consumer index, the own receive-completion ring) holds it while it
-  /// delivers: there may be several senders at once, in several processes and the backend.
+  /// RQ of a UD QP that a direct peer feeds (kDirectGrantUd), or an SRQ that libraries feed
+  /// (kDirectGrant into a QP on it): 0 free, else the holder's tag (a session's
+  /// DirectGrantUdResp::lock_tag or DirectGrantResp::lock_tag, kRxLockBackend). Every consumer
+  /// of the receive side holds it while it takes a receive (UD: the RQ's consumer index and the
+  /// own receive-completion ring; SRQ: its consumer index): there may be several at once, in
+  /// several processes and the backend.
   AtomicU32 rx_lock;
   /// RQ only: the responder's last atomic from another backend (keep_state): its PSN with
   /// kAtomicPsnValid, then the word's original value, stored before the PSN moves, so a
@@ -109,7 +111,8 @@ struct alignas(64) RingHeader {
   /// padding (an older ring: zero, not valid).
   AtomicU64 psn_at;
   /// CQ: 0 idle, 1 next completion, 2 next solicited completion. RQ: 1 when a direct peer
-  /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway).
+  /// feeds it, so a receive needs no doorbell (a backend RNR wait ends by its timer anyway);
+  /// SRQ: 1 once a library may feed it (a backend that takes the guest in learns it here).
   AtomicU32 armed;
   /// SQ of an RC QP on the direct path across backends: 0, kRevokeAsk (its QP goes back to the
   /// backends: the library sends nothing more itself, and the backend takes nothing from this
@@ -117,13 +120,19 @@ struct alignas(64) RingHeader {
   /// flight between the libraries any more). The backend asks before a move; a library asks
   /// itself when its peer's does. Former padding: an older ring holds 0.
   AtomicU32 direct_revoke;
-  uint8_t pad3[56];
+  /// SRQ only: its armed limit (0: none), written by the backend when armed and cleared when
+  /// the limit event fires. A library that feeds the SRQ (direct path) reads it under
+  /// `rx_lock` and takes a receive only when at least this many stay posted after it: the
+  /// receive that crosses the limit is the backend's, which raises IBV_EVENT_SRQ_LIMIT_REACHED.
+  /// Former padding: an older ring holds 0.
+  AtomicU32 srq_limit;
+  uint8_t pad3[52];
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&
               offsetof(RingHeader, atomic_value) == 48 &&
               offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184 &&
-              offsetof(RingHeader, direct_revoke) == 196);
+              offsetof(RingHeader, direct_revoke) == 196 && offsetof(RingHeader, srq_limit) == 200);
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds

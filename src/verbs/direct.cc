@@ -30,6 +30,8 @@ namespace {
 constexpr uint32_t kFirstBackoff = 64;       ///< posts between asks after a "not now"
 constexpr uint32_t kMaxBackoff = 1u << 16;   ///< ... growing to this
 constexpr uint32_t kMaxSpans = kMaxDirectSpans;
+/// take_rx_lock's tries (direct.h).
+constexpr uint32_t kRxLockSpins = 1u << 12;
 
 using Span = MemSpan;
 
@@ -282,8 +284,27 @@ std::unique_ptr<Grant> ask_grant(VQp& qp, const GrantAsk& ask, Asking& st, void*
   g->peer_qpn = r.peer_qpn;
   g->peer_access = r.peer_access;
   g->my_lid = r.my_lid;
+  g->srq_tag = r.lock_tag;
   st.backoff = 0;
   return g;
+}
+
+bool take_rx_lock(RingHeader& h, uint32_t tag) {
+  for (uint32_t i = 0; i < kRxLockSpins; ++i) {
+    uint32_t free = 0;
+    if (h.rx_lock.load(std::memory_order_relaxed) == 0 &&
+        h.rx_lock.compare_exchange_weak(free, tag, std::memory_order_acquire)) {
+      tsan_ring_acquire();  // another mapping's holder released it (direct.h)
+      return true;
+    }
+    __builtin_ia32_pause();
+  }
+  return false;
+}
+
+void give_rx_lock(RingHeader& h) {
+  tsan_ring_release();
+  h.rx_lock.store(0, std::memory_order_release);
 }
 
 namespace {
@@ -326,6 +347,32 @@ bool execute_atomic(const Grant& g, const ibv_send_wr& wr, const Span* local) {
   return true;
 }
 
+/// Takes the next receive of the peer's SRQ for a message of `len` bytes, holding the SRQ's
+/// rx_lock (the backend and other libraries take receives from it too): its WQE, and for a
+/// SEND its SGEs as spans of the grant's memory (checked against the SRQ's PD, which is the
+/// peer QP's: srq_grantable); the consumer index moves before the lock is given back. The copy
+/// and the completion come after, outside it: the completion goes to the peer QP's own ring,
+/// whose only producers (we, or the backend executing our send queue) never overlap. False:
+/// nothing taken, and the WR goes to the backend: none posted any more, the lock held too long,
+/// a WQE the backend must fail (a bad lkey, too small), or the SRQ's armed limit would be
+/// crossed (the event is the backend's to raise).
+bool take_srq_recv(Grant& g, bool send, uint64_t len, RecvWqe& r, MemSpan* out, size_t& n) {
+  RingHeader& h = *g.peer_rq_hdr;
+  if (!take_rx_lock(h, g.srq_tag)) return false;
+  const uint32_t cons = h.consumer.load(std::memory_order_acquire);
+  uint32_t avail = g.peer_rq_seen - cons;
+  if (avail == 0 || avail > g.peer_rq_size)
+    avail = (g.peer_rq_seen = h.producer.load(std::memory_order_acquire)) - cons;
+  const uint32_t limit = h.srq_limit.load(std::memory_order_acquire);
+  uint64_t cap = 0;
+  const bool ok = avail && avail <= g.peer_rq_size && avail - 1 >= limit &&
+                  take_recv_wqe(g, cons, r) &&
+                  (!send || (recv_spans(g, r, out, n, cap) && cap >= len));
+  if (ok) h.consumer.store(cons + 1, std::memory_order_release);
+  give_rx_lock(h);
+  return ok;
+}
+
 /// Executes one WR straight into the peer; false (nothing done) when it must go to the backend.
 bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   const uint32_t op = wr.opcode;
@@ -348,35 +395,46 @@ bool execute(VContext& ctx, VQp& qp, Grant& g, const ibv_send_wr& wr) {
   uint32_t rcons = 0;
   bool lost = false;  ///< UC: no receive posted, so the message is dropped (not an RNR)
   if (consumes) {
-    rcons = g.peer_rq_hdr->consumer.load(std::memory_order_relaxed);
+    rcons = g.peer_rq_hdr->consumer.load(std::memory_order_acquire);
     const uint32_t avail = posted_receives(g, rcons);
     if (avail > g.peer_rq_size || !has_room(g.peer_recv)) return false;
     lost = avail == 0 && qp.qp.qp_type == IBV_QPT_UC;
     if (avail == 0 && !lost) return false;
   }
-  if (consumes && !lost && !take_recv_wqe(g, rcons, rwqe)) return false;
-  if (lost) {
-    // As the mediated responder: the requester completes successfully, nothing lands.
-  } else if (op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM) {
-    uint64_t cap = 0;
-    if (!recv_spans(g, rwqe, remote, nr, cap) || cap < len) return false;
-    copy_spans(local, remote, len);
-  } else if (atomic) {
-    if (!execute_atomic(g, wr, local)) return false;
-  } else {
-    // WRITE (with immediate) or READ, by the responder's rules; at length 0 nothing more.
-    const DirectMr* mr = nullptr;
+  const bool send = op == IBV_WR_SEND || op == IBV_WR_SEND_WITH_IMM;
+  const DirectMr* mr = nullptr;
+  if (!send && !atomic) {
+    // WRITE (with immediate) or READ, by the responder's rules (proto/responder_rules.h), before
+    // a receive is taken; at length 0 nothing more. Whatever fails is left to the backend, which
+    // applies the same rules and reports the status.
     if (!remote_allowed(g, op, wr.wr.rdma.rkey, wr.wr.rdma.remote_addr, len, mr)) return false;
-    if (names_remote_memory(len)) {
-      if (!mr_spans(g, *mr, wr.wr.rdma.remote_addr, len, true, remote, nr)) return false;
-      if (op == IBV_WR_RDMA_READ)
-        copy_spans(remote, local, len);
-      else
-        copy_spans(local, remote, len);
-    }
+    if (names_remote_memory(len) &&
+        !mr_spans(g, *mr, wr.wr.rdma.remote_addr, len, true, remote, nr))
+      return false;
   }
   if (consumes && !lost) {
-    g.peer_rq_hdr->consumer.store(rcons + 1, std::memory_order_release);
+    if (g.srq_tag) {
+      // The peer's SRQ: taken under its lock (its consumer index moves at once).
+      if (!take_srq_recv(g, send, len, rwqe, remote, nr)) return false;
+    } else {
+      uint64_t cap = 0;
+      if (!take_recv_wqe(g, rcons, rwqe) ||
+          (send && (!recv_spans(g, rwqe, remote, nr, cap) || cap < len)))
+        return false;
+    }
+  }
+  if (atomic) {
+    if (!execute_atomic(g, wr, local)) return false;  // (consumes no receive)
+  } else if (send) {
+    if (!lost) copy_spans(local, remote, len);
+  } else if (!lost && names_remote_memory(len)) {
+    if (op == IBV_WR_RDMA_READ)
+      copy_spans(remote, local, len);
+    else
+      copy_spans(local, remote, len);
+  }
+  if (consumes && !lost) {
+    if (!g.srq_tag) g.peer_rq_hdr->consumer.store(rcons + 1, std::memory_order_release);
     Cqe rc{};
     rc.wr_id = rwqe.wr_id;
     rc.status = IBV_WC_SUCCESS;
@@ -553,7 +611,7 @@ void direct_post(VQp& qp, ibv_send_wr*& wr) {
       --qp.asking.wait;
       return;
     }
-    HandleReq req{qp.handle, 0};
+    HandleReq req{qp.handle, kDirectGrantSrq};  // we can feed a peer's SRQ
     DirectGrantUdResp resp{};  // kDirectGrant's answer is its `grant`
     qp.grant = ask_grant(
         qp, GrantAsk{Op::kDirectGrant, Op::kDirectPeer, Op::kDirectProve, &req, sizeof(req)},

@@ -95,6 +95,9 @@ struct Grant {
   std::vector<MappedRegion> segs;
   std::vector<proto::DirectMr> mrs;
   uint32_t peer_qpn = 0, peer_access = 0, my_lid = 0;
+  /// RC, UC: non-zero when the peer receives from an SRQ (`peer_rq*` are the SRQ's), our tag
+  /// for its rx_lock (DirectGrantResp::lock_tag). UD keeps its tag in UdGrant.
+  uint32_t srq_tag = 0;
   Notify send_notify, recv_notify;  ///< this QP's send CQ, the peer's receive CQ
 };
 
@@ -155,6 +158,11 @@ uint32_t posted_receives(Grant& g, uint32_t cons);
 /// armed for it. Pairs with the poller's seq_cst store of `armed` before it polls again (and
 /// with the backend's push_cqe, which consumes the same word): one event per arm.
 void fire(Notify& n, bool solicited);
+/// Takes a receive side's rx_lock (proto/ring.h) with our session's `tag`: false after 4096
+/// tries (a holder keeps it for one receive; one that was preempted would hold us for a time
+/// slice), and the WR goes to the backend instead.
+bool take_rx_lock(proto::RingHeader& h, uint32_t tag);
+void give_rx_lock(proto::RingHeader& h);
 /// direct_post for a UD QP (direct_ud.cc): a grant per destination.
 void direct_post_ud(VQp& qp, ibv_send_wr*& wr);
 

@@ -22,9 +22,6 @@ namespace {
 /// until an entry without a grant can make room: evicting live grants round-robin would ask
 /// the backend on every post.
 constexpr size_t kMaxUdGrants = 32;
-/// Tries for a destination's rx_lock before the WR goes to the backend instead. Holders keep
-/// it for one datagram's copy; one that was preempted would hold us for a time slice.
-constexpr uint32_t kRxLockSpins = 1u << 12;
 
 bool same_dest(const UdGrant& u, const UdDest& d, uint32_t qpn) {
   return u.qpn == qpn && u.dest.dlid == d.dlid && u.dest.is_global == d.is_global &&
@@ -65,19 +62,6 @@ UdGrant* grant_for(VQp& qp, const UdDest& dest, uint32_t qpn) {
   u.lock_tag = resp.lock_tag;
   qp.granted.store(true, std::memory_order_release);
   return &u;
-}
-
-bool take_rx_lock(RingHeader& h, uint32_t tag) {
-  for (uint32_t i = 0; i < kRxLockSpins; ++i) {
-    uint32_t free = 0;
-    if (h.rx_lock.load(std::memory_order_relaxed) == 0 &&
-        h.rx_lock.compare_exchange_weak(free, tag, std::memory_order_acquire)) {
-      tsan_ring_acquire();  // another mapping's holder released it (direct.h)
-      return true;
-    }
-    __builtin_ia32_pause();
-  }
-  return false;
 }
 
 /// Steps the spans past their first `n` bytes; false if they hold fewer.
@@ -164,8 +148,7 @@ bool execute_ud(VContext& ctx, VQp& qp, UdGrant& u, const ibv_send_wr& wr) {
     return false;
   if (!take_rx_lock(*g.peer_rq_hdr, u.lock_tag)) return false;
   const bool done = deliver_datagram(ctx, qp, u, wr, local, len);
-  tsan_ring_release();
-  g.peer_rq_hdr->rx_lock.store(0, std::memory_order_release);
+  give_rx_lock(*g.peer_rq_hdr);
   if (!done) return false;
   fire(g.recv_notify, (wr.send_flags & IBV_SEND_SOLICITED) != 0);
   count(g.send, len);

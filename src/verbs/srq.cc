@@ -62,7 +62,10 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   }
   if (srq->prod != start) {
     srq->hdr->producer.store(srq->prod, std::memory_order_release);
-    to_vctx(s->context)->ring_doorbell();  // a sender may be waiting in RNR for this
+    // A sender may be waiting in RNR for this. Not on an SRQ that libraries feed (`armed`), as
+    // on such an RQ: they read the producer index, and a backend RNR wait ends by its timer;
+    // waking the backend on every post would only take a CPU from the pollers.
+    if (!srq->hdr->armed.load(std::memory_order_relaxed)) to_vctx(s->context)->ring_doorbell();
   }
   srq->lock.unlock();
   if (rc) *bad = wr;

@@ -4,7 +4,8 @@
 # tools must work exactly as through the backend: every byte checked (ibv_rc_pingpong -c, a
 # checksummed rc_stream), every perftest size, atomics (executed by the libraries too), and the
 # backend must say which QPs are direct and count their messages. Then the same pair on a
-# backend without it: not direct. (UC and UD: direct_path_ud.sh.)
+# backend without it: not direct. QPs on an SRQ too (ibv_srq_pingpong). (UC and UD:
+# direct_path_ud.sh.)
 # Usage: direct_path.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -32,6 +33,31 @@ finish_pair pp "$SERVER_PID" "$CLIENT_PID" 90
 for g in pp-a pp-b; do
   grep -q "direct path: guest $g QP" "$E2E_TMP/vrdmad.log" || fail "no grant for $g in the log"
 done
+
+# 1b. ibv_srq_pingpong -c: each side's QPs (16) receive from one SRQ, which the other side's
+# libraries feed themselves (issue 25): both sides granted, and while it runs the direct
+# counters of the client's guest grow both ways.
+# Direct, 5000 round trips can take 20 ms: forty times as many (0.3 s to 30 s on a loaded
+# machine), and the most each count showed (the QPs' counters go with them).
+PP_TOOL=ibv_srq_pingpong start_server srq srq-a -c -n $((PP_N * 40))
+PP_TOOL=ibv_srq_pingpong start_client srq srq-b "$PORT" -c -n $((PP_N * 40))
+srq_sent=0 srq_recv=0
+for ((i = 0; i < 400; i++)); do
+  n="$(direct_count srq-b direct_msgs_sent)"
+  ((n > srq_sent)) && srq_sent=$n
+  n="$(direct_count srq-b direct_msgs_received)"
+  ((n > srq_recv)) && srq_recv=$n
+  ((srq_sent > 100 && srq_recv > 100)) && break
+  kill -0 "$CLIENT_PID" 2>/dev/null || break
+  nap 0.05
+done
+PP_TOOL=ibv_srq_pingpong finish_pair srq "$SERVER_PID" "$CLIENT_PID" 120
+((srq_sent > 100 && srq_recv > 100)) ||
+  fail "ibv_srq_pingpong: not direct (sent $srq_sent, received $srq_recv)"
+for g in srq-a srq-b; do
+  grep -q "direct path: guest $g QP" "$E2E_TMP/vrdmad.log" || fail "no grant for $g in the log"
+done
+log "ibv_srq_pingpong: direct messages sent $srq_sent, received $srq_recv"
 
 # 2. An open-ended checksummed stream of SENDs (32 in flight): the sender's QP shows as direct
 # while it runs; then nothing lost, repeated, reordered or corrupted.

@@ -3,6 +3,7 @@
 // with VRDMA_TEST_PEER set. Orders and answers are fixed-size headers plus a payload, over pipes.
 #include "peer.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -38,6 +39,7 @@ enum Op : uint32_t {
   kSetAccess,  ///< a: qp_access_flags (RTS to RTS)
   kXrcOpen,    ///< -> XrcTarget
   kSrqRecv,    ///< a: srq (0, 1), wr_id; payload: Pieces
+  kSend,       ///< a: opcode, off, len, wr_id (signaled; immediate data: wr_id)
   kQuit,
 };
 
@@ -222,6 +224,20 @@ class Agent {
         return post_pieces(payload, o.a[1], [&](ibv_recv_wr* wr, ibv_recv_wr** bad) {
           return ibv_post_srq_recv(srqs_[o.a[0]], wr, bad);
         });
+      case kSend: {
+        if (!qp(o.qp) || !in_buf(o.a[1], o.a[2])) return EINVAL;
+        ibv_sge s{reinterpret_cast<uintptr_t>(buf_.data()) + o.a[1], static_cast<uint32_t>(o.a[2]),
+                  mr_->lkey};
+        ibv_send_wr wr{};
+        ibv_send_wr* bad = nullptr;
+        wr.wr_id = o.a[3];
+        wr.sg_list = &s;
+        wr.num_sge = 1;
+        wr.opcode = static_cast<ibv_wr_opcode>(o.a[0]);
+        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.imm_data = htonl(static_cast<uint32_t>(o.a[3]));
+        return ibv_post_send(qp(o.qp), &wr, &bad);
+      }
       case kSetAccess: {
         if (!qp(o.qp)) return EINVAL;
         ibv_qp_attr a{};
@@ -647,6 +663,10 @@ XrcTarget Peer::xrc_open() {
 
 int Peer::post_srq_recv(uint32_t srq, uint64_t wr_id, const std::vector<Piece>& pieces) {
   return call(kSrqRecv, 0, {srq, wr_id}, pieces.data(), pieces.size() * sizeof(Piece));
+}
+
+int Peer::send(const PeerQp& qp, ibv_wr_opcode op, uint64_t off, uint32_t len, uint64_t wr_id) {
+  return call(kSend, qp.index, {op, off, len, wr_id}, nullptr, 0);
 }
 
 int Peer::set_access(const PeerQp& qp, unsigned access) {

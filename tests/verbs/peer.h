@@ -82,6 +82,9 @@ class Peer {
   XrcTarget xrc_open();
   /// Posts one receive on XRC SRQ `srq` (0 or 1) scattering into `pieces` of the peer's buffer.
   int post_srq_recv(uint32_t srq, uint64_t wr_id, const std::vector<Piece>& pieces);
+  /// Posts one signaled `op` (SEND or WRITE_WITH_IMM, immediate data `wr_id`) of [off, off +
+  /// len) of the peer's buffer on `qp`.
+  int send(const PeerQp& qp, ibv_wr_opcode op, uint64_t off, uint32_t len, uint64_t wr_id);
   /// ibv_modify_qp of the QP's qp_access_flags alone (at RTS).
   int set_access(const PeerQp& qp, unsigned access);
   ibv_qp_state qp_state(const PeerQp& qp);

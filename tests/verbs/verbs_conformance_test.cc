@@ -36,6 +36,45 @@ bool library_path(ibv_qp* qp) {
   return v.remote && v.remote->active.load();
 }
 
+/// An SRQ of ours and the RC QPs on it (all on `cq`), destroyed QPs first.
+struct OurSrq {
+  ibv_srq* srq = nullptr;
+  std::vector<ibv_qp*> qps;
+  OurSrq(ibv_pd* pd, uint32_t max_wr) {
+    ibv_srq_init_attr sa{};
+    sa.attr.max_wr = max_wr;
+    sa.attr.max_sge = 1;
+    srq = ibv_create_srq(pd, &sa);
+    EXPECT_NE(srq, nullptr) << std::strerror(errno);
+  }
+  ~OurSrq() {
+    for (ibv_qp* q : qps) EXPECT_EQ(ibv_destroy_qp(q), 0);
+    if (srq) {
+      EXPECT_EQ(ibv_destroy_srq(srq), 0);
+    }
+  }
+  ibv_qp* qp(ibv_pd* pd, ibv_cq* cq) {
+    ibv_qp_init_attr ia{};
+    ia.send_cq = ia.recv_cq = cq;
+    ia.qp_type = IBV_QPT_RC;
+    ia.srq = srq;
+    ia.cap = {8, 0, 1, 1, 0};
+    ibv_qp* q = ibv_create_qp(pd, &ia);
+    EXPECT_NE(q, nullptr) << std::strerror(errno);
+    if (q) qps.push_back(q);
+    return q;
+  }
+  int post(uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) const {
+    ibv_sge s{addr, len, lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &s;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    return ibv_post_srq_recv(srq, &wr, &bad);
+  }
+};
+
 class Conformance : public vrdma::test::VerbsFixture {
  protected:
   void SetUp() override {
@@ -189,6 +228,29 @@ class Conformance : public vrdma::test::VerbsFixture {
       if (!reads(qp, 1)) return false;
     }
     return !across_ || library_path(qp);
+  }
+
+  /// A QP on `q` and an RC QP of ours connected to it; returns ours.
+  ibv_qp* sender_into(OurSrq& q) {
+    ibv_qp* rq = q.qp(pd_, cq_);
+    ibv_qp* sq = make_qp(IBV_QPT_RC);
+    if (!rq || !sq) return nullptr;
+    connect_ours(sq, rq);
+    return sq;
+  }
+  /// sender_into, and one SEND through it into a receive of `q` (wr_ids 10 and 1; on the direct
+  /// path the library executes it itself, granted at that post). Null if either failed.
+  ibv_qp* sender_after_one(OurSrq& q) {
+    ibv_qp* sq = sender_into(q);
+    if (!sq || q.post(1, addr(0), 64, mr_->lkey) || send8(sq, 10)) return nullptr;
+    const auto wcs = poll(cq_, 2);
+    const bool ok =
+        wcs.size() == 2 && wcs[0].status == IBV_WC_SUCCESS && wcs[1].status == IBV_WC_SUCCESS;
+    return ok ? sq : nullptr;
+  }
+  /// An 8-byte SEND, signaled.
+  int send8(ibv_qp* sq, uint64_t wr_id) {
+    return post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = wr_id});
   }
 
   bool across_ = false;
@@ -2067,6 +2129,178 @@ TEST_F(Conformance, SrqLimitReachedFiresOnceWhenArmed) {
   EXPECT_EQ(now.srq_limit, 0u) << "the event disarms the limit";
   EXPECT_EQ(ibv_destroy_qp(rq), 0);
   EXPECT_EQ(ibv_destroy_srq(srq), 0);
+}
+
+// ---- SRQs on every path (issue 25: the direct path feeds them too) ----------------------------
+
+/// Splits completions into receives and the rest.
+std::pair<std::vector<ibv_wc>, std::vector<ibv_wc>> receives_first(const std::vector<ibv_wc>& wcs) {
+  std::pair<std::vector<ibv_wc>, std::vector<ibv_wc>> out;
+  for (const ibv_wc& wc : wcs) (wc.opcode & IBV_WC_RECV ? out.first : out.second).push_back(wc);
+  return out;
+}
+
+// Three QPs on one SRQ of ours, fed by two QPs of ours and one of the peer process, in turn:
+// each message takes the SRQ's next receive in ring order, whichever QP it comes to and
+// whoever executes it (on the direct path our libraries do: several producers of one SRQ).
+TEST_F(Conformance, AnSrqFedByQpsOfTwoProcessesHandsOutItsReceivesInRingOrder) {
+  OurSrq q(pd_, 64);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* s[3] = {q.qp(pd_, cq_), q.qp(pd_, cq_), q.qp(pd_, cq_)};
+  ibv_qp* a[2] = {make_qp(IBV_QPT_RC), make_qp(IBV_QPT_RC)};
+  ASSERT_TRUE(s[0] && s[1] && s[2] && a[0] && a[1]);
+  connect_ours(a[0], s[0]);
+  connect_ours(a[1], s[1]);
+  PeerQp p = peer_.create_qp(IBV_QPT_RC);
+  QpPath to_peer, to_us;
+  to_peer.dlid = peer_.lid();
+  to_peer.dest_qpn = p.qpn;
+  to_us.dlid = lid_;
+  to_us.dest_qpn = s[2]->qp_num;
+  ASSERT_EQ(bring_to_rts(s[2], to_peer), 0);
+  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  constexpr int kMsgs = 12;
+  constexpr size_t kSlots = 256 * 1024;
+  for (int k = 0; k < kMsgs; ++k)
+    ASSERT_EQ(q.post(1000 + k, addr(kSlots + 4096 * k), 512, mr_->lkey), 0);
+  for (int k = 0; k < kMsgs; ++k) {
+    const uint32_t len = 100 + k;
+    const int who = k % 3;
+    std::vector<uint8_t> bytes(len);
+    fill(bytes.data(), len, k);
+    if (who < 2) {
+      std::memcpy(buf_.data() + 8192 * k, bytes.data(), len);
+      ASSERT_EQ(post(a[who], {.op = IBV_WR_SEND_WITH_IMM,
+                              .sges = {sge(8192 * k, len)},
+                              .wr_id = uint64_t(k),
+                              .imm = uint32_t(k)}),
+                0);
+    } else {
+      peer_.write(8192 * k, bytes.data(), len);
+      ASSERT_EQ(peer_.send(p, IBV_WR_SEND_WITH_IMM, 8192 * k, len, k), 0);
+    }
+    auto [rx, tx] = receives_first(poll(cq_, who < 2 ? 2 : 1));
+    ASSERT_EQ(rx.size(), 1u) << "message " << k;
+    EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS) << k;
+    EXPECT_EQ(rx[0].wr_id, 1000u + k) << "the SRQ's receives go in ring order";
+    EXPECT_EQ(rx[0].qp_num, s[who]->qp_num) << k;
+    EXPECT_EQ(ntohl(rx[0].imm_data), uint32_t(k));
+    EXPECT_EQ(rx[0].byte_len, len);
+    EXPECT_EQ(std::memcmp(buf_.data() + kSlots + 4096 * k, bytes.data(), len), 0) << k;
+    if (who < 2) {
+      ASSERT_EQ(tx.size(), 1u) << k;
+      EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+    } else {
+      auto sent = peer_.poll(1);
+      ASSERT_EQ(sent.size(), 1u) << k;
+      EXPECT_EQ(sent[0].status, IBV_WC_SUCCESS);
+    }
+  }
+  // Our QPs' libraries fed the SRQ themselves (one session: no proof to wait for).
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_sent(a[0]), uint64_t(kMsgs / 3));
+    EXPECT_EQ(direct_sent(a[1]), uint64_t(kMsgs / 3));
+  }
+}
+
+// The limit armed after the grant: libraries take receives while the limit is not crossed, the
+// backend takes the one that crosses it and raises the event, once; then libraries go on.
+TEST_F(Conformance, AnSrqLimitArmedAfterTheGrantFiresOnceWithDirectSenders) {
+  OurSrq q(pd_, 16);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* sq = sender_into(q);
+  ASSERT_NE(sq, nullptr);
+  for (uint64_t i = 0; i < 12; ++i) ASSERT_EQ(q.post(i, addr(4096 * i), 64, mr_->lkey), 0);
+  auto send = [&](int n) {
+    for (int i = 0; i < n; ++i) ASSERT_EQ(send8(sq, 50), 0);
+  };
+  send(2);
+  auto [rx, tx] = receives_first(poll(cq_, 4));
+  ibv_srq_attr lim{};
+  lim.srq_limit = 8;  // 10 posted
+  ASSERT_EQ(ibv_modify_srq(q.srq, &lim, IBV_SRQ_LIMIT), 0);
+  send(3);  // 9, 8 left, then 7 < 8
+  auto [rx2, tx2] = receives_first(poll(cq_, 6));
+  rx.insert(rx.end(), rx2.begin(), rx2.end());
+  // (The backend has completed the third: the library goes direct again.)
+  send(2);
+  auto [rx3, tx3] = receives_first(poll(cq_, 4));
+  rx.insert(rx.end(), rx3.begin(), rx3.end());
+  ASSERT_EQ(rx.size(), 7u);
+  for (size_t i = 0; i < rx.size(); ++i) {
+    EXPECT_EQ(rx[i].wr_id, i) << "ring order";
+    EXPECT_EQ(rx[i].status, IBV_WC_SUCCESS);
+  }
+  const ibv_async_event ev = next_async_event();
+  EXPECT_EQ(ev.event_type, IBV_EVENT_SRQ_LIMIT_REACHED);
+  EXPECT_EQ(ev.element.srq, q.srq);
+  ibv_srq_attr now{};
+  ASSERT_EQ(ibv_query_srq(q.srq, &now), 0);
+  EXPECT_EQ(now.srq_limit, 0u) << "the event disarms the limit";
+  pollfd pf{ctx_->async_fd, POLLIN, 0};
+  EXPECT_EQ(::poll(&pf, 1, 200), 0) << "one event only";
+  // All but the receive that crossed the limit were taken by the library.
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_sent(sq), 6u);
+  }
+}
+
+// No receive in the SRQ: an RC SEND waits as for an RNR NAK (rnr_retry 7: until a receive
+// comes), and fails with RNR_RETRY_EXC_ERR when its retries run out (rnr_retry 0).
+TEST_F(Conformance, AnEmptySrqIsAnRnrForRc) {
+  OurSrq q(pd_, 16);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* sq = sender_after_one(q);
+  ASSERT_NE(sq, nullptr);
+  const uint64_t direct_before = direct_sent(sq);
+  ASSERT_EQ(send8(sq, 11), 0);
+  EXPECT_TRUE(drain_for(50).empty()) << "no receive: the SEND waits";
+  ASSERT_EQ(q.post(2, addr(4096), 64, mr_->lkey), 0);
+  auto [rx, tx] = receives_first(poll(cq_, 2));
+  ASSERT_EQ(rx.size(), 1u);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 2u);
+  EXPECT_EQ(tx[0].wr_id, 11u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_before, 1u) << "the first SEND went direct";
+    EXPECT_EQ(direct_sent(sq), direct_before) << "the one that waited went through the backend";
+  }
+  // rnr_retry 0: the first RNR NAK fails it.
+  ibv_qp* rq0 = q.qp(pd_, cq_);
+  ibv_qp* sq0 = make_qp(IBV_QPT_RC);
+  ASSERT_TRUE(rq0 && sq0);
+  connect(sq0, rq0->qp_num, /*rnr_retry=*/0);  // (sender_into's connect_ours: rnr_retry 7)
+  connect(rq0, sq0->qp_num);
+  const ibv_wc wc = run(sq0, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = 12});
+  EXPECT_EQ(wc.status, IBV_WC_RNR_RETRY_EXC_ERR) << ibv_wc_status_str(wc.status);
+}
+
+// A receive of the SRQ whose lkey names no MR: the receive completes with LOC_PROT_ERR and the
+// sender with REM_OP_ERR, as the mediated responder gives it, whoever executes the SEND.
+TEST_F(Conformance, AnSrqReceiveWithABadLkeyIsALocalProtectionError) {
+  OurSrq q(pd_, 16);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* sq = sender_after_one(q);
+  ASSERT_NE(sq, nullptr);
+  ASSERT_EQ(q.post(2, addr(4096), 64, mr_->lkey ^ 0x5a5a00), 0);
+  ASSERT_EQ(send8(sq, 11), 0);
+  auto [rx, tx] = receives_first(poll(cq_, 2));
+  ASSERT_EQ(rx.size() + tx.size(), 2u);
+  // An error completion's opcode is undefined: told apart by wr_id.
+  std::vector<ibv_wc> all = rx;
+  all.insert(all.end(), tx.begin(), tx.end());
+  for (const ibv_wc& wc : all) {
+    if (wc.wr_id == 2) {
+      EXPECT_EQ(wc.status, IBV_WC_LOC_PROT_ERR) << ibv_wc_status_str(wc.status);
+    } else {
+      EXPECT_EQ(wc.wr_id, 11u);
+      EXPECT_EQ(wc.status, IBV_WC_REM_OP_ERR) << ibv_wc_status_str(wc.status);
+    }
+  }  // The library took the good receive itself and left the bad one to the backend.
+  if (direct_path_on()) {
+    EXPECT_EQ(direct_sent(sq), 1u);
+  }
 }
 
 // ---- ibv_rereg_mr (issue 24) -------------------------------------------------------------------
