@@ -95,10 +95,10 @@ for tool in ib_send_lat ib_write_lat ib_atomic_lat; do
 done
 grants="$(grep -c 'direct path: guest pt-cli' "$E2E_TMP/vrdmad.log" || true)"
 [[ $grants -ge 5 ]] || fail "expected perftest's client QPs granted, log has $grants"
-# The atomics for 2 s each: while they run, the client's library executes them (the backend's
+# The atomics for 1 s each: while they run, the client's library executes them (the backend's
 # direct counters of the client's sent and the server's received messages grow).
 for tool in ib_atomic_lat ib_atomic_bw; do
-  run_direct_tool "$tool" at-srv at-cli at-cli at-srv "$tool" -D 2
+  run_direct_tool "$tool" at-srv at-cli at-cli at-srv "$tool" -D 1
 done
 
 # 4. A backend without the direct path: the same pair stays on it.
