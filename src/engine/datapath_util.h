@@ -159,4 +159,15 @@ inline bool has_imm(uint32_t op) {
   return op == IBV_WR_SEND_WITH_IMM || op == IBV_WR_RDMA_WRITE_WITH_IMM;
 }
 
+/// The addressing every frame about connected QP `qp` carries to its peer's backend (a request,
+/// a direct offer): our GID and LID, the destination's from the QP's address vector.
+template <class Frame>
+void fill_route(Frame& f, const Qp& qp) {
+  std::memcpy(f.sgid, qp.guest->gid, 16);
+  std::memcpy(f.dgid, qp.attr.dgid, 16);
+  f.slid = qp.guest->lid;
+  f.dlid = static_cast<uint16_t>(qp.attr.dlid);
+  f.is_global = qp.attr.is_global ? 1 : 0;
+}
+
 }  // namespace vrdma::engine

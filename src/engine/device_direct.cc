@@ -554,11 +554,7 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
 
 bool Device::send_offer(const Qp& b) {
   wire::DirectOffer o{};
-  std::memcpy(o.sgid, b.guest->gid, 16);
-  std::memcpy(o.dgid, b.attr.dgid, 16);
-  o.slid = b.guest->lid;
-  o.dlid = static_cast<uint16_t>(b.attr.dlid);
-  o.is_global = b.attr.is_global ? 1 : 0;
+  fill_route(o, b);
   o.port = b.offer_port;
   o.src_qpn = b.qpn;
   o.dst_qpn = b.attr.dest_qp_num;

@@ -152,11 +152,7 @@ void Device::sge_holds(const Qp& qp, const Sge* sge, uint32_t n, uint32_t pd) {
 bool Device::send_request(Qp& qp, Qp::Outstanding& o) {
   const SendWqe& w = o.w;
   wire::Request rq{};
-  std::memcpy(rq.sgid, qp.guest->gid, 16);
-  std::memcpy(rq.dgid, qp.attr.dgid, 16);
-  rq.slid = qp.guest->lid;
-  rq.dlid = static_cast<uint16_t>(qp.attr.dlid);
-  rq.is_global = qp.attr.is_global ? 1 : 0;
+  fill_route(rq, qp);
   rq.qp_type = static_cast<uint8_t>(qp.type);
   rq.sl = static_cast<uint8_t>(qp.attr.sl);
   rq.src_qpn = qp.qpn;
