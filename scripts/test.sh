@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the dependencies, builds and runs the whole test suite (unit + e2e).
 # Usage: scripts/test.sh                 release, asan-ubsan, tsan, then the fuzz smoke (what CI runs):
-#                                        each runs even if an earlier one failed; exit 1 if any did
+#                                        each runs even if an earlier one failed; exit 1 if any did;
+#                                        the release stage without the `unit` programs (unit_tests)
 #        scripts/test.sh PRESET [ctest args...]   one preset: release, debug, asan-ubsan, tsan, fuzz
 #                                                 example: scripts/test.sh asan-ubsan -R e2e
 # Each test preset selects by ctest label (CMakePresets.json, tests/CMakeLists.txt): release and
@@ -28,8 +29,17 @@ build_preset() {
   # parses the heavy headers (nlohmann/json, gtest) once per target instead of once per file:
   # ~25% less build time, which is most of CI. VRDMA_UNITY=OFF builds file by file.
   # Chained with &&, not left to `set -e`, which an `if` below switches off.
-  cmake --preset "$1" -DCMAKE_UNITY_BUILD="${VRDMA_UNITY:-ON}" && cmake --build --preset "$1"
+  cmake --preset "$1" -DCMAKE_UNITY_BUILD="${VRDMA_UNITY:-ON}" -DVRDMA_UNIT_TESTS="$(unit_tests "$1")" &&
+    cmake --build --preset "$1"
 }
+
+# ON or OFF: whether PRESET builds (and so runs) the unit test programs (label `unit`). The whole
+# sequence leaves them out of its release stage: the asan-ubsan stage runs every one of them,
+# under ASan and UBSan, and their build and run in release cost ~90 CPU-s (~45 s of the 2-core
+# CI) for tests that exercise the same code deterministically (BENCHMARKS.md, "CI time: every
+# core busy"). One preset run alone builds them. Usage: unit_tests PRESET
+WHOLE_SEQUENCE=0
+unit_tests() { if [[ $WHOLE_SEQUENCE == 1 && $1 == release ]]; then echo OFF; else echo ON; fi; }
 
 run_preset() {
   local preset=$1
@@ -53,6 +63,7 @@ fi
 # most of the sanitizer and fuzz builds (about a third of the suite's time). The tests are made
 # to pass on a loaded machine; VRDMA_PREBUILD=0 builds each preset only when its turn comes.
 presets=(release asan-ubsan tsan fuzz)
+WHOLE_SEQUENCE=1
 prebuild_pid=""
 # Ends the background build and everything it started. Usage: kill_tree PID
 kill_tree() {
