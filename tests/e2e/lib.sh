@@ -278,6 +278,14 @@ direct_count() {
   "$VRDMA" stat qp guest "$1" -j | C="$2" perl -MJSON::PP -0777 -ne \
     'my $s = 0; $s += $_->{$ENV{C}} // 0 for @{decode_json($_)->{qp}}; print $s'
 }
+# "SENT RECEIVED": guest G's QPs' direct_msgs_sent and direct_msgs_received, from one snapshot
+# (two reads may straddle the program's end, when its QPs and their counters go). Usage:
+# direct_counts G
+direct_counts() {
+  "$VRDMA" stat qp guest "$1" -j | perl -MJSON::PP -0777 -ne 'my ($s, $r) = (0, 0);
+    for (@{decode_json($_)->{qp}}) { $s += $_->{direct_msgs_sent} // 0;
+      $r += $_->{direct_msgs_received} // 0 } print "$s $r"'
+}
 
 # Runs perftest's TOOL with ARGS (a duration among them: -D N) between guests SRV and CLI
 # through vrdma, and fails unless, while it ran, guest SENDER's QPs sent and guest RECEIVER's

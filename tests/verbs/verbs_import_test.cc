@@ -179,6 +179,9 @@ TEST_F(VerbsImport, AnotherProcessImportsTheContextItsPdMrAndDeviceMemory) {
       busy_calls++;
     }
   });
+  // Busy before the other process starts on the socket: on a loaded machine the thread may not
+  // run at all during the import (once under ASan in the CI: busy_calls 0).
+  for (int i = 0; i < 10000 && busy_calls.load() == 0; ++i) ::usleep(1000);
   const Handles h{pd_->handle, mr_->handle, dm->handle, reinterpret_cast<uintptr_t>(mr_->addr),
                   mr_->length, mr_->lkey};
   const int dup_cmd = ::dup(ctx_->cmd_fd);  // the importer owns what it is given
