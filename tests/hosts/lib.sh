@@ -174,14 +174,16 @@ hwait_port() {
 # NAME-c on host CH, outputs $E2E_TMP/NAME.{server,client}.out. Sets srv and cli (their hrun; a
 # caller's `local srv cli cli_proc` receives them) and cli_proc (the client, which SIGUSR1 stops:
 # finish_stream then checks both ends). Usage: hstream_start NAME SH CH
-# RC_STREAM_OPT: one more option for both ends (--events: they sleep in completion channels).
+# RC_STREAM_OPT: more options for both ends, split on spaces (--events: they sleep in completion
+# channels; --timeout N).
+# shellcheck disable=SC2086  # RC_STREAM_OPT is split on purpose
 hstream_start() {
   local name=$1 sh=$2 ch=$3 port=$((17000 + RANDOM % 1000))
-  hrun "$sh" --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 ${RC_STREAM_OPT:+"$RC_STREAM_OPT"} \
+  hrun "$sh" --guest "$name-s" -- "$HOSTS_BIN/rc_stream" server "$port" 0 4096 ${RC_STREAM_OPT:-} \
     >"$E2E_TMP/$name.server.out" 2>&1 &
   srv=$!
   hwait_port "$sh" "$port" "$srv" "$name"
-  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip "$sh")" "$port" 0 4096 ${RC_STREAM_OPT:+"$RC_STREAM_OPT"} \
+  hrun "$ch" --guest "$name-c" -- "$HOSTS_BIN/rc_stream" client "$(host_ip "$sh")" "$port" 0 4096 ${RC_STREAM_OPT:-} \
     >"$E2E_TMP/$name.client.out" 2>&1 &
   cli=$!
   # shellcheck disable=SC2034  # for the caller
