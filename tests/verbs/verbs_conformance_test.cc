@@ -65,13 +65,7 @@ struct OurSrq {
     return q;
   }
   int post(uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) const {
-    ibv_sge s{addr, len, lkey};
-    ibv_recv_wr wr{};
-    wr.wr_id = wr_id;
-    wr.sg_list = &s;
-    wr.num_sge = 1;
-    ibv_recv_wr* bad = nullptr;
-    return ibv_post_srq_recv(srq, &wr, &bad);
+    return vrdma::test::post_srq_recv(srq, wr_id, addr, len, lkey);
   }
 };
 

@@ -23,6 +23,18 @@
 
 namespace vrdma::test {
 
+/// One receive of `len` bytes at `addr` (key `lkey`) posted to SRQ `srq`; ibv_post_srq_recv's
+/// result.
+inline int post_srq_recv(ibv_srq* srq, uint64_t id, uint64_t addr, uint32_t len, uint32_t lkey) {
+  ibv_sge s{addr, len, lkey};
+  ibv_recv_wr wr{};
+  wr.wr_id = id;
+  wr.sg_list = &s;
+  wr.num_sge = 1;
+  ibv_recv_wr* bad = nullptr;
+  return ibv_post_srq_recv(srq, &wr, &bad);
+}
+
 class VerbsFixture : public ::testing::Test {
  protected:
   static constexpr unsigned kRemote =

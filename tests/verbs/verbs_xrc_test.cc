@@ -13,6 +13,7 @@
 namespace {
 
 using vrdma::test::bring_to_rts;
+using vrdma::test::post_srq_recv;
 using vrdma::test::QpPath;
 
 constexpr char kChildEnv[] = "VRDMA_TEST_XRC_CHILD";
@@ -81,16 +82,6 @@ ibv_qp* send_qp(ibv_context* ctx, ibv_pd* pd, ibv_cq* cq, bool ex = false) {
     a.send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_RDMA_WRITE;
   }
   return ibv_create_qp_ex(ctx, &a);
-}
-
-int post_srq_recv(ibv_srq* srq, uint64_t id, uint64_t addr, uint32_t len, uint32_t lkey) {
-  ibv_sge s{addr, len, lkey};
-  ibv_recv_wr wr{};
-  wr.wr_id = id;
-  wr.sg_list = &s;
-  wr.num_sge = 1;
-  ibv_recv_wr* bad = nullptr;
-  return ibv_post_srq_recv(srq, &wr, &bad);
 }
 
 /// One completion of `cq` within `ms` (a deadline, not a spin count: a loaded host may not
