@@ -2,9 +2,12 @@
 // publish them with one release store; poll_cq reads completions the backend wrote. No
 // syscall here, except the doorbell write when the backend announced it is asleep.
 #include <sched.h>
+#include <time.h>
 
+#include <cstdlib>
 #include <cstring>
 
+#include "common/log.h"
 #include "verbs/ah.h"
 #include "verbs/internal.h"
 
@@ -191,6 +194,7 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     publish_consumed(*cq);
     cq->empty_polls = 0;
     if (cq->rclaimed) remote_release(*cq);
+    poll_found();
   } else if (dead_on_empty_poll(*cq)) {
     cq->lock.unlock();
     errno = EIO;
@@ -203,10 +207,81 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
     const bool yield = should_yield(*cq);
     cq->lock.unlock();
     if (yield) ::sched_yield();
+    poll_empty();
+    return 0;
+  } else {
+    cq->lock.unlock();
+    poll_empty();
     return 0;
   }
   cq->lock.unlock();
   return got;
+}
+
+namespace {
+
+/// The calling thread's polls (of any CQ) since one of them found a completion, and when the
+/// run of empty ones was first timed.
+struct PollIdle {
+  uint32_t empties = 0;
+  uint64_t since_ns = 0;
+};
+thread_local PollIdle t_idle;
+
+/// Empty polls between two looks at the clock: a look costs ~20 ns (vDSO), a poll ~10.
+constexpr uint32_t kIdleLookEvery = 64;
+/// How long a nap asks for; the kernel's timer slack (50 µs by default) comes on top.
+constexpr long kNapNs = 20'000;
+constexpr uint64_t kPollIdleUsDefault = 1000;
+
+uint64_t mono_ns() {
+  timespec t;
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1'000'000'000 + uint64_t(t.tv_nsec);
+}
+
+/// VRDMA_POLL_IDLE_US: how long a thread's polls find nothing before each later empty one may
+/// nap (0: never; pure busy polling). Read once per process.
+uint64_t nap_after_ns() {
+  static const uint64_t ns = [] {
+    const char* e = ::secure_getenv("VRDMA_POLL_IDLE_US");
+    if (!e || !*e) return kPollIdleUsDefault * 1000;
+    char* end = nullptr;
+    const unsigned long long us = std::strtoull(e, &end, 10);
+    if (*end != '\0' || us > 10'000'000) {
+      VLOG_WARN("VRDMA_POLL_IDLE_US={}: not a number of microseconds up to 10000000; using {}", e,
+                kPollIdleUsDefault);
+      return kPollIdleUsDefault * 1000;
+    }
+    return static_cast<uint64_t>(us) * 1000;
+  }();
+  return ns;
+}
+
+}  // namespace
+
+void poll_found() {
+  if (t_idle.empties) t_idle.empties = 0;
+}
+
+void poll_empty() {
+  PollIdle& idle = t_idle;
+  if (++idle.empties % kIdleLookEvery) return;
+  const uint64_t after = nap_after_ns();
+  if (after == 0) return;
+  const uint64_t now = mono_ns();
+  if (idle.empties == kIdleLookEvery) {
+    idle.since_ns = now;
+    return;
+  }
+  if (now - idle.since_ns < after) return;
+  // This thread has found nothing for `after`: whatever it waits for (the backend, a peer's
+  // library, a peer host) is not coming within a poll or two. Sleeping a few tens of µs costs
+  // the next completion at most that (a small fraction of the wait so far) and gives the CPU
+  // to whoever needs it, including programs at idle priority that sched_yield() never lets
+  // run. A thread whose other CQ keeps producing never gets here (poll_found).
+  const timespec nap{0, kNapNs};
+  ::nanosleep(&nap, nullptr);
 }
 
 bool dead_on_empty_poll(VCq& cq) {

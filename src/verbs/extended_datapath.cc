@@ -46,6 +46,7 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   if (take_next(cq) || (remote_progress(*cq) && take_next(cq))) {
     cq->empty_polls = 0;
     if (cq->rclaimed) remote_release(*cq);
+    poll_found();
     return 0;
   }
   // As poll_cq: a dead backend produces nothing, say so; otherwise let the backend run.
@@ -55,6 +56,7 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   cq->lock.unlock();
   if (dead) return EIO;
   if (yield) ::sched_yield();
+  poll_empty();
   return ENOENT;
 }
 

@@ -6,6 +6,9 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
+
+#include <chrono>
 
 #include "verbs/internal.h"
 #include "verbs_fixture.h"
@@ -231,6 +234,24 @@ TEST_F(VerbsApi, CompletionChannelIsARealPollableFd) {
   EXPECT_EQ(ibv_get_cq_event(channel_, &ev_cq, &ev_ctx), -1);
   EXPECT_EQ(errno, EAGAIN);
   ::close(ep);
+}
+
+// A thread whose polls have found nothing for VRDMA_POLL_IDLE_US (1 ms by default) naps ~20 µs
+// on every 64th empty poll: it gives the CPU to whatever it waits for, and to programs at idle
+// priority, which sched_yield() never lets run. Each nap is a voluntary context switch (a
+// yield is not one): 64 x 20 empty polls past the threshold are 20 naps.
+TEST_F(VerbsApi, AThreadThatHasPolledNothingForAMillisecondNaps) {
+  ibv_cq* cq = make_cq();
+  ibv_wc wc{};
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(3))
+    ASSERT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
+  rusage before{};
+  ASSERT_EQ(::getrusage(RUSAGE_THREAD, &before), 0);
+  for (int i = 0; i < 64 * 20; ++i) ASSERT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
+  rusage after{};
+  ASSERT_EQ(::getrusage(RUSAGE_THREAD, &after), 0);
+  EXPECT_GE(after.ru_nvcsw - before.ru_nvcsw, 20);
 }
 
 TEST_F(VerbsApi, StateMachineErrorsAreEinval) {
