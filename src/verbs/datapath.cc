@@ -1,8 +1,10 @@
 // Guest side of the data path: post_send/post_recv write WQEs into the shared rings and
 // publish them with one release store; poll_cq reads completions the backend wrote. No
 // syscall here, except the doorbell write when the backend announced it is asleep.
+#include <fcntl.h>
 #include <sched.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -220,11 +222,13 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
 
 namespace {
 
-/// The calling thread's polls (of any CQ) since one of them found a completion, and when the
-/// run of empty ones was first timed.
+/// The calling thread's polls (of any CQ) since one of them found a completion, when the run of
+/// empty ones was first timed, and the last look at whether the machine is oversubscribed.
 struct PollIdle {
   uint32_t empties = 0;
   uint64_t since_ns = 0;
+  uint64_t looked_ns = 0;
+  bool crowded = false;
 };
 thread_local PollIdle t_idle;
 
@@ -232,6 +236,8 @@ thread_local PollIdle t_idle;
 constexpr uint32_t kIdleLookEvery = 64;
 /// How long a nap asks for; the kernel's timer slack (50 µs by default) comes on top.
 constexpr long kNapNs = 20'000;
+/// How long a verdict on the machine's load holds (one read of /proc/loadavg each).
+constexpr uint64_t kCrowdLookNs = 1'000'000;
 constexpr uint64_t kPollIdleUsDefault = 1000;
 
 uint64_t mono_ns() {
@@ -258,6 +264,25 @@ uint64_t nap_after_ns() {
   return ns;
 }
 
+/// Whether more threads are runnable on the machine than it has CPUs (/proc/loadavg's fourth
+/// field, "running/total": every scheduling class, idle priority included), i.e. whether a
+/// spinning poller keeps someone from running. False when it cannot be read.
+bool machine_crowded() {
+  static const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  const int fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[128];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return false;
+  buf[n] = '\0';
+  // "0.52 0.58 0.59 3/389 12345": the running count follows the third space.
+  const char* p = buf;
+  for (int spaces = 0; *p && spaces < 3; ++p) spaces += *p == ' ';
+  const long running = std::strtol(p, nullptr, 10);
+  return cpus > 0 && running > cpus;
+}
+
 }  // namespace
 
 void poll_found() {
@@ -276,10 +301,16 @@ void poll_empty() {
   }
   if (now - idle.since_ns < after) return;
   // This thread has found nothing for `after`: whatever it waits for (the backend, a peer's
-  // library, a peer host) is not coming within a poll or two. Sleeping a few tens of µs costs
-  // the next completion at most that (a small fraction of the wait so far) and gives the CPU
-  // to whoever needs it, including programs at idle priority that sched_yield() never lets
-  // run. A thread whose other CQ keeps producing never gets here (poll_found).
+  // library, a peer host) is not coming within a poll or two. If others want a CPU (idle
+  // priority programs included, which sched_yield() never lets run), sleeping a few tens of
+  // µs gives it to them and costs the next completion at most that (a small fraction of the
+  // wait so far). On a machine with a CPU to spare nobody gains: keep polling. A thread whose
+  // other CQ keeps producing never gets here (poll_found).
+  if (now - idle.looked_ns >= kCrowdLookNs) {
+    idle.looked_ns = now;
+    idle.crowded = machine_crowded();
+  }
+  if (!idle.crowded) return;
   const timespec nap{0, kNapNs};
   ::nanosleep(&nap, nullptr);
 }

@@ -249,7 +249,8 @@ int poll_cq(ibv_cq* cq, int n, ibv_wc* wc);
 /// A poll of this thread found a completion (poll_cq, start_poll).
 void poll_found();
 /// A poll of this thread found nothing, CQ lock released: after VRDMA_POLL_IDLE_US (1 ms by
-/// default) of such polls with none that found something, each 64th naps ~20 µs (datapath.cc).
+/// default) of such polls with none that found something, each 64th naps ~20 µs while the
+/// machine has more runnable threads than CPUs (datapath.cc).
 void poll_empty();
 /// Whether an empty poll of `cq` should give the CPU away (sched_yield) to let the backend run.
 bool should_yield(const VCq& cq);

@@ -8,7 +8,10 @@
 #include <sys/epoll.h>
 #include <sys/resource.h>
 
+#include <atomic>
 #include <chrono>
+#include <thread>
+#include <vector>
 
 #include "verbs/internal.h"
 #include "verbs_fixture.h"
@@ -236,13 +239,30 @@ TEST_F(VerbsApi, CompletionChannelIsARealPollableFd) {
   ::close(ep);
 }
 
-// A thread whose polls have found nothing for VRDMA_POLL_IDLE_US (1 ms by default) naps ~20 µs
-// on every 64th empty poll: it gives the CPU to whatever it waits for, and to programs at idle
-// priority, which sched_yield() never lets run. Each nap is a voluntary context switch (a
-// yield is not one): 64 x 20 empty polls past the threshold are 20 naps.
-TEST_F(VerbsApi, AThreadThatHasPolledNothingForAMillisecondNaps) {
+// A thread whose polls have found nothing for VRDMA_POLL_IDLE_US (1 ms by default), on a
+// machine with more runnable threads than CPUs, naps ~20 µs on every 64th empty poll: it gives
+// the CPU to whatever it waits for, and to programs at idle priority, which sched_yield()
+// never lets run. Each nap is a voluntary context switch (a yield is not one): 64 x 20 empty
+// polls past the threshold are 20 naps. The machine is crowded here by CPUs + 1 spinning
+// threads at idle priority (they take only what nobody else wants).
+TEST_F(VerbsApi, AThreadThatHasPolledNothingForAMillisecondNapsOnACrowdedMachine) {
   ibv_cq* cq = make_cq();
+  std::atomic<bool> stop{false};
+  std::atomic<int> started{0};
+  std::vector<std::thread> crowd;
+  for (long i = 0; i <= ::sysconf(_SC_NPROCESSORS_ONLN); ++i) {
+    crowd.emplace_back([&] {
+      sched_param none{};
+      EXPECT_EQ(::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &none), 0);
+      started++;
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
+  while (started.load() < static_cast<int>(crowd.size())) std::this_thread::yield();
+  // The library times a run of empty polls from its 64th: 3 ms after that, it is idle.
   ibv_wc wc{};
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
   const auto start = std::chrono::steady_clock::now();
   while (std::chrono::steady_clock::now() - start < std::chrono::milliseconds(3))
     ASSERT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
@@ -251,6 +271,8 @@ TEST_F(VerbsApi, AThreadThatHasPolledNothingForAMillisecondNaps) {
   for (int i = 0; i < 64 * 20; ++i) ASSERT_EQ(ibv_poll_cq(cq, 1, &wc), 0);
   rusage after{};
   ASSERT_EQ(::getrusage(RUSAGE_THREAD, &after), 0);
+  stop = true;
+  for (std::thread& t : crowd) t.join();
   EXPECT_GE(after.ru_nvcsw - before.ru_nvcsw, 20);
 }
 
