@@ -8,8 +8,9 @@
 #    direct path): PSNs and cursors come back from the rings.
 #  - kd, on the direct path across backends (client on h1, server on h2, their libraries talk
 #    TLS to each other): the libraries' connection outlives the killed backend, the restarted
-#    one takes the QPs' direct state from the keeper, and after each restart both ends' direct
-#    counters grow again, with no revoke (the pair never left the direct path).
+#    one takes the QPs' direct state from the keeper (h1's reports the client's QP direct), and
+#    after each restart both ends' direct counters grow again, with no revoke (the pair never
+#    left the direct path).
 # Usage: keep_state.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -40,12 +41,14 @@ for k in 1 2 1; do
     nap 0.05
   done
   [[ -n $new && $new != "$old" ]] || fail "h$k: the keeper did not start a new backend"
+  # The pair's libraries keep talking whatever their backends know: that h1's backend knows
+  # the QP is direct (what a move asks back) is in its route.
+  hwait_route 1 kd-c direct/h2
   hgrows 1 kd-c direct_msgs_sent "direct after h$k's backend was killed"
   hgrows 2 kd-s direct_msgs_received "direct after h$k's backend was killed"
   hgrows 1 kx-s msgs_received "kx after h$k's backend was killed"
   log "h$k: backend $old killed, $new took over; kd direct, kx on tcp, both flowing"
 done
-hwait_route 1 kd-c direct/h2
 HOSTS_WATCH=()
 for f in kd.client kd.server; do
   ! grep -q "goes back to the backends" "$E2E_TMP/$f.out" ||
