@@ -507,6 +507,7 @@ void Server::keep(const std::string& guest) {
 }
 
 void Server::keep_direct_changes() {
+  if (!keeper_.valid()) return;  // nothing is noted then (track_direct_changes)
   for (const std::string& guest : dev_.take_direct_changes()) keep(guest);
 }
 

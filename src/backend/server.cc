@@ -396,9 +396,9 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
           if (op == Op::kDirectGrant) peer = dev_.direct_peer_guest(*s, handle_of());
           if (!peer.empty() && peer != c.session->guest->name) keep(peer);
         }
-        // Across backends the same (an own ring), and the QP's direct state with it: a restart
-        // must not execute the send queue of a QP whose library sends itself, nor forget it
-        // when a move asks it back. A kDirectOfferWhere changes nothing.
+        // Across backends the same (an own ring), and the QP's direct state with it: a
+        // restarted backend must know that its library talks to the peer's (a move asks it
+        // back; an offer follows the peer). A kDirectOfferWhere changes nothing.
         if (op == Op::kDirectRemote ||
             (op == Op::kDirectOffer && body_of<DirectOfferReq>(msg).value().flags == 0))
           keep(c.session->guest->name);

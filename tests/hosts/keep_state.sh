@@ -28,7 +28,7 @@ RC_STREAM_OPT="--timeout 16" hstream_start kd 2 1
 HOSTS_WATCH=("$srv $E2E_TMP/kd.server.out" "$cli $E2E_TMP/kd.client.out"
   "$kx_srv $E2E_TMP/kx.server.out" "$kx_cli $E2E_TMP/kx.client.out")
 hwait_flowing 1 kx-s msgs_received "$kx_srv"  # connected: no command in flight when one dies
-hwait_route 1 kx-s tcp/h2
+hwait_route 1 kx-s tcp/h2 20
 hgrows 1 kd-c direct_msgs_sent "the client's library sends directly"
 hgrows 2 kd-s direct_msgs_received "the server's library executes directly"
 for k in 1 2 1; do
@@ -43,7 +43,7 @@ for k in 1 2 1; do
   [[ -n $new && $new != "$old" ]] || fail "h$k: the keeper did not start a new backend"
   # The pair's libraries keep talking whatever their backends know: that h1's backend knows
   # the QP is direct (what a move asks back) is in its route.
-  hwait_route 1 kd-c direct/h2
+  hwait_route 1 kd-c direct/h2 20
   hgrows 1 kd-c direct_msgs_sent "direct after h$k's backend was killed"
   hgrows 2 kd-s direct_msgs_received "direct after h$k's backend was killed"
   hgrows 1 kx-s msgs_received "kx after h$k's backend was killed"

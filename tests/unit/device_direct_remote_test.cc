@@ -708,6 +708,7 @@ TEST_F(DirectRemoteTest, AKeptDirectStateWithoutItsRingsIsRefused) {
   std::vector<UniqueFd> fds = dup_all(keeper);
   auto im = dev_.import_guest(ex->blob, fds, true);
   ASSERT_TRUE(im.is_ok()) << im.status().message();
+  a_.s = im.value()[0].session;
   EXPECT_EQ(offers_of_a().count(qa_.qpn), 1u);
 }
 
