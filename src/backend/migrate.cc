@@ -170,19 +170,23 @@ std::string Server::no_such_guest(const std::string& guest) const {
                      names.empty() ? std::string("no guests") : "guests: " + list);
 }
 
-Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest) {
+Result<engine::GuestExport> Server::export_with_sockets(const std::string& guest, bool for_keeper) {
   RETURN_IF_ERROR(dev_.odp_movable(guest));  // docs/ARCHITECTURE.md, "On-demand paging"
   // QPs on the direct path across backends go back to the backends first; EINPROGRESS until
-  // their libraries have settled (the CLI asks again). Not under keep_state, which has none.
-  RETURN_IF_ERROR(dev_.leave_direct_remote(guest));
+  // their libraries have settled (the CLI asks again). The keeper's copy keeps them direct:
+  // their connections are the libraries', which a SIGKILLed backend leaves as they are.
+  if (!for_keeper) RETURN_IF_ERROR(dev_.leave_direct_remote(guest));
   std::unordered_map<const engine::Session*, int> sock_of;
   for (const auto& [fd, conn] : conns_) {
     if (conn.session) sock_of[conn.session] = fd;
   }
-  return dev_.export_guest(guest, [&](const engine::Session& s) {
-    auto it = sock_of.find(&s);
-    return it == sock_of.end() ? -1 : it->second;
-  });
+  return dev_.export_guest(
+      guest,
+      [&](const engine::Session& s) {
+        auto it = sock_of.find(&s);
+        return it == sock_of.end() ? -1 : it->second;
+      },
+      for_keeper);
 }
 
 Result<ImportResp> Server::restore_from(int file) {
@@ -493,13 +497,18 @@ void Server::keep(const std::string& guest) {
     keep_drop(guest);
     return;
   }
-  auto ex = export_with_sockets(guest);
+  auto ex = export_with_sockets(guest, true);
   std::vector<int> cm_fds;  // its RDMA CM state rides along: the same sessions
   CmPart cm{ex.is_ok() ? cm_state_of(guest, cm_fds) : std::string(), {}};
   cm.fds = cm_fds;
   Status st = ex.is_ok() ? send_state(keeper_.get(), guest, ex.value().blob, ex.value().fds, 0, &cm)
                          : ex.status();
   if (!st.is_ok()) VLOG_WARN("guest {}: its state did not reach the keeper: {}", guest, st.message());
+}
+
+void Server::keep_direct_changes() {
+  if (!keeper_.valid()) return;  // nothing is noted then (track_direct_changes)
+  for (const std::string& guest : dev_.take_direct_changes()) keep(guest);
 }
 
 void Server::keep_cm_changes() {

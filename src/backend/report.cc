@@ -143,9 +143,8 @@ nlohmann::json Reporter::backend_info() {
       {"log", log_target()},
       {"log_level", cfg_.log_level},
       {"keep_state", keep},
-      // A keeper cannot hold a direct connection across backends yet: keep_state turns it off.
       {"direct_path", cfg_.direct_path},
-      {"direct_remote", cfg_.direct_remote && !cfg_.keep_state},
+      {"direct_remote", cfg_.direct_remote},
       {"peer_states", peer_states},
       {"quotas",
        {{"pd", q.max_pds},

@@ -396,6 +396,12 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
           if (op == Op::kDirectGrant) peer = dev_.direct_peer_guest(*s, handle_of());
           if (!peer.empty() && peer != c.session->guest->name) keep(peer);
         }
+        // Across backends the same (an own ring), and the QP's direct state with it: a
+        // restarted backend must know that its library talks to the peer's (a move asks it
+        // back; an offer follows the peer). A kDirectOfferWhere changes nothing.
+        if (op == Op::kDirectRemote ||
+            (op == Op::kDirectOffer && body_of<DirectOfferReq>(msg).value().flags == 0))
+          keep(c.session->guest->name);
         for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());
         fit_send_buffer(c.sock.get(), out.size());
         return send_msg(c.sock.get(), out, out_fds);  // before `owned` closes them
@@ -505,6 +511,7 @@ Status Server::run() {
     if (metrics_) metrics_->poll(now);
     bool work = dev_.poll(now);
     if (tcp_) work |= tcp_->poll(now);
+    keep_direct_changes();  // keep_state: before any command can act on them
     if (work) last_work = now;
     int timeout = 0;
     const bool spinning = now - last_work < uint64_t(opt_.spin_us) * 1000;
@@ -556,6 +563,7 @@ Status Server::run() {
         if (timeout < 0 || left < timeout) timeout = left;
       }
     }
+    keep_direct_changes();  // the polls just above, when it sleeps
     int n = ::epoll_wait(epoll_.get(), evs, 64, timeout);
     if (timeout != 0) {
       dev_.set_sleeping(false);

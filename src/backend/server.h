@@ -98,7 +98,10 @@ class Server {
   /// "no guest NAME here (guests: ...)": the guests this backend serves, for a refusal.
   std::string no_such_guest(const std::string& guest) const;
   /// The guest's state, its connections included (the layout a snapshot and the keeper use).
-  Result<engine::GuestExport> export_with_sockets(const std::string& guest);
+  /// A move or a snapshot (`for_keeper` false) takes its QPs off the direct path across
+  /// backends first (EINPROGRESS until they are); the keeper's copy keeps them on it.
+  Result<engine::GuestExport> export_with_sockets(const std::string& guest,
+                                                  bool for_keeper = false);
   /// vrdma restore: the snapshot read from `file` becomes the state of the guest's device.
   Result<proto::ImportResp> restore_from(int file);
   /// Serves an imported session here: its connection and doorbell join the loop.
@@ -116,6 +119,9 @@ class Server {
   /// keep_state: hands the keeper the RDMA CM state of every guest whose CM state changed
   /// (CmService::track_changes), alone (kKeepCmOnly). Nothing without a keeper.
   void keep_cm_changes();
+  /// keep_state: hands the keeper the state of every guest whose direct state across backends
+  /// changed outside a command (Device::take_direct_changes). Nothing without a keeper.
+  void keep_direct_changes();
   /// The RDMA CM state of `guest`'s sessions (CmService::export_sessions, each session named by
   /// its connection's inode); `fds` gets its channels' sockets (borrowed).
   std::string cm_state_of(const std::string& guest, std::vector<int>& fds) const;

@@ -215,9 +215,10 @@ Status Server::setup() {
   }
   dev_.set_direct(opt_.direct_path);
   dev_.set_direct_trust(opt_.direct_trust == "uid", opt_.direct_tenants);
-  if (opt_.direct_remote && opt_.keep_state)
-    VLOG_WARN("direct_remote is off: a keeper cannot hold the state of direct QPs yet");
-  dev_.set_direct_remote(opt_.direct_remote && !opt_.keep_state);
+  dev_.set_direct_remote(opt_.direct_remote);
+  // keep_state: what the backend knows of the direct path across backends changes outside
+  // commands too (a peer's offer, a revoke's answer); the keeper has it before a command acts.
+  dev_.track_direct_changes(opt_.keep_state && opt_.direct_remote);
   return Status::ok();
 }
 

@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/log.h"
@@ -192,12 +193,22 @@ class Device : public transport::Receiver {
   /// answers EINPROGRESS until all have answered: then nothing of theirs is in flight between
   /// the libraries, the backends carry the QPs, and the guest can be exported.
   Status leave_direct_remote(const std::string& name);
+  /// keep_state: notes each guest whose direct state across backends changes outside a command
+  /// (a peer's offer came, its library's revoke answer was taken), for take_direct_changes.
+  void track_direct_changes(bool on) { track_direct_ = on; }
+  /// The guests noted since the last call, once each: their state goes to the keeper
+  /// (backend/server.cc) before the next command is read, so none acts on a change not kept.
+  std::vector<std::string> take_direct_changes() { return std::exchange(direct_changed_, {}); }
 
   // ---- moving a guest's device between backends (device_state_*.cc, device_moved.cc) ----
   /// Serialises every resource of guest `name`, with the cursors, PSNs, unacknowledged work and
   /// counters, into a blob; `sock_of` gives each session's connection (-1: none, a snapshot).
+  /// EBUSY while a QP is on the direct path across backends (it leaves first), unless
+  /// `keep_direct`: a keeper's blob, which keeps that state (the libraries' connections outlive
+  /// a SIGKILLed backend).
   Result<GuestExport> export_guest(const std::string& name,
-                                   const std::function<int(const Session&)>& sock_of) const;
+                                   const std::function<int(const Session&)>& sock_of,
+                                   bool keep_direct = false) const;
   /// Rebuilds a guest from export_guest's blob and descriptors (taken from `fds`), with the same
   /// LID, GID, QPNs, keys and handles, then re-routes its QPs and the local QPs facing it. All
   /// or nothing: a blob that fails any check creates nothing (EINVAL; EEXIST: the guest is here).
@@ -554,6 +565,8 @@ class Device : public transport::Receiver {
   void carry_offer(Qp& b, const std::string& was_node);
   /// A peer backend passed a library's direct offer (wire::DirectOffer) for a guest of ours.
   void on_direct_offer(const std::string& node, const proto::wire::DirectOffer& o);
+  /// Notes guest `g` for take_direct_changes (when tracked).
+  void note_direct_change(const Guest& g);
   void post_async(Session& s, ibv_event_type type, uint32_t handle);
   bool push_cqe(Cq& cq, const proto::Cqe& e, bool solicited);
   /// Writes `e` at the ring's producer index (and its time stamp) and publishes it; no room
@@ -672,6 +685,8 @@ class Device : public transport::Receiver {
   uint64_t now_ns_ = 0;
   bool direct_ = false;
   bool direct_remote_ = false;
+  bool track_direct_ = false;                             ///< see track_direct_changes
+  std::vector<std::string> direct_changed_;               ///< ... the guests noted
   bool direct_uid_enough_ = false;                        ///< see set_direct_trust
   std::vector<std::vector<std::string>> direct_tenants_;  ///< ... by guest name
   uint32_t backend_uid_;                ///< see set_backend_uid

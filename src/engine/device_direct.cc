@@ -606,6 +606,7 @@ void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o
   r.port = o.port;
   r.ipv4 = transport_ ? transport_->peer_ipv4(node) : 0;
   std::memcpy(r.token, o.token, kDirectTokenBytes);
+  note_direct_change(*g);
   VLOG_DEBUG("direct offer from {}: QP {:#x} -> guest {} QP {:#x}, port {}", node, o.src_qpn,
              g->name, o.dst_qpn, o.port);
 }
@@ -680,8 +681,15 @@ bool Device::revoke_holds(Qp& qp) {
       std::memcmp(it->second.token, qp.used_offer_token, kDirectTokenBytes) == 0)
     offers.erase(it);
   qp.sq_hdr->direct_revoke.store(0, std::memory_order_release);
+  note_direct_change(*qp.guest);
   VLOG_INFO("direct path: guest {} QP {:#x} is on the backends again", qp.guest->name, qp.qpn);
   return false;
+}
+
+void Device::note_direct_change(const Guest& g) {
+  if (track_direct_ &&
+      std::find(direct_changed_.begin(), direct_changed_.end(), g.name) == direct_changed_.end())
+    direct_changed_.push_back(g.name);
 }
 
 Status Device::leave_direct_remote(const std::string& name) {

@@ -2,8 +2,6 @@
 // is in proto/device_state.h; fixed-layout structs travel as byte strings of their exact size
 // and descriptors by their index in a list sent beside the blob. The importer is
 // device_state_import.cc.
-#include "proto/device_state.h"
-
 #include <fcntl.h>
 #include <fmt/format.h>
 
@@ -16,7 +14,9 @@
 #include "common/log.h"
 #include "common/memfd.h"
 #include "engine/datapath_util.h"
+#include "engine/device_state_reader.h"
 #include "proto/device_caps.h"
+#include "proto/device_state.h"
 namespace vrdma::engine {
 
 using namespace vrdma::proto;
@@ -239,12 +239,13 @@ void export_xrc(const Guest& g, const std::vector<const Session*>& order, Export
 }  // namespace
 
 Result<GuestExport> Device::export_guest(const std::string& name,
-                                         const std::function<int(const Session&)>& sock_of) const {
+                                         const std::function<int(const Session&)>& sock_of,
+                                         bool keep_direct) const {
   auto git = guests_.find(name);
   if (git == guests_.end()) return error(ENOENT, fmt::format("no guest {} on this backend", name));
   const Guest& g = *git->second;
   for (const Qp* qp : g.active) {
-    if (qp->direct_remote || qp->offered)
+    if (!keep_direct && (qp->direct_remote || qp->offered))
       return error(EBUSY, fmt::format("guest {}: QP {:#x} has used the direct path across "
                                       "backends, whose connection cannot move yet",
                                       name, qp->qpn));
@@ -272,6 +273,7 @@ Result<GuestExport> Device::export_guest(const std::string& name,
               {"sessions", std::move(sessions)},
               {"fdkeys", std::move(ex.fdkeys)}};
   export_xrc(g, order, ex, doc);
+  if (keep_direct) state::export_direct(g, doc);
   out.blob = json::to_cbor(doc);
   return out;
 }

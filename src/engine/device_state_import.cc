@@ -593,6 +593,7 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
         import_session(im, js, *g, version, socks, recover ? &recover_from_rings : nullptr));
   }
   state::import_xrc_holds(im, doc, made, *g, version);
+  state::import_direct(im, doc, *g, version, recover);
   RETURN_IF_ERROR(rd.st);
 
   // All valid: count, insert, and connect.

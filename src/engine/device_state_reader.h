@@ -1,4 +1,5 @@
-// The device-state importer's reader (internal to engine/device_state_import*.cc): the blob's
+// The device-state importer's reader (internal to engine/device_state_import*.cc and
+// device_state_direct.cc, which has the exporter's part too): the blob's
 // fields, each checked as it is read (EINVAL naming it), and the descriptors sent beside the blob,
 // each taken at most once. One import uses one Importer, whatever file reads a kind of resource.
 #pragma once
@@ -147,5 +148,13 @@ void import_xrc_srq(Importer& im, const json& jq, Srq& q, Session& s, Guest& g);
 void import_xrc_holds(Importer& im, const json& doc,
                       const std::vector<std::unique_ptr<Session>>& sessions, Guest& g,
                       uint32_t version);
+
+// The direct path across backends (version 9, keep_state only; device_state_direct.cc).
+/// Writes what the backend knows of the guest's QPs on the direct path across backends and the
+/// peers' offers it holds (`direct_qps`, `direct_offers`): a keeper's blob only.
+void export_direct(const Guest& g, json& doc);
+/// After the sessions: the same back onto the guest's QPs (their own rings read already). Only
+/// when `recover`: a guest that moves left the direct path first.
+void import_direct(Importer& im, const json& doc, Guest& g, uint32_t version, bool recover);
 
 }  // namespace vrdma::engine::state

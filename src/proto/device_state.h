@@ -21,6 +21,11 @@
 // "next_xrcd", "next_srqn"; per session its domain opens and receive-QP handles ("xrcds",
 // "xrc_qps": [handle, id or QPN]) and its XRC SRQs' "xrcd", "srqn" and "cq"; XRC_SEND QPs in
 // "qps". A version 7 blob has none (it was refused for a guest holding a domain).
+// 9 = the direct path across backends, in a keeper's blob only (keep_state): "direct_qps" (QPN,
+// whether it went direct and whether it offered, its offer's port, address and token, the
+// token of the peer's offer it used) and "direct_offers" (the peers' offers held, by the QPN
+// they are for); a move's or a snapshot's blob has neither (its QPs left the direct path first),
+// nor has a version 8 blob (keep_state turned direct_remote off then).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -29,7 +34,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 8;
+inline constexpr uint32_t kStateVersion = 9;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 }  // namespace vrdma::proto

@@ -368,6 +368,18 @@ hwait_route() {
 }
 # Counter C (msgs_received, msgs_sent, ...) summed over guest G's QPs on host I.
 hcount() { hqps "$1" "$2" "$3" | awk '{s += $1} END {print s + 0}'; }
+# Waits up to 20 s until counter C of guest G on host I grows past its value now; fails if it
+# does not (WHAT says what was expected). Usage: hgrows I G C WHAT
+hgrows() {
+  local c0 k
+  c0=$(hcount "$1" "$2" "$3")
+  for ((k = 0; k < 200; k++)); do
+    hcheck_alive
+    [[ $(hcount "$1" "$2" "$3") -gt $c0 ]] && return 0
+    nap 0.1
+  done
+  fail "guest $2 on h$1: $3 stayed at $c0 for 20 s ($4)"
+}
 # Waits up to 20 s until guest G on host I has moved a message (counter C > 0); fails if PID
 # (its process) exits first. Usage: hwait_flowing I G C PID
 hwait_flowing() {

@@ -24,18 +24,6 @@ wait_mesh
 
 ROUNDS="${MIG_ROUNDS:-2}"
 
-# Waits up to 20 s until counter C of guest G on host I grows past its value now; fails if it
-# does not (WHAT says what was expected). Usage: grows I G C WHAT
-grows() {
-  local c0 k
-  c0=$(hcount "$1" "$2" "$3")
-  for ((k = 0; k < 200; k++)); do
-    hcheck_alive
-    [[ $(hcount "$1" "$2" "$3") -gt $c0 ]] && return 0
-    nap 0.1
-  done
-  fail "guest $2 on h$1: $3 stayed at $c0 for 20 s ($4)"
-}
 
 # Waits up to 10 s until guest G's QP on host I goes to PEER: on tcp, or direct again already
 # (hwait_route takes one route only). Usage: wait_on I G PEER
@@ -54,7 +42,7 @@ wait_on() {
 hstream_start mv 2 1
 HOSTS_WATCH=("$srv $E2E_TMP/mv.server.out" "$cli $E2E_TMP/mv.client.out")
 hwait_flowing 1 mv-c msgs_sent "$cli"
-grows 1 mv-c direct_msgs_sent "the client's library sends directly"
+hgrows 1 mv-c direct_msgs_sent "the client's library sends directly"
 log "mv: stream direct h1 -> h2 (direct_msgs_sent $(hcount 1 mv-c direct_msgs_sent))"
 # One move of the client FROM -> TO: its QP facing h2 there, the server's QP facing TO,
 # messages reaching the server after it, and the pair direct again.
@@ -63,9 +51,9 @@ move() {
   hmigrate mv-c "$from" "$to"
   wait_on "$to" mv-c h2
   wait_on 2 mv-s "h$to"
-  grows 2 mv-s msgs_received "messages after the move to h$to"
-  grows "$to" mv-c direct_msgs_sent "the client's library sends directly again after the move"
-  grows 2 mv-s direct_msgs_received "the server's library executes directly again"
+  hgrows 2 mv-s msgs_received "messages after the move to h$to"
+  hgrows "$to" mv-c direct_msgs_sent "the client's library sends directly again after the move"
+  hgrows 2 mv-s direct_msgs_received "the server's library executes directly again"
   log "mv: moved h$from -> h$to (downtime $(mig_field downtime_us) us), direct again"
 }
 for ((r = 1; r <= ROUNDS; r++)); do
@@ -85,19 +73,19 @@ log "mv: $STREAM_RESULT on both ends"
 hstream_start sn 2 1
 HOSTS_WATCH=("$srv $E2E_TMP/sn.server.out" "$cli $E2E_TMP/sn.client.out")
 hwait_flowing 1 sn-c msgs_sent "$cli"
-grows 2 sn-s direct_msgs_received "the server's library executes the client's requests"
+hgrows 2 sn-s direct_msgs_received "the server's library executes the client's requests"
 out="$("$VRDMA" snapshot sn-s "$E2E_TMP/sn.state" --socket "$(host_sock 2)" 2>&1)" ||
   fail "vrdma snapshot of a guest on the direct path across backends: $out"
 log "sn: $out"
-grows 2 sn-s msgs_received "messages after the snapshot"
-grows 2 sn-s direct_msgs_received "the pair direct again after the snapshot"
+hgrows 2 sn-s msgs_received "messages after the snapshot"
+hgrows 2 sn-s direct_msgs_received "the pair direct again after the snapshot"
 hmigrate sn-s 2 3
 wait_on 3 sn-s h1
-grows 3 sn-s msgs_received "messages after the server's move to h3"
+hgrows 3 sn-s msgs_received "messages after the server's move to h3"
 hmigrate sn-s 3 2
 wait_on 2 sn-s h1
-grows 2 sn-s msgs_received "messages after the server's move back to h2"
-grows 2 sn-s direct_msgs_received "the pair direct again back on h2"
+hgrows 2 sn-s msgs_received "messages after the server's move back to h2"
+hgrows 2 sn-s direct_msgs_received "the pair direct again back on h2"
 grep -q "may go direct again" "$E2E_TMP/sn.server.out" ||
   fail "the server's library did not say it may go direct again"
 HOSTS_WATCH=()

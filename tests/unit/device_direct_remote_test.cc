@@ -604,6 +604,114 @@ TEST_F(DirectRemoteTest, AnOfferFollowsItsPeerToAnotherBackend) {
   EXPECT_EQ(count(tb_, wire::Type::kDirectOffer), 0u);
 }
 
+// ---- keep_state: the pair stays direct across a SIGKILLed backend ----
+
+/// The transport the report gives QP `qpn` of device `d`.
+std::string transport_of(const Device& d, uint32_t qpn) {
+  const nlohmann::json rep = d.report();  // held: a temporary's member dies in the range-for
+  for (const auto& q : rep["res"]["qp"]) {
+    if (q["lqpn"] == qpn) return q["transport"].get<std::string>();
+  }
+  return "";
+}
+
+// A keeper's copy of a guest on the direct path across backends keeps that state (a move's
+// export still refuses, and a move's import refuses a blob that has it). Taken in again as a
+// restarted backend does (the guest gone with the dead backend, its kept blob imported in
+// recover mode), a's QP is still direct, still offered, holds b's offer, and a move asks its
+// library back as before the restart. What changes outside a command (b's offer reaching A, a
+// revoke's answer taken) is noted for the keeper.
+TEST_F(DirectRemoteTest, AKeptStateKeepsThePairDirectAcrossARestart) {
+  dev_.track_direct_changes(true);
+  connect_both();
+  offer_b();
+  EXPECT_EQ(dev_.take_direct_changes(), std::vector<std::string>{"a"});  // b's offer came
+  EXPECT_TRUE(dev_.take_direct_changes().empty());
+  std::vector<UniqueFd> ofds, rfds;
+  uint8_t b_token[kDirectTokenBytes];
+  std::memcpy(b_token, token_, kDirectTokenBytes);
+  token_[0] ^= 0xff;
+  ASSERT_TRUE(offer(a_, qa_, ofds).is_ok());  // a's library offers too
+  ASSERT_EQ(pump(), 1);
+  ASSERT_TRUE(remote(a_, qa_, rfds).is_ok());
+  const auto none = [](const Session&) { return -1; };
+  EXPECT_EQ(dev_.export_guest("a", none).err(), EBUSY);
+  auto ex = dev_.export_guest("a", none, true);
+  ASSERT_TRUE(ex.is_ok()) << ex.status().message();
+
+  std::vector<UniqueFd> moved = dup_all(ex->fds), kept = dup_all(ex->fds);
+  dev_.detach_guest("a");  // the backend died; the keeper's blob comes back
+  EXPECT_EQ(dev_.import_guest(ex->blob, moved, false).err(), EINVAL);
+  auto im = dev_.import_guest(ex->blob, kept, true);
+  ASSERT_TRUE(im.is_ok()) << im.status().message();
+  a_.s = im.value()[0].session;
+  EXPECT_EQ(transport_of(dev_, qa_.qpn), "direct");
+  ASSERT_EQ(offers_of_a().count(qa_.qpn), 1u);
+  const RemoteOffer& held = offers_of_a().at(qa_.qpn);
+  EXPECT_EQ(std::memcmp(held.token, b_token, kDirectTokenBytes), 0);
+  EXPECT_EQ(held.src_qpn, qb_.qpn);
+  EXPECT_EQ(held.port, kPort);
+  EXPECT_EQ(held.ipv4, ipv4_b_);
+  EXPECT_EQ(held.node, "B");
+  // Its peer moves: a's offer (kept) follows it.
+  ta_.set_peer("C");
+  transport::GuestInfo gi{"b", static_cast<uint16_t>(b_.hello.lid), {}};
+  std::memcpy(gi.gid, gid_of("b").data(), 16);
+  ta_.q.clear();
+  dev_.on_guest_located(gi, "C");
+  EXPECT_EQ(count(ta_, wire::Type::kDirectOffer), 1u);
+  ta_.set_peer("B");
+  dev_.on_guest_located(gi, "B");
+  // A move still asks it back, and the answer taken is noted for the keeper.
+  EXPECT_EQ(dev_.leave_direct_remote("a").err(), EINPROGRESS);
+  EXPECT_EQ(qa_.sq->direct_revoke.load(), kRevokeAsk);
+  EXPECT_TRUE(dev_.take_direct_changes().empty());
+  qa_.sq->direct_revoke.store(kRevokeDone);
+  EXPECT_TRUE(dev_.leave_direct_remote("a").is_ok());
+  EXPECT_EQ(dev_.take_direct_changes(), std::vector<std::string>{"a"});
+  EXPECT_EQ(transport_of(dev_, qa_.qpn), "tcp");
+  EXPECT_TRUE(dev_.export_guest("a", none).is_ok());
+}
+
+// A blob that names direct state the guest cannot have is refused.
+TEST_F(DirectRemoteTest, AKeptDirectStateWithoutItsRingsIsRefused) {
+  connect_both();
+  offer_b();
+  const auto none = [](const Session&) { return -1; };
+  auto ex = dev_.export_guest("a", none, true);  // a has b's offer, no own rings
+  ASSERT_TRUE(ex.is_ok()) << ex.status().message();
+  auto doc = nlohmann::json::from_cbor(ex->blob);
+  ASSERT_EQ(doc["direct_offers"].size(), 1u);
+  const std::vector<UniqueFd> held = dup_all(ex->fds);  // the keeper's copies
+  std::vector<int> keeper;
+  for (const UniqueFd& f : held) keeper.push_back(f.get());
+  dev_.detach_guest("a");
+  const auto refused = [&](const nlohmann::json& d) {
+    std::vector<UniqueFd> fds = dup_all(keeper);
+    return dev_.import_guest(nlohmann::json::to_cbor(d), fds, true).err();
+  };
+  nlohmann::json bad = doc;
+  bad["direct_qps"] = {{{"qpn", qa_.qpn},
+                        {"remote", 1},
+                        {"offered", 0},
+                        {"port", 0},
+                        {"ipv4", 0},
+                        {"token", nlohmann::json::binary(std::vector<uint8_t>(16))},
+                        {"used", nlohmann::json::binary(std::vector<uint8_t>(16))}}};
+  EXPECT_EQ(refused(bad), EINVAL);  // direct without its own send ring
+  bad = doc;
+  bad["direct_offers"][0]["qpn"] = qa_.qpn + 1;
+  EXPECT_EQ(refused(bad), EINVAL);  // an offer for a QP the guest does not have
+  bad = doc;
+  bad["direct_offers"].push_back(doc["direct_offers"][0]);
+  EXPECT_EQ(refused(bad), EINVAL);  // twice
+  std::vector<UniqueFd> fds = dup_all(keeper);
+  auto im = dev_.import_guest(ex->blob, fds, true);
+  ASSERT_TRUE(im.is_ok()) << im.status().message();
+  a_.s = im.value()[0].session;
+  EXPECT_EQ(offers_of_a().count(qa_.qpn), 1u);
+}
+
 // ---- A guest on this backend cannot pose as a peer backend's guest (issue 21) ----
 
 /// A guest name whose LID (the name's hash) is `lid`: what an attacker searches for.
