@@ -255,6 +255,9 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
   ::signal(SIGPIPE, SIG_IGN);
   KeptGuests kept;
   UniqueFd backend;
+  // The backend's transport listener (kKeepListener): open while it restarts, so that its host
+  // accepts peers' connections and their QPs wait as for a slow backend, not a gone one.
+  UniqueFd transport_listener;
   uint64_t deadline = now_ms() + uint64_t(grace_s) * 1000;  // for the first backend to connect
   std::deque<uint64_t> restarts;
   uint64_t restarted = 0;  ///< backends started again, in all
@@ -331,6 +334,15 @@ int run_keeper(std::string path, int grace_s, std::vector<std::string> backend_a
       case Op::kKeepRestore:
         kept.hand_back(backend.get());
         break;
+      case Op::kKeepListener:
+        if (!fds.empty()) transport_listener = std::move(fds.front());
+        break;
+      case Op::kKeepListenerAsk: {
+        const int l = transport_listener.get();
+        (void)send_msg(backend.get(), encode(Op::kKeepListener, 1, 0, Empty{}),
+                       l >= 0 ? std::span<const int>(&l, 1) : std::span<const int>());
+        break;
+      }
       default:
         kept.take(op, msg, fds);
         break;

@@ -13,6 +13,10 @@
 // Protocol (SOCK_SEQPACKET, proto/command.h): the backend sends kImportBegin/Data/Commit per guest
 // (no answer), kKeepDrop when a guest leaves, kKeepBye on a clean exit, and kKeepRestore once
 // after it starts: the keeper answers with every record (Begin/Data/Commit) and kKeepEnd.
+// The backend's TCP transport listener rides along (kKeepListener): the keeper holds it while
+// the backend restarts, so the host still accepts its peers' connections (their QPs wait as for
+// a slow backend), and hands it to the next backend, which asks before its transport starts
+// (kKeepListenerAsk). It closes with the keeper (a goodbye, or no backend within the grace).
 #pragma once
 
 #include <cstdint>

@@ -398,8 +398,32 @@ void Server::release_guest(const std::string& guest, bool cm_moved) {
 
 namespace vrdma::backend {
 
-Status Server::start_keeper() {
-  const std::string path = opt_.socket_path + ".keeper";
+Result<UniqueFd> Server::kept_listener() {
+  auto sock = connect_unix(opt_.socket_path + ".keeper");
+  if (!sock.is_ok()) return UniqueFd();  // none yet: start_keeper starts one
+  use_keeper(std::move(sock.value()));
+  std::vector<uint8_t> msg;
+  std::vector<UniqueFd> fds;
+  Status st = send_msg(keeper_.get(), encode(Op::kKeepListenerAsk, 1, 0, Empty{}));
+  if (st.is_ok()) st = recv_msg(keeper_.get(), msg, kMaxImportMessage, fds);
+  auto h = st.is_ok() ? decode_request(msg) : Result<MsgHeader>(st);
+  if (!h.is_ok()) return h.status();  // the keeper went: start_keeper would fail alike
+  if (static_cast<Op>(h.value().op) != Op::kKeepListener || fds.empty()) return UniqueFd();
+  return std::move(fds.front());
+}
+
+void Server::use_keeper(UniqueFd sock) {
+  keeper_ = std::move(sock);
+  timeval tv{5, 0};
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // Room for a burst of records (a guest's CM state after each CM command): with the default
+  // (~200 KiB) the server thread waited for the keeper to be scheduled every few connections.
+  // Capped by net.core.wmem_max.
+  constexpr int kKeeperBuffer = 4 << 20;
+  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_SNDBUF, &kKeeperBuffer, sizeof(kKeeperBuffer));
+}
+
+Status Server::connect_keeper(const std::string& path) {
   auto sock = connect_unix(path);
   if (!sock.is_ok() && activated_) {
     // Under systemd, systemd restarts us and the keeper is a unit of its own: a keeper we
@@ -437,14 +461,19 @@ Status Server::start_keeper() {
     }
     if (!sock.is_ok()) return error(sock.status().err(), "the state keeper did not start");
   }
-  keeper_ = std::move(sock.value());
-  timeval tv{5, 0};
-  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  // Room for a burst of records (a guest's CM state after each CM command): with the default
-  // (~200 KiB) the server thread waited for the keeper to be scheduled every few connections.
-  // Capped by net.core.wmem_max.
-  constexpr int kKeeperBuffer = 4 << 20;
-  ::setsockopt(keeper_.get(), SOL_SOCKET, SO_SNDBUF, &kKeeperBuffer, sizeof(kKeeperBuffer));
+  use_keeper(std::move(sock.value()));
+  return Status::ok();
+}
+
+Status Server::start_keeper() {
+  const std::string path = opt_.socket_path + ".keeper";
+  if (!keeper_.valid()) RETURN_IF_ERROR(connect_keeper(path));
+  // The transport's listener, which the keeper holds while we restart: peers' connections are
+  // accepted meanwhile, and a peer's QPs wait for us as for a slow backend.
+  if (tcp_) {
+    const int l = tcp_->listener_fd();
+    RETURN_IF_ERROR(send_msg(keeper_.get(), encode(Op::kKeepListener, 1, 0, Empty{}), {&l, 1}));
+  }
   // Whatever it kept from a backend before us comes back now.
   RETURN_IF_ERROR(send_msg(keeper_.get(), encode(Op::kKeepRestore, 1, 0, Empty{})));
   Conn from;  // the records arrive as imports do

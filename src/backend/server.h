@@ -110,9 +110,17 @@ class Server {
   /// `cm_moved`: its RDMA CM state went with it (forgotten here, peers told by the target);
   /// otherwise its CM ids end as a closed session's.
   void release_guest(const std::string& guest, bool cm_moved = false);
-  /// keep_state: connects to the keeper (starting one if none answers) and takes back the guests
-  /// of a backend that died.
+  /// keep_state: connects to the keeper (starting one if none answers; kept_listener may have
+  /// connected already), hands it the transport's listener and takes back the guests of a
+  /// backend that died.
   Status start_keeper();
+  /// keep_state, before the transport starts: the listener a keeper held across our restart
+  /// (then connected to it), or none (no keeper answers: a first start).
+  Result<UniqueFd> kept_listener();
+  /// Talks to the keeper on `sock` from now on.
+  void use_keeper(UniqueFd sock);
+  /// Connects to the keeper at `path`, starting one when none answers (not under systemd).
+  Status connect_keeper(const std::string& path);
   /// keep_state: hands the keeper guest `guest`'s current state, its RDMA CM state included
   /// (or, when it is gone, drops it).
   void keep(const std::string& guest);

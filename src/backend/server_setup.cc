@@ -188,6 +188,9 @@ Status Server::setup() {
         opt_.peers, opt_.force == "tcp",
         nullptr,    uint64_t(opt_.idle_close_s) * 1000};
     if (!opt_.etcd.empty()) to.peers.clear();  // peers come from the directory
+    if (opt_.keep_state) {                     // a restart: the listener the keeper held meanwhile
+      ASSIGN_OR_RETURN(to.listener, kept_listener());
+    }
     ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());

@@ -227,6 +227,17 @@ bool Device::ack_timeout(Qp& qp, uint64_t now_ns) {
   // The connection frames to the peer go on now; `live`: the head was sent on it.
   const uint64_t conn = transport_->tx_mark(qp.peer_node).conn;
   const bool live = front.mark.conn != 0 && front.mark.conn == conn;
+  // The head went on a connection we dialed that the peer's host accepted and no backend has
+  // taken yet (one restarting under keep_state, whose keeper holds its listener): a slow peer
+  // backend on a path that delivers, waited for as long as the transport waits for its Hello
+  // (it then closes the connection, and a timeout on the next one spends a retry).
+  if (live && transport_->peer_not_taken(qp.peer_node)) {
+    if (qp.peer_has_since_ns == 0) qp.peer_has_since_ns = now_ns;
+    qp.wait_until_ns = now_ns + ack_ns(qp);
+    slow_peer_note(qp, front.psn, now_ns, qp.peer_has_since_ns,
+                   "its host accepted our connection, and no backend has taken it yet");
+    return false;
+  }
   const bool in_pipe = live && !transport_->tx_delivered(qp.peer_node, front.mark);
   if (in_pipe && pipe_waits(qp, front.psn, now_ns)) {
     qp.wait_until_ns = now_ns + ack_ns(qp);

@@ -259,7 +259,8 @@ struct Qp {
   bool ack_deferred = false;  ///< this timeout waited once for input not yet read
   /// When the ACK timer first found the head delivered to the peer's TCP on the live connection
   /// and unanswered (0: not so this wait): from then a slow peer backend is waited for
-  /// kSlowPeerNs before the timeouts spend retries.
+  /// kSlowPeerNs before the timeouts spend retries. Also set while the head waits on a
+  /// connection no peer backend has taken yet (Transport::peer_not_taken), for the log.
   uint64_t peer_has_since_ns = 0;
   transport::TxMark path_probe;  ///< where that wait's kPing ends in the stream (conn 0: none)
   /// Names its frames in the transport's queue (Transport::send's flow), so that they can be

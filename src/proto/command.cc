@@ -99,7 +99,10 @@ size_t request_body_size(Op op) {
     case Op::kKeepDrop: return sizeof(KeepDropReq);
     case Op::kKeepBye:
     case Op::kKeepRestore:
-    case Op::kKeepEnd: return 0;
+    case Op::kKeepEnd:
+    case Op::kKeepListener:
+    case Op::kKeepListenerAsk:
+      return 0;
     case Op::kRestore: return sizeof(RestoreReq);
     case Op::kMax: break;
   }
@@ -182,11 +185,11 @@ std::string op_name(uint16_t op) {
                                            nullptr,  // 72: free
                                            "import_context",
                                            "import_object",
-                                           nullptr,  // 75-79: free
+                                           nullptr,  // 75-77: free
                                            nullptr,
                                            nullptr,
-                                           nullptr,
-                                           nullptr,
+                                           "keep_listener",
+                                           "keep_listener_ask",
                                            "direct_grant_ud",
                                            "direct_peer_ud",
                                            "direct_prove_ud"};

@@ -2,6 +2,7 @@
 // one SOCK_SEQPACKET message per command, a fixed header then a fixed-width body per opcode.
 // Versioned: kVersion changes when any body changes; opcode values are never reused.
 // Request and response share the header; `status` in a response is 0 or a negative errno.
+// long-file: every opcode and its body in one table, so that no value is ever reused
 #pragma once
 
 #include <cstddef>
@@ -120,7 +121,9 @@ enum class Op : uint16_t {
   // ibv_context's cmd_fd, passed to it by SCM_RIGHTS). docs/ARCHITECTURE.md, "Imports".
   kImportContext = 73,  ///< Empty; HelloResp; response fds as kHello's (control, doorbell, async)
   kImportObject = 74,   ///< ImportObjectReq; ImportObjectResp; response fd: a DM's memfd
-  // 75-79: free.
+  // 75-77: free.
+  kKeepListener = 78,     ///< to/from the keeper: Empty, the TCP transport's listener attached
+  kKeepListenerAsk = 79,  ///< to the keeper: Empty; answered kKeepListener (the listener or none)
   // The same-host direct path for UD (docs/ARCHITECTURE.md, "Direct path"): per destination.
   kDirectGrantUd = 80,  ///< DirectUdReq; DirectGrantUdResp; response fds as kDirectGrant's
   kDirectPeerUd = 81,   ///< DirectUdReq; DirectPeerResp (as kDirectPeer, for the destination)

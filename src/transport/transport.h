@@ -127,6 +127,12 @@ class Transport {
   /// receive window is closed) while we have more to send: its backend is not reading (not
   /// scheduled, or stopped), on a path that delivers.
   virtual bool peer_window_closed(const std::string& node) = 0;
+  /// True when frames to `node` go on a connection we dialed whose peer's TCP has acknowledged
+  /// everything we sent on it and whose peer backend has not answered it yet (no Hello; TLS: no
+  /// handshake): its host accepted the connection and no backend has taken it, as while a
+  /// backend restarts under keep_state (its keeper holds the listener). A slow peer backend on a
+  /// path that delivers, waited for as long as the transport waits for a Hello.
+  virtual bool peer_not_taken(const std::string& /*node*/) { return false; }
   /// Where the connection to `node` stands as TCP sees it, for a log line when a QP gives up on
   /// it ("tcp: 3 segments unacknowledged, ..."); empty without one.
   virtual std::string path_state(const std::string& /*node*/) { return {}; }

@@ -292,6 +292,29 @@ TEST_F(DeviceRemoteTest, APeerWhoseWindowStaysClosedEndsInRetryExceeded) {
   EXPECT_LT(took, Device::kSlowPeerNs + 1'000'000'000);
 }
 
+// A peer backend restarting under keep_state: its host accepted the connection our request went
+// on (its keeper holds the listener) and no backend has taken it yet. Waited for as a slow
+// backend, longer than the retry budget and kSlowPeerNs, without spending a retry (the transport
+// bounds the wait: it closes a connection that gets no Hello in time); then it is answered.
+TEST_F(DeviceRemoteTest, AConnectionNoBackendTookYetIsWaitedFor) {
+  connect_both();  // timeout 14 (~67 ms), retry_cnt 7: 0.54 s of budget
+  loop_.conn = 1;
+  loop_.not_taken = true;
+  post_send(qa_, 1, ma_.addr, 8, ma_.mr.lkey);
+  post_recv(qb_, 2, mb_.addr, 64, mb_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  for (int i = 0; i < 40; ++i) {  // 2.8 s
+    now_ += 70'000'000;
+    dev_.poll(now_);
+  }
+  EXPECT_TRUE(drain(acq_).empty());
+  EXPECT_EQ(qp_counters(dev_, qa_.qpn, "a")["retries"], 0);
+  EXPECT_EQ(loop_.q.size(), 1u);  // not replayed
+  loop_.not_taken = false;
+  expect_the_send_arrives();
+}
+
 TEST_F(DeviceRemoteTest, AQpDeepInTheConnectionsQueueHoldsItsNewWork) {
   connect_both();
   loop_.conn = 1;

@@ -39,6 +39,8 @@ class RecordingTransport : public transport::Transport {
   uint64_t peer_recovery_ns(const std::string&) override { return recovery_ns; }
   bool window_closed = false;  ///< what peer_window_closed says
   bool peer_window_closed(const std::string&) override { return window_closed; }
+  bool not_taken = false;  ///< what peer_not_taken says
+  bool peer_not_taken(const std::string&) override { return not_taken; }
   bool pending = false;  ///< what rx_pending says
   bool rx_pending(const std::string&) override { return pending; }
 

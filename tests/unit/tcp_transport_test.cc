@@ -335,6 +335,49 @@ TEST_P(TcpTransportFlows, APeerThatDoesNotReadClosesItsWindow) {
   })) << p.ra.requests.size() << " of " << sent;
 }
 
+// A peer whose host accepts our connection while no backend takes it (one restarting under
+// keep_state, whose keeper holds its listener): all we sent (our Hello; TLS: the ClientHello)
+// is acknowledged and nothing answers, which is what peer_not_taken says (an ACK timer then
+// waits as for a slow backend). The next backend takes that listener (Options::listener): it
+// answers the connection, and a frame queued meanwhile arrives.
+TEST_P(TcpTransportFlows, AConnectionNoBackendTookWaitsForTheNextOne) {
+  std::unique_ptr<Cluster> cl;
+  if (GetParam())
+    cl = std::make_unique<Cluster>(std::initializer_list<const char*>{"node-a", "node-b"});
+  UniqueFd held(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(::bind(held.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(::listen(held.get(), 64), 0);
+  ASSERT_EQ(::getsockname(held.get(), reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  const std::string addr_a = "127.0.0.1:" + std::to_string(ntohs(sa.sin_port));
+  Recorder ra, rb;
+  auto b = TcpTransport::create(
+      {"node-b", "127.0.0.1:0", {"node-a@" + addr_a}, false, cl ? cl->ctx("node-b") : nullptr}, rb);
+  ASSERT_TRUE(b.is_ok()) << b.status().message();
+  TcpTransport& tb = **b;
+  EXPECT_FALSE(tb.peer_not_taken("node-a"));  // not dialed yet
+  ASSERT_TRUE(run_until({&tb}, [&] { return tb.peer_not_taken("node-a"); }));
+  wire::Request rq{};
+  rq.qp_type = IBV_QPT_RC;
+  rq.opcode = IBV_WR_SEND;
+  rq.src_qpn = 0x77;
+  ASSERT_TRUE(tb.send("node-a", wire::Type::kRequest, &rq, {}, {}, 1));
+  ASSERT_TRUE(run_until({&tb}, [&] { return tb.peer_not_taken("node-a"); }));
+  EXPECT_FALSE(connected(tb, "node-a"));
+  auto a = TcpTransport::create(
+      {"node-a", addr_a, {}, false, cl ? cl->ctx("node-a") : nullptr, 0, std::move(held)}, ra);
+  ASSERT_TRUE(a.is_ok()) << a.status().message();
+  EXPECT_EQ((*a)->listen_address(), addr_a);
+  ASSERT_TRUE(run_until({a->get(), &tb}, [&] {
+    return connected(tb, "node-a") && connected(**a, "node-b") && ra.requests.size() == 1;
+  })) << ra.requests.size();
+  EXPECT_EQ(ra.requests[0], 0x77u);
+  EXPECT_FALSE(tb.peer_not_taken("node-a"));
+}
+
 INSTANTIATE_TEST_SUITE_P(PlainAndTls, TcpTransportFlows, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Tls" : "Plain"; });
 

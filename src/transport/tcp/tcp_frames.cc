@@ -223,6 +223,16 @@ bool TcpTransport::peer_window_closed(const std::string& node) {
   return ::ioctl(c->fd.get(), SIOCOUTQNSD, &unsent) == 0 && unsent > 0;
 }
 
+bool TcpTransport::peer_not_taken(const std::string& node) {
+  const Conn* c = tx_conn(node);
+  if (!c || c->hello || c->connecting || c->dialed.empty()) return false;
+  // Something of ours (our Hello, TLS: the ClientHello) went, and the peer's TCP has all of it
+  // (nothing in our socket): its kernel accepted the connection, its backend did not answer.
+  int outq = 0;
+  const uint64_t sent = c->tls ? c->tls->sent() : c->written - c->skipped;
+  return sent > 0 && ::ioctl(c->fd.get(), SIOCOUTQ, &outq) == 0 && outq == 0;
+}
+
 std::string TcpTransport::path_state(const std::string& node) {
   const Conn* c = tx_conn(node);
   tcp_info ti{};

@@ -32,6 +32,24 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::create(Options o, Receiver& 
 
 TcpTransport::~TcpTransport() = default;
 
+namespace {
+
+/// True when `fd` is a TCP socket listening at `la` (at any port when `la`'s is 0).
+bool listens_at(int fd, const Endpoint& la) {
+  Endpoint got;
+  got.len = sizeof(got.ss);
+  int on = 0;
+  socklen_t len = sizeof(on);
+  if (::getsockname(fd, got.sa(), &got.len) < 0 ||
+      ::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &on, &len) < 0 || !on ||
+      got.family() != la.family() || (la.port() != 0 && got.port() != la.port()))
+    return false;
+  const std::string a = format_endpoint(got.sa()), b = format_endpoint(la.sa());
+  return a.substr(0, a.rfind(':')) == b.substr(0, b.rfind(':'));  // the addresses
+}
+
+}  // namespace
+
 Status TcpTransport::start() {
   timespec ts{};
   ::clock_gettime(CLOCK_MONOTONIC, &ts);  // the clock poll() is given: a send() before it dials
@@ -40,13 +58,22 @@ Status TcpTransport::start() {
   if (!epoll_.valid()) return error(errno, "epoll_create1");
   if (opt_.listen.empty()) return error(EINVAL, "transport: no listen address");
   ASSIGN_OR_RETURN(Endpoint la, parse_endpoint(opt_.listen));
-  listen_ = UniqueFd(::socket(la.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!listen_.valid()) return error(errno, "socket");
-  const int one = 1;
-  ::setsockopt(listen_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(listen_.get(), la.sa(), la.len) < 0)
-    return error(errno, fmt::format("transport: bind {}: {}", opt_.listen, std::strerror(errno)));
-  if (::listen(listen_.get(), 64) < 0) return error(errno, "listen");
+  if (opt_.listener.valid() && listens_at(opt_.listener.get(), la)) {
+    listen_ = std::move(opt_.listener);
+    VLOG_INFO("transport tcp: listening on the socket kept across the restart");
+  } else {
+    if (opt_.listener.valid())
+      VLOG_WARN("transport tcp: the kept listener ({}) is not at {}; binding anew",
+                endpoint_of(opt_.listener.get(), ::getsockname), opt_.listen);
+    opt_.listener.reset();
+    listen_ = UniqueFd(::socket(la.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!listen_.valid()) return error(errno, "socket");
+    const int one = 1;
+    ::setsockopt(listen_.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(listen_.get(), la.sa(), la.len) < 0)
+      return error(errno, fmt::format("transport: bind {}: {}", opt_.listen, std::strerror(errno)));
+    if (::listen(listen_.get(), 64) < 0) return error(errno, "listen");
+  }
   // An ephemeral port (forced TCP on one host): dial what we got.
   if (la.port() == 0) opt_.listen = endpoint_of(listen_.get(), ::getsockname);
   watch_listener(true);

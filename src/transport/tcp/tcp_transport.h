@@ -57,6 +57,10 @@ class TcpTransport final : public Transport {
     /// A connection that carried nothing this long and that no QP of either side uses is
     /// closed (kClose); 0: never.
     uint64_t idle_close_ms = 0;
+    /// A listener to take instead of binding `listen` when it listens there (keep_state: the
+    /// one the keeper held while this backend restarted, with the connections its host
+    /// accepted meanwhile); invalid: bind.
+    UniqueFd listener{};
   };
   /// Connections made and ended by the on-demand rules (status, metrics).
   struct Counters {
@@ -140,6 +144,8 @@ class TcpTransport final : public Transport {
   bool secure() const { return opt_.tls != nullptr; }
   /// Where the listener is bound ("[::1]:7000"; the port filled in when it was 0).
   const std::string& listen_address() const { return opt_.listen; }
+  /// The listening socket (keep_state: the keeper holds a duplicate across a restart).
+  int listener_fd() const { return listen_.get(); }
   /// A directory outside the transport (etcd): locate_* answer from it and announce() tells it
   /// too. Null (the default): the embedded directory alone.
   void set_directory(Directory* d) { directory_ = d; }
@@ -169,6 +175,7 @@ class TcpTransport final : public Transport {
   uint64_t tx_patience_ns(const std::string& node) override;
   uint64_t peer_recovery_ns(const std::string& node) override;
   bool peer_window_closed(const std::string& node) override;
+  bool peer_not_taken(const std::string& node) override;
   std::string path_state(const std::string& node) override;
   bool rx_pending(const std::string& node) override;
   void refused_frame(const std::string& node, const std::string& why) override;
