@@ -860,6 +860,35 @@ TEST_P(OnDemand, FramesAroundTheCloseAreNotLost) {
   EXPECT_EQ(k.b->counters().dials, 1u);  // the frames after its accept went on a new connection
 }
 
+// Both sides dial at once (each one's first frame is for the other): two connections, and both
+// keep the one the smaller node name dialed. Frames queued or in flight on the other one are
+// not lost: it closes as an agreed close does (each side writes out what it queued there, shuts
+// its side and reads until the other's), before and after the choice.
+TEST_P(OnDemand, FramesOnTheDuplicateOfASimultaneousDialAreNotLost) {
+  Known k(GetParam(), 0, 0);
+  ASSERT_TRUE(k.a && k.b);
+  for (uint32_t i = 0; i < 50; ++i) {
+    ASSERT_TRUE(offer(*k.a, "node-b", i));
+    ASSERT_TRUE(offer(*k.b, "node-a", i));
+  }
+  uint32_t n = 50;
+  ASSERT_TRUE(k.run([&] {
+    if (n < 100) {  // more frames while the two connections come up and one goes
+      EXPECT_TRUE(offer(*k.a, "node-b", n));
+      EXPECT_TRUE(offer(*k.b, "node-a", n));
+      ++n;
+    }
+    return k.ua.r.offers.size() >= 100 && k.ub.r.offers.size() >= 100;
+  })) << k.ua.r.offers.size()
+      << " " << k.ub.r.offers.size();
+  k.idle(100);
+  EXPECT_EQ(got(k.ua.r), upto(100));
+  EXPECT_EQ(got(k.ub.r), upto(100));
+  EXPECT_EQ(k.a->counters().dials + k.b->counters().dials, 2u) << "both dialed";
+  EXPECT_EQ(k.a->connected(), std::vector<std::string>{"node-b"});
+  EXPECT_EQ(k.b->connected(), std::vector<std::string>{"node-a"});
+}
+
 // The embedded directory with static peers: they are dialed at start (their announcements are
 // the directory) and close when idle like any connection; what they announced stays. A lookup
 // that finds nothing dials the configured peers again, and their Hello brings what changed.

@@ -240,16 +240,21 @@ void TcpTransport::on_hello(Conn& c) {
   }
   auto it = by_node_.find(c.node);
   if (it != by_node_.end()) {
-    // Both sides dialed: keep the connection the smaller node name dialed; both agree.
+    // Both sides dialed: keep the connection the smaller node name dialed; both agree. The
+    // other closes as an agreed close does (each side writes out what it queued there, shuts
+    // its side and reads until the peer's FIN), so no frame on it is lost: frames the peer sent
+    // on it before it saw this Hello are read, and nothing is lost from our queue there. (A
+    // plain close threw away what was unread or unsent: an RDMA CM request sent on it, which
+    // nothing replays, was lost; hosts.rdmacm's rping waited for it under ASan.)
     Conn* old = it->second;
     const bool keep_new = (opt_.node < c.node) == !c.dialed.empty();
     VLOG_INFO("transport tcp: second connection to {}; keeping the {} one", c.node,
               keep_new ? "new" : "old");
     if (!keep_new) {
-      close_conn(&c, "duplicate connection");
+      begin_closing(c, true);
       return;
     }
-    close_conn(old, "duplicate connection");
+    begin_closing(*old, true);
   }
   by_node_[c.node] = &c;
   down_since_.erase(c.node);
@@ -453,12 +458,13 @@ void TcpTransport::on_close(Conn& c) {
   }
 }
 
-void TcpTransport::begin_closing(Conn& c) {
+void TcpTransport::begin_closing(Conn& c, bool duplicate) {
   c.closing = true;
+  c.duplicate = duplicate;
   c.closing_ns = now_ns_;
   c.asked_ns = 0;
   ++closing_;
-  ++counters_.idle_closes;
+  if (!duplicate) ++counters_.idle_closes;
   if (auto bn = by_node_.find(c.node); bn != by_node_.end() && bn->second == &c) {
     by_node_.erase(bn);
     down_since_[c.node] = now_ns_;
@@ -470,6 +476,10 @@ void TcpTransport::begin_closing(Conn& c) {
     d.next_ns = 0;
     d.backoff_ms = kRedialMs;
   }
+  if (duplicate) {
+    finish_closing(c);  // our FIN now if nothing is queued there; else after the queue (poll)
+    return;             // on_hello said so
+  }
   VLOG_INFO("transport tcp: connection to {} ({}) idle, unused on both sides: closing it", c.node,
             c.addr);
 }
@@ -480,7 +490,8 @@ void TcpTransport::finish_closing(Conn& c) {
     ::shutdown(c.fd.get(), SHUT_WR);
     c.shut = true;
   }
-  if (c.shut && c.peer_eof) close_conn(&c, "idle, closed by agreement");
+  if (c.shut && c.peer_eof)
+    close_conn(&c, c.duplicate ? "duplicate, closed by agreement" : "idle, closed by agreement");
 }
 
 void TcpTransport::expire_unauthenticated(uint64_t now_ns) {

@@ -344,6 +344,10 @@ ssize_t TcpTransport::check_read(Conn& c, ssize_t r) {
     finish_closing(c);
     return -1;
   }
+  if (r == 0 && c.hello && !c.txq.empty() && !flush(c)) return -1;  // flush closed it
+  // (The peer shut its side: it may be dropping this one of two connections dialed at once,
+  // on_hello, before its Hello on the other reached us, and reads here until our FIN: what we
+  // queued here went out above, as far as the socket took it at once.)
   close_conn(&c, r == 0 ? "closed by the peer" : std::strerror(errno));
   return -1;
 }

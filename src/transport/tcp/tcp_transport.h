@@ -214,6 +214,7 @@ class TcpTransport final : public Transport {
     /// Closing by agreement: nothing more is queued on it; its queue is written, then our
     /// side shut (`shut`); it is closed when the peer's side ends too (`peer_eof`).
     bool closing = false;
+    bool duplicate = false;  ///< closing: the other of two connections dialed at once
     bool shut = false;
     bool peer_eof = false;
     uint64_t closing_ns = 0;
@@ -310,7 +311,9 @@ class TcpTransport final : public Transport {
   void check_idle(uint64_t now_ns);
   void on_close(Conn& c);
   /// Both sides agreed: no more frames on `c`; it is written out, shut, and closed at the end.
-  void begin_closing(Conn& c);
+  /// `duplicate`: the connection both sides drop after dialing each other at once (on_hello),
+  /// not an idle one (not counted as an idle close).
+  void begin_closing(Conn& c, bool duplicate = false);
   /// Writes out a closing connection: shuts our side once its queue is empty; closes it when
   /// the peer's side ended too.
   void finish_closing(Conn& c);
