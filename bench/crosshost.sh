@@ -10,8 +10,9 @@
 #    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_POLL_SPIN_US=0).
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
-# HOSTS_VRDMAD_ARGS=--direct-remote: vrdma's rows take the direct path across backends (the
-# libraries talk TCP to each other; docs/ARCHITECTURE.md); the rows say "direct".
+# vrdma's rows take the direct path across backends (the libraries talk TCP to each other;
+# docs/ARCHITECTURE.md; the default) and say "direct"; HOSTS_VRDMAD_ARGS=--no-direct-remote: they
+# go through the backends' transport and say "mediated".
 # CORUN=K: K more processes that do nothing but sched_yield() run beside the latency rows (the
 # CPUs a real host's other busy-polling programs would take; the bandwidth rows run without).
 set -euo pipefail
@@ -80,8 +81,8 @@ for ((k = 0; k < CORUN; k++)); do
   python3 -c $'import os\nwhile True: os.sched_yield()' &
   corun_pids+=($!)
 done
-mode_label=""
-[[ " ${HOSTS_VRDMAD_ARGS:-} " == *" --direct-remote "* ]] && mode_label=" direct"
+mode_label=" direct"
+[[ " ${HOSTS_VRDMAD_ARGS:-} " == *" --no-direct-remote "* ]] && mode_label=" mediated"
 if ((CORUN > 0)); then
   corun_label=" (+$CORUN co-runners)"
   log "$CORUN yielding co-runners beside the latency rows"
@@ -125,7 +126,7 @@ done
 # at once (VRDMA_POLL_SPIN_US=0), runs interleaved; perftest's one-way latency, typical and average.
 # t_typical and t_avg of the last hperftest TOOL.
 lat_of() { result_rows "$E2E_TMP/$1.client.out" | awk '{print $5, $6}' | tail -n 1; }
-if [[ -n $mode_label ]]; then
+if [[ $mode_label == " direct" ]]; then
   echo
   echo "| date | machine | command (h2 -> h1) | runs | hub polls 200 µs: t_typical µs | t_avg µs | VRDMA_POLL_SPIN_US=0: t_typical µs | t_avg µs | t_avg 200 µs / 0 |"
   echo "|---|---|---|---|---|---|---|---|---|"

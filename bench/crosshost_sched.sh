@@ -7,6 +7,8 @@
 # Usage: bench/crosshost_sched.sh [BIN_DIR (default build/release/bin)] [ITERS (default 100000)]
 #        [SECONDS (default 2)]
 set -euo pipefail
+# Pinned to the backends' transport (--no-direct-remote, what it measures).
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"

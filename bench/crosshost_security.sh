@@ -6,6 +6,8 @@
 # ping-pong on the same path in the same run. Prints markdown table rows.
 # Needs root (ip netns). Usage: bench/crosshost_security.sh [BIN_DIR] [RUNS (default 5)]
 set -euo pipefail
+# Pinned to the backends' transport (--no-direct-remote, the transport whose TLS it measures).
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"

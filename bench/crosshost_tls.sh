@@ -8,6 +8,9 @@
 # small beside a MiB's). Prints markdown table rows.
 # Needs root (ip netns). Usage: bench/crosshost_tls.sh [BIN_DIR] [BASE_BIN_DIR|-] [RUNS (5)]
 set -euo pipefail
+# Pinned to the backends' transport (VRDMA_DIRECT_REMOTE=0, the transport whose TLS it measures;
+# the variable, not --no-direct-remote, which a BASE_BIN of before 2026-11-27 does not know).
+export VRDMA_DIRECT_REMOTE=0
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$(cd "${1:-$ROOT/build/release/bin}" && pwd)"

@@ -10,6 +10,8 @@
 # IMPAIRED_CONDITIONS: a ';'-separated list of impair options to use instead of the default set.
 # IMPAIRED_KEEP_CONNECTION=1: keep the backends (and their connection) across conditions.
 set -euo pipefail
+# Pinned to the backends' transport (--no-direct-remote, the transport of issue 30).
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"

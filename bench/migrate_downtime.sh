@@ -14,6 +14,8 @@
 #        [QP counts (default "1 8 64")]   (MIG_BW_ARGS: ib_write_bw's other options, default
 #        "-s 4096 -t 16"; MIG_PAUSE: the pause after each move, default 0.3 s)
 set -euo pipefail
+# Pinned to the backends' transport (--no-direct-remote, comparable with its earlier rows; direct pairs leave the direct path first).
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="${1:-$ROOT/build/release/bin}"

@@ -46,9 +46,9 @@ struct Config {
   /// Guests the operator declares one tenant, by name: those named in one list trust each other
   /// without a proof (one uid still).
   std::vector<std::vector<std::string>> direct_tenants;
-  /// The same across backends: the libraries of an RC QP pair on two backends talk TCP to each
-  /// other, the backends only introduce them; not with keep_state yet.
-  bool direct_remote = false;
+  /// The same across backends: the libraries of an RC QP pair on two backends talk TLS over TCP
+  /// to each other, the backends only introduce them. On by default.
+  bool direct_remote = true;
   // [quotas] (per guest), and [backend] max_mapped_bytes (quotas.max_mapped_bytes: all guests)
   engine::Quotas quotas;
   // [transport]

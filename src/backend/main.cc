@@ -59,9 +59,11 @@ bool apply_environment(vrdma::backend::Config& cfg) {
     cfg.direct_path = true;
   else if (d && std::string(d) == "0")
     cfg.direct_path = false;
-  // VRDMA_DIRECT_REMOTE=1: as --direct-remote.
+  // VRDMA_DIRECT_REMOTE=1 / 0: as --direct-remote / --no-direct-remote.
   if (const char* d = ::secure_getenv("VRDMA_DIRECT_REMOTE"); d && std::string(d) == "1")
     cfg.direct_remote = true;
+  else if (d && std::string(d) == "0")
+    cfg.direct_remote = false;
   // VRDMA_TRANSPORT=tcp: every pair through TCP, even two guests of this backend (tests the
   // cross-host path on one host).
   if (const char* t = ::secure_getenv("VRDMA_TRANSPORT"); t && *t) {
@@ -158,10 +160,13 @@ int main(int argc, char** argv) {
                "and revoking ([datapath] direct_path; the default)");
   app.add_flag("--no-direct-path", no_direct_path,
                "keep every guest's work on the backend ([datapath] direct_path = false)");
-  bool direct_remote = false;
+  bool direct_remote = false, no_direct_remote = false;
   app.add_flag("--direct-remote", direct_remote,
-               "let the libraries of an RC QP pair on two backends talk TCP to each other, the "
-               "backends only introducing them ([datapath] direct_remote)");
+               "let the libraries of an RC QP pair on two backends talk TLS over TCP to each "
+               "other, the backends only introducing them ([datapath] direct_remote; the default)");
+  app.add_flag("--no-direct-remote", no_direct_remote,
+               "keep every QP pair across backends on the backends' transport ([datapath] "
+               "direct_remote = false)");
   bool keep_state = false;
   app.add_flag("--keep-state", keep_state,
                "keep guests' state in a keeper process: a backend that dies is replaced without "
@@ -209,6 +214,7 @@ int main(int argc, char** argv) {
   if (direct_path) cfg.direct_path = true;
   if (no_direct_path) cfg.direct_path = false;
   if (direct_remote) cfg.direct_remote = true;
+  if (no_direct_remote) cfg.direct_remote = false;
   if (!metrics_listen.empty()) {
     cfg.metrics_enabled = true;
     cfg.metrics_listen = metrics_listen;

@@ -12,7 +12,7 @@
 # (ARCHITECTURE.md, "Memory windows"); the ODP case's first touches and unreachable page go
 # through the responding library's fault-in. ASnapshotWithWorkInFlightKeepsEveryMessageOnceAndInOrder
 # takes a pair back to the backends (kRevoke) with SENDs and READs in flight. Then windows, ODP
-# and XRC again with the backends restarted without --direct-remote (their TCP path between them).
+# and XRC again with the backends restarted with --no-direct-remote (their TCP path between them).
 # Usage: conformance_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -40,7 +40,7 @@ start_pair() {  # [FLAG...]
       fail "backend $n did not join: $(tail -n 5 "$E2E_TMP/vrdmad.$n.out")"
   done
 }
-start_pair --direct-remote
+start_pair  # direct_remote is the default
 
 log "the suite, our guest on backend a, the peer's on b"
 VRDMA_SOCKET="$E2E_TMP/a.sock" VRDMA_TEST_PEER_SOCKET="$E2E_TMP/b.sock" VRDMA_SPIN_US=200 \
@@ -75,7 +75,7 @@ for n in a b; do
     nap 0.05
   done
 done
-start_pair
+start_pair --no-direct-remote
 VRDMA_SOCKET="$E2E_TMP/a.sock" VRDMA_TEST_PEER_SOCKET="$E2E_TMP/b.sock" \
   VRDMA_BACKEND=/nonexistent-vrdmad "$SUITE" --gtest_brief=1 \
   --gtest_filter='Windows.*:XrcConformance.*:Conformance.Odp*' >"$E2E_TMP/suite2.out" 2>&1 || {

@@ -5,9 +5,12 @@
 # runs through three 1 s stops (SIGSTOP) of the peer backend, and a stream whose QPs time out
 # after 1 ms through forty 30 ms stops. A guest killed mid-stream and
 # garbage sent to a backend's port leave both backends serving.
+# Pinned to the backends' TCP transport (--no-direct-remote): the faults hit the connection between
+# the backends, which a pair on the direct path across backends would not use.
 # Usage: faults.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 2
 wait_mesh
 

@@ -5,9 +5,12 @@
 # a reliable transport must not turn that queueing into IBV_WC_RETRY_EXC_ERR (Device::ack_timeout).
 # perftest's CQ holds depth x QPs entries: 256 QPs at depth 128 is 32768, over the default quota
 # max_queue_depth (8192), so -q 256 runs at depth 32 (8192) here; raise the quota for more.
+# Pinned to the backends' TCP transport (--no-direct-remote): the test is about the queue on
+# the one backend-to-backend connection.
 # Usage: many_qps.sh BIN_DIR   (MANY_QPS: QPs:bytes:depth, default "64:1048576:128 256:262144:32")
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 2
 wait_mesh
 

@@ -17,10 +17,13 @@
 # A sanitized build, where each move takes seconds, runs 4 + 2 round trips and no 64-QP part.
 # The downtimes `vrdma migrate` reports are logged (min/median/max); every move's JSON is in
 # $E2E_TMP/migrations.out.
+# Pinned to the backends' TCP transport (--no-direct-remote): it moves the mediated state (the
+# QPs' tcp routes); hosts.migrate_direct_remote moves guests on the direct path.
 # Usage: migrate.sh BIN_DIR   (MIG_ROUNDS, MIG_REQ_ROUNDS: round trips of part 1; MIG_PAUSE: the
 #        pause after each move; MIG_ONLY=resp|req|bw|bw64: that part only)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 3
 wait_mesh
 

@@ -9,9 +9,12 @@
 # granted the direct path (its libraries copy into each other; the server's direct counters
 # must grow before the first move), every move ends the grants first, and on shm in h1 a QP's
 # route may read "direct/" (granted again) where "shm/" is wanted.
+# Pinned to the backends' TCP transport (--no-direct-remote): the QPs that cross hosts must go
+# through tcp, whose state moves with the guest; hosts.migrate_direct_remote covers the other.
 # Usage: migrate_shm.sh BIN_DIR   (MIG_ROUNDS, MIG_PAUSE: round trips, pause after each move)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 2
 wait_mesh
 

@@ -3,9 +3,12 @@
 # guests runs: the requester's WQE completes with IBV_WC_RETRY_EXC_ERR once the QP's retry
 # budget (timeout 14 x retry_cnt 7, about 0.5 s) is spent, and nothing hangs. The surviving
 # backend keeps serving: a pingpong between two of its own guests still runs.
+# Pinned to the backends' TCP transport (--no-direct-remote): a pair on the direct path across
+# backends keeps going when a backend dies, so the requester's retry budget would not be tested.
 # Usage: peer_dies.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 hosts_init "${1:-}" 2
 wait_mesh
 

@@ -1,10 +1,14 @@
 # Shared by the trust tests (trust_*.sh, issue 20): the attacker program (net_attacker) run on a
 # host, the TCP transport's security fields in a backend's status, and checks that record what
 # they missed and let the test go on, so one run reports every point of the contract it misses.
+# Every trust test is pinned to the backends' TCP transport (--no-direct-remote): the attacker
+# targets the backends' port and the stream's PSNs there (security.direct_hub covers the
+# libraries' own port).
 # shellcheck shell=bash
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 # shellcheck disable=SC2016  # Perl expressions in single quotes
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 E2E_NAME="hosts.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
 
 declare -a TRUST_MISSED=()
