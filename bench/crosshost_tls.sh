@@ -7,10 +7,14 @@
 # same suite and credentials (bench/tls_stream.py, 1 MiB writes; Python's cost per call is
 # small beside a MiB's). Prints markdown table rows.
 # Needs root (ip netns). Usage: bench/crosshost_tls.sh [BIN_DIR] [BASE_BIN_DIR|-] [RUNS (5)]
+# DIRECT=1: the libraries' direct path across backends instead (VRDMA_DIRECT_REMOTE=1: the
+# libraries' own TLS records, verbs/remote_tls.cc); the CPU column is still the backends', which
+# then carry only the control path.
 set -euo pipefail
 # Pinned to the backends' transport (VRDMA_DIRECT_REMOTE=0, the transport whose TLS it measures;
 # the variable, not --no-direct-remote, which a BASE_BIN of before 2026-11-27 does not know).
 export VRDMA_DIRECT_REMOTE=0
+[[ ${DIRECT:-0} == 1 ]] && VRDMA_DIRECT_REMOTE=1
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BIN_DIR="$(cd "${1:-$ROOT/build/release/bin}" && pwd)"

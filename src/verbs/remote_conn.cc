@@ -173,7 +173,9 @@ void refuse(Hub& h, const Hub::Pending& p, const char* why) {
 /// Writes a hello's answer: false unless all of it went (tx_mu held, for a published one).
 bool answer_hello(Conn& c, const HelloAck& ack) {
   const iovec v{const_cast<HelloAck*>(&ack), sizeof(ack)};
-  return tls_write(c, &v, 1, 0) == static_cast<ssize_t>(sizeof(ack));
+  if (tls_write(c, &v, 1, 0) != static_cast<ssize_t>(sizeof(ack))) return false;
+  if (c.rs->out_pending()) c.want_out.store(true);  // the caller arms the connection
+  return true;
 }
 
 /// A dialer's hello is complete, inside a TLS session whose key was that of the offer its
@@ -206,7 +208,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       c->req_in.store(true);
       c->peer_takes_requests = (p.h.flags & kTakesRequests) != 0;
       c->fd = std::move(p.fd);
-      c->ssl = std::move(p.ssl);
+      c->rs = std::move(p.rs);
       c->hub = &h;
       c->qp = qp;
       c->send_cq = qp->qp.send_cq;
@@ -228,19 +230,17 @@ void accept_hello(Hub& h, Hub::Pending& p) {
     return;
   }
   if (ack.err == 0) {
-    // From now on the session reads ahead (fewer syscalls): nothing was read past the hello.
-    SSL_set_read_ahead(c->ssl.get(), 1);
     if (!answer_hello(*c, ack)) c->broken.store(true);
     tx.unlock();
     rearm(*c);
     VLOG_INFO("direct path: QP {:#x} takes QP {:#x}'s requests from its library at {} ({}, {})",
-              p.h.to_qpn, p.h.from_qpn, addr_of(p.from), SSL_get_version(c->ssl.get()),
-              SSL_get_cipher_name(c->ssl.get()));
+              p.h.to_qpn, p.h.from_qpn, addr_of(p.from), SSL_get_version(p.ssl.get()),
+              SSL_get_cipher_name(p.ssl.get()));
     return;
   }
   tx.unlock();
   c->fd = std::move(p.fd);
-  c->ssl = std::move(p.ssl);
+  c->rs = std::move(p.rs);
   answer_hello(*c, ack);
   VLOG_INFO("direct path: QP {:#x} has a connection from QP {:#x}'s library already", p.h.to_qpn,
             p.h.from_qpn);
@@ -269,32 +269,39 @@ int hello_step(Hub& h, Hub::Pending& p, std::string& why) {
       return -1;
     }
     SSL_set_app_data(p.ssl.get(), &p);
+    SSL_set_ex_data(p.ssl.get(), secrets_index(), &p.secrets);
     SSL_set_accept_state(p.ssl.get());
   }
   SSL* s = p.ssl.get();
-  ERR_clear_error();
-  const int r = p.shook ? SSL_read(s, reinterpret_cast<uint8_t*>(&p.h) + p.got,
-                                   static_cast<int>(sizeof(Hello) - p.got))
-                        : SSL_accept(s);
-  if (r > 0 && !p.shook) {
-    p.shook = true;
-    SSL_set_app_data(s, nullptr);
-    return hello_step(h, p, why);  // the hello may have come with the handshake's end
-  }
-  if (r > 0) {
+  if (p.shook) {
+    // The hello, through our records: no byte past its record is read.
+    const ssize_t r = read_bounded(*p.rs, p.fd.get(), reinterpret_cast<uint8_t*>(&p.h) + p.got,
+                                   sizeof(Hello) - p.got, why);
+    if (r < 0) {
+      why = why.empty() ? "closed before its hello" : "its hello: " + why;
+      return -1;
+    }
     p.got += static_cast<size_t>(r);
     return p.got == sizeof(Hello) ? 1 : 0;
+  }
+  ERR_clear_error();
+  const int r = SSL_accept(s);
+  if (r > 0) {
+    p.shook = true;
+    SSL_set_app_data(s, nullptr);
+    const char* fail = nullptr;
+    p.rs = take_over(s, p.secrets, fail);
+    if (!p.rs) {
+      why = fmt::format("after its TLS handshake: {}", fail);
+      return -1;
+    }
+    return hello_step(h, p, why);  // the hello may have come with the handshake's end
   }
   const int e = SSL_get_error(s, r);
   p.want_out = e == SSL_ERROR_WANT_WRITE;
   if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
-  if (p.shook) {
-    ERR_clear_error();
-    why = "closed before its hello";
-  } else {
-    why = fmt::format("its TLS handshake failed: {}{}", tls_reason(),
-                      p.why.empty() ? "" : " (" + p.why + ")");
-  }
+  why = fmt::format("its TLS handshake failed: {}{}", tls_reason(),
+                    p.why.empty() ? "" : " (" + p.why + ")");
   return -1;
 }
 
@@ -580,88 +587,6 @@ RemoteQp& remote_of(Hub& h, VQp& qp) {
   return *qp.remote;
 }
 
-/// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
-/// with the key derived from `token`, the hello and its answer. The connection (its session in
-/// `ssl`) and the peer's LID, or invalid with errno and `why` (EBUSY: the peer's library has
-/// dialed us).
-UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const uint8_t* token,
-              SslPtr& ssl, uint32_t& peer_lid, const char*& why) {
-  why = nullptr;
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return {};
-  set_sock_opts(fd.get());
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = ipv4;
-  a.sin_port = htons(port);
-  const uint64_t deadline = now_ms() + kDialMs;
-  auto wait_for = [&](short ev) {
-    const uint64_t now = now_ms();
-    pollfd p{fd.get(), ev, 0};
-    return now < deadline && ::poll(&p, 1, static_cast<int>(deadline - now)) == 1 &&
-           (p.revents & ev);
-  };
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    int err = 0;
-    socklen_t len = sizeof(err);
-    if (errno != EINPROGRESS || !wait_for(POLLOUT) ||
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
-      if (err) errno = err;
-      return {};
-    }
-  }
-  ssl.reset(SSL_new(h.tls.get()));
-  if (!ssl || !set_socket(ssl.get(), fd.get())) {
-    errno = ENOMEM;
-    return {};
-  }
-  SSL_set_connect_state(ssl.get());
-  const DialPsk psk{PskIdentity{kDirectMagic, kDirectVersion, hello.from_qpn, hello.to_qpn}, token};
-  SSL_set_app_data(ssl.get(), const_cast<DialPsk*>(&psk));
-  // Each step until it is done, waiting for what it asks; no read ahead until the hello's
-  // answer is in (what follows it is the hub's to read, and epoll does not see the session).
-  auto step = [&](auto&& call) {
-    for (;;) {
-      ERR_clear_error();
-      const int r = call();
-      if (r > 0) return r;
-      const int e = SSL_get_error(ssl.get(), r);
-      if ((e == SSL_ERROR_WANT_READ && wait_for(POLLIN)) ||
-          (e == SSL_ERROR_WANT_WRITE && wait_for(POLLOUT)))
-        continue;
-      if (e == SSL_ERROR_SSL) why = tls_reason();
-      ERR_clear_error();
-      errno = e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE ? ETIMEDOUT : ECONNRESET;
-      return r;
-    }
-  };
-  const int shook = step([&] { return SSL_connect(ssl.get()); });
-  SSL_set_app_data(ssl.get(), nullptr);
-  if (shook <= 0) return {};
-  if (!SSL_session_reused(ssl.get())) {  // the PSK made the session, nothing else could
-    errno = EPROTO;
-    return {};
-  }
-  if (step([&] { return SSL_write(ssl.get(), &hello, sizeof(hello)); }) <= 0) return {};
-  HelloAck ack{};
-  size_t got = 0;
-  while (got < sizeof(ack)) {
-    const int r = step([&] {
-      return SSL_read(ssl.get(), reinterpret_cast<uint8_t*>(&ack) + got,
-                      static_cast<int>(sizeof(ack) - got));
-    });
-    if (r <= 0) return {};  // refused: a hello the peer's hub does not know is not answered
-    got += static_cast<size_t>(r);
-  }
-  if (!check_hello_ack(ack).is_ok() || ack.err != 0) {
-    errno = ack.err > 0 && ack.err < 4096 ? ack.err : EPROTO;
-    return {};
-  }
-  SSL_set_read_ahead(ssl.get(), 1);
-  peer_lid = ack.lid;
-  return fd;
-}
-
 void back_off(RemoteQp& r, uint32_t base) {
   r.backoff = std::min(std::max(r.backoff * 2, base), kAskMax);
   r.ask_wait = r.backoff;
@@ -718,13 +643,13 @@ bool connect_out(VQp& qp) {
     const Hello hello{kDirectMagic,  kDirectVersion, qp.qp.qp_num,
                       resp.peer_qpn, resp.my_lid,    r.offered ? kTakesRequests : 0};
     uint32_t peer_lid = 0;
-    SslPtr ssl;
-    const char* why = nullptr;
-    UniqueFd fd = dial(*h, resp.peer_ipv4, resp.peer_port, hello, resp.token, ssl, peer_lid, why);
+    std::unique_ptr<tls::RecordStream> rs;
+    std::string why;
+    UniqueFd fd = dial(*h, resp.peer_ipv4, resp.peer_port, hello, resp.token, rs, peer_lid, why);
     if (fd.valid()) {
       c = std::make_shared<Conn>();
       c->fd = std::move(fd);
-      c->ssl = std::move(ssl);
+      c->rs = std::move(rs);
       c->hub = h;
       c->qp = &qp;
       c->send_cq = qp.qp.send_cq;
@@ -759,7 +684,7 @@ bool connect_out(VQp& qp) {
       VLOG_WARN(
           "direct path: QP {:#x} cannot reach its peer's library at {}:{} ({}); staying on "
           "the backend",
-          qp.qp.qp_num, ip, resp.peer_port, why ? why : std::strerror(errno));
+          qp.qp.qp_num, ip, resp.peer_port, !why.empty() ? why : std::strerror(errno));
       back_off(r, kAskMax / 4);
       return false;
     }
@@ -770,9 +695,8 @@ bool connect_out(VQp& qp) {
     r.out = c;
   }
   r.active.store(true, std::memory_order_release);
-  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library ({}, {}){}", qp.qp.qp_num,
-            resp.peer_qpn, SSL_get_version(c->ssl.get()), SSL_get_cipher_name(c->ssl.get()),
-            c == r.in ? " (one connection both ways)" : "");
+  VLOG_INFO("direct path: QP {:#x} sends to QP {:#x} through its library (TLSv1.3, {}){}",
+            qp.qp.qp_num, resp.peer_qpn, kTlsSuite, c == r.in ? " (one connection both ways)" : "");
   return true;
 }
 

@@ -3,8 +3,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/err.h>
-#include <openssl/ssl.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/epoll.h>
@@ -57,9 +55,14 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
         return false;
       }
       done += static_cast<size_t>(w);
-      if (done == total) return true;
+      if (done == total) break;
       if (w == 0) break;
     }
+  }
+  if (done == total) {
+    // All sealed; what the socket did not take waits in the stream for EPOLLOUT.
+    if (c.rs->out_pending() && !c.want_out.exchange(true)) rearm(c);
+    return true;
   }
   for (size_t i = 0; i < n; ++i) {
     const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
@@ -86,7 +89,14 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
 }
 
 bool flush_locked(Conn& c) {
-  while (!c.backlog.empty()) {
+  for (;;) {
+    const int pushed = tls_push(c);
+    if (pushed < 0) {
+      c.broken.store(true);
+      return false;
+    }
+    if (pushed == 0) return true;  // the socket is full: EPOLLOUT again
+    if (c.backlog.empty()) break;
     iovec iov[64];
     size_t n = 0;
     for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
@@ -303,7 +313,8 @@ int rx_payload(Conn& c) {
     ssize_t r;
     {
       const DmaUnseen dma;
-      r = tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more);
+      r = tls_read(c, c.dst[c.di].p + c.doff, std::min(c.left, c.dst[c.di].n - c.doff), more,
+                   false);
     }
     c.emptied = r <= 0 || !more;
     if (r > 0) {
@@ -696,7 +707,7 @@ bool drain(Conn& c, bool defer_ack) {
         if (did && c.beg == c.end && c.emptied) break;
         const int got = fill(c);
         if (got < 0) {
-          broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
+          broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection");
           return true;
         }
         if (got == 0) break;
@@ -742,7 +753,7 @@ bool drain(Conn& c, bool defer_ack) {
     }
     const int got = rx_payload(c);
     if (got < 0) {
-      broken(c, qp, c.tls_err ? c.tls_err : "the peer's library closed the connection");
+      broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection");
       return true;
     }
     if (got == 0) break;

@@ -44,12 +44,15 @@
 // TLS. Every connection is TLS 1.3 with an external PSK (no certificates): the dialer names the
 // QP pair (PskIdentity), both derive the key from the offer's token with HKDF, and the acceptor
 // finds the offer by that identity. A stranger without the token fails the handshake; one that
-// does not even start with a TLS record is closed unread and unanswered. Reads: a TLS record is
-// decrypted whole, so what the socket held may now sit in the session (SSL_has_pending), where
-// epoll does not see it: a read stops only once the session holds nothing. Writes: one record at
-// a time (a frame header and a small payload in one); a record the socket did not take is the
-// session's to finish, and the next write must offer the same bytes first (SSL_write's rule): the
-// backlog keeps them first in line.
+// does not even start with a TLS record is closed unread and unanswered. OpenSSL runs only the
+// handshake: its records are then ours (common/tls_record.h, as the backends' transport does),
+// sealed straight from the frames' pieces into a send buffer and opened from a read buffer,
+// many records a syscall, the reading side (rx_mu) and the writing side (tx_mu) each on its
+// own. The hello and its answer are read a record at a time, no byte past them: what follows
+// is in the socket, where epoll sees it. Reads: what the stream holds (whole records read from
+// the socket) epoll does not see: a read stops only once the stream holds nothing. Writes: the
+// bytes a write takes are sealed at once; ciphertext the socket did not take waits in the
+// stream, and the connection wants EPOLLOUT until it is gone (want_out).
 #pragma once
 
 #include <netinet/in.h>
@@ -68,6 +71,7 @@
 
 #include "common/listener_rest.h"
 #include "common/log.h"
+#include "common/tls_record.h"
 #include "common/unique_fd.h"
 #include "proto/direct_wire.h"
 #include "verbs/internal.h"
@@ -85,8 +89,11 @@ constexpr uint64_t kDirectReadMin = 16 * 1024;  ///< payloads this large are rea
 /// After a frame with such a payload, the next header is read with at most this much behind it:
 /// a large payload that follows then goes in place, not through the buffer (one copy less).
 constexpr size_t kHeaderReadAfterLarge = 1024;
-constexpr int kDialMs = 1000;         ///< connect, TLS handshake and hello, in all
-constexpr size_t kTlsRecord = 16384;  ///< the most plaintext a TLS record carries
+constexpr int kDialMs = 1000;  ///< connect, TLS handshake and hello, in all
+/// The one TLS 1.3 suite of the libraries' connections (make_tls): with AES-NI, the cheapest.
+constexpr const char* kTlsSuite = "TLS_AES_128_GCM_SHA256";
+/// Each direction's ciphertext buffer of a connection: up to 8 records a syscall.
+constexpr size_t kTlsBuf = 8 * tls::kTlsMaxRecord;
 /// A connection whose TLS handshake and hello have not come by then is closed; at most kMaxPending
 /// wait at a time (more are closed as they come): strangers can hold neither descriptors nor the
 /// hub's thread.
@@ -106,10 +113,19 @@ struct SslFree {
   void operator()(SSL* s) const noexcept { SSL_free(s); }
   void operator()(SSL_CTX* c) const noexcept { SSL_CTX_free(c); }
 };
-/// A TLS session. It never closes its descriptor (set_socket): declared after the UniqueFd, it
-/// is freed before the descriptor closes.
+/// A TLS session during its handshake. It never closes its descriptor (set_socket).
 using SslPtr = std::unique_ptr<SSL, SslFree>;
 using SslCtxPtr = std::unique_ptr<SSL_CTX, SslFree>;
+
+/// A handshake's traffic secrets, which OpenSSL's key log callback hands over (make_tls; the
+/// SSL's ex data at secrets_index()) and the take-over gives to the connection's own records.
+struct TlsSecrets {
+  std::vector<uint8_t> client, server;
+  TlsSecrets() = default;
+  TlsSecrets(const TlsSecrets&) = delete;
+  TlsSecrets& operator=(const TlsSecrets&) = delete;
+  ~TlsSecrets();
+};
 
 }  // namespace dlink
 
@@ -132,8 +148,9 @@ struct Conn : Watch {
   // Set before the connection is published (RemoteQp::in/out under Hub::mu, register_conn)
   // and read-only from then on.
   UniqueFd fd;
-  SslPtr ssl;         ///< the TLS session on `fd`: every byte goes through it
-  std::mutex ssl_mu;  ///< innermost: one call into `ssl` at a time
+  /// The TLS session's records on `fd`, every byte: its reading side under rx_mu, its writing
+  /// side under tx_mu.
+  std::unique_ptr<tls::RecordStream> rs;
   Hub* hub = nullptr;
   bool peer_takes_requests = true;  ///< ours may go on it (the dialer said so in its hello)
   const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
@@ -148,7 +165,7 @@ struct Conn : Watch {
   std::mutex rx_mu;
   VQp* qp = nullptr;  ///< null once the QP is gone
   /// Why a read failed, when TLS said (say, a record that failed its integrity check).
-  const char* tls_err = nullptr;
+  std::string tls_err;
   // A buffer, and the frame being taken in.
   std::vector<uint8_t> buf = std::vector<uint8_t>(kRxBuf);
   size_t beg = 0, end = 0;
@@ -185,7 +202,6 @@ struct Conn : Watch {
     size_t n;
   };
   std::deque<Piece> backlog;
-  std::vector<uint8_t> rec = std::vector<uint8_t>(kTlsRecord);  ///< a record's bytes gathered
   std::atomic<bool> want_out{false};
   std::atomic<bool> broken{false};
 
@@ -221,7 +237,9 @@ struct Hub {
   struct Pending : Watch {
     UniqueFd fd;
     SslPtr ssl;             ///< once its first byte is a TLS handshake's
-    bool shook = false;     ///< the handshake is done: the hello comes through `ssl`
+    TlsSecrets secrets;     ///< what the handshake reports (make_tls's key log callback)
+    std::unique_ptr<tls::RecordStream> rs;  ///< after the handshake: the hello comes through it
+    bool shook = false;     ///< the handshake is done
     bool want_out = false;  ///< the handshake waits for room to write
     /// From psk_find(): the identity it found an offer for, and that offer's token; or why none.
     bool known = false;
@@ -310,14 +328,33 @@ VQp* offer_of(VContext& ctx, uint32_t to_qpn, uint32_t from_qpn);
 SslCtxPtr make_tls(Hub& h);
 /// The reason of the oldest TLS error of this thread (the queue is emptied).
 const char* tls_reason();
-/// One read from the session: bytes, 0 none now, -1 closed or failed (`tls_err` says why, if
-/// TLS knows). `more`: the session still holds bytes (the socket may not wake anyone for them).
-ssize_t tls_read(Conn& c, void* p, size_t n, bool& more);
-/// Writes the first bytes of `iov` past `skip`, one record's worth (gathered into Conn::rec when
-/// they are in pieces): how many, 0 none now, -1 broken (tx_mu held). Always min(kTlsRecord,
-/// what is there) bytes, so a record the socket did not take is offered again, the same bytes
-/// first and at least as many, by the next write from the same place in line.
+/// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake
+/// with the key derived from `token`, the hello and its answer. The connection (its records in
+/// `rs`) and the peer's LID, or invalid with errno and `why` (EBUSY: the peer's library has
+/// dialed us).
+UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const uint8_t* token,
+              std::unique_ptr<tls::RecordStream>& rs, uint32_t& peer_lid, std::string& why);
+/// The SSL ex data index of a handshake's TlsSecrets (one for the process, taken at first use).
+int secrets_index();
+/// After `s`'s handshake (a socket BIO, no read ahead: nothing past the handshake was read):
+/// the connection's records from its traffic secrets, OpenSSL's no more. Null (`why` set) when
+/// OpenSSL gave no secrets or holds data.
+std::unique_ptr<tls::RecordStream> take_over(SSL* s, TlsSecrets& sec, const char*& why);
+/// Up to n bytes of plaintext from records of `rs` on `fd`, reading no byte of the socket past
+/// the record they come in (a hello, its answer): bytes, 0 none now, -1 closed or failed
+/// (`why` set when TLS says why).
+ssize_t read_bounded(tls::RecordStream& rs, int fd, void* p, size_t n, std::string& why);
+/// One read from the connection: bytes, 0 none now, -1 closed or failed (`tls_err` says why, if
+/// TLS knows; rx_mu held). `more`: the stream still holds plaintext or whole records (the
+/// socket may not wake anyone for them). `p_is_ours` false: p is the application's memory
+/// (RecordStream::read).
+ssize_t tls_read(Conn& c, void* p, size_t n, bool& more, bool p_is_ours = true);
+/// Seals the bytes of `iov` past `skip`, as many as the stream has room for, and writes out what
+/// the socket takes (tx_mu held): the bytes taken, 0 none now (the socket is full), -1 broken.
+/// What was sealed but not written waits in the stream (tls_push; Conn::want_out).
 ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip);
+/// Writes out what the stream holds (tx_mu held): 1 all of it, 0 some left, -1 broken.
+int tls_push(Conn& c);
 
 // remote_memory.cc: what a peer's request may touch here.
 
@@ -363,9 +400,12 @@ void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r);
 /// request (remote_post), or goes at its next empty poll (remote_progress).
 bool drain(Conn& c, bool defer_ack);
 
-// remote_conn.cc: the hub, hellos, dialing.
+// remote_conn.cc: the hub and hellos (dial is remote_tls.cc's).
 
 uint64_t now_ns();  ///< CLOCK_MONOTONIC
+uint64_t now_ms();
+/// TCP_NODELAY, and a TCP_USER_TIMEOUT that ends a connection to a peer that vanished.
+void set_sock_opts(int fd);
 
 /// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
 /// to write (while there is a backlog).

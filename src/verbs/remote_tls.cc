@@ -1,5 +1,6 @@
 // The direct path across backends: its TLS sessions (TLS 1.3, an external PSK per QP pair; see
-// remote_impl.h), and the socket BIO that writes without SIGPIPE.
+// remote_impl.h): the dial, OpenSSL's handshake on a socket BIO that writes without SIGPIPE,
+// then the connection's own records (common/tls_record.h).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -178,20 +179,35 @@ int psk_find(SSL* s, const unsigned char* idp, size_t idlen, SSL_SESSION** sess)
   return 1;
 }
 
+TlsSecrets::~TlsSecrets() {
+  for (std::vector<uint8_t>* v : {&client, &server})
+    if (!v->empty()) OPENSSL_cleanse(v->data(), v->size());
+}
+
+int secrets_index() {
+  static const int i = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
+  return i;
+}
+
+/// OpenSSL's key log callback: the traffic secrets go to the handshake's TlsSecrets, nowhere else.
+void keep_secret(const SSL* s, const char* line) {
+  if (auto* sec = static_cast<TlsSecrets*>(SSL_get_ex_data(s, secrets_index())))
+    tls::take_traffic_secret(line, sec->client, sec->server);
+}
+
 SslCtxPtr make_tls(Hub& h) {
   SslCtxPtr t(SSL_CTX_new(TLS_method()));
   if (!t || SSL_CTX_set_min_proto_version(t.get(), TLS1_3_VERSION) != 1 ||
       SSL_CTX_set_max_proto_version(t.get(), TLS1_3_VERSION) != 1 ||
-      SSL_CTX_set_ciphersuites(t.get(), "TLS_AES_128_GCM_SHA256") != 1 ||
+      SSL_CTX_set_ciphersuites(t.get(), kTlsSuite) != 1 ||
       SSL_CTX_set_num_tickets(t.get(), 0) != 1)
     return nullptr;
   SSL_CTX_set_options(t.get(), SSL_OP_NO_TICKET);
   SSL_CTX_set_session_cache_mode(t.get(), SSL_SESS_CACHE_OFF);
   SSL_CTX_set_verify(t.get(), SSL_VERIFY_PEER, nullptr);
   SSL_CTX_set_session_id_context(t.get(), kSidCtx, sizeof(kSidCtx) - 1);
-  // A record at a time per write (partial writes), and a write retried from another place
-  // (the backlog's copy): see send_frame.
-  SSL_CTX_set_mode(t.get(), SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  // The traffic secrets, for the connection's own records after the handshake (take_over).
+  SSL_CTX_set_keylog_callback(t.get(), keep_secret);
   SSL_CTX_set_psk_use_session_callback(t.get(), psk_use);
   SSL_CTX_set_psk_find_session_callback(t.get(), psk_find);
   SSL_CTX_set_app_data(t.get(), &h);
@@ -205,42 +221,162 @@ const char* tls_reason() {
   return r ? r : "closed";
 }
 
-ssize_t tls_read(Conn& c, void* p, size_t n, bool& more) {
-  std::lock_guard<std::mutex> g(c.ssl_mu);
-  ERR_clear_error();  // SSL_get_error reads this thread's queue: an application's leftovers too
-  const int r = SSL_read(c.ssl.get(), p, static_cast<int>(std::min<size_t>(n, INT_MAX)));
-  more = SSL_has_pending(c.ssl.get()) == 1;
-  if (r > 0) return r;
-  const int e = SSL_get_error(c.ssl.get(), r);
-  if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
-  c.tls_err = e == SSL_ERROR_SSL ? tls_reason() : nullptr;
-  ERR_clear_error();
-  return -1;
+std::unique_ptr<tls::RecordStream> take_over(SSL* s, TlsSecrets& sec, const char*& why) {
+  SSL_set_ex_data(s, secrets_index(), nullptr);
+  const bool server = SSL_is_server(s) == 1;
+  auto rs = std::make_unique<tls::RecordStream>();
+  if (SSL_has_pending(s) == 1) {
+    why = "data inside the TLS session right after the handshake";
+    return nullptr;
+  }
+  if (!rs->start(SSL_CIPHER_get_protocol_id(SSL_get_current_cipher(s)),
+                 server ? sec.server : sec.client, server ? sec.client : sec.server, kTlsBuf)) {
+    why = "no traffic keys from OpenSSL";
+    return nullptr;
+  }
+  return rs;
 }
 
-ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip) {
-  size_t i = 0;
-  while (i < n && skip >= iov[i].iov_len) skip -= iov[i++].iov_len;
-  if (i == n) return 0;
-  const uint8_t* p = static_cast<const uint8_t*>(iov[i].iov_base) + skip;
-  size_t len = iov[i].iov_len - skip;
-  if (len < kTlsRecord && i + 1 < n) {
-    uint8_t* at = std::copy_n(p, len, c.rec.data());
-    for (++i; i < n && len < kTlsRecord; ++i) {
-      const size_t k = std::min(iov[i].iov_len, kTlsRecord - len);
-      at = std::copy_n(static_cast<const uint8_t*>(iov[i].iov_base), k, at);
-      len += k;
-    }
-    p = c.rec.data();
+ssize_t read_bounded(tls::RecordStream& rs, int fd, void* p, size_t n, std::string& why) {
+  for (;;) {
+    const ssize_t r = rs.read(p, n, why);
+    if (r != 0) return r;
+    const ssize_t got = rs.pull(fd, nullptr, rs.record_need());
+    if (got <= 0) return got;
   }
-  len = std::min(len, kTlsRecord);
-  std::lock_guard<std::mutex> g(c.ssl_mu);
-  ERR_clear_error();
-  const int w = SSL_write(c.ssl.get(), p, static_cast<int>(len));
-  if (w > 0) return w;
-  const int e = SSL_get_error(c.ssl.get(), w);
-  ERR_clear_error();
-  return e == SSL_ERROR_WANT_WRITE || e == SSL_ERROR_WANT_READ ? 0 : -1;
+}
+
+ssize_t tls_read(Conn& c, void* p, size_t n, bool& more, bool p_is_ours) {
+  std::string why;
+  for (;;) {
+    const ssize_t r = c.rs->read(p, n, why, p_is_ours);
+    if (r > 0) {
+      more = c.rs->has_buffered();
+      return r;
+    }
+    more = false;
+    if (r < 0) {
+      c.tls_err = std::move(why);
+      return -1;
+    }
+    const ssize_t got = c.rs->pull(c.fd.get());
+    if (got < 0) {
+      if (errno) c.tls_err = fmt::format("the connection failed: {}", std::strerror(errno));
+      return -1;
+    }
+    if (got == 0) return 0;
+  }
+}
+
+int tls_push(Conn& c) { return c.rs->push(c.fd.get()); }
+
+ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip) {
+  std::string why;
+  ssize_t took = c.rs->write(iov, n, skip, why);
+  int pushed = took < 0 ? -1 : tls_push(c);
+  if (took == 0 && pushed == 1) {  // the stream was full, and now is empty
+    took = c.rs->write(iov, n, skip, why);
+    pushed = took < 0 ? -1 : tls_push(c);
+  }
+  return pushed < 0 ? -1 : took;
+}
+
+UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const uint8_t* token,
+              std::unique_ptr<tls::RecordStream>& rs, uint32_t& peer_lid, std::string& why) {
+  why.clear();
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return {};
+  set_sock_opts(fd.get());
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = ipv4;
+  a.sin_port = htons(port);
+  const uint64_t deadline = now_ms() + kDialMs;
+  auto wait_for = [&](short ev) {
+    const uint64_t now = now_ms();
+    pollfd p{fd.get(), ev, 0};
+    return now < deadline && ::poll(&p, 1, static_cast<int>(deadline - now)) == 1 &&
+           (p.revents & ev);
+  };
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (errno != EINPROGRESS || !wait_for(POLLOUT) ||
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      if (err) errno = err;
+      return {};
+    }
+  }
+  SslPtr ssl(SSL_new(h.tls.get()));
+  if (!ssl || !set_socket(ssl.get(), fd.get())) {
+    errno = ENOMEM;
+    return {};
+  }
+  SSL_set_connect_state(ssl.get());
+  const DialPsk psk{PskIdentity{kDirectMagic, kDirectVersion, hello.from_qpn, hello.to_qpn}, token};
+  TlsSecrets secrets;
+  SSL_set_app_data(ssl.get(), const_cast<DialPsk*>(&psk));
+  SSL_set_ex_data(ssl.get(), secrets_index(), &secrets);
+  // The handshake, each step waiting for what it asks. No read ahead: what the peer sends after
+  // it stays in the socket.
+  for (;;) {
+    ERR_clear_error();
+    const int r = SSL_connect(ssl.get());
+    if (r > 0) break;
+    const int e = SSL_get_error(ssl.get(), r);
+    if ((e == SSL_ERROR_WANT_READ && wait_for(POLLIN)) ||
+        (e == SSL_ERROR_WANT_WRITE && wait_for(POLLOUT)))
+      continue;
+    if (e == SSL_ERROR_SSL) why = tls_reason();
+    ERR_clear_error();
+    SSL_set_ex_data(ssl.get(), secrets_index(), nullptr);
+    errno = e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE ? ETIMEDOUT : ECONNRESET;
+    return {};
+  }
+  SSL_set_app_data(ssl.get(), nullptr);
+  if (!SSL_session_reused(ssl.get())) {  // the PSK made the session, nothing else could
+    errno = EPROTO;
+    return {};
+  }
+  const char* fail = nullptr;
+  rs = take_over(ssl.get(), secrets, fail);
+  if (!rs) {
+    why = fail;
+    errno = EPROTO;
+    return {};
+  }
+  // The hello, then its answer, through our records.
+  if (rs->write(&hello, sizeof(hello), why) != static_cast<ssize_t>(sizeof(hello))) {
+    errno = EPROTO;
+    return {};
+  }
+  for (int pushed; (pushed = rs->push(fd.get())) != 1;) {
+    if (pushed < 0 || !wait_for(POLLOUT)) {
+      errno = pushed < 0 ? errno : ETIMEDOUT;
+      return {};
+    }
+  }
+  HelloAck ack{};
+  size_t got = 0;
+  while (got < sizeof(ack)) {
+    const ssize_t r =
+        read_bounded(*rs, fd.get(), reinterpret_cast<uint8_t*>(&ack) + got, sizeof(ack) - got, why);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+      continue;
+    }
+    // Refused: a hello the peer's hub does not know is not answered.
+    if (r < 0 || !wait_for(POLLIN)) {
+      errno = r < 0 ? ECONNRESET : ETIMEDOUT;
+      return {};
+    }
+  }
+  if (!check_hello_ack(ack).is_ok() || ack.err != 0) {
+    errno = ack.err > 0 && ack.err < 4096 ? ack.err : EPROTO;
+    return {};
+  }
+  peer_lid = ack.lid;
+  return fd;
 }
 
 }  // namespace vrdma::verbs::dlink

@@ -27,12 +27,7 @@ namespace {
 /// Each direction of a connection's BIO pair: the handshake's ciphertext.
 constexpr size_t kPairBytes = 256 * 1024;
 /// Each direction's ciphertext buffer after the handshake: up to 16 records a syscall.
-constexpr size_t kBufBytes = 256 * 1024 + kTlsMaxRecord;
-/// Records sealed with one key before a KeyUpdate: AES-GCM's limit with TLS 1.3's safety
-/// margin is 2^24.5 full records (RFC 8446, 5.5); the same for every suite, for simplicity.
-constexpr uint64_t kRecordsPerKey = uint64_t{1} << 24;
-/// A KeyUpdate message (RFC 8446, 4.6.3): type 24, length 1, update_not_requested.
-constexpr uint8_t kKeyUpdate[] = {24, 0, 0, 1, 0};
+constexpr size_t kBufBytes = 256 * 1024 + tls::kTlsMaxRecord;
 
 std::string cn_of(X509* cert) {
   char cn[256] = {};
@@ -74,16 +69,7 @@ Status check_key_file(const std::string& path) {
 struct TlsSecrets {
   static void on_line(const SSL* ssl, const char* line) {
     auto* s = static_cast<TlsStream*>(SSL_get_ex_data(ssl, 0));
-    std::vector<uint8_t>* to = nullptr;
-    if (!s) return;
-    if (std::strncmp(line, "CLIENT_TRAFFIC_SECRET_0 ", 24) == 0) to = &s->client_secret_;
-    if (std::strncmp(line, "SERVER_TRAFFIC_SECRET_0 ", 24) == 0) to = &s->server_secret_;
-    if (!to) return;
-    to->clear();
-    for (const char* h = std::strrchr(line, ' ') + 1; h[0] && h[1]; h += 2) {
-      const char b[3] = {h[0], h[1], 0};
-      to->push_back(static_cast<uint8_t>(std::strtoul(b, nullptr, 16)));
-    }
+    if (s) tls::take_traffic_secret(line, s->client_secret_, s->server_secret_);
   }
 };
 
@@ -170,34 +156,10 @@ TlsStream::TlsStream(const TlsContext& ctx, bool server) {
 TlsStream::~TlsStream() {
   SSL_free(ssl_);
   BIO_free(ext_);
-  if (!in_.empty()) OPENSSL_cleanse(in_.data(), in_.size());  // plaintext opened in place
 }
 
 ssize_t TlsStream::pull(int fd, bool* drained) {
-  if (established_) {
-    // Room at the end: records opened and read are dropped from the front first.
-    const bool plain = plain_pos_ < plain_end_;
-    const size_t keep = plain ? plain_pos_ : in_head_;
-    if (!plain && in_head_ == in_tail_) {
-      in_head_ = in_tail_ = 0;
-    } else if (keep > 0 && in_.size() - in_tail_ < kTlsMaxRecord) {
-      std::memmove(in_.data(), in_.data() + keep, in_tail_ - keep);
-      in_head_ -= keep;
-      in_tail_ -= keep;
-      if (plain) plain_pos_ -= keep, plain_end_ -= keep;
-    }
-    const size_t room = in_.size() - in_tail_;
-    if (room == 0) return 0;
-    const ssize_t r = ::read(fd, in_.data() + in_tail_, room);
-    if (drained) *drained = r < static_cast<ssize_t>(room);
-    if (r > 0) {
-      in_tail_ += static_cast<size_t>(r);
-      return r;
-    }
-    if (r < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
-    if (r == 0) errno = 0;
-    return -1;
-  }
+  if (established_) return rs_.pull(fd, drained);
   char* p = nullptr;
   const int room = BIO_nwrite0(ext_, &p);
   if (room <= 0) return 0;
@@ -213,17 +175,7 @@ ssize_t TlsStream::pull(int fd, bool* drained) {
 }
 
 int TlsStream::push(int fd) {
-  if (established_) {
-    const size_t n = out_tail_ - out_head_;
-    if (n == 0) return 1;
-    const ssize_t w = ::send(fd, out_.data() + out_head_, n, MSG_NOSIGNAL);
-    if (w < 0) return errno == EAGAIN || errno == EINTR ? 0 : -1;
-    out_head_ += static_cast<size_t>(w);
-    sent_ += static_cast<uint64_t>(w);
-    if (static_cast<size_t>(w) < n) return 0;  // the socket is full: the next would say EAGAIN
-    out_head_ = out_tail_ = 0;
-    return 1;
-  }
+  if (established_) return rs_.push(fd);
   for (;;) {
     char* p = nullptr;
     const int n = BIO_nread0(ext_, &p);
@@ -237,10 +189,14 @@ int TlsStream::push(int fd) {
 }
 
 bool TlsStream::out_pending() const {
-  return established_ ? out_tail_ > out_head_ : BIO_ctrl_pending(ext_) > 0;
+  return established_ ? rs_.out_pending() : BIO_ctrl_pending(ext_) > 0;
 }
 
-uint64_t TlsStream::produced() const { return established_ ? produced_ : BIO_number_written(int_); }
+uint64_t TlsStream::produced() const {
+  return established_ ? produced_ + rs_.produced() : BIO_number_written(int_);
+}
+
+uint64_t TlsStream::sent() const { return sent_ + rs_.sent(); }
 
 int TlsStream::handshake(std::string& why) {
   if (established_) return 1;
@@ -265,8 +221,8 @@ int TlsStream::handshake(std::string& why) {
 bool TlsStream::take_over(std::string& why) {
   const uint16_t suite = SSL_CIPHER_get_protocol_id(SSL_get_current_cipher(ssl_));
   const bool server = SSL_is_server(ssl_) == 1;
-  const bool keys = tx_.init(suite, server ? server_secret_ : client_secret_, true) &&
-                    rx_.init(suite, server ? client_secret_ : server_secret_, false);
+  const bool keys = rs_.start(suite, server ? server_secret_ : client_secret_,
+                              server ? client_secret_ : server_secret_, kBufBytes);
   for (std::vector<uint8_t>* s : {&client_secret_, &server_secret_}) {
     if (!s->empty()) OPENSSL_cleanse(s->data(), s->size());
     s->clear();
@@ -279,149 +235,31 @@ bool TlsStream::take_over(std::string& why) {
     why = "data inside the TLS session right after the handshake";
     return false;
   }
-  out_.resize(kBufBytes);
-  in_.resize(kBufBytes);
-  // What the handshake wrote that has not gone to the socket yet, and what we read after it.
+  // What the handshake wrote that has not gone to the socket yet, and what we read after it
+  // (each at most a pair's direction, within the buffers).
   char* p = nullptr;
-  for (int n; (n = BIO_nread0(ext_, &p)) > 0; BIO_nread(ext_, &p, n)) {
-    std::memcpy(out_.data() + out_tail_, p, static_cast<size_t>(n));
-    out_tail_ += static_cast<size_t>(n);
+  for (int n; (n = BIO_nread0(ext_, &p)) > 0; BIO_nread(ext_, &p, n))
+    rs_.add_out({reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n)});
+  std::vector<uint8_t> rest(BIO_ctrl_pending(int_));
+  if (!rest.empty()) {
+    const int got = BIO_read(int_, rest.data(), static_cast<int>(rest.size()));
+    rs_.add_in({rest.data(), got > 0 ? static_cast<size_t>(got) : 0});
   }
-  const size_t rest = BIO_ctrl_pending(int_);
-  if (rest > 0) in_tail_ = static_cast<size_t>(BIO_read(int_, in_.data(), static_cast<int>(rest)));
   produced_ = BIO_number_written(int_);
   return true;
 }
 
-ssize_t TlsStream::open_head(uint8_t* to, size_t room, std::string& why) {
-  const size_t have = in_tail_ - in_head_;
-  if (have < kTlsHeader) return -2;
-  uint8_t* rec = in_.data() + in_head_;
-  const size_t len = size_t{rec[3]} << 8 | rec[4];
-  if (rec[0] != kTlsAppData || rec[1] != 3 || rec[2] != 3 || len < 1 + kTlsTag ||
-      kTlsHeader + len > kTlsMaxRecord) {
-    why = "a record failed its check (forged or altered): a malformed header";
-    return -1;
-  }
-  if (have < kTlsHeader + len) return -2;
-  const size_t body = len - kTlsTag;
-  const bool direct = body <= room;  // else opened in place, and read from there
-  uint8_t* out = direct ? to : rec + kTlsHeader;
-  uint8_t type = 0;
-  const ssize_t r = rx_.open(rec, kTlsHeader + len, out, type);
-  in_head_ += kTlsHeader + len;
-  if (r < 0) {
-    std::memset(out, 0, body);  // nothing of a forged record is left behind
-    why = "a record failed its check (forged or altered)";
-    return -1;
-  }
-  if (type == kTlsAppData) {
-    if (direct) return r;
-    plain_pos_ = static_cast<size_t>(out - in_.data());
-    plain_end_ = plain_pos_ + static_cast<size_t>(r);
-    return 0;
-  }
-  if (type == kTlsHandshake && r == sizeof(kKeyUpdate) &&
-      std::memcmp(out, kKeyUpdate, sizeof(kKeyUpdate) - 1) == 0 && out[4] <= 1) {
-    update_due_ |= out[4] == 1;  // update_requested: we answer with our own
-    if (rx_.update()) return 0;
-    why = "TLS: cannot derive the next keys: " + tls_errors();
-    return -1;
-  }
-  why = type == kTlsAlert ? "the peer closed its TLS session"
-                          : fmt::format("an unexpected TLS record (type {})", type);
-  return -1;
-}
-
 ssize_t TlsStream::read(void* p, size_t n, std::string& why) {
-  if (!established_) return 0;
-  auto* dst = static_cast<uint8_t*>(p);
-  size_t got = 0;
-  while (got < n) {
-    if (plain_pos_ < plain_end_) {
-      const size_t k = std::min(n - got, plain_end_ - plain_pos_);
-      std::memcpy(dst + got, in_.data() + plain_pos_, k);
-      got += k;
-      plain_pos_ += k;
-      continue;
-    }
-    plain_pos_ = plain_end_ = 0;
-    const ssize_t r = open_head(dst + got, n - got, why);
-    if (r == -2) break;
-    if (r < 0) return -1;
-    got += static_cast<size_t>(r);
-  }
-  return static_cast<ssize_t>(got);
+  return established_ ? rs_.read(p, n, why) : 0;
 }
 
 bool TlsStream::has_buffered() const {
   if (!established_) return SSL_has_pending(ssl_) == 1 || BIO_ctrl_pending(int_) > 0;
-  if (plain_pos_ < plain_end_) return true;
-  const size_t have = in_tail_ - in_head_;
-  if (have < kTlsHeader) return false;
-  const uint8_t* h = in_.data() + in_head_;
-  return have >= kTlsHeader + (size_t{h[3]} << 8 | h[4]);
-}
-
-bool TlsStream::out_room() {
-  if (out_head_ == out_tail_) {
-    out_head_ = out_tail_ = 0;
-  } else if (out_.size() - out_tail_ < kTlsMaxRecord && out_head_ > 0) {
-    std::memmove(out_.data(), out_.data() + out_head_, out_tail_ - out_head_);
-    out_tail_ -= out_head_;
-    out_head_ = 0;
-  }
-  return out_.size() - out_tail_ >= kTlsMaxRecord;
+  return rs_.has_buffered();
 }
 
 ssize_t TlsStream::write(const void* p, size_t n, std::string& why, uintptr_t* fault) {
-  if (!established_) return 0;
-  if ((update_due_ || tx_.seq() >= kRecordsPerKey) && out_room()) {
-    const size_t w = tx_.seal(kTlsHandshake, kKeyUpdate, sizeof(kKeyUpdate), &out_[out_tail_]);
-    out_tail_ += w;
-    produced_ += w;
-    update_due_ = false;
-    if (!tx_.update()) {
-      why = "cannot derive the next keys: " + tls_errors();
-      return -1;
-    }
-  }
-  const auto* src = static_cast<const uint8_t*>(p);
-  size_t took = 0;
-  while (took < n && out_room()) {
-    const size_t k = std::min(n - took, kTlsMaxPlain);
-    size_t w = 0;
-    if (!fault) {
-      w = tx_.seal(kTlsAppData, src + took, k, &out_[out_tail_]);
-    } else {
-      // Sealed from guest memory, no copy first. A fault leaves the record half done, under
-      // the sequence number it had (counted only at its end); sealed again from zeros, the
-      // nonce still goes on the wire once: the first try never leaves this buffer.
-      struct Job {
-        RecordCipher* c;
-        const uint8_t* p;
-        size_t n;
-        uint8_t* out;
-        size_t w;
-      } job{&tx_, src + took, k, &out_[out_tail_], 0};
-      uintptr_t at = 0;
-      if (!run_guarded(
-              [](void* a) {
-                auto* j = static_cast<Job*>(a);
-                j->w = j->c->seal(kTlsAppData, j->p, j->n, j->out);
-              },
-              &job, at)) {
-        static const uint8_t kZeros[kTlsMaxPlain] = {};
-        *fault = at;
-        job.w = tx_.seal(kTlsAppData, kZeros, k, &out_[out_tail_]);
-      }
-      w = job.w;
-    }
-    out_tail_ += w;
-    produced_ += w;
-    took += k;
-  }
-  return static_cast<ssize_t>(took);
+  return established_ ? rs_.write(p, n, why, fault) : 0;
 }
 
 std::string cert_file_fingerprint(const std::string& pem_file) {

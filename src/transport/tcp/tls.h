@@ -2,7 +2,7 @@
 // name bound to its certificate's CN, every byte after the handshake encrypted and integrity
 // protected (AES-GCM). Why TLS, and what it costs: docs/ARCHITECTURE.md, "Trust across hosts".
 // OpenSSL runs the handshake over a memory BIO pair, not the socket; once it is done the stream
-// seals and opens the records itself (tls_record.h) in its own buffers, and the transport moves
+// seals and opens the records itself (common/tls_record.h) in its own buffers, and the transport moves
 // ciphertext between those and its non-blocking socket, one read() or send() for many records.
 // Concurrency: one thread (the backend's engine thread) per object.
 #pragma once
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "transport/tcp/tls_record.h"
+#include "common/tls_record.h"
 
 namespace vrdma::transport::tcp {
 
@@ -57,7 +57,7 @@ class TlsStream {
   bool out_pending() const;
   /// Ciphertext produced by the session so far, and written to the socket so far.
   uint64_t produced() const;
-  uint64_t sent() const { return sent_; }
+  uint64_t sent() const;
 
   /// Advances the handshake: 1 done, 0 more to exchange, -1 failed (`why` says why).
   int handshake(std::string& why);
@@ -85,29 +85,17 @@ class TlsStream {
   /// Hands the connection from OpenSSL's records to ours (after the handshake): the traffic
   /// secrets, and the ciphertext still inside the BIO pair either way.
   bool take_over(std::string& why);
-  /// Opens the record at the head of in_: into `to` when its plaintext fits in `room`, else in
-  /// place (then read from plain_pos_): the bytes put at `to`, -2 when no whole record is
-  /// there, -1 when it fails its check or closes the session (`why`). Takes a KeyUpdate.
-  ssize_t open_head(uint8_t* to, size_t room, std::string& why);
-  /// Makes room for a record at the end of out_ (moving what is left to the front): false
-  /// when there is none (push() first).
-  bool out_room();
 
   SSL* ssl_ = nullptr;
   BIO* ext_ = nullptr;  ///< our end of the pair: the handshake's ciphertext to and from the socket
   BIO* int_ = nullptr;  ///< the session's end
   bool established_ = false;
-  uint64_t sent_ = 0;
-  uint64_t produced_ = 0;  ///< after the take-over
+  uint64_t sent_ = 0;      ///< ciphertext sent before the take-over
+  uint64_t produced_ = 0;  ///< and produced
   std::string peer_name_, peer_fingerprint_, cipher_;
   /// The traffic secrets OpenSSL reported (its key log callback), until the take-over.
   std::vector<uint8_t> client_secret_, server_secret_;
-  RecordCipher tx_, rx_;
-  bool update_due_ = false;  ///< the peer asked for a KeyUpdate
-  /// Ciphertext to the socket [out_head_, out_tail_), and from it [in_head_, in_tail_); the
-  /// plaintext of a record opened in place but not yet read, [plain_pos_, plain_end_) of in_.
-  std::vector<uint8_t> out_, in_;
-  size_t out_head_ = 0, out_tail_ = 0, in_head_ = 0, in_tail_ = 0, plain_pos_ = 0, plain_end_ = 0;
+  tls::RecordStream rs_;  ///< the session's records after the take-over
 };
 
 /// The SHA-256 fingerprint of a PEM certificate file, "AB:CD:..." ("" when unreadable).
