@@ -10,9 +10,9 @@
 #    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_POLL_SPIN_US=0).
 # Prints markdown table rows. Needs root (ip netns).
 # Usage: bench/crosshost.sh [BIN_DIR (default build/release/bin)] [RUNS (default 5)]
-# vrdma's rows go through the backends' transport (the default) and say "mediated";
-# HOSTS_VRDMAD_ARGS=--direct-remote: they take the direct path across backends (the libraries
-# talk TLS over TCP to each other; docs/ARCHITECTURE.md) and say "direct".
+# vrdma's rows take the direct path across backends (the libraries talk TCP to each other;
+# docs/ARCHITECTURE.md; the default) and say "direct"; HOSTS_VRDMAD_ARGS=--no-direct-remote: they
+# go through the backends' transport and say "mediated".
 # CORUN=K: K more processes that do nothing but sched_yield() run beside the latency rows (the
 # CPUs a real host's other busy-polling programs would take; the bandwidth rows run without).
 set -euo pipefail
@@ -81,8 +81,8 @@ for ((k = 0; k < CORUN; k++)); do
   python3 -c $'import os\nwhile True: os.sched_yield()' &
   corun_pids+=($!)
 done
-mode_label=" mediated"
-[[ " ${HOSTS_VRDMAD_ARGS:-} " == *" --direct-remote "* ]] && mode_label=" direct"
+mode_label=" direct"
+[[ " ${HOSTS_VRDMAD_ARGS:-} " == *" --no-direct-remote "* ]] && mode_label=" mediated"
 if ((CORUN > 0)); then
   corun_label=" (+$CORUN co-runners)"
   log "$CORUN yielding co-runners beside the latency rows"

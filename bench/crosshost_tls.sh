@@ -9,7 +9,8 @@
 # Needs root (ip netns). Usage: bench/crosshost_tls.sh [BIN_DIR] [BASE_BIN_DIR|-] [RUNS (5)]
 # DIRECT=1: the libraries' direct path across backends instead (VRDMA_DIRECT_REMOTE=1: the
 # libraries' own TLS records, verbs/remote_tls.cc); the CPU column is still the backends', which
-# then carry only the control path.
+# then carry only the control path. BASE_BIN_DIR "mediated" (with DIRECT=1): the base is the same
+# build on the backends' transport, so the two paths run interleaved in the same runs.
 set -euo pipefail
 # Pinned to the backends' transport (VRDMA_DIRECT_REMOTE=0, the transport whose TLS it measures;
 # the variable, not --no-direct-remote, which a BASE_BIN of before 2026-11-27 does not know).
@@ -29,7 +30,13 @@ hosts_init "$BIN_DIR" 2
 wait_mesh
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
 BUILDS=(new)
-[[ $BASE_DIR == - ]] || { BASE_DIR="$(cd "$BASE_DIR" && pwd)" && BUILDS+=(base); }
+BASE_MEDIATED=0
+if [[ $BASE_DIR == mediated ]]; then
+  BASE_MEDIATED=1 BASE_DIR=$BIN_DIR
+  BUILDS+=(base)
+elif [[ $BASE_DIR != - ]]; then
+  BASE_DIR="$(cd "$BASE_DIR" && pwd)" && BUILDS+=(base)
+fi
 # The TLS peer's suite: the transport's first choice (Python's ssl cannot name TLS 1.3 suites).
 cat >"$E2E_TMP/openssl.cnf" <<'EOF'
 openssl_conf = conf
@@ -46,6 +53,10 @@ use_build() {
   local dir=$BIN_DIR
   [[ $1 == base ]] && dir=$BASE_DIR
   HOSTS_BIN=$dir VRDMA=$dir/vrdma VRUN=("$dir/vrdma" run)
+  if ((BASE_MEDIATED)); then
+    VRDMA_DIRECT_REMOTE=1
+    [[ $1 == base ]] && VRDMA_DIRECT_REMOTE=0
+  fi
   kill_backend 1
   kill_backend 2
   : >"$E2E_TMP/vrdmad.h1.log"
@@ -86,6 +97,8 @@ tls_mbs() {
 
 declare -A res
 ROWS=("ib_write_bw -s 1048576 -D 2" "ib_write_bw -s 65536 -D 2" "ib_send_lat -s 8 -n 20000")
+# TLS_ROWS="CMD;CMD...": other perftest commands (h2 -> h1) instead.
+[[ -z ${TLS_ROWS:-} ]] || IFS=';' read -ra ROWS <<<"$TLS_ROWS"
 for ((r = 1; r <= RUNS; r++)); do
   # Alternate which build goes first, so neither always follows the peers.
   order=("${BUILDS[@]}")
@@ -139,3 +152,4 @@ for cmd in "${ROWS[@]}"; do
   echo "| $today | $machine | \`$cmd\` ($unit) | $RUNS | $nm ($nmin–$nmax) | $base | $pm | $tm |" \
     "$ri | $rt | $rb | $cpu |"
 done
+e2e_pass

@@ -47,9 +47,8 @@ struct Config {
   /// without a proof (one uid still).
   std::vector<std::vector<std::string>> direct_tenants;
   /// The same across backends: the libraries of an RC QP pair on two backends talk TLS over TCP
-  /// to each other, the backends only introduce them. Off by default: a 3x shorter round trip,
-  /// but half the bandwidth of the backends' transport today (docs/ARCHITECTURE.md).
-  bool direct_remote = false;
+  /// to each other, the backends only introduce them. On by default.
+  bool direct_remote = true;
   // [quotas] (per guest), and [backend] max_mapped_bytes (quotas.max_mapped_bytes: all guests)
   engine::Quotas quotas;
   // [transport]

@@ -163,10 +163,10 @@ int main(int argc, char** argv) {
   bool direct_remote = false, no_direct_remote = false;
   app.add_flag("--direct-remote", direct_remote,
                "let the libraries of an RC QP pair on two backends talk TLS over TCP to each "
-               "other, the backends only introducing them ([datapath] direct_remote)");
+               "other, the backends only introducing them ([datapath] direct_remote; the default)");
   app.add_flag("--no-direct-remote", no_direct_remote,
                "keep every QP pair across backends on the backends' transport ([datapath] "
-               "direct_remote = false; the default)");
+               "direct_remote = false)");
   bool keep_state = false;
   app.add_flag("--keep-state", keep_state,
                "keep guests' state in a keeper process: a backend that dies is replaced without "

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/socket.h"
 
 namespace vrdma {
@@ -47,12 +48,6 @@ class AnswerSpin {
   uint64_t avg_ns_ = 0;
   uint32_t calls_since_probe_ = 0;
 };
-
-inline uint64_t mono_ns() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
 
 /// Tries to receive one message on `sock` for up to `spin_ns` (recv_msg with MSG_DONTWAIT, one
 /// system call a try, no poll): what recv_msg returns, or EAGAIN when nothing came in that time.

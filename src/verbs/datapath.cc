@@ -220,6 +220,19 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   return got;
 }
 
+uint64_t env_us(const char* name, uint64_t default_us, uint64_t max_us) {
+  const char* e = ::secure_getenv(name);
+  if (!e || !*e) return default_us;
+  char* end = nullptr;
+  const unsigned long long us = std::strtoull(e, &end, 10);
+  if (*end != '\0' || us > max_us) {
+    VLOG_WARN("{}={}: not a number of microseconds up to {}; using {}", name, e, max_us,
+              default_us);
+    return default_us;
+  }
+  return us;
+}
+
 namespace {
 
 /// The calling thread's polls (of any CQ) since one of them found a completion, when the run of
@@ -240,27 +253,10 @@ constexpr long kNapNs = 20'000;
 constexpr uint64_t kCrowdLookNs = 1'000'000;
 constexpr uint64_t kPollIdleUsDefault = 1000;
 
-uint64_t mono_ns() {
-  timespec t;
-  ::clock_gettime(CLOCK_MONOTONIC, &t);
-  return uint64_t(t.tv_sec) * 1'000'000'000 + uint64_t(t.tv_nsec);
-}
-
 /// VRDMA_POLL_IDLE_US: how long a thread's polls find nothing before each later empty one may
 /// nap (0: never; pure busy polling). Read once per process.
 uint64_t nap_after_ns() {
-  static const uint64_t ns = [] {
-    const char* e = ::secure_getenv("VRDMA_POLL_IDLE_US");
-    if (!e || !*e) return kPollIdleUsDefault * 1000;
-    char* end = nullptr;
-    const unsigned long long us = std::strtoull(e, &end, 10);
-    if (*end != '\0' || us > 10'000'000) {
-      VLOG_WARN("VRDMA_POLL_IDLE_US={}: not a number of microseconds up to 10000000; using {}", e,
-                kPollIdleUsDefault);
-      return kPollIdleUsDefault * 1000;
-    }
-    return static_cast<uint64_t>(us) * 1000;
-  }();
+  static const uint64_t ns = env_us("VRDMA_POLL_IDLE_US", kPollIdleUsDefault, 10'000'000) * 1000;
   return ns;
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/answer_spin.h"
+#include "common/clock.h"
 #include "common/status.h"
 #include "common/unique_fd.h"
 #include "proto/command.h"
@@ -334,5 +335,10 @@ void fill_device_attr(const VContext& ctx, ibv_device_attr& a);
 /// The modify_qp of `qp` to RTR was answered kAnswerDestUnknown: says so on the program's
 /// stderr, once per destination (`attr`'s address when `mask` has IBV_QP_AV).
 void say_destination_unknown(const ibv_qp& qp, const ibv_qp_attr& attr, int mask);
+
+/// An environment variable of the library in microseconds (secure_getenv: nothing from the
+/// environment of a set-uid program): its value, or `default_us` when it is unset or empty, or
+/// not a number up to `max_us` (with a warning line saying so).
+uint64_t env_us(const char* name, uint64_t default_us, uint64_t max_us);
 
 }  // namespace vrdma::verbs

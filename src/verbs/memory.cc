@@ -360,12 +360,6 @@ int make_segments(std::vector<Piece>& pieces) {
   return 0;
 }
 
-int64_t now_ns() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
-}
-
 /// A mapping of a segment that make_anonymous turns back into anonymous memory.
 struct SegMapping {
   uintptr_t start, end;
@@ -497,7 +491,7 @@ void make_anonymous(const std::vector<uint32_t>& ids) {
     // not while they are stopped (the mappings are laid out in the copy in the order
     // /proc/self/maps lists them; if that changes meanwhile, the faults just happen later).
     if (attempt == 0) prefault_copy(before, base);
-    const int64_t stop_start = now_ns();
+    const uint64_t stop_start = mono_ns();
     WorldStop world;
     if (world.stop("dereg_mr") != 0) {
       ::munmap(spare, room);
@@ -540,7 +534,7 @@ void make_anonymous(const std::vector<uint32_t>& ids) {
     }
     world.release();
     VLOG_DEBUG("dereg_mr: {} bytes in {} mapping(s) made anonymous again; threads stopped {} us",
-               bytes, count, (now_ns() - stop_start) / 1000);
+               bytes, count, (mono_ns() - stop_start) / 1000);
     // What was not moved out of the spare mapping: its tail, and the copies of mappings that
     // did not move. (Never the holes left by those that moved: another thread may map there.)
     used = 0;

@@ -178,7 +178,7 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
     }
     r->awaiting.fetch_add(1, std::memory_order_relaxed);
     // After a kRnr it waits in line for the peer's kResume (resend()).
-    if (!r->rnr && !write_request(*r, *r->out, q)) {
+    if (!r->rnr && !write_request(*r, *r->out, q, true)) {
       flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR, "a WR failed on the direct path");
       fail = true;
     }
@@ -269,7 +269,8 @@ bool remote_progress(VCq& cq) {
       rearm(*c);
       cq.rclaimed = true;
     }
-    if (c->want_out.load(std::memory_order_relaxed)) {
+    // What the socket did not take, and requests held for this poll (Conn::held).
+    if (c->want_out.load(std::memory_order_relaxed) || c->held.load(std::memory_order_relaxed)) {
       std::unique_lock<std::mutex> t(c->tx_mu, std::try_to_lock);
       if (t) flush_locked(*c);
     }
@@ -312,6 +313,7 @@ void remote_release(VCq& cq) {
       continue;
     }
     c->claimed.store(false);
+    flush_held(*c);
     send_ack(*c);
     rearm(*c);
   }

@@ -44,38 +44,22 @@ constexpr uint32_t kAskMax = 1u << 16;  ///< ... growing to this
 /// ready, whatever posts that takes here). A failed dial waits for posts only (kDialMs each).
 constexpr uint64_t kAskAtLeastNs = 250'000'000;
 
-uint64_t now_ns() {
-  timespec t;
-  ::clock_gettime(CLOCK_MONOTONIC, &t);
-  return uint64_t(t.tv_sec) * 1000000000 + uint64_t(t.tv_nsec);
-}
-uint64_t now_ms() { return now_ns() / 1000000; }
+uint64_t now_ms() { return mono_ns() / 1000000; }
 
 uint64_t hub_spin_ns() {
   // VRDMA_SPIN_US was its first name, too near the backend's `spin_us` (its own rings' polling):
   // still read, with a line once per process saying the new one.
   const char* name = "VRDMA_POLL_SPIN_US";
-  const char* e = ::secure_getenv(name);
-  if (!e) {
-    e = ::secure_getenv("VRDMA_SPIN_US");
-    if (e) {
-      name = "VRDMA_SPIN_US";
-      static std::once_flag once;
-      std::call_once(once, [] {
-        VLOG_WARN(
-            "VRDMA_SPIN_US is deprecated: the library's poll spin is VRDMA_POLL_SPIN_US "
-            "(the backend's is [datapath] spin_us)");
-      });
-    }
+  if (!::secure_getenv(name) && ::secure_getenv("VRDMA_SPIN_US")) {
+    name = "VRDMA_SPIN_US";
+    static std::once_flag once;
+    std::call_once(once, [] {
+      VLOG_WARN(
+          "VRDMA_SPIN_US is deprecated: the library's poll spin is VRDMA_POLL_SPIN_US "
+          "(the backend's is [datapath] spin_us)");
+    });
   }
-  if (!e || !*e) return kHubSpinUs * 1000;
-  char* end = nullptr;
-  const unsigned long long us = std::strtoull(e, &end, 10);
-  if (*end != '\0' || us > 10000000) {
-    VLOG_WARN("{}={}: not a number of microseconds up to 10000000; using {}", name, e, kHubSpinUs);
-    return kHubSpinUs * 1000;
-  }
-  return us * 1000;
+  return env_us(name, kHubSpinUs, 10'000'000) * 1000;
 }
 
 void epoll_set(Hub& h, int op, int fd, uint32_t events, Watch* w) {
@@ -165,7 +149,7 @@ bool same_token(const uint8_t* a, const uint8_t* b) {
 void refuse(Hub& h, const Hub::Pending& p, const char* why) {
   const uint64_t n = h.refused.fetch_add(1, std::memory_order_relaxed) + 1;
   uint64_t held = 0;
-  if (h.refused_log.ready(now_ns(), held))
+  if (h.refused_log.ready(mono_ns(), held))
     VLOG_WARN("direct path: refused a connection from {}: {} ({} refused so far){}",
               addr_of(p.from), why, n, log::held_note(held));
 }
@@ -342,7 +326,7 @@ void accept_all(Hub& h, Hub::Listener& l) {
     if (!p->fd.valid()) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       uint64_t held = 0;
-      if (ListenerRest::out_of_descriptors(errno) && l.rest.start(now_ns(), held))
+      if (ListenerRest::out_of_descriptors(errno) && l.rest.start(mono_ns(), held))
         VLOG_WARN(
             "direct path: cannot accept peers' libraries on port {}: {}; not listening for "
             "{} ms{}",
@@ -354,7 +338,7 @@ void accept_all(Hub& h, Hub::Listener& l) {
     if (h.pending.size() >= kMaxPending) {
       const uint64_t n = h.over_cap.fetch_add(1, std::memory_order_relaxed) + 1;
       uint64_t held = 0;
-      if (h.over_cap_log.ready(now_ns(), held))
+      if (h.over_cap_log.ready(mono_ns(), held))
         VLOG_WARN(
             "direct path: closed a connection from {}: {} others have not said hello yet ({} "
             "closed so far){}",
@@ -375,7 +359,7 @@ void expire_pending(Hub& h, uint64_t now) {
     epoll_set(h, EPOLL_CTL_DEL, p->fd.get(), 0, nullptr);
     const uint64_t n = h.timed_out.fetch_add(1, std::memory_order_relaxed) + 1;
     uint64_t held = 0;
-    if (h.timed_out_log.ready(now_ns(), held))
+    if (h.timed_out_log.ready(mono_ns(), held))
       VLOG_WARN("direct path: closed a connection from {}: no hello within {} ms ({} so far){}",
                 addr_of(p->from), kHelloMs, n, log::held_note(held));
     return true;
@@ -417,6 +401,7 @@ void release_idle_claims(Hub& h) {
   }
   for (const auto& c : idle) {
     c->claimed.store(false);
+    flush_held(*c);  // requests held for a poll that did not come
     if (c->req_in.load()) send_ack(*c);
     rearm(*c);
   }
@@ -451,7 +436,7 @@ void run(Hub& h) {
   uint64_t busy_at = 0;  ///< when the hub last read a connection
   ::pthread_setname_np(::pthread_self(), "vrdma-hub");
   for (;;) {
-    const uint64_t now = now_ns();
+    const uint64_t now = mono_ns();
     const bool spin = now - busy_at < spin_ns;
     const int n = ::epoll_wait(h.ep.get(), ev, 32, spin ? 0 : hub_timeout(h, now));
     if (n == 0 && spin) {
@@ -513,7 +498,7 @@ void run(Hub& h) {
       resumed_at = t;
     }
     expire_pending(h, t);
-    const uint64_t tn = now_ns();
+    const uint64_t tn = mono_ns();
     for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i)
       h.listeners[i].rest.poll(tn);
   }
@@ -598,7 +583,7 @@ bool connect_out(VQp& qp) {
   if (qp.sq_hdr->retired.load(std::memory_order_acquire) != qp.sq_prod) return false;
   if (qp.remote && qp.remote->revoking.load()) return false;  // going back to the backends
   if (qp.remote && qp.remote->ask_wait &&
-      (!qp.remote->ask_by_ns || now_ns() < qp.remote->ask_by_ns)) {
+      (!qp.remote->ask_by_ns || mono_ns() < qp.remote->ask_by_ns)) {
     --qp.remote->ask_wait;
     return false;
   }
@@ -616,7 +601,7 @@ bool connect_out(VQp& qp) {
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
     if (rc == EAGAIN) {
       back_off(r, kAskFirst);
-      r.ask_by_ns = now_ns() + kAskAtLeastNs;
+      r.ask_by_ns = mono_ns() + kAskAtLeastNs;
     } else {
       r.never = true;
     }

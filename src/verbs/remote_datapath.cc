@@ -29,102 +29,6 @@
 
 namespace vrdma::verbs::dlink {
 
-// ---- sending ----
-
-/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
-/// when `copy`; else referenced: a requester's payload, which the application leaves alone until
-/// the WR completes). False when the connection is broken.
-bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy) {
-  std::lock_guard<std::mutex> g(c.tx_mu);
-  if (c.broken.load(std::memory_order_relaxed)) return false;
-  iovec iov[kMaxSge + 1];
-  size_t n = 0, total = sizeof(f);
-  iov[n++] = iovec{const_cast<Frame*>(&f), sizeof(f)};
-  for (size_t i = 0; i < nd; ++i) {
-    if (!data[i].n) continue;
-    iov[n++] = iovec{data[i].p, data[i].n};
-    total += data[i].n;
-  }
-  size_t done = 0;
-  if (c.backlog.empty()) {
-    for (;;) {
-      const ssize_t w = tls_write(c, iov, n, done);
-      tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
-      if (w < 0) {
-        c.broken.store(true);
-        return false;
-      }
-      done += static_cast<size_t>(w);
-      if (done == total) break;
-      if (w == 0) break;
-    }
-  }
-  if (done == total) {
-    // All sealed; what the socket did not take waits in the stream for EPOLLOUT.
-    if (c.rs->out_pending() && !c.want_out.exchange(true)) rearm(c);
-    return true;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
-    size_t len = iov[i].iov_len;
-    if (done >= len) {
-      done -= len;
-      continue;
-    }
-    p += done;
-    len -= done;
-    done = 0;
-    Conn::Piece pc;
-    if (i == 0 || copy) {
-      pc.own.assign(p, p + len);
-      pc.p = pc.own.data();
-    } else {
-      pc.p = p;
-    }
-    pc.n = len;
-    c.backlog.push_back(std::move(pc));
-  }
-  if (!c.want_out.exchange(true)) rearm(c);
-  return true;
-}
-
-bool flush_locked(Conn& c) {
-  for (;;) {
-    const int pushed = tls_push(c);
-    if (pushed < 0) {
-      c.broken.store(true);
-      return false;
-    }
-    if (pushed == 0) return true;  // the socket is full: EPOLLOUT again
-    if (c.backlog.empty()) break;
-    iovec iov[64];
-    size_t n = 0;
-    for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
-      iov[n++] = iovec{const_cast<uint8_t*>(it->p), it->n};
-    const ssize_t w = tls_write(c, iov, n, 0);
-    tsan_ring_release();
-    if (w < 0) {
-      c.broken.store(true);
-      return false;
-    }
-    if (w == 0) return true;
-    size_t done = static_cast<size_t>(w);
-    while (done && !c.backlog.empty()) {
-      Conn::Piece& pc = c.backlog.front();
-      if (done >= pc.n) {
-        done -= pc.n;
-        c.backlog.pop_front();
-      } else {
-        pc.p += done;
-        pc.n -= done;
-        done = 0;
-      }
-    }
-  }
-  if (c.want_out.exchange(false)) rearm(c);
-  return true;
-}
-
 // ---- completions and errors ----
 
 /// Drops the oldest WR in flight (fl_mu held).
@@ -223,13 +127,14 @@ bool acked_upto(VQp& qp, RemoteQp& r, uint64_t n, bool& fail) {
   return true;
 }
 
-bool write_request(RemoteQp& r, Conn& out, Inflight& e) {
+bool write_request(RemoteQp& r, Conn& out, Inflight& e, bool may_hold) {
   Conn* in = r.in_raw.load(std::memory_order_acquire);
   e.f.ack = in ? in->executed.load() : 0;
   if (in && e.f.ack) in->acked.store(e.f.ack);
-  if (!carries_data(e.f.type)) return send_frame(out, e.f, nullptr, 0, true);
+  if (!carries_data(e.f.type)) return send_frame(out, e.f, nullptr, 0, true, may_hold);
   const MemSpan inl{e.inl_data, e.len};
-  return e.inl ? send_frame(out, e.f, &inl, 1, true) : send_frame(out, e.f, e.local, e.nl, false);
+  return e.inl ? send_frame(out, e.f, &inl, 1, true, may_hold)
+               : send_frame(out, e.f, e.local, e.nl, false, may_hold);
 }
 
 /// The peer's kResume, or a counted RNR retry's timer: kRewind, then every request from the one
@@ -412,7 +317,7 @@ void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
 
 void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
   const uint64_t until = r.rnr_until.load(std::memory_order_relaxed);
-  if (!until || now_ns() < until) return;
+  if (!until || mono_ns() < until) return;
   std::lock_guard<std::mutex> g(r.fl_mu);
   if (!r.rnr || nothing_awaited(r) || !r.rnr_until.load(std::memory_order_relaxed)) return;
   VLOG_DEBUG("direct path: QP {:#x} sends its requests from {} again (RNR retries left: {})",
@@ -622,7 +527,7 @@ Outcome start_response(Conn& c, VQp& qp, RemoteQp& r) {
     }
     r.rnr_seq = f.arg0;
     if (qp.rnr_retry != kRnrRetryForever)
-      r.rnr_until.store(now_ns() + rnr_delay_ns(f.status), std::memory_order_relaxed);
+      r.rnr_until.store(mono_ns() + rnr_delay_ns(f.status), std::memory_order_relaxed);
     return kGo;
   }
   if (f.type == kResume) {

@@ -1,7 +1,7 @@
 // The direct path across backends, inside the library: what its files share (remote.cc the
 // API, remote_conn.cc the hub and connections, remote_datapath.cc requests and responses,
-// remote_tls.cc the TLS sessions). Private to those files; remote.h is the rest of the
-// library's view.
+// remote_tls.cc the TLS sessions, the dial and the writing of frames). Private to those files;
+// remote.h is the rest of the library's view.
 //
 // Connections. A QP pair shares one TCP connection, dialed by the first of the two libraries to
 // send; the other adopts it when it sends too (a requester whose peer's library has dialed it
@@ -202,6 +202,12 @@ struct Conn : Watch {
     size_t n;
   };
   std::deque<Piece> backlog;
+  /// `polls` when a request of the application's was last written out at once: the first of a
+  /// burst of posts goes at once, the rest only seal into the stream (`held`) until the next
+  /// poll of the connection's CQs writes them out with one syscall (remote_progress), or the
+  /// hub does when the polls stop (release_idle_claims). Only while the connection is claimed.
+  uint32_t pushed_at_polls = ~0u;
+  std::atomic<bool> held{false};
   std::atomic<bool> want_out{false};
   std::atomic<bool> broken{false};
 
@@ -356,6 +362,18 @@ ssize_t tls_write(Conn& c, const iovec* iov, size_t n, size_t skip);
 /// Writes out what the stream holds (tx_mu held): 1 all of it, 0 some left, -1 broken.
 int tls_push(Conn& c);
 
+// remote_tls.cc too: writing frames through the connection's records.
+
+/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
+/// when `copy`). `may_hold`: an application's request, which may wait sealed for its next poll
+/// (Conn::held). False when the connection is broken.
+bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy,
+                bool may_hold = false);
+/// Writes what it can of the stream and the backlog (tx_mu held). False when the connection broke.
+bool flush_locked(Conn& c);
+/// Writes out requests held for a poll (Conn::held), once the connection is no longer claimed.
+void flush_held(Conn& c);
+
 // remote_memory.cc: what a peer's request may touch here.
 
 /// This process's MR for a key in `pd` (thread-safe; no cache).
@@ -371,11 +389,6 @@ ibv_wc_status rkey_memory(VQp& qp, uint32_t op, uint32_t rkey, uint64_t iova, ui
 
 // remote_datapath.cc: requests, responses, completions.
 
-/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
-/// when `copy`). False when the connection is broken.
-bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy);
-/// Writes what it can of the backlog (tx_mu held). False when the connection broke.
-bool flush_locked(Conn& c);
 /// Completes the head with `head_status` (or its own local error) and flushes the rest (fl_mu).
 /// `why`: the QP goes to ERR (to_error, first: the backend hears of it before the completions
 /// can be polled); null when the application moves it itself (ibv_modify_qp).
@@ -386,7 +399,7 @@ void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why);
 void to_error(VQp& qp, const char* why);
 /// Writes a WR's request (fl_mu held: requests go out in the order of their numbers), with the
 /// ACK for the peer's requests riding on it. False: the connection is broken.
-bool write_request(RemoteQp& r, Conn& out, Inflight& e);
+bool write_request(RemoteQp& r, Conn& out, Inflight& e, bool may_hold = false);
 /// An ACK for what this responder executed and has not told the peer of yet.
 void send_ack(Conn& c);
 /// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
@@ -402,8 +415,7 @@ bool drain(Conn& c, bool defer_ack);
 
 // remote_conn.cc: the hub and hellos (dial is remote_tls.cc's).
 
-uint64_t now_ns();  ///< CLOCK_MONOTONIC
-uint64_t now_ms();
+uint64_t now_ms();  ///< CLOCK_MONOTONIC (mono_ns, common/clock.h)
 /// TCP_NODELAY, and a TCP_USER_TIMEOUT that ends a connection to a peer that vanished.
 void set_sock_opts(int fd);
 

@@ -1,6 +1,6 @@
 // The direct path across backends: its TLS sessions (TLS 1.3, an external PSK per QP pair; see
 // remote_impl.h): the dial, OpenSSL's handshake on a socket BIO that writes without SIGPIPE,
-// then the connection's own records (common/tls_record.h).
+// then the connection's own records (common/tls_record.h), and the frames written through them.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -377,6 +377,134 @@ UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const ui
   }
   peer_lid = ack.lid;
   return fd;
+}
+
+// ---- writing frames ----
+
+/// Writes a frame and its data: what the socket takes now, the rest into the backlog (copied
+/// when `copy`; else referenced: a requester's payload, which the application leaves alone until
+/// the WR completes). False when the connection is broken.
+bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool copy,
+                bool may_hold) {
+  std::lock_guard<std::mutex> g(c.tx_mu);
+  if (c.broken.load(std::memory_order_relaxed)) return false;
+  iovec iov[kMaxSge + 1];
+  size_t n = 0, total = sizeof(f);
+  iov[n++] = iovec{const_cast<Frame*>(&f), sizeof(f)};
+  for (size_t i = 0; i < nd; ++i) {
+    if (!data[i].n) continue;
+    iov[n++] = iovec{data[i].p, data[i].n};
+    total += data[i].n;
+  }
+  size_t done = 0;
+  if (c.backlog.empty() && may_hold && c.claimed.load(std::memory_order_relaxed)) {
+    // Not the first request since the application's last poll: sealed now, written out at its
+    // next poll with the rest of the burst (one syscall for many).
+    const uint32_t polls = c.polls.load(std::memory_order_relaxed);
+    if (polls == c.pushed_at_polls) {
+      std::string why;
+      const ssize_t w = c.rs->write(iov, n, 0, why);
+      if (w < 0) {
+        c.broken.store(true);
+        return false;
+      }
+      done = static_cast<size_t>(w);
+      if (done == total) {
+        c.held.store(true, std::memory_order_relaxed);
+        return true;
+      }
+    }
+    c.pushed_at_polls = polls;
+  }
+  if (c.backlog.empty()) {
+    for (;;) {
+      const ssize_t w = tls_write(c, iov, n, done);
+      tsan_ring_release();  // what arrives later may answer what this sent (see tsan_ring_edge)
+      if (w < 0) {
+        c.broken.store(true);
+        return false;
+      }
+      done += static_cast<size_t>(w);
+      if (done == total) break;
+      if (w == 0) break;
+    }
+  }
+  if (done == total) {
+    // All sealed; what the socket did not take waits in the stream for EPOLLOUT.
+    if (!c.rs->out_pending()) {
+      c.held.store(false, std::memory_order_relaxed);
+    } else if (!c.want_out.exchange(true)) {
+      rearm(c);
+    }
+    return true;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const auto* p = static_cast<const uint8_t*>(iov[i].iov_base);
+    size_t len = iov[i].iov_len;
+    if (done >= len) {
+      done -= len;
+      continue;
+    }
+    p += done;
+    len -= done;
+    done = 0;
+    Conn::Piece pc;
+    if (i == 0 || copy) {
+      pc.own.assign(p, p + len);
+      pc.p = pc.own.data();
+    } else {
+      pc.p = p;
+    }
+    pc.n = len;
+    c.backlog.push_back(std::move(pc));
+  }
+  if (!c.want_out.exchange(true)) rearm(c);
+  return true;
+}
+
+bool flush_locked(Conn& c) {
+  for (;;) {
+    const int pushed = tls_push(c);
+    if (pushed < 0) {
+      c.broken.store(true);
+      return false;
+    }
+    if (pushed == 0) return true;  // the socket is full: EPOLLOUT again
+    c.held.store(false, std::memory_order_relaxed);
+    if (c.backlog.empty()) break;
+    iovec iov[64];
+    size_t n = 0;
+    for (auto it = c.backlog.begin(); it != c.backlog.end() && n < 64; ++it)
+      iov[n++] = iovec{const_cast<uint8_t*>(it->p), it->n};
+    const ssize_t w = tls_write(c, iov, n, 0);
+    tsan_ring_release();
+    if (w < 0) {
+      c.broken.store(true);
+      return false;
+    }
+    if (w == 0) return true;
+    size_t done = static_cast<size_t>(w);
+    while (done && !c.backlog.empty()) {
+      Conn::Piece& pc = c.backlog.front();
+      if (done >= pc.n) {
+        done -= pc.n;
+        c.backlog.pop_front();
+      } else {
+        pc.p += done;
+        pc.n -= done;
+        done = 0;
+      }
+    }
+  }
+  if (c.want_out.exchange(false)) rearm(c);
+  return true;
+}
+
+void flush_held(Conn& c) {
+  // Under tx_mu whatever `held` says: a post that saw the connection still claimed holds its
+  // request under tx_mu, and one that takes tx_mu after this sees it unclaimed.
+  std::lock_guard<std::mutex> g(c.tx_mu);
+  if (c.held.load(std::memory_order_relaxed)) flush_locked(c);
 }
 
 }  // namespace vrdma::verbs::dlink

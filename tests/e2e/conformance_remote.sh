@@ -40,7 +40,7 @@ start_pair() {  # [FLAG...]
       fail "backend $n did not join: $(tail -n 5 "$E2E_TMP/vrdmad.$n.out")"
   done
 }
-start_pair --direct-remote
+start_pair  # direct_remote is the default
 
 log "the suite, our guest on backend a, the peer's on b"
 VRDMA_SOCKET="$E2E_TMP/a.sock" VRDMA_TEST_PEER_SOCKET="$E2E_TMP/b.sock" VRDMA_SPIN_US=200 \

@@ -61,7 +61,7 @@ grep -q '"verdict":"ok"' "$E2E_TMP/json.cluster_show.out" || fail "cluster show 
 # The effective configuration, in text.
 "$VRDMA" status >"$E2E_TMP/status.txt"
 for re in "^config: $E2E_TMP/vrdmad.toml; log $E2E_TMP/vrdmad.log \(level info\); idle exit never\$" \
-  '^keep_state: off$' '^direct paths: same host on, across backends off$' '^peers: none$'; do
+  '^keep_state: off$' '^direct paths: same host on, across backends on$' '^peers: none$'; do
   grep -Eq "$re" "$E2E_TMP/status.txt" || fail "status has no /$re/: $(cat "$E2E_TMP/status.txt")"
 done
 

@@ -10,9 +10,9 @@ hosts_init "${1:-}" 2
 wait_mesh
 
 # While a stream runs (open-ended: the test stops it), the client's QP, once connected (RTR),
-# goes through tcp toward h1's backend (direct_remote is off by default).
+# goes direct to its peer's library on h1 (direct_remote, the default).
 hstream_start route 1 2
-hwait_route 2 route-c "tcp/h1" 10
+hwait_route 2 route-c "direct/h1" 10
 kill -USR1 "$cli_proc"
 finish_stream route "$cli" "$srv" 30
 hpair lid 1 2 -c -n 2000

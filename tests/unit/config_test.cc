@@ -14,7 +14,7 @@ TEST(ConfigTest, EmptyFileKeepsDefaults) {
   EXPECT_FALSE(c.metrics_enabled);
   EXPECT_EQ(c.metrics_listen, "127.0.0.1:9464");
   EXPECT_TRUE(c.direct_path);  // on by default (issue 25); the trust rule still applies
-  EXPECT_FALSE(c.direct_remote);  // off: half the bandwidth of the backends' transport today
+  EXPECT_TRUE(c.direct_remote);  // on by default too
   EXPECT_EQ(c.direct_trust, "kernel");
   EXPECT_TRUE(c.direct_tenants.empty());
 }
@@ -76,7 +76,7 @@ log_level = "debug"
 [datapath]
 spin_us = 50
 direct_path = false
-direct_remote = true
+direct_remote = false
 [quotas]
 max_qps = 7
 max_mr_bytes = 1048576
@@ -95,8 +95,8 @@ listen = "127.0.0.1:9000"
   EXPECT_EQ(c.idle_exit_s, 5);
   EXPECT_EQ(c.log_level, "debug");
   EXPECT_EQ(c.spin_us, 50);
-  EXPECT_FALSE(c.direct_path);   // the file turns the default off
-  EXPECT_TRUE(c.direct_remote);  // ... and this one on
+  EXPECT_FALSE(c.direct_path);  // the file turns the defaults off
+  EXPECT_FALSE(c.direct_remote);
   EXPECT_EQ(c.quotas.max_qps, 7u);
   EXPECT_EQ(c.quotas.max_mr_bytes, 1048576u);
   EXPECT_EQ(c.node, "a");

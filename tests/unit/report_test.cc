@@ -388,8 +388,8 @@ TEST_F(OpsTest, StatusHeaderShowsTheBackend) {
   EXPECT_NE(h.find("peers: 10.0.0.2:7471 (connected to h2 for "), std::string::npos) << h;
   EXPECT_NE(h.find("\nconfig: no file (defaults and flags); log "), std::string::npos) << h;
   EXPECT_NE(h.find("\nkeep_state: off\n"), std::string::npos) << h;
-  // The defaults since issue 25: same host on, across backends off.
-  EXPECT_NE(h.find("\ndirect paths: same host on, across backends off\n"), std::string::npos) << h;
+  // The defaults since issue 25: both on.
+  EXPECT_NE(h.find("\ndirect paths: same host on, across backends on\n"), std::string::npos) << h;
   EXPECT_NE(h.find("datapath: 1 thread, busy "), std::string::npos) << h;
   EXPECT_NE(h.find("metrics: off\n"), std::string::npos) << h;
   EXPECT_NE(h.find("qp 1/7"), std::string::npos) << h;  // the most any guest holds, and the quota
