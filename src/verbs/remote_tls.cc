@@ -408,6 +408,7 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
         c.broken.store(true);
         return false;
       }
+      tsan_ring_release();  // sealed now: its answer may come once a later write sends it
       done = static_cast<size_t>(w);
       if (done == total) {
         c.held.store(true, std::memory_order_relaxed);
@@ -465,6 +466,7 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
 bool flush_locked(Conn& c) {
   for (;;) {
     const int pushed = tls_push(c);
+    tsan_ring_release();
     if (pushed < 0) {
       c.broken.store(true);
       return false;
