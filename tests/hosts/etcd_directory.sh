@@ -87,7 +87,7 @@ for hop in "1 3" "3 1"; do
   read -r from to <<<"$hop"
   gen=$((gen + 1))
   hmigrate st-s "$from" "$to"
-  hwait_route 2 st-c "tcp/h$to" 10
+  hwait_route 2 st-c "tcp/h$to|direct/h$to" 10  # direct again after the move, or not yet
   etcd_wait_guest 2 st-s "h$to $gen"
   log "st-s on h$to (generation $gen), downtime ${MIG_DOWNTIMES[-1]} us"
 done

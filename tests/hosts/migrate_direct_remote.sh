@@ -25,18 +25,6 @@ wait_mesh
 ROUNDS="${MIG_ROUNDS:-2}"
 
 
-# Waits up to 10 s until guest G's QP on host I goes to PEER: on tcp, or direct again already
-# (hwait_route takes one route only). Usage: wait_on I G PEER
-wait_on() {
-  local got="" k
-  for ((k = 0; k < 200; k++)); do
-    hcheck_alive
-    got="$(hroute "$1" "$2" 2>/dev/null)" || got="<no answer>"
-    [[ $got == "tcp/$3" || $got == "direct/$3" ]] && return 0
-    nap 0.05
-  done
-  fail "guest $2 on h$1: QP routes '$got', wanted tcp/$3 or direct/$3"
-}
 
 # ---- 1. the client moves h1 -> h3 -> h1 ----
 hstream_start mv 2 1
@@ -49,8 +37,8 @@ log "mv: stream direct h1 -> h2 (direct_msgs_sent $(hcount 1 mv-c direct_msgs_se
 move() {
   local from=$1 to=$2
   hmigrate mv-c "$from" "$to"
-  wait_on "$to" mv-c h2
-  wait_on 2 mv-s "h$to"
+  hwait_route "$to" mv-c "tcp/h2|direct/h2" 10
+  hwait_route 2 mv-s "tcp/h$to|direct/h$to" 10
   hgrows 2 mv-s msgs_received "messages after the move to h$to"
   hgrows "$to" mv-c direct_msgs_sent "the client's library sends directly again after the move"
   hgrows 2 mv-s direct_msgs_received "the server's library executes directly again"
@@ -80,10 +68,10 @@ log "sn: $out"
 hgrows 2 sn-s msgs_received "messages after the snapshot"
 hgrows 2 sn-s direct_msgs_received "the pair direct again after the snapshot"
 hmigrate sn-s 2 3
-wait_on 3 sn-s h1
+hwait_route 3 sn-s "tcp/h1|direct/h1" 10
 hgrows 3 sn-s msgs_received "messages after the server's move to h3"
 hmigrate sn-s 3 2
-wait_on 2 sn-s h1
+hwait_route 2 sn-s "tcp/h1|direct/h1" 10
 hgrows 2 sn-s msgs_received "messages after the server's move back to h2"
 hgrows 2 sn-s direct_msgs_received "the pair direct again back on h2"
 grep -q "may go direct again" "$E2E_TMP/sn.server.out" ||
