@@ -99,6 +99,9 @@ declare -A res
 ROWS=("ib_write_bw -s 1048576 -D 2" "ib_write_bw -s 65536 -D 2" "ib_send_lat -s 8 -n 20000")
 # TLS_ROWS="CMD;CMD...": other perftest commands (h2 -> h1) instead.
 [[ -z ${TLS_ROWS:-} ]] || IFS=';' read -ra ROWS <<<"$TLS_ROWS"
+# iperf3 runs at each bandwidth row's size.
+mapfile -t BW_SIZES < <(printf '%s\n' "${ROWS[@]}" |
+  awk '/_bw/ {for (i = 1; i < NF; i++) if ($i == "-s") print $(i + 1)}' | sort -un)
 for ((r = 1; r <= RUNS; r++)); do
   # Alternate which build goes first, so neither always follows the peers.
   order=("${BUILDS[@]}")
@@ -114,12 +117,12 @@ for ((r = 1; r <= RUNS; r++)); do
       log "$b $cmd: $v${cpu:+ MB/s, backends $cpu CPU ms/MB}"
     done
   done
-  for s in 1048576 65536; do
+  for s in "${BW_SIZES[@]}"; do
     res["iperf3 $s"]+="$(iperf_mbs "$s") "
   done
   res["tls"]+="$(tls_mbs 1048576) "  # a byte stream: one figure for both sizes
-  log "iperf3 1 MiB, 64 KiB, TLS stream: $(awk '{print $NF}' <<<"${res[iperf3 1048576]}")" \
-    "$(awk '{print $NF}' <<<"${res[iperf3 65536]}") $(awk '{print $NF}' <<<"${res[tls]}") MB/s"
+  for s in "${BW_SIZES[@]}"; do log "iperf3 -l $s: $(awk '{print $NF}' <<<"${res[iperf3 $s]}") MB/s"; done
+  log "TLS stream: $(awk '{print $NF}' <<<"${res[tls]}") MB/s"
   log "run $r of $RUNS done"
 done
 
