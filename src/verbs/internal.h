@@ -108,6 +108,10 @@ struct VContext {
   std::mutex hub_make;
   std::shared_ptr<Hub> hub;
   std::atomic<Hub*> hub_raw{nullptr};
+  /// ibv_import_mr was called: another process's memory, which this library cannot reach, may
+  /// be named by this context's WRs and keys, so no QP of it goes direct across backends from
+  /// then on (the backends reach every MR of the session).
+  std::atomic<bool> mr_imports{false};
 };
 
 inline VContext* to_vctx(ibv_context* c) {

@@ -93,6 +93,7 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
   }
   if (!r || !r->active.load(std::memory_order_acquire)) {
     if (r && (r->failed.load() || r->never || r->dead)) return false;
+    if (ctx.mr_imports.load(std::memory_order_relaxed)) return false;  // see VContext
     if (!connect_out(qp)) return false;
     r = qp.remote.get();
   }
@@ -222,7 +223,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
   // A QP that may bind windows answers its peer through the backend, which knows them.
-  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind ||
+  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind || ctx.mr_imports.load() ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
       (qp.remote && (qp.remote->offered || qp.remote->reoffer.load() || qp.remote->dead ||
                      qp.remote->revoking.load())))

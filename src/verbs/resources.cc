@@ -154,7 +154,8 @@ VERBS_EXPORT void ibv_unimport_pd(ibv_pd* pd) { delete reinterpret_cast<VPd*>(pd
 
 // The MR's memory is the registering process's: the backend reaches it for every WR that
 // names the keys; this process's direct paths do not (they hand such WRs to the backend on one
-// host, and refuse them between libraries across hosts: docs/ARCHITECTURE.md, "Imports").
+// host; across hosts its QPs stay on the backends from then on: docs/ARCHITECTURE.md,
+// "Imports").
 VERBS_EXPORT ibv_mr* ibv_import_mr(ibv_pd* pd, uint32_t mr_handle) {
   if (!pd) return fail_ptr<ibv_mr>(EINVAL);
   ImportObjectResp resp{};
@@ -171,6 +172,7 @@ VERBS_EXPORT ibv_mr* ibv_import_mr(ibv_pd* pd, uint32_t mr_handle) {
   mr->mr.rkey = resp.key;
   mr->handle = mr_handle;
   mr->imported = true;
+  to_vctx(pd->context)->mr_imports.store(true);
   return &mr->mr;
 }
 

@@ -2651,3 +2651,53 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
 }
 
 }  // namespace
+
+// An MR imported from another context of the session (ibv_import_mr) is memory the importing
+// library may not reach (in general another process's): a QP of the importing context stays on
+// the backends, which reach every MR of the session, so its WRs on that MR succeed on every path.
+// Across backends its QP would otherwise go direct, and the library would refuse the imported
+// key (IBV_WC_LOC_PROT_ERR).
+TEST_F(Conformance, AWriteFromAnImportedMrSucceedsOnEveryPath) {
+  ibv_context* ctx2 = ibv_import_device(::dup(ctx_->cmd_fd));
+  ASSERT_NE(ctx2, nullptr) << std::strerror(errno);
+  ibv_pd* pd2 = ibv_import_pd(ctx2, pd_->handle);
+  ibv_mr* mr2 = pd2 ? ibv_import_mr(pd2, mr_->handle) : nullptr;
+  ibv_cq* cq2 = ibv_create_cq(ctx2, 16, nullptr, nullptr, 0);
+  ibv_qp* qp = nullptr;
+  if (pd2 && mr2 && cq2) {
+    ibv_qp_init_attr a{};
+    a.send_cq = a.recv_cq = cq2;
+    a.qp_type = IBV_QPT_RC;
+    a.cap = {16, 16, 1, 1, 0};
+    qp = ibv_create_qp(pd2, &a);
+  }
+  EXPECT_NE(qp, nullptr) << std::strerror(errno);
+  if (qp) {
+    const PeerQp theirs = peer_.create_qp(IBV_QPT_RC);
+    QpPath ours, back;
+    ours.dlid = peer_.lid();
+    ours.dest_qpn = theirs.qpn;
+    back.dlid = lid_;
+    back.dest_qpn = qp->qp_num;
+    EXPECT_EQ(bring_to_rts(qp, ours), 0);
+    EXPECT_EQ(peer_.connect(theirs, back), 0);
+    fill(buf_.data(), 256, 7);
+    EXPECT_EQ(post(qp, {.op = IBV_WR_RDMA_WRITE,
+                        .sges = {ibv_sge{addr(0), 256, mr2->lkey}},
+                        .wr_id = 5,
+                        .raddr = peer_.mem().addr,
+                        .rkey = peer_.mem().rkey}),
+              0);
+    const auto wcs = poll(cq2, 1);
+    ASSERT_EQ(wcs.size(), 1u);
+    EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS) << ibv_wc_status_str(wcs[0].status);
+    EXPECT_EQ(peer_.read(0, 256), std::vector<uint8_t>(buf_.begin(), buf_.begin() + 256));
+    EXPECT_EQ(ibv_destroy_qp(qp), 0);
+  }
+  if (cq2) {
+    EXPECT_EQ(ibv_destroy_cq(cq2), 0);
+  }
+  if (mr2) ibv_unimport_mr(mr2);
+  if (pd2) ibv_unimport_pd(pd2);
+  EXPECT_EQ(ibv_close_device(ctx2), 0);
+}
