@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -451,7 +452,9 @@ class Device : public transport::Receiver {
   /// retires the message on its side, then calls commit_done.
   void respond_finish(Qp& to, const Inbound& in, const proto::RecvWqe& r, uint32_t commit = 0,
                       uint32_t tag = 0);
-  void begin_commit(Qp& to, const Cq& ring, const proto::Cqe& rc, uint32_t commit, uint32_t tag);
+  /// `sender`: with kCommitUd, the sending QP's number.
+  void begin_commit(Qp& to, const Cq& ring, const proto::Cqe& rc, uint32_t commit, uint32_t tag,
+                    uint32_t sender = 0);
   /// The message respond_finish began is retired on both sides: no record any more.
   static void commit_done(Qp& to);
   /// After a restart (Qp::replay_known): whether `qp`'s head WQE is the one the dead backend
@@ -541,12 +544,16 @@ class Device : public transport::Receiver {
                                          const proto::UdDest& dest, uint64_t len);
   /// A datagram's source is a guest of the node it came from (the directory's word).
   bool ud_source_ok(const std::string& node, const proto::wire::Request& rq);
-  /// Delivers a datagram (local or from the wire) to `to`; payload from `src`.
+  /// Delivers a datagram (local or from the wire) to `to`; payload from `src`. `local_sq`: a
+  /// sender on this backend at that SQ index (in.src_qpn), named by the responder's commit record
+  /// (kCommitLocal | kCommitUd) so that a restart between the delivery and the sender's
+  /// retirement does not deliver it again (replayed_delivery); the caller calls commit_done.
   void deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
-                  std::span<const Span> src, uint8_t sl);
+                  std::span<const Span> src, uint8_t sl,
+                  std::optional<uint32_t> local_sq = std::nullopt);
   /// deliver_ud's work, with the receive side's rx_lock held.
   void deliver_ud_held(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
-                       std::span<const Span> src, uint8_t sl);
+                       std::span<const Span> src, uint8_t sl, std::optional<uint32_t> local_sq);
   void holds_of(const Mr& mr, std::vector<transport::Hold>& out) const;
   void enter_error(Qp& qp, const char* why);
   /// Something a direct grant of (or to) guest `g` relies on changed: grants stop.
@@ -579,8 +586,9 @@ class Device : public transport::Receiver {
   void complete_send(Qp& qp, const proto::SendWqe& w, ibv_wc_status st, uint32_t len);
   /// Executes one send-queue WQE (any opcode) on an RC or UC QP.
   Step execute(Qp& qp, const proto::SendWqe& w, uint64_t now_ns);
-  /// Executes one UD send: a datagram to the QP its address names, or lost.
-  void execute_ud(Qp& qp, const proto::SendWqe& w);
+  /// Executes one UD send: a datagram to the QP its address names, or lost. False: the device
+  /// stopped at a kill point inside it (the WQE is not retired).
+  bool execute_ud(Qp& qp, const proto::SendWqe& w);
   /// A datagram to a multicast GID or LID (device_mcast.cc): every attached QP here, and once
   /// to every connected peer backend, which delivers it to its own members only.
   static bool is_mcast(const proto::UdDest& d);

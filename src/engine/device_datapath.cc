@@ -366,11 +366,11 @@ ibv_wc_status Device::gather(const Qp& qp, const SendWqe& w, uint8_t* inline_cop
   return IBV_WC_SUCCESS;
 }
 
-void Device::execute_ud(Qp& qp, const SendWqe& w) {
+bool Device::execute_ud(Qp& qp, const SendWqe& w) {
   if (w.opcode != IBV_WR_SEND && w.opcode != IBV_WR_SEND_WITH_IMM) {
     complete_send(qp, w, IBV_WC_LOC_QP_OP_ERR, 0);
     enter_error(qp, "UD sends only SEND and SEND_WITH_IMM");
-    return;
+    return true;
   }
   src_.clear();
   dst_.clear();
@@ -380,18 +380,18 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   if (const ibv_wc_status st = gather(qp, w, inline_copy, len, why); st != IBV_WC_SUCCESS) {
     complete_send(qp, w, st, 0);
     enter_error(qp, why);
-    return;
+    return true;
   }
   // A datagram fits in one packet: the port's MTU.
   if (len > kUdMaxMessage) {
     complete_send(qp, w, IBV_WC_LOC_LEN_ERR, 0);
     enter_error(qp, "UD message longer than the MTU");
-    return;
+    return true;
   }
   const UdDest dest = unpack_ud_dest(w);
   if (is_mcast(dest)) {
     send_mcast(qp, w, dest, len);
-    return;
+    return true;
   }
   Guest* g = nullptr;
   if (dest.is_global) {
@@ -406,7 +406,7 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
                                           : transport_->locate_lid(dest.dlid);
     if (!node.empty()) {
       send_ud_remote(qp, w, node, len);
-      return;
+      return true;
     }
   }
   Qp* to = nullptr;
@@ -417,15 +417,25 @@ void Device::execute_ud(Qp& qp, const SendWqe& w) {
   }
   // The high bit of the WR's qkey says "use the QP's own qkey" (IB spec 10.2.5).
   const uint32_t qkey = (w.ud_remote_qkey & 0x80000000u) ? qp.attr.qkey : w.ud_remote_qkey;
-  complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));  // sent, whatever happens
-  qp.cnt.msgs_sent++;
-  qp.cnt.bytes_sent += len;
+  // Sent, whatever happens to it; lost without a QP of that qkey there.
+  auto sent = [&] {
+    complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+    qp.cnt.msgs_sent++;
+    qp.cnt.bytes_sent += len;
+  };
   if (!to || to->attr.qkey != qkey) {
+    sent();
     qp.cnt.ud_dropped++;
-    return;
+    return true;
   }
+  // keep_state: the dead backend delivered this WQE and died before retiring it.
+  if (to->replay_known && replayed_delivery(qp, *to, w, len)) return true;
   Inbound in = inbound_of(qp, w, len);
-  deliver_ud(*to, in, dest.is_global, qp.guest->gid, src_, dest.sl);
+  deliver_ud(*to, in, dest.is_global, qp.guest->gid, src_, dest.sl, qp.sq_cons);
+  if (killed_at(KillPoint::kReceiveCompleted)) return false;
+  sent();
+  commit_done(*to);
+  return true;
 }
 
 Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
@@ -434,10 +444,7 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
     enter_error(qp, why);
     return Step::kDone;
   };
-  if (qp.type == IBV_QPT_UD) {
-    execute_ud(qp, w);
-    return Step::kDone;
-  }
+  if (qp.type == IBV_QPT_UD) return execute_ud(qp, w) ? Step::kDone : Step::kWait;
   // Binds and local invalidations touch no peer (a QP type that may not post them fails
   // in local_side, as any other opcode).
   if (proto::is_local_mw_op(w.opcode) && proto::opcode_allowed(qp.type, w.opcode)) {
@@ -548,6 +555,8 @@ bool Device::srq_busy(Qp& qp, uint64_t now_ns) {
 }
 
 bool Device::replayed_delivery(Qp& qp, Qp& to, const SendWqe& w, uint64_t len) {
+  // UD: another sender's datagram leaves the record for the one it names.
+  if (to.replay_ud && to.replay_qpn != qp.qpn) return false;
   to.replay_known = false;
   if (to.replay_sq != qp.sq_cons) return false;
   // A backend that died delivered this WQE and did not retire it: retired now, not again.

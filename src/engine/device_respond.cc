@@ -140,18 +140,19 @@ bool Device::resolve_recv(const Qp& to, const RecvWqe& r, uint64_t& cap) {
 }
 
 void Device::deliver_ud(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
-                        std::span<const Span> src, uint8_t sl) {
+                        std::span<const Span> src, uint8_t sl, std::optional<uint32_t> local_sq) {
   // Direct senders deliver into this receive side too (kDirectGrantUd): one at a time.
   if (!rx_lock_take(to)) {
     to.cnt.ud_dropped++;
     return;
   }
-  deliver_ud_held(to, in, global, sgid, src, sl);
+  deliver_ud_held(to, in, global, sgid, src, sl, local_sq);
   rx_lock_give(to);
 }
 
 void Device::deliver_ud_held(Qp& to, const Inbound& in, bool global, const uint8_t sgid[16],
-                             std::span<const Span> src, uint8_t sl) {
+                             std::span<const Span> src, uint8_t sl,
+                             std::optional<uint32_t> local_sq) {
   const uint64_t len = in.len;
   dst_.clear();
   RecvWqe r;
@@ -224,14 +225,21 @@ void Device::deliver_ud_held(Qp& to, const Inbound& in, bool global, const uint8
     post_async(*to.owner, IBV_EVENT_QP_FATAL, to.handle);
     return;
   }
-  consume_recv(to);
   rc.status = IBV_WC_SUCCESS;
   rc.byte_len = static_cast<uint32_t>(kGrhBytes + len);
   if (in.op == IBV_WR_SEND_WITH_IMM) {
     rc.wc_flags |= IBV_WC_WITH_IMM;
     rc.imm_data = in.imm_data;
   }
-  push_cqe(recv_ring(to), rc, (in.send_flags & IBV_SEND_SOLICITED) != 0);
+  // As respond_finish does for a SEND: the record first, then the receive taken (the commit),
+  // then its completion.
+  Cq& ring = recv_ring(to);
+  const bool commit = local_sq && to.rq_hdr;
+  if (commit) begin_commit(to, ring, rc, kCommitLocal | kCommitUd, *local_sq, in.src_qpn);
+  consume_recv(to);
+  if (killed_at(KillPoint::kReceiveTaken)) return;
+  if (!push_cqe(ring, rc, (in.send_flags & IBV_SEND_SOLICITED) != 0) && commit)
+    to.rq_hdr->commit_cq.store(ring.prod, std::memory_order_relaxed);  // lost to an overrun
   to.cnt.msgs_received++;
   to.cnt.bytes_received += len;
 }
@@ -393,7 +401,8 @@ void Device::respond_finish(Qp& to, const Inbound& in, const RecvWqe& r, uint32_
   to.cnt.bytes_received += in.len;
 }
 
-void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit, uint32_t tag) {
+void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit, uint32_t tag,
+                          uint32_t sender) {
   RingHeader& h = *to.rq_hdr;
   // A QP's own ring (direct path) has the libraries as producers too: push_cqe starts there.
   const uint32_t prod =
@@ -408,6 +417,7 @@ void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit
   h.commit_cq.store(prod + 1, std::memory_order_relaxed);
   h.commit_rq.store((to.srq ? to.srq->cons : to.rq_cons) + 1, std::memory_order_relaxed);
   (commit & kCommitPsn ? h.commit_psn : h.commit_sq).store(tag, std::memory_order_relaxed);
+  if (commit & kCommitUd) h.commit_psn.store(sender, std::memory_order_relaxed);
   // Release: a SIGKILL leaves memory as the stores were made, in this order (as on another core).
   h.commit_flags.store(kCommitValid | commit, std::memory_order_release);
 }
@@ -465,6 +475,8 @@ void Device::recover_receive(Qp& qp) {
     // Kept in the ring: a second restart before the requester's replay finds it again.
     qp.replay_known = true;
     qp.replay_sq = h.commit_sq.load(std::memory_order_relaxed);
+    qp.replay_ud = (flags & kCommitUd) != 0;
+    qp.replay_qpn = qp.replay_ud ? h.commit_psn.load(std::memory_order_relaxed) : 0;
   }
 }
 

@@ -285,6 +285,9 @@ struct Qp {
   /// the requester sends it again it completes, undelivered. Until the requester's next message.
   bool replay_known = false;
   uint32_t replay_sq = 0;
+  /// UD (kCommitUd): the record names its sender too, one of many.
+  bool replay_ud = false;
+  uint32_t replay_qpn = 0;
   /// Recent atomic results by PSN, so a replayed atomic is answered, not executed twice.
   /// A used slot's PSN carries kAtomicCacheValid (PSNs are 24-bit).
   static constexpr uint32_t kAtomicCacheValid = 1u << 31;

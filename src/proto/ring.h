@@ -136,6 +136,9 @@ static_assert(offsetof(RingHeader, commit_flags) == 140 &&
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
+/// ... with kCommitLocal: a datagram (UD, whose receive side has many senders): commit_psn holds
+/// the sender's QPN
+inline constexpr uint32_t kCommitUd = 8;
 inline constexpr uint32_t kAtomicPsnValid = 1u << 31;  ///< RingHeader::atomic_psn holds one
 inline constexpr uint64_t kPsnAtValid = 1u << 31;      ///< RingHeader::psn_at holds one
 inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend

@@ -83,6 +83,51 @@ INSTANTIATE_TEST_SUITE_P(KillPoints, KeepStateLocalTest,
                          ::testing::Values(KillPoint::kReceiveTaken, KillPoint::kReceiveCompleted),
                          [](const auto& i) { return point_name(i.param); });
 
+class KeepStateUdTest : public DeviceTest, public ::testing::WithParamInterface<KillPoint> {};
+
+// The same for a datagram (UD): a's datagram taken by b's receive (and, at the second point,
+// completed) when the backend dies, a's WQE not retired. UD loses datagrams, never duplicates
+// one: the restarted backend retires a's WQE as sent and b has the datagram once. A datagram of
+// another sender c to the same receive side, first after the restart, is not taken for the
+// replay (b's record names a), and lands.
+TEST_P(KeepStateUdTest, ADatagramDeliveredBeforeTheKillIsNotDeliveredAgain) {
+  // c: another sender, its SQ index the same as a's, and looked at first.
+  QpV uc = ud_qp(a_, acq_, 0x11), ua = ud_qp(a_, acq_, 0x11), ub = ud_qp(b_, bcq_, 0x11);
+  UdDest to_b{};
+  to_b.dlid = static_cast<uint16_t>(b_.hello.lid);
+  for (uint64_t i = 1; i <= 3; ++i) post_recv(ub, i, mb_.addr + (i - 1) * 128, 128, mb_.mr.lkey);
+  Kept ka = keep(dev_, "a"), kb = keep(dev_, "b");
+  std::memset(ma_.p(), 0x5a, 8);
+  post_ud(ua, 7, ma_.addr, 8, ma_.mr.lkey, to_b, ub.qpn, 0x11);
+  dev_.kill_at(GetParam());
+  dev_.poll(now_);
+  ASSERT_EQ(ub.rq->consumer.load(), 1u);  // what the kill left: the receive taken ...
+  ASSERT_EQ(ua.sq->consumer.load(), 0u);  // ... the send not retired
+  ASSERT_EQ(bcq_.hdr->producer.load(), GetParam() == KillPoint::kReceiveTaken ? 0u : 1u);
+
+  Device restarted{next_quotas_};
+  restart(restarted, ka, kb);
+  std::memset(ma_.p() + 64, 0x6b, 8);
+  post_ud(uc, 9, ma_.addr + 64, 8, ma_.mr.lkey, to_b, ub.qpn, 0x11);
+  for (int i = 0; i < 4; ++i) restarted.poll(now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 2u) << "a's datagram delivered twice, or c's taken for a's replay";
+  EXPECT_EQ(rx[0].wr_id, 1u);
+  EXPECT_EQ(rx[0].src_qp, ua.qpn);
+  EXPECT_EQ(rx[1].wr_id, 2u);
+  EXPECT_EQ(rx[1].src_qp, uc.qpn);
+  EXPECT_EQ(mb_.p()[kGrhBytes], 0x5a);
+  EXPECT_EQ(mb_.p()[128 + kGrhBytes], 0x6b);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 2u);
+  for (const auto& c : tx) EXPECT_EQ(c.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ub.rq->consumer.load(), 2u);  // the third receive is still posted
+}
+
+INSTANTIATE_TEST_SUITE_P(KillPoints, KeepStateUdTest,
+                         ::testing::Values(KillPoint::kReceiveTaken, KillPoint::kReceiveCompleted),
+                         [](const auto& i) { return point_name(i.param); });
+
 /// Runs a restarted device and its transport until nothing moves.
 void settle_restarted(Device& d, FakeLoop& loop, uint64_t now) {
   for (int i = 0; i < 100; ++i) {
