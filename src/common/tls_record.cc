@@ -347,40 +347,38 @@ bool RecordStream::maybe_update(std::string& why) {
 }
 
 ssize_t RecordStream::write(const void* p, size_t n, std::string& why, uintptr_t* fault) {
+  if (!fault) {
+    const iovec one{const_cast<void*>(p), n};
+    return write(&one, 1, 0, why);
+  }
   if (!maybe_update(why)) return -1;
   const auto* src = static_cast<const uint8_t*>(p);
   size_t took = 0;
   while (took < n && out_room()) {
     const size_t k = std::min(n - took, kTlsMaxPlain);
-    size_t w = 0;
-    if (!fault) {
-      w = tx_.seal(kTlsAppData, src + took, k, &out_[out_tail_]);
-    } else {
-      // Sealed from guest memory, no copy first. A fault leaves the record half done, under
-      // the sequence number it had (counted only at its end); sealed again from zeros, the
-      // nonce still goes on the wire once: the first try never leaves this buffer.
-      struct Job {
-        RecordCipher* c;
-        const uint8_t* p;
-        size_t n;
-        uint8_t* out;
-        size_t w;
-      } job{&tx_, src + took, k, &out_[out_tail_], 0};
-      uintptr_t at = 0;
-      if (!run_guarded(
-              [](void* a) {
-                auto* j = static_cast<Job*>(a);
-                j->w = j->c->seal(kTlsAppData, j->p, j->n, j->out);
-              },
-              &job, at)) {
-        static const uint8_t kZeros[kTlsMaxPlain] = {};
-        *fault = at;
-        job.w = tx_.seal(kTlsAppData, kZeros, k, &out_[out_tail_]);
-      }
-      w = job.w;
+    // Sealed from guest memory, no copy first. A fault leaves the record half done, under
+    // the sequence number it had (counted only at its end); sealed again from zeros, the
+    // nonce still goes on the wire once: the first try never leaves this buffer.
+    struct Job {
+      RecordCipher* c;
+      const uint8_t* p;
+      size_t n;
+      uint8_t* out;
+      size_t w;
+    } job{&tx_, src + took, k, &out_[out_tail_], 0};
+    uintptr_t at = 0;
+    if (!run_guarded(
+            [](void* a) {
+              auto* j = static_cast<Job*>(a);
+              j->w = j->c->seal(kTlsAppData, j->p, j->n, j->out);
+            },
+            &job, at)) {
+      static const uint8_t kZeros[kTlsMaxPlain] = {};
+      *fault = at;
+      job.w = tx_.seal(kTlsAppData, kZeros, k, &out_[out_tail_]);
     }
-    out_tail_ += w;
-    produced_ += w;
+    out_tail_ += job.w;
+    produced_ += job.w;
     took += k;
   }
   return static_cast<ssize_t>(took);

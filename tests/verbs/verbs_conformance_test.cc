@@ -111,14 +111,22 @@ class Conformance : public vrdma::test::VerbsFixture {
   };
   Pair pair(ibv_qp_type t, QpPath ours = {}, QpPath theirs = {}, uint32_t depth = 16,
             uint32_t sge = 1, uint32_t inl = 0) {
-    Pair p{make_qp(t, depth, sge, inl), peer_.create_qp(t, depth, sge)};
-    if (!p.qp) return p;
+    Pair p{make_qp(t, depth, sge, inl), {}};
+    if (p.qp) p.peer = connect_peer(p.qp, t, ours, theirs, depth, sge);
+    return p;
+  }
+
+  /// A new QP of the peer's, of type `t`, and our `qp` (of any context of ours) connected to
+  /// each other, both to RTS (UD: both at RTS).
+  PeerQp connect_peer(ibv_qp* qp, ibv_qp_type t, QpPath ours = {}, QpPath theirs = {},
+                      uint32_t depth = 16, uint32_t sge = 1) {
+    const PeerQp p = peer_.create_qp(t, depth, sge);
     ours.dlid = peer_.lid();
-    ours.dest_qpn = p.peer.qpn;
+    ours.dest_qpn = p.qpn;
     theirs.dlid = lid_;
-    theirs.dest_qpn = p.qp->qp_num;
-    EXPECT_EQ(bring_to_rts(p.qp, ours), 0);
-    EXPECT_EQ(peer_.connect(p.peer, theirs), 0);
+    theirs.dest_qpn = qp->qp_num;
+    EXPECT_EQ(bring_to_rts(qp, ours), 0);
+    EXPECT_EQ(peer_.connect(p, theirs), 0);
     return p;
   }
 
@@ -2062,14 +2070,8 @@ TEST_F(Conformance, CqOverrunIsCqError) {
   cqs_.push_back(small);
   ibv_qp* qp = make_qp(IBV_QPT_RC, 64, 1, 0, small);
   ASSERT_NE(qp, nullptr);
-  const PeerQp pq = peer_.create_qp(IBV_QPT_RC);
-  QpPath ours, theirs;
-  ours.dlid = peer_.lid();
-  ours.dest_qpn = pq.qpn;
-  theirs.dlid = lid_;
-  theirs.dest_qpn = qp->qp_num;
-  ASSERT_EQ(bring_to_rts(qp, ours), 0);
-  ASSERT_EQ(peer_.connect(pq, theirs), 0);
+  connect_peer(qp, IBV_QPT_RC);
+  ASSERT_FALSE(HasFailure()) << "the pair did not connect";
   // More signaled completions than the CQ holds, none polled.
   const int n = small->cqe + 2;
   for (int i = 0; i < n; ++i) {
@@ -2673,14 +2675,7 @@ TEST_F(Conformance, AWriteFromAnImportedMrSucceedsOnEveryPath) {
   }
   EXPECT_NE(qp, nullptr) << std::strerror(errno);
   if (qp) {
-    const PeerQp theirs = peer_.create_qp(IBV_QPT_RC);
-    QpPath ours, back;
-    ours.dlid = peer_.lid();
-    ours.dest_qpn = theirs.qpn;
-    back.dlid = lid_;
-    back.dest_qpn = qp->qp_num;
-    EXPECT_EQ(bring_to_rts(qp, ours), 0);
-    EXPECT_EQ(peer_.connect(theirs, back), 0);
+    connect_peer(qp, IBV_QPT_RC);
     fill(buf_.data(), 256, 7);
     EXPECT_EQ(post(qp, {.op = IBV_WR_RDMA_WRITE,
                         .sges = {ibv_sge{addr(0), 256, mr2->lkey}},
