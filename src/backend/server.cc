@@ -383,7 +383,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         reply(dev_.direct_grant(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       else if (op == Op::kDirectGrantUd)
         reply(dev_.direct_grant_ud(*s, body_of<DirectUdReq>(msg).value(), owned, peer));
-      else if (op == Op::kDirectRings) reply(dev_.direct_rings(*s, handle_of(), owned));
+      else if (op == Op::kDirectRings)
+        reply(dev_.direct_rings(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       else if (op == Op::kDirectOffer)
         reply(dev_.direct_offer(*s, body_of<DirectOfferReq>(msg).value(), owned));
       else reply(dev_.direct_remote(*s, handle_of(), owned));

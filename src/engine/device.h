@@ -170,9 +170,10 @@ class Device : public transport::Receiver {
                                                    std::string& peer_guest);
   Result<proto::DirectPeerResp> direct_peer_ud(Session& s, const proto::DirectUdReq& req);
   Status direct_prove_ud(Session& s, const proto::DirectUdReq& req, UniqueFd proof);
-  /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds.
+  /// The own completion rings of QPs of `s` that feed CQ `handle`, with their memfds: a page of
+  /// at most kMaxDirectRings, past the first `skip`.
   Result<proto::DirectRingsResp> direct_rings(Session& s, uint32_t handle,
-                                              std::vector<UniqueFd>& fds);
+                                              std::vector<UniqueFd>& fds, uint32_t skip = 0);
 
   // ---- direct path across backends (device_direct.cc; ARCHITECTURE.md "Across hosts") ----
   /// Allows kDirectOffer/kDirectRemote ([datapath] direct_remote). Off: both answer EOPNOTSUPP.

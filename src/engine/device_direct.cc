@@ -480,22 +480,26 @@ Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vect
 }
 
 Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
-                                             std::vector<UniqueFd>& fds) {
+                                             std::vector<UniqueFd>& fds, uint32_t skip) {
   auto it = s.cqs.find(handle);
   if (it == s.cqs.end()) return error(EINVAL, fmt::format("no CQ {}", handle));
   const Cq* cq = it->second.get();
   DirectRingsResp resp{};
   resp.gen = cq->hdr->direct_gen.load(std::memory_order_acquire);
   fds.clear();
+  uint32_t seen = 0;  // rings of this CQ so far, those skipped included
   auto add = [&](const Qp& qp, const Cq& ring, uint32_t recv) -> Status {
-    if (resp.count == kMaxDirectRings) return error(E2BIG, "too many QP rings on one CQ");
+    if (seen++ < skip || resp.count == kMaxDirectRings) return Status::ok();
     resp.rings[resp.count++] = DirectRing{qp.handle, recv, ring.size, 0};
     fds.push_back(dup_fd(ring.ring_fd.get()));
     return fds.back().valid() ? Status::ok() : error(EMFILE, "duplicating a ring descriptor");
   };
+  // In the order of the session's QP table (a map by handle: the same from page to page while
+  // direct_gen stays; a change moves it and the library asks again).
   for (const auto& [h, qp] : s.qps) {
     if (qp->own_send && qp->send_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_send, 0));
     if (qp->own_recv && qp->recv_cq == cq) RETURN_IF_ERROR(add(*qp, *qp->own_recv, 1));
+    if (resp.count == kMaxDirectRings) break;
   }
   return resp;
 }

@@ -442,8 +442,10 @@ struct DirectGrantUdResp {
 };
 static_assert(sizeof(DirectGrantUdResp) == 16 + sizeof(DirectGrantResp));
 
-// ---- kDirectRings: the QPs' own completion rings that feed a CQ (HandleReq: the CQ). One fd
-// per ring, in order.
+// ---- kDirectRings: the QPs' own completion rings that feed a CQ (HandleReq: the CQ, and in
+// `reserved` how many of them to skip). One fd per ring, in order. A CQ fed by more rings than
+// one answer holds (64 QPs sharing it for sends and receives) is read a page at a time: a full
+// page means ask again from past it. (A backend before paging answered E2BIG past one page.)
 inline constexpr uint32_t kMaxDirectRings = 64;
 struct DirectRing {
   uint32_t qp;       ///< QP handle

@@ -634,6 +634,42 @@ const Cqe* take_cqe(VCq& cq) {
   cq.cur_stamp = cq.stamps ? &cq.stamps[i] : nullptr;
   return &cq.entries[i];
 }
+
+/// The QPs' own rings that feed `cq` (its header's direct_gen is `gen`), a page at a time: 64
+/// QPs that share one CQ for their sends and receives have 128.
+void learn_rings(VCq& cq, uint32_t gen) {
+  VContext& ctx = *to_vctx(cq.cq.context);
+  auto resp = std::make_unique<DirectRingsResp>();
+  uint32_t first_gen = 0;
+  for (uint32_t skip = 0;; skip += kMaxDirectRings) {
+    std::vector<UniqueFd> fds;
+    HandleReq req{cq.handle, skip};
+    if (ctx.call(Op::kDirectRings, req, *resp, {}, &fds) != 0 || fds.size() != resp->count ||
+        resp->count > kMaxDirectRings) {
+      cq.direct_gen = gen;  // do not ask on every poll; the rings it missed stay unread
+      VLOG_WARN("direct path: could not look up the QP rings of CQ {}", cq.handle);
+      return;
+    }
+    if (skip == 0) first_gen = resp->gen;
+    for (uint32_t i = 0; i < resp->count; ++i) {
+      const DirectRing& d = resp->rings[i];
+      const bool known = std::any_of(cq.own.begin(), cq.own.end(), [&](const auto& r) {
+        return r->qp == d.qp && r->recv == (d.recv != 0);
+      });
+      if (known || d.entries == 0 || (d.entries & (d.entries - 1))) continue;
+      auto r = std::make_unique<OwnRing>();
+      if (!map_ring(*r, fds[i].get(), d.entries)) continue;
+      r->qp = d.qp;
+      r->recv = d.recv != 0;
+      r->cons = r->seen = r->hdr->consumer.load(std::memory_order_acquire);
+      cq.own.push_back(std::move(r));
+    }
+    // Rings that came or went between two pages moved the generation: the first page's, kept,
+    // makes the next poll ask again.
+    if (resp->count < kMaxDirectRings || resp->gen != first_gen) break;
+  }
+  cq.direct_gen = first_gen;
+}
 }  // namespace
 
 const Cqe* next_cqe(VCq& cq) {
@@ -641,32 +677,7 @@ const Cqe* next_cqe(VCq& cq) {
   if (cq.cons != cq.seen) return take_cqe(cq);
   // QPs' own rings: learn of new ones first.
   const uint32_t gen = cq.hdr->direct_gen.load(std::memory_order_acquire);
-  if (gen != cq.direct_gen) {
-    VContext& ctx = *to_vctx(cq.cq.context);
-    auto resp = std::make_unique<DirectRingsResp>();
-    std::vector<UniqueFd> fds;
-    HandleReq req{cq.handle, 0};
-    if (ctx.call(Op::kDirectRings, req, *resp, {}, &fds) == 0 && fds.size() == resp->count &&
-        resp->count <= kMaxDirectRings) {
-      for (uint32_t i = 0; i < resp->count; ++i) {
-        const DirectRing& d = resp->rings[i];
-        const bool known = std::any_of(cq.own.begin(), cq.own.end(), [&](const auto& r) {
-          return r->qp == d.qp && r->recv == (d.recv != 0);
-        });
-        if (known || d.entries == 0 || (d.entries & (d.entries - 1))) continue;
-        auto r = std::make_unique<OwnRing>();
-        if (!map_ring(*r, fds[i].get(), d.entries)) continue;
-        r->qp = d.qp;
-        r->recv = d.recv != 0;
-        r->cons = r->seen = r->hdr->consumer.load(std::memory_order_acquire);
-        cq.own.push_back(std::move(r));
-      }
-      cq.direct_gen = resp->gen;
-    } else {
-      cq.direct_gen = gen;  // do not ask on every poll; the rings it missed stay unread
-      VLOG_WARN("direct path: could not look up the QP rings of CQ {}", cq.handle);
-    }
-  }
+  if (gen != cq.direct_gen) learn_rings(cq, gen);
   const size_t n = cq.own.size();
   for (size_t k = 0; k < n; ++k) {
     OwnRing& r = *cq.own[(cq.own_turn + k) % n];

@@ -1987,6 +1987,53 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   }
 }
 
+// 70 QPs that share one CQ: on the direct paths each has an own send ring feeding it, 70, more
+// than one kDirectRings answer holds (64; 64 QPs sharing one CQ for their sends and receives
+// have 128).
+// The library learns them a page at a time, and every WRITE completes. (Before, the lookup
+// failed with E2BIG, the library read none of the rings, and `ib_write_bw -q 64` across two
+// hosts stopped after its first 128 WRITEs per QP.)
+TEST_F(Conformance, SeventyQpsSharingOneCqAllCompleteOnEveryPath) {
+  constexpr int kQps = 70;
+  const std::vector<PeerQp> theirs = rc_pairs(kQps, 16);
+  ASSERT_EQ(theirs.size(), size_t{kQps});
+  // Rounds of one WRITE per QP, until every QP's library executes them itself (at once on the
+  // mediated paths); then one more round on all those rings.
+  auto direct = [&](int i) { return across_ ? library_path(qps_[i]) : direct_sent(qps_[i]) > 0; };
+  auto all_direct = [&] {
+    for (int i = 0; i < kQps; ++i) {
+      if (!direct(i)) return false;
+    }
+    return true;
+  };
+  const bool want_direct = direct_path_on() || across_;
+  const auto until = Clock::now() + std::chrono::seconds(20);
+  unsigned round = 0;
+  for (bool last = false; !last; ++round) {
+    last = !want_direct || all_direct() || Clock::now() > until;
+    fill(buf_.data(), kQps * 64, round);
+    for (int i = 0; i < kQps; ++i) {
+      ASSERT_EQ(post(qps_[i], {.op = IBV_WR_RDMA_WRITE,
+                               .sges = {sge(i * 64, 64)},
+                               .wr_id = uint64_t(i),
+                               .raddr = peer_.mem().addr + i * 64,
+                               .rkey = peer_.mem().rkey}),
+                0);
+    }
+    const auto wcs = poll(cq_, kQps);
+    ASSERT_EQ(wcs.size(), size_t{kQps}) << "round " << round << ": completions missing";
+    for (const ibv_wc& wc : wcs)
+      EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "QP " << wc.wr_id << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(peer_.read(0, kQps * 64), std::vector<uint8_t>(buf_.begin(), buf_.begin() + kQps * 64));
+  }
+  if (want_direct) {
+    EXPECT_TRUE(all_direct()) << "not every QP went direct in 20 s";
+  }
+  if (direct_path_on() && !across_) {
+    EXPECT_GT(vrdma::verbs::to_vcq(cq_)->own.size(), size_t{64});
+  }
+}
+
 // An aligned iova on a misaligned address (ibv_reg_mr_iova: the MR's address and iova differ
 // mod 8): a CPU atomic there would be a split lock, so it fails as a misaligned iova does,
 // REM_INV_REQ_ERR, on every path; on the direct path the library leaves it to the backend.
