@@ -474,7 +474,8 @@ class Device : public transport::Receiver {
   bool rnr_wait(Qp& qp, uint8_t rnr_timer, uint64_t now_ns, bool fresh);
   // ---- requester over a transport (device_remote.cc) ----
   /// Picks the QP's transport at RTR from its destination.
-  void choose_route(Qp& qp);
+  /// `quiet`: the caller logs the outcome (a re-route says only what changed).
+  void choose_route(Qp& qp, bool quiet = false);
   /// Warns once per connection when both ends of an RC pair are processes of one default
   /// (`pgrp-N`) guest.
   void warn_one_default_guest(const Qp& qp, const Guest& dest) const;

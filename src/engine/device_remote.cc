@@ -36,7 +36,7 @@ void Device::warn_one_default_guest(const Qp& qp, const Guest& dest) const {
       qp.qpn, dest.name, qp.owner->pid, peer->second->owner->pid);
 }
 
-void Device::choose_route(Qp& qp) {
+void Device::choose_route(Qp& qp, bool quiet) {
   qp.remote = false;
   qp.route_pending = false;
   qp.transport = "shm";
@@ -58,8 +58,9 @@ void Device::choose_route(Qp& qp) {
     qp.transport = "tcp";
     qp.peer_node = node;
     qp.transport_why = std::move(why);
-    VLOG_INFO("qp {:#x} (guest {}): tcp to {} ({})", qp.qpn, qp.guest->name, node,
-              qp.transport_why);
+    if (!quiet)
+      VLOG_INFO("qp {:#x} (guest {}): tcp to {} ({})", qp.qpn, qp.guest->name, node,
+                qp.transport_why);
     // Its SRQ's receives are taken across turns from now on (srq_grantable): the libraries
     // that feed it stop (their grants end with the epoch).
     if (qp.srq && qp.srq->direct) bump_epoch(*qp.guest);

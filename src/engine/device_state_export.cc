@@ -89,9 +89,12 @@ json export_mws(const Session& s) {
 }
 
 json export_qp(Exporter& ex, uint32_t h, const Qp& qp) {
-  json unacked = json::array();
-  for (const Qp::Outstanding& o : qp.unacked)
-    unacked.push_back({bytes_of(o.w), o.psn, o.len, o.has_result});
+  std::vector<uint8_t> in_flight(qp.unacked.size() * sizeof(InFlight));
+  for (size_t i = 0; i < qp.unacked.size(); ++i) {
+    const Qp::Outstanding& o = qp.unacked[i];
+    const InFlight f{o.psn, o.len, o.has_result ? 1u : 0u};
+    std::memcpy(in_flight.data() + i * sizeof(InFlight), &f, sizeof(f));
+  }
   return {{"h", h},
           {"qpn", qp.qpn},
           {"type", static_cast<uint32_t>(qp.type)},
@@ -114,7 +117,7 @@ json export_qp(Exporter& ex, uint32_t h, const Qp& qp) {
           {"retry_left", qp.retry_left},
           {"wait_until", qp.wait_until_ns},
           {"cnt", bytes_of(qp.cnt)},
-          {"unacked", std::move(unacked)},
+          {"in_flight", json::binary(std::move(in_flight))},
           // The shm path never advances sq_sent (nothing is in flight there).
           {"sq_sent", qp.remote ? qp.sq_sent : qp.sq_cons},
           {"next_psn", qp.next_psn},

@@ -291,9 +291,47 @@ void check_qp(Importer& im, const Qp& q, const QpRefs& refs, const Session& s, c
 }
 
 /// The WQEs a QP had sent over tcp and not seen acknowledged, to send again.
-void read_unacked(Importer& im, const json& jq, Qp& q) {
+/// One WQE in flight, as checked on every path: an inline payload fits the WQE (the resend
+/// copies o.len bytes from it); other payloads are gathered through the MRs again at each send.
+void add_in_flight(Reader& rd, Qp& qp, Qp::Outstanding o) {
+  if (o.w.num_sge > kMaxSge) rd.fail("unacknowledged WQE's SGE count");
+  if ((o.w.send_flags & IBV_SEND_INLINE) && o.len > sizeof(o.w.inline_data))
+    rd.fail("unacknowledged WQE's inline length");
+  if (rd.st.is_ok()) qp.unacked.push_back(o);
+}
+
+constexpr const char* kNotTheCursors = "WQEs in flight do not match the QP's send cursors";
+
+/// What the QP has in flight; its rings are mapped (version 10 takes the WQEs from its SQ).
+void read_unacked(Importer& im, const json& jq, Qp& q, uint32_t version) {
   Reader& rd = im.rd;
-  Qp* qp = &q;
+  if (version >= 10) {
+    auto it = jq.find("in_flight");
+    if (it == jq.end() || !it->is_binary() || it->get_binary().size() % sizeof(InFlight) != 0) {
+      rd.fail("field 'in_flight' missing or of the wrong size");
+      return;
+    }
+    const auto& b = it->get_binary();
+    const size_t n = b.size() / sizeof(InFlight);
+    // The WQEs in flight are the SQ's slots from sq_cons on, one each, in order (those of
+    // [sq_cons, sq_sent): complete_send retires them strictly in order).
+    if (n > q.sq_sent - q.sq_cons) {
+      rd.fail(kNotTheCursors);
+      return;
+    }
+    for (size_t i = 0; i < n && rd.st.is_ok(); ++i) {
+      InFlight f;
+      std::memcpy(&f, b.data() + i * sizeof(InFlight), sizeof(f));
+      if (f.has_result > 1) rd.fail("WQE in flight: bad result flag");
+      Qp::Outstanding o{};
+      o.w = q.sq[(q.sq_cons + static_cast<uint32_t>(i)) & (q.sq_size - 1)];
+      o.psn = f.psn & 0xffffff;
+      o.len = f.len;
+      o.has_result = f.has_result != 0;
+      add_in_flight(rd, q, o);
+    }
+    return;
+  }
   for (const json& u : rd.arr(jq, "unacked")) {
     if (!u.is_array() || u.size() != 4 || !u[0].is_binary() ||
         u[0].get_binary().size() != sizeof(SendWqe) || !u[1].is_number_unsigned() ||
@@ -306,10 +344,10 @@ void read_unacked(Importer& im, const json& jq, Qp& q) {
     o.psn = u[1].get<uint32_t>() & 0xffffff;
     o.len = u[2].get<uint32_t>();
     o.has_result = u[3].get<bool>();
-    if (o.w.num_sge > kMaxSge) rd.fail("unacknowledged WQE's SGE count");
-    qp->unacked.push_back(o);
+    add_in_flight(rd, q, o);
+    if (!rd.st.is_ok()) break;
   }
-  if (qp->unacked.size() > qp->sq_size) rd.fail("more unacknowledged WQEs than the SQ holds");
+  if (q.unacked.size() > q.sq_sent - q.sq_cons) rd.fail(kNotTheCursors);
 }
 
 /// A QP's rings, mapped; false when they cannot be.
@@ -388,8 +426,8 @@ void import_qps(Importer& im, const json& js, Session& s, Guest& g, void (*recov
     qp->state = static_cast<ibv_qp_state>(refs.state);
     qp->attr.qp_state = refs.state;
     qp->wait = static_cast<Wait>(refs.wait);
-    read_unacked(im, jq, *qp);
     if (!map_qp(im, jq, *qp)) break;
+    read_unacked(im, jq, *qp, version);
     qp->send_cq = s.cqs[refs.scq].get();
     qp->recv_cq = s.cqs[refs.rcq].get();
     qp->srq = refs.srq == kNone ? nullptr : s.srqs[refs.srq].get();

@@ -26,6 +26,11 @@
 // token of the peer's offer it used) and "direct_offers" (the peers' offers held, by the QPN
 // they are for); a move's or a snapshot's blob has neither (its QPs left the direct path first),
 // nor has a version 8 blob (keep_state turned direct_remote off then).
+// 10 = what a QP has in flight is one byte string, "in_flight": per WQE its PSN, length and
+// whether its READ data or atomic result arrived (proto::InFlight), oldest first; the WQEs are
+// the send queue's slots from "sq_cons" on, which the guest may not reuse before they complete.
+// A version 9 blob carried each WQE's copy ("unacked": 320 bytes each, two thirds of a move's
+// state under perftest's default depth, and most of the importer's time).
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -34,7 +39,16 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 9;
+inline constexpr uint32_t kStateVersion = 10;
 inline constexpr uint32_t kStateVersionOldest = 1;
+
+/// One WQE in flight (version 10's "in_flight"), in the exporter's byte order: migration,
+/// snapshots and keep_state stay on one machine.
+struct InFlight {
+  uint32_t psn;
+  uint32_t len;
+  uint32_t has_result;  ///< 0 or 1
+};
+static_assert(sizeof(InFlight) == 12);
 
 }  // namespace vrdma::proto

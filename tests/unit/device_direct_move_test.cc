@@ -335,6 +335,7 @@ TEST_F(DirectMoveTest, AnOwnRingOfABadGeometryOrDescriptorIsRefused) {
   // And a version 6 blob has none: it imports, its QPs without own rings.
   auto doc = nlohmann::json::from_cbor(ex.blob);
   doc["version"] = 6;
+  in_flight_as_version_9(doc, [](const nlohmann::json&) { return nullptr; });
   doc["fdkeys"].erase(doc["fdkeys"].size() - 1);
   std::vector<UniqueFd> fds = dup_all(ex.fds);
   auto r = dev_.import_guest(nlohmann::json::to_cbor(doc), fds);

@@ -16,6 +16,7 @@
 
 #include "common/memfd.h"
 #include "engine/device.h"
+#include "proto/device_state.h"
 
 namespace vrdma::engine::devtest {
 
@@ -55,6 +56,32 @@ inline std::vector<UniqueFd> dup_all(const std::vector<int>& fds) {
   std::vector<UniqueFd> out;
   for (int f : fds) out.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
   return out;
+}
+
+/// Each QP of blob `doc` (CBOR decoded) as a version 9 blob had it: what is in flight as copies
+/// of its WQEs ("unacked"), taken from the send queue `sq(qp entry)` returns (nullptr: the QP
+/// must have nothing in flight).
+template <typename SqOf>
+void in_flight_as_version_9(nlohmann::json& doc, SqOf sq) {
+  for (auto& js : doc["sessions"]) {
+    for (auto& jq : js["qps"]) {
+      const auto& b = jq["in_flight"].get_binary();
+      nlohmann::json unacked = nlohmann::json::array();
+      const size_t n = b.size() / sizeof(proto::InFlight);
+      const SendWqe* ring = n ? sq(jq) : nullptr;
+      EXPECT_TRUE(n == 0 || ring) << "QP " << jq["qpn"] << " has WQEs in flight";
+      for (size_t i = 0; i < n && ring; ++i) {
+        proto::InFlight f;
+        std::memcpy(&f, b.data() + i * sizeof(f), sizeof(f));
+        const uint32_t slot = (jq["sq_cons"].get<uint32_t>() + i) & (jq["sq_size"].get<uint32_t>() - 1);
+        const auto* w = reinterpret_cast<const uint8_t*>(&ring[slot]);
+        unacked.push_back({nlohmann::json::binary(std::vector<uint8_t>(w, w + sizeof(SendWqe))),
+                           f.psn, f.len, f.has_result != 0});
+      }
+      jq.erase("in_flight");
+      jq["unacked"] = std::move(unacked);
+    }
+  }
 }
 
 constexpr uint64_t kMemBytes = 8192;

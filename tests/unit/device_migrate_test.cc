@@ -4,20 +4,29 @@
 // requester lost its unacknowledged messages (they went out again under later PSNs).
 #include <fcntl.h>
 
+#include <functional>
+
 #include "loopback_fixture.h"
 
 namespace vrdma::engine::devtest {
 namespace {
 
 /// Moves guest `g` out of `dev` and back in, as a migration does; returns its new session.
-Session* move_guest(Device& dev, const std::string& g) {
+/// `edit`, when given, changes the blob (CBOR decoded) on the way.
+Session* move_guest(Device& dev, const std::string& g,
+                    const std::function<void(nlohmann::json&)>& edit = {}) {
   auto ex = dev.export_guest(g, [](const Session&) { return -1; });
   EXPECT_TRUE(ex.is_ok()) << ex.status().message();
   if (!ex.is_ok()) return nullptr;
-  std::vector<UniqueFd> fds;
-  for (int f : ex->fds) fds.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  std::vector<UniqueFd> fds = dup_all(ex->fds);
+  std::vector<uint8_t> blob = ex->blob;
+  if (edit) {
+    auto doc = nlohmann::json::from_cbor(blob);
+    edit(doc);
+    blob = nlohmann::json::to_cbor(doc);
+  }
   dev.detach_guest(g);
-  auto im = dev.import_guest(ex->blob, fds);
+  auto im = dev.import_guest(blob, fds);
   EXPECT_TRUE(im.is_ok()) << im.status().message();
   if (!im.is_ok() || im->size() != 1) return nullptr;
   return im->front().session;
@@ -48,14 +57,29 @@ TEST_F(DeviceTest, QpThatSentOnShmCanMove) {
   EXPECT_EQ(mb_.p()[256], 0x5a);
 }
 
-TEST_F(DeviceRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrder) {
+// The blob of this version (10: what is in flight is taken from the send queue) and of version
+// 9, as an older backend sends it (each WQE in flight copied into the blob).
+class InFlightMoveTest : public DeviceRemoteTest, public ::testing::WithParamInterface<uint32_t> {
+ protected:
+  /// The blob as version GetParam() has it: for 9, the WQEs in flight copied from a's SQ.
+  void as_param_version(nlohmann::json& doc) {
+    if (GetParam() == kStateVersion) return;
+    doc["version"] = GetParam();
+    in_flight_as_version_9(doc, [&](const nlohmann::json& jq) {
+      EXPECT_EQ(jq["qpn"], qa_.qpn);
+      return qa_.sqe;
+    });
+  }
+};
+
+TEST_P(InFlightMoveTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrder) {
   connect_both();
   post_numbered(4);
   dev_.poll(now_);
   ASSERT_EQ(loop_.q.size(), 4u);
   EXPECT_EQ(pump(2), 2);  // two requests executed; their ACKs wait in the queue
   // The requester moves: the ACKs addressed to where it was are lost, the rest still travel.
-  a_.s = move_guest(dev_, "a");
+  a_.s = move_guest(dev_, "a", [&](nlohmann::json& doc) { as_param_version(doc); });
   ASSERT_NE(a_.s, nullptr);
   std::erase_if(loop_.q, [](const FakeLoop::Sent& fr) {
     wire::FrameHeader h;
@@ -81,6 +105,53 @@ TEST_F(DeviceRemoteTest, RequesterMovedWithMessagesInFlightDeliversEachOnceInOrd
   settle();
   ASSERT_EQ(drain(bcq_).size(), 1u);
   ASSERT_EQ(drain(acq_).size(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(StateVersions, InFlightMoveTest, ::testing::Values(9u, kStateVersion));
+
+// What is in flight is checked as any WQE: no more than the send cursors say were sent, and an
+// inline payload no longer than the WQE holds (a resend copies that many bytes out of it).
+TEST_P(InFlightMoveTest, InFlightWqesBeyondTheCursorsOrTheirInlineBytesAreRefused) {
+  connect_both();
+  post_numbered(4);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 4u);
+  auto ex = dev_.export_guest("a", [](const Session&) { return -1; });
+  ASSERT_TRUE(ex.is_ok()) << ex.status().message();
+  const auto doc = nlohmann::json::from_cbor(ex->blob);
+  auto refused = [&](const std::function<void(nlohmann::json&)>& edit, const char* why) {
+    auto bad = doc;
+    as_param_version(bad);
+    edit(bad["sessions"][0]["qps"][0]);
+    std::vector<UniqueFd> fds = dup_all(ex->fds);
+    Device other;
+    auto r = other.import_guest(nlohmann::json::to_cbor(bad), fds);
+    ASSERT_FALSE(r.is_ok()) << why;
+    EXPECT_EQ(r.status().err(), EINVAL);
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+  };
+  ASSERT_EQ(doc["sessions"][0]["qps"][0]["qpn"], qa_.qpn);
+  if (GetParam() == kStateVersion) {
+    refused([](nlohmann::json& jq) { jq["sq_sent"] = jq["sq_sent"].get<uint32_t>() - 1; },
+            "do not match the QP's send cursors");
+  } else {
+    refused([](nlohmann::json& jq) { jq["unacked"].push_back(jq["unacked"][0]); },
+            "do not match the QP's send cursors");
+  }
+  // The inline flag on the first WQE in flight, its length past the WQE's inline bytes.
+  const uint32_t slot = doc["sessions"][0]["qps"][0]["sq_cons"].get<uint32_t>() & (qa_.sq_size - 1);
+  qa_.sqe[slot].send_flags |= IBV_SEND_INLINE;
+  constexpr uint32_t kLong = sizeof(SendWqe::inline_data) + 1;
+  refused(
+      [&](nlohmann::json& jq) {
+        if (GetParam() == kStateVersion) {
+          auto& b = jq["in_flight"].get_binary();
+          std::memcpy(b.data() + offsetof(InFlight, len), &kLong, sizeof(kLong));
+        } else {
+          jq["unacked"][0][2] = kLong;
+        }
+      },
+      "inline length");
 }
 
 // XRC over the transport: the guest with the receive QP and its XRC SRQ moves after two of four

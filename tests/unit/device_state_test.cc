@@ -18,6 +18,7 @@ Result<std::vector<ImportedSession>> import_as_version(Device& into, const Guest
   auto doc = nlohmann::json::from_cbor(ex.blob);
   doc["version"] = version;
   for (auto& js : doc["sessions"]) js.erase(key);
+  in_flight_as_version_9(doc, [](const nlohmann::json&) { return nullptr; });
   std::vector<UniqueFd> fds = dup_all(ex.fds);
   return into.import_guest(nlohmann::json::to_cbor(doc), fds);
 }
@@ -178,6 +179,7 @@ TEST_F(DeviceTest, CompletionStampsMoveWithTheGuestAndAVersionFiveBlobHasNone) {
   GuestExport ex = export_a(dev_);
   auto doc = nlohmann::json::from_cbor(ex.blob);
   doc["version"] = 5;
+  in_flight_as_version_9(doc, [](const nlohmann::json&) { return nullptr; });
   for (auto& js : doc["sessions"])
     for (auto& jc : js["cqs"]) jc.erase("stamps");
   {
@@ -327,6 +329,7 @@ TEST_F(DeviceTest, AVersionSevenBlobWithoutXrcImports) {
   GuestExport ex = export_a(dev_);
   auto doc = nlohmann::json::from_cbor(ex.blob);
   doc["version"] = 7;
+  in_flight_as_version_9(doc, [](const nlohmann::json&) { return nullptr; });
   for (const char* k : {"xrcds", "xrc_qps", "next_xrcd", "next_srqn"}) doc.erase(k);
   for (auto& js : doc["sessions"]) {
     js.erase("xrcds");
