@@ -313,22 +313,14 @@ void read_unacked(Importer& im, const json& jq, Qp& q, uint32_t version) {
     }
     const auto& b = it->get_binary();
     const size_t n = b.size() / sizeof(InFlight);
-    // The WQEs in flight are the SQ's slots from sq_cons on, one each, in order (those of
-    // [sq_cons, sq_sent): complete_send retires them strictly in order).
-    if (n > q.sq_sent - q.sq_cons) {
-      rd.fail(kNotTheCursors);
-      return;
-    }
+    // The SQ's slots from sq_cons on, one each, in order (complete_send retires them so).
+    if (n > q.sq_sent - q.sq_cons) return rd.fail(kNotTheCursors);
     for (size_t i = 0; i < n && rd.st.is_ok(); ++i) {
       InFlight f;
       std::memcpy(&f, b.data() + i * sizeof(InFlight), sizeof(f));
       if (f.has_result > 1) rd.fail("WQE in flight: bad result flag");
-      Qp::Outstanding o{};
-      o.w = q.sq[(q.sq_cons + static_cast<uint32_t>(i)) & (q.sq_size - 1)];
-      o.psn = f.psn & 0xffffff;
-      o.len = f.len;
-      o.has_result = f.has_result != 0;
-      add_in_flight(rd, q, o);
+      const SendWqe& w = q.sq[(q.sq_cons + static_cast<uint32_t>(i)) & (q.sq_size - 1)];
+      add_in_flight(rd, q, Qp::Outstanding{w, f.psn & 0xffffff, f.len, f.has_result != 0, {}});
     }
     return;
   }

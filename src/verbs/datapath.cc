@@ -220,17 +220,20 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   return got;
 }
 
-uint64_t env_us(const char* name, uint64_t default_us, uint64_t max_us) {
+uint64_t env_num(const char* name, uint64_t dflt, uint64_t max, const char* unit) {
   const char* e = ::secure_getenv(name);
-  if (!e || !*e) return default_us;
+  if (!e || !*e) return dflt;
   char* end = nullptr;
-  const unsigned long long us = std::strtoull(e, &end, 10);
-  if (*end != '\0' || us > max_us) {
-    VLOG_WARN("{}={}: not a number of microseconds up to {}; using {}", name, e, max_us,
-              default_us);
-    return default_us;
+  const unsigned long long n = std::strtoull(e, &end, 10);
+  if (*end != '\0' || n > max) {
+    VLOG_WARN("{}={}: not a number of {} up to {}; using {}", name, e, unit, max, dflt);
+    return dflt;
   }
-  return us;
+  return n;
+}
+
+uint64_t env_us(const char* name, uint64_t default_us, uint64_t max_us) {
+  return env_num(name, default_us, max_us, "microseconds");
 }
 
 namespace {

@@ -344,5 +344,7 @@ void say_destination_unknown(const ibv_qp& qp, const ibv_qp_attr& attr, int mask
 /// environment of a set-uid program): its value, or `default_us` when it is unset or empty, or
 /// not a number up to `max_us` (with a warning line saying so).
 uint64_t env_us(const char* name, uint64_t default_us, uint64_t max_us);
+/// The same for a count of `unit`s (the warning names them).
+uint64_t env_num(const char* name, uint64_t dflt, uint64_t max, const char* unit);
 
 }  // namespace vrdma::verbs

@@ -517,6 +517,7 @@ Hub* hub_of(VContext& ctx) {
     VLOG_WARN("direct path: cannot start the hub: {}", std::strerror(errno));
     return nullptr;
   }
+  h->max_conns = env_num("VRDMA_DIRECT_REMOTE_QPS", kDirectConnsDefault, 1u << 20, "connections");
   h->tls = make_tls(*h);
   if (!h->tls) {
     VLOG_WARN("direct path: cannot start the hub: no TLS context: {}", tls_reason());
@@ -577,6 +578,22 @@ void back_off(RemoteQp& r, uint32_t base) {
   r.ask_wait = r.backoff;
 }
 
+namespace {
+/// Whether the context has as many library connections as it may dial (Hub::max_conns): then
+/// `qp` stays on the backends (said once per process).
+bool at_max_conns(Hub& h, const VQp& qp) {
+  std::lock_guard<std::mutex> g(h.mu);
+  const bool full = h.conns.size() >= h.max_conns;
+  if (full && !h.said_max) {
+    h.said_max = true;
+    VLOG_INFO("direct path: QP {:#x} and further QPs stay on the backends: this process has {} "
+              "connections to peers' libraries already (VRDMA_DIRECT_REMOTE_QPS)",
+              qp.qp.qp_num, h.conns.size());
+  }
+  return full;
+}
+}  // namespace
+
 bool connect_out(VQp& qp) {
   VContext& ctx = *to_vctx(qp.qp.context);
   // Only when everything the backend took from this SQ is completed: nothing can pass it.
@@ -625,6 +642,10 @@ bool connect_out(VQp& qp) {
   };
   std::shared_ptr<Conn> c = adoptable();
   if (!c) {
+    if (at_max_conns(*h, qp)) {
+      back_off(r, kAskMax / 4);
+      return false;
+    }
     const Hello hello{kDirectMagic,  kDirectVersion, qp.qp.qp_num,
                       resp.peer_qpn, resp.my_lid,    r.offered ? kTakesRequests : 0};
     uint32_t peer_lid = 0;

@@ -221,6 +221,10 @@ struct Hub {
   SslCtxPtr tls;  ///< both sides' TLS settings (make_tls)
   std::mutex mu;  ///< conns, and the control fields of every RemoteQp
   std::vector<std::shared_ptr<Conn>> conns;
+  /// A QP dials its peer's library only while the context has fewer connections than this
+  /// (VRDMA_DIRECT_REMOTE_QPS, default kDirectConnsDefault); the others stay on the backends.
+  size_t max_conns = 0;
+  bool said_max = false;  ///< the first QP kept on the backends by max_conns was logged (under mu)
   std::atomic<uint32_t> gen{1};  ///< moves when conns does
   UniqueFd ep, stop;
   UniqueFd wake;  ///< a connection the thread did not make: its wait gets the tick (hub_timeout)
@@ -441,6 +445,11 @@ void retire(Hub& h, const std::shared_ptr<Conn>& c);
 constexpr int kRevokeTickMs = 50;  ///< how often a hub without connections looks for an ask
 /// An empty poll reads a connection it has no answer to wait for once in this many.
 constexpr uint32_t kRevokeReadEvery = 64;
+/// Library connections a context dials at most by default (Hub::max_conns). Measured on 2 vCPUs
+/// across two namespace hosts, ib_write_bw -s 4096 -q 64: all 64 QPs direct 262-375 MB/s, the
+/// backends' transport 660-860, 8 direct and 56 on the backends 1245-1382; -q 8, all direct:
+/// 1148-1397 (BENCHMARKS.md, "Many QPs on the direct path across backends").
+constexpr size_t kDirectConnsDefault = 8;
 /// The QP joins the hub's list (Hub::qps): it offered, or its backend let it send directly.
 void watch_qp(Hub& h, VQp& qp);
 /// The QP leaves the hub's list (destroyed or reset; qps_mu held).
