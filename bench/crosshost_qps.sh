@@ -20,7 +20,8 @@ source "$ROOT/tests/hosts/lib.sh"
 hosts_init "$BIN_DIR" 2
 wait_mesh
 
-# One run on PATH ("backends" or "direct") with Q QPs; prints its MB/s.
+# One run on PATH ("backends" or "direct") with Q QPs; its MB/s in MBS. (Not in a command
+# substitution: the backends it starts must be the ones the next run stops.)
 run() {
   local path=$1 q=$2 g port srv cli
   [[ $path == backends ]] && HOSTS_VRDMAD_ARGS=--no-direct-remote || HOSTS_VRDMAD_ARGS=""
@@ -40,7 +41,7 @@ run() {
     >"$E2E_TMP/$g.client.out" 2>&1 &
   cli=$!
   wait "$cli" "$srv" || fail "ib_write_bw -q $q on $path: $(tail -n 3 "$E2E_TMP/$g.client.out")"
-  awk '/#bytes/ {getline; print $4}' "$E2E_TMP/$g.client.out"
+  MBS="$(awk '/#bytes/ {getline; print $4}' "$E2E_TMP/$g.client.out")"
 }
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 
@@ -49,8 +50,10 @@ echo "|---|---|---|---|---|"
 for q in $QP_COUNTS; do
   be=() di=()
   for ((r = 0; r < ROUNDS; r++)); do
-    be+=("$(run backends "$q")")
-    di+=("$(run direct "$q")")
+    run backends "$q"
+    be+=("$MBS")
+    run direct "$q"
+    di+=("$MBS")
   done
   ratio="$(awk -v d="$(median "${di[@]}")" -v b="$(median "${be[@]}")" 'BEGIN {printf "%.2f", d / b}')"
   echo "| $(date +%F) | $q | ${be[*]} | ${di[*]} | $ratio |"
