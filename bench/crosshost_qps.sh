@@ -25,13 +25,7 @@ wait_mesh
 run() {
   local path=$1 q=$2 g port srv cli
   [[ $path == backends ]] && HOSTS_VRDMAD_ARGS=--no-direct-remote || HOSTS_VRDMAD_ARGS=""
-  kill_backend 1
-  kill_backend 2
-  : >"$E2E_TMP/vrdmad.h1.log"
-  : >"$E2E_TMP/vrdmad.h2.log"
-  start_backend 1
-  start_backend 2
-  wait_mesh
+  restart_backends
   g="q$q$path" port=$((19600 + RANDOM % 1000))
   hrun 2 --guest "$g-s" -- ib_write_bw -p "$port" -q "$q" -s "$SIZE" -D 3 \
     >"$E2E_TMP/$g.server.out" 2>&1 &

@@ -57,13 +57,7 @@ use_build() {
     VRDMA_DIRECT_REMOTE=1
     [[ $1 == base ]] && VRDMA_DIRECT_REMOTE=0
   fi
-  kill_backend 1
-  kill_backend 2
-  : >"$E2E_TMP/vrdmad.h1.log"
-  : >"$E2E_TMP/vrdmad.h2.log"
-  start_backend 1
-  start_backend 2
-  wait_mesh
+  restart_backends
 }
 # CPU time both backends have used so far, in clock ticks (utime + stime).
 backend_ticks() {

@@ -124,6 +124,18 @@ kill_backend() {
   { kill -KILL "$pid" && wait "$pid"; } 2>/dev/null || true
 }
 
+# Stops every backend (SIGKILL), empties their logs, starts them again (with HOSTS_VRDMAD_ARGS
+# as it is now) and waits for the mesh: a benchmark's next configuration.
+restart_backends() {
+  local i
+  for ((i = 1; i <= HOSTS_B; i++)); do
+    kill_backend "$i"
+    : >"$E2E_TMP/vrdmad.h$i.log"
+  done
+  for ((i = 1; i <= HOSTS_B; i++)); do start_backend "$i"; done
+  wait_mesh
+}
+
 # Waits until every backend has connected to every other one (its log says so), up to 20 s.
 wait_mesh() {
   local i j k
