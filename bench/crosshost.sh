@@ -2,7 +2,8 @@
 # Cross-host latency and bandwidth through vrdma's TCP transport, against raw TCP on the same
 # pair of namespace hosts (tests/hosts/lib.sh), measured in the same run, runs interleaved:
 #  - latency: Debian's ibv_rc_pingpong (h2 -> h1) vs bench/tcp_pingpong --client/--server, the
-#    same ping-pong over one TCP connection with TCP_NODELAY and blocking reads;
+#    same ping-pong over one TCP connection with TCP_NODELAY and blocking reads, and with both
+#    ends spinning on non-blocking ones (--busy: what a busy-polling program gets from TCP);
 #  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1;
 #  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw;
@@ -87,18 +88,21 @@ if ((CORUN > 0)); then
   corun_label=" (+$CORUN co-runners)"
   log "$CORUN yielding co-runners beside the latency rows"
 fi
-echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | raw TCP µs/iter median (min–max) | UCX tcp µs/iter median (min–max) | vrdma / TCP | vrdma / UCX |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | raw TCP µs/iter median (min–max) | UCX tcp µs/iter median (min–max) | vrdma / TCP | vrdma / UCX | busy-polling raw TCP µs/iter median (min–max) | vrdma / busy TCP |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
 for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
   read -ra args <<<"$cfg"
-  vals=() peer=() ucx=()
+  vals=() peer=() ucx=() busy=()
   for ((r = 1; r <= RUNS; r++)); do
     hpair "run$r" 1 2 "${args[@]}" >/dev/null
     vals+=("$(usec_of "$E2E_TMP/run$r.client.out")")
     peer+=("$(tcp_pp "${args[@]}")")
+    busy+=("$(tcp_pp --busy "${args[@]}")")
     ucx+=("$(ucx_tcp tag_lat "${args[1]}" "${args[3]}" | awk '{printf "%.2f", 2 * $4}')")
   done
-  row "\`ibv_rc_pingpong $cfg\`$mode_label$corun_label"
+  read -r bmed bmin bmax < <(printf '%s\n' "${busy[@]}" | stats)
+  read -r med _ < <(printf '%s\n' "${vals[@]}" | stats)
+  echo "$(row "\`ibv_rc_pingpong $cfg\`$mode_label$corun_label") $bmed ($bmin–$bmax) | $(ratio "$med" "$bmed") |"
 done
 stop_corun
 

@@ -1,17 +1,20 @@
 // The peer for bench/pingpong.sh and bench/crosshost.sh: the same ping-pong as ibv_rc_pingpong
 // (N round trips of an S-byte message between two processes), over TCP with TCP_NODELAY and
-// blocking reads, as a socket program would do it. Prints "N iters in T seconds = U usec/iter",
-// the format of ibv_rc_pingpong's result line.
-// Usage: tcp_pingpong [-s S] [-n N]                  (both ends on loopback, forked)
-//        tcp_pingpong [-s S] [-n N] --server PORT    (echo side, one client)
-//        tcp_pingpong [-s S] [-n N] --client HOST PORT
+// blocking reads, as a socket program would do it; with --busy, both ends spin on non-blocking
+// reads and writes instead of sleeping (as a busy-polling RDMA program does). Prints "N iters in
+// T seconds = U usec/iter", the format of ibv_rc_pingpong's result line.
+// Usage: tcp_pingpong [-s S] [-n N] [--busy]                  (both ends on loopback, forked)
+//        tcp_pingpong [-s S] [-n N] [--busy] --server PORT    (echo side, one client)
+//        tcp_pingpong [-s S] [-n N] [--busy] --client HOST PORT
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,13 +24,24 @@
 
 namespace {
 
+bool g_busy = false;  ///< --busy: the socket is non-blocking and xfer spins on EAGAIN
+
 bool xfer(int fd, char* buf, size_t n, bool send) {
   for (size_t done = 0; done < n;) {
     ssize_t r = send ? ::send(fd, buf + done, n - done, MSG_NOSIGNAL) : ::recv(fd, buf + done, n - done, 0);
+    if (r < 0 && g_busy && (errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (r <= 0) return false;
     done += static_cast<size_t>(r);
   }
   return true;
+}
+
+/// TCP_NODELAY, and with --busy non-blocking; returns fd.
+int tune(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (g_busy) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return fd;
 }
 
 /// The echo side: N times, receive S bytes and send them back.
@@ -66,6 +80,7 @@ int main(int argc, char** argv) {
     else if (a == "-n" && i + 1 < argc) iters = std::strtol(argv[++i], nullptr, 10);
     else if (a == "--server" && i + 1 < argc) server = true, port = std::atoi(argv[++i]);
     else if (a == "--client" && i + 2 < argc) host = argv[++i], port = std::atoi(argv[++i]);
+    else if (a == "--busy") g_busy = true;
   }
   const int one = 1;
   std::vector<char> buf(size, 'x');
@@ -79,8 +94,7 @@ int main(int argc, char** argv) {
       std::perror("connect");
       return 1;
     }
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    return ping(fd, buf, iters);
+    return ping(tune(fd), buf, iters);
   }
   int ls = ::socket(AF_INET, SOCK_STREAM, 0);
   ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -95,23 +109,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (server) {
-    int fd = ::accept(ls, nullptr, nullptr);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    return serve(fd, buf, iters);
+    return serve(tune(::accept(ls, nullptr, nullptr)), buf, iters);
   }
   pid_t pid = ::fork();
   if (pid == 0) {  // the "server": echo every message back
-    int fd = ::accept(ls, nullptr, nullptr);
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    _exit(serve(fd, buf, iters));
+    _exit(serve(tune(::accept(ls, nullptr, nullptr)), buf, iters));
   }
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) < 0) {
     std::perror("connect");
     return 1;
   }
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  const int rc = ping(fd, buf, iters);
+  const int rc = ping(tune(fd), buf, iters);
   int st = 0;
   ::waitpid(pid, &st, 0);
   return rc == 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : 1;
