@@ -4,6 +4,8 @@
 #  - latency: Debian's ibv_rc_pingpong (h2 -> h1) vs bench/tcp_pingpong --client/--server, the
 #    same ping-pong over one TCP connection with TCP_NODELAY and blocking reads, and with both
 #    ends spinning on non-blocking ones (--busy: what a busy-polling program gets from TCP);
+#  - event mode: ibv_rc_pingpong -e (both ends block in ibv_get_cq_event) vs the blocking TCP
+#    ping-pong, 8 bytes (issue 25: within 1.2x);
 #  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1;
 #  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw;
@@ -104,6 +106,19 @@ for cfg in "-s 8 -n 20000" "-s 4096 -n 20000" "-s 65536 -n 5000"; do
   read -r med _ < <(printf '%s\n' "${vals[@]}" | stats)
   echo "$(row "\`ibv_rc_pingpong $cfg\`$mode_label$corun_label") $bmed ($bmin–$bmax) | $(ratio "$med" "$bmed") |"
 done
+echo
+echo "| date | machine | command (h2 -> h1) | runs | vrdma µs/iter median (min–max) | blocking raw TCP µs/iter median (min–max) | vrdma / TCP |"
+echo "|---|---|---|---|---|---|---|"
+vals=() peer=()
+for ((r = 1; r <= RUNS; r++)); do
+  hpair "ev$r" 1 2 -e -s 8 -n 20000 >/dev/null
+  vals+=("$(usec_of "$E2E_TMP/ev$r.client.out")")
+  peer+=("$(tcp_pp -s 8 -n 20000)")
+done
+read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
+read -r pmed pmin pmax < <(printf '%s\n' "${peer[@]}" | stats)
+echo "| $today | $machine | \`ibv_rc_pingpong -e -s 8 -n 20000\`$mode_label$corun_label | $RUNS |" \
+  "$med ($min–$max) | $pmed ($pmin–$pmax) | $(ratio "$med" "$pmed") |"
 stop_corun
 
 echo
