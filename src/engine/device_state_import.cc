@@ -290,7 +290,6 @@ void check_qp(Importer& im, const Qp& q, const QpRefs& refs, const Session& s, c
   if (srq != kNone && !s.srqs.count(srq)) rd.fail("QP names an unknown SRQ");
 }
 
-/// The WQEs a QP had sent over tcp and not seen acknowledged, to send again.
 /// One WQE in flight, as checked on every path: an inline payload fits the WQE (the resend
 /// copies o.len bytes from it); other payloads are gathered through the MRs again at each send.
 void add_in_flight(Reader& rd, Qp& qp, Qp::Outstanding o) {
@@ -302,7 +301,8 @@ void add_in_flight(Reader& rd, Qp& qp, Qp::Outstanding o) {
 
 constexpr const char* kNotTheCursors = "WQEs in flight do not match the QP's send cursors";
 
-/// What the QP has in flight; its rings are mapped (version 10 takes the WQEs from its SQ).
+/// The WQEs a QP had sent over tcp and not seen acknowledged, to send again; its rings are
+/// mapped (version 10 takes the WQEs from its SQ).
 void read_unacked(Importer& im, const json& jq, Qp& q, uint32_t version) {
   Reader& rd = im.rd;
   if (version >= 10) {
