@@ -22,6 +22,7 @@
 #include "common/log.h"
 #include "common/paths.h"
 #include "common/socket.h"
+#include "proto/ring.h"
 
 namespace vrdma::backend {
 
@@ -29,18 +30,10 @@ using namespace vrdma::proto;
 
 namespace {
 
-uint64_t mono_us() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return uint64_t(ts.tv_sec) * 1000000ull + uint64_t(ts.tv_nsec) / 1000;
-}
+uint64_t mono_us() { return clock_ns(CLOCK_MONOTONIC) / 1000; }
 
 /// CPU time of the calling thread: a move's wall time against it tells work from waiting for a CPU.
-uint64_t thread_cpu_us() {
-  timespec ts;
-  ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return uint64_t(ts.tv_sec) * 1000000ull + uint64_t(ts.tv_nsec) / 1000;
-}
+uint64_t thread_cpu_us() { return clock_ns(CLOCK_THREAD_CPUTIME_ID) / 1000; }
 
 std::string name_of(const char* field, size_t max) { return std::string(field, strnlen(field, max)); }
 

@@ -15,6 +15,7 @@
 
 #include "common/log.h"
 #include "engine/omitted_rows.h"
+#include "proto/ring.h"
 
 #ifndef VRDMA_VERSION
 #define VRDMA_VERSION "unknown"
@@ -24,11 +25,7 @@ namespace vrdma::backend {
 
 namespace {
 
-uint64_t clock_ns(clockid_t id) {
-  timespec ts{};
-  ::clock_gettime(id, &ts);
-  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
-}
+using proto::clock_ns;
 
 double pct(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
