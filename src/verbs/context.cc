@@ -30,7 +30,6 @@
 #include "proto/device_caps.h"
 #include "verbs/extended.h"
 #include "verbs/internal.h"
-#include "verbs/path_lock.h"
 #include "verbs/srq.h"
 
 using namespace vrdma;
@@ -515,10 +514,7 @@ VERBS_EXPORT ibv_context* ibv_open_device(ibv_device* dev) {
     errno = EINVAL;
     return nullptr;
   }
-  // Register for membarrier now, before this library starts a thread of its own (the hub): in
-  // a process of several threads the kernel waits for an RCU grace period to register (several
-  // ms here), and the first post or poll would pay it inside the application's timing.
-  asymmetric_barrier_available();
+  asymmetric_barrier_available();  // registers now, before our threads (path_lock.h)
   auto sock = connect_backend();
   if (!sock.is_ok()) {
     VLOG_ERROR("cannot reach the vrdma backend: {}",

@@ -26,6 +26,10 @@ class SpinLock {
 /// Makes every running thread of this process execute a full memory barrier
 /// (membarrier(2), MEMBARRIER_CMD_PRIVATE_EXPEDITED). False where the kernel or a seccomp
 /// filter does not allow it; `asymmetric_barrier_available()` says so before any bias is given.
+/// The latter registers the process (once): ibv_open_device calls it before the library starts
+/// a thread of its own, because in a process of several threads the kernel waits for an RCU
+/// grace period to register (6-18 ms here), which the first post would pay inside the
+/// application's timing.
 bool asymmetric_barrier();
 bool asymmetric_barrier_available();
 
