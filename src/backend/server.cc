@@ -387,7 +387,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         reply(dev_.direct_rings(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       else if (op == Op::kDirectOffer)
         reply(dev_.direct_offer(*s, body_of<DirectOfferReq>(msg).value(), owned));
-      else reply(dev_.direct_remote(*s, handle_of(), owned));
+      else reply(dev_.direct_remote(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
       if (status == 0) {
         // A grant gives both QPs own completion rings: the keeper has them before the guest
@@ -401,7 +401,8 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
         // restarted backend must know that its library talks to the peer's (a move asks it
         // back; an offer follows the peer). A kDirectOfferWhere changes nothing.
         if (op == Op::kDirectRemote ||
-            (op == Op::kDirectOffer && body_of<DirectOfferReq>(msg).value().flags == 0))
+            (op == Op::kDirectOffer &&
+             !(body_of<DirectOfferReq>(msg).value().flags & kDirectOfferWhere)))
           keep(c.session->guest->name);
         for (const UniqueFd& fd : owned) out_fds.push_back(fd.get());
         fit_send_buffer(c.sock.get(), out.size());

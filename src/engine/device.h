@@ -179,17 +179,19 @@ class Device : public transport::Receiver {
   /// Allows kDirectOffer/kDirectRemote ([datapath] direct_remote). Off: both answer EOPNOTSUPP.
   void set_direct_remote(bool on) { direct_remote_ = on; }
   /// The library of RC QP `req.qp` (peer on another backend, RTR or RTS) listens on
-  /// `req.port` for its peer's library: gives the QP its own receive-completion ring (fds[0])
-  /// and sends the offer to the peer's backend. EAGAIN: not connected yet (state, route, no
+  /// `req.port` for its peer's library: gives the QP its own receive-completion ring (fds[0];
+  /// then the receive CQ's channel's kDirectNotifyFds, with kDirectOfferNotify) and sends the
+  /// offer to the peer's backend. EAGAIN: not connected yet (state, route, no
   /// connection to the peer backend); EOPNOTSUPP: never for this QP.
   Result<proto::DirectOfferResp> direct_offer(Session& s, const proto::DirectOfferReq& req,
                                               std::vector<UniqueFd>& fds);
   /// May the library of QP `handle` send straight to its peer's library? Needs the peer's
-  /// offer, RTS, nothing in flight, no channel on the send CQ. Gives the QP its
-  /// own send-completion ring (fds[0]); from then on the backend executes nothing of its SQ.
+  /// offer, RTS, nothing in flight, and kDirectRemoteNotify in `flags` if the send CQ has a
+  /// channel. Gives the QP its own send-completion ring (fds[0]; then the channel's
+  /// kDirectNotifyFds); from then on the backend executes nothing of its SQ.
   /// EAGAIN: not yet; EOPNOTSUPP: never for this QP.
   Result<proto::DirectRemoteResp> direct_remote(Session& s, uint32_t handle,
-                                                std::vector<UniqueFd>& fds);
+                                                std::vector<UniqueFd>& fds, uint32_t flags = 0);
   /// Before a move or a snapshot: takes guest `name`'s QPs off the direct path across backends.
   /// Asks each one's library (RingHeader::direct_revoke; its send queue is held meanwhile) and
   /// answers EINPROGRESS until all have answered: then nothing of theirs is in flight between

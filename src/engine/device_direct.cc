@@ -87,6 +87,18 @@ bool settle_proofs(Session& s, uint32_t peer) {
 constexpr uint64_t kDirectHoldNs = 2'000'000'000;
 
 /// Whether guest `g` is leaving the direct path across backends (a move or a snapshot is asking).
+/// The kDirectNotifyFds descriptors of CQ `cq`, which has a channel, appended to `fds`: its ring
+/// (for the `armed` word), the channel's write end, and a new read end of the same pipe (held by
+/// the library, so that the pipe never loses its last reader).
+Status add_notify_fds(const Cq& cq, std::vector<UniqueFd>& fds) {
+  auto ch = cq.owner->channels.find(cq.channel);
+  if (ch == cq.owner->channels.end()) return error(EIO, "direct path: the CQ's channel is gone");
+  fds.push_back(dup_fd(cq.ring_fd.get()));
+  fds.push_back(dup_fd(ch->second.write_end.get()));
+  fds.push_back(read_only(ch->second.write_end.get()));
+  return Status::ok();
+}
+
 bool direct_held(const Guest& g) {
   return g.direct_held_until_ns != 0 && mono_ns() < g.direct_held_until_ns;
 }
@@ -434,12 +446,8 @@ Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vect
   for (const auto& [cq, bit] :
        {std::pair{a->send_cq, kDirectNotifySend}, std::pair{b->recv_cq, kDirectNotifyRecv}}) {
     if (cq->channel == kNone) continue;
-    auto ch = cq->owner->channels.find(cq->channel);
-    if (ch == cq->owner->channels.end()) return error(EIO, "direct path: the CQ's channel is gone");
+    RETURN_IF_ERROR(add_notify_fds(*cq, fds));
     resp.notify |= bit;
-    fds.push_back(dup_fd(cq->ring_fd.get()));
-    fds.push_back(dup_fd(ch->second.write_end.get()));
-    fds.push_back(read_only(ch->second.write_end.get()));  // a new read end of the same pipe
   }
   for (const UniqueFd& fd : fds) {
     if (!fd.valid()) return error(EMFILE, "direct path: duplicating descriptors");
@@ -514,7 +522,9 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (!b) return error(EINVAL, fmt::format("no QP {}", req.qp));
   if (b->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct offer: RC QPs only");
   if (b->srq) return error(EOPNOTSUPP, "direct offer: not for a QP on an SRQ");
-  if (b->recv_cq->channel != kNone)
+  // A library older than kDirectOfferNotify would not fire the CQ's channel.
+  const bool notify = b->recv_cq->channel != kNone;
+  if (notify && !(req.flags & kDirectOfferNotify))
     return error(EOPNOTSUPP, "direct offer: the receive CQ has a completion channel");
   if (b->state != IBV_QPS_RTR && b->state != IBV_QPS_RTS)
     return error(EAGAIN, "direct offer: QP not in RTR or RTS");
@@ -526,13 +536,14 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
   DirectOfferResp resp{};
   resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
-  if (req.flags == kDirectOfferWhere && req.port == 0) {
+  const uint16_t flags = req.flags & ~kDirectOfferNotify;
+  if (flags == kDirectOfferWhere && req.port == 0) {
     if (resp.listen_ipv4 == 0)
       return error(EADDRNOTAVAIL,
                    fmt::format("direct offer: no address of ours toward backend {}", b->peer_node));
     return resp;
   }
-  if (req.flags != 0) return error(EINVAL, "direct offer: unknown flags");
+  if (flags != 0) return error(EINVAL, "direct offer: unknown flags");
   if (req.port == 0) return error(EINVAL, "direct offer: port 0");
 
   // Before the peer hears of it: from now on every receive completion of b goes to its own
@@ -547,7 +558,10 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   b->offered = true;
   fds.clear();
   fds.push_back(dup_fd(b->own_recv->ring_fd.get()));
-  if (!fds.back().valid()) return error(EMFILE, "direct offer: duplicating a descriptor");
+  if (notify) RETURN_IF_ERROR(add_notify_fds(*b->recv_cq, fds));
+  for (const UniqueFd& fd : fds) {
+    if (!fd.valid()) return error(EMFILE, "direct offer: duplicating a descriptor");
+  }
   resp.recv_ring_entries = b->own_recv->size;
   resp.peer_qpn = b->attr.dest_qp_num;
   resp.my_lid = b->guest->lid;
@@ -616,13 +630,15 @@ void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o
 }
 
 Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
-                                               std::vector<UniqueFd>& fds) {
+                                               std::vector<UniqueFd>& fds, uint32_t flags) {
   if (!direct_remote_)
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
   if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct remote: RC QPs only");
-  if (a->send_cq->channel != kNone)
+  if (flags & ~kDirectRemoteNotify) return error(EINVAL, "direct remote: unknown flags");
+  const bool notify = a->send_cq->channel != kNone;
+  if (notify && !(flags & kDirectRemoteNotify))
     return error(EOPNOTSUPP, "direct remote: the send CQ has a completion channel");
   if (a->state != IBV_QPS_RTS) return error(EAGAIN, "direct remote: QP not in RTS");
   if (a->route_pending) return error(EAGAIN, "direct remote: destination not located yet");
@@ -647,7 +663,10 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
   RETURN_IF_ERROR(give_own_send(*a));
   fds.clear();
   fds.push_back(dup_fd(a->own_send->ring_fd.get()));
-  if (!fds.back().valid()) return error(EMFILE, "direct remote: duplicating a descriptor");
+  if (notify) RETURN_IF_ERROR(add_notify_fds(*a->send_cq, fds));
+  for (const UniqueFd& fd : fds) {
+    if (!fd.valid()) return error(EMFILE, "direct remote: duplicating a descriptor");
+  }
   DirectRemoteResp resp{};
   resp.send_ring_entries = a->own_send->size;
   resp.peer_qpn = o.src_qpn;

@@ -466,13 +466,19 @@ static_assert(sizeof(DirectRingsResp) == 8 + 16 * kMaxDirectRings);
 // introduce them.
 // kDirectOffer: the library of QP `qp` takes its peer QP's direct connection on TCP `port` of
 // this host, from whoever presents `token`. The backend checks the QP (RC, peer on another
-// backend, RTR or RTS, no SRQ, no completion channel on its receive CQ), gives it its own
-// receive-completion ring (response fd 0) and passes the offer to the peer's backend.
+// backend, RTR or RTS, no SRQ; a completion channel on its receive CQ only with
+// kDirectOfferNotify), gives it its own receive-completion ring (response fd 0; then, for a CQ
+// with a channel, its kDirectNotifyFds: the library fires the channel itself) and passes the
+// offer to the peer's backend.
 // With kDirectOfferWhere (and port 0) it only answers where the library is to listen: the
 // address the peer's library will dial (`listen_ipv4`), checked as for an offer, nothing given
 // or sent; EADDRNOTAVAIL when it is unknown. (A backend older than the flag answers EINVAL.)
 inline constexpr size_t kDirectTokenBytes = 16;
 inline constexpr uint16_t kDirectOfferWhere = 1;  ///< DirectOfferReq::flags
+/// DirectOfferReq::flags: this library fires its CQs' channels itself. Without it a receive CQ
+/// with a channel is EOPNOTSUPP, as before the flag (a backend older than it answers EOPNOTSUPP
+/// for such a CQ whatever the flags, so the QP stays on the backends).
+inline constexpr uint16_t kDirectOfferNotify = 2;
 struct DirectOfferReq {
   uint32_t qp;    ///< QP handle
   uint16_t port;  ///< host order
@@ -487,12 +493,15 @@ struct DirectOfferResp {
   uint32_t listen_ipv4;  ///< network order: the address to listen on (0: unknown)
 };
 static_assert(sizeof(DirectOfferResp) == 16);
-// kDirectRemote (HandleReq: the QP): may this QP's library send straight to its peer's library?
-// Needs the peer's offer (matching this QP's destination), RTS, nothing in flight, no completion
-// channel on the send CQ (any rnr_retry: the library counts it). Response fd 0: the QP's own
-// send-completion ring. Once its library has connected it puts nothing on the send queue (until
+// kDirectRemote (HandleReq: the QP; `reserved`: kDirectRemoteNotify or 0): may this QP's
+// library send straight to its peer's library? Needs the peer's offer (matching this QP's
+// destination), RTS, nothing in flight, a send CQ with no completion channel unless
+// kDirectRemoteNotify (any rnr_retry: the library counts it). Response fd 0: the QP's own
+// send-completion ring; then, for a send CQ with a channel, its kDirectNotifyFds. Once its library has connected it puts nothing on the send queue (until
 // the QP is in ERR); if it could not connect, it goes on through the queue, which the backend
 // still executes. EAGAIN: not yet (no offer, work in flight); EOPNOTSUPP: never for this QP.
+/// HandleReq::reserved of kDirectRemote: as kDirectOfferNotify, for the send CQ.
+inline constexpr uint32_t kDirectRemoteNotify = 1;
 struct DirectRemoteResp {
   uint32_t send_ring_entries;
   uint32_t peer_qpn;

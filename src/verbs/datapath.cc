@@ -336,7 +336,11 @@ bool should_yield(const VCq& cq) {
 }
 
 int req_notify_cq(ibv_cq* c, int solicited_only) {
-  to_vcq(c)->hdr->armed.store(solicited_only ? 2 : 1, std::memory_order_seq_cst);
+  VCq* cq = to_vcq(c);
+  cq->hdr->armed.store(solicited_only ? 2 : 1, std::memory_order_seq_cst);
+  cq->lock.lock();
+  if (cq->rclaimed) remote_armed(*cq);
+  cq->lock.unlock();
   return 0;
 }
 

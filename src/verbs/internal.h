@@ -169,6 +169,11 @@ struct VCq {
   uint32_t rgen = 0;
   std::vector<std::shared_ptr<Conn>> rconns;
   bool rclaimed = false;  ///< an empty poll claimed rconns (remote.h)
+  /// Its channel, for the completions this library produces across backends (remote.h's
+  /// fire_cq): `notify.hdr` is `hdr`, and both are read under notify_mu, which ibv_resize_cq
+  /// holds while it maps the new ring (a hub thread may fire meanwhile).
+  std::mutex notify_mu;
+  Notify notify;
 };
 
 struct VQp {

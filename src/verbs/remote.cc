@@ -291,6 +291,18 @@ bool remote_progress(VCq& cq) {
   return did;
 }
 
+namespace {
+
+/// The hub reads `c` again (and writes out what was held for the next poll).
+void unclaim(Conn& c) {
+  c.claimed.store(false);
+  flush_held(c);
+  send_ack(c);
+  rearm(c);
+}
+
+}  // namespace
+
 void remote_release(VCq& cq) {
   // Only the connections that bring what the application may now wait for in memory: the peer's
   // requests to a QP with no receive posted (WRITEs, which complete nothing here). A QP with
@@ -313,12 +325,36 @@ void remote_release(VCq& cq) {
       any = true;
       continue;
     }
-    c->claimed.store(false);
-    flush_held(*c);
-    send_ack(*c);
-    rearm(*c);
+    unclaim(*c);
   }
   cq.rclaimed = any;
+}
+
+void fire_cq(VCq& cq, bool solicited) {
+  if (!cq.cq.channel) return;
+  std::lock_guard<std::mutex> g(cq.notify_mu);
+  fire(cq.notify, solicited);
+}
+
+bool take_cq_notify(VCq& cq, std::vector<UniqueFd>& fds, size_t at) {
+  if (fds.size() < at + kDirectNotifyFds || !fds[at + 1].valid() || !fds[at + 2].valid())
+    return false;
+  std::lock_guard<std::mutex> g(cq.notify_mu);
+  cq.notify.write_end = std::move(fds[at + 1]);
+  cq.notify.read_end = std::move(fds[at + 2]);
+  cq.notify.cq = cq.handle;
+  cq.notify.hdr = cq.hdr;
+  return true;
+}
+
+void remote_armed(VCq& cq) {
+  // The application is about to sleep in ibv_get_cq_event: what it claimed goes back to the hub
+  // now (the hub reads, completes and fires the channel), not when the polls have stopped for
+  // kClaimMs, which a blocked waiter would wait out per event.
+  for (const auto& c : cq.rconns) {
+    if (c->claimed.load(std::memory_order_relaxed)) unclaim(*c);
+  }
+  cq.rclaimed = false;
 }
 
 void remote_receives_posted(VQp& qp) {

@@ -17,6 +17,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "proto/command.h"
 #include "proto/direct_wire.h"
@@ -134,6 +135,15 @@ bool remote_progress(VCq& cq);
 /// A poll of `cq` found a completion: the connections it claimed (read by the application,
 /// not the hub, while it polls) go back to the hub.
 void remote_release(VCq& cq);
+/// After a completion is published into an own ring of a QP of `cq` by this library: fires
+/// the CQ's channel if it has one and is armed for it (as the backend does; direct.h's fire).
+void fire_cq(VCq& cq, bool solicited);
+/// Takes the kDirectNotifyFds descriptors of `cq`'s channel from an answer (`fds[at]` on; the
+/// ring's is not needed: the CQ's own mapping holds its `armed` word). False if invalid.
+bool take_cq_notify(VCq& cq, std::vector<UniqueFd>& fds, size_t at);
+/// ibv_req_notify_cq (CQ lock held): the connections the application claimed by polling `cq`
+/// go back to the hub, which fires the channel when it completes something.
+void remote_armed(VCq& cq);
 /// From ibv_post_recv: a connection waiting for a receive may go on.
 void remote_receives_posted(VQp& qp);
 /// ibv_close_device: stops the hub's thread and closes everything.

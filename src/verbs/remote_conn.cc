@@ -613,7 +613,9 @@ bool connect_out(VQp& qp) {
   if (r.revoking.load()) return false;
   DirectRemoteResp resp{};
   std::vector<UniqueFd> fds;
-  HandleReq req{qp.handle, 0};
+  // A send CQ with a channel: we fire it ourselves (its descriptors follow the ring's).
+  const bool notify = qp.qp.send_cq->channel != nullptr;
+  HandleReq req{qp.handle, notify ? kDirectRemoteNotify : 0};
   r.ask_by_ns = 0;
   if (const int rc = ctx.call(Op::kDirectRemote, req, resp, {}, &fds)) {
     if (rc == EAGAIN) {
@@ -625,9 +627,10 @@ bool connect_out(VQp& qp) {
     return false;
   }
   watch_qp(*h, qp);  // the backend counts it as direct now: it may ask it back (revoke_tick)
-  if (fds.size() != 1 || !resp.send_ring_entries ||
+  if (fds.size() != 1 + (notify ? kDirectNotifyFds : 0) || !resp.send_ring_entries ||
       (resp.send_ring_entries & (resp.send_ring_entries - 1)) ||
-      !map_ring(r.send, fds[0].get(), resp.send_ring_entries)) {
+      !map_ring(r.send, fds[0].get(), resp.send_ring_entries) ||
+      (notify && !take_cq_notify(*to_vcq(qp.qp.send_cq), fds, 1))) {
     VLOG_WARN("direct path: unusable answer for QP {:#x}; staying on the backend", qp.qp.qp_num);
     r.never = true;
     return false;

@@ -61,6 +61,7 @@ void complete(VQp& qp, RemoteQp& r, const Inflight& e, int status) {
   c.byte_len = status == IBV_WC_SUCCESS ? e.len : 0;
   c.qp_num = qp.qp.qp_num;
   push(r.send, c);
+  fire_cq(*to_vcq(qp.qp.send_cq), status != IBV_WC_SUCCESS);  // an error: either arm
 }
 
 void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why) {
@@ -347,6 +348,7 @@ void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
   e.src_qp = r.peer_qpn;
   e.slid = static_cast<uint16_t>(r.peer_lid);
   push(r.recv, e);
+  fire_cq(*to_vcq(qp.qp.recv_cq), status != IBV_WC_SUCCESS || (c.f.flags & IBV_SEND_SOLICITED));
 }
 
 /// A SEND the receive WQE cannot take: the requester is told (`nak`), the WQE is taken (the

@@ -149,7 +149,10 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
   // We listen only where the peer's library will dial: the address our backend says.
   DirectOfferReq req{};
   req.qp = qp.handle;
-  req.flags = kDirectOfferWhere;
+  // A receive CQ with a channel: we fire it ourselves (its descriptors follow the ring's).
+  const bool notify = qp.qp.recv_cq->channel != nullptr;
+  const uint16_t notify_flag = notify ? kDirectOfferNotify : 0;
+  req.flags = kDirectOfferWhere | notify_flag;
   DirectOfferResp where{};
   if (const int rc = ctx.call(Op::kDirectOffer, req, where)) {
     if (rc == EADDRNOTAVAIL)
@@ -157,7 +160,7 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
                 qp.qp.qp_num);
     return rc;  // not for this QP (or not yet)
   }
-  req.flags = 0;
+  req.flags = notify_flag;
   req.port = listen_on(h, where.listen_ipv4);
   if (req.port == 0) return EADDRNOTAVAIL;
   if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
@@ -168,7 +171,7 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
   // Offered: the backend may ask it back (revoke_tick, whose list holds it already when it
   // offers again).
   if (!watched) watch_qp(h, qp);
-  if (fds.size() != 1 || !resp.recv_ring_entries ||
+  if (fds.size() != 1 + (notify ? kDirectNotifyFds : 0) || !resp.recv_ring_entries ||
       (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
     VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
     return EPROTO;
@@ -176,6 +179,7 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
   OwnRing ring;
   if (!map_ring(ring, fds[0].get(), resp.recv_ring_entries)) return ENOMEM;
   ring.seen = ring.hdr->consumer.load(std::memory_order_acquire);
+  if (notify && !take_cq_notify(*to_vcq(qp.qp.recv_cq), fds, 1)) return EPROTO;
   std::lock_guard<std::mutex> g(h.mu);
   r.recv = std::move(ring);
   std::memcpy(r.token, req.token, kDirectTokenBytes);

@@ -452,7 +452,11 @@ VERBS_EXPORT int ibv_resize_cq(ibv_cq* cq, int cqe) {
   int rc = ctx->call(Op::kResizeCq, req, resp, {}, &fds);
   if (rc == 0) {
     const uint32_t stamps = v->stamps ? v->hdr->stamps & kStampAll : 0;
-    if (map_cq_ring(*v, fds, resp, stamps)) {
+    // The old ring goes: a hub thread that fires the channel reads the header under notify_mu.
+    std::lock_guard<std::mutex> n(v->notify_mu);
+    const bool mapped = map_cq_ring(*v, fds, resp, stamps);
+    if (v->notify.hdr) v->notify.hdr = v->hdr;
+    if (mapped) {
       v->ex_cur = nullptr;
       cq->cqe = static_cast<int>(resp.cqe);
     } else {

@@ -3,8 +3,8 @@
 # introduce each RC QP pair's libraries, which then talk TCP to each other. Debian's unmodified
 # tools across them: ibv_rc_pingpong -c (LID and GID), every perftest opcode (SEND, WRITE, READ,
 # atomics), a SEND that finds no receive while an ACK waits behind it (rc_stream rnr-*), a verifying RC stream whose direct counts grow while it runs (and go on growing when
-# strangers connect to a library's port with a bad hello or none), a completion channel
-# (stays on the backends), and a peer killed mid-stream: the survivor's QP fails with a clear
+# strangers connect to a library's port with a bad hello or none), completion channels (direct
+# too: the libraries fire them), and a peer killed mid-stream: the survivor's QP fails with a clear
 # error, and both backends serve the next pair.
 # Usage: direct_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -20,15 +20,21 @@ hcount() {
 }
 # Lines of host H's backend log that say a library of guest G took the direct path.
 granted() { grep -c "direct path: guest $2 QP .* of backend" "$E2E_TMP/vrdmad.h$1.log" || true; }
+# Fails unless both ends of pair NAME (server NAME-s on h1, client NAME-c on h2) went direct.
+expect_direct() {
+  local g h
+  for g in "$1-s" "$1-c"; do
+    h=1
+    [[ $g == *-c ]] && h=2
+    [[ $(granted "$h" "$g") -ge 1 ]] ||
+      fail "no direct connection for $g: $(grep -i direct "$E2E_TMP/vrdmad.h$h.log" | tail -n 3)"
+  done
+}
 
 # 1. ibv_rc_pingpong validating every buffer, both ways direct, in LID and GID mode.
 hpair lid 1 2 -c -n 5000
 hpair gid 2 1 -g 0 -c -n 1000 -s 65536
-for g in lid-s lid-c; do
-  h=1
-  [[ $g == *-c ]] && h=2
-  [[ $(granted "$h" "$g") -ge 1 ]] || fail "no direct connection for $g: $(grep -i direct "$E2E_TMP/vrdmad.h$h.log" | tail -n 3)"
-done
+expect_direct lid
 
 # 1b. One connection carries both directions: a SEND that finds no receive is dropped (kRnr)
 # and sent again once one is posted (kResume), and the ACK behind it on that connection gets
@@ -46,8 +52,10 @@ for try in 1 2 3; do
   log "rnr: the SEND found a receive (a loaded machine): again"
 done
 
-# 2. A completion channel keeps the QP on the backends; it still works.
+# 2. Completion channels (both ends sleep in ibv_get_cq_event): the libraries fire them, so the
+# pair goes direct too (before issue 25's channels it stayed on the backends).
 hpair events 1 2 -e -c -n 500
+expect_direct events
 
 # 3. A checksummed stream: while it runs, direct messages are counted on both ends.
 hstream_start st 1 2

@@ -276,19 +276,68 @@ TEST_F(DirectRemoteTest, OfferRefusals) {
   EXPECT_TRUE(tb_.q.empty());
 }
 
-TEST_F(DirectRemoteTest, OfferRefusedWithAChannelOnTheReceiveCq) {
-  UniqueFd read_end;
-  auto ch = devb_.create_channel(*b_.s, read_end);
-  ASSERT_TRUE(ch.is_ok());
-  UniqueFd ring;
-  auto c = devb_.create_cq(*b_.s, CreateCqReq{64, ch.value(), 0, 0}, ring);
-  ASSERT_TRUE(c.is_ok()) << c.status().message();
-  CqV chcq;
-  chcq.handle = c->handle;
-  QpV qc = qp(b_, bcq_, chcq);
-  connect_rtr(b_, qc, a_, qa_);
+// A CQ with a completion channel: only a library that fires it itself (kDirectOfferNotify,
+// kDirectRemoteNotify; an older one would leave a waiter asleep) takes the pair direct, and it
+// gets the channel's descriptors after the ring's: the CQ's ring, and a write end and a read end
+// of the very pipe the guest's channel reads.
+TEST_F(DirectRemoteTest, ACqWithAChannelGoesDirectOnlyWithALibraryThatFiresIt) {
+  struct Chan {
+    CqV cq;
+    UniqueFd read_end;
+  };
+  auto channel_cq = [](Device& d, G& g) {
+    Chan c;
+    auto ch = d.create_channel(*g.s, c.read_end);
+    EXPECT_TRUE(ch.is_ok());
+    UniqueFd ring;
+    auto cq = d.create_cq(*g.s, CreateCqReq{64, ch.is_ok() ? ch.value() : kNone, 0, 0}, ring);
+    EXPECT_TRUE(cq.is_ok()) << cq.status().message();
+    if (cq.is_ok()) c.cq.handle = cq->handle;
+    return c;
+  };
+  // The channel's own read end hears what is written into the descriptor at `fds[at + 1]`.
+  auto same_pipe = [](std::vector<UniqueFd>& fds, size_t at, const UniqueFd& read_end) {
+    const uint32_t h = 77;
+    uint32_t got = 0;
+    return ::write(fds[at + 1].get(), &h, sizeof(h)) == sizeof(h) &&
+           ::read(read_end.get(), &got, sizeof(got)) == sizeof(got) && got == h;
+  };
+  Chan ac = channel_cq(dev_, a_), bc = channel_cq(devb_, b_);
+  QpV qc = qp(a_, ac.cq, acq_);  // a's send CQ has the channel
+  QpV qd = qp(b_, bcq_, bc.cq);  // b's receive CQ has it
+  connect(a_, qc, b_, qd);
+  connect(b_, qd, a_, qc);
   std::vector<UniqueFd> fds;
-  EXPECT_EQ(offer(b_, qc, fds).err(), EOPNOTSUPP);
+  EXPECT_EQ(offer(b_, qd, fds).err(), EOPNOTSUPP);  // a library that does not say it fires it
+  DirectOfferReq req{};
+  req.qp = qd.handle;
+  req.port = kPort;
+  req.flags = kDirectOfferNotify | 4;
+  EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EINVAL);  // an unknown flag
+  req.flags = kDirectOfferWhere | kDirectOfferNotify;
+  req.port = 0;
+  tb_.set_peer_ipv4(::inet_addr("127.0.0.1"));
+  EXPECT_TRUE(devb_.direct_offer(*b_.s, req, fds).is_ok());
+  req.flags = kDirectOfferNotify;
+  req.port = kPort;
+  std::memcpy(req.token, token_, kDirectTokenBytes);
+  auto o = devb_.direct_offer(*b_.s, req, fds);
+  ASSERT_TRUE(o.is_ok()) << o.status().message();
+  ASSERT_EQ(fds.size(), 1 + kDirectNotifyFds);
+  EXPECT_TRUE(same_pipe(fds, 1, bc.read_end));
+  ASSERT_EQ(pump(), 1);
+
+  EXPECT_EQ(dev_.direct_remote(*a_.s, qc.handle, fds).err(), EOPNOTSUPP);
+  EXPECT_EQ(dev_.direct_remote(*a_.s, qc.handle, fds, kDirectRemoteNotify | 2).err(), EINVAL);
+  auto r = dev_.direct_remote(*a_.s, qc.handle, fds, kDirectRemoteNotify);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  ASSERT_EQ(fds.size(), 1 + kDirectNotifyFds);
+  EXPECT_TRUE(same_pipe(fds, 1, ac.read_end));
+  // A QP with no channel on its CQs takes the flag too (nothing more is given).
+  connect_both();
+  offer_b();
+  EXPECT_TRUE(dev_.direct_remote(*a_.s, qa_.handle, fds, kDirectRemoteNotify).is_ok());
+  EXPECT_EQ(fds.size(), 1u);
 }
 
 TEST_F(DirectRemoteTest, RemoteTakesAQpThatCountsRnrRetries) {

@@ -255,6 +255,18 @@ class Conformance : public vrdma::test::VerbsFixture {
     return post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = wr_id});
   }
 
+  /// The CQ of the next event on channel_ (acknowledged), or null if none came within
+  /// `timeout_ms` (or its CQ's context is not this fixture).
+  ibv_cq* channel_event(int timeout_ms) {
+    pollfd p{channel_->fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) != 1) return nullptr;
+    ibv_cq* cq = nullptr;
+    void* cq_ctx = nullptr;
+    if (ibv_get_cq_event(channel_, &cq, &cq_ctx) != 0 || cq_ctx != this) return cq;
+    ibv_ack_cq_events(cq, 1);
+    return cq;
+  }
+
   bool across_ = false;
   Peer peer_;
   ibv_cq* cq_ = nullptr;
@@ -2624,15 +2636,7 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
   ASSERT_NO_FATAL_FAILURE(connect_ours(a, b));
   for (uint64_t i = 0; i < 4; ++i) ASSERT_EQ(post_recv(b, 100 + i, 4096 * (i + 1), 64), 0);
   ASSERT_EQ(post_recv(a, 200, 65536, 64), 0);
-  auto event = [&](int timeout_ms) {
-    pollfd p{channel_->fd, POLLIN, 0};
-    if (::poll(&p, 1, timeout_ms) != 1) return static_cast<ibv_cq*>(nullptr);
-    ibv_cq* cq = nullptr;
-    void* cq_ctx = nullptr;
-    if (ibv_get_cq_event(channel_, &cq, &cq_ctx) != 0 || cq_ctx != this) return cq;
-    ibv_ack_cq_events(cq, 1);
-    return cq;
-  };
+  auto event = [&](int timeout_ms) { return channel_event(timeout_ms); };
   // One SEND of `from` to the other QP; both its completions taken.
   auto send = [&](ibv_qp* from, uint64_t wr_id, unsigned flags = 0) {
     EXPECT_EQ(post(from, {.sges = {sge(0, 8)}, .flags = IBV_SEND_SIGNALED | flags, .wr_id = wr_id}),
@@ -2702,6 +2706,101 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
   ASSERT_EQ(flushed.size(), 1u);
   EXPECT_EQ(flushed[0].status, IBV_WC_WR_FLUSH_ERR);
   EXPECT_EQ(flushed[0].wr_id, 300u);
+}
+
+// Completion channels of a QP whose peer is another guest's: across backends
+// (e2e.conformance_remote) the two libraries' connection, where our library fires the channel for
+// what it completes (issue 25; before, a CQ with a channel kept the QP on the backends). A waiter
+// blocked on the channel is woken by our receive of the peer's SEND and by our SEND's
+// completion, once per arm; a solicited-only arm lets the peer's unsolicited SEND pass and is
+// fired by a completion in error.
+TEST_F(Conformance, ChannelEventsOfAQpTalkingToAnotherGuestWakeABlockedWaiter) {
+  channel_ = ibv_create_comp_channel(ctx_);
+  ASSERT_NE(channel_, nullptr);
+  ibv_cq* ecq = ibv_create_cq(ctx_, 64, this, channel_, 0);
+  ASSERT_NE(ecq, nullptr);
+  cqs_.push_back(ecq);
+  ibv_qp* q = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);
+  ASSERT_NE(q, nullptr);
+  const PeerQp p = connect_peer(q, IBV_QPT_RC);
+  // Across backends: READs, polled with no arm, until our library talks to the peer's.
+  for (int i = 0; across_ && i < 4000 && !library_path(q); ++i) {
+    ASSERT_EQ(post(q, {.op = IBV_WR_RDMA_READ,
+                       .sges = {sge(buf_.size() - 8, 8)},
+                       .raddr = peer_.mem().addr,
+                       .rkey = peer_.mem().rkey}),
+              0);
+    const auto wcs = poll(ecq, 1);
+    ASSERT_EQ(wcs.size(), 1u);
+    ASSERT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  }
+  if (across_) {
+    ASSERT_TRUE(library_path(q)) << "our QP never talked to the peer's library";
+  }
+  // One completion of ours, of `opcode`.
+  auto take = [&](ibv_wc_opcode opcode, uint64_t wr_id) {
+    const auto wcs = poll(ecq, 1);
+    ASSERT_EQ(wcs.size(), 1u);
+    EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+    EXPECT_EQ(wcs[0].opcode, opcode);
+    EXPECT_EQ(wcs[0].wr_id, wr_id);
+  };
+  // A thread blocked on the channel while `act` runs: the CQ it was woken for.
+  auto woken_by = [&](auto act) {
+    ibv_cq* woken = nullptr;
+    std::thread waiter([&] { woken = channel_event(5000); });
+    act();
+    waiter.join();
+    return woken;
+  };
+
+  // The peer's SEND into our receive.
+  ASSERT_EQ(post_recv(q, 100, 4096, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  EXPECT_EQ(woken_by([&] { EXPECT_EQ(peer_.send(p, IBV_WR_SEND, 0, 8, 1), 0); }), ecq)
+      << "our receive's event";
+  ASSERT_NO_FATAL_FAILURE(take(IBV_WC_RECV, 100));
+  EXPECT_EQ(peer_.poll(1).size(), 1u);
+  // Our SEND's completion.
+  ASSERT_EQ(peer_.post_recv(p, 7, 0, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 0), 0);
+  EXPECT_EQ(woken_by([&] { EXPECT_EQ(post(q, {.sges = {sge(0, 8)}, .wr_id = 2}), 0); }), ecq)
+      << "our send's event";
+  ASSERT_NO_FATAL_FAILURE(take(IBV_WC_SEND, 2));
+  EXPECT_EQ(peer_.poll(1).size(), 1u);
+  // Not armed again: the next receive raises none.
+  ASSERT_EQ(::fcntl(channel_->fd, F_SETFL, ::fcntl(channel_->fd, F_GETFL) | O_NONBLOCK), 0);
+  ASSERT_EQ(post_recv(q, 101, 4096, 64), 0);
+  ASSERT_EQ(peer_.send(p, IBV_WR_SEND, 0, 8, 3), 0);
+  ASSERT_NO_FATAL_FAILURE(take(IBV_WC_RECV, 101));
+  EXPECT_EQ(peer_.poll(1).size(), 1u);
+  EXPECT_EQ(channel_event(0), nullptr) << "one event per arm";
+  // Solicited only: the peer's unsolicited SEND passes.
+  ASSERT_EQ(post_recv(q, 102, 4096, 64), 0);
+  ASSERT_EQ(ibv_req_notify_cq(ecq, 1), 0);
+  ASSERT_EQ(peer_.send(p, IBV_WR_SEND, 0, 8, 4), 0);
+  ASSERT_NO_FATAL_FAILURE(take(IBV_WC_RECV, 102));
+  EXPECT_EQ(peer_.poll(1).size(), 1u);
+  EXPECT_EQ(channel_event(0), nullptr) << "an unsolicited receive under a solicited-only arm";
+  if (across_) {
+    EXPECT_TRUE(library_path(q)) << "the events came from the library path";
+  }
+  // ... and a WRITE the peer refuses (a wrong rkey) completes in error, which fires it.
+  ASSERT_EQ(::fcntl(channel_->fd, F_SETFL, ::fcntl(channel_->fd, F_GETFL) & ~O_NONBLOCK), 0);
+  EXPECT_EQ(woken_by([&] {
+              EXPECT_EQ(post(q, {.op = IBV_WR_RDMA_WRITE,
+                                 .sges = {sge(0, 8)},
+                                 .wr_id = 5,
+                                 .raddr = peer_.mem().addr,
+                                 .rkey = peer_.mem().rkey ^ 0x5a5a00}),
+                        0);
+            }),
+            ecq)
+      << "the error's event under a solicited-only arm";
+  const auto err = poll(ecq, 1);
+  ASSERT_EQ(err.size(), 1u);
+  EXPECT_EQ(err[0].wr_id, 5u);
+  EXPECT_EQ(err[0].status, IBV_WC_REM_ACCESS_ERR);
 }
 
 }  // namespace
