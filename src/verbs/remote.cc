@@ -259,13 +259,17 @@ bool remote_progress(VCq& cq) {
     cq.rgen = gen;
   }
   bool did = false;
+  // An armed CQ: the application is about to sleep in ibv_get_cq_event (it polls until empty
+  // after arming, as rping does), so the hub keeps watching its connections: a claim would
+  // hold each event back until the claim's 10 ms ran out.
+  const bool armed = cq.cq.channel && cq.hdr->armed.load(std::memory_order_relaxed) != 0;
   for (const auto& c : cq.rconns) {
     if (c->broken.load(std::memory_order_relaxed)) continue;
     // The application polls again without having posted: what it owes goes now.
     const bool req_in = c->req_in.load(std::memory_order_relaxed);
     if (req_in) send_ack(*c);
     c->polls.store(c->polls.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    if (!c->claimed.load(std::memory_order_relaxed)) {
+    if (!armed && !c->claimed.load(std::memory_order_relaxed)) {
       c->claimed.store(true);
       rearm(*c);
       cq.rclaimed = true;
@@ -285,7 +289,9 @@ bool remote_progress(VCq& cq) {
     if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0 &&
         c->polls.load(std::memory_order_relaxed) % kRevokeReadEvery)
       continue;
-    did |= drain(*c, true);
+    // (Unarmed, the ACK waits for our next post or poll, or for the hub once the polls stop;
+    // armed, nothing of ours may follow before the application sleeps: it goes now.)
+    did |= drain(*c, !armed);
     if (req_in) try_resume(*c, *c->qp, r);
   }
   return did;
