@@ -498,7 +498,15 @@ Step Device::execute(Qp& qp, const SendWqe& w, uint64_t now_ns) {
       if (!rnr_wait(qp, to->attr.min_rnr_timer, now_ns, qp.wait != Wait::kRnr))
         return fail(IBV_WC_RNR_RETRY_EXC_ERR, "RNR retries exhausted");
       return Step::kWait;
-    case Response::kError: qp.wait = Wait::kNone; return fail(r.status, r.why);
+    case Response::kError:
+      qp.wait = Wait::kNone;
+      // UC: no NAK, so the requester never hears of it (IB spec class D/E errors; as across
+      // backends): the message is lost, and a receive it failed completed in error there.
+      if (qp.type == IBV_QPT_UC) {
+        complete_send(qp, w, IBV_WC_SUCCESS, static_cast<uint32_t>(len));
+        return Step::kDone;
+      }
+      return fail(r.status, r.why);
     case Response::kOk: break;
   }
   qp.wait = Wait::kNone;

@@ -304,7 +304,7 @@ Result<DirectGrantResp> Device::direct_grant(Session& s, uint32_t handle,
   // A peer on another backend: the library asks kDirectRemote instead (even with direct_path
   // off, so that a library asks one question whatever the backend offers).
   if (a->remote) {
-    if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct path across backends: RC only");
+    // (Both RC and UC ask kDirectRemote: the library learns that it may from this answer.)
     return error(EREMOTE, "direct path: peer on another backend (kDirectRemote)");
   }
   if (!direct_) return error(EOPNOTSUPP, "the direct path is off ([datapath] direct_path)");
@@ -520,7 +520,8 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* b = find_qp(s, req.qp);
   if (!b) return error(EINVAL, fmt::format("no QP {}", req.qp));
-  if (b->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct offer: RC QPs only");
+  if (b->type != IBV_QPT_RC && b->type != IBV_QPT_UC)
+    return error(EOPNOTSUPP, "direct offer: RC and UC QPs only");
   if (b->srq) return error(EOPNOTSUPP, "direct offer: not for a QP on an SRQ");
   // A library older than kDirectOfferNotify would not fire the CQ's channel.
   const bool notify = b->recv_cq->channel != kNone;
@@ -611,8 +612,9 @@ void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o
   }
   // Kept only for a QP that exists: its reset or destruction erases the offer again.
   auto q = g->qps.find(o.dst_qpn);
-  if (q == g->qps.end() || q->second->type != IBV_QPT_RC) {
-    VLOG_WARN("direct offer from {} for guest {}: no RC QP {:#x}; dropped", node, g->name,
+  if (q == g->qps.end() ||
+      (q->second->type != IBV_QPT_RC && q->second->type != IBV_QPT_UC)) {
+    VLOG_WARN("direct offer from {} for guest {}: no RC or UC QP {:#x}; dropped", node, g->name,
               o.dst_qpn);
     return;
   }
@@ -635,7 +637,8 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
-  if (a->type != IBV_QPT_RC) return error(EOPNOTSUPP, "direct remote: RC QPs only");
+  if (a->type != IBV_QPT_RC && a->type != IBV_QPT_UC)
+    return error(EOPNOTSUPP, "direct remote: RC and UC QPs only");
   if (flags & ~kDirectRemoteNotify) return error(EINVAL, "direct remote: unknown flags");
   const bool notify = a->send_cq->channel != kNone;
   if (notify && !(flags & kDirectRemoteNotify))

@@ -28,11 +28,12 @@ json token_of(const uint8_t* t) {
   return json::binary(std::vector<uint8_t>(t, t + kDirectTokenBytes));
 }
 
-/// A guest's RC QP named by QPN in a direct entry, or nullptr (and the import fails).
+/// A guest's RC or UC QP named by QPN in a direct entry, or nullptr (and the import fails).
 Qp* rc_qp(Reader& rd, Guest& g, uint32_t qpn, const char* what) {
   auto it = g.qps.find(qpn);
-  if (it == g.qps.end() || it->second->type != IBV_QPT_RC) {
-    rd.fail(fmt::format("{} for QP {:#x}, not an RC QP of the guest", what, qpn));
+  if (it == g.qps.end() ||
+      (it->second->type != IBV_QPT_RC && it->second->type != IBV_QPT_UC)) {
+    rd.fail(fmt::format("{} for QP {:#x}, not an RC or UC QP of the guest", what, qpn));
     return nullptr;
   }
   return it->second;

@@ -465,7 +465,7 @@ static_assert(sizeof(DirectRingsResp) == 8 + 16 * kMaxDirectRings);
 // of an RC QP pair whose QPs live on two backends talk TCP to each other; the backends only
 // introduce them.
 // kDirectOffer: the library of QP `qp` takes its peer QP's direct connection on TCP `port` of
-// this host, from whoever presents `token`. The backend checks the QP (RC, peer on another
+// this host, from whoever presents `token`. The backend checks the QP (RC or UC, peer on another
 // backend, RTR or RTS, no SRQ; a completion channel on its receive CQ only with
 // kDirectOfferNotify), gives it its own receive-completion ring (response fd 0; then, for a CQ
 // with a channel, its kDirectNotifyFds: the library fires the channel itself) and passes the

@@ -79,7 +79,7 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
   // A QP posted to through ibv_wr_* writes its WQEs straight into the ring: it stays there. So
   // does one that may bind windows: binds and invalidations are the backend's to execute, in
   // order with the rest of the send queue.
-  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp_ex.wr_start) return false;
+  if (!remote_type(qp) || qp.qp_ex.wr_start) return false;
   if (qp.mw_bind && !(qp.remote && qp.remote->active.load(std::memory_order_acquire))) return false;
   VContext& ctx = *to_vctx(qp.qp.context);
   if (!(ctx.control_page()->features & kFeatureDirectRemote)) return false;
@@ -223,7 +223,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
   // A QP that may bind windows answers its peer through the backend, which knows them.
-  if (qp.qp.qp_type != IBV_QPT_RC || qp.qp.srq || qp.mw_bind || ctx.mr_imports.load() ||
+  if (!remote_type(qp) || qp.qp.srq || qp.mw_bind || ctx.mr_imports.load() ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
       (qp.remote && (qp.remote->offered || qp.remote->reoffer.load() || qp.remote->dead ||
                      qp.remote->revoking.load())))

@@ -1,6 +1,6 @@
 // The direct path across backends, the library's side (docs/ARCHITECTURE.md, "Across hosts"):
-// the libraries of an RC QP pair whose QPs live on two backends talk TCP to each other, so a
-// message passes two processes (as over UCX's tcp transport or a TCP ping-pong) instead of four.
+// the libraries of an RC (or UC) QP pair whose QPs live on two backends talk TCP to each other,
+// so a message passes two processes (as over UCX's tcp transport or a TCP ping-pong), not four.
 // The backends only introduce them: the responder's library listens and offers its port and a
 // token through the backends (kDirectOffer); the requester's library, once everything the
 // backend took from its send queue is completed, gets that offer (kDirectRemote), dials, and from

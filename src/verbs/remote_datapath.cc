@@ -362,17 +362,58 @@ Outcome receive_failed(Conn& c, VQp& qp, RemoteQp& r, int st, ibv_wc_status nak)
   return failed("a request failed at this responder");
 }
 
+/// An atomic request (kCas, kFaa): executed on our memory and answered with the old value, or
+/// NAKed (rx_mu held).
+void execute_atomic(Conn& c, VQp& qp, RemoteQp& r) {
+  const Frame& f = c.f;
+  uint8_t* p;
+  const uint32_t op = f.type == kFaa ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
+  ibv_wc_status st = rkey_memory(qp, op, f.rkey, f.raddr, 8, p);
+  // Aligned where it lies in this process too (split locks, as the backend checks).
+  if (st == IBV_WC_SUCCESS && (reinterpret_cast<uintptr_t>(p) & 7)) st = IBV_WC_REM_INV_REQ_ERR;
+  if (st != IBV_WC_SUCCESS) {
+    send_nak(c, st);
+    return;
+  }
+  uint64_t old;
+  {
+    const DmaUnseen dma(true);
+    old = rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
+  }
+  Frame a{};
+  a.type = kAtomicResp;
+  a.len = 8;
+  a.arg0 = c.executed.fetch_add(1) + 1;
+  a.arg1 = old;
+  send_frame(c, a, nullptr, 0, true);
+  c.acked.store(a.arg0);
+  count(r.recv, 8);
+}
+
 /// A request's header has arrived: check it against our memory and say where its data goes.
 Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
   const Frame& f = c.f;
   c.nd = c.di = 0;
   c.doff = 0;
-  c.discard = false;
+  c.discard = c.lost = false;
   c.left = 0;
+  // UC: no READ, atomics or SEND_WITH_INV (the requester's post rules refuse them; a peer that
+  // sends one anyway is broken), and no RNR or NAK: what cannot land is lost (the backend's UC
+  // responder across backends drops it the same way).
+  const bool uc = qp.qp.qp_type == IBV_QPT_UC;
+  if (uc && !carries_data(f.type) && f.type != kRewind)
+    return broken_peer("the peer sent a UC QP an opcode UC does not have");
+  if (uc && f.type == kSendInv) return broken_peer("the peer sent a UC QP a SEND_WITH_INV");
+  auto lose = [&] {
+    c.discard = c.lost = true;
+    c.left = f.len;
+    return kGo;
+  };
   // Dropped: after a NAK; after a kRnr until the peer's resend begins (kRewind, which is
   // dropped too: it only ends that; a stray one is ignored); one that finds no receive.
   bool drop = c.nak_sent || c.rnr || f.type == kRewind;
   if (!drop && consumes_recv(f.type) && !peek_recv(c, qp, r)) {
+    if (uc) return lose();
     send_rnr(c, qp, r);
     drop = true;
   }
@@ -418,6 +459,7 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
       uint8_t* p;
       if (const ibv_wc_status st = rkey_memory(qp, IBV_WR_RDMA_WRITE, f.rkey, f.raddr, f.len, p);
           st != IBV_WC_SUCCESS) {
+        if (uc) return lose();
         send_nak(c, st);
         c.discard = true;
         c.left = f.len;
@@ -448,37 +490,16 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
       return kGo;
     }
     case kCas:
-    case kFaa: {
-      uint8_t* p;
-      const uint32_t op = f.type == kFaa ? IBV_WR_ATOMIC_FETCH_AND_ADD : IBV_WR_ATOMIC_CMP_AND_SWP;
-      ibv_wc_status st = rkey_memory(qp, op, f.rkey, f.raddr, 8, p);
-      // Aligned where it lies in this process too (split locks, as the backend checks).
-      if (st == IBV_WC_SUCCESS && (reinterpret_cast<uintptr_t>(p) & 7)) st = IBV_WC_REM_INV_REQ_ERR;
-      if (st != IBV_WC_SUCCESS) {
-        send_nak(c, st);
-        return kGo;
-      }
-      uint64_t old;
-      {
-        const DmaUnseen dma(true);
-        old = rdma_atomic(reinterpret_cast<uint64_t*>(p), f.type == kFaa, f.arg0, f.arg1);
-      }
-      Frame a{};
-      a.type = kAtomicResp;
-      a.len = 8;
-      a.arg0 = c.executed.fetch_add(1) + 1;
-      a.arg1 = old;
-      send_frame(c, a, nullptr, 0, true);
-      c.acked.store(a.arg0);
-      count(r.recv, 8);
+    case kFaa:
+      execute_atomic(c, qp, r);
       return kGo;
-    }
     default:  // not a request: checked by the caller
       return broken_peer("the peer sent a malformed frame");
   }
 }
 
 void finish_request(Conn& c, VQp& qp, RemoteQp& r) {
+  if (c.lost) c.executed.fetch_add(1);  // answered as done: UC's requester completes it
   if (c.nak_sent || c.discard) return;
   const uint8_t t = c.f.type;
   if (t == kRead || t == kCas || t == kFaa) return;  // answered at the start

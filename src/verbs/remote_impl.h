@@ -178,6 +178,7 @@ struct Conn : Watch {
   size_t nd = 0, di = 0;
   uint64_t doff = 0;
   bool discard = false;  ///< the payload goes nowhere
+  bool lost = false;     ///< ... and the request counts as executed (UC: lost, not refused)
   RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
   uint32_t rcons = 0;
   bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
@@ -321,6 +322,13 @@ struct DmaUnseen {
   explicit DmaUnseen(bool = false) {}
 };
 #endif
+
+/// The QP types whose pairs may talk library to library: RC, and UC (no RNR: a request that
+/// finds no receive, or a WRITE the responder's memory refuses, is lost, and its requester
+/// completes it successfully once the responder has counted it).
+inline bool remote_type(const VQp& qp) {
+  return qp.qp.qp_type == IBV_QPT_RC || qp.qp.qp_type == IBV_QPT_UC;
+}
 
 inline bool answered_by_data(uint32_t op) {
   return op == IBV_WR_RDMA_READ || op == IBV_WR_ATOMIC_CMP_AND_SWP ||

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The conformance suite (tests/verbs/verbs_conformance_test) on the direct path across backends:
 # two backends on this host (--direct-remote, meshed over loopback, --insecure), our guest on
-# one and the suite's peer guest on the other, so every RC pair's libraries talk to each other
-# and each rule of the suite is proven on that path too (UC, UD and the tests that reach into a
-# backend's rings stay on the backends' paths), CqOverrunIsCqError included (the library raises
+# one and the suite's peer guest on the other, so every RC and UC pair's libraries talk to each
+# other and each rule of the suite is proven on that path too (UD and the tests that reach into
+# a backend's rings stay on the backends' paths), CqOverrunIsCqError included (the library raises
 # IBV_EVENT_CQ_ERR when its own send ring overruns, as the backend does for its rings). About
 # 11 s. The hub's spin is set by its old name, VRDMA_SPIN_US: still taken, with one deprecation
 # line per process. RnrRetryCountThenRnrRetryExceeded included: the library's path counts

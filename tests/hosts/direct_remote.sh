@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The direct path across backends (--direct-remote): two namespace hosts whose backends only
-# introduce each RC QP pair's libraries, which then talk TCP to each other. Debian's unmodified
-# tools across them: ibv_rc_pingpong -c (LID and GID), every perftest opcode (SEND, WRITE, READ,
-# atomics), a SEND that finds no receive while an ACK waits behind it (rc_stream rnr-*), a verifying RC stream whose direct counts grow while it runs (and go on growing when
-# strangers connect to a library's port with a bad hello or none), completion channels (direct
-# too: the libraries fire them), and a peer killed mid-stream: the survivor's QP fails with a clear
-# error, and both backends serve the next pair.
+# introduce each RC (or UC) QP pair's libraries, which then talk TCP to each other. Debian's
+# unmodified tools across them: ibv_rc_pingpong -c (LID and GID), ibv_uc_pingpong -c, every
+# perftest opcode (SEND, WRITE, READ, atomics), a SEND that finds no receive while an ACK waits
+# behind it (rc_stream rnr-*), a verifying RC stream whose direct counts grow while it runs (and
+# go on growing when strangers connect to a library's port with a bad hello or none),
+# completion channels (direct too: the libraries fire them), and a peer killed mid-stream: the
+# survivor's QP fails with a clear error, and both backends serve the next pair.
 # Usage: direct_remote.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -56,6 +57,9 @@ done
 # pair goes direct too (before issue 25's channels it stayed on the backends).
 hpair events 1 2 -e -c -n 500
 expect_direct events
+# 2b. UC (Debian's ibv_uc_pingpong, validating): direct too, library to library.
+PP_TOOL=ibv_uc_pingpong hpair uc 1 2 -c -n 2000
+expect_direct uc
 
 # 3. A checksummed stream: while it runs, direct messages are counted on both ends.
 hstream_start st 1 2

@@ -563,6 +563,64 @@ TEST_F(Conformance, UcSendWithoutAReceiveIsLostAndTheSenderSucceeds) {
   }
 }
 
+// UC with another guest's QP (across backends in e2e.conformance_remote, library to library;
+// issue 25): what cannot land is lost, never an RNR or a NAK, and its sender completes
+// successfully: a SEND and a WRITE_WITH_IMM that find no receive, a WRITE with a wrong rkey
+// (the IB spec's UC responder drops it silently; the backend's did so across backends, and
+// now on one host too). The next SEND that finds a receive brings its own bytes.
+TEST_F(Conformance, UcToAnotherGuestLosesWhatCannotLandAndItsSenderSucceeds) {
+  Pair p = pair(IBV_QPT_UC);
+  ASSERT_NE(p.qp, nullptr);
+  auto write = [&](uint64_t wr_id, ibv_wr_opcode op, uint32_t rkey, uint32_t off) {
+    return run(p.qp, {.op = op,
+                      .sges = {sge(0, 64)},
+                      .wr_id = wr_id,
+                      .raddr = peer_.mem().addr + off,
+                      .rkey = rkey});
+  };
+  // Across backends: WRITEs until our library talks to the peer's.
+  for (int i = 0; across_ && i < 4000 && !library_path(p.qp); ++i)
+    ASSERT_EQ(write(1, IBV_WR_RDMA_WRITE, peer_.mem().rkey, 0).status, IBV_WC_SUCCESS);
+  if (across_) {
+    ASSERT_TRUE(library_path(p.qp)) << "our UC QP never talked to the peer's library";
+  }
+  fill(buf_.data(), 64, 1);
+  const std::vector<uint8_t> lost(buf_.data(), buf_.data() + 64);
+  for (const auto& [wr_id, op, rkey] :
+       {std::tuple{2u, IBV_WR_SEND, 0u}, std::tuple{3u, IBV_WR_RDMA_WRITE_WITH_IMM, peer_.mem().rkey},
+        std::tuple{4u, IBV_WR_RDMA_WRITE, peer_.mem().rkey ^ 0x5a5a00}}) {
+    const ibv_wc wc = write(wr_id, op, rkey, 2048);
+    EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << "WR " << wr_id << ": " << ibv_wc_status_str(wc.status);
+    EXPECT_EQ(wc.wr_id, wr_id);
+  }
+  // A UC completion says the message left: a WRITE behind them that has landed says they were
+  // taken (or lost) before the receive below is posted.
+  fill(buf_.data(), 64, 2);
+  const std::vector<uint8_t> marker(buf_.data(), buf_.data() + 64);
+  ASSERT_EQ(write(5, IBV_WR_RDMA_WRITE, peer_.mem().rkey, 4096).status, IBV_WC_SUCCESS);
+  for (const auto until = Clock::now() + std::chrono::seconds(10);
+       peer_.read(4096, 64) != marker && Clock::now() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(peer_.read(4096, 64), marker) << "the marker WRITE never landed";
+  EXPECT_TRUE(peer_.poll(1, 0).empty()) << "nothing consumed a receive (none was posted)";
+  EXPECT_NE(peer_.read(2048, 64), lost) << "a lost WRITE wrote nothing";
+  // The next SEND finds a receive: its own bytes, once.
+  ASSERT_EQ(peer_.post_recv(p.peer, 9, 8192, 64), 0);
+  fill(buf_.data(), 64, 3);
+  ASSERT_EQ(write(6, IBV_WR_SEND, 0, 0).status, IBV_WC_SUCCESS);
+  auto rx = peer_.poll(1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(rx[0].wr_id, 9u);
+  EXPECT_EQ(rx[0].byte_len, 64u);
+  EXPECT_EQ(peer_.read(8192, 64), std::vector<uint8_t>(buf_.data(), buf_.data() + 64));
+  EXPECT_TRUE(peer_.poll(1, 50).empty()) << "one receive, one completion";
+  EXPECT_EQ(state(p.qp), IBV_QPS_RTS);
+  if (across_) {
+    EXPECT_TRUE(library_path(p.qp)) << "still library to library";
+  }
+}
+
 TEST_F(Conformance, AnOpcodeTheQpTypeForbidsIsEinvalAndPostsNothing) {
   ibv_device_attr d{};
   ASSERT_EQ(ibv_query_device(ctx_, &d), 0);
