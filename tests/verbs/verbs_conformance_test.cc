@@ -255,6 +255,14 @@ class Conformance : public vrdma::test::VerbsFixture {
     return post(sq, {.op = IBV_WR_SEND, .sges = {sge(65536, 8)}, .wr_id = wr_id});
   }
 
+  /// A new completion channel (channel_) and a CQ of 64 on it whose context is this fixture.
+  ibv_cq* channel_cq() {
+    channel_ = ibv_create_comp_channel(ctx_);
+    EXPECT_NE(channel_, nullptr);
+    ibv_cq* cq = channel_ ? ibv_create_cq(ctx_, 64, this, channel_, 0) : nullptr;
+    if (cq) cqs_.push_back(cq);
+    return cq;
+  }
   /// The CQ of the next event on channel_ (acknowledged), or null if none came within
   /// `timeout_ms` (or its CQ's context is not this fixture).
   ibv_cq* channel_event(int timeout_ms) {
@@ -2683,11 +2691,8 @@ TEST_F(Conformance, DeviceMemoryCopiesRegistersZeroBasedAndIsReachedBothWays) {
 // A thread blocked in ibv_get_cq_event is woken; one event per arm; a solicited-only arm lets an
 // unsolicited receive pass without one.
 TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
-  channel_ = ibv_create_comp_channel(ctx_);
-  ASSERT_NE(channel_, nullptr);
-  ibv_cq* ecq = ibv_create_cq(ctx_, 64, this, channel_, 0);
+  ibv_cq* ecq = channel_cq();
   ASSERT_NE(ecq, nullptr);
-  cqs_.push_back(ecq);
   ibv_qp* a = make_qp(IBV_QPT_RC);                 // send and receive CQ: cq_ (no channel)
   ibv_qp* b = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);  // both on ecq
   ASSERT_TRUE(a && b);
@@ -2773,11 +2778,8 @@ TEST_F(Conformance, ChannelEventsWakeABlockedWaiterOncePerArmOnEveryPath) {
 // completion, once per arm; a solicited-only arm lets the peer's unsolicited SEND pass and is
 // fired by a completion in error.
 TEST_F(Conformance, ChannelEventsOfAQpTalkingToAnotherGuestWakeABlockedWaiter) {
-  channel_ = ibv_create_comp_channel(ctx_);
-  ASSERT_NE(channel_, nullptr);
-  ibv_cq* ecq = ibv_create_cq(ctx_, 64, this, channel_, 0);
+  ibv_cq* ecq = channel_cq();
   ASSERT_NE(ecq, nullptr);
-  cqs_.push_back(ecq);
   ibv_qp* q = make_qp(IBV_QPT_RC, 16, 1, 0, ecq);
   ASSERT_NE(q, nullptr);
   const PeerQp p = connect_peer(q, IBV_QPT_RC);
