@@ -162,8 +162,9 @@ int main(int argc, char** argv) {
                "keep every guest's work on the backend ([datapath] direct_path = false)");
   bool direct_remote = false, no_direct_remote = false;
   app.add_flag("--direct-remote", direct_remote,
-               "let the libraries of an RC QP pair on two backends talk TLS over TCP to each "
-               "other, the backends only introducing them ([datapath] direct_remote; the default)");
+               "let the libraries of an RC or UC QP pair on two backends talk TLS over TCP to "
+               "each other, the backends only introducing them ([datapath] direct_remote; the "
+               "default)");
   app.add_flag("--no-direct-remote", no_direct_remote,
                "keep every QP pair across backends on the backends' transport ([datapath] "
                "direct_remote = false)");
