@@ -30,6 +30,7 @@
 
 #include "common/listener_rest.h"
 #include "common/log.h"
+#include "common/rc_tcp.h"
 #include "common/rdma_atomic.h"
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
@@ -84,10 +85,11 @@ void rearm(Conn& c) {
 }
 
 void set_sock_opts(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  unsigned int ms = 5000;  // a peer that vanished (data unacknowledged) ends the connection
-  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ms, sizeof(ms));
+  // As the backends' transport (RTO floor and ceiling, linear retries: a lossy link costs the
+  // same on both paths), but 5 s before unacknowledged data ends the connection, and no
+  // keepalive: a broken connection is not redialed (a QP with work in flight fails), so an
+  // idle one is not ended for a peer that may come back.
+  set_rc_tcp_options(fd, 5000);
 }
 
 // ---- the hub ----

@@ -12,11 +12,13 @@
 # condition that fails; impair_verdict ends the test.
 # Every impaired test is pinned to the backends' TCP transport (--no-direct-remote): issue 30
 # is about that transport over a bad network (its replays, bytes on the wire, one connection
-# shared by tenants), which the direct path across backends would bypass.
+# shared by tenants), which the direct path across backends would bypass. IMPAIR_DIRECT=1
+# leaves the default instead (the libraries' own connections, which take the same TCP options:
+# common/rc_tcp.h), and impair_verdict then also fails unless a pair went direct.
 # shellcheck shell=bash
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
+[[ -n ${IMPAIR_DIRECT:-} ]] || HOSTS_VRDMAD_ARGS="--no-direct-remote ${HOSTS_VRDMAD_ARGS:-}"
 E2E_NAME="hosts.$(basename "${BASH_SOURCE[1]:-$0}" .sh)"
 
 IMPAIR_PID=""
@@ -146,6 +148,10 @@ impair_try() {
 }
 # Ends the test: passes unless a check failed.
 impair_verdict() {
+  if [[ -n ${IMPAIR_DIRECT:-} ]]; then
+    grep -q "direct path: guest .* of backend" "$E2E_TMP"/vrdmad.h*.log ||
+      IMPAIR_FAILED+=(not_direct)
+  fi
   ((${#IMPAIR_FAILED[@]} == 0)) || fail "${#IMPAIR_FAILED[@]} check(s) failed: ${IMPAIR_FAILED[*]}"
   e2e_pass
 }

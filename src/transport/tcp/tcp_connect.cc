@@ -19,6 +19,7 @@
 
 #include "common/guest_fault.h"
 #include "common/log.h"
+#include "common/rc_tcp.h"
 
 namespace vrdma::transport::tcp {
 
@@ -28,11 +29,9 @@ namespace {
 
 void set_options(int fd) {
   const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  // Unacknowledged data for this long ends the connection (a link that is down), so it is
-  // redialed rather than left hanging in kernel retransmits.
-  const unsigned user_timeout_ms = 2000;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof(user_timeout_ms));
+  // Unacknowledged data for 2 s ends the connection (a link that is down), so it is redialed
+  // rather than left hanging in kernel retransmits.
+  set_rc_tcp_options(fd, 2000);
   // An idle connection is probed too (a peer host that vanished while nothing was in flight):
   // 10 s of silence, then probes whose loss the user timeout above turns into a redial.
   // (QPs do not wait for this: their ACK clock spends their own budget while nothing moves.)
@@ -41,20 +40,6 @@ void set_options(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof(interval_s));
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
-  // A lost segment is sent again after 50 ms (or the path's RTO if longer), not TCP's 200 ms
-  // floor, and an outage's backoff stops at 1 s, so the connection resumes soon after the link
-  // does (RC's budget, `timeout` 14, is 67 ms a try). Not lower: at 5 ms a path whose RTT
-  // jumped from 0.1 to 20 ms saw 126 spurious retransmissions and its window collapse.
-  // Linux 6.15+; older kernels keep their defaults.
-  constexpr int kTcpRtoMaxMs = 44, kTcpRtoMinUs = 45;  // <linux/tcp.h> of 6.15
-  const int rto_min_us = 50000, rto_max_ms = 1000;
-  ::setsockopt(fd, IPPROTO_TCP, kTcpRtoMinUs, &rto_min_us, sizeof(rto_min_us));
-  ::setsockopt(fd, IPPROTO_TCP, kTcpRtoMaxMs, &rto_max_ms, sizeof(rto_max_ms));
-  // With few segments in flight (a ping-pong: no duplicate ACKs to trigger a fast
-  // retransmit), a segment lost again is retried after the same RTO, not a doubled one, for
-  // its first 6 retries: as a fabric retries, each try independent. Doubling, three losses of
-  // one segment in a row at 10 % loss took 50+100+200+400 ms, more than `timeout` 14's budget.
-  ::setsockopt(fd, IPPROTO_TCP, TCP_THIN_LINEAR_TIMEOUTS, &one, sizeof(one));
 }
 
 }  // namespace
