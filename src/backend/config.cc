@@ -192,6 +192,7 @@ Status Config::load_string(std::string_view text, const std::string& origin) {
         {"max_mapped_bytes", integer(q.max_mapped_bytes, 1 << 20, int64_t{1} << 47)}}},
       {"datapath",
        {{"spin_us", integer(c.spin_us, 0, 10000000)},
+        {"nice", integer(c.nice, -20, 19)},
         {"direct_path", boolean(c.direct_path)},
         {"direct_trust", string(c.direct_trust, {"kernel", "uid"})},
         {"direct_tenants", string_groups(c.direct_tenants)},

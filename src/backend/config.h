@@ -34,6 +34,11 @@ struct Config {
   int status_min_interval_ms = 100;
   // [datapath]
   int spin_us = 200;             ///< how long to poll idle rings before sleeping
+  /// The engine thread's nice value, set at start when the backend may (root, CAP_SYS_NICE or
+  /// RLIMIT_NICE). -3: its load weight about two busy-polling guests', so the scheduler's
+  /// balancing gives a spinning engine a CPU of its own instead of a guest's time slices
+  /// (BENCHMARKS.md, "The engine's nice value"). 0 leaves it alone.
+  int nice = -3;
   /// Guests of one uid on this backend may move their bytes themselves (docs/ARCHITECTURE.md,
   /// "Direct path"; on by default, the trust rule below still applies); such guests move, are
   /// snapshotted and kept (keep_state) like the rest.

@@ -125,7 +125,7 @@ int main(int argc, char** argv) {
   bool check_only = false;
   // Flags are parsed twice: first to find --config, then over the file's values.
   std::string socket;
-  int idle_exit = -1, spin_us = -1;
+  int idle_exit = -1, spin_us = -1, nice = 100;
   CLI::App app{"vrdmad: the vrdma backend (the software RDMA device)"};
   app.set_version_flag("--version", std::string("vrdmad ") + VRDMA_VERSION);
   std::string log_level;
@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "unix socket guests connect to");
   app.add_option("--idle-exit", idle_exit, "exit after this many seconds without guests (0: never)");
   app.add_option("--spin-us", spin_us, "microseconds to poll idle rings before sleeping");
+  app.add_option("--nice", nice, "the engine thread's nice value ([datapath] nice, -3; 0: as started)")
+      ->check(CLI::Range(-20, 19));
   app.add_option("--listen", cfg.listen, "ADDR:PORT for backend-to-backend TCP");
   app.add_option("--peer", cfg.peers, "ADDR:PORT of another backend (repeatable)");
   app.add_option("--node", cfg.node, "this backend's name among its peers");
@@ -211,6 +213,7 @@ int main(int argc, char** argv) {
   if (insecure) cfg.insecure = true;
   if (idle_exit >= 0) cfg.idle_exit_s = idle_exit;
   if (spin_us >= 0) cfg.spin_us = spin_us;
+  if (nice != 100) cfg.nice = nice;
   if (keep_state) cfg.keep_state = true;
   if (direct_path) cfg.direct_path = true;
   if (no_direct_path) cfg.direct_path = false;

@@ -484,6 +484,27 @@ void Server::note_stall(uint64_t awake_ns, uint64_t now_ns) {
         awake_ns / 1000000, cpu_ms, preempted, blocked, log::held_note(held));
 }
 
+namespace {
+
+/// [datapath] nice, for this thread (the engine's; on Linux a nice value is a thread's).
+void set_engine_nice(int nice) {
+  if (nice == 0) return;
+  errno = 0;
+  const int was = ::getpriority(PRIO_PROCESS, 0);
+  if (errno == 0 && was == nice) return;
+  if (::setpriority(PRIO_PROCESS, 0, nice) == 0) {
+    VLOG_INFO("engine thread at nice {} ([datapath] nice)", nice);
+  } else {
+    VLOG_INFO(
+        "engine thread stays at nice {}: nice {} not allowed ({}; root, CAP_SYS_NICE or "
+        "RLIMIT_NICE): on a machine with fewer CPUs than busy pollers the mediated path's "
+        "latency may double",
+        was, nice, std::strerror(errno));
+  }
+}
+
+}  // namespace
+
 // long-function: the event loop (the hot path: device poll, spin, epoll), kept in one piece.
 Status Server::run() {
   Status st = setup();
@@ -497,6 +518,7 @@ Status Server::run() {
   }
   VLOG_INFO("vrdmad {} listening on {}{}", VRDMA_VERSION, opt_.socket_path,
             activated_ ? " (socket activation)" : "");
+  set_engine_nice(opt_.nice);
   uint64_t idle_since = now_ns();
   uint64_t last_work = now_ns();
   uint64_t last_command = 0;     // when the loop last answered a session's command

@@ -2,7 +2,8 @@
 # The backend's config file through `vrdma backend`: the documented example validates; a typo, a
 # wrong type or a bad value is rejected naming FILE:LINE, and the backend does not start (no
 # socket, no process); a metrics address that cannot be bound stops start-up too; a valid file
-# is applied (its quotas show in `vrdma status`) and flags override it.
+# is applied (its quotas show in `vrdma status`, the engine's nice value in /proc) and flags
+# override it.
 # Usage: config.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -85,4 +86,13 @@ done
 "$VRDMA" status >"$E2E_TMP/status.out" || fail "status failed"
 grep -Eq '^quotas per guest .*cq 0/5, .*qp 0/7' "$E2E_TMP/status.out" ||
   fail "quotas not applied: $(cat "$E2E_TMP/status.out")"
+# The engine thread (the process's first) runs at [datapath] nice, -3 unless the file says
+# otherwise, where the backend may lower it (root; elsewhere it says why not and goes on).
+ni="$(awk '{print $19}' "/proc/$(backend_pid)/stat")"
+if [[ $(id -u) == 0 ]]; then
+  [[ $ni == -3 ]] || fail "the engine thread runs at nice $ni, not [datapath] nice's -3"
+  grep -q "engine thread at nice -3" "$E2E_TMP/vrdmad.log" || fail "no line for the nice value"
+else
+  grep -q "engine thread stays at nice" "$E2E_TMP/vrdmad.log" || fail "no line for the nice value"
+fi
 e2e_pass

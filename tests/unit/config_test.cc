@@ -10,6 +10,7 @@ TEST(ConfigTest, EmptyFileKeepsDefaults) {
   Config c;
   ASSERT_TRUE(c.load_string("", "t.toml").is_ok());
   EXPECT_EQ(c.spin_us, 200);
+  EXPECT_EQ(c.nice, -3);
   EXPECT_EQ(c.quotas.max_qps, 1024u);
   EXPECT_FALSE(c.metrics_enabled);
   EXPECT_EQ(c.metrics_listen, "127.0.0.1:9464");
@@ -75,6 +76,7 @@ idle_exit_s = 5
 log_level = "debug"
 [datapath]
 spin_us = 50
+nice = 0
 direct_path = false
 direct_remote = false
 [quotas]
@@ -95,6 +97,7 @@ listen = "127.0.0.1:9000"
   EXPECT_EQ(c.idle_exit_s, 5);
   EXPECT_EQ(c.log_level, "debug");
   EXPECT_EQ(c.spin_us, 50);
+  EXPECT_EQ(c.nice, 0);
   EXPECT_FALSE(c.direct_path);  // the file turns the defaults off
   EXPECT_FALSE(c.direct_remote);
   EXPECT_EQ(c.quotas.max_qps, 7u);
@@ -123,6 +126,7 @@ TEST(ConfigTest, RejectsWithTheLineAndChangesNothing) {
        "t.toml:2: unknown key \"max_qp\" in [quotas] (did you mean max_qps?)"},
       {"[datapath]\nspin_us = \"fast\"\n", "t.toml:2: datapath.spin_us: expected an integer"},
       {"[quotas]\nmax_qps = 0\n", "t.toml:2: quotas.max_qps: 0 is out of range"},
+      {"[datapath]\nnice = -21\n", "t.toml:2: datapath.nice: -21 is out of range"},
       {"[backend]\nlog_level = \"loud\"\n", "is not one of: debug, info, warn, error"},
       {"[transport]\nlisten = \"10.0.0.1\"\n",
        "t.toml:2: transport.listen: \"10.0.0.1\" is not ADDR:PORT"},
