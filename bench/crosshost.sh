@@ -32,8 +32,7 @@ source "$ROOT/bench/lib.sh"
 hosts_init "$BIN_DIR" 2
 wait_mesh
 
-TCP_PP="$HOSTS_BIN/tcp_pingpong"
-[[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+need_tcp_pp
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
 command -v ucx_perftest >/dev/null || fail "ucx_perftest missing (scripts/deps.sh installs ucx-utils)"
 
@@ -59,17 +58,6 @@ ucx_tcp() {
   wait "$srv" || true
   awk '/^Final:/ {$1 = ""; print; f = 1} END {exit !f}' "$E2E_TMP/ucx.out" ||
     fail "ucx_perftest $*: no Final row: $(tail -n 5 "$E2E_TMP/ucx.out")"
-}
-
-# Raw TCP ping-pong h2 -> h1 with ARGS; prints usec/iter.
-tcp_pp() {
-  local port=$((16000 + RANDOM % 1000)) srv k
-  hexec 1 "$TCP_PP" "$@" --server "$port" >/dev/null 2>&1 &
-  srv=$!
-  hwait_port 1 "$port" "$srv" tcp_pingpong
-  hexec 2 "$TCP_PP" "$@" --client "$(host_ip 1)" "$port" >"$E2E_TMP/tcp.out" || fail "tcp_pingpong"
-  wait "$srv" || true
-  usec_of "$E2E_TMP/tcp.out"
 }
 
 # (On a failure hosts_cleanup kills them with every other descendant.)

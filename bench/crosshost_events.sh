@@ -20,20 +20,8 @@ source "$ROOT/tests/hosts/lib.sh"
 source "$ROOT/bench/lib.sh"
 hosts_init "$BIN_DIR" 2
 wait_mesh
-TCP_PP="$HOSTS_BIN/tcp_pingpong"
-[[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+need_tcp_pp
 
-# The blocking TCP ping-pong h2 -> h1; prints usec/iter.
-tcp_pp() {
-  local port=$((16000 + RANDOM % 1000)) srv
-  hexec 1 "$TCP_PP" -s 8 -n "$ITERS" --server "$port" >/dev/null 2>&1 &
-  srv=$!
-  hwait_port 1 "$port" "$srv" tcp_pingpong
-  hexec 2 "$TCP_PP" -s 8 -n "$ITERS" --client "$(host_ip 1)" "$port" >"$E2E_TMP/tcp.out" ||
-    fail "tcp_pingpong"
-  wait "$srv" || true
-  usec_of "$E2E_TMP/tcp.out"
-}
 # One ibv_rc_pingpong -e run on PATH; its usec/iter in US. (Not in a command substitution: the
 # backends it starts must be the ones the next run stops.)
 ev_run() {
@@ -51,7 +39,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
   di+=("$US")
   ev_run backends "evb$r"
   be+=("$US")
-  tcp+=("$(tcp_pp)")
+  tcp+=("$(tcp_pp -s 8 -n "$ITERS")")
   log "round $r: direct ${di[-1]} backends ${be[-1]} blocking TCP ${tcp[-1]} usec/iter"
 done
 read -r dmed dmin dmax < <(printf '%s\n' "${di[@]}" | stats)

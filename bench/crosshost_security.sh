@@ -19,8 +19,7 @@ source "$ROOT/tests/hosts/lib.sh"
 source "$ROOT/bench/lib.sh"
 hosts_init "$BIN_DIR" 2
 wait_mesh
-TCP_PP="$HOSTS_BIN/tcp_pingpong"
-[[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+need_tcp_pp
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
 
 # Restarts both backends authenticated (tls) or not (insecure) and checks what status says.

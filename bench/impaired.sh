@@ -24,8 +24,7 @@ source "$ROOT/bench/lib.sh"
 impaired_hosts_init "$BIN_DIR"
 wait_mesh
 
-TCP_PP="$HOSTS_BIN/tcp_pingpong"
-[[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+need_tcp_pp
 command -v iperf3 >/dev/null || fail "iperf3 missing (scripts/deps.sh installs it)"
 
 IFS=';' read -ra conditions <<<"${IMPAIRED_CONDITIONS:-;--delay 10;--delay 50 --jitter 10;\
@@ -66,17 +65,6 @@ vrdma_lat() {
     echo "fails: $(why "$E2E_TMP/bench_pp.client.out")"
   fi
 }
-# tcp_pingpong -s 8 -n N h2 -> h1; prints usec/iter.
-tcp_lat() {
-  local port=$((16000 + RANDOM % 1000)) srv
-  hexec 1 "$TCP_PP" -s 8 -n "$1" --server "$port" >/dev/null 2>&1 &
-  srv=$!
-  hwait_port 1 "$port" "$srv" tcp_pingpong
-  hexec 2 "$TCP_PP" -s 8 -n "$1" --client "$(host_ip 1)" "$port" >"$E2E_TMP/tcp.out" ||
-    fail "tcp_pingpong"
-  wait "$srv" || true
-  usec_of "$E2E_TMP/tcp.out"
-}
 # A ratio, or "-" when vrdma's cell is a failure.
 ratio_or() { [[ $1 =~ ^[0-9.]+$ ]] && ratio "$1" "$2" || echo "-"; }
 
@@ -99,7 +87,7 @@ for cond in "${conditions[@]}"; do
     vb=$(vrdma_bw)
     tb=$(tcp_bw)
     vl=$(vrdma_lat "$n")
-    tl=$(tcp_lat "$n")
+    tl=$(tcp_pp -s 8 -n "$n")
     echo "| $today | $machine | \`${cond:-none}\` | $r | $vb | $tb | $(ratio_or "$vb" "$tb") |" \
       "$vl (n $n) | $tl | $(ratio_or "$vl" "$tl") |"
   done

@@ -13,6 +13,22 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", a / b}'; }
 cpu="$(awk -F': ' '/^model name/ {print $2; exit}' /proc/cpuinfo)"
 machine="$(nproc) CPUs, ${cpu:-unknown CPU}"
 today="$(date +%F)"
+# After the hosts are up: TCP_PP, the raw TCP ping-pong of the build (tcp_pp below).
+need_tcp_pp() {
+  TCP_PP="$HOSTS_BIN/tcp_pingpong"
+  [[ -x $TCP_PP ]] || fail "$TCP_PP missing (build the release preset)"
+}
+# The raw TCP ping-pong (bench/tcp_pingpong, in $TCP_PP) h2 -> h1 with ARGS (namespace hosts,
+# tests/hosts/lib.sh); prints usec/iter.
+tcp_pp() {
+  local port=$((16000 + RANDOM % 1000)) srv
+  hexec 1 "$TCP_PP" "$@" --server "$port" >/dev/null 2>&1 &
+  srv=$!
+  hwait_port 1 "$port" "$srv" tcp_pingpong
+  hexec 2 "$TCP_PP" "$@" --client "$(host_ip 1)" "$port" >"$E2E_TMP/tcp.out" || fail "tcp_pingpong"
+  wait "$srv" || true
+  usec_of "$E2E_TMP/tcp.out"
+}
 # iperf3, one stream h2 -> h1 for 2 s with writes of $1 bytes: MB/s received (namespace hosts,
 # tests/hosts/lib.sh).
 iperf_mbs() {
