@@ -474,9 +474,8 @@ int main_impl(int argc, char** argv) {
   backend->allow_extras();
   backend->footer(
       "Every other vrdmad option is passed on as given (--listen, --peer, --node, --cluster-dir, "
-      "--insecure, --no-direct-path, --no-direct-remote, --keep-state, --spin-us, --log-level, "
-      "--version): see "
-      "`vrdmad --help`.");
+      "--insecure, --no-direct-path, --no-direct-remote, --keep-state, --spin-us, --nice, "
+      "--log-level, --version): see `vrdmad --help`.");
   backend->add_option("--socket", backend_socket, "socket to listen on");
   backend->add_option("--config", config, "TOML config file (flags given here override it)");
   auto* check_opt = backend
