@@ -79,13 +79,14 @@ void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why) {
   r.failing = true;
 }
 
-void to_error(VQp& qp, const char* why) {
+void to_error(VQp& qp, const char* why, bool quiet) {
   RemoteQp& r = *qp.remote;
   if (r.failed.exchange(true)) return;
   r.active.store(false);
   VLOG_WARN("direct path: QP {:#x} to the error state: {}", qp.qp.qp_num, why);
   std::shared_ptr<Conn> conns[2];
-  if (Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire)) {
+  Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
+  if (h && !quiet) {
     std::lock_guard<std::mutex> g(h->mu);  // teardown may be taking them away
     conns[0] = r.out;
     conns[1] = r.in;
@@ -355,6 +356,21 @@ void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
 /// backend's flush of the RQ starts after it), the QP goes to ERR, then the completion (`st`)
 /// shows: a poller that sees it finds the QP in ERR, as on a device.
 Outcome receive_failed(Conn& c, VQp& qp, RemoteQp& r, int st, ibv_wc_status nak) {
+  if (qp.qp.qp_type == IBV_QPT_UC) {
+    // UC: no NAK, so the requester completes it (IB spec class D/E, as the backends' UC
+    // responder); our WQE completes in error, our QP goes to ERR (flushing what we sent), and
+    // what comes next on the connection is lost.
+    qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> g(r.fl_mu);
+      to_error(qp, "a UC receive failed at this responder", /*quiet=*/true);
+      if (!r.inflight.empty()) flush_inflight(qp, r, IBV_WC_WR_FLUSH_ERR, nullptr);
+    }
+    push_recv(c, qp, r, st, /*taken=*/true);
+    c.uc_dead = c.discard = c.lost = true;
+    c.left = c.f.len;
+    return kGo;
+  }
   send_nak(c, nak);
   qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
   to_error(qp, "a request failed at this responder");
@@ -409,6 +425,7 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
     c.left = f.len;
     return kGo;
   };
+  if (c.uc_dead) return lose();
   // Dropped: after a NAK; after a kRnr until the peer's resend begins (kRewind, which is
   // dropped too: it only ends that; a stray one is ignored); one that finds no receive.
   bool drop = c.nak_sent || c.rnr || f.type == kRewind;

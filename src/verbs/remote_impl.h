@@ -179,6 +179,7 @@ struct Conn : Watch {
   uint64_t doff = 0;
   bool discard = false;  ///< the payload goes nowhere
   bool lost = false;     ///< ... and the request counts as executed (UC: lost, not refused)
+  bool uc_dead = false;  ///< responder, UC: our QP failed a receive; every request is lost
   RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
   uint32_t rcons = 0;
   bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
@@ -408,7 +409,9 @@ void flush_inflight(VQp& qp, RemoteQp& r, int head_status, const char* why);
 /// The QP to ERR on the direct path: its connections end (the peer sees them close) and the
 /// backend moves it (flushing its receive queue). Once. Called with fl_mu (and rx_mu) held from
 /// flush_inflight: the Hub::mu and the context's rpc_mu it takes are taken under no other lock.
-void to_error(VQp& qp, const char* why);
+/// `quiet` (a UC responder whose receive failed): the connections stay, and the peer never
+/// hears of it (what it sends next is lost, start_request).
+void to_error(VQp& qp, const char* why, bool quiet = false);
 /// Writes a WR's request (fl_mu held: requests go out in the order of their numbers), with the
 /// ACK for the peer's requests riding on it. False: the connection is broken.
 bool write_request(RemoteQp& r, Conn& out, Inflight& e, bool may_hold = false);

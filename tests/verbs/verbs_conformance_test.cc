@@ -18,6 +18,7 @@
 #include "peer.h"
 #include "verbs/internal.h"
 #include "verbs/remote.h"
+#include "verbs/remote_impl.h"
 #include "verbs_fixture.h"
 
 namespace {
@@ -34,6 +35,14 @@ using Clock = std::chrono::steady_clock;
 bool library_path(ibv_qp* qp) {
   const vrdma::verbs::VQp& v = *vrdma::verbs::to_vqp(qp);
   return v.remote && v.remote->active.load();
+}
+
+/// Whether the peer's requests to QP `qp` come from its library (across backends) and some
+/// were executed by ours.
+bool peer_requests_direct(ibv_qp* qp) {
+  const vrdma::verbs::VQp& v = *vrdma::verbs::to_vqp(qp);
+  const vrdma::verbs::Conn* c = v.remote ? v.remote->in_raw.load() : nullptr;
+  return c && c->executed.load() > 0;
 }
 
 /// An SRQ of ours and the RC QPs on it (all on `cq`), destroyed QPs first.
@@ -627,6 +636,43 @@ TEST_F(Conformance, UcToAnotherGuestLosesWhatCannotLandAndItsSenderSucceeds) {
   if (across_) {
     EXPECT_TRUE(library_path(p.qp)) << "still library to library";
   }
+}
+
+// UC: a receive that fails at the responder (too small for the message) completes in error
+// there, and the responder's QP goes to ERR; the requester never hears of it (no NAK in UC: it
+// completes successfully), and what it sends next is lost. Across backends (e2e.
+// conformance_remote) the peer's SENDs reach our library directly before the failing one.
+TEST_F(Conformance, AUcReceiveThatFailsEndsTheResponderNotTheRequester) {
+  Pair p = pair(IBV_QPT_UC);
+  ASSERT_NE(p.qp, nullptr);
+  auto peer_send = [&](uint64_t wr_id) {
+    EXPECT_EQ(peer_.send(p.peer, IBV_WR_SEND, 0, 64, wr_id), 0);
+    const auto wcs = peer_.poll(1);
+    return wcs.size() == 1 ? wcs[0].status : IBV_WC_GENERAL_ERR;
+  };
+  // SENDs that land, until the peer's come from its library (across backends).
+  for (uint64_t i = 1; i < 4000 && (i == 1 || (across_ && !peer_requests_direct(p.qp))); ++i) {
+    ASSERT_EQ(post_recv(p.qp, 10 + i, 4096, 64), 0);
+    ASSERT_EQ(peer_send(i), IBV_WC_SUCCESS);
+    const auto rx = poll(cq_, 1);
+    ASSERT_EQ(rx.size(), 1u);
+    ASSERT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  }
+  if (across_) {
+    ASSERT_TRUE(peer_requests_direct(p.qp)) << "the peer's SENDs never came from its library";
+  }
+  // A receive of 16 bytes for a 64-byte SEND.
+  ASSERT_EQ(post_recv(p.qp, 7, 4096, 16), 0);
+  EXPECT_EQ(peer_send(100), IBV_WC_SUCCESS) << "the UC requester hears nothing";
+  const auto rx = poll(cq_, 1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 7u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_LEN_ERR);
+  EXPECT_EQ(state(p.qp), IBV_QPS_ERR);
+  // What it sends next is lost, and it still succeeds.
+  EXPECT_EQ(peer_send(101), IBV_WC_SUCCESS);
+  EXPECT_EQ(peer_.qp_state(p.peer), IBV_QPS_RTS);
+  EXPECT_TRUE(drain_for(50).empty()) << "nothing more arrives at the failed QP";
 }
 
 TEST_F(Conformance, AnOpcodeTheQpTypeForbidsIsEinvalAndPostsNothing) {
