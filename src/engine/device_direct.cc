@@ -520,8 +520,7 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* b = find_qp(s, req.qp);
   if (!b) return error(EINVAL, fmt::format("no QP {}", req.qp));
-  if (b->type != IBV_QPT_RC && b->type != IBV_QPT_UC)
-    return error(EOPNOTSUPP, "direct offer: RC and UC QPs only");
+  if (!direct_remote_type(b->type)) return error(EOPNOTSUPP, "direct offer: RC and UC QPs only");
   if (b->srq) return error(EOPNOTSUPP, "direct offer: not for a QP on an SRQ");
   // A library older than kDirectOfferNotify would not fire the CQ's channel.
   const bool notify = b->recv_cq->channel != kNone;
@@ -612,8 +611,7 @@ void Device::on_direct_offer(const std::string& node, const wire::DirectOffer& o
   }
   // Kept only for a QP that exists: its reset or destruction erases the offer again.
   auto q = g->qps.find(o.dst_qpn);
-  if (q == g->qps.end() ||
-      (q->second->type != IBV_QPT_RC && q->second->type != IBV_QPT_UC)) {
+  if (q == g->qps.end() || !direct_remote_type(q->second->type)) {
     VLOG_WARN("direct offer from {} for guest {}: no RC or UC QP {:#x}; dropped", node, g->name,
               o.dst_qpn);
     return;
@@ -637,8 +635,7 @@ Result<DirectRemoteResp> Device::direct_remote(Session& s, uint32_t handle,
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* a = find_qp(s, handle);
   if (!a) return error(EINVAL, fmt::format("no QP {}", handle));
-  if (a->type != IBV_QPT_RC && a->type != IBV_QPT_UC)
-    return error(EOPNOTSUPP, "direct remote: RC and UC QPs only");
+  if (!direct_remote_type(a->type)) return error(EOPNOTSUPP, "direct remote: RC and UC QPs only");
   if (flags & ~kDirectRemoteNotify) return error(EINVAL, "direct remote: unknown flags");
   const bool notify = a->send_cq->channel != kNone;
   if (notify && !(flags & kDirectRemoteNotify))

@@ -15,6 +15,7 @@
 
 #include "engine/device_state_reader.h"
 #include "proto/device_state.h"
+#include "proto/post_rules.h"
 
 namespace vrdma::engine::state {
 
@@ -31,8 +32,7 @@ json token_of(const uint8_t* t) {
 /// A guest's RC or UC QP named by QPN in a direct entry, or nullptr (and the import fails).
 Qp* rc_qp(Reader& rd, Guest& g, uint32_t qpn, const char* what) {
   auto it = g.qps.find(qpn);
-  if (it == g.qps.end() ||
-      (it->second->type != IBV_QPT_RC && it->second->type != IBV_QPT_UC)) {
+  if (it == g.qps.end() || !direct_remote_type(it->second->type)) {
     rd.fail(fmt::format("{} for QP {:#x}, not an RC or UC QP of the guest", what, qpn));
     return nullptr;
   }

@@ -37,6 +37,12 @@ constexpr bool is_reliable(uint32_t qp_type) {
   return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_XRC_SEND || qp_type == IBV_QPT_XRC_RECV;
 }
 
+/// The QP types whose pairs may talk library to library across backends (the direct path's
+/// kDirectOffer/kDirectRemote): RC, and UC with UC's responder rules (what cannot land is lost).
+constexpr bool direct_remote_type(uint32_t qp_type) {
+  return qp_type == IBV_QPT_RC || qp_type == IBV_QPT_UC;
+}
+
 /// Opcodes each QP type may post (IB spec: UC has no READ and no atomics, UD only sends).
 /// Memory windows: binds and local invalidation on RC and UC (the QPs that reach windows
 /// through an rkey); SEND_WITH_INV on RC only (the IB spec has it for RC and XRC, not UC).

@@ -324,12 +324,10 @@ struct DmaUnseen {
 };
 #endif
 
-/// The QP types whose pairs may talk library to library: RC, and UC (no RNR: a request that
-/// finds no receive, or a WRITE the responder's memory refuses, is lost, and its requester
-/// completes it successfully once the responder has counted it).
-inline bool remote_type(const VQp& qp) {
-  return qp.qp.qp_type == IBV_QPT_RC || qp.qp.qp_type == IBV_QPT_UC;
-}
+/// The QP types whose pairs may talk library to library (proto::direct_remote_type): RC, and UC
+/// (no RNR: a request that finds no receive, or a WRITE the responder's memory refuses, is lost,
+/// and its requester completes it successfully once the responder has counted it).
+inline bool remote_type(const VQp& qp) { return proto::direct_remote_type(qp.qp.qp_type); }
 
 inline bool answered_by_data(uint32_t op) {
   return op == IBV_WR_RDMA_READ || op == IBV_WR_ATOMIC_CMP_AND_SWP ||
