@@ -297,18 +297,6 @@ bool remote_progress(VCq& cq) {
   return did;
 }
 
-namespace {
-
-/// The hub reads `c` again (and writes out what was held for the next poll).
-void unclaim(Conn& c) {
-  c.claimed.store(false);
-  flush_held(c);
-  send_ack(c);
-  rearm(c);
-}
-
-}  // namespace
-
 void remote_release(VCq& cq) {
   // Only the connections that bring what the application may now wait for in memory: the peer's
   // requests to a QP with no receive posted (WRITEs, which complete nothing here). A QP with

@@ -401,12 +401,14 @@ void release_idle_claims(Hub& h) {
       c->polls_seen = p;
     }
   }
-  for (const auto& c : idle) {
-    c->claimed.store(false);
-    flush_held(*c);  // requests held for a poll that did not come
-    if (c->req_in.load()) send_ack(*c);
-    rearm(*c);
-  }
+  for (const auto& c : idle) unclaim(*c);
+}
+
+void unclaim(Conn& c) {
+  c.claimed.store(false);
+  flush_held(c);  // requests held for a poll that did not come
+  send_ack(c);    // (nothing on a connection that carries no requests to us)
+  rearm(c);
 }
 
 /// RNR waits: kResumes owed for receives posted since (post_recv sends them itself; this

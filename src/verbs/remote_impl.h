@@ -435,6 +435,9 @@ void set_sock_opts(int fd);
 /// Makes the hub watch `c` for what it needs now: data (unless it waits for a receive) and room
 /// to write (while there is a backlog).
 void rearm(Conn& c);
+/// The application's claim on `c` ends: the hub reads it again, what was held for the next poll
+/// goes out, and the ACK owed with it.
+void unclaim(Conn& c);
 /// The process's hub, started on first use (an epoll set, a thread; listeners come with the
 /// first offer on each address, listen_on()). Null when it cannot be made.
 Hub* hub_of(VContext& ctx);
