@@ -541,6 +541,8 @@ class Device : public transport::Receiver {
   Qp* not_ready_target(const proto::wire::Request& rq);
   /// The RNR timer of a "not ready" NAK: 1.28 ms (IB encoding 14).
   static constexpr uint8_t kNotReadyRnrTimer = 14;
+  /// ... and of one for an SRQ a library is taking a receive from: 0.01 ms (IB encoding 1).
+  static constexpr uint8_t kBusyRnrTimer = 1;
   /// UD over the transport: the datagram to a guest of another backend.
   void send_ud_remote(Qp& qp, const proto::SendWqe& w, const std::string& node, uint64_t len);
   /// The frame of a datagram from `qp` to `dest` (the qkey resolved), its payload in src_.
@@ -615,11 +617,22 @@ class Device : public transport::Receiver {
   /// Every member of `grp` whose qkey is `qkey` gets the datagram (the others count a drop).
   void deliver_mcast(const McastGroup& grp, uint32_t qkey, const Inbound& in,
                      const uint8_t sgid[16], std::span<const Span> src, uint8_t sl);
-  /// The receive WQE a message to `to` lands in (its SRQ's or its own RQ's head), copied out of
-  /// shared memory. False when none is posted; sets `corrupt` when the ring's indices are.
+  /// The receive WQE a message to `to` lands in (its own RQ's head; on an SRQ the one the QP
+  /// holds, else the SRQ's head), copied out of shared memory. False when none is posted; sets
+  /// `corrupt` when the ring's indices are.
   bool peek_recv(Qp& to, proto::RecvWqe& out, bool& corrupt);
-  /// Consumes the WQE peek_recv returned; raises the SRQ limit event when it is crossed.
+  /// A message whose payload comes over several turns (across backends) holds its receive from
+  /// its start: on an SRQ, the receive peek_recv returned becomes the QP's own (RingHeader::
+  /// srq_taken) and leaves the SRQ (srq_consume). Others: nothing (their RQ has one consumer).
+  void take_recv(Qp& to, const proto::RecvWqe& r);
+  /// The SRQ's next receive is taken: its cursor moves, and its limit event fires once when the
+  /// posted WQEs drop below the armed limit.
+  void srq_consume(Srq& q);
+  /// Consumes the WQE peek_recv returned (the one the QP holds, if it holds one).
   void consume_recv(Qp& to);
+  /// Whether `to` holds receives of its SRQ in its own ring (RingHeader::srq_taken): a QP on an
+  /// SRQ with rings (not an XRC receive QP, which has none).
+  static bool holds_srq_recv(const Qp& to) { return to.srq && to.rq_hdr; }
   /// Local side of a send: inline bytes or SGEs into src_. A status other than success (and
   /// `why`) when it fails; nothing is completed here.
   ibv_wc_status gather(const Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy,

@@ -650,7 +650,20 @@ bool Device::flush(Qp& qp) {
   // What was in flight to a peer backend is flushed with the rest.
   qp.unacked.clear();
   qp.sq_sent = qp.sq_cons;
-  // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others.
+  // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others; but
+  // one the QP took for a message that never landed (take_recv) is its own and is flushed.
+  if (holds_srq_recv(qp) && qp.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+    Cqe e{};
+    e.wr_id = qp.rq[0].wr_id;
+    e.status = IBV_WC_WR_FLUSH_ERR;
+    e.opcode = IBV_WC_RECV;
+    e.qp_num = qp.qpn;
+    if (push_cqe(recv_ring(qp), e, false)) {
+      qp.cnt.wc_errors[IBV_WC_WR_FLUSH_ERR]++;
+      qp.rq_hdr->srq_taken.store(0, std::memory_order_release);
+      did = true;
+    }
+  }
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
   // A UD RQ that direct senders feed: only while none delivers (else on a later turn).
   const bool rx_held = !qp.srq && rx_lock_take(qp);

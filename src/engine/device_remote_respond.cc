@@ -188,7 +188,20 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
       return;
     }
   }
-  const Response r = respond_begin(*to, in);
+  // An SRQ that libraries feed too: one consumer at a time while its receive is chosen. Held
+  // for a moment by a library: asked again shortly, as a QP not ready yet (no RNR retry spent).
+  Response r;
+  {
+    RxHold rx(*this, *to);
+    if (!rx.held) {
+      if (rc) nak(node, *to, rq, Syndrome::kRnrNak, wire::kRnrNotReady, kBusyRnrTimer);
+      return;
+    }
+    r = respond_begin(*to, in);
+    // The payload comes over several turns: its receive is held from now on (take_recv).
+    if (r.kind == Response::kOk && (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM))
+      take_recv(*to, r.recv);
+  }
   switch (r.kind) {
     case Response::kDrop:
       return;

@@ -97,6 +97,11 @@ const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) c
 }
 
 bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
+  corrupt = false;
+  if (holds_srq_recv(to) && to.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+    out = to.rq[0];  // taken for a message that has not landed yet: that message's
+    return true;
+  }
   // Direct path: the peer's library consumes this RQ too (never while we do): resume at the
   // guest-visible cursor. A bad one is caught by the `avail` check below.
   // So do libraries an SRQ's (Srq::direct; the caller holds its rx_lock).
@@ -113,13 +118,19 @@ bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
   return true;
 }
 
-void Device::consume_recv(Qp& to) {
-  if (!to.srq) {
-    to.rq_cons++;
-    to.rq_hdr->consumer.store(to.rq_cons, std::memory_order_release);
-    return;
-  }
-  Srq& q = *to.srq;
+void Device::take_recv(Qp& to, const RecvWqe& r) {
+  if (!holds_srq_recv(to)) return;
+  RingHeader& h = *to.rq_hdr;
+  if (h.srq_taken.load(std::memory_order_acquire) == kSrqTaken) return;  // held already
+  // The copy first, then the flag, then the SRQ's cursor: a restart in between finds the flag
+  // with the SRQ still at `srq_taken_at` and moves it on (recover_receive).
+  to.rq[0] = r;
+  h.srq_taken_at.store(to.srq->cons, std::memory_order_relaxed);
+  h.srq_taken.store(kSrqTaken, std::memory_order_release);
+  srq_consume(*to.srq);
+}
+
+void Device::srq_consume(Srq& q) {
   q.cons++;
   q.hdr->consumer.store(q.cons, std::memory_order_release);
   // The SRQ limit event fires once when the posted WQEs drop below the armed limit.
@@ -128,6 +139,18 @@ void Device::consume_recv(Qp& to) {
     q.limit = 0;
     q.hdr->srq_limit.store(0, std::memory_order_release);
     post_async(*q.owner, IBV_EVENT_SRQ_LIMIT_REACHED, q.handle);
+  }
+}
+
+void Device::consume_recv(Qp& to) {
+  if (holds_srq_recv(to) && to.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+    // The receive the QP held is used (for a message, keep_state's commit).
+    to.rq_hdr->srq_taken.store(0, std::memory_order_release);
+  } else if (to.srq) {
+    srq_consume(*to.srq);
+  } else {
+    to.rq_cons++;
+    to.rq_hdr->consumer.store(to.rq_cons, std::memory_order_release);
   }
 }
 
@@ -415,7 +438,14 @@ void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit
                            static_cast<uint8_t>(rc.opcode),
                            static_cast<uint8_t>(rc.wc_flags)};
   h.commit_cq.store(prod + 1, std::memory_order_relaxed);
-  h.commit_rq.store((to.srq ? to.srq->cons : to.rq_cons) + 1, std::memory_order_relaxed);
+  // A receive the QP holds (take_recv): its SRQ index, and taking it is clearing srq_taken.
+  if (holds_srq_recv(to) && h.srq_taken.load(std::memory_order_relaxed) == kSrqTaken) {
+    commit |= kCommitHeld;
+    h.commit_rq.store(h.srq_taken_at.load(std::memory_order_relaxed) + 1,
+                      std::memory_order_relaxed);
+  } else {
+    h.commit_rq.store((to.srq ? to.srq->cons : to.rq_cons) + 1, std::memory_order_relaxed);
+  }
   (commit & kCommitPsn ? h.commit_psn : h.commit_sq).store(tag, std::memory_order_relaxed);
   if (commit & kCommitUd) h.commit_psn.store(sender, std::memory_order_relaxed);
   // Release: a SIGKILL leaves memory as the stores were made, in this order (as on another core).
@@ -437,12 +467,26 @@ void Device::recover_receive(Qp& qp) {
       qp.atomic_cache[qp.atomic_cache_next++ % qp.atomic_cache.size()] = {
           psn, h.atomic_value.load(std::memory_order_relaxed)};
   }
+  // A receive taken from the SRQ for a message in progress, the SRQ's cursor not moved past it
+  // yet: moved now (take_recv's order), so that it is the QP's alone.
+  const bool held =
+      holds_srq_recv(qp) && h.srq_taken.load(std::memory_order_acquire) == kSrqTaken;
+  if (held && qp.srq->cons == h.srq_taken_at.load(std::memory_order_relaxed)) {
+    qp.srq->cons++;
+    qp.srq->hdr->consumer.store(qp.srq->cons, std::memory_order_release);
+  }
   const uint32_t flags = h.commit_flags.load(std::memory_order_acquire);
   if (!(flags & kCommitValid)) return;
   // Not taken: it never began (the requester sends it again; the record goes, or another QP
-  // of an SRQ could take that receive and make it look taken). Taken: delivered.
+  // of an SRQ could take that receive and make it look taken). Taken: delivered. A receive the
+  // QP held is taken when the QP holds it no more.
   const uint32_t cons = qp.srq ? qp.srq->cons : qp.rq_cons;
-  if (cons != h.commit_rq.load(std::memory_order_relaxed)) {
+  const bool taken =
+      flags & kCommitHeld
+          ? !held || h.srq_taken_at.load(std::memory_order_relaxed) + 1 !=
+                         h.commit_rq.load(std::memory_order_relaxed)
+          : cons == h.commit_rq.load(std::memory_order_relaxed);
+  if (!taken) {
     h.commit_flags.store(0, std::memory_order_release);
     return;
   }

@@ -126,19 +126,36 @@ struct alignas(64) RingHeader {
   /// receive that crosses the limit is the backend's, which raises IBV_EVENT_SRQ_LIMIT_REACHED.
   /// Former padding: an older ring holds 0.
   AtomicU32 srq_limit;
-  uint8_t pad3[52];
+  /// RQ of a QP on an SRQ only: the SRQ receive the QP's responder took for the message in
+  /// progress (kSrqTaken; 0: none), and the SRQ index it was taken at. Its WQE is copied into
+  /// this QP's own RQ slot 0 (a QP on an SRQ never posts there) before the flag is set and the
+  /// SRQ's consumer moves past it: a message whose payload comes over several turns (across
+  /// backends) holds its receive from its start, so nothing else takes that receive meanwhile,
+  /// and the message (replayed after a lost connection, or after a move or a restart: the
+  /// ring goes with the QP) takes the same one again. Delivering the message clears the flag
+  /// (the commit of keep_state's record); the QP's flush completes a receive still held.
+  /// Former padding: an older ring holds 0.
+  AtomicU32 srq_taken;
+  AtomicU32 srq_taken_at;
+  uint8_t pad3[44];
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&
               offsetof(RingHeader, atomic_value) == 48 &&
               offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184 &&
-              offsetof(RingHeader, direct_revoke) == 196 && offsetof(RingHeader, srq_limit) == 200);
+              offsetof(RingHeader, direct_revoke) == 196 && offsetof(RingHeader, srq_limit) == 200 &&
+              offsetof(RingHeader, srq_taken) == 204);
+/// RingHeader::srq_taken: slot 0 of the QP's own RQ holds a receive taken from its SRQ.
+inline constexpr uint32_t kSrqTaken = 1;
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress
 inline constexpr uint32_t kCommitPsn = 2;    ///< ... from another backend: commit_psn holds
 inline constexpr uint32_t kCommitLocal = 4;  ///< ... from this backend: commit_sq holds
 /// ... with kCommitLocal: a datagram (UD, whose receive side has many senders): commit_psn holds
 /// the sender's QPN
 inline constexpr uint32_t kCommitUd = 8;
+/// ... its receive was one the QP held (RingHeader::srq_taken): commit_rq is that receive's SRQ
+/// index + 1, and clearing srq_taken is taking it
+inline constexpr uint32_t kCommitHeld = 16;
 inline constexpr uint32_t kAtomicPsnValid = 1u << 31;  ///< RingHeader::atomic_psn holds one
 inline constexpr uint64_t kPsnAtValid = 1u << 31;      ///< RingHeader::psn_at holds one
 inline constexpr uint32_t kRxLockBackend = ~0u;  ///< RingHeader::rx_lock held by the backend

@@ -230,6 +230,41 @@ class DeviceTest : public ::testing::Test {
     ASSERT_TRUE(modify(g, q, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
                                  IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC, a));
   }
+  /// An SRQ of `g` as its library maps it, its QPs, and its receives.
+  struct SrqV {
+    uint32_t handle = 0;
+    uint32_t size = 0;
+    uint32_t prod = 0;
+    MappedRegion map;
+    RingHeader* hdr = nullptr;
+    RecvWqe* e = nullptr;
+  };
+  SrqV srq(G& g, uint32_t max_wr, uint32_t limit) {
+    UniqueFd fd;
+    auto r = dev_.create_srq(*g.s, CreateSrqReq{g.pd, 0, SrqAttr{max_wr, 2, limit, 0}}, fd);
+    EXPECT_TRUE(r.is_ok()) << r.status().message();
+    SrqV q;
+    q.handle = r->handle;
+    q.size = r->attr.max_wr;
+    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
+    q.hdr = reinterpret_cast<RingHeader*>(q.map.data());
+    q.e = ring_entries<RecvWqe>(q.hdr);
+    return q;
+  }
+  QpV srq_qp(G& g, const CqV& cq, const SrqV& s) {
+    CreateQpReq req = qp_req(g, cq, cq, IBV_QPT_RC, s.handle);
+    req.caps.max_recv_wr = 0;  // receive caps are ignored with an SRQ
+    req.caps.max_recv_sge = 0;
+    return create_qp(g, req);
+  }
+  void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    RecvWqe w{};
+    w.wr_id = wr_id;
+    w.num_sge = 1;
+    w.sge[0] = Sge{addr, len, lkey};
+    s.e[s.prod & (s.size - 1)] = w;
+    s.hdr->producer.store(++s.prod, std::memory_order_release);
+  }
   void post_recv(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
     RecvWqe w{};
     w.wr_id = wr_id;

@@ -263,5 +263,63 @@ TEST_F(DeviceRemoteTest, KeepStateAnAtomicExecutedBeforeTheKillIsAnsweredNotExec
   restarted.set_transport(nullptr);
 }
 
+// b's backend died with an SRQ receive held for a message from another backend whose payload had
+// not all come: the restarted backend delivers the message, sent again, into that receive, once.
+// Then one that died inside a take (the receive copied and flagged, the SRQ's cursor not moved
+// past it yet, as such a kill leaves the ring): the restart moves the cursor on, so the next two
+// messages take that receive and the one after it, not that one twice.
+TEST_F(DeviceRemoteTest, KeepStateAnSrqReceiveHeldAtTheKillTakesTheMessageSentAgain) {
+  SrqV s = srq(b_, 16, 0);
+  QpV b1 = srq_qp(b_, bcq_, s);
+  connect(a_, qa_, b_, b1);
+  connect(b_, b1, a_, qa_);
+  for (int i = 0; i < 4; ++i) post_srq(s, 100 + i, mb_.addr + 512 * i, 512, mb_.mr.lkey);
+  Kept ka = keep(dev_, "a"), kb = keep(dev_, "b");
+  std::memset(ma_.p(), 0x77, 32);
+  post_send(qa_, 7, ma_.addr, 32, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(loop_.q.size(), 1u);
+  Begun cut = begin_delivery(loop_.q.front(), dev_, "me");  // then the backend dies
+  loop_.q.clear();
+  dev_.kill_at(KillPoint::kReceiveTaken);
+  ASSERT_EQ(b1.rq->srq_taken.load(), kSrqTaken);
+  ASSERT_EQ(s.hdr->consumer.load(), 1u);
+
+  FakeLoop loop;
+  Device restarted{next_quotas_};
+  restarted.set_transport(&loop);
+  restart(restarted, ka, kb);
+  settle_restarted(restarted, loop, now_);
+  auto rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 100u);
+  EXPECT_EQ(rx[0].byte_len, 32u);
+  EXPECT_EQ(mb_.p()[31], 0x77);
+  ASSERT_EQ(drain(acq_).size(), 1u);
+  EXPECT_EQ(s.hdr->consumer.load(), 1u);
+
+  // Died inside the next take: receive 101 copied and flagged, the SRQ still at 1.
+  Kept ka2 = keep(restarted, "a"), kb2 = keep(restarted, "b");
+  restarted.kill_at(KillPoint::kReceiveTaken);
+  b1.rqe[0] = s.e[1];
+  b1.rq->srq_taken_at.store(1);
+  b1.rq->srq_taken.store(kSrqTaken);
+  FakeLoop loop2;
+  Device again{next_quotas_};
+  again.set_transport(&loop2);
+  restart(again, ka2, kb2);
+  EXPECT_EQ(s.hdr->consumer.load(), 2u) << "the take finished by the restart";
+  post_send(qa_, 8, ma_.addr, 8, ma_.mr.lkey);
+  post_send(qa_, 9, ma_.addr, 8, ma_.mr.lkey);
+  settle_restarted(again, loop2, now_);
+  rx = drain(bcq_);
+  ASSERT_EQ(rx.size(), 2u);
+  EXPECT_EQ(rx[0].wr_id, 101u);
+  EXPECT_EQ(rx[1].wr_id, 102u);
+  EXPECT_EQ(s.hdr->consumer.load(), 3u);
+  restarted.set_transport(nullptr);
+  again.set_transport(nullptr);
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest

@@ -10,32 +10,6 @@ namespace {
 
 class DeviceSrqTest : public DeviceTest {
  protected:
-  struct SrqV {
-    uint32_t handle = 0;
-    uint32_t size = 0;
-    uint32_t prod = 0;
-    MappedRegion map;
-    RingHeader* hdr = nullptr;
-    RecvWqe* e = nullptr;
-  };
-  SrqV srq(G& g, uint32_t max_wr, uint32_t limit) {
-    UniqueFd fd;
-    auto r = dev_.create_srq(*g.s, CreateSrqReq{g.pd, 0, SrqAttr{max_wr, 2, limit, 0}}, fd);
-    EXPECT_TRUE(r.is_ok()) << r.status().message();
-    SrqV q;
-    q.handle = r->handle;
-    q.size = r->attr.max_wr;
-    q.map = MappedRegion::map_shared(fd.get(), r->ring_bytes);
-    q.hdr = reinterpret_cast<RingHeader*>(q.map.data());
-    q.e = ring_entries<RecvWqe>(q.hdr);
-    return q;
-  }
-  QpV srq_qp(G& g, const CqV& cq, const SrqV& s) {
-    CreateQpReq req = qp_req(g, cq, cq, IBV_QPT_RC, s.handle);
-    req.caps.max_recv_wr = 0;  // receive caps are ignored with an SRQ
-    req.caps.max_recv_sge = 0;
-    return create_qp(g, req);
-  }
   /// The direct path on (one uid is enough here), SRQ `s` of b with QP b1 on it connected to
   /// a's QP (a's rnr_retry `rnr_retry`); the grant of a into b1 is the caller's.
   void fed_srq(SrqV& s, QpV& b1, uint8_t rnr_retry = 7) {
@@ -56,14 +30,6 @@ class DeviceSrqTest : public DeviceTest {
     c.e = ring_entries<Cqe>(c.hdr);
     c.size = entries;
     return c;
-  }
-  void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
-    RecvWqe w{};
-    w.wr_id = wr_id;
-    w.num_sge = 1;
-    w.sge[0] = Sge{addr, len, lkey};
-    s.e[s.prod & (s.size - 1)] = w;
-    s.hdr->producer.store(++s.prod, std::memory_order_release);
   }
 };
 

@@ -86,26 +86,46 @@ class RecordingTransport : public transport::Transport {
   virtual const std::string& to() const = 0;
 };
 
-/// Delivers one recorded frame to `to` as if it came from `node`: decoded by the codec, its
-/// payload copied where the receiver says it goes.
-inline void deliver(RecordingTransport::Sent& s, transport::Receiver& to, const std::string& node) {
+/// A recorded frame whose header was delivered (on_frame) and whose payload was not yet.
+struct Begun {
+  wire::Frame f;
+  transport::RxSink sink;
+  RecordingTransport::Sent s;
+};
+
+/// Delivers one recorded frame's header to `to` as if it came from `node` (decoded by the codec):
+/// on_frame says where its payload goes.
+inline Begun begin_delivery(const RecordingTransport::Sent& s, transport::Receiver& to,
+                            const std::string& node) {
+  Begun b;
   wire::FrameHeader h;
   std::memcpy(&h, s.bytes.data(), sizeof(h));
-  wire::Frame f;
-  EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, f).is_ok());
+  EXPECT_TRUE(wire::decode(h, {s.bytes.data() + sizeof(h), h.body}, b.f).is_ok());
   EXPECT_EQ(h.payload, s.payload.size());
-  transport::RxSink sink;
-  to.on_frame(node, f, sink);
+  to.on_frame(node, b.f, b.sink);
+  b.s = s;
+  return b;
+}
+
+/// The rest of begin_delivery: the payload copied where the receiver said, then on_frame_done.
+inline void finish_delivery(Begun& b, transport::Receiver& to, const std::string& node) {
   uint64_t room = 0;
-  for (const auto& sp : sink.spans) room += sp.n;
-  if (room == s.payload.size()) {
+  for (const auto& sp : b.sink.spans) room += sp.n;
+  if (room == b.s.payload.size()) {
     size_t off = 0;
-    for (const auto& sp : sink.spans) {
-      std::memcpy(sp.p, s.payload.data() + off, sp.n);
+    for (const auto& sp : b.sink.spans) {
+      std::memcpy(sp.p, b.s.payload.data() + off, sp.n);
       off += sp.n;
     }
   }
-  to.on_frame_done(node, f, sink);
+  to.on_frame_done(node, b.f, b.sink);
+}
+
+/// Delivers one recorded frame to `to` as if it came from `node`: decoded by the codec, its
+/// payload copied where the receiver says it goes.
+inline void deliver(RecordingTransport::Sent& s, transport::Receiver& to, const std::string& node) {
+  Begun b = begin_delivery(s, to, node);
+  finish_delivery(b, to, node);
 }
 
 /// A transport that loops back to the same device and holds frames until pumped.

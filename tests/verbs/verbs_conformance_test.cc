@@ -12,7 +12,6 @@
 #include <sys/wait.h>
 
 #include <atomic>
-#include <chrono>
 #include <thread>
 
 #include "peer.h"
@@ -289,6 +288,20 @@ class Conformance : public vrdma::test::VerbsFixture {
   ibv_cq* cq_ = nullptr;
   std::vector<uint8_t> rbuf_;  ///< backs rmr_
   std::vector<ibv_ah*> ahs_;
+};
+
+/// Anonymous private pages, as a program's heap would give them.
+struct Pages {
+  explicit Pages(size_t n) : size(n) {
+    void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    p = m == MAP_FAILED ? nullptr : static_cast<uint8_t*>(m);
+  }
+  ~Pages() {
+    if (p) ::munmap(p, size);
+  }
+  uint64_t at(size_t off) const { return reinterpret_cast<uintptr_t>(p + off); }
+  uint8_t* p;
+  size_t size;
 };
 
 /// A deterministic pattern, different for each `seed`.
@@ -2375,6 +2388,102 @@ TEST_F(Conformance, AnSrqFedByQpsOfTwoProcessesHandsOutItsReceivesInRingOrder) {
   }
 }
 
+// A large SEND of the peer streams into one QP of our SRQ (across backends its payload comes
+// over many turns of the responder) while our QP sends small ones to another QP of the SRQ:
+// each message takes a receive of its own, every receive completes once, and each lands whole.
+// (The backends' TCP responder once took the SRQ's head at the big message's start and consumed
+// it at its end: a small SEND in between got the same receive, and one receive was lost.)
+TEST_F(Conformance, AnSrqHandsEachReceiveOutOnceWhileALargeMessageStreamsIn) {
+  OurSrq q(pd_, 128);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* s[2] = {q.qp(pd_, cq_), q.qp(pd_, cq_)};
+  ibv_qp* a = make_qp(IBV_QPT_RC);
+  ASSERT_TRUE(s[0] && s[1] && a);
+  connect_ours(a, s[0]);
+  PeerQp p = peer_.create_qp(IBV_QPT_RC);
+  QpPath to_peer, to_us;
+  to_peer.dlid = peer_.lid();
+  to_peer.dest_qpn = p.qpn;
+  to_us.dlid = lid_;
+  to_us.dest_qpn = s[1]->qp_num;
+  ASSERT_EQ(bring_to_rts(s[1], to_peer), 0);
+  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  // Small SENDs one after the other until the big one's receive completes, so that some run
+  // while its payload streams in.
+  constexpr uint32_t kBig = vrdma::test::kPeerBufSize, kSmallLen = 64;
+  constexpr int kMaxSmall = 15, kRounds = 3, kRecvs = (kMaxSmall + 1) * kRounds;
+  std::vector<uint8_t> big(kBig);
+  fill(big.data(), kBig, 99);
+  peer_.write(0, big.data(), kBig);
+  rbuf_.assign(size_t{kBig} * kRecvs, 0);
+  rmr_ = ibv_reg_mr(pd_, rbuf_.data(), rbuf_.size(), IBV_ACCESS_LOCAL_WRITE);
+  ASSERT_NE(rmr_, nullptr);
+  for (int i = 0; i < kRecvs; ++i) {
+    ASSERT_EQ(q.post(i, reinterpret_cast<uintptr_t>(&rbuf_[size_t{kBig} * i]), kBig, rmr_->lkey), 0);
+  }
+  std::vector<ibv_wc> rx;
+  int m = 0;
+  for (int r = 0; r < kRounds; ++r) {
+    ASSERT_EQ(peer_.send(p, IBV_WR_SEND_WITH_IMM, 0, kBig, 1000 + r), 0);
+    bool big_in = false;
+    for (int k = 0; k < kMaxSmall && !big_in; ++k, ++m) {
+      fill(buf_.data() + 64 * m, kSmallLen, m);
+      ASSERT_EQ(post(a, {.op = IBV_WR_SEND_WITH_IMM,
+                         .sges = {sge(64 * m, kSmallLen)},
+                         .wr_id = uint64_t(m),
+                         .imm = uint32_t(m)}),
+                0);
+      size_t small_in = 0, sent = 0;
+      for (long spin = 0; small_in + sent < 2; ++spin) {  // no sleep: the window is short
+        ASSERT_LT(spin, 2'000'000'000L) << "round " << r << ", small SEND " << m;
+        ibv_wc wc[4];
+        const int n = ibv_poll_cq(cq_, 4, wc);
+        ASSERT_GE(n, 0);
+        auto [got, tx] = receives_first(std::vector<ibv_wc>(wc, wc + n));
+        for (const ibv_wc& wc : tx) EXPECT_EQ(wc.status, IBV_WC_SUCCESS) << m;
+        for (const ibv_wc& wc : got) {
+          if (wc.qp_num == s[1]->qp_num)
+            big_in = true;
+          else
+            ++small_in;
+        }
+        sent += tx.size();
+        rx.insert(rx.end(), got.begin(), got.end());
+      }
+    }
+    if (!big_in) {
+      auto got = poll(cq_, 1);
+      ASSERT_EQ(got.size(), 1u) << "round " << r << ": the big message";
+      rx.push_back(got[0]);
+    }
+    auto sent = peer_.poll(1);
+    ASSERT_EQ(sent.size(), 1u) << r;
+    EXPECT_EQ(sent[0].status, IBV_WC_SUCCESS) << r;
+  }
+  ASSERT_LE(rx.size(), size_t{kRecvs});
+  EXPECT_TRUE(drain_for(20).empty()) << "one completion per receive";
+  std::vector<bool> seen(kRecvs);
+  for (const ibv_wc& wc : rx) {
+    ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
+    ASSERT_LT(wc.wr_id, uint64_t{kRecvs});
+    EXPECT_FALSE(seen[wc.wr_id]) << "receive " << wc.wr_id << " completed twice";
+    seen[wc.wr_id] = true;
+    const uint8_t* at = &rbuf_[size_t{kBig} * wc.wr_id];
+    const uint32_t imm = ntohl(wc.imm_data);
+    if (wc.qp_num == s[1]->qp_num) {
+      EXPECT_EQ(wc.byte_len, kBig);
+      EXPECT_LT(imm - 1000, uint32_t{kRounds}) << imm;
+      EXPECT_EQ(std::memcmp(at, big.data(), kBig), 0) << "the big message in receive " << wc.wr_id;
+    } else {
+      ASSERT_EQ(wc.qp_num, s[0]->qp_num);
+      ASSERT_EQ(wc.byte_len, kSmallLen);
+      std::vector<uint8_t> want(kSmallLen);
+      fill(want.data(), kSmallLen, imm);
+      EXPECT_EQ(std::memcmp(at, want.data(), kSmallLen), 0) << "small message " << imm;
+    }
+  }
+}
+
 // The limit armed after the grant: libraries take receives while the limit is not crossed, the
 // backend takes the one that crosses it and raises the event, once; then libraries go on.
 TEST_F(Conformance, AnSrqLimitArmedAfterTheGrantFiresOnceWithDirectSenders) {
@@ -2476,20 +2585,6 @@ TEST_F(Conformance, AnSrqReceiveWithABadLkeyIsALocalProtectionError) {
 }
 
 // ---- ibv_rereg_mr (issue 24) -------------------------------------------------------------------
-
-/// Anonymous private pages, as a program's heap would give them.
-struct Pages {
-  explicit Pages(size_t n) : size(n) {
-    void* m = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    p = m == MAP_FAILED ? nullptr : static_cast<uint8_t*>(m);
-  }
-  ~Pages() {
-    if (p) ::munmap(p, size);
-  }
-  uint64_t at(size_t off) const { return reinterpret_cast<uintptr_t>(p + off); }
-  uint8_t* p;
-  size_t size;
-};
 
 TEST_F(Conformance, ReregMrTranslationKeepsTheKeysAndThePeerWritesTheNewPages) {
   constexpr int kQps = 2;
