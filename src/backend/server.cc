@@ -230,6 +230,15 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
     else reply_err(st);
   };
   auto handle_of = [&] { return body_of<HandleReq>(msg).value().handle; };
+  // kDirectOffer: with kDirectOfferSrq the answer carries the session's lock tag too.
+  auto reply_offer = [&](engine::Session& sess, const DirectOfferReq& req,
+                         std::vector<UniqueFd>& owned) {
+    DirectOfferSrqResp srq{};
+    auto r = dev_.direct_offer(sess, req, owned, &srq.lock_tag);
+    if (!r.is_ok() || !(req.flags & kDirectOfferSrq)) return reply(r);
+    srq.offer = r.value();
+    out = encode(op, h.seq, 0, srq);
+  };
   engine::Session* s = c.session;
   int32_t status;
   switch (op) {
@@ -386,7 +395,7 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
       else if (op == Op::kDirectRings)
         reply(dev_.direct_rings(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       else if (op == Op::kDirectOffer)
-        reply(dev_.direct_offer(*s, body_of<DirectOfferReq>(msg).value(), owned));
+        reply_offer(*s, body_of<DirectOfferReq>(msg).value(), owned);
       else reply(dev_.direct_remote(*s, handle_of(), owned, body_of<HandleReq>(msg).value().reserved));
       std::memcpy(&status, out.data() + offsetof(MsgHeader, status), sizeof(status));
       if (status == 0) {

@@ -182,9 +182,12 @@ class Device : public transport::Receiver {
   /// `req.port` for its peer's library: gives the QP its own receive-completion ring (fds[0];
   /// then the receive CQ's channel's kDirectNotifyFds, with kDirectOfferNotify) and sends the
   /// offer to the peer's backend. EAGAIN: not connected yet (state, route, no
-  /// connection to the peer backend); EOPNOTSUPP: never for this QP.
+  /// connection to the peer backend); EOPNOTSUPP: never for this QP. A QP on an SRQ needs
+  /// kDirectOfferSrq: its library feeds the SRQ from then on, under its lock (`lock_tag`: the
+  /// session's tag in it).
   Result<proto::DirectOfferResp> direct_offer(Session& s, const proto::DirectOfferReq& req,
-                                              std::vector<UniqueFd>& fds);
+                                              std::vector<UniqueFd>& fds,
+                                              uint32_t* lock_tag = nullptr);
   /// May the library of QP `handle` send straight to its peer's library? Needs the peer's
   /// offer, RTS, nothing in flight, and kDirectRemoteNotify in `flags` if the send CQ has a
   /// channel. Gives the QP its own send-completion ring (fds[0]; then the channel's
@@ -434,8 +437,11 @@ class Device : public transport::Receiver {
   /// Arms (or disarms, 0) an SRQ's limit, in its header too (RingHeader::srq_limit).
   void set_srq_limit(Srq& q, uint32_t limit);
   /// Whether a grant may feed responder `b`'s SRQ: the library asked with kDirectGrantSrq, not
-  /// XRC, the SRQ in the QP's PD, no QP of it connected across backends.
+  /// XRC, the SRQ in the QP's PD.
   Status srq_grantable(const Qp& b, uint32_t flags) const;
+  /// A library takes receives from `q` from now on (a grant into a QP on it, or an offer of one):
+  /// every consumer then holds its rx_lock (Srq::direct).
+  void feed_srq(Srq& q);
   /// A session's tag in rx_lock: its id plus this backend's random base (below 2^31, so no
   /// tag is 0 or kRxLockBackend), so a tag left by a session of a backend that died (keep_state)
   /// or of another one (a move) names none of this backend's live sessions but by a 1 in 2^31
@@ -628,6 +634,13 @@ class Device : public transport::Receiver {
   /// The SRQ's next receive is taken: its cursor moves, and its limit event fires once when the
   /// posted WQEs drop below the armed limit.
   void srq_consume(Srq& q);
+  /// The limit event of `q` if its posted WQEs (the consumer at `cons`) are below the armed
+  /// limit: from srq_consume, and for an SRQ that libraries feed from a QP of it that a library
+  /// marked ready (it took the receive that crossed the limit: kDirectOfferSrq).
+  void srq_limit_check(Srq& q, uint32_t cons);
+  /// A QP of an SRQ that libraries feed, marked ready: its SRQ's limit (srq_limit_check), and
+  /// its rx_lock taken and given back, which frees one a dead process left.
+  void tend_fed_srq(Qp& qp);
   /// Consumes the WQE peek_recv returned (the one the QP holds, if it holds one).
   void consume_recv(Qp& to);
   /// Whether `to` holds receives of its SRQ in its own ring (RingHeader::srq_taken): a QP on an

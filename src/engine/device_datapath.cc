@@ -50,7 +50,8 @@ bool Device::has_work(const Qp& qp) const {
   // ERR: a flush that a full CQ stopped goes on. A receive queue a direct peer fed takes
   // posts without a mark (the library rings nothing then): looked at while in ERR.
   if (sq_work) return true;
-  if (qp.srq) return false;
+  if (qp.srq)  // a receive it held that a full CQ kept from being flushed
+    return holds_srq_recv(qp) && qp.rq_hdr->srq_taken.load(std::memory_order_relaxed) == kSrqTaken;
   if (qp.rq_hdr->armed.load(std::memory_order_relaxed)) return true;
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
   return rprod != qp.rq_cons && rprod - qp.rq_cons <= qp.rq_size;
@@ -742,6 +743,7 @@ bool Device::poll_guest(Guest& g, uint64_t now_ns) {
   // Indexed, not iterated: a responder's failure may append to this list (enter_error).
   for (; visited < n && budget; ++visited) {
     Qp& qp = *g.ready[(first + visited) % n];
+    if (qp.srq && qp.srq->direct) tend_fed_srq(qp);
     if (qp.state == IBV_QPS_ERR) {
       did |= flush(qp);  // bounded by the ring's size; completions nobody reaps stop it early
     } else if (sq_open(qp.state)) {

@@ -324,14 +324,17 @@ Status Device::srq_grantable(const Qp& b, uint32_t flags) const {
   // The grant's MR table serves both the receive WQEs' lkeys (the SRQ's PD) and the rkeys
   // (the QP's PD): one PD only.
   if (q.pd != b.pd) return error(EOPNOTSUPP, "direct path: the peer's SRQ is in another PD");
-  // The backend's responder for another backend takes a receive when a request comes and
-  // consumes it when its payload is in, turns later: libraries must not take receives between.
-  // A QP of the SRQ that connects across backends ends the grants (choose_route).
-  for (const auto& [h, qp] : q.owner->qps) {
-    if (qp->srq == &q && qp->remote)
-      return error(EOPNOTSUPP, "direct path: a QP on the peer's SRQ is connected across backends");
-  }
+  // (A QP of the SRQ connected across backends takes its receives under the lock too, and holds
+  // one while a message's payload comes: take_recv.)
   return Status::ok();
+}
+
+void Device::feed_srq(Srq& q) {
+  if (q.direct) return;
+  // From now on every consumer takes its receives under the rx_lock, from the shared cursor.
+  q.direct = true;
+  q.hdr->consumer.store(q.cons, std::memory_order_release);
+  q.hdr->armed.store(1, std::memory_order_release);
 }
 
 Result<Qp*> Device::ud_destination(Session& s, const DirectUdReq& req) {
@@ -459,11 +462,7 @@ Result<DirectGrantResp> Device::grant_into(Session& s, Qp& qa, Qp& qb, std::vect
   if (Srq* q = b->srq) {
     // Its receives come from the SRQ, which the backend and other libraries consume too: one
     // at a time, under its rx_lock, from the shared consumer index from now on.
-    if (!q->direct) {
-      q->direct = true;
-      q->hdr->consumer.store(q->cons, std::memory_order_release);
-      q->hdr->armed.store(1, std::memory_order_release);
-    }
+    feed_srq(*q);
     resp.peer_rq_entries = q->size;
     resp.peer_ring_bytes = q->ring.size();
     resp.peer_rq_offset = 0;
@@ -515,13 +514,17 @@ Result<DirectRingsResp> Device::direct_rings(Session& s, uint32_t handle,
 // ---- across backends ----
 
 Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& req,
-                                             std::vector<UniqueFd>& fds) {
+                                             std::vector<UniqueFd>& fds, uint32_t* lock_tag) {
   if (!direct_remote_)
     return error(EOPNOTSUPP, "the direct path across backends is off ([datapath] direct_remote)");
   Qp* b = find_qp(s, req.qp);
   if (!b) return error(EINVAL, fmt::format("no QP {}", req.qp));
   if (!direct_remote_type(b->type)) return error(EOPNOTSUPP, "direct offer: RC and UC QPs only");
-  if (b->srq) return error(EOPNOTSUPP, "direct offer: not for a QP on an SRQ");
+  if (b->srq && !(req.flags & kDirectOfferSrq))
+    return error(EOPNOTSUPP, "direct offer: a QP on an SRQ (this library cannot take its receives)");
+  if (b->srq && b->srq->xrcd) return error(EOPNOTSUPP, "direct offer: XRC SRQs stay mediated");
+  if (!b->srq && (req.flags & kDirectOfferSrq))
+    return error(EINVAL, "direct offer: kDirectOfferSrq for a QP not on an SRQ");
   // A library older than kDirectOfferNotify would not fire the CQ's channel.
   const bool notify = b->recv_cq->channel != kNone;
   if (notify && !(req.flags & kDirectOfferNotify))
@@ -536,7 +539,7 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   if (!b->remote || !transport_) return error(EOPNOTSUPP, "direct offer: peer on this backend");
   DirectOfferResp resp{};
   resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
-  const uint16_t flags = req.flags & ~kDirectOfferNotify;
+  const uint16_t flags = req.flags & ~(kDirectOfferNotify | kDirectOfferSrq);
   if (flags == kDirectOfferWhere && req.port == 0) {
     if (resp.listen_ipv4 == 0)
       return error(EADDRNOTAVAIL,
@@ -565,6 +568,10 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   resp.recv_ring_entries = b->own_recv->size;
   resp.peer_qpn = b->attr.dest_qp_num;
   resp.my_lid = b->guest->lid;
+  if (b->srq) {
+    feed_srq(*b->srq);  // its library takes receives from it from now on
+    if (lock_tag) *lock_tag = rx_lock_tag(s);
+  }
   VLOG_INFO("direct offer: guest {} QP {:#x} takes QP {:#x} of backend {} on port {}",
             b->guest->name, b->qpn, b->attr.dest_qp_num, b->peer_node, req.port);
   return resp;

@@ -61,9 +61,6 @@ void Device::choose_route(Qp& qp, bool quiet) {
     if (!quiet)
       VLOG_INFO("qp {:#x} (guest {}): tcp to {} ({})", qp.qpn, qp.guest->name, node,
                 qp.transport_why);
-    // Its SRQ's receives are taken across turns from now on (srq_grantable): the libraries
-    // that feed it stop (their grants end with the epoch).
-    if (qp.srq && qp.srq->direct) bump_epoch(*qp.guest);
   };
   if (local && !a.is_global && transport_) {
     // A LID is not a name: a local guest that holds one a peer backend's guest also holds (it

@@ -191,7 +191,7 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
   // An SRQ that libraries feed too: one consumer at a time while its receive is chosen. Held
   // for a moment by a library: asked again shortly, as a QP not ready yet (no RNR retry spent).
   Response r;
-  {
+  if (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM) {
     RxHold rx(*this, *to);
     if (!rx.held) {
       if (rc) nak(node, *to, rq, Syndrome::kRnrNak, wire::kRnrNotReady, kBusyRnrTimer);
@@ -199,8 +199,9 @@ void Device::on_request(const std::string& node, const wire::Frame& f, transport
     }
     r = respond_begin(*to, in);
     // The payload comes over several turns: its receive is held from now on (take_recv).
-    if (r.kind == Response::kOk && (is_send(in.op) || in.op == IBV_WR_RDMA_WRITE_WITH_IMM))
-      take_recv(*to, r.recv);
+    if (r.kind == Response::kOk) take_recv(*to, r.recv);
+  } else {
+    r = respond_begin(*to, in);
   }
   switch (r.kind) {
     case Response::kDrop:

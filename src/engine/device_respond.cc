@@ -133,8 +133,21 @@ void Device::take_recv(Qp& to, const RecvWqe& r) {
 void Device::srq_consume(Srq& q) {
   q.cons++;
   q.hdr->consumer.store(q.cons, std::memory_order_release);
+  srq_limit_check(q, q.cons);
+}
+
+void Device::tend_fed_srq(Qp& qp) {
+  // A library that took the receive crossing the armed limit, or that found the lock held past
+  // its spins, marks the QP: the event, and a lock left by a process that died (rx_lock_try
+  // takes an orphan's).
+  Srq& q = *qp.srq;
+  if (q.limit) srq_limit_check(q, q.hdr->consumer.load(std::memory_order_acquire));
+  RxHold rx(*this, qp);
+}
+
+void Device::srq_limit_check(Srq& q, uint32_t cons) {
   // The SRQ limit event fires once when the posted WQEs drop below the armed limit.
-  if (q.limit && q.hdr->producer.load(std::memory_order_acquire) - q.cons < q.limit) {
+  if (q.limit && q.hdr->producer.load(std::memory_order_acquire) - cons < q.limit) {
     // Libraries may take receives past it again (we hold its rx_lock if they feed it).
     q.limit = 0;
     q.hdr->srq_limit.store(0, std::memory_order_release);

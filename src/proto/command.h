@@ -493,6 +493,18 @@ struct DirectOfferResp {
   uint32_t listen_ipv4;  ///< network order: the address to listen on (0: unknown)
 };
 static_assert(sizeof(DirectOfferResp) == 16);
+/// DirectOfferReq::flags: this library takes the receives of a QP on a (basic) SRQ itself, under
+/// the SRQ's rx_lock, holding one for a message whose payload is still coming (RingHeader::
+/// srq_taken), and rings the doorbell of the QP when a receive it took crossed the SRQ's armed
+/// limit. Without it a QP on an SRQ is EOPNOTSUPP (as from a backend older than the flag,
+/// whatever the flags). With it the answer is a DirectOfferSrqResp.
+inline constexpr uint16_t kDirectOfferSrq = 4;
+struct DirectOfferSrqResp {
+  DirectOfferResp offer;
+  uint32_t lock_tag;  ///< this session's tag in the SRQ's rx_lock (DirectGrantResp::lock_tag)
+  uint32_t reserved;
+};
+static_assert(sizeof(DirectOfferSrqResp) == 24);
 // kDirectRemote (HandleReq: the QP; `reserved`: kDirectRemoteNotify or 0): may this QP's
 // library send straight to its peer's library? Needs the peer's offer (matching this QP's
 // destination), RTS, nothing in flight, a send CQ with no completion channel unless

@@ -34,6 +34,7 @@
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
 #include "verbs/remote_impl.h"
+#include "verbs/srq.h"
 #include "verbs/stop_world.h"
 
 namespace vrdma::verbs {
@@ -223,7 +224,8 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
   // A QP that may bind windows answers its peer through the backend, which knows them.
-  if (!remote_type(qp) || qp.qp.srq || qp.mw_bind || ctx.mr_imports.load() ||
+  if (!remote_type(qp) || (qp.qp.srq && to_vsrq(qp.qp.srq)->xrc) || qp.mw_bind ||
+      ctx.mr_imports.load() ||
       !(ctx.control_page()->features & kFeatureDirectRemote) ||
       (qp.remote && (qp.remote->offered || qp.remote->reoffer.load() || qp.remote->dead ||
                      qp.remote->revoking.load())))
@@ -367,6 +369,22 @@ void remote_receives_posted(VQp& qp) {
   if (!c) return;
   std::lock_guard<std::mutex> l(c->rx_mu);
   if (c->qp) try_resume(*c, qp, *r);
+}
+
+void remote_srq_posted(VSrq& srq) {
+  Hub* h = to_vctx(srq.srq.context)->hub_raw.load(std::memory_order_acquire);
+  if (!h) return;
+  std::vector<std::shared_ptr<Conn>> on;
+  {
+    std::lock_guard<std::mutex> g(h->mu);
+    for (const auto& c : h->conns) {
+      if (c->rq_hdr == srq.hdr) on.push_back(c);
+    }
+  }
+  for (const auto& c : on) {
+    std::lock_guard<std::mutex> l(c->rx_mu);
+    if (c->qp && c->qp->remote) try_resume(*c, *c->qp, *c->qp->remote);
+  }
 }
 
 void remote_shutdown(VContext& ctx) {

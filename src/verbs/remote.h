@@ -28,6 +28,7 @@ namespace vrdma::verbs {
 
 struct VQp;
 struct VCq;
+struct VSrq;
 struct VContext;
 struct Conn;
 struct Hub;
@@ -59,6 +60,8 @@ struct RemoteQp {
   uint8_t token[proto::kDirectTokenBytes] = {};
   uint32_t peer_qpn = 0, my_lid = 0;
   uint32_t peer_lid = 0;  ///< from the peer's hello (the slid of receive completions)
+  /// A QP on an SRQ: our session's tag in the SRQ's rx_lock (kDirectOfferSrq); 0: its own RQ.
+  uint32_t srq_tag = 0;
   bool dead = false;      ///< torn down: takes no connection any more
   /// `in` sent kRnr (a request found no receive, or no room for its completion) and owes the
   /// peer a kResume once there is one.
@@ -146,6 +149,8 @@ bool take_cq_notify(VCq& cq, std::vector<UniqueFd>& fds, size_t at);
 void remote_armed(VCq& cq);
 /// From ibv_post_recv: a connection waiting for a receive may go on.
 void remote_receives_posted(VQp& qp);
+/// From ibv_post_srq_recv, after a kRnr of a QP on `srq`: those connections may go on.
+void remote_srq_posted(VSrq& srq);
 /// ibv_close_device: stops the hub's thread and closes everything.
 void remote_shutdown(VContext& ctx);
 

@@ -199,7 +199,7 @@ void accept_hello(Hub& h, Hub::Pending& p) {
       c->qp = qp;
       c->send_cq = qp->qp.send_cq;
       c->recv_cq = qp->qp.recv_cq;
-      c->rq_hdr = qp->rq_hdr;
+      c->rq_hdr = receive_queue(*qp);
       r->peer_lid = p.h.from_lid;
       ack.lid = r->my_lid;
       r->in = c;
@@ -667,7 +667,7 @@ bool connect_out(VQp& qp) {
       c->qp = &qp;
       c->send_cq = qp.qp.send_cq;
       c->recv_cq = qp.qp.recv_cq;
-      c->rq_hdr = qp.rq_hdr;
+      c->rq_hdr = receive_queue(qp);
       c->resp_in.store(true);
       {
         std::lock_guard<std::mutex> g(h->mu);

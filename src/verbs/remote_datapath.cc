@@ -25,6 +25,7 @@
 #include "proto/device_caps.h"
 #include "verbs/internal.h"
 #include "verbs/remote_impl.h"
+#include "verbs/srq.h"
 #include "verbs/stop_world.h"
 
 namespace vrdma::verbs::dlink {
@@ -267,25 +268,89 @@ void send_nak(Conn& c, ibv_wc_status st) {
   c.nak_sent = true;
 }
 
-/// Whether a request that needs a receive can be executed now: one is posted, and its
-/// completion has room (rx_mu held: this library is the ring's producer).
-bool receivable(VQp& qp, RemoteQp& r) {
-  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_acquire);
-  const uint32_t prod = qp.rq_hdr->producer.load(std::memory_order_seq_cst);
-  return prod != cons && prod - cons <= qp.rq_size && has_room(r.recv);
+const RingHeader* receive_queue(const VQp& qp) {
+  return qp.qp.srq ? to_vsrq(qp.qp.srq)->hdr : qp.rq_hdr;
 }
 
-/// The responder's receive WQE for the frame, copied out (not consumed). False: none posted
-/// yet, or no room for its completion.
+/// Whether a request that needs a receive can be executed now: one is posted (or, on an SRQ,
+/// held already), and its completion has room (rx_mu held: this library is the ring's producer).
+bool receivable(VQp& qp, RemoteQp& r) {
+  if (r.srq_tag && qp.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken)
+    return has_room(r.recv);
+  const RingHeader& h = *receive_queue(qp);
+  const uint32_t size = r.srq_tag ? to_vsrq(qp.qp.srq)->size : qp.rq_size;
+  const uint32_t cons = h.consumer.load(std::memory_order_acquire);
+  const uint32_t prod = h.producer.load(std::memory_order_seq_cst);
+  return prod != cons && prod - cons <= size && has_room(r.recv);
+}
+
+/// A QP on an SRQ: the receive it holds (RingHeader::srq_taken, its RQ's slot 0), else the
+/// SRQ's next, taken under the SRQ's rx_lock and held from now on, as the backend's responder
+/// takes one (Device::take_recv): nothing else takes it while the payload comes, and a QP that
+/// fails has it flushed by its backend. A receive that leaves fewer than the SRQ's armed limit
+/// posted rings our backend's doorbell for the QP, which raises the event (Device::
+/// tend_fed_srq). False: none posted, or the lock held past our spins (the peer hears kRnr and
+/// sends the request again).
+/// take_rx_lock's spins, times this: a holder is another process or the backend taking one
+/// receive; a holder that died is the backend's to find (its orphan check), not ours.
+constexpr int kSrqLockTries = 16;
+
+bool hold_srq_recv(VQp& qp) {
+  RingHeader& mine = *qp.rq_hdr;
+  if (mine.srq_taken.load(std::memory_order_acquire) == kSrqTaken) return true;
+  VSrq& q = *to_vsrq(qp.qp.srq);
+  RingHeader& h = *q.hdr;
+  const uint32_t tag = qp.remote->srq_tag;
+  bool locked = false;
+  for (int i = 0; i < kSrqLockTries && !locked; ++i) locked = take_rx_lock(h, tag);
+  if (!locked) {
+    // Held past our spins: perhaps by a process that died in it, which the backend frees.
+    to_vctx(qp.qp.context)->ring_doorbell(qp.handle);
+    return false;
+  }
+  const uint32_t cons = h.consumer.load(std::memory_order_acquire);
+  const uint32_t avail = h.producer.load(std::memory_order_acquire) - cons;
+  const bool ok = avail != 0 && avail <= q.size;
+  uint32_t limit = 0;
+  if (ok) {
+    // As take_recv: the copy, the flag, then the SRQ's cursor.
+    qp.rq[0] = q.entries[cons & (q.size - 1)];
+    mine.srq_taken_at.store(cons, std::memory_order_relaxed);
+    mine.srq_taken.store(kSrqTaken, std::memory_order_release);
+    h.consumer.store(cons + 1, std::memory_order_release);
+    limit = h.srq_limit.load(std::memory_order_acquire);
+  }
+  give_rx_lock(h);
+  if (ok && limit && avail - 1 < limit) to_vctx(qp.qp.context)->ring_doorbell(qp.handle);
+  return ok;
+}
+
+/// The responder's receive WQE for the frame, copied out (not consumed; on an SRQ held, see
+/// hold_srq_recv). False: none posted yet, or no room for its completion.
 bool peek_recv(Conn& c, VQp& qp, RemoteQp& r) {
-  if (!receivable(qp, r)) return false;
-  const uint32_t cons = qp.rq_hdr->consumer.load(std::memory_order_relaxed);
-  const RecvWqe& w = qp.rq[cons & (qp.rq_size - 1)];
-  c.rwqe.wr_id = w.wr_id;
-  c.rwqe.num_sge = std::min<uint32_t>(w.num_sge, kMaxSge);
-  std::memcpy(c.rwqe.sge, w.sge, c.rwqe.num_sge * sizeof(Sge));
-  c.rcons = cons;
+  if (!has_room(r.recv)) return false;
+  const RecvWqe* w;
+  if (r.srq_tag) {
+    if (!hold_srq_recv(qp)) return false;
+    w = &qp.rq[0];
+  } else {
+    if (!receivable(qp, r)) return false;
+    c.rcons = qp.rq_hdr->consumer.load(std::memory_order_relaxed);
+    w = &qp.rq[c.rcons & (qp.rq_size - 1)];
+  }
+  c.rwqe.wr_id = w->wr_id;
+  c.rwqe.num_sge = std::min<uint32_t>(w->num_sge, kMaxSge);
+  std::memcpy(c.rwqe.sge, w->sge, c.rwqe.num_sge * sizeof(Sge));
   return true;
+}
+
+/// The receive peek_recv returned is used: the RQ's consumer moves (on an SRQ: the QP holds it no
+/// more).
+void consume_recv(Conn& c, VQp& qp, RemoteQp& r) {
+  if (r.srq_tag)
+    qp.rq_hdr->srq_taken.store(0, std::memory_order_release);
+  else
+    qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
 }
 
 void try_resume(Conn& c, VQp& qp, RemoteQp& r) {
@@ -314,6 +379,7 @@ void send_rnr(Conn& c, VQp& qp, RemoteQp& r) {
              f.arg0);
   // Owed before looking again: a receive posted in between either is seen here or sees the flag.
   r.resume_owed.store(true, std::memory_order_seq_cst);
+  if (r.srq_tag) to_vsrq(qp.qp.srq)->resume_owed.store(true, std::memory_order_seq_cst);
   try_resume(c, qp, r);
 }
 
@@ -330,7 +396,7 @@ void rnr_retry_due(Conn& c, VQp& qp, RemoteQp& r) {
 
 /// The receive completion of a consumed WQE; `taken`: the RQ's consumer index says so already.
 void push_recv(Conn& c, VQp& qp, RemoteQp& r, int status, bool taken) {
-  if (!taken) qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+  if (!taken) consume_recv(c, qp, r);
   Cqe e{};
   e.wr_id = c.rwqe.wr_id;
   e.status = static_cast<uint32_t>(status);
@@ -360,7 +426,7 @@ Outcome receive_failed(Conn& c, VQp& qp, RemoteQp& r, int st, ibv_wc_status nak)
     // UC: no NAK, so the requester completes it (IB spec class D/E, as the backends' UC
     // responder); our WQE completes in error, our QP goes to ERR (flushing what we sent), and
     // what comes next on the connection is lost.
-    qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+    consume_recv(c, qp, r);
     {
       std::lock_guard<std::mutex> g(r.fl_mu);
       to_error(qp, "a UC receive failed at this responder", /*quiet=*/true);
@@ -372,7 +438,7 @@ Outcome receive_failed(Conn& c, VQp& qp, RemoteQp& r, int st, ibv_wc_status nak)
     return kGo;
   }
   send_nak(c, nak);
-  qp.rq_hdr->consumer.store(c.rcons + 1, std::memory_order_release);
+  consume_recv(c, qp, r);
   to_error(qp, "a request failed at this responder");
   push_recv(c, qp, r, st, /*taken=*/true);
   return failed("a request failed at this responder");
@@ -450,11 +516,13 @@ Outcome start_request(Conn& c, VQp& qp, RemoteQp& r) {
     case kSendImm:
     case kSendInv: {
       uint64_t cap = 0;
+      // An SRQ's receives are in the SRQ's PD, which may differ from the QP's.
+      const uint32_t pd = qp.qp.srq ? reinterpret_cast<VPd*>(qp.qp.srq->pd)->handle : qp.pd;
       for (uint32_t i = 0; i < c.rwqe.num_sge; ++i) {
         const Sge& s = c.rwqe.sge[i];
         if (!s.length) continue;
         LocalMr mr;
-        if (!find_mr(ctx, qp.pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
+        if (!find_mr(ctx, pd, s.lkey, mr) || !(mr.access & IBV_ACCESS_LOCAL_WRITE) ||
             !in_range(mr.addr, mr.length, s.addr, s.length)) {
           return receive_failed(c, qp, r, IBV_WC_LOC_PROT_ERR, IBV_WC_REM_OP_ERR);
         }

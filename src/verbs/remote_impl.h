@@ -155,7 +155,7 @@ struct Conn : Watch {
   bool peer_takes_requests = true;  ///< ours may go on it (the dialer said so in its hello)
   const ibv_cq* send_cq = nullptr;  ///< the CQs whose polls read this connection
   const ibv_cq* recv_cq = nullptr;
-  const RingHeader* rq_hdr = nullptr;  ///< the QP's receive queue
+  const RingHeader* rq_hdr = nullptr;  ///< the QP's receive queue (or its SRQ)
   /// Which frames it may bring: the peer's requests (it is our QP's `in`), answers to ours (it
   /// is our `out`); both once one connection carries both directions. Set before any such
   /// frame can come.
@@ -415,8 +415,10 @@ void to_error(VQp& qp, const char* why, bool quiet = false);
 bool write_request(RemoteQp& r, Conn& out, Inflight& e, bool may_hold = false);
 /// An ACK for what this responder executed and has not told the peer of yet.
 void send_ack(Conn& c);
+/// Where `qp`'s receives come from: its RQ, or its SRQ's ring.
+const RingHeader* receive_queue(const VQp& qp);
 /// A kRnr owed a kResume and a receive is there now: the peer sends its requests again (rx_mu
-/// held). Called after a post_recv, from empty polls and from the hub's tick.
+/// held). Called after a post_recv (or post_srq_recv), from empty polls and from the hub's tick.
 void try_resume(Conn& c, VQp& qp, RemoteQp& r);
 /// A counted RNR retry whose wait is over: the requests the peer dropped go again (rx_mu held,
 /// `c` the connection our requests go on). From empty polls and the hub's tick.

@@ -151,28 +151,38 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
   req.qp = qp.handle;
   // A receive CQ with a channel: we fire it ourselves (its descriptors follow the ring's).
   const bool notify = qp.qp.recv_cq->channel != nullptr;
-  const uint16_t notify_flag = notify ? kDirectOfferNotify : 0;
+  // A QP on an SRQ: we take its receives from the SRQ ourselves (hold_srq_recv).
+  const uint16_t notify_flag =
+      (notify ? kDirectOfferNotify : 0) | (qp.qp.srq ? kDirectOfferSrq : 0);
   req.flags = kDirectOfferWhere | notify_flag;
-  DirectOfferResp where{};
-  if (const int rc = ctx.call(Op::kDirectOffer, req, where)) {
+  // With kDirectOfferSrq the answer is the longer one.
+  DirectOfferSrqResp srq{};
+  DirectOfferResp& resp = srq.offer;
+  std::vector<UniqueFd> fds;
+  auto ask = [&] {
+    return qp.qp.srq ? ctx.call(Op::kDirectOffer, req, srq, {}, &fds)
+                     : ctx.call(Op::kDirectOffer, req, resp, {}, &fds);
+  };
+  if (const int rc = ask()) {
     if (rc == EADDRNOTAVAIL)
       VLOG_INFO("direct path: QP {:#x} stays on the backends: no address of ours for its peer",
                 qp.qp.qp_num);
     return rc;  // not for this QP (or not yet)
   }
   req.flags = notify_flag;
-  req.port = listen_on(h, where.listen_ipv4);
+  req.port = listen_on(h, resp.listen_ipv4);
   if (req.port == 0) return EADDRNOTAVAIL;
   if (::getrandom(req.token, sizeof(req.token), 0) != static_cast<ssize_t>(sizeof(req.token)))
     return EIO;
-  DirectOfferResp resp{};
-  std::vector<UniqueFd> fds;
-  if (const int rc = ctx.call(Op::kDirectOffer, req, resp, {}, &fds)) return rc;
+  srq = {};
+  fds.clear();
+  if (const int rc = ask()) return rc;
   // Offered: the backend may ask it back (revoke_tick, whose list holds it already when it
   // offers again).
   if (!watched) watch_qp(h, qp);
   if (fds.size() != 1 + (notify ? kDirectNotifyFds : 0) || !resp.recv_ring_entries ||
-      (resp.recv_ring_entries & (resp.recv_ring_entries - 1))) {
+      (resp.recv_ring_entries & (resp.recv_ring_entries - 1)) ||
+      (qp.qp.srq && (srq.lock_tag == 0 || srq.lock_tag == kRxLockBackend))) {
     VLOG_WARN("direct path: unusable offer answer for QP {:#x}", qp.qp.qp_num);
     return EPROTO;
   }
@@ -185,6 +195,7 @@ int offer(Hub& h, VQp& qp, RemoteQp& r, bool watched) {
   std::memcpy(r.token, req.token, kDirectTokenBytes);
   r.peer_qpn = resp.peer_qpn;
   r.my_lid = resp.my_lid;
+  r.srq_tag = qp.qp.srq ? srq.lock_tag : 0;
   r.offered = true;
   return 0;
 }

@@ -68,6 +68,11 @@ int post_srq_recv(ibv_srq* s, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     if (!srq->hdr->armed.load(std::memory_order_relaxed)) to_vctx(s->context)->ring_doorbell();
   }
   srq->lock.unlock();
+  // The producer index before the flag (send_rnr stores them the other way round).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (srq->prod != start && srq->resume_owed.load(std::memory_order_seq_cst) &&
+      srq->resume_owed.exchange(false))
+    remote_srq_posted(*srq);
   if (rc) *bad = wr;
   return rc;
 }

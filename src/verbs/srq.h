@@ -22,6 +22,9 @@ struct VSrq {
   PathLock lock;
   bool xrc = false;      ///< IBV_SRQT_XRC (xrc.cc)
   uint32_t srq_num = 0;  ///< XRC: the number requests name it by (ibv_get_srq_num)
+  /// A QP on it that talks to its peer's library sent kRnr (no receive): the next post looks
+  /// for the QPs that owe a kResume (remote_srq_posted).
+  std::atomic<bool> resume_owed{false};
 };
 
 inline VSrq* to_vsrq(ibv_srq* s) { return reinterpret_cast<VSrq*>(s); }

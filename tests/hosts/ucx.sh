@@ -2,7 +2,8 @@
 # Debian's unmodified UCX across two hosts: ucx_perftest tag_lat, tag_bw, ucp_put_bw and ucp_get
 # between namespace hosts h1 (server) and h2 (client), with UCX_TLS=rc_verbs,ud_verbs and no
 # other setting, through plain `vrdma run` (which shows UCX the device: device_view.h). The
-# messages cross the backends' authenticated transport.
+# rc_verbs QPs (on an SRQ) go library to library (the direct path across backends, TLS between
+# the libraries); the first messages and ud_verbs cross the backends' authenticated transport.
 # Usage: ucx.sh BIN_DIR
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -29,6 +30,9 @@ for t in tag_lat tag_bw ucp_put_bw ucp_get; do
   [[ $WAIT_RC == 0 ]] || fail "$t: server exited $WAIT_RC: $(tail -n 5 "$E2E_TMP/$t.server.out")"
   row="$(grep -E '^Final: +10000 ' "$E2E_TMP/$t.client.out")" || fail "$t: no Final row"
   log "$t across hosts: $row"
+  # rc_verbs' QPs are on an SRQ, which the libraries feed themselves (kDirectOfferSrq).
+  grep -q "through its library" "$E2E_TMP/$t.client.out" "$E2E_TMP/$t.server.out" ||
+    fail "$t: no QP went library to library: $(grep -h "direct" "$E2E_TMP/$t".*.out | tail -n 3)"
 done
 # They went over the transport, not a shortcut: the client's QPs were on tcp to h1.
 grep -q "tcp to h1" "$E2E_TMP/vrdmad.h2.log" || fail "no QP of h2 went to h1 over tcp"

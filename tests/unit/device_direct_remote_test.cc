@@ -312,8 +312,10 @@ TEST_F(DirectRemoteTest, ACqWithAChannelGoesDirectOnlyWithALibraryThatFiresIt) {
   DirectOfferReq req{};
   req.qp = qd.handle;
   req.port = kPort;
-  req.flags = kDirectOfferNotify | 4;
+  req.flags = kDirectOfferNotify | 8;
   EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EINVAL);  // an unknown flag
+  req.flags = kDirectOfferNotify | kDirectOfferSrq;
+  EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EINVAL);  // no SRQ to take from
   req.flags = kDirectOfferWhere | kDirectOfferNotify;
   req.port = 0;
   tb_.set_peer_ipv4(::inet_addr("127.0.0.1"));

@@ -114,5 +114,43 @@ TEST_F(DeviceRemoteSrqTest, AQpThatFailsFlushesTheReceiveItHeld) {
   EXPECT_EQ(rx.begin()->second.status, IBV_WC_SUCCESS);
 }
 
+// A library takes the SRQ's receives too once it offers a QP of it (kDirectOfferSrq, from then
+// on under the SRQ's rx_lock): a request that comes while a library holds the lock is answered
+// "not ready" (no receive taken, no RNR retry spent) and lands when it comes again.
+TEST_F(DeviceRemoteSrqTest, ARequestWhileALibraryHoldsTheSrqsLockIsAskedAgainAndLands) {
+  dev_.set_direct_remote(true);
+  DirectOfferReq req{};
+  req.qp = b1_.handle;
+  req.port = 40000;
+  std::vector<UniqueFd> fds;
+  EXPECT_EQ(dev_.direct_offer(*b_.s, req, fds).err(), EOPNOTSUPP) << "without kDirectOfferSrq";
+  req.flags = kDirectOfferSrq;
+  uint32_t tag = 0;
+  auto o = dev_.direct_offer(*b_.s, req, fds, &tag);
+  ASSERT_TRUE(o.is_ok()) << o.status().message();
+  EXPECT_NE(tag, 0u);
+  EXPECT_NE(tag, kRxLockBackend);
+  EXPECT_EQ(s_.hdr->armed.load(), 1u) << "fed by a library from now on";
+  loop_.q.clear();  // the offer frame (to "me": nobody listens)
+  s_.hdr->rx_lock.store(tag);  // b's library is taking a receive
+  post_send(a2_, 1, ma_.addr, 8, ma_.mr.lkey);
+  dev_.poll(now_);
+  ASSERT_EQ(pump(1), 1);  // the request: answered "not ready"
+  EXPECT_EQ(s_.hdr->consumer.load(), 0u) << "no receive taken";
+  EXPECT_EQ(b2_.rq->srq_taken.load(), 0u);
+  ASSERT_EQ(pump(1), 1);  // the NAK
+  EXPECT_TRUE(drain(acq_).empty());
+  s_.hdr->rx_lock.store(0);
+  now_ += 2'000'000;  // the NAK's timer (0.01 ms), and then some
+  settle();
+  auto rx = receives();
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx.begin()->first, 100u);
+  auto tx = drain(acq_);
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(qp_counters(dev_, a2_.qpn, "a")["rnr_naks"], 1) << "one wait, no RNR retry spent";
+}
+
 }  // namespace
 }  // namespace vrdma::engine::devtest

@@ -2462,6 +2462,10 @@ TEST_F(Conformance, AnSrqHandsEachReceiveOutOnceWhileALargeMessageStreamsIn) {
   }
   ASSERT_LE(rx.size(), size_t{kRecvs});
   EXPECT_TRUE(drain_for(20).empty()) << "one completion per receive";
+  // Across backends the peer's library delivered into our SRQ itself (ours took the receives).
+  if (across_) {
+    EXPECT_TRUE(peer_requests_direct(s[1])) << "the big SENDs came through the backends";
+  }
   std::vector<bool> seen(kRecvs);
   for (const ibv_wc& wc : rx) {
     ASSERT_EQ(wc.status, IBV_WC_SUCCESS) << ibv_wc_status_str(wc.status);
@@ -2481,6 +2485,90 @@ TEST_F(Conformance, AnSrqHandsEachReceiveOutOnceWhileALargeMessageStreamsIn) {
       fill(want.data(), kSmallLen, imm);
       EXPECT_EQ(std::memcmp(at, want.data(), kSmallLen), 0) << "small message " << imm;
     }
+  }
+}
+
+// The peer's SENDs into a QP of our SRQ (across backends from the peer's library to ours, which
+// takes the SRQ's receives itself): an empty SRQ holds them as an RNR until a receive is posted;
+// the armed limit fires once when a receive taken leaves fewer posted; a receive whose lkey names
+// no MR completes with LOC_PROT_ERR and the peer's SEND with REM_OP_ERR.
+TEST_F(Conformance, ThePeersSendsIntoOurSrqWaitWhenItIsEmptyAndRaiseItsLimitOnce) {
+  OurSrq q(pd_, 16);
+  ASSERT_NE(q.srq, nullptr);
+  ibv_qp* s = q.qp(pd_, cq_);
+  ASSERT_NE(s, nullptr);
+  PeerQp p = peer_.create_qp(IBV_QPT_RC);
+  QpPath to_peer, to_us;
+  to_peer.dlid = peer_.lid();
+  to_peer.dest_qpn = p.qpn;
+  to_us.dlid = lid_;
+  to_us.dest_qpn = s->qp_num;
+  ASSERT_EQ(bring_to_rts(s, to_peer), 0);
+  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  auto peer_send = [&](uint64_t wr_id) { return peer_.send(p, IBV_WR_SEND_WITH_IMM, 0, 64, wr_id); };
+  auto peer_done = [&] {
+    const auto wcs = peer_.poll(1);
+    return wcs.size() == 1 ? wcs[0].status : IBV_WC_GENERAL_ERR;
+  };
+  uint64_t id = 0;
+  // SENDs that land, until the peer's come from its library (across backends).
+  for (int i = 0; i < 4000 && (i == 0 || (across_ && !peer_requests_direct(s))); ++i, ++id) {
+    ASSERT_EQ(q.post(id, addr(4096), 64, mr_->lkey), 0);
+    ASSERT_EQ(peer_send(id), 0);
+    ASSERT_EQ(peer_done(), IBV_WC_SUCCESS);
+    const auto rx = poll(cq_, 1);
+    ASSERT_EQ(rx.size(), 1u);
+    ASSERT_EQ(rx[0].wr_id, id);
+  }
+  if (across_) {
+    ASSERT_TRUE(peer_requests_direct(s)) << "the peer's SENDs never came from its library";
+  }
+  // Empty: the SEND waits (rnr_retry 7) until a receive comes.
+  ASSERT_EQ(peer_send(500), 0);
+  EXPECT_TRUE(drain_for(50).empty()) << "no receive: nothing lands";
+  ASSERT_EQ(q.post(501, addr(4096), 64, mr_->lkey), 0);
+  auto rx = poll(cq_, 1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 501u);
+  EXPECT_EQ(rx[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(ntohl(rx[0].imm_data), 500u);
+  EXPECT_EQ(peer_done(), IBV_WC_SUCCESS);
+  // The limit: 6 posted, armed at 4; the third SEND leaves 3.
+  for (uint64_t k = 0; k < 6; ++k) ASSERT_EQ(q.post(600 + k, addr(4096 + 64 * k), 64, mr_->lkey), 0);
+  ibv_srq_attr lim{};
+  lim.srq_limit = 4;
+  ASSERT_EQ(ibv_modify_srq(q.srq, &lim, IBV_SRQ_LIMIT), 0);
+  for (uint64_t k = 0; k < 3; ++k) {
+    ASSERT_EQ(peer_send(700 + k), 0);
+    ASSERT_EQ(peer_done(), IBV_WC_SUCCESS);
+  }
+  rx = poll(cq_, 3);
+  ASSERT_EQ(rx.size(), 3u);
+  for (uint64_t k = 0; k < 3; ++k) EXPECT_EQ(rx[k].wr_id, 600 + k) << "ring order";
+  const ibv_async_event ev = next_async_event();
+  EXPECT_EQ(ev.event_type, IBV_EVENT_SRQ_LIMIT_REACHED);
+  EXPECT_EQ(ev.element.srq, q.srq);
+  pollfd pf{ctx_->async_fd, POLLIN, 0};
+  EXPECT_EQ(::poll(&pf, 1, 100), 0) << "one event only";
+  ibv_srq_attr now{};
+  ASSERT_EQ(ibv_query_srq(q.srq, &now), 0);
+  EXPECT_EQ(now.srq_limit, 0u) << "the event disarms the limit";
+  // Drain the three left, then a receive with a bad lkey.
+  for (uint64_t k = 3; k < 6; ++k) {
+    ASSERT_EQ(peer_send(700 + k), 0);
+    ASSERT_EQ(peer_done(), IBV_WC_SUCCESS);
+  }
+  ASSERT_EQ(poll(cq_, 3).size(), 3u);
+  ASSERT_EQ(q.post(800, addr(4096), 64, mr_->lkey ^ 0x5a5a00), 0);
+  ASSERT_EQ(peer_send(801), 0);
+  EXPECT_EQ(peer_done(), IBV_WC_REM_OP_ERR);
+  rx = poll(cq_, 1);
+  ASSERT_EQ(rx.size(), 1u);
+  EXPECT_EQ(rx[0].wr_id, 800u);
+  EXPECT_EQ(rx[0].status, IBV_WC_LOC_PROT_ERR);
+  EXPECT_EQ(state(s), IBV_QPS_ERR);
+  if (across_) {
+    EXPECT_TRUE(peer_requests_direct(s)) << "still library to library";
   }
 }
 
