@@ -45,21 +45,6 @@ row() {
     "$umed ($umin–$umax) | $(ratio "$med" "$pmed") | $(ratio "$med" "$umed") |"
 }
 
-# ucx_perftest h2 -> h1 over UCX's TCP transport: TEST SIZE ITERS; prints the Final row
-# (iters, typical/avg/overall latency µs, avg/overall MB/s, avg/overall msg/s).
-ucx_tcp() {
-  local port=$((18000 + RANDOM % 1000)) srv
-  local env=(env UCX_TLS=tcp UCX_NET_DEVICES=eth0)
-  hexec 1 "${env[@]}" ucx_perftest -p "$port" >/dev/null 2>&1 &
-  srv=$!
-  hwait_port 1 "$port" "$srv" ucx_perftest
-  hexec 2 "${env[@]}" ucx_perftest -p "$port" -t "$1" -s "$2" -n "$3" "$(host_ip 1)" \
-    >"$E2E_TMP/ucx.out" 2>&1 || fail "ucx_perftest $*: $(tail -n 5 "$E2E_TMP/ucx.out")"
-  wait "$srv" || true
-  awk '/^Final:/ {$1 = ""; print; f = 1} END {exit !f}' "$E2E_TMP/ucx.out" ||
-    fail "ucx_perftest $*: no Final row: $(tail -n 5 "$E2E_TMP/ucx.out")"
-}
-
 # (On a failure hosts_cleanup kills them with every other descendant.)
 corun_pids=()
 corun_label=""

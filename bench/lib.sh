@@ -39,3 +39,30 @@ iperf_mbs() {
     perl -MJSON::PP -0777 -ne 'printf "%.2f", decode_json($_)->{end}{sum_received}{bits_per_second} / 8e6'
   wait "$ipid" || true
 }
+# ucx_perftest h2 -> h1 (namespace hosts, tests/hosts/lib.sh): TEST SIZE ITERS; prints the Final
+# row (iters, typical/avg/overall latency µs, avg/overall MB/s, avg/overall msg/s). ucx_tcp: over
+# UCX's TCP transport on the hosts' eth0; ucx_vrdma: over vrdma's device (rc_verbs, ud_verbs)
+# through plain `vrdma run`.
+ucx_tcp() {
+  local pre="env UCX_TLS=tcp UCX_NET_DEVICES=eth0"
+  ucx_pair hexec "$pre" "$pre" "$@"
+}
+ucx_vrdma() {  # (a guest of its own on each host)
+  local pre="-- env UCX_TLS=rc_verbs,ud_verbs" n=$RANDOM
+  ucx_pair hrun "--guest ucx-s$n $pre" "--guest ucx-c$n $pre" "$@"
+}
+ucx_pair() {  # RUNNER SERVER_PREFIX CLIENT_PREFIX TEST SIZE ITERS
+  local run=$1 srv port=$((18000 + RANDOM % 1000))
+  local -a spre cpre
+  read -ra spre <<<"$2"
+  read -ra cpre <<<"$3"
+  shift 3
+  "$run" 1 "${spre[@]}" ucx_perftest -p "$port" >/dev/null 2>&1 &
+  srv=$!
+  hwait_port 1 "$port" "$srv" ucx_perftest
+  "$run" 2 "${cpre[@]}" ucx_perftest -p "$port" -t "$1" -s "$2" -n "$3" "$(host_ip 1)" \
+    >"$E2E_TMP/ucx.out" 2>&1 || fail "ucx_perftest $*: $(tail -n 5 "$E2E_TMP/ucx.out")"
+  wait "$srv" || true
+  awk '/^Final:/ {$1 = ""; print; f = 1} END {exit !f}' "$E2E_TMP/ucx.out" ||
+    fail "ucx_perftest $*: no Final row: $(tail -n 5 "$E2E_TMP/ucx.out")"
+}

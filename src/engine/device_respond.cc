@@ -142,7 +142,7 @@ void Device::tend_fed_srq(Qp& qp) {
   // takes an orphan's).
   Srq& q = *qp.srq;
   if (q.limit) srq_limit_check(q, q.hdr->consumer.load(std::memory_order_acquire));
-  RxHold rx(*this, qp);
+  if (q.hdr->rx_lock.load(std::memory_order_relaxed) != 0) RxHold rx(*this, qp);
 }
 
 void Device::srq_limit_check(Srq& q, uint32_t cons) {
