@@ -258,20 +258,20 @@ class DeviceTest : public ::testing::Test {
     return create_qp(g, req);
   }
   void post_srq(SrqV& s, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
-    RecvWqe w{};
-    w.wr_id = wr_id;
-    w.num_sge = 1;
-    w.sge[0] = Sge{addr, len, lkey};
-    s.e[s.prod & (s.size - 1)] = w;
-    s.hdr->producer.store(++s.prod, std::memory_order_release);
+    post_one_recv(s.e, s.size, s.prod, *s.hdr, wr_id, Sge{addr, len, lkey});
   }
   void post_recv(QpV& q, uint64_t wr_id, uint64_t addr, uint32_t len, uint32_t lkey) {
+    post_one_recv(q.rqe, q.rq_size, q.rq_prod, *q.rq, wr_id, Sge{addr, len, lkey});
+  }
+  /// One receive of one SGE into a ring of `size` WQEs, as a library posts it.
+  static void post_one_recv(RecvWqe* ring, uint32_t size, uint32_t& prod, RingHeader& h,
+                            uint64_t wr_id, Sge sge) {
     RecvWqe w{};
     w.wr_id = wr_id;
     w.num_sge = 1;
-    w.sge[0] = Sge{addr, len, lkey};
-    q.rqe[q.rq_prod & (q.rq_size - 1)] = w;
-    q.rq->producer.store(++q.rq_prod, std::memory_order_release);
+    w.sge[0] = sge;
+    ring[prod & (size - 1)] = w;
+    h.producer.store(++prod, std::memory_order_release);
   }
   /// Posts one RDMA WRITE/READ/atomic naming a remote address and key (atomics: add 1, or
   /// compare with 1 and swap in 0x4141...).

@@ -2336,14 +2336,8 @@ TEST_F(Conformance, AnSrqFedByQpsOfTwoProcessesHandsOutItsReceivesInRingOrder) {
   ASSERT_TRUE(s[0] && s[1] && s[2] && a[0] && a[1]);
   connect_ours(a[0], s[0]);
   connect_ours(a[1], s[1]);
-  PeerQp p = peer_.create_qp(IBV_QPT_RC);
-  QpPath to_peer, to_us;
-  to_peer.dlid = peer_.lid();
-  to_peer.dest_qpn = p.qpn;
-  to_us.dlid = lid_;
-  to_us.dest_qpn = s[2]->qp_num;
-  ASSERT_EQ(bring_to_rts(s[2], to_peer), 0);
-  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  PeerQp p = connect_peer(s[2], IBV_QPT_RC);
+  ASSERT_FALSE(HasFailure());
   constexpr int kMsgs = 12;
   constexpr size_t kSlots = 256 * 1024;
   for (int k = 0; k < kMsgs; ++k)
@@ -2400,14 +2394,8 @@ TEST_F(Conformance, AnSrqHandsEachReceiveOutOnceWhileALargeMessageStreamsIn) {
   ibv_qp* a = make_qp(IBV_QPT_RC);
   ASSERT_TRUE(s[0] && s[1] && a);
   connect_ours(a, s[0]);
-  PeerQp p = peer_.create_qp(IBV_QPT_RC);
-  QpPath to_peer, to_us;
-  to_peer.dlid = peer_.lid();
-  to_peer.dest_qpn = p.qpn;
-  to_us.dlid = lid_;
-  to_us.dest_qpn = s[1]->qp_num;
-  ASSERT_EQ(bring_to_rts(s[1], to_peer), 0);
-  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  PeerQp p = connect_peer(s[1], IBV_QPT_RC);
+  ASSERT_FALSE(HasFailure());
   // Small SENDs one after the other until the big one's receive completes, so that some run
   // while its payload streams in.
   constexpr uint32_t kBig = vrdma::test::kPeerBufSize, kSmallLen = 64;
@@ -2497,14 +2485,8 @@ TEST_F(Conformance, ThePeersSendsIntoOurSrqWaitWhenItIsEmptyAndRaiseItsLimitOnce
   ASSERT_NE(q.srq, nullptr);
   ibv_qp* s = q.qp(pd_, cq_);
   ASSERT_NE(s, nullptr);
-  PeerQp p = peer_.create_qp(IBV_QPT_RC);
-  QpPath to_peer, to_us;
-  to_peer.dlid = peer_.lid();
-  to_peer.dest_qpn = p.qpn;
-  to_us.dlid = lid_;
-  to_us.dest_qpn = s->qp_num;
-  ASSERT_EQ(bring_to_rts(s, to_peer), 0);
-  ASSERT_EQ(peer_.connect(p, to_us), 0);
+  PeerQp p = connect_peer(s, IBV_QPT_RC);
+  ASSERT_FALSE(HasFailure());
   auto peer_send = [&](uint64_t wr_id) { return peer_.send(p, IBV_WR_SEND_WITH_IMM, 0, 64, wr_id); };
   auto peer_done = [&] {
     const auto wcs = peer_.poll(1);
