@@ -6,7 +6,9 @@
 # take the SRQ's receives themselves) or with --no-direct-remote ("backends": every message
 # through both backends' transport, which is where an SRQ's QPs went before 2026-11-27).
 # ucx_perftest h2 -> h1: tag_lat 8 B (one-way µs, typical), tag_bw 8 B (messages/s),
-# ucp_put_bw 1 MiB (MB/s). Prints each round and a markdown table of medians (min-max).
+# ucp_put_bw 1 MiB (MB/s), ucp_get 8 B (µs, typical: an RDMA READ that h1's side, which only
+# calls its progress now and then, must answer). Prints each round and a markdown table of
+# medians (min-max).
 # Needs root (ip netns).
 # Usage: bench/crosshost_ucx.sh [BIN_DIR (default build/release/bin)] [ROUNDS (default 5)]
 set -euo pipefail
@@ -22,13 +24,14 @@ hosts_init "$BIN_DIR" 2
 wait_mesh
 command -v ucx_perftest >/dev/null || fail "ucx_perftest missing (scripts/deps.sh installs ucx-utils)"
 
-# The three figures of one path: "LAT RATE BW" (RUN: ucx_vrdma or ucx_tcp).
+# The four figures of one path: "LAT RATE BW GET" (RUN: ucx_vrdma or ucx_tcp).
 figures() {
-  local lat rate bw
+  local lat rate bw get
   lat="$("$1" tag_lat 8 20000 | awk '{print $2}')"
   rate="$("$1" tag_bw 8 200000 | awk '{print $8}')"
   bw="$("$1" ucp_put_bw 1048576 2000 | awk '{print $6}')"
-  echo "$lat $rate $bw"
+  get="$("$1" ucp_get 8 2000 | awk '{print $2}')"
+  echo "$lat $rate $bw $get"
 }
 # Not in a command substitution: the backends it starts must be the ones the next run stops.
 restart_path() {
@@ -46,15 +49,17 @@ last() {
 for ((r = 1; r <= ROUNDS; r++)); do
   for path in direct backends; do
     restart_path "$path"
-    read -r lat rate bw < <(figures ucx_vrdma)
+    read -r lat rate bw get < <(figures ucx_vrdma)
     v[$path.lat]+="$lat "
     v[$path.rate]+="$rate "
     v[$path.bw]+="$bw "
+    v[$path.get]+="$get "
   done
-  read -r lat rate bw < <(figures ucx_tcp)
+  read -r lat rate bw get < <(figures ucx_tcp)
   v[tcp.lat]+="$lat "
   v[tcp.rate]+="$rate "
   v[tcp.bw]+="$bw "
+  v[tcp.get]+="$get "
   log "round $r: tag_lat µs direct $(last direct.lat) / backends $(last backends.lat) / tcp $lat"
 done
 med() {
@@ -65,7 +70,7 @@ med() {
 echo "| date | ucx_perftest h2 -> h1, rounds | vrdma direct | vrdma through the backends | UCX tcp | direct / tcp | backends / tcp |"
 echo "|---|---|---|---|---|---|---|"
 for k in "lat:tag_lat -s 8, µs one-way (typical)" "rate:tag_bw -s 8, messages/s" \
-  "bw:ucp_put_bw -s 1048576, MB/s"; do
+  "bw:ucp_put_bw -s 1048576, MB/s" "get:ucp_get -s 8, µs (typical)"; do
   key=${k%%:*}
   read -r dm dn dx < <(med "direct.$key")
   read -r bm bn bx < <(med "backends.$key")

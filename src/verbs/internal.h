@@ -169,6 +169,7 @@ struct VCq {
   uint32_t rgen = 0;
   std::vector<std::shared_ptr<Conn>> rconns;
   bool rclaimed = false;  ///< an empty poll claimed rconns (remote.h)
+  uint64_t rpoll_ns = 0;  ///< when an empty poll last looked at rconns (remote_progress)
   /// Its channel, for the completions this library produces across backends (remote.h's
   /// fire_cq): `notify.hdr` is `hdr`, and both are read under notify_mu, which ibv_resize_cq
   /// holds while it maps the new ring (a hub thread may fire meanwhile).

@@ -265,16 +265,26 @@ bool remote_progress(VCq& cq) {
   // after arming, as rping does), so the hub keeps watching its connections: a claim would
   // hold each event back until the claim's 10 ms ran out.
   const bool armed = cq.cq.channel && cq.hdr->armed.load(std::memory_order_relaxed) != 0;
+  const uint64_t now = mono_ns(), gap = now - cq.rpoll_ns;
+  cq.rpoll_ns = now;
+  const bool seldom = gap > kUnclaimGapNs;
   for (const auto& c : cq.rconns) {
     if (c->broken.load(std::memory_order_relaxed)) continue;
     // The application polls again without having posted: what it owes goes now.
     const bool req_in = c->req_in.load(std::memory_order_relaxed);
     if (req_in) send_ack(*c);
     c->polls.store(c->polls.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    if (!armed && !c->claimed.load(std::memory_order_relaxed)) {
+    // A seldom poller leaves the peer's requests to the hub, on a connection that brought some
+    // since the last poll: the peer waits for us to read them. (Not on one with answers only,
+    // nor for a long gap alone: ib_write_bw's polls come between bursts of posts.)
+    const uint64_t ex = c->executed.load(std::memory_order_relaxed);
+    const bool leave = seldom && ex != c->executed_polled.exchange(ex, std::memory_order_relaxed);
+    if (!armed && !leave && !c->claimed.load(std::memory_order_relaxed)) {
       c->claimed.store(true);
       rearm(*c);
       cq.rclaimed = true;
+    } else if (leave && c->claimed.load(std::memory_order_relaxed)) {
+      unclaim(*c);
     }
     // What the socket did not take, and requests held for this poll (Conn::held).
     if (c->want_out.load(std::memory_order_relaxed) || c->held.load(std::memory_order_relaxed)) {
@@ -291,9 +301,9 @@ bool remote_progress(VCq& cq) {
     if (!req_in && r.awaiting.load(std::memory_order_relaxed) == 0 &&
         c->polls.load(std::memory_order_relaxed) % kRevokeReadEvery)
       continue;
-    // (Unarmed, the ACK waits for our next post or poll, or for the hub once the polls stop;
-    // armed, nothing of ours may follow before the application sleeps: it goes now.)
-    did |= drain(*c, !armed);
+    // (Claimed, the ACK waits for our next post or poll, or for the hub once the polls stop
+    // (unclaim); unclaimed or armed, nothing need follow soon: it goes now.)
+    did |= drain(*c, !armed && c->claimed.load(std::memory_order_relaxed));
     if (req_in) try_resume(*c, *c->qp, r);
   }
   return did;

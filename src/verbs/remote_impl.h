@@ -103,6 +103,14 @@ constexpr size_t kMaxListeners = 8;                ///< addresses a hub listens 
 constexpr uint64_t kStrangerLogNs = 1000000000;    ///< a line per kind of refusal per second
 constexpr uint64_t kAcceptLogNs = 10000000000ull;  ///< accept out of descriptors: every 10 s
 constexpr int kClaimMs = 10;
+/// An empty poll whose CQ's previous empty poll was longer ago than this claims no connection
+/// that brought the peer's requests since, and gives such claims back: an application that
+/// calls its progress once a millisecond between sleeps (ucx_perftest's passive side) held a
+/// peer's READ until its next poll, where the hub, woken by the request, answers at once.
+/// (Not for a long gap alone: ib_write_bw's polls come between bursts of posts, and with its
+/// connection unclaimed the hub's wake-ups for the ACKs took the CPU from it: its 4 KiB stream
+/// across hosts fell 5x.)
+constexpr uint64_t kUnclaimGapNs = 200'000;
 /// After the hub took a request off a connection it polls for this long before it sleeps again
 /// (VRDMA_POLL_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target
 /// that spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
@@ -195,6 +203,7 @@ struct Conn : Watch {
   std::atomic<bool> claimed{false};
   std::atomic<uint32_t> polls{0};
   uint32_t polls_seen = 0;  ///< the hub's thread's only
+  std::atomic<uint64_t> executed_polled{0};  ///< `executed` at the last empty poll (kUnclaimGapNs)
 
   // Writing: under tx_mu, what the socket did not take yet.
   std::mutex tx_mu;

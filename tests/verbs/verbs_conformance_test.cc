@@ -2124,6 +2124,37 @@ TEST_F(Conformance, FetchAddFromFourQpsOfAnotherProcessSumsExactly) {
   }
 }
 
+// Across backends: an application that polls its CQ only now and then (a progress call a
+// millisecond between sleeps, as ucx_perftest's passive side) does not keep the connection that
+// brings the peer's requests to itself once requests came since its last poll: the hub reads
+// them, so the peer's atomics (or READs) do not each wait for the next poll.
+TEST_F(Conformance, ASeldomPollerLeavesThePeersRequestsToTheHub) {
+  if (!across_) GTEST_SKIP() << "the libraries' connections: across backends only";
+  const std::vector<PeerQp> theirs = rc_pairs(1, 128);
+  ASSERT_EQ(theirs.size(), 1u);
+  for (int i = 0; i < 100 && !peer_requests_direct(qps_[0]); ++i)
+    ASSERT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, 8), 8u);
+  ASSERT_TRUE(peer_requests_direct(qps_[0])) << "the peer's atomics never came from its library";
+  const vrdma::verbs::Conn* c = vrdma::verbs::to_vqp(qps_[0])->remote->in_raw.load();
+  ASSERT_NE(c, nullptr);
+  ibv_wc wc;
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(ibv_poll_cq(cq_, 1, &wc), 0);
+  EXPECT_TRUE(c->claimed.load()) << "a busy poller reads its connections itself";
+  std::atomic<bool> done{false};
+  std::thread storm([&] {
+    EXPECT_EQ(peer_.fetch_add_storm(theirs, addr(4096), mr_->rkey, 64), 64u);
+    done = true;
+  });
+  bool released = false;
+  while (!done.load()) {
+    ::usleep(1000);
+    EXPECT_EQ(ibv_poll_cq(cq_, 1, &wc), 0);
+    released |= !c->claimed.load();
+  }
+  storm.join();
+  EXPECT_TRUE(released) << "the peer's atomics waited for our polls a millisecond apart";
+}
+
 // 70 QPs that share one CQ: on the direct path (one host) each has an own send ring feeding it,
 // 70, more than one kDirectRings answer holds (64; 64 QPs sharing one CQ for their sends and
 // receives have 128). Across backends a process dials at most VRDMA_DIRECT_REMOTE_QPS (8)
