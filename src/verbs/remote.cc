@@ -74,6 +74,21 @@ int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, Mem
   return IBV_WC_SUCCESS;
 }
 
+/// A WR that cannot go out (an error of its own, or of one before it, or the connection ended)
+/// completes in order with its error, or flushed after one. True: the QP fails now (the caller
+/// moves it to ERR). After the peer's library went it fails with the rest when the retry budget
+/// runs out (doom; the reader that saw the connection end may not have got to it yet).
+bool queue_failed(VQp& qp, RemoteQp& r, Inflight& e, int st) {
+  e.status = r.failing ? IBV_WC_WR_FLUSH_ERR : st != IBV_WC_SUCCESS ? st : IBV_WC_RETRY_EXC_ERR;
+  r.failing = true;
+  r.inflight.push_back(e);
+  const bool later = r.doomed_at || (st == IBV_WC_SUCCESS && r.out && r.out->broken.load() &&
+                                     doom(*r.out->hub, qp, r, kPeerGone));
+  if (r.inflight.size() != 1 || later) return false;
+  flush_inflight(qp, r, -1, "a WR failed on the direct path");
+  return true;
+}
+
 }  // namespace
 
 bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
@@ -137,17 +152,7 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
     }
     if (r->failing || st != IBV_WC_SUCCESS || mw_st != IBV_WC_SUCCESS || !r->out ||
         r->out->broken.load()) {
-      // It completes in order, with its error (or flushed, after one).
-      e.status = r->failing                ? IBV_WC_WR_FLUSH_ERR
-                 : st != IBV_WC_SUCCESS    ? st
-                 : mw_st != IBV_WC_SUCCESS ? mw_st
-                                           : IBV_WC_RETRY_EXC_ERR;
-      r->failing = true;
-      r->inflight.push_back(e);
-      if (r->inflight.size() == 1) {
-        flush_inflight(qp, *r, -1, "a WR failed on the direct path");
-        fail = true;
-      }
+      fail |= queue_failed(qp, *r, e, st != IBV_WC_SUCCESS ? st : mw_st);
       continue;
     }
     e.sent = true;
@@ -180,7 +185,9 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
     }
     r->awaiting.fetch_add(1, std::memory_order_relaxed);
     // After a kRnr it waits in line for the peer's kResume (resend()).
-    if (!r->rnr && !write_request(*r, *r->out, q, true)) {
+    // A connection that breaks as we write: the peer's library went (doom), or we fail now.
+    if (!r->rnr && !write_request(*r, *r->out, q, true) &&
+        !doom(*r->out->hub, qp, *r, kPeerGone)) {
       flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR, "a WR failed on the direct path");
       fail = true;
     }
@@ -220,6 +227,8 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   if (qp.access & IBV_ACCESS_MW_BIND) qp.mw_bind = true;
   if (mask & IBV_QP_RNR_RETRY) qp.rnr_retry = attr.rnr_retry;
   if (mask & IBV_QP_MIN_RNR_TIMER) qp.min_rnr_timer = attr.min_rnr_timer;
+  if (mask & IBV_QP_TIMEOUT) qp.ack_timeout = attr.timeout;
+  if (mask & IBV_QP_RETRY_CNT) qp.retry_cnt = attr.retry_cnt;
   if (!(mask & IBV_QP_STATE) || (attr.qp_state != IBV_QPS_RTR && attr.qp_state != IBV_QPS_RTS))
     return;
   VContext& ctx = *to_vctx(qp.qp.context);
@@ -242,7 +251,7 @@ void remote_destroy(VQp& qp) {
   {
     std::unique_lock<std::mutex> q;  // the revoke tick reads the QP under it
     if (h) q = std::unique_lock<std::mutex>(h->qps_mu);
-    teardown(qp);
+    teardown(qp, /*take_arrived=*/true);
     if (h) forget_qp(*h, qp);
   }
   qp.sq_lock.unlock();

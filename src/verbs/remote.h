@@ -82,6 +82,10 @@ struct RemoteQp {
   uint64_t peer_executed = 0;         ///< of them, executed by the peer (its ACKs, cumulative)
   std::atomic<uint32_t> awaiting{0};  ///< sent WRs in `inflight`: answers expected on `out`
   bool failing = false;               ///< an entry failed locally: no more requests go out
+  /// The peer's library went (its connection closed or reset) with WRs of ours in flight: they
+  /// fail at this time (Hub::doomed, doom_tick), with `doomed_why`. 0: not doomed.
+  uint64_t doomed_at = 0;
+  const char* doomed_why = nullptr;
   bool send_overrun = false;          ///< `send` overran: IBV_EVENT_CQ_ERR raised (once)
   bool rnr = false;                   ///< the peer dropped requests from `resend_from` on (kRnr)
   uint64_t resend_from = 0;           ///< ... and they go again, in order, at its kResume

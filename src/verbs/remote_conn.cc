@@ -382,6 +382,10 @@ int hub_timeout(Hub& h, uint64_t now) {
   // Our backend may ask a QP back at any time (before a move): looked for at each tick.
   if (h.nqps.load(std::memory_order_relaxed)) at_most(kRevokeTickMs);
   if (!h.pending.empty()) at_most(200);
+  {
+    std::lock_guard<std::mutex> d(h.doom_mu);
+    if (!h.doomed.empty()) at_most(kClaimMs);
+  }
   for (size_t i = 0; i < h.nlisteners.load(std::memory_order_acquire); ++i) {
     if (const uint64_t until = h.listeners[i].rest.until_ns())
       at_most(until > now ? static_cast<int>((until - now + 999999) / 1000000) : 0);
@@ -499,6 +503,7 @@ void run(Hub& h) {
     if (t - resumed_at >= kClaimMs) {
       rnr_tick(h);
       revoke_tick(h);
+      doom_tick(h);
       resumed_at = t;
     }
     expire_pending(h, t);
@@ -713,7 +718,7 @@ bool connect_out(VQp& qp) {
   return true;
 }
 
-void teardown(VQp& qp) {
+void teardown(VQp& qp, bool take_arrived) {
   Hub* h = to_vctx(qp.qp.context)->hub_raw.load(std::memory_order_acquire);
   if (!h || !qp.remote) return;
   std::shared_ptr<Conn> in, out;
@@ -728,6 +733,14 @@ void teardown(VQp& qp) {
   // What we executed and have not acknowledged yet (an ACK that was to ride on a request of
   // ours) goes before the connection closes: the peer's WRs complete.
   if (in) {
+    if (take_arrived) {
+      // And what has arrived is taken first: ibv_srq_pingpong's peer has up to one SEND per QP
+      // in flight beyond what this side waits for, and closing on them unread (the application
+      // claimed the connection, and destroys its QPs right after its loop) failed them with
+      // RETRY_EXC_ERR at the peer, which then exited 1.
+      std::lock_guard<std::mutex> l(in->rx_mu);
+      if (in->qp) drain(*in, false);
+    }
     send_ack(*in);
     retire(*h, in);
   }

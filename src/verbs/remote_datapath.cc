@@ -691,7 +691,7 @@ bool finish_response(Conn& c, VQp& qp, RemoteQp& r) {
 /// The connection closed or failed. A requester with WRs in flight puts its QP in ERR (they
 /// complete with RETRY_EXC_ERR, as a peer that stopped answering does); otherwise the peer is
 /// just gone, and the next post finds out.
-void broken(Conn& c, VQp& qp, const char* why) {
+void broken(Conn& c, VQp& qp, const char* why, bool lost = false) {
   c.broken.store(true);
   rearm(c);
   if (!c.resp_in.load()) return;
@@ -700,6 +700,8 @@ void broken(Conn& c, VQp& qp, const char* why) {
   {
     std::lock_guard<std::mutex> g(r.fl_mu);
     any = !r.inflight.empty();
+    // The peer's library went (closed, reset): what is in flight fails later (doom).
+    if (any && lost && doom(*c.hub, qp, r, why)) return;
     if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR, why);
   }
   if (any) to_error(qp, why);
@@ -720,7 +722,8 @@ bool drain(Conn& c, bool defer_ack) {
         if (did && c.beg == c.end && c.emptied) break;
         const int got = fill(c);
         if (got < 0) {
-          broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection");
+          broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
+                 /*lost=*/c.tls_err.empty());
           return true;
         }
         if (got == 0) break;
@@ -766,7 +769,8 @@ bool drain(Conn& c, bool defer_ack) {
     }
     const int got = rx_payload(c);
     if (got < 0) {
-      broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection");
+      broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
+             /*lost=*/c.tls_err.empty());
       return true;
     }
     if (got == 0) break;

@@ -278,6 +278,10 @@ struct Hub {
   std::mutex qps_mu;
   std::vector<VQp*> qps;
   std::atomic<size_t> nqps{0};
+  /// QPs whose WRs in flight fail when their retry budget runs out (RemoteQp::doomed_at), for
+  /// doom_tick; under doom_mu (taken under any other lock, nothing under it).
+  std::mutex doom_mu;
+  std::vector<VQp*> doomed;
   /// Strangers, counted by the thread (read by anyone): hellos refused (not TLS, a failed
   /// handshake: no offer for its identity, a wrong key; a wrong QPN pair, magic or version, or
   /// no hello), connections closed because kMaxPending were waiting, and hellos
@@ -458,8 +462,19 @@ uint16_t listen_on(Hub& h, uint32_t ipv4);
 RemoteQp& remote_of(Hub& h, VQp& qp);
 /// Asks the backend for the peer's offer and connects (under the SQ lock). True: `out` is up.
 bool connect_out(VQp& qp);
+/// The peer's library of `qp` went (its connection closed or reset) with WRs in flight (fl_mu
+/// held): they fail when the QP's retry budget runs out (doom_tick), as a fabric's retries
+/// would. False (fail them now): the QP's timeout is 0 (no timeout).
+bool doom(Hub& h, VQp& qp, RemoteQp& r, const char* why);
+/// doom's reason when a post finds the connection ended.
+constexpr const char* kPeerGone = "the connection to the peer's library ended";
+/// The doomed QPs whose time has come: their WRs in flight fail (RETRY_EXC_ERR), the QP goes
+/// to ERR. The hub's tick (qps_mu taken here).
+void doom_tick(Hub& h);
 /// Ends a QP's connections (it leaves RTS, or goes).
-void teardown(VQp& qp);
+/// `take_arrived` (the QP is destroyed): what the peer's library sent that has arrived is taken
+/// first, as a device executes what reached a QP while it lived.
+void teardown(VQp& qp, bool take_arrived = false);
 /// Ends a connection for good: nothing reads it or writes it again.
 void retire(Hub& h, const std::shared_ptr<Conn>& c);
 

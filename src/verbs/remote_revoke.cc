@@ -215,6 +215,8 @@ void watch_qp(Hub& h, VQp& qp) {
 void forget_qp(Hub& h, VQp& qp) {
   std::erase(h.qps, &qp);
   h.nqps.store(h.qps.size(), std::memory_order_relaxed);
+  std::lock_guard<std::mutex> d(h.doom_mu);
+  std::erase(h.doomed, &qp);
 }
 
 void begin_revoke(VQp& qp, RemoteQp& r) {
@@ -255,6 +257,62 @@ void revoke_tick(Hub& h) {
       begin_revoke(*qp, r);
     }
     try_finish(h, *qp, r);
+  }
+}
+
+namespace {
+
+/// How long a fabric would retry before RETRY_EXC_ERR: the ACK timeout (4.096 µs x 2^timeout)
+/// times retry_cnt + 1, at most a minute; 0 for timeout 0 (no timeout: not waited for ever).
+uint64_t retry_budget_ns(const VQp& qp) {
+  if (qp.ack_timeout == 0) return 0;
+  const uint64_t ack = 4096ull << std::min<uint8_t>(qp.ack_timeout, 31);
+  return std::min<uint64_t>(ack * (qp.retry_cnt + 1u), 60'000'000'000ull);
+}
+
+}  // namespace
+
+bool doom(Hub& h, VQp& qp, RemoteQp& r, const char* why) {
+  if (r.doomed_at) return true;
+  const uint64_t budget = retry_budget_ns(qp);
+  if (!budget) return false;
+  // As over a fabric whose peer QP is gone, what is in flight fails when the retries would
+  // have run out, not at once. A peer that destroys its QP right after its last receive
+  // (ibv_srq_pingpong, whose other side has a SEND per QP in flight beyond what it waits for)
+  // failed its peer's run before.
+  r.doomed_at = mono_ns() + budget;
+  r.doomed_why = why;
+  {
+    std::lock_guard<std::mutex> d(h.doom_mu);
+    h.doomed.push_back(&qp);
+  }
+  const uint64_t one = 1;  // the hub's wait gets the tick (hub_timeout)
+  [[maybe_unused]] const ssize_t n = ::write(h.wake.get(), &one, sizeof(one));
+  return true;
+}
+
+void doom_tick(Hub& h) {
+  std::lock_guard<std::mutex> q(h.qps_mu);
+  std::vector<VQp*> due;
+  {
+    std::lock_guard<std::mutex> d(h.doom_mu);
+    if (h.doomed.empty()) return;
+    const uint64_t now = mono_ns();
+    std::erase_if(h.doomed, [&](VQp* qp) {
+      if (!qp->remote || now < qp->remote->doomed_at) return false;
+      due.push_back(qp);
+      return true;
+    });
+  }
+  for (VQp* qp : due) {
+    RemoteQp& r = *qp->remote;
+    bool any;
+    {
+      std::lock_guard<std::mutex> g(r.fl_mu);
+      any = !r.inflight.empty();
+      if (any) flush_inflight(*qp, r, IBV_WC_RETRY_EXC_ERR, r.doomed_why);
+    }
+    if (any) to_error(*qp, r.doomed_why);
   }
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The direct path across backends (--direct-remote): two namespace hosts whose backends only
 # introduce each RC (or UC) QP pair's libraries, which then talk TCP to each other. Debian's
-# unmodified tools across them: ibv_rc_pingpong -c (LID and GID), ibv_uc_pingpong -c, every
+# unmodified tools across them: ibv_rc_pingpong -c (LID and GID), ibv_uc_pingpong -c,
+# ibv_srq_pingpong -c (QPs on an SRQ, half of them library to library), every
 # perftest opcode (SEND, WRITE, READ, atomics), a SEND that finds no receive while an ACK waits
 # behind it (rc_stream rnr-*), a verifying RC stream whose direct counts grow while it runs (and
 # go on growing when strangers connect to a library's port with a bad hello or none),
@@ -60,6 +61,13 @@ expect_direct events
 # 2b. UC (Debian's ibv_uc_pingpong, validating): direct too, library to library.
 PP_TOOL=ibv_uc_pingpong hpair uc 1 2 -c -n 2000
 expect_direct uc
+# 2c. SRQ (Debian's ibv_srq_pingpong, validating): 16 QPs on one SRQ at each end, of which a
+# library takes 8 to its peer's (the cap of VRDMA_DIRECT_REMOTE_QPS) and takes their receives
+# from the SRQ itself, while the backends' transport carries the other 8 into the same SRQ.
+PP_TOOL=ibv_srq_pingpong hpair srq 1 2 -c -q 16 -n 500
+expect_direct srq
+grep -q "takes QP .* requests from its library" "$E2E_TMP/srq.server.out" "$E2E_TMP/srq.client.out" ||
+  fail "srq: no library took a peer's requests into its SRQ: $(grep -h "direct path" "$E2E_TMP"/srq.*.out | tail -n 3)"
 
 # 3. A checksummed stream: while it runs, direct messages are counted on both ends.
 hstream_start st 1 2
