@@ -15,6 +15,8 @@
 #     h2 (direct again back on h2; on h3 the server's library, whose process stays in h2's
 #     namespace, cannot listen on h3's address, so the pair stays on the backends there); the
 #     stream verifies.
+#  3. The same moves of a responder whose QP is on an SRQ (rc_stream --srq): its library takes
+#     the SRQ's receives across backends; the stream verifies.
 # Usage: migrate_direct_remote.sh BIN_DIR   (MIG_ROUNDS: round trips of part 1)
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -80,4 +82,20 @@ HOSTS_WATCH=()
 kill -USR1 "$cli_proc"
 finish_stream sn "$cli" "$srv" 30
 log "sn: $STREAM_RESULT on both ends"
+
+# ---- 3. the responder's QP on an SRQ (its library takes the SRQ's receives) moves ----
+RC_STREAM_OPT=--srq hstream_start sq 2 1
+HOSTS_WATCH=("$srv $E2E_TMP/sq.server.out" "$cli $E2E_TMP/sq.client.out")
+hwait_flowing 1 sq-c msgs_sent "$cli"
+hgrows 2 sq-s direct_msgs_received "the server's library takes the requests into its SRQ"
+hmigrate sq-s 2 3
+hwait_route 3 sq-s "tcp/h1|direct/h1" 10
+hgrows 3 sq-s msgs_received "messages into the SRQ after the server's move to h3"
+hmigrate sq-s 3 2
+hwait_route 2 sq-s "tcp/h1|direct/h1" 10
+hgrows 2 sq-s direct_msgs_received "the pair direct again back on h2, into the SRQ"
+HOSTS_WATCH=()
+kill -USR1 "$cli_proc"
+finish_stream sq "$cli" "$srv" 30
+log "sq: $STREAM_RESULT on both ends"
 e2e_pass

@@ -14,6 +14,7 @@
 // --events: the stream sleeps in a completion channel whenever its CQ is empty (arm, poll once,
 // block); a completion found in the armed CQ with no event for it a second later is a lost event
 // ("rc_stream: lost event", exit 1).
+// --srq: the QP's receives come from an SRQ of its own (the stream modes).
 //
 // rnr-server PORT | rnr-client HOST PORT: a SEND that finds no receive must not hold up what
 // comes behind it. After a ping-pong warm-up (which puts the pair on whatever path vrdma takes),
@@ -59,6 +60,7 @@ volatile std::sig_atomic_t g_stop = 0;
 uint8_t g_timeout = 14;  ///< --timeout
 long g_stall_ms = 0;     ///< --stall-ms (0: no stall lines)
 bool g_events = false;   ///< --events
+bool g_srq = false;      ///< --srq
 int g_depth = kDepth;    ///< --depth
 bool g_ud = false;       ///< the ud-* modes: UD QPs
 constexpr uint32_t kQkey = 0x11111111;
@@ -155,6 +157,7 @@ struct Link {
   ibv_cq* cq = nullptr;
   ibv_mr* mr = nullptr;
   ibv_qp* qp = nullptr;
+  ibv_srq* srq = nullptr;  ///< --srq: the QP's receives come from it
   ibv_ah* ah = nullptr;   ///< UD: the peer's address
   uint32_t peer_qpn = 0;  ///< UD
   int sock = -1;
@@ -166,7 +169,7 @@ struct Link {
     wr.wr_id = slot;
     wr.sg_list = &s;
     wr.num_sge = 1;
-    if (ibv_post_recv(qp, &wr, &bad)) die("post_recv");
+    if (srq ? ibv_post_srq_recv(srq, &wr, &bad) : ibv_post_recv(qp, &wr, &bad)) die("post_recv");
   }
   void post_send(uint64_t id, const uint8_t* p, uint32_t len, unsigned flags) {
     ibv_sge s{reinterpret_cast<uintptr_t>(p), len, mr->lkey};
@@ -223,6 +226,7 @@ struct Link {
   int close(int rc) {
     ::close(sock);
     ibv_destroy_qp(qp);
+    if (srq) ibv_destroy_srq(srq);
     if (ah) ibv_destroy_ah(ah);
     ibv_dereg_mr(mr);
     ibv_destroy_cq(cq);
@@ -253,6 +257,13 @@ void connect(Link& l, bool server, const char* host, int port, uint32_t size, in
   qa.recv_cq = l.cq;
   qa.qp_type = g_ud ? IBV_QPT_UD : IBV_QPT_RC;
   qa.cap = {kDepth, kDepth, 1, 1, max_inline};
+  if (g_srq) {
+    ibv_srq_init_attr sa{};
+    sa.attr.max_wr = kDepth;
+    sa.attr.max_sge = 1;
+    if (!(l.srq = ibv_create_srq(l.pd, &sa))) die("creating the SRQ");
+    qa.srq = l.srq;
+  }
   l.qp = ibv_create_qp(l.pd, &qa);
   ibv_port_attr pa{};
   if (!l.qp || ibv_query_port(l.ctx, 1, &pa)) die("creating QP");
@@ -558,6 +569,10 @@ int main(int argc, char** argv) {
     const std::string arg = argv[k];
     if (arg == "--events") {
       g_events = true;
+      continue;
+    }
+    if (arg == "--srq") {
+      g_srq = true;
       continue;
     }
     if ((arg == "--timeout" || arg == "--stall-ms" || arg == "--depth") && k + 1 < argc) {
