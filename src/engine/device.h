@@ -643,9 +643,11 @@ class Device : public transport::Receiver {
   void tend_fed_srq(Qp& qp);
   /// Consumes the WQE peek_recv returned (the one the QP holds, if it holds one).
   void consume_recv(Qp& to);
-  /// Whether `to` holds receives of its SRQ in its own ring (RingHeader::srq_taken): a QP on an
-  /// SRQ with rings (not an XRC receive QP, which has none).
-  static bool holds_srq_recv(const Qp& to) { return to.srq && to.rq_hdr; }
+  /// Whether `to` holds a receive of its SRQ in its own ring now (RingHeader::srq_taken; only a
+  /// QP on an SRQ with rings can: not an XRC receive QP, which has none).
+  static bool holds_srq_recv(const Qp& to) {
+    return to.srq && to.rq_hdr && proto::srq_recv_held(*to.rq_hdr);
+  }
   /// Local side of a send: inline bytes or SGEs into src_. A status other than success (and
   /// `why`) when it fails; nothing is completed here.
   ibv_wc_status gather(const Qp& qp, const proto::SendWqe& w, uint8_t* inline_copy,

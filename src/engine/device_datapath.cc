@@ -51,7 +51,7 @@ bool Device::has_work(const Qp& qp) const {
   // posts without a mark (the library rings nothing then): looked at while in ERR.
   if (sq_work) return true;
   if (qp.srq)  // a receive it held that a full CQ kept from being flushed
-    return holds_srq_recv(qp) && qp.rq_hdr->srq_taken.load(std::memory_order_relaxed) == kSrqTaken;
+    return holds_srq_recv(qp);
   if (qp.rq_hdr->armed.load(std::memory_order_relaxed)) return true;
   const uint32_t rprod = qp.rq_hdr->producer.load(std::memory_order_acquire);
   return rprod != qp.rq_cons && rprod - qp.rq_cons <= qp.rq_size;
@@ -653,7 +653,7 @@ bool Device::flush(Qp& qp) {
   qp.sq_sent = qp.sq_cons;
   // Receives posted to an SRQ belong to the SRQ, not to this QP: they stay for the others; but
   // one the QP took for a message that never landed (take_recv) is its own and is flushed.
-  if (holds_srq_recv(qp) && qp.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+  if (holds_srq_recv(qp)) {
     Cqe e{};
     e.wr_id = qp.rq[0].wr_id;
     e.status = IBV_WC_WR_FLUSH_ERR;

@@ -98,7 +98,7 @@ const Mr* Device::rkey_target(const Qp& to, uint32_t rkey, RemoteMrView& view) c
 
 bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
   corrupt = false;
-  if (holds_srq_recv(to) && to.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+  if (holds_srq_recv(to)) {
     out = to.rq[0];  // taken for a message that has not landed yet: that message's
     return true;
   }
@@ -119,14 +119,9 @@ bool Device::peek_recv(Qp& to, RecvWqe& out, bool& corrupt) {
 }
 
 void Device::take_recv(Qp& to, const RecvWqe& r) {
-  if (!holds_srq_recv(to)) return;
-  RingHeader& h = *to.rq_hdr;
-  if (h.srq_taken.load(std::memory_order_acquire) == kSrqTaken) return;  // held already
-  // The copy first, then the flag, then the SRQ's cursor: a restart in between finds the flag
-  // with the SRQ still at `srq_taken_at` and moves it on (recover_receive).
-  to.rq[0] = r;
-  h.srq_taken_at.store(to.srq->cons, std::memory_order_relaxed);
-  h.srq_taken.store(kSrqTaken, std::memory_order_release);
+  // (An XRC receive QP has no ring: it takes its receive when the message lands.)
+  if (!to.srq || !to.rq_hdr || holds_srq_recv(to)) return;
+  hold_srq_wqe(*to.rq_hdr, to.rq[0], r, to.srq->cons);
   srq_consume(*to.srq);
 }
 
@@ -156,7 +151,7 @@ void Device::srq_limit_check(Srq& q, uint32_t cons) {
 }
 
 void Device::consume_recv(Qp& to) {
-  if (holds_srq_recv(to) && to.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken) {
+  if (holds_srq_recv(to)) {
     // The receive the QP held is used (for a message, keep_state's commit).
     to.rq_hdr->srq_taken.store(0, std::memory_order_release);
   } else if (to.srq) {
@@ -452,7 +447,7 @@ void Device::begin_commit(Qp& to, const Cq& ring, const Cqe& rc, uint32_t commit
                            static_cast<uint8_t>(rc.wc_flags)};
   h.commit_cq.store(prod + 1, std::memory_order_relaxed);
   // A receive the QP holds (take_recv): its SRQ index, and taking it is clearing srq_taken.
-  if (holds_srq_recv(to) && h.srq_taken.load(std::memory_order_relaxed) == kSrqTaken) {
+  if (holds_srq_recv(to)) {
     commit |= kCommitHeld;
     h.commit_rq.store(h.srq_taken_at.load(std::memory_order_relaxed) + 1,
                       std::memory_order_relaxed);
@@ -482,8 +477,7 @@ void Device::recover_receive(Qp& qp) {
   }
   // A receive taken from the SRQ for a message in progress, the SRQ's cursor not moved past it
   // yet: moved now (take_recv's order), so that it is the QP's alone.
-  const bool held =
-      holds_srq_recv(qp) && h.srq_taken.load(std::memory_order_acquire) == kSrqTaken;
+  const bool held = holds_srq_recv(qp);
   if (held && qp.srq->cons == h.srq_taken_at.load(std::memory_order_relaxed)) {
     qp.srq->cons++;
     qp.srq->hdr->consumer.store(qp.srq->cons, std::memory_order_release);

@@ -256,6 +256,20 @@ struct RecvWqe {
 };
 static_assert(sizeof(RecvWqe) == 16 + 256);
 
+/// Whether the QP whose RQ header is `rq` holds a receive of its SRQ (in its RQ's slot 0).
+inline bool srq_recv_held(const RingHeader& rq) {
+  return rq.srq_taken.load(std::memory_order_acquire) == kSrqTaken;
+}
+/// The SRQ's receive `w`, at its index `at`, becomes the QP's (RingHeader::srq_taken), before
+/// the taker moves the SRQ's cursor past it: the copy, then the index, then the flag, so that a
+/// restart in between finds the flag with the cursor still at `at` (Device::recover_receive).
+/// The backend (Device::take_recv) and a library on the direct path (hold_srq_recv) both.
+inline void hold_srq_wqe(RingHeader& rq, RecvWqe& slot0, const RecvWqe& w, uint32_t at) {
+  slot0 = w;
+  rq.srq_taken_at.store(at, std::memory_order_relaxed);
+  rq.srq_taken.store(kSrqTaken, std::memory_order_release);
+}
+
 /// One completion, a fixed-width image of ibv_wc.
 struct Cqe {
   uint64_t wr_id;

@@ -275,7 +275,7 @@ const RingHeader* receive_queue(const VQp& qp) {
 /// Whether a request that needs a receive can be executed now: one is posted (or, on an SRQ,
 /// held already), and its completion has room (rx_mu held: this library is the ring's producer).
 bool receivable(VQp& qp, RemoteQp& r) {
-  if (r.srq_tag && qp.rq_hdr->srq_taken.load(std::memory_order_acquire) == kSrqTaken)
+  if (r.srq_tag && srq_recv_held(*qp.rq_hdr))
     return has_room(r.recv);
   const RingHeader& h = *receive_queue(qp);
   const uint32_t size = r.srq_tag ? to_vsrq(qp.qp.srq)->size : qp.rq_size;
@@ -284,6 +284,10 @@ bool receivable(VQp& qp, RemoteQp& r) {
   return prod != cons && prod - cons <= size && has_room(r.recv);
 }
 
+/// take_rx_lock's spins, times this: a holder is another process or the backend taking one
+/// receive; a holder that died is the backend's to find (its orphan check), not ours.
+constexpr int kSrqLockTries = 16;
+
 /// A QP on an SRQ: the receive it holds (RingHeader::srq_taken, its RQ's slot 0), else the
 /// SRQ's next, taken under the SRQ's rx_lock and held from now on, as the backend's responder
 /// takes one (Device::take_recv): nothing else takes it while the payload comes, and a QP that
@@ -291,13 +295,9 @@ bool receivable(VQp& qp, RemoteQp& r) {
 /// posted rings our backend's doorbell for the QP, which raises the event (Device::
 /// tend_fed_srq). False: none posted, or the lock held past our spins (the peer hears kRnr and
 /// sends the request again).
-/// take_rx_lock's spins, times this: a holder is another process or the backend taking one
-/// receive; a holder that died is the backend's to find (its orphan check), not ours.
-constexpr int kSrqLockTries = 16;
-
 bool hold_srq_recv(VQp& qp) {
   RingHeader& mine = *qp.rq_hdr;
-  if (mine.srq_taken.load(std::memory_order_acquire) == kSrqTaken) return true;
+  if (srq_recv_held(mine)) return true;
   VSrq& q = *to_vsrq(qp.qp.srq);
   RingHeader& h = *q.hdr;
   const uint32_t tag = qp.remote->srq_tag;
@@ -313,10 +313,7 @@ bool hold_srq_recv(VQp& qp) {
   const bool ok = avail != 0 && avail <= q.size;
   uint32_t limit = 0;
   if (ok) {
-    // As take_recv: the copy, the flag, then the SRQ's cursor.
-    qp.rq[0] = q.entries[cons & (q.size - 1)];
-    mine.srq_taken_at.store(cons, std::memory_order_relaxed);
-    mine.srq_taken.store(kSrqTaken, std::memory_order_release);
+    hold_srq_wqe(mine, qp.rq[0], q.entries[cons & (q.size - 1)], cons);  // as take_recv
     h.consumer.store(cons + 1, std::memory_order_release);
     limit = h.srq_limit.load(std::memory_order_acquire);
   }
