@@ -77,13 +77,18 @@ int local_memory(VContext& ctx, VQp& qp, const ibv_send_wr& wr, Inflight& e, Mem
 /// A WR that cannot go out (an error of its own, or of one before it, or the connection ended)
 /// completes in order with its error, or flushed after one. True: the QP fails now (the caller
 /// moves it to ERR). After the peer's library went it fails with the rest when the retry budget
-/// runs out (doom; the reader that saw the connection end may not have got to it yet).
+/// runs out (doom; the reader that saw the connection end may not have got to it yet). Once the
+/// QP has failed (a NAK flushed it: its own to_error ends the connection too), or the budget ran
+/// out, the rest of a chain is flushed at once: doomed then, it waited for the budget and took
+/// RETRY_EXC_ERR as the new head (1 run in 8 of WorkOutstandingAtErrorIsFlushedInOrder).
 bool queue_failed(VQp& qp, RemoteQp& r, Inflight& e, int st) {
-  e.status = r.failing ? IBV_WC_WR_FLUSH_ERR : st != IBV_WC_SUCCESS ? st : IBV_WC_RETRY_EXC_ERR;
+  const bool failing = r.failing;
+  e.status = failing ? IBV_WC_WR_FLUSH_ERR : st != IBV_WC_SUCCESS ? st : IBV_WC_RETRY_EXC_ERR;
   r.failing = true;
   r.inflight.push_back(e);
-  const bool later = r.doomed_at || (st == IBV_WC_SUCCESS && r.out && r.out->broken.load() &&
-                                     doom(*r.out->hub, qp, r, kPeerGone));
+  const bool later = !r.failed.load() &&
+                     (r.doomed_at || (!failing && st == IBV_WC_SUCCESS && r.out &&
+                                      r.out->broken.load() && doom(*r.out->hub, qp, r, kPeerGone)));
   if (r.inflight.size() != 1 || later) return false;
   flush_inflight(qp, r, -1, "a WR failed on the direct path");
   return true;
@@ -186,8 +191,7 @@ bool remote_post(VQp& qp, ibv_send_wr*& wr, int& rc, ibv_send_wr** bad) {
     r->awaiting.fetch_add(1, std::memory_order_relaxed);
     // After a kRnr it waits in line for the peer's kResume (resend()).
     // A connection that breaks as we write: the peer's library went (doom), or we fail now.
-    if (!r->rnr && !write_request(*r, *r->out, q, true) &&
-        !doom(*r->out->hub, qp, *r, kPeerGone)) {
+    if (!r->rnr && !write_request(*r, *r->out, q, true) && !doom(*r->out->hub, qp, *r, kPeerGone)) {
       flush_inflight(qp, *r, IBV_WC_RETRY_EXC_ERR, "a WR failed on the direct path");
       fail = true;
     }
@@ -234,8 +238,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
   VContext& ctx = *to_vctx(qp.qp.context);
   // A QP that may bind windows answers its peer through the backend, which knows them.
   if (!remote_type(qp) || (qp.qp.srq && to_vsrq(qp.qp.srq)->xrc) || qp.mw_bind ||
-      ctx.mr_imports.load() ||
-      !(ctx.control_page()->features & kFeatureDirectRemote) ||
+      ctx.mr_imports.load() || !(ctx.control_page()->features & kFeatureDirectRemote) ||
       (qp.remote && (qp.remote->offered || qp.remote->reoffer.load() || qp.remote->dead ||
                      qp.remote->revoking.load())))
     return;
