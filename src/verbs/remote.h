@@ -86,6 +86,9 @@ struct RemoteQp {
   /// fail at this time (Hub::doomed, doom_tick), with `doomed_why`. 0: not doomed.
   uint64_t doomed_at = 0;
   const char* doomed_why = nullptr;
+  /// Since when `out`'s path has moved nothing of ours past TCP's own retries (ack_tick; the
+  /// hub's thread's, under Hub::qps_mu). 0: it moves.
+  uint64_t stalled_since = 0;
   bool send_overrun = false;          ///< `send` overran: IBV_EVENT_CQ_ERR raised (once)
   bool rnr = false;                   ///< the peer dropped requests from `resend_from` on (kRnr)
   uint64_t resend_from = 0;           ///< ... and they go again, in order, at its kResume

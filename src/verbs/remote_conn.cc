@@ -504,6 +504,7 @@ void run(Hub& h) {
       rnr_tick(h);
       revoke_tick(h);
       doom_tick(h);
+      ack_tick(h);
       resumed_at = t;
     }
     expire_pending(h, t);

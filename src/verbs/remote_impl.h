@@ -471,6 +471,10 @@ constexpr const char* kPeerGone = "the connection to the peer's library ended";
 /// The doomed QPs whose time has come: their WRs in flight fail (RETRY_EXC_ERR), the QP goes
 /// to ERR. The hub's tick (qps_mu taken here).
 void doom_tick(Hub& h);
+/// QPs with WRs in flight whose connection has moved nothing of theirs past TCP's own retries
+/// (an outage) for their retry budget: those WRs fail (RETRY_EXC_ERR), the QP goes to ERR, as
+/// through the backends. The hub's tick (qps_mu taken here).
+void ack_tick(Hub& h);
 /// Ends a QP's connections (it leaves RTS, or goes).
 /// `take_arrived` (the QP is destroyed): what the peer's library sent that has arrived is taken
 /// first, as a device executes what reached a QP while it lived.
