@@ -36,18 +36,6 @@ nap "$(awk -v d="$t_down" -v s="${IMPAIR_OUTAGE_S:-12}" -v now="$EPOCHREALTIME" 
 impair_up
 t_up=$IMPAIR_T
 log "link down for $(secs_between "$t_down" "$t_up") s"
-if [[ -n ${IMPAIR_DIRECT:-} ]]; then
-  # The new ping-pong's first messages go through the backends, whose connection the outage
-  # ended (the failed QP's state went to the peer's backend on it): it waits until they are
-  # connected again. Their redial after an outage is the plain variant's to test; a dial's
-  # SYNs (the kernel's 1 s, then its connect timeout) find the link 0-2 s after it is up, and
-  # a QP made meanwhile spends its budget (timeout 14: 0.54 s) on it.
-  # shellcheck disable=SC2016  # a Perl expression
-  VRDMA_SOCKET="$(host_sock 2)" wait_status \
-    '(grep { $_->{state} ne "connected" } @{$j->{backend}{peer_states}}) ? "no" : "yes"' yes 10 ||
-    IMPAIR_FAILED+=(backends_reconnect)
-  log "the backends are connected again $(secs_between "$t_up" "$EPOCHREALTIME") s after link-up"
-fi
 impair_try after check_pingpong after 200 30
 log "after: ibv_rc_pingpong -c -n 200 ended $(secs_between "$t_up" "$EPOCHREALTIME") s after link-up"
 impair_stats

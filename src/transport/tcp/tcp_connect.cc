@@ -1,7 +1,5 @@
 // The TCP transport's connections: endpoints, the listener, dials and redials, the TLS
 // handshake, Hello and who may be a peer. Owned by the engine thread (tcp_transport.h).
-#include "transport/tcp/tcp_transport.h"
-
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -20,6 +18,7 @@
 #include "common/guest_fault.h"
 #include "common/log.h"
 #include "common/rc_tcp.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::transport::tcp {
 
@@ -101,8 +100,10 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   }
   std::erase(rx_again_, c);
   for (Dial& d : dials_) {
+    if (d.probe == c) d.probe = nullptr;
     if (d.conn != c) continue;
-    d.conn = nullptr;  // redialed by the next poll after kRedialMs
+    // Redialed by the next poll after kRedialMs; or a probe still under way carries on.
+    d.conn = std::exchange(d.probe, nullptr);
     note_failure(d, why);
   }
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, c->fd.get(), nullptr);
@@ -111,7 +112,7 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   conns_.erase(it);
   c->fd.reset();
   accept_rest_.end();  // a descriptor is free again
-  c->txq.clear();  // drops the holds on guest memory; the engine replays what is unacknowledged
+  c->txq.clear();      // drops the holds on guest memory; the engine replays what is unacknowledged
   c->sink = {};
 }
 
@@ -164,25 +165,55 @@ void TcpTransport::note_failure(Dial& d, const std::string& why) {
 }
 
 void TcpTransport::dial(Dial& d, uint64_t now_ns) {
-  ++counters_.dials;
   d.next_ns = now_ns + d.backoff_ms * 1000000;
   d.backoff_ms = std::min(d.backoff_ms * 2, kRedialMaxMs);  // reset when a Hello arrives
+  d.conn = connect_to(d, now_ns);
+}
+
+TcpTransport::Conn* TcpTransport::connect_to(Dial& d, uint64_t now_ns) {
+  ++counters_.dials;
   UniqueFd fd(::socket(d.sa.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return note_failure(d, std::strerror(errno));
+  if (!fd.valid()) {
+    note_failure(d, std::strerror(errno));
+    return nullptr;
+  }
   int r = ::connect(fd.get(), d.sa.sa(), d.sa.len);
   if (r < 0 && errno != EINPROGRESS) {
-    return note_failure(d, std::strerror(errno));  // refused at once: try again later
+    note_failure(d, std::strerror(errno));  // refused at once: try again later
+    return nullptr;
   }
   Conn* c = add_conn(std::move(fd), d.addr, now_ns);
   c->expect = d.expect;
   c->connecting = r < 0;
   c->dialed_ns = now_ns;
-  d.conn = c;
   Hello h{};
   put_name(h.node, opt_.node);
   h.wire_version = kWireVersion;
   queue(*c, Type::kHello, &h, {}, {});
   if (c->connecting || c->tls) set_out(*c, true);  // TLS: the handshake starts when writable
+  return c;
+}
+
+void TcpTransport::probe(Dial& d, uint64_t now_ns) {
+  const uint64_t last = d.probe ? d.probe->dialed_ns : d.conn->dialed_ns;
+  if (now_ns - last < kProbeMs * 1000000) return;
+  if (d.probe) close_conn(d.probe, "a later attempt took over");
+  d.probe = connect_to(d, now_ns);
+}
+
+void TcpTransport::connected(Conn& c) {
+  for (Dial& d : dials_) {
+    if (d.probe == &c) {
+      // The probe got through first (the link is back; the first attempt's SYNs wait for the
+      // kernel's next try): it carries on as the dial, the first attempt goes.
+      Conn* first = d.conn;
+      d.conn = &c;
+      d.probe = nullptr;
+      if (first) close_conn(first, "a later attempt got through first");
+    } else if (d.conn == &c && d.probe) {
+      close_conn(d.probe, "the first attempt got through");
+    }
+  }
 }
 
 void TcpTransport::on_hello(Conn& c) {

@@ -164,7 +164,10 @@ uint64_t TcpTransport::next_deadline() const {
   auto at = [&](uint64_t t) { d = d == 0 ? t : std::min(d, t); };
   for (const Dial& x : dials_) {
     if (!x.conn && x.wanted && !connected_to(x.node.empty() ? x.expect : x.node)) at(x.next_ns);
-    if (x.conn && x.conn->connecting) at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
+    if (x.conn && x.conn->connecting) {
+      at(x.conn->dialed_ns + kConnectTimeoutMs * 1000000);
+      at((x.probe ? x.probe->dialed_ns : x.conn->dialed_ns) + kProbeMs * 1000000);
+    }
   }
   if (accept_rest_.until_ns()) at(accept_rest_.until_ns());
   if (!rx_again_.empty()) at(1);  // plaintext is waiting inside TLS: no event will say so
@@ -183,8 +186,12 @@ bool TcpTransport::poll(uint64_t now_ns) {
   now_ns_ = now_ns;
   accept_rest_.poll(now_ns);
   for (Dial& d : dials_) {
-    if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000)
+    if (d.conn && d.conn->connecting && now_ns - d.conn->dialed_ns > kConnectTimeoutMs * 1000000) {
       close_conn(d.conn, "connect timed out");
+      // A slow failure (it took the whole timeout): dialed again at once, not after a backoff.
+      if (!d.conn) d.next_ns = now_ns;
+    }
+    if (d.conn && d.conn->connecting) probe(d, now_ns);
     if (!d.conn && d.wanted && now_ns >= d.next_ns &&
         !connected_to(d.node.empty() ? d.expect : d.node))
       dial(d, now_ns);
@@ -228,6 +235,7 @@ bool TcpTransport::poll(uint64_t now_ns) {
         continue;
       }
       c->connecting = false;
+      connected(*c);
     }
     if (evs[i].events & EPOLLOUT) c->out_ready = true;
     if (c->tls && !c->tls->established()) {

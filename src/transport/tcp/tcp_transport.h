@@ -101,6 +101,12 @@ class TcpTransport final : public Transport {
   /// Above the kernel's first SYN retransmission (1 s) and a long path's RTT: a lost SYN is
   /// retried by the kernel before we give up on the dial.
   static constexpr uint64_t kConnectTimeoutMs = 3000;
+  /// While a connect is under way this long, another one starts beside it (a probe), and
+  /// replaces the last probe as often: the kernel sends a connect's SYN again only after 1 s,
+  /// then 2 s, so a link that comes back (an outage) was found 0-2 s late, and a QP made then
+  /// spent its retry budget (0.54 s at `timeout` 14) on the wait. The first attempt still
+  /// covers a path slower than this; whichever gets through first is the connection.
+  static constexpr uint64_t kProbeMs = 200;
   /// A close asked and not answered by then is given up (the connection stays); a connection
   /// closing by agreement whose peer has not shut its side by then is closed anyway.
   static constexpr uint64_t kCloseWaitMs = 5000;
@@ -252,6 +258,7 @@ class TcpTransport final : public Transport {
     std::string expect;  ///< "NODE@": only NODE may answer
     Endpoint sa;
     Conn* conn = nullptr;
+    Conn* probe = nullptr;  ///< a second connect beside `conn`'s, under way (kProbeMs)
     uint64_t next_ns = 0;
     uint64_t backoff_ms = kRedialMs;  ///< doubles while dials fail; back to kRedialMs on Hello
     std::string node;  ///< who answered there last; no redial while we have a connection to it
@@ -279,7 +286,14 @@ class TcpTransport final : public Transport {
   /// Accepts what is queued; false when the listener had to be paused (no descriptors).
   bool accept_all(uint64_t now_ns);
   void watch_listener(bool on);
+  /// Dials `d` (its connection in `conn`) and backs its next dial off.
   void dial(Dial& d, uint64_t now_ns);
+  /// A non-blocking connect to `d`'s address with our Hello queued; null when it failed at once.
+  Conn* connect_to(Dial& d, uint64_t now_ns);
+  /// `d`'s connect is under way: a probe beside it every kProbeMs.
+  void probe(Dial& d, uint64_t now_ns);
+  /// A dialed connection's connect finished: of a dial's attempt and its probe, the other goes.
+  void connected(Conn& c);
   Conn* add_conn(UniqueFd fd, const std::string& dialed, uint64_t now_ns);
   /// Moves the TLS handshake on; false when the connection failed (closed then).
   bool handshake(Conn& c);
