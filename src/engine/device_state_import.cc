@@ -678,8 +678,9 @@ Result<std::vector<ImportedSession>> Device::import_guest_impl(std::span<const u
 }
 
 // The backend that served the guest may have died (keep_state) between publishing a completion
-// and firing its CQ's channel (push_cqe, then notify): a waiter in ibv_get_cq_event would sleep
-// for ever beside a CQ that holds a completion. So whoever takes the state in (a restart, a
+// and firing its CQ's channel (push_cqe, then notify), or inside notify after it took the arm
+// back and before it wrote the event (RingHeader::firing): a waiter in ibv_get_cq_event would
+// sleep for ever beside a CQ that holds a completion. So whoever takes the state in (a restart, a
 // migration, a restore) fires every armed CQ that holds one, in its own ring or in a QP's own
 // ring (direct path) that stands for it. A spurious event is allowed, a lost one is not; the CQE
 // does not say whether it was solicited, so a solicited-only arm fires for any receive (and,
@@ -697,9 +698,15 @@ void Device::fire_owed_events(Session& s) {
       o.recv = (r.entries[i & (r.size - 1)].opcode & IBV_WC_RECV) != 0 ||
                r.entries[i & (r.size - 1)].status != IBV_WC_SUCCESS;
   };
-  for (auto& [h, cq] : s.cqs)
-    if (cq->channel != kNone && cq->hdr->armed.load(std::memory_order_acquire) != 0)
-      scan(owed[cq.get()], *cq, cq->prod);
+  for (auto& [h, cq] : s.cqs) {
+    if (cq->channel == kNone) continue;
+    // Killed inside notify, after the arm was taken back and maybe before its event: armed
+    // again with it (RingHeader::firing), so the completion it was for is fired below.
+    const uint32_t f = cq->hdr->firing.exchange(0, std::memory_order_acq_rel);
+    uint32_t expect = 0;
+    if (f == 1 || f == 2) cq->hdr->armed.compare_exchange_strong(expect, f);
+    if (cq->hdr->armed.load(std::memory_order_acquire) != 0) scan(owed[cq.get()], *cq, cq->prod);
+  }
   if (owed.empty()) return;
   // One pass over the QPs: each own ring counts for the CQ it stands for.
   for (const auto& [qh, qp] : s.qps) {

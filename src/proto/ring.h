@@ -137,7 +137,12 @@ struct alignas(64) RingHeader {
   /// Former padding: an older ring holds 0.
   AtomicU32 srq_taken;
   AtomicU32 srq_taken_at;
-  uint8_t pad3[44];
+  /// CQ only: the arm (1 or 2) the backend takes back while it writes the channel's event, 0
+  /// once written (Device::notify). A backend killed in between (keep_state) leaves it set, and
+  /// whoever takes the state in arms the CQ again with it and fires what it holds
+  /// (fire_owed_events): a spurious event rather than a lost one. Former padding.
+  AtomicU32 firing;
+  uint8_t pad3[40];
 };
 static_assert(sizeof(RingHeader) == 256);
 static_assert(offsetof(RingHeader, commit_flags) == 140 &&

@@ -86,6 +86,45 @@ TEST_F(ChannelMoveTest, AKeptStateFiresEveryArmedCqThatHoldsACompletion) {
   EXPECT_EQ(drain(c1_).size(), 1u);  // and the completion is there to poll
 }
 
+// Killed inside notify: the arm taken back (armed 0, `firing` says which it was), the event not
+// written yet. The restarted backend arms the CQ again with it and fires; a CQ whose arm the
+// guest has set again meanwhile (c2) keeps it, and gets the one event.
+TEST_F(ChannelMoveTest, AKeptStateFiresACqWhoseArmTheDeadBackendTookBackWithoutItsEvent) {
+  Kept kept = keep();
+  write_unfired(c1_, 1, IBV_WC_RECV);
+  c1_.hdr->firing.store(1);  // armed was 1; notify took it back and died before the write
+  write_unfired(c2_, 2, IBV_WC_SEND);
+  c2_.hdr->firing.store(2);
+  c2_.hdr->armed.store(1);   // the guest armed again since
+  c3_.hdr->firing.store(1);  // empty: nothing owed, the arm stays for the next completion
+  ASSERT_TRUE(events(chan_.get()).empty());
+
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle, c2_.handle}));
+  for (CqV* c : {&c1_, &c2_, &c3_}) EXPECT_EQ(c->hdr->firing.load(), 0u);
+  EXPECT_EQ(c3_.hdr->armed.load(), 1u);
+  EXPECT_EQ(drain(c1_).size(), 1u);
+}
+
+// notify notes the arm it takes back only while it writes the event: after it, nothing is owed.
+TEST_F(ChannelMoveTest, AFiredEventLeavesNothingOwed) {
+  QpV qa = qp(a_, acq_, c1_), qb = qp(b_, bcq_, bcq_);
+  connect(a_, qa, b_, qb);
+  connect(b_, qb, a_, qa);
+  c1_.hdr->armed.store(1);
+  post_recv(qa, 1, ma_.addr, 64, ma_.mr.lkey);
+  post_send(qb, 2, mb_.addr, 8, mb_.mr.lkey);
+  dev_.poll(now_);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+  EXPECT_EQ(c1_.hdr->firing.load(), 0u);
+  EXPECT_EQ(c1_.hdr->armed.load(), 0u);
+  Kept kept = keep();  // so a restart owes nothing: the guest did not arm again
+  Device restarted{next_quotas_};
+  take_in(restarted, kept, true);
+  EXPECT_TRUE(events(chan_.get()).empty());
+}
+
 // Solicited-only arming: the completion may have been a solicited receive (the CQE does not
 // say), so a receive completion gets the event (at worst a spurious one, which the verbs allow).
 TEST_F(ChannelMoveTest, ASolicitedArmGetsTheEventForAReceiveCompletion) {

@@ -1,5 +1,7 @@
 // The TCP transport's connections: endpoints, the listener, dials and redials, the TLS
 // handshake, Hello and who may be a peer. Owned by the engine thread (tcp_transport.h).
+#include "transport/tcp/tcp_transport.h"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -14,11 +16,11 @@
 #include <algorithm>
 #include <cstring>
 #include <ctime>
+#include <utility>
 
 #include "common/guest_fault.h"
 #include "common/log.h"
 #include "common/rc_tcp.h"
-#include "transport/tcp/tcp_transport.h"
 
 namespace vrdma::transport::tcp {
 
@@ -112,7 +114,7 @@ void TcpTransport::close_conn(Conn* c, const std::string& why) {
   conns_.erase(it);
   c->fd.reset();
   accept_rest_.end();  // a descriptor is free again
-  c->txq.clear();      // drops the holds on guest memory; the engine replays what is unacknowledged
+  c->txq.clear();  // drops the holds on guest memory; the engine replays what is unacknowledged
   c->sink = {};
 }
 
