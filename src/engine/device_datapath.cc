@@ -155,27 +155,17 @@ void Device::put_cqe(Cq& cq, const Cqe& e) {
 
 void Device::notify(Cq& cq, bool solicited) {
   if (cq.channel == kNone) return;  // nobody to notify
-  // Pairs with the guest's seq_cst store of `armed` before it polls the CQ once more: either the
-  // guest sees this completion, or we see its arm. Without the full fence, the store above and
-  // the load below may pass each other, both sides miss, and a waiter sleeps for ever.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  uint32_t armed = cq.hdr->armed.load(std::memory_order_acquire);
-  if (armed == 1 || (armed == 2 && solicited)) {
-    // The arm taken back is noted until its event is written: killed between the two, this
-    // backend would leave a disarmed CQ with a completion and no event (keep_state's stream
-    // slept for ever beside it: `lost event` in e2e.keep_state under ASan, one CI run).
-    cq.hdr->firing.store(armed, std::memory_order_seq_cst);
-    if (cq.hdr->armed.exchange(0, std::memory_order_acq_rel) != 0) {
-      auto ch = cq.owner->channels.find(cq.channel);
-      if (ch != cq.owner->channels.end()) {
-        uint32_t h = cq.handle;
-        if (::write(ch->second.write_end.get(), &h, sizeof(h)) != sizeof(h))
-          VLOG_WARN("guest {} session {}: completion channel {} full", cq.owner->guest->name,
-                    cq.owner->id, cq.channel);
-      }
-    }
-    cq.hdr->firing.store(0, std::memory_order_release);
-  }
+  // The arm taken back is noted until its event is written (proto::fire_armed): killed between
+  // the two, this backend left a disarmed CQ with a completion and no event (keep_state's stream
+  // slept for ever beside it: `lost event` in e2e.keep_state under ASan, one CI run).
+  proto::fire_armed(*cq.hdr, solicited, [&] {
+    auto ch = cq.owner->channels.find(cq.channel);
+    if (ch == cq.owner->channels.end()) return;
+    uint32_t h = cq.handle;
+    if (::write(ch->second.write_end.get(), &h, sizeof(h)) != sizeof(h))
+      VLOG_WARN("guest {} session {}: completion channel {} full", cq.owner->guest->name,
+                cq.owner->id, cq.channel);
+  });
 }
 
 // Retires the WQE at the head of the SQ. The slot is released before the completion is

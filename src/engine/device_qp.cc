@@ -398,6 +398,7 @@ Result<QueryQpResp> Device::query_qp(Session& s, uint32_t handle) {
 
 void Device::fail_peers(const Session& s) {
   if (s.qps.empty()) return;
+  std::vector<Session*> owed;
   for (Guest* g : active_guests_) {
     for (Qp* peer : g->active) {
       if (peer->owner == &s || peer->type == IBV_QPT_UD || peer->remote) continue;
@@ -407,8 +408,13 @@ void Device::fail_peers(const Session& s) {
       if (!to || to->owner != &s) continue;
       enter_error(*peer, "its connected peer's session ended");
       post_async(*peer->owner, IBV_EVENT_QP_FATAL, peer->handle);
+      if (std::find(owed.begin(), owed.end(), peer->owner) == owed.end())
+        owed.push_back(peer->owner);
     }
   }
+  // A direct peer's library that died inside fire() took the CQ's arm and wrote no event: the
+  // peer's waiter would sleep beside the completions it wrote (and the flushes above).
+  for (Session* p : owed) fire_owed_events(*p);
 }
 
 void Device::destroy_qp_now(Session& s, Qp& qp) {

@@ -700,11 +700,7 @@ void Device::fire_owed_events(Session& s) {
   };
   for (auto& [h, cq] : s.cqs) {
     if (cq->channel == kNone) continue;
-    // Killed inside notify, after the arm was taken back and maybe before its event: armed
-    // again with it (RingHeader::firing), so the completion it was for is fired below.
-    const uint32_t f = cq->hdr->firing.exchange(0, std::memory_order_acq_rel);
-    uint32_t expect = 0;
-    if (f == 1 || f == 2) cq->hdr->armed.compare_exchange_strong(expect, f);
+    proto::rearm_unfired(*cq->hdr);  // killed inside notify (RingHeader::firing)
     if (cq->hdr->armed.load(std::memory_order_acquire) != 0) scan(owed[cq.get()], *cq, cq->prod);
   }
   if (owed.empty()) return;

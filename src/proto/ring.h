@@ -137,10 +137,11 @@ struct alignas(64) RingHeader {
   /// Former padding: an older ring holds 0.
   AtomicU32 srq_taken;
   AtomicU32 srq_taken_at;
-  /// CQ only: the arm (1 or 2) the backend takes back while it writes the channel's event, 0
-  /// once written (Device::notify). A backend killed in between (keep_state) leaves it set, and
-  /// whoever takes the state in arms the CQ again with it and fires what it holds
-  /// (fire_owed_events): a spurious event rather than a lost one. Former padding.
+  /// CQ only: the arm (1 or 2) a producer took back while it writes the channel's event, 0 once
+  /// written (fire_armed). One killed in between leaves it set: a backend under keep_state,
+  /// whose successor arms the CQ again with it and fires what it holds (fire_owed_events), or a
+  /// direct peer's library, whose session's end does the same for its peers' CQs (fail_peers):
+  /// a spurious event rather than a lost one. Former padding.
   AtomicU32 firing;
   uint8_t pad3[40];
 };
@@ -149,7 +150,31 @@ static_assert(offsetof(RingHeader, commit_flags) == 140 &&
               offsetof(RingHeader, atomic_value) == 48 &&
               offsetof(RingHeader, commit_recv) == 160 && offsetof(RingHeader, psn_at) == 184 &&
               offsetof(RingHeader, direct_revoke) == 196 && offsetof(RingHeader, srq_limit) == 200 &&
-              offsetof(RingHeader, srq_taken) == 204);
+              offsetof(RingHeader, srq_taken) == 204 && offsetof(RingHeader, firing) == 212);
+
+/// A completion was published into the CQ whose ring header is `cq` (`solicited`: a solicited
+/// one, or one in error): if the CQ is armed for it, takes the arm back and calls
+/// `write_event()` to write the channel's event, the arm noted in `firing` meanwhile. The
+/// full fence pairs with the guest's seq_cst store of `armed` before it polls once more:
+/// either the guest sees the completion, or the producer sees its arm. The backend
+/// (Device::notify) and a direct peer's library (fire) both.
+template <class WriteEvent>
+void fire_armed(RingHeader& cq, bool solicited, WriteEvent&& write_event) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const uint32_t armed = cq.armed.load(std::memory_order_acquire);
+  if (!(armed == 1 || (armed == 2 && solicited))) return;
+  cq.firing.store(armed, std::memory_order_seq_cst);
+  if (cq.armed.exchange(0, std::memory_order_acq_rel) != 0) write_event();
+  cq.firing.store(0, std::memory_order_release);
+}
+/// A producer that died inside fire_armed may have taken the arm without writing its event:
+/// arms the CQ again with it (unless the guest armed it since). Then whoever fires what the
+/// CQ holds gives the event (at worst twice).
+inline void rearm_unfired(RingHeader& cq) {
+  const uint32_t f = cq.firing.exchange(0, std::memory_order_acq_rel);
+  uint32_t expect = 0;
+  if (f == 1 || f == 2) cq.armed.compare_exchange_strong(expect, f, std::memory_order_acq_rel);
+}
 /// RingHeader::srq_taken: slot 0 of the QP's own RQ holds a receive taken from its SRQ.
 inline constexpr uint32_t kSrqTaken = 1;
 inline constexpr uint32_t kCommitValid = 1;  ///< RingHeader::commit_flags: a message in progress

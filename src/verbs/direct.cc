@@ -140,13 +140,13 @@ uint32_t posted_receives(Grant& g, uint32_t cons) {
 
 void fire(Notify& n, bool solicited) {
   if (!n.hdr) return;
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  const uint32_t armed = n.hdr->armed.load(std::memory_order_acquire);
-  if (!(armed == 1 || (armed == 2 && solicited))) return;
-  if (n.hdr->armed.exchange(0, std::memory_order_acq_rel) == 0) return;  // the backend's
-  // Non-blocking; full only when the poller is 16384 events behind (the backend drops it too).
-  if (::write(n.write_end.get(), &n.cq, sizeof(n.cq)) != sizeof(n.cq))
-    VLOG_WARN("direct path: completion channel of CQ {} full", n.cq);
+  // As the backend fires (one rule: proto::fire_armed); if this process dies inside it, the
+  // end of its session arms the peer's CQ again (Device::fail_peers).
+  proto::fire_armed(*n.hdr, solicited, [&] {
+    // Non-blocking; full only when the poller is 16384 events behind (the backend drops it too).
+    if (::write(n.write_end.get(), &n.cq, sizeof(n.cq)) != sizeof(n.cq))
+      VLOG_WARN("direct path: completion channel of CQ {} full", n.cq);
+  });
 }
 
 namespace {

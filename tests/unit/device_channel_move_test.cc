@@ -61,6 +61,26 @@ class ChannelMoveTest : public DeviceTest {
     ASSERT_TRUE(r.is_ok()) << r.status().message();
   }
 
+  /// A QP of b granted the direct path to one of a whose receive CQ is c1_ (same uid, trusted):
+  /// `own` maps a's own receive ring, which stands for c1_ (what b's library writes).
+  void grant_b_to_a(CqV& own) {
+    dev_.set_direct(true);
+    dev_.set_direct_trust(true, {});
+    a_.s->uid = b_.s->uid = ::getuid();
+    QpV qb = qp(b_, bcq_, bcq_), qa = qp(a_, acq_, c1_);
+    connect(b_, qb, a_, qa);
+    connect(a_, qa, b_, qb);
+    std::vector<UniqueFd> fds;
+    auto g = dev_.direct_grant(*b_.s, qb.handle, fds);  // b -> a: a's own receive ring
+    ASSERT_TRUE(g.is_ok()) << g.status().message();
+    struct stat st {};
+    ASSERT_EQ(::fstat(fds[2].get(), &st), 0);
+    own.map = MappedRegion::map_shared(fds[2].get(), static_cast<size_t>(st.st_size));
+    own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
+    own.e = ring_entries<Cqe>(own.hdr);
+    own.size = g->recv_ring_entries;
+  }
+
   UniqueFd chan_;          ///< a's channel, the end its library reads
   CqV c1_, c2_, c3_, c4_;  ///< a's CQs on it
 };
@@ -179,22 +199,8 @@ TEST_F(ChannelMoveTest, AMigrationAndARestoreFireAnArmedCqThatHoldsACompletion) 
 // Direct path: a QP's own receive ring stands for its CQ. A completion the backend wrote there
 // before it died, with the CQ armed, gets the CQ's event after the restart.
 TEST_F(ChannelMoveTest, AKeptStateFiresAnArmedCqWhoseOwnRingHoldsACompletion) {
-  dev_.set_direct(true);
-  dev_.set_direct_trust(true, {});
-  a_.s->uid = b_.s->uid = ::getuid();
-  QpV qb = qp(b_, bcq_, bcq_), qa = qp(a_, acq_, c1_);
-  connect(b_, qb, a_, qa);
-  connect(a_, qa, b_, qb);
-  std::vector<UniqueFd> fds;
-  auto g = dev_.direct_grant(*b_.s, qb.handle, fds);  // b -> a: a's own receive ring
-  ASSERT_TRUE(g.is_ok()) << g.status().message();
   CqV own;
-  struct stat st {};
-  ASSERT_EQ(::fstat(fds[2].get(), &st), 0);
-  own.map = MappedRegion::map_shared(fds[2].get(), static_cast<size_t>(st.st_size));
-  own.hdr = reinterpret_cast<RingHeader*>(own.map.data());
-  own.e = ring_entries<Cqe>(own.hdr);
-  own.size = g->recv_ring_entries;
+  ASSERT_NO_FATAL_FAILURE(grant_b_to_a(own));
 
   Kept kept = keep();
   c1_.hdr->armed.store(1);
@@ -203,6 +209,21 @@ TEST_F(ChannelMoveTest, AKeptStateFiresAnArmedCqWhoseOwnRingHoldsACompletion) {
   Device restarted{next_quotas_};
   take_in(restarted, kept, true);
   EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+}
+
+// Direct path: the peer's library wrote a completion into a's own receive ring, took the CQ's
+// arm to fire it and died (SIGKILL) before it wrote the event. The end of its session arms the
+// CQ again and fires it: a's waiter wakes to the completion and the flush.
+TEST_F(ChannelMoveTest, APeerLibraryThatDiedInsideItsFireLeavesTheEventOwedToTheSessionsEnd) {
+  CqV own;
+  ASSERT_NO_FATAL_FAILURE(grant_b_to_a(own));
+  write_unfired(own, 7, IBV_WC_RECV);
+  c1_.hdr->firing.store(1);  // what fire() left: the arm taken back, no event written
+  ASSERT_TRUE(events(chan_.get()).empty());
+
+  dev_.close_session(b_.s);
+  EXPECT_EQ(events(chan_.get()), (std::multiset<uint32_t>{c1_.handle}));
+  EXPECT_EQ(c1_.hdr->firing.load(), 0u);
 }
 
 }  // namespace
