@@ -218,8 +218,8 @@ struct VQp {
   /// rnr_retry and min_rnr_timer, as last set: the direct path across backends counts the one
   /// and asks its peer to wait the other (remote_datapath.cc).
   uint8_t rnr_retry = 0, min_rnr_timer = 0;
-  /// timeout and retry_cnt, as last set: a peer library that goes fails what is in flight after
-  /// that budget (remote_datapath.cc, broken), as a fabric's retries would.
+  /// timeout and retry_cnt, as last set: a peer library that goes, or a path that moves nothing,
+  /// fails what is in flight after that budget (remote_timeout.cc), as a fabric's retries would.
   uint8_t ack_timeout = 14, retry_cnt = 7;
   /// The direct path across backends (remote.cc); made at the first offer or connection.
   std::unique_ptr<RemoteQp> remote;

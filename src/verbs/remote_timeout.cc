@@ -1,8 +1,8 @@
 // The direct path across backends: the requester's timers. What is in flight fails with
 // IBV_WC_RETRY_EXC_ERR, as on a fabric, when the QP's retry budget (timeout, retry_cnt) runs
 // out after the peer's library went (doom), or while the connection to it moves nothing
-// (ack_tick: an outage; docs/ARCHITECTURE.md, "RC over a bad network"). Never while TCP still
-// delivers: a slow path or a slow peer only waits.
+// (ack_tick: an outage; docs/ARCHITECTURE.md, "Reliability (RC)" under "Across backends").
+// Never while TCP still delivers: a slow path or a slow peer only waits.
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -119,15 +119,10 @@ void doom_tick(Hub& h) {
       return true;
     });
   }
-  for (VQp* qp : due) {
+  for (VQp* qp : due) {  // (flush_inflight moves the QP to ERR)
     RemoteQp& r = *qp->remote;
-    bool any;
-    {
-      std::lock_guard<std::mutex> g(r.fl_mu);
-      any = !r.inflight.empty();
-      if (any) flush_inflight(*qp, r, IBV_WC_RETRY_EXC_ERR, r.doomed_why);
-    }
-    if (any) to_error(*qp, r.doomed_why);
+    std::lock_guard<std::mutex> g(r.fl_mu);
+    if (!r.inflight.empty()) flush_inflight(*qp, r, IBV_WC_RETRY_EXC_ERR, r.doomed_why);
   }
 }
 
