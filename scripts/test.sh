@@ -109,7 +109,7 @@ if [[ ${VRDMA_PREBUILD:-1} != 0 ]]; then
   prebuild_pid=$!
   trap 'kill_tree "$prebuild_pid"' EXIT
 fi
-summary=() failed=0
+summary=() failed=0 tails=()
 for preset in "${presets[@]}"; do
   t0=$SECONDS
   if [[ -n $prebuild_pid && $preset != "${presets[0]}" ]]; then
@@ -117,8 +117,16 @@ for preset in "${presets[@]}"; do
     # build in run_preset then finds nothing to do, or rebuilds what failed, in the foreground.
     while [[ ! -e build/prebuild-$preset.rc ]] && kill -0 "$prebuild_pid" 2>/dev/null; do sleep 1; done
   fi
-  if run_preset "$preset" $(stage_tests "$preset"); then result=passed; else result=FAILED failed=1; fi
+  if run_preset "$preset" $(stage_tests "$preset"); then result=passed; else
+    result=FAILED failed=1 tails+=("$preset")
+  fi
   summary+=("$(printf '%-11s %-7s %4d s' "$preset" "$result" $((SECONDS - t0)))")
+done
+# A failed stage's tests again, each with the end of its output, next to the summary: a record that
+# keeps only the end of this script's output (a CI log's tail) still says what failed and how.
+for preset in "${tails[@]}"; do
+  echo "== $preset: the tests that failed"
+  python3 scripts/failed_tails.py "build/$preset" 30 || true
 done
 echo "== summary"
 printf '%s\n' "${summary[@]}"
