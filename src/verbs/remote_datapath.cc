@@ -693,15 +693,11 @@ void broken(Conn& c, VQp& qp, const char* why, bool lost = false) {
   rearm(c);
   if (!c.resp_in.load()) return;
   RemoteQp& r = *qp.remote;
-  bool any;
-  {
-    std::lock_guard<std::mutex> g(r.fl_mu);
-    any = !r.inflight.empty();
-    // The peer's library went (closed, reset): what is in flight fails later (doom).
-    if (any && lost && doom(*c.hub, qp, r, why)) return;
-    if (any) flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR, why);
-  }
-  if (any) to_error(qp, why);
+  std::lock_guard<std::mutex> g(r.fl_mu);
+  if (r.inflight.empty()) return;
+  // The peer's library went (closed, reset): what is in flight fails later (doom).
+  if (lost && doom(*c.hub, qp, r, why)) return;
+  flush_inflight(qp, r, IBV_WC_RETRY_EXC_ERR, why);  // (and moves the QP to ERR)
 }
 
 bool drain(Conn& c, bool defer_ack) {
