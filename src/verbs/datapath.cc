@@ -195,7 +195,7 @@ int poll_cq(ibv_cq* c, int n, ibv_wc* wc) {
   if (got) {
     publish_consumed(*cq);
     cq->empty_polls = 0;
-    if (cq->rclaimed) remote_release(*cq);
+    remote_found(*cq);
     poll_found();
   } else if (dead_on_empty_poll(*cq)) {
     cq->lock.unlock();

@@ -45,7 +45,7 @@ int start_poll(ibv_cq_ex* c, ibv_poll_cq_attr* attr) {
   ++cq->polls_unchecked;
   if (take_next(cq) || (remote_progress(*cq) && take_next(cq))) {
     cq->empty_polls = 0;
-    if (cq->rclaimed) remote_release(*cq);
+    remote_found(*cq);
     poll_found();
     return 0;
   }
