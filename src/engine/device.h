@@ -443,10 +443,14 @@ class Device : public transport::Receiver {
   /// every consumer then holds its rx_lock (Srq::direct).
   void feed_srq(Srq& q);
   /// A session's tag in rx_lock: its id plus this backend's random base (below 2^31, so no
-  /// tag is 0 or kRxLockBackend), so a tag left by a session of a backend that died (keep_state)
-  /// or of another one (a move) names none of this backend's live sessions but by a 1 in 2^31
-  /// chance: such a lock is taken over, not waited on until an unrelated session ends.
+  /// tag is 0 or kRxLockBackend), so that a tag left by a session that ended names none of the
+  /// live ones but by a 1 in 2^31 chance: such a lock is taken over, not waited on until an
+  /// unrelated session ends. A session that came from another backend (keep_state, a move)
+  /// keeps the tags it had there (Session::kept_rx_tags): its library outlived that backend
+  /// and may be inside a delivery with one (rx_tag_live).
   uint32_t rx_lock_tag(const Session& s) const { return s.id + rx_tag_base_; }
+  /// Whether rx_lock value `held` is a live session's tag, this backend's or a kept one.
+  bool rx_tag_live(uint32_t held) const;
   /// Whether `to` is connected to the requester (type, QPN and the requester's LID or GID).
   static bool accepts_from(const Qp& to, ibv_qp_type type, uint32_t src_qpn, uint16_t slid,
                            const uint8_t sgid[16]);

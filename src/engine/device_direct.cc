@@ -241,7 +241,7 @@ bool Device::rx_lock_try(AtomicU32& w, bool& busy) {
     if (w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     // Ours from before a crash (keep_state), or a session's that is gone (a process killed
     // inside a delivery): nobody will give it back.
-    const bool orphan = held == kRxLockBackend || sessions_.count(held - rx_tag_base_) == 0;
+    const bool orphan = held == kRxLockBackend || !rx_tag_live(held);
     if (orphan && w.compare_exchange_strong(held, kRxLockBackend, std::memory_order_acquire)) break;
     if (i + 1 == tries) {
       busy = true;
@@ -251,6 +251,18 @@ bool Device::rx_lock_try(AtomicU32& w, bool& busy) {
   }
   busy = false;
   return true;
+}
+
+bool Device::rx_tag_live(uint32_t held) const {
+  if (sessions_.count(held - rx_tag_base_)) return true;
+  // A library of a session restored from the backend before us (keep_state, a move) that has
+  // not asked for a grant since holds the lock with that backend's tag: taking it over would
+  // have two deliveries take the same receive (e2e.keep_state_ud: a datagram twice).
+  for (const auto& [id, s] : sessions_) {
+    for (const uint32_t t : s->kept_rx_tags)
+      if (t && t == held) return true;
+  }
+  return false;
 }
 
 void Device::rx_lock_give(Qp& to) {

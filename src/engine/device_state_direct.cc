@@ -94,6 +94,21 @@ void import_direct_offers(Importer& im, const json& list, Guest& g) {
 
 }  // namespace
 
+void import_rx_tags(Reader& rd, const json& js, Session& s) {
+  auto it = js.find("rx_tags");
+  if (it == js.end()) return;
+  if (!it->is_array()) return rd.fail("session's rx_tags");
+  size_t n = 0;
+  for (const json& t : *it) {
+    if (!t.is_number_unsigned()) return rd.fail("session's rx_tags");
+    const uint64_t v = t.get<uint64_t>();
+    // Not a session's (0: free, kRxLockBackend: a backend's own hold): never a live holder.
+    if (v == 0 || v >= kRxLockBackend) continue;
+    if (n == s.kept_rx_tags.size()) break;
+    s.kept_rx_tags[n++] = static_cast<uint32_t>(v);
+  }
+}
+
 void export_direct(const Guest& g, json& doc) {
   json qps = json::array();
   for (const Qp* qp : g.active) {

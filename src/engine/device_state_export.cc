@@ -261,6 +261,11 @@ Result<GuestExport> Device::export_guest(const std::string& name,
     const Session& s = *sp;
     if (s.guest != &g) continue;
     sessions.push_back(export_session(ex, s, sock_of(s)));
+    // The rx_lock tags its library may hold (Session::kept_rx_tags): ours, and those it kept.
+    json tags = json::array({rx_lock_tag(s)});
+    for (const uint32_t t : s.kept_rx_tags)
+      if (t) tags.push_back(t);
+    sessions.back()["rx_tags"] = std::move(tags);
     order.push_back(&s);
     ++ex.si;
   }

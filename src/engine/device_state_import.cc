@@ -247,8 +247,7 @@ std::unique_ptr<Qp> state::read_qp(Importer& im, const json& jq, QpRefs& refs) {
   }
   qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
   // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
-  // messages are replayed (or settled against a responder that is here now); from shm
-  // nothing is in flight.
+  // messages are replayed (or settled against a responder here now); from shm nothing is.
   if (auto r = jq.find("remote"); r != jq.end() && r->is_boolean() && r->get<bool>()) {
     auto pn = jq.find("peer_node");
     if (pn == jq.end() || !pn->is_string() || pn->get_ref<const std::string&>().size() > 255)
@@ -505,6 +504,7 @@ std::unique_ptr<Session> import_session(Importer& im, const json& js, Guest& g, 
   if (version >= 2) s->uid = rd.num<uint32_t>(js, "uid");
   s->comm = rd.str(js, "comm");
   s->next_handle = rd.num<uint32_t>(js, "next_handle");
+  state::import_rx_tags(rd, js, *s);
   s->control_fd = im.take(js, "control");
   s->control = im.map_memfd(s->control_fd, kPage, "control page");
   s->doorbell = im.take(js, "doorbell");

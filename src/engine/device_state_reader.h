@@ -149,6 +149,11 @@ void import_xrc_holds(Importer& im, const json& doc,
                       const std::vector<std::unique_ptr<Session>>& sessions, Guest& g,
                       uint32_t version);
 
+// The direct path (device_state_direct.cc).
+/// A session entry's `rx_tags` (an older blob has none): the rx_lock tags its library may still
+/// hold from the backends it comes from (Session::kept_rx_tags), newest first.
+void import_rx_tags(Reader& rd, const json& js, Session& s);
+
 // The direct path across backends (version 9, keep_state only; device_state_direct.cc).
 /// Writes what the backend knows of the guest's QPs on the direct path across backends and the
 /// peers' offers it holds (`direct_qps`, `direct_offers`): a keeper's blob only.

@@ -446,6 +446,10 @@ struct Session {
     MemProof proof;
   };
   std::vector<Proving> proving;
+  /// The rx_lock tags (Device::rx_lock_tag) its library was given by the backends it came from
+  /// (keep_state, a move): until it asks for a grant again it takes locks with one of those, and
+  /// a lock held with one is a live holder's, not an orphan (Device::rx_lock_try). 0: none.
+  std::array<uint32_t, 2> kept_rx_tags{};
 
   proto::ControlPage* control_page() const {
     return reinterpret_cast<proto::ControlPage*>(control.data());

@@ -173,9 +173,10 @@ TEST_F(DirectMoveTest, TheStateOfTheRespondingPeerCarriesItsOwnReceiveRing) {
 }
 
 // UD (issue 25): a destination that direct senders feed moves the same way: the grants into it
-// end before the freeze, its own receive ring travels, and a lock on its receive side held by
-// a session that did not come along (RingHeader::rx_lock) is taken over by the new backend.
-TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIsTakenOver) {
+// end before the freeze, and its own receive ring travels. A lock on its receive side held with
+// its own library's tag from before the move (RingHeader::rx_lock) is a live holder's: its
+// session came along, and its library may be inside a delivery; the backend waits for it.
+TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndItsLibrarysLockIsWaitedFor) {
   QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
   UdDest d = ud_dest(b_);
   std::vector<UniqueFd> fds;
@@ -184,8 +185,8 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   ASSERT_TRUE(g.is_ok()) << g.status().message();
   CqV send = map_own(fds[1].get(), g->grant.send_ring_entries);
   CqV recv = map_own(fds[2].get(), g->grant.recv_ring_entries);
-  // One datagram a's library delivered itself; then b's receive side is left locked by a
-  // session that will not exist on the backend b moves to (b's own, say, sending to itself).
+  // One datagram a's library delivered itself; then b's own library (sending to itself) holds
+  // b's receive side as the move begins.
   post_recv(ub, 30, mb_.addr, 1024, mb_.mr.lkey);
   ub.rq->consumer.store(1, std::memory_order_release);
   lib_push(recv, 30);
@@ -203,13 +204,20 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   auto r = dev_.import_guest(ex.blob, moved);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   b_.s = r.value()[0].session;
-  // A datagram through a's send queue: delivered after the library's, the lock given back.
+  // A datagram through a's send queue while the lock is held: lost (UD), the receive untouched.
   post_recv(ub, 32, mb_.addr, 1024, mb_.mr.lkey);
   post_ud(ua, 33, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
   dev_.poll(now_);
   dev_.poll(now_);
-  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30, 32}));
-  EXPECT_EQ(ids(drain(send)), (std::vector<uint64_t>{31, 33}));
+  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30})) << "the lock of b's live library was taken over";
+  EXPECT_EQ(ub.rq->rx_lock.load(), gb->lock_tag);
+  // Given back: the next datagram takes that receive, after the library's.
+  ub.rq->rx_lock.store(0);
+  post_ud(ua, 34, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
+  dev_.poll(now_);
+  dev_.poll(now_);
+  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{32}));
+  EXPECT_EQ(ids(drain(send)), (std::vector<uint64_t>{31, 33, 34}));
   EXPECT_EQ(ub.rq->rx_lock.load(), 0u);
   // Asked again, the grant is made again, at b's new epoch.
   auto again = dev_.direct_grant_ud(*a_.s, DirectUdReq{ua.handle, ub.qpn, d}, fds, peer);
@@ -217,11 +225,14 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndAnOrphanLockIs
   EXPECT_EQ(again->grant.peer_epoch, epoch_of(fds[4].get()));
 }
 
-// A UD receive side left locked by a session of a backend that died (a's library, killed inside
-// a delivery into b), taken in by the next backend, where an unrelated session has a's number:
-// the tag names none of its sessions (each backend's tags have a random base of their own), so
-// the lock is taken over and the datagram delivered, not dropped until that session ends.
-TEST_F(DirectMoveTest, AStaleUdLockTagNamesNoSessionOfTheNextBackend) {
+// keep_state (e2e.keep_state_ud's duplicated datagram): a's library is inside a delivery into b,
+// holding b's receive side with the tag the backend gave it, when that backend dies, and the
+// next one too: it outlives both, and the third backend, which took both guests in, must not
+// take the lock over while a's session lives (two deliveries would take the same receive: its
+// completion twice). Once a's session ends (its library died inside the delivery), the lock is
+// an orphan and taken over, though the third backend's own first session has the number a had
+// on the first (each backend's tags have a random base of their own).
+TEST_F(DirectMoveTest, AUdLockOfALibraryThatOutlivedItsBackendsIsWaitedForUntilItsSessionEnds) {
   QpV ua = ud_qp(a_, acq_, 9), ub = ud_qp(b_, bcq_, 9);
   UdDest d = ud_dest(b_);
   std::vector<UniqueFd> fds;
@@ -230,21 +241,39 @@ TEST_F(DirectMoveTest, AStaleUdLockTagNamesNoSessionOfTheNextBackend) {
   ASSERT_TRUE(g.is_ok()) << g.status().message();
   CqV recv = map_own(fds[2].get(), g->grant.recv_ring_entries);
   ub.rq->rx_lock.store(g->lock_tag);
-  GuestExport ka = export_of(dev_, "a"), kb = export_of(dev_, "b");
-
-  Device fresh{next_quotas_};
-  fresh.set_direct(true);
-  G other = open("other", &fresh);
-  ASSERT_EQ(other.s->id, a_.s->id);  // the next backend's first session has a's number
+  Device second{next_quotas_};
+  second.set_direct(true);
+  {
+    GuestExport ka = export_of(dev_, "a"), kb = export_of(dev_, "b");
+    std::vector<UniqueFd> fa = dup_all(ka.fds), fb = dup_all(kb.fds);
+    ASSERT_TRUE(second.import_guest(ka.blob, fa, true).is_ok());
+    ASSERT_TRUE(second.import_guest(kb.blob, fb, true).is_ok());
+  }
+  Device third{next_quotas_};
+  third.set_direct(true);
+  G other = open("other", &third);
+  ASSERT_EQ(other.s->id, a_.s->id);
+  GuestExport ka = export_of(second, "a"), kb = export_of(second, "b");
   std::vector<UniqueFd> fa = dup_all(ka.fds), fb = dup_all(kb.fds);
-  auto ra = fresh.import_guest(ka.blob, fa, true);
+  auto ra = third.import_guest(ka.blob, fa, true);
   ASSERT_TRUE(ra.is_ok()) << ra.status().message();
-  auto rb = fresh.import_guest(kb.blob, fb, true);
+  auto rb = third.import_guest(kb.blob, fb, true);
   ASSERT_TRUE(rb.is_ok()) << rb.status().message();
+  // Another guest's datagram while the lock is held: lost (UD), the receive untouched.
+  CqV ocq = cq(other);
+  QpV uo = ud_qp(other, ocq, 9);
+  MemV mo = mem(other);
   post_recv(ub, 50, mb_.addr, 1024, mb_.mr.lkey);
-  post_ud(ua, 51, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
-  fresh.poll(now_);
-  fresh.poll(now_);
+  post_ud(uo, 60, mo.addr, 8, mo.mr.lkey, d, ub.qpn, 9);
+  third.poll(now_);
+  third.poll(now_);
+  EXPECT_TRUE(drain(recv).empty()) << "the lock of a's live library was taken over";
+  EXPECT_EQ(ub.rq->rx_lock.load(), g->lock_tag);
+  // a's library died inside the delivery: its session ends, and the lock is taken over.
+  third.close_session(ra.value()[0].session);
+  post_ud(uo, 61, mo.addr, 8, mo.mr.lkey, d, ub.qpn, 9);
+  third.poll(now_);
+  third.poll(now_);
   EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{50}));
   EXPECT_EQ(ub.rq->rx_lock.load(), 0u);
 }
