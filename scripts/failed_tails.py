@@ -26,10 +26,11 @@ def failed_outputs(log):
         elif in_output:
             if not line.startswith("-" * 20) or output:
                 output.append(line)
-        elif name and line.startswith("Test ") and not line.startswith("Test time"):
-            # "Test Passed." or a failure: "Test Failed.", a timeout, a crash
-            if not line.startswith("Test Passed"):
-                yield name, output
+        elif name and line.startswith("Test Failed"):
+            # (a timeout and a crash say so too; a skipped test says "Test Pass Reason:")
+            yield name, output
+            name = None
+        elif name and line.startswith("Test Passed"):
             name = None
 
 
