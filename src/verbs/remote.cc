@@ -279,6 +279,13 @@ void learn_conns(VCq& cq, Hub& h) {
 bool armed_for_events(const VCq& cq) {
   return cq.cq.channel && cq.hdr->armed.load(std::memory_order_relaxed) != 0;
 }
+
+/// The application's polls of `cq` read `c` from now on, not the hub (Conn::claimed).
+void claim(VCq& cq, Conn& c) {
+  c.claimed.store(true);
+  rearm(c);
+  cq.rclaimed = true;
+}
 }  // namespace
 
 bool remote_progress(VCq& cq) {
@@ -302,9 +309,7 @@ bool remote_progress(VCq& cq) {
     const uint64_t ex = c->executed.load(std::memory_order_relaxed);
     const bool leave = seldom && ex != c->executed_polled.exchange(ex, std::memory_order_relaxed);
     if (!armed && !leave && !c->claimed.load(std::memory_order_relaxed)) {
-      c->claimed.store(true);
-      rearm(*c);
-      cq.rclaimed = true;
+      claim(cq, *c);
     } else if (leave && c->claimed.load(std::memory_order_relaxed)) {
       unclaim(*c);
     }
@@ -350,9 +355,7 @@ void remote_claim(VCq& cq) {
          c->executed.load(std::memory_order_relaxed) != 0) ||
         c->broken.load(std::memory_order_relaxed) || c->claimed.load(std::memory_order_relaxed))
       continue;
-    c->claimed.store(true);
-    rearm(*c);
-    cq.rclaimed = true;
+    claim(cq, *c);
   }
 }
 

@@ -145,11 +145,12 @@ bool remote_progress(VCq& cq);
 /// A poll of `cq` found a completion (CQ lock held). The connections it claimed (read by the
 /// application, not the hub, while it polls) that bring what it may now wait for in memory go
 /// back to the hub (remote_release). With none claimed (and at most 8 connections), it claims
-/// those that have brought no request of the peer's, as an empty poll does: an application whose every poll finds a
-/// completion (the hub completing its WRs while it posts: ib_write_bw across hosts) never
-/// claimed them, and every post then went out alone, the peer's hub woke for each and ours
-/// read the ACKs beside the posts: 64 B WRITEs on 8 QPs ran at 5-6 MB/s in 3 runs of 8 (the
-/// others, which claimed at an early empty poll, 60-94), now 83-91 in 8 of 8.
+/// those that have brought no request of the peer's, as an empty poll does: an application
+/// whose every poll finds a completion (the hub completing its WRs while it posts:
+/// ib_write_bw across hosts) never claimed them, and every post then went out alone, the
+/// peer's hub woke for each and ours read the ACKs beside the posts: 64 B WRITEs on 8 QPs ran
+/// at 5-6 MB/s in 3 runs of 8 (the others, which claimed at an early empty poll, 60-94), now
+/// 83-91 in 8 of 8.
 void remote_found(VCq& cq);
 /// After a completion is published into an own ring of a QP of `cq` by this library: fires
 /// the CQ's channel if it has one and is armed for it (as the backend does; direct.h's fire).

@@ -209,7 +209,8 @@ TEST_F(DirectMoveTest, AUdDestinationMovesWithItsOwnReceiveRingAndItsLibrarysLoc
   post_ud(ua, 33, ma_.addr, 8, ma_.mr.lkey, d, ub.qpn, 9);
   dev_.poll(now_);
   dev_.poll(now_);
-  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30})) << "the lock of b's live library was taken over";
+  EXPECT_EQ(ids(drain(recv)), (std::vector<uint64_t>{30}))
+      << "the lock of b's live library was taken over";
   EXPECT_EQ(ub.rq->rx_lock.load(), gb->lock_tag);
   // Given back: the next datagram takes that receive, after the library's.
   ub.rq->rx_lock.store(0);
