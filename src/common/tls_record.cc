@@ -5,6 +5,9 @@
 #include <openssl/evp.h>
 #include <openssl/kdf.h>
 
+#include <nettle/gcm.h>
+#include <nettle/memops.h>
+
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -67,6 +70,44 @@ bool expand_label(const char* digest, std::span<const uint8_t> secret, const cha
 
 }  // namespace
 
+/// Nettle's AES-GCM with the key of this generation (suite 0x1301 or 0x1302).
+struct RecordCipher::Small {
+  bool aes256 = false;
+  union {
+    gcm_aes128_ctx a128;
+    gcm_aes256_ctx a256;
+  };
+  void set_iv(const uint8_t* iv) {
+    if (aes256)
+      gcm_aes256_set_iv(&a256, 12, iv);
+    else
+      gcm_aes128_set_iv(&a128, 12, iv);
+  }
+  void aad(const uint8_t* p, size_t n) {
+    if (aes256)
+      gcm_aes256_update(&a256, n, p);
+    else
+      gcm_aes128_update(&a128, n, p);
+  }
+  void crypt(bool seal, uint8_t* dst, const uint8_t* src, size_t n) {
+    if (aes256)
+      (seal ? gcm_aes256_encrypt : gcm_aes256_decrypt)(&a256, n, dst, src);
+    else
+      (seal ? gcm_aes128_encrypt : gcm_aes128_decrypt)(&a128, n, dst, src);
+  }
+  void tag(uint8_t* out) {
+    if (aes256)
+      gcm_aes256_digest(&a256, kTlsTag, out);
+    else
+      gcm_aes128_digest(&a128, kTlsTag, out);
+  }
+};
+
+void RecordCipher::SmallFree::operator()(Small* s) const {
+  OPENSSL_cleanse(s, sizeof(*s));
+  delete s;
+}
+
 RecordCipher::~RecordCipher() {
   EVP_CIPHER_CTX_free(ctx_);
   OPENSSL_cleanse(key_, sizeof(key_));
@@ -98,6 +139,15 @@ bool RecordCipher::derive() {
   EVP_CIPHER_CTX_free(ctx_);
   ctx_ = EVP_CIPHER_CTX_new();
   seq_ = 0;
+  small_.reset();
+  if (suite_ == 0x1301 || suite_ == 0x1302) {
+    small_.reset(new Small);
+    small_->aes256 = suite_ == 0x1302;
+    if (small_->aes256)
+      gcm_aes256_set_key(&small_->a256, key_);
+    else
+      gcm_aes128_set_key(&small_->a128, key_);
+  }
   // The key is set once; each record sets only its nonce.
   const int ok = seal_ ? EVP_EncryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr)
                        : EVP_DecryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr);
@@ -128,6 +178,7 @@ size_t RecordCipher::seal(uint8_t type, std::span<const iovec> pieces, uint8_t* 
   out[2] = 3;
   out[3] = static_cast<uint8_t>(len >> 8);
   out[4] = static_cast<uint8_t>(len);
+  if (small_ && n + 1 <= kTlsSmallRecord) return seal_small(type, pieces, n, out);
   uint8_t iv[12];
   nonce(iv);
   int l = 0;
@@ -150,18 +201,54 @@ size_t RecordCipher::seal(uint8_t type, std::span<const iovec> pieces, uint8_t* 
   return kTlsHeader + len;
 }
 
-ssize_t RecordCipher::open(const uint8_t* rec, size_t len, uint8_t* out, uint8_t& type) {
+size_t RecordCipher::seal_small(uint8_t type, std::span<const iovec> pieces, size_t n,
+                                uint8_t* out) {
+  // Gathered into place first (Nettle takes a message in whole blocks but its last piece),
+  // then sealed in place.
+  uint8_t* body = out + kTlsHeader;
+  size_t at = 0;
+  for (const iovec& v : pieces) {
+    if (v.iov_len) std::memcpy(body + at, v.iov_base, v.iov_len);
+    at += v.iov_len;
+  }
+  body[n] = type;
+  uint8_t iv[12];
+  nonce(iv);
+  small_->set_iv(iv);
+  small_->aad(out, kTlsHeader);
+  small_->crypt(true, body, body, n + 1);
+  small_->tag(body + n + 1);
+  ++seq_;
+  return kTlsHeader + n + 1 + kTlsTag;
+}
+
+ssize_t RecordCipher::open_small(const uint8_t* rec, size_t len, uint8_t* out) {
   const size_t body = len - kTlsHeader - kTlsTag;
   uint8_t iv[12], tag[kTlsTag];
   nonce(iv);
-  std::memcpy(tag, rec + len - kTlsTag, kTlsTag);
-  int l = 0;
-  if (EVP_DecryptInit_ex(ctx_, nullptr, nullptr, nullptr, iv) != 1 ||
-      EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_SET_TAG, kTlsTag, tag) != 1 ||
-      EVP_DecryptUpdate(ctx_, nullptr, &l, rec, kTlsHeader) != 1 ||
-      EVP_DecryptUpdate(ctx_, out, &l, rec + kTlsHeader, static_cast<int>(body)) != 1 ||
-      EVP_DecryptFinal_ex(ctx_, out + body, &l) != 1)
-    return -1;
+  small_->set_iv(iv);
+  small_->aad(rec, kTlsHeader);
+  small_->crypt(false, out, rec + kTlsHeader, body);
+  small_->tag(tag);
+  return memeql_sec(tag, rec + len - kTlsTag, kTlsTag) ? static_cast<ssize_t>(body) : -1;
+}
+
+ssize_t RecordCipher::open(const uint8_t* rec, size_t len, uint8_t* out, uint8_t& type) {
+  const size_t body = len - kTlsHeader - kTlsTag;
+  if (small_ && body <= kTlsSmallRecord) {
+    if (open_small(rec, len, out) < 0) return -1;
+  } else {
+    uint8_t iv[12], tag[kTlsTag];
+    nonce(iv);
+    std::memcpy(tag, rec + len - kTlsTag, kTlsTag);
+    int l = 0;
+    if (EVP_DecryptInit_ex(ctx_, nullptr, nullptr, nullptr, iv) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx_, EVP_CTRL_AEAD_SET_TAG, kTlsTag, tag) != 1 ||
+        EVP_DecryptUpdate(ctx_, nullptr, &l, rec, kTlsHeader) != 1 ||
+        EVP_DecryptUpdate(ctx_, out, &l, rec + kTlsHeader, static_cast<int>(body)) != 1 ||
+        EVP_DecryptFinal_ex(ctx_, out + body, &l) != 1)
+      return -1;
+  }
   ++seq_;
   // The inner plaintext: content, its type, zero padding.
   size_t n = body;

@@ -634,6 +634,22 @@ TEST(TlsStream, ItsRecordsAreStandardTls13) {
   EXPECT_TRUE(x.move(big.data(), big.size(), false) == big);
 }
 
+// Records around the size where the layer changes its AES-GCM (kTlsSmallRecord: Nettle's
+// below, OpenSSL's above), both ways: OpenSSL's TLS reads ours and we read its.
+TEST(TlsStream, SmallAndLargeRecordsAreStandardTls13BothWays) {
+  OpenSslPeer x;
+  ASSERT_TRUE(x.up());
+  using tls::kTlsSmallRecord;
+  for (const size_t n : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{100},
+                         kTlsSmallRecord - 2, kTlsSmallRecord - 1, kTlsSmallRecord,
+                         kTlsSmallRecord + 1, size_t{700}, size_t{4096}}) {
+    std::vector<uint8_t> msg(n);
+    for (size_t i = 0; i < n; ++i) msg[i] = static_cast<uint8_t>(i * 13 + n);
+    EXPECT_TRUE(x.move(msg.data(), n, true) == msg) << n << " bytes to OpenSSL";
+    EXPECT_TRUE(x.move(msg.data(), n, false) == msg) << n << " bytes from OpenSSL";
+  }
+}
+
 // Guest memory is sealed where it is, under a fault guard: a record whose bytes fault goes out
 // as zeros (the stream stays whole), the others as they are.
 TEST(TlsStream, AGuestFaultWhileSealingSendsZeros) {

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -91,25 +92,33 @@ TEST(RecordStream, RecordsSealedFromAFramesPiecesOpenAsItsBytesInOrder) {
   EXPECT_EQ(p.a.produced(), total + 3 * (kTlsHeader + 1 + kTlsTag));
 }
 
+// A small record (Nettle's AES-GCM) and a large one (OpenSSL's), a bit flipped in the first
+// record's ciphertext or in its tag.
 TEST(RecordStream, AForgedRecordNeverReachesAnApplicationsMemory) {
-  Pair p;
-  std::vector<uint8_t> msg(20000, 0x42);
-  std::string why;
-  ASSERT_EQ(p.a.write(msg.data(), msg.size(), why), static_cast<ssize_t>(msg.size()));
-  // The first record's ciphertext, one bit flipped on the way.
-  std::vector<uint8_t> wire(p.a.produced());
-  ASSERT_EQ(p.a.push(p.fa.get()), 1);
-  ASSERT_EQ(::recv(p.fb.get(), wire.data(), wire.size(), 0), static_cast<ssize_t>(wire.size()));
-  wire[kTlsHeader + 100] ^= 0x01;
-  int relay[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, relay), 0);
-  const UniqueFd r0(relay[0]), r1(relay[1]);
-  ASSERT_EQ(::send(r0.get(), wire.data(), wire.size(), 0), static_cast<ssize_t>(wire.size()));
-  ASSERT_GT(p.b.pull(r1.get()), 0);
-  std::vector<uint8_t> app(msg.size(), 0xEE);
-  EXPECT_EQ(p.b.read(app.data(), app.size(), why, false), -1);
-  EXPECT_NE(why.find("forged or altered"), std::string::npos) << why;
-  EXPECT_EQ(app, std::vector<uint8_t>(msg.size(), 0xEE)) << "a forged record's bytes reached it";
+  for (const size_t size : {size_t{100}, size_t{20000}}) {
+    const size_t body = std::min(size, kTlsMaxPlain);
+    for (const size_t flip : {kTlsHeader + 50, kTlsHeader + body + 1 + 3}) {
+      SCOPED_TRACE(testing::Message() << size << " bytes, byte " << flip << " altered");
+      Pair p;
+      std::vector<uint8_t> msg(size, 0x42);
+      std::string why;
+      ASSERT_EQ(p.a.write(msg.data(), msg.size(), why), static_cast<ssize_t>(msg.size()));
+      // The first record's ciphertext, one bit flipped on the way.
+      std::vector<uint8_t> wire(p.a.produced());
+      ASSERT_EQ(p.a.push(p.fa.get()), 1);
+      ASSERT_EQ(::recv(p.fb.get(), wire.data(), wire.size(), 0), static_cast<ssize_t>(wire.size()));
+      wire[flip] ^= 0x01;
+      int relay[2];
+      ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, relay), 0);
+      const UniqueFd r0(relay[0]), r1(relay[1]);
+      ASSERT_EQ(::send(r0.get(), wire.data(), wire.size(), 0), static_cast<ssize_t>(wire.size()));
+      ASSERT_GT(p.b.pull(r1.get()), 0);
+      std::vector<uint8_t> app(msg.size(), 0xEE);
+      EXPECT_EQ(p.b.read(app.data(), app.size(), why, false), -1);
+      EXPECT_NE(why.find("forged or altered"), std::string::npos) << why;
+      EXPECT_EQ(app, std::vector<uint8_t>(msg.size(), 0xEE)) << "a forged record's bytes reached it";
+    }
+  }
 }
 
 TEST(RecordStream, AHelloIsReadWithoutAByteOfTheSocketPastItsRecord) {
