@@ -382,7 +382,7 @@ void remote_release(VCq& cq) {
       any = true;
       continue;
     }
-    unclaim(*c);
+    unclaim(*c, /*ack_now=*/false);  // it rides on our next request (kAckDeferNs)
   }
   cq.rclaimed = any;
 }

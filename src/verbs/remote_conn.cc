@@ -15,6 +15,7 @@
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -408,12 +409,54 @@ void release_idle_claims(Hub& h) {
   for (const auto& c : idle) unclaim(*c);
 }
 
-void unclaim(Conn& c) {
+namespace {
+void arm_ack_timer(Hub& h, uint64_t ns) {
+  const itimerspec at{{0, 0}, {static_cast<time_t>(ns / 1000000000),
+                               static_cast<long>(ns % 1000000000)}};
+  ::timerfd_settime(h.ack_timer.get(), 0, &at, nullptr);
+}
+}  // namespace
+
+void unclaim(Conn& c, bool ack_now) {
   c.claimed.store(false);
   flush_held(c);  // requests held for a poll that did not come
-  send_ack(c);    // (nothing on a connection that carries no requests to us)
+  if (ack_now) {
+    send_ack(c);  // (nothing on a connection that carries no requests to us)
+  } else if (c.executed.load() != c.acked.load()) {
+    c.ack_deferred_ns.store(mono_ns());
+    if (!c.hub->ack_armed.exchange(true)) arm_ack_timer(*c.hub, kAckDeferNs);
+  }
   rearm(c);
 }
+
+namespace {
+/// Hub::ack_timer fired: what the connections no poll reads have owed for a while goes now.
+void send_deferred_acks(Hub& h) {
+  uint64_t n;
+  [[maybe_unused]] const ssize_t got = ::read(h.ack_timer.get(), &n, sizeof(n));
+  h.ack_armed.store(false);  // before the scan: a deferral after it arms the timer itself
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    conns = h.conns;
+  }
+  const uint64_t now = mono_ns();
+  uint64_t next = 0;  ///< the soonest a younger deferral is due
+  for (const auto& c : conns) {
+    const uint64_t at = c->ack_deferred_ns.load();
+    if (!at || c->claimed.load() || c->broken.load()) continue;  // none, or a poll's
+    if (now - at < kAckDeferNs / 2) {
+      const uint64_t due = at + kAckDeferNs - now;
+      next = next ? std::min(next, due) : due;
+      continue;
+    }
+    c->ack_deferred_ns.store(0);
+    std::lock_guard<std::mutex> g(c->rx_mu);  // (nak_sent, and as drain sends it)
+    if (c->qp) send_ack(*c);  // (nothing if it rode on a request meanwhile)
+  }
+  if (next && !h.ack_armed.exchange(true)) arm_ack_timer(h, next);
+}
+}  // namespace
 
 /// RNR waits: kResumes owed for receives posted since (post_recv sends them itself; this
 /// catches a completion ring that had no room, and a post that raced with the kRnr), and
@@ -461,9 +504,10 @@ void run(Hub& h) {
       const size_t nl = h.nlisteners.load(std::memory_order_acquire);
       const bool listener = std::any_of(h.listeners.begin(), h.listeners.begin() + nl,
                                         [&](const Watch& l) { return &l == w; });
-      const Watch::Kind kind = w == &h.stop_w   ? Watch::kStop
-                               : w == &h.wake_w ? Watch::kWake
-                               : listener       ? Watch::kListen
+      const Watch::Kind kind = w == &h.stop_w    ? Watch::kStop
+                               : w == &h.wake_w  ? Watch::kWake
+                               : w == &h.ack_w   ? Watch::kAckTimer
+                               : listener        ? Watch::kListen
                                : std::any_of(h.pending.begin(), h.pending.end(),
                                              [&](const auto& p) { return p.get() == w; })
                                    ? Watch::kPending
@@ -476,6 +520,9 @@ void run(Hub& h) {
           [[maybe_unused]] const ssize_t got = ::read(h.wake.get(), &n, sizeof(n));
           break;
         }
+        case Watch::kAckTimer:
+          send_deferred_acks(h);
+          break;
         case Watch::kListen:
           accept_all(h, *static_cast<Hub::Listener*>(w));
           break;
@@ -523,7 +570,8 @@ Hub* hub_of(VContext& ctx) {
   h->ep = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
   h->stop = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   h->wake = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid()) {
+  h->ack_timer = UniqueFd(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  if (!h->ep.valid() || !h->stop.valid() || !h->wake.valid() || !h->ack_timer.valid()) {
     VLOG_WARN("direct path: cannot start the hub: {}", std::strerror(errno));
     return nullptr;
   }
@@ -535,6 +583,7 @@ Hub* hub_of(VContext& ctx) {
   }
   epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
+  epoll_set(*h, EPOLL_CTL_ADD, h->ack_timer.get(), EPOLLIN, &h->ack_w);
   Hub* raw = h.get();
   h->thr = std::thread([raw] { run(*raw); });
   ctx.hub = std::move(h);

@@ -111,6 +111,17 @@ constexpr int kClaimMs = 10;
 /// connection unclaimed the hub's wake-ups for the ACKs took the CPU from it: its 4 KiB stream
 /// across hosts fell 5x.)
 constexpr uint64_t kUnclaimGapNs = 200'000;
+/// A claim a poll gives back on finding a completion (remote_release: the application may now
+/// wait in its memory for the peer's WRITE) leaves the ACK it owes to ride on the application's
+/// next request, which in a WRITE ping-pong (ib_write_lat) follows within microseconds: the
+/// peer, still polling for that ACK, then reads the WRITE with it and executes it in its own
+/// poll, where an ACK sent alone ended the peer's poll and left the WRITE to its hub's wake-up
+/// (37 µs typical one way across the namespace hosts, ib_send_lat's 4.2). Neither posting nor
+/// polling within this long (a poll sends what it owes), the hub sends it (Hub::ack_timer):
+/// a peer's WR waits at most ~1.5 ms for it then. The hub wakes about once per this long while
+/// ACKs are deferred; at 200 µs those wake-ups made ib_write_lat's average 24-39 µs, at 1 ms
+/// 11-16 (typical 5-8 in both).
+constexpr uint64_t kAckDeferNs = 1'000'000;
 /// After the hub took a request off a connection it polls for this long before it sleeps again
 /// (VRDMA_POLL_SPIN_US overrides; 0 sleeps at once), as the backend does (--spin-us): a target
 /// that spins on its memory (ib_write_lat) takes the next request without a wake-up, which costs
@@ -147,7 +158,7 @@ using namespace dlink;
 /// connection. The kind is told by the object's address (run()), never read through it: a
 /// connection may be gone by the time its event is looked at.
 struct Watch {
-  enum Kind { kStop, kWake, kListen, kPending, kConn };
+  enum Kind { kStop, kWake, kAckTimer, kListen, kPending, kConn };
 };
 
 /// A connection to a peer's library. Its fields go by what guards them, group by group (the
@@ -204,6 +215,8 @@ struct Conn : Watch {
   std::atomic<uint32_t> polls{0};
   uint32_t polls_seen = 0;  ///< the hub's thread's only
   std::atomic<uint64_t> executed_polled{0};  ///< `executed` at the last empty poll (kUnclaimGapNs)
+  /// When unclaim(c, false) left an ACK owed (mono_ns; 0: none): Hub::ack_timer's.
+  std::atomic<uint64_t> ack_deferred_ns{0};
 
   // Writing: under tx_mu, what the socket did not take yet.
   std::mutex tx_mu;
@@ -240,6 +253,13 @@ struct Hub {
   UniqueFd ep, stop;
   UniqueFd wake;  ///< a connection the thread did not make: its wait gets the tick (hub_timeout)
   Watch stop_w, wake_w;
+  /// Deferred ACKs (kAckDeferNs): armed by unclaim(c, false) when `ack_armed` was clear (a
+  /// timer costs a VM exit: ~10 µs on the 2-vCPU VM, more than the ACK's send); when it fires,
+  /// the hub sends the ACKs deferred at least half that long ago that did not ride on a
+  /// request since, and arms it again for younger ones.
+  UniqueFd ack_timer;
+  Watch ack_w;
+  std::atomic<bool> ack_armed{false};
   /// A listener on one address of this host: the one our backend says the peer's library
   /// dials (several only when QPs face backends reached through different addresses). Made by
   /// the application's thread under listen_mu, published by `nlisteners`; from then on only
@@ -451,8 +471,9 @@ void set_sock_opts(int fd);
 /// to write (while there is a backlog).
 void rearm(Conn& c);
 /// The application's claim on `c` ends: the hub reads it again, what was held for the next poll
-/// goes out, and the ACK owed with it.
-void unclaim(Conn& c);
+/// goes out, and the ACK owed with it: now, or with `ack_now` false on the application's next
+/// request or from the hub kAckDeferNs later, whichever comes first.
+void unclaim(Conn& c, bool ack_now = true);
 /// The process's hub, started on first use (an epoll set, a thread; listeners come with the
 /// first offer on each address, listen_on()). Null when it cannot be made.
 Hub* hub_of(VContext& ctx);

@@ -2155,6 +2155,47 @@ TEST_F(Conformance, ASeldomPollerLeavesThePeersRequestsToTheHub) {
   EXPECT_TRUE(released) << "the peer's atomics waited for our polls a millisecond apart";
 }
 
+// Across backends: the poll that executes the peer's request and finds the completion the
+// application waits for gives its claim back (it may now wait in its memory) and leaves the ACK
+// it owes to ride on its next request (kAckDeferNs): a WRITE ping-pong then needs no hub
+// wake-up. An application that makes no further call still has it sent, by its hub: the peer's
+// SEND completes.
+TEST_F(Conformance, AnAckLeftForTheNextRequestGoesWhenNoneComes) {
+  if (!across_) GTEST_SKIP() << "the libraries' connections: across backends only";
+  Pair p = pair(IBV_QPT_RC);
+  ASSERT_NE(p.qp, nullptr);
+  // SENDs that land, until the peer's come from its library.
+  for (uint64_t i = 1; i < 4000 && (i == 1 || !peer_requests_direct(p.qp)); ++i) {
+    ASSERT_EQ(post_recv(p.qp, 10 + i, 4096, 64), 0);
+    ASSERT_EQ(peer_.send(p.peer, IBV_WR_SEND, 0, 64, i), 0);
+    const auto wcs = peer_.poll(1);
+    ASSERT_EQ(wcs.size(), 1u);
+    ASSERT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+    ASSERT_EQ(poll(cq_, 1).size(), 1u);
+  }
+  ASSERT_TRUE(peer_requests_direct(p.qp)) << "the peer's SENDs never came from its library";
+  const vrdma::verbs::Conn* c = vrdma::verbs::to_vqp(p.qp)->remote->in_raw.load();
+  ASSERT_NE(c, nullptr);
+  // One receive; polls that claim the connection, and go on until the peer's SEND has come.
+  ASSERT_EQ(post_recv(p.qp, 1, 4096, 64), 0);
+  ibv_wc wc;
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(ibv_poll_cq(cq_, 1, &wc), 0);
+  EXPECT_TRUE(c->claimed.load()) << "a busy poller reads its connections itself";
+  ASSERT_EQ(peer_.send(p.peer, IBV_WR_SEND, 0, 64, 77), 0);
+  int got = 0;
+  for (const auto until = Clock::now() + std::chrono::seconds(10); !got && Clock::now() < until;)
+    got = ibv_poll_cq(cq_, 1, &wc);
+  ASSERT_EQ(got, 1);
+  EXPECT_EQ(wc.status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wc.wr_id, 1u);
+  EXPECT_FALSE(c->claimed.load()) << "a poll that found what it waited for kept its claim";
+  // No call of ours from here on: the peer's SEND completes all the same.
+  const auto wcs = peer_.poll(1);
+  ASSERT_EQ(wcs.size(), 1u) << "the ACK we owed never went";
+  EXPECT_EQ(wcs[0].status, IBV_WC_SUCCESS);
+  EXPECT_EQ(wcs[0].wr_id, 77u);
+}
+
 // 70 QPs that share one CQ: on the direct path (one host) each has an own send ring feeding it,
 // 70, more than one kDirectRings answer holds (64; 64 QPs sharing one CQ for their sends and
 // receives have 128). Across backends a process dials at most VRDMA_DIRECT_REMOTE_QPS (8)
