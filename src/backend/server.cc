@@ -547,10 +547,22 @@ Status Server::run() {
     keep_direct_changes();  // keep_state: before any command can act on them
     if (work) last_work = now;
     int timeout = 0;
-    const bool spinning = now - last_work < uint64_t(opt_.spin_us) * 1000;
+    const bool spinning =
+        now - last_work < uint64_t(opt_.spin_us) * 1000 && now >= spin_off_until_;
     if (spinning) {
       // Busy: look at the sockets only now and then; idle-spinning: give the CPU away.
-      if (!work) ::sched_yield();
+      if (!work) {
+        ::sched_yield();
+        if (const uint64_t back = now_ns(); back - now >= kYieldStallNs) {
+          spin_off_until_ = back + kYieldStalledNs;
+          uint64_t held = 0;
+          if (yield_log_.ready(back, held))
+            VLOG_INFO("a yield of the data path's spin kept it off its CPU {:.1f} ms (the "
+                      "threads beside it do not yield back): it sleeps between work for {} ms, "
+                      "woken by the guests' doorbells{}",
+                      double(back - now) / 1e6, kYieldStalledNs / 1000000, log::held_note(held));
+        }
+      }
       if ((++iter & 63) != 0) continue;
     } else if (now - last_command < command_spin_ns) {
       // Just answered a command: in a burst the guest's next one follows within µs (a QP's

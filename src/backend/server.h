@@ -179,6 +179,14 @@ class Server {
   /// (at most --spin-us): the spin of a caller for its answer (common/answer_spin.h), here for
   /// the next command; it stops when commands stop following within it. Engine thread.
   AnswerSpin next_command_;
+  /// The spin after work gives the CPU away between polls (sched_yield). A yield that kept the
+  /// loop off its CPU this long means the threads beside it do not yield back (programs that
+  /// spin on their memory, ib_write_lat's targets; CPU-bound ones): each yield then costs the
+  /// guests' next request a scheduler time slice (4 ms), so the loop sleeps instead of
+  /// spinning, woken by the guests' doorbells, for kYieldStalledNs before it tries again.
+  static constexpr uint64_t kYieldStallNs = 1'000'000, kYieldStalledNs = 250'000'000;
+  uint64_t spin_off_until_ = 0;  ///< the loop does not spin after work until then
+  log::Every yield_log_{60'000'000'000};
   log::Every stall_log_{1'000'000'000};
   uint32_t stall_turns_ = 0;
   rusage stall_ru_{};  ///< the thread's usage at the last account
