@@ -469,6 +469,12 @@ Status Server::handle(Conn& c, std::vector<uint8_t>& msg, std::vector<UniqueFd>&
   return send_msg(c.sock.get(), out, out_fds);
 }
 
+uint32_t Server::note_yield_stall(uint64_t now_ns) {
+  stalls_ = now_ns - last_stall_ns_ < kYieldStallGapNs ? stalls_ + 1 : 1;
+  last_stall_ns_ = now_ns;
+  return stalls_;
+}
+
 void Server::note_stall(uint64_t awake_ns, uint64_t now_ns) {
   if (awake_ns < kStallNs) {
     // A baseline for the next stall's account, now and then (a system call: not every turn).
@@ -553,14 +559,17 @@ Status Server::run() {
       // Busy: look at the sockets only now and then; idle-spinning: give the CPU away.
       if (!work) {
         ::sched_yield();
-        if (const uint64_t back = now_ns(); back - now >= kYieldStallNs) {
+        if (const uint64_t back = now_ns(); back - now >= kYieldStallNs &&
+                                             note_yield_stall(back) >= kYieldStalls) {
+          stalls_ = 0;
           spin_off_until_ = back + kYieldStalledNs;
           uint64_t held = 0;
           if (yield_log_.ready(back, held))
-            VLOG_INFO("a yield of the data path's spin kept it off its CPU {:.1f} ms (the "
-                      "threads beside it do not yield back): it sleeps between work for {} ms, "
-                      "woken by the guests' doorbells{}",
-                      double(back - now) / 1e6, kYieldStalledNs / 1000000, log::held_note(held));
+            VLOG_INFO("{} yields of the data path's spin kept it off its CPU 1 ms or more ({:.1f} "
+                      "the last; the threads beside it do not yield back): it sleeps between "
+                      "work for {} ms, woken by the guests' doorbells{}",
+                      kYieldStalls, double(back - now) / 1e6, kYieldStalledNs / 1000000,
+                      log::held_note(held));
         }
       }
       if ((++iter & 63) != 0) continue;

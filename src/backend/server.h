@@ -179,13 +179,23 @@ class Server {
   /// (at most --spin-us): the spin of a caller for its answer (common/answer_spin.h), here for
   /// the next command; it stops when commands stop following within it. Engine thread.
   AnswerSpin next_command_;
-  /// The spin after work gives the CPU away between polls (sched_yield). A yield that kept the
-  /// loop off its CPU this long means the threads beside it do not yield back (programs that
-  /// spin on their memory, ib_write_lat's targets; CPU-bound ones): each yield then costs the
-  /// guests' next request a scheduler time slice (4 ms), so the loop sleeps instead of
-  /// spinning, woken by the guests' doorbells, for kYieldStalledNs before it tries again.
-  static constexpr uint64_t kYieldStallNs = 1'000'000, kYieldStalledNs = 250'000'000;
+  /// The spin after work gives the CPU away between polls (sched_yield). Yields that keep the
+  /// loop off its CPU kYieldStallNs or more, kYieldStalls of them less than kYieldStallGapNs
+  /// apart, mean the threads beside it do not yield back (programs that spin on their memory,
+  /// ib_write_lat's targets; CPU-bound ones): each yield then costs the guests' next request a
+  /// scheduler time slice (4 ms), so the loop sleeps instead of spinning, woken by the guests'
+  /// doorbells, for kYieldStalledNs before it tries again. (Such a yield now and then is the
+  /// scheduler's business: across hosts, where the spin also reads the transport, turning it
+  /// off at the first, or after 3 within 100 ms, made ib_write_lat through the backends
+  /// 10.5 -> 12-35 µs; with 20 it stays at 10-11, and the same host's case still turns it off.)
+  static constexpr uint64_t kYieldStallNs = 1'000'000, kYieldStallGapNs = 100'000'000,
+                            kYieldStalledNs = 250'000'000;
+  static constexpr uint32_t kYieldStalls = 20;
   uint64_t spin_off_until_ = 0;  ///< the loop does not spin after work until then
+  uint64_t last_stall_ns_ = 0;   ///< the last long yield
+  uint32_t stalls_ = 0;          ///< long yields, each within kYieldStallGapNs of the one before
+  /// One more long yield at `now_ns`: how many in a row (stalls_).
+  uint32_t note_yield_stall(uint64_t now_ns);
   log::Every yield_log_{60'000'000'000};
   log::Every stall_log_{1'000'000'000};
   uint32_t stall_turns_ = 0;
