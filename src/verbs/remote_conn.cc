@@ -451,7 +451,7 @@ void send_deferred_acks(Hub& h) {
       continue;
     }
     c->ack_deferred_ns.store(0);
-    std::lock_guard<std::mutex> g(c->rx_mu);  // (nak_sent, and as drain sends it)
+    std::lock_guard<std::mutex> g(c->rx_mu);  // as drain sends it
     if (c->qp) send_ack(*c);  // (nothing if it rode on a request meanwhile)
   }
   if (next && !h.ack_armed.exchange(true)) arm_ack_timer(h, next);

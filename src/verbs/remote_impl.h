@@ -201,7 +201,10 @@ struct Conn : Watch {
   bool uc_dead = false;  ///< responder, UC: our QP failed a receive; every request is lost
   RecvWqe rwqe{};        ///< responder: the receive WQE the frame lands in
   uint32_t rcons = 0;
-  bool nak_sent = false;  ///< responder: after a NAK, requests are dropped until the peer closes
+  /// Responder: after a NAK, requests are dropped until the peer closes. Written under rx_mu;
+  /// atomic because send_ack reads it from threads that do not hold rx_mu (a poll's first look,
+  /// the hub's release of an idle claim).
+  std::atomic<bool> nak_sent{false};
   /// Responder: requests executed (written under rx_mu), and how many of them the peer has been
   /// told of (by an ACK here, or riding on a request of ours on the other connection).
   std::atomic<uint64_t> executed{0}, acked{0};
