@@ -409,13 +409,6 @@ void release_idle_claims(Hub& h) {
   for (const auto& c : idle) unclaim(*c);
 }
 
-namespace {
-void arm_ack_timer(Hub& h, uint64_t ns) {
-  const itimerspec at{{0, 0}, {static_cast<time_t>(ns / 1000000000),
-                               static_cast<long>(ns % 1000000000)}};
-  ::timerfd_settime(h.ack_timer.get(), 0, &at, nullptr);
-}
-}  // namespace
 
 void unclaim(Conn& c, bool ack_now) {
   c.claimed.store(false);
@@ -429,34 +422,6 @@ void unclaim(Conn& c, bool ack_now) {
   rearm(c);
 }
 
-namespace {
-/// Hub::ack_timer fired: what the connections no poll reads have owed for a while goes now.
-void send_deferred_acks(Hub& h) {
-  uint64_t n;
-  [[maybe_unused]] const ssize_t got = ::read(h.ack_timer.get(), &n, sizeof(n));
-  h.ack_armed.store(false);  // before the scan: a deferral after it arms the timer itself
-  std::vector<std::shared_ptr<Conn>> conns;
-  {
-    std::lock_guard<std::mutex> g(h.mu);
-    conns = h.conns;
-  }
-  const uint64_t now = mono_ns();
-  uint64_t next = 0;  ///< the soonest a younger deferral is due
-  for (const auto& c : conns) {
-    const uint64_t at = c->ack_deferred_ns.load();
-    if (!at || c->claimed.load() || c->broken.load()) continue;  // none, or a poll's
-    if (now - at < kAckDeferNs / 2) {
-      const uint64_t due = at + kAckDeferNs - now;
-      next = next ? std::min(next, due) : due;
-      continue;
-    }
-    c->ack_deferred_ns.store(0);
-    std::lock_guard<std::mutex> g(c->rx_mu);  // as drain sends it
-    if (c->qp) send_ack(*c);  // (nothing if it rode on a request meanwhile)
-  }
-  if (next && !h.ack_armed.exchange(true)) arm_ack_timer(h, next);
-}
-}  // namespace
 
 /// RNR waits: kResumes owed for receives posted since (post_recv sends them itself; this
 /// catches a completion ring that had no room, and a post that raced with the kRnr), and

@@ -477,6 +477,10 @@ void rearm(Conn& c);
 /// goes out, and the ACK owed with it: now, or with `ack_now` false on the application's next
 /// request or from the hub kAckDeferNs later, whichever comes first.
 void unclaim(Conn& c, bool ack_now = true);
+/// Hub::ack_timer goes off `ns` from now (remote_timeout.cc), and what it does then: the ACKs
+/// deferred at least half kAckDeferNs ago go, and it is armed again for younger ones.
+void arm_ack_timer(Hub& h, uint64_t ns);
+void send_deferred_acks(Hub& h);
 /// The process's hub, started on first use (an epoll set, a thread; listeners come with the
 /// first offer on each address, listen_on()). Null when it cannot be made.
 Hub* hub_of(VContext& ctx);

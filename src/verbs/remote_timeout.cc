@@ -2,11 +2,13 @@
 // IBV_WC_RETRY_EXC_ERR, as on a fabric, when the QP's retry budget (timeout, retry_cnt) runs
 // out after the peer's library went (doom), or while the connection to it moves nothing
 // (ack_tick: an outage; docs/ARCHITECTURE.md, "Reliability (RC)" under "Across backends").
-// Never while TCP still delivers: a slow path or a slow peer only waits.
+// Never while TCP still delivers: a slow path or a slow peer only waits. And the responder's:
+// the ACKs a poll left to ride on the application's next request (Hub::ack_timer).
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -124,6 +126,40 @@ void doom_tick(Hub& h) {
     std::lock_guard<std::mutex> g(r.fl_mu);
     if (!r.inflight.empty()) flush_inflight(*qp, r, IBV_WC_RETRY_EXC_ERR, r.doomed_why);
   }
+}
+
+/// Hub::ack_timer goes off `ns` from now.
+void arm_ack_timer(Hub& h, uint64_t ns) {
+  const itimerspec at{{0, 0}, {static_cast<time_t>(ns / 1000000000),
+                               static_cast<long>(ns % 1000000000)}};
+  ::timerfd_settime(h.ack_timer.get(), 0, &at, nullptr);
+}
+
+/// Hub::ack_timer fired: what the connections no poll reads have owed for a while goes now.
+void send_deferred_acks(Hub& h) {
+  uint64_t n;
+  [[maybe_unused]] const ssize_t got = ::read(h.ack_timer.get(), &n, sizeof(n));
+  h.ack_armed.store(false);  // before the scan: a deferral after it arms the timer itself
+  std::vector<std::shared_ptr<Conn>> conns;
+  {
+    std::lock_guard<std::mutex> g(h.mu);
+    conns = h.conns;
+  }
+  const uint64_t now = mono_ns();
+  uint64_t next = 0;  ///< the soonest a younger deferral is due
+  for (const auto& c : conns) {
+    const uint64_t at = c->ack_deferred_ns.load();
+    if (!at || c->claimed.load() || c->broken.load()) continue;  // none, or a poll's
+    if (now - at < kAckDeferNs / 2) {
+      const uint64_t due = at + kAckDeferNs - now;
+      next = next ? std::min(next, due) : due;
+      continue;
+    }
+    c->ack_deferred_ns.store(0);
+    std::lock_guard<std::mutex> g(c->rx_mu);  // as drain sends it
+    if (c->qp) send_ack(*c);  // (nothing if it rode on a request meanwhile)
+  }
+  if (next && !h.ack_armed.exchange(true)) arm_ack_timer(h, next);
 }
 
 }  // namespace vrdma::verbs::dlink
