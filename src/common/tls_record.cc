@@ -7,6 +7,7 @@
 
 #include <nettle/gcm.h>
 #include <nettle/memops.h>
+#include <nettle/nettle-meta.h>
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -27,11 +28,12 @@ struct Suite {
   const char* digest;
   const EVP_CIPHER* (*cipher)();
   size_t key;
+  const nettle_aead* small;  ///< the same AEAD in Nettle, for small records (kTlsSmallRecord)
 };
-constexpr Suite kSuites[] = {
-    {0x1301, "SHA256", EVP_aes_128_gcm, 16},
-    {0x1302, "SHA384", EVP_aes_256_gcm, 32},
-    {0x1303, "SHA256", EVP_chacha20_poly1305, 32},
+const Suite kSuites[] = {
+    {0x1301, "SHA256", EVP_aes_128_gcm, 16, &nettle_gcm_aes128},
+    {0x1302, "SHA384", EVP_aes_256_gcm, 32, &nettle_gcm_aes256},
+    {0x1303, "SHA256", EVP_chacha20_poly1305, 32, nullptr},
 };
 
 const Suite* suite_of(uint16_t id) {
@@ -70,37 +72,10 @@ bool expand_label(const char* digest, std::span<const uint8_t> secret, const cha
 
 }  // namespace
 
-/// Nettle's AES-GCM with the key of this generation (suite 0x1301 or 0x1302).
+/// Nettle's AEAD of the suite with the key of this generation.
 struct RecordCipher::Small {
-  bool aes256 = false;
-  union {
-    gcm_aes128_ctx a128;
-    gcm_aes256_ctx a256;
-  };
-  void set_iv(const uint8_t* iv) {
-    if (aes256)
-      gcm_aes256_set_iv(&a256, 12, iv);
-    else
-      gcm_aes128_set_iv(&a128, 12, iv);
-  }
-  void aad(const uint8_t* p, size_t n) {
-    if (aes256)
-      gcm_aes256_update(&a256, n, p);
-    else
-      gcm_aes128_update(&a128, n, p);
-  }
-  void crypt(bool seal, uint8_t* dst, const uint8_t* src, size_t n) {
-    if (aes256)
-      (seal ? gcm_aes256_encrypt : gcm_aes256_decrypt)(&a256, n, dst, src);
-    else
-      (seal ? gcm_aes128_encrypt : gcm_aes128_decrypt)(&a128, n, dst, src);
-  }
-  void tag(uint8_t* out) {
-    if (aes256)
-      gcm_aes256_digest(&a256, kTlsTag, out);
-    else
-      gcm_aes128_digest(&a128, kTlsTag, out);
-  }
+  const nettle_aead* aead;
+  alignas(16) uint8_t ctx[sizeof(gcm_aes256_ctx)];  ///< the largest of kSuites' contexts
 };
 
 void RecordCipher::SmallFree::operator()(Small* s) const {
@@ -140,13 +115,9 @@ bool RecordCipher::derive() {
   ctx_ = EVP_CIPHER_CTX_new();
   seq_ = 0;
   small_.reset();
-  if (suite_ == 0x1301 || suite_ == 0x1302) {
-    small_.reset(new Small);
-    small_->aes256 = suite_ == 0x1302;
-    if (small_->aes256)
-      gcm_aes256_set_key(&small_->a256, key_);
-    else
-      gcm_aes128_set_key(&small_->a128, key_);
+  if (s.small && s.small->context_size <= sizeof(Small::ctx)) {
+    small_.reset(new Small{s.small, {}});
+    s.small->set_encrypt_key(small_->ctx, key_);  // (GCM: the same key both ways)
   }
   // The key is set once; each record sets only its nonce.
   const int ok = seal_ ? EVP_EncryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr)
@@ -212,31 +183,32 @@ size_t RecordCipher::seal_small(uint8_t type, std::span<const iovec> pieces, siz
     at += v.iov_len;
   }
   body[n] = type;
+  const nettle_aead& a = *small_->aead;
   uint8_t iv[12];
   nonce(iv);
-  small_->set_iv(iv);
-  small_->aad(out, kTlsHeader);
-  small_->crypt(true, body, body, n + 1);
-  small_->tag(body + n + 1);
+  a.set_nonce(small_->ctx, iv);
+  a.update(small_->ctx, kTlsHeader, out);
+  a.encrypt(small_->ctx, n + 1, body, body);
+  a.digest(small_->ctx, kTlsTag, body + n + 1);
   ++seq_;
   return kTlsHeader + n + 1 + kTlsTag;
 }
 
-ssize_t RecordCipher::open_small(const uint8_t* rec, size_t len, uint8_t* out) {
-  const size_t body = len - kTlsHeader - kTlsTag;
+bool RecordCipher::open_small(const uint8_t* rec, size_t len, uint8_t* out) {
+  const nettle_aead& a = *small_->aead;
   uint8_t iv[12], tag[kTlsTag];
   nonce(iv);
-  small_->set_iv(iv);
-  small_->aad(rec, kTlsHeader);
-  small_->crypt(false, out, rec + kTlsHeader, body);
-  small_->tag(tag);
-  return memeql_sec(tag, rec + len - kTlsTag, kTlsTag) ? static_cast<ssize_t>(body) : -1;
+  a.set_nonce(small_->ctx, iv);
+  a.update(small_->ctx, kTlsHeader, rec);
+  a.decrypt(small_->ctx, len - kTlsHeader - kTlsTag, out, rec + kTlsHeader);
+  a.digest(small_->ctx, kTlsTag, tag);
+  return memeql_sec(tag, rec + len - kTlsTag, kTlsTag);
 }
 
 ssize_t RecordCipher::open(const uint8_t* rec, size_t len, uint8_t* out, uint8_t& type) {
   const size_t body = len - kTlsHeader - kTlsTag;
   if (small_ && body <= kTlsSmallRecord) {
-    if (open_small(rec, len, out) < 0) return -1;
+    if (!open_small(rec, len, out)) return -1;
   } else {
     uint8_t iv[12], tag[kTlsTag];
     nonce(iv);

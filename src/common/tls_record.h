@@ -30,8 +30,8 @@ constexpr size_t kTlsMaxRecord = kTlsHeader + kTlsMaxPlain + 256;
 /// Records of at most this much inner plaintext (content and type) are sealed and opened with
 /// Nettle's AES-GCM, larger ones with OpenSSL's: the same AEAD and the same bytes on the wire,
 /// but OpenSSL 3.0's EVP layer spends ~3,000 instructions a record looking up parameters by
-/// name (setting the nonce, getting and setting the tag), 0.15 µs to seal and open a 64-byte
-/// record against Nettle's 0.05, while its stitched AES-GCM moves 16 KiB twice as fast.
+/// name (setting the nonce, getting and setting the tag), 0.46 µs to seal and open a 64-byte
+/// record against Nettle's 0.16, while its stitched AES-GCM moves 16 KiB twice as fast.
 /// The crossover on this machine kind is ~700 bytes (docs/ARCHITECTURE.md, "TLS").
 constexpr size_t kTlsSmallRecord = 512;
 /// Inner content types (RFC 8446, 5.1).
@@ -71,9 +71,9 @@ class RecordCipher {
   bool derive();
   void nonce(uint8_t* out) const;
   size_t seal_small(uint8_t type, std::span<const iovec> pieces, size_t n, uint8_t* out);
-  ssize_t open_small(const uint8_t* rec, size_t len, uint8_t* out);
+  bool open_small(const uint8_t* rec, size_t len, uint8_t* out);
 
-  struct Small;  ///< Nettle's GCM context for small records (AES suites; nullptr for others)
+  struct Small;  ///< Nettle's context for small records (AES-GCM suites; nullptr for others)
   struct SmallFree {
     void operator()(Small* s) const;
   };

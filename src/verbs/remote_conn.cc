@@ -409,7 +409,6 @@ void release_idle_claims(Hub& h) {
   for (const auto& c : idle) unclaim(*c);
 }
 
-
 void unclaim(Conn& c, bool ack_now) {
   c.claimed.store(false);
   flush_held(c);  // requests held for a poll that did not come
@@ -421,7 +420,6 @@ void unclaim(Conn& c, bool ack_now) {
   }
   rearm(c);
 }
-
 
 /// RNR waits: kResumes owed for receives posted since (post_recv sends them itself; this
 /// catches a completion ring that had no room, and a post that raced with the kRnr), and
