@@ -12,7 +12,7 @@ PACKAGES=(
   iproute2 procps curl systemd iperf3 python3
   clang-14 libclang-rt-14-dev
   debhelper lintian
-  libssl-dev openssl nettle-dev
+  libssl-dev openssl libipsec-mb-dev
   libcurl4-openssl-dev etcd-server etcd-client
 )
 

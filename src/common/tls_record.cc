@@ -5,9 +5,7 @@
 #include <openssl/evp.h>
 #include <openssl/kdf.h>
 
-#include <nettle/gcm.h>
-#include <nettle/memops.h>
-#include <nettle/nettle-meta.h>
+#include <intel-ipsec-mb.h>
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -28,13 +26,23 @@ struct Suite {
   const char* digest;
   const EVP_CIPHER* (*cipher)();
   size_t key;
-  const nettle_aead* small;  ///< the same AEAD in Nettle, for small records (kTlsSmallRecord)
+  bool gcm;  ///< AES-GCM: sealed and opened through Intel's ipsec-mb (RecordCipher::Gcm)
 };
 const Suite kSuites[] = {
-    {0x1301, "SHA256", EVP_aes_128_gcm, 16, &nettle_gcm_aes128},
-    {0x1302, "SHA384", EVP_aes_256_gcm, 32, &nettle_gcm_aes256},
-    {0x1303, "SHA256", EVP_chacha20_poly1305, 32, nullptr},
+    {0x1301, "SHA256", EVP_aes_128_gcm, 16, true},
+    {0x1302, "SHA384", EVP_aes_256_gcm, 32, true},
+    {0x1303, "SHA256", EVP_chacha20_poly1305, 32, false},
 };
+
+/// ipsec-mb's functions for this CPU (chosen once, read-only after): null when it has none.
+const IMB_MGR* gcm_lib() {
+  static const IMB_MGR* const m = [] {
+    IMB_MGR* r = alloc_mb_mgr(0);
+    if (r) init_mb_mgr_auto(r, nullptr);
+    return r;
+  }();
+  return m;
+}
 
 const Suite* suite_of(uint16_t id) {
   for (const Suite& s : kSuites)
@@ -72,15 +80,17 @@ bool expand_label(const char* digest, std::span<const uint8_t> secret, const cha
 
 }  // namespace
 
-/// Nettle's AEAD of the suite with the key of this generation.
-struct RecordCipher::Small {
-  const nettle_aead* aead;
-  alignas(16) uint8_t ctx[sizeof(gcm_aes256_ctx)];  ///< the largest of kSuites' contexts
+/// ipsec-mb's AES-GCM with the key of this generation (its round keys and GHASH powers).
+struct RecordCipher::Gcm {
+  gcm_key_data key;
+  aes_gcm_init_t init;
+  aes_gcm_enc_dec_update_t update;  ///< encrypt or decrypt, as the direction is
+  aes_gcm_enc_dec_finalize_t finalize;
 };
 
-void RecordCipher::SmallFree::operator()(Small* s) const {
-  OPENSSL_cleanse(s, sizeof(*s));
-  delete s;
+void RecordCipher::GcmFree::operator()(Gcm* g) const {
+  OPENSSL_cleanse(g, sizeof(*g));
+  delete g;
 }
 
 RecordCipher::~RecordCipher() {
@@ -111,17 +121,28 @@ bool RecordCipher::derive() {
   if (!expand_label(s.digest, secret_, "key", key_, s.key) ||
       !expand_label(s.digest, secret_, "iv", iv_, sizeof(iv_)))
     return false;
-  EVP_CIPHER_CTX_free(ctx_);
-  ctx_ = EVP_CIPHER_CTX_new();
   seq_ = 0;
-  small_.reset();
-  if (s.small && s.small->context_size <= sizeof(Small::ctx)) {
-    small_.reset(new Small{s.small, {}});
-    s.small->set_encrypt_key(small_->ctx, key_);  // (GCM: the same key both ways)
+  EVP_CIPHER_CTX_free(ctx_);
+  ctx_ = nullptr;
+  gcm_.reset();
+  if (const IMB_MGR* m = gcm_lib(); s.gcm && m) {
+    const bool k128 = s.key == 16;
+    gcm_.reset(new Gcm{});
+    Gcm& g = *gcm_;
+    g.init = k128 ? m->gcm128_init : m->gcm256_init;
+    g.update = seal_ ? (k128 ? m->gcm128_enc_update : m->gcm256_enc_update)
+                     : (k128 ? m->gcm128_dec_update : m->gcm256_dec_update);
+    g.finalize = seal_ ? (k128 ? m->gcm128_enc_finalize : m->gcm256_enc_finalize)
+                       : (k128 ? m->gcm128_dec_finalize : m->gcm256_dec_finalize);
+    (k128 ? m->gcm128_pre : m->gcm256_pre)(key_, &g.key);
+    OPENSSL_cleanse(key_, sizeof(key_));
+    return true;
   }
   // The key is set once; each record sets only its nonce.
-  const int ok = seal_ ? EVP_EncryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr)
-                       : EVP_DecryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr);
+  ctx_ = EVP_CIPHER_CTX_new();
+  const int ok = !ctx_                                                          ? 0
+                 : seal_ ? EVP_EncryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr)
+                         : EVP_DecryptInit_ex(ctx_, s.cipher(), nullptr, key_, nullptr);
   OPENSSL_cleanse(key_, sizeof(key_));
   if (ok != 1) {
     EVP_CIPHER_CTX_free(ctx_);
@@ -149,9 +170,25 @@ size_t RecordCipher::seal(uint8_t type, std::span<const iovec> pieces, uint8_t* 
   out[2] = 3;
   out[3] = static_cast<uint8_t>(len >> 8);
   out[4] = static_cast<uint8_t>(len);
-  if (small_ && n + 1 <= kTlsSmallRecord) return seal_small(type, pieces, n, out);
   uint8_t iv[12];
   nonce(iv);
+  if (gcm_) {
+    // Sealed piece by piece into place: ipsec-mb carries a partial block across updates.
+    Gcm& g = *gcm_;
+    gcm_context_data cx;
+    uint8_t* at = out + kTlsHeader;
+    g.init(&g.key, &cx, iv, out, kTlsHeader);
+    for (const iovec& v : pieces) {
+      if (!v.iov_len) continue;
+      g.update(&g.key, &cx, at, static_cast<const uint8_t*>(v.iov_base), v.iov_len);
+      at += v.iov_len;
+    }
+    g.update(&g.key, &cx, at, &type, 1);
+    g.finalize(&g.key, &cx, at + 1, kTlsTag);
+    OPENSSL_cleanse(&cx, sizeof(cx));
+    ++seq_;
+    return kTlsHeader + len;
+  }
   int l = 0;
   uint8_t* at = out + kTlsHeader;
   // Sealing into our own buffer with a key already set cannot fail but on a broken library.
@@ -172,46 +209,19 @@ size_t RecordCipher::seal(uint8_t type, std::span<const iovec> pieces, uint8_t* 
   return kTlsHeader + len;
 }
 
-size_t RecordCipher::seal_small(uint8_t type, std::span<const iovec> pieces, size_t n,
-                                uint8_t* out) {
-  // Gathered into place first (Nettle takes a message in whole blocks but its last piece),
-  // then sealed in place.
-  uint8_t* body = out + kTlsHeader;
-  size_t at = 0;
-  for (const iovec& v : pieces) {
-    if (v.iov_len) std::memcpy(body + at, v.iov_base, v.iov_len);
-    at += v.iov_len;
-  }
-  body[n] = type;
-  const nettle_aead& a = *small_->aead;
-  uint8_t iv[12];
-  nonce(iv);
-  a.set_nonce(small_->ctx, iv);
-  a.update(small_->ctx, kTlsHeader, out);
-  a.encrypt(small_->ctx, n + 1, body, body);
-  a.digest(small_->ctx, kTlsTag, body + n + 1);
-  ++seq_;
-  return kTlsHeader + n + 1 + kTlsTag;
-}
-
-bool RecordCipher::open_small(const uint8_t* rec, size_t len, uint8_t* out) {
-  const nettle_aead& a = *small_->aead;
-  uint8_t iv[12], tag[kTlsTag];
-  nonce(iv);
-  a.set_nonce(small_->ctx, iv);
-  a.update(small_->ctx, kTlsHeader, rec);
-  a.decrypt(small_->ctx, len - kTlsHeader - kTlsTag, out, rec + kTlsHeader);
-  a.digest(small_->ctx, kTlsTag, tag);
-  return memeql_sec(tag, rec + len - kTlsTag, kTlsTag);
-}
-
 ssize_t RecordCipher::open(const uint8_t* rec, size_t len, uint8_t* out, uint8_t& type) {
   const size_t body = len - kTlsHeader - kTlsTag;
-  if (small_ && body <= kTlsSmallRecord) {
-    if (!open_small(rec, len, out)) return -1;
+  uint8_t iv[12], tag[kTlsTag];
+  nonce(iv);
+  if (gcm_) {
+    Gcm& g = *gcm_;
+    gcm_context_data cx;
+    g.init(&g.key, &cx, iv, rec, kTlsHeader);
+    g.update(&g.key, &cx, out, rec + kTlsHeader, body);
+    g.finalize(&g.key, &cx, tag, kTlsTag);
+    OPENSSL_cleanse(&cx, sizeof(cx));
+    if (CRYPTO_memcmp(tag, rec + len - kTlsTag, kTlsTag) != 0) return -1;
   } else {
-    uint8_t iv[12], tag[kTlsTag];
-    nonce(iv);
     std::memcpy(tag, rec + len - kTlsTag, kTlsTag);
     int l = 0;
     if (EVP_DecryptInit_ex(ctx_, nullptr, nullptr, nullptr, iv) != 1 ||

@@ -568,10 +568,14 @@ struct OpenSslPeer {
   std::unique_ptr<SSL, void (*)(SSL*)> b{nullptr, SSL_free};
   std::string why;
 
-  OpenSslPeer() {
+  /// `suites`: what OpenSSL's side takes (SSL_set_ciphersuites), else what its context offers.
+  explicit OpenSslPeer(const char* suites = nullptr) {
     EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
     a = std::make_unique<TlsStream>(*ca, false);
     b.reset(SSL_new(cb->get()));
+    if (suites) {
+      EXPECT_EQ(SSL_set_ciphersuites(b.get(), suites), 1);
+    }
     SSL_set_fd(b.get(), sv[1]);
     SSL_set_accept_state(b.get());
     for (int i = 0; i < 50 && !(a->established() && SSL_is_init_finished(b.get())); ++i) {
@@ -634,19 +638,23 @@ TEST(TlsStream, ItsRecordsAreStandardTls13) {
   EXPECT_TRUE(x.move(big.data(), big.size(), false) == big);
 }
 
-// Records around the size where the layer changes its AES-GCM (kTlsSmallRecord: Nettle's
-// below, OpenSSL's above), both ways: OpenSSL's TLS reads ours and we read its.
-TEST(TlsStream, SmallAndLargeRecordsAreStandardTls13BothWays) {
-  OpenSslPeer x;
-  ASSERT_TRUE(x.up());
-  using tls::kTlsSmallRecord;
-  for (const size_t n : {size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{100},
-                         kTlsSmallRecord - 2, kTlsSmallRecord - 1, kTlsSmallRecord,
-                         kTlsSmallRecord + 1, size_t{700}, size_t{4096}}) {
-    std::vector<uint8_t> msg(n);
-    for (size_t i = 0; i < n; ++i) msg[i] = static_cast<uint8_t>(i * 13 + n);
-    EXPECT_TRUE(x.move(msg.data(), n, true) == msg) << n << " bytes to OpenSSL";
-    EXPECT_TRUE(x.move(msg.data(), n, false) == msg) << n << " bytes from OpenSSL";
+// Records of every size around the block and batch boundaries of the AES-GCM code (ipsec-mb's
+// 16-byte blocks and 16- and 48-block batches) and the largest, in each of TLS 1.3's suites
+// (ipsec-mb's AES-GCM-128 and -256, OpenSSL's ChaCha20-Poly1305), both ways: OpenSSL's TLS
+// reads ours and we read its.
+TEST(TlsStream, RecordsOfEverySizeAreStandardTls13BothWaysInEverySuite) {
+  for (const char* suite :
+       {"TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256"}) {
+    OpenSslPeer x(suite);
+    ASSERT_TRUE(x.up()) << suite;
+    EXPECT_STREQ(SSL_CIPHER_get_name(SSL_get_current_cipher(x.b.get())), suite);
+    for (const size_t n : {1, 15, 16, 17, 100, 255, 256, 257, 511, 512, 513, 767, 768, 769, 4095,
+                           4096, 4097, 16383, 16384, 16385, 40000}) {
+      std::vector<uint8_t> msg(n);
+      for (size_t i = 0; i < n; ++i) msg[i] = static_cast<uint8_t>(i * 13 + n);
+      EXPECT_TRUE(x.move(msg.data(), n, true) == msg) << suite << ": " << n << " bytes to OpenSSL";
+      EXPECT_TRUE(x.move(msg.data(), n, false) == msg) << suite << ": " << n << " bytes from it";
+    }
   }
 }
 
