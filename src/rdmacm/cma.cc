@@ -455,6 +455,23 @@ CM_EXPORT int rdma_create_id(rdma_event_channel* channel, rdma_cm_id** id, void*
   return create_id(channel, id, context, ps, t);
 }
 
+namespace {
+/// The backend went away (the id's channel hung up) and a thread waits on that channel in
+/// rdma_get_cm_event, not yet given this id's DEVICE_REMOVAL. A kernel device queues the removal
+/// on every id before the application can hear of the loss any other way; here a CQ's poll may
+/// tell it first (rping's CQ thread), and an id destroyed then would leave the waiting thread
+/// ENODEV instead of its event. Under Cm::mu.
+bool removal_owed(const VId& v) {
+  if (v.removed || !v.id.channel || v.own) return false;
+  const auto* ch = reinterpret_cast<const VChannel*>(v.id.channel);
+  if (ch->readers.load() == 0 || ch->fd_closed.load()) return false;
+  pollfd p{v.id.channel->fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP));
+}
+/// How long rdma_destroy_id waits for a waiting thread to take the id's removal (removal_owed).
+constexpr auto kRemovalWait = std::chrono::seconds(2);
+}  // namespace
+
 CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
   if (!id) return fail(EINVAL);
   VId* v = to_vid(id);
@@ -463,6 +480,10 @@ CM_EXPORT int rdma_destroy_id(rdma_cm_id* id) {
     id->event = nullptr;
   }
   Cm& c = cm();
+  {
+    std::unique_lock<std::mutex> g(c.mu);
+    if (removal_owed(*v)) c.acked.wait_for(g, kRemovalWait, [v] { return v->removed; });
+  }
   {
     // As rdma-core: every event handed out for the id must be acked first (said once, after a
     // second, so that a program that forgot one knows why it stopped).

@@ -265,6 +265,7 @@ CM_EXPORT int rdma_get_cm_event(rdma_event_channel* channel, rdma_cm_event** eve
     }
     if (n == 0) {  // the backend went away: the device is gone
       VEvent* ve = removal_event(ch);
+      cm().acked.notify_all();  // an rdma_destroy_id may wait for it (cma.cc, removal_owed)
       if (ve)
         *event = &ve->ev;
       else

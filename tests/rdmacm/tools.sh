@@ -15,7 +15,9 @@
 #   bad_input  a port nobody listens on (REJECTED at once), an address no backend serves
 #              (ADDR_ERROR after rping's 2 s timeout; refused at once where no route reaches
 #              it), a listener killed and its port taken again, the backend
-#              killed under a connected pair (DEVICE_REMOVAL on both ends, no hang)
+#              killed under a connected pair (DEVICE_REMOVAL on both ends, no hang), and
+#              beside an id its process destroys the moment it sees the backend gone
+#              (removal_race.c: the thread waiting on its channel still gets the removal)
 # shellcheck source-path=SCRIPTDIR source=../e2e/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
 e2e_init "${1:-}"
@@ -155,6 +157,7 @@ case $CASE in
     ;;
   bad_input)
     start=$(date +%s%N)
+    bin=$(dirname "$VRDMA")
     if "${VRUN[@]}" --guest cm-cli -- rping -c -a 127.0.0.1 -p 7178 -C 1 >"$E2E_TMP/nolisten" 2>&1; then
       fail "a connect to a port nobody listens on succeeded"
     fi
@@ -188,6 +191,15 @@ case $CASE in
       nap 0.5
       kill -0 "$cli" 2>/dev/null && break  # connected and pinging (not refused)
     done
+    # And an id destroyed as soon as its process sees the backend gone, while another thread
+    # waits for its events (removal_race.c): the waiting thread gets the id's DEVICE_REMOVAL.
+    "${VRUN[@]}" --guest cm-race -- "$bin/cm_removal_race" >"$E2E_TMP/race" 2>&1 &
+    race=$!
+    for ((try = 0; try < 100; try++)); do
+      grep -q '^ready' "$E2E_TMP/race" && break
+      kill -0 "$race" 2>/dev/null || fail "cm_removal_race: $(cat "$E2E_TMP/race")"
+      nap 0.1
+    done
     log "killing the backend under a connected rping pair"
     kill -KILL "$(backend_pid)"
     wait_pid "$srv" 10
@@ -196,6 +208,8 @@ case $CASE in
     [[ $WAIT_RC != 124 ]] || fail "the client hung when the backend died"
     grep -q 'device removal' "$E2E_TMP/rm.srv" || fail "server: no DEVICE_REMOVAL: $(cat "$E2E_TMP/rm.srv")"
     grep -q 'device removal' "$E2E_TMP/rm.cli" || fail "client: no DEVICE_REMOVAL: $(cat "$E2E_TMP/rm.cli")"
+    wait_pid "$race" 10
+    [[ $WAIT_RC == 0 ]] || fail "an id destroyed beside a waiting thread: $(cat "$E2E_TMP/race")"
     ;;
   *) fail "unknown case $CASE" ;;
 esac
