@@ -250,7 +250,8 @@ int hello_step(Hub& h, Hub::Pending& p, std::string& why) {
       why = "not TLS (a stranger, or a library of an older version)";
       return -1;
     }
-    p.ssl.reset(SSL_new(h.tls.get()));
+    SSL_CTX* tls = hub_tls(h);
+    p.ssl.reset(tls ? SSL_new(tls) : nullptr);
     if (!p.ssl || !set_socket(p.ssl.get(), p.fd.get())) {
       why = "no TLS session for it";
       return -1;
@@ -539,11 +540,6 @@ Hub* hub_of(VContext& ctx) {
     return nullptr;
   }
   h->max_conns = env_num("VRDMA_DIRECT_REMOTE_QPS", kDirectConnsDefault, 1u << 20, "connections");
-  h->tls = make_tls(*h);
-  if (!h->tls) {
-    VLOG_WARN("direct path: cannot start the hub: no TLS context: {}", tls_reason());
-    return nullptr;
-  }
   epoll_set(*h, EPOLL_CTL_ADD, h->stop.get(), EPOLLIN, &h->stop_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->wake.get(), EPOLLIN, &h->wake_w);
   epoll_set(*h, EPOLL_CTL_ADD, h->ack_timer.get(), EPOLLIN, &h->ack_w);
@@ -568,6 +564,7 @@ uint16_t listen_on(Hub& h, uint32_t ipv4) {
     VLOG_WARN("direct path: not listening on {} too: {} addresses already", at, kMaxListeners);
     return 0;
   }
+  if (!hub_tls(h)) return 0;  // (said once)
   Hub::Listener& l = h.listeners[n];
   UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   socklen_t alen = sizeof(a);

@@ -245,7 +245,11 @@ struct Conn : Watch {
 
 struct Hub {
   VContext* ctx = nullptr;
-  SslCtxPtr tls;  ///< both sides' TLS settings (make_tls)
+  /// Both sides' TLS settings (make_tls), made the first time a QP goes direct to a peer on
+  /// another host (hub_tls): SSL_CTX_new costs ~10 M instructions (~3 ms), half of a same-host
+  /// ibv_rc_pingpong's, whose QPs never need it.
+  SslCtxPtr tls;
+  std::once_flag tls_once;
   std::mutex mu;  ///< conns, and the control fields of every RemoteQp
   std::vector<std::shared_ptr<Conn>> conns;
   /// A QP dials its peer's library only while the context has fewer connections than this
@@ -379,6 +383,9 @@ VQp* offer_of(VContext& ctx, uint32_t to_qpn, uint32_t from_qpn);
 /// Both sides' settings: TLS 1.3 and one suite only; the PSK or nothing (no certificate is
 /// trusted, so a peer cannot fall back to one); no tickets, no session cache.
 SslCtxPtr make_tls(Hub& h);
+/// The hub's TLS context, made on first use (Hub::tls): null when OpenSSL cannot make one
+/// (said once).
+SSL_CTX* hub_tls(Hub& h);
 /// The reason of the oldest TLS error of this thread (the queue is emptied).
 const char* tls_reason();
 /// Connects to the peer's library (blocking, bounded by kDialMs in all): TCP, a TLS handshake

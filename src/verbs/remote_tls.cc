@@ -214,6 +214,14 @@ SslCtxPtr make_tls(Hub& h) {
   return t;
 }
 
+SSL_CTX* hub_tls(Hub& h) {
+  std::call_once(h.tls_once, [&h] {
+    h.tls = make_tls(h);
+    if (!h.tls) VLOG_WARN("direct path: no TLS context for peers' libraries: {}", tls_reason());
+  });
+  return h.tls.get();
+}
+
 const char* tls_reason() {
   const unsigned long e = ERR_get_error();
   ERR_clear_error();
@@ -307,7 +315,8 @@ UniqueFd dial(Hub& h, uint32_t ipv4, uint16_t port, const Hello& hello, const ui
       return {};
     }
   }
-  SslPtr ssl(SSL_new(h.tls.get()));
+  SSL_CTX* tls = hub_tls(h);
+  SslPtr ssl(tls ? SSL_new(tls) : nullptr);
   if (!ssl || !set_socket(ssl.get(), fd.get())) {
     errno = ENOMEM;
     return {};
