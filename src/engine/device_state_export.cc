@@ -88,6 +88,18 @@ json export_mws(const Session& s) {
   return mws;
 }
 
+/// A QP's atomic cache as one byte string (version 11).
+json atomic_cache_bytes(const Qp& qp) {
+  std::vector<uint8_t> b(qp.atomic_cache.size() * sizeof(proto::AtomicCacheEntry));
+  for (size_t i = 0; i < qp.atomic_cache.size(); ++i) {
+    const auto& [psn, value] = qp.atomic_cache[i];
+    const proto::AtomicCacheEntry e{psn, static_cast<uint32_t>(value),
+                                    static_cast<uint32_t>(value >> 32)};
+    std::memcpy(b.data() + i * sizeof(e), &e, sizeof(e));
+  }
+  return json::binary(std::move(b));
+}
+
 json export_qp(Exporter& ex, uint32_t h, const Qp& qp) {
   std::vector<uint8_t> in_flight(qp.unacked.size() * sizeof(InFlight));
   for (size_t i = 0; i < qp.unacked.size(); ++i) {
@@ -122,7 +134,7 @@ json export_qp(Exporter& ex, uint32_t h, const Qp& qp) {
           {"sq_sent", qp.remote ? qp.sq_sent : qp.sq_cons},
           {"next_psn", qp.next_psn},
           {"expected_psn", qp.expected_psn},
-          {"acache", qp.atomic_cache},
+          {"acache", atomic_cache_bytes(qp)},
           {"acache_next", qp.atomic_cache_next},
           // The route it had: reroute() on the target settles from it.
           {"remote", qp.remote},

@@ -209,6 +209,32 @@ void import_srqs(Importer& im, const json& js, Session& s, Guest& g, bool recove
 
 }  // namespace
 
+namespace {
+/// A QP's atomic cache: one byte string (version 11), or an array of [PSN, value] arrays (before;
+/// either is taken whatever the version says).
+void read_atomic_cache(Reader& rd, const json& jq, Qp& qp) {
+  auto& cache = qp.atomic_cache;
+  if (auto it = jq.find("acache"); it != jq.end() && it->is_binary()) {
+    const auto& b = it->get_binary();
+    if (b.size() != cache.size() * sizeof(AtomicCacheEntry)) return rd.fail("atomic cache size");
+    for (size_t i = 0; i < cache.size(); ++i) {
+      AtomicCacheEntry e;
+      std::memcpy(&e, b.data() + i * sizeof(e), sizeof(e));
+      cache[i] = {e.psn, uint64_t{e.value_hi} << 32 | e.value_lo};
+    }
+    return;
+  }
+  const json& ac = rd.arr(jq, "acache");
+  if (rd.st.is_ok() && ac.size() != cache.size()) return rd.fail("atomic cache size");
+  for (size_t i = 0; rd.st.is_ok() && i < ac.size(); ++i) {
+    if (!ac[i].is_array() || ac[i].size() != 2 || !ac[i][0].is_number_unsigned() ||
+        !ac[i][1].is_number_unsigned())
+      return rd.fail("atomic cache entry");
+    cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
+  }
+}
+}  // namespace
+
 std::unique_ptr<Qp> state::read_qp(Importer& im, const json& jq, QpRefs& refs) {
   Reader& rd = im.rd;
   auto qp = std::make_unique<Qp>();
@@ -235,16 +261,7 @@ std::unique_ptr<Qp> state::read_qp(Importer& im, const json& jq, QpRefs& refs) {
   qp->sq_sent = rd.num<uint32_t>(jq, "sq_sent");
   qp->next_psn = rd.num<uint32_t>(jq, "next_psn") & 0xffffff;
   qp->expected_psn = rd.num<uint32_t>(jq, "expected_psn") & 0xffffff;
-  const json& ac = rd.arr(jq, "acache");
-  if (rd.st.is_ok() && ac.size() != qp->atomic_cache.size()) rd.fail("atomic cache size");
-  for (size_t i = 0; rd.st.is_ok() && i < ac.size(); ++i) {
-    if (!ac[i].is_array() || ac[i].size() != 2 || !ac[i][0].is_number_unsigned() ||
-        !ac[i][1].is_number_unsigned()) {
-      rd.fail("atomic cache entry");
-      break;
-    }
-    qp->atomic_cache[i] = {ac[i][0].get<uint32_t>(), ac[i][1].get<uint64_t>()};
-  }
+  read_atomic_cache(rd, jq, *qp);
   qp->atomic_cache_next = rd.num<uint32_t>(jq, "acache_next");
   // The route it had, so reroute() below knows what is in flight: over tcp, unacknowledged
   // messages are replayed (or settled against a responder here now); from shm nothing is.
@@ -716,84 +733,6 @@ void Device::fire_owed_events(Session& s) {
   for (auto& [h, cq] : s.cqs) {
     auto it = owed.find(cq.get());
     if (it != owed.end() && it->second.held) notify(*cq, it->second.recv);
-  }
-}
-
-Result<std::string> state_fd_layout(std::span<const uint8_t> blob) {
-  json doc = json::from_cbor(blob.begin(), blob.end(), true, false);
-  if (doc.is_discarded() || !doc.is_object() || !doc.contains("fdkeys") ||
-      !doc.contains("name") || !doc["name"].is_string())
-    return error(EINVAL, "not a vrdma device state");
-  // The QPs' own rings (version 7) come last and are not compared: a grant made after a
-  // snapshot adds them, and a restore keeps the guest's (with_own_rings_of).
-  json keys = json::array();
-  for (const json& k : doc["fdkeys"]) {
-    if (!k.is_string() || k.get_ref<const std::string&>().find(".own_") == std::string::npos)
-      keys.push_back(k);
-  }
-  return doc["name"].get<std::string>() + "\n" + keys.dump();
-}
-
-namespace {
-
-Result<std::vector<uint8_t>> with_own_rings_impl(std::span<const uint8_t> file,
-                                                 std::span<const uint8_t> now) {
-  json f = json::from_cbor(file.begin(), file.end(), true, false);
-  const json n = json::from_cbor(now.begin(), now.end(), true, false);
-  if (f.is_discarded() || n.is_discarded() || !f.is_object() || !n.is_object())
-    return error(EINVAL, "not a vrdma device state");
-  const auto own = [](const json& jq) {
-    return jq.contains("own_send") || jq.contains("own_recv");
-  };
-  const auto version = f.value("version", 0u);
-  bool any = false;
-  for (const json& js : n.value("sessions", json::array()))
-    for (const json& jq : js.value("qps", json::array())) any = any || own(jq);
-  if (!any) return std::vector<uint8_t>(file.begin(), file.end());
-  if (version < 7)
-    return error(EINVAL,
-                 "the snapshot is of an older version, without the QPs' own completion "
-                 "rings, which this guest has now (it used the direct path since)");
-  json& fs = f["sessions"];
-  const json& ns = n["sessions"];
-  if (!fs.is_array() || !ns.is_array() || fs.size() != ns.size())
-    return error(EINVAL, "the snapshot's sessions are not the guest's");
-  for (size_t i = 0; i < fs.size(); ++i) {
-    json& fq = fs[i]["qps"];
-    const json& nq = ns[i]["qps"];
-    if (!fq.is_array() || !nq.is_array() || fq.size() != nq.size())
-      return error(EINVAL, "the snapshot's QPs are not the guest's");
-    for (size_t k = 0; k < fq.size(); ++k) {
-      if (fq[k].value("h", 0u) != nq[k].value("h", 1u))
-        return error(EINVAL, "the snapshot's QPs are not the guest's");
-      for (const char* key : {"own_send", "own_recv"}) {
-        fq[k].erase(key);
-        if (nq[k].contains(key)) fq[k][key] = nq[k][key];
-      }
-    }
-  }
-  // The descriptors: the file's up to its own rings, which are the guest's now (the same
-  // layout before them: state_fd_layout), then the guest's own rings, where they are now.
-  json keys = json::array();
-  for (const json& k : f["fdkeys"])
-    if (k.is_string() && k.get_ref<const std::string&>().find(".own_") == std::string::npos)
-      keys.push_back(k);
-  for (const json& k : n["fdkeys"])
-    if (k.is_string() && k.get_ref<const std::string&>().find(".own_") != std::string::npos)
-      keys.push_back(k);
-  f["fdkeys"] = std::move(keys);
-  return json::to_cbor(f);
-}
-
-}  // namespace
-
-Result<std::vector<uint8_t>> with_own_rings_of(std::span<const uint8_t> file,
-                                               std::span<const uint8_t> now) {
-  // A snapshot file is the operator's, not ours: a field of an unexpected type is an error.
-  try {
-    return with_own_rings_impl(file, now);
-  } catch (const json::exception& e) {
-    return error(EINVAL, fmt::format("state: {}", e.what()));
   }
 }
 

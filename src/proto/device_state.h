@@ -31,6 +31,10 @@
 // the send queue's slots from "sq_cons" on, which the guest may not reuse before they complete.
 // A version 9 blob carried each WQE's copy ("unacked": 320 bytes each, two thirds of a move's
 // state under perftest's default depth, and most of the importer's time).
+// 11 = a QP's atomic cache ("acache") is one byte string: per entry its PSN and the original
+// value (proto::AtomicCacheEntry). Before, an array of [PSN, value] arrays: 16 per QP, 58 % of
+// the nodes of a 64-QP move's state and most of the time to read and write it. An importer
+// takes either form whatever the version says.
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
@@ -39,7 +43,7 @@
 namespace vrdma::proto {
 
 inline constexpr uint32_t kStateMagic = 0x54535256;  // "VRST"
-inline constexpr uint32_t kStateVersion = 10;
+inline constexpr uint32_t kStateVersion = 11;
 inline constexpr uint32_t kStateVersionOldest = 1;
 
 /// One WQE in flight (version 10's "in_flight"), in the exporter's byte order: migration,
@@ -50,5 +54,12 @@ struct InFlight {
   uint32_t has_result;  ///< 0 or 1
 };
 static_assert(sizeof(InFlight) == 12);
+
+/// One entry of a QP's atomic cache (version 11's "acache"), in the exporter's byte order.
+struct AtomicCacheEntry {
+  uint32_t psn;
+  uint32_t value_lo, value_hi;  ///< the value before the atomic (12 bytes, no padding)
+};
+static_assert(sizeof(AtomicCacheEntry) == 12);
 
 }  // namespace vrdma::proto

@@ -211,5 +211,52 @@ TEST_F(DeviceRemoteTest, XrcResponderMovedWithRequestsInFlightTakesEachOnce) {
   }
 }
 
+// The responder moves after executing an atomic whose answer was lost: the requester's replay
+// is answered from the atomic cache that moved with the QP (version 11: one byte string; 10: an
+// array of [PSN, value] arrays, as an older backend sends it), not executed a second time.
+class AtomicCacheMoveTest : public DeviceRemoteTest,
+                            public ::testing::WithParamInterface<uint32_t> {};
+
+TEST_P(AtomicCacheMoveTest, AResponderMovedAfterAnAtomicAnswersItsReplayFromTheCache) {
+  MemV word = connect_with_atomic_word(40);
+  post_rdma(qa_, 7, IBV_WR_ATOMIC_FETCH_AND_ADD, ma_.addr, 8, ma_.mr.lkey, word.addr,
+            word.mr.rkey);
+  dev_.poll(now_);
+  EXPECT_EQ(pump(1), 1);  // executed at b; its answer is lost
+  loop_.q.clear();
+  b_.s = move_guest(dev_, "b", [&](nlohmann::json& doc) {
+    auto& jq = doc["sessions"][0]["qps"][0];
+    ASSERT_TRUE(jq["acache"].is_binary());
+    if (GetParam() == kStateVersion) return;
+    doc["version"] = GetParam();
+    const auto& b = jq["acache"].get_binary();
+    nlohmann::json arr = nlohmann::json::array();
+    for (size_t i = 0; i + sizeof(AtomicCacheEntry) <= b.size(); i += sizeof(AtomicCacheEntry)) {
+      AtomicCacheEntry e;
+      std::memcpy(&e, b.data() + i, sizeof(e));
+      arr.push_back({e.psn, uint64_t{e.value_hi} << 32 | e.value_lo});
+    }
+    jq["acache"] = std::move(arr);
+  });
+  ASSERT_NE(b_.s, nullptr);
+  dev_.on_peer_up("me");
+  std::vector<Cqe> tx;
+  for (int t = 0; t < 20 && tx.empty(); ++t) {
+    settle();
+    tx = drain(acq_);
+    now_ += 70'000'000;  // an ACK timeout (timeout 14): the requester sends it again
+  }
+  uint64_t v = 0, got = 0;
+  std::memcpy(&v, word.p(), 8);
+  EXPECT_EQ(v, 41u) << "added once";
+  ASSERT_EQ(tx.size(), 1u);
+  EXPECT_EQ(tx[0].status, IBV_WC_SUCCESS);
+  std::memcpy(&got, ma_.p(), 8);
+  EXPECT_EQ(got, 40u);
+}
+
+INSTANTIATE_TEST_SUITE_P(StateVersions, AtomicCacheMoveTest,
+                         ::testing::Values(10u, kStateVersion));
+
 }  // namespace
 }  // namespace vrdma::engine::devtest
