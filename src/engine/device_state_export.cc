@@ -88,10 +88,13 @@ json export_mws(const Session& s) {
   return mws;
 }
 
-/// A QP's atomic cache as one byte string (version 11).
+/// A QP's atomic cache as one byte string (version 11), up to its last entry that is not empty
+/// (most QPs never ran an atomic: none).
 json atomic_cache_bytes(const Qp& qp) {
-  std::vector<uint8_t> b(qp.atomic_cache.size() * sizeof(proto::AtomicCacheEntry));
-  for (size_t i = 0; i < qp.atomic_cache.size(); ++i) {
+  size_t n = qp.atomic_cache.size();
+  while (n > 0 && qp.atomic_cache[n - 1] == std::pair<uint32_t, uint64_t>{}) --n;
+  std::vector<uint8_t> b(n * sizeof(proto::AtomicCacheEntry));
+  for (size_t i = 0; i < n; ++i) {
     const auto& [psn, value] = qp.atomic_cache[i];
     const proto::AtomicCacheEntry e{psn, static_cast<uint32_t>(value),
                                     static_cast<uint32_t>(value >> 32)};

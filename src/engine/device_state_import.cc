@@ -215,9 +215,12 @@ namespace {
 void read_atomic_cache(Reader& rd, const json& jq, Qp& qp) {
   auto& cache = qp.atomic_cache;
   if (auto it = jq.find("acache"); it != jq.end() && it->is_binary()) {
+    // Its entries up to the last one that is not empty; the rest are.
     const auto& b = it->get_binary();
-    if (b.size() != cache.size() * sizeof(AtomicCacheEntry)) return rd.fail("atomic cache size");
-    for (size_t i = 0; i < cache.size(); ++i) {
+    if (b.size() % sizeof(AtomicCacheEntry) || b.size() > cache.size() * sizeof(AtomicCacheEntry))
+      return rd.fail("atomic cache size");
+    cache = {};
+    for (size_t i = 0; i < b.size() / sizeof(AtomicCacheEntry); ++i) {
       AtomicCacheEntry e;
       std::memcpy(&e, b.data() + i * sizeof(e), sizeof(e));
       cache[i] = {e.psn, uint64_t{e.value_hi} << 32 | e.value_lo};

@@ -236,6 +236,7 @@ TEST_P(AtomicCacheMoveTest, AResponderMovedAfterAnAtomicAnswersItsReplayFromTheC
       std::memcpy(&e, b.data() + i, sizeof(e));
       arr.push_back({e.psn, uint64_t{e.value_hi} << 32 | e.value_lo});
     }
+    while (arr.size() < 16) arr.push_back({0, 0});  // version 10 wrote all 16
     jq["acache"] = std::move(arr);
   });
   ASSERT_NE(b_.s, nullptr);
