@@ -5,8 +5,10 @@
 # per QP count; after each move a pause, and the next move only once the guest has sent through
 # the new route. The downtime is what `vrdma migrate` reports: the time the guest's device is
 # frozen (export on the source, transfer of the state and its descriptors, import on the
-# target). Prints a markdown table: QPs, moves, downtime median (min-max), the median's parts,
-# state size, and the median against the 5 ms target.
+# target), until the target serves it; when the source read the target's answer is shown beside
+# it (the source may wait for a CPU after the target has taken over). Prints a markdown table:
+# QPs, moves, downtime median (min-max), the median's parts, the answer's time, state size, and
+# the median against the 5 ms target.
 # The command's whole time is shown too: with the direct path across backends (MIG_DIRECT=1)
 # it includes the QPs' return to the backends before the freeze (their libraries settle what is
 # in flight between them; `vrdma migrate` asks every 10 ms until they have), during which the
@@ -42,8 +44,8 @@ median() { stats_of "$@" | awk '{printf "%.0f\n", $2}'; }
 
 path="backends"
 [[ $DIRECT == 1 ]] && path="direct"
-echo "| date | machine | path | ib_write_bw ${BW_ARGS[*]} -q | moves | downtime µs median (min–max) | export / transfer / import µs (median) | state bytes | \`vrdma migrate\` ms median (max) | median / 5 ms |"
-echo "|---|---|---|---|---|---|---|---|---|---|"
+echo "| date | machine | path | ib_write_bw ${BW_ARGS[*]} -q | moves | downtime µs median (min–max) | export / transfer / import µs (median) | the answer read µs median (max) | state bytes | \`vrdma migrate\` ms median (max) | median / 5 ms |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
 # Messages guest G's QPs on host I sent, through the backend or from its library.
 sent() {
   local n
@@ -81,14 +83,14 @@ for q in $QP_COUNTS; do
   HOSTS_WATCH=("$srv $E2E_TMP/$g.server.out" "$cli $E2E_TMP/$g.client.out")
   hwait_flowing 1 "$g" msgs_sent "$cli"
   MIG_DOWNTIMES=()
-  ex=() tr=() im=() by=() cmd=()
+  ex=() tr=() im=() by=() cmd=() an=()
   from=1 to=3
   for ((m = 1; m <= MOVES; m++)); do
     t0=$(date +%s%N)
     hmigrate "$g" "$from" "$to"
     cmd+=("$((($(date +%s%N) - t0) / 1000))")
     ex+=("$(mig_field export_us)") tr+=("$(mig_field transfer_us)") im+=("$(mig_field import_us)")
-    by+=("$(mig_field bytes)")
+    by+=("$(mig_field bytes)") an+=("$(mig_field answered_us)")
     [[ $(mig_field qps) == "$q" ]] || fail "the move carried $(mig_field qps) QPs, not $q"
     wait_routes "$to" "$g" "$q"
     c0=$(sent "$to" "$g")
@@ -108,6 +110,7 @@ for q in $QP_COUNTS; do
   ratio="$(awk -v m="$med" -v t="$TARGET_US" 'BEGIN {printf "%.2f", m / t}')"
   read -r _ cmed cmx < <(stats_of "${cmd[@]}")
   cms="$(awk -v m="$cmed" -v x="$cmx" 'BEGIN {printf "%.1f (%.1f)", m / 1000, x / 1000}')"
-  echo "| $(date +%F) | $machine | $path | $q | $MOVES | $med ($mn–$mx) | $(median "${ex[@]}") / $(median "${tr[@]}") / $(median "${im[@]}") | $(median "${by[@]}") | $cms | $ratio |"
+  read -r _ amed amx < <(stats_of "${an[@]}")
+  echo "| $(date +%F) | $machine | $path | $q | $MOVES | $med ($mn–$mx) | $(median "${ex[@]}") / $(median "${tr[@]}") / $(median "${im[@]}") | $amed ($amx) | $(median "${by[@]}") | $cms | $ratio |"
 done
 e2e_pass

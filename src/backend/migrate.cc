@@ -237,7 +237,8 @@ Result<ImportResp> Server::restore_from(int file) {
     r.qps += static_cast<uint32_t>(is.session->qps.size());
     adopt(is.session, std::move(is.sock));
   }
-  r.import_us = mono_us() - t0;
+  r.served_mono_us = mono_us();
+  r.import_us = r.served_mono_us - t0;
   keep(guest);
   VLOG_INFO("guest {}: device state restored from a snapshot ({} QPs, {} us)", guest, r.qps,
             r.import_us);
@@ -301,14 +302,20 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   const uint64_t t2 = mono_us();
   ASSIGN_OR_RETURN(auto resp, read_answer(sock.get()));
   ASSIGN_OR_RETURN(ImportResp ir, body_of<ImportResp>(resp));
-  // The target serves the guest from here on: its downtime ends now. Then stop serving it here,
-  // without ending anything (unmapping its rings and memory; tens of ms with 64 QPs).
+  // The target serves the guest from here on. Then stop serving it here, without ending anything
+  // (unmapping its rings and memory; tens of ms with 64 QPs).
   const uint64_t t3 = mono_us(), cpu3 = thread_cpu_us();
+  // The downtime ended when the target served the guest, which may be well before this thread
+  // runs again to read its answer (on a busy machine the target, woken by the commit, takes the
+  // CPU). Its clock is ours (a unix socket: one machine) unless a time namespace says otherwise:
+  // a time outside this call's window is not taken.
+  const bool served_here = ir.served_mono_us >= t1 && ir.served_mono_us <= t3;
   release_guest(guest, true);
   keep_drop(guest);
   const uint64_t release_us = mono_us() - t3;
   MigrateResp r{};
-  r.downtime_us = t3 - t0;
+  r.downtime_us = (served_here ? ir.served_mono_us : t3) - t0;
+  r.answered_us = t3 - t0;
   r.export_us = t1 - t0;
   r.transfer_us = t2 - t1;
   r.import_us = ir.import_us;
@@ -316,9 +323,10 @@ Result<MigrateResp> Server::migrate_out(const std::string& guest, const std::str
   r.qps = static_cast<uint32_t>(ex.qps);
   r.fds = static_cast<uint32_t>(ex.fds.size());
   VLOG_INFO("guest {} moved to {}: {} QPs, {} bytes, {} descriptors; frozen {} us (export {}, "
-            "transfer {}, import {}; this thread's CPU {} us); released here in {} us",
+            "transfer {}, import {}; the answer read after {} us; this thread's CPU {} us); "
+            "released here in {} us",
             guest, target, r.qps, r.bytes, r.fds, r.downtime_us, r.export_us, r.transfer_us,
-            r.import_us, cpu3 - cpu0, release_us);
+            r.import_us, r.answered_us, cpu3 - cpu0, release_us);
   return r;
 }
 
@@ -347,7 +355,8 @@ Result<ImportResp> Server::import_commit(Conn& c) {
     r.qps += static_cast<uint32_t>(is.session->qps.size());
     adopt(is.session, std::move(is.sock));
   }
-  r.import_us = mono_us() - t0;
+  r.served_mono_us = mono_us();
+  r.import_us = r.served_mono_us - t0;
   VLOG_DEBUG("guest {}: imported ({} QPs) in {} us, {} us of this thread's CPU", im.guest, r.qps,
              r.import_us, thread_cpu_us() - cpu0);
   keep(im.guest);

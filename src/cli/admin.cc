@@ -151,6 +151,7 @@ int cmd_migrate(const std::string& guest, const std::string& to, const std::stri
                                       {"to", to},
                                       {"to_node", node_of(to_status)},
                                       {"downtime_us", r->downtime_us},
+                                      {"answered_us", r->answered_us},
                                       {"export_us", r->export_us},
                                       {"transfer_us", r->transfer_us},
                                       {"import_us", r->import_us},

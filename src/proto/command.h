@@ -692,12 +692,15 @@ struct MigrateReq {
 };
 static_assert(sizeof(MigrateReq) == 180);
 struct MigrateResp {
-  uint64_t downtime_us;  ///< guest frozen here until the target had imported it
+  /// The guest frozen: from here until the target served it (its import done, ImportResp's
+  /// served_mono_us; until its answer came here when that time is not on our clock).
+  uint64_t downtime_us;
   uint64_t export_us, transfer_us, import_us;
   uint64_t bytes;  ///< state blob
   uint32_t qps, fds;
+  uint64_t answered_us;  ///< from the freeze until the target's answer was read here
 };
-static_assert(sizeof(MigrateResp) == 48);
+static_assert(sizeof(MigrateResp) == 56);
 
 // ---- kImportBegin / kImportData... / kImportCommit: a backend hands a guest's state to another.
 // Data messages carry pieces of the blob (up to kMaxImportChunk bytes) and of its descriptor list
@@ -720,8 +723,10 @@ struct ImportResp {
   uint64_t import_us;
   uint32_t qps;
   uint32_t sessions;
+  /// The target's CLOCK_MONOTONIC (µs) when it began to serve the guest (a move ends there).
+  uint64_t served_mono_us;
 };
-static_assert(sizeof(ImportResp) == 16);
+static_assert(sizeof(ImportResp) == 24);
 
 // ---- kKeepDrop: the keeper forgets a guest (it left, or moved to another backend).
 struct KeepDropReq {

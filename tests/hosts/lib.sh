@@ -327,7 +327,12 @@ hmigrate_try() {
   MIG_JSON="$("$VRDMA" migrate "$g" --socket "$(host_sock "$from")" --to "$(host_sock "$to")" \
     --json 2>&1)" || return 1
   echo "h$from -> h$to $MIG_JSON" >>"$E2E_TMP/migrations.out"
-  MIG_DOWNTIMES+=("$(mig_field downtime_us)")
+  # The downtime ends when the target serves the guest: after the freeze, and no later than
+  # the source read the target's answer.
+  local down answered
+  down=$(mig_field downtime_us) answered=$(mig_field answered_us)
+  ((down > 0 && down <= answered)) || fail "downtime $down us, the answer read after $answered us: $MIG_JSON"
+  MIG_DOWNTIMES+=("$down")
 }
 # "min median max" of the numbers given as arguments.
 stats_of() {
