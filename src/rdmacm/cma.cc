@@ -464,7 +464,7 @@ namespace {
 bool removal_owed(const VId& v) {
   if (v.removed || !v.id.channel || v.own) return false;
   const auto* ch = reinterpret_cast<const VChannel*>(v.id.channel);
-  if (ch->readers.load() == 0 || ch->fd_closed.load()) return false;
+  if (ch->readers.load() == 0 || ch->closed.load() || ch->fd_closed.load()) return false;
   pollfd p{v.id.channel->fd, POLLRDHUP, 0};
   return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP));
 }
