@@ -32,9 +32,9 @@
 // A version 9 blob carried each WQE's copy ("unacked": 320 bytes each, two thirds of a move's
 // state under perftest's default depth, and most of the importer's time).
 // 11 = a QP's atomic cache ("acache") is one byte string: per entry its PSN and the original
-// value (proto::AtomicCacheEntry), up to the last entry that is not empty (the rest are). Before, an array of [PSN, value] arrays: 16 per QP, 58 % of
-// the nodes of a 64-QP move's state and most of the time to read and write it. An importer
-// takes either form whatever the version says.
+// value (proto::AtomicCacheEntry), up to the last entry that is not empty (the rest are).
+// Before, an array of [PSN, value] arrays: 16 per QP, 58 % of the nodes of a 64-QP move's
+// state, each allocated by the reader. An importer takes either form whatever the version says.
 // An importer takes every version from kStateVersionOldest to kStateVersion.
 #pragma once
 
