@@ -200,6 +200,7 @@ case $CASE in
       kill -0 "$race" 2>/dev/null || fail "cm_removal_race: $(cat "$E2E_TMP/race")"
       nap 0.1
     done
+    grep -q '^ready' "$E2E_TMP/race" || fail "cm_removal_race never waited: $(cat "$E2E_TMP/race")"
     log "killing the backend under a connected rping pair"
     kill -KILL "$(backend_pid)"
     wait_pid "$srv" 10
