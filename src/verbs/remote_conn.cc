@@ -73,7 +73,8 @@ void epoll_set(Hub& h, int op, int fd, uint32_t events, Watch* w) {
 
 void rearm(Conn& c) {
   std::lock_guard<std::mutex> g(c.arm_mu);
-  if (c.broken.load()) {
+  // Claimed with nothing to write: out of the epoll (Conn::claimed); its polls see the end.
+  if (c.broken.load() || (c.claimed.load() && !c.want_out.load())) {
     if (c.watched) epoll_set(*c.hub, EPOLL_CTL_DEL, c.fd.get(), 0, nullptr);
     c.watched = false;
     return;

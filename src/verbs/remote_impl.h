@@ -212,7 +212,9 @@ struct Conn : Watch {
 
   // Who reads it: atomics, and the hub's own count.
   /// The application polls a CQ of this connection's QP, and reads it itself: the hub does not
-  /// watch it for data (its wake-ups would only take the CPU from the poller). Ends when a poll
+  /// watch it (its wake-ups would only take the CPU from the poller; and with the descriptor in
+  /// an epoll at all, each segment that arrives runs epoll's callback in the sender's softirq),
+  /// but for EPOLLOUT while a write waits for room (rearm). Ends when a poll
   /// finds a completion, or when the polls stop (`polls` still, checked every kClaimMs).
   std::atomic<bool> claimed{false};
   std::atomic<uint32_t> polls{0};
