@@ -9,6 +9,8 @@
 #  - bandwidth: perftest's ib_write_bw vs iperf3 (one stream) h2 -> h1;
 #  - both also vs UCX over its TCP transport (ucx_perftest, UCX_TLS=tcp on the hosts' eth0):
 #    tag_lat (its one-way latency doubled, a round trip like the others) and ucp_put_bw;
+#  - one-sided operations the peer's library answers, message rate: ib_read_bw and
+#    ib_atomic_bw (8 B) against UCX tcp's ucp_get and ucp_add;
 #  - with the direct path, perftest's ib_{send,write,read}_lat with the library's hub thread
 #    polling for 200 µs after a request (the default) and sleeping at once (VRDMA_POLL_SPIN_US=0).
 # Prints markdown table rows. Needs root (ip netns).
@@ -112,6 +114,26 @@ for size in 4096 65536 1048576; do
     ucx+=("$(ucx_tcp ucp_put_bw "$size" $((400000000 / size)) | awk '{printf "%.2f", $6}')")
   done
   row "\`ib_write_bw -s $size -D 2\`$mode_label vs \`iperf3 -t 2 -l $size\`"
+done
+
+# One-sided operations the peer's library answers (its program only waits): 8 B READs and
+# fetch-and-adds, 16 in flight (perftest's -o), message rate, against UCX's over TCP (ucp_get,
+# ucp_add; UCX answers a get through its progress thread: ~1 ms each, so few of them).
+echo
+echo "| date | machine | command (h2 -> h1) | runs | vrdma k msg/s median (min–max) | UCX tcp k msg/s median (min–max) | vrdma / UCX |"
+echo "|---|---|---|---|---|---|---|"
+for cfg in "ib_read_bw ucp_get 3000" "ib_atomic_bw ucp_add 200000"; do
+  read -r tool utest uiters <<<"$cfg"
+  vals=() ucx=()
+  for ((r = 1; r <= RUNS; r++)); do
+    hperftest 1 2 "$tool" -s 8 -D 2 >/dev/null
+    vals+=("$(result_rows "$E2E_TMP/$tool.client.out" | awk '{printf "%.2f", $5 * 1000}' | tail -n 1)")
+    ucx+=("$(ucx_tcp "$utest" 8 "$uiters" | awk '{printf "%.2f", $8 / 1e3}')")
+  done
+  read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
+  read -r umed umin umax < <(printf '%s\n' "${ucx[@]}" | stats)
+  echo "| $today | $machine | \`$tool -s 8 -D 2\`$mode_label vs \`$utest\` | $RUNS | $med ($min–$max) |" \
+    "$umed ($umin–$umax) | $(ratio "$med" "$umed") |"
 done
 
 # The direct path's hub thread: polling for 200 µs after a request (the default) against sleeping

@@ -93,7 +93,10 @@ void to_error(VQp& qp, const char* why, bool quiet) {
     conns[1] = r.in;
   }
   for (const auto& c : conns) {
-    if (c) ::shutdown(c->fd.get(), SHUT_RDWR);
+    if (!c) continue;
+    // What a reader's batch held (Conn::corked: a NAK, ACKs, answers) goes before the end.
+    if (c->held.load(std::memory_order_relaxed)) flush_held(*c);
+    ::shutdown(c->fd.get(), SHUT_RDWR);
   }
   ModifyQpReq req{};
   req.handle = qp.handle;
@@ -704,6 +707,9 @@ bool drain(Conn& c, bool defer_ack) {
   VQp& qp = *c.qp;
   RemoteQp& r = *qp.remote;
   if (c.broken.load()) return false;
+  // What the batch sends goes out in one write when it ends; released before the QP or the
+  // connection fails, so that its NAK goes first.
+  Cork cork(c);
   bool did = false;
   for (;;) {
     if (c.rx == Conn::Rx::kHeader) {
@@ -715,7 +721,8 @@ bool drain(Conn& c, bool defer_ack) {
         if (did && c.beg == c.end && c.emptied) break;
         const int got = fill(c);
         if (got < 0) {
-          broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
+          cork.release();
+        broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
                  /*lost=*/c.tls_err.empty());
           return true;
         }
@@ -727,6 +734,7 @@ bool drain(Conn& c, bool defer_ack) {
       c.rx = Conn::Rx::kStart;
       did = true;
       if (const Status st = check_frame(c.f); !st.is_ok()) {  // a broken peer: a lost connection
+        cork.release();
         ::shutdown(c.fd.get(), SHUT_RDWR);
         broken(c, qp, st.message().c_str());
         return true;
@@ -747,11 +755,13 @@ bool drain(Conn& c, bool defer_ack) {
         o = ack_riding(qp, r, c.f.ack);
       if (o.kind == Outcome::kGo) o = req ? start_request(c, qp, r) : start_response(c, qp, r);
       if (o.kind == Outcome::kBroken) {  // end it as a lost connection
+        cork.release();
         ::shutdown(c.fd.get(), SHUT_RDWR);
         broken(c, qp, o.why);
         return true;
       }
       if (o.kind == Outcome::kFailed) {
+        cork.release();
         to_error(qp, o.why);
         c.broken.store(true);
         rearm(c);
@@ -762,6 +772,7 @@ bool drain(Conn& c, bool defer_ack) {
     }
     const int got = rx_payload(c);
     if (got < 0) {
+      cork.release();
       broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
              /*lost=*/c.tls_err.empty());
       return true;
@@ -770,6 +781,7 @@ bool drain(Conn& c, bool defer_ack) {
     if (req) {
       finish_request(c, qp, r);
     } else if (!finish_response(c, qp, r)) {
+      cork.release();
       to_error(qp, "a WR failed on the direct path");
       return true;
     }

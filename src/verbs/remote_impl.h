@@ -429,6 +429,30 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
 bool flush_locked(Conn& c);
 /// Writes out requests held for a poll (Conn::held), once the connection is no longer claimed.
 void flush_held(Conn& c);
+/// The connection whose batch of the peer's frames this thread is reading (drain, under its
+/// rx_mu), or none: what the thread sends on it meanwhile (answers, ACKs, NAKs) is sealed and
+/// held, and written out with one syscall when the batch ends, or before the connection or the
+/// QP fails. Each send otherwise runs the whole of TCP for one segment (an 8 B READ's answer
+/// ~3 µs, the peer's receive included): 16 READs in flight were answered at 0.33 M/s. Other
+/// threads' sends go at once, as always.
+inline thread_local Conn* t_corked = nullptr;
+/// Sets t_corked for its scope; release() ends it early and writes out what was held.
+class Cork {
+ public:
+  explicit Cork(Conn& c) : c_(c), outer_(t_corked) { t_corked = &c; }
+  ~Cork() { release(); }
+  Cork(const Cork&) = delete;
+  Cork& operator=(const Cork&) = delete;
+  void release() {
+    if (t_corked != &c_) return;
+    t_corked = outer_;
+    if (c_.held.load(std::memory_order_relaxed)) flush_held(c_);
+  }
+
+ private:
+  Conn& c_;
+  Conn* outer_;
+};
 
 // remote_memory.cc: what a peer's request may touch here.
 

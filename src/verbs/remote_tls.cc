@@ -406,11 +406,16 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
     total += data[i].n;
   }
   size_t done = 0;
-  if (c.backlog.empty() && may_hold && c.claimed.load(std::memory_order_relaxed)) {
+  // (A frame larger than a record goes at once, and with it what the batch held: sealing a
+  // large answer whole before its first byte leaves only delays it.)
+  const bool corked = total <= tls::kTlsMaxPlain && t_corked == &c;
+  const bool claimed = may_hold && c.claimed.load(std::memory_order_relaxed);
+  if (c.backlog.empty() && (corked || claimed)) {
     // Not the first request since the application's last poll: sealed now, written out at its
-    // next poll with the rest of the burst (one syscall for many).
+    // next poll with the rest of the burst (one syscall for many). During this thread's batch
+    // of the peer's frames: written out when it ends (t_corked).
     const uint32_t polls = c.polls.load(std::memory_order_relaxed);
-    if (polls == c.pushed_at_polls) {
+    if (corked || polls == c.pushed_at_polls) {
       std::string why;
       const ssize_t w = c.rs->write(iov, n, 0, why);
       if (w < 0) {
@@ -424,7 +429,7 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
         return true;
       }
     }
-    c.pushed_at_polls = polls;
+    if (claimed) c.pushed_at_polls = polls;
   }
   if (c.backlog.empty()) {
     for (;;) {
