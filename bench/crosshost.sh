@@ -47,6 +47,13 @@ row() {
     "$umed ($umin–$umax) | $(ratio "$med" "$pmed") | $(ratio "$med" "$umed") |"
 }
 
+# A row of two columns: LABEL, then vrdma's numbers in vals[] and the peer's in peer[].
+pair_row() {
+  read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
+  read -r pmed pmin pmax < <(printf '%s\n' "${peer[@]}" | stats)
+  echo "| $today | $machine | $1 | $RUNS | $med ($min–$max) | $pmed ($pmin–$pmax) | $(ratio "$med" "$pmed") |"
+}
+
 # (On a failure hosts_cleanup kills them with every other descendant.)
 corun_pids=()
 corun_label=""
@@ -90,10 +97,7 @@ for ((r = 1; r <= RUNS; r++)); do
   vals+=("$(usec_of "$E2E_TMP/ev$r.client.out")")
   peer+=("$(tcp_pp -s 8 -n 20000)")
 done
-read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
-read -r pmed pmin pmax < <(printf '%s\n' "${peer[@]}" | stats)
-echo "| $today | $machine | \`ibv_rc_pingpong -e -s 8 -n 20000\`$mode_label$corun_label | $RUNS |" \
-  "$med ($min–$max) | $pmed ($pmin–$pmax) | $(ratio "$med" "$pmed") |"
+pair_row "\`ibv_rc_pingpong -e -s 8 -n 20000\`$mode_label$corun_label"
 stop_corun
 
 echo
@@ -124,16 +128,13 @@ echo "| date | machine | command (h2 -> h1) | runs | vrdma k msg/s median (min�
 echo "|---|---|---|---|---|---|---|"
 for cfg in "ib_read_bw ucp_get 3000" "ib_atomic_bw ucp_add 200000"; do
   read -r tool utest uiters <<<"$cfg"
-  vals=() ucx=()
+  vals=() peer=()
   for ((r = 1; r <= RUNS; r++)); do
     hperftest 1 2 "$tool" -s 8 -D 2 >/dev/null
     vals+=("$(result_rows "$E2E_TMP/$tool.client.out" | awk '{printf "%.2f", $5 * 1000}' | tail -n 1)")
-    ucx+=("$(ucx_tcp "$utest" 8 "$uiters" | awk '{printf "%.2f", $8 / 1e3}')")
+    peer+=("$(ucx_tcp "$utest" 8 "$uiters" | awk '{printf "%.2f", $8 / 1e3}')")
   done
-  read -r med min max < <(printf '%s\n' "${vals[@]}" | stats)
-  read -r umed umin umax < <(printf '%s\n' "${ucx[@]}" | stats)
-  echo "| $today | $machine | \`$tool -s 8 -D 2\`$mode_label vs \`$utest\` | $RUNS | $med ($min–$max) |" \
-    "$umed ($umin–$umax) | $(ratio "$med" "$umed") |"
+  pair_row "\`$tool -s 8 -D 2\`$mode_label vs \`$utest\`"
 done
 
 # The direct path's hub thread: polling for 200 µs after a request (the default) against sleeping
