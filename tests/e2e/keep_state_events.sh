@@ -18,7 +18,9 @@ start_kept_backend "$PATH_ARG"
 # Messages the RC QPs sent, one line per QP.
 sent() { "$VRDMA" res show qp -j 2>/dev/null | grep -o '"msgs_sent":[0-9]*' | cut -d: -f2; }
 
-ITERS=20000
+# Enough that a fast machine is still in the traffic when the loop below stops it (20,000 ran
+# in 0.12 s on the direct path, 6 µs a round trip, and ended before the stop).
+ITERS=100000
 start_server ev es -e -n "$ITERS"
 start_client ev ec "$PORT" -e -n "$ITERS"
 srv_proc="$(exec_named "$SERVER_PID" ibv_rc_pingpong)"
@@ -37,7 +39,7 @@ if kill -STOP "$srv_proc" "$cli_proc" 2>/dev/null &&
 else
   log "the run finished before it could be stopped: no kill in the middle of the traffic"
 fi
-kill -CONT "$srv_proc" "$cli_proc" 2>/dev/null
+kill -CONT "$srv_proc" "$cli_proc" 2>/dev/null || true  # (either may be gone: it finished)
 for who in client server; do
   pid=$CLIENT_PID
   [[ $who == client ]] || pid=$SERVER_PID

@@ -35,7 +35,8 @@ xrc_sent() {
     awk -F: '{s += $2} END {print s + 0}'
 }
 
-ITERS=2000
+# Enough that a fast machine is still in the traffic when part 2 stops it.
+ITERS=8000  # (ibv_xsrq_pingpong sizes its send queue by it: the quota max_queue_depth is 8192)
 PP_TOOL=ibv_xsrq_pingpong
 
 # Kills the backend and waits until its keeper's new one has restored WANT guests in all (the
@@ -92,7 +93,7 @@ if kill -STOP "$srv_proc" "$cli_proc" 2>/dev/null &&
 else
   log "the run finished before it could be stopped: no kill in the middle of the traffic"
 fi
-kill -CONT "$srv_proc" "$cli_proc" 2>/dev/null
+kill -CONT "$srv_proc" "$cli_proc" 2>/dev/null || true  # (either may be gone: it finished)
 wait_success "client" "$CLIENT_PID" "$E2E_TMP/xks.client1.out" 60
 wait_success "server" "$SERVER_PID" "$E2E_TMP/xks.server.out" 10
 log "ibv_xsrq_pingpong -n $ITERS: success on both ends across the SIGKILLs"
