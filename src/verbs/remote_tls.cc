@@ -485,7 +485,12 @@ bool flush_locked(Conn& c) {
       c.broken.store(true);
       return false;
     }
-    if (pushed == 0) return true;  // the socket is full: EPOLLOUT again
+    if (pushed == 0) {
+      // The socket is full: EPOLLOUT (again). A flush of what a batch or a claim held
+      // (flush_held) may be the first to find it full, and nothing else would write it then.
+      if (!c.want_out.exchange(true)) rearm(c);
+      return true;
+    }
     c.held.store(false, std::memory_order_relaxed);
     if (c.backlog.empty()) break;
     iovec iov[64];
