@@ -94,7 +94,7 @@ void to_error(VQp& qp, const char* why, bool quiet) {
   }
   for (const auto& c : conns) {
     if (!c) continue;
-    // What a reader's batch held (Conn::corked: a NAK, ACKs, answers) goes before the end.
+    // What a reader's batch held (t_corked: a NAK, ACKs, answers) goes before the end.
     if (c->held.load(std::memory_order_relaxed)) flush_held(*c);
     ::shutdown(c->fd.get(), SHUT_RDWR);
   }
@@ -722,7 +722,7 @@ bool drain(Conn& c, bool defer_ack) {
         const int got = fill(c);
         if (got < 0) {
           cork.release();
-        broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
+          broken(c, qp, !c.tls_err.empty() ? c.tls_err.c_str() : "the peer's library closed the connection",
                  /*lost=*/c.tls_err.empty());
           return true;
         }

@@ -427,7 +427,8 @@ bool send_frame(Conn& c, const Frame& f, const MemSpan* data, size_t nd, bool co
                 bool may_hold = false);
 /// Writes what it can of the stream and the backlog (tx_mu held). False when the connection broke.
 bool flush_locked(Conn& c);
-/// Writes out requests held for a poll (Conn::held), once the connection is no longer claimed.
+/// Writes out what is held (Conn::held): requests held for a poll, once the connection is no
+/// longer claimed, and what a batch held (Cork).
 void flush_held(Conn& c);
 /// The connection whose batch of the peer's frames this thread is reading (drain, under its
 /// rx_mu), or none: what the thread sends on it meanwhile (answers, ACKs, NAKs) is sealed and
