@@ -133,6 +133,10 @@ Result<std::string> EtcdClient::post(const std::string& path, const std::string&
   requests_.fetch_add(1, std::memory_order_relaxed);
   Result<std::string> r = post_once(path, body);
   if (!r.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
+  if (r.is_ok() || r.err() == ENOENT || r.err() == EPROTO)
+    heard_ = {std::chrono::steady_clock::now(), true, {}};
+  else if (r.err() == EHOSTUNREACH)
+    heard_ = {std::chrono::steady_clock::now(), false, r.status().message()};
   return r;
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -95,6 +96,17 @@ class EtcdClient {
   uint64_t requests() const { return requests_.load(std::memory_order_relaxed); }
   uint64_t failed() const { return failed_.load(std::memory_order_relaxed); }
 
+  /// What the last call that ended learnt of etcd: when it ended, and whether a member answered
+  /// it (any answer, an error of the request included) or none could be reached (`why`). A call
+  /// abandoned (ECANCELED) leaves it as it was; `at` is zero before the first call ends. Several
+  /// threads each with their own client order what they learnt by `at`, not by when they say it.
+  struct Heard {
+    std::chrono::steady_clock::time_point at{};
+    bool answered = false;
+    std::string why;  ///< of an unreachable etcd
+  };
+  const Heard& last_heard() const { return heard_; }
+
   /// The endpoint the last call used (status, logs).
   const std::string& endpoint() const { return opt_.endpoints[cur_]; }
 
@@ -114,6 +126,7 @@ class EtcdClient {
   const std::atomic<bool>* abort_ = nullptr;
   std::atomic<uint64_t> requests_{0}, failed_{0};
   std::string url_;  ///< of the call in progress (curl keeps a pointer to it)
+  Heard heard_;
 };
 
 /// The end of the range of keys with this prefix (etcd's range_end for a prefix).

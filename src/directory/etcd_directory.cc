@@ -106,18 +106,19 @@ void EtcdDirectory::wake() {
   (void)!::write(wake_.get(), &one, sizeof(one));
 }
 
-void EtcdDirectory::note_error(const Status& st) {
+void EtcdDirectory::note(const EtcdClient::Heard& h) {
   std::lock_guard<std::mutex> l(mu_);
-  if (reachable_.exchange(false) || unreachable_since_unix_ == 0) {
-    unreachable_since_unix_ = static_cast<uint64_t>(::time(nullptr));
-    VLOG_WARN("directory: {}; routes already known stay, new lookups fail until it answers",
-              st.message());
+  if (h.at == Clock::time_point{} || h.at < heard_at_) return;
+  heard_at_ = h.at;
+  if (!h.answered) {
+    if (reachable_.exchange(false) || unreachable_since_unix_ == 0) {
+      unreachable_since_unix_ = static_cast<uint64_t>(::time(nullptr));
+      VLOG_WARN("directory: {}; routes already known stay, new lookups fail until it answers",
+                h.why);
+    }
+    last_error_ = h.why;
+    return;
   }
-  last_error_ = st.message();
-}
-
-void EtcdDirectory::note_ok() {
-  std::lock_guard<std::mutex> l(mu_);
   if (!reachable_.exchange(true) && unreachable_since_unix_ != 0) {
     VLOG_INFO("directory: etcd answers again (unreachable for {} s)",
               static_cast<uint64_t>(::time(nullptr)) - unreachable_since_unix_);
@@ -339,11 +340,10 @@ void EtcdDirectory::worker() {
           it != leaving_.end() && it->second.second <= Clock::now())
         leaving_.erase(it);
     }
-    if (st.is_ok()) {
-      note_ok();
-    } else if (st.err() == EHOSTUNREACH) {
-      note_error(st);
-    } else if (st.err() != ECANCELED) {
+    // What the last call learnt, this round's calls in refresh_ttls included (it leaves `st`
+    // as it was): reachable or not, ordered against the watcher's by when each call ended.
+    if (st.err() != ECANCELED) note(c.last_heard());
+    if (!st.is_ok() && st.err() != EHOSTUNREACH && st.err() != ECANCELED) {
       // etcd answered but refused (our lease is gone, a request it did not take) or the entry
       // kept changing: tried again; what failed stays queued.
       uint64_t held = 0;
@@ -381,8 +381,8 @@ void EtcdDirectory::watcher() {
   while (!stop_) {
     int64_t rev = 0;
     auto all = c.range(opt_.prefix, true, &rev);
+    note(c.last_heard());
     if (!all) {
-      note_error(all.status());
       for (int i = 0; i < 3 && !stop_; ++i)
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;

@@ -118,8 +118,9 @@ class EtcdDirectory final : public transport::Directory {
              int64_t lease = 0);
   /// The copy becomes exactly `kvs` (after a fresh range). Called with mu_ held.
   void reset(const std::vector<KeyValue>& kvs);
-  void note_error(const Status& st);
-  void note_ok();
+  /// Takes what a client's last call learnt (reachable or not) unless the other thread's client
+  /// learnt something later: a success that ended before a failure was seen says nothing of now.
+  void note(const EtcdClient::Heard& h);
   void wake();
   std::string key(const char* kind, const std::string& name) const {
     return opt_.prefix + kind + "/" + name;
@@ -153,6 +154,7 @@ class EtcdDirectory final : public transport::Directory {
   int64_t lease_ = 0;
   uint64_t registered_unix_ = 0;
   uint64_t unreachable_since_unix_ = 0;
+  std::chrono::steady_clock::time_point heard_at_{};  ///< of the newest Heard taken (note)
   std::string last_error_;
   std::string endpoint_;
   struct Counters {

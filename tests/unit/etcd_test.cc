@@ -287,15 +287,25 @@ TEST_F(EtcdTest, WatchSeesPutsAndDeletesInOrder) {
 TEST_F(EtcdTest, UnreachableFailsFastAndFailsOver) {
   const std::string dead = fmt::format("http://127.0.0.1:{}", free_port());
   EtcdClient c({{dead}, {}, {}, {}, 500});
+  EXPECT_EQ(c.last_heard().at, std::chrono::steady_clock::time_point{});
   const auto t0 = std::chrono::steady_clock::now();
   auto r = c.range("/", true, nullptr);
   EXPECT_EQ(r.err(), EHOSTUNREACH);
   EXPECT_NE(r.status().message().find("unreachable"), std::string::npos) << r.status().message();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  // What the call learnt, stamped when it ended (the directory orders its threads' news by it).
+  EXPECT_FALSE(c.last_heard().answered);
+  EXPECT_GE(c.last_heard().at, t0);
+  EXPECT_EQ(c.last_heard().why, r.status().message());
   // The next endpoint answers: the call succeeds, and later calls start there.
   EtcdClient two({{dead, etcd_->url()}, {}, {}, {}, 500});
   ASSERT_TRUE(two.put(prefix_ + "x", "1").is_ok());
   EXPECT_EQ(two.endpoint(), etcd_->url());
+  EXPECT_TRUE(two.last_heard().answered);
+  EXPECT_GT(two.last_heard().at, c.last_heard().at);
+  // A refusal is an answer too: etcd is there.
+  EXPECT_EQ(two.lease_keepalive(0x7fff1234).err(), ENOENT);
+  EXPECT_TRUE(two.last_heard().answered);
 }
 
 TEST_F(EtcdTest, DirectoryFindsPeersGuestsAndMoves) {
