@@ -350,10 +350,13 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
     if (node.empty()) {
       // Not a peer's transport address: the peers are asked whose host it is (an IPv6
       // address, a peer's second address), as a neighbour solicitation; the first answer
-      // resolves it (on_wire), none by the timeout is ADDR_ERROR.
+      // resolves it (on_wire), none by the timeout is ADDR_ERROR; asked again every
+      // kAddrAskMs meanwhile (on_timer).
       id.dst = r.dst;
       id.resolve_src = src;
-      arm(handle, id, r.timeout_ms ? r.timeout_ms : 2000, TimerKind::kAddr);
+      const uint64_t timeout_ms = r.timeout_ms ? r.timeout_ms : 2000;
+      id.resolve_deadline_ns = cm_clock_ns() + timeout_ms * 1000000;
+      arm(handle, id, std::min(timeout_ms, kAddrAskMs), TimerKind::kAddr);
       ask_peers(handle, r.dst);
       return Status::ok();
     }
@@ -418,6 +421,8 @@ void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
   if (it == ids_.end()) return;  // gone meanwhile
   Id& id = it->second;
   if (!id.timer_armed || id.timer->second.kind != TimerKind::kAddr || !same_addr(id.dst, m.dst)) {
+    // Asked again until answered (kAddrAskMs), or answered after the timeout: a late answer.
+    if (same_addr(id.dst, m.dst)) return;
     if (transport_) transport_->refused_frame(node, "cm address reply nobody asked for");
     return;
   }

@@ -91,6 +91,11 @@ class CmService {
   size_t ids() const { return ids_.size(); }
   size_t ports() const { return ports_.size(); }
 
+  /// An address no peer's transport address names is asked of the peers again this often
+  /// until its timeout (a neighbour solicitation retransmitted): a peer whose connection was
+  /// being replaced, or that was not known yet by its name, did not hear the first question.
+  static constexpr uint64_t kAddrAskMs = 200;
+
  private:
   /// Where an id is in the IB CM's exchange.
   enum class State : uint8_t {
@@ -140,6 +145,7 @@ class CmService {
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
     uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
     proto::CmAddr resolve_src{};  ///< kAddr timer: the source the resolution will give
+    uint64_t resolve_deadline_ns = 0;  ///< kAddr timer: ADDR_ERROR then (cm_clock_ns)
     /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
     /// the id, so what a guest can make wait is bounded by its ids.
     bool timer_armed = false;

@@ -215,9 +215,24 @@ void CmService::on_timer() {
     Id& id = it->second;
     id.timer_armed = false;
     switch (t.kind) {
-      case TimerKind::kAddr:
-        emit(t.id, CmEventType::kAddrError, -ETIMEDOUT);
+      case TimerKind::kAddr: {
+        if (now >= id.resolve_deadline_ns) {
+          emit(t.id, CmEventType::kAddrError, -ETIMEDOUT);
+          break;
+        }
+        // Not answered yet: the address may be a peer's own now (a connection that was being
+        // replaced is up again), else the peers are asked again.
+        if (const std::string node = node_for(id.dst); !node.empty()) {
+          const proto::CmAddr dst = id.dst;
+          if (Status st = resolved(t.id, id, id.resolve_src, dst, node); !st.is_ok())
+            emit(t.id, CmEventType::kAddrError, -st.err());
+          break;
+        }
+        arm(t.id, id, std::min(kAddrAskMs, (id.resolve_deadline_ns - now + 999999) / 1000000),
+            TimerKind::kAddr);
+        ask_peers(t.id, id.dst);
         break;
+      }
       case TimerKind::kTimewait:
         emit(t.id, CmEventType::kTimewaitExit, 0);
         break;
