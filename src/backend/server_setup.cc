@@ -194,8 +194,10 @@ Status Server::setup() {
     ASSIGN_OR_RETURN(to.tls, transport_credential());
     ASSIGN_OR_RETURN(tcp_, transport::tcp::TcpTransport::create(std::move(to), dev_));
     dev_.set_transport(tcp_.get());
-    // The CM asks every known peer (a frame for one not connected dials it).
-    cm_.set_transport(tcp_.get(), [this] { return tcp_->known(); });
+    // The CM asks every known peer (a frame for one not connected dials it) and every connected
+    // one: a peer given by address alone is known by name only once a dial of ours reached it,
+    // and a backend that started first was dialed by its peers before that.
+    cm_.set_transport(tcp_.get(), [this] { return tcp_->group_peers(); });
     dev_.set_cm_receiver([this](const std::string& node, const proto::wire::Cm& m) {
       cm_.on_wire(node, m);
       keep_cm_changes();
