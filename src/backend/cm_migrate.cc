@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
@@ -23,6 +24,8 @@ namespace {
 
 /// The format of the JSON; an import refuses any other.
 constexpr int kCmStateVersion = 1;
+/// The longest an address resolution may have left (a guest's `timeout_ms` is 32 bits).
+constexpr uint64_t kMaxResolveMs = std::numeric_limits<uint32_t>::max();
 
 template <typename T>
 std::vector<uint8_t> bytes_of(const T& v) {
@@ -97,12 +100,14 @@ const std::string& CmService::exported_text(uint32_t h, const Id& id) const {
   f.state = static_cast<uint8_t>(id.state), f.holds_port = id.holds_port;
   f.timewait = id.timewait, f.due = due, f.src = id.src, f.dst = id.dst, f.qp = id.qp;
   Exported& e = exported_[h];
-  if (e.fields.size() == sizeof(f) && std::memcmp(e.fields.data(), &f, sizeof(f)) == 0 &&
-      e.node == id.node)
+  // An address resolution under way: the time it has left changes, so the text is made anew.
+  const bool resolving = id.timer_armed && id.timer->second.kind == TimerKind::kAddr;
+  if (!resolving && e.fields.size() == sizeof(f) &&
+      std::memcmp(e.fields.data(), &f, sizeof(f)) == 0 && e.node == id.node)
     return e.text;
-  e.fields = bytes_of(f);
+  e.fields = resolving ? std::vector<uint8_t>{} : bytes_of(f);
   e.node = id.node;
-  e.text = json{{"h", h},
+  json j{{"h", h},
                 {"owner", id.owner},
                 {"channel", id.channel},
                 {"ps", id.ps},
@@ -118,8 +123,13 @@ const std::string& CmService::exported_text(uint32_t h, const Id& id) const {
                 {"node", id.node},
                 {"listener", id.listener},
                 {"pending", id.pending},
-                {"backlog", id.backlog}}
-               .dump();
+                {"backlog", id.backlog}};
+  if (resolving) {
+    const uint64_t now = cm_clock_ns();
+    j["resolve_ms"] = id.resolve_deadline_ns > now ? (id.resolve_deadline_ns - now) / 1000000 : 0;
+    j["resolve_src"] = bytes_of(id.resolve_src);
+  }
+  e.text = j.dump();
   return e.text;
 }
 
@@ -133,6 +143,7 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
   std::unordered_map<uint32_t, Channel> chans;
   std::unordered_map<uint32_t, Id> ids;
   std::unordered_set<uint32_t> timewait_due;
+  std::unordered_map<uint32_t, uint64_t> resolving;  // handle -> ms its resolution has left
   try {
     if (j.at("version").get<int>() != kCmStateVersion)
       return error(EPROTONOSUPPORT, fmt::format("CM state version {}", j.at("version").dump()));
@@ -186,6 +197,11 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
       id.listener = e.at("listener").get<uint32_t>();
       id.pending = e.at("pending").get<uint32_t>();
       id.backlog = e.at("backlog").get<uint32_t>();
+      // An address resolution under way (absent from an older source: it never ended there).
+      if (e.contains("resolve_ms")) {
+        id.resolve_src = from_bytes<CmAddr>(e.at("resolve_src"));
+        resolving[h] = std::min<uint64_t>(e.at("resolve_ms").get<uint64_t>(), kMaxResolveMs);
+      }
     }
   } catch (const std::exception& e) {
     return error(EINVAL, fmt::format("CM state: {}", e.what()));
@@ -208,6 +224,12 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
     }
     if (id.listener && !ids.count(id.listener)) id.listener = 0;  // its listener stayed behind
     if (timewait_due.count(h)) arm(h, id, kTimewaitMs, TimerKind::kTimewait);
+    if (auto r = resolving.find(h); r != resolving.end()) {
+      // Asked again from here at once (on_timer): the answer to the source's question goes
+      // there, and this host may own the address or know the peer by its address now.
+      id.resolve_deadline_ns = cm_clock_ns() + r->second * 1000000;
+      arm(h, id, 0, TimerKind::kAddr);
+    }
     const bool has_peer = id.peer != 0 && id.peer != kNone;
     // Moved (not recovered): where its peer is, seen from here. Recovered, a local peer is
     // still local (its guest's import brings it back, or settle_restored ends the id's wait).

@@ -650,6 +650,42 @@ TEST_F(CmAcrossHostsTest, AConnectedIdMovesWithItsGuestAndItsPeerIsTold) {
   EXPECT_FALSE(to.import_sessions(state, again, {{4242, 78}}).is_ok());
 }
 
+/// An id whose address resolution was under way moves with it: the new backend asks again, and
+/// the answer gives ADDR_RESOLVED on the channel the guest reads (before, the move dropped the
+/// resolution's timer and the guest waited for an event that never came).
+TEST_F(CmAcrossHostsTest, AnAddressResolutionUnderWayMovesWithItsGuest) {
+  const uint32_t c = cli.create_id();
+  const CmAddr far = v4("10.77.0.9", 7174);
+  const int32_t st = cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 5000, {}, far}).first;
+  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.9 here";
+  ASSERT_EQ(st, 0);
+  EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kAddrQuery));
+
+  std::vector<int> fds;
+  const std::string state = cm.export_sessions({{cli.s.id, 4343}}, fds);
+  ASSERT_EQ(fds.size(), 1u);
+  std::vector<UniqueFd> moved;
+  for (int f : fds) moved.emplace_back(::fcntl(f, F_DUPFD_CLOEXEC, 0));
+  CmService to;
+  FakeTransport tt;
+  tt.self_ = "c";
+  to.set_transport(&tt, [] { return std::vector<std::string>{"b"}; });
+  ASSERT_TRUE(to.import_sessions(state, moved, {{4343, 78}}).is_ok());
+  cm.session_moved(&cli.s);
+  // The source's answer comes too late for it; the new backend asks at once.
+  wire::Cm a = peer_msg(wire::CmKind::kAddrReply, 1, c);
+  a.dst = far;
+  cm.on_wire("b", a);
+  to.on_timer();
+  wire::Cm q = tt.take();
+  EXPECT_EQ(q.kind, uint8_t(wire::CmKind::kAddrQuery));
+  EXPECT_EQ(q.src_id, c);
+  EXPECT_TRUE(cli.quiet());
+  to.on_wire("b", a);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  EXPECT_TRUE(tt.refused.empty());
+}
+
 /// The peer's side of a move: kMoved from the new node re-points an id only when it faced the
 /// node the message names and its peer is the id named.
 TEST_F(CmAcrossHostsTest, AMovedPeerIsFollowedOnlyWhenItIsThePeer) {
