@@ -357,6 +357,7 @@ Status CmService::resolve_addr(uint32_t handle, Id& id, const CmResolveReq& r) {
       const uint64_t timeout_ms = r.timeout_ms ? r.timeout_ms : 2000;
       id.resolve_deadline_ns = cm_clock_ns() + timeout_ms * 1000000;
       arm(handle, id, std::min(timeout_ms, kAddrAskMs), TimerKind::kAddr);
+      note(id.owner);  // keep_state: the keeper's copy carries the resolution too
       ask_peers(handle, r.dst);
       return Status::ok();
     }
