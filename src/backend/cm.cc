@@ -529,13 +529,7 @@ Status CmService::connect(uint32_t handle, Id& id, const CmConnReq& r) {
   if (!id.node.empty()) {  // to the backend of that host
     set_state(id, State::kReqSent);
     id.peer = 0;  // its id there is known from its answer
-    if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m)) {
-      set_state(id, State::kRouteResolved);
-      emit(handle, CmEventType::kUnreachable, -ETIMEDOUT);
-      return Status::ok();
-    }
-    id.tries = 0;
-    arm(handle, id, kHandshakeStepMs, TimerKind::kHandshake);
+    send_handshake(handle, id, m);
     return Status::ok();
   }
   int32_t reason;
@@ -564,11 +558,7 @@ Status CmService::accept(uint32_t handle, Id& id, const CmConnReq& r) {
     return Status::ok();
   }
   set_state(id, State::kRepSent);
-  tell(handle, id, CmKind::kRep, 0, &r.qp, pdata);
-  if (!id.node.empty()) {
-    id.tries = 0;
-    arm(handle, id, kHandshakeStepMs, TimerKind::kHandshake);
-  }
+  tell(handle, id, CmKind::kRep, 0, &r.qp, pdata);  // (its timer: send_handshake)
   return Status::ok();
 }
 

@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -96,6 +97,12 @@ class CmService {
   /// being replaced, or that was not known yet by its name, did not hear the first question.
   static constexpr uint64_t kAddrAskMs = 200;
 
+  /// A REQ or REP the transport could not take (no connection to that backend at that moment:
+  /// one being replaced by a duplicate, a dial not answered yet) is offered again this often,
+  /// kUnsentTries times, before the id is UNREACHABLE.
+  static constexpr uint64_t kUnsentStepMs = 100;
+  static constexpr uint32_t kUnsentTries = 10;
+
  private:
   /// Where an id is in the IB CM's exchange.
   enum class State : uint8_t {
@@ -144,6 +151,8 @@ class CmService {
     uint32_t pending = 0;   ///< a listener's requests not yet accepted or rejected
     uint32_t backlog = 0;   ///< a listener's limit on `pending`
     uint32_t tries = 0;     ///< handshake timer: checks of the peer backend so far
+    /// Its REQ or REP while the transport has not taken it (kUnsentStepMs).
+    std::optional<proto::wire::Cm> unsent;
     proto::CmAddr resolve_src{};  ///< kAddr timer: the source the resolution will give
     uint64_t resolve_deadline_ns = 0;  ///< kAddr timer: ADDR_ERROR then (cm_clock_ns)
     /// Its one pending timer (in timers_) when armed: a new one replaces it, and it goes with
@@ -185,6 +194,9 @@ class CmService {
   uint32_t take_request(const std::string& node, const proto::wire::Cm& m, int32_t& reason);
   /// Tells the other end of `id` (handle `from`) message `k`: directly when it is here, as a
   /// kCm frame to its backend otherwise.
+  /// Sends `id`'s handshake message `m` (a REQ or REP) to its backend and arms the handshake
+  /// timer: kHandshakeStepMs when the transport took it, kUnsentStepMs to offer it again if not.
+  void send_handshake(uint32_t h, Id& id, const proto::wire::Cm& m);
   void tell(uint32_t from, Id& id, proto::wire::CmKind k, int32_t status = 0,
             const proto::CmQpInfo* qp = nullptr, std::span<const uint8_t> pdata = {});
   /// What id `h` does on message `k` from its peer `from` (here, or checked by on_wire).

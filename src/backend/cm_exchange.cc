@@ -46,11 +46,24 @@ void CmService::tell(uint32_t from, Id& id, CmKind k, int32_t status, const CmQp
   if (m.private_len) std::memcpy(m.private_data, pdata.data(), m.private_len);
   if (Status st = wire::check_cm(m); !st.is_ok()) {  // the guest's QP description: not sent
     VLOG_WARN("cm: {} for {} not sent: {}", kind_name(k), id.node, st.message());
+    if (k == CmKind::kRep) arm(from, id, kHandshakeStepMs, TimerKind::kHandshake);
     return;
   }
+  if (k == CmKind::kRep) return send_handshake(from, id, m);
   // Lost with the connection: the other end's handshake timer, or its QP's, settles it.
   if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m))
     VLOG_INFO("cm: {} for {} not sent: no connection", kind_name(k), id.node);
+}
+
+void CmService::send_handshake(uint32_t h, Id& id, const wire::Cm& m) {
+  id.tries = 0;
+  if (transport_ && transport_->send(id.node, wire::Type::kCm, &m)) {
+    id.unsent.reset();
+    arm(h, id, kHandshakeStepMs, TimerKind::kHandshake);
+    return;
+  }
+  id.unsent = m;
+  arm(h, id, kUnsentStepMs, TimerKind::kHandshake);
 }
 
 void CmService::receive(uint32_t h, Id& id, uint32_t from, CmKind k, int32_t status,
@@ -238,12 +251,29 @@ void CmService::on_timer() {
         break;
       case TimerKind::kHandshake: {
         if (id.state != State::kReqSent && id.state != State::kRepSent) break;
-        const auto up = peers_ ? peers_() : std::vector<std::string>{};
-        if (std::find(up.begin(), up.end(), id.node) != up.end() && ++id.tries < kHandshakeTries) {
-          arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
-          break;
+        if (id.unsent) {
+          // Not taken by the transport yet: offered again, as a peer that is down after a while.
+          if (transport_ && transport_->send(id.node, wire::Type::kCm, &*id.unsent)) {
+            id.unsent.reset();
+            id.tries = 0;
+            arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
+            break;
+          }
+          if (++id.tries < kUnsentTries) {
+            arm(t.id, id, kUnsentStepMs, TimerKind::kHandshake);
+            break;
+          }
+          id.unsent.reset();
+          VLOG_INFO("cm: id {}: no connection to {}; UNREACHABLE", t.id, id.node);
+        } else {
+          const auto up = peers_ ? peers_() : std::vector<std::string>{};
+          if (std::find(up.begin(), up.end(), id.node) != up.end() &&
+              ++id.tries < kHandshakeTries) {
+            arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
+            break;
+          }
+          VLOG_INFO("cm: id {}: no answer from {}; UNREACHABLE", t.id, id.node);
         }
-        VLOG_INFO("cm: id {}: no answer from {}; UNREACHABLE", t.id, id.node);
         tell(t.id, id, CmKind::kGone);
         set_state(id, id.state == State::kReqSent ? State::kRouteResolved : State::kIdle);
         id.peer = 0;

@@ -280,13 +280,14 @@ struct FakeTransport : transport::Transport {
   std::vector<std::pair<std::string, wire::Cm>> sent;
   std::vector<std::string> refused;
   bool up = true;
+  bool no_conn = false;  ///< send() finds no connection (one being replaced), the peer known
   const std::string& self() const override { return self_; }
   bool forced() const override { return false; }
   std::string locate_lid(uint16_t) const override { return {}; }
   std::string locate_gid(const uint8_t*) const override { return {}; }
   bool send(const std::string& node, wire::Type t, const void* body,
             std::span<const transport::Span>, std::span<const transport::Hold>, uint64_t) override {
-    if (!up) return false;
+    if (!up || no_conn) return false;
     EXPECT_EQ(t, wire::Type::kCm);
     wire::Cm m;
     std::memcpy(&m, body, sizeof(m));
@@ -524,6 +525,49 @@ TEST_F(CmAcrossHostsTest, APeersOwnAddressResolvesOnceThePeerIsKnownAgain) {
   ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
   ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12), 0);
   EXPECT_EQ(t.take().kind, uint8_t(wire::CmKind::kReq));  // to b
+}
+
+TEST_F(CmAcrossHostsTest, ARequestTheTransportCouldNotTakeIsOfferedAgain) {
+  const uint32_t c = cli.create_id();
+  const int32_t st =
+      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("10.77.0.2", 7174)}).first;
+  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.2 here";
+  ASSERT_EQ(st, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  // The connection to b is being replaced at this moment: the REQ waits, no event.
+  t.no_conn = true;
+  ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12, "hello"), 0);
+  EXPECT_TRUE(t.sent.empty());
+  std::this_thread::sleep_for(std::chrono::milliseconds(CmService::kUnsentStepMs + 10));
+  cm.on_timer();
+  EXPECT_TRUE(cli.quiet());
+  t.no_conn = false;
+  std::this_thread::sleep_for(std::chrono::milliseconds(CmService::kUnsentStepMs + 10));
+  cm.on_timer();
+  wire::Cm req = t.take();
+  EXPECT_EQ(req.kind, uint8_t(wire::CmKind::kReq));
+  EXPECT_EQ(req.src_id, c);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(req.private_data), req.private_len), "hello");
+  EXPECT_TRUE(t.sent.empty());  // once
+  cm.on_wire("b", peer_msg(wire::CmKind::kRep, 55, c));
+  EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
+  // A backend that stays unreachable: UNREACHABLE after kUnsentTries offers.
+  const uint32_t d = cli.create_id();
+  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{d, 1000, {}, v4("10.77.0.2", 7175)}).first, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{d, 1000, {}, {}}).first, 0);
+  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  t.no_conn = true;
+  ASSERT_EQ(cli.conn(Op::kCmConnect, d, 0x13), 0);
+  for (uint32_t i = 0; i < CmService::kUnsentTries && cli.quiet(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(CmService::kUnsentStepMs + 5));
+    cm.on_timer();
+  }
+  CmEvent e = cli.next();
+  EXPECT_EQ(e.event, ev(CmEventType::kUnreachable));
+  EXPECT_EQ(e.status, -ETIMEDOUT);
 }
 
 TEST_F(CmAcrossHostsTest, AnAddressNoPeerAnswersForIsAnAddrError) {
