@@ -216,6 +216,8 @@ class CmService {
   /// export_sessions' JSON text of id `h`, written again only when a field it says changed
   /// (keep_state exports a guest's ids after each of its CM commands; most did not change).
   const std::string& exported_text(uint32_t h, const Id& id) const;
+  /// Tells the backend of moved id `h`'s peer that it is here now (kMoved, naming `from`).
+  void tell_moved_from(uint32_t h, const Id& id, const std::string& from);
   struct Exported {
     std::vector<uint8_t> fields;  ///< what the text says, as bytes (cm_migrate.cc, IdFields)
     std::string node, text;

@@ -249,17 +249,19 @@ Status CmService::import_sessions(std::string_view text, std::vector<UniqueFd>& 
       arm(h, id, kHandshakeStepMs, TimerKind::kHandshake);
     if (has_peer && !id.node.empty() && (!recover || from != self)) tell_moved.emplace_back(h, &id);
   }
-  for (auto [h, id] : tell_moved) {
-    wire::Cm m{};
-    m.kind = static_cast<uint8_t>(CmKind::kMoved);
-    m.src_id = h;
-    m.dst_id = id->peer;
-    m.private_len = static_cast<uint32_t>(std::min(from.size(), wire::kNameMax - 1));
-    std::memcpy(m.private_data, from.data(), m.private_len);
-    if (!transport_ || !transport_->send(id->node, wire::Type::kCm, &m))
-      VLOG_WARN("cm: moved id {}: its peer's backend {} could not be told", h, id->node);
-  }
+  for (auto [h, id] : tell_moved) tell_moved_from(h, *id, from);
   return Status::ok();
+}
+
+void CmService::tell_moved_from(uint32_t h, const Id& id, const std::string& from) {
+  wire::Cm m{};
+  m.kind = static_cast<uint8_t>(CmKind::kMoved);
+  m.src_id = h;
+  m.dst_id = id.peer;
+  m.private_len = static_cast<uint32_t>(std::min(from.size(), wire::kNameMax - 1));
+  std::memcpy(m.private_data, from.data(), m.private_len);
+  if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m))
+    VLOG_WARN("cm: moved id {}: its peer's backend {} could not be told", h, id.node);
 }
 
 void CmService::settle_restored() {
