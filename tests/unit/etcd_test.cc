@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -106,7 +107,25 @@ done)",
     tls_ = std::system(("bash " + script).c_str()) == 0;
     return tls_;
   }
+  /// Starts etcd and waits until it answers. A port free_port() found may be taken by another
+  /// program before etcd binds it (tests run in parallel): etcd then exits, and the first start
+  /// tries again on new ports; a restart (`started_` set) keeps its ports, as its clients do.
   bool start() {
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      if (attempt) {
+        client_ = free_port();
+        do peer_ = free_port();
+        while (peer_ == client_);
+        ipv6_ = ipv6_port_free(client_);
+        std::filesystem::remove_all(dir_ + "/data");  // a member of the old ports, if any
+      }
+      bool died = false;
+      if (start_once(died)) return started_ = true;
+      if (!died || started_) break;
+    }
+    return false;
+  }
+  bool start_once(bool& died) {
     pid_ = ::fork();
     if (pid_ == 0) {
       const std::string c = url(), p = fmt::format("http://127.0.0.1:{}", peer_);
@@ -136,7 +155,21 @@ done)",
                    tls_ ? dir_ + "/client.pem" : "",
                    tls_ ? dir_ + "/client.key" : "",
                    500});
-    return until([&] { return cl.range("/", true, nullptr).is_ok(); }, 10000ms);
+    const bool up = until(
+        [&] {
+          int status;
+          if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+            pid_ = -1;
+            died = true;
+            return true;
+          }
+          return cl.range("/", true, nullptr).is_ok();
+        },
+        10000ms);
+    if (died)
+      std::fprintf(stderr, "etcd exited at start (a port taken meanwhile?); its log: %s/log\n",
+                   dir_.c_str());
+    return up && !died;
   }
   void stop() {
     if (pid_ <= 0) return;
@@ -149,6 +182,7 @@ done)",
   std::string dir_;
   bool tls_ = false;
   bool ipv6_ = false;
+  bool started_ = false;  ///< started once: its ports are what its clients know
   int client_ = 0, peer_ = 0;
   pid_t pid_ = -1;
 };
