@@ -21,23 +21,14 @@
 #include <thread>
 
 #include "directory/etcd_directory.h"
+#include "free_port.h"
 
 namespace vrdma::directory {
 namespace {
 
 using namespace std::chrono_literals;
 
-int free_port() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
+using testing_util::free_port;
 
 /// Whether [::1]:port can be bound now (IPv6 on loopback, and the port free there too).
 bool ipv6_port_free(int port) {

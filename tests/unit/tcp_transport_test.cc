@@ -24,6 +24,7 @@
 #include "cli/cluster.h"
 #include "common/guest_fault.h"
 #include "common/unique_fd.h"
+#include "free_port.h"
 
 namespace vrdma::transport::tcp {
 namespace {
@@ -36,18 +37,7 @@ uint64_t now_ns() {
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
 }
 
-/// A loopback port nobody listens on now (bound, read, released).
-uint16_t free_port() {
-  UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(sa);
-  if (::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
-      ::getsockname(s.get(), reinterpret_cast<sockaddr*>(&sa), &len) != 0)
-    return 0;
-  return ntohs(sa.sin_port);
-}
+using testing_util::free_port;
 
 struct Recorder final : Receiver {
   struct Got {
