@@ -7,6 +7,7 @@
 
 #include <intel-ipsec-mb.h>
 
+#include <endian.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -156,8 +157,12 @@ bool RecordCipher::derive() {
 }
 
 void RecordCipher::nonce(uint8_t* out) const {
-  std::memcpy(out, iv_, sizeof(iv_));
-  for (int i = 0; i < 8; ++i) out[4 + i] ^= static_cast<uint8_t>(seq_ >> (56 - 8 * i));
+  // RFC 8446 5.3: the IV XOR the record's sequence number, big-endian in its last 8 bytes.
+  uint64_t tail;
+  std::memcpy(out, iv_, 4);
+  std::memcpy(&tail, iv_ + 4, 8);
+  tail ^= htobe64(seq_);
+  std::memcpy(out + 4, &tail, 8);
 }
 
 size_t RecordCipher::seal(uint8_t type, const uint8_t* p, size_t n, uint8_t* out) {
@@ -201,7 +206,7 @@ size_t RecordCipher::seal(uint8_t type, std::span<const iovec> pieces, uint8_t* 
       g.update(&g.key, &cx, at, &type, 1);
       g.finalize(&g.key, &cx, at + 1, kTlsTag);
     }
-    OPENSSL_cleanse(&cx, sizeof(cx));
+    // (`cx` is not wiped: what it holds of the key, g.key holds for the connection's life.)
     ++seq_;
     return kTlsHeader + len;
   }
@@ -233,7 +238,6 @@ ssize_t RecordCipher::open(const uint8_t* rec, size_t len, uint8_t* out, uint8_t
     Gcm& g = *gcm_;
     gcm_context_data cx;
     g.whole(&g.key, &cx, out, rec + kTlsHeader, body, iv, rec, kTlsHeader, tag, kTlsTag);
-    OPENSSL_cleanse(&cx, sizeof(cx));
     if (CRYPTO_memcmp(tag, rec + len - kTlsTag, kTlsTag) != 0) return -1;
   } else {
     std::memcpy(tag, rec + len - kTlsTag, kTlsTag);

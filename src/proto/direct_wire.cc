@@ -1,5 +1,7 @@
 #include "proto/direct_wire.h"
 
+#include <cstring>
+
 #include <fmt/format.h>
 #include <infiniband/verbs.h>
 
@@ -10,9 +12,10 @@ namespace vrdma::proto::dwire {
 Status check_frame(const Frame& f) {
   if (!request_dir(f.type) && !response_dir(f.type) && f.type != kRevoke)
     return error(EPROTO, fmt::format("direct frame: type {}", f.type));
-  for (uint8_t b : f.pad) {
-    if (b != 0) return error(EPROTO, "direct frame: padding not zero");
-  }
+  uint64_t pad[2];
+  static_assert(sizeof(pad) == sizeof(f.pad));
+  std::memcpy(pad, f.pad, sizeof(pad));
+  if (pad[0] | pad[1]) return error(EPROTO, "direct frame: padding not zero");
   if (f.flags & ~uint16_t{IBV_SEND_SOLICITED})
     return error(EPROTO, fmt::format("direct frame: flags {:#x}", f.flags));
   if (f.len > kMaxMsgSize) return error(EPROTO, fmt::format("direct frame: length {}", f.len));
