@@ -553,9 +553,15 @@ Result<DirectOfferResp> Device::direct_offer(Session& s, const DirectOfferReq& r
   resp.listen_ipv4 = transport_->local_ipv4(b->peer_node);
   const uint16_t flags = req.flags & ~(kDirectOfferNotify | kDirectOfferSrq);
   if (flags == kDirectOfferWhere && req.port == 0) {
-    if (resp.listen_ipv4 == 0)
+    if (resp.listen_ipv4 == 0) {
+      // No connection to that backend at this moment (made on demand, closed for being idle,
+      // being replaced): one is dialed, and the library asks again (its hub's tick).
+      if (transport_->want_connection(b->peer_node))
+        return error(EAGAIN, fmt::format("direct offer: no connection to backend {} yet",
+                                         b->peer_node));
       return error(EADDRNOTAVAIL,
                    fmt::format("direct offer: no address of ours toward backend {}", b->peer_node));
+    }
     return resp;
   }
   if (flags != 0) return error(EINVAL, "direct offer: unknown flags");

@@ -155,6 +155,10 @@ class Transport {
   /// This end's IPv4 address (network order) of the connection to `node`: the address that
   /// backend reaches us by (where our libraries listen for a direct offer). 0 without one.
   virtual uint32_t local_ipv4(const std::string& node) const = 0;
+  /// Dials `node` now when it is a peer this transport can dial and no connection to it is up
+  /// or under way: whoever needs one soon (a direct offer's address) asks again then. False
+  /// when no connection to it can come.
+  virtual bool want_connection(const std::string& /*node*/) { return false; }
   /// A request or reply from `node` failed a check (it is not the QP's peer, or names a QP
   /// that is not there): counted, and logged (rate-limited) with the peer's address.
   virtual void refused_frame(const std::string& node, const std::string& why) = 0;

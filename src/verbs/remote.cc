@@ -244,7 +244,16 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
     return;
   Hub* h = hub_of(ctx);
   if (!h) return;
-  offer(*h, qp, remote_of(*h, qp), false);
+  RemoteQp& r = remote_of(*h, qp);
+  if (offer(*h, qp, r, false) == EAGAIN) {
+    // Not yet (no connection to the peer's backend at this moment, its destination not located
+    // yet, ...): the hub's tick offers again, 1 to 32 ticks apart (reoffer). Before, such a QP
+    // stayed on the backends for its whole life unless its peer's own offer went through.
+    watch_qp(*h, qp);
+    r.reoffer.store(true);
+    const uint64_t one = 1;  // the hub's wait gets the tick (hub_timeout)
+    [[maybe_unused]] const ssize_t n = ::write(h->wake.get(), &one, sizeof(one));
+  }
 }
 
 void remote_destroy(VQp& qp) {

@@ -44,6 +44,12 @@ class FakeLink final : public RecordingTransport {
   /// One host: we are reached where the peer is.
   uint32_t local_ipv4(const std::string& node) const override { return peer_ipv4(node); }
   void set_peer_ipv4(uint32_t a) { peer_ipv4_ = a; }
+  bool can_dial = false;             ///< want_connection's answer
+  std::vector<std::string> wanted;   ///< the nodes want_connection was asked for
+  bool want_connection(const std::string& node) override {
+    wanted.push_back(node);
+    return can_dial;
+  }
   /// The peer's guests are now on backend `node` (which the same link reaches).
   void set_peer(std::string node) { peer_ = std::move(node); }
 
@@ -245,8 +251,13 @@ TEST_F(DirectRemoteTest, WhereToListen) {
   EXPECT_TRUE(fds.empty());
   EXPECT_EQ(count(tb_, wire::Type::kDirectOffer), 0u);
   EXPECT_EQ(qb_.rq->armed.load(), 0u);  // no own ring yet
-  // Unknown (no connection to the peer): no address, so the library does not listen at all.
+  // No connection to the peer's backend now: the library asks again when the transport can
+  // make one (it dials it), and not at all when it cannot.
   tb_.set_peer_ipv4(0);
+  tb_.can_dial = true;
+  EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EAGAIN);
+  EXPECT_EQ(tb_.wanted, std::vector<std::string>{"A"}) << "the peer backend was not dialed";
+  tb_.can_dial = false;
   EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EADDRNOTAVAIL);
   req.port = kPort;  // an offer with an unknown flag
   EXPECT_EQ(devb_.direct_offer(*b_.s, req, fds).err(), EINVAL);

@@ -77,11 +77,8 @@ bool TcpTransport::send(const std::string& node, Type t, const void* body,
   if (!c) {
     // A known peer not connected (on demand, or closed for being idle): dialed now, unless
     // its dials are failing and backing off (then as a peer that is down: false).
-    Dial* d = dial_of(node);
-    if (!d) return false;
-    d->wanted = true;
-    if (!d->conn && now_ns_ >= d->next_ns && !connected_to(node)) dial(*d, now_ns_);
-    if (!d->conn) return false;
+    Dial* d = want_dial(node);
+    if (!d || !d->conn) return false;
     c = d->conn;  // the frame waits behind the handshake and our Hello
   }
   c->active_ns = now_ns_;
@@ -260,6 +257,18 @@ bool TcpTransport::rx_pending(const std::string& node) {
   if (c.rpos != c.rend || (c.tls && c.tls->has_buffered())) return true;
   int inq = 0;
   return ::ioctl(c.fd.get(), SIOCINQ, &inq) == 0 && inq > 0;
+}
+
+TcpTransport::Dial* TcpTransport::want_dial(const std::string& node) {
+  Dial* d = dial_of(node);
+  if (!d) return nullptr;
+  d->wanted = true;
+  if (!d->conn && now_ns_ >= d->next_ns && !connected_to(node)) dial(*d, now_ns_);
+  return d;
+}
+
+bool TcpTransport::want_connection(const std::string& node) {
+  return tx_conn(node) != nullptr || want_dial(node) != nullptr;
 }
 
 uint32_t TcpTransport::peer_ipv4(const std::string& node) const {

@@ -175,6 +175,7 @@ class TcpTransport final : public Transport {
   void announce(const GuestInfo& g, bool up) override;
   uint32_t peer_ipv4(const std::string& node) const override;
   uint32_t local_ipv4(const std::string& node) const override;
+  bool want_connection(const std::string& node) override;
   TxMark tx_mark(const std::string& node) const override;
   bool tx_delivered(const std::string& node, const TxMark& m) override;
   uint64_t tx_progress(const std::string& node) override;
@@ -321,6 +322,8 @@ class TcpTransport final : public Transport {
   bool tcp_info_of(const std::string& node, ::tcp_info& ti);
   /// The dial of a known peer `node`, or null.
   Dial* dial_of(const std::string& node);
+  /// dial_of(node), wanted from now on and dialed now unless connected, dialing or backing off.
+  Dial* want_dial(const std::string& node);
   /// Asks to close connections idle for idle_close_ms; gives up unanswered asks.
   void check_idle(uint64_t now_ns);
   void on_close(Conn& c);
