@@ -353,6 +353,19 @@ struct CmAcrossHostsTest : CmServiceTest {
     cm.set_transport(
         &t, [this] { return t.up ? std::vector<std::string>{"b"} : std::vector<std::string>{}; });
   }
+  /// An id of cli resolved (address, then route) to b's address 10.77.0.2:PORT; 0 when this
+  /// host has no route there (the test skips).
+  uint32_t routed_to_b(uint16_t port) {
+    const uint32_t c = cli.create_id();
+    const int32_t st =
+        cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("10.77.0.2", port)}).first;
+    if (st == -ENETUNREACH) return 0;
+    EXPECT_EQ(st, 0);
+    EXPECT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
+    EXPECT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
+    EXPECT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+    return c;
+  }
   wire::Cm peer_msg(wire::CmKind k, uint32_t src_id, uint32_t dst_id) {
     wire::Cm m{};
     m.kind = static_cast<uint8_t>(k);
@@ -407,14 +420,8 @@ TEST_F(CmAcrossHostsTest, APeersRequestIsAcceptedEstablishedAndDisconnected) {
 
 TEST_F(CmAcrossHostsTest, ARequestToAPeerIsAnsweredFromThere) {
   // cli connects to "b"'s host: the REQ goes there; its REP comes back.
-  const uint32_t c = cli.create_id();
-  const int32_t st =
-      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("10.77.0.2", 7174)}).first;
-  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.2 here";
-  ASSERT_EQ(st, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
-  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  const uint32_t c = routed_to_b(7174);
+  if (!c) GTEST_SKIP() << "no route to 10.77.0.2 here";
   ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12, "hello"), 0);
   wire::Cm req = t.take();
   EXPECT_EQ(req.kind, uint8_t(wire::CmKind::kReq));
@@ -528,14 +535,8 @@ TEST_F(CmAcrossHostsTest, APeersOwnAddressResolvesOnceThePeerIsKnownAgain) {
 }
 
 TEST_F(CmAcrossHostsTest, ARequestTheTransportCouldNotTakeIsOfferedAgain) {
-  const uint32_t c = cli.create_id();
-  const int32_t st =
-      cli.cmd(Op::kCmResolveAddr, CmResolveReq{c, 1000, {}, v4("10.77.0.2", 7174)}).first;
-  if (st == -ENETUNREACH) GTEST_SKIP() << "no route to 10.77.0.2 here";
-  ASSERT_EQ(st, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
-  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{c, 1000, {}, {}}).first, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  const uint32_t c = routed_to_b(7174);
+  if (!c) GTEST_SKIP() << "no route to 10.77.0.2 here";
   // The connection to b is being replaced at this moment: the REQ waits, no event.
   t.no_conn = true;
   ASSERT_EQ(cli.conn(Op::kCmConnect, c, 0x12, "hello"), 0);
@@ -554,11 +555,7 @@ TEST_F(CmAcrossHostsTest, ARequestTheTransportCouldNotTakeIsOfferedAgain) {
   cm.on_wire("b", peer_msg(wire::CmKind::kRep, 55, c));
   EXPECT_EQ(cli.next().event, ev(CmEventType::kConnectResponse));
   // A backend that stays unreachable: UNREACHABLE after kUnsentTries offers.
-  const uint32_t d = cli.create_id();
-  ASSERT_EQ(cli.cmd(Op::kCmResolveAddr, CmResolveReq{d, 1000, {}, v4("10.77.0.2", 7175)}).first, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kAddrResolved));
-  ASSERT_EQ(cli.cmd(Op::kCmResolveRoute, CmResolveReq{d, 1000, {}, {}}).first, 0);
-  ASSERT_EQ(cli.next().event, ev(CmEventType::kRouteResolved));
+  const uint32_t d = routed_to_b(7175);
   t.no_conn = true;
   ASSERT_EQ(cli.conn(Op::kCmConnect, d, 0x13), 0);
   for (uint32_t i = 0; i < CmService::kUnsentTries && cli.quiet(); ++i) {
