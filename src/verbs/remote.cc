@@ -250,7 +250,11 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
     // yet, ...): the hub's tick offers again, 1 to 32 ticks apart (reoffer). Before, such a QP
     // stayed on the backends for its whole life unless its peer's own offer went through.
     watch_qp(*h, qp);
-    r.reoffer.store(true);
+    {
+      std::lock_guard<std::mutex> q(h->qps_mu);
+      r.reoffer_first = true;
+      r.reoffer.store(true);
+    }
     const uint64_t one = 1;  // the hub's wait gets the tick (hub_timeout)
     [[maybe_unused]] const ssize_t n = ::write(h->wake.get(), &one, sizeof(one));
   }

@@ -124,6 +124,9 @@ struct RemoteQp {
   /// tried again only when ControlPage::grant_gen moves (another backend took us in). qps_mu.
   bool reoffer_stuck = false;
   uint32_t reoffer_gen = 0;
+  /// The offer the tick makes is the QP's first (its RTR's was not yet possible: no connection
+  /// to the peer's backend at that moment), not one again after a revoke: what its log says.
+  bool reoffer_first = false;  ///< qps_mu
 };
 
 /// Before the ring path of ibv_post_send (under the SQ lock): when this QP talks to its peer's

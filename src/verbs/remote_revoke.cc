@@ -87,7 +87,9 @@ void reoffer(Hub& h, VQp& qp, RemoteQp& r) {
   const int rc = offer(h, qp, r, true);
   if (rc == 0) {
     r.reoffer.store(false);
-    VLOG_INFO("direct path: QP {:#x} offers its peer's library a connection again", qp.qp.qp_num);
+    VLOG_INFO("direct path: QP {:#x} offers its peer's library a connection{}", qp.qp.qp_num,
+              r.reoffer_first ? " (its backend has one to the peer's backend now)" : " again");
+    r.reoffer_first = false;
   } else if (rc == EAGAIN) {
     r.reoffer_backoff = std::min(std::max(r.reoffer_backoff * 2, 1u), 32u);
     r.reoffer_wait = r.reoffer_backoff;
@@ -132,6 +134,7 @@ void rejoin(Hub& h, VQp& qp, RemoteQp& r) {
     r.peer_count.store(0);
   }
   r.reoffer.store(offered);
+  r.reoffer_first = false;
   r.reoffer_wait = 0;
   r.reoffer_backoff = 0;
   r.reoffer_stuck = false;
