@@ -57,19 +57,24 @@ for cmd in "status status" "cluster_status cluster status"; do
     fail "vrdma $args -j does not match its schema: $(cat "$E2E_TMP/$schema.why")"
 done
 
+# The first QP pair between two backends reaches RTR before they have a connection (made on
+# demand, by its first frame): its offers are made again once one is up, and it goes direct.
+# (A stream the test stops once it sees that: however fast or slow the machine.)
+hstream_start first 1 2
+hwait_route 2 first-c "direct/h1" 30
+kill -USR1 "$cli_proc"
+finish_stream first "$cli" "$srv" 30
+log "the first pair between h1 and h2 went direct ($STREAM_RESULT)"
+
 log "three rc pingpongs at once (content validation, GID, LID)"
 declare -A spid cpid
-for pair in "12 -n 2000 -c" "23 -n 500 -g 0" "31 -n 500"; do
+for pair in "12 -c" "23 -g 0" "31"; do
   read -r ab opts <<<"$pair"
   # shellcheck disable=SC2086  # the options are words
-  hpair_start "p$ab" "${ab:0:1}" "${ab:1:1}" $opts
+  hpair_start "p$ab" "${ab:0:1}" "${ab:1:1}" -n 500 $opts
   spid[p$ab]=$HP_SPID cpid[p$ab]=$HP_CPID
 done
 for p in p12 p23 p31; do finish_pair "$p" "${spid[$p]}" "${cpid[$p]}" 60; done
-# Each pair's QPs reached RTR before their backends had a connection (made on demand by the
-# first frame): their offers are made again once it is up, and the longest pair goes direct.
-grep -q "through its library" "$E2E_TMP/p12.client.out" "$E2E_TMP/p12.server.out" ||
-  fail "p12 stayed on the backends: $(grep -h 'direct path' "$E2E_TMP"/p12.*.out | head -n 4)"
 VRDMA_SOCKET="$(host_sock 1)" "$VRDMA" cluster status >"$E2E_TMP/cluster_status.out"
 grep -qE "^h2 +$h2_ep .* yes\$" "$E2E_TMP/cluster_status.out" ||
   fail "cluster status text after the pingpongs: $(cat "$E2E_TMP/cluster_status.out")"
