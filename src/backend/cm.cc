@@ -427,10 +427,14 @@ void CmService::on_addr_wire(const std::string& node, const wire::Cm& m) {
     if (transport_) transport_->refused_frame(node, "cm address reply nobody asked for");
     return;
   }
+  resolve_to(it->first, id, node);
+}
+
+void CmService::resolve_to(uint32_t h, Id& id, const std::string& node) {
   const CmAddr dst = id.dst;
-  if (Status st = resolved(it->first, id, id.resolve_src, dst, node); !st.is_ok()) {
+  if (Status st = resolved(h, id, id.resolve_src, dst, node); !st.is_ok()) {
     disarm(id);
-    emit(it->first, CmEventType::kAddrError, -st.err());
+    emit(h, CmEventType::kAddrError, -st.err());
   }
 }
 

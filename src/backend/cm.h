@@ -197,6 +197,12 @@ class CmService {
   /// Sends `id`'s handshake message `m` (a REQ or REP) to its backend and arms the handshake
   /// timer: kHandshakeStepMs when the transport took it, kUnsentStepMs to offer it again if not.
   void send_handshake(uint32_t h, Id& id, const proto::wire::Cm& m);
+  /// send_handshake's send: when the transport takes `m`, nothing is kept unsent and the
+  /// handshake timer runs its kHandshakeStepMs steps; false (and nothing changed) when not.
+  bool offer_handshake(uint32_t h, Id& id, const proto::wire::Cm& m);
+  /// The end of `id`'s address resolution at `node` (an answer, or a peer's own address):
+  /// ADDR_RESOLVED, or ADDR_ERROR when the id cannot take it.
+  void resolve_to(uint32_t h, Id& id, const std::string& node);
   void tell(uint32_t from, Id& id, proto::wire::CmKind k, int32_t status = 0,
             const proto::CmQpInfo* qp = nullptr, std::span<const uint8_t> pdata = {});
   /// What id `h` does on message `k` from its peer `from` (here, or checked by on_wire).

@@ -55,14 +55,18 @@ void CmService::tell(uint32_t from, Id& id, CmKind k, int32_t status, const CmQp
     VLOG_INFO("cm: {} for {} not sent: no connection", kind_name(k), id.node);
 }
 
-void CmService::send_handshake(uint32_t h, Id& id, const wire::Cm& m) {
+bool CmService::offer_handshake(uint32_t h, Id& id, const wire::Cm& m) {
+  if (!transport_ || !transport_->send(id.node, wire::Type::kCm, &m)) return false;
+  id.unsent.reset();
   id.tries = 0;
-  if (transport_ && transport_->send(id.node, wire::Type::kCm, &m)) {
-    id.unsent.reset();
-    arm(h, id, kHandshakeStepMs, TimerKind::kHandshake);
-    return;
-  }
+  arm(h, id, kHandshakeStepMs, TimerKind::kHandshake);
+  return true;
+}
+
+void CmService::send_handshake(uint32_t h, Id& id, const wire::Cm& m) {
+  if (offer_handshake(h, id, m)) return;
   id.unsent = m;
+  id.tries = 0;
   arm(h, id, kUnsentStepMs, TimerKind::kHandshake);
 }
 
@@ -236,9 +240,7 @@ void CmService::on_timer() {
         // Not answered yet: the address may be a peer's own now (a connection that was being
         // replaced is up again), else the peers are asked again.
         if (const std::string node = node_for(id.dst); !node.empty()) {
-          const proto::CmAddr dst = id.dst;
-          if (Status st = resolved(t.id, id, id.resolve_src, dst, node); !st.is_ok())
-            emit(t.id, CmEventType::kAddrError, -st.err());
+          resolve_to(t.id, id, node);
           break;
         }
         arm(t.id, id, std::min(kAddrAskMs, (id.resolve_deadline_ns - now + 999999) / 1000000),
@@ -253,12 +255,7 @@ void CmService::on_timer() {
         if (id.state != State::kReqSent && id.state != State::kRepSent) break;
         if (id.unsent) {
           // Not taken by the transport yet: offered again, as a peer that is down after a while.
-          if (transport_ && transport_->send(id.node, wire::Type::kCm, &*id.unsent)) {
-            id.unsent.reset();
-            id.tries = 0;
-            arm(t.id, id, kHandshakeStepMs, TimerKind::kHandshake);
-            break;
-          }
+          if (offer_handshake(t.id, id, wire::Cm(*id.unsent))) break;
           if (++id.tries < kUnsentTries) {
             arm(t.id, id, kUnsentStepMs, TimerKind::kHandshake);
             break;

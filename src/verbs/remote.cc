@@ -255,8 +255,7 @@ void remote_after_modify(VQp& qp, int mask, const ibv_qp_attr& attr) {
       r.reoffer_first = true;
       r.reoffer.store(true);
     }
-    const uint64_t one = 1;  // the hub's wait gets the tick (hub_timeout)
-    [[maybe_unused]] const ssize_t n = ::write(h->wake.get(), &one, sizeof(one));
+    wake_hub(*h);  // its wait gets the tick (hub_timeout)
   }
 }
 

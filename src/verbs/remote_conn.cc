@@ -103,10 +103,12 @@ void register_conn(Hub& h, const std::shared_ptr<Conn>& c) {
     h.gen.fetch_add(1, std::memory_order_release);
   }
   rearm(*c);
+  if (!wake_hub(h)) VLOG_WARN("direct path: cannot wake the hub thread: {}", std::strerror(errno));
+}
+
+bool wake_hub(Hub& h) {
   const uint64_t one = 1;
-  if (::write(h.wake.get(), &one, sizeof(one)) < 0) {
-    VLOG_WARN("direct path: cannot wake the hub thread: {}", std::strerror(errno));
-  }
+  return ::write(h.wake.get(), &one, sizeof(one)) >= 0;
 }
 
 void retire(Hub& h, const std::shared_ptr<Conn>& c) {

@@ -556,6 +556,9 @@ constexpr uint32_t kRevokeReadEvery = 64;
 constexpr size_t kDirectConnsDefault = 8;
 /// The QP joins the hub's list (Hub::qps): it offered, or its backend let it send directly.
 void watch_qp(Hub& h, VQp& qp);
+/// Wakes the hub's thread from its wait, which then sets up its tick anew (hub_timeout): false
+/// when the eventfd could not be written.
+bool wake_hub(Hub& h);
 /// The QP leaves the hub's list (destroyed or reset; qps_mu held).
 void forget_qp(Hub& h, VQp& qp);
 /// The QP sends nothing more to the peer's library (its posts go to the send queue, which the

@@ -103,8 +103,7 @@ bool doom(Hub& h, VQp& qp, RemoteQp& r, const char* why) {
     std::lock_guard<std::mutex> d(h.doom_mu);
     h.doomed.push_back(&qp);
   }
-  const uint64_t one = 1;  // the hub's wait gets the tick (hub_timeout)
-  [[maybe_unused]] const ssize_t n = ::write(h.wake.get(), &one, sizeof(one));
+  wake_hub(h);  // its wait gets the tick (hub_timeout)
   return true;
 }
 
